@@ -1,0 +1,1 @@
+"""The `llmgw` command line: one typer module per command group, registered in main."""

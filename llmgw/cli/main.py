@@ -1,0 +1,48 @@
+"""`llmgw`: the entry point. Each command group lives in its own module and is added here
+only once it works, so `llmgw --help` never lists a stub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from llmgw import __version__, schemas
+
+app = typer.Typer(
+    name="llmgw",
+    help="Run a fleet of GPU nodes serving LLMs behind one OpenAI-compatible endpoint.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.command("version")
+def version() -> None:
+    """Print llmgw's version."""
+    typer.echo(__version__)
+
+
+@app.command("schemas")
+def schemas_cmd(
+    write: bool = typer.Option(False, "--write", help="Regenerate the files instead of checking."),
+    folder: Path = typer.Option(Path("schemas"), "--dir", help="Where the schema files live."),
+) -> None:
+    """Check (or with --write regenerate) the JSON Schema of events and configs in schemas/."""
+    if write:
+        for path in schemas.write(folder):
+            typer.echo(f"wrote {path}")
+        return
+    problems = schemas.drift(folder)
+    if problems:
+        typer.echo(
+            f"{folder} is out of date ({', '.join(problems)}): run `llmgw schemas --write`",
+            err=True,
+        )
+        raise typer.Exit(1)
+    typer.echo(f"{folder} matches the code")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,391 @@
+"""The vocabulary of the llmgw log: every event and command, as one tagged union.
+
+Each message in the stream `llmgw-events` is one of these Structs encoded as
+JSON, so `nats stream view` shows it readably. The `type` tag selects the class,
+`v` is its schema version, `id` is unique (sent as `Nats-Msg-Id` so JetStream
+drops duplicates) and `ts` is the producer's clock in UNIX seconds, UTC.
+
+Versioning: a class's current version is the default of its `v` field. When a
+field changes incompatibly, bump the default, and register an upcaster in
+`UPCASTERS` that rewrites the raw mapping of version N into version N+1.
+`decode` applies the chain before validation, so a log written years ago still
+folds with today's code; tests/fixtures/events holds stored old versions.
+
+Pure: no I/O, no clock, no randomness. Producers pass `id` and `ts` in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, TypeAlias
+
+import msgspec
+
+from llmgw.core import subjects
+from llmgw.core.inventory import Fabric, Gpu, Hca
+from llmgw.core.profile import LaunchSpec, ModelProfile
+
+ShardPhase = Literal["starting", "loading", "serving", "draining", "stopped", "failed"]
+SHARD_PHASES: tuple[ShardPhase, ...] = (
+    "starting",
+    "loading",
+    "serving",
+    "draining",
+    "stopped",
+    "failed",
+)
+
+
+class Event(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
+    """Fields every event carries."""
+
+    id: str
+    ts: float
+    v: int = 1
+
+
+# --------------------------------------------------------------------------- nested data
+
+
+class RunningShard(msgspec.Struct, frozen=True, kw_only=True):
+    """A shard an agent already runs when it (re-)registers: what survives an agent restart."""
+
+    replica_id: str
+    generation: int
+    shard: int
+    gpus: tuple[int, ...]
+    phase: ShardPhase
+    endpoint: str = ""
+
+
+class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """Health flags of one GPU, refreshed with every heartbeat."""
+
+    index: int
+    ecc_uncorrected: int = 0
+    foreign_memory_mib: int = 0
+
+
+class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one shard of a replica runs: a node and GPU indices on it."""
+
+    shard: int
+    node: str
+    gpus: tuple[int, ...]
+    port: int = 0
+
+
+# --------------------------------------------------------------------------- node events
+
+
+class NodeEvent(Event, kw_only=True, frozen=True):
+    node: str
+
+
+class NodeRegistered(NodeEvent, tag="node.registered", kw_only=True, frozen=True):
+    """An agent (re)connected: its whole inventory and the shards it already runs."""
+
+    address: str
+    """Host name or IP at which this node's engines are reachable."""
+    gpus: tuple[Gpu, ...] = ()
+    fabrics: tuple[Fabric, ...] = ()
+    hcas: tuple[Hca, ...] = ()
+    shards: tuple[RunningShard, ...] = ()
+    agent_version: str = ""
+
+
+class Heartbeat(NodeEvent, tag="node.heartbeat", kw_only=True, frozen=True):
+    """The node is alive. Published with a per-message TTL so the log does not grow with them."""
+
+    seq: int = 0
+    """Counts up from 1 per agent run, so a gap says heartbeats were lost."""
+    gpus: tuple[GpuHealth, ...] = ()
+
+
+class ShardStatus(NodeEvent, tag="node.shard", kw_only=True, frozen=True):
+    """A shard changed phase on this node (v2: `log_tail` replaced v1's single `log` string)."""
+
+    v: int = 2
+    replica_id: str
+    generation: int
+    shard: int = 0
+    phase: ShardPhase
+    endpoint: str = ""
+    """`http://host:port` once the engine answers; empty before."""
+    error: str = ""
+    log_tail: tuple[str, ...] = ()
+    """The engine's last output lines, shipped with `failed`: the only diagnosis of a bad load."""
+    pid: int | None = None
+
+
+# --------------------------------------------------------------------------- operator intents
+
+
+class OperatorEvent(Event, kw_only=True, frozen=True):
+    operator: str
+    """The identity (certificate CN) of the operator who asked for it."""
+
+
+class ModelDeclared(OperatorEvent, tag="operator.model_declared", kw_only=True, frozen=True):
+    profile: ModelProfile
+
+
+class ModelChanged(OperatorEvent, tag="operator.model_changed", kw_only=True, frozen=True):
+    profile: ModelProfile
+
+
+class ModelRemoved(OperatorEvent, tag="operator.model_removed", kw_only=True, frozen=True):
+    name: str
+
+
+class NodeCordoned(OperatorEvent, tag="operator.node_cordoned", kw_only=True, frozen=True):
+    node: str
+    reason: str = ""
+
+
+class NodeUncordoned(OperatorEvent, tag="operator.node_uncordoned", kw_only=True, frozen=True):
+    node: str
+
+
+class NodeDrainRequested(
+    OperatorEvent, tag="operator.node_drain_requested", kw_only=True, frozen=True
+):
+    node: str
+    grace_s: float = 600.0
+    """After this, the node's replicas stop even when no replacement serves yet."""
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- control decisions
+
+
+class ControlEvent(Event, kw_only=True, frozen=True):
+    epoch: int = 0
+    """Leader epoch that decided it: a deposed leader's decisions carry an older one."""
+    basis_seq: int = 0
+    """The last stream sequence folded into the state this decision was computed from."""
+
+
+class ReplicaPlaced(ControlEvent, tag="control.replica_placed", kw_only=True, frozen=True):
+    replica_id: str
+    model: str
+    generation: int = 1
+    shards: tuple[ShardAssignment, ...]
+    replaces: str = ""
+    """Replica id this one replaces (drain or lost node); empty for a new replica."""
+    reason: str = ""
+
+
+class ReplicaRetired(ControlEvent, tag="control.replica_retired", kw_only=True, frozen=True):
+    replica_id: str
+    reason: str = ""
+
+
+class NodeUnreachable(ControlEvent, tag="control.node_unreachable", kw_only=True, frozen=True):
+    node: str
+    last_heartbeat: float
+
+
+class NodeLost(ControlEvent, tag="control.node_lost", kw_only=True, frozen=True):
+    node: str
+    last_heartbeat: float
+
+
+class NodeRecovered(ControlEvent, tag="control.node_recovered", kw_only=True, frozen=True):
+    node: str
+
+
+class EndpointUp(ControlEvent, tag="control.endpoint_up", kw_only=True, frozen=True):
+    replica_id: str
+    model: str
+    url: str
+    node: str = ""
+
+
+class EndpointDown(ControlEvent, tag="control.endpoint_down", kw_only=True, frozen=True):
+    replica_id: str
+    model: str
+    url: str
+    reason: str = ""
+
+
+class LeaderElected(ControlEvent, tag="control.leader_elected", kw_only=True, frozen=True):
+    leader: str
+    """Instance name of the control plane that now decides."""
+
+
+# --------------------------------------------------------------------------- commands
+
+
+class Command(ControlEvent, kw_only=True, frozen=True):
+    """Sent by the leader on `llmgw.cmd.<node>`; agents apply it idempotently by generation."""
+
+    node: str
+    replica_id: str
+    generation: int
+    shard: int = 0
+
+
+class StartShard(Command, tag="cmd.start_shard", kw_only=True, frozen=True):
+    launch: LaunchSpec
+
+
+class StopShard(Command, tag="cmd.stop_shard", kw_only=True, frozen=True):
+    grace_s: float = 30.0
+    reason: str = ""
+
+
+class DrainShard(Command, tag="cmd.drain_shard", kw_only=True, frozen=True):
+    """Stop taking new requests, finish those in flight; a StopShard follows."""
+
+    grace_s: float = 600.0
+
+
+AnyEvent: TypeAlias = (
+    NodeRegistered
+    | Heartbeat
+    | ShardStatus
+    | ModelDeclared
+    | ModelChanged
+    | ModelRemoved
+    | NodeCordoned
+    | NodeUncordoned
+    | NodeDrainRequested
+    | ReplicaPlaced
+    | ReplicaRetired
+    | NodeUnreachable
+    | NodeLost
+    | NodeRecovered
+    | EndpointUp
+    | EndpointDown
+    | LeaderElected
+    | StartShard
+    | StopShard
+    | DrainShard
+)
+
+EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__
+
+
+def tag_of(cls: type[Event]) -> str:
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+BY_TAG: dict[str, type[Event]] = {tag_of(cls): cls for cls in EVENT_TYPES}
+
+
+def current_version(cls: type[Event]) -> int:
+    """The version a class writes today: the default of its `v` field."""
+    (field,) = (f for f in msgspec.structs.fields(cls) if f.name == "v")
+    assert isinstance(field.default, int)
+    return field.default
+
+
+# --------------------------------------------------------------------------- subjects
+
+
+def subject_of(event: Event) -> str:
+    """The subject an event is published on; raises SubjectTokenError for unsafe ids."""
+    tag = tag_of(type(event))
+    family, _, kind = tag.partition(".")
+    match event:
+        case Command():
+            return subjects.command(event.node)
+        case NodeEvent():
+            return subjects.node_event(event.node, kind.removeprefix("node_"))
+        case OperatorEvent():
+            return subjects.operator_event(kind)
+        case ControlEvent():
+            return subjects.control_event(kind)
+    raise TypeError(f"{type(event).__name__} ({family}) has no subject")
+
+
+# --------------------------------------------------------------------------- codec
+
+
+class DecodeError(ValueError):
+    """A message that is not a valid llmgw event of any known version."""
+
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+# (tag, from_version) -> function turning that version's raw mapping into the next version's.
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def upcaster(tag: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
+    def register(fn: Upcaster) -> Upcaster:
+        UPCASTERS[(tag, from_version)] = fn
+        return fn
+
+    return register
+
+
+@upcaster("node.shard", 1)
+def _shard_status_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    """v1 carried the engine's output as one string `log`; v2 keeps a tail of lines."""
+    out = dict(raw)
+    log = out.pop("log", "")
+    out["log_tail"] = [line for line in str(log or "").splitlines() if line][-50:]
+    out["v"] = 2
+    return out
+
+
+_encoder = msgspec.json.Encoder()
+_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
+_raw_decoder = msgspec.json.Decoder(dict[str, Any])
+_CURRENT: dict[str, int] = {tag: current_version(cls) for tag, cls in BY_TAG.items()}
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes | bytearray | memoryview) -> AnyEvent:
+    """Decode one message into its current-version event, or raise DecodeError.
+
+    Fast path: a current-version message decodes straight into its Struct. Only
+    an older version, or a message that fails validation, takes the slow path
+    through the raw mapping and the upcaster chain.
+    """
+    try:
+        event = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return _decode_old(data, exc)
+    if event.v == _CURRENT[tag_of(type(event))]:
+        return event
+    return _decode_old(data, None)
+
+
+def _decode_old(data: bytes | bytearray | memoryview, first: Exception | None) -> AnyEvent:
+    try:
+        raw = _raw_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"not a JSON object: {exc}") from None
+    tag, version = raw.get("type"), raw.get("v", 1)
+    if not isinstance(tag, str) or tag not in BY_TAG:
+        raise DecodeError(f"unknown event type {tag!r}")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise DecodeError(f"{tag}: version {version!r} is not an integer")
+    current = _CURRENT[tag]
+    if version > current:
+        raise DecodeError(
+            f"{tag} v{version} is newer than this llmgw understands (v{current}): upgrade llmgw"
+        )
+    while version < current:
+        step = UPCASTERS.get((tag, version))
+        if step is None:
+            raise DecodeError(f"{tag} v{version}: no upcaster to v{version + 1}")
+        try:
+            raw = step(raw)
+        except Exception as exc:
+            raise DecodeError(f"{tag} v{version}: upcasting failed: {exc}") from None
+        version += 1
+    try:
+        result: AnyEvent = msgspec.convert(raw, AnyEvent)
+    except msgspec.ValidationError as exc:
+        detail = first or exc
+        raise DecodeError(f"{tag} v{version}: {detail}") from None
+    return result

@@ -1,0 +1,111 @@
+"""A GPU node's hardware inventory as the scheduler sees it.
+
+The agent's discovery fills these from NVML, nvidia-smi and /sys/class/infiniband
+(or a simulated inventory); NodeRegistered carries them into the log; placement
+reads them from the folded state. Pure data plus the GPU class rule.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+FabricKind = Literal["infiniband", "roce"]
+
+_MIB_PER_GIB = 1024
+
+# Words in NVML product names that say who made the card or which line it belongs
+# to, not what it is: "NVIDIA GeForce RTX 4080 SUPER" and "RTX 4080 SUPER" are one class.
+_VENDOR_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
+# Words that begin the memory / form-factor tail of a product name ("80GB HBM3",
+# "PCIe", "SXM4-80GB", "NVL"); the class carries memory separately, from the driver.
+_TAIL = re.compile(r"^(\d+gb|pcie|sxm\d*|hbm\d*e?|nvl|mig|generation|with)$", re.IGNORECASE)
+
+
+class Gpu(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU of a node, with the health flags that exclude it from placement."""
+
+    index: int
+    uuid: str
+    name: str
+    gpu_class: str
+    memory_mib: int
+    compute_capability: str
+    nvlink_domain: int | None = None
+    """GPUs of one node with the same domain share NVLink; None: PCIe only."""
+    ecc_uncorrected: int = 0
+    """Uncorrected (volatile) ECC errors: a GPU with any is not given new work."""
+    foreign_memory_mib: int = 0
+    """Memory held by processes that are not this agent's engines."""
+
+    @property
+    def health_problems(self) -> tuple[str, ...]:
+        """Why this GPU must not receive a shard; empty when it is healthy."""
+        problems: list[str] = []
+        if self.ecc_uncorrected > 0:
+            problems.append(f"uncorrected ECC errors ({self.ecc_uncorrected})")
+        if self.foreign_memory_mib > 0:
+            problems.append(f"{self.foreign_memory_mib} MiB held by a foreign process")
+        return tuple(problems)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.health_problems
+
+
+class Hca(msgspec.Struct, frozen=True, kw_only=True):
+    """One RDMA adapter port as /sys/class/infiniband reports it."""
+
+    name: str
+    port: int = 1
+    state: str = "ACTIVE"
+    rate_gbps: float = 0.0
+    link_layer: str = "InfiniBand"
+
+    @property
+    def kind(self) -> FabricKind:
+        return "roce" if self.link_layer.lower() == "ethernet" else "infiniband"
+
+
+class Fabric(msgspec.Struct, frozen=True, kw_only=True):
+    """An RDMA fabric a node is attached to: nodes sharing a fabric name can run one replica."""
+
+    name: str
+    kind: FabricKind = "infiniband"
+    hcas: tuple[str, ...] = ()
+
+
+class Inventory(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a node has that placement needs."""
+
+    gpus: tuple[Gpu, ...] = ()
+    fabrics: tuple[Fabric, ...] = ()
+    hcas: tuple[Hca, ...] = ()
+
+
+def gib_from_mib(memory_mib: float) -> int:
+    """Whole GiB, rounded half up (never banker's rounding: 22.5 must not become 22)."""
+    return int(memory_mib / _MIB_PER_GIB + 0.5)
+
+
+def gpu_family(name: str) -> str:
+    """The model part of an NVML product name: 'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    words: list[str] = []
+    for word in re.split(r"[\s_-]+", name.strip()):
+        if not word or word.lower() in _VENDOR_WORDS:
+            continue
+        if _TAIL.match(word):
+            break
+        words.append(re.sub(r"[^a-z0-9]", "", word.lower()))
+    return "".join(words) or "gpu"
+
+
+def gpu_class(name: str, memory_mib: float) -> str:
+    """The placement class of a GPU: family and memory in GiB as the driver reports it.
+
+    An L40S is sold as 48 GB but reports 44.99 GiB, so it is `l40s-45g`: the
+    number decides whether a model fits, so it must be the driver's, not the box's.
+    """
+    return f"{gpu_family(name)}-{gib_from_mib(memory_mib)}g"
