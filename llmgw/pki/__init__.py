@@ -1,0 +1,1 @@
+"""Private CA, certificates, TLS contexts and NATS authorization for llmgw identities."""
