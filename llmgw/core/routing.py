@@ -1,0 +1,210 @@
+"""Endpoint selection: a pipeline of filters, then weighted scorers, over an endpoint snapshot.
+
+The router asks `rank` which of a model's endpoints should take a request.
+Filters drop endpoints that must not get it (does not serve the model, not
+ready, draining, breaker open); scorers rate the survivors between 0 (worst)
+and 1 (best) — the router's own in-flight count, the engine's queue depth and
+KV-cache usage scraped from its /metrics, prefix affinity from
+`llmgw.core.prefix`, and session affinity — and the weighted sum orders them.
+Full ties are broken by a random number the caller draws from a seeded
+generator, so a run can be replayed.
+
+Each filter and scorer is a small pure function; the tables `FILTERS` and
+`SCORERS` name them, and those names label the router's metrics. Used by
+`llmgw.router.dispatch`. Purely computational: time and randomness are arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from llmgw.core import breaker
+
+
+class EndpointState(msgspec.Struct, kw_only=True):
+    """What the router knows about one endpoint. Mutable: the router updates it in place.
+
+    The static config and, later, the log's EndpointUp / EndpointDown events fill
+    the table; probes refresh `ready`, `queue_depth` and `kv_usage`; the dispatch
+    loop keeps `inflight` and `breaker`.
+    """
+
+    id: str
+    url: str
+    models: frozenset[str]
+    """Served model names (canonical names, aliases resolved by the router first)."""
+    ready: bool = False
+    draining: bool = False
+    inflight: int = 0
+    queue_depth: float = 0.0
+    """Requests waiting in the engine (vLLM num_requests_waiting, llama.cpp requests_deferred)."""
+    running: float = 0.0
+    kv_usage: float = 0.0
+    """KV-cache usage, 0..1."""
+    breaker: breaker.Breaker = breaker.CLOSED
+
+
+class Query(msgspec.Struct, frozen=True, kw_only=True):
+    """One request as routing sees it, plus the moment it is routed."""
+
+    model: str
+    now: float
+    policy: breaker.BreakerPolicy = breaker.BreakerPolicy()
+    prefix_blocks: int = 0
+    """Whole prefix blocks in the prompt."""
+    prefix_hits: dict[str, int] = {}
+    """Endpoint id -> leading blocks it is believed to hold (`PrefixIndex.match`)."""
+    session_endpoint: str = ""
+    """The endpoint this request's session went to last, if any."""
+
+
+class Weights(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How much each scorer counts; 0 turns a scorer off."""
+
+    inflight: float = 1.0
+    queue: float = 1.0
+    kv_cache: float = 0.5
+    prefix: float = 2.0
+    session: float = 3.0
+
+
+Filter = Callable[[EndpointState, Query], bool]
+Scorer = Callable[[Sequence[EndpointState], Query], list[float]]
+
+
+def serves_model(ep: EndpointState, q: Query) -> bool:
+    return q.model in ep.models
+
+
+def ready(ep: EndpointState, q: Query) -> bool:
+    return ep.ready
+
+
+def not_draining(ep: EndpointState, q: Query) -> bool:
+    return not ep.draining
+
+
+def breaker_closed(ep: EndpointState, q: Query) -> bool:
+    """Closed, or open past its cool-down with no probe in flight (the probe goes through)."""
+    return breaker.allows(ep.breaker, q.policy, q.now)
+
+
+FILTERS: tuple[tuple[str, Filter], ...] = (
+    ("serves_model", serves_model),
+    ("ready", ready),
+    ("not_draining", not_draining),
+    ("breaker_closed", breaker_closed),
+)
+
+
+def _lower_is_better(values: list[float]) -> list[float]:
+    """Min-max normalise so the lowest value scores 1 and the highest 0; all equal score 1."""
+    lo = min(values)
+    hi = max(values)
+    span = hi - lo
+    if span <= 0:
+        return [1.0] * len(values)
+    return [(hi - v) / span for v in values]
+
+
+def score_inflight(eps: Sequence[EndpointState], q: Query) -> list[float]:
+    """Fewer requests this router has in flight there is better."""
+    return _lower_is_better([float(ep.inflight) for ep in eps])
+
+
+def score_queue(eps: Sequence[EndpointState], q: Query) -> list[float]:
+    """A shorter engine queue is better: a queued request waits for a whole batch slot."""
+    return _lower_is_better([ep.queue_depth for ep in eps])
+
+
+def score_kv_cache(eps: Sequence[EndpointState], q: Query) -> list[float]:
+    """More free KV cache is better (absolute: a full cache preempts, whatever the others do)."""
+    return [min(max(1.0 - ep.kv_usage, 0.0), 1.0) for ep in eps]
+
+
+def score_prefix(eps: Sequence[EndpointState], q: Query) -> list[float]:
+    """The share of the prompt's prefix blocks an endpoint is believed to have cached."""
+    if q.prefix_blocks <= 0 or not q.prefix_hits:
+        return [0.0] * len(eps)
+    hits = q.prefix_hits
+    return [min(hits.get(ep.id, 0) / q.prefix_blocks, 1.0) for ep in eps]
+
+
+def score_session(eps: Sequence[EndpointState], q: Query) -> list[float]:
+    """The endpoint the session used last (its conversation is in that engine's cache)."""
+    if not q.session_endpoint:
+        return [0.0] * len(eps)
+    return [1.0 if ep.id == q.session_endpoint else 0.0 for ep in eps]
+
+
+SCORERS: tuple[tuple[str, Scorer], ...] = (
+    ("inflight", score_inflight),
+    ("queue", score_queue),
+    ("kv_cache", score_kv_cache),
+    ("prefix", score_prefix),
+    ("session", score_session),
+)
+SCORER_NAMES: tuple[str, ...] = tuple(name for name, _ in SCORERS)
+
+
+class Ranking(msgspec.Struct, kw_only=True):
+    """The candidates best first, with why: per-filter drops and the winner's scorer values."""
+
+    order: list[EndpointState]
+    drops: dict[str, int]
+    """Filter name -> endpoints it removed (only filters that removed any)."""
+    winner_scores: dict[str, float]
+    """Scorer name -> the chosen endpoint's value (empty when nothing survived)."""
+
+
+def apply_filters(
+    endpoints: Sequence[EndpointState], q: Query
+) -> tuple[list[EndpointState], dict[str, int]]:
+    """Endpoints that pass every filter, and how many each filter dropped."""
+    survivors = list(endpoints)
+    drops: dict[str, int] = {}
+    for name, keep in FILTERS:
+        kept = [ep for ep in survivors if keep(ep, q)]
+        if len(kept) != len(survivors):
+            drops[name] = len(survivors) - len(kept)
+            survivors = kept
+        if not survivors:
+            break
+    return survivors, drops
+
+
+def rank(endpoints: Sequence[EndpointState], q: Query, weights: Weights, rand: float) -> Ranking:
+    """Order the endpoints that may take `q`, best first.
+
+    `rand` in [0, 1) picks among endpoints whose weighted scores tie exactly for
+    first place (the common case at idle: all scorers equal). The remaining order
+    is by score and is what retries walk. Pure.
+    """
+    survivors, drops = apply_filters(endpoints, q)
+    if not survivors:
+        return Ranking(order=[], drops=drops, winner_scores={})
+    if len(survivors) == 1:
+        return Ranking(order=survivors, drops=drops, winner_scores={})
+    n = len(survivors)
+    totals = [0.0] * n
+    per_scorer: list[tuple[str, list[float]]] = []
+    for name, scorer in SCORERS:
+        w = getattr(weights, name)
+        if w == 0:
+            continue
+        values = scorer(survivors, q)
+        per_scorer.append((name, values))
+        for i, v in enumerate(values):
+            totals[i] += w * v
+    best = max(totals)
+    tied = [i for i, t in enumerate(totals) if best - t <= 1e-9]
+    first = tied[min(int(rand * len(tied)), len(tied) - 1)]
+    rest = sorted((i for i in range(n) if i != first), key=lambda i: -totals[i])
+    order = [survivors[first]] + [survivors[i] for i in rest]
+    return Ranking(
+        order=order,
+        drops=drops,
+        winner_scores={name: values[first] for name, values in per_scorer},
+    )
