@@ -195,6 +195,18 @@ class NodeRecovered(ControlEvent, tag="control.node_recovered", kw_only=True, fr
     node: str
 
 
+class GpuHealthChanged(ControlEvent, tag="control.gpu_health_changed", kw_only=True, frozen=True):
+    """The leader saw a node's GPU health change in its heartbeats, and records it.
+
+    Heartbeats expire from the log, so placement must not depend on them directly:
+    this recorded observation is what the fold (and a replay) takes GPU health from.
+    """
+
+    node: str
+    gpus: tuple[GpuHealth, ...]
+    """The new health of each GPU that changed; GPUs not listed keep theirs."""
+
+
 class EndpointUp(ControlEvent, tag="control.endpoint_up", kw_only=True, frozen=True):
     replica_id: str
     model: str
@@ -256,6 +268,7 @@ AnyEvent: TypeAlias = (
     | NodeUnreachable
     | NodeLost
     | NodeRecovered
+    | GpuHealthChanged
     | EndpointUp
     | EndpointDown
     | LeaderElected

@@ -53,7 +53,12 @@ launches = st.builds(
 
 def event_strategy(cls: type[events.Event]) -> st.SearchStrategy[Any]:
     """Any instance of one event class, with subject-safe identifiers."""
-    overrides: dict[str, st.SearchStrategy[Any]] = {"id": tokens, "ts": times}
+    # Every float field is a time: NaN or infinity would not survive JSON (null).
+    overrides: dict[str, st.SearchStrategy[Any]] = {
+        "id": tokens,
+        "ts": times,
+        "last_heartbeat": times,
+    }
     for name in ("node", "replica_id", "model", "operator", "leader", "name"):
         overrides[name] = tokens
     overrides.update(
@@ -62,7 +67,7 @@ def event_strategy(cls: type[events.Event]) -> st.SearchStrategy[Any]:
         profile=profiles,
         launch=launches,
     )
-    if cls is events.Heartbeat:
+    if cls in (events.Heartbeat, events.GpuHealthChanged):
         overrides["gpus"] = st.lists(st.builds(events.GpuHealth, index=small), max_size=3).map(
             tuple
         )
