@@ -174,6 +174,8 @@ class ReplicaPlaced(ControlEvent, tag="control.replica_placed", kw_only=True, fr
     replaces: str = ""
     """Replica id this one replaces (drain or lost node); empty for a new replica."""
     reason: str = ""
+    fabric: str = ""
+    """Multi-node: the RDMA fabric its nodes share (NCCL_IB_HCA lists its HCAs); else empty."""
 
 
 class ReplicaRetired(ControlEvent, tag="control.replica_retired", kw_only=True, frozen=True):
