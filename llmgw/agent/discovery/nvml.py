@@ -1,0 +1,114 @@
+"""GPU discovery through NVML (pynvml): the primary source, and the only one with NVLink peers.
+
+`read_gpus` takes the NVML module as an argument so that tests drive it with a
+fake module holding recorded values; `load` imports the real pynvml. Nothing
+here has run against a real driver in CI (no GPU there): the parsing of values
+is tested, the bindings are not. Used by `llmgw.agent.discovery.discover_gpus`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from types import ModuleType
+from typing import Any
+
+from llmgw.agent.discovery.smi import nvlink_domains
+from llmgw.core.inventory import Gpu, gpu_class
+
+_MIB = 1024 * 1024
+
+
+class NvmlError(RuntimeError):
+    """NVML could not be loaded or initialised, or a required query failed."""
+
+
+def load() -> ModuleType:
+    """Import pynvml; the PyPI `pynvml` wrapper warns that it is deprecated on import."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return importlib.import_module("pynvml")
+        except ImportError as exc:
+            raise NvmlError(f"pynvml is not installed ({exc}): pip install nvidia-ml-py") from None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _optional(nv: Any, fn: Any, *args: Any, default: Any = None) -> Any:
+    """Call an NVML query that a GPU may not support (ECC on consumer cards, processes)."""
+    try:
+        return fn(*args)
+    except nv.NVMLError:
+        return default
+
+
+def read_gpus(nv: Any, *, own_pids: frozenset[int] = frozenset()) -> tuple[Gpu, ...]:
+    """Every GPU with its health flags and NVLink domain, read through the module `nv`.
+
+    NVLink domains come from pairwise P2P status over NVLink, which is true both
+    for direct links and through NVSwitch (HGX boards), so one query covers both.
+    """
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError as exc:
+        raise NvmlError(f"nvmlInit failed: {exc}") from None
+    try:
+        count = int(nv.nvmlDeviceGetCount())
+        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        links: dict[int, set[int]] = {i: set() for i in range(count)}
+        for i in range(count):
+            for j in range(i + 1, count):
+                status = _optional(
+                    nv,
+                    nv.nvmlDeviceGetP2PStatus,
+                    handles[i],
+                    handles[j],
+                    nv.NVML_P2P_CAPS_INDEX_NVLINK,
+                    default=-1,
+                )
+                if status == nv.NVML_P2P_STATUS_OK:
+                    links[i].add(j)
+                    links[j].add(i)
+        domains = nvlink_domains(links)
+        gpus = []
+        for i, handle in enumerate(handles):
+            name = _text(nv.nvmlDeviceGetName(handle))
+            memory_mib = int(nv.nvmlDeviceGetMemoryInfo(handle).total) / _MIB
+            major, minor = nv.nvmlDeviceGetCudaComputeCapability(handle)
+            ecc = _optional(
+                nv,
+                nv.nvmlDeviceGetTotalEccErrors,
+                handle,
+                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                nv.NVML_VOLATILE_ECC,
+                default=0,
+            )
+            processes = _optional(nv, nv.nvmlDeviceGetComputeRunningProcesses, handle, default=[])
+            # usedGpuMemory is None where the driver may not say (some vGPU setups):
+            # such a process still makes the GPU busy, so it counts as at least 1 MiB.
+            foreign = sum(
+                max(1, int(p.usedGpuMemory or 0) // _MIB)
+                for p in processes
+                if int(p.pid) not in own_pids
+            )
+            gpus.append(
+                Gpu(
+                    index=i,
+                    uuid=_text(nv.nvmlDeviceGetUUID(handle)),
+                    name=name,
+                    gpu_class=gpu_class(name, memory_mib),
+                    memory_mib=int(memory_mib),
+                    compute_capability=f"{int(major)}.{int(minor)}",
+                    nvlink_domain=domains.get(i),
+                    ecc_uncorrected=int(ecc or 0),
+                    foreign_memory_mib=foreign,
+                )
+            )
+        return tuple(gpus)
+    except nv.NVMLError as exc:
+        raise NvmlError(f"NVML query failed: {exc}") from None
+    finally:
+        _optional(nv, nv.nvmlShutdown)

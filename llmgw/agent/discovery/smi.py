@@ -1,0 +1,214 @@
+"""GPU discovery through the `nvidia-smi` command: the fallback when NVML fails.
+
+Parsing is pure (text in, values out) so recorded outputs test it; `run` is
+the thin shell that executes the real binary. The CSV parser reads the header
+row instead of trusting the field order it asked for, so recorded outputs with
+other field lists (and drivers that print units in values despite `nounits`)
+parse the same way. Used by `llmgw.agent.discovery.discover_gpus`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+import subprocess
+from collections.abc import Iterable, Mapping
+
+from llmgw.core.inventory import Gpu, gpu_class
+
+GPU_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "memory.total",
+    "compute_cap",
+    "ecc.errors.uncorrected.volatile.total",
+)
+APP_FIELDS = ("gpu_uuid", "pid", "used_memory")
+
+QUERY_GPUS = ("nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,nounits")
+QUERY_APPS = ("nvidia-smi", f"--query-compute-apps={','.join(APP_FIELDS)}", "--format=csv,nounits")
+TOPOLOGY = ("nvidia-smi", "topo", "-m")
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_UNIT = re.compile(r"\s*\[[^\]]*\]$")
+_NUMBER = re.compile(r"^-?\d+(\.\d+)?")
+_NOT_AVAILABLE = {"", "[n/a]", "n/a", "[not supported]", "not supported", "[unknown error]"}
+
+
+class SmiError(RuntimeError):
+    """nvidia-smi could not be run or printed something this parser cannot use."""
+
+
+def parse_csv(text: str) -> list[dict[str, str]]:
+    """Rows of `--format=csv` output keyed by field name without its unit ("memory.total")."""
+    try:
+        rows = [
+            r for r in csv.reader(io.StringIO(text, newline=""), skipinitialspace=True) if any(r)
+        ]
+    except csv.Error as exc:
+        raise SmiError(f"nvidia-smi printed something that is not CSV: {exc}") from None
+    if not rows:
+        return []
+    header = [_UNIT.sub("", cell.strip()) for cell in rows[0]]
+    return [dict(zip(header, (cell.strip() for cell in row), strict=False)) for row in rows[1:]]
+
+
+def _number(value: str | None) -> float | None:
+    """'81559 MiB', '81559' and '9.0' read as numbers; '[N/A]' and garbage as None."""
+    if value is None or value.strip().lower() in _NOT_AVAILABLE:
+        return None
+    match = _NUMBER.match(value.strip())
+    return float(match.group(0)) if match else None
+
+
+def parse_topology(text: str) -> dict[int, int | None]:
+    """NVLink domain of each GPU from `nvidia-smi topo -m`: GPUs joined by NV# links share one.
+
+    Domains are numbered 0, 1, ... in order of their lowest GPU index; a GPU with
+    no NVLink peer has None (PCIe only), which is what placement must know to keep
+    a tensor-parallel group off the slow path.
+    """
+    lines = [_ANSI.sub("", line) for line in text.splitlines()]
+    header = next((line.split() for line in lines if re.search(r"\bGPU\d+\b", line)), None)
+    if header is None:
+        return {}
+    columns = [int(cell[3:]) for cell in header if re.fullmatch(r"GPU\d+", cell)]
+    links: dict[int, set[int]] = {gpu: set() for gpu in columns}
+    for line in lines:
+        cells = line.split()
+        if not cells or not re.fullmatch(r"GPU\d+", cells[0]) or cells == header:
+            continue
+        row = int(cells[0][3:])
+        if row not in links:
+            continue
+        for peer, link in zip(columns, cells[1 : 1 + len(columns)], strict=False):
+            if re.fullmatch(r"NV\d+", link) and peer != row:
+                links[row].add(peer)
+                links[peer].add(row)
+    return nvlink_domains(links)
+
+
+def nvlink_domains(links: Mapping[int, Iterable[int]]) -> dict[int, int | None]:
+    """Connected components of an NVLink adjacency map, numbered by lowest member."""
+    domain: dict[int, int | None] = {}
+    next_domain = 0
+    for start in sorted(links):
+        if start in domain:
+            continue
+        if not any(True for _ in links[start]):
+            domain[start] = None
+            continue
+        stack, seen = [start], {start}
+        while stack:
+            gpu = stack.pop()
+            for peer in links.get(gpu, ()):
+                if peer not in seen:
+                    seen.add(peer)
+                    stack.append(peer)
+        for gpu in seen:
+            domain[gpu] = next_domain
+        next_domain += 1
+    return domain
+
+
+def parse_apps(text: str) -> dict[str, list[tuple[int, int]]]:
+    """`--query-compute-apps` output as {gpu uuid: [(pid, used MiB), ...]}."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for row in parse_csv(text):
+        uuid, pid = row.get("gpu_uuid"), _number(row.get("pid"))
+        # Asked for as `used_memory`, printed in the header as `used_gpu_memory [MiB]`.
+        used = row.get("used_gpu_memory", row.get("used_memory"))
+        if not uuid or pid is None:
+            continue
+        out.setdefault(uuid, []).append((int(pid), int(_number(used) or 0)))
+    return out
+
+
+def gpus_from_smi(
+    query: str,
+    apps: str = "",
+    topology: str = "",
+    *,
+    own_pids: frozenset[int] = frozenset(),
+) -> tuple[Gpu, ...]:
+    """Build the GPUs from the three nvidia-smi outputs. Purely computational, no side effects.
+
+    Memory held by a compute process whose pid is not one of the agent's engines
+    (`own_pids`) counts as foreign: another tenant's job would make an engine
+    fail its memory plan minutes into loading.
+    """
+    domains = parse_topology(topology) if topology else {}
+    by_uuid = parse_apps(apps) if apps else {}
+    gpus: list[Gpu] = []
+    for position, row in enumerate(parse_csv(query)):
+        name = row.get("name", "").strip()
+        memory = _number(row.get("memory.total"))
+        if not name or memory is None:
+            raise SmiError(
+                f"nvidia-smi row {position} has no name or memory.total ({row!r}): "
+                "check that the driver is loaded (`nvidia-smi` alone should list the GPUs)"
+            )
+        index_value = _number(row.get("index"))
+        index = int(index_value) if index_value is not None else position
+        uuid = row.get("uuid", "") or f"GPU-index-{index}"
+        ecc = _number(row.get("ecc.errors.uncorrected.volatile.total"))
+        cap = _number(row.get("compute_cap"))
+        foreign = sum(used for pid, used in by_uuid.get(uuid, ()) if pid not in own_pids)
+        gpus.append(
+            Gpu(
+                index=index,
+                uuid=uuid,
+                name=name,
+                gpu_class=gpu_class(name, memory),
+                memory_mib=int(memory),
+                compute_capability=row.get("compute_cap", "") if cap is not None else "",
+                nvlink_domain=domains.get(index),
+                ecc_uncorrected=int(ecc or 0),
+                foreign_memory_mib=foreign,
+            )
+        )
+    return tuple(sorted(gpus, key=lambda g: g.index))
+
+
+def run(argv: tuple[str, ...], *, timeout_s: float = 15.0) -> str:
+    """Run one nvidia-smi command and return its stdout, or raise SmiError saying why."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except FileNotFoundError:
+        raise SmiError(
+            f"{argv[0]} is not on PATH: install the NVIDIA driver utilities, "
+            "or run with --sim-gpus on a machine without GPUs"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise SmiError(
+            f"{' '.join(argv)} did not answer in {timeout_s:.0f} s: the driver may hang"
+        ) from None
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        detail = lines[-1] if lines else "no output"
+        raise SmiError(f"{' '.join(argv)} exited with {done.returncode}: {detail}")
+    return done.stdout
+
+
+def discover(*, own_pids: frozenset[int] = frozenset()) -> tuple[tuple[Gpu, ...], list[str]]:
+    """GPUs as nvidia-smi reports them, and warnings for the parts it could not read.
+
+    The GPU list is required; the process list and the topology are not, but
+    losing them is said out loud: without them foreign memory goes unseen and
+    the scheduler loses the NVLink domains.
+    """
+    warnings: list[str] = []
+    query = run(QUERY_GPUS)
+    try:
+        apps = run(QUERY_APPS)
+    except SmiError as exc:
+        apps = ""
+        warnings.append(f"no process list, foreign GPU memory is not checked: {exc}")
+    try:
+        topology = run(TOPOLOGY)
+    except SmiError as exc:
+        topology = ""
+        warnings.append(f"no topology, NVLink domains unknown: {exc}")
+    return gpus_from_smi(query, apps, topology, own_pids=own_pids), warnings

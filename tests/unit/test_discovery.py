@@ -1,0 +1,237 @@
+"""Discovery parses the recorded nvidia-smi outputs and sysfs trees in tests/fixtures/hw."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.agent import discovery
+from llmgw.agent.discovery import infiniband, simulated, smi
+
+HW = Path(__file__).resolve().parents[1] / "fixtures" / "hw"
+SMI = HW / "nvidia-smi"
+DERIVED = HW / "derived"
+
+
+def read(path: Path) -> str:
+    return path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("fixture", "name", "gpu_class", "cc", "memory"),
+    [
+        ("h100-sxm-1gpu-590.query.csv", "NVIDIA H100 80GB HBM3", "h100-80g", "9.0", 81559),
+        ("h200-1gpu-590.query.csv", "NVIDIA H200", "h200-140g", "9.0", 143771),
+        ("l40s-1gpu-595.query.csv", "NVIDIA L40S", "l40s-45g", "8.9", 46068),
+        (
+            "rtx2080super-linux-610.query.csv",
+            "NVIDIA GeForce RTX 2080 SUPER",
+            "rtx2080super-8g",
+            "7.5",
+            8192,
+        ),
+        (
+            "rtx4080super-linux-595.query.csv",
+            "NVIDIA GeForce RTX 4080 SUPER",
+            "rtx4080super-16g",
+            "8.9",
+            16376,
+        ),
+    ],
+)
+def test_query_csv_of_each_gpu_model(
+    fixture: str, name: str, gpu_class: str, cc: str, memory: int
+) -> None:
+    (gpu,) = smi.gpus_from_smi(read(SMI / fixture))
+    assert (gpu.index, gpu.name, gpu.gpu_class, gpu.compute_capability) == (0, name, gpu_class, cc)
+    assert gpu.memory_mib == memory
+    # "[N/A]" ECC on consumer cards reads as no errors, not as a parse failure.
+    assert gpu.ecc_uncorrected == 0
+    assert gpu.healthy
+
+
+def test_multi_gpu_csv_with_partial_fields() -> None:
+    gpus = smi.gpus_from_smi(read(SMI / "a10g-x4-aws.query.csv"))
+    assert [g.index for g in gpus] == [0, 1, 2, 3]
+    assert {g.gpu_class for g in gpus} == {"a10g-22g"}
+    # No compute_cap column: unknown, which refuses fp8 later rather than guessing.
+    assert {g.compute_capability for g in gpus} == {""}
+
+
+def test_mixed_gpu_models_on_one_node() -> None:
+    gpus = smi.gpus_from_smi(read(SMI / "mixed-rtx4080super-rtx3090.query.csv"))
+    assert [g.gpu_class for g in gpus] == ["rtx4080super-16g", "rtx3090-24g"]
+    assert gpus[1].uuid == "GPU-358353dd-5933-1dc6-ac0d-e1189b063e4c"
+
+
+def test_csv_without_index_counts_rows() -> None:
+    gpus = smi.gpus_from_smi(read(SMI / "a100-pcie-40gb-x2-dl380g11.query.csv"))
+    assert [(g.index, g.gpu_class) for g in gpus] == [(0, "a100-40g"), (1, "a100-40g")]
+
+
+def test_ecc_faulty_gpu_is_unhealthy() -> None:
+    (gpu,) = smi.gpus_from_smi(read(DERIVED / "h100-sxm-1gpu-590.ecc-faulty.query.csv"))
+    assert gpu.ecc_uncorrected == 2
+    assert not gpu.healthy
+    assert gpu.health_problems == ("uncorrected ECC errors (2)",)
+
+
+def test_foreign_compute_processes_mark_their_gpus() -> None:
+    gpus = smi.gpus_from_smi(
+        read(DERIVED / "rtx4090-x8-535.154.query.csv"),
+        read(DERIVED / "rtx4090-x8-535.154.apps.csv"),
+    )
+    foreign = {g.index: g.foreign_memory_mib for g in gpus}
+    assert foreign[0] == 20322
+    assert foreign[5] == 0
+    assert [g.index for g in gpus if g.healthy] == [5]
+
+
+def test_own_engines_memory_is_not_foreign() -> None:
+    gpus = smi.gpus_from_smi(
+        read(DERIVED / "rtx4090-x8-535.154.query.csv"),
+        read(DERIVED / "rtx4090-x8-535.154.apps.csv"),
+        own_pids=frozenset({58130}),
+    )
+    assert gpus[0].foreign_memory_mib == 0
+    assert gpus[0].healthy
+
+
+@pytest.mark.parametrize(
+    ("fixture", "expected"),
+    [
+        ("h100-sxm-x8-sglang30401.topo.txt", dict.fromkeys(range(8), 0)),
+        ("a100-sxm4-40gb-x8-epyc7742.topo.txt", dict.fromkeys(range(8), 0)),
+        ("h100-x8-stas00.partial.topo.txt", dict.fromkeys(range(8), 0)),
+        ("h100-pcie-x2-nvlink-dl380ag11.topo.txt", {0: 0, 1: 0}),
+        ("a10-x4-2nic-xuesong.topo.txt", dict.fromkeys(range(4))),
+        ("a100-pcie-40gb-x2-della-i14g20.topo.txt", {0: None, 1: None}),
+        ("gtx1080ti-x2-xuesong.topo.txt", {0: None, 1: None}),
+        ("h100-sxm-1gpu-590.topo.txt", {0: None}),  # header wrapped in ANSI escapes
+        ("rtx2080super-windows-610.topo.txt", {0: None}),
+    ],
+)
+def test_nvlink_domains_from_topology(fixture: str, expected: dict[int, int | None]) -> None:
+    assert smi.parse_topology(read(SMI / fixture)) == expected
+
+
+def test_two_nvlink_islands_get_two_domains() -> None:
+    topo = "\tGPU0\tGPU1\tGPU2\tGPU3\nGPU0\t X \tNV4\tSYS\tSYS\nGPU1\tNV4\t X \tSYS\tSYS\n"
+    topo += "GPU2\tSYS\tSYS\t X \tNV4\nGPU3\tSYS\tSYS\tNV4\t X \n"
+    assert smi.parse_topology(topo) == {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_topology_goes_into_gpus() -> None:
+    query = "index, uuid, name, memory.total [MiB], compute_cap\n"
+    query += "".join(f"{i}, GPU-{i}, NVIDIA H100 80GB HBM3, 81559 MiB, 9.0\n" for i in range(8))
+    gpus = smi.gpus_from_smi(query, "", read(SMI / "h100-sxm-x8-sglang30401.topo.txt"))
+    assert {g.nvlink_domain for g in gpus} == {0}
+
+
+@given(st.text(max_size=400))
+def test_garbage_never_crashes_the_parsers(text: str) -> None:
+    smi.parse_topology(text)
+    with contextlib.suppress(smi.SmiError):
+        smi.parse_apps(text)
+    with contextlib.suppress(smi.SmiError):
+        smi.gpus_from_smi(text)
+
+
+def test_row_without_memory_says_what_to_check() -> None:
+    with pytest.raises(smi.SmiError, match="driver is loaded"):
+        smi.gpus_from_smi("index, name\n0, NVIDIA H100\n")
+
+
+# --------------------------------------------------------------------------- InfiniBand
+
+
+def test_native_infiniband_ndr_node() -> None:
+    hcas = infiniband.read_hcas(DERIVED / "sysfs-h100-cx7-ndr-x8" / "sys/class/infiniband")
+    ib = [h for h in hcas if h.kind == "infiniband"]
+    assert len(ib) == 8
+    assert {(h.state, h.rate_gbps, h.link_layer) for h in ib} == {("ACTIVE", 400.0, "InfiniBand")}
+    (bond,) = [h for h in hcas if h.kind == "roce"]
+    assert (bond.name, bond.rate_gbps) == ("mlx5_bond_0", 200.0)
+
+
+def test_roce_node() -> None:
+    (hca,) = infiniband.read_hcas(DERIVED / "sysfs-cx7-roce-coyote1" / "sys/class/infiniband")
+    assert (hca.name, hca.port, hca.state, hca.link_layer, hca.kind) == (
+        "mlx5_1",
+        1,
+        "ACTIVE",
+        "Ethernet",
+        "roce",
+    )
+
+
+def test_recorded_sysfs_trees() -> None:
+    hcas = infiniband.read_hcas(HW / "sysfs/prometheus-procfs/sys/class/infiniband")
+    by_port = {(h.name, h.port): h for h in hcas}
+    assert set(by_port) == {("hfi1_0", 1), ("mlx4_0", 1), ("mlx4_0", 2), ("mlx5_0", 1)}
+    assert by_port[("mlx5_0", 1)].rate_gbps == 25.0
+    assert by_port[("mlx4_0", 2)].link_layer == "InfiniBand"  # file ends with an extra blank line
+    assert all(h.state == "ACTIVE" and h.kind == "infiniband" for h in hcas)
+    exporter = infiniband.read_hcas(HW / "sysfs/prometheus-node-exporter/sys/class/infiniband")
+    assert {h.name for h in exporter} == {"i40iw0", "mlx4_0"}
+
+
+def test_node_without_infiniband_is_an_island(tmp_path: Path) -> None:
+    assert infiniband.read_hcas(tmp_path / "absent") == ()
+    inventory = discovery.discover(sim_gpus="1xl4-23g", infiniband_root=tmp_path / "absent")
+    assert inventory.inventory.hcas == ()
+    assert inventory.inventory.fabrics == ()
+
+
+def test_declared_fabric_takes_its_kind_from_the_adapters() -> None:
+    root = DERIVED / "sysfs-h100-cx7-ndr-x8" / "sys/class/infiniband"
+    found = discovery.discover(
+        sim_gpus="8xh100-80g",
+        infiniband_root=root,
+        declared_fabrics=[("ib-a", ("mlx5_0", "mlx5_1")), ("eth", ("mlx5_bond_0",))],
+    )
+    assert [(f.name, f.kind) for f in found.inventory.fabrics] == [
+        ("ib-a", "infiniband"),
+        ("eth", "roce"),
+    ]
+
+
+# --------------------------------------------------------------------------- simulated
+
+
+def test_simulated_spec() -> None:
+    gpus = simulated.parse_spec("8xh100-80g,2xl40s-45g")
+    assert len(gpus) == 10
+    assert [g.index for g in gpus] == list(range(10))
+    assert {g.gpu_class for g in gpus[:8]} == {"h100-80g"}
+    assert {g.nvlink_domain for g in gpus[:8]} == {0}
+    assert {(g.gpu_class, g.compute_capability, g.nvlink_domain) for g in gpus[8:]} == {
+        ("l40s-45g", "8.9", 1)
+    }
+    assert len({g.uuid for g in gpus}) == 10
+
+
+@pytest.mark.parametrize("spec", ["", "8h100", "0xh100-80g", "8xh100-80", "x", "8xh100-80g,,"])
+def test_bad_simulated_spec_says_the_form(spec: str) -> None:
+    with pytest.raises(simulated.SimSpecError, match=r"8xh100-80g|1-64"):
+        simulated.parse_spec(spec)
+
+
+def test_simulated_inventory_file(tmp_path: Path) -> None:
+    path = tmp_path / "inv.yaml"
+    path.write_text(
+        "gpus:\n"
+        "  - {index: 0, uuid: GPU-a, name: NVIDIA A100-SXM4-80GB, gpu_class: a100-80g,\n"
+        "     memory_mib: 81920, compute_capability: '8.0', ecc_uncorrected: 1}\n"
+        "hcas:\n  - {name: mlx5_0, link_layer: Ethernet}\n"
+    )
+    found = discovery.discover(sim_gpus=str(path), declared_fabrics=[("r", ("mlx5_0",))])
+    assert found.inventory.gpus[0].ecc_uncorrected == 1
+    assert found.inventory.fabrics[0].kind == "roce"
+    path.write_text("gpus: 3\n")
+    with pytest.raises(simulated.SimSpecError, match="expected `gpus:`"):
+        simulated.load(str(path))

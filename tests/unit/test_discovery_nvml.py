@@ -1,0 +1,202 @@
+"""NVML parsing with a fake pynvml, and the loud fallback to a real nvidia-smi subprocess.
+
+The real NVML path cannot run here (no GPU); these tests check what the code
+makes of NVML's values, and that a failing NVML downgrades with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import structlog
+
+from llmgw.agent import discovery
+from llmgw.agent.discovery import nvml, smi
+
+HW = Path(__file__).resolve().parents[1] / "fixtures" / "hw"
+GIB = 1024**3
+
+
+class FakeNvml:
+    """The slice of pynvml that discovery calls, holding recorded-looking values."""
+
+    NVML_P2P_CAPS_INDEX_NVLINK = 2
+    NVML_P2P_STATUS_OK = 0
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, gpus: list[dict[str, Any]], nvlink: set[frozenset[int]]) -> None:
+        self.gpus = gpus
+        self.nvlink = nvlink
+        self.shutdown = False
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        self.shutdown = True
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetP2PStatus(self, a: int, b: int, cap: int) -> int:
+        assert cap == self.NVML_P2P_CAPS_INDEX_NVLINK
+        return 0 if frozenset({a, b}) in self.nvlink else 4
+
+    def nvmlDeviceGetName(self, h: int) -> Any:
+        return self.gpus[h]["name"]
+
+    def nvmlDeviceGetUUID(self, h: int) -> Any:
+        return self.gpus[h]["uuid"]
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return SimpleNamespace(total=self.gpus[h]["total"], used=0, free=self.gpus[h]["total"])
+
+    def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
+        return self.gpus[h]["cc"]
+
+    def nvmlDeviceGetTotalEccErrors(self, h: int, kind: int, counter: int) -> int:
+        assert (kind, counter) == (1, 0)
+        ecc = self.gpus[h].get("ecc")
+        if ecc is None:
+            raise self.NVMLError("Not Supported")
+        return int(ecc)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in self.gpus[h].get("procs", [])]
+
+
+def h200(i: int, **extra: Any) -> dict[str, Any]:
+    # An H200 reports 143771 MiB (nvidia-smi/h200-1gpu-590.query.csv).
+    return {
+        "name": "NVIDIA H200",
+        "uuid": f"GPU-{i}",
+        "total": 143771 * 1024 * 1024,
+        "cc": (9, 0),
+    } | extra
+
+
+def test_nvml_values_become_gpus() -> None:
+    fake = FakeNvml(
+        [
+            h200(0),
+            h200(1, ecc=3),
+            h200(2, procs=[(4242, 2 * GIB), (7, None)]),
+            {"name": b"NVIDIA L40S", "uuid": b"GPU-3", "total": 46068 * 1024 * 1024, "cc": (8, 9)},
+        ],
+        nvlink={frozenset({0, 1}), frozenset({1, 2})},
+    )
+    gpus = nvml.read_gpus(fake, own_pids=frozenset({7}))
+    assert [g.gpu_class for g in gpus] == ["h200-140g"] * 3 + ["l40s-45g"]
+    assert [g.nvlink_domain for g in gpus] == [0, 0, 0, None]
+    assert [g.compute_capability for g in gpus] == ["9.0", "9.0", "9.0", "8.9"]
+    assert gpus[1].ecc_uncorrected == 3
+    assert not gpus[1].healthy
+    assert gpus[2].foreign_memory_mib == 2048  # pid 7 is our own engine
+    assert gpus[3].ecc_uncorrected == 0  # "Not Supported" is not an error count
+    assert gpus[3].uuid == "GPU-3"
+    assert fake.shutdown
+
+
+def test_nvml_query_failure_is_an_nvml_error() -> None:
+    fake = FakeNvml([h200(0)], set())
+
+    def broken(h: int) -> str:
+        raise fake.NVMLError("GPU is lost")
+
+    fake.nvmlDeviceGetName = broken  # type: ignore[method-assign]
+    with pytest.raises(nvml.NvmlError, match="GPU is lost"):
+        nvml.read_gpus(fake)
+
+
+def fake_smi(folder: Path, query: Path, apps: Path | None, topo: Path | None) -> None:
+    """An `nvidia-smi` executable that prints recorded files, so the real subprocess path runs."""
+    script = folder / "nvidia-smi"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "args = ' '.join(sys.argv[1:])\n"
+        f"files = {{'--query-gpu': {str(query)!r},"
+        f" '--query-compute-apps': {str(apps) if apps else None!r},"
+        f" 'topo': {str(topo) if topo else None!r}}}\n"
+        "for key, path in files.items():\n"
+        "    if args.startswith(key):\n"
+        "        if path is None:\n"
+        "            print('Unknown Error', file=sys.stderr); sys.exit(3)\n"
+        "        sys.stdout.write(open(path).read()); sys.exit(0)\n"
+        "sys.exit(2)\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+
+
+def failing_pynvml(monkeypatch: pytest.MonkeyPatch) -> Any:
+    real = nvml.load()
+
+    def refuse() -> None:
+        raise real.NVMLError(real.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(real, "nvmlInit", refuse)
+    return real
+
+
+def test_failing_nvml_falls_back_to_nvidia_smi_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    failing_pynvml(monkeypatch)
+    derived = HW / "derived"
+    fake_smi(
+        tmp_path,
+        derived / "rtx4090-x8-535.154.query.csv",
+        derived / "rtx4090-x8-535.154.apps.csv",
+        HW / "nvidia-smi" / "a10-x4-2nic-xuesong.topo.txt",
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with structlog.testing.capture_logs() as logs:
+        found = discovery.discover_gpus()
+    assert found.source == "nvidia-smi"
+    assert len(found.gpus) == 8
+    assert found.gpus[0].foreign_memory_mib == 20322
+    assert "NVML failed" in found.warnings[0]
+    assert "Driver Not Loaded" in found.warnings[0]
+    assert any(e["event"] == "nvml_failed_falling_back_to_nvidia_smi" for e in logs)
+    assert all(e["log_level"] == "warning" for e in logs)
+
+
+def test_fallback_says_what_it_could_not_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    failing_pynvml(monkeypatch)
+    fake_smi(tmp_path, HW / "nvidia-smi" / "h200-1gpu-590.query.csv", None, None)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    found = discovery.discover_gpus()
+    assert found.gpus[0].gpu_class == "h200-140g"
+    assert any("foreign GPU memory is not checked" in w for w in found.warnings)
+    assert any("NVLink domains unknown" in w for w in found.warnings)
+
+
+def test_no_nvml_and_no_nvidia_smi_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    failing_pynvml(monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(discovery.DiscoveryError, match="--sim-gpus"):
+        discovery.discover_gpus()
+
+
+def test_smi_error_names_the_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake_smi(tmp_path, HW / "nvidia-smi" / "h200-1gpu-590.query.csv", None, None)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(smi.SmiError, match="exited with 3: Unknown Error"):
+        smi.run(smi.TOPOLOGY)
