@@ -19,6 +19,7 @@ from llmgw.core import events
 # File name -> "module:Struct" of each configuration described in schemas/.
 CONFIG_TYPES: dict[str, str] = {
     "model-profile.schema.json": "llmgw.core.profile:ModelProfile",
+    "agent-config.schema.json": "llmgw.agent.config:AgentConfig",
 }
 
 

@@ -1,0 +1,152 @@
+"""The agent's configuration: who the node is, where NATS is, which RDMA fabrics it is on.
+
+Loaded from YAML plus `LLMGW_AGENT__...` environment overrides
+(`llmgw.config.load(AgentConfig, path, section="AGENT")`), then completed and
+checked by `load`: the node id defaults to the short hostname and must be one
+subject token; fabric labels are validated because a wrong one makes the
+scheduler place multi-node replicas that hang on their first all-reduce.
+Used by `llmgw agent` and `llmgw agent inventory`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import msgspec
+
+from llmgw import config
+from llmgw.core import subjects
+from llmgw.core.inventory import Hca
+
+
+class FabricConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An RDMA fabric this node is attached to: nodes sharing the name can host one replica."""
+
+    name: str = ""
+    hcas: tuple[str, ...] = ()
+    """The adapters on this fabric (`mlx5_0`, ...): NCCL_IB_HCA is set to exactly these."""
+
+
+class NatsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
+    ca_file: str = ""
+    cert_file: str = ""
+    """This node's client certificate (CN = node id, OU = node)."""
+    key_file: str = ""
+
+
+class PortRange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Ports engines may listen on; a StartShard with a port outside is refused."""
+
+    first: int = 20000
+    last: int = 20999
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    node_id: str = ""
+    """Defaults to the short hostname; must be one NATS subject token."""
+    address: str = ""
+    """Host name or IP at which routers reach this node's engines; defaults to the node id."""
+    nats: NatsConfig = NatsConfig()
+    fabrics: tuple[FabricConfig, ...] = ()
+    state_dir: str = "/var/lib/llmgw/agent"
+    """Pid files and engine logs: what lets a restarted agent adopt its running engines."""
+    engine_ports: PortRange = PortRange()
+    engine_host: str = "0.0.0.0"
+    """Address engines bind to."""
+    sim_gpus: str = ""
+    """`8xh100-80g` or a YAML/JSON inventory file: simulated GPUs instead of discovery."""
+    infiniband_root: str = "/sys/class/infiniband"
+    stop_grace_s: float = 30.0
+    """SIGTERM to SIGKILL, when a StopShard does not say."""
+    log_tail_lines: int = 100
+    heartbeat_s: float = 5.0
+    log_level: str = "info"
+
+
+def short_hostname() -> str:
+    return socket.gethostname().split(".", 1)[0]
+
+
+def validate_fabrics(fabrics: Iterable[FabricConfig]) -> None:
+    """Raise ConfigError for the first bad fabric, with what to change. Purely computational."""
+    seen: dict[str, int] = {}
+    owner: dict[str, str] = {}
+    for i, fabric in enumerate(fabrics):
+        where = f"fabrics[{i}]"
+        if not fabric.name.strip():
+            raise config.ConfigError(
+                f"{where} has no name: give it the label every node on that fabric shares, "
+                f"e.g. `name: ib-pod-a` (nodes with the same name may host one replica together)"
+            )
+        if fabric.name in seen:
+            raise config.ConfigError(
+                f'fabric "{fabric.name}" is declared twice '
+                f"(fabrics[{seen[fabric.name]}] and {where}): merge their HCAs into one entry"
+            )
+        seen[fabric.name] = i
+        try:
+            subjects.check_token(fabric.name, "fabric name")
+        except subjects.SubjectTokenError as exc:
+            raise config.ConfigError(f"{where}: {exc}") from None
+        if not fabric.hcas:
+            # Worse than no fabric at all: the scheduler would place multi-node replicas
+            # here, and every shard would come up with NCCL unable to find a path.
+            raise config.ConfigError(
+                f'fabric "{fabric.name}" lists no HCAs: add its adapters under {where}.hcas '
+                "(see `ls /sys/class/infiniband`), or remove the fabric"
+            )
+        for hca in fabric.hcas:
+            # One adapter on two fabrics means one label is wrong; the replica would
+            # start and then hang on its first all-reduce.
+            if hca in owner and owner[hca] != fabric.name:
+                raise config.ConfigError(
+                    f'HCA "{hca}" is claimed by both fabric "{owner[hca]}" and "{fabric.name}": '
+                    "an adapter is cabled to one fabric; remove it from the wrong one"
+                )
+            owner[hca] = fabric.name
+
+
+def unseen_hcas(fabrics: Iterable[FabricConfig], seen: Iterable[Hca]) -> list[str]:
+    """Warnings for declared HCAs that discovery did not find (a typo, or a missing driver)."""
+    present = {h.name for h in seen}
+    return [
+        f'fabric "{f.name}" lists HCA "{hca}", which /sys/class/infiniband does not show: '
+        "check the name (`ls /sys/class/infiniband`) and the RDMA driver"
+        for f in fabrics
+        for hca in f.hcas
+        if hca not in present
+    ]
+
+
+def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
+    """Fill the defaults that depend on the machine, then validate everything."""
+    node_id = cfg.node_id or (hostname if hostname is not None else short_hostname())
+    try:
+        subjects.check_token(node_id, "node id")
+    except subjects.SubjectTokenError as exc:
+        raise config.ConfigError(f"node_id: {exc}; set node_id in the agent config") from None
+    validate_fabrics(cfg.fabrics)
+    ports = cfg.engine_ports
+    if not 1 <= ports.first <= ports.last <= 65535:
+        raise config.ConfigError(
+            f"engine_ports {ports.first}-{ports.last} is not a port range: "
+            "use first <= last within 1-65535"
+        )
+    if cfg.stop_grace_s < 0 or cfg.log_tail_lines < 1:
+        raise config.ConfigError("stop_grace_s must be >= 0 and log_tail_lines >= 1")
+    return msgspec.structs.replace(cfg, node_id=node_id, address=cfg.address or node_id)
+
+
+def load(
+    path: str | Path | None = None,
+    *,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+    hostname: str | None = None,
+) -> AgentConfig:
+    """Read, overlay `LLMGW_AGENT__*`, complete and validate the agent's configuration."""
+    raw = config.load(AgentConfig, path, section="AGENT", overrides=overrides, environ=environ)
+    return complete(raw, hostname=hostname)

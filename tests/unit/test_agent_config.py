@@ -1,0 +1,108 @@
+"""The agent's configuration: YAML + LLMGW_AGENT__ overrides, node id and fabric validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmgw import config
+from llmgw.agent import config as agent_config
+from llmgw.core.inventory import Hca
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "agent.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_take_the_short_hostname() -> None:
+    cfg = agent_config.load(environ={}, hostname="gpu-node-07")
+    assert cfg.node_id == "gpu-node-07"
+    assert cfg.address == "gpu-node-07"
+    assert cfg.fabrics == ()
+
+
+def test_yaml_then_environment(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "node_id: node-a\naddress: 10.0.0.7\nfabrics:\n"
+        "  - {name: ib-a, hcas: [mlx5_0, mlx5_1]}\n"
+        "nats: {servers: ['tls://nats-1:4222']}\n",
+    )
+    cfg = agent_config.load(
+        path,
+        environ={
+            "LLMGW_AGENT__ENGINE_PORTS__FIRST": "31000",
+            "LLMGW_AGENT__ENGINE_PORTS__LAST": "31999",
+            "LLMGW_AGENT__NODE_ID": "node-b",
+        },
+    )
+    assert cfg.node_id == "node-b"
+    assert cfg.address == "10.0.0.7"
+    assert cfg.engine_ports.first == 31000
+    assert cfg.fabrics[0].hcas == ("mlx5_0", "mlx5_1")
+    assert cfg.nats.servers == ("tls://nats-1:4222",)
+
+
+@pytest.mark.parametrize(
+    ("node_id", "hostname"), [("gpu.example.com", "x"), ("", "gpu node"), ("a>b", "x")]
+)
+def test_node_id_must_be_a_subject_token(node_id: str, hostname: str) -> None:
+    with pytest.raises(config.ConfigError, match=r"node_id: .*cannot be used in a NATS subject"):
+        agent_config.load(overrides={"node_id": node_id}, environ={}, hostname=hostname)
+
+
+def test_fqdn_hostname_is_shortened(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("socket.gethostname", lambda: "gpu-node-07.example.com")
+    assert agent_config.load(environ={}).node_id == "gpu-node-07"
+
+
+@pytest.mark.parametrize(
+    ("fabrics", "message"),
+    [
+        ([{"hcas": ["mlx5_0"]}], r"fabrics\[0\] has no name: give it the label"),
+        ([{"name": "  ", "hcas": ["mlx5_0"]}], r"fabrics\[0\] has no name"),
+        (
+            [{"name": "ib-a", "hcas": ["mlx5_0"]}, {"name": "ib-a", "hcas": ["mlx5_1"]}],
+            r'fabric "ib-a" is declared twice \(fabrics\[0\] and fabrics\[1\]\): merge',
+        ),
+        (
+            [{"name": "ib-a", "hcas": []}],
+            r'fabric "ib-a" lists no HCAs: add its adapters under fabrics\[0\].hcas',
+        ),
+        (
+            [{"name": "ib-a", "hcas": ["mlx5_0"]}, {"name": "ib-b", "hcas": ["mlx5_1", "mlx5_0"]}],
+            r'HCA "mlx5_0" is claimed by both fabric "ib-a" and "ib-b"',
+        ),
+        ([{"name": "ib.a", "hcas": ["mlx5_0"]}], r"fabrics\[0\]: fabric name 'ib.a' cannot"),
+    ],
+)
+def test_each_bad_fabric_gets_its_own_message(fabrics: list[object], message: str) -> None:
+    with pytest.raises(config.ConfigError, match=message):
+        agent_config.load(overrides={"fabrics": fabrics}, environ={}, hostname="n")
+
+
+def test_unknown_key_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "node_id: a\nfabric: []\n")
+    with pytest.raises(config.ConfigError, match=r"agent.yaml: .*fabric"):
+        agent_config.load(path, environ={})
+
+
+def test_bad_port_range() -> None:
+    with pytest.raises(config.ConfigError, match="engine_ports 9-1 is not a port range"):
+        agent_config.load(
+            overrides={"engine_ports": {"first": 9, "last": 1}}, environ={}, hostname="n"
+        )
+
+
+def test_hca_that_discovery_does_not_see_is_a_warning() -> None:
+    cfg = agent_config.load(
+        overrides={"fabrics": [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_9"]}]},
+        environ={},
+        hostname="n",
+    )
+    warnings = agent_config.unseen_hcas(cfg.fabrics, [Hca(name="mlx5_0")])
+    assert len(warnings) == 1
+    assert 'lists HCA "mlx5_9", which /sys/class/infiniband does not show' in warnings[0]
