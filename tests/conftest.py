@@ -1,0 +1,39 @@
+"""Shared fixtures: a throwaway PKI per session, a fresh real nats-server per test, and
+connections as any llmgw identity. The machinery lives in tests/harness.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Connector, TestNatsServer, TestPki
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
+    """One CA for the whole session; `pki.client_tls(kind, name)` issues on first use."""
+    return TestPki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def nats_server(pki: TestPki, tmp_path: Path) -> Iterator[TestNatsServer]:
+    """A fresh nats-server (JetStream, mTLS, rendered authorization) on a free port."""
+    server = TestNatsServer(pki, tmp_path / "nats")
+    server.root.mkdir()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+async def connect(nats_server: TestNatsServer) -> AsyncIterator[Connector]:
+    """`await connect(kind, name)` / `await connect.admin()`: clients closed at teardown."""
+    connector = Connector(nats_server)
+    try:
+        yield connector
+    finally:
+        await connector.close()

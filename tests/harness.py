@@ -1,0 +1,326 @@
+"""The test harness: a throwaway PKI, real nats-servers under mutual TLS, and connections as
+any llmgw identity. Fixtures in tests/conftest.py wrap these classes; tests that need
+something unusual (a second server, a foreign CA, an expired certificate) use them directly.
+
+- `TestPki` (session-scoped `pki` fixture): one CA per session in a temp dir.
+  `client_tls(kind, name)` issues a client certificate on first use, re-renders the
+  authorization and reloads every running harness server, so a new identity can connect at
+  once. `admin_tls()` is a test-only identity allowed everything (raw garbage, inspection).
+- `TestNatsServer` (function-scoped `nats_server` fixture): a fresh nats-server with
+  JetStream in a temp store, TLS `verify_and_map`, the rendered authorization, on a free
+  127.0.0.1 port; `stop()`, `start()` (same port and store), `kill()`, `reload()`.
+- `Connector` (function-scoped `connect` fixture): `await connect("node", "node-a")` gives a
+  connected nats-py client for that identity, with its own inbox prefix and an error_cb that
+  records errors in `connect.errors[(kind, name)]`; `await connect.admin()`; all are closed
+  at teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import ssl
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+
+from llmgw import natsd
+from llmgw.pki import authorization, tls
+from llmgw.pki.ca import CertificateAuthority, subject_name
+from llmgw.pki.identity import Identity, Kind
+from llmgw.pki.store import CertDir, utcnow
+
+ADMIN_DN = "CN=admin,OU=test,O=llmgw-test"
+ADMIN_KEY = ("admin", "admin")
+SERVER_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+class TestPki:
+    """A CA, the server certificate, client certificates on demand, and the authorization."""
+
+    __test__ = False  # not a test class, despite the name
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.certs = CertDir(root / "certs")
+        now = utcnow()
+        self.ca = CertificateAuthority.create(now=now, name="llmgw test CA")
+        self.certs.save_ca(self.ca)
+        self.certs.save_server(self.ca.issue_server(SERVER_HOSTS, now=now))
+        admin = self.ca.issue_client(subject_name("admin", "test", "llmgw-test"), now=now)
+        self.admin_cert = root / "admin.pem"
+        self.admin_key = root / "admin-key.pem"
+        self.admin_cert.write_bytes(admin.cert_pem)
+        self.admin_key.write_bytes(admin.key_pem)
+        self.authorization_file = root / "authorization.conf"
+        self._lock = threading.Lock()
+        self._contexts: dict[tuple[str, str], ssl.SSLContext] = {}
+        self._servers: set[TestNatsServer] = set()
+        self._foreign: CertificateAuthority | None = None
+        self.render()
+
+    # -- identities ------------------------------------------------------------------------
+
+    def client_tls(self, kind: Kind | str, name: str) -> ssl.SSLContext:
+        """A TLS context presenting `kind`/`name`'s certificate, issued on first use (which
+        re-renders the authorization and reloads the running servers)."""
+        identity = Identity(kind, name)  # type: ignore[arg-type]
+        key = (identity.kind, identity.name)
+        with self._lock:
+            ctx = self._contexts.get(key)
+        if ctx is not None:
+            return ctx
+        if not self.certs.cert(identity).exists():
+            self.issue(identity)
+        ctx = self.certs.client_context(identity)
+        with self._lock:
+            self._contexts[key] = ctx
+        return ctx
+
+    def issue(
+        self,
+        identity: Identity,
+        *,
+        validity: dt.timedelta | None = None,
+        not_before: dt.datetime | None = None,
+        reload: bool = True,
+    ) -> Identity:
+        """Issue (or re-issue) `identity`'s certificate, render, reload the servers."""
+        now = utcnow()
+        kwargs: dict[str, Any] = {"now": now, "not_before": not_before}
+        if validity is not None:
+            kwargs["validity"] = validity
+        self.certs.save_client(identity, self.ca.issue_client(identity, **kwargs), force=True)
+        with self._lock:
+            self._contexts.pop((identity.kind, identity.name), None)
+        self.render()
+        if reload:
+            self.reload_servers()
+        return identity
+
+    def expired_tls(self, kind: Kind | str, name: str) -> ssl.SSLContext:
+        """A context for a known identity whose certificate (signed by the right CA, mapped
+        to a configured user) expired yesterday."""
+        identity = Identity(kind, name)  # type: ignore[arg-type]
+        yesterday = utcnow() - dt.timedelta(days=1)
+        self.issue(
+            identity, validity=dt.timedelta(days=-1), not_before=yesterday - dt.timedelta(days=30)
+        )
+        return self.certs.client_context(identity)
+
+    def foreign_tls(self, kind: Kind | str, name: str) -> ssl.SSLContext:
+        """A context presenting a certificate with `kind`/`name`'s exact DN but signed by
+        another CA (the context itself trusts our CA, so only the client side is wrong)."""
+        identity = Identity(kind, name)  # type: ignore[arg-type]
+        self.client_tls(kind, name)  # the DN is a configured user
+        if self._foreign is None:
+            self._foreign = CertificateAuthority.create(now=utcnow(), name="llmgw test CA")
+        issued = self._foreign.issue_client(identity, now=utcnow())
+        folder = self.root / "foreign"
+        folder.mkdir(exist_ok=True)
+        cert, key = folder / f"{kind}-{name}.pem", folder / f"{kind}-{name}-key.pem"
+        cert.write_bytes(issued.cert_pem)
+        key.write_bytes(issued.key_pem)
+        return tls.client_context(ca_file=self.certs.ca_cert, cert_file=cert, key_file=key)
+
+    def anonymous_tls(self) -> ssl.SSLContext:
+        """A context that trusts our CA but presents no client certificate."""
+        return tls.client_context(ca_file=self.certs.ca_cert, cert_file=None, key_file=None)
+
+    def admin_tls(self) -> ssl.SSLContext:
+        """The test-only administrator: every subject, both directions. Never in production."""
+        with self._lock:
+            ctx = self._contexts.get(ADMIN_KEY)
+            if ctx is None:
+                ctx = tls.client_context(
+                    ca_file=self.certs.ca_cert, cert_file=self.admin_cert, key_file=self.admin_key
+                )
+                self._contexts[ADMIN_KEY] = ctx
+            return ctx
+
+    # -- authorization ---------------------------------------------------------------------
+
+    def render(self) -> None:
+        text = authorization.render(
+            self.certs.identities(), superusers=[ADMIN_DN], source=str(self.certs.root)
+        )
+        tmp = self.authorization_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.authorization_file)
+
+    def reload_servers(self) -> None:
+        for server in list(self._servers):
+            if server.running:
+                server.reload()
+
+
+class TestNatsServer:
+    """A real nats-server with JetStream, mTLS and the PKI's authorization."""
+
+    __test__ = False
+
+    def __init__(
+        self,
+        pki: TestPki,
+        root: Path,
+        *,
+        sync_interval: str | None = None,
+        server_name: str = "llmgw-test",
+    ) -> None:
+        self.pki = pki
+        self.root = root
+        self.store_dir = root / "jetstream"
+        self.config_path = root / "nats.conf"
+        self.log_path = root / "nats.log"
+        self.sync_interval = sync_interval
+        self.server_name = server_name
+        self.host = "127.0.0.1"
+        self.port = 0
+        self._server: natsd.NatsServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"tls://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None and self._server.running
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._server is None else self._server.pid
+
+    def _render(self) -> None:
+        certs = self.pki.certs
+        cfg = natsd.ServerConfig(
+            store_dir=self.store_dir,
+            cert_file=certs.server_cert.resolve(),
+            key_file=certs.server_key.resolve(),
+            ca_file=certs.ca_cert.resolve(),
+            authorization_file=Path(
+                os.path.relpath(self.pki.authorization_file.resolve(), self.root.resolve())
+            ),
+            host=self.host,
+            port=self.port,
+            http_port=None,
+            server_name=self.server_name,
+            sync_interval=self.sync_interval,
+        )
+        self.config_path.write_text(natsd.render_config(cfg))
+
+    def start(self) -> None:
+        """Start (or restart after stop/kill) on the same port and store."""
+        if self.running:
+            return
+        attempts = 1 if self.port else 5
+        for attempt in range(attempts):
+            if not self.port or attempt:
+                # A port found free can be taken before the server binds it; pick another
+                # (only before the first successful start: a restart keeps its port).
+                self.port = natsd.free_port(self.host)
+            self._render()
+            self._server = natsd.NatsServer(
+                self.config_path, host=self.host, port=self.port, log_path=self.log_path
+            )
+            self.pki._servers.add(self)
+            try:
+                self._server.start()
+                return
+            except natsd.NatsServerError:
+                if attempt == attempts - 1 or "address already in use" not in self.log_tail():
+                    raise
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+    def kill(self) -> None:
+        if self._server is not None:
+            self._server.kill()
+
+    def reload(self) -> None:
+        if self._server is not None:
+            self._server.reload()
+
+    def close(self) -> None:
+        self.stop()
+        self.pki._servers.discard(self)
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Connector:
+    """Connects nats-py clients as llmgw identities to one test server; records their errors."""
+
+    def __init__(self, server: TestNatsServer) -> None:
+        self.server = server
+        self.errors: defaultdict[tuple[str, str], list[Exception]] = defaultdict(list)
+        self.clients: list[Client] = []
+
+    async def __call__(self, kind: Kind | str, name: str, **options: Any) -> Client:
+        identity = Identity(kind, name)  # type: ignore[arg-type]
+        ctx = await asyncio.to_thread(self.server.pki.client_tls, kind, name)
+        return await self._connect((kind, name), ctx, identity.inbox_prefix, options)
+
+    async def admin(self, **options: Any) -> Client:
+        return await self._connect(ADMIN_KEY, self.server.pki.admin_tls(), "_INBOX.admin", options)
+
+    async def _connect(
+        self, key: tuple[str, str], ctx: ssl.SSLContext, inbox: str, options: dict[str, Any]
+    ) -> Client:
+        errors = self.errors[key]
+
+        async def error_cb(exc: Exception) -> None:
+            errors.append(exc)
+
+        settings: dict[str, Any] = {
+            "servers": [self.server.url],
+            "tls": ctx,
+            "inbox_prefix": inbox,
+            "error_cb": error_cb,
+            "name": f"{key[0]}/{key[1]}",
+            "connect_timeout": 5,
+            # Tests restart servers: come back quickly, and keep trying until closed.
+            "reconnect_time_wait": 0.1,
+            "max_reconnect_attempts": -1,
+        }
+        settings.update(options)
+        nc = await nats.connect(**settings)
+        self.clients.append(nc)
+        return nc
+
+    def violations(self, kind: str, name: str) -> list[str]:
+        """The permission violations the server reported to this identity's clients."""
+        return [
+            str(e) for e in self.errors[(kind, name)] if "permissions violation" in str(e).lower()
+        ]
+
+    async def violation(self, kind: str, name: str, within_s: float = 3.0) -> str:
+        """Wait for (and return) the latest permission violation reported to `kind`/`name`."""
+        deadline = time.monotonic() + within_s
+        while not self.violations(kind, name):
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"no permissions violation reported to {kind}/{name} within {within_s} s; "
+                    f"errors seen: {self.errors[(kind, name)]!r}"
+                )
+            await asyncio.sleep(0.01)
+        return self.violations(kind, name)[-1]
+
+    async def close(self) -> None:
+        for nc in self.clients:
+            if not nc.is_closed:
+                # Teardown must close the other clients whatever one of them raises.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(nc.close(), 5)
+        self.clients.clear()
