@@ -1,0 +1,59 @@
+"""The NATS shell of llmgw: connect, provision the log, publish, replay, snapshots, lease.
+
+Everything that touches JetStream goes through this package; everything above it
+(control plane, agents, routers, `llmgw ctl`) deals in `llmgw.core.events` only.
+The stream is `llmgw-events` (`llmgw.core.subjects.STREAM`).
+
+NATS API subjects each role uses (the authorization must allow them; `<s>` is
+`llmgw-events`, all under `$JS.API.`):
+- every publisher: `STREAM.INFO.<s>` is not needed; publishing needs only the
+  event subject and the identity's inbox (for the ack);
+- a `Reader`: `CONSUMER.CREATE.<s>.<name>` (or `.<name>.<filter>` with a single
+  filter), `CONSUMER.MSG.NEXT.<s>.<name>`, `CONSUMER.INFO.<s>.<name>`,
+  `CONSUMER.DELETE.<s>.<name>`; reader names start with the `name` given (default
+  `reader`);
+- the control plane also: `STREAM.INFO.*`, `STREAM.CREATE.*` (provisioning of
+  `llmgw-events`, `KV_llmgw-lease`, `OBJ_llmgw-snapshots`), `$KV.llmgw-lease.>`,
+  `DIRECT.GET.KV_llmgw-lease.>` / `STREAM.MSG.GET.KV_llmgw-lease`, `$O.llmgw-snapshots.>`
+  and the consumer API on `OBJ_llmgw-snapshots` (listing snapshots).
+"""
+
+from llmgw.bus.connection import BusClient, backoff_delay, connect
+from llmgw.bus.lease import Holder, Lease, LeaseLost
+from llmgw.bus.provisioning import (
+    LEASE_BUCKET,
+    SNAPSHOT_BUCKET,
+    ProvisionConflict,
+    Provisioned,
+    StreamSettings,
+    provision,
+)
+from llmgw.bus.publisher import Fence, FenceRefused, Published, Publisher, PublishError
+from llmgw.bus.reader import Reader, ReaderError, Record, Skipped
+from llmgw.bus.snapshots import Snapshot, SnapshotStore
+
+__all__ = [
+    "LEASE_BUCKET",
+    "SNAPSHOT_BUCKET",
+    "BusClient",
+    "Fence",
+    "FenceRefused",
+    "Holder",
+    "Lease",
+    "LeaseLost",
+    "ProvisionConflict",
+    "Provisioned",
+    "PublishError",
+    "Published",
+    "Publisher",
+    "Reader",
+    "ReaderError",
+    "Record",
+    "Skipped",
+    "Snapshot",
+    "SnapshotStore",
+    "StreamSettings",
+    "backoff_delay",
+    "connect",
+    "provision",
+]

@@ -1,0 +1,179 @@
+"""The control-plane leader lease: one key in the KV bucket `llmgw-lease`, with a TTL.
+
+Several control-plane instances may run; the one holding the lease decides
+(DESIGN.md, invariant 5). The lease is the key `leader` written with a
+per-message TTL: `acquire` creates it only if it does not exist (an expired
+lease does not); `renew` rewrites it with a fresh TTL only if nobody wrote it
+since (expected-last-subject-sequence), so a holder that paused past its TTL
+learns it lost the lease instead of overwriting its successor. `release`
+deletes it for a quick hand-over.
+
+The epoch is the stream sequence of the acquiring write: it increases with every
+new holder, and the holder stamps it on its decisions (`ControlEvent.epoch`).
+A lease alone cannot stop a paused ex-leader's in-flight write; the fenced
+publish (`Publisher.publish(..., fence=...)`) does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from llmgw import logs
+from llmgw.bus.provisioning import LEASE_BUCKET
+from llmgw.bus.publisher import EXPECTED_LAST_SUBJECT_SEQUENCE, WRONG_LAST_SEQUENCE
+
+log = logs.get("llmgw.bus")
+
+KEY = "leader"
+
+
+class LeaseLost(RuntimeError):
+    """This instance no longer holds the lease: stop deciding at once."""
+
+
+class Holder(msgspec.Struct, frozen=True):
+    """Who holds the lease, since which epoch, and the revision of its last renewal."""
+
+    holder: str
+    epoch: int
+    revision: int
+
+
+class _Value(msgspec.Struct, frozen=True):
+    holder: str
+    epoch: int = 0
+    """0 in the acquiring write itself: its epoch is its own revision."""
+
+
+def _ttl_header(ttl_s: float) -> str:
+    return f"{max(1, round(ttl_s))}s"
+
+
+class Lease:
+    """One contender for the leader lease, named `name` (its instance name)."""
+
+    def __init__(self, js: JetStreamContext, kv: KeyValue, name: str, *, ttl_s: float) -> None:
+        if ttl_s < 1:
+            raise ValueError(f"lease ttl_s must be at least 1 second (server granularity): {ttl_s}")
+        self._js = js
+        self._kv = kv
+        self.name = name
+        self.ttl_s = float(round(ttl_s))
+        self.epoch = 0
+        self._revision = 0
+        self._valid_until = 0.0
+        self._renewals = 0
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, name: str, *, ttl_s: float = 10.0) -> Lease:
+        try:
+            kv = await js.key_value(LEASE_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            raise RuntimeError(
+                f"KV bucket {LEASE_BUCKET} does not exist: call llmgw.bus.provision first "
+                "(the control plane does at start-up)"
+            ) from None
+        return cls(js, kv, name, ttl_s=ttl_s)
+
+    @property
+    def renew_every_s(self) -> float:
+        """Renew this often: three chances before the TTL runs out."""
+        return self.ttl_s / 3
+
+    @property
+    def held(self) -> bool:
+        """True while the last acquire/renew is younger than the TTL (by the local clock)."""
+        return self._revision > 0 and time.monotonic() < self._valid_until
+
+    async def holder(self) -> Holder | None:
+        """The current holder, or None when the lease is free."""
+        try:
+            entry = await self._kv.get(KEY)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        if entry.value is None or entry.revision is None:
+            return None
+        try:
+            value = msgspec.json.decode(entry.value, type=_Value)
+        except msgspec.DecodeError:
+            log.warning("bus.lease_garbled", revision=entry.revision)
+            return None
+        return Holder(value.holder, value.epoch or entry.revision, entry.revision)
+
+    async def acquire(self) -> bool:
+        """Take the lease if it is free; True when this instance holds it afterwards."""
+        if self.held:
+            return True
+        started = time.monotonic()
+        try:
+            revision = await self._kv.create(
+                KEY, msgspec.json.encode(_Value(self.name)), msg_ttl=self.ttl_s
+            )
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                return False
+            raise
+        self._revision = revision
+        self.epoch = revision
+        self._valid_until = started + self.ttl_s
+        log.info("bus.lease_acquired", holder=self.name, epoch=self.epoch)
+        return True
+
+    async def renew(self) -> None:
+        """Extend the lease by its TTL; raises LeaseLost when someone else holds it now."""
+        if self._revision == 0:
+            raise LeaseLost(f"{self.name} does not hold the lease: acquire it first")
+        started = time.monotonic()
+        self._renewals += 1
+        headers = {
+            EXPECTED_LAST_SUBJECT_SEQUENCE: str(self._revision),
+            # A retried renewal after a lost ack is then stored once, not refused.
+            "Nats-Msg-Id": f"lease-{self.name}-{self.epoch}-{self._renewals}",
+            "Nats-TTL": _ttl_header(self.ttl_s),
+        }
+        payload = msgspec.json.encode(_Value(self.name, self.epoch))
+        subject = f"$KV.{LEASE_BUCKET}.{KEY}"
+        seq = 0
+        for attempt in range(3):
+            try:
+                ack = await self._js.publish(subject, payload, headers=dict(headers), timeout=1.0)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    self._lose("another instance took the lease")
+                raise
+            except (TimeoutError, nats.errors.TimeoutError):
+                if attempt == 2 or time.monotonic() >= self._valid_until:
+                    self._lose("renewal not acknowledged before the lease ran out")
+                continue
+            seq = ack.seq
+            break
+        self._revision = seq
+        self._valid_until = started + self.ttl_s
+
+    def _lose(self, why: str) -> None:
+        epoch = self.epoch
+        self._revision = 0
+        self._valid_until = 0.0
+        log.warning("bus.lease_lost", holder=self.name, epoch=epoch, why=why)
+        raise LeaseLost(f"{self.name} lost the lease (epoch {epoch}): {why}")
+
+    async def release(self) -> None:
+        """Give the lease up now (clean shutdown), so a standby takes over without waiting."""
+        if self._revision == 0:
+            return
+        revision, self._revision, self._valid_until = self._revision, 0, 0.0
+        try:
+            await self._kv.delete(KEY, last=revision)
+        except nats.js.errors.APIError as exc:
+            # Someone else holds it already: nothing of ours to release.
+            log.info("bus.lease_release_skipped", holder=self.name, detail=str(exc))
+        else:
+            log.info("bus.lease_released", holder=self.name, epoch=self.epoch)

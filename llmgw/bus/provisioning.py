@@ -1,0 +1,208 @@
+"""Provisioning of the JetStream resources llmgw needs: the log, the lease bucket, the snapshots.
+
+The control plane calls `provision` at start-up (its certificate is the one allowed
+to manage streams). It is idempotent: resources that exist with the configuration
+llmgw needs are left alone. A stream that exists with a *different* configuration
+is never silently changed (that could drop history or break another tenant of the
+server): `provision` refuses with a `ProvisionConflict` naming every field that
+differs and what to do about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import nats.js.errors
+from nats.js import JetStreamContext, api
+
+from llmgw import logs
+from llmgw.core import subjects
+
+log = logs.get("llmgw.bus")
+
+LEASE_BUCKET = "llmgw-lease"
+SNAPSHOT_BUCKET = "llmgw-snapshots"
+
+
+class ProvisionConflict(RuntimeError):
+    """An existing JetStream resource whose configuration llmgw cannot use as it is."""
+
+
+class StreamSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What is configurable about the log; everything else is fixed by llmgw's design."""
+
+    replicas: int = 1
+    """1 for one server; 3 or 5 across failure domains in production (see FIELD-NOTES)."""
+    duplicate_window_s: float = 120.0
+    """How long JetStream remembers event ids to drop duplicate publishes."""
+
+
+class Provisioned(msgspec.Struct, frozen=True):
+    """What `provision` did: names of resources it created and of those that already existed."""
+
+    created: tuple[str, ...]
+    existing: tuple[str, ...]
+
+
+def stream_config(settings: StreamSettings) -> api.StreamConfig:
+    """The configuration of `llmgw-events`. Purely computational."""
+    return api.StreamConfig(
+        name=subjects.STREAM,
+        description="llmgw event log: the only source of truth of the cluster",
+        subjects=list(subjects.STREAM_SUBJECTS),
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        discard=api.DiscardPolicy.OLD,
+        num_replicas=settings.replicas,
+        duplicate_window=settings.duplicate_window_s,
+        max_age=0,
+        max_msgs=-1,
+        max_bytes=-1,
+        max_msgs_per_subject=-1,
+        # Direct get lets readers fetch single messages without a consumer.
+        allow_direct=True,
+        # Heartbeats carry a per-message TTL so the log does not grow with them.
+        allow_msg_ttl=True,
+    )
+
+
+def _enum_value(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+def stream_conflicts(existing: api.StreamConfig, wanted: api.StreamConfig) -> list[str]:
+    """Human-readable differences that make `existing` unusable as llmgw's log. Pure."""
+    problems: list[str] = []
+    have_subjects = sorted(existing.subjects or [])
+    want_subjects = sorted(wanted.subjects or [])
+    if have_subjects != want_subjects:
+        problems.append(f"subjects are {have_subjects} (llmgw needs exactly {want_subjects})")
+    for field in ("storage", "retention", "discard"):
+        have, want = _enum_value(getattr(existing, field)), _enum_value(getattr(wanted, field))
+        if have != want:
+            problems.append(f"{field} is {have!r} (llmgw needs {want!r})")
+    if (existing.num_replicas or 1) != (wanted.num_replicas or 1):
+        problems.append(
+            f"replicas is {existing.num_replicas or 1} (configured: {wanted.num_replicas or 1})"
+        )
+    if abs((existing.duplicate_window or 0) - (wanted.duplicate_window or 0)) > 1e-3:
+        problems.append(
+            f"duplicate_window is {existing.duplicate_window or 0:g}s "
+            f"(configured: {wanted.duplicate_window or 0:g}s)"
+        )
+    for field in ("allow_direct", "allow_msg_ttl"):
+        if bool(getattr(existing, field)) != bool(getattr(wanted, field)):
+            problems.append(f"{field} is {bool(getattr(existing, field))} (llmgw needs True)")
+    if existing.max_age:
+        problems.append(
+            f"max_age is {existing.max_age:g}s: the log would lose history (llmgw needs 0)"
+        )
+    for field in ("max_msgs", "max_bytes", "max_msgs_per_subject"):
+        have = getattr(existing, field)
+        if have is not None and have > 0:
+            problems.append(f"{field} is {have}: the log would lose history (llmgw needs -1)")
+    if existing.sealed:
+        problems.append("the stream is sealed: nothing can be written to it")
+    return problems
+
+
+def _conflict_message(name: str, problems: list[str]) -> str:
+    return (
+        f"stream {name} exists with a configuration llmgw cannot use: "
+        + "; ".join(problems)
+        + ". To fix: change the stream to match (e.g. `nats stream edit "
+        + name
+        + "`), or set the bus settings (replicas, duplicate_window_s) to what the stream has; "
+        "storage, retention and a subject set cannot be changed in place: back the stream up "
+        "(`nats stream backup`), delete it and let llmgw create it again."
+    )
+
+
+async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool:
+    """Create the stream if absent; return True when created. Raises ProvisionConflict."""
+    assert wanted.name is not None
+    try:
+        info = await js.stream_info(wanted.name)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(wanted)
+        except nats.js.errors.BadRequestError as exc:
+            # Another control plane created it a moment ago; compare with that one.
+            if exc.err_code != 10058:  # stream name already in use
+                raise
+        else:
+            return True
+        info = await js.stream_info(wanted.name)
+    problems = stream_conflicts(info.config, wanted)
+    if problems:
+        raise ProvisionConflict(_conflict_message(wanted.name, problems))
+    return False
+
+
+async def _ensure_lease_bucket(js: JetStreamContext, replicas: int) -> bool:
+    stream = f"KV_{LEASE_BUCKET}"
+    try:
+        info = await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        await js.create_key_value(
+            bucket=LEASE_BUCKET,
+            description="llmgw control-plane leader lease",
+            history=1,
+            replicas=replicas,
+            storage=api.StorageType.FILE,
+        )
+        return True
+    if not info.config.allow_msg_ttl:
+        raise ProvisionConflict(
+            f"KV bucket {LEASE_BUCKET} exists without per-message TTL (allow_msg_ttl): the lease "
+            f"could never expire. Delete it (`nats kv del {LEASE_BUCKET}`) and let llmgw create it."
+        )
+    return False
+
+
+async def _ensure_snapshot_store(js: JetStreamContext, replicas: int) -> bool:
+    try:
+        await js.object_store(SNAPSHOT_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        await js.create_object_store(
+            bucket=SNAPSHOT_BUCKET,
+            config=api.ObjectStoreConfig(
+                bucket=SNAPSHOT_BUCKET,
+                description="llmgw folded-state snapshots, named by the sequence they include",
+                replicas=replicas,
+                storage=api.StorageType.FILE,
+            ),
+        )
+        return True
+    return False
+
+
+async def provision(
+    js: JetStreamContext,
+    *,
+    replicas: int = 1,
+    duplicate_window_s: float = 120.0,
+    lease: bool = True,
+    snapshots: bool = True,
+) -> Provisioned:
+    """Ensure the stream `llmgw-events` (and the lease bucket and snapshot store) exist.
+
+    Idempotent; raises ProvisionConflict, saying what differs and what to do, when
+    the stream exists with a configuration llmgw cannot use.
+    """
+    settings = StreamSettings(replicas=replicas, duplicate_window_s=duplicate_window_s)
+    created: list[str] = []
+    existing: list[str] = []
+
+    def note(name: str, was_created: bool) -> None:
+        (created if was_created else existing).append(name)
+
+    note(subjects.STREAM, await _ensure_stream(js, stream_config(settings)))
+    if lease:
+        note(LEASE_BUCKET, await _ensure_lease_bucket(js, replicas))
+    if snapshots:
+        note(SNAPSHOT_BUCKET, await _ensure_snapshot_store(js, replicas))
+    if created:
+        log.info("bus.provisioned", created=created, existing=existing)
+    return Provisioned(created=tuple(created), existing=tuple(existing))

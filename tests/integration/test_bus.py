@@ -1,0 +1,428 @@
+"""The bus against a real nats-server with mutual TLS and the rendered authorization.
+
+Identities are used the way production uses them: the control plane provisions,
+holds the lease and writes fenced decisions; a node publishes its own events and
+heartbeats; a router replays. Only the test administrator publishes raw garbage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from nats.js import api
+from structlog.testing import capture_logs
+
+from llmgw import bus
+from llmgw.core import events, subjects
+from llmgw.pki.identity import Identity
+from tests.harness import Connector, TestNatsServer
+
+BusConnect = Callable[..., Awaitable[bus.BusClient]]
+
+
+@pytest.fixture
+async def bus_connect(nats_server: TestNatsServer) -> AsyncIterator[BusConnect]:
+    """Connect through `llmgw.bus.connect`, as production does, with the harness's TLS."""
+    clients: list[bus.BusClient] = []
+
+    async def make(kind: str, name: str, **options: Any) -> bus.BusClient:
+        ctx = await asyncio.to_thread(nats_server.pki.client_tls, kind, name)
+        nc = await bus.connect(
+            nats_server.url,
+            tls=ctx,
+            identity=Identity(kind, name),  # type: ignore[arg-type]
+            name=f"test-{kind}-{name}",
+            max_reconnect_attempts=options.pop("max_reconnect_attempts", 50),
+            **options,
+        )
+        clients.append(nc)
+        return nc
+
+    yield make
+    for nc in clients:
+        if not nc.is_closed:
+            await asyncio.wait_for(nc.close(), 5)
+
+
+@pytest.fixture
+async def provisioned(bus_connect: BusConnect) -> bus.BusClient:
+    control = await bus_connect("control", "control-a")
+    await bus.provision(control.jetstream())
+    return control
+
+
+def shard(node: str, i: int) -> events.ShardStatus:
+    return events.ShardStatus(
+        id=f"{node}-shard-{i}",
+        ts=1_800_000_000.0 + i,
+        node=node,
+        replica_id="r1",
+        generation=1,
+        phase="loading",
+        error=f"step {i}",
+    )
+
+
+def heartbeat(node: str, i: int) -> events.Heartbeat:
+    return events.Heartbeat(id=f"{node}-hb-{i}", ts=1_800_000_000.0 + i, node=node, seq=i)
+
+
+async def read_all(reader: bus.Reader) -> list[bus.Record]:
+    out: list[bus.Record] = []
+    async with reader:
+        async for batch in reader.batches():
+            out.extend(batch)
+    return out
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within_s} s")
+        await asyncio.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- provisioning
+
+
+async def test_provisioning_twice_is_a_no_op(bus_connect: BusConnect) -> None:
+    control = await bus_connect("control", "control-a")
+    js = control.jetstream()
+    first = await bus.provision(js)
+    assert set(first.created) == {subjects.STREAM, bus.LEASE_BUCKET, bus.SNAPSHOT_BUCKET}
+    info = await js.stream_info(subjects.STREAM)
+    second = await bus.provision(js)
+    assert second.created == ()
+    assert set(second.existing) == set(first.created)
+    again = await js.stream_info(subjects.STREAM)
+    assert again.config.subjects == info.config.subjects == list(subjects.STREAM_SUBJECTS)
+    assert again.config.storage == api.StorageType.FILE
+    assert again.config.allow_direct
+    assert again.config.allow_msg_ttl
+    assert again.config.duplicate_window == 120.0
+
+
+async def test_a_conflicting_stream_is_refused_with_what_differs(
+    bus_connect: BusConnect, connect: Connector
+) -> None:
+    admin = await connect.admin()
+    await admin.jetstream().add_stream(
+        name=subjects.STREAM,
+        subjects=list(subjects.STREAM_SUBJECTS),
+        storage=api.StorageType.MEMORY,
+        duplicate_window=10,
+    )
+    control = await bus_connect("control", "control-a")
+    with pytest.raises(bus.ProvisionConflict) as refused:
+        await bus.provision(control.jetstream())
+    text = str(refused.value)
+    assert "storage is 'memory' (llmgw needs 'file')" in text
+    assert "duplicate_window is 10s" in text
+    assert "allow_msg_ttl is False" in text
+    assert "To fix" in text
+    # Refused, not changed: the existing stream is as the administrator left it.
+    info = await admin.jetstream().stream_info(subjects.STREAM)
+    assert info.config.storage == api.StorageType.MEMORY
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+async def test_a_duplicate_publish_inside_the_window_is_stored_once(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream())
+    event = shard("node-a", 1)
+    first = await publisher.publish(event)
+    second = await publisher.publish(event)
+    assert not first.duplicate
+    assert second.duplicate
+    assert second.seq == first.seq
+    info = await provisioned.jetstream().stream_info(subjects.STREAM)
+    assert info.state.messages == 1
+
+
+async def test_a_permission_violation_is_logged_as_such(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream(), timeout_s=0.5, attempts=1)
+    with capture_logs() as logs, pytest.raises(bus.PublishError, match="may publish"):
+        await publisher.publish(shard("node-b", 1))  # another node's subject
+    assert any("llmgw.events.node.node-b" in v for v in node.permission_violations)
+    assert any(e["event"] == "bus.permission_violation" for e in logs)
+
+
+async def test_a_heartbeat_with_a_ttl_is_gone_after_it(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream())
+    kept = await publisher.publish(shard("node-a", 1))
+    beat = await publisher.publish(heartbeat("node-a", 1), ttl_s=1)
+    js = provisioned.jetstream()
+    stored = await js.get_msg(subjects.STREAM, beat.seq)
+    assert stored.headers is not None
+    assert stored.headers.get("Nats-TTL") == "1s"
+
+    async def expired() -> bool:
+        info = await js.stream_info(subjects.STREAM)
+        return info.state.messages == 1
+
+    await wait_until(expired, 5.0, "heartbeat expired from the stream")
+    router = await bus_connect("router", "router-1")
+    records = await read_all(bus.Reader(router, follow=False))
+    assert [r.seq for r in records] == [kept.seq]
+
+
+# --------------------------------------------------------------------------- reading
+
+
+async def test_replay_after_sequence_n_returns_exactly_the_later_events_in_order(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    node = await bus_connect("node", "node-a")
+    published = await bus.Publisher(node.jetstream()).publish_all(
+        shard("node-a", i) for i in range(40)
+    )
+    seqs = [p.seq for p in published]
+    router = await bus_connect("router", "router-1")
+    for n in (0, seqs[0], seqs[17], seqs[-2], seqs[-1]):
+        records = await read_all(bus.Reader(router, after_seq=n, follow=False, batch=7))
+        assert [r.seq for r in records] == [s for s in seqs if s > n]
+        assert [r.event for r in records] == [
+            shard("node-a", i) for i, s in enumerate(seqs) if s > n
+        ]
+        assert all(r.subject == "llmgw.events.node.node-a.shard" for r in records)
+
+
+async def test_replay_from_a_time(provisioned: bus.BusClient, bus_connect: BusConnect) -> None:
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream())
+    await publisher.publish_all(shard("node-a", i) for i in range(5))
+    await asyncio.sleep(0.05)
+    since = time.time()
+    await asyncio.sleep(0.05)
+    later = await publisher.publish_all(shard("node-a", i) for i in range(5, 10))
+    router = await bus_connect("router", "router-1")
+    records = await read_all(bus.Reader(router, since=since, follow=False))
+    assert [r.seq for r in records] == [p.seq for p in later]
+    assert all(abs(r.time - since) < 5 for r in records)
+
+
+async def test_garbage_is_skipped_counted_and_reported_with_its_sequence(
+    provisioned: bus.BusClient, bus_connect: BusConnect, connect: Connector
+) -> None:
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream())
+    admin = await connect.admin()
+    before = await publisher.publish_all(shard("node-a", i) for i in range(3))
+    garbage = [
+        await admin.jetstream().publish("llmgw.events.node.node-a.shard", raw)
+        for raw in (b"\xff\xfe not json", b'{"type": "node.nonsense", "id": "x", "ts": 1}', b"")
+    ]
+    after = await publisher.publish_all(shard("node-a", i) for i in range(3, 6))
+
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, follow=False)
+    with capture_logs() as logs:
+        records = await read_all(reader)
+    assert [r.seq for r in records] == [p.seq for p in before + after]
+    assert reader.undecodable == 3
+    assert [s.seq for s in reader.skipped] == [g.seq for g in garbage]
+    assert "unknown event type 'node.nonsense'" in reader.skipped[1].error
+    logged = [e for e in logs if e["event"] == "bus.undecodable"]
+    assert [e["seq"] for e in logged] == [g.seq for g in garbage]
+
+
+async def test_a_following_reader_gets_live_events_and_garbage_does_not_stop_it(
+    provisioned: bus.BusClient, bus_connect: BusConnect, connect: Connector
+) -> None:
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream())
+    await publisher.publish(shard("node-a", 0))
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, heartbeat_s=0.5)
+    got: list[bus.Record] = []
+
+    async def consume() -> None:
+        async with reader:
+            async for record in reader:
+                got.append(record)
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(reader.caught_up.wait(), 5)
+        admin = await connect.admin()
+        await admin.jetstream().publish("llmgw.events.node.node-a.shard", b"garbage")
+        for i in range(1, 4):
+            await publisher.publish(shard("node-a", i))
+
+        async def all_arrived() -> bool:
+            return len(got) == 4
+
+        await wait_until(all_arrived, 5.0, "live events")
+        assert [r.event for r in got] == [shard("node-a", i) for i in range(4)]
+        assert reader.undecodable == 1
+        assert not task.done()
+    finally:
+        task.cancel()
+
+
+async def test_a_following_reader_survives_a_server_restart(
+    provisioned: bus.BusClient, bus_connect: BusConnect, nats_server: TestNatsServer
+) -> None:
+    node = await bus_connect("node", "node-a")
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, heartbeat_s=0.5)
+    got: list[bus.Record] = []
+
+    async def consume() -> None:
+        async with reader:
+            async for record in reader:
+                got.append(record)
+
+    task = asyncio.create_task(consume())
+    try:
+        await bus.Publisher(node.jetstream()).publish(shard("node-a", 0))
+        await asyncio.wait_for(reader.caught_up.wait(), 5)
+        nats_server.stop()
+        nats_server.start()
+        publisher = bus.Publisher(node.jetstream(), timeout_s=1.0, attempts=10)
+        for i in range(1, 4):
+            await publisher.publish(shard("node-a", i))
+
+        async def all_arrived() -> bool:
+            return len(got) == 4
+
+        await wait_until(all_arrived, 15.0, "events after the restart")
+        assert [r.event for r in got] == [shard("node-a", i) for i in range(4)]
+        assert reader.resets >= 1
+    finally:
+        task.cancel()
+
+
+async def test_a_reader_with_one_filter_reads_only_those_subjects(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    node = await bus_connect("node", "node-a")
+    await bus.Publisher(node.jetstream()).publish_all(shard("node-a", i) for i in range(3))
+    decided = events.NodeRecovered(id="d1", ts=1.0, node="node-a", epoch=1)
+    placed = await bus.Publisher(provisioned.jetstream()).publish(decided)
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, subjects_filter=[subjects.CONTROL_EVENTS_ALL], follow=False)
+    records = await read_all(reader)
+    assert [(r.seq, r.event) for r in records] == [(placed.seq, decided)]
+
+
+# --------------------------------------------------------------------------- fencing
+
+
+async def test_a_fenced_publish_after_another_write_to_the_fenced_subjects_is_refused(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    leader = bus.Publisher(provisioned.jetstream())
+    rival_nc = await bus_connect("control", "control-b")
+    rival = bus.Publisher(rival_nc.jetstream())
+    node = await bus_connect("node", "node-a")
+    await bus.Publisher(node.jetstream()).publish(shard("node-a", 1))  # not a fenced subject
+
+    def decision(i: int) -> events.NodeRecovered:
+        return events.NodeRecovered(id=f"decision-{i}", ts=float(i), node="node-a", epoch=1)
+
+    fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, 0)
+    first = await leader.publish(decision(1), fence=fence)
+    # The same event again (a retry after a lost ack) is a duplicate, not a refusal.
+    retried = await leader.publish(decision(1), fence=fence)
+    assert retried.duplicate
+    assert retried.seq == first.seq
+
+    fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, first.seq)
+    rival_write = await rival.publish(
+        events.LeaderElected(id="coup", ts=2.0, leader="control-b", epoch=2)
+    )
+    with pytest.raises(bus.FenceRefused, match="another leader wrote first"):
+        await leader.publish(decision(2), fence=fence)
+    # Fenced on what it has now read, the write goes through.
+    ok = await leader.publish(
+        decision(3), fence=bus.Fence(subjects.CONTROL_EVENTS_ALL, rival_write.seq)
+    )
+    assert ok.seq == rival_write.seq + 1
+
+
+# --------------------------------------------------------------------------- lease
+
+
+async def test_two_lease_contenders_one_holds_and_the_other_takes_over(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    other = await bus_connect("control", "control-b")
+    a = await bus.Lease.open(provisioned.jetstream(), "control-a", ttl_s=2)
+    b = await bus.Lease.open(other.jetstream(), "control-b", ttl_s=2)
+    assert await b.holder() is None
+    assert await a.acquire()
+    assert not await b.acquire()
+    holder = await b.holder()
+    assert holder is not None
+    assert (holder.holder, holder.epoch) == ("control-a", a.epoch)
+
+    # While A renews, B never gets it.
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        await a.renew()
+        assert not await b.acquire()
+        await asyncio.sleep(0.5)
+    holder = await b.holder()
+    assert holder is not None
+    assert holder.holder == "control-a"
+    assert holder.epoch == a.epoch
+
+    # A stops renewing: B takes over once the TTL has run out.
+    stopped = time.monotonic()
+
+    async def b_took_it() -> bool:
+        return await b.acquire()
+
+    await wait_until(b_took_it, 6.0, "B acquiring after A stopped renewing")
+    assert time.monotonic() - stopped >= 1.0
+    assert b.epoch > a.epoch
+    holder = await a.holder()
+    assert holder is not None
+    assert (holder.holder, holder.epoch) == ("control-b", b.epoch)
+    with pytest.raises(bus.LeaseLost):
+        await a.renew()
+    assert not await a.acquire()
+
+    # A clean release hands over at once.
+    await b.release()
+    assert await a.acquire()
+    assert a.epoch > b.epoch
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+async def test_snapshots_load_the_newest_and_the_newest_at_or_before(
+    provisioned: bus.BusClient,
+) -> None:
+    store = await bus.SnapshotStore.open(provisioned.jetstream(), keep=3)
+    assert await store.load() is None
+    big = bytes(range(256)) * (3 * 4096)  # 3 MiB: more than a KV value may hold
+    for seq, data in ((10, b"ten"), (20, big), (30, b"thirty"), (40, b"forty")):
+        await store.save(data, seq)
+    assert await store.seqs() == [20, 30, 40]  # the oldest pruned
+    newest = await store.load()
+    assert newest == bus.Snapshot(seq=40, data=b"forty")
+    at = await store.load(at_or_before=39)
+    assert at == bus.Snapshot(seq=30, data=b"thirty")
+    big_back = await store.load(at_or_before=29)
+    assert big_back is not None
+    assert big_back.seq == 20
+    assert big_back.data == big
+    assert await store.load(at_or_before=19) is None
