@@ -19,6 +19,8 @@ from llmgw.core import events
 # File name -> "module:Struct" of each configuration described in schemas/.
 CONFIG_TYPES: dict[str, str] = {
     "model-profile.schema.json": "llmgw.core.profile:ModelProfile",
+    "router-config.schema.json": "llmgw.router.config:RouterConfig",
+    "router-keys.schema.json": "llmgw.router.auth:KeysFile",
     "agent-config.schema.json": "llmgw.agent.config:AgentConfig",
 }
 

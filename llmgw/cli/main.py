@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from llmgw import __version__, schemas
+from llmgw.cli import router as router_cli
 
 app = typer.Typer(
     name="llmgw",
@@ -42,6 +43,9 @@ def schemas_cmd(
         )
         raise typer.Exit(1)
     typer.echo(f"{folder} matches the code")
+
+
+app.add_typer(router_cli.app, name="router")
 
 
 def main() -> None:

@@ -1,0 +1,107 @@
+"""`llmgw router`: run the OpenAI-compatible router, check its config, make API keys."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgspec
+import typer
+
+from llmgw import config, logs
+from llmgw.router import config as router_config
+from llmgw.router.config import RouterConfig
+
+app = typer.Typer(
+    help="The OpenAI-compatible router in front of the engines.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _load(path: Path | None, workers: int | None) -> RouterConfig:
+    try:
+        cfg = router_config.load(path)
+    except config.ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    if workers is not None:
+        cfg = msgspec.structs.replace(cfg, workers=workers)
+        problems = router_config.validate(cfg, where="--workers")
+        if problems:
+            typer.echo("\n".join(problems), err=True)
+            raise typer.Exit(2)
+    return cfg
+
+
+@app.command("run")
+def run(
+    config_path: Path = typer.Option(None, "--config", "-c", help="Router YAML config."),
+    workers: int = typer.Option(
+        None, "--workers", help="Processes sharing the port (overrides the config)."
+    ),
+) -> None:
+    """Serve the OpenAI API on the configured port until SIGTERM."""
+    from llmgw.router import server
+
+    cfg = _load(config_path, workers)
+    logs.setup(cfg.log_level)
+    if cfg.auth.keys_file:
+        # Fail here, once, with the keys file's own message, rather than in every worker.
+        from llmgw.router import auth
+
+        try:
+            auth.load_keys(cfg.auth.keys_file, 0.0)
+        except config.ConfigError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
+    server.run(cfg)
+
+
+@app.command("check")
+def check(
+    config_path: Path = typer.Option(..., "--config", "-c", help="Router YAML config."),
+) -> None:
+    """Validate a router config (and its keys file) and say what to change."""
+    from llmgw.router import auth
+
+    cfg = _load(config_path, None)
+    if cfg.auth.keys_file:
+        try:
+            keys = auth.load_keys(cfg.auth.keys_file, 0.0)
+        except config.ConfigError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"{len(keys.by_digest)} API keys")
+    names = sum(1 + len(m.aliases) for m in cfg.models)
+    typer.echo(
+        f"{config_path}: {len(cfg.models)} models ({names} names),"
+        f" {len(cfg.endpoints)} endpoints: ok"
+    )
+
+
+@app.command("hash-key")
+def hash_key(
+    name: str = typer.Option(..., "--name", help="Who the key is for (shown in logs)."),
+    model: list[str] = typer.Option(
+        ["*"], "--model", "-m", help="Model the key may use; repeat; '*' for all."
+    ),
+    stdin: bool = typer.Option(
+        False, "--stdin", help="Hash a key read from stdin instead of making a new one."
+    ),
+) -> None:
+    """Make an API key (or hash one from stdin) and print its keys-file entry.
+
+    The key is printed once, to stderr; only its SHA-256 goes in the keys file.
+    """
+    from llmgw.router import auth
+
+    if stdin:
+        key = sys.stdin.readline().strip()
+        if not key:
+            typer.echo("no key on stdin: pipe the key in, or leave out --stdin", err=True)
+            raise typer.Exit(2)
+    else:
+        key = auth.new_key()
+        typer.echo(f"API key for {name} (shown once, give it to them): {key}", err=True)
+    typer.echo(auth.entry_yaml(name, key, tuple(model)), nl=False)

@@ -1,0 +1,789 @@
+"""The router's HTTP application: OpenAI endpoints, auth, dispatch and the streaming relay.
+
+`Router` holds one process's state (catalog, endpoint table, breakers, prefix
+index, keys, the upstream connection pool) and `build_app` turns it into an
+aiohttp application. A request is authenticated, decoded just enough to route,
+ranked by `llmgw.core.routing`, and sent to the best endpoint; it moves to the
+next endpoint (then to the model's fallbacks) only while nothing has reached
+the client — connect errors, 5xx, 429, a deadline before the first byte. Once
+the first byte is relayed it never moves: a cut stream ends with an OpenAI
+error event rather than being spliced onto another engine's answer.
+
+SSE is relayed as raw bytes, whole events at a time, written as soon as they
+arrive; only a chunk that carries usage is decoded. A client that goes away
+cancels the handler (handler_cancellation), which closes the upstream
+connection at once, so the engine frees the request's KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from llmgw import logs
+from llmgw.core import breaker, routing
+from llmgw.core.prefix import PrefixIndex, block_hashes
+from llmgw.core.profile import Deadlines, ModelProfile
+from llmgw.router import auth, requests
+from llmgw.router.config import RouterConfig
+from llmgw.router.metrics import Metrics
+from llmgw.router.table import Catalog, EndpointTable, Prober
+
+log = logs.get("llmgw.router")
+
+JSON = "application/json"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+"""An upstream 'event' this long without a blank line is relayed as is rather than buffered."""
+SESSIONS_KEPT = 100_000
+PATHS: dict[str, requests.Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+KNOWN_GET = ("/v1/models", "/health", "/ready")
+
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+
+
+class Retry(Exception):
+    """An attempt failed before anything reached the client: another endpoint may take it."""
+
+    def __init__(self, reason: str, status: int, message: str, *, fault: bool = True) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+        self.message = message
+        self.fault = fault
+        """Counts against the endpoint's breaker (a 429 is load, not a fault)."""
+
+
+def error_response(
+    status: int, message: str, type_: str, code: str | None = None, rid: str = ""
+) -> web.Response:
+    headers = {"X-Request-Id": rid} if rid else None
+    return web.Response(
+        status=status,
+        body=requests.error_body(message, type_, code),
+        content_type=JSON,
+        headers=headers,
+    )
+
+
+class Router:
+    """One router process's state and its request path."""
+
+    def __init__(self, cfg: RouterConfig, *, worker: int = 0, workers: int = 1) -> None:
+        self.cfg = cfg
+        self.catalog = Catalog(cfg.models)
+        self.table = EndpointTable()
+        for ep in cfg.endpoints:
+            self.table.add(ep.id, ep.url, ep.models)
+        self.metrics = Metrics()
+        self.prefix = PrefixIndex(capacity=cfg.prefix.capacity)
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(8), "big")
+        self.rng = random.Random(seed + worker)
+        self.keys: auth.Keys | None = None
+        if cfg.auth.keys_file:
+            self.keys = auth.load_keys(cfg.auth.keys_file, time.monotonic(), 1.0 / workers)
+        self.session: aiohttp.ClientSession | None = None
+        self.prober: Prober | None = None
+        self._rid_prefix = f"{os.urandom(4).hex()}-"
+        self._rid = 0
+        self._use_prefix = cfg.weights.prefix > 0
+        self._session_header = cfg.session_header
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self.cfg.upstream_connections,
+            limit_per_host=0,
+            keepalive_timeout=60.0,
+            ttl_dns_cache=300,
+        )
+        # No total timeout: each phase has its own deadline, enforced per request.
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        self.prober = Prober(self.table, self.session, self.metrics, self.cfg.probe_interval_s)
+        await self.prober.probe_all()
+        self.prober.start()
+
+    async def stop(self) -> None:
+        if self.prober is not None:
+            await self.prober.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    # ------------------------------------------------------------------ handlers
+
+    def _request_id(self, request: web.Request) -> str:
+        rid = request.headers.get("X-Request-Id")
+        if rid and len(rid) <= 128:
+            return rid
+        self._rid += 1
+        return f"{self._rid_prefix}{self._rid}"
+
+    def _authenticate(self, request: web.Request, rid: str) -> auth.Principal | web.Response | None:
+        if self.keys is None:
+            return None
+        header = request.headers.get("Authorization")
+        if not header:
+            return error_response(
+                401,
+                "no API key: send it as `Authorization: Bearer <key>`",
+                "invalid_request_error",
+                "missing_api_key",
+                rid,
+            )
+        principal = self.keys.lookup(header)
+        if principal is None:
+            return error_response(
+                401,
+                "invalid API key: check the key, or ask the router's operator for one",
+                "invalid_request_error",
+                "invalid_api_key",
+                rid,
+            )
+        return principal
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        rid = self._request_id(request)
+        principal = self._authenticate(request, rid)
+        if isinstance(principal, web.Response):
+            return principal
+        data = []
+        for name, profile in sorted(self.catalog.names.items()):
+            if principal is not None and not (
+                principal.may_use(name) or principal.may_use(profile.name)
+            ):
+                continue
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "llmgw",
+                         "root": profile.name})  # fmt: skip
+        return web.json_response({"object": "list", "data": data})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        per_model = {
+            name: sum(1 for ep in self.table.for_model(name) if ep.ready and not ep.draining)
+            for name in self.catalog.profiles
+        }
+        ready = any(per_model.values())
+        return web.json_response(
+            {"ready": ready, "ready_endpoints": per_model}, status=200 if ready else 503
+        )
+
+    async def handle_fallthrough(self, request: web.Request) -> web.Response:
+        """Unknown paths (404) and wrong methods on known paths (405), in OpenAI's shape."""
+        path = request.path
+        if path in PATHS or path in KNOWN_GET:
+            allowed = "POST" if path in PATHS else "GET"
+            resp = error_response(
+                405,
+                f"{request.method} is not allowed on {path}: use {allowed}",
+                "invalid_request_error",
+                "method_not_allowed",
+            )
+            resp.headers["Allow"] = allowed
+            return resp
+        return error_response(
+            404,
+            f"unknown path {path}: this router serves /v1/chat/completions, /v1/completions,"
+            " /v1/embeddings and /v1/models",
+            "invalid_request_error",
+            "unknown_url",
+        )
+
+    def handler(
+        self, kind: requests.Kind
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self.handle_openai(request, kind)
+
+        return handle
+
+    async def handle_openai(self, request: web.Request, kind: requests.Kind) -> web.StreamResponse:
+        start = time.monotonic()
+        rid = self._request_id(request)
+        asked = "unknown"
+        status = 500
+        try:
+            principal = self._authenticate(request, rid)
+            if isinstance(principal, web.Response):
+                status = principal.status
+                return principal
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                status = 413
+                return error_response(
+                    413,
+                    f"the request body is larger than {self.cfg.max_body_bytes} bytes:"
+                    " send a shorter prompt or ask the operator to raise max_body_bytes",
+                    "invalid_request_error",
+                    "request_too_large",
+                    rid,
+                )
+            try:
+                parsed = requests.parse(kind, body, want_text=self._use_prefix)
+            except requests.BadRequest as exc:
+                status = 400
+                return error_response(400, str(exc), "invalid_request_error", "invalid_body", rid)
+            profile = self.catalog.resolve(parsed.model)
+            if profile is None:
+                status = 404
+                return error_response(
+                    404,
+                    f"the model {parsed.model!r} does not exist here: GET /v1/models lists"
+                    " the models this router serves",
+                    "invalid_request_error",
+                    "model_not_found",
+                    rid,
+                )
+            asked = profile.name
+            if principal is not None:
+                if not (principal.may_use(parsed.model) or principal.may_use(profile.name)):
+                    status = 403
+                    return error_response(
+                        403,
+                        f"this API key may not use the model {parsed.model!r}",
+                        "permission_error",
+                        "model_not_allowed",
+                        rid,
+                    )
+                now = time.monotonic()
+                if principal.requests is not None and not principal.requests.take(now):
+                    status = 429
+                    return error_response(
+                        429,
+                        f"this API key is over its limit of {principal.entry.requests_per_s}"
+                        " requests/s: retry later",
+                        "rate_limit_error",
+                        "rate_limit_exceeded",
+                        rid,
+                    )
+                if principal.tokens is not None and not principal.tokens.has_credit(now):
+                    status = 429
+                    return error_response(
+                        429,
+                        f"this API key is over its limit of {principal.entry.tokens_per_min}"
+                        " tokens/min: retry later",
+                        "rate_limit_error",
+                        "tokens_exceeded",
+                        rid,
+                    )
+            inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
+            state = _Relay(request, rid, start, stream=parsed.stream, drop_usage=inject_usage)
+            state.kind = kind
+            try:
+                resp = await self.dispatch(request, body, parsed, profile, principal, state)
+            except _ClientGone:
+                status = 499
+                return state.response or web.Response(status=499)
+            status = state.failed_status or resp.status
+            return resp
+        except asyncio.CancelledError:
+            status = 499  # client closed the request (nginx's convention)
+            raise
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            status = 499
+            raise
+        finally:
+            self.metrics.request_done(asked, status, time.monotonic() - start)
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def dispatch(
+        self,
+        request: web.Request,
+        body: bytes,
+        parsed: requests.Parsed,
+        profile: ModelProfile,
+        principal: auth.Principal | None,
+        state: _Relay,
+    ) -> web.StreamResponse:
+        cfg = self.cfg
+        rid = state.rid
+        kind = state.kind
+        hashes = (
+            block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks)
+            if parsed.text
+            else []
+        )
+        session_key = request.headers.get(self._session_header, "")
+        session_ep = self.sessions.get(session_key, "") if session_key else ""
+        inject_usage = state.drop_usage
+        last: Retry | None = None
+        chain = [profile]
+        for fb in profile.fallbacks:
+            p = self.catalog.resolve(fb)
+            if p is not None and p not in chain:
+                chain.append(p)
+        for n, prof in enumerate(chain):
+            if n > 0:
+                self.metrics.fallback(profile.name, prof.name)
+                log.info("fallback", request_id=rid, model=profile.name, fallback=prof.name)
+            now = time.monotonic()
+            q = routing.Query(
+                model=prof.name,
+                now=now,
+                policy=cfg.breaker,
+                prefix_blocks=len(hashes),
+                prefix_hits=self.prefix.match(hashes) if hashes else {},
+                session_endpoint=session_ep,
+            )
+            ranking = routing.rank(
+                self.table.for_model(prof.name), q, cfg.weights, self.rng.random()
+            )
+            self.metrics.routed(ranking.drops, ranking.winner_scores)
+            if not ranking.order:
+                last = last or Retry(
+                    "no_endpoint",
+                    503,
+                    f"no ready endpoint serves the model {prof.name!r} right now: retry shortly",
+                    fault=False,
+                )
+                continue
+            rename = prof.name if prof.name != parsed.model else None
+            up_body = (
+                requests.rewrite(body, model=rename, include_usage=inject_usage)
+                if rename is not None or inject_usage
+                else body
+            )
+            for ep in ranking.order[: cfg.max_attempts]:
+                if not breaker.allows(ep.breaker, cfg.breaker, time.monotonic()):
+                    continue
+                try:
+                    resp = await self._attempt(ep, kind, prof, up_body, state, principal)
+                except Retry as exc:
+                    last = exc
+                    self.metrics.retry(profile.name, exc.reason)
+                    log.info(
+                        "attempt_failed",
+                        request_id=rid,
+                        endpoint=ep.id,
+                        reason=exc.reason,
+                        detail=exc.message,
+                    )
+                    continue
+                if hashes:
+                    self.prefix.record(hashes, ep.id)
+                if session_key:
+                    self._remember_session(session_key, ep.id)
+                return resp
+        assert last is not None
+        log.warning("request_failed", request_id=rid, model=profile.name, reason=last.reason)
+        if state.response is not None and state.response.prepared:
+            # Keep-alive comments already went out as a 200: the status can no longer change.
+            await state.finish_with_error(last.message, "server_error", last.reason, last.status)
+            return state.response
+        type_ = "rate_limit_error" if last.status == 429 else "server_error"
+        return error_response(last.status, last.message, type_, last.reason, rid)
+
+    def _remember_session(self, key: str, ep_id: str) -> None:
+        s = self.sessions
+        if s.get(key) == ep_id:
+            return
+        s[key] = ep_id
+        s.move_to_end(key)
+        if len(s) > SESSIONS_KEPT:
+            s.popitem(last=False)
+
+    async def _attempt(
+        self,
+        ep: routing.EndpointState,
+        kind: requests.Kind,
+        prof: ModelProfile,
+        body: bytes,
+        state: _Relay,
+        principal: auth.Principal | None,
+    ) -> web.StreamResponse:
+        """One try on one endpoint. Raises Retry while nothing has reached the client."""
+        cfg = self.cfg
+        policy = cfg.breaker
+        ep.breaker = breaker.on_attempt(ep.breaker, policy, time.monotonic())
+        ep.inflight += 1
+        verdict: bool | None = None  # True success, False fault, None no verdict
+        try:
+            resp = await self._exchange(ep, kind, prof, body, state, principal)
+            verdict = True
+            return resp
+        except Retry as exc:
+            verdict = False if exc.fault else None
+            raise
+        except _EngineFault:
+            verdict = False
+            assert state.response is not None
+            return state.response
+        finally:
+            ep.inflight -= 1
+            if verdict is True:
+                ep.breaker = breaker.on_success(ep.breaker)
+            elif verdict is False:
+                before = ep.breaker.state
+                ep.breaker = breaker.on_failure(ep.breaker, policy, time.monotonic())
+                if ep.breaker.state == "open" and before != "open":
+                    log.warning("breaker_open", endpoint=ep.id, url=ep.url)
+            else:
+                ep.breaker = breaker.on_abandon(ep.breaker)
+
+    async def _exchange(
+        self,
+        ep: routing.EndpointState,
+        kind: requests.Kind,
+        prof: ModelProfile,
+        body: bytes,
+        state: _Relay,
+        principal: auth.Principal | None,
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        d = prof.deadlines
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        total_at = state.loop_start + d.total_s
+        path = "/v1/chat/completions" if kind == "chat" else f"/v1/{kind}"
+        open_coro = self._open(ep.url + path, body, state.rid, d, t0, total_at, state.stream)
+        if self.cfg.keepalive_s > 0 and state.stream:
+            opened = await self._open_with_keepalive(open_coro, state)
+        else:
+            opened = await open_coro
+        upstream, first = opened
+        try:
+            if not state.stream or first is None:
+                # A whole body: a non-streamed answer, or a 4xx the client must see as is.
+                data = await self._read_body(upstream, d, total_at)
+                if upstream.status == 200:
+                    self._account(prof, principal, data)
+                ttft = loop.time() - state.loop_start
+                self.metrics.first_token(prof.name, ttft)
+                if state.response is not None and state.response.prepared:
+                    # Keep-alive comments went out as a 200 stream: pass the body as an event.
+                    await state._write(b"data: " + data + b"\n\n")
+                    await state.response.write_eof()
+                    return state.response
+                return web.Response(
+                    status=upstream.status,
+                    body=data,
+                    content_type=(upstream.content_type or JSON),
+                    headers={"X-Request-Id": state.rid},
+                )
+            return await self._relay(ep, upstream, first, prof, principal, state, total_at)
+        finally:
+            upstream.close()
+
+    async def _open(
+        self,
+        url: str,
+        body: bytes,
+        rid: str,
+        d: Deadlines,
+        t0: float,
+        total_at: float,
+        stream: bool,
+    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """Send the request; return the response and, for a 2xx stream, its first bytes."""
+        assert self.session is not None
+        headers = {"Content-Type": JSON, "X-Request-Id": rid}
+        try:
+            async with asyncio.timeout_at(min(t0 + d.headers_s, total_at)):
+                upstream = await self.session.post(
+                    url,
+                    data=body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=d.connect_s),
+                )
+        except TimeoutError as exc:
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                raise Retry("connect_timeout", 504, f"engine did not accept a connection within"
+                            f" {d.connect_s} s") from None  # fmt: skip
+            raise Retry(
+                "headers_timeout", 504, f"engine sent no response headers within {d.headers_s} s"
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise Retry("connect_error", 502, f"cannot connect to the engine: {exc}") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Retry("upstream_error", 502, f"engine connection failed: {exc!r}") from None
+        try:
+            status = upstream.status
+            if status >= 500 or status == 429:
+                detail = b""
+                try:
+                    async with asyncio.timeout(1.0):
+                        detail = await upstream.content.read(2048)
+                except (TimeoutError, aiohttp.ClientError, OSError):
+                    pass
+                raise Retry(
+                    "overloaded" if status == 429 else f"status_{status}",
+                    429 if status == 429 else 502,
+                    f"engine answered {status}: {detail.decode('utf-8', 'replace')[:300]}",
+                    fault=status != 429,
+                )
+            if not stream or status != 200:
+                return upstream, None
+            try:
+                async with asyncio.timeout_at(min(t0 + d.first_token_s, total_at)):
+                    first = await upstream.content.readany()
+            except TimeoutError:
+                raise Retry(
+                    "first_token_timeout",
+                    504,
+                    f"engine sent no first token within {d.first_token_s} s",
+                ) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise Retry("upstream_error", 502, f"engine stream failed: {exc!r}") from None
+            if not first:
+                raise Retry("empty_stream", 502, "engine closed the stream before any data")
+            return upstream, first
+        except BaseException:
+            upstream.close()
+            raise
+
+    async def _open_with_keepalive(
+        self,
+        open_coro: Awaitable[tuple[aiohttp.ClientResponse, bytes | None]],
+        state: _Relay,
+    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """Await `open_coro`, sending SSE comments every keepalive_s while it waits."""
+        task = asyncio.ensure_future(open_coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.cfg.keepalive_s)
+                if done:
+                    return task.result()
+                await state.prepare()
+                await state._write(KEEPALIVE)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _read_body(
+        self, upstream: aiohttp.ClientResponse, d: Deadlines, total_at: float
+    ) -> bytes:
+        try:
+            async with asyncio.timeout_at(total_at):
+                return await upstream.read()
+        except TimeoutError:
+            raise Retry(
+                "total_timeout", 504, f"engine did not finish within {d.total_s} s"
+            ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Retry("upstream_error", 502, f"engine response failed: {exc!r}") from None
+
+    def _account(self, prof: ModelProfile, principal: auth.Principal | None, data: bytes) -> None:
+        u = requests.usage_of(data)
+        if u is None or u.usage is None:
+            return
+        self._count(prof, principal, u.usage)
+
+    def _count(
+        self, prof: ModelProfile, principal: auth.Principal | None, usage: requests.Usage
+    ) -> None:
+        self.metrics.count_tokens(prof.name, usage.prompt_tokens, usage.completion_tokens)
+        if principal is not None and principal.tokens is not None:
+            principal.tokens.spend(time.monotonic(), usage.prompt_tokens + usage.completion_tokens)
+
+    async def _relay(
+        self,
+        ep: routing.EndpointState,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        prof: ModelProfile,
+        principal: auth.Principal | None,
+        state: _Relay,
+        total_at: float,
+    ) -> web.StreamResponse:
+        """Relay SSE events from the first bytes on. From here on there is no retry."""
+        loop = asyncio.get_running_loop()
+        d = prof.deadlines
+        t_first = loop.time()
+        self.metrics.first_token(prof.name, t_first - state.loop_start)
+        resp = await state.prepare()
+        content = upstream.content
+        buf = first
+        chunks = 1
+        t_last = t_first
+        tail = b""
+        problem: tuple[str, str] | None = None
+        idle = d.idle_s
+        try:
+            async with asyncio.timeout_at(min(t_first + idle, total_at)) as cm:
+                while True:
+                    cut = buf.rfind(b"\n\n")
+                    if cut >= 0 or len(buf) > MAX_EVENT_BYTES:
+                        end = cut + 2 if cut >= 0 else len(buf)
+                        out = buf[:end] if end < len(buf) else buf
+                        buf = buf[end:] if end < len(buf) else b""
+                        if b'"usage"' in out:
+                            out = self._usage_events(out, prof, principal, state.drop_usage)
+                        if out:
+                            try:
+                                await resp.write(out)
+                            except ConnectionResetError:
+                                raise _ClientGone from None
+                            tail = out
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    now = loop.time()
+                    chunks += 1
+                    t_last = now
+                    buf = buf + chunk if buf else chunk
+                    cm.reschedule(min(now + idle, total_at))
+        except TimeoutError:
+            if loop.time() >= total_at - 0.001:
+                problem = ("total_timeout", f"the engine did not finish within {d.total_s} s")
+            else:
+                problem = ("idle_timeout", f"the engine sent nothing for {idle} s")
+        except (aiohttp.ClientError, OSError) as exc:
+            problem = ("engine_disconnected", f"the engine's stream broke off: {exc!r}")
+        if chunks > 1:
+            self.metrics.inter_token(prof.name, (t_last - t_first) / (chunks - 1))
+        if problem is None and not tail.endswith(DONE):
+            problem = ("engine_disconnected", "the engine ended the stream before it was complete")
+        if problem is not None:
+            log.warning("stream_cut", request_id=state.rid, endpoint=ep.id, reason=problem[0])
+            upstream.close()
+            await state.finish_with_error(
+                problem[1], "server_error", problem[0], 504 if "timeout" in problem[0] else 502
+            )
+            raise _EngineFault
+        try:
+            await resp.write_eof()
+        except ConnectionResetError:
+            raise _ClientGone from None
+        return resp
+
+    def _usage_events(
+        self,
+        out: bytes,
+        prof: ModelProfile,
+        principal: auth.Principal | None,
+        drop: bool,
+    ) -> bytes:
+        """Count usage chunks; drop usage-only chunks the client did not ask for."""
+        kept: list[bytes] = []
+        for event in out.split(b"\n\n"):
+            if not event:
+                continue
+            if b'"usage"' in event and event.startswith(b"data: {"):
+                u = requests.usage_of(event[6:])
+                if u is not None and u.usage is not None:
+                    self._count(prof, principal, u.usage)
+                    if drop and not u.choices:
+                        continue
+            kept.append(event)
+        return b"".join(e + b"\n\n" for e in kept)
+
+
+class _EngineFault(Exception):
+    """The stream broke after the first byte; the client already got an error event."""
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it went away. Upstream is closed on the way out."""
+
+
+class _Relay:
+    """Per-request relay state shared across attempts (the client response, once started)."""
+
+    __slots__ = (
+        "drop_usage", "failed_status", "kind", "loop_start", "request", "response", "rid",
+        "stream",
+    )  # fmt: skip
+
+    def __init__(
+        self, request: web.Request, rid: str, start: float, *, stream: bool, drop_usage: bool
+    ) -> None:
+        self.request = request
+        self.rid = rid
+        self.kind: requests.Kind = "chat"
+        self.response: web.StreamResponse | None = None
+        self.stream = stream
+        self.drop_usage = drop_usage
+        self.failed_status = 0
+        """The status metrics record for a stream that ended with an error event."""
+        # Deadlines run on the loop's clock; start was taken on time.monotonic (the same clock
+        # under asyncio's default and uvloop), so the phases line up with the request's start.
+        self.loop_start = asyncio.get_running_loop().time() - (time.monotonic() - start)
+
+    async def prepare(self) -> web.StreamResponse:
+        if self.response is None:
+            resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            resp.headers["X-Request-Id"] = self.rid
+            self.response = resp
+        if not self.response.prepared:
+            try:
+                await self.response.prepare(self.request)
+            except ConnectionResetError:
+                raise _ClientGone from None
+        return self.response
+
+    async def _write(self, data: bytes) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write(data)
+        except ConnectionResetError:
+            raise _ClientGone from None
+
+    async def finish_with_error(self, message: str, type_: str, code: str, status: int) -> None:
+        self.failed_status = status
+        resp = await self.prepare()
+        try:
+            await resp.write(requests.error_event(message, type_, code))
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+
+
+def build_app(router: Router) -> web.Application:
+    """The client-facing application."""
+    app = web.Application(client_max_size=router.cfg.max_body_bytes)
+    app[ROUTER_KEY] = router
+    for path, kind in PATHS.items():
+        app.router.add_post(path, router.handler(kind))
+    app.router.add_get("/v1/models", router.handle_models)
+    app.router.add_get("/health", router.handle_health)
+    app.router.add_get("/ready", router.handle_ready)
+    app.router.add_route("*", "/{tail:.*}", router.handle_fallthrough)
+
+    async def on_startup(_: web.Application) -> None:
+        await router.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await router.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def build_admin_app(router: Router) -> web.Application:
+    """Metrics and health, on the admin listener."""
+    app = web.Application()
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = await asyncio.get_running_loop().run_in_executor(None, router.metrics.exposition)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    return app

@@ -1,0 +1,192 @@
+"""The router's configuration: listeners, models, endpoints, weights, deadlines, keys.
+
+Models are `llmgw.core.profile.ModelProfile`s — the same description operators
+declare in the log — of which the router uses the name, aliases, fallbacks and
+deadlines. The static `endpoints` list serves router-only deployments; in a
+fleet the endpoint table is fed by EndpointUp / EndpointDown events instead.
+Loaded by `llmgw router run` through `llmgw.config.load(..., section="ROUTER")`,
+so `LLMGW_ROUTER__LISTEN__PORT=9000` overrides `listen.port`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import msgspec
+
+from llmgw import config
+from llmgw.core.breaker import BreakerPolicy
+from llmgw.core.profile import ModelProfile
+from llmgw.core.routing import Weights
+
+
+class Listener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+
+
+class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine the router may send requests to."""
+
+    id: str
+    url: str
+    """Base URL of the engine's OpenAI API, without /v1: `http://10.0.0.5:8000`."""
+    models: tuple[str, ...]
+    """Model names (declared under `models`) this engine serves."""
+
+
+class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    keys_file: str = ""
+    """YAML file of hashed API keys (see `llmgw router hash-key`)."""
+    allow_anonymous: bool = False
+    """Serve without keys. Must be said explicitly: an open router is an open GPU bill."""
+
+
+class PrefixConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    block_chars: int = 256
+    """Characters per prefix block (~64 tokens): near an engine's KV block of 16 tokens x 4."""
+    max_blocks: int = 128
+    """Prompt blocks hashed per request: bounds the work on very long prompts."""
+    capacity: int = 200_000
+    """Block hashes remembered (LRU)."""
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    listen: Listener = Listener(port=8080)
+    admin: Listener = Listener(port=9090)
+    """Prometheus /metrics and /health, on its own port so it can stay private."""
+    workers: int = 1
+    """Processes sharing the listen port (SO_REUSEPORT)."""
+    models: tuple[ModelProfile, ...] = ()
+    endpoints: tuple[EndpointConfig, ...] = ()
+    weights: Weights = Weights()
+    breaker: BreakerPolicy = BreakerPolicy()
+    prefix: PrefixConfig = PrefixConfig()
+    auth: AuthConfig = AuthConfig()
+    session_header: str = "x-session-id"
+    """Requests carrying the same value of this header prefer the same endpoint."""
+    max_attempts: int = 3
+    """Endpoints tried per model before falling back or giving up (only before the first byte)."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    keepalive_s: float = 0.0
+    """Send an SSE comment every this many seconds before the first token (0: never);
+    for load balancers that cut idle connections during a long prefill."""
+    count_stream_tokens: bool = True
+    """Ask engines for a usage chunk on streams (dropped again unless the client asked):
+    token metrics and tokens/min limits need it."""
+    probe_interval_s: float = 1.0
+    """How often each engine's /health and /metrics are read."""
+    upstream_connections: int = 4096
+    seed: int | None = None
+    """Seed of the tie-breaking random generator; None draws one at start."""
+    log_level: str = "info"
+
+
+def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
+    """Every problem with `cfg`, each saying what to change; empty when it is usable.
+
+    Duplicate endpoint ids and aliases that shadow a model would misroute silently
+    at request time, so they are refused here instead.
+    """
+    problems: list[str] = []
+    names: dict[str, str] = {}
+    for i, m in enumerate(cfg.models):
+        if not m.name:
+            problems.append(f"models[{i}] has no name: set models[{i}].name")
+            continue
+        if m.name in names:
+            problems.append(
+                f"model {m.name!r} is declared twice (models[{i}]): merge the two entries"
+            )
+        names[m.name] = m.name
+    for i, m in enumerate(cfg.models):
+        for alias in m.aliases:
+            if alias in names and names[alias] == alias:
+                problems.append(
+                    f"alias {alias!r} of model {m.name!r} shadows the model of that name:"
+                    f" rename the alias or remove it from models[{i}].aliases"
+                )
+            elif alias in names:
+                problems.append(
+                    f"alias {alias!r} is claimed by both {names[alias]!r} and {m.name!r}:"
+                    f" keep it on one model only"
+                )
+            else:
+                names[alias] = m.name
+    canonical = {m.name for m in cfg.models}
+    for m in cfg.models:
+        for fb in m.fallbacks:
+            if fb not in names:
+                problems.append(
+                    f"model {m.name!r} falls back to {fb!r}, which is not declared:"
+                    f" declare it under models or remove it from fallbacks"
+                )
+            elif names[fb] == m.name:
+                problems.append(f"model {m.name!r} lists itself as a fallback: remove it")
+        d = m.deadlines
+        for field in ("connect_s", "headers_s", "first_token_s", "idle_s", "total_s"):
+            if getattr(d, field) <= 0:
+                problems.append(f"model {m.name!r}: deadlines.{field} must be above 0 seconds")
+    ids: set[str] = set()
+    for i, ep in enumerate(cfg.endpoints):
+        if ep.id in ids:
+            problems.append(
+                f"endpoint id {ep.id!r} is used twice (endpoints[{i}]):"
+                " give each endpoint its own id"
+            )
+        ids.add(ep.id)
+        parts = urlsplit(ep.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            problems.append(f"endpoint {ep.id!r}: url {ep.url!r} must look like http://host:port")
+        if not ep.models:
+            problems.append(f"endpoint {ep.id!r} serves no models: list them in its models")
+        for model in ep.models:
+            if model not in canonical:
+                hint = (
+                    f"use the model's name {names[model]!r}, not its alias"
+                    if model in names
+                    else "declare it under models or fix the name"
+                )
+                problems.append(
+                    f"endpoint {ep.id!r} serves {model!r}, which is not a declared model: {hint}"
+                )
+    if cfg.workers < 1:
+        problems.append("workers must be at least 1")
+    if cfg.max_attempts < 1:
+        problems.append("max_attempts must be at least 1")
+    if cfg.max_body_bytes < 1024:
+        problems.append("max_body_bytes must be at least 1024")
+    if cfg.prefix.block_chars < 1 or cfg.prefix.max_blocks < 0 or cfg.prefix.capacity < 1:
+        problems.append("prefix: block_chars and capacity must be at least 1, max_blocks >= 0")
+    if cfg.probe_interval_s <= 0:
+        problems.append("probe_interval_s must be above 0")
+    if cfg.breaker.failures_to_open < 1:
+        problems.append("breaker.failures_to_open must be at least 1")
+    if not cfg.auth.keys_file and not cfg.auth.allow_anonymous:
+        problems.append(
+            "no API keys: set auth.keys_file to a keys file (make entries with"
+            " `llmgw router hash-key`), or set auth.allow_anonymous: true to serve without keys"
+        )
+    if cfg.auth.keys_file and cfg.auth.allow_anonymous:
+        problems.append("auth.keys_file and auth.allow_anonymous are both set: choose one")
+    return [f"{where}: {p}" for p in problems]
+
+
+def load(path: str | Path | None) -> RouterConfig:
+    """Load and validate; raises `config.ConfigError` listing every problem."""
+    cfg = config.load(RouterConfig, path, section="ROUTER")
+    problems = validate(cfg, where=str(path) if path else "router config")
+    if problems:
+        raise config.ConfigError("\n".join(problems))
+    return cfg
+
+
+def model_names(cfg: RouterConfig) -> dict[str, ModelProfile]:
+    """Every name a client may ask for (models and aliases) -> its profile."""
+    out: dict[str, ModelProfile] = {}
+    for m in cfg.models:
+        out[m.name] = m
+        for alias in m.aliases:
+            out[alias] = m
+    return out

@@ -1,0 +1,160 @@
+"""What the router reads from an OpenAI request body, and the error shape it answers with.
+
+The router decodes only the fields it routes on (model, stream, the prompt
+text for prefix affinity) into small msgspec Structs, and relays the body
+untouched unless it must change it (an alias or fallback renames the model; a
+stream gets a usage chunk requested for token accounting). Decoding errors
+become 400s in OpenAI's error shape, never a 500. Used by `llmgw.router.app`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Kind = Literal["chat", "completions", "embeddings"]
+
+
+class Part(msgspec.Struct):
+    type: str = ""
+    text: str = ""
+
+
+class Message(msgspec.Struct):
+    role: str = ""
+    content: str | list[Part] | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatBody(msgspec.Struct):
+    model: str
+    messages: list[Message]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionBody(msgspec.Struct):
+    model: str
+    prompt: str | list[Any]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class EmbeddingBody(msgspec.Struct):
+    model: str
+    input: str | list[Any]
+
+
+_DECODERS: dict[Kind, msgspec.json.Decoder[Any]] = {
+    "chat": msgspec.json.Decoder(ChatBody),
+    "completions": msgspec.json.Decoder(CompletionBody),
+    "embeddings": msgspec.json.Decoder(EmbeddingBody),
+}
+
+
+class BadRequest(ValueError):
+    """A body the router cannot route; the message is shown to the client."""
+
+
+class Parsed(msgspec.Struct):
+    model: str
+    stream: bool
+    wants_usage: bool
+    text: str
+    """Prompt text for prefix affinity ("" when not needed)."""
+
+
+def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
+    """Decode the routing fields of `body`; raises BadRequest with a message for the client."""
+    if not body:
+        raise BadRequest("the request body is empty: send a JSON object")
+    try:
+        req = _DECODERS[kind].decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not req.model:
+        raise BadRequest("`model` is empty: name the model to use")
+    if isinstance(req, EmbeddingBody):
+        text = req.input if isinstance(req.input, str) else ""
+        return Parsed(
+            model=req.model, stream=False, wants_usage=False, text=text if want_text else ""
+        )
+    wants_usage = req.stream_options is not None and req.stream_options.include_usage
+    text = ""
+    if want_text:
+        text = _chat_text(req.messages) if isinstance(req, ChatBody) else _prompt_text(req.prompt)
+    return Parsed(model=req.model, stream=req.stream, wants_usage=wants_usage, text=text)
+
+
+def _chat_text(messages: list[Message]) -> str:
+    parts: list[str] = []
+    for m in messages:
+        parts.append(m.role)
+        parts.append("\n")
+        c = m.content
+        if isinstance(c, str):
+            parts.append(c)
+        elif c:
+            parts.extend(p.text for p in c)
+        parts.append("\n")
+    return "".join(parts)
+
+
+def _prompt_text(prompt: str | list[Any]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and isinstance(prompt[0], str):
+        return prompt[0]
+    return ""
+
+
+def rewrite(body: bytes, *, model: str | None, include_usage: bool) -> bytes:
+    """The body with another model name and/or a usage chunk requested."""
+    data = msgspec.json.decode(body)
+    if model is not None:
+        data["model"] = model
+    if include_usage:
+        opts = data.get("stream_options")
+        data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+    return msgspec.json.encode(data)
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class UsageOnly(msgspec.Struct):
+    usage: Usage | None = None
+    choices: list[msgspec.Raw] | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(UsageOnly)
+
+
+def usage_of(data: bytes) -> UsageOnly | None:
+    """The usage (and whether choices is empty) of one JSON body or SSE data payload."""
+    try:
+        return _usage_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
+def error_body(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> bytes:
+    """OpenAI's error shape."""
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
+
+
+def error_event(message: str, type_: str, code: str) -> bytes:
+    """An SSE event carrying an OpenAI error: the SDKs raise it as an APIError."""
+    return b"data: " + error_body(message, type_, code) + b"\n\n"

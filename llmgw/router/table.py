@@ -1,0 +1,204 @@
+"""The router's live view of the fleet: models it can route and the endpoints serving them.
+
+`Catalog` maps every name a client may ask for (model or alias) to its
+`ModelProfile`; `EndpointTable` holds one `llmgw.core.routing.EndpointState`
+per engine, with add / remove / mark-draining. Today the static router config
+fills both at start; the control plane's ModelDeclared / ModelChanged /
+ModelRemoved and EndpointUp / EndpointDown events will call the same methods.
+`Prober` keeps each endpoint's readiness (/health) and load (/metrics) fresh.
+Used by `llmgw.router.app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+
+import aiohttp
+
+from llmgw import logs
+from llmgw.core.profile import ModelProfile
+from llmgw.core.routing import EndpointState
+from llmgw.router.metrics import BREAKER_VALUE, Metrics
+
+log = logs.get("llmgw.router")
+
+QUEUE_METRICS = frozenset(
+    {"vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:num_queue_reqs"}
+)
+RUNNING_METRICS = frozenset(
+    {"vllm:num_requests_running", "llamacpp:requests_processing", "sglang:num_running_reqs"}
+)
+KV_METRICS = frozenset(
+    {"vllm:kv_cache_usage_perc", "llamacpp:kv_cache_usage_ratio", "sglang:token_usage"}
+)
+_WANTED = QUEUE_METRICS | RUNNING_METRICS | KV_METRICS
+
+
+class Catalog:
+    """Name or alias -> model profile."""
+
+    def __init__(self, models: Iterable[ModelProfile] = ()) -> None:
+        self.profiles: dict[str, ModelProfile] = {}
+        self.names: dict[str, ModelProfile] = {}
+        for m in models:
+            self.put(m)
+
+    def put(self, model: ModelProfile) -> None:
+        """Declare or change a model (its old aliases go)."""
+        self.remove(model.name)
+        self.profiles[model.name] = model
+        self.names[model.name] = model
+        for alias in model.aliases:
+            self.names.setdefault(alias, model)
+
+    def remove(self, name: str) -> None:
+        old = self.profiles.pop(name, None)
+        if old is None:
+            return
+        for n in (old.name, *old.aliases):
+            if self.names.get(n) is old:
+                del self.names[n]
+
+    def resolve(self, name: str) -> ModelProfile | None:
+        return self.names.get(name)
+
+
+class EndpointTable:
+    """Endpoints by id and by the model they serve. Mutated in place, read per request."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, EndpointState] = {}
+        self.by_model: dict[str, list[EndpointState]] = {}
+
+    def add(
+        self, id: str, url: str, models: Iterable[str], *, ready: bool = False
+    ) -> EndpointState:
+        """Add an endpoint, or replace the one with this id (an engine restarted elsewhere)."""
+        self.remove(id)
+        ep = EndpointState(id=id, url=url.rstrip("/"), models=frozenset(models), ready=ready)
+        self.by_id[id] = ep
+        for m in ep.models:
+            self.by_model.setdefault(m, []).append(ep)
+        return ep
+
+    def remove(self, id: str) -> EndpointState | None:
+        ep = self.by_id.pop(id, None)
+        if ep is not None:
+            for m in ep.models:
+                eps = self.by_model.get(m, [])
+                # Rebuild rather than mutate: a request may be iterating the old list.
+                self.by_model[m] = [e for e in eps if e is not ep]
+        return ep
+
+    def mark_draining(self, id: str, draining: bool = True) -> bool:
+        ep = self.by_id.get(id)
+        if ep is None:
+            return False
+        ep.draining = draining
+        return True
+
+    def for_model(self, model: str) -> list[EndpointState]:
+        return self.by_model.get(model, [])
+
+
+def parse_engine_metrics(text: str) -> tuple[float | None, float | None, float | None]:
+    """(queue depth, running, KV usage) from a Prometheus text page; None where absent.
+
+    Sums over label sets (one engine may list several model names). Purely computational.
+    """
+    queue: float | None = None
+    running: float | None = None
+    kv: float | None = None
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        cut = line.find("{")
+        if cut < 0:
+            cut = line.find(" ")
+        name = line[:cut]
+        if name not in _WANTED:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[-1])
+        except ValueError:
+            continue
+        if value != value:  # NaN: an engine with nothing to report yet
+            continue
+        if name in QUEUE_METRICS:
+            queue = (queue or 0.0) + value
+        elif name in RUNNING_METRICS:
+            running = (running or 0.0) + value
+        else:
+            kv = value if kv is None else max(kv, value)
+    return queue, running, kv
+
+
+class Prober:
+    """Reads every endpoint's /health and /metrics every `interval` seconds."""
+
+    def __init__(
+        self,
+        table: EndpointTable,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+        interval: float,
+    ) -> None:
+        self.table = table
+        self.session = session
+        self.metrics = metrics
+        self.interval = interval
+        self.rounds = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def probe_all(self) -> None:
+        eps = list(self.table.by_id.values())
+        await asyncio.gather(*(self._probe(ep) for ep in eps))
+        self.rounds += 1
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # a probe bug must not stop probing
+                log.exception("probe_round_failed")
+            await asyncio.sleep(self.interval)
+
+    async def _probe(self, ep: EndpointState) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(min(self.interval, 2.0), 0.5))
+        was = ep.ready
+        try:
+            async with self.session.get(ep.url + "/health", timeout=timeout) as r:
+                await r.read()
+                ok = r.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        ep.ready = ok
+        if was != ok:
+            log.info("endpoint_ready" if ok else "endpoint_not_ready", endpoint=ep.id, url=ep.url)
+        if ok:
+            try:
+                async with self.session.get(ep.url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        queue, running, kv = parse_engine_metrics(await r.text())
+                        ep.queue_depth = queue or 0.0
+                        ep.running = running or 0.0
+                        ep.kv_usage = kv or 0.0
+            except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+                pass  # an engine without metrics is still routable, just scored as idle
+        m = self.metrics
+        m._child(m.ready, ep.id).set(1 if ok else 0)
+        m._child(m.queue, ep.id).set(ep.queue_depth)
+        m._child(m.kv, ep.id).set(ep.kv_usage)
+        m._child(m.inflight, ep.id).set(ep.inflight)
+        m._child(m.breaker, ep.id).set(BREAKER_VALUE[ep.breaker.state])
