@@ -1,0 +1,68 @@
+"""Engine adapters: from a StartShard's LaunchSpec to the exact argv and environment of an engine.
+
+One module per engine (vllm, sglang, sim, llamacpp), each a pure function of
+the spec; `plan` validates the spec against the node's inventory first
+(`llmgw.agent.engines.validation`), because an engine refuses a bad profile
+only after minutes of loading. The supervisor runs what `plan` returns.
+Purely computational, no side effects: the caller (the agent service) acts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from llmgw.agent.engines import llamacpp, sglang, sim, validation, vllm
+from llmgw.agent.engines.common import Launch, LaunchContext
+from llmgw.agent.engines.validation import LaunchRefused
+from llmgw.core.inventory import Inventory
+from llmgw.core.profile import Engine, LaunchSpec
+
+__all__ = ["ADAPTERS", "Launch", "LaunchContext", "LaunchRefused", "environment", "plan"]
+
+Adapter = Callable[[LaunchSpec, LaunchContext], tuple[str, ...]]
+
+ADAPTERS: Mapping[Engine, Adapter] = {
+    "vllm": vllm.argv,
+    "sglang": sglang.argv,
+    "sim": sim.argv,
+    "llamacpp": llamacpp.argv,
+}
+
+
+def environment(spec: LaunchSpec, context: LaunchContext) -> dict[str, str]:
+    """What the engine's environment adds to the agent's: the spec's, then GPU and NCCL pinning.
+
+    The agent's values win over the spec's: CUDA_VISIBLE_DEVICES is what keeps two
+    shards off one GPU, and NCCL_IB_HCA must be exactly the fabric's adapters.
+    """
+    env = dict(spec.env)
+    # CUDA numbers devices fastest-first by default, NVML and nvidia-smi by PCI bus:
+    # without this, index 3 in the inventory is not device 3 for the engine.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    if spec.fabric:
+        fabric = next(f for f in context.fabrics if f.name == spec.fabric)
+        # "=" makes NCCL match names exactly: a bare "mlx5_1" would also match mlx5_10.
+        # Leaving it open lets NCCL pick an adapter on a fabric where the peer is
+        # unreachable, and the job hangs instead of failing.
+        env["NCCL_IB_HCA"] = "=" + ",".join(fabric.hcas)
+    return env
+
+
+def plan(
+    spec: LaunchSpec,
+    inventory: Inventory,
+    context: LaunchContext,
+    *,
+    busy_gpus: frozenset[int] = frozenset(),
+) -> Launch:
+    """Validate `spec` on this node, then build its command; LaunchRefused lists every reason."""
+    validation.check(spec, inventory, context, busy_gpus=busy_gpus)
+    argv = ADAPTERS[spec.engine](spec, context)
+    return Launch(
+        argv=argv,
+        env=environment(spec, context),
+        port=spec.port,
+        http=spec.node_rank == 0 or spec.engine in ("sim", "llamacpp"),
+        served_name=spec.served_name,
+    )

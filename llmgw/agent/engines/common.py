@@ -1,0 +1,43 @@
+"""Data shared by the engine adapters: what a launch needs from the node, and what it yields."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+import msgspec
+
+from llmgw.core.inventory import Fabric
+from llmgw.core.profile import Engine
+
+# How each engine is started when the agent config does not say otherwise.
+DEFAULT_COMMANDS: Mapping[Engine, tuple[str, ...]] = {
+    "vllm": ("vllm", "serve"),
+    "sglang": ("python3", "-m", "sglang.launch_server"),
+    "llamacpp": ("llama-server",),
+    "sim": (sys.executable, "-m", "llmgw", "sim"),
+}
+
+
+class LaunchContext(msgspec.Struct, frozen=True, kw_only=True):
+    """What the node adds to a LaunchSpec: its bind address, fabrics, ports and engine commands."""
+
+    host: str = "0.0.0.0"
+    fabrics: tuple[Fabric, ...] = ()
+    port_range: tuple[int, int] = (1, 65535)
+    commands: dict[Engine, tuple[str, ...]] = msgspec.field(default_factory=dict)
+    """Overrides of DEFAULT_COMMANDS, e.g. {"vllm": ("/opt/vllm/bin/vllm", "serve")}."""
+
+    def command(self, engine: Engine) -> tuple[str, ...]:
+        return tuple(self.commands.get(engine, DEFAULT_COMMANDS[engine]))
+
+
+class Launch(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine process to start: argv, environment additions, and how to tell it is ready."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    port: int
+    http: bool = True
+    """Readiness over HTTP; False for headless multi-node workers, which serve no HTTP."""
+    served_name: str = ""
