@@ -9,6 +9,7 @@ import typer
 
 from llmgw import __version__, schemas
 from llmgw.cli import router as router_cli
+from llmgw.cli import sim as sim_cli
 
 app = typer.Typer(
     name="llmgw",
@@ -46,6 +47,7 @@ def schemas_cmd(
 
 
 app.add_typer(router_cli.app, name="router")
+app.command("sim")(sim_cli.command)
 
 
 def main() -> None:

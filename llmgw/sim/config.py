@@ -1,0 +1,145 @@
+"""Settings of `llmgw sim`, the simulated OpenAI-compatible engine.
+
+`SimConfig` is what the CLI flags, a YAML file and `LLMGW_SIM__*` environment
+variables all fill in (see `llmgw.config.load`); `llmgw.sim.server` runs it. The
+latency model and the fault plan are nested Structs so that a test can describe
+a slow or broken engine in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+StallAt = Literal["headers", "first_token", "mid_stream"]
+
+
+class LatencyModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How long one engine step takes, in milliseconds.
+
+    A step runs one forward pass over the batch: every running sequence gains one
+    token, and newly admitted requests are prefilled. Its duration is
+    `decode_base_ms + decode_per_seq_ms * sequences + prefill_per_token_ms *
+    uncached prompt tokens`, so decoding slows as the batch grows and prefill
+    costs only what the prefix cache did not already hold. All zero (the default)
+    is an infinitely fast engine, which benchmarks of the router use.
+    """
+
+    decode_base_ms: float = 0.0
+    decode_per_seq_ms: float = 0.0
+    prefill_per_token_ms: float = 0.0
+
+    def step_s(self, sequences: int, prefill_tokens: int) -> float:
+        """Duration of one step in seconds. Purely computational."""
+        ms = (
+            self.decode_base_ms
+            + self.decode_per_seq_ms * sequences
+            + self.prefill_per_token_ms * prefill_tokens
+        )
+        return ms / 1000.0
+
+    @property
+    def zero(self) -> bool:
+        return not (self.decode_base_ms or self.decode_per_seq_ms or self.prefill_per_token_ms)
+
+
+class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Misbehaviour on demand, for testing what a router does with a broken engine.
+
+    Set by CLI flags at start or at run time by `POST /sim/faults` with this
+    object as JSON; `DELETE /sim/faults` clears it. It applies to the inference
+    requests (`/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`) that
+    follow, `count` of them (None: all of them).
+    """
+
+    stall_at: StallAt | None = None
+    """Where to stall: before the response headers, before the first token, or
+    after `after_tokens` tokens."""
+    stall_s: float = 3600.0
+    """How long the stall lasts; the default outlasts any sane client deadline."""
+    fail_status: int | None = None
+    """Answer with this HTTP status and an OpenAI-shaped error instead of serving."""
+    die_mid_stream: bool = False
+    """Abort the TCP connection (RST) after `after_tokens` tokens, with no final chunk."""
+    after_tokens: int = 1
+    count: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.stall_at is not None or self.fail_status is not None or self.die_mid_stream
+
+    def problem(self) -> str | None:
+        """What is wrong with this fault plan, said so a person can fix it; None if usable."""
+        if self.fail_status is not None and not 400 <= self.fail_status <= 599:
+            return f"fail_status must be an HTTP error status (400-599), not {self.fail_status}"
+        if self.stall_s < 0:
+            return f"stall_s must be >= 0 seconds, not {self.stall_s}"
+        if self.after_tokens < 0:
+            return f"after_tokens must be >= 0, not {self.after_tokens}"
+        if self.count is not None and self.count < 1:
+            return f"count must be >= 1 (or null for every request), not {self.count}"
+        return None
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One simulated engine: where it listens, what it serves, and how it behaves."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """0 picks a free port; the start-up line says which."""
+    served_model_names: tuple[str, ...] = ("sim",)
+    """The first name labels the metrics (`model_name`); the others are aliases."""
+    max_model_len: int = 4096
+    """Longest prompt plus output, in tokens."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    num_blocks: int = 4096
+    """KV-cache blocks in the whole (simulated) GPU memory."""
+    max_num_seqs: int = 256
+    """Largest batch: requests running at once; the rest wait."""
+    seed: int = 0
+    """Seeds generated text for requests that bring no `seed` of their own."""
+    eos_min_tokens: int = 32
+    eos_max_tokens: int = 512
+    """A request's natural length (where the model would emit end-of-sequence) is
+    drawn between these; `max_tokens` below it ends the request with `length`."""
+    embedding_dim: int = 256
+    latency: LatencyModel = LatencyModel()
+    faults: Faults = Faults()
+    shutdown_timeout_s: float = 2.0
+    """On SIGTERM, how long requests in flight may finish before connections close."""
+    log_level: str = "info"
+
+    def problems(self) -> list[str]:
+        """Everything wrong with this configuration, each said with what to change."""
+        out: list[str] = []
+        if not self.served_model_names or any(not n for n in self.served_model_names):
+            out.append("served_model_names needs at least one non-empty name (--served-model-name)")
+        if not 0 <= self.port <= 65535:
+            out.append(f"port {self.port} is not a TCP port: use 0-65535 (0 picks a free one)")
+        for name in ("max_model_len", "block_size", "num_blocks", "max_num_seqs", "embedding_dim"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.block_size >= 1 and self.num_blocks >= 1:
+            capacity = self.block_size * self.num_blocks
+            # One request may use up to max_model_len tokens; if the cache cannot hold
+            # it, such a request would wait forever (vLLM refuses to start, too).
+            if self.max_model_len > capacity:
+                out.append(
+                    f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of "
+                    f"{self.block_size}), less than max_model_len {self.max_model_len}: "
+                    "raise --num-blocks or lower --max-model-len"
+                )
+        if not 1 <= self.eos_min_tokens <= self.eos_max_tokens:
+            out.append(
+                f"need 1 <= eos_min_tokens ({self.eos_min_tokens}) <= eos_max_tokens "
+                f"({self.eos_max_tokens})"
+            )
+        lat = self.latency
+        if min(lat.decode_base_ms, lat.decode_per_seq_ms, lat.prefill_per_token_ms) < 0:
+            out.append("latency values must be >= 0 milliseconds")
+        fault = self.faults.problem()
+        if fault:
+            out.append(f"faults: {fault}")
+        return out

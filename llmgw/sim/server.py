@@ -1,0 +1,456 @@
+"""The HTTP shell of `llmgw sim`: aiohttp on uvloop around the pure engine.
+
+One task drives `Engine.step` — back to back with a zero-latency model (a
+bounded burst of steps between yields to the event loop, so handlers wake once
+per burst, not once per token), or sleeping out each step's duration otherwise.
+Each request handler submits its request, then waits on a future the engine loop
+resolves when the request has new output, and writes everything new in one
+write. A client that disconnects cancels its handler (aiohttp's
+handler_cancellation), whose `finally` drops the request from the engine and
+frees its blocks at once.
+
+Routes: the OpenAI endpoints, `/health`, `/metrics`, and the test-only
+`/sim/faults` (GET, POST, DELETE) and `/sim/state` (GET).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import uvloop
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmgw import logs
+from llmgw.sim import api, tokens
+from llmgw.sim.config import Faults, SimConfig
+from llmgw.sim.engine import Engine, Request
+from llmgw.sim.metrics import registry_for
+
+_MASK = (1 << 64) - 1
+# Steps run between two yields to the event loop with a zero-latency model: enough
+# to finish short requests in one burst, few enough that new requests and
+# /metrics are not starved by a long generation.
+_ZERO_LATENCY_BURST = 64
+_JSON = "application/json"
+_KNOWN_PATHS = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/sim/faults",
+    "/sim/state",
+}
+
+
+def _error(exc: api.ApiError) -> web.Response:
+    return web.Response(status=exc.status, body=exc.body(), content_type=_JSON)
+
+
+class SimServer:
+    """One simulated engine: its engine, fault plan, metrics and aiohttp app."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.engine = Engine(cfg)
+        self.registry = registry_for(self.engine, cfg.served_model_names[0])
+        self.faults = cfg.faults
+        self.faults_left = cfg.faults.count
+        self._id_prefix = os.urandom(3).hex()
+        self._n = 0
+        self._created = int(time.time())
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.log = logs.get("llmgw.sim")
+
+    # --- application -------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        # Long prompts are the point of prefix-cache tests; aiohttp's 1 MiB default
+        # would refuse them before the sim could answer in OpenAI's shape.
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/embeddings", self._embeddings)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/health", self._health)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/sim/faults", self._faults_get)
+        r.add_post("/sim/faults", self._faults_set)
+        r.add_delete("/sim/faults", self._faults_clear)
+        r.add_get("/sim/state", self._state)
+        r.add_route("*", "/{tail:.*}", self._no_route)
+        app.on_startup.append(self._start_engine)
+        app.on_cleanup.append(self._stop_engine)
+        return app
+
+    async def _start_engine(self, _app: web.Application) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run_engine(), name="sim-engine")
+
+    async def _stop_engine(self, _app: web.Application) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # --- engine loop -------------------------------------------------------------
+
+    async def _run_engine(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        wake = self._wake
+        assert wake is not None
+        zero = self.cfg.latency.zero
+        try:
+            while True:
+                if not engine.has_work:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                now = loop.time()
+                if zero:
+                    for _ in range(_ZERO_LATENCY_BURST):
+                        engine.step(now)
+                        if not engine.running:
+                            break
+                    self._deliver()
+                    await asyncio.sleep(0)
+                else:
+                    end = now + engine.step(now)
+                    # The step's tokens exist at its end: deliver them then, not before.
+                    await asyncio.sleep(max(0.0, end - loop.time()))
+                    self._deliver()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # pragma: no cover - a bug; say so loudly rather than hang clients
+            self.log.exception("sim.engine_loop_failed")
+            raise
+
+    def _deliver(self) -> None:
+        for r in self.engine.drain_touched():
+            w = r.waiter
+            if w is not None and not w.done():
+                w.set_result(None)
+
+    # --- faults ------------------------------------------------------------------
+
+    def _take_fault(self) -> Faults | None:
+        f = self.faults
+        if not f.active:
+            return None
+        if self.faults_left is not None:
+            self.faults_left -= 1
+            if self.faults_left <= 0:
+                self.faults = Faults()
+                self.faults_left = None
+        return f
+
+    def _faults_json(self) -> bytes:
+        body = msgspec.to_builtins(self.faults)
+        body["count"] = self.faults_left
+        body["active"] = self.faults.active
+        return msgspec.json.encode(body)
+
+    async def _faults_get(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self._faults_json(), content_type=_JSON)
+
+    async def _faults_set(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            plan = msgspec.json.decode(raw or b"{}", type=Faults)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return _error(api.ApiError(400, f"invalid fault plan: {exc}", code="invalid_value"))
+        problem = plan.problem()
+        if problem:
+            return _error(api.ApiError(400, f"invalid fault plan: {problem}", code="invalid_value"))
+        self.faults = plan
+        self.faults_left = plan.count
+        self.log.info("sim.faults_set", faults=msgspec.to_builtins(plan))
+        return web.Response(body=self._faults_json(), content_type=_JSON)
+
+    async def _faults_clear(self, _request: web.Request) -> web.Response:
+        self.faults = Faults()
+        self.faults_left = None
+        return web.Response(body=self._faults_json(), content_type=_JSON)
+
+    @staticmethod
+    async def _die(request: web.Request) -> None:
+        """Abort the connection with a TCP RST, as a crashed engine would leave it."""
+        transport = request.transport
+        if transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+        # handler_cancellation cancels this handler as the connection goes.
+        raise asyncio.CancelledError
+
+    # --- OpenAI endpoints ----------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, api.prepare_chat, "chatcmpl-")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, api.prepare_completion, "cmpl-")
+
+    async def _generation(
+        self,
+        request: web.Request,
+        prepare: Callable[[bytes, SimConfig], api.Prepared],
+        id_prefix: str,
+    ) -> web.StreamResponse:
+        try:
+            p = prepare(await request.read(), self.cfg)
+        except api.ApiError as exc:
+            return _error(exc)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(api.ApiError(413, "the request body is too large (limit 64 MiB)"))
+        fault = self._take_fault()
+        if fault is not None:
+            early = await self._early_fault(request, fault, p.stream)
+            if early is not None:
+                return early
+
+        loop = asyncio.get_running_loop()
+        self._n += 1
+        seed = (
+            tokens.text_seed(p.seed, "".join(p.prompt))
+            if p.seed is not None
+            else (self.cfg.seed * 0x9E3779B97F4A7C15 + self._n) & _MASK
+        )
+        eos_at: int | None = None
+        if not p.ignore_eos:
+            lo, hi = self.cfg.eos_min_tokens, self.cfg.eos_max_tokens
+            eos_at = lo + tokens.Generator(seed ^ 0x5EED).below(hi - lo + 1)
+        req = Request(
+            f"{id_prefix}{self._id_prefix}{self._n:x}",
+            p.prompt,
+            max_tokens=p.max_tokens,
+            arrival=loop.time(),
+            seed=seed,
+            eos_at=eos_at,
+            stops=p.stops,
+        )
+        self.engine.add(req)
+        assert self._wake is not None
+        self._wake.set()
+        try:
+            if p.stream:
+                return await self._stream(request, p, req, fault)
+            return await self._complete(request, p, req, fault)
+        finally:
+            if not req.finished:
+                self.engine.abort(req, loop.time())
+
+    async def _early_fault(
+        self, request: web.Request, fault: Faults, stream: bool
+    ) -> web.StreamResponse | None:
+        if fault.stall_at == "headers":
+            await asyncio.sleep(fault.stall_s)
+        if fault.fail_status is not None:
+            return web.Response(
+                status=fault.fail_status,
+                body=api.error_body(
+                    f"injected failure (status {fault.fail_status}) from /sim/faults",
+                    "server_error" if fault.fail_status >= 500 else "invalid_request_error",
+                    code="injected_fault",
+                ),
+                content_type=_JSON,
+            )
+        if fault.die_mid_stream and (not stream or fault.after_tokens == 0):
+            await self._die(request)
+        return None
+
+    async def _wait(self, req: Request) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        req.waiter = fut
+        try:
+            await fut
+        finally:
+            req.waiter = None
+
+    def _usage(self, req: Request) -> dict[str, Any]:
+        return api.usage(req.num_prompt, req.num_generated, req.cached_tokens or 0)
+
+    async def _complete(
+        self, request: web.Request, p: api.Prepared, req: Request, fault: Faults | None
+    ) -> web.StreamResponse:
+        while not req.finished:
+            await self._wait(req)
+        if fault is not None:
+            if fault.stall_at in ("first_token", "mid_stream"):
+                await asyncio.sleep(fault.stall_s)
+            if fault.die_mid_stream:
+                await self._die(request)
+        body = api.full_response(
+            p,
+            req.rid,
+            int(time.time()),
+            "".join(req.pieces),
+            req.finish_reason or "stop",
+            self._usage(req),
+        )
+        return web.Response(body=body, content_type=_JSON)
+
+    async def _stream(
+        self, request: web.Request, p: api.Prepared, req: Request, fault: Faults | None
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        fmt = api.StreamFormat(p, req.rid, int(time.time()))
+        pending = fmt.opening()
+        # Where the fault strikes, counted in streamed tokens; -1 once it has.
+        cut = -1
+        if fault is not None and (fault.stall_at == "mid_stream" or fault.die_mid_stream):
+            cut = fault.after_tokens
+        if fault is not None and fault.stall_at == "first_token":
+            await resp.write(pending)
+            pending = b""
+            await asyncio.sleep(fault.stall_s)
+        sent = 0
+        while True:
+            emit = req.emit
+            if emit > sent:
+                if 0 <= cut < emit:
+                    pending += fmt.pieces(req.pieces[sent:cut])
+                    sent = cut
+                    await resp.write(pending)
+                    pending = b""
+                    cut = -1
+                    assert fault is not None
+                    if fault.die_mid_stream:
+                        await self._die(request)
+                    await asyncio.sleep(fault.stall_s)
+                    continue
+                pending += fmt.pieces(req.pieces[sent:emit])
+                sent = emit
+            if req.finished:
+                use = self._usage(req) if p.include_usage else None
+                await resp.write(pending + fmt.closing(req.finish_reason or "stop", use))
+                break
+            if pending:
+                await resp.write(pending)
+                pending = b""
+            await self._wait(req)
+        await resp.write_eof()
+        return resp
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body, n = api.embeddings(await request.read(), self.cfg)
+        except api.ApiError as exc:
+            return _error(exc)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(api.ApiError(413, "the request body is too large (limit 64 MiB)"))
+        fault = self._take_fault()
+        if fault is not None:
+            early = await self._early_fault(request, fault, False)
+            if early is not None:
+                return early
+            if fault.stall_at is not None and fault.stall_at != "headers":
+                await asyncio.sleep(fault.stall_s)
+        self.engine.stats.prompt_tokens += n
+        return web.Response(body=body, content_type=_JSON)
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.Response(body=api.models_body(self.cfg, self._created), content_type=_JSON)
+
+    # --- operations ------------------------------------------------------------------
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def _state(self, _request: web.Request) -> web.Response:
+        """The block pool and queues as numbers, for tests and curious operators."""
+        e = self.engine
+        pool = e.pool
+        return web.Response(
+            body=msgspec.json.encode(
+                {
+                    "running": len(e.running),
+                    "waiting": len(e.waiting),
+                    "blocks_total": pool.num_blocks,
+                    "blocks_used": pool.num_used,
+                    "blocks_free": pool.num_free,
+                    "blocks_cached": len(pool.cached),
+                    "evictions": pool.evictions,
+                }
+            ),
+            content_type=_JSON,
+        )
+
+    async def _no_route(self, request: web.Request) -> web.Response:
+        if request.path in _KNOWN_PATHS:
+            exc = api.ApiError(
+                405, f"{request.method} is not allowed on {request.path}", code="method_not_allowed"
+            )
+        else:
+            exc = api.ApiError(404, f"no route {request.path} on llmgw sim", code="not_found")
+        return _error(exc)
+
+
+async def serve(cfg: SimConfig, *, announce: Callable[[str], None] = print) -> None:
+    """Serve until SIGTERM or SIGINT; `announce` gets the start-up line once the
+    socket accepts connections."""
+    server = SimServer(cfg)
+    runner = web.AppRunner(
+        server.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=cfg.shutdown_timeout_s,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048)
+    await site.start()
+    port = runner.addresses[0][1]
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    url = f"http://{host}:{port}"
+    server.log.info(
+        "sim.listening",
+        url=url,
+        models=list(cfg.served_model_names),
+        blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+    )
+    announce(f"llmgw sim listening on {url}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        server.log.info("sim.stopping")
+        await runner.cleanup()
+    server.log.info("sim.stopped")
+
+
+def run(cfg: SimConfig) -> None:
+    """Run `serve` on uvloop (the CLI's entry)."""
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(cfg, announce=say))
