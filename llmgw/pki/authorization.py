@@ -67,6 +67,8 @@ def _read_stream(stream: str) -> list[str]:
         f"{API}.CONSUMER.CREATE.{stream}.>",
         f"{API}.CONSUMER.INFO.{stream}.*",
         f"{API}.CONSUMER.MSG.NEXT.{stream}.*",
+        # llmgw.bus.Reader deletes its ephemeral consumer when it closes or starts over.
+        f"{API}.CONSUMER.DELETE.{stream}.*",
         f"{API}.DIRECT.GET.{stream}",
         f"{API}.DIRECT.GET.{stream}.>",
         f"{API}.STREAM.MSG.GET.{stream}",
@@ -130,6 +132,7 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
                     f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}",
                     f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}.>",
                     f"{API}.CONSUMER.MSG.NEXT.{STREAM}.{consumer}",
+                    f"{API}.CONSUMER.DELETE.{STREAM}.{consumer}",
                 ]
         case "control":
             publish.append(f"{API}.STREAM.LIST")

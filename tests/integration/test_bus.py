@@ -200,6 +200,9 @@ async def test_replay_after_sequence_n_returns_exactly_the_later_events_in_order
             shard("node-a", i) for i, s in enumerate(seqs) if s > n
         ]
         assert all(r.subject == "llmgw.events.node.node-a.shard" for r in records)
+    # Everything the reader did (create, pull, info, delete its consumer) was allowed.
+    await router.flush()
+    assert list(router.permission_violations) == []
 
 
 async def test_replay_from_a_time(provisioned: bus.BusClient, bus_connect: BusConnect) -> None:
