@@ -419,6 +419,7 @@ class Router:
         policy = cfg.breaker
         ep.breaker = breaker.on_attempt(ep.breaker, policy, time.monotonic())
         ep.inflight += 1
+        self.metrics.attempt(ep.id)
         verdict: bool | None = None  # True success, False fault, None no verdict
         try:
             resp = await self._exchange(ep, kind, prof, body, state, principal)

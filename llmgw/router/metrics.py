@@ -103,6 +103,10 @@ class Metrics:
             p + "endpoint_inflight", "Requests this router has in flight per endpoint.",
             ["endpoint"], registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
+        self.sent = Counter(
+            p + "endpoint_requests", "Attempts sent to each endpoint (retries included).",
+            ["endpoint"], registry=r,
+        )  # fmt: skip
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -127,6 +131,9 @@ class Metrics:
             self._child(self.tokens, model, "in").inc(prompt)
         if completion:
             self._child(self.tokens, model, "out").inc(completion)
+
+    def attempt(self, endpoint: str) -> None:
+        self._child(self.sent, endpoint).inc()
 
     def retry(self, model: str, reason: str) -> None:
         self._child(self.retries, model, reason).inc()

@@ -1,0 +1,86 @@
+"""Router configuration: loading, env overrides and validation that says what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from llmgw import config
+from llmgw.router import config as rc
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "router.yaml"
+    p.write_text(text)
+    return p
+
+
+GOOD = """
+listen: {host: 127.0.0.1, port: 8080}
+auth: {allow_anonymous: true}
+models:
+  - name: llama
+    aliases: [llama-latest]
+    fallbacks: [small]
+    deadlines: {first_token_s: 5, idle_s: 2}
+  - name: small
+endpoints:
+  - {id: a, url: "http://10.0.0.1:8000", models: [llama]}
+  - {id: b, url: "http://10.0.0.2:8000", models: [llama, small]}
+weights: {prefix: 0}
+"""
+
+
+def test_a_good_config_loads_with_env_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMGW_ROUTER__LISTEN__PORT", "9001")
+    monkeypatch.setenv("LLMGW_ROUTER__WEIGHTS__QUEUE", "3.5")
+    cfg = rc.load(write(tmp_path, GOOD))
+    assert cfg.listen.port == 9001
+    assert cfg.weights.queue == 3.5
+    assert cfg.weights.prefix == 0
+    assert cfg.models[0].deadlines.first_token_s == 5
+    assert set(rc.model_names(cfg)) == {"llama", "llama-latest", "small"}
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda d: d["endpoints"].append(dict(d["endpoints"][0])), "endpoint id 'a' is used twice"),
+        (lambda d: d["models"][1].update(aliases=["llama"]), "shadows the model"),
+        (lambda d: d["models"][1].update(aliases=["llama-latest"]), "claimed by both"),
+        (lambda d: d["models"][0].update(fallbacks=["nope"]), "falls back to 'nope'"),
+        (lambda d: d["endpoints"][0].update(models=["llama-latest"]), "not its alias"),
+        (lambda d: d["endpoints"][0].update(url="10.0.0.1:8000"), "must look like http"),
+        (lambda d: d.update(auth={}), "allow_anonymous: true"),
+        (lambda d: d["models"][0]["deadlines"].update(idle_s=0), "deadlines.idle_s"),
+    ],
+)
+def test_validation_refuses_and_says_what_to_change(
+    tmp_path: Path, edit: object, expected: str
+) -> None:
+    import yaml
+
+    data = yaml.safe_load(GOOD)
+    edit(data)  # type: ignore[operator]
+    with pytest.raises(config.ConfigError) as err:
+        rc.load(write(tmp_path, yaml.safe_dump(data)))
+    assert expected in str(err.value)
+    assert str(tmp_path) in str(err.value)
+
+
+def test_unknown_keys_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(config.ConfigError, match="lisen"):
+        rc.load(write(tmp_path, GOOD + "lisen: {port: 1}\n"))
+
+
+def test_config_round_trips_through_json() -> None:
+    """Workers receive the config as JSON: it must survive the trip."""
+    cfg = msgspec.convert(
+        {"auth": {"allow_anonymous": True}, "models": [{"name": "m", "aliases": ["x"]}]},
+        rc.RouterConfig,
+    )
+    assert msgspec.json.decode(msgspec.json.encode(cfg), type=rc.RouterConfig) == cfg

@@ -1,0 +1,145 @@
+"""Router pieces without a server: keys, request decoding, engine metric parsing."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw import config
+from llmgw.core.profile import ModelProfile
+from llmgw.router import auth, requests
+from llmgw.router.table import Catalog, EndpointTable, parse_engine_metrics
+
+
+def test_keys_file_lookup_models_and_buckets(tmp_path: Path) -> None:
+    key = auth.new_key()
+    p = tmp_path / "keys.yaml"
+    p.write_text(
+        "keys:\n"
+        + auth.entry_yaml("team", key, ("m",))
+        + "    requests_per_s: 2\n    tokens_per_min: 60\n"
+    )
+    keys = auth.load_keys(p, now=0.0)
+    assert keys.lookup(None) is None
+    assert keys.lookup("Bearer wrong") is None
+    assert keys.lookup(key) is None  # no Bearer scheme
+    pr = keys.lookup(f"Bearer {key}")
+    assert pr is not None
+    assert pr.may_use("m")
+    assert not pr.may_use("other")
+    assert pr.requests is not None
+    assert pr.tokens is not None
+    assert pr.requests.take(0.0)
+    assert pr.requests.take(0.0)
+    assert not pr.requests.take(0.0)
+    assert pr.requests.take(0.5)
+    pr.tokens.spend(0.0, 100)
+    assert not pr.tokens.has_credit(0.0)
+    assert pr.tokens.has_credit(41.0)  # one token per second refills the 40 overdrawn
+
+
+def test_keys_file_errors_say_what_to_do(tmp_path: Path) -> None:
+    p = tmp_path / "keys.yaml"
+    p.write_text('keys:\n  - {name: x, sha256: "abc"}\n')
+    with pytest.raises(config.ConfigError, match="hash-key"):
+        auth.load_keys(p, 0.0)
+
+
+def test_the_keys_file_holds_no_key(tmp_path: Path) -> None:
+    key = auth.new_key()
+    assert key not in auth.entry_yaml("t", key)
+
+
+def test_parse_reads_routing_fields() -> None:
+    body = msgspec.json.encode(
+        {
+            "model": "m",
+            "stream": True,
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}],
+                },
+            ],
+            "temperature": 0.1,
+        }
+    )
+    p = requests.parse("chat", body, want_text=True)
+    assert (p.model, p.stream, p.wants_usage) == ("m", True, False)
+    assert p.text == "system\nbe brief\nuser\nhi\n"
+    out = msgspec.json.decode(requests.rewrite(body, model="n", include_usage=True))
+    assert out["model"] == "n"
+    assert out["stream_options"] == {"include_usage": True}
+    assert out["temperature"] == 0.1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"{",
+        b"[]",
+        b'{"model": 1, "messages": []}',
+        b'{"model": "m"}',
+        b'{"model": "", "messages": []}',
+        b'{"model": "m", "messages": [{"content": {"x": 1}}]}',
+        b"\xff\xfe",
+    ],
+)
+def test_bad_bodies_are_bad_requests(body: bytes) -> None:
+    with pytest.raises(requests.BadRequest):
+        requests.parse("chat", body, want_text=True)
+
+
+@given(st.binary(max_size=200) | st.from_regex(r'\{"model": ?.{0,20}, ?"prompt": ?.{0,20}\}'))
+def test_any_bytes_parse_or_raise_bad_request(body: bytes | str) -> None:
+    raw = body.encode() if isinstance(body, str) else body
+    for kind in ("chat", "completions", "embeddings"):
+        with contextlib.suppress(requests.BadRequest):
+            requests.parse(kind, raw, want_text=True)  # type: ignore[arg-type]
+
+
+def test_engine_metrics_parsing() -> None:
+    text = """# HELP vllm:num_requests_waiting x
+vllm:num_requests_waiting{engine="0",model_name="a"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="b"} 2.0
+vllm:num_requests_running{model_name="a"} 7
+vllm:kv_cache_usage_perc{model_name="a"} 0.42
+vllm:num_requests_waiting_by_reason{reason="x"} 99
+"""
+    assert parse_engine_metrics(text) == (5.0, 7.0, 0.42)
+    assert parse_engine_metrics(
+        "llamacpp:requests_deferred 4\nllamacpp:requests_processing 1\n"
+    ) == (
+        4.0,
+        1.0,
+        None,
+    )
+    assert parse_engine_metrics("garbage\n{}\nvllm:kv_cache_usage_perc nan\n") == (None, None, None)
+
+
+def test_table_and_catalog_operations() -> None:
+    t = EndpointTable()
+    t.add("a", "http://a/", ["m"])
+    t.add("b", "http://b", ["m", "n"])
+    assert [e.id for e in t.for_model("m")] == ["a", "b"]
+    assert t.by_id["a"].url == "http://a"
+    assert t.mark_draining("a")
+    assert t.by_id["a"].draining
+    t.remove("a")
+    assert [e.id for e in t.for_model("m")] == ["b"]
+    t.add("b", "http://b2", ["n"])  # replaced
+    assert t.for_model("m") == []
+    c = Catalog([ModelProfile(name="m", aliases=("x",))])
+    assert c.resolve("x") is not None
+    c.put(ModelProfile(name="m", aliases=("y",)))
+    assert c.resolve("x") is None
+    assert c.resolve("y") is not None
+    c.remove("m")
+    assert c.resolve("m") is None
