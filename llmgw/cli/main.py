@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from llmgw import __version__, schemas
+from llmgw.cli import agent as agent_cli
 from llmgw.cli import router as router_cli
 from llmgw.cli import sim as sim_cli
 
@@ -46,6 +47,7 @@ def schemas_cmd(
     typer.echo(f"{folder} matches the code")
 
 
+app.add_typer(agent_cli.app, name="agent")
 app.add_typer(router_cli.app, name="router")
 app.command("sim")(sim_cli.command)
 
