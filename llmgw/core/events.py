@@ -352,6 +352,9 @@ _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
 _raw_decoder = msgspec.json.Decoder(dict[str, Any])
 _CURRENT: dict[str, int] = {tag: current_version(cls) for tag, cls in BY_TAG.items()}
+# The same keyed by class: `decode` runs once per event of every replay, and this lookup
+# is measurably cheaper than deriving the tag first (tests/bench/bench_log.py).
+_CURRENT_BY_TYPE: dict[type[Event], int] = {cls: _CURRENT[tag_of(cls)] for cls in EVENT_TYPES}
 
 
 def encode(event: Event) -> bytes:
@@ -369,7 +372,7 @@ def decode(data: bytes | bytearray | memoryview) -> AnyEvent:
         event = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return _decode_old(data, exc)
-    if event.v == _CURRENT[tag_of(type(event))]:
+    if event.v == _CURRENT_BY_TYPE[type(event)]:
         return event
     return _decode_old(data, None)
 
