@@ -1,0 +1,71 @@
+"""Pid files: what a restarted agent needs to find, check and adopt its running engines.
+
+One JSON file per shard under `<state_dir>/shards/`, written atomically
+(temporary file + rename) so a crash never leaves half a record. It holds the
+process fingerprint, the LaunchSpec and Launch, and where the output goes.
+Used by `llmgw.agent.supervisor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import msgspec
+
+from llmgw.agent.engines.common import Launch
+from llmgw.agent.processes import Fingerprint
+from llmgw.core.events import ShardPhase
+from llmgw.core.profile import LaunchSpec
+
+
+class ShardRecord(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    generation: int
+    shard: int
+    spec: LaunchSpec
+    launch: Launch
+    process: Fingerprint
+    pgid: int
+    log_path: str
+    phase: ShardPhase = "starting"
+    started_at: float = 0.0
+    """Wall clock (UNIX seconds) of the spawn."""
+
+
+_decoder = msgspec.json.Decoder(ShardRecord)
+
+
+def path_for(state_dir: Path, replica_id: str, shard: int) -> Path:
+    # replica ids pass subjects.check_token upstream; keep the name safe regardless.
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in replica_id)
+    return state_dir / "shards" / f"{safe}.{shard}.json"
+
+
+def save(state_dir: Path, record: ShardRecord) -> Path:
+    path = path_for(state_dir, record.replica_id, record.shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(msgspec.json.encode(record))
+    os.replace(tmp, path)
+    return path
+
+
+def remove(state_dir: Path, replica_id: str, shard: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path_for(state_dir, replica_id, shard).unlink()
+
+
+def load_all(state_dir: Path) -> list[tuple[Path, ShardRecord | None]]:
+    """Every pid file, decoded; None for one that does not decode (it is reported, not fatal)."""
+    folder = state_dir / "shards"
+    if not folder.is_dir():
+        return []
+    out: list[tuple[Path, ShardRecord | None]] = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            out.append((path, _decoder.decode(path.read_bytes())))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            out.append((path, None))
+    return out

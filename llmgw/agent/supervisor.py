@@ -1,0 +1,552 @@
+"""The supervisor: starts engine processes, watches them become ready, stops them, adopts orphans.
+
+Each engine runs in its own process group (engines fork workers that hold GPU
+memory and outlive a signal sent only to the leader), writes its output to a
+file whose tail ships with `failed`, and goes through starting -> loading ->
+serving. Readiness is two questions: `/health` answers (the process is up),
+then `/v1/models` lists the served name (the weights loaded); routing on
+/health alone sends traffic into a loading model. Stop is SIGTERM to the
+group, then SIGKILL after a grace period. A pid file per shard, fingerprinted
+with start time and command line, lets a restarted agent adopt its running
+engines and never an unrelated process that reused a pid.
+
+Driven by the agent service through an async API: `start`, `stop`,
+`mark_draining`, `adopt`, and an `on_change` callback receiving a `ShardView`
+on every transition (`status_event` turns it into a ShardStatus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+import msgspec
+
+from llmgw import logs
+from llmgw.agent import logtail, pidfiles, processes
+from llmgw.agent.engines.common import Launch
+from llmgw.core import events
+from llmgw.core.events import ShardPhase
+from llmgw.core.profile import LaunchSpec
+
+LIVE: frozenset[ShardPhase] = frozenset({"starting", "loading", "serving", "draining"})
+Probe = Literal["down", "up", "ready"]
+
+log = logs.get("llmgw.agent.supervisor")
+
+
+class ShardView(msgspec.Struct, frozen=True, kw_only=True):
+    """One shard as the agent reports it: the data of a ShardStatus."""
+
+    replica_id: str
+    generation: int
+    shard: int
+    phase: ShardPhase
+    endpoint: str = ""
+    error: str = ""
+    log_tail: tuple[str, ...] = ()
+    pid: int | None = None
+    gpus: tuple[int, ...] = ()
+    adopted: bool = False
+
+
+OnChange = Callable[[ShardView], Awaitable[None]]
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    state_dir: str
+    address: str = "127.0.0.1"
+    """Host in the endpoint URL routers use (`http://address:port`)."""
+    stop_grace_s: float = 30.0
+    tail_lines: int = 100
+    poll_s: float = 0.5
+    probe_timeout_s: float = 2.0
+    headless_settle_s: float = 2.0
+    """A headless multi-node worker serves no HTTP: alive this long counts as serving."""
+    max_log_bytes: int = 16 * 1024 * 1024
+    keep_log_bytes: int = 1024 * 1024
+
+
+class AdoptionResult(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    shard: int
+    adopted: bool
+    reason: str = ""
+    pid: int | None = None
+
+
+def status_event(view: ShardView, *, node: str, event_id: str, ts: float) -> events.ShardStatus:
+    """The ShardStatus event of a view. Purely computational, no side effects."""
+    return events.ShardStatus(
+        id=event_id,
+        ts=ts,
+        node=node,
+        replica_id=view.replica_id,
+        generation=view.generation,
+        shard=view.shard,
+        phase=view.phase,
+        endpoint=view.endpoint,
+        error=view.error,
+        log_tail=view.log_tail,
+        pid=view.pid,
+    )
+
+
+def running_shard(view: ShardView) -> events.RunningShard:
+    """What NodeRegistered says about a shard this agent already runs."""
+    return events.RunningShard(
+        replica_id=view.replica_id,
+        generation=view.generation,
+        shard=view.shard,
+        gpus=view.gpus,
+        phase=view.phase,
+        endpoint=view.endpoint,
+    )
+
+
+class _Shard:
+    """The mutable runtime state of one supervised shard (only the supervisor touches it)."""
+
+    def __init__(self, record: pidfiles.ShardRecord, *, adopted: bool) -> None:
+        self.record = record
+        self.phase: ShardPhase = record.phase if adopted else "starting"
+        self.error = ""
+        self.log_tail: tuple[str, ...] = ()
+        self.adopted = adopted
+        self.proc: asyncio.subprocess.Process | None = None
+        self.returncode: int | None = None
+        self.exited = asyncio.Event()
+        self.stopping = False
+        self.task: asyncio.Task[None] | None = None
+        self.spawned_perf = 0.0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.record.replica_id, self.record.shard)
+
+    @property
+    def pid(self) -> int:
+        return self.record.process.pid
+
+
+class Supervisor:
+    """Engine processes of one node. Not thread-safe: use from one event loop."""
+
+    def __init__(self, settings: Settings, on_change: OnChange | None = None) -> None:
+        self.settings = settings
+        self.state_dir = Path(settings.state_dir)
+        self.on_change = on_change
+        self._shards: dict[tuple[str, int], _Shard] = {}
+        self._http: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ queries
+
+    def view(self, replica_id: str, shard: int = 0) -> ShardView | None:
+        sh = self._shards.get((replica_id, shard))
+        return self._view(sh) if sh else None
+
+    def views(self) -> list[ShardView]:
+        return [self._view(sh) for sh in self._shards.values()]
+
+    def busy_gpus(self) -> frozenset[int]:
+        """GPUs held by live shards: what validation must not hand out again."""
+        return frozenset(
+            g for sh in self._shards.values() if sh.phase in LIVE for g in sh.record.spec.gpus
+        )
+
+    def own_pids(self) -> frozenset[int]:
+        """Every process of every live engine group: their GPU memory is not foreign."""
+        return frozenset(
+            pid
+            for sh in self._shards.values()
+            if sh.phase in LIVE
+            for pid in processes.group_members(sh.record.pgid)
+        )
+
+    def _view(self, sh: _Shard) -> ShardView:
+        spec = sh.record.launch
+        endpoint = ""
+        if sh.phase in ("serving", "draining") and spec.http:
+            endpoint = f"http://{self.settings.address}:{spec.port}"
+        return ShardView(
+            replica_id=sh.record.replica_id,
+            generation=sh.record.generation,
+            shard=sh.record.shard,
+            phase=sh.phase,
+            endpoint=endpoint,
+            error=sh.error,
+            log_tail=sh.log_tail,
+            pid=sh.pid or None,
+            gpus=sh.record.spec.gpus,
+            adopted=sh.adopted,
+        )
+
+    # ------------------------------------------------------------------ commands
+
+    async def start(
+        self, replica_id: str, generation: int, shard: int, spec: LaunchSpec, launch: Launch
+    ) -> ShardView:
+        """Spawn the engine and return at once; transitions arrive through `on_change`.
+
+        Idempotent by replica id and generation: a live shard of the same or a
+        newer generation is left alone; an older one is stopped first.
+        """
+        key = (replica_id, shard)
+        existing = self._shards.get(key)
+        if existing is not None and existing.phase in LIVE:
+            if existing.record.generation >= generation:
+                return self._view(existing)
+            await self.stop(replica_id, shard, reason=f"superseded by generation {generation}")
+        logs_dir = self.state_dir / "logs"
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        log_path = pidfiles.path_for(logs_dir, replica_id, shard).with_suffix(f".g{generation}.log")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        # O_APPEND: the engine always writes at the end, so trimming the file stays safe.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        began = time.perf_counter()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *launch.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=fd,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **launch.env},
+                start_new_session=True,
+            )
+        except OSError as exc:
+            return await self._refuse_spawn(replica_id, generation, shard, spec, launch, exc)
+        finally:
+            os.close(fd)
+        spawned = time.perf_counter()
+        fingerprint = processes.fingerprint(proc.pid) or processes.Fingerprint(
+            pid=proc.pid, start_time=-1, boot_id=processes.boot_id(), cmdline=launch.argv
+        )
+        record = pidfiles.ShardRecord(
+            replica_id=replica_id,
+            generation=generation,
+            shard=shard,
+            spec=spec,
+            launch=launch,
+            process=fingerprint,
+            pgid=proc.pid,
+            log_path=str(log_path),
+            started_at=time.time(),
+        )
+        pidfiles.save(self.state_dir, record)
+        sh = _Shard(record, adopted=False)
+        sh.proc = proc
+        sh.spawned_perf = spawned - began
+        self._shards[key] = sh
+        log.info(
+            "engine_spawned",
+            replica_id=replica_id,
+            generation=generation,
+            shard=shard,
+            pid=proc.pid,
+            spawn_ms=round(sh.spawned_perf * 1000, 2),
+        )
+        sh.task = asyncio.create_task(self._watch(sh), name=f"shard-{replica_id}-{shard}")
+        await self._emit(sh)
+        return self._view(sh)
+
+    async def _refuse_spawn(
+        self,
+        replica_id: str,
+        generation: int,
+        shard: int,
+        spec: LaunchSpec,
+        launch: Launch,
+        exc: OSError,
+    ) -> ShardView:
+        record = pidfiles.ShardRecord(
+            replica_id=replica_id,
+            generation=generation,
+            shard=shard,
+            spec=spec,
+            launch=launch,
+            process=processes.Fingerprint(pid=0, start_time=-1, boot_id="", cmdline=launch.argv),
+            pgid=0,
+            log_path="",
+        )
+        sh = _Shard(record, adopted=False)
+        sh.phase = "failed"
+        sh.error = (
+            f"cannot start {launch.argv[0]!r}: {exc.strerror or exc}; install the engine "
+            "or set its command in the agent config"
+        )
+        self._shards[sh.key] = sh
+        await self._emit(sh)
+        return self._view(sh)
+
+    async def stop(
+        self, replica_id: str, shard: int = 0, *, grace_s: float | None = None, reason: str = ""
+    ) -> ShardView | None:
+        """SIGTERM to the engine's group, SIGKILL after the grace; returns once none is left."""
+        sh = self._shards.get((replica_id, shard))
+        if sh is None:
+            return None
+        if sh.phase not in LIVE:
+            return self._view(sh)
+        sh.stopping = True
+        grace = self.settings.stop_grace_s if grace_s is None else grace_s
+        await self._terminate(sh, grace)
+        if sh.task is not None:
+            sh.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sh.task
+        sh.phase = "stopped"
+        sh.error = reason
+        pidfiles.remove(self.state_dir, replica_id, shard)
+        await self._emit(sh)
+        return self._view(sh)
+
+    async def mark_draining(self, replica_id: str, shard: int = 0) -> ShardView | None:
+        """DrainShard: the engine keeps serving what it has while routers stop sending more."""
+        sh = self._shards.get((replica_id, shard))
+        if sh is None or sh.phase != "serving":
+            return self._view(sh) if sh else None
+        await self._set_phase(sh, "draining")
+        return self._view(sh)
+
+    def forget(self, replica_id: str, shard: int = 0) -> None:
+        """Drop a stopped or failed shard from the table once its status was delivered."""
+        sh = self._shards.get((replica_id, shard))
+        if sh is not None and sh.phase not in LIVE:
+            del self._shards[(replica_id, shard)]
+
+    async def stop_all(self, *, grace_s: float | None = None) -> None:
+        await asyncio.gather(
+            *(
+                self.stop(sh.record.replica_id, sh.record.shard, grace_s=grace_s)
+                for sh in list(self._shards.values())
+                if sh.phase in LIVE
+            )
+        )
+
+    async def adopt(self) -> list[AdoptionResult]:
+        """Take over engines a previous agent left running; clear pid files that lie."""
+        results = []
+        for path, record in pidfiles.load_all(self.state_dir):
+            if record is None:
+                path.unlink(missing_ok=True)
+                log.warning("pid_file_unreadable_removed", path=str(path))
+                results.append(
+                    AdoptionResult(
+                        replica_id=path.stem, shard=-1, adopted=False, reason="unreadable"
+                    )
+                )
+                continue
+            if (record.replica_id, record.shard) in self._shards:
+                continue
+            why = processes.mismatch(record.process)
+            if why:
+                # Adopting an unrelated process is worse than leaking the original: an
+                # engine we lost still shows up as foreign GPU memory and is not reused.
+                path.unlink(missing_ok=True)
+                log.warning("not_adopted", replica_id=record.replica_id, reason=why)
+                results.append(
+                    AdoptionResult(
+                        replica_id=record.replica_id,
+                        shard=record.shard,
+                        adopted=False,
+                        reason=why,
+                        pid=record.process.pid,
+                    )
+                )
+                continue
+            sh = _Shard(record, adopted=True)
+            self._shards[sh.key] = sh
+            sh.task = asyncio.create_task(self._watch(sh), name=f"adopted-{record.replica_id}")
+            log.info("engine_adopted", replica_id=record.replica_id, pid=record.process.pid)
+            results.append(
+                AdoptionResult(
+                    replica_id=record.replica_id,
+                    shard=record.shard,
+                    adopted=True,
+                    pid=record.process.pid,
+                )
+            )
+        return results
+
+    async def close(self) -> None:
+        """Stop watching. Engines keep running: serving survives the agent."""
+        for sh in self._shards.values():
+            if sh.task is not None:
+                sh.task.cancel()
+        for sh in self._shards.values():
+            if sh.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sh.task
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    # ------------------------------------------------------------------ internals
+
+    async def _emit(self, sh: _Shard) -> None:
+        if self.on_change is None:
+            return
+        try:
+            await self.on_change(self._view(sh))
+        except Exception:
+            log.exception("on_change_failed", replica_id=sh.record.replica_id)
+
+    async def _set_phase(self, sh: _Shard, phase: ShardPhase) -> None:
+        sh.phase = phase
+        current = processes.fingerprint(sh.pid)
+        process = sh.record.process
+        # Engines may retitle themselves while loading (setproctitle): re-record the
+        # command line of the same process (same start time) so adoption still matches.
+        if current is not None and current.start_time == process.start_time:
+            process = current
+        sh.record = msgspec.structs.replace(sh.record, phase=phase, process=process)
+        pidfiles.save(self.state_dir, sh.record)
+        log.info("shard_phase", replica_id=sh.record.replica_id, shard=sh.record.shard, phase=phase)
+        await self._emit(sh)
+
+    async def _fail(self, sh: _Shard, error: str) -> None:
+        sh.stopping = True
+        # A failed shard must give its GPUs back: workers may outlive the leader.
+        await self._terminate(sh, min(self.settings.stop_grace_s, 5.0))
+        sh.phase = "failed"
+        sh.error = error
+        sh.log_tail = logtail.tail(Path(sh.record.log_path), self.settings.tail_lines)
+        pidfiles.remove(self.state_dir, sh.record.replica_id, sh.record.shard)
+        log.warning("shard_failed", replica_id=sh.record.replica_id, error=error)
+        await self._emit(sh)
+
+    async def _terminate(self, sh: _Shard, grace_s: float) -> None:
+        pgid = sh.record.pgid
+        if pgid <= 0:
+            return
+        if not processes.group_members(pgid):
+            return
+        processes.signal_group(pgid, signal.SIGTERM)
+        if not await self._group_gone(sh, grace_s):
+            log.warning("engine_ignored_sigterm", replica_id=sh.record.replica_id, grace_s=grace_s)
+            processes.signal_group(pgid, signal.SIGKILL)
+            await self._group_gone(sh, 10.0)
+
+    async def _group_gone(self, sh: _Shard, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if sh.proc is not None and sh.proc.returncode is None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(sh.proc.wait()), 0.02)
+            if not processes.group_members(sh.record.pgid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+
+    def _alive(self, sh: _Shard) -> bool:
+        if sh.proc is not None:
+            return sh.proc.returncode is None
+        return not processes.mismatch(sh.record.process)
+
+    async def _probe(self, port: int, served_name: str) -> Probe:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
+            )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with self._http.get(f"{base}/health") as resp:
+                healthy = resp.status == 200
+            if not healthy:
+                return "up"
+            async with self._http.get(f"{base}/v1/models") as resp:
+                if resp.status != 200:
+                    return "up"
+                body = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return "down"
+        data = body.get("data") if isinstance(body, dict) else None
+        names = (
+            {m.get("id") for m in data if isinstance(m, dict)} if isinstance(data, list) else set()
+        )
+        return "ready" if served_name in names else "up"
+
+    async def _watch(self, sh: _Shard) -> None:
+        """Drive one shard through its phases until it serves, then watch that it stays alive."""
+        launch, spec = sh.record.launch, sh.record.spec
+        if sh.proc is not None:
+            proc = sh.proc
+
+            async def reap() -> None:
+                sh.returncode = await proc.wait()
+                sh.exited.set()
+
+            reaper = asyncio.create_task(reap())
+        else:
+            reaper = None
+        began = time.monotonic()
+        up_since: float | None = None
+        announced = not sh.adopted
+        last_trim = began
+        try:
+            while True:
+                if not self._alive(sh):
+                    if sh.stopping:
+                        return
+                    code = sh.returncode
+                    how = f"exited with code {code}" if code is not None else "disappeared"
+                    await self._fail(sh, f"engine {how} while {sh.phase}")
+                    return
+                now = time.monotonic()
+                if sh.phase in ("starting", "loading"):
+                    if not launch.http:
+                        if now - began >= self.settings.headless_settle_s:
+                            await self._set_phase(sh, "serving")
+                    else:
+                        probe = await self._probe(launch.port, launch.served_name)
+                        if probe != "down" and up_since is None:
+                            up_since = time.monotonic()
+                        target: ShardPhase = sh.phase
+                        if probe == "ready":
+                            target = "serving"
+                        elif probe == "up":
+                            target = "loading"
+                        if target != sh.phase or not announced:
+                            announced = True
+                            await self._set_phase(sh, target)
+                    if sh.phase == "starting" and now - began > spec.start_timeout_s:
+                        await self._fail(
+                            sh,
+                            f"engine did not answer /health within {spec.start_timeout_s:g} s "
+                            "(start_timeout_s)",
+                        )
+                        return
+                    if (
+                        sh.phase == "loading"
+                        and up_since is not None
+                        and now - up_since > spec.load_timeout_s
+                    ):
+                        await self._fail(
+                            sh,
+                            f"/v1/models did not list {launch.served_name!r} within "
+                            f"{spec.load_timeout_s:g} s of /health answering (load_timeout_s)",
+                        )
+                        return
+                elif not announced:
+                    announced = True
+                    await self._emit(sh)
+                if now - last_trim > 10.0:
+                    last_trim = now
+                    logtail.trim(
+                        Path(sh.record.log_path),
+                        self.settings.max_log_bytes,
+                        self.settings.keep_log_bytes,
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(sh.exited.wait(), self.settings.poll_s)
+        finally:
+            if reaper is not None and not reaper.done() and not sh.stopping:
+                reaper.cancel()

@@ -1,0 +1,315 @@
+"""The supervisor against real engine processes: `llmgw sim` and small scripted engines.
+
+Everything here spawns real subprocesses in their own process groups and
+checks by pid, through /proc, that nothing of a stopped engine is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from llmgw.agent import engines, pidfiles, processes
+from llmgw.agent.discovery import simulated
+from llmgw.agent.engines import Launch, LaunchContext
+from llmgw.agent.supervisor import Settings, ShardView, Supervisor, status_event
+from llmgw.core import events
+from llmgw.core.inventory import Inventory
+from llmgw.core.profile import LaunchSpec
+
+pytestmark = pytest.mark.slow
+
+INVENTORY = Inventory(gpus=simulated.parse_spec("8xh100-80g"))
+CONTEXT = LaunchContext(host="127.0.0.1")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Recorder:
+    """Collects every view the supervisor reports, and waits for a phase."""
+
+    def __init__(self) -> None:
+        self.views: list[ShardView] = []
+        self.changed = asyncio.Event()
+
+    async def __call__(self, view: ShardView) -> None:
+        self.views.append(view)
+        self.changed.set()
+
+    def phases(self, replica_id: str) -> list[str]:
+        return [v.phase for v in self.views if v.replica_id == replica_id]
+
+    async def wait_for(self, replica_id: str, phase: str, within: float = 60) -> ShardView:
+        deadline = time.monotonic() + within
+        while True:
+            for view in self.views:
+                if view.replica_id == replica_id and view.phase == phase:
+                    return view
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"{replica_id} never reached {phase}: {self.views!r}")
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), remaining)
+
+
+@pytest.fixture
+async def sup(tmp_path: Path) -> AsyncIterator[tuple[Supervisor, Recorder]]:
+    recorder = Recorder()
+    supervisor = Supervisor(Settings(state_dir=str(tmp_path / "state"), poll_s=0.1), recorder)
+    yield supervisor, recorder
+    await supervisor.stop_all(grace_s=2)
+    await supervisor.close()
+
+
+def sim_spec(name: str, port: int, **fields: object) -> LaunchSpec:
+    base: dict[str, object] = {
+        "engine": "sim",
+        "model": name,
+        "served_name": name,
+        "port": port,
+        "gpus": (0,),
+    }
+    return LaunchSpec(**(base | fields))  # type: ignore[arg-type]
+
+
+def alive(pid: int) -> bool:
+    return processes.state(pid) not in (None, "Z")
+
+
+async def test_sim_reaches_serving_and_stop_ends_the_whole_group(
+    sup: tuple[Supervisor, Recorder],
+) -> None:
+    supervisor, recorder = sup
+    port, name = free_port(), f"m-{uuid.uuid4().hex[:8]}"
+    spec = sim_spec(name, port)
+    sim = engines.plan(spec, INVENTORY, CONTEXT)
+    # The engine's workers: one ignores SIGTERM, as a wedged CUDA worker does.
+    worker = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    shell = f"{sys.executable} -c '{worker}' & exec {' '.join(sim.argv)}"
+    launch = Launch(argv=("sh", "-c", shell), env=sim.env, port=port, served_name=name)
+
+    started = await supervisor.start("rep-a", 1, 0, spec, launch)
+    assert started.phase == "starting"
+    serving = await recorder.wait_for("rep-a", "serving")
+    assert serving.endpoint == f"http://127.0.0.1:{port}"
+    assert recorder.phases("rep-a")[0] == "starting"
+    async with aiohttp.ClientSession() as http, http.get(f"{serving.endpoint}/v1/models") as r:
+        assert name in [m["id"] for m in (await r.json())["data"]]
+    assert supervisor.busy_gpus() == {0}
+
+    group = processes.group_members(started.pid or 0)
+    assert len(group) == 2, group  # the engine and its worker
+    assert set(group) <= supervisor.own_pids()
+    began = time.monotonic()
+    stopped = await supervisor.stop("rep-a", grace_s=1.0, reason="test")
+    assert stopped is not None
+    assert stopped.phase == "stopped"
+    assert time.monotonic() - began >= 1.0  # the worker needed SIGKILL after the grace
+    assert [pid for pid in group if alive(pid)] == []
+    assert processes.group_members(started.pid or 0) == []
+    assert supervisor.busy_gpus() == frozenset()
+    assert not pidfiles.path_for(supervisor.state_dir, "rep-a", 0).exists()
+    event = status_event(stopped, node="node-a", event_id="e1", ts=1.0)
+    assert events.decode(events.encode(event)) == event
+
+
+FAKE_ENGINE = textwrap.dedent(
+    """
+    import asyncio, sys
+    from aiohttp import web
+
+    async def health(request):
+        return web.json_response({"status": "ok"})
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": []})
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", int(sys.argv[1])).start()
+        for i in range(300):
+            print(f"loading weights: shard {i}/300", flush=True)
+        await asyncio.sleep(float(sys.argv[2]))
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+        sys.exit(3)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_engine_exiting_while_loading_fails_with_its_log_tail(
+    sup: tuple[Supervisor, Recorder], tmp_path: Path
+) -> None:
+    supervisor, recorder = sup
+    script = tmp_path / "engine.py"
+    script.write_text(FAKE_ENGINE)
+    port = free_port()
+    spec = sim_spec("big-model", port)
+    launch = Launch(
+        argv=(sys.executable, str(script), str(port), "1.5"),
+        env={},
+        port=port,
+        served_name="big-model",
+    )
+    await supervisor.start("rep-b", 1, 0, spec, launch)
+    failed = await recorder.wait_for("rep-b", "failed")
+    assert recorder.phases("rep-b") == ["starting", "loading", "failed"]
+    assert failed.error == "engine exited with code 3 while loading"
+    assert failed.log_tail[-1].startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert len(failed.log_tail) == supervisor.settings.tail_lines  # bounded
+    assert failed.endpoint == ""
+    assert supervisor.busy_gpus() == frozenset()
+
+
+async def test_engine_that_never_answers_times_out_and_is_killed(
+    sup: tuple[Supervisor, Recorder],
+) -> None:
+    supervisor, recorder = sup
+    spec = sim_spec("slow", free_port(), start_timeout_s=1.0)
+    launch = Launch(argv=("sh", "-c", "echo starting up; exec sleep 300"), env={}, port=spec.port)
+    started = await supervisor.start("rep-c", 1, 0, spec, launch)
+    failed = await recorder.wait_for("rep-c", "failed", within=20)
+    assert "did not answer /health within 1 s" in failed.error
+    assert failed.log_tail == ("starting up",)
+    assert not alive(started.pid or 0)
+
+
+async def test_start_is_idempotent_by_generation(sup: tuple[Supervisor, Recorder]) -> None:
+    supervisor, recorder = sup
+    spec = sim_spec("idem", free_port())
+    launch = Launch(argv=("sleep", "300"), env={}, port=spec.port, http=False)
+    first = await supervisor.start("rep-d", 2, 0, spec, launch)
+    again = await supervisor.start("rep-d", 2, 0, spec, launch)
+    stale = await supervisor.start("rep-d", 1, 0, spec, launch)
+    assert first.pid == again.pid == stale.pid
+    newer = await supervisor.start("rep-d", 3, 0, spec, launch)
+    assert newer.pid != first.pid
+    assert not alive(first.pid or 0)
+    assert [v.phase for v in recorder.views if v.generation == 2] == ["starting", "stopped"]
+
+
+async def test_missing_engine_binary_fails_with_what_to_do(
+    sup: tuple[Supervisor, Recorder],
+) -> None:
+    supervisor, _ = sup
+    spec = sim_spec("none", free_port())
+    launch = Launch(argv=("/nonexistent/vllm", "serve"), env={}, port=spec.port)
+    view = await supervisor.start("rep-e", 1, 0, spec, launch)
+    assert view.phase == "failed"
+    assert "cannot start '/nonexistent/vllm'" in view.error
+    assert "install the engine" in view.error
+
+
+async def test_restarted_agent_adopts_its_running_engine(tmp_path: Path) -> None:
+    state, port, name = tmp_path / "state", free_port(), f"adopt-{uuid.uuid4().hex[:8]}"
+    child = subprocess.Popen(  # noqa: ASYNC220 - a plain child we SIGKILL, not awaited
+        [sys.executable, "-m", "tests.integration.agent_child", str(state), str(port), name],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 90)
+        assert line.startswith("SERVING "), line
+        engine_pid = int(line.split()[1])
+    finally:
+        child.send_signal(signal.SIGKILL)  # the agent dies without cleaning up
+        child.wait(10)
+    assert alive(engine_pid)  # serving survives the agent
+
+    recorder = Recorder()
+    supervisor = Supervisor(Settings(state_dir=str(state), poll_s=0.1), recorder)
+    try:
+        results = await supervisor.adopt()
+        assert [(r.replica_id, r.adopted, r.pid) for r in results] == [
+            ("rep-adopt", True, engine_pid)
+        ]
+        view = await recorder.wait_for("rep-adopt", "serving")
+        assert view.pid == engine_pid
+        assert view.adopted
+        assert view.endpoint == f"http://127.0.0.1:{port}"
+        # No second engine was started: exactly one process serves this model name.
+        serving_it = [
+            p
+            for p in os.listdir("/proc")
+            if p.isdigit() and name in " ".join(processes.cmdline(int(p)) or ())
+        ]
+        assert serving_it == [str(engine_pid)]
+        stopped = await supervisor.stop("rep-adopt", grace_s=5)
+        assert stopped is not None
+        assert stopped.phase == "stopped"
+        assert not alive(engine_pid)
+    finally:
+        await supervisor.stop_all(grace_s=1)
+        await supervisor.close()
+
+
+@pytest.mark.parametrize("lie", ["start_time", "cmdline"])
+async def test_foreign_process_with_a_reused_pid_is_not_adopted(tmp_path: Path, lie: str) -> None:
+    foreign = subprocess.Popen(["sleep", "300"], start_new_session=True)  # noqa: ASYNC220
+    try:
+        real = processes.fingerprint(foreign.pid)
+        assert real is not None
+        spec = sim_spec("x", free_port())
+        launch = engines.plan(spec, INVENTORY, CONTEXT)
+        # The pid file of an engine that died while the agent was away; its pid now
+        # belongs to `sleep`. Either the start time or the command line gives it away.
+        recorded = processes.Fingerprint(
+            pid=foreign.pid,
+            start_time=real.start_time - 100 if lie == "start_time" else real.start_time,
+            boot_id=real.boot_id,
+            cmdline=launch.argv if lie == "cmdline" else real.cmdline,
+        )
+        state = tmp_path / "state"
+        pidfiles.save(
+            state,
+            pidfiles.ShardRecord(
+                replica_id="rep-old",
+                generation=1,
+                shard=0,
+                spec=spec,
+                launch=launch,
+                process=recorded,
+                pgid=foreign.pid,
+                log_path=str(tmp_path / "x.log"),
+                phase="serving",
+            ),
+        )
+        supervisor = Supervisor(Settings(state_dir=str(state), poll_s=0.1))
+        (result,) = await supervisor.adopt()
+        assert not result.adopted
+        assert ("was reused" if lie == "start_time" else "not the engine") in result.reason
+        assert supervisor.views() == []
+        assert not pidfiles.path_for(state, "rep-old", 0).exists()
+        await supervisor.stop_all()
+        await supervisor.close()
+        assert foreign.poll() is None  # never signalled
+    finally:
+        foreign.kill()
+        foreign.wait()
