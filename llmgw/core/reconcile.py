@@ -1,0 +1,670 @@
+"""The reconciler: from folded state and the time, the decisions that move the fleet.
+
+`reconcile(state, now, epoch=..., basis_seq=...)` returns control events and
+commands (llmgw/core/events.py) for the control service's leader to publish;
+the leader then folds them back from the log like everyone else (DESIGN.md,
+invariant 1) and reconciles again only once it has. It:
+
+- observes liveness and GPU health from heartbeats (the volatile part of the
+  state) and records what changed: NodeUnreachable, NodeLost, NodeRecovered,
+  GpuHealthChanged. A pass that observes something returns only those; the
+  next pass plans on the state they produced;
+- otherwise plans, from the durable state alone: places missing replicas and
+  retires surplus ones, replaces the replicas of lost nodes, restarts failed
+  replicas with exponential backoff, drains as a rolling move (replacement
+  placed and serving before the original is drained, then stopped; the drain
+  grace bounds it), stops what nobody should run, and publishes endpoint up /
+  down as replicas start or stop serving.
+
+Because planning reads only the durable state (what the log holds forever)
+and `now`, and every id is derived from (epoch, basis_seq, index), re-running
+`plan` on the state folded up to a recorded batch's basis_seq, at its `ts`,
+reproduces that batch exactly. `verify` does that over a whole log: it is
+`llmgw ctl replay --verify`'s engine. Heartbeat-driven observations cannot be
+recomputed once heartbeats expire; they are recorded facts.
+
+Purely computational: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, TypeAlias
+
+import msgspec
+
+from llmgw.core import events, placement
+from llmgw.core.profile import LaunchSpec, ModelProfile
+from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, apply
+
+Decision: TypeAlias = (
+    events.ReplicaPlaced
+    | events.ReplicaRetired
+    | events.NodeUnreachable
+    | events.NodeLost
+    | events.NodeRecovered
+    | events.GpuHealthChanged
+    | events.EndpointUp
+    | events.EndpointDown
+    | events.StartShard
+    | events.StopShard
+    | events.DrainShard
+)
+
+OBSERVATIONS: tuple[type[events.ControlEvent], ...] = (
+    events.NodeUnreachable,
+    events.NodeLost,
+    events.NodeRecovered,
+    events.GpuHealthChanged,
+)
+
+
+class ReconcileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Timings of the reconciler; part of the control plane's configuration."""
+
+    unreachable_after_s: float = 10.0
+    """No heartbeat for this long: unreachable (no new placements there)."""
+    lost_after_s: float = 60.0
+    """Unreachable for this long: lost (its replicas are replaced elsewhere)."""
+    restart_backoff_s: float = 5.0
+    """Wait before the first restart of a failed replica; doubles per failure."""
+    restart_backoff_max_s: float = 300.0
+    shard_drain_s: float = 30.0
+    """How long a drained shard finishes in-flight requests before it is stopped."""
+    stop_grace_s: float = 30.0
+    """StopShard's grace: SIGTERM, then SIGKILL after this."""
+    change_grace_s: float = 600.0
+    """A changed model's old replicas are replaced by a rolling move bounded by this."""
+
+
+class Outcome(msgspec.Struct, kw_only=True):
+    decisions: list[Decision]
+    unplaceable: dict[str, str] = {}
+    """Model -> why its missing replicas could not be placed this pass."""
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def reconcile(
+    state: ClusterState,
+    now: float,
+    *,
+    epoch: int = 0,
+    basis_seq: int | None = None,
+    config: ReconcileConfig | None = None,
+    observing_since: float = 0.0,
+) -> list[Decision]:
+    """The decisions to publish now; empty when the fleet is as it should be. Pure.
+
+    `basis_seq` defaults to `state.last_seq`. `observing_since` is when this
+    process began seeing heartbeats: a leader that just started from a replay
+    (heartbeats expired from the log) gives nodes that long before calling
+    them unreachable.
+    """
+    return reconcile_detail(
+        state,
+        now,
+        epoch=epoch,
+        basis_seq=basis_seq,
+        config=config,
+        observing_since=observing_since,
+    ).decisions
+
+
+def reconcile_detail(
+    state: ClusterState,
+    now: float,
+    *,
+    epoch: int = 0,
+    basis_seq: int | None = None,
+    config: ReconcileConfig | None = None,
+    observing_since: float = 0.0,
+) -> Outcome:
+    """`reconcile`, plus why missing replicas could not be placed (for metrics and logs)."""
+    cfg = config or ReconcileConfig()
+    basis = state.last_seq if basis_seq is None else basis_seq
+    seen = observe(
+        state, now, epoch=epoch, basis_seq=basis, config=cfg, observing_since=observing_since
+    )
+    if seen:
+        return Outcome(decisions=seen)
+    return plan(state, now, epoch=epoch, basis_seq=basis, config=cfg)
+
+
+class _Batch:
+    """Decisions of one pass, with ids derived from (epoch, basis_seq, index)."""
+
+    def __init__(self, now: float, epoch: int, basis_seq: int) -> None:
+        self.now = now
+        self.epoch = epoch
+        self.basis_seq = basis_seq
+        self.out: list[Decision] = []
+
+    def next_id(self) -> str:
+        return f"{self.epoch}-{self.basis_seq}-{len(self.out)}"
+
+    def add(self, cls: type[Any], **fields: Any) -> Any:
+        event = cls(
+            id=self.next_id(), ts=self.now, epoch=self.epoch, basis_seq=self.basis_seq, **fields
+        )
+        self.out.append(event)
+        return event
+
+
+# --------------------------------------------------------------------------- observe
+
+
+def observe(
+    state: ClusterState,
+    now: float,
+    *,
+    epoch: int,
+    basis_seq: int,
+    config: ReconcileConfig,
+    observing_since: float = 0.0,
+) -> list[Decision]:
+    """Liveness and GPU health changes seen in heartbeats, as decisions to record. Pure."""
+    b = _Batch(now, epoch, basis_seq)
+    for name in sorted(state.nodes):
+        node = state.nodes[name]
+        seen = state.seen.get(name)
+        last = max(seen.last_seen if seen is not None else node.registered_ts, observing_since)
+        if node.liveness == "ready":
+            if now - last > config.unreachable_after_s:
+                b.add(events.NodeUnreachable, node=name, last_heartbeat=last)
+                continue
+            if seen is not None and seen.health:
+                changed = tuple(
+                    h
+                    for h in seen.health
+                    if h.index in node.gpus
+                    and (
+                        node.gpus[h.index].ecc_uncorrected != h.ecc_uncorrected
+                        or node.gpus[h.index].foreign_memory_mib != h.foreign_memory_mib
+                    )
+                )
+                if changed:
+                    b.add(events.GpuHealthChanged, node=name, gpus=changed)
+        elif seen is not None and seen.seq > node.liveness_seq:
+            b.add(events.NodeRecovered, node=name)
+        elif node.liveness == "unreachable" and now - last > config.lost_after_s:
+            b.add(events.NodeLost, node=name, last_heartbeat=last)
+    return b.out
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def backoff(failures: int, config: ReconcileConfig) -> float:
+    """Seconds to wait before restarting a replica that failed `failures` times in a row."""
+    exponent = min(max(failures - 1, 0), 30)
+    return float(min(config.restart_backoff_s * (2**exponent), config.restart_backoff_max_s))
+
+
+def plan(
+    state: ClusterState,
+    now: float,
+    *,
+    epoch: int,
+    basis_seq: int,
+    config: ReconcileConfig,
+) -> Outcome:
+    """Decisions from the durable state and `now` alone (reproducible by `verify`). Pure."""
+    p = _Planner(state, now, epoch, basis_seq, config)
+    p.run()
+    return Outcome(decisions=p.b.out, unplaceable=p.unplaceable)
+
+
+def _fully_serving(replica: ReplicaState) -> bool:
+    return all(s.phase == "serving" for s in replica.shards)
+
+
+class _Planner:
+    def __init__(
+        self, state: ClusterState, now: float, epoch: int, basis_seq: int, config: ReconcileConfig
+    ) -> None:
+        self.state = state
+        self.now = now
+        self.cfg = config
+        self.b = _Batch(now, epoch, basis_seq)
+        self._capacity: placement.Capacity | None = None
+        self.retired_now: set[str] = set()
+        self.placed_now: list[tuple[str, str, str]] = []
+        """(model, replica id, replaces) placed in this pass."""
+        self.to_replace: dict[str, list[str]] = defaultdict(list)
+        """Model -> replicas retired this pass that a new replica should name as replaced."""
+        self.unplaceable: dict[str, str] = {}
+        self.replacement_of: dict[str, ReplicaState] = {
+            r.replaces: r for r in state.replicas.values() if r.replaces and not r.retired
+        }
+
+    @property
+    def capacity(self) -> placement.Capacity:
+        if self._capacity is None:
+            self._capacity = placement.Capacity(self.state)
+        return self._capacity
+
+    def run(self) -> None:
+        state = self.state
+        for rid in sorted(state.replicas):
+            replica = state.replicas[rid]
+            if replica.retired:
+                self._finish_retired(replica)
+            else:
+                self._active(replica)
+        for name in sorted(state.models):
+            self._count(name)
+        for name in sorted(state.nodes):
+            node = state.nodes[name]
+            if node.liveness == "lost":
+                continue
+            for orphan in node.orphans:
+                if not orphan.stop_sent:
+                    self.b.add(
+                        events.StopShard,
+                        node=name,
+                        replica_id=orphan.replica_id,
+                        generation=orphan.generation,
+                        shard=orphan.shard,
+                        grace_s=self.cfg.stop_grace_s,
+                        reason="not a replica the control plane placed",
+                    )
+
+    # --- one replica
+
+    def _active(self, r: ReplicaState) -> None:
+        state = self.state
+        model = state.models.get(r.model)
+        if model is None:
+            self._retire(r, f"model {r.model} was removed", graceful=True)
+            return
+        lost = sorted(
+            {s.node for s in r.shards if state.nodes[s.node].liveness == "lost" and not s.released}
+        )
+        if lost:
+            self._retire(r, f"node {', '.join(lost)} lost", graceful=False, replace=True)
+            return
+        broken = [
+            s for s in r.shards if s.phase == "failed" or (s.phase == "stopped" and not s.stop_sent)
+        ]
+        if broken:
+            self._broken(r, broken, model.profile)
+            return
+        if self._moving(r, model.revision, model.changed_ts):
+            return
+        for shard in r.shards:
+            if shard.phase == "placed" and not shard.started and not shard.stop_sent:
+                self._start(r.id, r.generation, shard.shard, r, model.profile)
+        self._endpoint(r)
+
+    def _endpoint(self, r: ReplicaState) -> None:
+        up = r.id in self.state.endpoints
+        if _fully_serving(r):
+            if not up:
+                head = r.shards[0]
+                node = self.state.nodes[head.node]
+                url = head.endpoint or f"http://{node.address}:{head.port}"
+                self.b.add(
+                    events.EndpointUp, replica_id=r.id, model=r.model, url=url, node=node.name
+                )
+        elif up:
+            phases = ", ".join(sorted({s.phase for s in r.shards}))
+            self._endpoint_down(r, f"shards are {phases}")
+
+    def _endpoint_down(self, r: ReplicaState, reason: str) -> None:
+        ep = self.state.endpoints.get(r.id)
+        if ep is not None:
+            self.b.add(
+                events.EndpointDown, replica_id=r.id, model=r.model, url=ep.url, reason=reason
+            )
+
+    def _broken(self, r: ReplicaState, broken: list[ShardState], profile: ModelProfile) -> None:
+        """A shard failed or exited: restart in place after a backoff, or give the slot up."""
+        state = self.state
+        self._endpoint_down(r, f"shard {broken[0].shard} {broken[0].phase}: {broken[0].error}")
+        nodes = [state.nodes[s.node] for s in r.shards]
+        if any(n.liveness == "unreachable" for n in nodes):
+            return  # its agent cannot hear a restart; lost or recovered decides
+        unhealthy = [
+            f"GPU {g} of {s.node}"
+            for s in r.shards
+            for g in s.gpus
+            if g in state.nodes[s.node].gpus and not state.nodes[s.node].gpus[g].healthy
+        ]
+        leaving = [n.name for n in nodes if n.draining]
+        if unhealthy or leaving:
+            why = f"{unhealthy[0]} unhealthy" if unhealthy else f"node {leaving[0]} draining"
+            self._retire(
+                r, f"failed, and {why}: placing it elsewhere", graceful=False, replace=True
+            )
+            return
+        since = max([r.failed_ts, *(s.since for s in broken)])
+        if self.now < since + backoff(r.failures, self.cfg):
+            return
+        for s in r.shards:
+            if s.phase not in TERMINAL and not s.stop_sent:
+                self._stop(r, s, "restarting the replica")
+        generation = r.generation + 1
+        cause = broken[0].error or broken[0].phase
+        self.b.add(
+            events.ReplicaPlaced,
+            replica_id=r.id,
+            model=r.model,
+            generation=generation,
+            shards=tuple(
+                events.ShardAssignment(shard=s.shard, node=s.node, gpus=s.gpus, port=s.port)
+                for s in r.shards
+            ),
+            fabric=r.fabric,
+            reason=f"restart after {max(r.failures, 1)} failure(s): {cause}",
+        )
+        for s in r.shards:
+            self._start(r.id, generation, s.shard, r, profile)
+
+    def _moving(self, r: ReplicaState, revision: int, changed_ts: float) -> bool:
+        """Rolling move off a draining node or to a changed model; True once retired."""
+        state = self.state
+        draining = [state.nodes[s.node] for s in r.shards if state.nodes[s.node].draining]
+        outdated = r.revision < revision
+        if not draining and not outdated:
+            return False
+        if draining:
+            deadline = min(n.drain_since + n.drain_grace_s for n in draining)
+            why = f"node {draining[0].name} draining"
+        else:
+            deadline = changed_ts + self.cfg.change_grace_s
+            why = f"model {r.model} changed"
+        replacement = self.replacement_of.get(r.id)
+        if replacement is None and self.now < deadline:
+            placed = self._place(r.model, replaces=r.id, reason=f"replaces {r.id}: {why}")
+            if placed:
+                return False  # the original serves on until its replacement does
+        ready = replacement is not None and _fully_serving(replacement)
+        if ready or self.now >= deadline:
+            detail = "its replacement serves" if ready else "the drain grace period ended"
+            self._retire(r, f"{why}; {detail}", graceful=True)
+            return True
+        return False
+
+    def _retire(
+        self, r: ReplicaState, reason: str, *, graceful: bool, replace: bool = False
+    ) -> None:
+        state = self.state
+        self._endpoint_down(r, reason)
+        self.b.add(events.ReplicaRetired, replica_id=r.id, reason=reason)
+        self.retired_now.add(r.id)
+        if replace:
+            self.to_replace[r.model].append(r.id)
+        drain = graceful and _fully_serving(r)
+        for s in r.shards:
+            if s.released or s.phase in TERMINAL or s.stop_sent:
+                continue
+            if s.phase == "placed" and not s.started:
+                continue  # never started: nothing to stop (the fold frees it)
+            if state.nodes[s.node].liveness == "lost":
+                continue
+            if drain:
+                self.b.add(
+                    events.DrainShard,
+                    node=s.node,
+                    replica_id=r.id,
+                    generation=r.generation,
+                    shard=s.shard,
+                    grace_s=self.cfg.shard_drain_s,
+                )
+            else:
+                self._stop(r, s, reason)
+
+    def _finish_retired(self, r: ReplicaState) -> None:
+        """A retired replica's leftovers: endpoint still up, shards whose drain window ended."""
+        self._endpoint_down(r, f"retired: {r.retired_reason}")
+        for s in r.shards:
+            if s.released or s.phase in TERMINAL or s.stop_sent:
+                continue
+            if self.state.nodes[s.node].liveness == "lost":
+                continue
+            if s.phase == "placed" and not s.started:
+                continue
+            if s.drain_sent_at is None or self.now >= s.drain_sent_at + self.cfg.shard_drain_s:
+                self._stop(r, s, f"retired: {r.retired_reason}")
+
+    def _stop(self, r: ReplicaState, s: ShardState, reason: str) -> None:
+        self.b.add(
+            events.StopShard,
+            node=s.node,
+            replica_id=r.id,
+            generation=r.generation,
+            shard=s.shard,
+            grace_s=self.cfg.stop_grace_s,
+            reason=reason,
+        )
+
+    # --- counts per model
+
+    def _count(self, name: str) -> None:
+        state = self.state
+        profile = state.models[name].profile
+        alive = [
+            r.id
+            for r in state.replicas.values()
+            if r.model == name and not r.retired and r.id not in self.retired_now
+        ]
+        replaces = {state.replicas[rid].replaces for rid in alive if state.replicas[rid].replaces}
+        replaces |= {rep for model, _rid, rep in self.placed_now if model == name and rep}
+        counted = [rid for rid in alive if rid not in replaces]
+        counted += [rid for model, rid, rep in self.placed_now if model == name and not rep]
+        missing = profile.replicas - len(counted)
+        if missing > 0:
+            queue = self.to_replace.get(name, [])
+            results = placement.place_many(state, profile, missing, capacity=self.capacity)
+            for i, result in enumerate(results):
+                if isinstance(result, placement.Unplaceable):
+                    self.unplaceable[name] = result.reason
+                    break
+                replaces_id = queue[i] if i < len(queue) else ""
+                why = (
+                    f"replaces {replaces_id}" if replaces_id else f"{name} wants {profile.replicas}"
+                )
+                self._emit_placement(profile, result, replaces_id, why)
+        elif missing < 0:
+            existing = [state.replicas[rid] for rid in counted if rid in state.replicas]
+            # Retire what serves least first, the newest first among equals.
+            existing.sort(key=lambda r: (_fully_serving(r), -r.placed_seq, r.id))
+            for r in existing[:-missing]:
+                self._retire(r, f"surplus: {name} wants {profile.replicas}", graceful=True)
+
+    def _place(self, model: str, *, replaces: str, reason: str) -> bool:
+        profile = self.state.models[model].profile
+        result = placement.place(self.state, profile, self.now, capacity=self.capacity)
+        if isinstance(result, placement.Unplaceable):
+            self.unplaceable[model] = result.reason
+            return False
+        self.capacity.reserve(model, result)
+        self._emit_placement(profile, result, replaces, reason)
+        return True
+
+    def _emit_placement(
+        self, profile: ModelProfile, where: placement.Placement, replaces: str, reason: str
+    ) -> None:
+        rid = f"r{self.b.next_id()}"
+        self.b.add(
+            events.ReplicaPlaced,
+            replica_id=rid,
+            model=profile.name,
+            generation=1,
+            shards=where.shards,
+            replaces=replaces,
+            reason=reason,
+            fabric=where.fabric,
+        )
+        self.placed_now.append((profile.name, rid, replaces))
+        for sa in where.shards:
+            self._start_assignment(rid, 1, sa, where.shards, where.fabric, where.gpu_class, profile)
+
+    def _start(
+        self, rid: str, generation: int, shard: int, r: ReplicaState, profile: ModelProfile
+    ) -> None:
+        layout = tuple(
+            events.ShardAssignment(shard=s.shard, node=s.node, gpus=s.gpus, port=s.port)
+            for s in r.shards
+        )
+        self._start_assignment(
+            rid, generation, layout[shard], layout, r.fabric, r.gpu_class, profile
+        )
+
+    def _start_assignment(
+        self,
+        rid: str,
+        generation: int,
+        sa: events.ShardAssignment,
+        layout: tuple[events.ShardAssignment, ...],
+        fabric: str,
+        gpu_class: str,
+        profile: ModelProfile,
+    ) -> None:
+        spec = launch_spec(self.state, profile, sa, layout, fabric=fabric, gpu_class=gpu_class)
+        self.b.add(
+            events.StartShard,
+            node=sa.node,
+            replica_id=rid,
+            generation=generation,
+            shard=sa.shard,
+            launch=spec,
+        )
+
+
+def launch_spec(
+    state: ClusterState,
+    profile: ModelProfile,
+    sa: events.ShardAssignment,
+    layout: tuple[events.ShardAssignment, ...],
+    *,
+    fabric: str,
+    gpu_class: str,
+) -> LaunchSpec:
+    """Everything one node needs to start shard `sa` of a replica laid out as `layout`. Pure.
+
+    For a multi-node replica, NCCL_IB_HCA lists exactly this node's HCAs on the
+    chosen fabric in NCCL's exact-match syntax (`=mlx5_0,mlx5_1`): an open list
+    lets NCCL pick an adapter whose peer is unreachable, and the job hangs on
+    its first all-reduce instead of failing.
+    """
+    head = layout[0]
+    env = dict(profile.env)
+    nnodes = len(layout)
+    if nnodes > 1:
+        node = state.nodes[sa.node]
+        hcas = next((f.hcas for f in node.fabrics if f.name == fabric), ())
+        env["NCCL_IB_HCA"] = "=" + ",".join(hcas)
+    return LaunchSpec(
+        engine=profile.engine,
+        model=profile.engine_model,
+        served_name=profile.name,
+        aliases=profile.aliases,
+        port=sa.port,
+        gpus=tuple(sa.gpus),
+        gpu_class=gpu_class,
+        tensor_parallel=profile.tensor_parallel,
+        pipeline_parallel=profile.pipeline_parallel,
+        nnodes=nnodes,
+        node_rank=sa.shard,
+        head_address=state.nodes[head.node].address if nnodes > 1 else "",
+        head_port=head.port + 1 if nnodes > 1 else 0,
+        fabric=fabric if nnodes > 1 else "",
+        dtype=profile.dtype,
+        max_model_len=profile.max_model_len,
+        engine_args=profile.engine_args,
+        env=env,
+        start_timeout_s=profile.start_timeout_s,
+        load_timeout_s=profile.load_timeout_s,
+    )
+
+
+# --------------------------------------------------------------------------- verify
+
+
+class VerifyReport(msgspec.Struct, kw_only=True):
+    batches: int = 0
+    """Recorded planning batches recomputed."""
+    matched: int = 0
+    observations: int = 0
+    """Recorded observations (heartbeat-driven: facts, not recomputable)."""
+    mismatches: list[str] = []
+    rejected: list[tuple[int, str]] = []
+    """(seq, reason) of events the fold refused while replaying."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def verify(
+    records: Iterable[tuple[int, events.Event]],
+    *,
+    config: ReconcileConfig | None = None,
+    state: ClusterState | None = None,
+) -> VerifyReport:
+    """Replay a log and recompute every recorded planning batch at its decision point. Pure.
+
+    A batch is the control events and commands sharing (epoch, basis_seq); it
+    must equal `plan` run on the state folded up to basis_seq at the batch's
+    `ts`. A recorded prefix of the recomputed batch also matches: a leader may
+    die halfway through publishing. `state` resumes from a snapshot.
+    """
+    cfg = config or ReconcileConfig()
+    log = list(records)
+    batches: dict[tuple[int, int], list[Decision]] = defaultdict(list)
+    report = VerifyReport()
+    for _seq, event in log:
+        if isinstance(event, OBSERVATIONS):
+            report.observations += 1
+        elif isinstance(event, events.ControlEvent) and not isinstance(event, events.LeaderElected):
+            batches[(event.epoch, event.basis_seq)].append(event)  # type: ignore[arg-type]
+    pending = sorted(batches, key=lambda k: (k[1], k[0]))
+    st = state if state is not None else ClusterState()
+    i = 0
+    for seq, event in log:
+        while i < len(pending) and pending[i][1] < seq:
+            _check(st, pending[i], batches[pending[i]], cfg, report)
+            i += 1
+        reason = apply(st, event, seq)
+        if reason is not None:
+            report.rejected.append((seq, reason))
+    while i < len(pending):
+        _check(st, pending[i], batches[pending[i]], cfg, report)
+        i += 1
+    return report
+
+
+def _check(
+    state: ClusterState,
+    key: tuple[int, int],
+    recorded: list[Decision],
+    cfg: ReconcileConfig,
+    report: VerifyReport,
+) -> None:
+    epoch, basis = key
+    if basis < state.last_seq:
+        return  # the replay started after this batch's basis (from a snapshot)
+    report.batches += 1
+    again = plan(state, recorded[0].ts, epoch=epoch, basis_seq=basis, config=cfg).decisions
+    for n, (a, b) in enumerate(zip(recorded, again, strict=False)):
+        if _encode(a) != _encode(b):
+            report.mismatches.append(
+                f"batch at seq {basis} (epoch {epoch}), decision {n}: recorded "
+                f"{_encode(a).decode()} but the log reproduces {_encode(b).decode()}"
+            )
+            return
+    if len(recorded) > len(again):
+        extra = _encode(recorded[len(again)]).decode()
+        report.mismatches.append(
+            f"batch at seq {basis} (epoch {epoch}): recorded {len(recorded)} decisions, the log "
+            f"reproduces {len(again)}; first extra: {extra}"
+        )
+        return
+    report.matched += 1

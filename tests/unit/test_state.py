@@ -1,0 +1,457 @@
+"""The fold: every event type, hostile and inconsistent events, digest and snapshots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.core import events, state
+from llmgw.core.state import ClusterState
+
+from .scenarios import Sim, fabric, profile, registered
+from .strategies import any_event
+
+
+def placed_sim() -> Sim:
+    """Two ready nodes, one model, one serving replica on node a (GPUs 0-3)."""
+    sim = Sim()
+    sim.register("a", fabrics=[fabric("ib-a")])
+    sim.register("b", fabrics=[fabric("ib-a")])
+    sim.declare(profile("llama", tensor_parallel=4))
+    sim.settle()
+    assert sim.rejected == []
+    return sim
+
+
+def the_replica(sim: Sim) -> state.ReplicaState:
+    (replica,) = sim.state.replicas.values()
+    return replica
+
+
+def test_registration_builds_a_ready_node_with_its_inventory() -> None:
+    sim = Sim()
+    assert sim.register("a", fabrics=[fabric("ib-a")], unhealthy=[5]) is None
+    node = sim.state.nodes["a"]
+    assert node.liveness == "ready"
+    assert sorted(node.gpus) == list(range(8))
+    assert node.gpus[5].health_problems == ("uncorrected ECC errors (2)",)
+    assert node.fabrics[0].hcas == ("mlx5_0", "mlx5_1")
+
+
+def test_a_replica_goes_through_its_phases_and_holds_its_gpus() -> None:
+    sim = placed_sim()
+    replica = the_replica(sim)
+    assert [s.phase for s in replica.shards] == ["serving"]
+    node = sim.state.nodes[replica.shards[0].node]
+    assert {g: node.holders[g] for g in replica.shards[0].gpus} == dict.fromkeys(
+        replica.shards[0].gpus, replica.id
+    )
+    assert replica.id in sim.state.endpoints
+
+
+# --------------------------------------------------------------------------- hostile events
+
+Hostile = Callable[[Sim], events.Event]
+
+
+def _status(node: str, rid: str, gen: int, shard: int, phase: str) -> events.ShardStatus:
+    return events.ShardStatus(
+        id="x",
+        ts=5.0,
+        node=node,
+        replica_id=rid,
+        generation=gen,
+        shard=shard,
+        phase=phase,  # type: ignore[arg-type]
+    )
+
+
+def _other_node(sim: Sim) -> str:
+    return "b" if the_replica(sim).shards[0].node == "a" else "a"
+
+
+HOSTILE: list[tuple[str, Hostile, str]] = [
+    (
+        "shard status for a replica never placed",
+        lambda sim: _status("a", "ghost", 1, 0, "serving"),
+        "status for shard 0 of replica 'ghost' (generation 1), which was never placed",
+    ),
+    (
+        "phases out of order",
+        lambda sim: _status(the_replica(sim).shards[0].node, the_replica(sim).id, 1, 0, "loading"),
+        "phase loading after serving is out of order",
+    ),
+    (
+        "a node reporting a shard assigned to another node",
+        lambda sim: _status(_other_node(sim), the_replica(sim).id, 1, 0, "failed"),
+        "which is assigned to node",
+    ),
+    (
+        "a stale generation",
+        lambda sim: _status(the_replica(sim).shards[0].node, the_replica(sim).id, 0, 0, "failed"),
+        "stale status",
+    ),
+    (
+        "a generation never placed",
+        lambda sim: _status(the_replica(sim).shards[0].node, the_replica(sim).id, 7, 0, "failed"),
+        "generation 7 was never placed",
+    ),
+    (
+        "a shard the replica does not have",
+        lambda sim: _status(the_replica(sim).shards[0].node, the_replica(sim).id, 1, 3, "failed"),
+        "has no shard 3",
+    ),
+    (
+        "a heartbeat from an unknown node",
+        lambda sim: events.Heartbeat(id="x", ts=5.0, node="intruder", seq=1),
+        "heartbeat from node 'intruder', which never registered",
+    ),
+    (
+        "a shard status from an unknown node",
+        lambda sim: _status("intruder", the_replica(sim).id, 1, 0, "failed"),
+        "never registered",
+    ),
+    (
+        "a heartbeat about a GPU the node does not have",
+        lambda sim: events.Heartbeat(
+            id="x", ts=5.0, node="a", gpus=(events.GpuHealth(index=99, ecc_uncorrected=1),)
+        ),
+        "reports GPU 99, which it did not register",
+    ),
+    (
+        "a node claiming GPUs assigned to another node's replica",
+        lambda sim: registered(
+            _other_node(sim),
+            fabrics=[fabric("ib-a")],
+            shards=[
+                events.RunningShard(
+                    replica_id=the_replica(sim).id,
+                    generation=1,
+                    shard=0,
+                    gpus=the_replica(sim).shards[0].gpus,
+                    phase="serving",
+                )
+            ],
+        ),
+        "which is assigned to node",
+    ),
+    (
+        "a node claiming, for an unknown process, GPUs held by a replica",
+        lambda sim: registered(
+            the_replica(sim).shards[0].node,
+            fabrics=[fabric("ib-a")],
+            shards=[
+                events.RunningShard(
+                    replica_id="mystery", generation=1, shard=0, gpus=(0,), phase="serving"
+                )
+            ],
+        ),
+        "GPU 0 is held by replica",
+    ),
+    (
+        "a node claiming different GPUs for its own shard",
+        lambda sim: registered(
+            the_replica(sim).shards[0].node,
+            fabrics=[fabric("ib-a")],
+            shards=[
+                events.RunningShard(
+                    replica_id=the_replica(sim).id,
+                    generation=1,
+                    shard=0,
+                    gpus=(6, 7),
+                    phase="serving",
+                )
+            ],
+        ),
+        "claims GPUs [6, 7]",
+    ),
+    (
+        "a registration listing one GPU twice",
+        lambda sim: registered(
+            "c", gpu_list=registered("c", count=2).gpus + registered("c", count=1).gpus
+        ),
+        "lists GPU 0 twice",
+    ),
+    (
+        "cordon of an unknown node",
+        lambda sim: events.NodeCordoned(id="x", ts=5.0, operator="o", node="zz"),
+        "node 'zz' never registered",
+    ),
+    (
+        "drain of an unknown node",
+        lambda sim: events.NodeDrainRequested(id="x", ts=5.0, operator="o", node="zz"),
+        "node 'zz' never registered",
+    ),
+    (
+        "lost: an unknown node",
+        lambda sim: events.NodeLost(id="x", ts=5.0, node="zz", last_heartbeat=1.0),
+        "node 'zz' never registered",
+    ),
+    (
+        "a replica placed on GPUs another replica holds",
+        lambda sim: events.ReplicaPlaced(
+            id="x",
+            ts=5.0,
+            epoch=1,
+            replica_id="r-new",
+            model="llama",
+            shards=(
+                events.ShardAssignment(
+                    shard=0, node=the_replica(sim).shards[0].node, gpus=(0, 1, 2, 3), port=8200
+                ),
+            ),
+        ),
+        "which is held by replica",
+    ),
+    (
+        "a replica for an undeclared model",
+        lambda sim: events.ReplicaPlaced(
+            id="x",
+            ts=5.0,
+            epoch=1,
+            replica_id="r-new",
+            model="nope",
+            shards=(events.ShardAssignment(shard=0, node="b", gpus=(4,), port=8200),),
+        ),
+        "which is not declared",
+    ),
+    (
+        "a replica mixing GPU classes",
+        lambda sim: events.ReplicaPlaced(
+            id="x",
+            ts=5.0,
+            epoch=1,
+            replica_id="r-new",
+            model="llama",
+            shards=(
+                events.ShardAssignment(shard=0, node="mixed", gpus=(0,), port=8200),
+                events.ShardAssignment(shard=1, node="b", gpus=(7,), port=8200),
+            ),
+            fabric="ib-a",
+        ),
+        "mixes GPU classes",
+    ),
+    (
+        "a multi-node replica spanning fabrics",
+        lambda sim: events.ReplicaPlaced(
+            id="x",
+            ts=5.0,
+            epoch=1,
+            replica_id="r-new",
+            model="llama",
+            shards=(
+                events.ShardAssignment(shard=0, node="b", gpus=(6,), port=8200),
+                events.ShardAssignment(shard=1, node="far", gpus=(0,), port=8200),
+            ),
+            fabric="ib-a",
+        ),
+        "is not on fabric 'ib-a'",
+    ),
+    (
+        "a GPU that does not exist",
+        lambda sim: events.ReplicaPlaced(
+            id="x",
+            ts=5.0,
+            epoch=1,
+            replica_id="r-new",
+            model="llama",
+            shards=(events.ShardAssignment(shard=0, node="b", gpus=(42,), port=8200),),
+        ),
+        "has no GPU 42",
+    ),
+    (
+        "a deposed leader's decision",
+        lambda sim: events.ReplicaRetired(id="x", ts=5.0, epoch=0, replica_id=the_replica(sim).id),
+        "a deposed leader's decision",
+    ),
+    (
+        "a leader epoch that is not newer",
+        lambda sim: events.LeaderElected(id="x", ts=5.0, epoch=1, leader="old"),
+        "not newer than the current 1",
+    ),
+    (
+        "a change of an undeclared model",
+        lambda sim: events.ModelChanged(id="x", ts=5.0, operator="o", profile=profile("nope")),
+        "was never declared: declare it first",
+    ),
+    (
+        "an invalid model",
+        lambda sim: events.ModelDeclared(
+            id="x", ts=5.0, operator="o", profile=profile("q", dtype="fp8", gpu_class="a100-80g")
+        ),
+        "dtype fp8 needs compute capability 8.9",
+    ),
+    (
+        "an alias shadowing another model",
+        lambda sim: events.ModelDeclared(
+            id="x", ts=5.0, operator="o", profile=profile("q", aliases=("llama",))
+        ),
+        "already a name or alias of model 'llama'",
+    ),
+    (
+        "removal of an undeclared model",
+        lambda sim: events.ModelRemoved(id="x", ts=5.0, operator="o", name="nope"),
+        "is not declared",
+    ),
+    (
+        "a start for a replica that does not exist",
+        lambda sim: events.StartShard(
+            id="x",
+            ts=5.0,
+            node="a",
+            replica_id="ghost",
+            epoch=1,
+            generation=1,
+            launch=events.LaunchSpec(engine="sim", model="m", served_name="m", port=1, gpus=(0,)),
+        ),
+        "which does not exist",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "hostile", "reason"), HOSTILE, ids=[c[0] for c in HOSTILE])
+def test_hostile_events_are_refused_with_a_reason_and_change_nothing(
+    case: str, hostile: Hostile, reason: str
+) -> None:
+    sim = placed_sim()
+    sim.register("mixed", gpu_class="l40s-45g", fabrics=[fabric("ib-a")])
+    sim.register("far", fabrics=[fabric("ib-z")])
+    sim.append(events.LeaderElected(id="lead", ts=1.0, epoch=1, leader="c1"))
+    sim.settle()
+    event = hostile(sim)
+    before = state.digest(sim.state)
+    snapshot = state.encode_snapshot(sim.state)
+    got = sim.append(event)
+    assert got is not None, f"{case}: accepted"
+    assert reason in got, got
+    assert state.digest(sim.state) == before
+    after = state.decode_snapshot(state.encode_snapshot(sim.state))
+    # Nothing else changed either (volatile part included), apart from the sequence.
+    after.last_seq = state.decode_snapshot(snapshot).last_seq
+    assert state.encode_snapshot(after) == snapshot
+
+
+def test_redelivered_status_is_a_no_op() -> None:
+    sim = placed_sim()
+    r = the_replica(sim)
+    before = state.digest(sim.state)
+    assert sim.status(r.shards[0].node, r.id, 1, 0, "serving") is None
+    assert state.digest(sim.state) == before
+
+
+def test_an_already_folded_sequence_is_refused() -> None:
+    st = ClusterState()
+    ev = registered("a")
+    assert state.apply(st, ev, 5) is None
+    before = state.digest(st)
+    assert state.apply(st, registered("a", count=2), 5) == (
+        "sequence 5 was already folded (state is at 5)"
+    )
+    assert state.digest(st) == before
+
+
+def test_registration_reports_what_still_runs_and_orphans() -> None:
+    sim = placed_sim()
+    r = the_replica(sim)
+    node = r.shards[0].node
+    # The agent restarts; its engine died with it, and it finds a process nobody placed.
+    sim.register(
+        node,
+        fabrics=[fabric("ib-a")],
+        shards=[
+            events.RunningShard(
+                replica_id="old-r", generation=3, shard=0, gpus=(7,), phase="serving"
+            )
+        ],
+    )
+    assert r.shards[0].phase == "failed"
+    assert r.shards[0].error == "not running when its agent registered again"
+    assert [o.replica_id for o in sim.state.nodes[node].orphans] == ["old-r"]
+
+
+def test_liveness_comes_from_recorded_control_events() -> None:
+    sim = placed_sim()
+    sim.append(events.NodeUnreachable(id="u", ts=9.0, node="a", last_heartbeat=1.0))
+    assert sim.state.nodes["a"].liveness == "unreachable"
+    sim.append(events.NodeLost(id="l", ts=9.0, node="a", last_heartbeat=1.0))
+    assert sim.state.nodes["a"].liveness == "lost"
+    sim.append(events.NodeRecovered(id="r", ts=9.0, node="a"))
+    assert sim.state.nodes["a"].liveness == "ready"
+    # A heartbeat alone changes nothing durable.
+    before = state.digest(sim.state)
+    sim.heartbeat("a", [events.GpuHealth(index=1, ecc_uncorrected=4)])
+    assert state.digest(sim.state) == before
+    sim.append(
+        events.GpuHealthChanged(
+            id="g", ts=9.0, node="a", gpus=(events.GpuHealth(index=1, ecc_uncorrected=4),)
+        )
+    )
+    assert not sim.state.nodes["a"].gpus[1].healthy
+
+
+def test_snapshot_round_trip_and_digest() -> None:
+    sim = placed_sim()
+    data = state.encode_snapshot(sim.state)
+    back = state.decode_snapshot(data)
+    assert state.digest(back) == state.digest(sim.state)
+    assert back.last_seq == sim.state.last_seq
+    assert back.seen == sim.state.seen
+    with pytest.raises(ValueError, match="not an llmgw state snapshot"):
+        state.decode_snapshot(b"\x00garbage")
+
+
+def test_digest_ignores_heartbeats_and_insertion_order() -> None:
+    sim = placed_sim()
+    sim.heartbeats()
+    replay, _ = state.fold(sim.durable_records())
+    assert state.digest(replay) == state.digest(sim.state)
+    st = ClusterState()
+    st.nodes = dict(reversed(list(replay.nodes.items())))
+    st.models, st.replicas, st.endpoints = replay.models, replay.replicas, replay.endpoints
+    st.epoch, st.leader = replay.epoch, replay.leader
+    assert state.digest(st) == state.digest(replay)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(any_event, max_size=30))
+def test_the_fold_never_raises_and_is_deterministic(evs: list[events.Event]) -> None:
+    first, second = ClusterState(), ClusterState()
+    for seq, ev in enumerate(evs, 1):
+        a = state.apply(first, ev, seq)
+        b = state.apply(second, ev, seq)
+        assert a == b
+        assert a is None or (isinstance(a, str) and "internal error" not in a), a
+    assert state.digest(first) == state.digest(second)
+    assert state.digest(state.decode_snapshot(state.encode_snapshot(first))) == state.digest(first)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(any_event, max_size=15), st.data())
+def test_hostile_events_on_a_real_cluster_never_raise(
+    evs: list[events.Event], data: st.DataObject
+) -> None:
+    sim = placed_sim()
+    for ev in evs:
+        reason = sim.append(ev)
+        assert reason is None or "internal error" not in reason, reason
+    # Whatever was accepted, no GPU is held by two replicas.
+    for node in sim.state.nodes.values():
+        for g, rid in node.holders.items():
+            replica = sim.state.replicas[rid]
+            assert any(g in s.gpus and s.node == node.name for s in replica.shards)
+
+
+def test_apply_survives_an_unknown_event_type() -> None:
+    class Odd(events.Event, tag="odd", kw_only=True, frozen=True):
+        pass
+
+    st = ClusterState()
+    assert state.apply(st, Odd(id="x", ts=0.0), 1) == "Odd is not an event the fold knows"
+    assert msgspec.structs.asdict(st)["last_seq"] == 1
