@@ -270,7 +270,7 @@ class SimServer:
                 ),
                 content_type=_JSON,
             )
-        if fault.die_mid_stream and (not stream or fault.after_tokens == 0):
+        if fault.die_mid_stream and not stream:
             await self._die(request)
         return None
 
