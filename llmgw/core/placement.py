@@ -452,10 +452,10 @@ def explain(state: ClusterState, model: str, now: float) -> Explanation:
     cap = Capacity(state)
     result = place(state, profile, now, capacity=Capacity(state))
     reasons = _reasons(state, cap, profile)
-    for name in cap.rejected:
-        reasons[name] = _unusable(state.nodes[name], now)
     if isinstance(result, Unplaceable):
         reasons.update(result.nodes)
+    for name in cap.rejected:
+        reasons[name] = _unusable(state.nodes[name], now)
     fits = {c.node: c for c in _all_candidates(state, cap, profile)}
     landing = {sa.node: sa for sa in result.shards} if isinstance(result, Placement) else {}
     verdicts: list[NodeVerdict] = []

@@ -140,6 +140,27 @@ class Sim:
             events.ModelChanged(id=self.eid("op"), ts=self.now, operator="alice", profile=prof)
         )
 
+    def cordon(self, node: str, reason: str = "") -> str | None:
+        return self.append(
+            events.NodeCordoned(
+                id=self.eid("op"), ts=self.now, operator="alice", node=node, reason=reason
+            )
+        )
+
+    def drain(self, node: str, grace_s: float = 600.0) -> str | None:
+        return self.append(
+            events.NodeDrainRequested(
+                id=self.eid("op"), ts=self.now, operator="alice", node=node, grace_s=grace_s
+            )
+        )
+
+    def liveness(self, node: str, cls: type[events.ControlEvent]) -> str | None:
+        """Record a liveness decision by hand (NodeUnreachable, NodeLost, NodeRecovered)."""
+        extra: dict[str, Any] = {} if cls is events.NodeRecovered else {"last_heartbeat": self.now}
+        return self.append(
+            cls(id=self.eid("ctl"), ts=self.now, epoch=self.epoch, node=node, **extra)
+        )
+
     def register(self, node: str, **kw: Any) -> str | None:
         kw.setdefault("ts", self.now)
         ev = msgspec.structs.replace(registered(node, **kw), id=self.eid("reg"))
