@@ -175,23 +175,31 @@ class Publisher:
                 headers=_headers(event, ttl_s, None),
             )
             futures.append(future)
+        # Wait for the whole batch at once (a wait_for per future costs a task each),
+        # as long as acks keep coming; what is left after timeout_s without any
+        # progress is retried one by one below.
+        waiting: set[asyncio.Future[api.PubAck]] = set(futures)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, timeout=self.timeout_s)
+            if not done:
+                break
         results: list[Published] = []
         for event, future in zip(items, futures, strict=True):
-            try:
-                ack = await asyncio.wait_for(future, self.timeout_s)
-            except (TimeoutError, nats.errors.TimeoutError):
+            if not future.done() or future.cancelled():
+                future.cancel()
                 results.append(await self.publish(event, ttl_s=ttl_s))
                 continue
-            except nats.js.errors.APIError as exc:
+            exc = future.exception()
+            if isinstance(exc, (TimeoutError, nats.errors.TimeoutError)):
+                results.append(await self.publish(event, ttl_s=ttl_s))
+                continue
+            if isinstance(exc, nats.js.errors.APIError):
                 raise PublishError(
                     f"the server refused {type(event).__name__} {event.id}: "
                     f"{exc.description or exc} (code {exc.err_code})"
                 ) from None
-            results.append(
-                Published(
-                    seq=ack.seq,
-                    duplicate=bool(ack.duplicate),
-                    stream=ack.stream,
-                )
-            )
+            if exc is not None:
+                raise exc
+            ack = future.result()
+            results.append(Published(seq=ack.seq, duplicate=bool(ack.duplicate), stream=ack.stream))
         return results

@@ -1,0 +1,304 @@
+"""Throughput of the log: publish (synchronous / asynchronous acks), replay, decode + fold.
+
+Run from the repository root:
+
+    .venv/bin/python tests/bench/bench_log.py            # about a minute
+    .venv/bin/python tests/bench/bench_log.py --events 50000 --quick
+
+It starts a real nats-server with JetStream (file storage) under mutual TLS with the
+rendered authorization (the test harness's throwaway CA), once with the production
+`sync_interval: always` and once with the server default (fsync every 2 minutes),
+publishes as a node and replays as a router, through llmgw.bus, and prints a table.
+Replay alternatives through nats-py's own consumers are measured for comparison:
+they are why `Reader` uses a raw pull consumer with an inline handler.
+Goals (issue 2): replay >= 100,000 events/s; decode + simple fold >= 1,000,000 events/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import structlog  # noqa: E402
+from nats.aio.client import Client  # noqa: E402
+from nats.js import api  # noqa: E402
+
+from llmgw import bus  # noqa: E402
+from llmgw.core import events, subjects  # noqa: E402
+from llmgw.pki.identity import Identity  # noqa: E402
+from tests.harness import TestNatsServer, TestPki  # noqa: E402
+
+
+def make_events(n: int, start: int = 0) -> list[events.Event]:
+    """A realistic mix: mostly shard transitions and control decisions, ~110-200 bytes."""
+    out: list[events.Event] = []
+    for i in range(start, start + n):
+        node = f"node-{i % 64:02d}"
+        if i % 4 == 0:
+            out.append(events.Heartbeat(id=f"e{i}", ts=1.8e9 + i, node=node, seq=i))
+        else:
+            out.append(
+                events.ShardStatus(
+                    id=f"e{i}",
+                    ts=1.8e9 + i,
+                    node=node,
+                    replica_id=f"r{i % 500}",
+                    generation=1 + i % 3,
+                    phase="serving",
+                    endpoint=f"http://{node}:8000",
+                )
+            )
+    return out
+
+
+def fold(state: dict[str, Any], event: events.AnyEvent) -> None:
+    """A simple fold: last heartbeat sequence per node, last phase per replica."""
+    match event:
+        case events.Heartbeat(node=node, seq=seq):
+            state[node] = seq
+        case events.ShardStatus(replica_id=rid, phase=phase):
+            state[rid] = phase
+        case _:
+            pass
+
+
+async def connect_as(server: TestNatsServer, kind: str, name: str) -> bus.BusClient:
+    ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
+    return await bus.connect(
+        server.url,
+        tls=ctx,
+        identity=Identity(kind, name),  # type: ignore[arg-type]
+        name=f"bench-{name}",
+        max_reconnect_attempts=3,
+    )
+
+
+async def connect_plain(server: TestNatsServer, kind: str, name: str) -> Client:
+    import nats
+
+    ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
+    identity = Identity(kind, name)  # type: ignore[arg-type]
+    return await nats.connect(server.url, tls=ctx, inbox_prefix=identity.inbox_prefix)
+
+
+async def publish_figures(server: TestNatsServer, n_sync: int, n_async: int) -> dict[str, float]:
+    control = await connect_as(server, "control", "bench-control")
+    await bus.provision(control.jetstream())
+    node = await connect_as(server, "node", "node-00")
+    publisher = bus.Publisher(node.jetstream(), timeout_s=10)
+    sync_events = [e for e in make_events(n_sync * 4) if isinstance(e, events.Heartbeat)][:n_sync]
+    sync_events = [
+        events.Heartbeat(id=f"s{e.id}", ts=e.ts, node="node-00", seq=e.seq) for e in sync_events
+    ]
+    t0 = time.perf_counter()
+    for event in sync_events:
+        await publisher.publish(event)
+    sync_rate = n_sync / (time.perf_counter() - t0)
+    async_events = [
+        events.Heartbeat(id=f"a{i}", ts=1.8e9 + i, node="node-00", seq=i) for i in range(n_async)
+    ]
+    t0 = time.perf_counter()
+    for i in range(0, n_async, 5000):
+        await publisher.publish_all(async_events[i : i + 5000])
+    async_rate = n_async / (time.perf_counter() - t0)
+    await node.close()
+    await control.close()
+    return {"sync": sync_rate, "async": async_rate}
+
+
+async def fill(server: TestNatsServer, n: int) -> None:
+    """Publish n events as the nodes that own them (admin-free, as production does)."""
+    control = await connect_as(server, "control", "bench-control")
+    await bus.provision(control.jetstream())
+    all_events = make_events(n)
+    by_node: dict[str, list[events.Event]] = {}
+    for e in all_events:
+        assert isinstance(e, events.NodeEvent)
+        by_node.setdefault(e.node, []).append(e)
+    # One connection per node would be realistic but slow to set up for 64 nodes;
+    # publishing everything through the control's unrestricted bench identity is not
+    # allowed (control may not write node subjects), so use a test admin client.
+    import nats
+
+    admin = await nats.connect(server.url, tls=server.pki.admin_tls(), inbox_prefix="_INBOX.admin")
+    js = admin.jetstream()
+    for i in range(0, n, 5000):
+        for e in all_events[i : i + 5000]:
+            await js.publish_async(
+                events.subject_of(e), events.encode(e), headers={"Nats-Msg-Id": e.id}
+            )
+        await js.publish_async_completed()
+    await admin.close()
+    await control.close()
+
+
+async def replay_reader(server: TestNatsServer, n: int, fast: bool) -> float:
+    router = (
+        await connect_as(server, "router", "router-bench")
+        if fast
+        else await connect_plain(server, "router", "router-bench")
+    )
+    state: dict[str, Any] = {}
+    count = 0
+    t0 = time.perf_counter()
+    async with bus.Reader(router, follow=False, batch=20_000) as reader:
+        async for batch in reader.batches():
+            for record in batch:
+                fold(state, record.event)
+            count += len(batch)
+    rate = count / (time.perf_counter() - t0)
+    assert count == n, (count, n)
+    await router.close()
+    return rate
+
+
+async def replay_ordered(server: TestNatsServer, n: int) -> float:
+    nc = await connect_plain(server, "router", "router-bench")
+    js = nc.jetstream()
+    done = asyncio.Event()
+    count = 0
+    state: dict[str, Any] = {}
+
+    async def cb(msg: Any) -> None:
+        nonlocal count
+        meta = msg.metadata
+        fold(state, events.decode(msg.data))
+        count += 1
+        if count == n or meta.num_pending == 0:
+            done.set()
+
+    t0 = time.perf_counter()
+    sub = await js.subscribe(
+        ">",
+        stream=subjects.STREAM,
+        ordered_consumer=True,
+        deliver_policy=api.DeliverPolicy.ALL,
+        pending_msgs_limit=-1,
+        pending_bytes_limit=-1,
+        cb=cb,
+    )
+    await done.wait()
+    rate = count / (time.perf_counter() - t0)
+    await sub.unsubscribe()
+    await nc.close()
+    return rate
+
+
+async def replay_fetch(server: TestNatsServer, n: int) -> float:
+    nc = await connect_plain(server, "router", "router-bench")
+    js = nc.jetstream()
+    psub = await js.pull_subscribe(
+        ">",
+        stream=subjects.STREAM,
+        config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE),
+    )
+    state: dict[str, Any] = {}
+    count = 0
+    t0 = time.perf_counter()
+    while count < n:
+        msgs = await psub.fetch(5000, timeout=5)
+        for m in msgs:
+            _ = m.metadata
+            fold(state, events.decode(m.data))
+        count += len(msgs)
+    rate = count / (time.perf_counter() - t0)
+    await nc.close()
+    return rate
+
+
+def decode_fold(n: int, repeats: int = 3) -> tuple[float, int]:
+    """Best of `repeats` passes over n encoded events (the machine is shared)."""
+    encoded = [events.encode(e) for e in make_events(n)]
+    size = sum(len(b) for b in encoded) // len(encoded)
+    decode = events.decode
+    best = 0.0
+    for _ in range(repeats):
+        state: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        for data in encoded:
+            fold(state, decode(data))
+        best = max(best, n / (time.perf_counter() - t0))
+    return best, size
+
+
+def quiet_logs() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=200_000, help="events replayed")
+    parser.add_argument("--quick", action="store_true", help="fewer publishes, no fetch row")
+    parser.add_argument(
+        "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop"
+    )
+    args = parser.parse_args()
+    print(f"event loop: {args.loop}; replaying {args.events:,} events", flush=True)
+    quiet_logs()
+    n = args.events
+    n_sync, n_async = (500, 10_000) if args.quick else (2_000, 50_000)
+    rows: list[tuple[str, str, str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        pki = TestPki(Path(tmp) / "pki")
+        for sync in ("always", None):
+            server = TestNatsServer(pki, Path(tmp) / f"nats-{sync}", sync_interval=sync)
+            server.root.mkdir()
+            server.start()
+            try:
+                figures = await publish_figures(server, n_sync, n_async)
+            finally:
+                server.close()
+            label = f"sync_interval {sync or 'default (2 min)'}"
+            rows.append(("publish, synchronous ack", label, f"{figures['sync']:,.0f}"))
+            rows.append(("publish, asynchronous acks", label, f"{figures['async']:,.0f}"))
+
+        server = TestNatsServer(pki, Path(tmp) / "nats-replay")
+        server.root.mkdir()
+        server.start()
+        try:
+            await fill(server, n)
+            fast = max([await replay_reader(server, n, fast=True) for _ in range(3)])
+            rows.append(("replay + decode + fold: bus.Reader", f"{n:,} events", f"{fast:,.0f}"))
+            plain = await replay_reader(server, n, fast=False)
+            rows.append(
+                ("replay: bus.Reader on a plain nats-py client", f"{n:,} events", f"{plain:,.0f}")
+            )
+            ordered = await replay_ordered(server, n)
+            rows.append(("replay: nats-py ordered consumer", f"{n:,} events", f"{ordered:,.0f}"))
+            if not args.quick:
+                fetched = await replay_fetch(server, min(n, 50_000))
+                rows.append(
+                    ("replay: nats-py pull fetch(5000)", f"{min(n, 50_000):,}", f"{fetched:,.0f}")
+                )
+        finally:
+            server.close()
+
+    rate, size = decode_fold(300_000)
+    rows.append(("decode + simple fold, in-process", f"300,000 x {size} B", f"{rate:,.0f}"))
+
+    width = max(len(r[0]) for r in rows)
+    wide = max(len(r[1]) for r in rows)
+    print(f"\n{'measure':<{width}}  {'setting':<{wide}}  events/s")
+    print(f"{'-' * width}  {'-' * wide}  {'-' * 10}")
+    for what, setting, value in rows:
+        print(f"{what:<{width}}  {setting:<{wide}}  {value:>10}")
+    print("\nfile storage, R1, mutual TLS, one machine; best of 3 for the Reader and the fold")
+    print("goals: replay >= 100,000 events/s; decode + simple fold >= 1,000,000 events/s")
+
+
+if __name__ == "__main__":
+    if "--loop=asyncio" not in sys.argv and "asyncio" not in sys.argv:
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())

@@ -1,0 +1,209 @@
+"""The bus's pure parts, and the reader's message intake fed directly (no server).
+
+The integration tests (tests/integration/test_bus.py) show the behaviour against a
+real nats-server; these pin down the computations and the robustness of the one
+function that sees every byte a server sends to a reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nats.js import api
+
+from llmgw import bus
+from llmgw.bus import provisioning, publisher, reader, snapshots
+from llmgw.core import events, subjects
+
+
+def shard(i: int) -> events.ShardStatus:
+    return events.ShardStatus(
+        id=f"s{i}", ts=float(i), node="node-a", replica_id="r", generation=1, phase="serving"
+    )
+
+
+# --------------------------------------------------------------------------- backoff
+
+
+@given(attempt=st.integers(1, 200), seed=st.integers(0, 2**32))
+def test_backoff_stays_inside_its_growing_window(attempt: int, seed: int) -> None:
+    delay = bus.backoff_delay(attempt, base=0.25, cap=10.0, rand=random.Random(seed))
+    window = min(10.0, 0.25 * 2 ** (attempt - 1))
+    assert 0.1 * window <= delay <= window
+
+
+def test_backoff_is_jittered_and_grows() -> None:
+    rand = random.Random(7)
+    firsts = {bus.backoff_delay(1, base=1.0, cap=60.0, rand=rand) for _ in range(50)}
+    assert len(firsts) > 40  # clients restarted together do not retry in lockstep
+    late = [bus.backoff_delay(8, base=1.0, cap=60.0, rand=rand) for _ in range(200)]
+    assert sum(late) / len(late) > 10 * sum(firsts) / len(firsts)
+
+
+# --------------------------------------------------------------------------- provisioning
+
+
+def test_the_stream_llmgw_needs() -> None:
+    config = provisioning.stream_config(bus.StreamSettings(replicas=3))
+    assert config.name == subjects.STREAM == "llmgw-events"
+    assert config.subjects == ["llmgw.events.>", "llmgw.cmd.>"]
+    assert config.storage == api.StorageType.FILE
+    assert config.num_replicas == 3
+    assert config.allow_direct
+    assert config.allow_msg_ttl
+    assert provisioning.stream_conflicts(config, config) == []
+
+
+def test_every_conflict_is_named() -> None:
+    wanted = provisioning.stream_config(bus.StreamSettings())
+    existing = provisioning.stream_config(bus.StreamSettings(replicas=3, duplicate_window_s=5))
+    existing.subjects = ["llmgw.>"]
+    existing.storage = api.StorageType.MEMORY
+    existing.allow_msg_ttl = False
+    existing.max_age = 3600.0
+    existing.max_msgs_per_subject = 10
+    problems = provisioning.stream_conflicts(existing, wanted)
+    joined = "; ".join(problems)
+    for fragment in (
+        "subjects are ['llmgw.>']",
+        "storage is 'memory' (llmgw needs 'file')",
+        "replicas is 3 (configured: 1)",
+        "duplicate_window is 5s (configured: 120s)",
+        "allow_msg_ttl is False",
+        "max_age is 3600s",
+        "max_msgs_per_subject is 10",
+    ):
+        assert fragment in joined
+    assert len(problems) == 7
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+def test_publish_headers_carry_id_ttl_and_fence() -> None:
+    fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, 41)
+    headers = publisher._headers(shard(1), 1.2, fence)
+    assert headers == {
+        "Nats-Msg-Id": "s1",
+        "Nats-TTL": "2s",  # rounded up: never expire early
+        "Nats-Expected-Last-Subject-Sequence": "41",
+        "Nats-Expected-Last-Subject-Sequence-Subject": "llmgw.events.control.>",
+    }
+    assert publisher._headers(shard(1), None, None) == {"Nats-Msg-Id": "s1"}
+    with pytest.raises(ValueError, match="ttl_s must be positive"):
+        publisher._headers(shard(1), 0, None)
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+@given(st.integers(0, 10**19))
+def test_snapshot_names_round_trip_and_sort_like_sequences(seq: int) -> None:
+    name = snapshots.object_name(seq)
+    assert snapshots.seq_of(name) == seq
+    assert (name < snapshots.object_name(seq + 1)) is True
+
+
+@given(st.lists(st.integers(0, 1000), max_size=20), st.none() | st.integers(0, 1000))
+def test_choose_picks_the_newest_at_or_before(seqs: list[int], limit: int | None) -> None:
+    chosen = snapshots.choose(seqs, limit)
+    eligible = [s for s in seqs if limit is None or s <= limit]
+    assert chosen == (max(eligible) if eligible else None)
+
+
+def test_other_objects_are_not_snapshots() -> None:
+    assert snapshots.seq_of("state-12") is None
+    assert snapshots.seq_of("notes.txt") is None
+
+
+# --------------------------------------------------------------------------- reader intake
+
+
+def ack_subject(seq: int, cseq: int, pending: int, ts_ns: int = 1_800_000_000 * 10**9) -> bytes:
+    return f"$JS.ACK.llmgw-events.reader-x.1.{seq}.{cseq}.{ts_ns}.{pending}".encode()
+
+
+class _NoClient:
+    """Stands in for the connection: intake tests never touch the network."""
+
+
+def intake() -> reader.Reader:
+    return reader.Reader(_NoClient(), after_seq=0)  # type: ignore[arg-type]
+
+
+async def test_intake_decodes_in_order_and_skips_garbage_with_its_sequence() -> None:
+    r = intake()
+    r._outstanding = 10
+    subject = b"llmgw.events.node.node-a.shard"
+    r._on_raw(subject, ack_subject(5, 1, 2), events.encode(shard(1)), b"NATS/1.0\r\n")
+    r._on_raw(subject, ack_subject(6, 2, 1), b"\x00garbage", b"")
+    r._on_raw(subject, ack_subject(7, 3, 0), events.encode(shard(2)), b"")
+    assert [(rec.seq, rec.event) for rec in r._buf] == [(5, shard(1)), (7, shard(2))]
+    assert r._buf[0].subject == "llmgw.events.node.node-a.shard"
+    assert r._buf[0].time == 1_800_000_000.0
+    assert r.undecodable == 1
+    assert [s.seq for s in r.skipped] == [6]
+    assert r.last_seq == 7
+    assert r.caught_up.is_set()
+
+
+async def test_intake_a_gap_in_consumer_sequence_asks_for_a_reset() -> None:
+    r = intake()
+    r._outstanding = 10
+    subject = b"llmgw.events.node.node-a.shard"
+    r._on_raw(subject, ack_subject(5, 1, 9), events.encode(shard(1)), b"")
+    r._on_raw(subject, ack_subject(9, 3, 5), events.encode(shard(2)), b"")  # cseq 2 lost
+    r._on_raw(subject, ack_subject(10, 4, 4), events.encode(shard(3)), b"")
+    assert [rec.seq for rec in r._buf] == [5]
+    assert r._reset_needed
+    assert r.last_seq == 5  # the new consumer starts after 5: nothing is missed
+
+
+async def test_intake_status_messages_end_the_request() -> None:
+    r = intake()
+    r._request_open = True
+    r._on_raw(b"_INBOX.x", b"", b"", b"NATS/1.0 100 Idle Heartbeat\r\n\r\n")
+    assert r._request_open
+    r._on_raw(b"_INBOX.x", b"", b"", b"NATS/1.0 408 Request Timeout\r\n\r\n")
+    assert not r._request_open
+    assert not r._reset_needed
+    r._request_open = True
+    r._on_raw(b"_INBOX.x", b"", b"", b"NATS/1.0 409 Consumer Deleted\r\n\r\n")
+    assert r._reset_needed
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    subject=st.binary(max_size=40),
+    reply=st.one_of(
+        st.binary(max_size=80),
+        st.lists(st.binary(max_size=12), min_size=1, max_size=14).map(
+            lambda parts: b"$JS.ACK." + b".".join(parts)
+        ),
+    ),
+    data=st.binary(max_size=200),
+    headers=st.one_of(st.binary(max_size=60), st.binary(max_size=40).map(b"NATS/1.0 ".__add__)),
+)
+def test_intake_never_raises_whatever_arrives(
+    subject: bytes, reply: bytes, data: bytes, headers: bytes
+) -> None:
+    async def feed() -> None:
+        r = intake()
+        r._outstanding = 5
+        r._on_raw(subject, reply, data, headers)
+        assert r.undecodable + len(r._buf) <= 1
+
+    asyncio.run(feed())
+
+
+def test_start_time_is_rfc3339_utc() -> None:
+    assert reader._start_time(0.5) == "1970-01-01T00:00:00.500000Z"
+    aware = datetime.datetime(
+        2026, 11, 29, 4, 12, tzinfo=datetime.timezone(datetime.timedelta(hours=1))
+    )
+    assert reader._start_time(aware) == "2026-11-29T03:12:00Z"
