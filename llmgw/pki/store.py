@@ -26,6 +26,7 @@ from pathlib import Path
 
 from cryptography import x509
 
+from llmgw.pki import authorization, tls
 from llmgw.pki.ca import CertificateAuthority, Issued, PkiError
 from llmgw.pki.identity import KINDS, Identity
 
@@ -45,7 +46,7 @@ def write_private(path: Path, data: bytes, *, force: bool = False) -> None:
         except FileExistsError:
             raise KeyExistsError(
                 f"{path} already exists and was left as it is: pass --force to replace it "
-                "(certificates signed for the old key stop working for whoever holds them)"
+                "with a new key"
             ) from None
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -143,9 +144,20 @@ class CertDir:
                     continue
         return out
 
-    def client_context(self, identity: Identity) -> ssl.SSLContext:
-        from llmgw.pki import tls
+    @property
+    def authorization_file(self) -> Path:
+        """Where the rendered authorization goes by default: beside the certs folder, where
+        nats/llmgw.conf includes it."""
+        return self.root.parent / "authorization.conf"
 
+    def write_authorization(self, path: Path | None = None) -> Path:
+        """Render the authorization for every identity with a certificate here."""
+        target = self.authorization_file if path is None else path
+        text = authorization.render(self.identities(), source=str(self.root))
+        write_public(target, text.encode())
+        return target
+
+    def client_context(self, identity: Identity) -> ssl.SSLContext:
         return tls.client_context(
             ca_file=self.ca_cert, cert_file=self.cert(identity), key_file=self.key(identity)
         )

@@ -1,0 +1,195 @@
+"""`llmgw ctl cert`: the fleet's private CA and its certificates, for operators.
+
+`init` creates the CA, the NATS server certificate and the first control-plane and operator
+certificates, and renders the authorization nats/llmgw.conf includes; `issue` adds one
+client identity (and re-renders, and reloads a running nats-server found through its pid
+file); `list` shows who is admitted and until when; `remove` takes an identity out of the
+authorization; `render` writes the authorization again from the certificates present.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+from pathlib import Path
+
+import typer
+
+from llmgw import natsd
+from llmgw.pki.ca import CertificateAuthority, PkiError
+from llmgw.pki.identity import KINDS, Identity
+from llmgw.pki.store import CertDir, expires, utcnow
+
+app = typer.Typer(
+    help="The fleet's private CA: create it, issue and list client certificates.",
+    no_args_is_help=True,
+)
+
+DIR_OPTION = typer.Option(
+    natsd.DEFAULT_CONFIG.ca_file.parent,
+    "--dir",
+    help="Folder of the CA and certificates (nats/llmgw.conf reads nats/certs).",
+)
+AUTH_OPTION = typer.Option(
+    None,
+    "--authorization",
+    help="Where to render the NATS authorization [default: beside --dir, authorization.conf].",
+)
+PID_OPTION = typer.Option(
+    natsd.DEFAULT_CONFIG.pid_file,
+    "--pid-file",
+    help="pid file of a running nats-server to reload after a change (from nats/llmgw.conf).",
+)
+
+
+def default_hosts() -> list[str]:
+    """What clients on this machine dial: loopback by address and name, and this host."""
+    hosts = ["127.0.0.1", "::1", "localhost"]
+    for name in (socket.gethostname(), socket.getfqdn()):
+        if name and name not in hosts:
+            hosts.append(name)
+    return hosts
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(1)
+
+
+def _identity(kind: str, name: str) -> Identity:
+    try:
+        return Identity(kind, name)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise _fail(exc) from None
+
+
+def _render_and_reload(certs: CertDir, authorization: Path | None, pid_file: Path | None) -> None:
+    path = certs.write_authorization(authorization)
+    typer.echo(f"rendered {path} ({len(certs.identities())} identities)")
+    pid = natsd.reload_from_pid_file(pid_file) if pid_file is not None else None
+    if pid is not None:
+        typer.echo(f"reloaded nats-server (pid {pid}): the change applies now")
+    else:
+        typer.echo(
+            "no running nats-server found through the pid file: a server started later reads "
+            "it; a running one applies it after `nats-server --signal reload=<pid>`"
+        )
+
+
+@app.command("init")
+def init(
+    dir: Path = DIR_OPTION,
+    host: list[str] = typer.Option(
+        [],
+        "--host",
+        help="A host name or IP clients dial to reach NATS (repeat). "
+        "Default: 127.0.0.1, ::1, localhost and this machine's names.",
+    ),
+    control: str = typer.Option("control", "--control", help="Name of the first control plane."),
+    operator: str = typer.Option("admin", "--operator", help="Name of the first operator."),
+    days: int = typer.Option(365, "--days", min=1, help="Validity of the client certificates."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Replace an existing CA and keys (every old certificate stops working).",
+    ),
+    authorization: Path | None = AUTH_OPTION,
+) -> None:
+    """Create the CA, the NATS server certificate and a control and an operator certificate."""
+    certs = CertDir(dir)
+    if certs.ca_key.exists() and not force:
+        raise _fail(
+            PkiError(
+                f"a CA already exists in {dir}: issue more certificates with "
+                "`llmgw ctl cert issue`, or pass --force to replace the CA (every certificate "
+                "it signed stops working)"
+            )
+        )
+    identities = [_identity("control", control), _identity("operator", operator)]
+    hosts = list(host) or default_hosts()
+    now = utcnow()
+    try:
+        ca = CertificateAuthority.create(now=now)
+        server = ca.issue_server(hosts, now=now)
+        certs.save_ca(ca, force=force)
+        certs.save_server(server, force=force)
+        typer.echo(f"CA            {certs.ca_cert}")
+        typer.echo(f"server        {certs.server_cert}  (hosts: {', '.join(hosts)})")
+        for identity in identities:
+            issued = ca.issue_client(identity, now=now, validity=dt.timedelta(days=days))
+            certs.save_client(identity, issued, force=force)
+            typer.echo(f"{identity.kind:<13} {certs.cert(identity)}")
+    except PkiError as exc:
+        raise _fail(exc) from None
+    _render_and_reload(certs, authorization, None)
+    typer.echo("next: nats-server -c nats/llmgw.conf")
+
+
+@app.command("issue")
+def issue(
+    kind: str = typer.Argument(..., help=f"One of {', '.join(KINDS)}."),
+    name: str = typer.Argument(..., help="The identity's name; for a node, its node id."),
+    dir: Path = DIR_OPTION,
+    days: int = typer.Option(365, "--days", min=1, help="Validity of the certificate."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing key for this identity."),
+    authorization: Path | None = AUTH_OPTION,
+    pid_file: Path = PID_OPTION,
+) -> None:
+    """Issue a client certificate (clientAuth, CN=NAME, OU=KIND) and admit it to NATS."""
+    identity = _identity(kind, name)
+    certs = CertDir(dir)
+    try:
+        ca = certs.load_ca()
+        issued = ca.issue_client(identity, now=utcnow(), validity=dt.timedelta(days=days))
+        certs.save_client(identity, issued, force=force)
+    except PkiError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"certificate   {certs.cert(identity)}")
+    typer.echo(f"key           {certs.key(identity)}  (mode 0600: copy it to the host only)")
+    typer.echo(f"subject       {identity.dn}, valid {days} days")
+    _render_and_reload(certs, authorization, pid_file)
+
+
+@app.command("list")
+def list_(dir: Path = DIR_OPTION) -> None:
+    """List the identities admitted to NATS and when their certificates expire."""
+    certs = CertDir(dir)
+    if not certs.ca_cert.exists():
+        raise _fail(PkiError(f"no CA in {dir}: run `llmgw ctl cert init` first"))
+    now = utcnow()
+    for identity in certs.identities():
+        until = expires(certs.cert(identity))
+        state = "EXPIRED" if until <= now else f"{(until - now).days} days left"
+        typer.echo(f"{identity.kind:<9} {identity.name:<24} until {until:%Y-%m-%d}  {state}")
+
+
+@app.command("remove")
+def remove(
+    kind: str = typer.Argument(..., help=f"One of {', '.join(KINDS)}."),
+    name: str = typer.Argument(...),
+    dir: Path = DIR_OPTION,
+    authorization: Path | None = AUTH_OPTION,
+    pid_file: Path = PID_OPTION,
+) -> None:
+    """Take an identity out of the NATS authorization (deletes its certificate and key here).
+
+    The server refuses its next connection; connections it already holds are closed by the
+    reload."""
+    identity = _identity(kind, name)
+    certs = CertDir(dir)
+    if not certs.cert(identity).exists():
+        raise _fail(PkiError(f"no certificate for {identity} in {dir}: see `llmgw ctl cert list`"))
+    certs.cert(identity).unlink()
+    certs.key(identity).unlink(missing_ok=True)
+    typer.echo(f"removed {identity}")
+    _render_and_reload(certs, authorization, pid_file)
+
+
+@app.command("render")
+def render(
+    dir: Path = DIR_OPTION,
+    authorization: Path | None = AUTH_OPTION,
+    pid_file: Path = PID_OPTION,
+) -> None:
+    """Render the NATS authorization again from the certificates in --dir (and reload)."""
+    _render_and_reload(CertDir(dir), authorization, pid_file)

@@ -1,0 +1,164 @@
+"""`llmgw ctl cert` end to end, as an operator runs it from the repository root: init, then
+`nats-server -c nats/llmgw.conf` (the checked-in file, only its ports moved to free ones),
+then issuing a node while the server runs admits it through the pid file and a reload,
+and removing it shuts it out."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from llmgw import natsd
+from llmgw.core import events, subjects
+from llmgw.pki.identity import Identity
+from llmgw.pki.store import CertDir
+
+REPO = Path(__file__).resolve().parents[2]
+LLMGW = [sys.executable, "-m", "llmgw"]
+
+
+def llmgw(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*LLMGW, *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+async def connect(root: Path, identity: Identity, url: str, **options: object) -> Client:
+    ctx = CertDir(root / "nats" / "certs").client_context(identity)
+    return await nats.connect(
+        url, tls=ctx, inbox_prefix=identity.inbox_prefix, connect_timeout=3, **options
+    )
+
+
+def reloads(log: Path) -> int:
+    return log.read_text().count(natsd.RELOADED)
+
+
+async def wait_reloads(log: Path, count: int) -> None:
+    for _ in range(500):
+        if reloads(log) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"nats-server never reported reload #{count}")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A working directory shaped like the repository: nats/llmgw.conf on free ports."""
+    (tmp_path / "nats").mkdir()
+    text = (REPO / "nats" / "llmgw.conf").read_text()
+    port, http = natsd.free_port(), natsd.free_port()
+    text = text.replace('"127.0.0.1:4222"', f'"127.0.0.1:{port}"')
+    text = text.replace('"127.0.0.1:8222"', f'"127.0.0.1:{http}"')
+    assert f":{port}" in text
+    assert f":{http}" in text
+    (tmp_path / "nats" / "llmgw.conf").write_text(text)
+    (tmp_path / "port").write_text(str(port))
+    return tmp_path
+
+
+async def test_init_then_nats_server_from_the_repository_root(root: Path) -> None:
+    init = llmgw(root, "ctl", "cert", "init", "--host", "127.0.0.1", "--host", "localhost")
+    assert init.returncode == 0, init.stderr
+    assert "rendered nats/authorization.conf (2 identities)" in init.stdout
+    certs = CertDir(root / "nats" / "certs")
+    for key in (certs.ca_key, certs.server_key, certs.key(Identity("control", "control"))):
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    again = llmgw(root, "ctl", "cert", "init")
+    assert again.returncode == 1
+    assert "a CA already exists" in again.stderr
+    assert "--force" in again.stderr
+
+    port = int((root / "port").read_text())
+    log = root / "nats.log"
+    server = natsd.NatsServer(
+        Path("nats/llmgw.conf"), port=port, cwd=root, log_path=log, executable=natsd.binary()
+    )
+    server.start()
+    try:
+        url = server.url
+        assert (root / "nats" / "nats-server.pid").read_text().strip() == str(server.pid)
+        control = await connect(root, Identity("control", "control"), url)
+        await control.jetstream().add_stream(
+            name=subjects.STREAM, subjects=list(subjects.STREAM_SUBJECTS)
+        )
+        operator = await connect(root, Identity("operator", "admin"), url)
+        cordon = events.NodeCordoned(id="c-1", ts=1.0, operator="admin", node="gpu-1")
+        ack = await operator.jetstream().publish(events.subject_of(cordon), events.encode(cordon))
+        assert ack.seq == 1
+
+        # A node issued while the server runs is admitted by the reload `issue` signals.
+        issued = llmgw(root, "ctl", "cert", "issue", "node", "gpu-1")
+        assert issued.returncode == 0, issued.stderr
+        assert f"reloaded nats-server (pid {server.pid})" in issued.stdout
+        await wait_reloads(log, 1)
+        errors: list[Exception] = []
+
+        async def error_cb(exc: Exception) -> None:
+            errors.append(exc)
+
+        node = await connect(
+            root, Identity("node", "gpu-1"), url, error_cb=error_cb, allow_reconnect=False
+        )
+        beat = events.Heartbeat(id="hb-1", ts=2.0, node="gpu-1")
+        ack = await node.jetstream().publish(events.subject_of(beat), events.encode(beat))
+        assert ack.seq == 2
+
+        # Its key is not replaced by accident.
+        key_before = certs.key(Identity("node", "gpu-1")).read_bytes()
+        twice = llmgw(root, "ctl", "cert", "issue", "node", "gpu-1")
+        assert twice.returncode == 1
+        assert "--force" in twice.stderr
+        assert certs.key(Identity("node", "gpu-1")).read_bytes() == key_before
+
+        listed = llmgw(root, "ctl", "cert", "list")
+        assert listed.returncode == 0
+        assert [line.split()[:2] for line in listed.stdout.splitlines()] == [
+            ["node", "gpu-1"],
+            ["operator", "admin"],
+            ["control", "control"],
+        ]
+
+        bad = llmgw(root, "ctl", "cert", "issue", "node", "gpu.1")
+        assert bad.returncode == 1
+        assert "cannot be used in a NATS subject" in bad.stderr
+
+        # Removing it closes its connection at the reload and refuses the next one.
+        removed = llmgw(root, "ctl", "cert", "remove", "node", "gpu-1")
+        assert removed.returncode == 0, removed.stderr
+        await wait_reloads(log, 2)
+        for _ in range(300):
+            if node.is_closed:
+                break
+            await asyncio.sleep(0.01)
+        assert node.is_closed
+        assert operator.is_connected  # everyone else stays connected
+        await operator.close()
+        await control.close()
+    finally:
+        server.stop()
+    # nats-server leaves its pid file behind; a stale one must not be signalled.
+    stale = llmgw(root, "ctl", "cert", "render")
+    assert stale.returncode == 0, stale.stderr
+    assert "no running nats-server found" in stale.stdout
+
+
+def test_issue_without_a_ca_says_to_run_init(tmp_path: Path) -> None:
+    out = llmgw(tmp_path, "ctl", "cert", "issue", "node", "gpu-1")
+    assert out.returncode == 1
+    assert "llmgw ctl cert init" in out.stderr
+
+
+def test_llmgw_ctl_is_listed_in_help(tmp_path: Path) -> None:
+    out = llmgw(tmp_path, "--help")
+    assert out.returncode == 0
+    assert "ctl" in out.stdout
+    assert shutil.which("nats-server") or natsd.binary()
