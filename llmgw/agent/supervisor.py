@@ -198,6 +198,7 @@ class Supervisor:
         Idempotent by replica id and generation: a live shard of the same or a
         newer generation is left alone; an older one is stopped first.
         """
+        began = time.perf_counter()
         key = (replica_id, shard)
         existing = self._shards.get(key)
         if existing is not None and existing.phase in LIVE:
@@ -210,7 +211,6 @@ class Supervisor:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # O_APPEND: the engine always writes at the end, so trimming the file stays safe.
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        began = time.perf_counter()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *launch.argv,
