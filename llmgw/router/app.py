@@ -434,15 +434,16 @@ class Router:
             return state.response
         finally:
             ep.inflight -= 1
+            before = ep.breaker.state
             if verdict is True:
                 ep.breaker = breaker.on_success(ep.breaker)
             elif verdict is False:
-                before = ep.breaker.state
                 ep.breaker = breaker.on_failure(ep.breaker, policy, time.monotonic())
-                if ep.breaker.state == "open" and before != "open":
-                    log.warning("breaker_open", endpoint=ep.id, url=ep.url)
             else:
                 ep.breaker = breaker.on_abandon(ep.breaker)
+            if ep.breaker.state != before:
+                log.warning("breaker_" + ep.breaker.state, endpoint=ep.id, url=ep.url)
+                self.metrics.breaker_changed(ep.id, ep.breaker.state)
 
     async def _exchange(
         self,
@@ -540,6 +541,14 @@ class Router:
             try:
                 async with asyncio.timeout_at(min(t0 + d.first_token_s, total_at)):
                     first = await upstream.content.readany()
+                    # A chat stream opens with a role-only chunk before any token (vLLM sends
+                    # it with the first token, others at once): hold it back, so the first-token
+                    # deadline still covers the wait and the request can still move elsewhere.
+                    while first and len(first) < 4096 and _only_openers(first):
+                        more = await upstream.content.readany()
+                        if not more:
+                            break
+                        first += more
             except TimeoutError:
                 raise Retry(
                     "first_token_timeout",
@@ -690,6 +699,18 @@ class Router:
                         continue
             kept.append(event)
         return b"".join(e + b"\n\n" for e in kept)
+
+
+def _only_openers(data: bytes) -> bool:
+    """Whether `data` is whole SSE events that each only announce the assistant's role."""
+    if not data.endswith(b"\n\n"):
+        return False
+    for event in data.split(b"\n\n"):
+        if event and not (
+            b'"role"' in event and (b'"content":""' in event or b'"content"' not in event)
+        ):
+            return False
+    return True
 
 
 class _EngineFault(Exception):

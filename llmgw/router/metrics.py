@@ -135,6 +135,9 @@ class Metrics:
     def attempt(self, endpoint: str) -> None:
         self._child(self.sent, endpoint).inc()
 
+    def breaker_changed(self, endpoint: str, state: str) -> None:
+        self._child(self.breaker, endpoint).set(BREAKER_VALUE[state])
+
     def retry(self, model: str, reason: str) -> None:
         self._child(self.retries, model, reason).inc()
 

@@ -1,0 +1,121 @@
+"""Bad input over real HTTP never gets a 500 from the router, nor stops it (Hypothesis)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.integration.router_kit import Router, Sim
+
+pytestmark = pytest.mark.slow
+
+MAX_BODY = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    tmp: Path = tmp_path_factory.mktemp("router-http")
+    sim = Sim.start("m", "--eos-min-tokens", "2", "--eos-max-tokens", "2")
+    r = Router.start(tmp, {"s": sim}, max_body_bytes=MAX_BODY)
+    yield r
+    r.stop()
+    sim.stop()
+
+
+@pytest.fixture(scope="module")
+def http(router: Router) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=router.url, timeout=10) as c:
+        yield c
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+not_str = json_values.filter(lambda v: not isinstance(v, str))
+not_list = json_values.filter(lambda v: not isinstance(v, list))
+bad_bodies = st.one_of(
+    st.binary(max_size=300),
+    json_values.filter(lambda v: not isinstance(v, dict)).map(json.dumps),
+    st.builds(lambda m: json.dumps({"model": m, "messages": []}), not_str),
+    st.builds(lambda ms: json.dumps({"model": "m", "messages": ms}), not_list),
+    st.builds(
+        lambda s: json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": s}
+        ),
+        json_values.filter(lambda v: not isinstance(v, bool)),
+    ),
+    st.builds(
+        lambda c: json.dumps({"model": "m", "messages": [{"role": "user", "content": c}]}),
+        st.dictionaries(st.text(max_size=5), json_values, min_size=1, max_size=2) | st.integers(),
+    ),
+    st.builds(lambda m: json.dumps({"model": m, "messages": []}), st.text(max_size=20)),
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(body=bad_bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions",
+                                               "/v1/embeddings"]))  # fmt: skip
+def test_bad_bodies_get_4xx_in_openai_shape(
+    http: httpx.Client, body: str | bytes, path: str
+) -> None:
+    r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert isinstance(err["message"], str)
+    assert err["message"]
+
+
+def test_oversized_body_gets_413(http: httpx.Client) -> None:
+    big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY}]})
+    r = http.post("/v1/chat/completions", content=big)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v2/nothing", 404),
+        ("DELETE", "/v1/chat/completions", 405),
+        ("POST", "/v1/models", 405),
+        ("PUT", "/", 404),
+    ],
+)
+def test_unknown_paths_and_methods(http: httpx.Client, method: str, path: str, status: int) -> None:
+    r = http.request(method, path)
+    assert r.status_code == status
+    assert "error" in r.json()
+
+
+def test_models_health_ready_and_request_id(http: httpx.Client) -> None:
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["m"]
+    assert http.get("/health").status_code == 200
+    assert http.get("/ready").json()["ready"] is True
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"X-Request-Id": "req-123"},
+    )
+    assert r.status_code == 200
+    assert r.headers["X-Request-Id"] == "req-123"
+    assert r.json()["choices"][0]["message"]["content"]
+
+
+def test_router_survived(http: httpx.Client) -> None:
+    """Runs last in this module: after all the garbage above the router still serves."""
+    r = http.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 200
