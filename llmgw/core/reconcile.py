@@ -236,6 +236,7 @@ class _Planner:
         self.to_replace: dict[str, list[str]] = defaultdict(list)
         """Model -> replicas retired this pass that a new replica should name as replaced."""
         self.unplaceable: dict[str, str] = {}
+        self.downed: set[str] = set()
         self.replacement_of: dict[str, ReplicaState] = {
             r.replaces: r for r in state.replicas.values() if r.replaces and not r.retired
         }
@@ -315,7 +316,8 @@ class _Planner:
 
     def _endpoint_down(self, r: ReplicaState, reason: str) -> None:
         ep = self.state.endpoints.get(r.id)
-        if ep is not None:
+        if ep is not None and r.id not in self.downed:
+            self.downed.add(r.id)
             self.b.add(
                 events.EndpointDown, replica_id=r.id, model=r.model, url=ep.url, reason=reason
             )

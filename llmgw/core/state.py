@@ -259,7 +259,9 @@ def apply(
     `at` is the log's own timestamp of the record (the server's clock); it only
     dates heartbeats in the volatile part and defaults to the event's `ts`.
     Purely computational; never raises. Handlers check everything before they
-    mutate, so a refused event changes nothing.
+    mutate, so a refused event changes nothing. Times are stored as floats even
+    when an in-process event carries an int, so a state and its snapshot digest
+    alike (events decoded from the log always carry floats).
     """
     if seq and seq <= state.last_seq:
         return f"sequence {seq} was already folded (state is at {state.last_seq})"
@@ -348,7 +350,7 @@ def _registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: fl
     node.fabrics = ev.fabrics
     node.hcas = ev.hcas
     node.agent_version = ev.agent_version
-    node.registered_ts = ev.ts
+    node.registered_ts = float(ev.ts)
     node.liveness = "ready"
     node.liveness_seq = seq
     node.orphans = orphans
@@ -364,11 +366,11 @@ def _registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: fl
             if report is not None:
                 if report.phase != shard.phase:
                     shard.phase = report.phase
-                    shard.since = ev.ts
+                    shard.since = float(ev.ts)
                 if report.endpoint:
                     shard.endpoint = report.endpoint
                 if report.phase in TERMINAL:
-                    _shard_ended(state, replica, shard, ev.ts)
+                    _shard_ended(state, replica, shard, float(ev.ts))
             elif shard.phase in RUNNING:
                 if replica.retired:
                     shard.phase = "stopped"
@@ -376,9 +378,9 @@ def _registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: fl
                     shard.phase = "failed"
                     shard.error = "not running when its agent registered again"
                     replica.failures += 1
-                    replica.failed_ts = ev.ts
-                shard.since = ev.ts
-                _shard_ended(state, replica, shard, ev.ts)
+                    replica.failed_ts = float(ev.ts)
+                shard.since = float(ev.ts)
+                _shard_ended(state, replica, shard, float(ev.ts))
 
 
 def _heartbeat(state: ClusterState, ev: events.Heartbeat, seq: int, at: float) -> None:
@@ -435,7 +437,7 @@ def _shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: flo
         return  # redelivery
     _can_enter(shard, ev.phase, what)
     shard.phase = ev.phase
-    shard.since = ev.ts
+    shard.since = float(ev.ts)
     if ev.endpoint:
         shard.endpoint = ev.endpoint
     if ev.phase == "failed":
@@ -443,7 +445,7 @@ def _shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: flo
         shard.log_tail = ev.log_tail
         if not replica.retired and not shard.stop_sent:
             replica.failures += 1
-            replica.failed_ts = ev.ts
+            replica.failed_ts = float(ev.ts)
     elif ev.phase == "serving":
         replica.failures = 0
         shard.error = ""
@@ -451,7 +453,7 @@ def _shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: flo
     elif ev.error:
         shard.error = ev.error
     if ev.phase in TERMINAL:
-        _shard_ended(state, replica, shard, ev.ts)
+        _shard_ended(state, replica, shard, float(ev.ts))
 
 
 def _shard_ended(state: ClusterState, replica: ReplicaState, shard: ShardState, ts: float) -> None:
@@ -481,11 +483,11 @@ def _release(state: ClusterState, replica: ReplicaState, shard: ShardState) -> N
 
 
 def _model_declared(state: ClusterState, ev: events.ModelDeclared, seq: int, at: float) -> None:
-    _set_model(state, ev.profile, ev.ts, declared=True)
+    _set_model(state, ev.profile, float(ev.ts), declared=True)
 
 
 def _model_changed(state: ClusterState, ev: events.ModelChanged, seq: int, at: float) -> None:
-    _set_model(state, ev.profile, ev.ts, declared=False)
+    _set_model(state, ev.profile, float(ev.ts), declared=False)
 
 
 def _set_model(state: ClusterState, profile: ModelProfile, ts: float, *, declared: bool) -> None:
@@ -535,8 +537,8 @@ def _drain_requested(
     if node.draining:
         return
     node.draining = True
-    node.drain_since = ev.ts
-    node.drain_grace_s = ev.grace_s
+    node.drain_since = float(ev.ts)
+    node.drain_grace_s = float(ev.grace_s)
 
 
 # --- control decisions
@@ -613,7 +615,9 @@ def _replica_placed(state: ClusterState, ev: events.ReplicaPlaced, seq: int, at:
                     f"{ev.fabric!r}"
                 )
     shards = [
-        ShardState(shard=sa.shard, node=sa.node, gpus=tuple(sa.gpus), port=sa.port, since=ev.ts)
+        ShardState(
+            shard=sa.shard, node=sa.node, gpus=tuple(sa.gpus), port=sa.port, since=float(ev.ts)
+        )
         for sa in sorted(ev.shards, key=lambda s: s.shard)
     ]
     replica = ReplicaState(
@@ -625,7 +629,7 @@ def _replica_placed(state: ClusterState, ev: events.ReplicaPlaced, seq: int, at:
         fabric=ev.fabric if len(nodes) > 1 else "",
         replaces=ev.replaces,
         reason=ev.reason,
-        placed_ts=ev.ts,
+        placed_ts=float(ev.ts),
         placed_seq=seq,
         revision=model.revision,
     )
@@ -659,7 +663,7 @@ def _restarted(state: ClusterState, replica: ReplicaState, ev: events.ReplicaPla
     replica.reason = ev.reason
     for shard in replica.shards:
         shard.phase = "placed"
-        shard.since = ev.ts
+        shard.since = float(ev.ts)
         shard.endpoint = ""
         shard.started = False
         shard.drain_sent_at = None
@@ -675,7 +679,7 @@ def _replica_retired(state: ClusterState, ev: events.ReplicaRetired, seq: int, a
         return
     replica.retired = True
     replica.retired_reason = ev.reason
-    replica.retired_ts = ev.ts
+    replica.retired_ts = float(ev.ts)
     for shard in list(replica.shards):
         node = state.nodes.get(shard.node)
         # Nothing runs for a shard that ended, or that no agent was ever told to
@@ -702,7 +706,7 @@ def _unreachable(state: ClusterState, ev: events.NodeUnreachable, seq: int, at: 
     node = _node(state, ev.node)
     if node.liveness != "ready":
         return
-    _liveness(state, ev, "unreachable", seq).last_heartbeat = ev.last_heartbeat
+    _liveness(state, ev, "unreachable", seq).last_heartbeat = float(ev.last_heartbeat)
 
 
 def _lost(state: ClusterState, ev: events.NodeLost, seq: int, at: float) -> None:
@@ -710,7 +714,7 @@ def _lost(state: ClusterState, ev: events.NodeLost, seq: int, at: float) -> None
     if node.liveness == "lost":
         return
     _check_epoch(state, ev)
-    _liveness(state, ev, "lost", seq).last_heartbeat = ev.last_heartbeat
+    _liveness(state, ev, "lost", seq).last_heartbeat = float(ev.last_heartbeat)
     for rid in sorted(set(node.holders.values())):
         replica = state.replicas.get(rid)
         if replica is None:
@@ -721,7 +725,7 @@ def _lost(state: ClusterState, ev: events.NodeLost, seq: int, at: float) -> None
             if shard.phase not in TERMINAL:
                 shard.phase = "failed"
                 shard.error = f"node {ev.node} lost"
-                shard.since = ev.ts
+                shard.since = float(ev.ts)
             if replica.retired:
                 _release(state, replica, shard)
                 if rid not in state.replicas:
@@ -798,7 +802,7 @@ def _start(state: ClusterState, ev: events.StartShard, seq: int, at: float) -> N
 def _drain(state: ClusterState, ev: events.DrainShard, seq: int, at: float) -> None:
     _replica, shard = _command_shard(state, ev)
     if shard.drain_sent_at is None:
-        shard.drain_sent_at = ev.ts
+        shard.drain_sent_at = float(ev.ts)
 
 
 def _stop(state: ClusterState, ev: events.StopShard, seq: int, at: float) -> None:

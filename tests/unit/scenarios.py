@@ -198,9 +198,13 @@ class Sim:
     # --- the leader and the agents
 
     def leader(self, now: float | None = None) -> list[events.Event]:
-        """One reconcile pass; its decisions are appended to the log and folded back."""
-        if now is not None:
+        """One reconcile pass; its decisions are appended to the log and folded back.
+
+        Moving time forward (`now`) lets the agents that are not silent heartbeat first.
+        """
+        if now is not None and now > self.now:
             self.now = now
+            self.heartbeats()
         decisions = reconcile.reconcile(
             self.state,
             self.now,

@@ -1,0 +1,373 @@
+"""The reconciler's rules, each as a small scenario driven through the log."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from llmgw.core import events, reconcile, state
+from llmgw.core.reconcile import ReconcileConfig
+
+from .scenarios import Sim, fabric, profile
+
+
+def kinds(decisions: list[events.Event]) -> list[str]:
+    return [type(d).__name__ for d in decisions]
+
+
+def of(decisions: list[events.Event], cls: type[events.Event]) -> list[events.Event]:
+    return [d for d in decisions if isinstance(d, cls)]
+
+
+def two_nodes(**kw: object) -> Sim:
+    sim = Sim(**kw)  # type: ignore[arg-type]
+    sim.register("a", fabrics=[fabric("ib-a", ["mlx5_0", "mlx5_1"])])
+    sim.register("b", fabrics=[fabric("ib-a", ["mlx5_2", "mlx5_3"])])
+    return sim
+
+
+def test_missing_replicas_are_placed_with_a_complete_launch_spec() -> None:
+    sim = two_nodes()
+    sim.declare(
+        profile(
+            "llama",
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            aliases=("llama-8b",),
+            tensor_parallel=2,
+            replicas=2,
+            dtype="bfloat16",
+            max_model_len=8192,
+            engine_args=("--enable-prefix-caching",),
+            env={"VLLM_LOGGING_LEVEL": "INFO"},
+        )
+    )
+    decisions = sim.leader()
+    assert kinds(decisions) == ["ReplicaPlaced", "StartShard", "ReplicaPlaced", "StartShard"]
+    placed = of(decisions, events.ReplicaPlaced)
+    assert [p.replica_id for p in placed] == ["r1-3-0", "r1-3-2"]  # type: ignore[attr-defined]
+    assert [d.id for d in decisions] == ["1-3-0", "1-3-1", "1-3-2", "1-3-3"]
+    start = of(decisions, events.StartShard)[0]
+    assert isinstance(start, events.StartShard)
+    assert start.node == "a"
+    assert start.generation == 1
+    assert start.launch == events.LaunchSpec(
+        engine="vllm",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        served_name="llama",
+        aliases=("llama-8b",),
+        port=8100,
+        gpus=(0, 1),
+        gpu_class="h100-80g",
+        tensor_parallel=2,
+        dtype="bfloat16",
+        max_model_len=8192,
+        engine_args=("--enable-prefix-caching",),
+        env={"VLLM_LOGGING_LEVEL": "INFO"},
+    )
+    # Spread: the second replica goes to the other node.
+    assert of(decisions, events.StartShard)[1].node == "b"  # type: ignore[attr-defined]
+
+
+def test_a_multi_node_replica_gets_nccl_hcas_of_its_fabric_and_the_head_address() -> None:
+    sim = two_nodes()
+    sim.declare(profile("big", tensor_parallel=8, pipeline_parallel=2, nodes=2))
+    starts = of(sim.leader(), events.StartShard)
+    assert [s.launch.node_rank for s in starts] == [0, 1]  # type: ignore[attr-defined]
+    head, worker = (s.launch for s in starts)  # type: ignore[attr-defined]
+    assert head.env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
+    assert worker.env["NCCL_IB_HCA"] == "=mlx5_2,mlx5_3"
+    for spec in (head, worker):
+        assert spec.nnodes == 2
+        assert spec.head_address == "a.internal"
+        assert spec.head_port == head.port + 1
+        assert spec.fabric == "ib-a"
+        assert spec.gpus == tuple(range(8))
+        assert (spec.tensor_parallel, spec.pipeline_parallel) == (8, 2)
+
+
+def test_endpoint_up_when_all_shards_serve_and_down_when_one_fails() -> None:
+    sim = two_nodes()
+    sim.declare(profile("big", tensor_parallel=8, nodes=2))
+    decisions = sim.settle()
+    (up,) = of(decisions, events.EndpointUp)
+    assert isinstance(up, events.EndpointUp)
+    assert up.url.startswith("http://a.internal:81")
+    rid = up.replica_id
+    sim.status("b", rid, 1, 1, "failed", error="NCCL timeout")
+    down = sim.leader()
+    assert kinds(down)[0] == "EndpointDown"
+    assert "shard 1 failed: NCCL timeout" in down[0].reason  # type: ignore[attr-defined]
+
+
+def test_failed_replicas_restart_in_place_with_exponential_backoff() -> None:
+    cfg = ReconcileConfig(restart_backoff_s=5, restart_backoff_max_s=60)
+    sim = two_nodes(config=cfg)
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    sim.failing.add((r.id, 0))
+    sim.status(node, r.id, 1, 0, "failed", error="CUDA error")
+    assert kinds(sim.step()) == ["EndpointDown"]
+    assert sim.step(sim.now + 4.9) == []  # backoff 5 s
+    restart = sim.step(sim.now + 0.2)
+    assert kinds(restart) == ["ReplicaPlaced", "StartShard"]
+    assert restart[0].generation == 2  # type: ignore[attr-defined]
+    assert restart[0].shards[0].gpus == r.shards[0].gpus  # type: ignore[attr-defined]
+    assert restart[0].reason == "restart after 1 failure(s): CUDA error"  # type: ignore[attr-defined]
+    # It failed again (the agent sim fails it): the wait doubles to 10 s.
+    assert r.failures == 2
+    assert sim.step(sim.now + 9.9) == []
+    assert kinds(sim.step(sim.now + 0.2)) == ["ReplicaPlaced", "StartShard"]
+    assert reconcile.backoff(10, cfg) == 60
+    # Once it serves, the failure count resets.
+    sim.failing.clear()
+    sim.step(sim.now + 20.1)
+    sim.settle()
+    assert r.failures == 0
+    assert r.generation == 4
+    assert r.id in sim.state.endpoints
+
+
+def test_heartbeats_stop_unreachable_then_lost_then_replaced_then_recovered() -> None:
+    cfg = ReconcileConfig(unreachable_after_s=10, lost_after_s=60)
+    sim = two_nodes(config=cfg)
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    dead = r.shards[0].node
+    other = "b" if dead == "a" else "a"
+    sim.silent.add(dead)
+    sim.advance(5)
+    assert sim.step() == []
+    sim.advance(6)
+    (unreachable,) = sim.step()
+    assert isinstance(unreachable, events.NodeUnreachable)
+    assert unreachable.node == dead
+    assert unreachable.last_heartbeat == pytest.approx(sim.now - 11)
+    # Unreachable: no replacement yet, and no new placements there.
+    assert sim.step() == []
+    sim.advance(60)
+    (lost,) = sim.step()
+    assert isinstance(lost, events.NodeLost)
+    replaced = sim.settle()
+    assert kinds(replaced)[:3] == ["EndpointDown", "ReplicaRetired", "ReplicaPlaced"]
+    placed = of(replaced, events.ReplicaPlaced)[0]
+    assert placed.replaces == r.id  # type: ignore[attr-defined]
+    assert placed.shards[0].node == other  # type: ignore[attr-defined]
+    assert r.id not in sim.state.replicas  # the lost node's shard is released
+    assert len(sim.serving("m")) == 1
+    # The node comes back: recovered, and the retired replica it still runs is stopped.
+    sim.silent.discard(dead)
+    sim.heartbeat(dead)
+    (recovered,) = sim.step()
+    assert isinstance(recovered, events.NodeRecovered)
+    assert sim.state.nodes[dead].liveness == "ready"
+    sim.register(
+        dead,
+        fabrics=[fabric("ib-a")],
+        shards=[
+            events.RunningShard(
+                replica_id=r.id, generation=1, shard=0, gpus=r.shards[0].gpus, phase="serving"
+            )
+        ],
+    )
+    stop = sim.step()
+    assert kinds(stop) == ["StopShard"]
+    assert stop[0].reason == "not a replica the control plane placed"  # type: ignore[attr-defined]
+    assert sim.settle() == []
+
+
+def test_rolling_drain_stops_the_original_only_after_its_replacement_serves() -> None:
+    cfg = ReconcileConfig(shard_drain_s=30)
+    sim = two_nodes(config=cfg)
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (original,) = sim.state.replicas.values()
+    src = original.shards[0].node
+    sim.drain(src, grace_s=600)
+    placed = sim.leader()  # agents do not answer yet
+    assert kinds(placed) == ["ReplicaPlaced", "StartShard"]
+    assert placed[0].replaces == original.id  # type: ignore[attr-defined]
+    new_id = placed[0].replica_id  # type: ignore[attr-defined]
+    # While the replacement loads, the original keeps serving and nothing else happens.
+    sim.status(placed[1].node, new_id, 1, 0, "loading")  # type: ignore[attr-defined]
+    assert sim.leader() == []
+    assert original.id in sim.state.endpoints
+    sim.status(placed[1].node, new_id, 1, 0, "serving")  # type: ignore[attr-defined]
+    drained = sim.step()
+    assert kinds(drained) == ["EndpointUp", "EndpointDown", "ReplicaRetired", "DrainShard"]
+    assert drained[2].reason.endswith("its replacement serves")  # type: ignore[attr-defined]
+    assert sim.step(sim.now + 29) == []
+    (stop,) = sim.step(sim.now + 1.5)
+    assert isinstance(stop, events.StopShard)
+    assert stop.replica_id == original.id
+    assert original.id not in sim.state.replicas
+    assert sim.settle() == []
+    assert [r.id for r in sim.serving("m")] == [new_id]
+
+
+def test_draining_the_only_capable_node_ends_with_the_grace_period() -> None:
+    sim = Sim(config=ReconcileConfig(shard_drain_s=10))
+    sim.register("solo")
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (original,) = sim.state.replicas.values()
+    sim.drain("solo", grace_s=120)
+    assert sim.step() == []
+    assert (
+        reconcile.reconcile_detail(sim.state, sim.now, epoch=1)
+        .unplaceable["m"]
+        .startswith("no node offers 8 free h100-80g (draining: 1)")
+    )
+    assert sim.step(sim.now + 119) == []
+    ended = sim.step(sim.now + 1)
+    assert kinds(ended) == ["EndpointDown", "ReplicaRetired", "DrainShard"]
+    assert ended[1].reason.endswith("the drain grace period ended")  # type: ignore[attr-defined]
+    assert kinds(sim.step(sim.now + 10)) == ["StopShard"]
+    assert original.id not in sim.state.replicas
+    assert sim.settle() == []
+
+
+def test_surplus_replicas_retire_least_serving_and_newest_first() -> None:
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2, replicas=3))
+    sim.settle()
+    newest = max(sim.state.replicas.values(), key=lambda r: r.placed_seq)
+    sim.change(profile("m", tensor_parallel=2, replicas=2))
+    retired = sim.settle()
+    assert kinds(retired)[:3] == ["EndpointDown", "ReplicaRetired", "DrainShard"]
+    assert retired[1].replica_id == newest.id  # type: ignore[attr-defined]
+    sim.settle(sim.now + 31)
+    assert len(sim.state.replicas) == 2
+
+
+def test_a_removed_model_is_retired_and_a_changed_model_rolls() -> None:
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    (old,) = sim.state.replicas.values()
+    sim.change(profile("m", tensor_parallel=2, engine_args=("--enforce-eager",)))
+    assert sim.state.models["m"].revision == 2
+    rolled = sim.settle()
+    assert kinds(rolled)[:2] == ["ReplicaPlaced", "StartShard"]
+    assert of(rolled, events.ReplicaRetired)[0].replica_id == old.id  # type: ignore[attr-defined]
+    sim.settle(sim.now + 31)
+    (new,) = sim.state.replicas.values()
+    assert new.revision == 2
+    sim.append(events.ModelRemoved(id="rm", ts=sim.now, operator="o", name="m"))
+    gone = sim.settle()
+    assert kinds(gone)[:3] == ["EndpointDown", "ReplicaRetired", "DrainShard"]
+    sim.settle(sim.now + 31)
+    assert sim.state.replicas == {}
+    assert sim.state.endpoints == {}
+
+
+def test_gpu_health_from_heartbeats_is_recorded_and_steers_placement() -> None:
+    sim = Sim()
+    sim.register("a", count=2, per_domain=2)
+    sim.heartbeat("a", [events.GpuHealth(index=1, ecc_uncorrected=3)])
+    (changed,) = sim.step()
+    assert isinstance(changed, events.GpuHealthChanged)
+    assert changed.gpus == (events.GpuHealth(index=1, ecc_uncorrected=3),)
+    assert not sim.state.nodes["a"].gpus[1].healthy
+    assert sim.step() == []
+    sim.declare(profile("m", tensor_parallel=1, replicas=2))
+    decisions = sim.settle()
+    assert [s.gpus for d in of(decisions, events.ReplicaPlaced) for s in d.shards] == [(0,)]  # type: ignore[attr-defined]
+
+
+def test_a_replica_on_a_gpu_turned_unhealthy_is_moved_when_it_fails() -> None:
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    sim.heartbeat(node, [events.GpuHealth(index=3, ecc_uncorrected=1)])
+    sim.settle()
+    sim.status(node, r.id, 1, 0, "failed", error="Xid 48")
+    moved = sim.settle()
+    assert kinds(moved)[:3] == ["EndpointDown", "ReplicaRetired", "ReplicaPlaced"]
+    assert f"GPU 3 of {node} unhealthy" in moved[1].reason  # type: ignore[attr-defined]
+
+
+def test_observations_come_alone_and_planning_follows_on_the_next_pass() -> None:
+    sim = two_nodes(config=ReconcileConfig(unreachable_after_s=10))
+    sim.declare(profile("m", tensor_parallel=8, replicas=2))
+    sim.now += 11  # both nodes silent for 11 s
+    assert kinds(sim.leader()) == ["NodeUnreachable", "NodeUnreachable"]
+    assert sim.leader() == []  # nowhere to place
+
+
+def test_a_fresh_leader_gives_nodes_time_after_a_replay_without_heartbeats() -> None:
+    sim = two_nodes(config=ReconcileConfig(unreachable_after_s=10))
+    sim.now += 3600
+    replay, _ = state.fold(sim.durable_records())
+    assert reconcile.reconcile(replay, sim.now, epoch=2, observing_since=sim.now - 1) == []
+    assert kinds(reconcile.reconcile(replay, sim.now, epoch=2)) == ["NodeUnreachable"] * 2
+
+
+def test_reconcile_is_pure_and_deterministic() -> None:
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2, replicas=4))
+    before = state.encode_snapshot(sim.state)
+    first = reconcile.reconcile(sim.state, sim.now, epoch=3)
+    second = reconcile.reconcile(sim.state, sim.now, epoch=3)
+    assert state.encode_snapshot(sim.state) == before
+    assert [msgspec.json.encode(d) for d in first] == [msgspec.json.encode(d) for d in second]
+
+
+def test_replay_reaches_the_leaders_digest_and_verify_reproduces_every_batch() -> None:
+    cfg = ReconcileConfig(unreachable_after_s=10, lost_after_s=30, shard_drain_s=5)
+    sim = two_nodes(config=cfg)
+    sim.register("c", fabrics=[fabric("ib-a")])
+    sim.declare(profile("m", tensor_parallel=4, replicas=3))
+    sim.declare(profile("big", tensor_parallel=8, nodes=2))
+    sim.settle()
+    sim.drain("a", grace_s=60)
+    sim.settle()
+    sim.advance(6)
+    sim.settle()
+    sim.silent.add("b")
+    for _ in range(5):
+        sim.advance(10)
+        sim.settle()
+    sim.change(profile("m", tensor_parallel=4, replicas=1))
+    sim.settle()
+    sim.advance(10)
+    sim.settle()
+    assert sim.rejected == []
+    assert len(sim.decision_batches) >= 8
+    replay, rejected = state.fold(sim.durable_records())
+    assert rejected == []
+    assert state.digest(replay) == state.digest(sim.state)
+    # From a snapshot halfway, too.
+    half = len(sim.records) // 2
+    mid, _ = state.fold(sim.records[:half])
+    resumed = state.decode_snapshot(state.encode_snapshot(mid))
+    state.fold([r for r in sim.durable_records() if r[0] > half], resumed)
+    assert state.digest(resumed) == state.digest(sim.state)
+    report = reconcile.verify(sim.durable_records(), config=cfg)
+    assert report.mismatches == []
+    plans = [b for b in sim.decision_batches if not isinstance(b[0], reconcile.OBSERVATIONS)]
+    assert report.batches == report.matched == len(plans)
+    assert report.observations == sum(
+        len(b) for b in sim.decision_batches if isinstance(b[0], reconcile.OBSERVATIONS)
+    )
+
+
+def test_verify_spots_a_forged_decision() -> None:
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    records = sim.durable_records()
+    forged = []
+    for seq, ev in records:
+        if isinstance(ev, events.StartShard):
+            ev = msgspec.structs.replace(
+                ev, launch=msgspec.structs.replace(ev.launch, env={"NCCL_IB_HCA": "mlx5"})
+            )
+        forged.append((seq, ev))
+    report = reconcile.verify(forged)
+    assert not report.ok
+    assert "decision 1: recorded" in report.mismatches[0]
