@@ -313,3 +313,27 @@ async def test_foreign_process_with_a_reused_pid_is_not_adopted(tmp_path: Path, 
     finally:
         foreign.kill()
         foreign.wait()
+
+
+async def test_adopted_engine_that_dies_is_reported_failed(tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    spec = sim_spec("worker", free_port(), nnodes=1)
+    launch = Launch(argv=("sleep", "300"), env={}, port=spec.port, http=False)
+    first = Supervisor(Settings(state_dir=state, poll_s=0.1, headless_settle_s=0.2))
+    view = await first.start("rep-f", 1, 0, spec, launch)
+    await first.close()  # the agent goes away; the engine stays
+    (tmp_path / "state" / "shards" / "junk.0.json").write_text("{not json")
+
+    recorder = Recorder()
+    second = Supervisor(Settings(state_dir=state, poll_s=0.1), recorder)
+    try:
+        results = {r.replica_id: r for r in await second.adopt()}
+        assert results["rep-f"].adopted
+        assert not results["junk.0"].adopted
+        assert not (tmp_path / "state" / "shards" / "junk.0.json").exists()
+        await recorder.wait_for("rep-f", "serving")
+        os.kill(view.pid or 0, signal.SIGKILL)
+        failed = await recorder.wait_for("rep-f", "failed", within=10)
+        assert failed.error == "engine disappeared while serving"
+    finally:
+        await second.close()

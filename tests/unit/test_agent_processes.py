@@ -1,0 +1,78 @@
+"""Process identity from /proc, engine log tails, and pid files that survive bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.agent import logtail, pidfiles, processes
+
+
+def test_fingerprint_survives_a_command_name_with_parentheses(tmp_path: Path) -> None:
+    # /proc/<pid>/stat puts the command name in parentheses; a name holding ") (" must
+    # not shift the fields, or the start time would be read from the wrong column.
+    tricky = tmp_path / "engine) (x"
+    tricky.symlink_to("/bin/sleep")
+    proc = subprocess.Popen([str(tricky), "30"], start_new_session=True)
+    try:
+        fp = processes.fingerprint(proc.pid)
+        assert fp is not None
+        assert fp.cmdline == (str(tricky), "30")
+        assert fp.start_time > 0
+        assert fp.boot_id
+        assert processes.mismatch(fp) == ""
+        assert processes.group_members(proc.pid) == [proc.pid]
+        other = processes.Fingerprint(
+            pid=proc.pid, start_time=fp.start_time, boot_id="another-boot", cmdline=fp.cmdline
+        )
+        assert "rebooted" in processes.mismatch(other)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "is not running" in processes.mismatch(fp)
+    assert processes.fingerprint(proc.pid) is None
+    assert processes.signal_group(proc.pid, processes.signal.SIGTERM) is False
+
+
+def test_tail_reads_the_last_lines_only(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    path.write_text("".join(f"line {i}\n" for i in range(200_000)) + "partial")
+    assert logtail.tail(path, 3) == ("line 199998", "line 199999", "partial")
+    assert len(logtail.tail(path, 100)) == 100
+    assert logtail.tail(tmp_path / "missing.log", 5) == ()
+
+
+def test_trim_keeps_the_end_and_the_engine_keeps_appending(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # as the engine holds it
+    try:
+        os.write(fd, b"".join(b"x" * 99 + b"\n" for _ in range(1000)))
+        assert logtail.trim(path, max_bytes=50_000, keep_bytes=1000)
+        os.write(fd, b"after trim\n")
+    finally:
+        os.close(fd)
+    assert path.stat().st_size < 2000
+    assert logtail.tail(path, 1) == ("after trim",)
+    assert not logtail.trim(path, max_bytes=50_000, keep_bytes=1000)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=300))
+def test_a_corrupt_pid_file_is_reported_not_fatal(data: bytes) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "shards"
+        folder.mkdir()
+        (folder / "bad.0.json").write_bytes(data)
+        ((path, record),) = pidfiles.load_all(Path(tmp))
+        assert path.name == "bad.0.json"
+        assert record is None
+
+
+def test_pid_file_names_are_safe(tmp_path: Path) -> None:
+    assert pidfiles.path_for(tmp_path, "../../etc/x", 1).parent == tmp_path / "shards"
