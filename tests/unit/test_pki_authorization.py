@@ -119,6 +119,9 @@ def test_a_router_writes_nothing_in_the_log(name: str, node: str, kind: str) -> 
     assert not may_publish(perms, f"$JS.ACK.{STREAM}.{theirs}.1.5.5.1700000000.0")
     assert not may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{theirs}")
     assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{STREAM}.{theirs}.x")
+    assert not may_publish(perms, f"$JS.API.CONSUMER.DELETE.{STREAM}.{theirs}")
+    # Its own readers' consumers it may delete (llmgw.bus.Reader does when it stops).
+    assert may_publish(perms, f"$JS.API.CONSUMER.DELETE.{STREAM}.reader-0a1b2c")
 
 
 @given(name=names, kind=kinds_of_events, node=names)
