@@ -10,8 +10,9 @@ NATS API subjects each role uses (the authorization must allow them; `<s>` is
   event subject and the identity's inbox (for the ack);
 - a `Reader`: `CONSUMER.CREATE.<s>.<name>` (or `.<name>.<filter>` with a single
   filter), `CONSUMER.MSG.NEXT.<s>.<name>`, `CONSUMER.INFO.<s>.<name>`,
-  `CONSUMER.DELETE.<s>.<name>`; reader names start with the `name` given (default
-  `reader`);
+  `CONSUMER.DELETE.<s>.<name>`; consumer names are `<name>-<random>` (default
+  `reader-...`), or exactly `consumer_name` (a node reads its commands through
+  `cmd-<node>` with the single filter `llmgw.cmd.<node>`);
 - the control plane also: `STREAM.INFO.*`, `STREAM.CREATE.*` (provisioning of
   `llmgw-events`, `KV_llmgw-lease`, `OBJ_llmgw-snapshots`), `$KV.llmgw-lease.>`,
   `DIRECT.GET.KV_llmgw-lease.>` / `STREAM.MSG.GET.KV_llmgw-lease`, `$O.llmgw-snapshots.>`

@@ -127,10 +127,15 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool
     except nats.js.errors.NotFoundError:
         try:
             await js.add_stream(wanted)
-        except nats.js.errors.BadRequestError as exc:
-            # Another control plane created it a moment ago; compare with that one.
+        except nats.js.errors.APIError as exc:
+            # Another control plane created it a moment ago: compare with that one.
             if exc.err_code != 10058:  # stream name already in use
-                raise
+                raise ProvisionConflict(
+                    f"the server refused to create stream {wanted.name}: {exc.description} "
+                    f"(code {exc.err_code}). With replicas > 1 the server must be part of a "
+                    "cluster with at least that many JetStream servers; otherwise check the "
+                    "server's JetStream limits (max_file_store)."
+                ) from None
         else:
             return True
         info = await js.stream_info(wanted.name)

@@ -100,6 +100,7 @@ class Reader:
         heartbeat_s: float = 2.0,
         expires_s: float = 30.0,
         name: str = "reader",
+        consumer_name: str | None = None,
         max_skipped_kept: int = 1000,
     ) -> None:
         if after_seq < 0:
@@ -116,6 +117,8 @@ class Reader:
         # not come only delays the end.
         self._expires_s = expires_s if follow else max(2 * heartbeat_s, 1.0)
         self._name_prefix = name
+        # A fixed name, for identities allowed exactly one consumer (a node's `cmd-<node>`).
+        self._fixed_name = consumer_name
         self.last_seq = after_seq
         """Sequence of the last message handed out or skipped."""
         self.undecodable = 0
@@ -159,6 +162,7 @@ class Reader:
         if self._closed:
             return
         self._closed = True
+        self._wakeup.set()
         await self._drop_consumer()
 
     # ----------------------------------------------------------------- consumer
@@ -208,7 +212,9 @@ class Reader:
 
     async def _open(self, *, first: bool) -> None:
         """(Re)create the consumer and its inbox, starting after `last_seq`."""
-        name = f"{self._name_prefix}-{secrets.token_hex(6)}"
+        name = self._fixed_name or f"{self._name_prefix}-{secrets.token_hex(6)}"
+        if self._fixed_name is not None:
+            await self._delete_fixed(name)
         config = self._consumer_config(name, first)
         request = json.dumps(
             {"stream_name": subjects.STREAM, "config": config, "action": "create"}
@@ -240,6 +246,17 @@ class Reader:
         self._reset_needed = False
         if int(resp.get("num_pending", 0)) == 0:
             self.caught_up.set()
+
+    async def _delete_fixed(self, name: str) -> None:
+        """Remove a previous consumer of this fixed name: a create with another start
+        point would be refused while it exists."""
+        try:
+            resp = await self._api(f"{_API}.CONSUMER.DELETE.{subjects.STREAM}.{name}", b"")
+        except (TimeoutError, nats.errors.Error):
+            return  # the create below reports what is wrong
+        err = resp.get("error") or {}
+        if err and err.get("code") != 404:
+            log.warning("bus.reader_delete_failed", consumer=name, detail=err.get("description"))
 
     async def _drop_consumer(self) -> None:
         sub, name = self._sub, self._consumer

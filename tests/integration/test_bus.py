@@ -429,3 +429,83 @@ async def test_snapshots_load_the_newest_and_the_newest_at_or_before(
     assert big_back.seq == 20
     assert big_back.data == big
     assert await store.load(at_or_before=19) is None
+
+
+# --------------------------------------------------------------------------- as a node, and errors
+
+
+async def test_a_node_reads_its_own_commands_through_its_named_consumer(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    leader = bus.Publisher(provisioned.jetstream())
+    stops = [
+        events.StopShard(id=f"stop-{i}", ts=1.0, node=n, replica_id="r1", generation=1)
+        for i, n in enumerate(("node-a", "node-b", "node-a"))
+    ]
+    acks = [await leader.publish(stop) for stop in stops]
+    node = await bus_connect("node", "node-a")
+
+    def commands(after: int) -> bus.Reader:
+        return bus.Reader(
+            node,
+            after_seq=after,
+            subjects_filter=[subjects.command("node-a")],
+            consumer_name="cmd-node-a",
+            follow=False,
+        )
+
+    records = await read_all(commands(0))
+    assert [(r.seq, r.event) for r in records] == [(acks[0].seq, stops[0]), (acks[2].seq, stops[2])]
+    # An agent restarting resumes after the last command it applied: same consumer name.
+    again = await read_all(commands(acks[0].seq))
+    assert [r.seq for r in again] == [acks[2].seq]
+    await node.flush()
+    assert list(node.permission_violations) == []
+
+    with pytest.raises(bus.ReaderError, match="may create consumers"):
+        await bus.Reader(
+            node,
+            subjects_filter=[subjects.command("node-b")],
+            consumer_name="cmd-node-b",
+            follow=False,
+        ).start()
+
+
+async def test_reading_before_provisioning_says_what_to_do(bus_connect: BusConnect) -> None:
+    router = await bus_connect("router", "router-1")
+    with pytest.raises(bus.ReaderError, match=r"stream not found.*provision"):
+        await bus.Reader(router, follow=False).start()
+
+
+async def test_provisioning_replicas_a_single_server_cannot_hold_says_so(
+    bus_connect: BusConnect,
+) -> None:
+    control = await bus_connect("control", "control-a")
+    with pytest.raises(bus.ProvisionConflict, match="cluster"):
+        await bus.provision(control.jetstream(), replicas=3)
+
+
+async def test_the_first_connection_waits_for_a_server_that_starts_later(
+    nats_server: TestNatsServer,
+) -> None:
+    nats_server.stop()
+    ctx = await asyncio.to_thread(nats_server.pki.client_tls, "router", "router-1")
+    with capture_logs() as logs:
+        pending = asyncio.create_task(
+            bus.connect(
+                nats_server.url,
+                tls=ctx,
+                identity=Identity("router", "router-1"),
+                name="early-router",
+            )
+        )
+        await asyncio.sleep(1.0)
+        assert not pending.done()
+        nats_server.start()
+        nc = await asyncio.wait_for(pending, 15)
+    try:
+        assert nc.is_connected
+        failures = [e for e in logs if e["event"] == "bus.connect_failed"]
+        assert len(failures) >= 2
+    finally:
+        await nc.close()
