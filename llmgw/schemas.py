@@ -22,6 +22,7 @@ CONFIG_TYPES: dict[str, str] = {
     "router-config.schema.json": "llmgw.router.config:RouterConfig",
     "router-keys.schema.json": "llmgw.router.auth:KeysFile",
     "agent-config.schema.json": "llmgw.agent.config:AgentConfig",
+    "sim-config.schema.json": "llmgw.sim.config:SimConfig",
 }
 
 
