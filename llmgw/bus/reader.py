@@ -156,7 +156,7 @@ class Reader:
         if self._started:
             return
         self._started = True
-        await self._open(first=True)
+        await self._open()
 
     async def close(self) -> None:
         if self._closed:
@@ -167,7 +167,7 @@ class Reader:
 
     # ----------------------------------------------------------------- consumer
 
-    def _consumer_config(self, name: str, first: bool) -> dict[str, Any]:
+    def _consumer_config(self, name: str) -> dict[str, Any]:
         config: dict[str, Any] = {
             "name": name,
             "ack_policy": "none",
@@ -177,7 +177,8 @@ class Reader:
             # A reader that died leaves nothing behind for long.
             "inactive_threshold": int(max(30.0, 4 * self._expires_s) * _NS),
         }
-        if first and self._since is not None and self.last_seq == 0:
+        # Until a first message arrives, a start time still applies (also after a reset).
+        if self._since is not None and self.last_seq == 0:
             config["deliver_policy"] = "by_start_time"
             config["opt_start_time"] = _start_time(self._since)
         elif self.last_seq > 0:
@@ -210,12 +211,12 @@ class Reader:
         data: dict[str, Any] = json.loads(msg.data)
         return data
 
-    async def _open(self, *, first: bool) -> None:
+    async def _open(self) -> None:
         """(Re)create the consumer and its inbox, starting after `last_seq`."""
         name = self._fixed_name or f"{self._name_prefix}-{secrets.token_hex(6)}"
         if self._fixed_name is not None:
             await self._delete_fixed(name)
-        config = self._consumer_config(name, first)
+        config = self._consumer_config(name)
         request = json.dumps(
             {"stream_name": subjects.STREAM, "config": config, "action": "create"}
         ).encode()
@@ -282,7 +283,7 @@ class Reader:
         wait = 0.2
         while not self._closed:
             try:
-                await self._open(first=False)
+                await self._open()
                 return
             except (ReaderError, nats.errors.Error) as exc:
                 log.warning("bus.reader_reopen_failed", error=str(exc), retry_in_s=wait)

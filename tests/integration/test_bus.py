@@ -412,7 +412,7 @@ async def test_two_lease_contenders_one_holds_and_the_other_takes_over(
 
 
 async def test_snapshots_load_the_newest_and_the_newest_at_or_before(
-    provisioned: bus.BusClient,
+    provisioned: bus.BusClient, bus_connect: BusConnect
 ) -> None:
     store = await bus.SnapshotStore.open(provisioned.jetstream(), keep=3)
     assert await store.load() is None
@@ -429,6 +429,12 @@ async def test_snapshots_load_the_newest_and_the_newest_at_or_before(
     assert big_back.seq == 20
     assert big_back.data == big
     assert await store.load(at_or_before=19) is None
+    # An operator (`llmgw ctl replay`) may read them too.
+    operator = await bus_connect("operator", "alice")
+    seen = await bus.SnapshotStore.open(operator.jetstream())
+    assert await seen.load(at_or_before=35) == bus.Snapshot(seq=30, data=b"thirty")
+    await operator.flush()
+    assert list(operator.permission_violations) == []
 
 
 # --------------------------------------------------------------------------- as a node, and errors

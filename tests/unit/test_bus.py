@@ -207,3 +207,26 @@ def test_start_time_is_rfc3339_utc() -> None:
         2026, 11, 29, 4, 12, tzinfo=datetime.timezone(datetime.timedelta(hours=1))
     )
     assert reader._start_time(aware) == "2026-11-29T03:12:00Z"
+
+
+def test_consumer_start_points() -> None:
+    def config(**kwargs: object) -> dict[str, object]:
+        return reader.Reader(_NoClient(), **kwargs)._consumer_config("c")  # type: ignore[arg-type]
+
+    assert config()["deliver_policy"] == "all"
+    after = config(after_seq=41)
+    assert (after["deliver_policy"], after["opt_start_seq"]) == ("by_start_sequence", 42)
+    since = config(since=0.5)
+    assert (since["deliver_policy"], since["opt_start_time"]) == (
+        "by_start_time",
+        "1970-01-01T00:00:00.500000Z",
+    )
+    # After messages arrived, a reset resumes after the last one, whatever the start was.
+    r = reader.Reader(_NoClient(), since=0.5)  # type: ignore[arg-type]
+    r.last_seq = 7
+    assert r._consumer_config("c")["opt_start_seq"] == 8
+    assert "filter_subject" not in config()
+    one = config(subjects_filter=["llmgw.cmd.node-a"])
+    assert one["filter_subject"] == "llmgw.cmd.node-a"
+    two = config(subjects_filter=["llmgw.events.control.>", "llmgw.cmd.>"])
+    assert two["filter_subjects"] == ["llmgw.events.control.>", "llmgw.cmd.>"]
