@@ -13,6 +13,14 @@ something unusual (a second server, a foreign CA, an expired certificate) use th
   connected nats-py client for that identity, with its own inbox prefix and an error_cb that
   records errors in `connect.errors[(kind, name)]`; `await connect.admin()`; all are closed
   at teardown.
+
+Two nats-py habits that bite tests (measured with nats-py 2.16):
+- after `nats_server.stop(); nats_server.start()`, a `flush()` issued before the client has
+  noticed the disconnect waits for a PONG that never comes: wait for `reconnected_cb`
+  (or `is_connected` after a disconnect) instead;
+- a refused *initial* connect is retried `max_reconnect_attempts` times, `reconnect_time_wait`
+  apart, whatever `allow_reconnect` says (defaults: 60 x 2 s = 2 minutes; 0 or -1 = forever):
+  a test that expects a connect to fail passes `max_reconnect_attempts=1`.
 """
 
 from __future__ import annotations

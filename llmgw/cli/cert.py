@@ -150,6 +150,32 @@ def issue(
     _render_and_reload(certs, authorization, pid_file)
 
 
+@app.command("server")
+def server(
+    dir: Path = DIR_OPTION,
+    host: list[str] = typer.Option(
+        [],
+        "--host",
+        help="Every host name or IP clients dial (repeat); the old list is replaced. "
+        "Default: 127.0.0.1, ::1, localhost and this machine's names.",
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace the existing server key."),
+    pid_file: Path = PID_OPTION,
+) -> None:
+    """Re-issue the NATS server certificate, e.g. for new host names clients dial."""
+    certs = CertDir(dir)
+    hosts = list(host) or default_hosts()
+    try:
+        issued = certs.load_ca().issue_server(hosts, now=utcnow())
+        certs.save_server(issued, force=force)
+    except PkiError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"server        {certs.server_cert}  (hosts: {', '.join(hosts)})")
+    pid = natsd.reload_from_pid_file(pid_file)
+    if pid is not None:
+        typer.echo(f"reloaded nats-server (pid {pid}): new connections see the new certificate")
+
+
 @app.command("list")
 def list_(dir: Path = DIR_OPTION) -> None:
     """List the identities admitted to NATS and when their certificates expire."""
@@ -174,7 +200,9 @@ def remove(
     """Take an identity out of the NATS authorization (deletes its certificate and key here).
 
     The server refuses its next connection; connections it already holds are closed by the
-    reload."""
+    reload. NATS maps certificates to users by subject, so this is the only revocation there
+    is: issuing the same kind and name again later admits the old certificate too. Give a
+    replaced host a new name, or rotate the CA with `init --force`."""
     identity = _identity(kind, name)
     certs = CertDir(dir)
     if not certs.cert(identity).exists():

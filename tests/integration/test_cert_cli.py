@@ -131,10 +131,44 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
         assert bad.returncode == 1
         assert "cannot be used in a NATS subject" in bad.stderr
 
+        # The server certificate is re-issued for a new name clients dial, and applied by
+        # the reload: a client that checks that name is refused before and accepted after.
+        async def dial_as(hostname: str) -> None:
+            nc = await connect(
+                root,
+                Identity("operator", "admin"),
+                url,
+                tls_hostname=hostname,
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+            )
+            await nc.close()
+
+        with pytest.raises(Exception, match=r"(?i)hostname|certificate"):
+            await dial_as("nats.internal")
+        kept = llmgw(root, "ctl", "cert", "server", "--host", "127.0.0.1")
+        assert kept.returncode == 1
+        assert "--force" in kept.stderr
+        reissued = llmgw(
+            root,
+            "ctl",
+            "cert",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--host",
+            "nats.internal",
+            "--force",
+        )
+        assert reissued.returncode == 0, reissued.stderr
+        assert "reloaded nats-server" in reissued.stdout
+        await wait_reloads(log, 2)
+        await dial_as("nats.internal")
+
         # Removing it closes its connection at the reload and refuses the next one.
         removed = llmgw(root, "ctl", "cert", "remove", "node", "gpu-1")
         assert removed.returncode == 0, removed.stderr
-        await wait_reloads(log, 2)
+        await wait_reloads(log, 3)
         for _ in range(300):
             if node.is_closed:
                 break
