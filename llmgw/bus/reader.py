@@ -282,6 +282,8 @@ class Reader:
         await self._drop_consumer()
         wait = 0.2
         while not self._closed:
+            if self._nc.is_closed:
+                raise ReaderError("the connection is closed: open a new one and a new Reader")
             try:
                 await self._open()
                 return
@@ -434,6 +436,8 @@ class Reader:
                     continue
                 await self._request()
             self._wakeup.clear()
+            if self._buf or self._reset_needed:
+                continue  # arrived while the request was being sent
             seen = self._activity
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=self._heartbeat_s)
