@@ -3,10 +3,12 @@
 Each engine runs in its own process group (engines fork workers that hold GPU
 memory and outlive a signal sent only to the leader), writes its output to a
 file whose tail ships with `failed`, and goes through starting -> loading ->
-serving. Readiness is two questions: `/health` answers (the process is up),
-then `/v1/models` lists the served name (the weights loaded); routing on
-/health alone sends traffic into a loading model. Stop is SIGTERM to the
-group, then SIGKILL after a grace period. A pid file per shard, fingerprinted
+serving. Readiness is two questions: is the engine up (its port accepts
+connections or `/health` answers: loading), then has it loaded (`/health` is
+200 and `/v1/models` lists the served name: serving); routing on /health
+alone sends traffic into a loading model. vLLM binds its port before loading
+and stalls HTTP until loaded, so an accepted connection already means loading.
+Stop is SIGTERM to the group, then SIGKILL after a grace period. A pid file per shard, fingerprinted
 with start time and command line, lets a restarted agent adopt its running
 engines and never an unrelated process that reused a pid.
 
@@ -451,28 +453,42 @@ class Supervisor:
             return sh.proc.returncode is None
         return not processes.mismatch(sh.record.process)
 
-    async def _probe(self, port: int, served_name: str) -> Probe:
+    async def _probe(self, launch: Launch) -> Probe:
+        """down: nothing listens; up: listening or answering, not ready; ready: model listed.
+
+        A TCP connect that succeeds counts as up: vLLM binds its port before it
+        loads the weights, and its HTTP requests stall until loading ends.
+        """
+        host, port = launch.probe_host, launch.port
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), self.settings.probe_timeout_s
+            )
+        except (TimeoutError, OSError):
+            return "down"
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
         if self._http is None:
             self._http = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
             )
-        base = f"http://127.0.0.1:{port}"
+        base = f"http://{host}:{port}"
         try:
             async with self._http.get(f"{base}/health") as resp:
-                healthy = resp.status == 200
-            if not healthy:
-                return "up"
+                if resp.status != 200:
+                    return "up"
             async with self._http.get(f"{base}/v1/models") as resp:
                 if resp.status != 200:
                     return "up"
                 body = await resp.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ValueError):
-            return "down"
+            return "up"
         data = body.get("data") if isinstance(body, dict) else None
         names = (
             {m.get("id") for m in data if isinstance(m, dict)} if isinstance(data, list) else set()
         )
-        return "ready" if served_name in names else "up"
+        return "ready" if launch.served_name in names else "up"
 
     async def _watch(self, sh: _Shard) -> None:
         """Drive one shard through its phases until it serves, then watch that it stays alive."""
@@ -488,6 +504,10 @@ class Supervisor:
         else:
             reaper = None
         began = time.monotonic()
+        start_deadline, start_rule = spec.start_timeout_s, "start_timeout_s"
+        if not launch.listens_before_loading:
+            start_deadline += spec.load_timeout_s
+            start_rule = "start_timeout_s + load_timeout_s: this engine listens only once loaded"
         up_since: float | None = None
         announced = not sh.adopted
         last_trim = began
@@ -506,7 +526,7 @@ class Supervisor:
                         if now - began >= self.settings.headless_settle_s:
                             await self._set_phase(sh, "serving")
                     else:
-                        probe = await self._probe(launch.port, launch.served_name)
+                        probe = await self._probe(launch)
                         if probe != "down" and up_since is None:
                             up_since = time.monotonic()
                         target: ShardPhase = sh.phase
@@ -517,11 +537,11 @@ class Supervisor:
                         if target != sh.phase or not announced:
                             announced = True
                             await self._set_phase(sh, target)
-                    if sh.phase == "starting" and now - began > spec.start_timeout_s:
+                    if sh.phase == "starting" and now - began > start_deadline:
                         await self._fail(
                             sh,
-                            f"engine did not answer /health within {spec.start_timeout_s:g} s "
-                            "(start_timeout_s)",
+                            f"engine did not open port {launch.port} within {start_deadline:g} s "
+                            f"({start_rule})",
                         )
                         return
                     if (
@@ -532,7 +552,8 @@ class Supervisor:
                         await self._fail(
                             sh,
                             f"/v1/models did not list {launch.served_name!r} within "
-                            f"{spec.load_timeout_s:g} s of /health answering (load_timeout_s)",
+                            f"{spec.load_timeout_s:g} s of the engine opening its port "
+                            "(load_timeout_s)",
                         )
                         return
                 elif not announced:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
 from llmgw.agent import engines, pidfiles, processes
@@ -194,9 +195,63 @@ async def test_engine_that_never_answers_times_out_and_is_killed(
     launch = Launch(argv=("sh", "-c", "echo starting up; exec sleep 300"), env={}, port=spec.port)
     started = await supervisor.start("rep-c", 1, 0, spec, launch)
     failed = await recorder.wait_for("rep-c", "failed", within=20)
-    assert "did not answer /health within 1 s" in failed.error
+    assert "did not open port" in failed.error
+    assert "within 1 s (start_timeout_s)" in failed.error
     assert failed.log_tail == ("starting up",)
     assert not alive(started.pid or 0)
+
+
+STALLING_ENGINE = textwrap.dedent(
+    """
+    import socket, sys, time
+    # Like vLLM while it loads weights: the port accepts connections, HTTP never answers.
+    server = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+    held = []
+    print("loading model weights...", flush=True)
+    while True:
+        conn, _ = server.accept()
+        held.append(conn)
+    """
+)
+
+
+async def test_listening_engine_is_loading_until_its_load_timeout(
+    sup: tuple[Supervisor, Recorder], tmp_path: Path
+) -> None:
+    supervisor, recorder = sup
+    script = tmp_path / "stall.py"
+    script.write_text(STALLING_ENGINE)
+    spec = sim_spec("stalled", free_port(), load_timeout_s=1.5)
+    launch = Launch(
+        argv=(sys.executable, str(script), str(spec.port)),
+        env={},
+        port=spec.port,
+        served_name="stalled",
+    )
+    supervisor.settings = msgspec.structs.replace(supervisor.settings, probe_timeout_s=0.3)
+    started = await supervisor.start("rep-g", 1, 0, spec, launch)
+    failed = await recorder.wait_for("rep-g", "failed", within=30)
+    assert recorder.phases("rep-g") == ["starting", "loading", "failed"]
+    assert failed.error == (
+        "/v1/models did not list 'stalled' within 1.5 s "
+        "of the engine opening its port (load_timeout_s)"
+    )
+    assert failed.log_tail == ("loading model weights...",)
+    assert not alive(started.pid or 0)
+
+
+async def test_engine_listening_only_once_loaded_gets_the_whole_budget(
+    sup: tuple[Supervisor, Recorder],
+) -> None:
+    # SGLang opens its port after loading: its start deadline includes load_timeout_s.
+    supervisor, recorder = sup
+    spec = sim_spec("late", free_port(), start_timeout_s=0.5, load_timeout_s=1.0)
+    launch = Launch(argv=("sleep", "300"), env={}, port=spec.port, listens_before_loading=False)
+    began = time.monotonic()
+    await supervisor.start("rep-h", 1, 0, spec, launch)
+    failed = await recorder.wait_for("rep-h", "failed", within=20)
+    assert time.monotonic() - began >= 1.5
+    assert "within 1.5 s (start_timeout_s + load_timeout_s" in failed.error
 
 
 async def test_start_is_idempotent_by_generation(sup: tuple[Supervisor, Recorder]) -> None:

@@ -65,4 +65,13 @@ def plan(
         port=spec.port,
         http=spec.node_rank == 0 or spec.engine in ("sim", "llamacpp"),
         served_name=spec.served_name,
+        probe_host=probe_host(context.host),
+        listens_before_loading=spec.engine != "sglang",
     )
+
+
+def probe_host(bind: str) -> str:
+    """The address the agent reaches a local engine at: loopback for a wildcard bind."""
+    if bind in ("", "0.0.0.0", "::", "[::]"):
+        return "127.0.0.1"
+    return bind

@@ -41,3 +41,8 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     http: bool = True
     """Readiness over HTTP; False for headless multi-node workers, which serve no HTTP."""
     served_name: str = ""
+    probe_host: str = "127.0.0.1"
+    """Where the agent itself asks /health and /v1/models (the bind address, or loopback)."""
+    listens_before_loading: bool = True
+    """vLLM, llama.cpp and the sim open their port first and load after; SGLang opens it
+    only once the weights are loaded, so for it the start deadline covers loading too."""
