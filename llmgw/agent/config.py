@@ -17,8 +17,10 @@ from pathlib import Path
 import msgspec
 
 from llmgw import config
+from llmgw.agent.engines.common import LaunchContext
 from llmgw.core import subjects
-from llmgw.core.inventory import Hca
+from llmgw.core.inventory import Hca, Inventory
+from llmgw.core.profile import Engine
 
 
 class FabricConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -56,6 +58,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     engine_ports: PortRange = PortRange()
     engine_host: str = "0.0.0.0"
     """Address engines bind to."""
+    engine_commands: dict[Engine, tuple[str, ...]] = {}
+    """How to start each engine, e.g. `vllm: [/opt/vllm/bin/vllm, serve]`; defaults:
+    `vllm serve`, `python3 -m sglang.launch_server`, `llama-server`, `<python> -m llmgw sim`."""
     sim_gpus: str = ""
     """`8xh100-80g` or a YAML/JSON inventory file: simulated GPUs instead of discovery."""
     infiniband_root: str = "/sys/class/infiniband"
@@ -135,6 +140,12 @@ def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
             f"engine_ports {ports.first}-{ports.last} is not a port range: "
             "use first <= last within 1-65535"
         )
+    for engine, command in cfg.engine_commands.items():
+        if not command or not command[0].strip():
+            raise config.ConfigError(
+                f"engine_commands.{engine} is empty: give the executable and its leading "
+                "arguments, e.g. [vllm, serve], or remove the entry to use the default"
+            )
     if cfg.stop_grace_s < 0 or cfg.log_tail_lines < 1:
         raise config.ConfigError("stop_grace_s must be >= 0 and log_tail_lines >= 1")
     return msgspec.structs.replace(cfg, node_id=node_id, address=cfg.address or node_id)
@@ -150,3 +161,13 @@ def load(
     """Read, overlay `LLMGW_AGENT__*`, complete and validate the agent's configuration."""
     raw = config.load(AgentConfig, path, section="AGENT", overrides=overrides, environ=environ)
     return complete(raw, hostname=hostname)
+
+
+def launch_context(cfg: AgentConfig, inventory: Inventory) -> LaunchContext:
+    """What the engine adapters need from this node: bind address, fabrics, ports, commands."""
+    return LaunchContext(
+        host=cfg.engine_host,
+        fabrics=inventory.fabrics,
+        port_range=(cfg.engine_ports.first, cfg.engine_ports.last),
+        commands=dict(cfg.engine_commands),
+    )

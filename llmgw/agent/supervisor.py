@@ -8,9 +8,10 @@ connections or `/health` answers: loading), then has it loaded (`/health` is
 200 and `/v1/models` lists the served name: serving); routing on /health
 alone sends traffic into a loading model. vLLM binds its port before loading
 and stalls HTTP until loaded, so an accepted connection already means loading.
-Stop is SIGTERM to the group, then SIGKILL after a grace period. A pid file per shard, fingerprinted
-with start time and command line, lets a restarted agent adopt its running
-engines and never an unrelated process that reused a pid.
+Stop is SIGTERM to the group, then SIGKILL after a grace period. A pid file
+per shard, fingerprinted with start time and command line, lets a restarted
+agent adopt its running engines and never an unrelated process that reused a
+pid.
 
 Driven by the agent service through an async API: `start`, `stop`,
 `mark_draining`, `adopt`, and an `on_change` callback receiving a `ShardView`

@@ -106,3 +106,16 @@ def test_hca_that_discovery_does_not_see_is_a_warning() -> None:
     warnings = agent_config.unseen_hcas(cfg.fabrics, [Hca(name="mlx5_0")])
     assert len(warnings) == 1
     assert 'lists HCA "mlx5_9", which /sys/class/infiniband does not show' in warnings[0]
+
+
+def test_engine_commands() -> None:
+    cfg = agent_config.load(
+        overrides={"engine_commands": {"vllm": ["/opt/vllm/bin/vllm", "serve"]}},
+        environ={},
+        hostname="n",
+    )
+    assert cfg.engine_commands == {"vllm": ("/opt/vllm/bin/vllm", "serve")}
+    with pytest.raises(config.ConfigError, match=r"engine_commands\.sglang is empty"):
+        agent_config.load(overrides={"engine_commands": {"sglang": []}}, environ={}, hostname="n")
+    with pytest.raises(config.ConfigError, match="engine_commands"):
+        agent_config.load(overrides={"engine_commands": {"vlm": ["x"]}}, environ={}, hostname="n")
