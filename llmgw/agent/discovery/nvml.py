@@ -86,6 +86,8 @@ def read_gpus(nv: Any, *, own_pids: frozenset[int] = frozenset()) -> tuple[Gpu, 
                 nv.NVML_VOLATILE_ECC,
                 default=0,
             )
+            # Compute processes only, as nvidia-smi --query-compute-apps: a display
+            # server's few MiB on a workstation card are not another tenant's job.
             processes = _optional(nv, nv.nvmlDeviceGetComputeRunningProcesses, handle, default=[])
             # usedGpuMemory is None where the driver may not say (some vGPU setups):
             # such a process still makes the GPU busy, so it counts as at least 1 MiB.
