@@ -4,6 +4,22 @@ Everything that touches JetStream goes through this package; everything above it
 (control plane, agents, routers, `llmgw ctl`) deals in `llmgw.core.events` only.
 The stream is `llmgw-events` (`llmgw.core.subjects.STREAM`).
 
+How the control plane uses it (a sketch; `llmgw.control` owns the real loop):
+
+    nc = await bus.connect(url, tls=ctx, identity=Identity("control", me), name=me)
+    js = nc.jetstream()
+    await bus.provision(js, replicas=3)
+    lease = await bus.Lease.open(js, me, ttl_s=10)
+    snap = await (await bus.SnapshotStore.open(js)).load()
+    reader = bus.Reader(nc, after_seq=snap.seq if snap else 0)   # snapshot + tail, then live
+    # fold every record; remember the last seq seen on llmgw.events.control.> as `last`
+    if await lease.acquire():                                    # renew every lease.renew_every_s
+        await bus.Publisher(js).publish(decision, fence=bus.Fence(CONTROL_EVENTS_ALL, last))
+
+A fence names one subject filter: commands (`llmgw.cmd.>`) are outside
+`llmgw.events.control.>`, so fence them on their own filter, or publish the
+(fenced) decision first and its commands only once it was accepted.
+
 NATS API subjects each role uses (the authorization must allow them; `<s>` is
 `llmgw-events`, all under `$JS.API.`):
 - every publisher: `STREAM.INFO.<s>` is not needed; publishing needs only the
