@@ -114,6 +114,13 @@ def running_shard(view: ShardView) -> events.RunningShard:
     )
 
 
+def _remove(path: str) -> None:
+    """Delete a small local file (microseconds: not worth a thread)."""
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 class _Shard:
     """The mutable runtime state of one supervised shard (only the supervisor touches it)."""
 
@@ -210,8 +217,12 @@ class Supervisor:
             await self.stop(replica_id, shard, reason=f"superseded by generation {generation}")
         logs_dir = self.state_dir / "logs"
         logs_dir.mkdir(parents=True, exist_ok=True)
-        log_path = pidfiles.path_for(logs_dir, replica_id, shard).with_suffix(f".g{generation}.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        base = pidfiles.path_for(logs_dir, replica_id, shard)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        # Earlier generations' output is history once a new one starts: keep disk bounded.
+        for old_log in base.parent.glob(f"{base.stem}.g*.log"):
+            old_log.unlink(missing_ok=True)
+        log_path = base.with_suffix(f".g{generation}.log")
         # O_APPEND: the engine always writes at the end, so trimming the file stays safe.
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         try:
@@ -307,6 +318,7 @@ class Supervisor:
         sh.phase = "stopped"
         sh.error = reason
         pidfiles.remove(self.state_dir, replica_id, shard)
+        _remove(sh.record.log_path)
         await self._emit(sh)
         return self._view(sh)
 
@@ -323,6 +335,7 @@ class Supervisor:
         sh = self._shards.get((replica_id, shard))
         if sh is not None and sh.phase not in LIVE:
             del self._shards[(replica_id, shard)]
+            _remove(sh.record.log_path)
 
     async def stop_all(self, *, grace_s: float | None = None) -> None:
         await asyncio.gather(

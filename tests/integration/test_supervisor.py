@@ -130,6 +130,7 @@ async def test_sim_reaches_serving_and_stop_ends_the_whole_group(
     assert processes.group_members(started.pid or 0) == []
     assert supervisor.busy_gpus() == frozenset()
     assert not pidfiles.path_for(supervisor.state_dir, "rep-a", 0).exists()
+    assert list((supervisor.state_dir / "logs").rglob("*.log")) == []  # a clean stop leaves no log
     event = status_event(stopped, node="node-a", event_id="e1", ts=1.0)
     assert events.decode(events.encode(event)) == event
 
@@ -185,6 +186,10 @@ async def test_engine_exiting_while_loading_fails_with_its_log_tail(
     assert len(failed.log_tail) == supervisor.settings.tail_lines  # bounded
     assert failed.endpoint == ""
     assert supervisor.busy_gpus() == frozenset()
+    (log_file,) = (supervisor.state_dir / "logs").rglob("*.log")  # kept until forgotten
+    supervisor.forget("rep-b")
+    assert supervisor.view("rep-b") is None
+    assert not log_file.exists()
 
 
 async def test_engine_that_never_answers_times_out_and_is_killed(
