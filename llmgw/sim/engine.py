@@ -64,6 +64,7 @@ class Request:
         "stops",
         "text",
         "tokens",
+        "told_waiting",
         "touched",
         "waiter",
     )
@@ -105,6 +106,7 @@ class Request:
         self.last_token_at = 0.0
         self.finished_at: float | None = None
         self.touched = False
+        self.told_waiting = False
         self.waiter: Any = None
         """The shell's wake-up handle (an asyncio future); the engine never looks at it."""
 
@@ -177,6 +179,8 @@ class Engine:
         prefill = 0
         if not preempted:
             prefill = self._admit(now)
+        if self.waiting:
+            self._tell_waiting()
 
         duration = self.latency.step_s(len(running), prefill) if running else 0.0
         end = now + duration
@@ -223,6 +227,16 @@ class Engine:
             r.state = RUNNING
             running.append(r)
         return prefill
+
+    def _tell_waiting(self) -> None:
+        """Touch each request the first time a step leaves it waiting, so that the
+        shell can show its client that it is queued (send the response headers)."""
+        for r in self.waiting:
+            if not r.told_waiting:
+                r.told_waiting = True
+                if not r.touched:
+                    r.touched = True
+                    self.touched.append(r)
 
     def _preempt(self, r: Request) -> None:
         self.pool.release(r.blocks)

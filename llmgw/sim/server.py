@@ -312,25 +312,42 @@ class SimServer:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
+        # aiohttp holds the headers back until the first body write. A real engine
+        # sends them at once, so a slow prefill or a long queue shows up as a late
+        # first token rather than late headers; the sim does the same, except with
+        # a zero-latency model, where the whole response (headers, every chunk,
+        # the end) goes out in one write unless the request has to queue.
+        zero = self.cfg.latency.zero
+        flushed = False  # the headers are on the wire
+        if not zero:
+            await resp.write(b"")
+            flushed = True
         fmt = api.StreamFormat(p, req.rid, int(time.time()))
-        pending = fmt.opening()
+        # The chat role chunk goes out with the first token, as vLLM sends it.
+        opening = fmt.opening()
+        pending = b""
         # Where the fault strikes, counted in streamed tokens; -1 once it has.
         cut = -1
         if fault is not None and (fault.stall_at == "mid_stream" or fault.die_mid_stream):
             cut = fault.after_tokens
         if fault is not None and fault.stall_at == "first_token":
-            await resp.write(pending)
-            pending = b""
+            await resp.write(opening)
+            opening = b""
+            flushed = True
             await asyncio.sleep(fault.stall_s)
         sent = 0
+        woken = not zero
         while True:
             emit = req.emit
             if emit > sent:
+                pending += opening
+                opening = b""
                 if 0 <= cut < emit:
                     pending += fmt.pieces(req.pieces[sent:cut])
                     sent = cut
                     await resp.write(pending)
                     pending = b""
+                    flushed = True
                     cut = -1
                     assert fault is not None
                     if fault.die_mid_stream:
@@ -341,14 +358,19 @@ class SimServer:
                 sent = emit
             if req.finished:
                 use = self._usage(req) if p.include_usage else None
-                await resp.write(pending + fmt.closing(req.finish_reason or "stop", use))
-                break
+                closing = fmt.closing(req.finish_reason or "stop", use)
+                await resp.write_eof(opening + pending + closing)
+                return resp
             if pending:
                 await resp.write(pending)
                 pending = b""
+                flushed = True
+            elif woken and not flushed:
+                # Woken with nothing to send: the request queues. Send the headers now.
+                await resp.write(b"")
+                flushed = True
             await self._wait(req)
-        await resp.write_eof()
-        return resp
+            woken = True
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -294,6 +294,20 @@ async def test_lru_evicts_cached_prefixes_under_pressure() -> None:
         await c.close()
 
 
+async def test_headers_come_at_once_and_the_first_token_after_prefill() -> None:
+    with SimProcess.start("--prefill-per-token-ms", "1") as s:
+        async with aiohttp.ClientSession() as http:
+            payload = {"model": MODEL, "prompt": "w " * 400, "max_tokens": 2, "stream": True}
+            t0 = time.perf_counter()
+            async with http.post(s.url + "/v1/completions", json=payload) as r:
+                headers_at = time.perf_counter() - t0
+                first = await r.content.readline()
+                first_at = time.perf_counter() - t0
+        assert first.startswith(b"data: {")
+        assert headers_at < 0.2
+        assert first_at >= 0.38  # 400 uncached tokens at 1 ms
+
+
 # --- queueing and cancellation ---------------------------------------------------------
 
 
@@ -420,7 +434,7 @@ async def test_faults_stall_fail_and_die_on_demand() -> None:
             s.faults(stall_at="mid_stream", stall_s=0.4, after_tokens=2, count=1)
             times, events, err = await _chunks(http, s.url)
             gaps = [b - a for a, b in itertools.pairwise(times[1:])]  # between tokens
-            assert max(gaps) >= 0.4
+            assert max(gaps) >= 0.35  # measured at the client: a little jitter
             assert gaps.index(max(gaps)) == 1
             assert events[-1] == b"[DONE]"
 
