@@ -13,10 +13,12 @@ sequence, `state-<seq, 20 digits>`, and the store keeps the newest `keep` ones.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 
 import msgspec
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.object_store import ObjectStore
@@ -58,12 +60,15 @@ def choose(seqs: list[int], at_or_before: int | None) -> int | None:
 class SnapshotStore:
     """Save and load folded state in the object store `llmgw-snapshots`."""
 
-    def __init__(self, store: ObjectStore, *, keep: int = 5) -> None:
+    def __init__(self, store: ObjectStore, *, keep: int = 5, load_timeout_s: float = 60.0) -> None:
         self._store = store
         self.keep = max(1, keep)
+        self.load_timeout_s = load_timeout_s
 
     @classmethod
-    async def open(cls, js: JetStreamContext, *, keep: int = 5) -> SnapshotStore:
+    async def open(
+        cls, js: JetStreamContext, *, keep: int = 5, load_timeout_s: float = 60.0
+    ) -> SnapshotStore:
         """Bind to the store; `provision` creates it (the control identity may)."""
         try:
             store = await js.object_store(SNAPSHOT_BUCKET)
@@ -72,7 +77,7 @@ class SnapshotStore:
                 f"object store {SNAPSHOT_BUCKET} does not exist: run the control plane once "
                 "(it provisions the log), or call llmgw.bus.provision"
             ) from None
-        return cls(store, keep=keep)
+        return cls(store, keep=keep, load_timeout_s=load_timeout_s)
 
     async def seqs(self) -> list[int]:
         """Sequences of the snapshots stored, ascending."""
@@ -93,9 +98,23 @@ class SnapshotStore:
                 await self._store.delete(object_name(old))
 
     async def load(self, *, at_or_before: int | None = None) -> Snapshot | None:
-        """The newest snapshot (at or before a sequence, if given), or None."""
-        seq = choose(await self.seqs(), at_or_before)
-        if seq is None:
-            return None
-        result = await self._store.get(object_name(seq))
-        return Snapshot(seq=seq, data=bytes(result.data or b""))
+        """The newest readable snapshot (at or before a sequence, if given), or None.
+
+        A snapshot that cannot be read back whole (chunks lost, digest mismatch,
+        nothing arriving within load_timeout_s) is logged and passed over for the
+        next older one: an older snapshot only means a longer tail to fold.
+        """
+        candidates = await self.seqs()
+        while (seq := choose(candidates, at_or_before)) is not None:
+            candidates.remove(seq)
+            try:
+                result = await asyncio.wait_for(
+                    self._store.get(object_name(seq)), timeout=self.load_timeout_s
+                )
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning(
+                    "bus.snapshot_unreadable", seq=seq, error=str(exc) or type(exc).__name__
+                )
+                continue
+            return Snapshot(seq=seq, data=bytes(result.data or b""))
+        return None

@@ -515,3 +515,23 @@ async def test_the_first_connection_waits_for_a_server_that_starts_later(
         assert len(failures) >= 2
     finally:
         await nc.close()
+
+
+async def test_an_unreadable_snapshot_falls_back_to_the_older_one(
+    provisioned: bus.BusClient, connect: Connector
+) -> None:
+    store = await bus.SnapshotStore.open(provisioned.jetstream(), load_timeout_s=1.5)
+    await store.save(b"old state", 10)
+    await store.save(b"new state" * 1000, 20)
+    # Lose the newest snapshot's chunks (a disk fault, an operator's purge).
+    admin = await connect.admin()
+    info = await (await admin.jetstream().object_store(bus.SNAPSHOT_BUCKET)).get_info(
+        "state-00000000000000000020"
+    )
+    await admin.jetstream().purge_stream(
+        f"OBJ_{bus.SNAPSHOT_BUCKET}", subject=f"$O.{bus.SNAPSHOT_BUCKET}.C.{info.nuid}"
+    )
+    with capture_logs() as logs:
+        loaded = await store.load()
+    assert loaded == bus.Snapshot(seq=10, data=b"old state")
+    assert [e["seq"] for e in logs if e["event"] == "bus.snapshot_unreadable"] == [20]
