@@ -114,16 +114,45 @@ def validate_fabrics(fabrics: Iterable[FabricConfig]) -> None:
             owner[hca] = fabric.name
 
 
+def fabric_warnings(fabrics: Iterable[FabricConfig], seen: Iterable[Hca]) -> list[str]:
+    """What discovery contradicts in the declared fabrics: warnings, not errors.
+
+    A declared HCA that is absent (a typo, a missing driver), a port that is not
+    ACTIVE, or one fabric mixing InfiniBand and RoCE ports: each can leave NCCL
+    without a path, but the node still serves single-node replicas.
+    """
+    ports: dict[str, list[Hca]] = {}
+    for hca in seen:
+        ports.setdefault(hca.name, []).append(hca)
+    warnings = []
+    for fabric in fabrics:
+        kinds: set[str] = set()
+        for name in fabric.hcas:
+            found = ports.get(name)
+            if not found:
+                warnings.append(
+                    f'fabric "{fabric.name}" lists HCA "{name}", which /sys/class/infiniband '
+                    "does not show: check the name (`ls /sys/class/infiniband`) and the RDMA driver"
+                )
+                continue
+            kinds.update(h.kind for h in found)
+            for h in found:
+                if h.state.upper() != "ACTIVE":
+                    warnings.append(
+                        f'fabric "{fabric.name}": {h.name} port {h.port} is {h.state}, not ACTIVE: '
+                        "check its cable and subnet manager (`ibstat`)"
+                    )
+        if len(kinds) > 1:
+            warnings.append(
+                f'fabric "{fabric.name}" mixes InfiniBand and RoCE ports: NCCL cannot cross '
+                "between them; list only adapters of one kind"
+            )
+    return warnings
+
+
 def unseen_hcas(fabrics: Iterable[FabricConfig], seen: Iterable[Hca]) -> list[str]:
-    """Warnings for declared HCAs that discovery did not find (a typo, or a missing driver)."""
-    present = {h.name for h in seen}
-    return [
-        f'fabric "{f.name}" lists HCA "{hca}", which /sys/class/infiniband does not show: '
-        "check the name (`ls /sys/class/infiniband`) and the RDMA driver"
-        for f in fabrics
-        for hca in f.hcas
-        if hca not in present
-    ]
+    """Only the warnings about declared HCAs that discovery did not find."""
+    return [w for w in fabric_warnings(fabrics, seen) if "does not show" in w]
 
 
 def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:

@@ -100,7 +100,7 @@ def inventory(
         gpus=inv.gpus,
         fabrics=inv.fabrics,
         hcas=inv.hcas,
-        warnings=(*found.warnings, *agent_config.unseen_hcas(cfg.fabrics, inv.hcas)),
+        warnings=(*found.warnings, *agent_config.fabric_warnings(cfg.fabrics, inv.hcas)),
     )
     if as_json:
         typer.echo(msgspec.json.format(msgspec.json.encode(report), indent=2))

@@ -119,3 +119,23 @@ def test_engine_commands() -> None:
         agent_config.load(overrides={"engine_commands": {"sglang": []}}, environ={}, hostname="n")
     with pytest.raises(config.ConfigError, match="engine_commands"):
         agent_config.load(overrides={"engine_commands": {"vlm": ["x"]}}, environ={}, hostname="n")
+
+
+def test_fabric_warnings_from_discovery() -> None:
+    fabrics = (
+        agent_config.FabricConfig(name="ib-a", hcas=("mlx5_0", "mlx5_1", "mlx5_bond_0")),
+        agent_config.FabricConfig(name="ib-b", hcas=("mlx5_2",)),
+    )
+    seen = [
+        Hca(name="mlx5_0", state="ACTIVE"),
+        Hca(name="mlx5_1", state="DOWN"),
+        Hca(name="mlx5_bond_0", link_layer="Ethernet"),
+        Hca(name="mlx5_2", state="ACTIVE"),
+    ]
+    warnings = agent_config.fabric_warnings(fabrics, seen)
+    assert warnings == [
+        'fabric "ib-a": mlx5_1 port 1 is DOWN, not ACTIVE: check its cable and subnet manager '
+        "(`ibstat`)",
+        'fabric "ib-a" mixes InfiniBand and RoCE ports: NCCL cannot cross between them; list '
+        "only adapters of one kind",
+    ]
