@@ -379,6 +379,11 @@ class _Planner:
             deadline = changed_ts + self.cfg.change_grace_s
             why = f"model {r.model} changed"
         replacement = self.replacement_of.get(r.id)
+        profile = state.models[r.model].profile
+        if replacement is None and len(self._counted(r.model)) > profile.replicas:
+            # Surplus anyway: replacing it would only make another surplus replica.
+            self._retire(r, f"{why}; surplus: {r.model} wants {profile.replicas}", graceful=True)
+            return True
         if replacement is None and self.now < deadline:
             placed = self._place(r.model, replaces=r.id, reason=f"replaces {r.id}: {why}")
             if placed:
@@ -445,9 +450,9 @@ class _Planner:
 
     # --- counts per model
 
-    def _count(self, name: str) -> None:
+    def _counted(self, name: str) -> list[str]:
+        """Replicas that count toward a model's wanted number: active, not being replaced."""
         state = self.state
-        profile = state.models[name].profile
         alive = [
             r.id
             for r in state.replicas.values()
@@ -457,6 +462,12 @@ class _Planner:
         replaces |= {rep for model, _rid, rep in self.placed_now if model == name and rep}
         counted = [rid for rid in alive if rid not in replaces]
         counted += [rid for model, rid, rep in self.placed_now if model == name and not rep]
+        return counted
+
+    def _count(self, name: str) -> None:
+        state = self.state
+        profile = state.models[name].profile
+        counted = self._counted(name)
         missing = profile.replicas - len(counted)
         if missing > 0:
             queue = self.to_replace.get(name, [])
