@@ -200,3 +200,17 @@ def test_smi_error_names_the_command(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(smi.SmiError, match="exited with 3: Unknown Error"):
         smi.run(smi.TOPOLOGY)
+
+
+def test_the_fake_speaks_real_pynvml() -> None:
+    """Every function and constant the NVML reader uses exists in the installed pynvml, with
+    the values the fake assumes: a typo there would only show on a GPU machine."""
+    real = nvml.load()
+    used = [n for n in vars(FakeNvml) if n.startswith(("nvml", "NVML_"))]
+    assert len(used) > 10
+    missing = [n for n in used if not hasattr(real, n)]
+    assert not missing
+    for name in used:
+        if name.startswith("NVML_"):
+            assert getattr(real, name) == getattr(FakeNvml, name), name
+    assert issubclass(real.NVMLError, Exception)
