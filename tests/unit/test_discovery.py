@@ -73,6 +73,14 @@ def test_csv_without_index_counts_rows() -> None:
     assert [(g.index, g.gpu_class) for g in gpus] == [(0, "a100-40g"), (1, "a100-40g")]
 
 
+def test_mig_enabled_gpu_is_left_out_with_a_warning() -> None:
+    query = read(SMI / "h100-sxm-mig-590.query.csv")
+    assert smi.gpus_from_smi(query) == ()
+    (warning,) = smi.mig_warnings(query)
+    assert warning.startswith("GPU 0 (NVIDIA H100 80GB HBM3) has MIG enabled and is left out")
+    assert smi.mig_warnings(read(SMI / "h100-sxm-1gpu-590.query.csv")) == []
+
+
 def test_ecc_faulty_gpu_is_unhealthy() -> None:
     (gpu,) = smi.gpus_from_smi(read(DERIVED / "h100-sxm-1gpu-590.ecc-faulty.query.csv"))
     assert gpu.ecc_uncorrected == 2

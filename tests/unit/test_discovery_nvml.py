@@ -30,6 +30,7 @@ class FakeNvml:
     NVML_P2P_STATUS_OK = 0
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     NVML_VOLATILE_ECC = 0
+    NVML_DEVICE_MIG_ENABLE = 1
 
     class NVMLError(Exception):
         pass
@@ -74,6 +75,11 @@ class FakeNvml:
             raise self.NVMLError("Not Supported")
         return int(ecc)
 
+    def nvmlDeviceGetMigMode(self, h: int) -> tuple[int, int]:
+        if "mig" not in self.gpus[h]:
+            raise self.NVMLError("Not Supported")
+        return (1, 1) if self.gpus[h]["mig"] else (0, 0)
+
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
         return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in self.gpus[h].get("procs", [])]
 
@@ -110,6 +116,17 @@ def test_nvml_values_become_gpus() -> None:
     assert fake.shutdown
 
 
+def test_mig_enabled_gpu_is_left_out_with_a_warning() -> None:
+    fake = FakeNvml([h200(0, mig=False), h200(1, mig=True), h200(2)], set())
+    notes: list[str] = []
+    gpus = nvml.read_gpus(fake, warnings=notes)
+    assert [g.index for g in gpus] == [0, 2]
+    assert notes == [
+        "GPU 1 (NVIDIA H200) has MIG enabled and is left out: llmgw places whole GPUs; "
+        "disable MIG (`nvidia-smi -i 1 -mig 0`) to use it"
+    ]
+
+
 def test_nvml_query_failure_is_an_nvml_error() -> None:
     fake = FakeNvml([h200(0)], set())
 
@@ -121,13 +138,20 @@ def test_nvml_query_failure_is_an_nvml_error() -> None:
         nvml.read_gpus(fake)
 
 
-def fake_smi(folder: Path, query: Path, apps: Path | None, topo: Path | None) -> None:
-    """An `nvidia-smi` executable that prints recorded files, so the real subprocess path runs."""
+def fake_smi(
+    folder: Path, query: Path, apps: Path | None, topo: Path | None, *, old_driver: bool = False
+) -> None:
+    """An `nvidia-smi` executable that prints recorded files, so the real subprocess path runs.
+
+    `old_driver` rejects the compute_cap field the way drivers before 510 do.
+    """
     script = folder / "nvidia-smi"
     script.write_text(
         f"#!{sys.executable}\n"
         "import sys\n"
         "args = ' '.join(sys.argv[1:])\n"
+        f"if {old_driver!r} and 'compute_cap' in args:\n"
+        "    print('Field \"compute_cap\" is not a valid field to query.'); sys.exit(2)\n"
         f"files = {{'--query-gpu': {str(query)!r},"
         f" '--query-compute-apps': {str(apps) if apps else None!r},"
         f" 'topo': {str(topo) if topo else None!r}}}\n"
@@ -214,3 +238,14 @@ def test_the_fake_speaks_real_pynvml() -> None:
         if name.startswith("NVML_"):
             assert getattr(real, name) == getattr(FakeNvml, name), name
     assert issubclass(real.NVMLError, Exception)
+
+
+def test_old_driver_gets_the_minimal_query(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    failing_pynvml(monkeypatch)
+    fake_smi(tmp_path, HW / "nvidia-smi" / "a10g-x4-aws.query.csv", None, None, old_driver=True)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    found = discovery.discover_gpus()
+    assert [g.gpu_class for g in found.gpus] == ["a10g-22g"] * 4
+    assert any("reduced GPU query" in w and "compute_cap" in w for w in found.warnings), (
+        found.warnings
+    )

@@ -53,10 +53,15 @@ def discover_gpus(
     The fallback is loud on purpose: on a node meant to have working NVML, a quiet
     downgrade hides a broken driver and costs the scheduler its NVLink topology.
     """
+    notes: list[str] = []
     try:
-        return GpuDiscovery(gpus=nvml.read_gpus(nvml_module(), own_pids=own_pids), source="nvml")
+        gpus = nvml.read_gpus(nvml_module(), own_pids=own_pids, warnings=notes)
     except nvml.NvmlError as exc:
         reason = str(exc)
+    else:
+        for note in notes:
+            log.warning("gpu_left_out", detail=note)
+        return GpuDiscovery(gpus=gpus, source="nvml", warnings=tuple(notes))
     warning = f"NVML failed ({reason}); falling back to nvidia-smi"
     log.warning("nvml_failed_falling_back_to_nvidia_smi", reason=reason)
     try:

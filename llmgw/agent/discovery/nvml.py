@@ -45,11 +45,15 @@ def _optional(nv: Any, fn: Any, *args: Any, default: Any = None) -> Any:
         return default
 
 
-def read_gpus(nv: Any, *, own_pids: frozenset[int] = frozenset()) -> tuple[Gpu, ...]:
+def read_gpus(
+    nv: Any, *, own_pids: frozenset[int] = frozenset(), warnings: list[str] | None = None
+) -> tuple[Gpu, ...]:
     """Every GPU with its health flags and NVLink domain, read through the module `nv`.
 
     NVLink domains come from pairwise P2P status over NVLink, which is true both
     for direct links and through NVSwitch (HGX boards), so one query covers both.
+    GPUs in MIG mode are left out, with a line in `warnings`: llmgw places whole
+    GPUs by index, and a MIG-enabled GPU is reachable only through MIG UUIDs.
     """
     try:
         nv.nvmlInit()
@@ -76,6 +80,14 @@ def read_gpus(nv: Any, *, own_pids: frozenset[int] = frozenset()) -> tuple[Gpu, 
         gpus = []
         for i, handle in enumerate(handles):
             name = _text(nv.nvmlDeviceGetName(handle))
+            mig = _optional(nv, nv.nvmlDeviceGetMigMode, handle, default=(0, 0))
+            if mig[0] == nv.NVML_DEVICE_MIG_ENABLE:
+                if warnings is not None:
+                    warnings.append(
+                        f"GPU {i} ({name}) has MIG enabled and is left out: llmgw places whole "
+                        f"GPUs; disable MIG (`nvidia-smi -i {i} -mig 0`) to use it"
+                    )
+                continue
             memory_mib = int(nv.nvmlDeviceGetMemoryInfo(handle).total) / _MIB
             major, minor = nv.nvmlDeviceGetCudaComputeCapability(handle)
             ecc = _optional(

@@ -24,10 +24,18 @@ GPU_FIELDS = (
     "memory.total",
     "compute_cap",
     "ecc.errors.uncorrected.volatile.total",
+    "mig.mode.current",
 )
+# What every driver since the 2010s answers: the retry when an old driver rejects a field.
+MINIMAL_FIELDS = ("index", "uuid", "name", "memory.total")
 APP_FIELDS = ("gpu_uuid", "pid", "used_memory")
 
 QUERY_GPUS = ("nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,nounits")
+QUERY_GPUS_MINIMAL = (
+    "nvidia-smi",
+    f"--query-gpu={','.join(MINIMAL_FIELDS)}",
+    "--format=csv,nounits",
+)
 QUERY_APPS = ("nvidia-smi", f"--query-compute-apps={','.join(APP_FIELDS)}", "--format=csv,nounits")
 TOPOLOGY = ("nvidia-smi", "topo", "-m")
 
@@ -143,6 +151,8 @@ def gpus_from_smi(
     by_uuid = parse_apps(apps) if apps else {}
     gpus: list[Gpu] = []
     for position, row in enumerate(parse_csv(query)):
+        if _mig_enabled(row):
+            continue
         name = row.get("name", "").strip()
         memory = _number(row.get("memory.total"))
         if not name or memory is None:
@@ -170,6 +180,22 @@ def gpus_from_smi(
             )
         )
     return tuple(sorted(gpus, key=lambda g: g.index))
+
+
+def _mig_enabled(row: dict[str, str]) -> bool:
+    return row.get("mig.mode.current", "").strip().lower() == "enabled"
+
+
+def mig_warnings(query: str) -> list[str]:
+    """Why GPUs in MIG mode are left out: llmgw places whole GPUs by index, and a
+    MIG-enabled GPU is reachable only through its MIG instances' UUIDs."""
+    return [
+        f"GPU {row.get('index', '?')} ({row.get('name', '?')}) has MIG enabled and is left out: "
+        f"llmgw places whole GPUs; disable MIG (`nvidia-smi -i {row.get('index', 'N')} -mig 0`) "
+        "to use it"
+        for row in parse_csv(query)
+        if _mig_enabled(row)
+    ]
 
 
 def run(argv: tuple[str, ...], *, timeout_s: float = 15.0) -> str:
@@ -200,7 +226,14 @@ def discover(*, own_pids: frozenset[int] = frozenset()) -> tuple[tuple[Gpu, ...]
     the scheduler loses the NVLink domains.
     """
     warnings: list[str] = []
-    query = run(QUERY_GPUS)
+    try:
+        query = run(QUERY_GPUS)
+    except SmiError as exc:
+        # An old driver rejects fields it does not know (compute_cap came with 510);
+        # the minimal query still lists the GPUs, without compute capability or ECC.
+        query = run(QUERY_GPUS_MINIMAL)
+        warnings.append(f"reduced GPU query (no compute capability, ECC or MIG mode): {exc}")
+    warnings += mig_warnings(query)
     try:
         apps = run(QUERY_APPS)
     except SmiError as exc:
