@@ -11,7 +11,8 @@ DESIGN.md invariant 4 — every writer owns a namespace, enforced by NATS — li
   read-only access to the lease and snapshot buckets;
 - an **operator** reads like a router and writes `llmgw.events.operator.>`;
 - the **control** plane manages the stream and the `llmgw-lease` / `llmgw-snapshots` buckets
-  (KV or object store), writes `llmgw.events.control.>` and `llmgw.cmd.>`, and reads all.
+  (KV or object store), writes `llmgw.events.control.>` and `llmgw.cmd.>` (and the
+  `operator.model_*` events of the models its config file declares), and reads all.
 
 Every identity subscribes only to its own inbox namespace `_INBOX.<kind>.<name>.>` (JetStream
 replies and push-consumer deliveries arrive there), so one client cannot read another's
@@ -31,6 +32,8 @@ STREAM = subjects.STREAM
 LEASE_BUCKET = "llmgw-lease"
 SNAPSHOT_BUCKET = "llmgw-snapshots"
 API = "$JS.API"
+# Operator-event kinds the control plane may also write: its config file's models.
+CONTROL_MODEL_EVENTS = ("model_declared", "model_changed", "model_removed")
 
 
 def command_consumer(node: str) -> str:
@@ -141,6 +144,9 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
             publish += [
                 subjects.CONTROL_EVENTS_ALL,
                 subjects.COMMANDS_ALL,
+                # The models of the control plane's config file become operator events
+                # (llmgw.control.models); only these three kinds, never cordon or drain.
+                *(subjects.operator_event(k) for k in CONTROL_MODEL_EVENTS),
                 f"$KV.{LEASE_BUCKET}.>",
                 f"$KV.{SNAPSHOT_BUCKET}.>",
                 f"$O.{SNAPSHOT_BUCKET}.>",

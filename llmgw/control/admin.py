@@ -1,0 +1,238 @@
+"""The control plane's read-only management API, on its admin listener (127.0.0.1 by default).
+
+- `GET /v1/nodes`: nodes with liveness, operator flags, GPUs and what holds them;
+- `GET /v1/replicas`: replicas with each shard's node, GPUs, phase, endpoint and error;
+- `GET /v1/models`: declared models, wanted and active replica counts, and why
+  missing replicas cannot be placed;
+- `GET /v1/explain/<model>`: every node and whether a new replica could land there;
+- `GET /v1/state`: digest, folded sequence, leader, epoch, this instance's role;
+- `GET /metrics`: Prometheus; `GET /health`: 200 once caught up with the log, else 503.
+
+Everything is read from the folded state (llmgw.control.service) and nothing is
+written: mutations go through the log (`llmgw ctl`). JSON via msgspec. Used by
+operators, `llmgw ctl`, dashboards and the integration tests.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from llmgw import logs
+from llmgw.core import placement, state
+
+if TYPE_CHECKING:
+    from llmgw.control.service import ControlService
+
+log = logs.get("llmgw.control")
+
+_encoder = msgspec.json.Encoder()
+SERVICE: web.AppKey[ControlService] = web.AppKey("service")
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(data), status=status, content_type="application/json")
+
+
+def nodes_view(st: state.ClusterState) -> list[dict[str, Any]]:
+    """Purely computational: the nodes as /v1/nodes shows them."""
+    out = []
+    for name in sorted(st.nodes):
+        n = st.nodes[name]
+        seen = st.seen.get(name)
+        out.append(
+            {
+                "name": name,
+                "address": n.address,
+                "liveness": n.liveness,
+                "cordoned": n.cordoned,
+                "cordon_reason": n.cordon_reason,
+                "draining": n.draining,
+                "agent_version": n.agent_version,
+                "last_seen": seen.last_seen if seen is not None else None,
+                "fabrics": [f.name for f in n.fabrics],
+                "gpus": [
+                    {
+                        "index": g.index,
+                        "class": g.gpu_class,
+                        "healthy": g.healthy,
+                        "problems": list(g.health_problems),
+                        "replica": n.holders.get(g.index),
+                    }
+                    for g in (n.gpus[i] for i in sorted(n.gpus))
+                ],
+                "orphans": [o.replica_id for o in n.orphans],
+            }
+        )
+    return out
+
+
+def replicas_view(st: state.ClusterState) -> list[dict[str, Any]]:
+    """Purely computational: the replicas as /v1/replicas shows them."""
+    out = []
+    for rid in sorted(st.replicas):
+        r = st.replicas[rid]
+        ep = st.endpoints.get(rid)
+        out.append(
+            {
+                "id": rid,
+                "model": r.model,
+                "generation": r.generation,
+                "revision": r.revision,
+                "retired": r.retired,
+                "retired_reason": r.retired_reason,
+                "replaces": r.replaces,
+                "reason": r.reason,
+                "failures": r.failures,
+                "fabric": r.fabric,
+                "endpoint": ep.url if ep is not None else None,
+                "shards": [
+                    {
+                        "shard": s.shard,
+                        "node": s.node,
+                        "gpus": list(s.gpus),
+                        "port": s.port,
+                        "phase": s.phase,
+                        "endpoint": s.endpoint,
+                        "error": s.error,
+                        "log_tail": list(s.log_tail),
+                    }
+                    for s in r.shards
+                ],
+            }
+        )
+    return out
+
+
+def models_view(st: state.ClusterState, unplaceable: dict[str, str]) -> list[dict[str, Any]]:
+    """Purely computational: the models as /v1/models shows them."""
+    out = []
+    for name in sorted(st.models):
+        m = st.models[name]
+        active = st.active_replicas(name)
+        out.append(
+            {
+                "name": name,
+                "revision": m.revision,
+                "replicas_wanted": m.profile.replicas,
+                "replicas_active": len(active),
+                "replicas_serving": sum(1 for r in active if r.id in st.endpoints),
+                "unplaceable": unplaceable.get(name),
+                "profile": m.profile,
+            }
+        )
+    return out
+
+
+def state_view(svc: ControlService) -> dict[str, Any]:
+    st = svc.state
+    return {
+        "instance": svc.name,
+        "leading": svc.leading,
+        "leader": st.leader,
+        "epoch": st.epoch,
+        "digest": state.digest(st),
+        "folded_seq": st.last_seq,
+        "control_seq": svc.control_seq,
+        "snapshot_seq": svc.snapshot_seq,
+        "caught_up": svc.caught_up.is_set(),
+        "rejected": svc.rejected,
+        "nodes": len(st.nodes),
+        "replicas": len(st.replicas),
+        "models": len(st.models),
+    }
+
+
+async def _nodes(request: web.Request) -> web.Response:
+    return _json(nodes_view(request.app[SERVICE].state))
+
+
+async def _replicas(request: web.Request) -> web.Response:
+    return _json(replicas_view(request.app[SERVICE].state))
+
+
+async def _models(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    return _json(models_view(svc.state, svc.unplaceable))
+
+
+async def _explain(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    model = request.match_info["model"]
+    explanation = placement.explain(svc.state, model, svc.clock())
+    status = 404 if model not in svc.state.models else 200
+    return _json(
+        {
+            "model": explanation.model,
+            "verdict": explanation.verdict,
+            "placement": explanation.placement,
+            "nodes": explanation.nodes,
+            "text": explanation.render(),
+        },
+        status,
+    )
+
+
+async def _state(request: web.Request) -> web.Response:
+    return _json(state_view(request.app[SERVICE]))
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[SERVICE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def _health(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    ok = svc.caught_up.is_set()
+    return _json(
+        {
+            "status": "ok" if ok else "replaying",
+            "leading": svc.leading,
+            "folded_seq": svc.state.last_seq,
+        },
+        200 if ok else 503,
+    )
+
+
+def build_app(svc: ControlService) -> web.Application:
+    app = web.Application()
+    app[SERVICE] = svc
+    app.router.add_get("/v1/nodes", _nodes)
+    app.router.add_get("/v1/replicas", _replicas)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/explain/{model}", _explain)
+    app.router.add_get("/v1/state", _state)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def start(svc: ControlService) -> web.AppRunner:
+    """Listen on the configured admin address; sets `svc.admin_url` (port 0 picks a free one)."""
+    runner = web.AppRunner(build_app(svc), access_log=None)
+    await runner.setup()
+    cfg = svc.cfg.admin
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as exc:
+        sock.close()
+        await runner.cleanup()
+        raise OSError(
+            f"cannot listen on admin {cfg.host}:{cfg.port}: {exc.strerror}; set admin.port to "
+            "a free port (0 picks one)"
+        ) from None
+    sock.listen(128)
+    sock.setblocking(False)
+    await web.SockSite(runner, sock).start()
+    port = sock.getsockname()[1]
+    host = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
+    svc.admin_url = f"http://{host}:{port}"
+    log.info("control.admin_listening", url=svc.admin_url)
+    return runner

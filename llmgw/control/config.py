@@ -1,0 +1,131 @@
+"""The control plane's configuration: NATS and its certificate, lease, cadences, models, admin.
+
+Loaded by `llmgw control --config FILE` through `llmgw.config.load(ControlConfig, path,
+section="CONTROL")`, so `LLMGW_CONTROL__LEASE_TTL_S=5` overrides `lease_ttl_s`. `load`
+then checks what a Struct cannot: the instance name is one subject token, the timings
+are ordered sensibly, and the models pass the catalog's validation, with messages that
+say what to change. deploy/control.example.yaml is a commented example.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import msgspec
+
+from llmgw import config
+from llmgw.core import catalog, subjects
+from llmgw.core.profile import ModelProfile
+from llmgw.core.reconcile import ReconcileConfig
+
+
+class NatsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
+    ca_file: str = ""
+    cert_file: str = ""
+    """This control plane's client certificate: CN = `name`, OU = control."""
+    key_file: str = ""
+    stream_replicas: int = 1
+    """Replicas of the log, the lease and the snapshots: 3 or 5 on a NATS cluster."""
+    duplicate_window_s: float = 120.0
+
+
+class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The read-only management API and /metrics; keep it private (127.0.0.1 by default)."""
+
+    host: str = "127.0.0.1"
+    port: int = 9190
+
+
+class SnapshotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """When the leader saves folded state, so that a cold start is snapshot + tail."""
+
+    every_events: int = 10_000
+    """After this many events folded since the last snapshot (0: never by count)."""
+    every_s: float = 300.0
+    """Or after this many seconds, if anything was folded since (0: never by time)."""
+    keep: int = 5
+
+
+class ControlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str = ""
+    """Instance name: the CN of this control plane's certificate (default: short hostname).
+    Two control planes need two names, each with its own certificate."""
+    nats: NatsConfig = NatsConfig()
+    lease_ttl_s: float = 10.0
+    """A leader that stops renewing loses the lease after this; a standby then takes over."""
+    reconcile_interval_s: float = 1.0
+    """Reconcile at least this often (heartbeat ages), besides after every new event."""
+    reconcile: ReconcileConfig = ReconcileConfig()
+    snapshot: SnapshotConfig = SnapshotConfig()
+    models: tuple[ModelProfile, ...] = ()
+    """Declared in the log at start (ModelDeclared / ModelChanged / ModelRemoved, diffed
+    against it): the models this file declared and no longer lists are removed; models an
+    operator declared with `llmgw ctl` are left alone."""
+    sync_models: bool = True
+    """Set false to leave the catalog entirely to `llmgw ctl`."""
+    admin: AdminListener = AdminListener()
+    log_level: str = "info"
+
+
+def _short_hostname() -> str:
+    return socket.gethostname().split(".", 1)[0]
+
+
+def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
+    """Every problem with `cfg`, each saying what to change. Purely computational."""
+    problems: list[str] = []
+    try:
+        subjects.check_token(cfg.name, "name")
+    except subjects.SubjectTokenError as exc:
+        problems.append(f"{exc} (set `name`, the CN of this control plane's certificate)")
+    if cfg.lease_ttl_s < 1:
+        problems.append(
+            f"lease_ttl_s is {cfg.lease_ttl_s}: the server counts TTLs in whole seconds, "
+            "use 1 or more (10 is a good production value)"
+        )
+    if cfg.reconcile_interval_s <= 0:
+        problems.append("reconcile_interval_s must be above 0 (1.0 is a good value)")
+    r = cfg.reconcile
+    if r.unreachable_after_s <= 0:
+        problems.append("reconcile.unreachable_after_s must be above 0")
+    if r.lost_after_s < r.unreachable_after_s:
+        problems.append(
+            f"reconcile.lost_after_s ({r.lost_after_s}) is below unreachable_after_s "
+            f"({r.unreachable_after_s}): a node is lost only after being unreachable; raise it"
+        )
+    if cfg.snapshot.every_events < 0 or cfg.snapshot.every_s < 0:
+        problems.append("snapshot.every_events and snapshot.every_s must be 0 (never) or more")
+    if cfg.snapshot.keep < 1:
+        problems.append("snapshot.keep must be at least 1")
+    if not cfg.nats.servers:
+        problems.append("nats.servers is empty: list at least one tls://host:port")
+    for field in ("ca_file", "cert_file", "key_file"):
+        if not getattr(cfg.nats, field):
+            problems.append(
+                f"nats.{field} is not set: the control plane connects with mutual TLS; "
+                "issue its certificate with `llmgw ctl cert issue control <name>`"
+            )
+    seen: list[ModelProfile] = []
+    names: set[str] = set()
+    for i, profile in enumerate(cfg.models):
+        if profile.name in names:
+            problems.append(f"models[{i}]: model {profile.name!r} is listed twice: merge them")
+            continue
+        names.add(profile.name)
+        for problem in catalog.problems(profile, seen):
+            problems.append(f"models[{i}] ({profile.name!r}): {problem}")
+        seen.append(profile)
+    return [f"{where}: {p}" for p in problems]
+
+
+def load(path: str | Path | None) -> ControlConfig:
+    """Load, default the name to the short hostname, validate; raises config.ConfigError."""
+    cfg = config.load(ControlConfig, path, section="CONTROL")
+    if not cfg.name:
+        cfg = msgspec.structs.replace(cfg, name=_short_hostname())
+    problems = validate(cfg, where=str(path) if path is not None else "control config")
+    if problems:
+        raise config.ConfigError("\n".join(problems))
+    return cfg

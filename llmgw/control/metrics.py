@@ -1,0 +1,80 @@
+"""The control plane's Prometheus metrics, served at /metrics on its admin listener.
+
+Events applied and rejected by the fold, fold position and lag, decisions
+published by kind, leader status and epoch, fenced writes refused, placement
+failures by reason, snapshots. One registry per service instance, so tests can
+run several control planes in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = "llmgw_control_"
+        self.applied = Counter(p + "events_applied", "Events the fold applied.", registry=r)
+        self.rejected = Counter(
+            p + "events_rejected",
+            "Events the fold refused (logged with their sequence as control.rejected).",
+            registry=r,
+        )
+        self.undecodable = Gauge(
+            p + "events_undecodable", "Messages of the log that are not llmgw events.", registry=r
+        )
+        self.folded_seq = Gauge(p + "folded_seq", "Last stream sequence folded.", registry=r)
+        self.fold_lag = Gauge(
+            p + "fold_lag_seconds",
+            "Wall-clock age of the last event folded when it was folded (server store time).",
+            registry=r,
+        )
+        self.decisions = Counter(
+            p + "decisions", "Decisions and commands published, by kind.", ["kind"], registry=r
+        )
+        self.leader = Gauge(p + "leader", "1 while this instance leads, else 0.", registry=r)
+        self.epoch = Gauge(p + "epoch", "Leader epoch in the folded state.", registry=r)
+        self.fence_refused = Counter(
+            p + "fence_refused",
+            "Fenced writes the server refused (another leader wrote first).",
+            registry=r,
+        )
+        self.placement_failures = Counter(
+            p + "placement_failures",
+            "Reconcile passes in which a model's missing replicas could not be placed, by the "
+            "most common reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.unplaceable = Gauge(
+            p + "unplaceable_models", "Models with replicas that cannot be placed now.", registry=r
+        )
+        self.reconcile_seconds = Gauge(
+            p + "reconcile_seconds", "Duration of the last reconcile pass.", registry=r
+        )
+        self.snapshots = Counter(p + "snapshots", "Snapshots saved.", registry=r)
+        self.snapshot_seq = Gauge(
+            p + "snapshot_seq", "Sequence of the last snapshot saved or loaded.", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def failure_reason(reason: str) -> str:
+    """A short label from placement's one-line verdict: its most common category. Pure.
+
+    `no node offers 2 free h100-80g (wrong class: 3, unreachable: 1)` gives `wrong class`;
+    the full line goes to the logs and /v1/explain, not into a label.
+    """
+    if "no nodes registered" in reason:
+        return "no nodes"
+    start, end = reason.rfind("("), reason.rfind(")")
+    if 0 <= start < end:
+        first = reason[start + 1 : end].split(",", 1)[0]
+        label = first.rsplit(":", 1)[0].strip()
+        if label:
+            return label
+    return "other"

@@ -1,0 +1,550 @@
+"""The control-plane service: consume the log, fold it, and, as leader, reconcile and publish.
+
+One `ControlService` per `llmgw control` process. At start it provisions the log
+(the control identity may), loads the newest snapshot, replays the tail and then
+follows the log live, folding every record into a `ClusterState`
+(llmgw.core.state). Every instance keeps that state hot; the one that holds the
+leader lease (llmgw.bus.Lease) also decides:
+
+- it announces itself with LeaderElected(epoch) and waits to fold it back;
+- it publishes the models of its config file that the log lacks (llmgw.control.models);
+- it reconciles (llmgw.core.reconcile) after every interesting batch of events and
+  on a timer (heartbeat ages), and publishes the decisions in the reconciler's
+  order, each fenced with an expected last sequence on `llmgw.events.control.>`
+  (commands too: the header names the subject filter, whatever the publish
+  subject), so the server refuses every write of a leader that another has
+  deposed. On FenceRefused it steps down and stays a follower until the lease
+  is free again.
+
+The leader changes state only by folding what it reads back (DESIGN.md,
+invariant 1): after publishing a batch it decides again only once the fold has
+passed the batch's last sequence, so it never places the same replica twice.
+Rejected events are counted and logged with their sequence; nothing in the log
+stops the loop. The leader saves snapshots every N events or T seconds.
+
+The admin API (llmgw.control.admin) reads `state` and `metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+
+from llmgw import bus, logs
+from llmgw.control import models as model_sync
+from llmgw.control.config import ControlConfig
+from llmgw.control.metrics import Metrics, failure_reason
+from llmgw.core import events, reconcile, state, subjects
+from llmgw.pki import tls as pki_tls
+from llmgw.pki.identity import Identity
+
+log = logs.get("llmgw.control")
+
+_CONTROL_PREFIX = subjects.CONTROL_EVENTS_ALL[:-1]  # "llmgw.events.control."
+_MODEL_EVENTS = tuple(
+    subjects.operator_event(kind) for kind in ("model_declared", "model_changed", "model_removed")
+)
+
+
+class ControlService:
+    """One control-plane instance. `run(stop)` until `stop` is set; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: ControlConfig,
+        *,
+        tls: ssl.SSLContext | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.identity = Identity("control", cfg.name)
+        self._tls = tls
+        self.clock = clock
+        self.state = state.ClusterState()
+        self.metrics = Metrics()
+        self.control_seq = 0
+        """Last sequence folded on llmgw.events.control.> (the fence's expected value)."""
+        self.leading = False
+        self.epoch = 0
+        """Epoch of the lease this instance holds (0 when it holds none)."""
+        self.caught_up = asyncio.Event()
+        self.ready = asyncio.Event()
+        """Set once the admin listener accepts connections."""
+        self.admin_url = ""
+        self.rejected = 0
+        self.snapshot_seq = 0
+        self.observing_since = clock()
+        self.unplaceable: dict[str, str] = {}
+        self._wake = asyncio.Event()
+        self._folded = asyncio.Event()
+        self._awaiting = 0
+        self._announced = 0
+        self._models_synced_epoch = 0
+        self._since_snapshot = 0
+        self._last_snapshot = time.monotonic()
+        self._snapshot_task: asyncio.Task[None] | None = None
+        self._reader: bus.Reader | None = None
+        self._nc: bus.BusClient | None = None
+        self._lease: bus.Lease | None = None
+        self._publisher: bus.Publisher | None = None
+        self._snapshots: bus.SnapshotStore | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is not None:
+            return self._tls
+        n = self.cfg.nats
+        return pki_tls.client_context(ca_file=n.ca_file, cert_file=n.cert_file, key_file=n.key_file)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Start, serve until `stop` is set, then shut down cleanly (the lease is released)."""
+        from llmgw.control import admin
+
+        n = self.cfg.nats
+        nc = await bus.connect(
+            list(n.servers),
+            tls=self._tls_context(),
+            identity=self.identity,
+            name=f"control-{self.name}",
+        )
+        self._nc = nc
+        tasks: list[asyncio.Task[Any]] = []
+        runner = None
+        try:
+            js = nc.jetstream()
+            await bus.provision(
+                js, replicas=n.stream_replicas, duplicate_window_s=n.duplicate_window_s
+            )
+            self._publisher = bus.Publisher(js)
+            self._snapshots = await bus.SnapshotStore.open(js, keep=self.cfg.snapshot.keep)
+            self._lease = await bus.Lease.open(js, self.name, ttl_s=self.cfg.lease_ttl_s)
+            runner = await admin.start(self)
+            await self._load_snapshot()
+            self.control_seq = await self._last_control_seq(js, upto=self.state.last_seq)
+            self._reader = bus.Reader(
+                nc, after_seq=self.state.last_seq, name=f"control-{self.name}"
+            )
+            await self._reader.start()
+            if self._reader.caught_up.is_set():
+                self._mark_caught_up()
+            self.ready.set()
+            tasks = [
+                self._spawn(self._consume(), "consume"),
+                self._spawn(self._lease_loop(), "lease"),
+                self._spawn(self._decide_loop(), "decide"),
+                self._spawn(self._tick(), "tick"),
+            ]
+            stopped = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopped and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            stopped.cancel()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if self._snapshot_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(self._snapshot_task), 5)
+            await self._shutdown()
+            if runner is not None:
+                await runner.cleanup()
+
+    async def _shutdown(self) -> None:
+        was = self.leading
+        self._set_leading(False)
+        if was and self._lease is not None:
+            # A standby takes over at once instead of waiting out the TTL.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._lease.release(), 3)
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._reader.close(), 3)
+        if self._nc is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._nc.close(), 5)
+        log.info("control.stopped", name=self.name, folded_seq=self.state.last_seq)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        return asyncio.create_task(coro, name=f"control-{self.name}-{what}")
+
+    # ------------------------------------------------------------------ start-up
+
+    async def _load_snapshot(self) -> None:
+        assert self._snapshots is not None
+        try:
+            snap = await self._snapshots.load()
+        except (nats.errors.Error, OSError) as exc:
+            log.warning("control.snapshot_unreadable", error=str(exc), action="folding from seq 0")
+            return
+        if snap is None:
+            log.info("control.no_snapshot", action="folding the log from the start")
+            return
+        try:
+            loaded = state.decode_snapshot(snap.data)
+        except ValueError as exc:
+            log.warning("control.snapshot_invalid", seq=snap.seq, error=str(exc))
+            return
+        loaded.last_seq = snap.seq
+        self.state = loaded
+        self.snapshot_seq = snap.seq
+        self.metrics.snapshot_seq.set(snap.seq)
+        self.metrics.folded_seq.set(snap.seq)
+        log.info("control.snapshot_loaded", seq=snap.seq, bytes=len(snap.data))
+
+    async def _last_control_seq(self, js: Any, *, upto: int) -> int:
+        """The last control-subject sequence at or before `upto` (the snapshot's).
+
+        If the last one is later, the tail replay folds it and sets `control_seq`.
+        """
+        if upto == 0:
+            return 0
+        try:
+            msg = await js.get_last_msg(subjects.STREAM, subjects.CONTROL_EVENTS_ALL, direct=True)
+        except nats.js.errors.NotFoundError:
+            return 0
+        seq = int(msg.seq or 0)
+        return seq if seq <= upto else 0
+
+    # ------------------------------------------------------------------ folding
+
+    def _mark_caught_up(self) -> None:
+        if not self.caught_up.is_set():
+            self.caught_up.set()
+            log.info("control.caught_up", name=self.name, folded_seq=self.state.last_seq)
+
+    async def _consume(self) -> None:
+        assert self._reader is not None
+        reader = self._reader
+        async for batch in reader.batches():
+            interesting = self.fold(batch)
+            self.metrics.undecodable.set(reader.undecodable)
+            if reader.caught_up.is_set():
+                self._mark_caught_up()
+            self._folded.set()
+            if interesting or self._awaiting:
+                self._wake.set()
+            self._maybe_snapshot()
+
+    def fold(self, batch: list[bus.Record]) -> bool:
+        """Fold records into the state; True when one could change a decision.
+
+        Heartbeats of ready nodes that report no health change cannot: they only
+        refresh ages, which the timer looks at. Everything else wakes the leader.
+        """
+        st = self.state
+        applied = rejected = 0
+        interesting = False
+        control = self.control_seq
+        for rec in batch:
+            event = rec.event
+            if type(event) is events.Heartbeat and not interesting:
+                node = st.nodes.get(event.node)
+                interesting = (
+                    node is None or node.liveness != "ready" or _health_changed(node, event)
+                )
+            elif type(event) is not events.Heartbeat:
+                interesting = True
+            reason = state.apply(st, event, rec.seq, rec.time)
+            if rec.subject.startswith(_CONTROL_PREFIX):
+                control = rec.seq
+            if reason is None:
+                applied += 1
+            else:
+                rejected += 1
+                log.warning(
+                    "control.rejected",
+                    seq=rec.seq,
+                    subject=rec.subject,
+                    type=events.tag_of(type(event)),
+                    reason=reason,
+                )
+        self.control_seq = control
+        self.rejected += rejected
+        self._since_snapshot += len(batch)
+        m = self.metrics
+        if applied:
+            m.applied.inc(applied)
+        if rejected:
+            m.rejected.inc(rejected)
+        if batch:
+            m.folded_seq.set(st.last_seq)
+            m.fold_lag.set(max(0.0, self.clock() - batch[-1].time))
+            m.epoch.set(st.epoch)
+        return interesting
+
+    async def _wait_folded(self, seq: int, within_s: float) -> bool:
+        deadline = time.monotonic() + within_s
+        while self.state.last_seq < seq:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._folded.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._folded.wait(), left)
+        return True
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _maybe_snapshot(self, *, force: bool = False) -> None:
+        s = self.cfg.snapshot
+        if not self.leading or self._since_snapshot == 0 or self._snapshots is None:
+            return
+        if self._snapshot_task is not None and not self._snapshot_task.done():
+            return
+        due = force or bool(s.every_events and self._since_snapshot >= s.every_events)
+        due = due or bool(s.every_s and time.monotonic() - self._last_snapshot >= s.every_s)
+        if not due:
+            return
+        # Encoded now, synchronously: the bytes are exactly the state at last_seq.
+        data = state.encode_snapshot(self.state)
+        seq = self.state.last_seq
+        self._since_snapshot = 0
+        self._last_snapshot = time.monotonic()
+        self._snapshot_task = self._spawn(self._save_snapshot(data, seq), "snapshot")
+
+    async def _save_snapshot(self, data: bytes, seq: int) -> None:
+        assert self._snapshots is not None
+        try:
+            await self._snapshots.save(data, seq)
+        except Exception as exc:  # a failed snapshot costs only a longer cold start
+            log.warning("control.snapshot_failed", seq=seq, error=str(exc) or repr(exc))
+            return
+        self.snapshot_seq = seq
+        self.metrics.snapshots.inc()
+        self.metrics.snapshot_seq.set(seq)
+
+    async def snapshot_now(self) -> int:
+        """Save a snapshot of the state as folded now, whoever leads; returns its sequence."""
+        assert self._snapshots is not None
+        seq = self.state.last_seq
+        await self._save_snapshot(state.encode_snapshot(self.state), seq)
+        return seq
+
+    # ------------------------------------------------------------------ leadership
+
+    def _set_leading(self, leading: bool, epoch: int = 0) -> None:
+        self.leading = leading
+        self.epoch = epoch if leading else 0
+        self.metrics.leader.set(1 if leading else 0)
+
+    def _step_down(self, why: str) -> None:
+        if self.leading:
+            log.warning("control.step_down", name=self.name, epoch=self.epoch, why=why)
+        self._set_leading(False)
+        self._awaiting = 0
+
+    async def _abdicate(self, why: str) -> None:
+        """Step down and give the lease up: contend again only once it is free."""
+        self._step_down(why)
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await self._lease.release()
+
+    async def _lease_loop(self) -> None:
+        lease = self._lease
+        assert lease is not None
+        while True:
+            if not self.leading:
+                wait = min(lease.renew_every_s, 0.25)
+                if self.caught_up.is_set():
+                    try:
+                        if await lease.acquire():
+                            self._set_leading(True, lease.epoch)
+                            self._announced = 0
+                            log.info("control.leading", name=self.name, epoch=lease.epoch)
+                            self._wake.set()
+                    except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                        log.warning("control.lease_error", error=str(exc) or repr(exc))
+            else:
+                wait = lease.renew_every_s
+                try:
+                    await lease.renew()
+                except bus.LeaseLost as exc:
+                    self._step_down(str(exc))
+                    wait = 0.25
+                except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                    log.warning("control.lease_renew_error", error=str(exc) or repr(exc))
+                    if not lease.held:
+                        self._step_down("the lease ran out while renewals failed")
+                    wait = 0.2
+            await asyncio.sleep(wait)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.reconcile_interval_s)
+            self._wake.set()
+            self._maybe_snapshot()
+
+    async def _decide_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self.leading or not self.caught_up.is_set():
+                continue
+            if self.state.last_seq < self._awaiting:
+                continue  # our own last writes are not folded yet: the state is not current
+            self._awaiting = 0
+            try:
+                await self._decide()
+            except bus.FenceRefused as exc:
+                self.metrics.fence_refused.inc()
+                log.warning(
+                    "control.fence_refused", name=self.name, epoch=self.epoch, detail=str(exc)
+                )
+                await self._abdicate("a fenced write was refused: another leader wrote first")
+            except (bus.PublishError, nats.errors.Error, TimeoutError) as exc:
+                log.warning("control.publish_failed", error=str(exc) or repr(exc))
+                await asyncio.sleep(0.5)
+                self._wake.set()
+
+    async def _decide(self) -> None:
+        st = self.state
+        if st.epoch > self.epoch:
+            await self._abdicate(
+                f"epoch {st.epoch} ({st.leader}) is newer than ours ({self.epoch})"
+            )
+            return
+        if st.epoch != self.epoch or st.leader != self.name:
+            if self._announced != self.epoch:
+                await self._announce()
+            return
+        if self.cfg.sync_models and self._models_synced_epoch != self.epoch:
+            await self._sync_models()
+            return
+        await self.reconcile_once()
+
+    async def _announce(self) -> None:
+        event = events.LeaderElected(
+            id=f"leader-{self.name}-{self.epoch}",
+            ts=self.clock(),
+            leader=self.name,
+            epoch=self.epoch,
+            basis_seq=self.state.last_seq,
+        )
+        seq = await self._publish_fenced([event])
+        self._announced = self.epoch
+        self._awaiting = seq
+
+    async def _sync_models(self) -> None:
+        assert self._nc is not None
+        assert self._publisher is not None
+        reader = bus.Reader(
+            self._nc, subjects_filter=_MODEL_EVENTS, follow=False, name=f"control-{self.name}-m"
+        )
+        history: list[events.Event] = []
+        async with reader:
+            async for batch in reader.batches():
+                history.extend(r.event for r in batch if r.seq <= self.state.last_seq)
+        todo = model_sync.diff(
+            self.cfg.models,
+            self.state,
+            model_sync.managed(history),
+            operator=self.name,
+            now=self.clock(),
+            basis_seq=self.state.last_seq,
+        )
+        last = 0
+        for event in todo:
+            published = await self._publisher.publish(event)
+            last = published.seq
+            log.info(
+                "control.model_synced",
+                type=events.tag_of(type(event)),
+                model=getattr(event, "name", "")
+                or getattr(getattr(event, "profile", None), "name", ""),
+                seq=published.seq,
+            )
+        self._models_synced_epoch = self.epoch
+        self._awaiting = last
+        self._wake.set()
+
+    async def reconcile_once(self) -> int:
+        """Reconcile the state as folded now and publish the decisions; their count."""
+        st = self.state
+        started = time.perf_counter()
+        outcome = reconcile.reconcile_detail(
+            st,
+            self.clock(),
+            epoch=self.epoch,
+            basis_seq=st.last_seq,
+            config=self.cfg.reconcile,
+            observing_since=self.observing_since,
+        )
+        self.metrics.reconcile_seconds.set(time.perf_counter() - started)
+        self._note_unplaceable(outcome.unplaceable)
+        if not outcome.decisions:
+            return 0
+        self._awaiting = await self._publish_fenced(outcome.decisions)
+        return len(outcome.decisions)
+
+    def _note_unplaceable(self, now_unplaceable: dict[str, str]) -> None:
+        for model, reason in now_unplaceable.items():
+            self.metrics.placement_failures.labels(model, failure_reason(reason)).inc()
+            if self.unplaceable.get(model) != reason:
+                log.warning("control.unplaceable", model=model, reason=reason)
+        self.unplaceable = dict(now_unplaceable)
+        self.metrics.unplaceable.set(len(now_unplaceable))
+
+    async def _publish_fenced(self, decisions: list[Any]) -> int:
+        """Publish in order, each fenced on the control subjects; the last sequence written.
+
+        The reconciler's order matters (a restart's StopShard precedes the new
+        generation's ReplicaPlaced), so commands are not moved behind the control
+        events; they are fenced like them instead.
+        """
+        assert self._publisher is not None
+        fence_seq = self.control_seq
+        last = 0
+        for event in decisions:
+            if not self.leading:
+                break
+            fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, fence_seq)
+            published = await self._publisher.publish(event, fence=fence)
+            if events.subject_of(event).startswith(_CONTROL_PREFIX):
+                fence_seq = published.seq
+            last = published.seq
+            self.metrics.decisions.labels(events.tag_of(type(event))).inc()
+            log.info(
+                "control.decision",
+                seq=published.seq,
+                type=events.tag_of(type(event)),
+                id=event.id,
+                **_describe(event),
+            )
+        return last
+
+
+def _health_changed(node: state.NodeState, hb: events.Heartbeat) -> bool:
+    for h in hb.gpus:
+        gpu = node.gpus.get(h.index)
+        if gpu is None:
+            return True
+        if (
+            gpu.ecc_uncorrected != h.ecc_uncorrected
+            or gpu.foreign_memory_mib != h.foreign_memory_mib
+        ):
+            return True
+    return False
+
+
+def _describe(event: events.Event) -> dict[str, Any]:
+    """A few fields worth a log line: which node, replica, model."""
+    out: dict[str, Any] = {}
+    for field in ("node", "replica_id", "model", "reason"):
+        value = getattr(event, field, None)
+        if value:
+            out[field] = value
+    return out
