@@ -230,3 +230,19 @@ def test_consumer_start_points() -> None:
     assert one["filter_subject"] == "llmgw.cmd.node-a"
     two = config(subjects_filter=["llmgw.events.control.>", "llmgw.cmd.>"])
     assert two["filter_subjects"] == ["llmgw.events.control.>", "llmgw.cmd.>"]
+
+
+def test_the_nats_py_internals_the_bus_client_overrides_still_exist() -> None:
+    """BusClient overrides two private nats-py methods; an upgrade that renames them
+    would silently bring back fixed reconnect waits and break the Reader's fast path."""
+    import inspect
+
+    from nats.aio.client import Client
+
+    params = list(inspect.signature(Client._process_msg).parameters)
+    assert params == ["self", "sid", "subject", "reply", "data", "headers"]
+    assert inspect.iscoroutinefunction(Client._select_next_server)
+    assert inspect.iscoroutinefunction(Client._connect_to_server)
+    plain = Client()
+    for attribute in ("_server_pool", "_current_server", "options", "stats"):
+        assert hasattr(plain, attribute)
