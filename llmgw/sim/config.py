@@ -50,7 +50,8 @@ class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     Set by CLI flags at start or at run time by `POST /sim/faults` with this
     object as JSON; `DELETE /sim/faults` clears it. It applies to the inference
     requests (`/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`) that
-    follow, `count` of them (None: all of them).
+    follow and pass validation, `count` of them (None: all of them). Requests the
+    sim refuses as malformed get their 4xx as usual and do not use up the count.
     """
 
     stall_at: StallAt | None = None
@@ -99,7 +100,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     max_num_seqs: int = 256
     """Largest batch: requests running at once; the rest wait."""
     seed: int = 0
-    """Seeds generated text for requests that bring no `seed` of their own."""
+    """Seeds generated text for requests that bring no `seed` of their own (with the
+    request's arrival index, so a restarted sim replays the same texts in order); a
+    request's own `seed` with its prompt always gives the same text."""
     eos_min_tokens: int = 32
     eos_max_tokens: int = 512
     """A request's natural length (where the model would emit end-of-sequence) is

@@ -388,6 +388,24 @@ async def test_100_streams_cancelled_at_random_points_leave_zero_blocks_in_use()
             assert s.get_json("/sim/state")["blocks_used"] == 0
 
 
+async def test_an_unstreamed_request_whose_client_gives_up_is_dropped_at_once() -> None:
+    with SimProcess.start("--decode-base-ms", "10", "--eos-min-tokens", "5000",
+                          "--eos-max-tokens", "5000", "--max-model-len", "8192") as s:  # fmt: skip
+        timeout = aiohttp.ClientTimeout(total=0.3)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            payload = {"model": MODEL, "prompt": "x " * 100, "max_tokens": 3000}
+            jobs = [http.post(s.url + "/v1/completions", json=payload) for _ in range(5)]
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+        assert all(isinstance(r, asyncio.TimeoutError) for r in results), results
+        for _ in range(50):
+            if metric(s, "vllm:num_requests_running") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert metric(s, "vllm:num_requests_running") == 0
+        assert metric(s, "vllm:kv_cache_usage_perc") == 0.0
+        assert metric(s, "vllm:request_success_total", finished_reason="abort") == 5
+
+
 # --- faults ---------------------------------------------------------------------------------
 
 
@@ -507,6 +525,22 @@ def test_cli_refuses_a_cache_too_small_for_max_model_len_and_says_what_to_do() -
     )  # fmt: skip
     assert out.returncode == 2
     assert "raise --num-blocks or lower --max-model-len" in out.stderr
+
+
+def test_every_contract_flag_exists() -> None:
+    """Contract 4: the agent and the router tests launch the sim with these flags."""
+    out = subprocess.run(
+        [sys.executable, "-m", "llmgw", "sim", "--help"],
+        capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert out.returncode == 0
+    for flag in (
+        "--host", "--port", "--served-model-name", "--max-model-len", "--block-size",
+        "--num-blocks", "--max-num-seqs", "--seed", "--decode-base-ms", "--decode-per-seq-ms",
+        "--prefill-per-token-ms", "--stall-at", "--stall-s", "--fail-status",
+        "--die-mid-stream", "--after-tokens", "--fault-count",
+    ):  # fmt: skip
+        assert flag in out.stdout, flag
 
 
 def test_environment_overrides_and_flags_win_over_them() -> None:
