@@ -138,6 +138,24 @@ def test_nvml_query_failure_is_an_nvml_error() -> None:
         nvml.read_gpus(fake)
 
 
+def test_an_old_pynvml_is_an_nvml_error_not_a_crash() -> None:
+    fake = FakeNvml([h200(0)], set())
+    with pytest.raises(nvml.NvmlError, match="upgrade nvidia-ml-py"):
+        nvml.read_gpus(_Without(fake, "nvmlDeviceGetCudaComputeCapability"))
+
+
+class _Without:
+    """The fake with one NVML call missing, as in an old pynvml."""
+
+    def __init__(self, inner: FakeNvml, missing: str) -> None:
+        self._inner, self._missing = inner, missing
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self._missing:
+            raise AttributeError(f"module 'pynvml' has no attribute '{name}'")
+        return getattr(self._inner, name)
+
+
 def fake_smi(
     folder: Path, query: Path, apps: Path | None, topo: Path | None, *, old_driver: bool = False
 ) -> None:

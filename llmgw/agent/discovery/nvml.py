@@ -124,5 +124,9 @@ def read_gpus(
         return tuple(gpus)
     except nv.NVMLError as exc:
         raise NvmlError(f"NVML query failed: {exc}") from None
+    except AttributeError as exc:
+        raise NvmlError(
+            f"this pynvml lacks a call llmgw needs ({exc}): upgrade nvidia-ml-py"
+        ) from None
     finally:
         _optional(nv, nv.nvmlShutdown)
