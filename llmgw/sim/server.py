@@ -311,6 +311,21 @@ class SimServer:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        # The client may leave between two writes, before handler cancellation gets
+        # to us: not an error of the sim. `_generation` drops the request; aiohttp
+        # notices the closed connection when it finishes the response.
+        with contextlib.suppress(ConnectionResetError):
+            await self._stream_to(resp, request, p, req, fault)
+        return resp
+
+    async def _stream_to(
+        self,
+        resp: web.StreamResponse,
+        request: web.Request,
+        p: api.Prepared,
+        req: Request,
+        fault: Faults | None,
+    ) -> None:
         await resp.prepare(request)
         # aiohttp holds the headers back until the first body write. A real engine
         # sends them at once, so a slow prefill or a long queue shows up as a late
@@ -360,7 +375,7 @@ class SimServer:
                 use = self._usage(req) if p.include_usage else None
                 closing = fmt.closing(req.finish_reason or "stop", use)
                 await resp.write_eof(opening + pending + closing)
-                return resp
+                return
             if pending:
                 await resp.write(pending)
                 pending = b""
