@@ -13,7 +13,7 @@ Purely computational: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -45,7 +45,7 @@ def verify(
 
 
 def digests_agree(
-    records: list[tuple[int, events.Event]],
+    records: Sequence[tuple[int, events.Event]],
     snapshot: tuple[int, bytes] | None = None,
 ) -> list[Difference]:
     """Fold `records` from scratch and, if given, from `snapshot` (seq, bytes) plus the

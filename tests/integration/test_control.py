@@ -10,12 +10,15 @@ recorded decision batch is reproduced by re-running the reconciler.
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import aiohttp
 
 from llmgw import bus
 from llmgw.control import verify
 from llmgw.control.service import ControlService
 from llmgw.core import events, state
-from tests.harness import TestNatsServer
+from tests.harness import Connector, TestNatsServer
 from tests.integration.control_kit import (
     FAST,
     SimAgent,
@@ -90,3 +93,291 @@ async def test_a_scenario_replays_to_the_same_digest_and_the_same_decisions(
     finally:
         for agent in agents:
             await agent.close()
+
+
+def holder(svc: ControlService, name: str) -> str:
+    (replica,) = svc.state.active_replicas(name)
+    return replica.shards[0].node
+
+
+async def test_heartbeats_stop_unreachable_lost_replaced_then_recovered(
+    nats_server: TestNatsServer,
+) -> None:
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    agents: dict[str, SimAgent] = {}
+    try:
+        async with running(ControlService(cfg)) as svc:
+            for n in ("node-a", "node-b"):
+                agents[n] = await SimAgent(nats_server, n, gpus=1).start()
+            await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving")
+            first = holder(svc, "m1")
+            other = "node-b" if first == "node-a" else "node-a"
+            agents[first].beating = False
+            node = svc.state.nodes[first]
+            t_unreachable = await wait_for(
+                lambda: node.liveness == "unreachable", 6, f"{first} unreachable"
+            )
+            t_lost = await wait_for(lambda: node.liveness == "lost", 8, f"{first} lost")
+            assert t_lost >= 1.0  # lost_after (4 s) counts from the last heartbeat, not from now
+            await wait_for(
+                lambda: serving(svc, "m1") == 1 and holder(svc, "m1") == other,
+                10,
+                f"m1 replaced on {other}",
+            )
+            (replacement,) = svc.state.active_replicas("m1")
+            assert replacement.replaces  # names the replica of the lost node
+            agents[first].beating = True
+            await wait_for(lambda: node.liveness == "ready", 5, f"{first} recovered")
+            nc = await connect_as(nats_server, "router", "r1")
+            log = await settle(svc, nc)
+            await nc.close()
+        kinds = [
+            type(r.event).__name__ for r in log if r.subject.startswith("llmgw.events.control")
+        ]
+        order = [k for k in kinds if k in ("NodeUnreachable", "NodeLost", "NodeRecovered")]
+        assert order == ["NodeUnreachable", "NodeLost", "NodeRecovered"]
+        assert t_unreachable < 6
+    finally:
+        for agent in agents.values():
+            await agent.close()
+
+
+async def test_rolling_drain_stops_the_original_only_after_its_replacement_serves(
+    nats_server: TestNatsServer,
+) -> None:
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    agents: dict[str, SimAgent] = {}
+    try:
+        async with running(ControlService(cfg)) as svc:
+            agents["node-a"] = await SimAgent(nats_server, "node-a", gpus=1).start()
+            await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving on node-a")
+            (original,) = svc.state.active_replicas("m1")
+            # A slow replacement: serving only 1.5 s after loading.
+            agents["node-b"] = await SimAgent(
+                nats_server, "node-b", gpus=1, serve_after_s=1.5
+            ).start()
+            await wait_for(lambda: "node-b" in svc.state.nodes, 5, "node-b registered")
+            operator = await connect_as(nats_server, "operator", "alice")
+            await bus.Publisher(operator.jetstream()).publish(
+                events.NodeDrainRequested(
+                    id="drain-1", ts=time.time(), operator="alice", node="node-a", grace_s=60
+                )
+            )
+            await wait_for(
+                lambda: original.id not in svc.state.replicas, 15, "the original stopped and freed"
+            )
+            assert serving(svc, "m1") == 1
+            assert holder(svc, "m1") == "node-b"
+            log = await settle(svc, operator)
+            await operator.close()
+        replacement = next(
+            r.event
+            for r in log
+            if isinstance(r.event, events.ReplicaPlaced) and r.event.replaces == original.id
+        )
+        serves = next(
+            r.seq
+            for r in log
+            if isinstance(r.event, events.ShardStatus)
+            and r.event.replica_id == replacement.replica_id
+            and r.event.phase == "serving"
+        )
+        for r in log:
+            moves = events.DrainShard | events.StopShard | events.ReplicaRetired
+            if isinstance(r.event, moves) and r.event.replica_id == original.id:
+                assert r.seq > serves, f"{type(r.event).__name__} of the original came first"
+        assert any(
+            isinstance(r.event, events.DrainShard) and r.event.replica_id == original.id
+            for r in log
+        )
+    finally:
+        for agent in agents.values():
+            await agent.close()
+
+
+async def test_draining_the_only_capable_node_ends_with_the_grace_period(
+    nats_server: TestNatsServer,
+) -> None:
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    agents: list[SimAgent] = []
+    try:
+        async with running(ControlService(cfg)) as svc:
+            agents.append(await SimAgent(nats_server, "node-a", gpus=1).start())
+            await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving on node-a")
+            (original,) = svc.state.active_replicas("m1")
+            operator = await connect_as(nats_server, "operator", "alice")
+            requested = time.monotonic()
+            await bus.Publisher(operator.jetstream()).publish(
+                events.NodeDrainRequested(
+                    id="drain-1", ts=time.time(), operator="alice", node="node-a", grace_s=2
+                )
+            )
+            await wait_for(lambda: original.id not in svc.state.replicas, 10, "original freed")
+            assert time.monotonic() - requested >= 1.5, "stopped before the grace period ended"
+            await operator.close()
+            assert svc.unplaceable.get("m1"), "nowhere else to go: m1 is unplaceable"
+    finally:
+        for agent in agents:
+            await agent.close()
+
+
+async def test_restarting_with_the_same_models_writes_nothing_and_a_changed_file_the_diff(
+    nats_server: TestNatsServer,
+) -> None:
+    m1, m2 = model("m1", replicas=0), model("m2", replicas=0)
+    operator = None
+    try:
+        async with running(
+            ControlService(control_config(nats_server, "control-a", models=(m1, m2)))
+        ) as svc:
+            await wait_for(lambda: set(svc.state.models) == {"m1", "m2"}, 10, "models declared")
+            operator = await connect_as(nats_server, "operator", "alice")
+            # An operator's own model: a config file never removes it.
+            await bus.Publisher(operator.jetstream()).publish(
+                events.ModelDeclared(
+                    id="op-m3", ts=time.time(), operator="alice", profile=model("m3", replicas=0)
+                )
+            )
+            await wait_for(lambda: "m3" in svc.state.models, 5, "m3 declared")
+        assert operator is not None
+        before = len(await read_log(operator))
+        async with running(
+            ControlService(control_config(nats_server, "control-a", models=(m1, m2)))
+        ) as svc:
+            await wait_for(
+                lambda: (
+                    svc.leading and svc.state.leader == "control-a" and svc.state.epoch == svc.epoch
+                ),
+                10,
+                "leading again",
+            )
+            await wait_for(lambda: svc._models_synced_epoch == svc.epoch, 5, "models compared")
+        after = await read_log(operator)
+        written = [type(r.event).__name__ for r in after[before:]]
+        assert written == ["LeaderElected"], written
+        changed = model("m1", replicas=0, aliases=("one",))
+        async with running(
+            ControlService(control_config(nats_server, "control-b", models=(changed,)))
+        ) as svc:
+            await wait_for(
+                lambda: (
+                    "m2" not in svc.state.models
+                    and "m1" in svc.state.models
+                    and svc.state.models["m1"].profile == changed
+                ),
+                10,
+                "the diff applied",
+            )
+            assert "m3" in svc.state.models
+        tail = [r.event for r in (await read_log(operator))[len(after) :]]
+        assert [type(e).__name__ for e in tail if isinstance(e, events.OperatorEvent)] == [
+            "ModelRemoved",
+            "ModelChanged",
+        ]
+    finally:
+        if operator is not None:
+            await operator.close()
+
+
+async def test_hostile_events_are_rejected_counted_and_do_not_stop_the_fold(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    agents: list[SimAgent] = []
+    async with running(ControlService(cfg)) as svc:
+        agents.append(await SimAgent(nats_server, "node-a", gpus=1).start())
+        await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving")
+        digest = state.digest(svc.state)
+        admin = await connect.admin()
+        rogue = await connect_as(nats_server, "node", "node-z")
+        pub = bus.Publisher(rogue.jetstream())
+        # Garbage bytes, a shard status for a replica never placed, events of an unknown node.
+        await admin.jetstream().publish("llmgw.events.node.node-z.registered", b"\xff not json")
+        await pub.publish(
+            events.ShardStatus(
+                id="h1",
+                ts=time.time(),
+                node="node-z",
+                replica_id="nope",
+                generation=1,
+                phase="serving",
+            )
+        )
+        await pub.publish(events.Heartbeat(id="h2", ts=time.time(), node="node-z", seq=1))
+        await wait_for(
+            lambda: svc.rejected >= 2 and svc._reader is not None and svc._reader.undecodable == 1,
+            5,
+            "rejections counted",
+        )
+        assert state.digest(svc.state) == digest
+        # The fold goes on: a real event after them is applied.
+        await agents[0].register()
+        await wait_for(
+            lambda: svc.state.nodes["node-a"].liveness_seq > 0 and svc.rejected == 2,
+            5,
+            "still folding",
+        )
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{svc.admin_url}/metrics") as resp,
+        ):
+            text = await resp.text()
+        assert "llmgw_control_events_rejected_total 2.0" in text
+        assert "llmgw_control_events_undecodable 1.0" in text
+        await rogue.close()
+    for agent in agents:
+        await agent.close()
+
+
+async def test_the_admin_api_shows_nodes_replicas_models_explain_state_and_metrics(
+    nats_server: TestNatsServer,
+) -> None:
+    cfg = control_config(
+        nats_server,
+        "control-a",
+        models=(model("m1", replicas=1), model("big", replicas=1, tensor_parallel=4)),
+    )
+    agents: list[SimAgent] = []
+    async with running(ControlService(cfg)) as svc:
+        agents.append(await SimAgent(nats_server, "node-a", gpus=2).start())
+        await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving")
+        async with aiohttp.ClientSession() as http:
+
+            async def get(path: str) -> Any:
+                async with http.get(svc.admin_url + path) as resp:
+                    return resp.status, await resp.json(
+                        content_type=None
+                    ) if path != "/metrics" else await resp.text()
+
+            status, nodes = await get("/v1/nodes")
+            assert status == 200
+            assert nodes[0]["name"] == "node-a"
+            assert nodes[0]["liveness"] == "ready"
+            assert [g["replica"] is not None for g in nodes[0]["gpus"]].count(True) == 1
+            _, replicas = await get("/v1/replicas")
+            assert replicas[0]["shards"][0]["phase"] == "serving"
+            assert replicas[0]["endpoint"].startswith("http://127.0.0.1:")
+            _, models = await get("/v1/models")
+            by_name = {m["name"]: m for m in models}
+            assert by_name["m1"]["replicas_serving"] == 1
+            assert "4" in by_name["big"]["unplaceable"]
+            status, explained = await get("/v1/explain/big")
+            assert status == 200
+            assert "1 of 4" in explained["text"]
+            status, _ = await get("/v1/explain/nope")
+            assert status == 404
+            _, st = await get("/v1/state")
+            assert st["leading"] is True
+            assert st["digest"] == state.digest(svc.state)
+            assert st["epoch"] == svc.epoch
+            status, _ = await get("/health")
+            assert status == 200
+            _, metrics = await get("/metrics")
+            assert "llmgw_control_leader 1.0" in metrics
+            assert 'llmgw_control_decisions_total{kind="control.replica_placed"} 1.0' in metrics
+            assert (
+                'llmgw_control_placement_failures_total{model="big",reason="too few free GPUs"}'
+                in metrics
+            )
+    for agent in agents:
+        await agent.close()
