@@ -8,12 +8,12 @@ of precedence (flags win). The agent's sim adapter and the tests use the flags.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import typer
 
 from llmgw import config, logs
-from llmgw.sim.config import SimConfig
+from llmgw.sim.config import SimConfig, StallAt
 
 
 def command(
@@ -71,17 +71,26 @@ def command(
         None, "--after-tokens", help="Fault: tokens streamed before a mid-stream fault [1]."
     ),
     fault_count: int | None = typer.Option(
-        None, "--fault-count", "--count", help="Fault: how many requests it hits [all]."
+        None, "--fault-count", "--count", help="Fault: how many requests it hits (default: all)."
     ),
     shutdown_timeout_s: float | None = typer.Option(
         None, "--shutdown-timeout-s", help="On SIGTERM, grace for requests in flight, s [2]."
     ),
-    log_level: str | None = typer.Option(None, "--log-level", help="debug, info, warning [info]."),
+    log_level: str | None = typer.Option(
+        None, "--log-level", help="debug, info or warning (default: info)."
+    ),
     config_path: Path | None = typer.Option(
         None, "--config", help="YAML file of settings (see schemas/sim-config.schema.json)."
     ),
 ) -> None:
     """Run a simulated OpenAI-compatible engine (vLLM's behaviour and metrics, no GPU)."""
+    if stall_at is not None and stall_at not in get_args(StallAt):
+        typer.echo(
+            f"llmgw sim: --stall-at {stall_at!r} is not a stall point: use "
+            + ", ".join(get_args(StallAt)),
+            err=True,
+        )
+        raise typer.Exit(2)
     flags: dict[str, Any] = {
         "host": host,
         "port": port,

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -544,6 +545,41 @@ def test_every_contract_flag_exists() -> None:
         "--die-mid-stream", "--after-tokens", "--fault-count",
     ):  # fmt: skip
         assert flag in out.stdout, flag
+
+
+def test_yaml_config_file_with_nested_latency_and_faults(tmp_path: Path) -> None:
+    cfg = tmp_path / "sim.yaml"
+    cfg.write_text(
+        "served_model_names: [from-yaml, other]\n"
+        "max_model_len: 128\n"
+        "latency: {decode_base_ms: 1}\n"
+        "faults: {fail_status: 418, count: 1}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "sim", "--port", "0", "--config", str(cfg)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().decode().split()[-1]
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list()] == ["from-yaml", "other"]
+        with pytest.raises(openai.APIStatusError) as info:
+            c.completions.create(model="other", prompt="x", max_tokens=1)
+        assert info.value.status_code == 418
+        assert c.completions.create(model="other", prompt="x", max_tokens=1).choices
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+
+
+def test_bad_flags_are_refused_with_what_to_use() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "llmgw", "sim", "--stall-at", "never"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "headers, first_token, mid_stream" in out.stderr
 
 
 def test_environment_overrides_and_flags_win_over_them() -> None:
