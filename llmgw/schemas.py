@@ -23,6 +23,7 @@ CONFIG_TYPES: dict[str, str] = {
     "router-keys.schema.json": "llmgw.router.auth:KeysFile",
     "agent-config.schema.json": "llmgw.agent.config:AgentConfig",
     "sim-config.schema.json": "llmgw.sim.config:SimConfig",
+    "control-config.schema.json": "llmgw.control.config:ControlConfig",
 }
 
 

@@ -1,0 +1,64 @@
+"""`llmgw control --config FILE`: run one control-plane instance until SIGTERM / SIGINT.
+
+Loads the ControlConfig (YAML, then `LLMGW_CONTROL__*` environment overrides),
+prints one line `llmgw control NAME admin http://HOST:PORT` to stdout once the
+admin listener accepts connections (the real port when 0 was configured), and on
+SIGTERM or SIGINT releases the leader lease so a standby takes over at once.
+`--check` validates the config and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import typer
+
+from llmgw import config, logs
+
+
+def command(
+    config_path: Path = typer.Option(..., "--config", "-c", help="Control-plane YAML config."),
+    check: bool = typer.Option(False, "--check", help="Validate the config and exit."),
+) -> None:
+    """Run the control plane: fold the log, lead by lease, place replicas, send commands."""
+    from llmgw.control import config as control_config
+
+    try:
+        cfg = control_config.load(config_path)
+    except config.ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    if check:
+        typer.echo(f"{config_path}: control plane {cfg.name!r}, {len(cfg.models)} models: ok")
+        return
+    logs.setup(cfg.log_level)
+    try:
+        import uvloop
+
+        uvloop.run(_serve(cfg))
+    except FileNotFoundError as exc:  # a certificate path: the message says what to do
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+
+
+async def _serve(cfg: object) -> None:
+    from llmgw.control.config import ControlConfig
+    from llmgw.control.service import ControlService
+
+    assert isinstance(cfg, ControlConfig)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    svc = ControlService(cfg)
+    run = asyncio.create_task(svc.run(stop))
+    ready = asyncio.create_task(svc.ready.wait())
+    await asyncio.wait([run, ready], return_when=asyncio.FIRST_COMPLETED)
+    if svc.ready.is_set():
+        sys.stdout.write(f"llmgw control {cfg.name} admin {svc.admin_url}\n")
+        sys.stdout.flush()
+    ready.cancel()
+    await run
