@@ -37,10 +37,11 @@ from llmgw.sim.engine import Engine, Request
 from llmgw.sim.metrics import registry_for
 
 _MASK = (1 << 64) - 1
-# Steps run between two yields to the event loop with a zero-latency model: enough
-# to finish short requests in one burst, few enough that new requests and
-# /metrics are not starved by a long generation.
-_ZERO_LATENCY_BURST = 64
+# Work done between two yields to the event loop with a zero-latency model, in
+# generated tokens (a step of a batch of n sequences costs n): enough to finish
+# short requests in one burst, little enough (a few ms) that new requests and
+# /metrics are not starved by a big batch or a long generation.
+_ZERO_LATENCY_BURST_TOKENS = 2048
 _JSON = "application/json"
 _KNOWN_PATHS = {
     "/v1/chat/completions",
@@ -122,10 +123,12 @@ class SimServer:
                     continue
                 now = loop.time()
                 if zero:
-                    for _ in range(_ZERO_LATENCY_BURST):
+                    budget = _ZERO_LATENCY_BURST_TOKENS
+                    while budget > 0:
                         engine.step(now)
                         if not engine.running:
                             break
+                        budget -= len(engine.running)
                     self._deliver()
                     await asyncio.sleep(0)
                 else:
