@@ -239,7 +239,11 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(s for s in items if s)
 
 
-def _budget(cfg: SimConfig, prompt: list[str], max_tokens: int | None, param: str) -> int:
+def _budget(
+    cfg: SimConfig, prompt: list[str], max_tokens: int | None, param: str, source: str
+) -> int:
+    """The output budget: `max_tokens` if the context has room for it, else the rest
+    of the context; `param` names the budget parameter, `source` the input's."""
     n = len(prompt)
     limit = cfg.max_model_len
     if n >= limit:
@@ -247,7 +251,7 @@ def _budget(cfg: SimConfig, prompt: list[str], max_tokens: int | None, param: st
             400,
             f"This model's maximum context length is {limit} tokens. However, your request "
             f"has {n} input tokens. Please reduce the length of the input.",
-            param="messages" if param == "max_completion_tokens" else "prompt",
+            param=source,
             code="context_length_exceeded",
         )
     if max_tokens is None:
@@ -300,9 +304,11 @@ def prepare_chat(body: bytes, cfg: SimConfig) -> Prepared:
     text = tokens.render_chat((m.role, _message_text(m, i)) for i, m in enumerate(req.messages))
     prompt = tokens.tokenize(text)
     if req.max_completion_tokens is not None:
-        max_tokens = _budget(cfg, prompt, req.max_completion_tokens, "max_completion_tokens")
+        max_tokens = _budget(
+            cfg, prompt, req.max_completion_tokens, "max_completion_tokens", "messages"
+        )
     else:
-        max_tokens = _budget(cfg, prompt, req.max_tokens, "max_tokens")
+        max_tokens = _budget(cfg, prompt, req.max_tokens, "max_tokens", "messages")
     return _prepared("chat", model, req, prompt, max_tokens)
 
 
@@ -317,7 +323,7 @@ def prepare_completion(body: bytes, cfg: SimConfig) -> Prepared:
     if req.suffix:
         raise _unsupported("suffix", "a suffix (insertion)")
     prompt = _prompt_tokens(req.prompt, "prompt", batch=False)[0]
-    max_tokens = _budget(cfg, prompt, req.max_tokens, "max_tokens")
+    max_tokens = _budget(cfg, prompt, req.max_tokens, "max_tokens", "prompt")
     return _prepared("completion", model, req, prompt, max_tokens)
 
 
