@@ -9,8 +9,9 @@ write. A client that disconnects cancels its handler (aiohttp's
 handler_cancellation), whose `finally` drops the request from the engine and
 frees its blocks at once.
 
-Routes: the OpenAI endpoints, `/health`, `/metrics`, and the test-only
-`/sim/faults` (GET, POST, DELETE) and `/sim/state` (GET).
+Routes: the OpenAI endpoints, `/health`, `/metrics`, vLLM's
+`/reset_prefix_cache`, and the test-only `/sim/faults` (GET, POST, DELETE) and
+`/sim/state` (GET).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ _KNOWN_PATHS = {
     "/metrics",
     "/sim/faults",
     "/sim/state",
+    "/reset_prefix_cache",
 }
 
 
@@ -92,6 +94,7 @@ class SimServer:
         r.add_post("/sim/faults", self._faults_set)
         r.add_delete("/sim/faults", self._faults_clear)
         r.add_get("/sim/state", self._state)
+        r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         r.add_route("*", "/{tail:.*}", self._no_route)
         app.on_startup.append(self._start_engine)
         app.on_cleanup.append(self._stop_engine)
@@ -438,6 +441,12 @@ class SimServer:
             ),
             content_type=_JSON,
         )
+
+    async def _reset_prefix_cache(self, _request: web.Request) -> web.Response:
+        """vLLM's endpoint of the same name: forget every cached block nobody holds."""
+        forgotten = self.engine.pool.reset_cache()
+        self.log.info("sim.prefix_cache_reset", blocks=forgotten)
+        return web.Response()
 
     async def _no_route(self, request: web.Request) -> web.Response:
         if request.path in _KNOWN_PATHS:

@@ -292,6 +292,14 @@ async def test_lru_evicts_cached_prefixes_under_pressure() -> None:
         _, after = await _ttft(c, old)
         assert after == 0
         assert s.get_json("/sim/state")["evictions"] > 0
+        # vLLM's /reset_prefix_cache forgets what nobody holds.
+        _, hit_again = await _ttft(c, old)
+        assert hit_again == 288
+        async with aiohttp.ClientSession() as http, http.post(s.url + "/reset_prefix_cache") as r:
+            assert r.status == 200
+        _, reset = await _ttft(c, old)
+        assert reset == 0
+        assert s.get_json("/sim/state")["blocks_used"] == 0
         await c.close()
 
 
