@@ -162,16 +162,19 @@ class Ranking(msgspec.Struct, kw_only=True):
 def apply_filters(
     endpoints: Sequence[EndpointState], q: Query
 ) -> tuple[list[EndpointState], dict[str, int]]:
-    """Endpoints that pass every filter, and how many each filter dropped."""
-    survivors = list(endpoints)
+    """Endpoints that pass every filter, and how many each filter dropped.
+
+    Each endpoint is charged to the first filter (in pipeline order) that drops it.
+    """
+    survivors: list[EndpointState] = []
     drops: dict[str, int] = {}
-    for name, keep in FILTERS:
-        kept = [ep for ep in survivors if keep(ep, q)]
-        if len(kept) != len(survivors):
-            drops[name] = len(survivors) - len(kept)
-            survivors = kept
-        if not survivors:
-            break
+    for ep in endpoints:
+        for name, keep in FILTERS:
+            if not keep(ep, q):
+                drops[name] = drops.get(name, 0) + 1
+                break
+        else:
+            survivors.append(ep)
     return survivors, drops
 
 
@@ -196,13 +199,16 @@ def rank(endpoints: Sequence[EndpointState], q: Query, weights: Weights, rand: f
             continue
         values = scorer(survivors, q)
         per_scorer.append((name, values))
-        for i, v in enumerate(values):
-            totals[i] += w * v
+        totals = [t + w * v for t, v in zip(totals, values, strict=True)]
     best = max(totals)
     tied = [i for i, t in enumerate(totals) if best - t <= 1e-9]
     first = tied[min(int(rand * len(tied)), len(tied) - 1)]
-    rest = sorted((i for i in range(n) if i != first), key=lambda i: -totals[i])
-    order = [survivors[first]] + [survivors[i] for i in rest]
+    order = [survivors[first]]
+    if n == 2:
+        order.append(survivors[1 - first])
+    else:
+        rest = sorted(range(n), key=totals.__getitem__, reverse=True)
+        order.extend(survivors[i] for i in rest if i != first)
     return Ranking(
         order=order,
         drops=drops,

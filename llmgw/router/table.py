@@ -33,6 +33,8 @@ RUNNING_METRICS = frozenset(
 KV_METRICS = frozenset(
     {"vllm:kv_cache_usage_perc", "llamacpp:kv_cache_usage_ratio", "sglang:token_usage"}
 )
+TIMEOUTS_TO_UNREADY = 3
+"""Consecutive health-probe timeouts that take an endpoint out of rotation."""
 _WANTED = QUEUE_METRICS | RUNNING_METRICS | KV_METRICS
 
 
@@ -150,6 +152,7 @@ class Prober:
         self.metrics = metrics
         self.interval = interval
         self.rounds = 0
+        self._slow: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -175,13 +178,20 @@ class Prober:
             await asyncio.sleep(self.interval)
 
     async def _probe(self, ep: EndpointState) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(min(self.interval, 2.0), 0.5))
+        timeout = aiohttp.ClientTimeout(total=min(max(2 * self.interval, 1.0), 3.0))
         was = ep.ready
         try:
             async with self.session.get(ep.url + "/health", timeout=timeout) as r:
                 await r.read()
                 ok = r.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
+            self._slow.pop(ep.id, None)
+        except TimeoutError:
+            # A busy engine (or a busy router) answers health checks late; only a run of
+            # timeouts means it is gone. A refused connection is definite at once.
+            n = self._slow[ep.id] = self._slow.get(ep.id, 0) + 1
+            ok = was and n < TIMEOUTS_TO_UNREADY
+        except (aiohttp.ClientError, OSError):
+            self._slow.pop(ep.id, None)
             ok = False
         ep.ready = ok
         if was != ok:

@@ -146,14 +146,14 @@ class Router(Proc):
             ],
             "probe_interval_s": 0.2,
             "seed": 7,
-            "log_level": "warning",
+            "log_level": "info",
         }
         cfg.setdefault("auth", {"allow_anonymous": True})
         for key, value in settings.items():
             cfg[key] = value
         path = tmp / f"router-{len(list(tmp.glob('router-*.yaml')))}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        stderr = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        stderr = open(log or path.with_suffix(".log"), "ab")  # noqa: SIM115
         proc = subprocess.Popen(
             [PY, "-m", "llmgw", "router", "run", "--config", str(path)],
             stdout=subprocess.PIPE,

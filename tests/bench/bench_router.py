@@ -1,0 +1,347 @@
+"""Router overhead and throughput, side by side: direct to the sims, llmgw router,
+vllm-router and sglang-router, over the same three `llmgw sim` engines.
+
+    .venv/bin/python tests/bench/bench_router.py            # the whole run, ~3-4 minutes
+    .venv/bin/python tests/bench/bench_router.py --quick    # fewer requests, a smoke run
+
+Overhead: time to first token and total latency of streamed chat completions
+through each router minus direct to the sims, p50 and p99, at 1, 64 and 512
+concurrent streams. Throughput: streamed requests/s at 256 concurrent, divided
+by direct. The peers (PyPI binary wheels `vllm-router==0.1.17`,
+`sglang-router==0.3.2`, installed into .venv for the bench only) run with
+`--policy round_robin` and their metrics bound to 127.0.0.1; a peer that is
+not installed is skipped. The sims are infinitely fast (zero latency model,
+16 tokens per answer) so the router is what is measured.
+
+Caveat printed with the results: the load generator, the router and the three
+sims share this machine's cores, so at high concurrency every figure includes
+CPU contention between them, not only the router's own work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.integration.router_kit import Router, Sim  # noqa: E402
+
+TOKENS = 16
+BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Say something short."}],
+    "stream": True,
+    "max_tokens": TOKENS,
+}
+
+
+# --------------------------------------------------------------------------- load generator
+
+
+async def _client(urls: list[str], concurrency: int, requests: int) -> dict[str, Any]:
+    import aiohttp
+
+    body = json.dumps(BODY).encode()
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer none"}
+    conn = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency, force_close=False)
+    ttfts: list[float] = []
+    totals: list[float] = []
+    errors = 0
+    counter = 0
+    marker = b'"content":"'
+
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+        async def one(url: str) -> None:
+            nonlocal errors
+            t0 = time.perf_counter()
+            first = 0.0
+            try:
+                async with s.post(url, data=body, headers=headers) as r:
+                    if r.status != 200:
+                        errors += 1
+                        await r.read()
+                        return
+                    async for chunk in r.content.iter_any():
+                        if not first:
+                            i = chunk.find(marker)
+                            while i >= 0:
+                                if chunk[i + len(marker) : i + len(marker) + 1] != b'"':
+                                    first = time.perf_counter()
+                                    break
+                                i = chunk.find(marker, i + 1)
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+                return
+            t1 = time.perf_counter()
+            ttfts.append((first or t1) - t0)
+            totals.append(t1 - t0)
+
+        async def worker() -> None:
+            nonlocal counter
+            while counter < requests:
+                counter += 1
+                await one(urls[counter % len(urls)])
+
+        t_start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t_start
+
+    def q(xs: list[float], p: float) -> float:
+        if not xs:
+            return float("nan")
+        xs = sorted(xs)
+        return xs[min(int(p * len(xs)), len(xs) - 1)]
+
+    return {
+        "n": len(totals),
+        "errors": errors,
+        "rps": len(totals) / elapsed if elapsed > 0 else 0.0,
+        "ttft_p50": q(ttfts, 0.5),
+        "ttft_p99": q(ttfts, 0.99),
+        "total_p50": q(totals, 0.5),
+        "total_p99": q(totals, 0.99),
+    }
+
+
+def _client_main(args: argparse.Namespace) -> None:
+    import uvloop
+
+    urls = args.url
+
+    async def main() -> dict[str, Any]:
+        import aiohttp
+
+        body = json.dumps(BODY).encode()
+        # Warm-up as plain requests on a separate session: connection set-up and first
+        # requests are not what the figures are about.
+        async with aiohttp.ClientSession() as s:
+
+            async def w(i: int) -> None:
+                for j in range(max(args.warmup // max(args.concurrency, 1), 2)):
+                    async with s.post(
+                        urls[(i + j) % len(urls)],
+                        data=body,
+                        headers={
+                            "Content-Type": "application/json",
+                            "Authorization": "Bearer none",
+                        },
+                    ) as r:
+                        await r.read()
+
+            await asyncio.gather(*(w(i) for i in range(min(args.concurrency, 64))))
+        return await _client(urls, args.concurrency, args.requests)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        result = runner.run(main())
+    print(json.dumps(result), flush=True)
+
+
+def run_client(urls: list[str], concurrency: int, requests: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--client", "--concurrency", str(concurrency)]
+    cmd += ["--requests", str(requests), "--warmup", str(min(requests // 4, 512))]
+    for u in urls:
+        cmd += ["--url", u]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"client failed: {out.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_http(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    body = json.dumps({**BODY, "stream": False, "max_tokens": 1}).encode()
+    while time.monotonic() < deadline:
+        try:
+            req = urllib.request.Request(
+                url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} never answered")
+
+
+class Peer:
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path) -> None:
+        self.name = name
+        self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        self.log = open(log, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            wait_http(self.url)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def start_vllm_router(sims: list[Sim], tmp: Path) -> Peer | None:
+    exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    if not exe:
+        return None
+    port = free_port()
+    cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           "--log-level", "warning", "--worker-urls", *[s.url for s in sims]]  # fmt: skip
+    return Peer("vllm-router", cmd, port, tmp / "vllm-router.log")
+
+
+def start_sglang_router(sims: list[Sim], tmp: Path) -> Peer | None:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return None
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+           "--port", str(port), "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(free_port()), "--log-level", "warn",
+           "--worker-urls", *[s.url for s in sims]]  # fmt: skip
+    return Peer("sglang-router", cmd, port, tmp / "sglang-router.log")
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--url", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--requests", type=int, default=100, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=50, help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="fewer requests: a smoke run")
+    ap.add_argument("--only", default="", help="comma-separated targets to run (default: all)")
+    args = ap.parse_args()
+    if args.client:
+        _client_main(args)
+        return
+
+    scale = 0.2 if args.quick else 1.0
+    overhead_runs = [(1, int(400 * scale)), (64, int(4000 * scale)), (512, int(6000 * scale))]
+    throughput_run = (256, int(8000 * scale))
+    tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    sim_args = ["--eos-min-tokens", str(TOKENS), "--eos-max-tokens", str(TOKENS),
+                "--log-level", "warning"]  # fmt: skip
+    sims = [Sim.start("m", *sim_args) for _ in range(3)]
+    direct = [s.url + "/v1/chat/completions" for s in sims]
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    wanted = set(filter(None, args.only.split(",")))
+
+    def measure(name: str, urls: list[str], runs: list[tuple[int, int]]) -> None:
+        if wanted and name not in wanted and name != "direct":
+            return
+        for conc, n in runs:
+            r = run_client(urls, conc, n)
+            results.setdefault(name, {})[f"c{conc}"] = r
+            print(f"  {name:>16} c={conc:<4} n={r['n']:<5} err={r['errors']:<3} "
+                  f"{r['rps']:8.0f} req/s  ttft p50 {r['ttft_p50'] * 1e3:7.2f} ms "
+                  f"p99 {r['ttft_p99'] * 1e3:7.2f} ms  total p50 {r['total_p50'] * 1e3:7.2f} ms "
+                  f"p99 {r['total_p99'] * 1e3:7.2f} ms", flush=True)  # fmt: skip
+
+    all_runs = [*overhead_runs, throughput_run]
+    try:
+        print(f"cores: {os.cpu_count()}; sims: 3 x llmgw sim, {TOKENS} tokens, zero latency")
+        measure("direct", direct, all_runs)
+        r1 = Router.start(tmp, {f"s{i}": s for i, s in enumerate(sims)}, log_level="warning")
+        try:
+            measure("llmgw", [r1.url + "/v1/chat/completions"], all_runs)
+        finally:
+            r1.stop()
+        r2 = Router.start(tmp, {f"s{i}": s for i, s in enumerate(sims)}, workers=2)
+        try:
+            measure("llmgw --workers 2", [r2.url + "/v1/chat/completions"], all_runs)
+        finally:
+            r2.stop()
+        for start in (start_vllm_router, start_sglang_router):
+            name = "vllm-router" if start is start_vllm_router else "sglang-router"
+            if wanted and name not in wanted:
+                continue
+            try:
+                peer = start(sims, tmp)
+            except RuntimeError as exc:
+                print(f"  {name}: did not start ({exc}); see {tmp}")
+                continue
+            if peer is None:
+                print(f"  {name}: not installed, skipped")
+                continue
+            try:
+                measure(name, [peer.url], all_runs)
+            finally:
+                peer.stop()
+    finally:
+        for s in sims:
+            s.stop()
+
+    print()
+    print("overhead vs direct (router minus direct), ms")
+    print(
+        f"{'target':>18} {'conc':>5} {'ttft p50':>9} {'ttft p99':>9}"
+        f" {'total p50':>10} {'total p99':>10}"
+    )
+    base = results["direct"]
+    for name, per in results.items():
+        if name == "direct":
+            continue
+        for conc, _ in overhead_runs:
+            k = f"c{conc}"
+            r, d = per[k], base[k]
+            print(f"{name:>18} {conc:>5} {(r['ttft_p50'] - d['ttft_p50']) * 1e3:9.2f} "
+                  f"{(r['ttft_p99'] - d['ttft_p99']) * 1e3:9.2f} "
+                  f"{(r['total_p50'] - d['total_p50']) * 1e3:10.2f} "
+                  f"{(r['total_p99'] - d['total_p99']) * 1e3:10.2f}")  # fmt: skip
+    print()
+    conc = throughput_run[0]
+    print(f"throughput at {conc} concurrent streams (requests/s, ratio to direct)")
+    d_rps = base[f"c{conc}"]["rps"]
+    print(f"{'direct':>18} {d_rps:8.0f}  1.00")
+    for name, per in results.items():
+        if name != "direct":
+            rps = per[f"c{conc}"]["rps"]
+            print(f"{name:>18} {rps:8.0f}  {rps / d_rps:4.2f}")
+    print()
+    print("note: client, router and sims share the same cores; at high concurrency the")
+    print("figures include CPU contention between them, not only each router's own work.")
+    (tmp / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"raw results: {tmp / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
