@@ -16,6 +16,7 @@ import aiohttp
 
 from llmgw import bus
 from llmgw.control import verify
+from llmgw.control.config import SnapshotConfig
 from llmgw.control.service import ControlService
 from llmgw.core import events, state
 from tests.harness import Connector, TestNatsServer
@@ -379,5 +380,38 @@ async def test_the_admin_api_shows_nodes_replicas_models_explain_state_and_metri
                 'llmgw_control_placement_failures_total{model="big",reason="too few free GPUs"}'
                 in metrics
             )
+    for agent in agents:
+        await agent.close()
+
+
+async def test_a_cold_start_loads_the_newest_snapshot_and_replays_only_the_tail(
+    nats_server: TestNatsServer,
+) -> None:
+    cfg = control_config(
+        nats_server,
+        "control-a",
+        models=(model("m1", replicas=2),),
+        snapshot=SnapshotConfig(every_events=10, every_s=0),
+    )
+    agents: list[SimAgent] = []
+    async with running(ControlService(cfg)) as first:
+        agents += [await SimAgent(nats_server, n, gpus=1).start() for n in ("node-a", "node-b")]
+        await wait_for(lambda: serving(first, "m1") == 2, 15, "m1 serving")
+        await wait_for(lambda: first.snapshot_seq > 0, 5, "a snapshot saved by count")
+        for agent in agents:
+            agent.beating = False
+        nc = await connect_as(nats_server, "router", "r1")
+        await settle(first, nc)
+        await wait_for(lambda: first.snapshot_seq > 0, 5, "a snapshot saved")
+    saved = first.snapshot_seq
+    async with running(
+        ControlService(control_config(nats_server, "control-b", models=(model("m1", replicas=2),)))
+    ) as second:
+        await wait_for(lambda: second.caught_up.is_set(), 10, "caught up")
+        assert second.snapshot_seq == saved  # loaded, not folded from 0
+        log = await settle(second, nc)
+        scratch, _ = state.fold([(r.seq, r.event) for r in log])
+        assert state.digest(second.state) == state.digest(scratch)
+    await nc.close()
     for agent in agents:
         await agent.close()

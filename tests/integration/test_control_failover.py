@@ -232,3 +232,33 @@ async def test_a_deposed_leaders_writes_are_refused_by_the_server(
     finally:
         for agent in agents:
             await agent.close()
+
+
+async def test_sigterm_releases_the_lease_and_the_standby_takes_over_at_once(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    ttl = 10.0  # long, so that a takeover well under it can only come from the release
+    planes = [
+        ControlProc(nats_server, n, tmp_path, lease_ttl_s=ttl) for n in ("control-a", "control-b")
+    ]
+    try:
+
+        async def one_leads() -> bool:
+            return len(await leaders(planes)) == 1
+
+        await wait_for(one_leads, 15, "one control plane leading", every_s=0.1)
+        (leader,) = await leaders(planes)
+        (standby,) = [p for p in planes if p is not leader]
+        leader.proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        assert leader.proc.wait(10) == 0
+
+        async def took_over() -> bool:
+            return bool((await standby.astate())["leading"])
+
+        await wait_for(took_over, ttl, "the standby leading", every_s=0.05)
+        assert time.monotonic() - stopped < 2.0
+        assert "bus.lease_released" in leader.log_text()
+    finally:
+        for p in planes:
+            p.stop()
