@@ -462,25 +462,27 @@ class StreamFormat:
 # --- models and embeddings ---------------------------------------------------------------
 
 
+def _model_card(cfg: SimConfig, name: str, created: int) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "llmgw-sim",
+        "root": cfg.served_model_names[0],
+        "parent": None,
+        "max_model_len": cfg.max_model_len,
+    }
+
+
 def models_body(cfg: SimConfig, created: int) -> bytes:
-    root = cfg.served_model_names[0]
-    return _json(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "llmgw-sim",
-                    "root": root,
-                    "parent": None,
-                    "max_model_len": cfg.max_model_len,
-                }
-                for name in cfg.served_model_names
-            ],
-        }
-    )
+    """`GET /v1/models`: every served name, the first one as the root of the others."""
+    cards = [_model_card(cfg, name, created) for name in cfg.served_model_names]
+    return _json({"object": "list", "data": cards})
+
+
+def model_body(cfg: SimConfig, name: str, created: int) -> bytes:
+    """`GET /v1/models/{name}`; an unknown name is a 404 in OpenAI's shape."""
+    return _json(_model_card(cfg, _resolve_model(name, cfg.served_model_names), created))
 
 
 def embed(text_tokens: list[str], dim: int) -> list[float]:

@@ -88,6 +88,7 @@ class SimServer:
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_get("/v1/models", self._models)
+        r.add_get("/v1/models/{model:.+}", self._model)
         r.add_get("/health", self._health)
         r.add_get("/metrics", self._metrics)
         r.add_get("/sim/faults", self._faults_get)
@@ -412,6 +413,13 @@ class SimServer:
 
     async def _models(self, _request: web.Request) -> web.Response:
         return web.Response(body=api.models_body(self.cfg, self._created), content_type=_JSON)
+
+    async def _model(self, request: web.Request) -> web.Response:
+        try:
+            body = api.model_body(self.cfg, request.match_info["model"], self._created)
+        except api.ApiError as exc:
+            return _error(exc)
+        return web.Response(body=body, content_type=_JSON)
 
     # --- operations ------------------------------------------------------------------
 

@@ -130,6 +130,10 @@ def test_sdk_streamed_completion_with_stop(sim: SimProcess) -> None:
 def test_sdk_model_list(sim: SimProcess) -> None:
     ids = [m.id for m in client(sim).models.list()]
     assert ids == [MODEL, "sim-alias"]
+    one = client(sim).models.retrieve("sim-alias")
+    assert (one.id, one.owned_by) == ("sim-alias", "llmgw-sim")
+    with pytest.raises(openai.NotFoundError):
+        client(sim).models.retrieve("gpt-nothing")
 
 
 def test_sdk_embeddings_are_deterministic_unit_vectors(sim: SimProcess) -> None:
