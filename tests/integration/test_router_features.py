@@ -1,0 +1,197 @@
+"""Router features beyond the must-shows: fallbacks, keep-alive comments, session affinity,
+request ids upstream, several workers on one port. Real sims, real router processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+from aiohttp import web
+
+from tests.integration.router_kit import Router, Sim
+from tests.integration.test_router_sim import client, stream_text
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Sim | Router]]:
+    started: list[Sim | Router] = []
+    yield started
+    for p in reversed(started):
+        p.stop()
+
+
+class RecordingEngine:
+    """A minimal OpenAI engine on its own thread and loop that records request headers."""
+
+    def __init__(self) -> None:
+        self.headers: list[dict[str, str]] = []
+        self.url = ""
+        started = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        started.wait(10)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def chat(request: web.Request) -> web.Response:
+            self.headers.append(dict(request.headers))
+            message = {"role": "assistant", "content": "ok"}
+            body = {
+                "id": "x",
+                "object": "chat.completion",
+                "model": "m",
+                "created": 0,
+                "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+            return web.json_response(body)
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        self.runner = runner
+        started.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        async def down() -> None:
+            await self.runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(down(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_request_id_reaches_the_engine_and_comes_back(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    engine = RecordingEngine()
+    try:
+        router = Router.start(tmp_path, {"e": engine.url})
+        procs.append(router)
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        with httpx.Client(base_url=router.url) as h:
+            r1 = h.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "abc-1"})
+            r2 = h.post("/v1/chat/completions", json=body)
+        assert r1.headers["X-Request-Id"] == "abc-1"
+        generated = r2.headers["X-Request-Id"]
+        assert generated
+        seen = [{k.lower(): v for k, v in hs.items()} for hs in engine.headers]
+        assert [hs["x-request-id"] for hs in seen] == ["abc-1", generated]
+        assert all("authorization" not in hs for hs in seen)  # the client's key stays here
+    finally:
+        engine.stop()
+
+
+async def test_a_failing_model_falls_back(tmp_path: Path, procs: list[Sim | Router]) -> None:
+    big = Sim.start("big", "--eos-min-tokens", "3", "--eos-max-tokens", "3")
+    small = Sim.start("small", "--eos-min-tokens", "3", "--eos-max-tokens", "3")
+    procs += [big, small]
+    big.faults(fail_status=503)
+    router = Router.start(
+        tmp_path,
+        {"big-0": big, "small-0": small},
+        models=[{"name": "big", "aliases": ["best"], "fallbacks": ["small"]}, {"name": "small"}],
+        endpoint_models={"big-0": ["big"], "small-0": ["small"]},
+    )
+    procs.append(router)
+    c = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    r = await c.chat.completions.create(model="best", messages=[{"role": "user", "content": "x"}])
+    assert r.model == "small"
+    assert r.choices[0].message.content
+    m = router.metrics()
+    assert m['llmgw_router_fallbacks_total{fallback="small",model="big"}'] == 1.0
+    assert m['llmgw_router_retries_total{model="big",reason="status_503"}'] == 1.0
+    await c.close()
+
+
+async def test_keepalive_comments_before_the_first_token(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    sim = Sim.start("m", "--eos-min-tokens", "3", "--eos-max-tokens", "3")
+    procs.append(sim)
+    sim.faults(stall_at="first_token", stall_s=1.0)
+    router = Router.start(tmp_path, {"s": sim}, keepalive_s=0.2)
+    procs.append(router)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    async with httpx.AsyncClient(base_url=router.url, timeout=10) as h:
+        r = await h.post("/v1/chat/completions", json=body)
+    raw = r.content
+    first_data = raw.index(b"data: ")
+    assert raw[:first_data].count(b": keep-alive\n\n") >= 3
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    # The SDK ignores the comments.
+    sim.faults(stall_at="first_token", stall_s=0.5)
+    c = client(router)
+    text, ids = await stream_text(c)
+    assert text
+    assert len(ids) == 1
+    await c.close()
+
+
+async def test_session_header_keeps_a_conversation_on_one_engine(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    sims = [Sim.start("m", "--eos-min-tokens", "2", "--eos-max-tokens", "2") for _ in range(3)]
+    procs += sims
+    router = Router.start(
+        tmp_path, {f"s{i}": s for i, s in enumerate(sims)}, weights={"prefix": 0, "session": 5}
+    )
+    procs.append(router)
+    c = openai.AsyncOpenAI(
+        base_url=router.url + "/v1",
+        api_key="x",
+        max_retries=0,
+        default_headers={"X-Session-Id": "conversation-42"},
+    )
+    for i in range(15):
+        await c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"t{i}"}])
+    sent = router.endpoint_requests()
+    assert sorted(sent.values()) == [15.0], sent
+    await c.close()
+
+
+async def test_two_workers_share_the_port_and_the_metrics(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    sims = [Sim.start("m", "--eos-min-tokens", "2", "--eos-max-tokens", "2") for _ in range(2)]
+    procs += sims
+    router = Router.start(tmp_path, {f"s{i}": s for i, s in enumerate(sims)}, workers=2)
+    procs.append(router)
+    prefixes: set[str] = set()
+
+    # Separate connections (no pooling) so the kernel spreads them over both workers.
+    async def one(i: int) -> None:
+        async with httpx.AsyncClient(base_url=router.url, timeout=20) as h:
+            r = await h.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": f"w{i}"}]},
+            )
+            assert r.status_code == 200
+            # Generated request ids start with a per-process prefix.
+            prefixes.add(r.headers["X-Request-Id"].split("-")[0])
+
+    await asyncio.gather(*(one(i) for i in range(120)))
+    assert len(prefixes) == 2
+    m = router.metrics()  # one admin scrape reports both workers' requests
+    assert m['llmgw_router_requests_total{model="m",status="200"}'] == 120.0
