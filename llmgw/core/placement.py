@@ -78,26 +78,42 @@ class Explanation(msgspec.Struct, frozen=True, kw_only=True):
 class _NodeCap:
     """Free healthy GPUs of one usable node, per class, plus its free ports."""
 
-    __slots__ = ("by_class", "domain", "name", "picks", "ports", "problems")
+    __slots__ = ("_port", "by_class", "domains", "name", "picks", "ports", "problems")
 
     def __init__(self, node: NodeState) -> None:
         self.name = node.name
-        self.by_class: dict[str, list[int]] = {}
-        self.domain: dict[int, int | None] = {}
+        by_class: dict[str, list[int]] = {}
+        domains: dict[str, dict[int | None, list[int]]] = {}
         self.problems: list[str] = []
         self.picks: dict[tuple[str, int], tuple[tuple[int, ...], bool] | None] = {}
         held = node.holders
-        orphaned = {g for orphan in node.orphans for g in orphan.gpus}
-        for index in sorted(node.gpus):
-            gpu = node.gpus[index]
-            self.domain[index] = gpu.nvlink_domain
+        orphaned = {g for orphan in node.orphans for g in orphan.gpus} if node.orphans else ()
+        gpus = node.gpus
+        # Hot: runs for every node on every pass that places something.
+        for index in sorted(gpus):
             if index in held or index in orphaned:
                 continue
+            gpu = gpus[index]
             if gpu.ecc_uncorrected or gpu.foreign_memory_mib:
                 self.problems.append(f"GPU {index} unhealthy: {', '.join(gpu.health_problems)}")
                 continue
-            self.by_class.setdefault(gpu.gpu_class, []).append(index)
+            cls = gpu.gpu_class
+            free = by_class.get(cls)
+            if free is None:
+                by_class[cls] = [index]
+                domains[cls] = {gpu.nvlink_domain: [index]}
+                continue
+            free.append(index)
+            members = domains[cls].get(gpu.nvlink_domain)
+            if members is None:
+                domains[cls][gpu.nvlink_domain] = [index]
+            else:
+                members.append(index)
+        self.by_class = by_class
+        self.domains = domains
+        """Free healthy GPUs per class and NVLink domain (None: PCIe only)."""
         self.ports = set(node.ports)
+        self._port: int | None = None
 
     def pick(self, gpu_class: str, count: int) -> tuple[tuple[int, ...], bool] | None:
         """`count` free GPUs of a class, one NVLink domain where one fits (best fit).
@@ -116,27 +132,41 @@ class _NodeCap:
         free = self.by_class.get(gpu_class, ())
         if len(free) < count:
             return None
-        groups: dict[int, list[int]] = {}
-        for g in free:
-            d = self.domain[g]
-            if d is not None:
-                groups.setdefault(d, []).append(g)
-        fitting = [(len(v), d) for d, v in groups.items() if len(v) >= count]
-        if fitting:
-            _, d = min(fitting)
-            return tuple(groups[d][:count]), True
+        best: tuple[int, int] | None = None
+        for d, members in self.domains.get(gpu_class, {}).items():
+            if (
+                d is not None
+                and len(members) >= count
+                and (best is None or (len(members), d) < best)
+            ):
+                best = (len(members), d)
+        if best is not None:
+            return tuple(self.domains[gpu_class][best[1]][:count]), True
         return tuple(free[:count]), count == 1
 
     def take(self, gpu_class: str, gpus: tuple[int, ...]) -> None:
         taken = set(gpus)
         self.by_class[gpu_class] = [g for g in self.by_class[gpu_class] if g not in taken]
+        for d, members in self.domains[gpu_class].items():
+            self.domains[gpu_class][d] = [g for g in members if g not in taken]
         self.picks.clear()
 
     def port(self) -> int | None:
-        for p in range(PORT_BASE, PORT_LIMIT, 2):
-            if p not in self.ports and p + 1 not in self.ports:
-                return p
-        return None
+        """The lowest free (port, port + 1) pair; cached until `take_port`."""
+        if self._port is None:
+            self._port = next(
+                (
+                    p
+                    for p in range(PORT_BASE, PORT_LIMIT, 2)
+                    if p not in self.ports and p + 1 not in self.ports
+                ),
+                0,
+            )
+        return self._port or None
+
+    def take_port(self, port: int) -> None:
+        self.ports.update((port, port + 1))
+        self._port = None
 
 
 class Capacity:
@@ -164,7 +194,7 @@ class Capacity:
         for sa in placement.shards:
             cap = self.nodes[sa.node]
             cap.take(placement.gpu_class, sa.gpus)
-            cap.ports.update((sa.port, sa.port + 1))
+            cap.take_port(sa.port)
             self.spread[model][sa.node] += 1
 
 
@@ -185,7 +215,7 @@ def _unusable(node: NodeState, now: float | None = None) -> str:
 # --------------------------------------------------------------------------- place
 
 
-class _Candidate(msgspec.Struct, frozen=True):
+class _Candidate(msgspec.Struct, frozen=True, gc=False):
     key: tuple[bool, int, int, str, str]
     """Sort key: NVLink misfit, replicas of the model already there, GPUs left, name, class."""
     node: str
@@ -197,13 +227,23 @@ class _Candidate(msgspec.Struct, frozen=True):
 def _candidates_on(
     node: NodeState, cap: _NodeCap, profile: ModelProfile, spread: int
 ) -> list[_Candidate]:
-    per_node = profile.gpus_per_node
+    """The ways one node can host one shard of `profile` (one per GPU class), best first."""
+    per_node = profile.gpus_per_replica // profile.nodes
+    by_class = cap.by_class
+    if profile.gpu_class:
+        free = by_class.get(profile.gpu_class)
+        if free is None or len(free) < per_node:
+            return []  # the common rejection, kept cheap: most nodes of a busy fleet
+        classes: list[str] = [profile.gpu_class]
+    else:
+        classes = sorted(by_class)
     if profile.nodes > 1 and not any(f.hcas for f in node.fabrics):
         return []
-    classes = [profile.gpu_class] if profile.gpu_class else sorted(cap.by_class)
+    if cap.port() is None:
+        return []
     out: list[_Candidate] = []
     for cls in classes:
-        free = cap.by_class.get(cls)
+        free = by_class.get(cls)
         if not free or len(free) < per_node:
             continue
         if profile.dtype == "fp8" and not catalog.fp8_capable(
@@ -211,7 +251,7 @@ def _candidates_on(
         ):
             continue
         picked = cap.pick(cls, per_node)
-        if picked is None or cap.port() is None:
+        if picked is None:
             continue
         gpus, fit = picked
         key = (not fit, spread, len(free) - per_node, node.name, cls)
@@ -320,12 +360,21 @@ def place_many(
             Unplaceable(reason="the profile's GPU arithmetic is invalid: fix the catalog entry")
         ]
     if profile.nodes > 1:
+        # Candidates per node, refreshed only for the nodes a placement used.
+        by_node: dict[str, list[_Candidate]] = defaultdict(list)
+        for c in _all_candidates(state, cap, profile):
+            by_node[c.node].append(c)
+        spread_of = cap.spread[profile.name]
         for _ in range(count):
-            result = _place_multi(state, cap, profile)
+            result = _place_multi(state, cap, profile, by_node)
             out.append(result)
             if isinstance(result, Unplaceable):
                 break
             cap.reserve(profile.name, result)
+            for sa in result.shards:
+                by_node[sa.node] = _candidates_on(
+                    state.nodes[sa.node], cap.nodes[sa.node], profile, spread_of[sa.node]
+                )
         return out
     # Heap entries carry their node's version: a reservation on a node makes
     # its older entries stale (fewer GPUs, one more replica of the model there).
@@ -351,9 +400,12 @@ def place_many(
 
 
 def _place_multi(
-    state: ClusterState, cap: Capacity, profile: ModelProfile
+    state: ClusterState,
+    cap: Capacity,
+    profile: ModelProfile,
+    by_node: dict[str, list[_Candidate]],
 ) -> Placement | Unplaceable:
-    candidates = _all_candidates(state, cap, profile)
+    candidates = [c for name in sorted(by_node) for c in by_node[name]]
     groups: dict[tuple[str, str], list[_Candidate]] = defaultdict(list)
     for c in candidates:
         for f in state.nodes[c.node].fabrics:
@@ -361,16 +413,10 @@ def _place_multi(
                 groups[(f.name, c.gpu_class)].append(c)
     best: tuple[tuple[int, int, int, str, str], list[_Candidate]] | None = None
     for (fabric, cls), members in sorted(groups.items()):
-        chosen: list[_Candidate] = []
-        names: set[str] = set()
-        for c in members:  # already best-first
-            if c.node not in names:
-                chosen.append(c)
-                names.add(c.node)
-            if len(chosen) == profile.nodes:
-                break
-        if len(chosen) < profile.nodes:
+        if len(members) < profile.nodes:
             continue
+        # A node has one candidate per class, so a group never lists a node twice.
+        chosen = heapq.nsmallest(profile.nodes, members, key=lambda c: c.key)
         score = (
             sum(not c.fit for c in chosen),
             sum(c.key[1] for c in chosen),
