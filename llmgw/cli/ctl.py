@@ -1,11 +1,16 @@
 """`llmgw ctl`: what an operator runs against a fleet. Each sub-group lives in its own module
-and is added here once it works (`cert` now; the log's tools join it)."""
+and is added here once it works: `cert` (llmgw.cli.cert) and the fleet commands
+(llmgw.cli.ctl_fleet: nodes, replicas, models, apply, cordon, drain, events, replay)."""
 
 from __future__ import annotations
 
 import typer
 
-from llmgw.cli import cert
+from llmgw.cli import cert, ctl_fleet
 
-app = typer.Typer(help="Operator tools: the fleet's certificates.", no_args_is_help=True)
+app = typer.Typer(
+    help="Operator tools: the fleet's certificates, its state, changes and history.",
+    no_args_is_help=True,
+)
 app.add_typer(cert.app, name="cert")
+ctl_fleet.register(app)

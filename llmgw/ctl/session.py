@@ -1,0 +1,91 @@
+"""One `llmgw ctl` connection to the log, as the identity of its certificate.
+
+Opens a `llmgw.bus` client over mutual TLS, publishes operator events (each with a
+fresh id and the operator's identity taken from the certificate), and turns the
+ways that fails into one-line errors: NATS unreachable, the stream not provisioned,
+a write the server refuses because this certificate may not make it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import nats.errors
+
+from llmgw import bus
+from llmgw.core import events
+from llmgw.ctl.errors import BadInput, Failed
+from llmgw.ctl.settings import CtlConfig, identity_of
+from llmgw.pki import tls
+from llmgw.pki.identity import Identity
+
+
+class Session:
+    """A connected operator (or, for reads, any identity allowed to read the log)."""
+
+    def __init__(self, cfg: CtlConfig, identity: Identity, nc: bus.BusClient) -> None:
+        self.cfg = cfg
+        self.identity = identity
+        self.nc = nc
+        self.js = nc.jetstream()
+
+    @classmethod
+    async def open(cls, cfg: CtlConfig) -> Session:
+        identity = identity_of(cfg.cert_file)
+        try:
+            ctx = tls.client_context(
+                ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_path
+            )
+        except FileNotFoundError as exc:
+            raise BadInput(str(exc)) from None
+        except OSError as exc:  # ssl.SSLError: a key that does not match, a bad PEM
+            raise BadInput(
+                f"cannot load {cfg.cert_file} with key {cfg.key_path}: {exc}; pass the matching "
+                "--key"
+            ) from None
+        try:
+            nc = await bus.connect(
+                list(cfg.servers),
+                tls=ctx,
+                identity=identity,
+                name=f"ctl-{identity.name}",
+                connect_timeout=max(1, int(cfg.connect_timeout_s)),
+                max_reconnect_attempts=2,
+            )
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            raise Failed(
+                f"cannot connect to NATS at {', '.join(cfg.servers)} as {identity}: "
+                f"{str(exc) or type(exc).__name__}; check --server, that nats-server runs, and "
+                "that this certificate was issued by the fleet's CA"
+            ) from None
+        return cls(cfg, identity, nc)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await asyncio.wait_for(self.nc.close(), 5)
+
+    def new_id(self) -> str:
+        return f"op-{self.identity.name}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def now() -> float:
+        return time.time()
+
+    async def publish(self, event: events.Event) -> bus.Published:
+        """Publish one operator event; Failed with the reason (and what to do) when refused."""
+        before = len(self.nc.permission_violations)
+        try:
+            return await bus.Publisher(self.js, timeout_s=2.0, attempts=2).publish(event)
+        except bus.PublishError as exc:
+            refused = list(self.nc.permission_violations)[before:]
+            if refused:
+                raise Failed(
+                    f"the NATS server refused {events.tag_of(type(event))} from {self.identity}: "
+                    f"{refused[-1]}; only operator certificates may change the fleet "
+                    "(`llmgw ctl cert issue operator NAME`)"
+                ) from None
+            raise Failed(str(exc)) from None

@@ -1,0 +1,175 @@
+"""What `llmgw ctl nodes / replicas / models` show, as plain data from a folded state.
+
+The same functions render the live fleet and any past point `ctl replay` rebuilds,
+so a replay reads exactly like the present. Each returns JSON-ready dicts (what
+`--json` prints); `llmgw.ctl.render` turns them into tables.
+
+Purely computational: `now` is an argument (the replay's target time for the past).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from llmgw.core import reconcile, state
+
+
+def _phase_summary(replica: state.ReplicaState) -> str:
+    phases = sorted({s.phase for s in replica.shards}, key=lambda p: state._RANK.get(p, 9))
+    return phases[0] if len(phases) == 1 else "/".join(phases)
+
+
+def node_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
+    """Every node: lifecycle, operator flags, GPUs by class and why any are excluded."""
+    out: list[dict[str, Any]] = []
+    for name in sorted(st.nodes):
+        n = st.nodes[name]
+        seen = st.seen.get(name)
+        orphaned = {g: o.replica_id for o in n.orphans for g in o.gpus}
+        classes: dict[str, dict[str, Any]] = {}
+        gpus: list[dict[str, Any]] = []
+        for index in sorted(n.gpus):
+            g = n.gpus[index]
+            c = classes.setdefault(
+                g.gpu_class, {"total": 0, "free": 0, "used": 0, "unhealthy": 0, "excluded": []}
+            )
+            c["total"] += 1
+            holder = n.holders.get(index)
+            problems = list(g.health_problems)
+            if holder is not None:
+                c["used"] += 1
+            elif index in orphaned:
+                c["used"] += 1
+                c["excluded"].append(f"GPU {index}: held by an unknown process ({orphaned[index]})")
+            elif problems:
+                c["unhealthy"] += 1
+                c["excluded"].append(f"GPU {index}: {', '.join(problems)}")
+            else:
+                c["free"] += 1
+            gpus.append(
+                {
+                    "index": index,
+                    "class": g.gpu_class,
+                    "memory_mib": g.memory_mib,
+                    "nvlink_domain": g.nvlink_domain,
+                    "replica": holder,
+                    "problems": problems,
+                }
+            )
+        lifecycle: str = n.liveness
+        if n.draining:
+            lifecycle += ",draining"
+        if n.cordoned:
+            lifecycle += ",cordoned"
+        out.append(
+            {
+                "name": name,
+                "address": n.address,
+                "state": lifecycle,
+                "liveness": n.liveness,
+                "cordoned": n.cordoned,
+                "cordon_reason": n.cordon_reason,
+                "draining": n.draining,
+                "drain_since": n.drain_since or None,
+                "drain_grace_s": n.drain_grace_s if n.draining else None,
+                "heartbeat_age_s": (
+                    round(max(0.0, now - seen.last_seen), 3) if seen is not None else None
+                ),
+                "registered_ts": n.registered_ts,
+                "agent_version": n.agent_version,
+                "fabrics": [
+                    {"name": f.name, "kind": f.kind, "hcas": list(f.hcas)} for f in n.fabrics
+                ],
+                "gpu_classes": classes,
+                "gpus": gpus,
+                "replicas": sorted(set(n.holders.values())),
+                "orphans": [o.replica_id for o in n.orphans],
+            }
+        )
+    return out
+
+
+def replica_rows(st: state.ClusterState, model: str | None = None) -> list[dict[str, Any]]:
+    """Replicas (optionally of one model) with their shards, phases, errors and log tails."""
+    out: list[dict[str, Any]] = []
+    for rid in sorted(st.replicas):
+        r = st.replicas[rid]
+        if model is not None and r.model != model:
+            continue
+        ep = st.endpoints.get(rid)
+        out.append(
+            {
+                "id": rid,
+                "model": r.model,
+                "phase": "retired:" + _phase_summary(r) if r.retired else _phase_summary(r),
+                "generation": r.generation,
+                "revision": r.revision,
+                "gpu_class": r.gpu_class,
+                "fabric": r.fabric,
+                "retired": r.retired,
+                "retired_reason": r.retired_reason,
+                "replaces": r.replaces,
+                "reason": r.reason,
+                "failures": r.failures,
+                "placed_seq": r.placed_seq,
+                "endpoint": ep.url if ep is not None else None,
+                "shards": [
+                    {
+                        "shard": s.shard,
+                        "node": s.node,
+                        "gpus": list(s.gpus),
+                        "port": s.port,
+                        "phase": s.phase,
+                        "endpoint": s.endpoint,
+                        "error": s.error,
+                        "log_tail": list(s.log_tail),
+                    }
+                    for s in r.shards
+                ],
+            }
+        )
+    return out
+
+
+def unplaceable(st: state.ClusterState, now: float) -> dict[str, str]:
+    """Model -> why its missing replicas cannot be placed now (the reconciler's own words)."""
+    outcome = reconcile.plan(
+        st, now, epoch=st.epoch, basis_seq=st.last_seq, config=reconcile.ReconcileConfig()
+    )
+    return dict(outcome.unplaceable)
+
+
+def model_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
+    """Declared models: wanted, active and serving replicas, and why any cannot be placed."""
+    why = unplaceable(st, now)
+    out: list[dict[str, Any]] = []
+    for name in sorted(st.models):
+        m = st.models[name]
+        p = m.profile
+        active = st.active_replicas(name)
+        out.append(
+            {
+                "name": name,
+                "engine": p.engine,
+                "revision": m.revision,
+                "replicas_wanted": p.replicas,
+                "replicas_active": len(active),
+                "replicas_serving": sum(1 for r in active if r.id in st.endpoints),
+                "gpus_per_replica": p.gpus_per_replica,
+                "nodes_per_replica": p.nodes,
+                "gpu_class": p.gpu_class,
+                "aliases": list(p.aliases),
+                "unplaceable": why.get(name),
+                "profile": msgspec.to_builtins(p),
+            }
+        )
+    return out
+
+
+def endpoint_rows(st: state.ClusterState) -> list[dict[str, Any]]:
+    return [
+        {"replica": e.replica_id, "model": e.model, "url": e.url, "node": e.node}
+        for _, e in sorted(st.endpoints.items())
+    ]

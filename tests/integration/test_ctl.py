@@ -1,0 +1,203 @@
+"""`llmgw ctl` against a real nats-server, a control plane and agents: views, drain, history.
+
+The control plane runs in-process (ControlService, short timings); agents are the
+control kit's simulated nodes (node identities on the wire). `ctl` runs in-process
+through its typer app (so `--verify` can be shown a deliberately altered placement
+rule by monkeypatching this process), and as a real subprocess where exit codes and
+streaming output matter. Every `--json` output is parsed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from llmgw import bus
+from llmgw.control.service import ControlService
+from llmgw.core import events, placement
+from tests.harness import TestNatsServer
+from tests.integration.control_kit import (
+    SimAgent,
+    connect_as,
+    control_config,
+    model,
+    read_log,
+    running,
+    wait_for,
+    write_config,
+)
+from tests.integration.ctl_kit import Ctl
+
+
+def serving(svc: ControlService, name: str) -> int:
+    return sum(1 for r in svc.state.active_replicas(name) if r.id in svc.state.endpoints)
+
+
+class Fleet:
+    def __init__(self, server: TestNatsServer, svc: ControlService, config: Path) -> None:
+        self.server = server
+        self.svc = svc
+        self.config = config
+        self.agents: dict[str, SimAgent] = {}
+
+
+@pytest.fixture
+async def fleet(nats_server: TestNatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    """A control plane declaring m1 (one replica) and two nodes with two GPUs each."""
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    path = write_config(cfg, tmp_path / "control.yaml")
+    async with running(ControlService(cfg)) as svc:
+        f = Fleet(nats_server, svc, path)
+        try:
+            for n in ("node-a", "node-b"):
+                f.agents[n] = await SimAgent(nats_server, n, gpus=2).start()
+            await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving")
+            yield f
+        finally:
+            for agent in f.agents.values():
+                await agent.close()
+
+
+async def settled(f: Fleet) -> int:
+    """Wait until the control plane has folded the whole log; its last sequence."""
+    nc = await connect_as(f.server, "router", "probe")
+    try:
+        last = 0
+
+        async def folded_all() -> bool:
+            nonlocal last
+            log = await read_log(nc)
+            last = log[-1].seq
+            return f.svc.state.last_seq == last
+
+        await wait_for(folded_all, 10, "the control plane folding the whole log", every_s=0.2)
+        return last
+    finally:
+        await nc.close()
+
+
+async def test_views_drain_and_replay_across_it(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctl = Ctl(fleet.server)
+    nodes = (await ctl("nodes", "--json")).json()
+    assert [n["name"] for n in nodes] == ["node-a", "node-b"]
+    for n in nodes:
+        assert n["liveness"] == "ready" and not n["draining"] and not n["cordoned"]
+        assert n["gpu_classes"]["h100-80g"]["total"] == 2
+        assert n["heartbeat_age_s"] is not None and n["heartbeat_age_s"] < 5
+    (replica,) = (await ctl("replicas", "--model", "m1", "--json")).json()
+    holder = replica["shards"][0]["node"]
+    other = "node-b" if holder == "node-a" else "node-a"
+    assert replica["phase"] == "serving" and replica["endpoint"]
+    by_name = {n["name"]: n for n in nodes}
+    assert by_name[holder]["gpu_classes"]["h100-80g"]["used"] == 1
+    assert by_name[holder]["replicas"] == [replica["id"]]
+    (m1,) = (await ctl("models", "--json")).json()
+    assert (m1["name"], m1["replicas_serving"], m1["replicas_wanted"]) == ("m1", 1, 1)
+    explained = (await ctl("explain-placement", "m1", "--json")).json()
+    assert {v["node"] for v in explained["nodes"]} == {"node-a", "node-b"}
+    assert explained["placement"] is not None
+    table = await ctl("nodes")
+    assert table.code == 0 and "NODE" in table.stdout and holder in table.stdout
+
+    before_seq = await settled(fleet)
+    before_time = time.time()
+    await asyncio.sleep(0.05)
+
+    dry = (await ctl("drain", holder, "--dry-run", "--json")).json()
+    assert [m["replica"] for m in dry["moves"]] == [replica["id"]]
+    assert dry["moves"][0]["to"].startswith(f"{other}:")
+    assert dry["published"] is None
+    drained = await ctl("drain", holder, "--grace", "30", "--wait", "--timeout", "30", "--json")
+    doc = drained.json()
+    assert doc["progress"]["done"] and doc["progress"]["replaced"] == 1
+    assert doc["published"]["operator"] == "alice"
+    assert "draining" in drained.stderr  # progress lines
+
+    after_seq = await settled(fleet)
+    await asyncio.sleep(0.05)
+    after_time = time.time()
+
+    # The past, as it was: before the drain, the node served the replica.
+    then = (await ctl("replay", "--at", f"@{before_time}", "--json")).json()
+    node_then = {n["name"]: n for n in then["nodes"]}[holder]
+    assert not node_then["draining"] and node_then["replicas"] == [replica["id"]]
+    now = (await ctl("replay", "--at", f"@{after_time}", "--json")).json()
+    node_now = {n["name"]: n for n in now["nodes"]}[holder]
+    assert node_now["draining"] and node_now["replicas"] == []
+    (moved,) = [r for r in now["replicas"] if r["model"] == "m1"]
+    assert moved["shards"][0]["node"] == other and moved["replaces"] == replica["id"]
+    by_seq = (await ctl("replay", "--to", str(before_seq), "--json")).json()
+    assert by_seq["digest"] == then["digest"]
+
+    # --diff across the drain: exactly the drain's changes.
+    diff = (await ctl("replay", "--diff", str(before_seq), str(after_seq), "--json")).json()
+    got = {(c["scope"], c["key"], c["field"]) for c in diff["changes"]}
+    assert got == {
+        ("node", holder, "draining"),
+        ("node", holder, "drain_grace_s"),
+        ("replica", replica["id"], "removed"),
+        ("replica", moved["id"], "added"),
+        ("endpoint", replica["id"], "removed"),
+        ("endpoint", moved["id"], "added"),
+    }, diff["changes"]
+    text = await ctl("replay", "--diff", str(before_seq), str(after_seq))
+    assert f"~ node {holder}: draining false -> true" in text.stdout
+
+    # Timelines: the moved replica's whole life, and the drained node's.
+    life = (await ctl("replay", "--timeline", replica["id"], "--json")).json()
+    kinds = [e["type"] for e in life]
+    assert kinds[0] == "control.replica_placed"
+    assert "cmd.start_shard" in kinds and "control.replica_retired" in kinds
+    assert kinds.count("control.replica_placed") == 2  # itself, and its replacement's
+    node_life = (await ctl("replay", "--timeline", holder, "--json")).json()
+    assert "operator.node_drain_requested" in [e["type"] for e in node_life]
+
+    # --verify: today's code reproduces every recorded decision...
+    ok = await ctl("replay", "--verify", "--control-config", str(fleet.config), "--json")
+    report = ok.json()
+    assert report["ok"] and report["differences"] == [] and report["decision_batches"] >= 3
+
+    # ...and a deliberately altered placement rule is flagged: never place on the node
+    # that got the first replica.
+    real_unusable = placement._unusable
+
+    def altered(node: object, now: float | None = None) -> str:
+        if getattr(node, "name", "") == holder:
+            return "altered rule"
+        return real_unusable(node, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(placement, "_unusable", altered)
+    flagged = await ctl("replay", "--verify", "--control-config", str(fleet.config), "--json")
+    assert flagged.code == 1
+    report = json.loads(flagged.stdout)
+    assert not report["ok"] and report["differences"]
+    assert any(holder in d["detail"] for d in report["differences"])
+    human = await ctl("replay", "--verify", "--control-config", str(fleet.config))
+    assert human.code == 1 and "would now be decided differently" in human.stdout
+
+
+async def test_replay_starts_from_the_newest_snapshot_before_the_target(fleet: Fleet) -> None:
+    ctl = Ctl(fleet.server)
+    snap_seq = await fleet.svc.snapshot_now()
+    operator = await connect_as(fleet.server, "operator", "alice")
+    await bus.Publisher(operator.jetstream()).publish(
+        events.NodeCordoned(id="c-1", ts=time.time(), operator="alice", node="node-a")
+    )
+    await operator.close()
+    last = await settled(fleet)
+    fast = (await ctl("replay", "--json")).json()
+    assert fast["snapshot_seq"] == snap_seq and fast["seq"] == last
+    assert fast["folded"] == last - snap_seq
+    full = (await ctl("replay", "--no-snapshots", "--json")).json()
+    assert full["snapshot_seq"] == 0 and full["digest"] == fast["digest"]
+    before = (await ctl("replay", "--to", str(snap_seq - 1), "--json")).json()
+    assert before["snapshot_seq"] < snap_seq
+    text = await ctl("replay", "--view", "nodes")
+    assert f"snapshot at seq {snap_seq}" in text.stdout and "cordoned" in text.stdout
