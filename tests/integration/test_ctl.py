@@ -88,13 +88,17 @@ async def test_views_drain_and_replay_across_it(
     nodes = (await ctl("nodes", "--json")).json()
     assert [n["name"] for n in nodes] == ["node-a", "node-b"]
     for n in nodes:
-        assert n["liveness"] == "ready" and not n["draining"] and not n["cordoned"]
+        assert n["liveness"] == "ready"
+        assert not n["draining"]
+        assert not n["cordoned"]
         assert n["gpu_classes"]["h100-80g"]["total"] == 2
-        assert n["heartbeat_age_s"] is not None and n["heartbeat_age_s"] < 5
+        assert n["heartbeat_age_s"] is not None
+        assert n["heartbeat_age_s"] < 5
     (replica,) = (await ctl("replicas", "--model", "m1", "--json")).json()
     holder = replica["shards"][0]["node"]
     other = "node-b" if holder == "node-a" else "node-a"
-    assert replica["phase"] == "serving" and replica["endpoint"]
+    assert replica["phase"] == "serving"
+    assert replica["endpoint"]
     by_name = {n["name"]: n for n in nodes}
     assert by_name[holder]["gpu_classes"]["h100-80g"]["used"] == 1
     assert by_name[holder]["replicas"] == [replica["id"]]
@@ -104,7 +108,9 @@ async def test_views_drain_and_replay_across_it(
     assert {v["node"] for v in explained["nodes"]} == {"node-a", "node-b"}
     assert explained["placement"] is not None
     table = await ctl("nodes")
-    assert table.code == 0 and "NODE" in table.stdout and holder in table.stdout
+    assert table.code == 0
+    assert "NODE" in table.stdout
+    assert holder in table.stdout
 
     before_seq = await settled(fleet)
     before_time = time.time()
@@ -116,7 +122,8 @@ async def test_views_drain_and_replay_across_it(
     assert dry["published"] is None
     drained = await ctl("drain", holder, "--grace", "30", "--wait", "--timeout", "30", "--json")
     doc = drained.json()
-    assert doc["progress"]["done"] and doc["progress"]["replaced"] == 1
+    assert doc["progress"]["done"]
+    assert doc["progress"]["replaced"] == 1
     assert doc["published"]["operator"] == "alice"
     assert "draining" in drained.stderr  # progress lines
 
@@ -127,12 +134,15 @@ async def test_views_drain_and_replay_across_it(
     # The past, as it was: before the drain, the node served the replica.
     then = (await ctl("replay", "--at", f"@{before_time}", "--json")).json()
     node_then = {n["name"]: n for n in then["nodes"]}[holder]
-    assert not node_then["draining"] and node_then["replicas"] == [replica["id"]]
+    assert not node_then["draining"]
+    assert node_then["replicas"] == [replica["id"]]
     now = (await ctl("replay", "--at", f"@{after_time}", "--json")).json()
     node_now = {n["name"]: n for n in now["nodes"]}[holder]
-    assert node_now["draining"] and node_now["replicas"] == []
+    assert node_now["draining"]
+    assert node_now["replicas"] == []
     (moved,) = [r for r in now["replicas"] if r["model"] == "m1"]
-    assert moved["shards"][0]["node"] == other and moved["replaces"] == replica["id"]
+    assert moved["shards"][0]["node"] == other
+    assert moved["replaces"] == replica["id"]
     by_seq = (await ctl("replay", "--to", str(before_seq), "--json")).json()
     assert by_seq["digest"] == then["digest"]
 
@@ -154,7 +164,8 @@ async def test_views_drain_and_replay_across_it(
     life = (await ctl("replay", "--timeline", replica["id"], "--json")).json()
     kinds = [e["type"] for e in life]
     assert kinds[0] == "control.replica_placed"
-    assert "cmd.start_shard" in kinds and "control.replica_retired" in kinds
+    assert "cmd.start_shard" in kinds
+    assert "control.replica_retired" in kinds
     assert kinds.count("control.replica_placed") == 2  # itself, and its replacement's
     node_life = (await ctl("replay", "--timeline", holder, "--json")).json()
     assert "operator.node_drain_requested" in [e["type"] for e in node_life]
@@ -162,7 +173,9 @@ async def test_views_drain_and_replay_across_it(
     # --verify: today's code reproduces every recorded decision...
     ok = await ctl("replay", "--verify", "--control-config", str(fleet.config), "--json")
     report = ok.json()
-    assert report["ok"] and report["differences"] == [] and report["decision_batches"] >= 3
+    assert report["ok"]
+    assert report["differences"] == []
+    assert report["decision_batches"] >= 3
 
     # ...and a deliberately altered placement rule is flagged: never place on the node
     # that got the first replica.
@@ -177,10 +190,12 @@ async def test_views_drain_and_replay_across_it(
     flagged = await ctl("replay", "--verify", "--control-config", str(fleet.config), "--json")
     assert flagged.code == 1
     report = json.loads(flagged.stdout)
-    assert not report["ok"] and report["differences"]
+    assert not report["ok"]
+    assert report["differences"]
     assert any(holder in d["detail"] for d in report["differences"])
     human = await ctl("replay", "--verify", "--control-config", str(fleet.config))
-    assert human.code == 1 and "would now be decided differently" in human.stdout
+    assert human.code == 1
+    assert "would now be decided differently" in human.stdout
 
 
 async def test_replay_starts_from_the_newest_snapshot_before_the_target(fleet: Fleet) -> None:
@@ -193,11 +208,14 @@ async def test_replay_starts_from_the_newest_snapshot_before_the_target(fleet: F
     await operator.close()
     last = await settled(fleet)
     fast = (await ctl("replay", "--json")).json()
-    assert fast["snapshot_seq"] == snap_seq and fast["seq"] == last
+    assert fast["snapshot_seq"] == snap_seq
+    assert fast["seq"] == last
     assert fast["folded"] == last - snap_seq
     full = (await ctl("replay", "--no-snapshots", "--json")).json()
-    assert full["snapshot_seq"] == 0 and full["digest"] == fast["digest"]
+    assert full["snapshot_seq"] == 0
+    assert full["digest"] == fast["digest"]
     before = (await ctl("replay", "--to", str(snap_seq - 1), "--json")).json()
     assert before["snapshot_seq"] < snap_seq
     text = await ctl("replay", "--view", "nodes")
-    assert f"snapshot at seq {snap_seq}" in text.stdout and "cordoned" in text.stdout
+    assert f"snapshot at seq {snap_seq}" in text.stdout
+    assert "cordoned" in text.stdout
