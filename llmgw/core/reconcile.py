@@ -36,7 +36,7 @@ import msgspec
 
 from llmgw.core import events, placement
 from llmgw.core.profile import LaunchSpec, ModelProfile
-from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, apply
+from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, apply, misplaced
 
 Decision: TypeAlias = (
     events.ReplicaPlaced
@@ -237,6 +237,8 @@ class _Planner:
         """Model -> replicas retired this pass that a new replica should name as replaced."""
         self.unplaceable: dict[str, str] = {}
         self.downed: set[str] = set()
+        self.touched: set[str] = set()
+        """Replicas a rule already acted on this pass: no second rule acts on them."""
         self.replacement_of: dict[str, ReplicaState] = {
             r.replaces: r for r in state.replicas.values() if r.replaces and not r.retired
         }
@@ -326,18 +328,34 @@ class _Planner:
         """A shard failed or exited: restart in place after a backoff, or give the slot up."""
         state = self.state
         self._endpoint_down(r, f"shard {broken[0].shard} {broken[0].phase}: {broken[0].error}")
+        self.touched.add(r.id)
         nodes = [state.nodes[s.node] for s in r.shards]
         if any(n.liveness == "unreachable" for n in nodes):
             return  # its agent cannot hear a restart; lost or recovered decides
+        model = state.models[r.model]
+        if len(self._counted(r.model)) > model.profile.replicas:
+            self._retire(
+                r, f"failed, and surplus: {r.model} wants {model.profile.replicas}", graceful=False
+            )
+            return
+        if r.revision < model.revision:
+            self._retire(
+                r,
+                f"failed, and model {r.model} changed: placing it anew",
+                graceful=False,
+                replace=True,
+            )
+            return
         unhealthy = [
-            f"GPU {g} of {s.node}"
+            f"GPU {g} of {s.node} unhealthy"
             for s in r.shards
             for g in s.gpus
             if g in state.nodes[s.node].gpus and not state.nodes[s.node].gpus[g].healthy
         ]
+        unhealthy += [m for s in r.shards if (m := misplaced(state.nodes[s.node], r, s))]
         leaving = [n.name for n in nodes if n.draining]
         if unhealthy or leaving:
-            why = f"{unhealthy[0]} unhealthy" if unhealthy else f"node {leaving[0]} draining"
+            why = unhealthy[0] if unhealthy else f"node {leaving[0]} draining"
             self._retire(
                 r, f"failed, and {why}: placing it elsewhere", graceful=False, replace=True
             )
@@ -402,6 +420,7 @@ class _Planner:
         self._endpoint_down(r, reason)
         self.b.add(events.ReplicaRetired, replica_id=r.id, reason=reason)
         self.retired_now.add(r.id)
+        self.touched.add(r.id)
         if replace:
             self.to_replace[r.model].append(r.id)
         drain = graceful and _fully_serving(r)
@@ -482,7 +501,11 @@ class _Planner:
                 )
                 self._emit_placement(profile, result, replaces_id, why)
         elif missing < 0:
-            existing = [state.replicas[rid] for rid in counted if rid in state.replicas]
+            existing = [
+                state.replicas[rid]
+                for rid in counted
+                if rid in state.replicas and rid not in self.touched
+            ]
             # Retire what serves least first, the newest first among equals.
             existing.sort(key=lambda r: (_fully_serving(r), -r.placed_seq, r.id))
             for r in existing[:-missing]:

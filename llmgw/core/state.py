@@ -366,6 +366,19 @@ def _registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: fl
         for shard in replica.shards:
             if shard.node != ev.node or shard.released:
                 continue
+            misfit = misplaced(node, replica, shard)
+            if misfit:
+                # The hardware under the shard changed (a GPU fell off the bus, a
+                # fabric was relabelled): the shard cannot run as placed.
+                if shard.phase not in TERMINAL:
+                    shard.phase = "failed"
+                    shard.error = misfit
+                    shard.since = float(ev.ts)
+                    if not replica.retired:
+                        replica.failures += 1
+                        replica.failed_ts = float(ev.ts)
+                _shard_ended(state, replica, shard, float(ev.ts))
+                continue
             report = reported.get((rid, shard.shard))
             if report is not None:
                 if report.phase != shard.phase:
@@ -385,6 +398,21 @@ def _registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: fl
                     replica.failed_ts = float(ev.ts)
                 shard.since = float(ev.ts)
                 _shard_ended(state, replica, shard, float(ev.ts))
+
+
+def misplaced(node: NodeState, replica: ReplicaState, shard: ShardState) -> str:
+    """Why `shard` can no longer run where it was placed on `node`; empty when it can."""
+    missing = [g for g in shard.gpus if g not in node.gpus]
+    if missing:
+        return f"GPU {', '.join(map(str, missing))} of {node.name} is no longer in its inventory"
+    for g in shard.gpus:
+        if node.gpus[g].gpu_class != replica.gpu_class:
+            return (
+                f"GPU {g} of {node.name} is now {node.gpus[g].gpu_class}, not {replica.gpu_class}"
+            )
+    if replica.fabric and not any(f.name == replica.fabric and f.hcas for f in node.fabrics):
+        return f"{node.name} is no longer on fabric {replica.fabric}"
+    return ""
 
 
 def _heartbeat(state: ClusterState, ev: events.Heartbeat, seq: int, at: float) -> None:

@@ -262,9 +262,13 @@ class Sim:
         return decisions
 
     def settle(self, now: float | None = None, rounds: int = 20) -> list[events.Event]:
-        """Leader and agents until the leader has nothing more to say; all decisions."""
-        if now is not None:
+        """Leader and agents until the leader has nothing more to say; all decisions.
+
+        Moving time forward (`now`) lets the agents that are not silent heartbeat first.
+        """
+        if now is not None and now > self.now:
             self.now = now
+            self.heartbeats()
         out: list[events.Event] = []
         for _ in range(rounds):
             decisions = self.step()

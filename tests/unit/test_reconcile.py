@@ -371,3 +371,34 @@ def test_verify_spots_a_forged_decision() -> None:
     report = reconcile.verify(forged)
     assert not report.ok
     assert "decision 1: recorded" in report.mismatches[0]
+
+
+def test_a_gpu_that_vanishes_fails_its_shard_and_the_replica_moves() -> None:
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=4))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    # The agent restarts and finds only two GPUs (Xid 79: fallen off the bus).
+    sim.register(node, count=2, fabrics=[fabric("ib-a")])
+    assert r.shards[0].phase == "failed"
+    assert r.shards[0].error == f"GPU 2, 3 of {node} is no longer in its inventory"
+    moved = sim.settle()
+    assert kinds(moved)[:3] == ["EndpointDown", "ReplicaRetired", "ReplicaPlaced"]
+    assert "is no longer in its inventory: placing it elsewhere" in moved[1].reason  # type: ignore[attr-defined]
+    assert of(moved, events.ReplicaPlaced)[0].shards[0].node != node  # type: ignore[attr-defined]
+
+
+def test_a_failed_replica_that_is_surplus_is_retired_not_restarted() -> None:
+    sim = two_nodes()
+    sim.declare(profile("big", tensor_parallel=8, nodes=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    sim.status(r.shards[0].node, r.id, 1, 0, "failed", error="NCCL error")
+    sim.change(profile("big", tensor_parallel=8, nodes=2, replicas=0))
+    decisions = sim.settle(sim.now + 60)
+    assert not of(decisions, events.StartShard)
+    assert of(decisions, events.ReplicaRetired)[0].reason == (  # type: ignore[attr-defined]
+        "failed, and surplus: big wants 0"
+    )
+    assert sim.state.replicas == {}

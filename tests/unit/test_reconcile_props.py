@@ -256,8 +256,11 @@ class Fleet(RuleBasedStateMachine):
 
     @invariant()
     def multi_node_replicas_share_one_fabric_and_class(self) -> None:
+        """For every replica that may run (its hardware can change under a failed one)."""
         nodes = self.sim.state.nodes
         for r in self.sim.state.replicas.values():
+            if any(s.phase in state.TERMINAL for s in r.shards):
+                continue
             on = {s.node for s in r.shards}
             classes = {nodes[s.node].gpus[g].gpu_class for s in r.shards for g in s.gpus}
             assert len(classes) == 1, (r.id, classes)
