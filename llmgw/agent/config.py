@@ -68,6 +68,15 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """SIGTERM to SIGKILL, when a StopShard does not say."""
     log_tail_lines: int = 100
     heartbeat_s: float = 5.0
+    heartbeat_ttl_s: float = 120.0
+    """Heartbeats expire from the log after this (whole seconds): the log does not grow with
+    them. Keep it well above the control plane's unreachable_after_s."""
+    outbox_max_events: int = 100_000
+    """Events kept on disk while NATS is unreachable; past this, superseded registrations are
+    dropped first and shard statuses never."""
+    outbox_max_bytes: int = 64 * 1024 * 1024
+    engine_poll_s: float = 0.5
+    """How often the supervisor checks each engine's liveness and readiness."""
     log_level: str = "info"
 
 
@@ -177,6 +186,22 @@ def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
             )
     if cfg.stop_grace_s < 0 or cfg.log_tail_lines < 1:
         raise config.ConfigError("stop_grace_s must be >= 0 and log_tail_lines >= 1")
+    if not (cfg.heartbeat_s > 0 and cfg.engine_poll_s > 0):
+        raise config.ConfigError(
+            f"heartbeat_s ({cfg.heartbeat_s}) and engine_poll_s ({cfg.engine_poll_s}) must be "
+            "positive: they are intervals in seconds"
+        )
+    if cfg.heartbeat_ttl_s < 1 or cfg.heartbeat_ttl_s < cfg.heartbeat_s:
+        raise config.ConfigError(
+            f"heartbeat_ttl_s {cfg.heartbeat_ttl_s} must be at least 1 s and at least "
+            f"heartbeat_s ({cfg.heartbeat_s}): the server counts TTLs in whole seconds, and a "
+            "heartbeat that expires before the next one leaves the node looking silent"
+        )
+    if cfg.outbox_max_events < 1 or cfg.outbox_max_bytes < 4096:
+        raise config.ConfigError(
+            "outbox_max_events must be >= 1 and outbox_max_bytes >= 4096: the outbox keeps the "
+            "node's events while NATS is unreachable"
+        )
     return msgspec.structs.replace(cfg, node_id=node_id, address=cfg.address or node_id)
 
 

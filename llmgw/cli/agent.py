@@ -1,5 +1,11 @@
 """`llmgw agent`: the GPU node's agent. `llmgw agent inventory` prints what the scheduler would see.
 
+`llmgw agent --config FILE` runs the agent service (`llmgw.agent.service`) until
+SIGTERM / SIGINT; engines keep serving after it stops, and the next run adopts
+them. It prints one line `llmgw agent NODE started` to stdout once it has
+adopted its engines and discovered the node (before NATS is reached: it keeps
+trying). `--check` validates the config and exits.
+
 The inventory command runs the same discovery the agent service registers
 with (NVML, else nvidia-smi; /sys/class/infiniband; the configured fabrics),
 so an operator can check a node before it joins the fleet.
@@ -7,6 +13,9 @@ so an operator can check a node before it joins the fleet.
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import sys
 from pathlib import Path
 
 import msgspec
@@ -19,14 +28,70 @@ from llmgw.agent.discovery import simulated
 from llmgw.core.inventory import Fabric, Gpu, Hca
 
 app = typer.Typer(
-    help="The agent on every GPU node: discovery, engine launch and supervision.",
+    help="The agent on every GPU node: discovery, engine launch and supervision. "
+    "`llmgw agent --config FILE` runs it until SIGTERM (engines keep serving; the next run "
+    "adopts them); `llmgw agent inventory` shows what it would register.",
     no_args_is_help=True,
 )
 
 
-@app.callback()
-def agent() -> None:
-    """The agent on every GPU node: discovery, engine launch and supervision."""
+@app.callback(invoke_without_command=True)
+def agent(
+    ctx: typer.Context,
+    config_path: Path | None = typer.Option(
+        None, "--config", "-c", help="Agent YAML config: run the agent service with it."
+    ),
+    check: bool = typer.Option(False, "--check", help="Validate the config and exit."),
+) -> None:
+    """The agent on every GPU node: discovery, engine launch and supervision.
+
+    `llmgw agent --config /etc/llmgw/agent.yaml` runs the agent (until SIGTERM);
+    `llmgw agent inventory` shows what it would register.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if config_path is None:
+        typer.echo(
+            "llmgw agent: give --config FILE to run the agent (see deploy/agent.example.yaml), "
+            "or a command such as `llmgw agent inventory`",
+            err=True,
+        )
+        raise typer.Exit(2)
+    try:
+        cfg = agent_config.load(config_path)
+    except config.ConfigError as exc:
+        typer.echo(f"llmgw agent: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if check:
+        typer.echo(f"{config_path}: node {cfg.node_id!r}, state in {cfg.state_dir}: ok")
+        return
+    logs.setup(cfg.log_level)
+    try:
+        import uvloop
+
+        uvloop.run(_serve(cfg))
+    except (FileNotFoundError, discovery.DiscoveryError, simulated.SimSpecError) as exc:
+        # A certificate path, or no GPUs to be found: the message says what to do.
+        typer.echo(f"llmgw agent: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+async def _serve(cfg: agent_config.AgentConfig) -> None:
+    from llmgw.agent.service import AgentService
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    svc = AgentService(cfg)
+    run = asyncio.create_task(svc.run(stop))
+    started = asyncio.create_task(svc.started.wait())
+    await asyncio.wait([run, started], return_when=asyncio.FIRST_COMPLETED)
+    if svc.started.is_set():
+        sys.stdout.write(f"llmgw agent {cfg.node_id} started\n")
+        sys.stdout.flush()
+    started.cancel()
+    await run
 
 
 class InventoryReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,194 @@
+"""The command ledger: what the agent has already done about each shard, kept across restarts.
+
+Commands arrive at least once: redelivered after a reconnect, re-read after an
+agent restart, or sent by a deposed leader that still believes it leads. The
+ledger makes applying them idempotent by replica id and generation:
+
+- a StartShard of a generation already started (or ended) never restarts a shard;
+- a StopShard of an older generation than the one running does not stop the new one;
+- a command from a leader epoch lower than the highest seen is ignored (a stale
+  leader's decision, published before the server's fence caught it);
+- `last_seq` is the stream sequence up to which every command's effect is
+  recorded: a restarted agent reads its commands from there, so a command sent
+  while it was away still runs, and one already applied is not re-read.
+
+`decide` is purely computational; `load` / `save` keep the ledger as one JSON
+file in the state dir, written atomically. Used by `llmgw.agent.service`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from llmgw.agent.supervisor import LIVE, ShardView
+from llmgw.core import events
+
+Action = Literal["start", "stop", "drain", "report_stopped", "ignore"]
+
+MAX_SHARDS_KEPT = 10_000
+
+
+class Applied(msgspec.Struct, kw_only=True):
+    """The highest generations of one shard this agent started and saw end."""
+
+    started: int = 0
+    ended: int = 0
+    updated: float = 0.0
+    """Wall clock of the last change: the oldest entries go first when the ledger is full."""
+
+
+class Ledger(msgspec.Struct, kw_only=True):
+    last_seq: int = 0
+    """Every command at or below this stream sequence has had its effect recorded."""
+    epoch: int = 0
+    """The highest leader epoch seen on a command."""
+    shards: dict[str, Applied] = {}
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    action: Action
+    reason: str = ""
+
+
+def key(replica_id: str, shard: int) -> str:
+    return f"{replica_id}/{shard}"
+
+
+def stale_epoch(cmd: events.Command, highest: int) -> str:
+    """Why `cmd` comes from a deposed leader, or "" when its epoch is current.
+
+    Checked in stream order as commands arrive (the ledger's `epoch` then rises to
+    the command's). Purely computational, no side effects.
+    """
+    if cmd.epoch < highest:
+        return f"from leader epoch {cmd.epoch}, older than the {highest} already seen"
+    return ""
+
+
+def decide(cmd: events.Command, ledger: Ledger, live: ShardView | None) -> Decision:
+    """What to do with `cmd`, given the ledger and the shard as the supervisor has it now.
+
+    The epoch is not checked here (see `stale_epoch`). Purely computational, no
+    side effects; the service acts and then records.
+    """
+    applied = ledger.shards.get(key(cmd.replica_id, cmd.shard), Applied())
+    running = live if live is not None and live.phase in LIVE else None
+    g = cmd.generation
+    match cmd:
+        case events.StartShard():
+            if running is not None and running.generation >= g:
+                return Decision(
+                    action="ignore", reason=f"generation {running.generation} already runs"
+                )
+            if applied.started >= g or applied.ended >= g:
+                return Decision(
+                    action="ignore",
+                    reason=f"generation {g} was already started (highest started "
+                    f"{applied.started}, ended {applied.ended})",
+                )
+            return Decision(action="start")
+        case events.StopShard():
+            if running is not None:
+                if running.generation <= g:
+                    return Decision(action="stop")
+                return Decision(
+                    action="ignore",
+                    reason=f"stale: generation {running.generation} runs, the stop is for {g}",
+                )
+            if applied.ended >= g:
+                return Decision(action="ignore", reason=f"generation {g} already ended")
+            # Nothing runs: say so, so that the control plane can free the slot.
+            return Decision(action="report_stopped")
+        case events.DrainShard():
+            if running is not None and running.generation == g:
+                if running.phase == "serving":
+                    return Decision(action="drain")
+                return Decision(action="ignore", reason=f"the shard is {running.phase}")
+            return Decision(action="ignore", reason=f"generation {g} does not run here")
+    return Decision(action="ignore", reason=f"unknown command {type(cmd).__name__}")
+
+
+def superseded(cmd: events.Command, later: Sequence[events.Command], epoch: int) -> bool:
+    """True when a StartShard is undone by a command after it in the same backlog.
+
+    An agent back from an outage reads its backlog at once; starting an engine
+    (minutes of loading, for a real one) only to stop it at the next command is
+    waste. Purely computational, no side effects.
+    """
+    if not isinstance(cmd, events.StartShard):
+        return False
+    for other in later:
+        if other.replica_id != cmd.replica_id or other.shard != cmd.shard:
+            continue
+        if other.epoch < max(epoch, cmd.epoch):
+            continue
+        if isinstance(other, events.StopShard) and other.generation >= cmd.generation:
+            return True
+        if isinstance(other, events.StartShard) and other.generation > cmd.generation:
+            return True
+    return False
+
+
+def note_started(ledger: Ledger, replica_id: str, shard: int, generation: int, now: float) -> None:
+    entry = ledger.shards.setdefault(key(replica_id, shard), Applied())
+    entry.started = max(entry.started, generation)
+    entry.updated = now
+    _prune(ledger)
+
+
+def note_ended(ledger: Ledger, replica_id: str, shard: int, generation: int, now: float) -> None:
+    entry = ledger.shards.setdefault(key(replica_id, shard), Applied())
+    entry.ended = max(entry.ended, generation)
+    entry.updated = now
+    _prune(ledger)
+
+
+def _prune(ledger: Ledger) -> None:
+    """Keep the ledger bounded: forget the shards untouched for the longest time."""
+    excess = len(ledger.shards) - MAX_SHARDS_KEPT
+    if excess <= 0:
+        return
+    oldest = sorted(ledger.shards.items(), key=lambda kv: kv[1].updated)[:excess]
+    for k, _ in oldest:
+        del ledger.shards[k]
+
+
+_decoder = msgspec.json.Decoder(Ledger)
+
+
+class LedgerUnreadable(RuntimeError):
+    """The ledger file exists but does not decode; the message says what to do."""
+
+
+def path_in(state_dir: str | Path) -> Path:
+    return Path(state_dir) / "commands.json"
+
+
+def load(state_dir: str | Path) -> Ledger:
+    """The saved ledger, or an empty one when there is none yet."""
+    path = path_in(state_dir)
+    try:
+        return _decoder.decode(path.read_bytes())
+    except FileNotFoundError:
+        return Ledger()
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise LedgerUnreadable(
+            f"{path} is corrupt ({exc}): move it aside and restart the agent; it will re-read "
+            "this node's commands from the start of the log (applied idempotently)"
+        ) from None
+
+
+def save(state_dir: str | Path, ledger: Ledger) -> None:
+    path = path_in(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(msgspec.json.encode(ledger))
+    os.replace(tmp, path)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()

@@ -1,0 +1,253 @@
+"""The agent's outbox: events waiting to be published, kept on disk so no outage loses them.
+
+Every event the agent produces (NodeRegistered, ShardStatus) is appended here
+first and published from here, in order, by the agent service
+(`llmgw.agent.service`); an event leaves the outbox only once the server has
+acknowledged it. While NATS is unreachable the outbox grows; after a reconnect
+it drains in the order the events happened, each with its own id as
+`Nats-Msg-Id`, so an event whose acknowledgement was lost is stored once.
+Because the outbox is a file, a kill -9 of the agent loses nothing either: the
+next run publishes what the last one could not.
+
+On disk, in `<state_dir>/outbox/`: `pending.jsonl` (one entry per line,
+append-only between compactions) and `cursor` (the number of the last entry
+the server acknowledged). Entries numbered at or below the cursor are already
+published. A torn last line (a crash mid-write) is dropped on open.
+
+Bounded by entries and bytes. When a bound is passed, the oldest droppable
+entries go first: heartbeats (stale by the time they would be sent), then
+registrations that a newer queued registration supersedes. ShardStatus is
+never dropped: a lost transition would leave the control plane believing a
+dead engine serves. The bound is therefore soft for them, and said so in the log.
+
+Synchronous file I/O of small records (microseconds); the service calls it from
+its event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from llmgw import logs
+from llmgw.core import events
+
+log = logs.get("llmgw.agent.outbox")
+
+
+class _Line(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of pending.jsonl."""
+
+    n: int
+    ttl_s: float | None = None
+    event: msgspec.Raw
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True):
+    """One queued event: its number in this outbox, its publish TTL, and its size on disk."""
+
+    n: int
+    event: events.AnyEvent
+    ttl_s: float | None = None
+    size: int = 0
+
+
+_line_decoder = msgspec.json.Decoder(_Line)
+_line_encoder = msgspec.json.Encoder()
+
+
+class Outbox:
+    """A bounded, ordered, durable queue of events (see the module docstring)."""
+
+    def __init__(
+        self, folder: str | Path, *, max_events: int = 100_000, max_bytes: int = 64 * 1024 * 1024
+    ) -> None:
+        if max_events < 1 or max_bytes < 1:
+            raise ValueError("an outbox needs max_events >= 1 and max_bytes >= 1")
+        self.folder = Path(folder)
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.dropped = 0
+        """Entries dropped to stay within the bounds (heartbeats, superseded registrations)."""
+        self.unreadable = 0
+        """Lines found on disk that did not decode (torn writes, newer versions)."""
+        self._entries: deque[Entry] = deque()
+        self._bytes = 0
+        self._dead_bytes = 0
+        self._next = 1
+        self._cursor = 0
+        self._over_warned = False
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._path = self.folder / "pending.jsonl"
+        self._cursor_path = self.folder / "cursor"
+        self._load()
+        self._file = open(self._path, "ab", buffering=0)  # noqa: SIM115 (kept open: appends)
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(list(self._entries))
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes the pending entries take on disk."""
+        return self._bytes
+
+    def peek(self) -> Entry | None:
+        """The oldest entry not yet acknowledged, or None."""
+        return self._entries[0] if self._entries else None
+
+    # ------------------------------------------------------------------ changes
+
+    def put(self, event: events.AnyEvent, *, ttl_s: float | None = None) -> Entry:
+        """Append `event`; it is on disk (in the page cache) when this returns."""
+        n = self._next
+        self._next += 1
+        line = _line_encoder.encode(
+            _Line(n=n, ttl_s=ttl_s, event=msgspec.Raw(events.encode(event)))
+        )
+        data = line + b"\n"
+        self._file.write(data)
+        entry = Entry(n=n, event=event, ttl_s=ttl_s, size=len(data))
+        self._entries.append(entry)
+        self._bytes += len(data)
+        self._enforce_bounds()
+        return entry
+
+    def delivered(self, n: int) -> None:
+        """The server acknowledged entry `n` (the head): drop it, and record that durably."""
+        head = self.peek()
+        if head is None or head.n != n:
+            raise ValueError(f"entry {n} is not the head of the outbox ({head and head.n})")
+        self._entries.popleft()
+        self._bytes -= head.size
+        self._dead_bytes += head.size
+        self._cursor = n
+        self._write_cursor()
+        if not self._entries:
+            # Everything is published: start the file over instead of letting it grow.
+            self._file.truncate(0)
+            self._dead_bytes = 0
+        elif self._dead_bytes > max(1024 * 1024, self._bytes):
+            self._compact()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _load(self) -> None:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            self._cursor = int(self._cursor_path.read_text().strip() or 0)
+        highest = self._cursor
+        if self._path.exists():
+            for raw in self._path.read_bytes().split(b"\n"):
+                if not raw.strip():
+                    continue
+                try:
+                    line = _line_decoder.decode(raw)
+                    event = events.decode(line.event)
+                except (msgspec.DecodeError, msgspec.ValidationError, events.DecodeError) as exc:
+                    self.unreadable += 1
+                    log.warning("outbox_line_unreadable", error=str(exc), bytes=len(raw))
+                    continue
+                highest = max(highest, line.n)
+                if line.n <= self._cursor:
+                    continue  # published before the last run ended
+                size = len(raw) + 1
+                self._entries.append(Entry(n=line.n, event=event, ttl_s=line.ttl_s, size=size))
+                self._bytes += size
+        self._next = highest + 1
+        # Rewrite what is pending: drops published entries and any torn last line, so
+        # the next append starts on a line of its own.
+        self._rewrite()
+        if self._entries:
+            log.info("outbox_loaded", pending=len(self._entries), bytes=self._bytes)
+
+    def _rewrite(self) -> None:
+        tmp = self._path.with_suffix(".tmp")
+        with open(tmp, "wb") as out:
+            for entry in self._entries:
+                out.write(self._line(entry))
+        os.replace(tmp, self._path)
+
+    def _compact(self) -> None:
+        self._file.close()
+        self._rewrite()
+        self._file = open(self._path, "ab", buffering=0)  # noqa: SIM115
+        self._dead_bytes = 0
+
+    @staticmethod
+    def _line(entry: Entry) -> bytes:
+        raw = msgspec.Raw(events.encode(entry.event))
+        return _line_encoder.encode(_Line(n=entry.n, ttl_s=entry.ttl_s, event=raw)) + b"\n"
+
+    def _write_cursor(self) -> None:
+        tmp = self._cursor_path.with_suffix(".tmp")
+        tmp.write_text(str(self._cursor))
+        os.replace(tmp, self._cursor_path)
+
+    def _over(self) -> bool:
+        return len(self._entries) > self.max_events or self._bytes > self.max_bytes
+
+    def _enforce_bounds(self) -> None:
+        if not self._over():
+            return
+        dropped = 0
+        while self._over():
+            victim = _droppable(self._entries)
+            if victim is None:
+                break
+            entry = self._entries[victim]
+            del self._entries[victim]
+            self._bytes -= entry.size
+            dropped += 1
+        if dropped:
+            self.dropped += dropped
+            log.warning(
+                "outbox_dropped",
+                entries=dropped,
+                pending=len(self._entries),
+                detail="heartbeats and superseded registrations go first; shard statuses never",
+            )
+            self._compact()
+        if self._over():
+            if not self._over_warned:
+                self._over_warned = True
+                log.error(
+                    "outbox_over_bound",
+                    pending=len(self._entries),
+                    bytes=self._bytes,
+                    max_events=self.max_events,
+                    max_bytes=self.max_bytes,
+                    detail="only shard statuses are left and they are never dropped; check "
+                    "why NATS has been unreachable for so long",
+                )
+        else:
+            self._over_warned = False
+
+
+def _droppable(entries: deque[Entry]) -> int | None:
+    """Index of the entry to drop first: the oldest heartbeat, else the oldest registration
+    that a later one supersedes. Purely computational, no side effects."""
+    registration = None
+    newest_registration = None
+    for i, entry in enumerate(entries):
+        if isinstance(entry.event, events.Heartbeat):
+            return i
+        if isinstance(entry.event, events.NodeRegistered):
+            if registration is None:
+                registration = i
+            newest_registration = i
+    if registration is not None and registration != newest_registration:
+        return registration
+    return None

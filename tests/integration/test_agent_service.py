@@ -1,0 +1,343 @@
+"""The agent service in-process, against a real nats-server and real `llmgw sim` engines.
+
+The test plays the control plane (commands published as the `control`
+identity) and reads the node's events back from the log as the test admin.
+The kill -9, down-at-start and command-while-away cases run the agent as a
+subprocess: tests/integration/test_agent_service_process.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from llmgw import bus
+from llmgw.agent import processes
+from llmgw.agent.service import AgentService
+from llmgw.core import events, subjects
+from tests.harness import Connector, TestNatsServer
+from tests.integration import agent_kit as kit
+from tests.integration.agent_kit import Control, status
+
+pytestmark = pytest.mark.slow
+
+NODE = "node-a"
+
+
+class Running:
+    """An AgentService running in this event loop, with every event it queued recorded."""
+
+    def __init__(self, svc: AgentService, task: asyncio.Task[None], stop: asyncio.Event) -> None:
+        self.svc = svc
+        self.task = task
+        self.stop_event = stop
+        self.emitted: list[events.AnyEvent] = []
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        await asyncio.wait_for(self.task, 30)
+
+
+@pytest.fixture
+async def control(connect: Connector) -> Control:
+    ctl = Control(await connect("control", "control-1"))
+    await ctl.provision()
+    return ctl
+
+
+@pytest.fixture
+async def admin(connect: Connector) -> Any:
+    return await connect.admin()
+
+
+@pytest.fixture
+async def start_agent(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> AsyncIterator[Callable[..., Any]]:
+    running: list[Running] = []
+    states: list[Path] = []
+
+    async def start(node: str = NODE, state: str = "state", **over: Any) -> Running:
+        state_dir = tmp_path / f"{node}-{state}"
+        states.append(state_dir)
+        cfg = kit.agent_cfg(nats_server, node, state_dir, **over)
+        tls = await asyncio.to_thread(nats_server.pki.client_tls, "node", node)
+        svc = AgentService(cfg, tls=tls, reconnect_backoff=(0.05, 0.5))
+        stop = asyncio.Event()
+        run = Running(svc, asyncio.create_task(svc.run(stop)), stop)
+        original = svc._emit
+
+        def record(event: events.AnyEvent) -> None:
+            run.emitted.append(event)
+            original(event)
+
+        svc._emit = record  # type: ignore[method-assign]
+        running.append(run)
+        waiter = asyncio.create_task(svc.connected_once.wait())
+        await asyncio.wait([waiter, run.task], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if run.task.done():
+            run.task.result()
+        assert svc.connected_once.is_set()
+        return run
+
+    yield start
+    for run in running:
+        if not run.task.done():
+            with contextlib.suppress(Exception):
+                await run.stop()
+    for state_dir in states:
+        kit.kill_engines(state_dir)
+
+
+async def get_models(endpoint: str) -> list[str]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+        http.get(f"{endpoint}/v1/models") as resp,
+    ):
+        body = await resp.json()
+        return [m["id"] for m in body["data"]]
+
+
+async def test_start_serves_and_stop_ends_the_whole_group(
+    start_agent: Any, control: Control, admin: Any
+) -> None:
+    agent = await start_agent()
+    reg = await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
+    assert isinstance(reg, events.NodeRegistered)
+    assert len(reg.gpus) == 8
+    assert reg.shards == ()
+
+    port = kit.free_port()
+    await control.start(NODE, "rep-1", kit.sim_spec(port, name="llama"))
+    serving = await kit.wait_for(admin, NODE, status("rep-1", "serving"), what="serving")
+    assert isinstance(serving, events.ShardStatus)
+    assert serving.endpoint == f"http://127.0.0.1:{port}"
+    assert await get_models(serving.endpoint) == ["llama"]
+    pid = serving.pid
+    assert pid is not None
+    assert kit.pid_alive(pid)
+    pgid = pid  # the engine leads its own process group
+    assert processes.group_members(pgid)
+
+    await control.stop(NODE, "rep-1", reason="test over")
+    stopped = await kit.wait_for(admin, NODE, status("rep-1", "stopped"), what="stopped")
+    assert isinstance(stopped, events.ShardStatus)
+    assert stopped.error == "test over"
+    assert processes.group_members(pgid) == []
+    assert not kit.pid_alive(pid)
+    evs = kit.without_heartbeats(await kit.node_records(admin, NODE))
+    # The sim may answer /v1/models at the first probe: loading is then skipped.
+    assert kit.phases(evs, "rep-1") == [
+        (1, "starting"),
+        (1, "serving"),
+        (1, "stopped"),
+    ]
+    # The ledger records the command sequence up to which effects are recorded.
+    assert agent.svc.ledger.last_seq > 0
+    # Heartbeats flow with a TTL while the outbox is empty.
+    await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.Heartbeat), what="heartbeat")
+
+
+FAILING_ENGINE = textwrap.dedent(
+    """
+    import socket, sys, time
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    s = socket.socket(); s.bind(("127.0.0.1", port)); s.listen()
+    print("loading weights from /models/none", flush=True)
+    time.sleep(0.5)
+    print("RuntimeError: CUDA out of memory (simulated)", flush=True)
+    sys.exit(3)
+    """
+)
+
+
+async def test_engine_exiting_while_loading_fails_with_its_log_tail(
+    start_agent: Any, control: Control, admin: Any, tmp_path: Path
+) -> None:
+    script = tmp_path / "bad_engine.py"
+    script.write_text(FAILING_ENGINE)
+    await start_agent(engine_commands={"llamacpp": [sys.executable, str(script)]})
+    spec = kit.sim_spec(kit.free_port(), name="bad", engine="llamacpp", model="/models/none")
+    await control.start(NODE, "rep-bad", spec)
+    failed = await kit.wait_for(admin, NODE, status("rep-bad", "failed"), what="failed")
+    assert isinstance(failed, events.ShardStatus)
+    assert "exited with code 3 while loading" in failed.error
+    assert failed.log_tail[-1] == "RuntimeError: CUDA out of memory (simulated)"
+    assert "loading weights from /models/none" in failed.log_tail
+
+
+async def test_bad_commands_fail_the_shard_never_the_agent(
+    start_agent: Any, control: Control, admin: Any
+) -> None:
+    agent = await start_agent(sim_gpus="4xh100-80g,2xv100-32g")
+    await control.start(NODE, "rep-ok", kit.sim_spec(kit.free_port(), gpus=(0,)))
+    await kit.wait_for(admin, NODE, status("rep-ok", "serving"))
+
+    # GPU 0 is taken; GPU 4 is a V100 (compute capability 7.0) and cannot run fp8.
+    await control.start(NODE, "rep-dup", kit.sim_spec(kit.free_port(), gpus=(0,)))
+    await control.start(NODE, "rep-fp8", kit.sim_spec(kit.free_port(), gpus=(4,), dtype="fp8"))
+    # Garbage on the node's command subject (only an admin can write it): skipped, counted.
+    await admin.jetstream().publish(subjects.command(NODE), b"\x00not json")
+    await admin.jetstream().publish(subjects.command(NODE), b'{"type":"cmd.start_shard"}')
+    dup = await kit.wait_for(admin, NODE, status("rep-dup", "failed"))
+    fp8 = await kit.wait_for(admin, NODE, status("rep-fp8", "failed"))
+    assert isinstance(dup, events.ShardStatus)
+    assert isinstance(fp8, events.ShardStatus)
+    assert "GPU 0 is already used by another shard" in dup.error
+    assert "fp8 needs compute capability 8.9" in fp8.error
+    assert dup.error.startswith(f"node {NODE} refused the shard")
+
+    # Still alive and obeying: a good command after the bad ones runs.
+    await control.start(NODE, "rep-after", kit.sim_spec(kit.free_port(), gpus=(1,)))
+    await kit.wait_for(admin, NODE, status("rep-after", "serving"))
+    assert not agent.task.done()
+    assert agent.svc._reader is not None
+    assert agent.svc._reader.undecodable == 2
+
+
+async def test_commands_apply_once_by_generation_and_epoch(
+    start_agent: Any, control: Control, admin: Any
+) -> None:
+    agent = await start_agent()
+    control.epoch = 3
+    port = kit.free_port()
+    spec = kit.sim_spec(port)
+    first = await control.start(NODE, "rep-1", spec, generation=2)
+    await kit.wait_for(admin, NODE, status("rep-1", "serving", 2))
+    # The same command again (the server's duplicate window drops it), a re-send with a
+    # new id (what a redelivery past that window looks like), an older generation,
+    # and a stop from a deposed leader (epoch 2 < 3): none may touch the running engine.
+    await control.send(first)
+    await control.start(NODE, "rep-1", spec, generation=2, epoch=3)
+    await control.start(NODE, "rep-1", spec, generation=1, epoch=3)
+    await control.stop(NODE, "rep-1", generation=2, epoch=2)
+    # A stale stop (generation 1 < 2) from the current leader: ignored too.
+    await control.stop(NODE, "rep-1", generation=1, epoch=3)
+    # A marker command on another shard tells us when everything before it was applied.
+    await control.start(NODE, "marker", kit.sim_spec(kit.free_port(), gpus=(1,)), epoch=3)
+    await kit.wait_for(admin, NODE, status("marker", "starting"))
+    await asyncio.sleep(0.3)
+    evs = kit.without_heartbeats(await kit.node_records(admin, NODE))
+    assert kit.phases(evs, "rep-1") == [(2, "starting"), (2, "serving")]
+    view = agent.svc.supervisor.view("rep-1")
+    assert view is not None
+    assert view.phase == "serving"
+    assert view.generation == 2
+
+    # Drain, then a newer generation replaces it in place (the stop of 2 runs first).
+    await control.drain(NODE, "rep-1", generation=2)
+    await kit.wait_for(admin, NODE, status("rep-1", "draining", 2))
+    await control.stop(NODE, "rep-1", generation=2, epoch=3)
+    await control.start(NODE, "rep-1", spec, generation=3, epoch=3)
+    await kit.wait_for(admin, NODE, status("rep-1", "serving", 3))
+    evs = kit.without_heartbeats(await kit.node_records(admin, NODE))
+    assert kit.phases(evs, "rep-1")[2:] == [
+        (2, "draining"),
+        (2, "stopped"),
+        (3, "starting"),
+        (3, "serving"),
+    ]
+    assert agent.svc.ledger.epoch == 3
+    assert agent.svc.ledger.shards["rep-1/0"].started == 3
+
+
+async def test_outage_events_arrive_exactly_once_in_order(
+    start_agent: Any,
+    control: Control,
+    admin: Any,
+    nats_server: TestNatsServer,
+    connect: Connector,
+) -> None:
+    outage_s = float(__import__("os").environ.get("LLMGW_TEST_OUTAGE_S", "10"))
+    agent = await start_agent()
+    svc = agent.svc
+    await control.start(NODE, "rep-a", kit.sim_spec(kit.free_port(), gpus=(0,)))
+    serving_a = await kit.wait_for(admin, NODE, status("rep-a", "serving"))
+    assert isinstance(serving_a, events.ShardStatus)
+    assert serving_a.pid is not None
+    await control.start(NODE, "rep-b", kit.sim_spec(kit.free_port(), gpus=(1,)))
+    await kit.wait_for(admin, NODE, status("rep-b", "starting"))
+
+    nats_server.stop()
+    down_at = time.monotonic()
+    # While NATS is down, shards change phase: B comes up, A's engine dies.
+    assert svc.supervisor is not None
+    while (v := svc.supervisor.view("rep-b")) is None or v.phase != "serving":
+        assert time.monotonic() - down_at < 30, v
+        await asyncio.sleep(0.1)
+    processes.signal_group(serving_a.pid, 9)
+    while (v := svc.supervisor.view("rep-a")) is not None and v.phase != "failed":
+        assert time.monotonic() - down_at < 30, v
+        await asyncio.sleep(0.1)
+    queued = len(svc.outbox or [])
+    assert queued >= 2, "the transitions wait in the outbox"
+    await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - down_at)))
+    nats_server.start()
+
+    # The agent reconnects by itself, re-registers, and drains its outbox.
+    deadline = time.monotonic() + 30
+    while len(svc.outbox or []) or svc.registrations < 2:
+        assert time.monotonic() < deadline, (len(svc.outbox or []), svc.registrations)
+        await asyncio.sleep(0.1)
+    records = await kit.node_records(admin, NODE)
+    logged = kit.without_heartbeats(records)
+    ids = [e.id for e in logged]
+    assert len(ids) == len(set(ids)), "no event twice"
+    assert ids == [e.id for e in agent.emitted], "every event, once, in the order it happened"
+    assert kit.statuses(logged, "rep-b")[-1] == (1, "serving")
+    assert kit.statuses(logged, "rep-a")[-1] == (1, "failed")
+    last = logged[-1]
+    assert isinstance(last, events.NodeRegistered)
+    assert [(s.replica_id, s.phase) for s in last.shards] == [("rep-b", "serving")]
+    # Heartbeats resume after the outbox drained.
+    seqs = [r.seq for r in records if isinstance(r.event, events.Heartbeat)]
+    hb_before = len(seqs)
+    await asyncio.sleep(1.5)
+    after = await kit.node_records(admin, NODE)
+    assert sum(isinstance(r.event, events.Heartbeat) for r in after) > hb_before
+
+
+async def test_the_agent_cannot_publish_as_another_node(
+    start_agent: Any, control: Control, admin: Any
+) -> None:
+    agent = await start_agent()
+    svc = agent.svc
+    assert svc.nc is not None
+    forged = events.ShardStatus(
+        id="forged-1",
+        ts=time.time(),
+        node="node-b",
+        replica_id="rep-x",
+        generation=1,
+        phase="serving",
+        endpoint="http://evil:1",
+    )
+    publisher = bus.Publisher(svc.nc.jetstream(), timeout_s=0.5, attempts=1)
+    with pytest.raises(bus.PublishError):
+        await publisher.publish(forged)
+    deadline = time.monotonic() + 3
+    while not svc.nc.permission_violations:
+        assert time.monotonic() < deadline, "the server reported no violation"
+        await asyncio.sleep(0.05)
+    assert any("llmgw.events.node.node-b.shard" in v for v in svc.nc.permission_violations), (
+        svc.nc.permission_violations
+    )
+    # Nor read another node's commands.
+    with pytest.raises(bus.ReaderError):
+        async with bus.Reader(
+            svc.nc,
+            subjects_filter=[subjects.command("node-b")],
+            consumer_name="cmd-node-b",
+            follow=False,
+        ):
+            pass
+    assert await kit.node_records(admin, "node-b") == []
