@@ -381,7 +381,9 @@ def _registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: fl
                 continue
             report = reported.get((rid, shard.shard))
             if report is not None:
-                if report.phase != shard.phase:
+                # A generation that ended stays ended (the reconciler restarts it
+                # as the next generation); a report never resurrects it.
+                if report.phase != shard.phase and shard.phase not in TERMINAL:
                     shard.phase = report.phase
                     shard.since = float(ev.ts)
                 if report.endpoint:
