@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw.pki.ca import ROUTE_DN
+
 # Durability: with the server's default (fsync every 2 minutes) a power loss can lose writes
 # that were acknowledged; `always` fsyncs before every ack (FIELD-NOTES: Jepsen, Dec 2025).
 DEFAULT_SYNC_INTERVAL = "always"
@@ -58,6 +60,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """One server's place in a NATS cluster: where it listens for routes, every server's
+    route address (its own may be listed: nats-server ignores self-routes), and its route
+    certificate (from `CertificateAuthority.issue_route`)."""
+
+    name: str
+    host: str
+    port: int
+    routes: tuple[str, ...]
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    tls_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """What `render_config` needs. Paths are written as given: nats-server resolves relative
     `cert_file`/`ca_file`/`store_dir` against its working directory, but `include` against
@@ -77,6 +95,7 @@ class ServerConfig:
     tls_timeout_s: float = 5.0
     # Where the server writes its pid, so `llmgw ctl cert issue` can signal a reload.
     pid_file: Path | None = None
+    cluster: ClusterConfig | None = None
 
 
 # The checked-in nats/llmgw.conf, for `nats-server -c nats/llmgw.conf` from the repository
@@ -147,9 +166,32 @@ def render_config(cfg: ServerConfig, header: tuple[str, ...] = ()) -> str:
         f"  timeout: {cfg.tls_timeout_s}",
         "}",
         f"include {_q(cfg.authorization_file)}",
-        "",
     ]
+    if cfg.cluster is not None:
+        lines += _render_cluster(cfg.cluster)
+    lines.append("")
     return "\n".join(lines)
+
+
+def _render_cluster(c: ClusterConfig) -> list[str]:
+    routes = ", ".join(_q(f"nats-route://{r}") for r in c.routes)
+    return [
+        "cluster {",
+        f"  name: {_q(c.name)}",
+        f"  listen: {_q(f'{c.host}:{c.port}')}",
+        f"  routes: [{routes}]",
+        "  tls {",
+        f"    cert_file: {_q(c.cert_file)}",
+        f"    key_file: {_q(c.key_file)}",
+        f"    ca_file: {_q(c.ca_file)}",
+        "    # Every route certificate carries the same subject, and only it is accepted:",
+        "    # a client certificate from the same CA cannot join the cluster as a route.",
+        "    verify_and_map: true",
+        f"    timeout: {c.tls_timeout_s}",
+        "  }",
+        f"  authorization {{ user: {_q(ROUTE_DN)} }}",
+        "}",
+    ]
 
 
 class NatsServer:

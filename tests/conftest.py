@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Connector, TestNatsServer, TestPki
+from tests.harness import Connector, TestNatsCluster, TestNatsServer, TestPki
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +27,27 @@ def nats_server(pki: TestPki, tmp_path: Path) -> Iterator[TestNatsServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def nats_cluster(pki: TestPki, tmp_path: Path) -> Iterator[TestNatsCluster]:
+    """Three nats-servers in one JetStream cluster (route mTLS), for replicated streams and
+    failover; `connect_cluster` connects to it like `connect` does to `nats_server`."""
+    cluster = TestNatsCluster(pki, tmp_path / "cluster")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+async def connect_cluster(nats_cluster: TestNatsCluster) -> AsyncIterator[Connector]:
+    connector = Connector(nats_cluster)
+    try:
+        yield connector
+    finally:
+        await connector.close()
 
 
 @pytest.fixture

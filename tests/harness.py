@@ -142,6 +142,16 @@ class TestPki:
         """A context that trusts our CA but presents no client certificate."""
         return tls.client_context(ca_file=self.certs.ca_cert, cert_file=None, key_file=None)
 
+    def route_files(self) -> tuple[Path, Path]:
+        """The route certificate and key every harness cluster member uses (127.0.0.1)."""
+        cert, key = self.root / "route.pem", self.root / "route-key.pem"
+        with self._lock:
+            if not cert.exists():
+                issued = self.ca.issue_route(SERVER_HOSTS, now=utcnow())
+                key.write_bytes(issued.key_pem)
+                cert.write_bytes(issued.cert_pem)
+        return cert, key
+
     def admin_tls(self) -> ssl.SSLContext:
         """The test-only administrator: every subject, both directions. Never in production."""
         with self._lock:
@@ -191,6 +201,8 @@ class TestNatsServer:
         self.server_name = server_name
         self.host = "127.0.0.1"
         self.port = 0
+        # Set by TestNatsCluster before the first start.
+        self.cluster: natsd.ClusterConfig | None = None
         self._server: natsd.NatsServer | None = None
 
     @property
@@ -220,8 +232,13 @@ class TestNatsServer:
             http_port=None,
             server_name=self.server_name,
             sync_interval=self.sync_interval,
+            cluster=self.cluster,
         )
         self.config_path.write_text(natsd.render_config(cfg))
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url]
 
     def start(self) -> None:
         """Start (or restart after stop/kill) on the same port and store."""
@@ -267,12 +284,107 @@ class TestNatsServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-class Connector:
-    """Connects nats-py clients as llmgw identities to one test server; records their errors."""
+class TestNatsCluster:
+    """`size` nats-servers on 127.0.0.1 routed into one JetStream cluster (route mTLS with the
+    PKI's route certificate), each with the same client authorization as a single server.
 
-    def __init__(self, server: TestNatsServer) -> None:
+    `urls` lists every member (clients given all of them fail over); `servers[i]` is each
+    member, to stop, kill or restart. `start()` returns once JetStream answers through
+    every member, i.e. the meta leader is elected.
+    """
+
+    __test__ = False
+
+    def __init__(self, pki: TestPki, root: Path, *, size: int = 3, name: str = "llmgw") -> None:
+        self.pki = pki
+        self.root = root
+        self.name = name
+        self.servers = [
+            TestNatsServer(pki, root / f"s{i}", server_name=f"{name}-{i}") for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        cert, key = self.pki.route_files()
+        for server in self.servers:
+            server.root.mkdir(parents=True, exist_ok=True)
+            if not server.port:
+                server.port = natsd.free_port(server.host)
+        if not all(s.cluster for s in self.servers):
+            route_ports = [natsd.free_port() for _ in self.servers]
+            routes = tuple(f"127.0.0.1:{p}" for p in route_ports)
+            for server, port in zip(self.servers, route_ports, strict=True):
+                server.cluster = natsd.ClusterConfig(
+                    name=self.name,
+                    host="127.0.0.1",
+                    port=port,
+                    routes=routes,
+                    cert_file=cert.resolve(),
+                    key_file=key.resolve(),
+                    ca_file=self.pki.certs.ca_cert.resolve(),
+                )
+        for server in self.servers:
+            server.start()
+        # In a thread with its own loop: callable from sync fixtures and from async tests.
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                asyncio.run(self.wait_jetstream(timeout_s))
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        waiter.join()
+        if errors:
+            raise errors[0]
+
+    async def wait_jetstream(self, timeout_s: float = 30.0) -> None:
+        """Until the JetStream API answers through each running member (meta leader elected)."""
+        deadline = time.monotonic() + timeout_s
+        for server in self.servers:
+            if not server.running:
+                continue
+            while True:
+                try:
+                    nc = await nats.connect(
+                        server.url,
+                        tls=self.pki.admin_tls(),
+                        allow_reconnect=False,
+                        max_reconnect_attempts=1,
+                        connect_timeout=2,
+                    )
+                    try:
+                        await nc.jetstream(timeout=1).account_info()
+                        break
+                    finally:
+                        await nc.close()
+                except Exception:  # not ready yet: JetStream unavailable
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.1)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+
+class Connector:
+    """Connects nats-py clients as llmgw identities to one test server (or to every member of
+    a test cluster); records their errors."""
+
+    def __init__(self, server: TestNatsServer | TestNatsCluster) -> None:
         self.server = server
         self.errors: defaultdict[tuple[str, str], list[Exception]] = defaultdict(list)
+        self._seen: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.clients: list[Client] = []
 
     async def __call__(self, kind: Kind | str, name: str, **options: Any) -> Client:
@@ -292,7 +404,7 @@ class Connector:
             errors.append(exc)
 
         settings: dict[str, Any] = {
-            "servers": [self.server.url],
+            "servers": self.server.urls,
             "tls": ctx,
             "inbox_prefix": inbox,
             "error_cb": error_cb,
@@ -314,16 +426,21 @@ class Connector:
         ]
 
     async def violation(self, kind: str, name: str, within_s: float = 3.0) -> str:
-        """Wait for (and return) the latest permission violation reported to `kind`/`name`."""
+        """Wait for the next permission violation reported to `kind`/`name` that no earlier
+        call returned, and return its text (lower-cased by nats-py). Violations arrive
+        asynchronously, in the order of the refused operations."""
+        key = (kind, name)
         deadline = time.monotonic() + within_s
-        while not self.violations(kind, name):
+        while len(self.violations(kind, name)) <= self._seen[key]:
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"no permissions violation reported to {kind}/{name} within {within_s} s; "
-                    f"errors seen: {self.errors[(kind, name)]!r}"
+                    f"no new permissions violation reported to {kind}/{name} within "
+                    f"{within_s} s; errors seen: {self.errors[key]!r}"
                 )
             await asyncio.sleep(0.01)
-        return self.violations(kind, name)[-1]
+        message = self.violations(kind, name)[self._seen[key]]
+        self._seen[key] += 1
+        return message
 
     async def close(self) -> None:
         for nc in self.clients:

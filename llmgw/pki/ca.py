@@ -32,6 +32,12 @@ CLIENT_VALIDITY = dt.timedelta(days=365)
 BACKDATE = dt.timedelta(minutes=5)
 
 
+# The one subject every cluster route certificate carries (see issue_route).
+ROUTE_NAME = "route"
+ROUTE_UNIT = "route"
+ROUTE_DN = f"CN={ROUTE_NAME},OU={ROUTE_UNIT},O={ORGANIZATION}"
+
+
 class PkiError(ValueError):
     """A certificate operation that cannot be done; the message says what to do."""
 
@@ -195,7 +201,32 @@ class CertificateAuthority:
         return self._issue(
             subject_name(str(first), "server"),
             sans=sans,
-            usage=ExtendedKeyUsageOID.SERVER_AUTH,
+            usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+            not_before=now - BACKDATE,
+            not_after=now + validity,
+        )
+
+    def issue_route(
+        self,
+        hosts: Iterable[str],
+        *,
+        now: dt.datetime,
+        validity: dt.timedelta = SERVER_VALIDITY,
+    ) -> Issued:
+        """A cluster route certificate: the servers of a NATS cluster dial each other with it,
+        so it is both a server and a client certificate. Every route certificate has the
+        same subject, `ROUTE_DN`, which the cluster's `verify_and_map` authorization demands:
+        a client certificate from the same CA cannot join the cluster as a route."""
+        sans = san_entries(hosts)
+        if not sans:
+            raise PkiError(
+                "a route certificate needs the host or IP the other servers dial for routes, "
+                "e.g. --host 10.0.0.5 --host nats-2.example.com"
+            )
+        return self._issue(
+            subject_name(ROUTE_NAME, ROUTE_UNIT),
+            sans=sans,
+            usages=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
             not_before=now - BACKDATE,
             not_after=now + validity,
         )
@@ -218,7 +249,7 @@ class CertificateAuthority:
         return self._issue(
             name,
             sans=[],
-            usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+            usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
             not_before=start,
             not_after=now + validity,
         )
@@ -228,7 +259,7 @@ class CertificateAuthority:
         subject: x509.Name,
         *,
         sans: list[x509.GeneralName],
-        usage: x509.ObjectIdentifier,
+        usages: list[x509.ObjectIdentifier],
         not_before: dt.datetime,
         not_after: dt.datetime,
     ) -> Issued:
@@ -259,7 +290,7 @@ class CertificateAuthority:
                 ),
                 critical=True,
             )
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
                 critical=False,

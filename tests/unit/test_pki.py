@@ -205,3 +205,18 @@ def test_issued_is_plain_pem(ca: CertificateAuthority) -> None:
     assert isinstance(issued, Issued)
     assert issued.cert_pem.startswith(b"-----BEGIN CERTIFICATE-----")
     assert issued.key_pem.startswith(b"-----BEGIN PRIVATE KEY-----")
+
+
+def test_route_certificates_serve_and_dial_under_one_subject(ca: CertificateAuthority) -> None:
+    from llmgw.pki.ca import ROUTE_DN
+
+    a = ca.issue_route(["10.0.0.1", "nats-1.example.com"], now=NOW).cert
+    b = ca.issue_route(["10.0.0.2"], now=NOW).cert
+    # Servers dial each other with it: both usages. One subject for all, so the cluster's
+    # verify_and_map can demand exactly it (a client certificate never matches).
+    assert eku(a) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    assert a.subject.rfc4514_string() == b.subject.rfc4514_string() == ROUTE_DN
+    sans = a.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == ["nats-1.example.com"]
+    with pytest.raises(PkiError, match="route certificate needs"):
+        ca.issue_route([], now=NOW)
