@@ -17,13 +17,17 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.pki.ca import ROUTE_DN
+from llmgw.pki.ca import ROUTE_DN, CertificateAuthority
+from llmgw.pki.identity import Identity
+from llmgw.pki.store import CertDir, utcnow
 
 # Durability: with the server's default (fsync every 2 minutes) a power loss can lose writes
 # that were acknowledged; `always` fsyncs before every ack (FIELD-NOTES: Jepsen, Dec 2025).
@@ -355,3 +359,98 @@ def reload_from_pid_file(pid_file: Path) -> int | None:
     except ProcessLookupError:
         return None
     return pid
+
+
+class LocalNats:
+    """A private nats-server in a state directory, with its own throwaway CA: what `llmgw up`
+    runs on one machine. The layout mirrors the repository's:
+
+        <root>/certs/...            CA, server certificate (127.0.0.1, ::1, localhost), clients
+        <root>/authorization.conf   rendered from the client certificates present
+        <root>/nats.conf            JetStream in <root>/jetstream, mTLS, the include
+        <root>/nats.log
+
+    `prepare` is idempotent: a second `llmgw up` on the same state directory keeps the CA,
+    the certificates and the log. `client_tls` issues an identity on first use and reloads a
+    running server, so agents can be added while the fleet runs.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sync_interval: str | None = DEFAULT_SYNC_INTERVAL,
+    ) -> None:
+        self.root = root
+        self.host = host
+        self.port = port
+        self.sync_interval = sync_interval
+        self.certs = CertDir(root / "certs")
+        self.config_path = root / "nats.conf"
+        self.log_path = root / "nats.log"
+        self._server: NatsServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"tls://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None and self._server.running
+
+    def prepare(self, identities: Iterable[Identity] = ()) -> None:
+        """Create what is missing (CA, server certificate, `identities`), render, configure."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        now = utcnow()
+        if self.certs.ca_key.exists():
+            ca = self.certs.load_ca()
+        else:
+            ca = CertificateAuthority.create(now=now, name="llmgw local CA")
+            self.certs.save_ca(ca)
+        if not self.certs.server_key.exists():
+            hosts = ["127.0.0.1", "::1", "localhost"]
+            if self.host not in hosts:
+                hosts.append(self.host)
+            self.certs.save_server(ca.issue_server(hosts, now=now))
+        for identity in identities:
+            if not self.certs.cert(identity).exists():
+                self.certs.save_client(identity, ca.issue_client(identity, now=now))
+        self.certs.write_authorization(self.root / "authorization.conf")
+        if not self.port:
+            self.port = free_port(self.host)
+        cfg = ServerConfig(
+            store_dir=(self.root / "jetstream").resolve(),
+            cert_file=self.certs.server_cert.resolve(),
+            key_file=self.certs.server_key.resolve(),
+            ca_file=self.certs.ca_cert.resolve(),
+            authorization_file=Path("authorization.conf"),
+            host=self.host,
+            port=self.port,
+            http_port=None,
+            server_name="llmgw-local",
+            sync_interval=self.sync_interval,
+        )
+        self.config_path.write_text(render_config(cfg))
+
+    def client_tls(self, identity: Identity) -> ssl.SSLContext:
+        """The TLS context of `identity`, issued (and admitted by a reload) on first use."""
+        if not self.certs.cert(identity).exists():
+            self.prepare([identity])
+            if self.running and self._server is not None:
+                self._server.reload()
+        return self.certs.client_context(identity)
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if not self.config_path.exists():
+            self.prepare()
+        if self._server is None:
+            self._server = NatsServer(
+                self.config_path, host=self.host, port=self.port, log_path=self.log_path
+            )
+        self._server.start(timeout_s)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
