@@ -3,8 +3,9 @@
 `init` creates the CA, the NATS server certificate and the first control-plane and operator
 certificates, and renders the authorization nats/llmgw.conf includes; `issue` adds one
 client identity (and re-renders, and reloads a running nats-server found through its pid
-file); `list` shows who is admitted and until when; `remove` takes an identity out of the
-authorization; `render` writes the authorization again from the certificates present.
+file); `server` re-issues the server certificate for new hosts; `route` issues a cluster
+member's route certificate; `list` shows who is admitted and until when; `remove` takes an
+identity out of the authorization; `render` writes the authorization again.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 import typer
 
 from llmgw import natsd
+from llmgw.core.subjects import check_token
 from llmgw.pki.ca import CertificateAuthority, PkiError
 from llmgw.pki.identity import KINDS, Identity
-from llmgw.pki.store import CertDir, expires, utcnow
+from llmgw.pki.store import CertDir, expires, utcnow, write_private, write_public
 
 app = typer.Typer(
     help="The fleet's private CA: create it, issue and list client certificates.",
@@ -174,6 +176,33 @@ def server(
     pid = natsd.reload_from_pid_file(pid_file)
     if pid is not None:
         typer.echo(f"reloaded nats-server (pid {pid}): new connections see the new certificate")
+
+
+@app.command("route")
+def route(
+    name: str = typer.Argument(..., help="The cluster member, e.g. nats-1."),
+    dir: Path = DIR_OPTION,
+    host: list[str] = typer.Option(
+        [], "--host", help="The host name or IP the other members dial for routes (repeat)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an existing route key."),
+) -> None:
+    """Issue a cluster route certificate for one nats-server of a cluster (nats/cluster/)."""
+    try:
+        check_token(name, "cluster member name")
+    except ValueError as exc:
+        raise _fail(exc) from None
+    if not host:
+        raise _fail(PkiError("give the address the other members dial: --host 10.0.0.5"))
+    certs = CertDir(dir)
+    try:
+        issued = certs.load_ca().issue_route(host, now=utcnow())
+        cert, key = certs.root / "route" / f"{name}.pem", certs.root / "route" / f"{name}-key.pem"
+        write_private(key, issued.key_pem, force=force)
+        write_public(cert, issued.cert_pem)
+    except PkiError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"route         {cert}  (hosts: {', '.join(host)})")
 
 
 @app.command("list")

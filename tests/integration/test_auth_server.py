@@ -173,3 +173,12 @@ async def test_stopped_server_refuses_and_reports_clearly(nats_server: TestNatsS
         )
     with pytest.raises(natsd.NatsServerError, match="not running"):
         natsd.NatsServer(nats_server.config_path).reload()
+
+
+def test_checked_in_cluster_configs_are_what_llmgw_renders() -> None:
+    for index in range(1, natsd.CLUSTER_SIZE + 1):
+        path = REPO / "nats" / "cluster" / f"nats-{index}.conf"
+        assert path.read_text() == natsd.render_cluster_member(index), (
+            f"{path} drifted from llmgw.natsd.cluster_member_config: regenerate it with "
+            f"render_cluster_member({index})"
+        )

@@ -196,3 +196,80 @@ def test_llmgw_ctl_is_listed_in_help(tmp_path: Path) -> None:
     assert out.returncode == 0
     assert "ctl" in out.stdout
     assert shutil.which("nats-server") or natsd.binary()
+
+
+async def test_the_checked_in_cluster_runs_from_the_repository_root(tmp_path: Path) -> None:
+    """nats/cluster/nats-{1,2,3}.conf as checked in (only their ports moved to free ones),
+    after `llmgw ctl cert init` and `llmgw ctl cert route`: a replicated log that keeps
+    acknowledging writes with one member down."""
+    root = tmp_path
+    (root / "nats" / "cluster").mkdir(parents=True)
+    texts = [
+        (REPO / "nats" / "cluster" / f"nats-{i}.conf").read_text()
+        for i in range(1, natsd.CLUSTER_SIZE + 1)
+    ]
+    ports: dict[int, int] = {}
+    for base in (4221, 6221, 8221):
+        for i in range(1, natsd.CLUSTER_SIZE + 1):
+            ports[base + i] = natsd.free_port()
+    for i, text in enumerate(texts, start=1):
+        for old, new in ports.items():
+            text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
+        (root / "nats" / "cluster" / f"nats-{i}.conf").write_text(text)
+
+    assert llmgw(root, "ctl", "cert", "init", "--host", "127.0.0.1").returncode == 0
+    for i in range(1, natsd.CLUSTER_SIZE + 1):
+        out = llmgw(root, "ctl", "cert", "route", f"nats-{i}", "--host", "127.0.0.1")
+        assert out.returncode == 0, out.stderr
+    refused = llmgw(root, "ctl", "cert", "route", "nats-1", "--host", "127.0.0.1")
+    assert refused.returncode == 1
+    assert "--force" in refused.stderr
+
+    servers = [
+        natsd.NatsServer(
+            Path(f"nats/cluster/nats-{i}.conf"),
+            port=ports[4221 + i],
+            cwd=root,
+            log_path=root / f"nats-{i}.log",
+        )
+        for i in range(1, natsd.CLUSTER_SIZE + 1)
+    ]
+    try:
+        for server in servers:
+            server.start()
+        urls = [s.url for s in servers]
+        control = await connect(root, Identity("control", "control"), urls[0])
+        js = control.jetstream(timeout=2)
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:  # until the cluster has elected its JetStream meta leader
+            try:
+                await js.add_stream(
+                    name=subjects.STREAM, subjects=list(subjects.STREAM_SUBJECTS), num_replicas=3
+                )
+                break
+            except (nats.errors.TimeoutError, nats.js.errors.Error):
+                assert asyncio.get_running_loop().time() < deadline, "no JetStream meta leader"
+                await asyncio.sleep(0.2)
+        operator = await connect(root, Identity("operator", "admin"), urls[2])
+        cordon = events.NodeCordoned(id="c-1", ts=1.0, operator="admin", node="gpu-1")
+        ack = await operator.jetstream().publish(events.subject_of(cordon), events.encode(cordon))
+        assert ack.seq == 1
+
+        servers[0].stop()
+        cordon2 = events.NodeCordoned(id="c-2", ts=2.0, operator="admin", node="gpu-2")
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:  # a new stream leader may need electing
+            try:
+                ack = await operator.jetstream().publish(
+                    events.subject_of(cordon2), events.encode(cordon2), timeout=2
+                )
+                break
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error):
+                assert asyncio.get_running_loop().time() < deadline, "writes stopped"
+                await asyncio.sleep(0.2)
+        assert ack.seq == 2
+        await operator.close()
+        await control.close()
+    finally:
+        for server in servers:
+            server.stop()
