@@ -33,6 +33,7 @@ from llmgw.core import breaker, routing
 from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import auth, requests
+from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
 from llmgw.router.metrics import Metrics
 from llmgw.router.table import Catalog, EndpointTable, Prober
@@ -101,6 +102,8 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.prober: Prober | None = None
         self._routed = 0
+        self._bases: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
+        self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
         self._rid_prefix = f"{os.urandom(4).hex()}-"
         self._rid = 0
         self._use_prefix = cfg.weights.prefix > 0
@@ -109,18 +112,11 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=self.cfg.upstream_connections,
-            limit_per_host=0,
-            keepalive_timeout=60.0,
-            ttl_dns_cache=300,
-        )
-        # No total timeout: each phase has its own deadline, enforced per request.
+        # aiohttp serves the health and metrics probes; requests go through self.pool.
         self.session = aiohttp.ClientSession(
-            connector=connector,
+            connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=30.0),
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         self.prober = Prober(self.table, self.session, self.metrics, self.cfg.probe_interval_s)
         await self.prober.probe_all()
@@ -131,12 +127,14 @@ class Router:
             await self.prober.stop()
         if self.session is not None:
             await self.session.close()
+        self.pool.close()
 
     # ------------------------------------------------------------------ handlers
 
     def _request_id(self, request: web.Request) -> str:
         rid = request.headers.get("X-Request-Id")
-        if rid and len(rid) <= 128:
+        # Passed upstream as a header: only short printable ASCII is taken as is.
+        if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
             return rid
         self._rid += 1
         return f"{self._rid_prefix}{self._rid}"
@@ -304,9 +302,17 @@ class Router:
         except asyncio.CancelledError:
             status = 499  # client closed the request (nginx's convention)
             raise
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except ConnectionResetError:
             status = 499
             raise
+        except Exception:
+            # A bug, not bad input: say so in OpenAI's shape, keep serving.
+            log.exception("request_crashed", request_id=rid)
+            status = 500
+            return error_response(
+                500, "the router failed on this request (a bug): see its log", "server_error",
+                "internal_error", rid,
+            )  # fmt: skip
         finally:
             self.metrics.request_done(asked, status, time.monotonic() - start)
 
@@ -462,13 +468,19 @@ class Router:
         state: _Relay,
         principal: auth.Principal | None,
     ) -> web.StreamResponse:
-        assert self.session is not None
         d = prof.deadlines
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         total_at = state.loop_start + d.total_s
-        path = "/v1/chat/completions" if kind == "chat" else f"/v1/{kind}"
-        open_coro = self._open(ep.url + path, body, state.rid, d, t0, total_at, state.stream)
+        base = self._bases.get(ep.url)
+        if base is None:
+            base = self._bases[ep.url] = upstream_http.parse_base(ep.url)
+        key, host_header, prefix = base
+        path = prefix + ("/v1/chat/completions" if kind == "chat" else f"/v1/{kind}")
+        head = upstream_http.request_head(
+            path, host_header, len(body), [("X-Request-Id", state.rid)]
+        )
+        open_coro = self._open(key, head, body, d, t0, total_at, state.stream)
         if self.cfg.keepalive_s > 0 and state.stream:
             opened = await self._open_with_keepalive(open_coro, state)
         else:
@@ -499,44 +511,36 @@ class Router:
 
     async def _open(
         self,
-        url: str,
+        key: tuple[str, int, bool],
+        head: bytes,
         body: bytes,
-        rid: str,
         d: Deadlines,
         t0: float,
         total_at: float,
         stream: bool,
-    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+    ) -> tuple[upstream_http.Response, bytes | None]:
         """Send the request; return the response and, for a 2xx stream, its first bytes."""
-        assert self.session is not None
-        headers = {"Content-Type": JSON, "X-Request-Id": rid}
         try:
             async with asyncio.timeout_at(min(t0 + d.headers_s, total_at)):
-                upstream = await self.session.post(
-                    url,
-                    data=body,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=d.connect_s),
-                )
-        except TimeoutError as exc:
-            if isinstance(exc, aiohttp.ConnectionTimeoutError):
-                raise Retry("connect_timeout", 504, f"engine did not accept a connection within"
-                            f" {d.connect_s} s") from None  # fmt: skip
+                upstream = await self.pool.request(key, head, body, connect_timeout=d.connect_s)
+        except TimeoutError:
             raise Retry(
                 "headers_timeout", 504, f"engine sent no response headers within {d.headers_s} s"
             ) from None
-        except aiohttp.ClientConnectorError as exc:
-            raise Retry("connect_error", 502, f"cannot connect to the engine: {exc}") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise Retry("upstream_error", 502, f"engine connection failed: {exc!r}") from None
+        except upstream_http.ConnectTimeout as exc:
+            raise Retry("connect_timeout", 504, str(exc)) from None
+        except upstream_http.ConnectError as exc:
+            raise Retry("connect_error", 502, str(exc)) from None
+        except (upstream_http.UpstreamError, OSError) as exc:
+            raise Retry("upstream_error", 502, f"engine connection failed: {exc}") from None
         try:
             status = upstream.status
             if status >= 500 or status == 429:
                 detail = b""
                 try:
                     async with asyncio.timeout(1.0):
-                        detail = await upstream.content.read(2048)
-                except (TimeoutError, aiohttp.ClientError, OSError):
+                        detail = await upstream.read(2048)
+                except (TimeoutError, upstream_http.UpstreamError, OSError):
                     pass
                 raise Retry(
                     "overloaded" if status == 429 else f"status_{status}",
@@ -548,12 +552,12 @@ class Router:
                 return upstream, None
             try:
                 async with asyncio.timeout_at(min(t0 + d.first_token_s, total_at)):
-                    first = await upstream.content.readany()
+                    first = await upstream.read_any()
                     # A chat stream opens with a role-only chunk before any token (vLLM sends
                     # it with the first token, others at once): hold it back, so the first-token
                     # deadline still covers the wait and the request can still move elsewhere.
                     while first and len(first) < 4096 and _only_openers(first):
-                        more = await upstream.content.readany()
+                        more = await upstream.read_any()
                         if not more:
                             break
                         first += more
@@ -563,8 +567,8 @@ class Router:
                     504,
                     f"engine sent no first token within {d.first_token_s} s",
                 ) from None
-            except (aiohttp.ClientError, OSError) as exc:
-                raise Retry("upstream_error", 502, f"engine stream failed: {exc!r}") from None
+            except (upstream_http.UpstreamError, OSError) as exc:
+                raise Retry("upstream_error", 502, f"engine stream failed: {exc}") from None
             if not first:
                 raise Retry("empty_stream", 502, "engine closed the stream before any data")
             return upstream, first
@@ -574,9 +578,9 @@ class Router:
 
     async def _open_with_keepalive(
         self,
-        open_coro: Awaitable[tuple[aiohttp.ClientResponse, bytes | None]],
+        open_coro: Awaitable[tuple[upstream_http.Response, bytes | None]],
         state: _Relay,
-    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+    ) -> tuple[upstream_http.Response, bytes | None]:
         """Await `open_coro`, sending SSE comments every keepalive_s while it waits."""
         task = asyncio.ensure_future(open_coro)
         try:
@@ -591,7 +595,7 @@ class Router:
                 task.cancel()
 
     async def _read_body(
-        self, upstream: aiohttp.ClientResponse, d: Deadlines, total_at: float
+        self, upstream: upstream_http.Response, d: Deadlines, total_at: float
     ) -> bytes:
         try:
             async with asyncio.timeout_at(total_at):
@@ -600,8 +604,8 @@ class Router:
             raise Retry(
                 "total_timeout", 504, f"engine did not finish within {d.total_s} s"
             ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise Retry("upstream_error", 502, f"engine response failed: {exc!r}") from None
+        except (upstream_http.UpstreamError, OSError) as exc:
+            raise Retry("upstream_error", 502, f"engine response failed: {exc}") from None
 
     def _account(self, prof: ModelProfile, principal: auth.Principal | None, data: bytes) -> None:
         u = requests.usage_of(data)
@@ -619,7 +623,7 @@ class Router:
     async def _relay(
         self,
         ep: routing.EndpointState,
-        upstream: aiohttp.ClientResponse,
+        upstream: upstream_http.Response,
         first: bytes,
         prof: ModelProfile,
         principal: auth.Principal | None,
@@ -632,7 +636,6 @@ class Router:
         t_first = loop.time()
         self.metrics.first_token(prof.name, t_first - state.loop_start)
         resp = await state.prepare()
-        content = upstream.content
         buf = first
         chunks = 1
         t_last = t_first
@@ -653,7 +656,7 @@ class Router:
                         if out:
                             tail = out
                             try:
-                                if not buf and content.at_eof() and out.endswith(DONE):
+                                if not buf and upstream.at_eof() and out.endswith(DONE):
                                     # The whole rest is here: headers (if still held), the
                                     # events and the end of the body leave in one send.
                                     await resp.write_eof(out)
@@ -662,7 +665,7 @@ class Router:
                                 await resp.write(out)
                             except ConnectionResetError:
                                 raise _ClientGone from None
-                    chunk = await content.readany()
+                    chunk = await upstream.read_any()
                     if not chunk:
                         break
                     now = loop.time()
@@ -675,8 +678,8 @@ class Router:
                 problem = ("total_timeout", f"the engine did not finish within {d.total_s} s")
             else:
                 problem = ("idle_timeout", f"the engine sent nothing for {idle} s")
-        except (aiohttp.ClientError, OSError) as exc:
-            problem = ("engine_disconnected", f"the engine's stream broke off: {exc!r}")
+        except (upstream_http.UpstreamError, OSError) as exc:
+            problem = ("engine_disconnected", f"the engine's stream broke off: {exc}")
         if chunks > 1:
             self.metrics.inter_token(prof.name, (t_last - t_first) / (chunks - 1))
         if problem is None and not tail.endswith(DONE):

@@ -1,0 +1,484 @@
+"""A small HTTP/1.1 client for the router's hot path: engines, keep-alive, streamed bodies.
+
+The router sends one kind of request — a POST of a JSON body — and relays the
+answer, often a chunked SSE stream. A general client (aiohttp's) spends more
+Python per request on features the router never uses (cookies, redirects, URL
+objects, payload registries, tracing) than the router spends routing, so this
+module does just the needed part on asyncio protocols: a per-host pool of
+kept-alive connections, the request written in one send, the response head
+parsed once, and the body decoded (Content-Length, chunked or until close) into
+bytes the relay reads as they arrive. TCP_NODELAY is set on every connection.
+
+A response that ends early raises `UpstreamError`; closing a response that is
+not complete aborts its connection, so the engine sees the client leave and
+frees the request's KV blocks. Used by `llmgw.router.app`; health and metrics
+probes use aiohttp (not hot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from typing import cast
+
+MAX_HEAD = 64 * 1024
+HIGH_WATER = 1024 * 1024
+"""Body bytes buffered before reading from the engine pauses (a slow client)."""
+
+
+class UpstreamError(Exception):
+    """The connection to the engine failed or the response was malformed or cut."""
+
+
+class ConnectError(UpstreamError):
+    """No connection could be opened."""
+
+
+class ConnectTimeout(UpstreamError):
+    """Opening a connection took longer than the connect deadline."""
+
+
+class _Conn(asyncio.Protocol):
+    """One connection; carries one response at a time."""
+
+    __slots__ = (
+        "_body_mode",
+        "_buffered",
+        "_cbuf",
+        "_chunk_left",
+        "_chunks",
+        "_error",
+        "_head",
+        "_headers_waiter",
+        "_keep_alive",
+        "_left",
+        "_paused",
+        "_trailer",
+        "_waiter",
+        "closed",
+        "content_type",
+        "done",
+        "key",
+        "loop",
+        "status",
+        "transport",
+    )  # fmt: skip
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.key: tuple[str, int, bool] = ("", 0, False)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.content_type = ""
+        self.done = False
+        self._head = b""
+        self._headers_waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._error: BaseException | None = None
+        self._body_mode = 0  # 0 head, 1 length, 2 chunked, 3 until close
+        self._left = 0
+        self._cbuf = b""
+        self._chunk_left = -1  # -1: expecting a size line
+        self._trailer = False
+        self._keep_alive = True
+        self._paused = False
+
+    # ------------------------------------------------------------------ protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # not TCP (a Unix socket): nothing to do
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._body_mode == 3 and self.status and not self.done:
+            self.done = True  # a body delimited by the close is complete now
+        elif not self.done:
+            self._fail(UpstreamError(f"engine closed the connection: {exc!r}" if exc else
+                                     "engine closed the connection"))  # fmt: skip
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        if self._body_mode != 0:
+            self._feed(data)
+            return
+        self._head += data
+        while self._body_mode == 0:
+            end = self._head.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._head) > MAX_HEAD:
+                    self._fail(UpstreamError("engine response head is too large"))
+                    self._abort()
+                return
+            head, self._head = self._head[:end], self._head[end + 4 :]
+            if not self._parse_head(head):
+                return
+        rest, self._head = self._head, b""
+        if rest:
+            self._feed(rest)
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    # ------------------------------------------------------------------ parsing
+
+    def _parse_head(self, head: bytes) -> bool:
+        lines = head.split(b"\r\n")
+        status_line = lines[0]
+        try:
+            version, _, rest = status_line.partition(b" ")
+            status = int(rest[:3])
+        except ValueError:
+            self._fail(UpstreamError(f"engine sent a malformed status line {status_line[:80]!r}"))
+            self._abort()
+            return False
+        if 100 <= status < 200:
+            # Interim response (100 Continue and friends): the real head follows.
+            return True
+        length = -1
+        chunked = False
+        keep_alive = version == b"HTTP/1.1"
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                try:
+                    length = int(value.strip())
+                except ValueError:
+                    self._fail(UpstreamError("engine sent a malformed Content-Length"))
+                    self._abort()
+                    return False
+            elif name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"connection":
+                v = value.strip().lower()
+                if v == b"close":
+                    keep_alive = False
+                elif v == b"keep-alive":
+                    keep_alive = True
+            elif name == b"content-type":
+                self.content_type = value.strip().split(b";")[0].decode("latin-1")
+        self.status = status
+        self._keep_alive = keep_alive
+        if chunked:
+            self._body_mode = 2
+        elif length >= 0:
+            self._body_mode = 1
+            self._left = length
+            if length == 0:
+                self._finish()
+        elif status in (204, 304):
+            self._body_mode = 1
+            self._finish()
+        else:
+            self._body_mode = 3
+            self._keep_alive = False
+        return True
+
+    def _feed(self, data: bytes) -> None:
+        mode = self._body_mode
+        if mode == 1:
+            if len(data) >= self._left:
+                self._push(data[: self._left])
+                self._left = 0
+                self._finish()
+            else:
+                self._left -= len(data)
+                self._push(data)
+        elif mode == 2:
+            self._feed_chunked(data)
+        elif mode == 3:
+            self._push(data)
+        self._wake()
+
+    def _feed_chunked(self, data: bytes) -> None:
+        buf = self._cbuf + data if self._cbuf else data
+        pos = 0
+        n = len(buf)
+        out: list[bytes] = []
+        while pos < n:
+            if self._trailer:
+                # After the last chunk: optional trailers, then an empty line.
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                line = buf[pos:end]
+                pos = end + 2
+                if not line:
+                    self._cbuf = b""
+                    if out:
+                        self._push(b"".join(out))
+                    self._finish()
+                    return
+                continue
+            if self._chunk_left < 0:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                try:
+                    size = int(buf[pos:end].split(b";", 1)[0], 16)
+                except ValueError:
+                    self._fail(UpstreamError("engine sent a malformed chunk size"))
+                    self._abort()
+                    return
+                pos = end + 2
+                if size == 0:
+                    self._trailer = True
+                    continue
+                self._chunk_left = size
+            take = min(self._chunk_left, n - pos)
+            if take:
+                out.append(buf[pos : pos + take])
+                pos += take
+                self._chunk_left -= take
+            if self._chunk_left == 0:
+                if n - pos < 2:
+                    break  # wait for the CRLF after the chunk
+                pos += 2
+                self._chunk_left = -1
+        self._cbuf = buf[pos:] if pos < n else b""
+        if out:
+            self._push(b"".join(out))
+
+    def _push(self, data: bytes) -> None:
+        if not data:
+            return
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None and not self.done:
+            self._error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        h = self._headers_waiter
+        if h is not None and not h.done() and (self.status >= 200 or self._error is not None
+                                                or self.closed):  # fmt: skip
+            h.set_result(None)
+
+    def _abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    # ------------------------------------------------------------------ the caller's side
+
+    async def wait_head(self) -> None:
+        while self.status < 200:
+            if self._error is not None:
+                raise self._error
+            if self.closed:
+                raise UpstreamError("engine closed the connection before answering")
+            fut = self.loop.create_future()
+            self._headers_waiter = fut
+            try:
+                await fut
+            finally:
+                self._headers_waiter = None
+
+    async def read_any(self) -> bytes:
+        """Body bytes received so far (waiting for some); b"" once the body is complete."""
+        while True:
+            if self._chunks:
+                chunks = self._chunks
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                self._chunks = []
+                self._buffered = 0
+                if self._paused and self.transport is not None:
+                    self._paused = False
+                    self.transport.resume_reading()
+                return data
+            if self.done:
+                return b""
+            if self._error is not None:
+                raise self._error
+            fut = self.loop.create_future()
+            self._waiter = fut
+            try:
+                await fut
+            finally:
+                self._waiter = None
+
+    def at_eof(self) -> bool:
+        return self.done and not self._chunks
+
+    @property
+    def reusable(self) -> bool:
+        return self.done and self._keep_alive and not self.closed and self._error is None
+
+
+class Response:
+    """An engine's answer: status, content type and the body as it arrives."""
+
+    __slots__ = ("_conn", "_pool", "_released", "status")
+
+    def __init__(self, conn: _Conn, pool: Pool) -> None:
+        self._conn = conn
+        self._pool = pool
+        self._released = False
+        self.status = conn.status
+
+    @property
+    def content_type(self) -> str:
+        return self._conn.content_type
+
+    async def read_any(self) -> bytes:
+        return await self._conn.read_any()
+
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body (or its first `limit` bytes; the rest is dropped with the connection)."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            data = await self._conn.read_any()
+            if not data:
+                break
+            parts.append(data)
+            size += len(data)
+            if limit is not None and size >= limit:
+                break
+        return b"".join(parts)
+
+    def at_eof(self) -> bool:
+        return self._conn.at_eof()
+
+    def close(self) -> None:
+        """Give the connection back when the body is complete, else abort it."""
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        if conn.reusable:
+            self._pool._give_back(conn)
+        else:
+            conn._abort()
+
+
+class Pool:
+    """Kept-alive connections per (host, port, tls)."""
+
+    def __init__(self, *, max_idle_per_host: int = 1024) -> None:
+        self.max_idle = max_idle_per_host
+        self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def close(self) -> None:
+        for conns in self._idle.values():
+            for c in conns:
+                c._abort()
+        self._idle.clear()
+
+    def _give_back(self, conn: _Conn) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) >= self.max_idle:
+            conn._abort()
+            return
+        conn._reset()
+        idle.append(conn)
+
+    async def _connect(self, key: tuple[str, int, bool], within: float) -> _Conn:
+        loop = asyncio.get_running_loop()
+        host, port, tls = key
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        try:
+            async with asyncio.timeout(within):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop), host, port, ssl=self._ssl if tls else None
+                )
+        except TimeoutError:
+            raise ConnectTimeout(
+                f"engine at {host}:{port} did not accept a connection within {within} s"
+            ) from None
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to the engine at {host}:{port}: {exc}") from None
+        conn.key = key
+        return conn
+
+    async def request(
+        self,
+        key: tuple[str, int, bool],
+        head: bytes,
+        body: bytes,
+        *,
+        connect_timeout: float,
+    ) -> Response:
+        """Send one request and wait for the response head.
+
+        A kept-alive connection the engine closed meanwhile fails before any byte of the
+        answer; the request is then sent once more on a fresh connection.
+        """
+        idle = self._idle.get(key)
+        conn: _Conn | None = None
+        while idle:
+            c = idle.pop()
+            if not c.closed and c.transport is not None and not c.transport.is_closing():
+                conn = c
+                break
+        for attempt in (0, 1):
+            fresh = conn is None
+            if conn is None:
+                conn = await self._connect(key, connect_timeout)
+            assert conn.transport is not None
+            conn.transport.write(head + body)
+            try:
+                await conn.wait_head()
+            except UpstreamError:
+                conn._abort()
+                if fresh or attempt == 1 or conn.status:
+                    raise
+                conn = None  # a stale kept-alive connection: once more, on a new one
+                continue
+            except BaseException:
+                conn._abort()
+                raise
+            return Response(conn, self)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def request_head(path: str, host_header: str, length: int, extra: list[tuple[str, str]]) -> bytes:
+    """The request line and headers of a JSON POST, ready to send."""
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {host_header}",
+        "Content-Type: application/json",
+        f"Content-Length: {length}",
+    ]
+    lines.extend(f"{k}: {v}" for k, v in extra)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def parse_base(url: str) -> tuple[tuple[str, int, bool], str, str]:
+    """(host, port, tls), Host header and path prefix of an engine's base URL."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if tls else 80)
+    host_header = parts.netloc.rpartition("@")[2]
+    return (host, port, tls), host_header, parts.path.rstrip("/")

@@ -1,0 +1,125 @@
+"""The router's HTTP/1.1 response parsing (llmgw.router.upstream), fed arbitrary segmentations."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.router.upstream import UpstreamError, _Conn, parse_base, request_head
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.aborted = False
+        self.paused = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+LOOP = asyncio.new_event_loop()  # futures need a loop; parsing never runs it
+
+
+def conn() -> _Conn:
+    c = _Conn(LOOP)
+    c.connection_made(FakeTransport())  # type: ignore[arg-type]
+    return c
+
+
+def feed(c: _Conn, data: bytes, cuts: list[int]) -> bytes:
+    """Feed `data` split at `cuts`, collecting the decoded body."""
+    out = b""
+    points = sorted({min(x, len(data)) for x in cuts} | {0, len(data)})
+    for a, b in itertools.pairwise(points):
+        c.data_received(data[a:b])
+        out += b"".join(c._chunks)
+        c._chunks = []
+    return out
+
+
+def chunked(parts: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts if p) + b"0\r\n\r\n"
+
+
+@given(
+    parts=st.lists(st.binary(max_size=40), max_size=8),
+    cuts=st.lists(st.integers(0, 600), max_size=12),
+    interim=st.booleans(),
+)
+def test_chunked_bodies_decode_whatever_the_segmentation(
+    parts: list[bytes], cuts: list[int], interim: bool
+) -> None:
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    if interim:
+        head = b"HTTP/1.1 100 Continue\r\n\r\n" + head
+    c = conn()
+    body = feed(c, head + chunked(parts), cuts)
+    assert c.status == 200
+    assert c.content_type == "text/event-stream"
+    assert body == b"".join(parts)
+    assert c.done
+    assert c.reusable
+
+
+@given(body=st.binary(max_size=200), cuts=st.lists(st.integers(0, 300), max_size=8))
+def test_content_length_bodies(body: bytes, cuts: list[int]) -> None:
+    c = conn()
+    data = b"HTTP/1.1 429 Too Many\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    assert feed(c, data, cuts) == body
+    assert c.status == 429
+    assert c.done
+
+
+def test_close_delimited_body_and_connection_close() -> None:
+    c = conn()
+    assert feed(c, b"HTTP/1.0 200 OK\r\n\r\nabc", []) == b"abc"
+    assert not c.done
+    c.connection_lost(None)
+    assert c.done
+    assert not c.reusable
+
+
+def test_a_cut_stream_is_an_error_not_an_end() -> None:
+    c = conn()
+    feed(c, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel", [])
+    c.connection_lost(ConnectionResetError())
+    assert not c.done
+    assert isinstance(c._error, UpstreamError)
+
+
+def test_malformed_heads_fail_cleanly() -> None:
+    for data in (b"garbage\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+                 b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):  # fmt: skip
+        c = conn()
+        c.data_received(data)
+        assert c._error is not None
+        assert c.transport.aborted  # type: ignore[union-attr]
+
+
+def test_request_head_and_base_parsing() -> None:
+    key, host, prefix = parse_base("https://engine.example:8443/prefix/")
+    assert key == ("engine.example", 8443, True)
+    assert host == "engine.example:8443"
+    assert prefix == "/prefix"
+    assert parse_base("http://10.0.0.1")[0] == ("10.0.0.1", 80, False)
+    head = request_head("/v1/chat/completions", "h:1", 12, [("X-Request-Id", "r1")])
+    assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h:1\r\n")
+    assert b"Content-Length: 12\r\n" in head
+    assert head.endswith(b"X-Request-Id: r1\r\n\r\n")
