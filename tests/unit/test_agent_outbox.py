@@ -1,0 +1,170 @@
+"""The agent's on-disk outbox: order, durability across reopen, bounds, and damaged files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmgw.agent.outbox import Outbox
+from llmgw.core import events
+
+
+def status(i: int, phase: str = "serving") -> events.ShardStatus:
+    return events.ShardStatus(
+        id=f"s{i}", ts=float(i), node="n", replica_id=f"r{i}", generation=1, phase=phase
+    )
+
+
+def registered(i: int) -> events.NodeRegistered:
+    return events.NodeRegistered(id=f"g{i}", ts=float(i), node="n", address="n")
+
+
+def heartbeat(i: int) -> events.Heartbeat:
+    return events.Heartbeat(id=f"h{i}", ts=float(i), node="n", seq=i)
+
+
+def ids(box: Outbox) -> list[str]:
+    return [e.event.id for e in box]
+
+
+def drain(box: Outbox, count: int) -> None:
+    for _ in range(count):
+        head = box.peek()
+        assert head is not None
+        box.delivered(head.n)
+
+
+def test_fifo_and_reopen_keeps_only_what_was_not_acknowledged(tmp_path: Path) -> None:
+    box = Outbox(tmp_path)
+    for i in range(5):
+        box.put(status(i), ttl_s=None if i else 30.0)
+    assert box.peek() is not None
+    assert box.peek().ttl_s == 30.0  # type: ignore[union-attr]
+    drain(box, 2)
+    box.close()
+    again = Outbox(tmp_path)
+    assert ids(again) == ["s2", "s3", "s4"]
+    # Numbers continue after the highest ever used: a new entry never hides behind the cursor.
+    entry = again.put(status(9))
+    assert entry.n == 6
+    drain(again, 4)
+    assert len(again) == 0
+    assert (tmp_path / "pending.jsonl").stat().st_size == 0
+    again.close()
+    assert ids(Outbox(tmp_path)) == []
+
+
+def test_delivered_must_be_the_head(tmp_path: Path) -> None:
+    box = Outbox(tmp_path)
+    box.put(status(1))
+    second = box.put(status(2))
+    with pytest.raises(ValueError, match="not the head"):
+        box.delivered(second.n)
+
+
+def test_a_torn_last_line_is_dropped_and_appends_start_clean(tmp_path: Path) -> None:
+    box = Outbox(tmp_path)
+    box.put(status(1))
+    box.put(status(2))
+    box.close()
+    with open(tmp_path / "pending.jsonl", "ab") as f:
+        f.write(b'{"n":3,"ttl_s":null,"event":{"type":"node.sh')  # a crash mid-write
+    again = Outbox(tmp_path)
+    assert again.unreadable == 1
+    again.put(status(4))
+    again.close()
+    assert ids(Outbox(tmp_path)) == ["s1", "s2", "s4"]
+
+
+def test_bounds_drop_heartbeats_then_superseded_registrations_never_statuses(
+    tmp_path: Path,
+) -> None:
+    box = Outbox(tmp_path, max_events=4)
+    box.put(registered(1))
+    box.put(heartbeat(1))
+    box.put(status(1))
+    box.put(registered(2))
+    box.put(status(2))  # 5 > 4: the heartbeat goes
+    assert ids(box) == ["g1", "s1", "g2", "s2"]
+    box.put(status(3))  # the older registration goes; the newest stays
+    assert ids(box) == ["s1", "g2", "s2", "s3"]
+    box.put(status(4))  # nothing droppable left: statuses are kept over the bound
+    assert ids(box) == ["s1", "g2", "s2", "s3", "s4"]
+    assert box.dropped == 2
+    box.close()
+    assert ids(Outbox(tmp_path)) == ["s1", "g2", "s2", "s3", "s4"]
+
+
+def test_byte_bound(tmp_path: Path) -> None:
+    box = Outbox(tmp_path, max_bytes=600)
+    for i in range(10):
+        box.put(heartbeat(i))
+    assert 0 < box.size_bytes <= 600
+    assert ids(box)[-1] == "h9"
+
+
+def test_garbage_files_never_stop_an_agent_from_starting(tmp_path: Path) -> None:
+    (tmp_path / "pending.jsonl").write_bytes(b"\x00\xff garbage\n{}\n[1,2]\n" + b"x" * 1000)
+    (tmp_path / "cursor").write_text("not a number")
+    box = Outbox(tmp_path)
+    assert len(box) == 0
+    assert box.unreadable == 4
+    box.put(status(1))
+    assert ids(box) == ["s1"]
+
+
+Op = tuple[str, int]
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(["status", "registered", "heartbeat"]), st.integers(0, 10**6)),
+        st.tuples(st.just("deliver"), st.integers(1, 3)),
+        st.tuples(st.just("reopen"), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=ops, bound=st.integers(1, 8))
+def test_property_order_kept_statuses_never_lost(
+    tmp_path_factory: pytest.TempPathFactory, ops: list[Op], bound: int
+) -> None:
+    """Whatever puts, acknowledgements and restarts happen: what is delivered comes out in
+    the order it was put, at most once, and every ShardStatus is delivered or still pending."""
+    folder = tmp_path_factory.mktemp("outbox")
+    box = Outbox(folder, max_events=bound)
+    put: list[str] = []
+    delivered: list[str] = []
+    made = {"status": status, "registered": registered, "heartbeat": heartbeat}
+    for i, (op, arg) in enumerate(ops):
+        if op == "deliver":
+            for _ in range(arg):
+                head = box.peek()
+                if head is None:
+                    break
+                delivered.append(head.event.id)
+                box.delivered(head.n)
+        elif op == "reopen":
+            box.close()
+            box = Outbox(folder, max_events=bound)
+        else:
+            event = made[op](i)
+            put.append(event.id)
+            box.put(event)
+    pending = ids(box)
+    out = delivered + pending
+    assert len(out) == len(set(out)), "nothing twice"
+    positions = [put.index(x) for x in out]
+    assert positions == sorted(positions), "in the order put"
+    statuses = [x for x in put if x.startswith("s")]
+    assert [x for x in out if x.startswith("s")] == statuses, "no status lost"
+    if len(box) > bound:
+        # Over the bound only when nothing droppable is left.
+        kinds = [x[0] for x in pending]
+        assert "h" not in kinds
+        assert kinds.count("g") <= 1
