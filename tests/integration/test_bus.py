@@ -540,3 +540,18 @@ async def test_an_unreadable_snapshot_falls_back_to_the_older_one(
         loaded = await store.load()
     assert loaded == bus.Snapshot(seq=10, data=b"old state")
     assert [e["seq"] for e in logs if e["event"] == "bus.snapshot_unreadable"] == [20]
+
+
+async def test_a_reader_holds_at_most_one_batch_however_slow_its_consumer(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    node = await bus_connect("node", "node-a")
+    await bus.Publisher(node.jetstream()).publish_all(shard("node-a", i) for i in range(500))
+    router = await bus_connect("router", "router-1")
+    sizes: list[int] = []
+    async with bus.Reader(router, follow=False, batch=50) as reader:
+        async for batch in reader.batches():
+            sizes.append(len(batch))
+            await asyncio.sleep(0.01)  # a slow fold: the server must not run ahead of it
+    assert sum(sizes) == 500
+    assert max(sizes) <= 50
