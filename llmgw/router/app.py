@@ -548,7 +548,8 @@ class Router:
                     f"engine answered {status}: {detail.decode('utf-8', 'replace')[:300]}",
                     fault=status != 429,
                 )
-            if not stream or status != 200:
+            if not stream or status != 200 or upstream.content_type != "text/event-stream":
+                # Not a stream after all (an engine's JSON answer): relayed whole.
                 return upstream, None
             try:
                 async with asyncio.timeout_at(min(t0 + d.first_token_s, total_at)):

@@ -280,12 +280,14 @@ def main() -> None:
     try:
         print(f"cores: {os.cpu_count()}; sims: 3 x llmgw sim, {TOKENS} tokens, zero latency")
         measure("direct", direct, all_runs)
-        r1 = Router.start(tmp, {f"s{i}": s for i, s in enumerate(sims)}, log_level="warning")
+        endpoints = {f"s{i}": s for i, s in enumerate(sims)}
+        # Production settings: probes once a second (the test kit probes 5x faster).
+        r1 = Router.start(tmp, endpoints, log_level="warning", probe_interval_s=1.0)
         try:
             measure("llmgw", [r1.url + "/v1/chat/completions"], all_runs)
         finally:
             r1.stop()
-        r2 = Router.start(tmp, {f"s{i}": s for i, s in enumerate(sims)}, workers=2)
+        r2 = Router.start(tmp, endpoints, workers=2, log_level="warning", probe_interval_s=1.0)
         try:
             measure("llmgw --workers 2", [r2.url + "/v1/chat/completions"], all_runs)
         finally:

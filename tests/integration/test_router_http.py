@@ -115,6 +115,20 @@ def test_models_health_ready_and_request_id(http: httpx.Client) -> None:
     assert r.json()["choices"][0]["message"]["content"]
 
 
+def test_embeddings_and_legacy_completions_stream(http: httpx.Client) -> None:
+    r = http.post("/v1/embeddings", json={"model": "m", "input": "hello"})
+    assert r.status_code == 200
+    assert len(r.json()["data"][0]["embedding"]) > 0
+    with http.stream(
+        "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}
+    ) as s:
+        raw = b"".join(s.iter_raw())
+    assert s.status_code == 200
+    assert raw.endswith(b"data: [DONE]\n\n")
+    # The usage chunk the router asked for (to count tokens) is not shown to this client.
+    assert b'"usage":{' not in raw
+
+
 def test_router_survived(http: httpx.Client) -> None:
     """Runs last in this module: after all the garbage above the router still serves."""
     r = http.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2})

@@ -370,13 +370,15 @@ async def test_keys_401_401_403_429(tmp_path: Path, sims: list[Sim], routers: li
     (sim,) = start_sims(
         sims, 1, "--served-model-name", "other", "--eos-min-tokens", "2", "--eos-max-tokens", "2"
     )
-    good, limited = auth.new_key(), auth.new_key()
+    good, limited, thrifty = auth.new_key(), auth.new_key(), auth.new_key()
     keys = tmp_path / "keys.yaml"
     keys.write_text(
         "keys:\n"
         + auth.entry_yaml("good", good, ("m",))
         + auth.entry_yaml("limited", limited, ("*",))
         + "    requests_per_s: 2\n"
+        + auth.entry_yaml("thrifty", thrifty, ("m",))
+        + "    tokens_per_min: 5\n"
     )
     router = Router.start(
         tmp_path,
@@ -412,6 +414,14 @@ async def test_keys_401_401_403_429(tmp_path: Path, sims: list[Sim], routers: li
 
     with pytest.raises(openai.RateLimitError):
         await burst()
+    # Tokens are counted from the engine's usage (streams included): the first answer
+    # spends more than 5 tokens, the next request is refused until the bucket refills.
+    tc = client(router, key=thrifty)
+    assert (await stream_text(tc, "spend"))[0]
+    with pytest.raises(openai.RateLimitError) as over:
+        await tc.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert over.value.body["code"] == "tokens_exceeded"  # type: ignore[index]
+    await tc.close()
     log = (tmp_path / "router-0.yaml").read_text()
     assert good not in log
 
