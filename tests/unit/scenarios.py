@@ -96,6 +96,7 @@ class Sim:
 
     def __init__(self, *, epoch: int = 1, config: reconcile.ReconcileConfig | None = None) -> None:
         self.records: list[tuple[int, events.Event]] = []
+        self.seq = 0
         self.state = state.ClusterState()
         self.rejected: list[tuple[int, str]] = []
         self.now = 1000.0
@@ -117,7 +118,8 @@ class Sim:
         return f"{prefix}-{self._n}"
 
     def append(self, event: events.Event) -> str | None:
-        seq = len(self.records) + 1
+        self.seq += 1
+        seq = self.seq
         self.records.append((seq, event))
         reason = state.apply(self.state, event, seq)
         if reason is not None:
