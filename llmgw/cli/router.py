@@ -1,4 +1,8 @@
-"""`llmgw router`: run the OpenAI-compatible router, check its config, make API keys."""
+"""`llmgw router`: run the OpenAI-compatible router, check its config, make API keys.
+
+`llmgw router --config router.yaml [--workers N]` serves (as the systemd unit runs
+it); `llmgw router check --config ...` validates; `llmgw router hash-key` makes keys.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ from llmgw.router import config as router_config
 from llmgw.router.config import RouterConfig
 
 app = typer.Typer(
-    help="The OpenAI-compatible router in front of the engines.",
-    no_args_is_help=True,
+    help="The OpenAI-compatible router in front of the engines: with no command, serve.",
+    invoke_without_command=True,
     add_completion=False,
 )
 
@@ -34,14 +38,17 @@ def _load(path: Path | None, workers: int | None) -> RouterConfig:
     return cfg
 
 
-@app.command("run")
+@app.callback()
 def run(
+    ctx: typer.Context,
     config_path: Path = typer.Option(None, "--config", "-c", help="Router YAML config."),
     workers: int = typer.Option(
         None, "--workers", help="Processes sharing the port (overrides the config)."
     ),
 ) -> None:
     """Serve the OpenAI API on the configured port until SIGTERM."""
+    if ctx.invoked_subcommand is not None:
+        return
     from llmgw.router import server
 
     cfg = _load(config_path, workers)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible router: `llmgw router run`.
+"""The OpenAI-compatible router: `llmgw router`.
 
 app (HTTP handlers, dispatch, streaming relay), table (catalog, endpoint table,
 probes), auth (hashed keys, limits), requests (body decoding, error shape),

@@ -4,7 +4,7 @@ Models are `llmgw.core.profile.ModelProfile`s — the same description operators
 declare in the log — of which the router uses the name, aliases, fallbacks and
 deadlines. The static `endpoints` list serves router-only deployments; in a
 fleet the endpoint table is fed by EndpointUp / EndpointDown events instead.
-Loaded by `llmgw router run` through `llmgw.config.load(..., section="ROUTER")`,
+Loaded by `llmgw router` through `llmgw.config.load(..., section="ROUTER")`,
 so `LLMGW_ROUTER__LISTEN__PORT=9000` overrides `listen.port`.
 """
 

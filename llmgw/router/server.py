@@ -7,7 +7,7 @@ becomes a real port every worker shares), starts the workers, prints one line
 `llmgw router listening on http://HOST:PORT admin http://HOST:PORT` once all
 of them accept connections, and forwards SIGTERM / SIGINT. With several
 workers, metrics go through prometheus_client's multiprocess directory so any
-worker's admin listener reports the whole router. Used by `llmgw router run`.
+worker's admin listener reports the whole router. Used by `llmgw router`.
 """
 
 from __future__ import annotations

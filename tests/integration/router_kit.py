@@ -1,4 +1,4 @@
-"""Real processes for router tests: `llmgw sim` engines and `llmgw router run`, on free ports.
+"""Real processes for router tests: `llmgw sim` engines and `llmgw router`, on free ports.
 
 Each is a subprocess started the way an operator would start it, announced by
 its one stdout line, stopped by SIGTERM (SIGKILL to simulate a crash). Also
@@ -112,7 +112,7 @@ class Sim(Proc):
 
 
 class Router(Proc):
-    """One `llmgw router run` with a generated config."""
+    """One `llmgw router --config ...` with a generated config."""
 
     admin: str
 
@@ -155,7 +155,7 @@ class Router(Proc):
         path.write_text(yaml.safe_dump(cfg))
         stderr = open(log or path.with_suffix(".log"), "ab")  # noqa: SIM115
         proc = subprocess.Popen(
-            [PY, "-m", "llmgw", "router", "run", "--config", str(path)],
+            [PY, "-m", "llmgw", "router", "--config", str(path)],
             stdout=subprocess.PIPE,
             stderr=stderr,
             env={**os.environ, **(env or {})},

@@ -1,6 +1,6 @@
 """The router's must-shows, against real `llmgw sim` processes with the real `openai` SDK.
 
-Every test starts its own sims and its own `llmgw router run` subprocess on free
+Every test starts its own sims and its own `llmgw router` subprocess on free
 ports. Timings are kept short (small deadlines, few tokens) so the file runs in
 well under a minute or two on two shared cores.
 """
