@@ -297,10 +297,13 @@ class _Planner:
             return
         if self._moving(r, model.revision, model.changed_ts):
             return
+        before = len(self.b.out)
         for shard in r.shards:
             if shard.phase == "placed" and not shard.started and not shard.stop_sent:
                 self._start(r.id, r.generation, shard.shard, r, model.profile)
         self._endpoint(r)
+        if len(self.b.out) > before:
+            self.touched.add(r.id)
 
     def _endpoint(self, r: ReplicaState) -> None:
         up = r.id in self.state.endpoints
