@@ -301,6 +301,11 @@ async def test_outage_events_arrive_exactly_once_in_order(
     last = logged[-1]
     assert isinstance(last, events.NodeRegistered)
     assert [(s.replica_id, s.phase) for s in last.shards] == [("rep-b", "serving")]
+    # Commands flow again: the command consumer was recreated after the server restart.
+    sent = time.monotonic()
+    await control.stop(NODE, "rep-b")
+    await kit.wait_for(admin, NODE, status("rep-b", "stopped"), within=20)
+    print(f"first command after the outage applied in {time.monotonic() - sent:.2f} s")
     # Heartbeats resume after the outbox drained.
     seqs = [r.seq for r in records if isinstance(r.event, events.Heartbeat)]
     hb_before = len(seqs)
