@@ -60,6 +60,7 @@ class _Conn(asyncio.Protocol):
         "closed",
         "content_type",
         "done",
+        "expecting",
         "key",
         "loop",
         "status",
@@ -70,6 +71,7 @@ class _Conn(asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.expecting = False
         self.key: tuple[str, int, bool] = ("", 0, False)
         self._reset()
 
@@ -113,6 +115,11 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._body_mode != 0:
             self._feed(data)
+            return
+        if not self.expecting:
+            # Bytes on an idle kept-alive connection answer nothing we asked: the
+            # connection can no longer be trusted to frame the next response.
+            self._abort()
             return
         self._head += data
         while self._body_mode == 0:
@@ -398,6 +405,7 @@ class Pool:
             conn._abort()
             return
         conn._reset()
+        conn.expecting = False
         idle.append(conn)
 
     async def _connect(self, key: tuple[str, int, bool], within: float) -> _Conn:
@@ -444,6 +452,7 @@ class Pool:
             if conn is None:
                 conn = await self._connect(key, connect_timeout)
             assert conn.transport is not None
+            conn.expecting = True
             conn.transport.write(head + body)
             try:
                 await conn.wait_head()

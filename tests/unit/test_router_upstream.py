@@ -38,6 +38,7 @@ LOOP = asyncio.new_event_loop()  # futures need a loop; parsing never runs it
 def conn() -> _Conn:
     c = _Conn(LOOP)
     c.connection_made(FakeTransport())  # type: ignore[arg-type]
+    c.expecting = True
     return c
 
 
@@ -123,3 +124,11 @@ def test_request_head_and_base_parsing() -> None:
     assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h:1\r\n")
     assert b"Content-Length: 12\r\n" in head
     assert head.endswith(b"X-Request-Id: r1\r\n\r\n")
+
+
+def test_bytes_on_an_idle_connection_abort_it() -> None:
+    c = conn()
+    c.expecting = False
+    c.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert c.closed
+    assert c.status == 0
