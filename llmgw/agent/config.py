@@ -18,7 +18,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.agent.engines.common import LaunchContext
-from llmgw.core import subjects
+from llmgw.core import placement, subjects
 from llmgw.core.inventory import Hca, Inventory
 from llmgw.core.profile import Engine
 
@@ -40,10 +40,15 @@ class NatsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class PortRange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Ports engines may listen on; a StartShard with a port outside is refused."""
+    """Ports engines may listen on; a StartShard with a port outside is refused.
 
-    first: int = 20000
-    last: int = 20999
+    The default is the range the control plane's placement hands out
+    (`llmgw.core.placement.PORT_BASE` up to `PORT_LIMIT`): NodeRegistered does not
+    carry a port range, so a narrower one here refuses every placement.
+    """
+
+    first: int = placement.PORT_BASE
+    last: int = placement.PORT_LIMIT - 1
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -6,7 +6,7 @@ from llmgw.agent import reports
 from llmgw.agent.config import AgentConfig, launch_context
 from llmgw.agent.discovery import simulated
 from llmgw.agent.supervisor import ShardView
-from llmgw.core import events
+from llmgw.core import events, placement
 from llmgw.core.inventory import Fabric, Inventory
 
 
@@ -60,7 +60,7 @@ def test_launch_context_from_config() -> None:
     inventory = Inventory(fabrics=(Fabric(name="ib-a", hcas=("mlx5_0",)),))
     context = launch_context(cfg, inventory)
     assert context.host == "10.0.0.7"
-    assert context.port_range == (20000, 20999)
+    assert context.port_range == (placement.PORT_BASE, placement.PORT_LIMIT - 1)
     assert context.command("vllm") == ("/opt/vllm", "serve")
     assert context.command("sglang")[1:] == ("-m", "sglang.launch_server")
     assert context.fabrics == inventory.fabrics
