@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from llmgw import logs
+from llmgw.config import ConfigError
 from llmgw.core import breaker, routing
 from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import Deadlines, ModelProfile
@@ -97,8 +98,9 @@ class Router:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(8), "big")
         self.rng = random.Random(seed + worker)
         self.keys: auth.Keys | None = None
+        self._share = 1.0 / workers
         if cfg.auth.keys_file:
-            self.keys = auth.load_keys(cfg.auth.keys_file, time.monotonic(), 1.0 / workers)
+            self.keys = auth.load_keys(cfg.auth.keys_file, time.monotonic(), self._share)
         self.session: aiohttp.ClientSession | None = None
         self.prober: Prober | None = None
         self._routed = 0
@@ -128,6 +130,25 @@ class Router:
         if self.session is not None:
             await self.session.close()
         self.pool.close()
+
+    def reload_keys(self) -> None:
+        """Re-read the keys file; a broken file keeps the keys in force (and says why)."""
+        if not self.cfg.auth.keys_file:
+            return
+        try:
+            keys = auth.load_keys(self.cfg.auth.keys_file, time.monotonic(), self._share)
+        except ConfigError as exc:
+            log.error("keys_reload_failed", error=str(exc), kept=len(self.keys.by_digest) if
+                      self.keys else 0)  # fmt: skip
+            return
+        if self.keys is not None:
+            # Keep the buckets of keys that stay, so a reload does not reset their limits.
+            for digest, principal in keys.by_digest.items():
+                old = self.keys.by_digest.get(digest)
+                if old is not None and old.entry == principal.entry:
+                    keys.by_digest[digest] = old
+        self.keys = keys
+        log.info("keys_reloaded", keys=len(keys.by_digest))
 
     # ------------------------------------------------------------------ handlers
 

@@ -5,7 +5,8 @@ and prefix index) bound to the same address with SO_REUSEPORT, so the kernel
 spreads connections across them. The parent reserves the port first (port 0
 becomes a real port every worker shares), starts the workers, prints one line
 `llmgw router listening on http://HOST:PORT admin http://HOST:PORT` once all
-of them accept connections, and forwards SIGTERM / SIGINT. With several
+of them accept connections, and forwards SIGTERM / SIGINT (stop) and SIGHUP (re-read
+the keys file). With several
 workers, metrics go through prometheus_client's multiprocess directory so any
 worker's admin listener reports the whole router. Used by `llmgw router`.
 """
@@ -86,6 +87,8 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # SIGHUP re-reads the keys file: keys are added and revoked without a restart.
+        loop.add_signal_handler(signal.SIGHUP, router.reload_keys)
     if ready is not None:
         ready.send((port, admin_port))
         ready.close()
@@ -154,8 +157,15 @@ def _run_workers(cfg: RouterConfig) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGTERM)
 
+    def on_hup(signum: int, _frame: Any) -> None:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGHUP)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hup)
     try:
         for i in range(cfg.workers):
             recv, send = ctx.Pipe(duplex=False)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,3 +197,42 @@ async def test_two_workers_share_the_port_and_the_metrics(
     assert len(prefixes) == 2
     m = router.metrics()  # one admin scrape reports both workers' requests
     assert m['llmgw_router_requests_total{model="m",status="200"}'] == 120.0
+
+
+async def test_sighup_reloads_the_keys_file_in_every_worker(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    from llmgw.router import auth
+
+    sim = Sim.start("m", "--eos-min-tokens", "2", "--eos-max-tokens", "2")
+    procs.append(sim)
+    old, new = auth.new_key(), auth.new_key()
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n" + auth.entry_yaml("old", old))
+    router = Router.start(tmp_path, {"s": sim}, workers=2, auth={"keys_file": str(keys)})
+    procs.append(router)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+    async def statuses(key: str) -> set[int]:
+        async def one() -> int:
+            async with httpx.AsyncClient(base_url=router.url, timeout=10) as h:
+                r = await h.post(
+                    "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+                )
+                return r.status_code
+
+        return set(await asyncio.gather(*(one() for _ in range(16))))
+
+    assert await statuses(new) == {401}
+    keys.write_text("keys:\n" + auth.entry_yaml("new", new))
+    router.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while await statuses(new) != {200}:
+        assert time.monotonic() < deadline, "the new key was not accepted after SIGHUP"
+        await asyncio.sleep(0.1)
+    assert await statuses(old) == {401}
+    # A broken file keeps the keys in force.
+    keys.write_text("keys: [{name: broken}]\n")
+    router.proc.send_signal(signal.SIGHUP)
+    await asyncio.sleep(0.5)
+    assert await statuses(new) == {200}
