@@ -168,3 +168,27 @@ def test_property_order_kept_statuses_never_lost(
         kinds = [x[0] for x in pending]
         assert "h" not in kinds
         assert kinds.count("g") <= 1
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(junk=st.binary(max_size=400), cursor=st.binary(max_size=20))
+def test_property_any_bytes_on_disk_open_cleanly(
+    tmp_path_factory: pytest.TempPathFactory, junk: bytes, cursor: bytes
+) -> None:
+    """Whatever a crash or a disk left in the files, the outbox opens, keeps the readable
+    entries written before the damage, and appends after it."""
+    folder = tmp_path_factory.mktemp("junk")
+    box = Outbox(folder)
+    box.put(status(1))
+    box.close()
+    with open(folder / "pending.jsonl", "ab") as f:
+        f.write(junk)
+    (folder / "cursor").write_bytes(cursor)
+    again = Outbox(folder)
+    again.put(status(2))
+    again.close()
+    kept = ids(Outbox(folder))
+    assert kept[-1] == "s2"
+    assert set(kept) <= {"s1", "s2"}
