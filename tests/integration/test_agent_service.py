@@ -147,6 +147,12 @@ async def test_start_serves_and_stop_ends_the_whole_group(
     assert agent.svc.ledger.last_seq > 0
     # Heartbeats flow with a TTL while the outbox is empty.
     await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.Heartbeat), what="heartbeat")
+    last = await admin.jetstream().get_last_msg(
+        subjects.STREAM, subjects.node_event(NODE, "heartbeat")
+    )
+    assert (last.headers or {}).get("Nats-TTL") == "60s"
+    # Reconnects are never given up (the bus's jittered backoff between attempts).
+    assert agent.svc.nc.options["max_reconnect_attempts"] == -1
 
 
 FAILING_ENGINE = textwrap.dedent(
