@@ -7,8 +7,19 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from tests.harness import Connector, TestNatsCluster, TestNatsServer, TestPki
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog() -> Iterator[None]:
+    """Undo structlog configuration a test made (a CLI command run in-process configures
+    logging): otherwise a later test's `capture_logs` can miss events filtered by a level
+    that test set (seen: tests/integration/test_ctl.py then test_bus.py)."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")
