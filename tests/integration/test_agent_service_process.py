@@ -167,3 +167,49 @@ async def test_nats_down_at_start_the_agent_waits_then_registers(
     assert isinstance(reg, events.NodeRegistered)
     assert len(reg.gpus) == 8
     await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.Heartbeat), what="heartbeat")
+
+
+async def test_events_queued_when_the_agent_is_killed_are_published_by_the_next_run(
+    nats_server: TestNatsServer,
+    connect: Connector,
+    tmp_path: Path,
+    state_dir: Path,
+    agents: list[AgentProcess],
+) -> None:
+    control = Control(await connect("control", "control-1"))
+    await control.provision()
+    admin = await connect.admin()
+    config = kit.write_config(
+        tmp_path / "agent.yaml", kit.agent_settings(nats_server, NODE, state_dir)
+    )
+    agent = AgentProcess(config, tmp_path / "agent.log")
+    agents.append(agent)
+    await asyncio.to_thread(agent.start)
+    await control.start(NODE, "rep-x", kit.sim_spec(kit.free_port(), gpus=(2,)))
+    serving = await kit.wait_for(admin, NODE, status("rep-x", "serving"))
+    assert isinstance(serving, events.ShardStatus)
+    assert serving.pid is not None
+
+    # NATS goes away, the engine dies: its `failed` waits in the outbox on disk...
+    nats_server.stop()
+    processes.signal_group(serving.pid, 9)
+    pending = state_dir / "outbox" / "pending.jsonl"
+    deadline = time.monotonic() + 20
+    while b'"phase":"failed"' not in (pending.read_bytes() if pending.exists() else b""):
+        assert time.monotonic() < deadline, agent.log_tail()
+        await asyncio.sleep(0.1)
+    # ...and the agent is killed before it could publish it.
+    agent.kill9()
+    nats_server.start()
+    await asyncio.to_thread(agent.start)
+    failed = await kit.wait_for(admin, NODE, status("rep-x", "failed"), within=30)
+    assert isinstance(failed, events.ShardStatus)
+    assert "exited with code -9" in failed.error
+    logged = kit.without_heartbeats(await kit.node_records(admin, NODE))
+    ids = [e.id for e in logged]
+    assert len(ids) == len(set(ids))
+    assert kit.statuses(logged, "rep-x")[-1] == (1, "failed")
+    # The failed status precedes the new run's registration, which lists no shard.
+    last = logged[-1]
+    assert isinstance(last, events.NodeRegistered)
+    assert last.shards == ()
