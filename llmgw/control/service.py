@@ -91,6 +91,8 @@ class ControlService:
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._snapshot_task: asyncio.Task[None] | None = None
+        self._undecodable_seen = 0
+        self._skipped_control: list[int] = []
         self._reader: bus.Reader | None = None
         self._nc: bus.BusClient | None = None
         self._lease: bus.Lease | None = None
@@ -230,13 +232,35 @@ class ControlService:
         reader = self._reader
         async for batch in reader.batches():
             interesting = self.fold(batch)
-            self.metrics.undecodable.set(reader.undecodable)
+            if reader.undecodable != self._undecodable_seen:
+                self._note_skipped(reader)
+            else:
+                self._settle_skipped()
             if reader.caught_up.is_set():
                 self._mark_caught_up()
             self._folded.set()
             if interesting or self._awaiting:
                 self._wake.set()
             self._maybe_snapshot()
+
+    def _note_skipped(self, reader: bus.Reader) -> None:
+        """Undecodable messages on the control subjects still move the fence (the server
+        counts them; a fence that ignored them would refuse every write forever). One
+        counts once a later event is folded: only then is everything before it folded."""
+        new = reader.undecodable - self._undecodable_seen
+        self._undecodable_seen = reader.undecodable
+        self.metrics.undecodable.set(reader.undecodable)
+        for skipped in list(reader.skipped)[-new:]:
+            if skipped.subject.startswith(_CONTROL_PREFIX):
+                self._skipped_control.append(skipped.seq)
+        self._settle_skipped()
+
+    def _settle_skipped(self) -> None:
+        if self._skipped_control:
+            done = [seq for seq in self._skipped_control if seq < self.state.last_seq]
+            if done:
+                self.control_seq = max(self.control_seq, *done)
+                self._skipped_control = [s for s in self._skipped_control if s not in done]
 
     def fold(self, batch: list[bus.Record]) -> bool:
         """Fold records into the state; True when one could change a decision.

@@ -283,17 +283,19 @@ async def test_restarting_with_the_same_models_writes_nothing_and_a_changed_file
 async def test_hostile_events_are_rejected_counted_and_do_not_stop_the_fold(
     nats_server: TestNatsServer, connect: Connector
 ) -> None:
-    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=2),))
     agents: list[SimAgent] = []
     async with running(ControlService(cfg)) as svc:
         agents.append(await SimAgent(nats_server, "node-a", gpus=1).start())
-        await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving")
+        await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving once (one GPU)")
         digest = state.digest(svc.state)
         admin = await connect.admin()
         rogue = await connect_as(nats_server, "node", "node-z")
         pub = bus.Publisher(rogue.jetstream())
-        # Garbage bytes, a shard status for a replica never placed, events of an unknown node.
+        # Garbage bytes (also on a control subject, which the fence counts), a shard status
+        # for a replica never placed, a heartbeat of a node that never registered.
         await admin.jetstream().publish("llmgw.events.node.node-z.registered", b"\xff not json")
+        await admin.jetstream().publish("llmgw.events.control.replica_placed", b"{}")
         await pub.publish(
             events.ShardStatus(
                 id="h1",
@@ -306,25 +308,23 @@ async def test_hostile_events_are_rejected_counted_and_do_not_stop_the_fold(
         )
         await pub.publish(events.Heartbeat(id="h2", ts=time.time(), node="node-z", seq=1))
         await wait_for(
-            lambda: svc.rejected >= 2 and svc._reader is not None and svc._reader.undecodable == 1,
+            lambda: svc.rejected == 2 and svc._reader is not None and svc._reader.undecodable == 2,
             5,
             "rejections counted",
         )
         assert state.digest(svc.state) == digest
-        # The fold goes on: a real event after them is applied.
-        await agents[0].register()
-        await wait_for(
-            lambda: svc.state.nodes["node-a"].liveness_seq > 0 and svc.rejected == 2,
-            5,
-            "still folding",
-        )
+        # The fold and the leader go on: a new node gets the second replica.
+        agents.append(await SimAgent(nats_server, "node-b", gpus=1).start())
+        await wait_for(lambda: serving(svc, "m1") == 2, 10, "the second replica serving")
+        assert svc.leading
         async with (
             aiohttp.ClientSession() as http,
             http.get(f"{svc.admin_url}/metrics") as resp,
         ):
             text = await resp.text()
         assert "llmgw_control_events_rejected_total 2.0" in text
-        assert "llmgw_control_events_undecodable 1.0" in text
+        assert "llmgw_control_events_undecodable 2.0" in text
+        assert "llmgw_control_fence_refused_total 0.0" in text
         await rogue.close()
     for agent in agents:
         await agent.close()
