@@ -35,11 +35,15 @@ def command(
         typer.echo(f"{config_path}: control plane {cfg.name!r}, {len(cfg.models)} models: ok")
         return
     logs.setup(cfg.log_level)
-    try:
-        import uvloop
+    import uvloop
 
+    from llmgw import bus
+
+    try:
         uvloop.run(_serve(cfg))
-    except FileNotFoundError as exc:  # a certificate path: the message says what to do
+    # A certificate path, or a stream that exists with another configuration: the
+    # message says what to do, and restarting would not help.
+    except (FileNotFoundError, bus.ProvisionConflict) as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
 

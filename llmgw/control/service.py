@@ -458,9 +458,8 @@ class ControlService:
             epoch=self.epoch,
             basis_seq=self.state.last_seq,
         )
-        seq = await self._publish_fenced([event])
+        await self._publish_fenced([event])
         self._announced = self.epoch
-        self._awaiting = seq
 
     async def _sync_models(self) -> None:
         assert self._nc is not None
@@ -480,10 +479,9 @@ class ControlService:
             now=self.clock(),
             basis_seq=self.state.last_seq,
         )
-        last = 0
         for event in todo:
             published = await self._publisher.publish(event)
-            last = published.seq
+            self._wrote(published.seq)
             log.info(
                 "control.model_synced",
                 type=events.tag_of(type(event)),
@@ -492,7 +490,6 @@ class ControlService:
                 seq=published.seq,
             )
         self._models_synced_epoch = self.epoch
-        self._awaiting = last
         self._wake.set()
 
     async def reconcile_once(self) -> int:
@@ -511,7 +508,7 @@ class ControlService:
         self._note_unplaceable(outcome.unplaceable)
         if not outcome.decisions:
             return 0
-        self._awaiting = await self._publish_fenced(outcome.decisions)
+        await self._publish_fenced(outcome.decisions)
         return len(outcome.decisions)
 
     def _note_unplaceable(self, now_unplaceable: dict[str, str]) -> None:
@@ -521,6 +518,11 @@ class ControlService:
                 log.warning("control.unplaceable", model=model, reason=reason)
         self.unplaceable = dict(now_unplaceable)
         self.metrics.unplaceable.set(len(now_unplaceable))
+
+    def _wrote(self, seq: int) -> None:
+        """Decide again only once the fold has passed `seq`. Set after every single write,
+        so that a batch that fails halfway is not decided (and placed) a second time."""
+        self._awaiting = max(self._awaiting, seq)
 
     async def _publish_fenced(self, decisions: list[Any]) -> int:
         """Publish in order, each fenced on the control subjects; the last sequence written.
@@ -537,6 +539,7 @@ class ControlService:
                 break
             fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, fence_seq)
             published = await self._publisher.publish(event, fence=fence)
+            self._wrote(published.seq)
             if events.subject_of(event).startswith(_CONTROL_PREFIX):
                 fence_seq = published.seq
             last = published.seq
