@@ -421,21 +421,20 @@ def _heartbeat(state: ClusterState, ev: events.Heartbeat, seq: int, at: float) -
     node = state.nodes.get(ev.node)
     if node is None:
         raise _Reject(f"heartbeat from node {ev.node!r}, which never registered")
-    if ev.gpus:
-        for h in ev.gpus:
-            if h.index not in node.gpus:
-                raise _Reject(
-                    f"heartbeat of node {ev.node!r} reports GPU {h.index}, which it did not "
-                    "register"
-                )
+    health = ev.gpus
+    if health and any(h.index not in node.gpus for h in health):
+        # Still proof of life: refusing it would let a GPU that fell off the bus
+        # since registration turn the whole node unreachable. The agent's next
+        # registration brings the inventory up to date.
+        health = tuple(h for h in health if h.index in node.gpus)
     seen = state.seen.get(ev.node)
     if seen is None:
-        state.seen[ev.node] = Seen(last_seen=at, seq=seq, health=ev.gpus or None)
+        state.seen[ev.node] = Seen(last_seen=float(at), seq=seq, health=health or None)
     else:
-        seen.last_seen = at
+        seen.last_seen = float(at)
         seen.seq = seq
-        if ev.gpus:
-            seen.health = ev.gpus
+        if health:
+            seen.health = health
 
 
 def _can_enter(shard: ShardState, phase: str, what: str) -> None:

@@ -116,13 +116,6 @@ HOSTILE: list[tuple[str, Hostile, str]] = [
         "never registered",
     ),
     (
-        "a heartbeat about a GPU the node does not have",
-        lambda sim: events.Heartbeat(
-            id="x", ts=5.0, node="a", gpus=(events.GpuHealth(index=99, ecc_uncorrected=1),)
-        ),
-        "reports GPU 99, which it did not register",
-    ),
-    (
         "a node claiming GPUs assigned to another node's replica",
         lambda sim: registered(
             _other_node(sim),
@@ -455,3 +448,19 @@ def test_apply_survives_an_unknown_event_type() -> None:
     st = ClusterState()
     assert state.apply(st, Odd(id="x", ts=0.0), 1) == "Odd is not an event the fold knows"
     assert msgspec.structs.asdict(st)["last_seq"] == 1
+
+
+def test_a_heartbeat_naming_an_unknown_gpu_still_proves_liveness() -> None:
+    sim = placed_sim()
+    seen_before = sim.state.seen["a"].last_seen
+    sim.now += 5
+    reason = sim.heartbeat(
+        "a",
+        [
+            events.GpuHealth(index=99, ecc_uncorrected=1),
+            events.GpuHealth(index=1, ecc_uncorrected=2),
+        ],
+    )
+    assert reason is None
+    assert sim.state.seen["a"].last_seen == seen_before + 5
+    assert sim.state.seen["a"].health == (events.GpuHealth(index=1, ecc_uncorrected=2),)
