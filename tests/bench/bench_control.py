@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import structlog  # noqa: E402
+import uvloop  # noqa: E402
 
 from llmgw import bus  # noqa: E402
 from llmgw.control.config import SnapshotConfig  # noqa: E402
@@ -290,4 +291,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    uvloop.run(main())  # as `llmgw control` runs

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 
 from llmgw import bus
 from llmgw.control import verify
@@ -384,20 +385,22 @@ async def test_the_admin_api_shows_nodes_replicas_models_explain_state_and_metri
         await agent.close()
 
 
+@pytest.mark.parametrize(
+    "cadence",
+    [SnapshotConfig(every_events=10, every_s=0), SnapshotConfig(every_events=0, every_s=0.5)],
+    ids=["by-count", "by-time"],
+)
 async def test_a_cold_start_loads_the_newest_snapshot_and_replays_only_the_tail(
-    nats_server: TestNatsServer,
+    nats_server: TestNatsServer, cadence: SnapshotConfig
 ) -> None:
     cfg = control_config(
-        nats_server,
-        "control-a",
-        models=(model("m1", replicas=2),),
-        snapshot=SnapshotConfig(every_events=10, every_s=0),
+        nats_server, "control-a", models=(model("m1", replicas=2),), snapshot=cadence
     )
     agents: list[SimAgent] = []
     async with running(ControlService(cfg)) as first:
         agents += [await SimAgent(nats_server, n, gpus=1).start() for n in ("node-a", "node-b")]
         await wait_for(lambda: serving(first, "m1") == 2, 15, "m1 serving")
-        await wait_for(lambda: first.snapshot_seq > 0, 5, "a snapshot saved by count")
+        await wait_for(lambda: first.snapshot_seq > 0, 5, "a snapshot saved")
         for agent in agents:
             agent.beating = False
         nc = await connect_as(nats_server, "router", "r1")
