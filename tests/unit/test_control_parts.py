@@ -11,15 +11,17 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw import config
+from llmgw import bus, config
 from llmgw.control import config as control_config
 from llmgw.control import models
 from llmgw.control.metrics import failure_reason
+from llmgw.control.service import ControlService
 from llmgw.core import events, subjects
 from llmgw.core.profile import ModelProfile
-from llmgw.core.state import ClusterState, apply
+from llmgw.core.state import ClusterState, apply, digest, fold
 from llmgw.pki.authorization import permissions
 from llmgw.pki.identity import Identity
+from tests.unit.strategies import any_event
 
 CERTS = {"ca_file": "ca.pem", "cert_file": "c.pem", "key_file": "c-key.pem"}
 
@@ -188,3 +190,27 @@ def test_the_control_plane_may_write_model_events_and_no_other_operator_event() 
     assert sorted(operator_subjects) == sorted(
         subjects.operator_event(k) for k in ("model_declared", "model_changed", "model_removed")
     )
+
+
+# --------------------------------------------------------------------------- the service's fold
+
+
+@settings(max_examples=60, deadline=None)
+@given(evs=st.lists(any_event, max_size=40))
+def test_the_services_fold_is_the_cores_and_tracks_the_fence(evs: list[events.Event]) -> None:
+    svc = ControlService(control_config.ControlConfig(name="c"))
+    records = []
+    for seq, ev in enumerate(evs, 1):
+        try:
+            subject = events.subject_of(ev)
+        except subjects.SubjectTokenError:
+            continue
+        records.append(bus.Record(seq, subject, 1.0, ev))  # type: ignore[arg-type]
+    half = len(records) // 2
+    svc.fold(records[:half])
+    svc.fold(records[half:])
+    core, rejected = fold([(r.seq, r.event) for r in records])
+    assert digest(svc.state) == digest(core)
+    assert svc.rejected == len(rejected)
+    control = [r.seq for r in records if r.subject.startswith("llmgw.events.control.")]
+    assert svc.control_seq == (control[-1] if control else 0)
