@@ -24,6 +24,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -55,8 +56,6 @@ PATHS: dict[str, requests.Kind] = {
     "/v1/embeddings": "embeddings",
 }
 KNOWN_GET = ("/v1/models", "/health", "/ready")
-
-ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 
 
 class Retry(Exception):
@@ -152,7 +151,7 @@ class Router:
 
     # ------------------------------------------------------------------ handlers
 
-    def _request_id(self, request: web.Request) -> str:
+    def _request_id(self, request: web.BaseRequest) -> str:
         rid = request.headers.get("X-Request-Id")
         # Passed upstream as a header: only short printable ASCII is taken as is.
         if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
@@ -160,7 +159,9 @@ class Router:
         self._rid += 1
         return f"{self._rid_prefix}{self._rid}"
 
-    def _authenticate(self, request: web.Request, rid: str) -> auth.Principal | web.Response | None:
+    def _authenticate(
+        self, request: web.BaseRequest, rid: str
+    ) -> auth.Principal | web.Response | None:
         if self.keys is None:
             return None
         header = request.headers.get("Authorization")
@@ -183,7 +184,7 @@ class Router:
             )
         return principal
 
-    async def handle_models(self, request: web.Request) -> web.Response:
+    async def handle_models(self, request: web.BaseRequest) -> web.Response:
         rid = self._request_id(request)
         principal = self._authenticate(request, rid)
         if isinstance(principal, web.Response):
@@ -198,10 +199,10 @@ class Router:
                          "root": profile.name})  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
-    async def handle_health(self, request: web.Request) -> web.Response:
+    async def handle_health(self, request: web.BaseRequest) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def handle_ready(self, request: web.Request) -> web.Response:
+    async def handle_ready(self, request: web.BaseRequest) -> web.Response:
         per_model = {
             name: sum(1 for ep in self.table.for_model(name) if ep.ready and not ep.draining)
             for name in self.catalog.profiles
@@ -211,7 +212,7 @@ class Router:
             {"ready": ready, "ready_endpoints": per_model}, status=200 if ready else 503
         )
 
-    async def handle_fallthrough(self, request: web.Request) -> web.Response:
+    async def handle_fallthrough(self, request: web.BaseRequest) -> web.Response:
         """Unknown paths (404) and wrong methods on known paths (405), in OpenAI's shape."""
         path = request.path
         if path in PATHS or path in KNOWN_GET:
@@ -234,13 +235,15 @@ class Router:
 
     def handler(
         self, kind: requests.Kind
-    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handle(request: web.Request) -> web.StreamResponse:
+    ) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
             return await self.handle_openai(request, kind)
 
         return handle
 
-    async def handle_openai(self, request: web.Request, kind: requests.Kind) -> web.StreamResponse:
+    async def handle_openai(
+        self, request: web.BaseRequest, kind: requests.Kind
+    ) -> web.StreamResponse:
         start = time.monotonic()
         rid = self._request_id(request)
         asked = "unknown"
@@ -341,7 +344,7 @@ class Router:
 
     async def dispatch(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         body: bytes,
         parsed: requests.Parsed,
         profile: ModelProfile,
@@ -789,7 +792,7 @@ class _Relay:
     )  # fmt: skip
 
     def __init__(
-        self, request: web.Request, rid: str, start: float, *, stream: bool, drop_usage: bool
+        self, request: web.BaseRequest, rid: str, start: float, *, stream: bool, drop_usage: bool
     ) -> None:
         self.request = request
         self.rid = rid
@@ -829,26 +832,40 @@ class _Relay:
             await resp.write_eof(requests.error_event(message, type_, code))
 
 
-def build_app(router: Router) -> web.Application:
-    """The client-facing application."""
-    app = web.Application(client_max_size=router.cfg.max_body_bytes)
-    app[ROUTER_KEY] = router
-    for path, kind in PATHS.items():
-        app.router.add_post(path, router.handler(kind))
-    app.router.add_get("/v1/models", router.handle_models)
-    app.router.add_get("/health", router.handle_health)
-    app.router.add_get("/ready", router.handle_ready)
-    app.router.add_route("*", "/{tail:.*}", router.handle_fallthrough)
+def build_server(router: Router) -> web.Server:
+    """The client-facing HTTP server: aiohttp's low-level server and one dispatch function.
 
-    async def on_startup(_: web.Application) -> None:
-        await router.start()
+    An Application would add URL resolution, match info, middlewares and signals to every
+    request; five fixed paths need a dict lookup. The caller starts and stops `router`.
+    """
+    posts = {path: router.handler(kind) for path, kind in PATHS.items()}
+    gets = {
+        "/v1/models": router.handle_models,
+        "/health": router.handle_health,
+        "/ready": router.handle_ready,
+    }
+    max_size = router.cfg.max_body_bytes
+    loop = asyncio.get_running_loop()
 
-    async def on_cleanup(_: web.Application) -> None:
-        await router.stop()
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        table = posts if request.method == "POST" else gets if request.method == "GET" else None
+        h = table.get(request.path) if table is not None else None
+        if h is None:
+            return await router.handle_fallthrough(request)
+        return await h(request)
 
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
+    def make_request(
+        message: Any, payload: Any, protocol: Any, writer: Any, task: Any
+    ) -> web.BaseRequest:
+        return web.BaseRequest(
+            message, payload, protocol, writer, task, loop, client_max_size=max_size
+        )
+
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the
+    # upstream connection, so the engine stops generating and frees the KV blocks.
+    return web.Server(
+        handle, request_factory=make_request, handler_cancellation=True, access_log=None
+    )
 
 
 def build_admin_app(router: Router) -> web.Application:

@@ -64,15 +64,12 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until `stop` is set (or SIGTERM / SIGINT when `stop` is None)."""
-    from llmgw.router.app import Router, build_admin_app, build_app
+    from llmgw.router.app import Router, build_admin_app, build_server
 
     router = Router(cfg, worker=worker, workers=workers)
-    app = build_app(router)
-    admin = build_admin_app(router)
-    # handler_cancellation: a client that disconnects cancels its handler, which closes the
-    # upstream connection, so the engine stops generating and frees the KV blocks.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    admin_runner = web.AppRunner(admin, access_log=None)
+    await router.start()
+    runner = web.ServerRunner(build_server(router))
+    admin_runner = web.AppRunner(build_admin_app(router), access_log=None)
     await runner.setup()
     await admin_runner.setup()
     sock = listening_socket(cfg.listen.host, cfg.listen.port)
@@ -98,6 +95,7 @@ async def serve(
     log.info("router_worker_stopping", worker=worker)
     await runner.cleanup()
     await admin_runner.cleanup()
+    await router.stop()
 
 
 def _announce(host: str, port: int, admin_host: str, admin_port: int) -> None:
