@@ -8,6 +8,8 @@
 - `GET /v1/state`: digest, folded sequence, leader, epoch, this instance's role;
 - `GET /metrics`: Prometheus; `GET /health`: 200 once caught up with the log, else 503.
 
+Plain HTTP on 127.0.0.1 by default; with `admin.cert_file` set, HTTPS that requires
+a client certificate from the fleet's CA and answers 403 unless it is an operator's.
 Everything is read from the folded state (llmgw.control.service) and nothing is
 written: mutations go through the log (`llmgw ctl`). JSON via msgspec. Used by
 operators, `llmgw ctl`, dashboards and the integration tests.
@@ -16,6 +18,7 @@ operators, `llmgw ctl`, dashboards and the integration tests.
 from __future__ import annotations
 
 import socket
+import ssl
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -198,8 +201,44 @@ async def _health(request: web.Request) -> web.Response:
     )
 
 
+def server_tls(cert_file: str, key_file: str, ca_file: str) -> ssl.SSLContext:
+    """HTTPS that requires a client certificate issued by the fleet's CA."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca_file)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_file, key_file)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def _units(peercert: Any) -> set[str]:
+    """The OU values of a peer certificate as ssl.getpeercert() returns it. Pure."""
+    out: set[str] = set()
+    for rdn in (peercert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "organizationalUnitName":
+                out.add(value)
+    return out
+
+
+@web.middleware
+async def _operators_only(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Over HTTPS, only operator certificates: a node's or router's certificate is from
+    the same CA, but reading the whole fleet's state is an operator's business."""
+    transport = request.transport
+    if transport is not None and transport.get_extra_info("sslcontext") is not None:
+        units = _units(transport.get_extra_info("peercert"))
+        if "operator" not in units:
+            return _json(
+                {"error": "this API admits operator certificates only (OU=operator): issue one "
+                 "with `llmgw ctl cert issue operator <name>`"},
+                403,
+            )  # fmt: skip
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
 def build_app(svc: ControlService) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[_operators_only])
     app[SERVICE] = svc
     app.router.add_get("/v1/nodes", _nodes)
     app.router.add_get("/v1/replicas", _replicas)
@@ -230,9 +269,10 @@ async def start(svc: ControlService) -> web.AppRunner:
         ) from None
     sock.listen(128)
     sock.setblocking(False)
-    await web.SockSite(runner, sock).start()
+    tls = server_tls(cfg.cert_file, cfg.key_file, cfg.ca_file) if cfg.cert_file else None
+    await web.SockSite(runner, sock, ssl_context=tls).start()
     port = sock.getsockname()[1]
     host = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
-    svc.admin_url = f"http://{host}:{port}"
+    svc.admin_url = f"{'https' if tls else 'http'}://{host}:{port}"
     log.info("control.admin_listening", url=svc.admin_url)
     return runner

@@ -32,10 +32,16 @@ class NatsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The read-only management API and /metrics; keep it private (127.0.0.1 by default)."""
+    """The read-only management API and /metrics: private (127.0.0.1) by default, or HTTPS
+    that admits only operator certificates of the fleet's CA when `cert_file` is set."""
 
     host: str = "127.0.0.1"
     port: int = 9190
+    cert_file: str = ""
+    """This listener's server certificate (its SANs must name `host`); empty: plain HTTP."""
+    key_file: str = ""
+    ca_file: str = ""
+    """The fleet's CA: clients must present a certificate it issued with OU=operator."""
 
 
 class SnapshotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -107,6 +113,12 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
                 f"nats.{field} is not set: the control plane connects with mutual TLS; "
                 "issue its certificate with `llmgw ctl cert issue control <name>`"
             )
+    a = cfg.admin
+    if any((a.cert_file, a.key_file, a.ca_file)) and not all((a.cert_file, a.key_file, a.ca_file)):
+        problems.append(
+            "admin: set all of cert_file, key_file and ca_file for HTTPS with operator "
+            "certificates, or none of them for plain HTTP (then keep host 127.0.0.1)"
+        )
     seen: list[ModelProfile] = []
     names: set[str] = set()
     for i, profile in enumerate(cfg.models):

@@ -17,7 +17,7 @@ import pytest
 
 from llmgw import bus
 from llmgw.control import verify
-from llmgw.control.config import SnapshotConfig
+from llmgw.control.config import AdminListener, SnapshotConfig
 from llmgw.control.service import ControlService
 from llmgw.core import events, state
 from tests.harness import Connector, TestNatsServer
@@ -418,3 +418,30 @@ async def test_a_cold_start_loads_the_newest_snapshot_and_replays_only_the_tail(
     await nc.close()
     for agent in agents:
         await agent.close()
+
+
+async def test_the_admin_api_over_https_admits_operator_certificates_only(
+    nats_server: TestNatsServer,
+) -> None:
+    pki = nats_server.pki
+    listener = AdminListener(
+        host="127.0.0.1",
+        port=0,
+        cert_file=str(pki.certs.server_cert),
+        key_file=str(pki.certs.server_key),
+        ca_file=str(pki.certs.ca_cert),
+    )
+    cfg = control_config(nats_server, "control-a", admin=listener)
+    operator_tls = pki.client_tls("operator", "alice")
+    router_tls = pki.client_tls("router", "r1")
+    async with running(ControlService(cfg)) as svc, aiohttp.ClientSession() as http:
+        assert svc.admin_url.startswith("https://")
+        async with http.get(f"{svc.admin_url}/v1/state", ssl=operator_tls) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["instance"] == "control-a"
+        async with http.get(f"{svc.admin_url}/v1/state", ssl=router_tls) as resp:
+            assert resp.status == 403
+            assert "operator" in (await resp.json())["error"]
+        with pytest.raises(aiohttp.ClientError):
+            async with http.get(f"{svc.admin_url}/v1/state", ssl=pki.anonymous_tls()) as resp:
+                await resp.read()
