@@ -93,6 +93,8 @@ class ControlService:
         self._snapshot_task: asyncio.Task[None] | None = None
         self._undecodable_seen = 0
         self._skipped_control: list[int] = []
+        self._own_rejected = 0
+        self._own_rejected_seen = 0
         self._reader: bus.Reader | None = None
         self._nc: bus.BusClient | None = None
         self._lease: bus.Lease | None = None
@@ -288,6 +290,8 @@ class ControlService:
                 applied += 1
             else:
                 rejected += 1
+                if isinstance(event, events.ControlEvent) and event.epoch == self.epoch:
+                    self._own_rejected += 1
                 log.warning(
                     "control.rejected",
                     seq=rec.seq,
@@ -421,6 +425,18 @@ class ControlService:
             if self.state.last_seq < self._awaiting:
                 continue  # our own last writes are not folded yet: the state is not current
             self._awaiting = 0
+            if self._own_rejected != self._own_rejected_seen:
+                # The fold refused our own decisions: deciding again at once would very
+                # likely repeat them, in a tight loop that fills the log. Pace it instead.
+                log.error(
+                    "control.own_decisions_rejected",
+                    count=self._own_rejected - self._own_rejected_seen,
+                    action=f"deciding again in {self.cfg.reconcile_interval_s} s",
+                )
+                self._own_rejected_seen = self._own_rejected
+                await asyncio.sleep(self.cfg.reconcile_interval_s)
+                if not self.leading:
+                    continue
             try:
                 await self._decide()
             except bus.FenceRefused as exc:

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from structlog.testing import capture_logs
 
 from llmgw import bus
 from llmgw.control import verify
@@ -445,3 +446,27 @@ async def test_the_admin_api_over_https_admits_operator_certificates_only(
         with pytest.raises(aiohttp.ClientError):
             async with http.get(f"{svc.admin_url}/v1/state", ssl=pki.anonymous_tls()) as resp:
                 await resp.read()
+
+
+async def test_a_refused_decision_of_its_own_epoch_paces_the_leader(
+    nats_server: TestNatsServer,
+) -> None:
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    agents: list[SimAgent] = []
+    with capture_logs() as logged:
+        async with running(ControlService(cfg)) as svc:
+            await wait_for(lambda: svc.state.epoch == svc.epoch > 0, 10, "leading")
+            # A decision with the leader's epoch that the fold refuses (no such replica),
+            # as a buggy reconciler would make it.
+            rival = await connect_as(nats_server, "control", "control-x")
+            await bus.Publisher(rival.jetstream()).publish(
+                events.ReplicaRetired(id="bad", ts=time.time(), replica_id="nope", epoch=svc.epoch)
+            )
+            await rival.close()
+            await wait_for(lambda: svc.rejected == 1, 5, "the decision refused")
+            # It goes on deciding, paced: a node arrives and gets the replica.
+            agents.append(await SimAgent(nats_server, "node-a", gpus=1).start())
+            await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving")
+    for agent in agents:
+        await agent.close()
+    assert any(e["event"] == "control.own_decisions_rejected" for e in logged)
