@@ -9,6 +9,7 @@ recorded decision batch is reproduced by re-running the reconciler.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -470,3 +471,21 @@ async def test_a_refused_decision_of_its_own_epoch_paces_the_leader(
     for agent in agents:
         await agent.close()
     assert any(e["event"] == "control.own_decisions_rejected" for e in logged)
+
+
+async def test_the_control_plane_survives_a_nats_server_restart(
+    nats_server: TestNatsServer,
+) -> None:
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    agents: list[SimAgent] = []
+    async with running(ControlService(cfg)) as svc:
+        await wait_for(lambda: svc.state.epoch == svc.epoch > 0, 10, "leading")
+        nats_server.stop()
+        await asyncio.sleep(1.0)
+        nats_server.start()
+        # Same port and store: it reconnects, re-reads from where it was, leads, places.
+        agents.append(await SimAgent(nats_server, "node-a", gpus=1).start())
+        await wait_for(lambda: serving(svc, "m1") == 1, 20, "m1 serving after the restart")
+        assert svc.leading
+    for agent in agents:
+        await agent.close()
