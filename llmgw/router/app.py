@@ -400,7 +400,9 @@ class Router:
                 continue
             rename = prof.name if prof.name != parsed.model else None
             up_body = (
-                requests.rewrite(body, model=rename, include_usage=inject_usage)
+                requests.rewrite(
+                    body, model=rename, include_usage=inject_usage, has_options=parsed.has_options
+                )
                 if rename is not None or inject_usage
                 else body
             )
@@ -543,62 +545,62 @@ class Router:
         total_at: float,
         stream: bool,
     ) -> tuple[upstream_http.Response, bytes | None]:
-        """Send the request; return the response and, for a 2xx stream, its first bytes."""
+        """Send the request; return the response and, for a 2xx stream, its first bytes.
+
+        One timer covers both phases, moved from the headers deadline to the first-token
+        deadline once the headers are in.
+        """
+        upstream: upstream_http.Response | None = None
+        phase = "headers"
         try:
-            async with asyncio.timeout_at(min(t0 + d.headers_s, total_at)):
+            async with asyncio.timeout_at(min(t0 + d.headers_s, total_at)) as cm:
                 upstream = await self.pool.request(key, head, body, connect_timeout=d.connect_s)
-        except TimeoutError:
-            raise Retry(
-                "headers_timeout", 504, f"engine sent no response headers within {d.headers_s} s"
-            ) from None
-        except upstream_http.ConnectTimeout as exc:
-            raise Retry("connect_timeout", 504, str(exc)) from None
-        except upstream_http.ConnectError as exc:
-            raise Retry("connect_error", 502, str(exc)) from None
-        except (upstream_http.UpstreamError, OSError) as exc:
-            raise Retry("upstream_error", 502, f"engine connection failed: {exc}") from None
-        try:
-            status = upstream.status
-            if status >= 500 or status == 429:
-                detail = b""
-                try:
-                    async with asyncio.timeout(1.0):
-                        detail = await upstream.read(2048)
-                except (TimeoutError, upstream_http.UpstreamError, OSError):
-                    pass
-                raise Retry(
-                    "overloaded" if status == 429 else f"status_{status}",
-                    429 if status == 429 else 502,
-                    f"engine answered {status}: {detail.decode('utf-8', 'replace')[:300]}",
-                    fault=status != 429,
-                )
-            if not stream or status != 200 or upstream.content_type != "text/event-stream":
-                # Not a stream after all (an engine's JSON answer): relayed whole.
-                return upstream, None
-            try:
-                async with asyncio.timeout_at(min(t0 + d.first_token_s, total_at)):
-                    first = await upstream.read_any()
-                    # A chat stream opens with a role-only chunk before any token (vLLM sends
-                    # it with the first token, others at once): hold it back, so the first-token
-                    # deadline still covers the wait and the request can still move elsewhere.
-                    while first and len(first) < 4096 and _only_openers(first):
-                        more = await upstream.read_any()
-                        if not more:
-                            break
-                        first += more
-            except TimeoutError:
-                raise Retry(
-                    "first_token_timeout",
-                    504,
-                    f"engine sent no first token within {d.first_token_s} s",
-                ) from None
-            except (upstream_http.UpstreamError, OSError) as exc:
-                raise Retry("upstream_error", 502, f"engine stream failed: {exc}") from None
+                status = upstream.status
+                if status >= 500 or status == 429:
+                    detail = b""
+                    with contextlib.suppress(TimeoutError, upstream_http.UpstreamError, OSError):
+                        async with asyncio.timeout(1.0):
+                            detail = await upstream.read(2048)
+                    raise Retry(
+                        "overloaded" if status == 429 else f"status_{status}",
+                        429 if status == 429 else 502,
+                        f"engine answered {status}: {detail.decode('utf-8', 'replace')[:300]}",
+                        fault=status != 429,
+                    )
+                if not stream or status != 200 or upstream.content_type != "text/event-stream":
+                    # Not a stream (or not one after all: an engine's JSON answer): relayed whole.
+                    return upstream, None
+                phase = "first_token"
+                cm.reschedule(min(t0 + d.first_token_s, total_at))
+                first = await upstream.read_any()
+                # A chat stream opens with a role-only chunk before any token (vLLM sends it
+                # with the first token, others at once): hold it back, so the first-token
+                # deadline still covers the wait and the request can still move elsewhere.
+                while first and len(first) < 4096 and _only_openers(first):
+                    more = await upstream.read_any()
+                    if not more:
+                        break
+                    first += more
             if not first:
                 raise Retry("empty_stream", 502, "engine closed the stream before any data")
             return upstream, first
-        except BaseException:
-            upstream.close()
+        except BaseException as exc:
+            if upstream is not None:
+                upstream.close()
+            if isinstance(exc, TimeoutError):
+                if phase == "headers":
+                    raise Retry("headers_timeout", 504, "engine sent no response headers within"
+                                f" {d.headers_s} s") from None  # fmt: skip
+                raise Retry(
+                    "first_token_timeout", 504, f"engine sent no first token within"
+                    f" {d.first_token_s} s"
+                ) from None  # fmt: skip
+            if isinstance(exc, upstream_http.ConnectTimeout):
+                raise Retry("connect_timeout", 504, str(exc)) from None
+            if isinstance(exc, upstream_http.ConnectError):
+                raise Retry("connect_error", 502, str(exc)) from None
+            if isinstance(exc, upstream_http.UpstreamError | OSError):
+                raise Retry("upstream_error", 502, f"engine connection failed: {exc}") from None
             raise
 
     async def _open_with_keepalive(

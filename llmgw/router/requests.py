@@ -64,6 +64,8 @@ class Parsed(msgspec.Struct):
     model: str
     stream: bool
     wants_usage: bool
+    has_options: bool
+    """The body names stream_options (even as null): the fast rewrite would repeat the key."""
     text: str
     """Prompt text for prefix affinity ("" when not needed)."""
 
@@ -83,13 +85,23 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
-            model=req.model, stream=False, wants_usage=False, text=text if want_text else ""
+            model=req.model,
+            stream=False,
+            wants_usage=False,
+            has_options=False,
+            text=text if want_text else "",
         )
     wants_usage = req.stream_options is not None and req.stream_options.include_usage
     text = ""
     if want_text:
         text = _chat_text(req.messages) if isinstance(req, ChatBody) else _prompt_text(req.prompt)
-    return Parsed(model=req.model, stream=req.stream, wants_usage=wants_usage, text=text)
+    return Parsed(
+        model=req.model,
+        stream=req.stream,
+        wants_usage=wants_usage,
+        has_options=req.stream_options is not None or b'"stream_options"' in body,
+        text=text,
+    )
 
 
 def _chat_text(messages: list[Message]) -> str:
@@ -114,8 +126,21 @@ def _prompt_text(prompt: str | list[Any]) -> str:
     return ""
 
 
-def rewrite(body: bytes, *, model: str | None, include_usage: bool) -> bytes:
-    """The body with another model name and/or a usage chunk requested."""
+USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
+
+
+def rewrite(
+    body: bytes, *, model: str | None, include_usage: bool, has_options: bool = True
+) -> bytes:
+    """The body with another model name and/or a usage chunk requested.
+
+    The common case — only the usage chunk, no stream_options in the body — appends the
+    member to the top-level object's bytes instead of decoding and re-encoding the body.
+    """
+    if model is None and include_usage and not has_options:
+        trimmed = body.rstrip()
+        if trimmed.endswith(b"}"):
+            return trimmed[:-1] + USAGE_OPTION
     data = msgspec.json.decode(body)
     if model is not None:
         data["model"] = model

@@ -143,3 +143,27 @@ def test_table_and_catalog_operations() -> None:
     assert c.resolve("y") is not None
     c.remove("m")
     assert c.resolve("m") is None
+
+
+@given(
+    extra=st.dictionaries(
+        st.text(max_size=8).filter(lambda k: k not in ("model", "stream_options")),
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        max_size=4,
+    ),
+    spaces=st.sampled_from([b"", b" ", b"\n  "]),
+)
+def test_usage_option_is_added_without_losing_anything(
+    extra: dict[str, object], spaces: bytes
+) -> None:
+    data = {"model": "m", "prompt": "p", "stream": True, **extra}
+    body = msgspec.json.encode(data) + spaces
+    parsed = requests.parse("completions", body, want_text=False)
+    assert not parsed.has_options
+    out = requests.rewrite(body, model=None, include_usage=True, has_options=parsed.has_options)
+    assert msgspec.json.decode(out) == {**data, "stream_options": {"include_usage": True}}
+    null_opts = msgspec.json.encode({**data, "stream_options": None})
+    p2 = requests.parse("completions", null_opts, want_text=False)
+    assert p2.has_options
+    out2 = requests.rewrite(null_opts, model="n", include_usage=True, has_options=True)
+    assert msgspec.json.decode(out2)["stream_options"] == {"include_usage": True}
