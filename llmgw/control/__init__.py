@@ -2,6 +2,7 @@
 
 - `config`: ControlConfig, loaded by `llmgw control --config FILE`;
 - `service`: the ControlService (consume -> fold -> reconcile -> fenced publish);
+- `folding`: the folded state, the fence's position, refused events;
 - `models`: the config file's models as operator events, diffed against the log;
 - `admin`: the read-only management API and /metrics;
 - `verify`: a log checked against its own recorded decisions and digests;

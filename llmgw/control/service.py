@@ -40,6 +40,7 @@ import nats.js.errors
 from llmgw import bus, logs
 from llmgw.control import models as model_sync
 from llmgw.control.config import ControlConfig
+from llmgw.control.folding import CONTROL_PREFIX, Folded
 from llmgw.control.metrics import Metrics, failure_reason
 from llmgw.core import events, reconcile, state, subjects
 from llmgw.pki import tls as pki_tls
@@ -47,7 +48,6 @@ from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.control")
 
-_CONTROL_PREFIX = subjects.CONTROL_EVENTS_ALL[:-1]  # "llmgw.events.control."
 _MODEL_EVENTS = tuple(
     subjects.operator_event(kind) for kind in ("model_declared", "model_changed", "model_removed")
 )
@@ -68,10 +68,8 @@ class ControlService:
         self.identity = Identity("control", cfg.name)
         self._tls = tls
         self.clock = clock
-        self.state = state.ClusterState()
         self.metrics = Metrics()
-        self.control_seq = 0
-        """Last sequence folded on llmgw.events.control.> (the fence's expected value)."""
+        self.folded = Folded(self.metrics, clock)
         self.leading = False
         self.epoch = 0
         """Epoch of the lease this instance holds (0 when it holds none)."""
@@ -79,21 +77,15 @@ class ControlService:
         self.ready = asyncio.Event()
         """Set once the admin listener accepts connections."""
         self.admin_url = ""
-        self.rejected = 0
         self.snapshot_seq = 0
         self.observing_since = clock()
         self.unplaceable: dict[str, str] = {}
         self._wake = asyncio.Event()
-        self._folded = asyncio.Event()
         self._awaiting = 0
         self._announced = 0
         self._models_synced_epoch = 0
-        self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._snapshot_task: asyncio.Task[None] | None = None
-        self._undecodable_seen = 0
-        self._skipped_control: list[int] = []
-        self._own_rejected = 0
         self._own_rejected_seen = 0
         self._reader: bus.Reader | None = None
         self._nc: bus.BusClient | None = None
@@ -102,6 +94,19 @@ class ControlService:
         self._snapshots: bus.SnapshotStore | None = None
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def state(self) -> state.ClusterState:
+        return self.folded.state
+
+    @property
+    def control_seq(self) -> int:
+        """Last sequence on llmgw.events.control.> folded: the fence's expected value."""
+        return self.folded.control_seq
+
+    @property
+    def rejected(self) -> int:
+        return self.folded.rejected
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is not None:
@@ -133,7 +138,7 @@ class ControlService:
             self._lease = await bus.Lease.open(js, self.name, ttl_s=self.cfg.lease_ttl_s)
             runner = await admin.start(self)
             await self._load_snapshot()
-            self.control_seq = await self._last_control_seq(js, upto=self.state.last_seq)
+            self.folded.control_seq = await self._last_control_seq(js, upto=self.state.last_seq)
             self._reader = bus.Reader(
                 nc, after_seq=self.state.last_seq, name=f"control-{self.name}"
             )
@@ -202,7 +207,7 @@ class ControlService:
             log.warning("control.snapshot_invalid", seq=snap.seq, error=str(exc))
             return
         loaded.last_seq = snap.seq
-        self.state = loaded
+        self.folded.state = loaded
         self.snapshot_seq = snap.seq
         self.metrics.snapshot_seq.set(snap.seq)
         self.metrics.folded_seq.set(snap.seq)
@@ -232,114 +237,32 @@ class ControlService:
     async def _consume(self) -> None:
         assert self._reader is not None
         reader = self._reader
+        folded = self.folded
         async for batch in reader.batches():
-            interesting = self.fold(batch)
-            if reader.undecodable != self._undecodable_seen:
-                self._note_skipped(reader)
-            else:
-                self._settle_skipped()
+            interesting = folded.fold(batch, epoch=self.epoch)
+            folded.note_skipped(reader.undecodable, reader.skipped)
             if reader.caught_up.is_set():
                 self._mark_caught_up()
-            self._folded.set()
             if interesting or self._awaiting:
                 self._wake.set()
             self._maybe_snapshot()
-
-    def _note_skipped(self, reader: bus.Reader) -> None:
-        """Undecodable messages on the control subjects still move the fence (the server
-        counts them; a fence that ignored them would refuse every write forever). One
-        counts once a later event is folded: only then is everything before it folded."""
-        new = reader.undecodable - self._undecodable_seen
-        self._undecodable_seen = reader.undecodable
-        self.metrics.undecodable.set(reader.undecodable)
-        for skipped in list(reader.skipped)[-new:]:
-            if skipped.subject.startswith(_CONTROL_PREFIX):
-                self._skipped_control.append(skipped.seq)
-        self._settle_skipped()
-
-    def _settle_skipped(self) -> None:
-        if self._skipped_control:
-            done = [seq for seq in self._skipped_control if seq < self.state.last_seq]
-            if done:
-                self.control_seq = max(self.control_seq, *done)
-                self._skipped_control = [s for s in self._skipped_control if s not in done]
-
-    def fold(self, batch: list[bus.Record]) -> bool:
-        """Fold records into the state; True when one could change a decision.
-
-        Heartbeats of ready nodes that report no health change cannot: they only
-        refresh ages, which the timer looks at. Everything else wakes the leader.
-        """
-        st = self.state
-        applied = rejected = 0
-        interesting = False
-        control = self.control_seq
-        for rec in batch:
-            event = rec.event
-            if type(event) is events.Heartbeat and not interesting:
-                node = st.nodes.get(event.node)
-                interesting = (
-                    node is None or node.liveness != "ready" or _health_changed(node, event)
-                )
-            elif type(event) is not events.Heartbeat:
-                interesting = True
-            reason = state.apply(st, event, rec.seq, rec.time)
-            if rec.subject.startswith(_CONTROL_PREFIX):
-                control = rec.seq
-            if reason is None:
-                applied += 1
-            else:
-                rejected += 1
-                if isinstance(event, events.ControlEvent) and event.epoch == self.epoch:
-                    self._own_rejected += 1
-                log.warning(
-                    "control.rejected",
-                    seq=rec.seq,
-                    subject=rec.subject,
-                    type=events.tag_of(type(event)),
-                    reason=reason,
-                )
-        self.control_seq = control
-        self.rejected += rejected
-        self._since_snapshot += len(batch)
-        m = self.metrics
-        if applied:
-            m.applied.inc(applied)
-        if rejected:
-            m.rejected.inc(rejected)
-        if batch:
-            m.folded_seq.set(st.last_seq)
-            m.fold_lag.set(max(0.0, self.clock() - batch[-1].time))
-            m.epoch.set(st.epoch)
-        return interesting
-
-    async def _wait_folded(self, seq: int, within_s: float) -> bool:
-        deadline = time.monotonic() + within_s
-        while self.state.last_seq < seq:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self._folded.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._folded.wait(), left)
-        return True
 
     # ------------------------------------------------------------------ snapshots
 
     def _maybe_snapshot(self, *, force: bool = False) -> None:
         s = self.cfg.snapshot
-        if not self.leading or self._since_snapshot == 0 or self._snapshots is None:
+        if not self.leading or self.folded.since_snapshot == 0 or self._snapshots is None:
             return
         if self._snapshot_task is not None and not self._snapshot_task.done():
             return
-        due = force or bool(s.every_events and self._since_snapshot >= s.every_events)
+        due = force or bool(s.every_events and self.folded.since_snapshot >= s.every_events)
         due = due or bool(s.every_s and time.monotonic() - self._last_snapshot >= s.every_s)
         if not due:
             return
         # Encoded now, synchronously: the bytes are exactly the state at last_seq.
         data = state.encode_snapshot(self.state)
         seq = self.state.last_seq
-        self._since_snapshot = 0
+        self.folded.since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._snapshot_task = self._spawn(self._save_snapshot(data, seq), "snapshot")
 
@@ -425,15 +348,15 @@ class ControlService:
             if self.state.last_seq < self._awaiting:
                 continue  # our own last writes are not folded yet: the state is not current
             self._awaiting = 0
-            if self._own_rejected != self._own_rejected_seen:
+            if self.folded.own_rejected != self._own_rejected_seen:
                 # The fold refused our own decisions: deciding again at once would very
                 # likely repeat them, in a tight loop that fills the log. Pace it instead.
                 log.error(
                     "control.own_decisions_rejected",
-                    count=self._own_rejected - self._own_rejected_seen,
+                    count=self.folded.own_rejected - self._own_rejected_seen,
                     action=f"deciding again in {self.cfg.reconcile_interval_s} s",
                 )
-                self._own_rejected_seen = self._own_rejected
+                self._own_rejected_seen = self.folded.own_rejected
                 await asyncio.sleep(self.cfg.reconcile_interval_s)
                 if not self.leading:
                     continue
@@ -556,7 +479,7 @@ class ControlService:
             fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, fence_seq)
             published = await self._publisher.publish(event, fence=fence)
             self._wrote(published.seq)
-            if events.subject_of(event).startswith(_CONTROL_PREFIX):
+            if events.subject_of(event).startswith(CONTROL_PREFIX):
                 fence_seq = published.seq
             last = published.seq
             self.metrics.decisions.labels(events.tag_of(type(event))).inc()
@@ -568,19 +491,6 @@ class ControlService:
                 **_describe(event),
             )
         return last
-
-
-def _health_changed(node: state.NodeState, hb: events.Heartbeat) -> bool:
-    for h in hb.gpus:
-        gpu = node.gpus.get(h.index)
-        if gpu is None:
-            return True
-        if (
-            gpu.ecc_uncorrected != h.ecc_uncorrected
-            or gpu.foreign_memory_mib != h.foreign_memory_mib
-        ):
-            return True
-    return False
 
 
 def _describe(event: events.Event) -> dict[str, Any]:

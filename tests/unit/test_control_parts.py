@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from llmgw import bus, config
 from llmgw.control import config as control_config
 from llmgw.control import models
-from llmgw.control.metrics import failure_reason
-from llmgw.control.service import ControlService
+from llmgw.control.folding import Folded
+from llmgw.control.metrics import Metrics, failure_reason
 from llmgw.core import events, subjects
 from llmgw.core.profile import ModelProfile
 from llmgw.core.state import ClusterState, apply, digest, fold
@@ -198,8 +198,8 @@ def test_the_control_plane_may_write_model_events_and_no_other_operator_event() 
 
 @settings(max_examples=60, deadline=None)
 @given(evs=st.lists(any_event, max_size=40))
-def test_the_services_fold_is_the_cores_and_tracks_the_fence(evs: list[events.Event]) -> None:
-    svc = ControlService(control_config.ControlConfig(name="c"))
+def test_the_batched_fold_is_the_cores_and_tracks_the_fence(evs: list[events.Event]) -> None:
+    folded = Folded(Metrics(), lambda: 2.0)
     records = []
     for seq, ev in enumerate(evs, 1):
         try:
@@ -208,10 +208,27 @@ def test_the_services_fold_is_the_cores_and_tracks_the_fence(evs: list[events.Ev
             continue
         records.append(bus.Record(seq, subject, 1.0, ev))  # type: ignore[arg-type]
     half = len(records) // 2
-    svc.fold(records[:half])
-    svc.fold(records[half:])
+    folded.fold(records[:half])
+    folded.fold(records[half:])
     core, rejected = fold([(r.seq, r.event) for r in records])
-    assert digest(svc.state) == digest(core)
-    assert svc.rejected == len(rejected)
+    assert digest(folded.state) == digest(core)
+    assert folded.rejected == len(rejected)
     control = [r.seq for r in records if r.subject.startswith("llmgw.events.control.")]
-    assert svc.control_seq == (control[-1] if control else 0)
+    assert folded.control_seq == (control[-1] if control else 0)
+
+
+def test_skipped_control_messages_move_the_fence_once_a_later_event_is_folded() -> None:
+    folded = Folded(Metrics(), lambda: 2.0)
+    hb = events.NodeRegistered(id="r", ts=1.0, node="n", address="a")
+
+    def rec(seq: int) -> bus.Record:
+        return bus.Record(seq, "llmgw.events.node.n.registered", 1.0, hb)
+
+    folded.fold([rec(1)])
+    junk = bus.Skipped(seq=3, subject="llmgw.events.control.x", time=1.0, error="bad")
+    folded.note_skipped(1, [junk])
+    assert folded.control_seq == 0  # seq 2 may still be on its way: not yet
+    folded.fold([rec(2)])
+    assert folded.control_seq == 0
+    folded.fold([rec(4)])
+    assert folded.control_seq == 3

@@ -1,0 +1,128 @@
+"""The control plane's folded view of the log: the state, where the fence stands, what was refused.
+
+`Folded` wraps the pure fold (llmgw.core.state.apply) for the control service: it
+folds each batch the Reader yields, counts and logs every event the fold refuses
+(with its sequence; nothing stops the loop), and tracks `control_seq`, the last
+sequence on `llmgw.events.control.>` - the value the leader's fenced writes
+expect, since the server counts every message there. It also says whether a
+batch could change a decision, so the leader is not woken by routine heartbeats.
+Used by llmgw.control.service; no I/O beyond logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from llmgw import bus, logs
+from llmgw.control.metrics import Metrics
+from llmgw.core import events, state, subjects
+
+log = logs.get("llmgw.control")
+
+CONTROL_PREFIX = subjects.CONTROL_EVENTS_ALL[:-1]  # "llmgw.events.control."
+
+
+class Folded:
+    """The state folded so far and the bookkeeping the leader needs around it."""
+
+    def __init__(self, metrics: Metrics, clock: Callable[[], float]) -> None:
+        self.state = state.ClusterState()
+        self.metrics = metrics
+        self.clock = clock
+        self.control_seq = 0
+        """Last sequence folded (or skipped, see `note_skipped`) on llmgw.events.control.>."""
+        self.rejected = 0
+        self.own_rejected = 0
+        """Refused events that carry the epoch passed to `fold` (the leader's own)."""
+        self.since_snapshot = 0
+        self._undecodable_seen = 0
+        self._skipped_control: list[int] = []
+
+    def fold(self, batch: list[bus.Record], *, epoch: int = 0) -> bool:
+        """Fold records into the state; True when one could change a decision.
+
+        Heartbeats of ready nodes that report no health change cannot: they only
+        refresh ages, which the leader's timer looks at. Anything else can.
+        """
+        st = self.state
+        applied = rejected = 0
+        interesting = False
+        control = self.control_seq
+        for rec in batch:
+            event = rec.event
+            if type(event) is events.Heartbeat:
+                if not interesting:
+                    node = st.nodes.get(event.node)
+                    interesting = (
+                        node is None or node.liveness != "ready" or _health_changed(node, event)
+                    )
+            else:
+                interesting = True
+            reason = state.apply(st, event, rec.seq, rec.time)
+            if rec.subject.startswith(CONTROL_PREFIX):
+                control = rec.seq
+            if reason is None:
+                applied += 1
+                continue
+            rejected += 1
+            if epoch and isinstance(event, events.ControlEvent) and event.epoch == epoch:
+                self.own_rejected += 1
+            log.warning(
+                "control.rejected",
+                seq=rec.seq,
+                subject=rec.subject,
+                type=events.tag_of(type(event)),
+                reason=reason,
+            )
+        self.control_seq = control
+        self.rejected += rejected
+        self.since_snapshot += len(batch)
+        m = self.metrics
+        if applied:
+            m.applied.inc(applied)
+        if rejected:
+            m.rejected.inc(rejected)
+        if batch:
+            m.folded_seq.set(st.last_seq)
+            m.fold_lag.set(max(0.0, self.clock() - batch[-1].time))
+            m.epoch.set(st.epoch)
+        self._settle_skipped()
+        return interesting
+
+    def note_skipped(self, undecodable: int, skipped: Iterable[bus.Skipped]) -> None:
+        """Messages the Reader could not decode (`undecodable` so far, the recent `skipped`).
+
+        Those on the control subjects still move the fence: a fence that ignored them
+        would refuse every write forever. One counts once a later event is folded, since
+        only then is everything before it folded.
+        """
+        new = undecodable - self._undecodable_seen
+        if new <= 0:
+            return
+        self._undecodable_seen = undecodable
+        self.metrics.undecodable.set(undecodable)
+        for item in list(skipped)[-new:]:
+            if item.subject.startswith(CONTROL_PREFIX):
+                self._skipped_control.append(item.seq)
+        self._settle_skipped()
+
+    def _settle_skipped(self) -> None:
+        if not self._skipped_control:
+            return
+        done = [seq for seq in self._skipped_control if seq < self.state.last_seq]
+        if done:
+            self.control_seq = max(self.control_seq, *done)
+            self._skipped_control = [s for s in self._skipped_control if s not in done]
+
+
+def _health_changed(node: state.NodeState, hb: events.Heartbeat) -> bool:
+    for h in hb.gpus:
+        gpu = node.gpus.get(h.index)
+        if gpu is None:
+            return True
+        if (
+            gpu.ecc_uncorrected != h.ecc_uncorrected
+            or gpu.foreign_memory_mib != h.foreign_memory_mib
+        ):
+            return True
+    return False
