@@ -10,6 +10,7 @@ SIGTERM or SIGINT releases the leader lease so a standby takes over at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -60,9 +61,15 @@ async def _serve(cfg: object) -> None:
     svc = ControlService(cfg)
     run = asyncio.create_task(svc.run(stop))
     ready = asyncio.create_task(svc.ready.wait())
-    await asyncio.wait([run, ready], return_when=asyncio.FIRST_COMPLETED)
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([run, ready, stopped], return_when=asyncio.FIRST_COMPLETED)
     if svc.ready.is_set():
         sys.stdout.write(f"llmgw control {cfg.name} admin {svc.admin_url}\n")
         sys.stdout.flush()
+    elif stop.is_set() and not run.done():
+        # Still waiting for NATS (it reconnects forever): a signal must end that too.
+        run.cancel()
     ready.cancel()
-    await run
+    stopped.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run

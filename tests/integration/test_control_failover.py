@@ -262,3 +262,25 @@ async def test_sigterm_releases_the_lease_and_the_standby_takes_over_at_once(
     finally:
         for p in planes:
             p.stop()
+
+
+def test_sigterm_ends_a_control_plane_still_waiting_for_nats(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    cfg = control_config(nats_server, "control-a")
+    nats_server.stop()  # nobody listens there now: it waits, reconnecting
+    path = write_config(cfg, tmp_path / "c.yaml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "control", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        time.sleep(2.0)
+        assert proc.poll() is None, "it must wait for the server, not give up"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
