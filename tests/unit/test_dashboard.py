@@ -1,0 +1,61 @@
+"""The Grafana dashboard queries only metrics and labels that llmgw really exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from llmgw.control import metrics as control_metrics
+from llmgw.router import metrics as router_metrics
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llmgw.json"
+SUFFIXES = ("_bucket", "_total", "_count", "_sum")
+
+
+def _exported(registry: CollectorRegistry) -> dict[str, set[str]]:
+    """Metric family name -> label names, as Prometheus would scrape them."""
+    out: dict[str, set[str]] = {}
+    for family in registry.collect():
+        labels: set[str] = set()
+        for sample in family.samples:
+            labels |= set(sample.labels) - {"le"}
+        out[family.name] = labels
+    return out
+
+
+def _metrics() -> dict[str, set[str]]:
+    router = router_metrics.Metrics()
+    control = control_metrics.Metrics()
+    # Touch labelled children so their label names appear in the samples.
+    out = _exported(router.registry)
+    out.update(_exported(control.registry))
+    for metric in [*vars(router).values(), *vars(control).values()]:
+        names = getattr(metric, "_labelnames", None)
+        name = getattr(metric, "_name", None)
+        if names is not None and name is not None:
+            out.setdefault(name, set()).update(names)
+    return out
+
+
+def test_every_query_names_an_exported_metric_and_its_labels() -> None:
+    exported = _metrics()
+    dashboard = json.loads(DASHBOARD.read_text())
+    checked = 0
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for name in re.findall(r"\b(llmgw_[a-z_]+)", expr):
+                base = name
+                for suffix in SUFFIXES:
+                    base = base.removesuffix(suffix)
+                assert base in exported, f"{panel['title']}: {name} is not exported"
+                for group in re.findall(r"by \(([^)]*)\)", expr):
+                    wanted = {g.strip() for g in group.split(",")} - {"le", "instance"}
+                    assert wanted <= exported[base], (
+                        f"{panel['title']}: {name} has no label(s) {wanted - exported[base]}"
+                    )
+                checked += 1
+    assert checked >= 20
