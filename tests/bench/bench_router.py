@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,10 @@ BODY = {
 # --------------------------------------------------------------------------- load generator
 
 
-async def _client(urls: list[str], concurrency: int, requests: int) -> dict[str, Any]:
+async def _client(urls: list[str], concurrency: int, requests: int, warmup: int) -> dict[str, Any]:
+    """Measure `requests` streams at `concurrency`, after `warmup` streams on the same
+    connections: connection set-up (and a SYN dropped in a burst of 512 connects, which
+    costs a 1 s retransmit) is not what the figures are about."""
     import aiohttp
 
     body = json.dumps(BODY).encode()
@@ -91,14 +95,19 @@ async def _client(urls: list[str], concurrency: int, requests: int) -> dict[str,
             ttfts.append((first or t1) - t0)
             totals.append(t1 - t0)
 
-        async def worker() -> None:
+        async def worker(limit: int) -> None:
             nonlocal counter
-            while counter < requests:
+            while counter < limit:
                 counter += 1
                 await one(urls[counter % len(urls)])
 
+        await asyncio.gather(*(worker(max(warmup, concurrency)) for _ in range(concurrency)))
+        ttfts.clear()
+        totals.clear()
+        errors = 0
+        counter = 0
         t_start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(requests) for _ in range(concurrency)))
         elapsed = time.perf_counter() - t_start
 
     def q(xs: list[float], p: float) -> float:
@@ -124,27 +133,7 @@ def _client_main(args: argparse.Namespace) -> None:
     urls = args.url
 
     async def main() -> dict[str, Any]:
-        import aiohttp
-
-        body = json.dumps(BODY).encode()
-        # Warm-up as plain requests on a separate session: connection set-up and first
-        # requests are not what the figures are about.
-        async with aiohttp.ClientSession() as s:
-
-            async def w(i: int) -> None:
-                for j in range(max(args.warmup // max(args.concurrency, 1), 2)):
-                    async with s.post(
-                        urls[(i + j) % len(urls)],
-                        data=body,
-                        headers={
-                            "Content-Type": "application/json",
-                            "Authorization": "Bearer none",
-                        },
-                    ) as r:
-                        await r.read()
-
-            await asyncio.gather(*(w(i) for i in range(min(args.concurrency, 64))))
-        return await _client(urls, args.concurrency, args.requests)
+        return await _client(urls, args.concurrency, args.requests, args.warmup)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         result = runner.run(main())
@@ -247,53 +236,40 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--requests", type=int, default=100, help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=50, help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="fewer requests: a smoke run")
-    ap.add_argument("--only", default="", help="comma-separated targets to run (default: all)")
+    ap.add_argument("--quick", action="store_true", help="fewer requests, one round: a smoke run")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (3)")
+    ap.add_argument("--only", default="", help="comma-separated targets besides direct")
     args = ap.parse_args()
     if args.client:
         _client_main(args)
         return
 
     scale = 0.2 if args.quick else 1.0
+    rounds = 1 if args.quick else max(args.rounds, 1)
     overhead_runs = [(1, int(400 * scale)), (64, int(4000 * scale)), (512, int(6000 * scale))]
     throughput_run = (256, int(8000 * scale))
+    all_runs = [*overhead_runs, throughput_run]
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     sim_args = ["--eos-min-tokens", str(TOKENS), "--eos-max-tokens", str(TOKENS),
                 "--log-level", "warning"]  # fmt: skip
-    sims = [Sim.start("m", *sim_args) for _ in range(3)]
-    direct = [s.url + "/v1/chat/completions" for s in sims]
-    results: dict[str, dict[str, dict[str, Any]]] = {}
     wanted = set(filter(None, args.only.split(",")))
-
-    def measure(name: str, urls: list[str], runs: list[tuple[int, int]]) -> None:
-        if wanted and name not in wanted and name != "direct":
-            return
-        for conc, n in runs:
-            r = run_client(urls, conc, n)
-            results.setdefault(name, {})[f"c{conc}"] = r
-            print(f"  {name:>16} c={conc:<4} n={r['n']:<5} err={r['errors']:<3} "
-                  f"{r['rps']:8.0f} req/s  ttft p50 {r['ttft_p50'] * 1e3:7.2f} ms "
-                  f"p99 {r['ttft_p99'] * 1e3:7.2f} ms  total p50 {r['total_p50'] * 1e3:7.2f} ms "
-                  f"p99 {r['total_p99'] * 1e3:7.2f} ms", flush=True)  # fmt: skip
-
-    all_runs = [*overhead_runs, throughput_run]
+    sims = [Sim.start("m", *sim_args) for _ in range(3)]
+    stops: list[Any] = []
+    targets: dict[str, list[str]] = {"direct": [s.url + "/v1/chat/completions" for s in sims]}
+    samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
     try:
-        print(f"cores: {os.cpu_count()}; sims: 3 x llmgw sim, {TOKENS} tokens, zero latency")
-        measure("direct", direct, all_runs)
         endpoints = {f"s{i}": s for i, s in enumerate(sims)}
         # Production settings: probes once a second (the test kit probes 5x faster).
-        r1 = Router.start(tmp, endpoints, log_level="warning", probe_interval_s=1.0)
-        try:
-            measure("llmgw", [r1.url + "/v1/chat/completions"], all_runs)
-        finally:
-            r1.stop()
-        r2 = Router.start(tmp, endpoints, workers=2, log_level="warning", probe_interval_s=1.0)
-        try:
-            measure("llmgw --workers 2", [r2.url + "/v1/chat/completions"], all_runs)
-        finally:
-            r2.stop()
-        for start in (start_vllm_router, start_sglang_router):
-            name = "vllm-router" if start is start_vllm_router else "sglang-router"
+        for name, workers in (("llmgw", 1), ("llmgw --workers 2", 2)):
+            if wanted and name not in wanted:
+                continue
+            r = Router.start(
+                tmp, endpoints, workers=workers, log_level="warning", probe_interval_s=1.0
+            )
+            stops.append(r.stop)
+            targets[name] = [r.url + "/v1/chat/completions"]
+        for name, start in (("vllm-router", start_vllm_router),
+                            ("sglang-router", start_sglang_router)):  # fmt: skip
             if wanted and name not in wanted:
                 continue
             try:
@@ -304,44 +280,58 @@ def main() -> None:
             if peer is None:
                 print(f"  {name}: not installed, skipped")
                 continue
-            try:
-                measure(name, [peer.url], all_runs)
-            finally:
-                peer.stop()
+            stops.append(peer.stop)
+            targets[name] = [peer.url]
+        print(f"cores: {os.cpu_count()}; sims: 3 x llmgw sim, {TOKENS} tokens, zero latency; "
+              f"{rounds} round(s), targets interleaved, medians reported")  # fmt: skip
+        for rnd in range(rounds):
+            for conc, n in all_runs:
+                for name, urls in targets.items():
+                    r = run_client(urls, conc, n)
+                    samples.setdefault((name, conc), []).append(r)
+                    print(f"  round {rnd + 1} {name:>17} c={conc:<4} n={r['n']:<5} "
+                          f"err={r['errors']:<3} {r['rps']:8.0f} req/s  ttft p50 "
+                          f"{r['ttft_p50'] * 1e3:7.2f} p99 {r['ttft_p99'] * 1e3:7.2f}  total p50 "
+                          f"{r['total_p50'] * 1e3:7.2f} p99 {r['total_p99'] * 1e3:7.2f} ms",
+                          flush=True)  # fmt: skip
     finally:
+        for stop in stops:
+            stop()
         for s in sims:
             s.stop()
 
+    def med(name: str, conc: int, key: str) -> float:
+        return statistics.median(r[key] for r in samples[(name, conc)])
+
     print()
-    print("overhead vs direct (router minus direct), ms")
-    print(
-        f"{'target':>18} {'conc':>5} {'ttft p50':>9} {'ttft p99':>9}"
-        f" {'total p50':>10} {'total p99':>10}"
-    )
-    base = results["direct"]
-    for name, per in results.items():
-        if name == "direct":
-            continue
+    print("medians; overhead = through the router minus direct, ms")
+    print(f"{'target':>18} {'conc':>5} {'req/s':>7} {'ttft p50':>9} {'ttft p99':>9}"
+          f" {'total p50':>10} {'total p99':>10}")  # fmt: skip
+    for name in targets:
         for conc, _ in overhead_runs:
-            k = f"c{conc}"
-            r, d = per[k], base[k]
-            print(f"{name:>18} {conc:>5} {(r['ttft_p50'] - d['ttft_p50']) * 1e3:9.2f} "
-                  f"{(r['ttft_p99'] - d['ttft_p99']) * 1e3:9.2f} "
-                  f"{(r['total_p50'] - d['total_p50']) * 1e3:10.2f} "
-                  f"{(r['total_p99'] - d['total_p99']) * 1e3:10.2f}")  # fmt: skip
+            d = {k: med("direct", conc, k) for k in ("ttft_p50", "ttft_p99", "total_p50",
+                                                      "total_p99")}  # fmt: skip
+            v = {k: med(name, conc, k) for k in d}
+            if name == "direct":
+                vals = [v[k] * 1e3 for k in d]
+                label = "(absolute)"
+            else:
+                vals = [(v[k] - d[k]) * 1e3 for k in d]
+                label = ""
+            print(f"{name:>18} {conc:>5} {med(name, conc, 'rps'):7.0f} {vals[0]:9.2f} "
+                  f"{vals[1]:9.2f} {vals[2]:10.2f} {vals[3]:10.2f} {label}")  # fmt: skip
     print()
     conc = throughput_run[0]
-    print(f"throughput at {conc} concurrent streams (requests/s, ratio to direct)")
-    d_rps = base[f"c{conc}"]["rps"]
-    print(f"{'direct':>18} {d_rps:8.0f}  1.00")
-    for name, per in results.items():
-        if name != "direct":
-            rps = per[f"c{conc}"]["rps"]
-            print(f"{name:>18} {rps:8.0f}  {rps / d_rps:4.2f}")
+    print(f"throughput at {conc} concurrent streams (median requests/s, ratio to direct)")
+    d_rps = med("direct", conc, "rps")
+    for name in targets:
+        rps = med(name, conc, "rps")
+        print(f"{name:>18} {rps:8.0f}  {rps / d_rps:4.2f}")
     print()
     print("note: client, router and sims share the same cores; at high concurrency the")
     print("figures include CPU contention between them, not only each router's own work.")
-    (tmp / "results.json").write_text(json.dumps(results, indent=2))
+    out = {f"{name}@{conc}": rs for (name, conc), rs in samples.items()}
+    (tmp / "results.json").write_text(json.dumps(out, indent=2))
     print(f"raw results: {tmp / 'results.json'}")
 
 
