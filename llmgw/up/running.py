@@ -1,0 +1,397 @@
+"""Running the embedded fleet: start every process in order, watch it, stop it all.
+
+`run(plan)` is `llmgw up`: stop whatever a previous run on the same state directory left
+behind, then start nats-server (private CA, mutual TLS), the control plane, one agent per
+simulated node and the router, each a real subprocess with its config and log in the
+state directory; print what runs where and how to use it; redraw the live status until
+SIGINT or SIGTERM; then stop the router, the agents, the engines the agents leave running
+on purpose, the control plane and nats-server, in that order, leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import msgspec
+import yaml
+
+from llmgw import natsd
+from llmgw.agent import processes
+from llmgw.up import children, render, status
+from llmgw.up.children import Child, UpError
+from llmgw.up.render import Plan
+
+PY = (sys.executable, "-m", "llmgw")
+CONTROL_READY = r"^llmgw control \S+ admin (http://\S+)$"
+ROUTER_READY = r"^llmgw router listening on (http://\S+) admin (http://\S+)$"
+# The first replicas come up together; wait this long for the rest before the router
+# starts, so that it does not restart for the second one right after serving.
+SETTLE_S = 5.0
+STATUS_EVERY_S = 0.5
+PLAIN_STATUS_EVERY_S = 10.0
+
+
+def _write_yaml(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        "# Written by `llmgw up` at every start: edits here do not last.\n"
+        + yaml.safe_dump(data, sort_keys=False)
+    )
+    os.replace(tmp, path)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail early, saying what to do, when the router's port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UpError(
+                f"port {port} on {host} is not available ({exc.strerror}): stop what listens "
+                f"there (`ss -ltnp 'sport = :{port}'` shows it) or pick another with --port"
+            ) from None
+
+
+def _wait_nats(child: Child, host: str, port: int, timeout_s: float) -> None:
+    """nats-server sends its INFO line to a new connection before the TLS handshake."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection((host, port), timeout=1.0) as s,
+        ):
+            if s.recv(5).startswith(b"INFO"):
+                return
+        if not child.running:
+            raise UpError(
+                f"nats-server exited while starting (log {child.log_path}):\n"
+                + children.log_tail(child.log_path)
+            )
+        if time.monotonic() > deadline:
+            raise UpError(
+                f"nats-server did not accept connections on {host}:{port} within "
+                f"{timeout_s:.0f} s (log {child.log_path}):\n" + children.log_tail(child.log_path)
+            )
+        time.sleep(0.02)
+
+
+class Fleet:
+    """The processes of one `llmgw up`, started and stopped in order."""
+
+    def __init__(self, plan: Plan, out: TextIO, *, tty: bool) -> None:
+        self.plan = plan
+        self.layout = plan.layout
+        self.out = out
+        self.tty = tty
+        self.stopping = False
+        self.nats: Child | None = None
+        self.nats_url = ""
+        self.control: Child | None = None
+        self.control_admin = ""
+        self.agents: list[Child] = []
+        self.router: Child | None = None
+        self.router_admin = ""
+        self.router_endpoints: dict[str, str] = {}
+        self._status_lines = 0
+
+    # ------------------------------------------------------------------ output
+
+    def say(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+        # Text printed below the status block: redraw the block below it, not over it.
+        self._status_lines = 0
+
+    # ------------------------------------------------------------------ start
+
+    def clean_up_previous(self) -> None:
+        """Stop what a previous run left (it was killed, or the machine lost power)."""
+        run = self.layout.run
+        left = []
+        for pid_file in sorted(run.glob("*.json")) if run.is_dir() else ():
+            if pid_file == self.layout.up_pid_file:
+                continue
+            pid = children.stop_recorded(pid_file)
+            if pid is not None:
+                left.append(f"{pid_file.stem} (pid {pid})")
+        states = [d / "state" for d in sorted(self.layout.agents.glob("*")) if d.is_dir()]
+        for pid in children.stop_engines(states):
+            left.append(f"engine (pid {pid})")
+        if left:
+            self.say(f"stopped what a previous run left running: {', '.join(left)}")
+
+    def start_nats(self) -> None:
+        local = natsd.LocalNats(self.layout.nats)
+        local.prepare(self.plan.identities)
+        try:
+            binary = natsd.binary()
+        except natsd.NatsServerError as exc:
+            raise UpError(str(exc)) from None
+        self.nats = Child(
+            "nats-server",
+            [binary, "-c", str(local.config_path)],
+            log_path=self.layout.log("nats"),
+            pid_file=self.layout.pid_file("nats"),
+        )
+        self.nats.start()
+        _wait_nats(self.nats, local.host, local.port, 15.0)
+        self.nats_url = local.url
+        _write_yaml(self.layout.ctl_config, render.ctl(self.plan, self.nats_url))
+
+    def start_control(self) -> None:
+        _write_yaml(self.layout.control_config, render.control(self.plan, self.nats_url))
+        self.control = Child(
+            "control plane",
+            [*PY, "control", "--config", str(self.layout.control_config)],
+            log_path=self.layout.log("control"),
+            pid_file=self.layout.pid_file("control"),
+        )
+        self.control.start()
+        found = self.control.wait_for(CONTROL_READY, 30.0, lambda: self.stopping)
+        self.control_admin = found.group(1)
+
+    def start_agents(self) -> None:
+        for i, node in enumerate(self.plan.node_ids, start=1):
+            path = self.layout.agent_config(node)
+            _write_yaml(path, render.agent(self.plan, self.nats_url, node, i))
+            child = Child(
+                f"agent {node}",
+                [*PY, "agent", "--config", str(path)],
+                log_path=self.layout.log(f"agent-{node}"),
+                pid_file=self.layout.pid_file(f"agent-{node}"),
+            )
+            child.start()
+            self.agents.append(child)
+        for child, node in zip(self.agents, self.plan.node_ids, strict=True):
+            child.wait_for(rf"^llmgw agent {node} started$", 30.0, lambda: self.stopping)
+
+    def start_router(self, endpoints: dict[str, str]) -> None:
+        """(Re)start the router with `endpoints` (replica id -> engine URL)."""
+        if self.router is not None:
+            self.router.stop()
+        _write_yaml(self.layout.router_config, render.router(self.plan, endpoints))
+        self.router = Child(
+            "router",
+            [*PY, "router", "--config", str(self.layout.router_config)],
+            log_path=self.layout.log("router"),
+            pid_file=self.layout.pid_file("router"),
+        )
+        self.router.start()
+        found = self.router.wait_for(ROUTER_READY, 30.0, lambda: self.stopping)
+        self.router_admin = found.group(2)
+        self.router_endpoints = dict(endpoints)
+
+    def wait_router_ready(self, timeout_s: float) -> bool:
+        """Until the router has probed an endpoint healthy (/ready answers 200)."""
+        url = f"http://{self._dial_host}:{self.plan.port}/ready"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping:
+            if status._get(url, 1.0) is not None:
+                return True
+            time.sleep(0.1)
+        return False
+
+    @property
+    def _dial_host(self) -> str:
+        return "127.0.0.1" if self.plan.host in ("0.0.0.0", "") else self.plan.host
+
+    # ------------------------------------------------------------------ print
+
+    def describe(self) -> None:
+        p, lay = self.plan, self.layout
+        base = f"http://{self._dial_host}:{p.port}/v1"
+        engine = "llmgw sim" if p.engine == "sim" else f"llama-server ({p.model_file})"
+        self.say(f"llmgw up: state in {lay.root}")
+        rows: list[tuple[str, Child | None, str, str]] = [
+            ("nats-server", self.nats, f"{self.nats_url} (mutual TLS, JetStream)", "nats"),
+            ("control", self.control, f"admin {self.control_admin}", "control"),
+        ]
+        for i, (agent, node) in enumerate(zip(self.agents, p.node_ids, strict=True), start=1):
+            engines_at = render.node_address(lay.root, i)
+            rows.append(
+                (
+                    f"agent {node}",
+                    agent,
+                    f"{p.gpus} simulated, engines on {engines_at}",
+                    f"agent-{node}",
+                )
+            )
+        rows.append(("router", self.router, f"{base} admin {self.router_admin}", "router"))
+        for name, child, where, log in rows:
+            pid = child.pid if child is not None else "-"
+            self.say(f"  {name:<14} pid {pid!s:<8} {where}  (log {lay.log(log)})")
+        self.say(f"  model {p.model!r}: {p.replicas} replicas of {engine}")
+        self.say()
+        self.say("Try it:")
+        self.say(
+            f"  curl -sN {base}/chat/completions -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{p.model}", "stream": true, '
+            '"messages": [{"role": "user", "content": "Hello!"}]}\''
+        )
+        self.say(
+            "  python -c 'from openai import OpenAI\n"
+            f'c = OpenAI(base_url="{base}", api_key="none")\n'
+            f'for k in c.chat.completions.create(model="{p.model}", stream=True, '
+            'messages=[{"role": "user", "content": "Hello!"}]):\n'
+            '    print(k.choices[0].delta.content or "" if k.choices else "", end="", flush=True)\''
+        )
+        self.say("Operate it:")
+        self.say(f"  export LLMGW_CTL_CONFIG={lay.ctl_config}")
+        self.say("  llmgw ctl nodes; llmgw ctl replicas; llmgw ctl events")
+        self.say("Ctrl-C stops everything.")
+        self.say()
+
+    def show(self, lines: list[str]) -> None:
+        if self.tty:
+            if self._status_lines:
+                # Up to the first status line, then clear to the end of the screen.
+                self.out.write(f"\x1b[{self._status_lines}F\x1b[J")
+            self.out.write("".join(line + "\n" for line in lines))
+            self.out.flush()
+            self._status_lines = len(lines)
+        else:
+            for line in lines:
+                self.say(f"status: {line}")
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self) -> None:
+        """Router, agents, their engines, control, nats: nothing is left running."""
+        self.stopping = True
+        if self.router is not None:
+            self.router.stop(10.0)
+        for agent in self.agents:
+            if agent.running and agent.pid is not None:
+                processes.signal_group(agent.pid, signal.SIGTERM)
+        for agent in self.agents:
+            agent.stop(15.0)
+        children.stop_engines([self.layout.agent_state(n) for n in self.plan.node_ids])
+        if self.control is not None:
+            self.control.stop(10.0)
+        if self.nats is not None:
+            self.nats.stop(10.0)
+
+
+def _claim(layout: Any) -> None:
+    """Refuse to share a state directory with another running `llmgw up`."""
+    other = children.recorded(layout.up_pid_file)
+    if other is not None and other.pid != os.getpid():
+        raise UpError(
+            f"another llmgw up (pid {other.pid}) runs on {layout.root}: stop it (Ctrl-C there, "
+            f"or `kill {other.pid}`), or give this one its own --state-dir"
+        )
+    mine = processes.fingerprint(os.getpid())
+    if mine is not None:
+        layout.up_pid_file.write_bytes(msgspec.json.encode(mine))
+
+
+def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> int:
+    """`llmgw up`: returns the exit status (0 after a clean stop by a signal)."""
+    out = out if out is not None else sys.stdout
+    tty = out.isatty() if tty is None else tty
+    fleet = Fleet(plan, out, tty=tty)
+    layout = plan.layout
+    started = time.monotonic()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        fleet.stopping = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        layout.make()
+        _claim(layout)
+        fleet.clean_up_previous()
+        check_port_free(plan.host, plan.port)
+        fleet.start_nats()
+        fleet.start_control()
+        fleet.start_agents()
+        _watch(fleet, started)
+        return 0
+    except UpError as exc:
+        if fleet.stopping:
+            return 0
+        sys.stderr.write(f"llmgw up: {exc}\n")
+        sys.stderr.flush()
+        return 1
+    finally:
+        fleet.say("\nllmgw up: stopping (router, agents, engines, control, nats)...")
+        fleet.stop()
+        with contextlib.suppress(FileNotFoundError):
+            layout.up_pid_file.unlink()
+        fleet.say("llmgw up: stopped")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _watch(fleet: Fleet, started: float) -> None:
+    """Start the router once replicas serve, restart it when they change, show status."""
+    first_endpoint_at: float | None = None
+    announced = False
+    last_total: float | None = None
+    last_at = time.monotonic()
+    last_plain = ""
+    last_plain_at = 0.0
+    while not fleet.stopping:
+        for child in [fleet.nats, fleet.control, *fleet.agents]:
+            if child is not None and not child.running:
+                raise UpError(
+                    f"{child.name} exited (log {child.log_path}):\n"
+                    + children.log_tail(child.log_path)
+                )
+        reading = status.read(fleet.control_admin, fleet.router_admin)
+        endpoints = reading.endpoints
+        if endpoints and first_endpoint_at is None:
+            first_endpoint_at = time.monotonic()
+        settled = fleet.plan.replicas == 0 or (
+            first_endpoint_at is not None
+            and (
+                len(endpoints) >= fleet.plan.replicas
+                or time.monotonic() - first_endpoint_at > SETTLE_S
+            )
+        )
+        if settled and (fleet.router is None or endpoints != fleet.router_endpoints):
+            fleet.start_router(endpoints)
+            if not announced:
+                fleet.wait_router_ready(15.0)
+                fleet.describe()
+                fleet.say(
+                    f"llmgw up: ready in {time.monotonic() - started:.1f} s: "
+                    f"model {fleet.plan.model!r} at http://{fleet._dial_host}:{fleet.plan.port}/v1"
+                )
+                announced = True
+        now = time.monotonic()
+        rate = None
+        if reading.requests_total is not None and last_total is not None and now > last_at:
+            rate = max(0.0, reading.requests_total - last_total) / (now - last_at)
+        if reading.requests_total is not None:
+            last_total, last_at = reading.requests_total, now
+        lines = status.render(reading, rate)
+        if fleet.tty:
+            fleet.show(lines)
+        else:
+            # Plain output (a log, a pipe): a line when something other than the rate
+            # changed, and otherwise every PLAIN_STATUS_EVERY_S.
+            key = "\n".join(status.render(dataclasses.replace(reading, requests_total=None), None))
+            if key != last_plain or now - last_plain_at > PLAIN_STATUS_EVERY_S:
+                fleet.show(lines)
+                last_plain, last_plain_at = key, now
+        _sleep(STATUS_EVERY_S, lambda: fleet.stopping)
+
+
+def _sleep(seconds: float, stop: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + seconds
+    while not stop() and time.monotonic() < deadline:
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
