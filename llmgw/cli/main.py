@@ -13,6 +13,7 @@ from llmgw.cli import control as control_cli
 from llmgw.cli import ctl as ctl_cli
 from llmgw.cli import router as router_cli
 from llmgw.cli import sim as sim_cli
+from llmgw.cli import up as up_cli
 
 app = typer.Typer(
     name="llmgw",
@@ -54,6 +55,7 @@ app.add_typer(router_cli.app, name="router")
 app.add_typer(ctl_cli.app, name="ctl")
 app.command("sim")(sim_cli.command)
 app.command("control")(control_cli.command)
+app.command("up")(up_cli.command)
 
 
 def main() -> None:
