@@ -100,7 +100,7 @@ class Folded:
         if new <= 0:
             return
         self._undecodable_seen = undecodable
-        self.metrics.undecodable.set(undecodable)
+        self.metrics.undecodable.inc(new)
         for item in list(skipped)[-new:]:
             if item.subject.startswith(CONTROL_PREFIX):
                 self._skipped_control.append(item.seq)

@@ -22,7 +22,7 @@ class Metrics:
             "Events the fold refused (logged with their sequence as control.rejected).",
             registry=r,
         )
-        self.undecodable = Gauge(
+        self.undecodable = Counter(
             p + "events_undecodable", "Messages of the log that are not llmgw events.", registry=r
         )
         self.folded_seq = Gauge(p + "folded_seq", "Last stream sequence folded.", registry=r)

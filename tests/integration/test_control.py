@@ -326,7 +326,7 @@ async def test_hostile_events_are_rejected_counted_and_do_not_stop_the_fold(
         ):
             text = await resp.text()
         assert "llmgw_control_events_rejected_total 2.0" in text
-        assert "llmgw_control_events_undecodable 2.0" in text
+        assert "llmgw_control_events_undecodable_total 2.0" in text
         assert "llmgw_control_fence_refused_total 0.0" in text
         await rogue.close()
     for agent in agents:
