@@ -82,17 +82,22 @@ class _Stderr:
 
 
 def _quiet_logs() -> None:
-    """Only errors, on stderr: stdout carries the answer (and `--json` must stay parseable)."""
+    """Library logs only when critical, on stderr: stdout carries the answer (`--json` must
+    stay parseable), and what went wrong is ctl's own one-line error (a permission
+    violation the bus logs is reported by `Session.publish` with what to do)."""
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.dev.ConsoleRenderer(colors=False),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
         logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
+    # asyncio warns "returning true from eof_received() has no effect when using ssl"
+    # whenever a TLS connection to NATS closes: noise on an operator's terminal.
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 
 def _run(conn: Conn, body: Callable[[Session], Awaitable[int | None]]) -> None:

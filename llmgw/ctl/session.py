@@ -47,13 +47,18 @@ class Session:
                 "--key"
             ) from None
         try:
-            nc = await bus.connect(
-                list(cfg.servers),
-                tls=ctx,
-                identity=identity,
-                name=f"ctl-{identity.name}",
-                connect_timeout=max(1, int(cfg.connect_timeout_s)),
-                max_reconnect_attempts=2,
+            # Bounded from outside as well: bus.BusClient's reconnect loop does not count
+            # attempts, so max_reconnect_attempts alone would retry a dead server forever.
+            nc = await asyncio.wait_for(
+                bus.connect(
+                    list(cfg.servers),
+                    tls=ctx,
+                    identity=identity,
+                    name=f"ctl-{identity.name}",
+                    connect_timeout=max(1, int(cfg.connect_timeout_s)),
+                    max_reconnect_attempts=2,
+                ),
+                timeout=2 * cfg.connect_timeout_s,
             )
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             raise Failed(

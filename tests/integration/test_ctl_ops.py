@@ -1,0 +1,256 @@
+"""`llmgw ctl` mutations, audit and bad input against a real nats-server.
+
+No control plane here: the stream is provisioned as the control identity and a
+node registers as its own node identity, which is all cordon, apply and events
+need. What is shown: an operator event carries the certificate's CN and nothing
+else; a router certificate cannot cordon (the server refuses the write); every
+kind of bad input exits 2 with one line saying what to do; `events --follow` in a
+real subprocess prints events as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from llmgw import bus
+from llmgw.core import events
+from tests.harness import TestNatsServer
+from tests.integration.control_kit import connect_as, read_log, sim_gpus
+from tests.integration.ctl_kit import ROOT, Ctl
+
+MODELS = """\
+models:
+  - name: m1
+    engine: sim
+    replicas: 2
+  - name: m2
+    engine: sim
+    aliases: [m2-latest]
+"""
+
+
+@pytest.fixture
+async def log(nats_server: TestNatsServer) -> AsyncIterator[bus.BusClient]:
+    """A provisioned log with node-a registered; yields an admin-free reader (a router)."""
+    control = await connect_as(nats_server, "control", "control-a")
+    await bus.provision(control.jetstream())
+    node = await connect_as(nats_server, "node", "node-a")
+    await bus.Publisher(node.jetstream()).publish(
+        events.NodeRegistered(
+            id="reg-1", ts=time.time(), node="node-a", address="127.0.0.1", gpus=sim_gpus(2)
+        )
+    )
+    reader = await connect_as(nats_server, "router", "reader")
+    try:
+        yield reader
+    finally:
+        for nc in (control, node, reader):
+            await nc.close()
+
+
+async def test_a_cordon_carries_the_certificates_identity_and_a_router_cannot_cordon(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    carol = Ctl(nats_server, "operator", "carol")
+    done = (await carol("cordon", "node-a", "--reason", "bad fan", "--json")).json()
+    assert done["operator"] == "carol"
+    records = await read_log(log)
+    (cordon,) = [r for r in records if isinstance(r.event, events.NodeCordoned)]
+    assert cordon.seq == done["seq"]
+    assert cordon.event.operator == "carol"
+    assert cordon.event.reason == "bad fan"
+    assert cordon.subject == "llmgw.events.operator.node_cordoned"
+    # The audit trail as ctl shows it.
+    shown = (await carol("events", "--type", "operator", "--json")).lines()
+    assert [(e["type"], e["event"]["operator"]) for e in shown] == [
+        ("operator.node_cordoned", "carol")
+    ]
+    nodes = (await carol("nodes", "--json")).json()
+    assert nodes[0]["cordoned"] is True
+    assert nodes[0]["cordon_reason"] == "bad fan"
+
+    # A router's certificate may read, but the server refuses its cordon.
+    router = Ctl(nats_server, "router", "r1")
+    assert (await router("nodes", "--json")).json()[0]["name"] == "node-a"
+    refused = await router("uncordon", "node-a")
+    assert refused.code == 1
+    assert "refused" in refused.stderr
+    assert "operator certificate" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    after = await read_log(log)
+    assert not [r for r in after if isinstance(r.event, events.NodeUncordoned)]
+
+    back = (await carol("uncordon", "node-a", "--json")).json()
+    assert back["type"] == "operator.node_uncordoned"
+    assert (await carol("nodes", "--json")).json()[0]["cordoned"] is False
+
+
+async def test_apply_shows_the_diff_declares_changes_and_removes(
+    nats_server: TestNatsServer, log: bus.BusClient, tmp_path: Path
+) -> None:
+    ctl = Ctl(nats_server)
+    path = tmp_path / "models.yaml"
+    path.write_text(MODELS)
+    asked = await ctl("apply", "-f", str(path))
+    assert asked.code == 2  # not a terminal and no --yes: nothing written
+    assert "pass --yes" in asked.stderr
+    assert "+ declare m1" in asked.stdout
+    declared = (await ctl("apply", "-f", str(path), "--yes", "--json")).json()
+    assert [(o["action"], o["name"]) for o in declared["operations"]] == [
+        ("declare", "m1"),
+        ("declare", "m2"),
+    ]
+    models = {m["name"]: m for m in (await ctl("models", "--json")).json()}
+    assert models["m1"]["replicas_wanted"] == 2
+    assert models["m2"]["aliases"] == ["m2-latest"]
+    # Nothing to do the second time.
+    again = await ctl("apply", "-f", str(path), "--yes")
+    assert "nothing to do" in again.stdout
+    # Change m1's replicas, drop m2.
+    path.write_text("- name: m1\n  engine: sim\n  replicas: 3\n")
+    shown = await ctl("apply", "-f", str(path), "--yes")
+    assert shown.code == 0, shown
+    assert "~ change m1" in shown.stdout
+    assert "replicas: 2 -> 3" in shown.stdout
+    assert "- remove m2" in shown.stdout
+    models = {m["name"]: m for m in (await ctl("models", "--json")).json()}
+    assert set(models) == {"m1"}
+    assert models["m1"]["replicas_wanted"] == 3
+    records = await read_log(log)
+    ops = [
+        (events.tag_of(type(r.event)), r.event.operator)
+        for r in records
+        if isinstance(r.event, events.OperatorEvent)
+    ]
+    assert ops == [
+        ("operator.model_declared", "alice"),
+        ("operator.model_declared", "alice"),
+        ("operator.model_removed", "alice"),
+        ("operator.model_changed", "alice"),
+    ]
+
+
+BAD_MODELS = {
+    "not yaml": ("- name: m1\n  engine: [sim\n", "not valid YAML at line"),
+    "unknown engine": ("- name: m1\n  engine: vllmx\n", "engine 'vllmx' is not supported"),
+    "unknown field": ("- name: m1\n  engine: sim\n  replica: 2\n", "replica"),
+    "bad tp": ("- name: m1\n  engine: sim\n  tensor_parallel: 0\n", "tensor_parallel"),
+    "no name": ("- engine: sim\n", "has no `name`"),
+    "a string": ("just words\n", "must hold a list of model profiles"),
+    "twice": ("- name: m1\n  engine: sim\n- name: m1\n  engine: sim\n", "listed twice"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MODELS))
+async def test_a_malformed_models_yaml_is_refused_with_one_line(
+    nats_server: TestNatsServer, log: bus.BusClient, tmp_path: Path, case: str
+) -> None:
+    text, expected = BAD_MODELS[case]
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    result = await Ctl(nats_server)("apply", "-f", str(path), "--yes")
+    assert result.code == 2, result
+    assert expected in result.stderr
+    assert result.stderr.startswith("error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not [r for r in await read_log(log) if isinstance(r.event, events.OperatorEvent)]
+
+
+async def test_bad_input_exits_2_with_a_line_that_says_what_to_do(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    ctl = Ctl(nats_server)
+    cases = [
+        (("cordon", "node-zz"), "unknown node 'node-zz'", "llmgw ctl nodes"),
+        (("drain", "node-zz"), "unknown node 'node-zz'", "llmgw ctl nodes"),
+        (("uncordon", "node-zz"), "unknown node 'node-zz'", "llmgw ctl nodes"),
+        (("explain-placement", "nope"), "unknown model 'nope'", "llmgw ctl models"),
+        (("replicas", "--model", "nope"), "unknown model 'nope'", "llmgw ctl models"),
+        (("replay", "--timeline", "nothing"), "no node or replica 'nothing'", "ctl nodes"),
+        (("replay", "--at", "2001-01-01T00:00:00Z"), "before the log begins", "later time"),
+        (("replay", "--at", "yesterday-ish"), "cannot read 'yesterday-ish' as a time", "ISO"),
+        (("replay", "--to", "999999"), "beyond the end of the log", "smaller"),
+        (("events", "--type", "bogus"), "no event type matches 'bogus'", "use one of"),
+    ]
+    for args, what, todo in cases:
+        result = await ctl(*args)
+        assert result.code == 2, (args, result)
+        line = result.stderr.strip()
+        assert len(line.splitlines()) == 1, (args, line)
+        assert what in line, (args, line)
+        assert todo in line, (args, line)
+    # The same through the real command line: exit status and stderr of the process.
+    real = await ctl.subprocess("replay", "--at", "2001-01-01T00:00:00Z")
+    assert real.code == 2
+    assert "before the log begins" in real.stderr
+    assert len(real.stderr.strip().splitlines()) == 1
+    real = await ctl.subprocess("cordon", "node-zz")
+    assert real.code == 2
+    assert real.stderr.startswith("error: unknown node 'node-zz'")
+
+
+async def test_unreachable_nats_is_an_operational_failure(
+    nats_server: TestNatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMGW_CTL__CONNECT_TIMEOUT_S", "1")
+    ctl = Ctl(nats_server)
+    ctl.flags[1] = "tls://127.0.0.1:1"
+    result = await ctl("nodes")
+    assert result.code == 1
+    assert "cannot connect to NATS" in result.stderr
+
+
+async def test_events_filters_and_follow_in_a_real_process(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    ctl = Ctl(nats_server)
+    assert (await ctl("cordon", "node-a")).code == 0
+    everything = (await ctl("events", "--json")).lines()
+    assert [e["type"] for e in everything] == ["node.registered", "operator.node_cordoned"]
+    assert everything[0]["seq"] == 1
+    assert [e["seq"] for e in (await ctl("events", "--seq", "2", "--json")).lines()] == [2]
+    assert (await ctl("events", "--node", "node-b", "--json")).lines() == []
+    assert len((await ctl("events", "--node", "node-a", "--json")).lines()) == 2
+    assert len((await ctl("events", "--since", "10m", "--json")).lines()) == 2
+    text = await ctl("events")
+    assert "node-a cordoned by alice" in text.stdout
+    assert "\x1b[" not in text.stdout  # no colour off a terminal
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "llmgw",
+        *ctl.argv("events", "--follow", "--json"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        stdout = proc.stdout
+
+        async def read_one() -> dict[str, object]:
+            line = await asyncio.wait_for(stdout.readline(), 30)
+            return json.loads(line)  # type: ignore[no-any-return]
+
+        lines = [await read_one(), await read_one()]
+        await ctl("uncordon", "node-a")
+        lines.append(await read_one())
+        assert [e["type"] for e in lines] == [
+            "node.registered",
+            "operator.node_cordoned",
+            "operator.node_uncordoned",
+        ]
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 10)
