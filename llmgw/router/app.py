@@ -37,7 +37,7 @@ from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import auth, requests
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
-from llmgw.router.metrics import Metrics
+from llmgw.router.metrics import Metrics, metrics_dir
 from llmgw.router.table import Catalog, EndpointTable, Prober
 
 log = logs.get("llmgw.router")
@@ -91,7 +91,8 @@ class Router:
         self.table = EndpointTable()
         for ep in cfg.endpoints:
             self.table.add(ep.id, ep.url, ep.models)
-        self.metrics = Metrics()
+        self.metrics = Metrics(worker=worker)
+        self._snapshots: asyncio.Task[None] | None = None
         self.prefix = PrefixIndex(capacity=cfg.prefix.capacity)
         self.sessions: OrderedDict[str, str] = OrderedDict()
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(8), "big")
@@ -122,8 +123,24 @@ class Router:
         self.prober = Prober(self.table, self.session, self.metrics, self.cfg.probe_interval_s)
         await self.prober.probe_all()
         self.prober.start()
+        folder = metrics_dir()
+        if folder is not None:
+            self._snapshots = asyncio.get_running_loop().create_task(self._write_snapshots(folder))
+
+    async def _write_snapshots(self, folder: str) -> None:
+        """Several workers: publish this one's metrics for whichever worker is scraped."""
+        while True:
+            try:
+                self.metrics.write_snapshot(folder)
+            except OSError as exc:
+                log.warning("metrics_snapshot_failed", error=str(exc))
+            await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
+        if self._snapshots is not None:
+            self._snapshots.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._snapshots
         if self.prober is not None:
             await self.prober.stop()
         if self.session is not None:
@@ -875,7 +892,8 @@ def build_admin_app(router: Router) -> web.Application:
     app = web.Application()
 
     async def metrics(_: web.Request) -> web.Response:
-        body = await asyncio.get_running_loop().run_in_executor(None, router.metrics.exposition)
+        # On the loop, not in a thread: the hot path mutates the same dicts without locks.
+        body = router.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def health(_: web.Request) -> web.Response:

@@ -7,8 +7,8 @@ becomes a real port every worker shares), starts the workers, prints one line
 `llmgw router listening on http://HOST:PORT admin http://HOST:PORT` once all
 of them accept connections, and forwards SIGTERM / SIGINT (stop) and SIGHUP (re-read
 the keys file). With several
-workers, metrics go through prometheus_client's multiprocess directory so any
-worker's admin listener reports the whole router. Used by `llmgw router`.
+workers, each writes metric snapshots to a shared folder so any worker's admin
+listener reports the whole router. Used by `llmgw router`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from aiohttp import web
 
 from llmgw import logs
 from llmgw.router.config import RouterConfig
+from llmgw.router.metrics import METRICS_DIR_ENV
 
 log = logs.get("llmgw.router")
 
@@ -146,7 +147,7 @@ def _run_workers(cfg: RouterConfig) -> None:
         admin=msgspec.structs.replace(cfg.admin, port=ports[1]),
     )
     mpdir = tempfile.mkdtemp(prefix="llmgw-router-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = mpdir
+    os.environ[METRICS_DIR_ENV] = mpdir
     ctx = multiprocessing.get_context("spawn")
     procs: list[multiprocessing.process.BaseProcess] = []
     pipes: list[multiprocessing.connection.Connection] = []

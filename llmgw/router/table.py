@@ -20,7 +20,7 @@ import aiohttp
 from llmgw import logs
 from llmgw.core.profile import ModelProfile
 from llmgw.core.routing import EndpointState
-from llmgw.router.metrics import BREAKER_VALUE, Metrics
+from llmgw.router.metrics import Metrics
 
 log = logs.get("llmgw.router")
 
@@ -206,9 +206,11 @@ class Prober:
                         ep.kv_usage = kv or 0.0
             except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
                 pass  # an engine without metrics is still routable, just scored as idle
-        m = self.metrics
-        m._child(m.ready, ep.id).set(1 if ok else 0)
-        m._child(m.queue, ep.id).set(ep.queue_depth)
-        m._child(m.kv, ep.id).set(ep.kv_usage)
-        m._child(m.inflight, ep.id).set(ep.inflight)
-        m._child(m.breaker, ep.id).set(BREAKER_VALUE[ep.breaker.state])
+        self.metrics.endpoint(
+            ep.id,
+            ready=ok,
+            queue=ep.queue_depth,
+            kv=ep.kv_usage,
+            inflight=ep.inflight,
+            breaker=ep.breaker.state,
+        )

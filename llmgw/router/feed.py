@@ -1,0 +1,241 @@
+"""The router fed by the log: models and endpoints follow the control plane's decisions.
+
+A router started with a `log` section connects to NATS as its `router` identity (which
+may only read), folds the stream `llmgw-events` into a `ClusterState` exactly as the
+control plane does — starting from the newest snapshot, then the tail, then following
+live — and keeps its `Catalog` and `EndpointTable` equal to what that state says:
+
+- every declared model (ModelDeclared / ModelChanged / ModelRemoved) with its aliases,
+  fallbacks and deadlines: one description of a model, shared with the scheduler;
+- one endpoint per replica whose engine serves (EndpointUp / EndpointDown), marked
+  draining while its node drains or its shard drains, so new requests avoid it while
+  the streams in flight finish.
+
+Models and endpoints from the static config are left alone. When NATS is unreachable
+nothing is removed: the router keeps routing on the last known endpoints (its prober
+still takes dead engines out of rotation) and the reader reconnects forever. Several
+routers can follow the same log side by side. Used by `llmgw.router.app.Router`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+
+import msgspec
+
+from llmgw import bus, logs
+from llmgw.core import events, state
+from llmgw.core.profile import ModelProfile
+from llmgw.pki.identity import Identity
+from llmgw.router.table import Catalog, EndpointTable
+
+log = logs.get("llmgw.router.feed")
+
+# Events after which the catalog or the endpoint table may need to change. The rest
+# (heartbeats above all) are folded without looking at the tables.
+_RELEVANT = (
+    events.ModelDeclared,
+    events.ModelChanged,
+    events.ModelRemoved,
+    events.EndpointUp,
+    events.EndpointDown,
+    events.NodeDrainRequested,
+    events.NodeUncordoned,
+    events.DrainShard,
+    events.StopShard,
+    events.ReplicaRetired,
+    events.ShardStatus,
+    events.NodeLost,
+)
+
+
+class LogSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where the router reads the log: NATS servers and its `router` certificate."""
+
+    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
+    ca_file: str = ""
+    cert_file: str = ""
+    """The router's client certificate (CN = `name`, OU = router): it may only read."""
+    key_file: str = ""
+    name: str = "router"
+    """The router's identity: the CN of its certificate."""
+
+
+class Wanted(msgspec.Struct, frozen=True):
+    """What the tables should hold according to the folded log. Purely computational."""
+
+    models: dict[str, ModelProfile]
+    endpoints: dict[str, tuple[str, str, bool]]
+    """Endpoint id (the replica id) -> (url, model, draining)."""
+
+
+def wanted(cluster: state.ClusterState) -> Wanted:
+    """Models and endpoints a router should route to, from the folded state. Pure."""
+    models = {name: m.profile for name, m in cluster.models.items()}
+    endpoints: dict[str, tuple[str, str, bool]] = {}
+    for replica_id, ep in cluster.endpoints.items():
+        replica = cluster.replicas.get(replica_id)
+        draining = replica is None or replica.retired
+        if replica is not None:
+            for shard in replica.shards:
+                node = cluster.nodes.get(shard.node)
+                if shard.phase == "draining" or shard.drain_sent_at is not None:
+                    draining = True
+                if node is not None and node.draining:
+                    draining = True
+        endpoints[replica_id] = (ep.url, ep.model, draining)
+    return Wanted(models=models, endpoints=endpoints)
+
+
+class LogFeed:
+    """Keeps one router's Catalog and EndpointTable in step with the log."""
+
+    def __init__(
+        self,
+        source: LogSource,
+        catalog: Catalog,
+        table: EndpointTable,
+        *,
+        tls: ssl.SSLContext | None = None,
+        static_models: frozenset[str] = frozenset(),
+        static_endpoints: frozenset[str] = frozenset(),
+    ) -> None:
+        self.source = source
+        self.catalog = catalog
+        self.table = table
+        self._tls = tls
+        self._static_models = static_models
+        self._static_endpoints = static_endpoints
+        self.cluster = state.ClusterState()
+        self.models: set[str] = set()
+        """Models this feed put into the catalog."""
+        self.endpoints: dict[str, tuple[str, str]] = {}
+        """Endpoint ids this feed put into the table -> (url, model)."""
+        self.applied = 0
+        self.rejected = 0
+        self.ready = asyncio.Event()
+        """Set once the log as it stood at start has been folded into the tables."""
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="router-log-feed")
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _context(self) -> ssl.SSLContext:
+        if self._tls is not None:
+            return self._tls
+        from llmgw.pki import tls
+
+        s = self.source
+        return tls.client_context(ca_file=s.ca_file, cert_file=s.cert_file, key_file=s.key_file)
+
+    async def _run(self) -> None:
+        identity = Identity("router", self.source.name)
+        nc = await bus.connect(
+            list(self.source.servers),
+            tls=self._context(),
+            identity=identity,
+            name=f"llmgw-router-{self.source.name}",
+        )
+        try:
+            after = await self._load_snapshot(nc)
+            async with bus.Reader(nc, after_seq=after, name=f"router-{self.source.name}") as reader:
+                caught_up = asyncio.get_running_loop().create_task(self._mark_ready(reader))
+                try:
+                    async for batch in reader.batches():
+                        self.apply(batch)
+                finally:
+                    caught_up.cancel()
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    async def _mark_ready(self, reader: bus.Reader) -> None:
+        await reader.caught_up.wait()
+        self.sync()
+        self.ready.set()
+        log.info(
+            "router.feed_caught_up",
+            seq=self.cluster.last_seq,
+            models=sorted(self.models),
+            endpoints=len(self.endpoints),
+        )
+
+    async def _load_snapshot(self, nc: bus.BusClient) -> int:
+        """Fold from the newest snapshot when one is readable; else from the beginning."""
+        try:
+            store = await bus.SnapshotStore.open(nc.jetstream(), load_timeout_s=10.0)
+            snap = await store.load()
+        except Exception as exc:  # no store yet, or not readable: the whole log is the truth
+            log.info("router.feed_no_snapshot", reason=str(exc) or type(exc).__name__)
+            return 0
+        if snap is None:
+            return 0
+        try:
+            self.cluster = state.decode_snapshot(snap.data)
+        except Exception as exc:
+            log.warning("router.feed_snapshot_unusable", seq=snap.seq, error=str(exc))
+            self.cluster = state.ClusterState()
+            return 0
+        log.info("router.feed_snapshot", seq=snap.seq)
+        self.sync()
+        return snap.seq
+
+    # ----------------------------------------------------------------- folding
+
+    def apply(self, batch: list[bus.Record]) -> None:
+        """Fold a batch of records; sync the tables once if any of them matters."""
+        dirty = False
+        for record in batch:
+            reason = state.apply(self.cluster, record.event, record.seq, record.time)
+            if reason is not None:
+                self.rejected += 1
+                continue
+            self.applied += 1
+            if isinstance(record.event, _RELEVANT):
+                dirty = True
+        if dirty:
+            self.sync()
+
+    def sync(self) -> None:
+        """Make the catalog and the table hold what the folded log says."""
+        want = wanted(self.cluster)
+        for name, profile in want.models.items():
+            if name in self._static_models:
+                continue
+            if self.catalog.profiles.get(name) != profile:
+                self.catalog.put(profile)
+                log.info("router.model_updated", model=name, aliases=list(profile.aliases))
+            self.models.add(name)
+        for name in sorted(self.models - set(want.models)):
+            self.catalog.remove(name)
+            self.models.discard(name)
+            log.info("router.model_removed", model=name)
+        for ep_id, (url, model, draining) in want.endpoints.items():
+            if ep_id in self._static_endpoints:
+                continue
+            if self.endpoints.get(ep_id) != (url, model):
+                # A new engine is reported up only once it serves: route to it at once;
+                # the prober keeps checking it like every other endpoint.
+                self.table.add(ep_id, url, [model], ready=True)
+                self.endpoints[ep_id] = (url, model)
+                log.info("router.endpoint_up", endpoint=ep_id, url=url, model=model)
+            ep = self.table.by_id.get(ep_id)
+            if ep is not None and ep.draining != draining:
+                self.table.mark_draining(ep_id, draining)
+                log.info("router.endpoint_draining", endpoint=ep_id, draining=draining)
+        for ep_id in sorted(set(self.endpoints) - set(want.endpoints)):
+            self.table.remove(ep_id)
+            del self.endpoints[ep_id]
+            log.info("router.endpoint_down", endpoint=ep_id)
