@@ -1,0 +1,146 @@
+"""`llmgw up`'s parts without processes: the configs it writes load through each service's
+own loader, node addresses never collide, status parsing survives any input."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw import config
+from llmgw.agent import config as agent_config
+from llmgw.control import config as control_config
+from llmgw.ctl import settings as ctl_settings
+from llmgw.router import config as router_config
+from llmgw.up import children, render, status
+from llmgw.up.layout import Layout
+from llmgw.up.render import Plan
+
+URL = "tls://127.0.0.1:4222"
+
+
+def write(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("engine", ["sim", "llamacpp"])
+def test_every_rendered_config_passes_its_services_loader(tmp_path: Path, engine: str) -> None:
+    plan = Plan(
+        layout=Layout(tmp_path),
+        nodes=3,
+        replicas=2,
+        engine="llamacpp" if engine == "llamacpp" else "sim",
+        model_file="/models/x.gguf" if engine == "llamacpp" else "",
+        llama_server="/opt/llama-server" if engine == "llamacpp" else "",
+    )
+    ctrl = control_config.load(write(tmp_path / "c.yaml", render.control(plan, URL)))
+    assert ctrl.name == "control-1"
+    assert [m.name for m in ctrl.models] == ["demo"]
+    assert ctrl.models[0].engine == engine
+    assert ctrl.models[0].replicas == 2
+    for i, node in enumerate(plan.node_ids, start=1):
+        agent = agent_config.load(
+            write(tmp_path / f"{node}.yaml", render.agent(plan, URL, node, i))
+        )
+        assert agent.node_id == node
+        assert agent.address == agent.engine_host == render.node_address(tmp_path, i)
+        assert agent.nats.cert_file.endswith(f"node/{node}.pem")
+        if engine == "llamacpp":
+            assert agent.engine_commands["llamacpp"] == ("/opt/llama-server",)
+    for endpoints in ({}, {"r-1": "http://127.0.0.1:8100", "r-2": "http://127.0.0.2:8100"}):
+        routed = router_config.load(write(tmp_path / "r.yaml", render.router(plan, endpoints)))
+        assert routed.listen.port == 8080
+        assert routed.auth.allow_anonymous
+        assert {e.id: e.url for e in routed.endpoints} == endpoints
+    ctl = ctl_settings.load(write(tmp_path / "ctl.yaml", render.ctl(plan, URL)))
+    assert ctl.servers == (URL,)
+    assert Path(ctl.key_path).name == "admin-key.pem"
+
+
+def test_a_bad_model_name_is_refused_by_the_loader_not_silently_served(tmp_path: Path) -> None:
+    plan = Plan(layout=Layout(tmp_path), model="has space")
+    with pytest.raises(config.ConfigError):
+        control_config.load(write(tmp_path / "c.yaml", render.control(plan, URL)))
+
+
+@given(root=st.text(min_size=1, max_size=200))
+def test_node_addresses_are_loopback_and_distinct(root: str) -> None:
+    addresses = [render.node_address(Path("/" + root), i) for i in range(1, 201)]
+    assert len(set(addresses)) == len(addresses)
+    for a in addresses:
+        assert ipaddress.IPv4Address(a).is_loopback
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300)
+@given(nodes=json_values, replicas=json_values, models=json_values, metrics=st.text() | st.none())
+def test_status_parse_never_crashes_on_any_answer(
+    nodes: Any, replicas: Any, models: Any, metrics: str | None
+) -> None:
+    reading = status.parse(nodes, replicas, models, metrics)
+    assert status.render(reading, None)
+
+
+def test_status_from_real_shaped_answers() -> None:
+    nodes = [{"name": "node-1", "liveness": "ready"}, {"name": "node-2", "liveness": "lost"}]
+    replicas = [
+        {"id": "a", "endpoint": "http://x:1", "retired": False, "shards": [{"phase": "serving"}]},
+        {"id": "b", "endpoint": None, "retired": False, "shards": [{"phase": "loading"}]},
+        {"id": "c", "endpoint": None, "retired": True, "shards": [{"phase": "stopped"}]},
+    ]
+    models = [{"name": "demo", "replicas_wanted": 2, "unplaceable": None}]
+    metrics = (
+        "# TYPE llmgw_router_requests_total counter\n"
+        'llmgw_router_requests_total{model="demo",status="200"} 7.0\n'
+        'llmgw_router_requests_total{model="demo",status="503"} 2.0\n'
+        'llmgw_router_requests_created{model="demo",status="200"} 1.7e9\n'
+    )
+    reading = status.parse(nodes, replicas, models, metrics)
+    assert (reading.nodes_ready, reading.nodes_total) == (1, 2)
+    assert reading.endpoints == {"a": "http://x:1"}
+    assert (reading.replicas_serving, reading.replicas_wanted) == (1, 2)
+    assert reading.phases == {"serving": 1, "loading": 1}
+    assert reading.requests_total == 9.0
+    [line] = status.render(reading, 2.5)
+    assert line == "nodes 1/2 ready | replicas 1/2 serving (1 loading) | 2.5 req/s | 9 requests"
+
+
+@given(data=st.binary(max_size=300))
+def test_a_garbage_pid_file_names_no_process(
+    tmp_path_factory: pytest.TempPathFactory, data: bytes
+) -> None:
+    path = tmp_path_factory.mktemp("run") / "x.json"
+    path.write_bytes(data)
+    assert children.recorded(path) is None
+    assert children.stop_recorded(path) is None
+    assert not path.exists()
+
+
+def test_a_pid_file_of_a_reused_pid_is_not_signalled(tmp_path: Path) -> None:
+    import os
+
+    from llmgw.agent import processes
+
+    me = processes.fingerprint(os.getpid())
+    assert me is not None
+    path = tmp_path / "x.json"
+    # Same pid, another start time: a different process that got the pid.
+    path.write_bytes(msgspec.json.encode(msgspec.structs.replace(me, start_time=me.start_time + 1)))
+    # Had it been signalled, SIGTERM would have ended this very test process.
+    assert children.stop_recorded(path) is None
+    assert children.recorded(path) is None
