@@ -20,8 +20,21 @@ def _gpus(gpus: tuple[int, ...]) -> str:
     return ",".join(str(g) for g in gpus)
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+
+
+def clean(text: str) -> str:
+    """Control characters escaped: text from agents (errors, engine logs) can hold newlines
+    that would split a line in two, or escape sequences that would drive the terminal."""
+    return text.translate(_CONTROL)
+
+
 def summary(event: events.Event) -> str:
-    """What the event says, in a few words."""
+    """What the event says, in a few words, on one line."""
+    return clean(_summary(event))
+
+
+def _summary(event: events.Event) -> str:
     match event:
         case events.NodeRegistered():
             shards = f", {len(event.shards)} shards running" if event.shards else ""

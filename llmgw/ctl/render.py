@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import msgspec
 
 from llmgw.ctl import history
+from llmgw.ctl.eventlines import clean
 
 _encoder = msgspec.json.Encoder()
 
@@ -81,6 +82,7 @@ def table(
     """Left-aligned columns two spaces apart; `colour_col` is painted by its state words."""
     if not rows:
         return "  ".join(headers)
+    rows = [[clean(cell) for cell in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     for row in rows:
@@ -156,7 +158,7 @@ def replicas_table(rows: list[dict[str, Any]], *, colour: bool = False, log_line
             )
             if s["log_tail"]:
                 notes.append(f"{r['id']}/{s['shard']} on {s['node']}, engine log tail:")
-                notes += [f"  | {line}" for line in s["log_tail"][-log_lines:]]
+                notes += [f"  | {clean(line)}" for line in s["log_tail"][-log_lines:]]
     text = table(
         ["REPLICA", "MODEL", "SHARD", "NODE", "GPUS", "PHASE", "ENDPOINT", "ERROR"],
         out,
