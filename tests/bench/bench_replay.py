@@ -1,0 +1,286 @@
+"""`llmgw ctl replay` on a large log: events/s from the stream, and time to a target
+with a snapshot near it (issue 7).
+
+Run from the repository root:
+
+    .venv/bin/python tests/bench/bench_replay.py                  # 1,000,000 events
+    .venv/bin/python tests/bench/bench_replay.py --events 200000  # quicker
+
+It starts a real nats-server (JetStream, file storage, mutual TLS with the rendered
+authorization, the test harness's throwaway CA), publishes a realistic log (64 nodes
+of 8 GPUs, 8 models, 256 replicas cycling through restarts: placed, start command,
+starting, loading, serving, endpoint up; one heartbeat per event besides) through the
+test-only admin identity with pipelined acks, saves a snapshot of the folded state
+10,000 events before the end (as the control plane would), then measures, as an
+operator identity, through llmgw.ctl.history (what `llmgw ctl replay` runs):
+
+- reading the stream alone (bus.Reader, decode, no fold);
+- `replay` from the beginning without snapshots: events/s (goal >= 100,000);
+- `replay --to <end>` starting from the snapshot 10,000 events before (goal < 2 s);
+- the same as a real `python -m llmgw ctl replay --to N --json` process, end to end.
+
+Every run's digest is checked against a local fold of the same events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import nats  # noqa: E402
+import structlog  # noqa: E402
+
+from llmgw import bus  # noqa: E402
+from llmgw.core import events, state  # noqa: E402
+from llmgw.core.inventory import Gpu  # noqa: E402
+from llmgw.core.profile import LaunchSpec, ModelProfile  # noqa: E402
+from llmgw.ctl import history  # noqa: E402
+from llmgw.pki.identity import Identity  # noqa: E402
+from tests.harness import TestNatsServer, TestPki  # noqa: E402
+
+NODES = 64
+GPUS = 8
+MODELS = 8
+REPLICAS = 256
+T0 = 1.8e9
+
+
+def make_log(n: int) -> list[events.Event]:
+    """`n` events that all fold (no refusals): setup, then replica restart cycles + heartbeats."""
+    out: list[events.Event] = [
+        events.LeaderElected(id="leader-1", ts=T0, leader="control-a", epoch=1)
+    ]
+    for i in range(NODES):
+        out.append(
+            events.NodeRegistered(
+                id=f"reg-{i}",
+                ts=T0,
+                node=f"node-{i:02d}",
+                address=f"10.0.0.{i}",
+                gpus=tuple(
+                    Gpu(
+                        index=g,
+                        uuid=f"GPU-{i}-{g}",
+                        name="NVIDIA H100 80GB HBM3",
+                        gpu_class="h100-80g",
+                        memory_mib=81559,
+                        compute_capability="9.0",
+                        nvlink_domain=0,
+                    )
+                    for g in range(GPUS)
+                ),
+            )
+        )
+    for m in range(MODELS):
+        out.append(
+            events.ModelDeclared(
+                id=f"model-{m}",
+                ts=T0,
+                operator="admin",
+                profile=ModelProfile(name=f"m{m}", engine="sim", replicas=REPLICAS // MODELS),
+            )
+        )
+    generation = [0] * REPLICAS
+    k = 0
+    while len(out) < n:
+        r = k % REPLICAS
+        k += 1
+        generation[r] += 1
+        g = generation[r]
+        node, gpu = f"node-{r % NODES:02d}", r // NODES
+        rid, model, port = f"r{r}", f"m{r % MODELS}", 8100 + 2 * gpu
+        ts = T0 + k
+        cycle: list[events.Event] = [
+            events.ReplicaPlaced(
+                id=f"p{k}",
+                ts=ts,
+                epoch=1,
+                basis_seq=0,
+                replica_id=rid,
+                model=model,
+                generation=g,
+                shards=(events.ShardAssignment(shard=0, node=node, gpus=(gpu,), port=port),),
+                reason="bench",
+            ),
+            events.StartShard(
+                id=f"s{k}",
+                ts=ts,
+                epoch=1,
+                node=node,
+                replica_id=rid,
+                generation=g,
+                launch=LaunchSpec(
+                    engine="sim", model=model, served_name=model, port=port, gpus=(gpu,)
+                ),
+            ),
+        ]
+        for phase in ("starting", "loading", "serving"):
+            cycle.append(
+                events.ShardStatus(
+                    id=f"{phase}{k}",
+                    ts=ts,
+                    node=node,
+                    replica_id=rid,
+                    generation=g,
+                    phase=phase,  # type: ignore[arg-type]
+                    endpoint=f"http://10.0.0.{r % NODES}:{port}" if phase == "serving" else "",
+                )
+            )
+        cycle.append(
+            events.EndpointUp(
+                id=f"up{k}",
+                ts=ts,
+                epoch=1,
+                replica_id=rid,
+                model=model,
+                url=f"http://10.0.0.{r % NODES}:{port}",
+                node=node,
+            )
+        )
+        for e in list(cycle):
+            out.append(e)
+            out.append(events.Heartbeat(id=f"hb-{e.id}", ts=ts, node=node, seq=k))
+    return out[:n]
+
+
+async def fill(server: TestNatsServer, log: list[events.Event]) -> float:
+    control = await connect_as(server, "control", "bench-control")
+    await bus.provision(control.jetstream())
+    await control.close()
+    admin = await nats.connect(server.url, tls=server.pki.admin_tls(), inbox_prefix="_INBOX.admin")
+    js = admin.jetstream()
+    started = time.perf_counter()
+    for i in range(0, len(log), 5000):
+        for e in log[i : i + 5000]:
+            await js.publish_async(
+                events.subject_of(e), events.encode(e), headers={"Nats-Msg-Id": e.id}
+            )
+        await js.publish_async_completed()
+        if i % 100_000 == 0 and i:
+            print(f"  published {i:,}", flush=True)
+    took = time.perf_counter() - started
+    await admin.close()
+    return took
+
+
+async def connect_as(server: TestNatsServer, kind: str, name: str) -> bus.BusClient:
+    ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
+    return await bus.connect(
+        server.url,
+        tls=ctx,
+        identity=Identity(kind, name),  # type: ignore[arg-type]
+        name=f"bench-{name}",
+        max_reconnect_attempts=5,
+    )
+
+
+async def read_only(nc: bus.BusClient) -> tuple[int, float]:
+    count = 0
+    started = time.perf_counter()
+    async with bus.Reader(nc, follow=False, batch=20_000) as reader:
+        async for batch in reader.batches():
+            count += len(batch)
+    return count, time.perf_counter() - started
+
+
+def run_cli(server: TestNatsServer, to_seq: int) -> tuple[float, dict[str, object]]:
+    certs = server.pki.certs
+    operator = Identity("operator", "bench-op")
+    argv = [
+        sys.executable, "-m", "llmgw", "ctl", "replay", "--to", str(to_seq), "--view", "nodes",
+        "--json", "--server", server.url, "--ca", str(certs.ca_cert),
+        "--cert", str(certs.cert(operator)),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, check=True, cwd=ROOT, text=True)
+    return time.perf_counter() - started, json.loads(out.stdout)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--snapshot-gap", type=int, default=10_000)
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    n, gap = args.events, args.snapshot_gap
+    print(f"load average before: {os.getloadavg()[0]:.2f} (2 = both cores busy)", flush=True)
+    log = make_log(n)
+    expected, refused = state.fold(enumerate(log, start=1))
+    assert not refused, refused[:3]
+    rows: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        pki = TestPki(Path(tmp) / "pki")
+        server = TestNatsServer(pki, Path(tmp) / "nats")
+        server.root.mkdir()
+        server.start()
+        try:
+            took = await fill(server, log)
+            rows.append(
+                ("publish (admin, pipelined acks)", f"{n / took:,.0f} events/s, {took:.1f} s")
+            )
+            # A snapshot `gap` events before the end, saved as the control plane does.
+            snap_seq = n - gap
+            snap_state, _ = state.fold(enumerate(log[:snap_seq], start=1))
+            control = await connect_as(server, "control", "bench-control")
+            store = await bus.SnapshotStore.open(control.jetstream())
+            data = state.encode_snapshot(snap_state)
+            await store.save(data, snap_seq)
+            await control.close()
+            rows.append(("snapshot", f"seq {snap_seq:,}, {len(data) / 1e6:.1f} MB"))
+
+            op = await connect_as(server, "operator", "bench-op")
+            count, secs = await read_only(op)
+            assert count == n, count
+            rows.append(("read + decode, no fold (bus.Reader)", f"{n / secs:,.0f} events/s"))
+            best = 0.0
+            for _ in range(2):
+                r = await history.rebuild(op, use_snapshots=False)
+                assert r.folded == n
+                assert not r.rejected
+                assert state.digest(r.state) == state.digest(expected)
+                best = max(best, n / r.elapsed_s)
+            rows.append(("ctl replay from the beginning (fold)", f"{best:,.0f} events/s"))
+            times = []
+            for _ in range(3):
+                r = await history.rebuild(op, to_seq=n)
+                assert r.snapshot_seq == snap_seq
+                assert r.folded == gap
+                assert state.digest(r.state) == state.digest(expected)
+                times.append(r.elapsed_s)
+            rows.append(
+                (
+                    f"ctl replay --to {n:,}, snapshot {gap:,} before",
+                    f"{min(times):.3f} s (best of 3)",
+                )
+            )
+            mid = n // 2
+            r = await history.rebuild(op, to_seq=mid)
+            rows.append(
+                (f"ctl replay --to {mid:,} (no snapshot before it)", f"{r.elapsed_s:.2f} s")
+            )
+            await op.close()
+            secs, doc = await asyncio.to_thread(run_cli, server, n)
+            assert doc["snapshot_seq"] == snap_seq, doc["snapshot_seq"]
+            rows.append(("`llmgw ctl replay --to N --json` process, end to end", f"{secs:.2f} s"))
+        finally:
+            server.close()
+    print(f"\nllmgw ctl replay, {n:,} events ({NODES} nodes, {REPLICAS} replicas)")
+    width = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"  {a.ljust(width)}  {b}")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
