@@ -1,0 +1,173 @@
+"""`llmgw ctl` against the real services: `llmgw control` and two `llmgw agent` processes
+whose replicas are real `llmgw sim` engines, all on one real nats-server.
+
+The must-shows of issue 7 on the real fleet: the views parse back from `--json`; a
+drain followed with `--wait` moves the replica (its replacement answers HTTP);
+`replay --at` before the drain shows the node as it was and after it drained;
+`--diff` across the drain lists exactly the drain's changes; `--verify` finds no
+difference with the control plane's own reconcile timings, and flags a placement
+rule altered in this process (ctl runs in-process; the services are subprocesses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from llmgw.core import placement
+from tests.harness import TestNatsServer
+from tests.integration import agent_kit
+from tests.integration.control_kit import control_config, model, write_config
+from tests.integration.ctl_kit import ROOT, Ctl
+
+pytestmark = pytest.mark.slow
+
+
+class Services:
+    def __init__(self, control_config: Path) -> None:
+        self.control_config = control_config
+        self.control: asyncio.subprocess.Process | None = None
+        self.agents: list[agent_kit.AgentProcess] = []
+        self.state_dirs: list[Path] = []
+
+
+@pytest.fixture
+async def services(nats_server: TestNatsServer, tmp_path: Path) -> AsyncIterator[Services]:
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=1),))
+    s = Services(write_config(cfg, tmp_path / "control.yaml"))
+    try:
+        s.control = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "llmgw",
+            "control",
+            "--config",
+            str(s.control_config),
+            stdout=subprocess.PIPE,
+            stderr=(tmp_path / "control.log").open("wb"),
+            cwd=ROOT,
+        )
+        assert s.control.stdout is not None
+        line = (await asyncio.wait_for(s.control.stdout.readline(), 30)).decode()
+        assert line.startswith("llmgw control control-a admin http://"), line
+        for node in ("node-a", "node-b"):
+            state_dir = tmp_path / node
+            s.state_dirs.append(state_dir)
+            settings = agent_kit.agent_settings(nats_server, node, state_dir, sim_gpus="2xh100-80g")
+            path = agent_kit.write_config(tmp_path / f"{node}.yaml", settings)
+            agent = agent_kit.AgentProcess(path, tmp_path / f"{node}.log")
+            s.agents.append(agent)
+            await asyncio.to_thread(agent.start)
+        yield s
+    finally:
+        for agent in s.agents:
+            await asyncio.to_thread(agent.terminate)
+        if s.control is not None and s.control.returncode is None:
+            s.control.terminate()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(s.control.wait(), 15)
+            if s.control.returncode is None:
+                s.control.kill()
+                await s.control.wait()
+        for state_dir in s.state_dirs:
+            agent_kit.kill_engines(state_dir)
+
+
+async def poll(ctl: Ctl, args: tuple[str, ...], check: Any, within_s: float, what: str) -> Any:
+    deadline = time.monotonic() + within_s
+    while True:
+        doc = (await ctl(*args)).json()
+        if check(doc):
+            return doc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within_s} s; last: {doc}")
+        await asyncio.sleep(0.5)
+
+
+async def answers(url: str) -> list[str]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+        http.get(f"{url}/v1/models") as resp,
+    ):
+        return [m["id"] for m in (await resp.json())["data"]]
+
+
+async def test_ctl_drains_replays_diffs_and_verifies_the_real_fleet(
+    nats_server: TestNatsServer, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctl = Ctl(nats_server)
+    (replica,) = await poll(
+        ctl,
+        ("replicas", "--model", "m1", "--json"),
+        lambda rows: len(rows) == 1 and rows[0]["endpoint"] and rows[0]["phase"] == "serving",
+        90,
+        "m1 serving on a real sim engine",
+    )
+    assert await answers(replica["endpoint"]) == ["m1"]
+    holder = replica["shards"][0]["node"]
+    other = "node-b" if holder == "node-a" else "node-a"
+    nodes = {n["name"]: n for n in (await ctl("nodes", "--json")).json()}
+    assert set(nodes) == {"node-a", "node-b"}
+    assert nodes[holder]["gpu_classes"]["h100-80g"]["used"] == 1
+    assert nodes[other]["gpu_classes"]["h100-80g"]["free"] == 2
+    assert nodes[holder]["heartbeat_age_s"] < 10
+
+    before = (await ctl("replay", "--json")).json()
+    before_time = time.time()
+    drained = await ctl("drain", holder, "--grace", "60", "--wait", "--timeout", "90", "--json")
+    doc = drained.json()
+    assert doc["progress"]["done"]
+    assert doc["progress"]["replaced"] == 1
+    assert doc["moves"][0]["to"].startswith(f"{other}:")
+    after_time = time.time()
+    after = (await ctl("replay", "--json")).json()
+    (moved,) = [r for r in after["replicas"] if r["model"] == "m1"]
+    assert moved["replaces"] == replica["id"]
+    assert moved["shards"][0]["node"] == other
+    assert await answers(moved["endpoint"]) == ["m1"]
+
+    then = (await ctl("replay", "--at", f"@{before_time}", "--json")).json()
+    node_then = {n["name"]: n for n in then["nodes"]}[holder]
+    assert not node_then["draining"]
+    assert node_then["replicas"] == [replica["id"]]
+    now = (await ctl("replay", "--at", f"@{after_time}", "--json")).json()
+    node_now = {n["name"]: n for n in now["nodes"]}[holder]
+    assert node_now["draining"]
+    assert node_now["replicas"] == []
+
+    diff = (await ctl("replay", "--diff", str(before["seq"]), str(after["seq"]), "--json")).json()
+    got = {(c["scope"], c["key"], c["field"]) for c in diff["changes"]}
+    assert got == {
+        ("node", holder, "draining"),
+        ("node", holder, "drain_grace_s"),
+        ("replica", replica["id"], "removed"),
+        ("replica", moved["id"], "added"),
+        ("endpoint", replica["id"], "removed"),
+        ("endpoint", moved["id"], "added"),
+    }, diff["changes"]
+
+    config = str(services.control_config)
+    report = (await ctl("replay", "--verify", "--control-config", config, "--json")).json()
+    assert report["ok"], report["differences"]
+    assert report["decision_batches"] >= 4
+
+    real_unusable = placement._unusable
+
+    def altered(node: Any, now: float | None = None) -> str:
+        return "altered rule" if node.name == holder else real_unusable(node, now)
+
+    monkeypatch.setattr(placement, "_unusable", altered)
+    flagged = await ctl("replay", "--verify", "--control-config", config, "--json")
+    assert flagged.code == 1
+    differences = json.loads(flagged.stdout)["differences"]
+    assert any(holder in d["detail"] for d in differences)
