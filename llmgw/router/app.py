@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import random
 import time
@@ -377,6 +378,9 @@ class Router:
             else []
         )
         session_key = request.headers.get(self._session_header, "")
+        if len(session_key) > 128:
+            # Keys are kept (100,000 of them): a long header must not cost its length each.
+            session_key = hashlib.blake2b(session_key.encode(), digest_size=16).hexdigest()
         session_ep = self.sessions.get(session_key, "") if session_key else ""
         inject_usage = state.drop_usage
         last: Retry | None = None
@@ -424,6 +428,10 @@ class Router:
                 else body
             )
             for ep in ranking.order[: cfg.max_attempts]:
+                if time.monotonic() - state.start >= prof.deadlines.total_s:
+                    # The request's whole budget is spent: another try would only time out
+                    # at once and count against a healthy endpoint's breaker.
+                    break
                 if not breaker.allows(ep.breaker, cfg.breaker, time.monotonic()):
                     continue
                 try:
@@ -444,7 +452,15 @@ class Router:
                 if session_key:
                     self._remember_session(session_key, ep.id)
                 return resp
-        assert last is not None
+        if last is None:
+            # Every candidate's breaker closed between ranking and sending.
+            last = Retry(
+                "no_endpoint",
+                503,
+                f"no endpoint of the model {profile.name!r} can take requests right now:"
+                " retry shortly",
+                fault=False,
+            )
         log.warning("request_failed", request_id=rid, model=profile.name, reason=last.reason)
         if state.response is not None and state.response.prepared:
             # Keep-alive comments already went out as a 200: the status can no longer change.
@@ -807,7 +823,7 @@ class _Relay:
 
     __slots__ = (
         "drop_usage", "failed_status", "kind", "loop_start", "request", "response", "rid",
-        "stream",
+        "start", "stream",
     )  # fmt: skip
 
     def __init__(
@@ -815,6 +831,7 @@ class _Relay:
     ) -> None:
         self.request = request
         self.rid = rid
+        self.start = start
         self.kind: requests.Kind = "chat"
         self.response: web.StreamResponse | None = None
         self.stream = stream

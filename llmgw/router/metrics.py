@@ -128,7 +128,9 @@ class Metrics:
             ("model", "direction"),
         )  # fmt: skip
         self.retries = Counter(
-            p + "retries", "Requests re-sent to another endpoint before their first byte.",
+            p + "retries",
+            "Attempts that failed before the first byte (the request moved on to the next"
+            " endpoint or fallback model while one was left).",
             ("model", "reason"),
         )  # fmt: skip
         self.fallbacks = Counter(
