@@ -239,6 +239,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests, one round: a smoke run")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (3)")
     ap.add_argument("--only", default="", help="comma-separated targets besides direct")
+    ap.add_argument(
+        "--decode-ms",
+        type=float,
+        default=0.0,
+        help="sim step time in ms (0: infinitely fast engines, the router alone is measured)",
+    )
     args = ap.parse_args()
     if args.client:
         _client_main(args)
@@ -251,7 +257,7 @@ def main() -> None:
     all_runs = [*overhead_runs, throughput_run]
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     sim_args = ["--eos-min-tokens", str(TOKENS), "--eos-max-tokens", str(TOKENS),
-                "--log-level", "warning"]  # fmt: skip
+                "--log-level", "warning", "--decode-base-ms", str(args.decode_ms)]  # fmt: skip
     wanted = set(filter(None, args.only.split(",")))
     sims = [Sim.start("m", *sim_args) for _ in range(3)]
     stops: list[Any] = []
@@ -282,7 +288,8 @@ def main() -> None:
                 continue
             stops.append(peer.stop)
             targets[name] = [peer.url]
-        print(f"cores: {os.cpu_count()}; sims: 3 x llmgw sim, {TOKENS} tokens, zero latency; "
+        print(f"cores: {os.cpu_count()}; sims: 3 x llmgw sim, {TOKENS} tokens, "
+              f"step {args.decode_ms} ms; "
               f"{rounds} round(s), targets interleaved, medians reported")  # fmt: skip
         for rnd in range(rounds):
             for conc, n in all_runs:
