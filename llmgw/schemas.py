@@ -24,6 +24,7 @@ CONFIG_TYPES: dict[str, str] = {
     "agent-config.schema.json": "llmgw.agent.config:AgentConfig",
     "sim-config.schema.json": "llmgw.sim.config:SimConfig",
     "control-config.schema.json": "llmgw.control.config:ControlConfig",
+    "ctl-config.schema.json": "llmgw.ctl.settings:CtlConfig",
 }
 
 

@@ -1,8 +1,10 @@
 """`llmgw ctl` fleet commands: see the fleet, change it, and travel through its history.
 
 nodes, replicas, models, apply, explain-placement, cordon, uncordon, drain, events,
-replay. Reads fold the log here (newest snapshot + tail, `llmgw.ctl.history`);
-mutations are operator events published with the identity of the certificate.
+replay, status. Reads fold the log here (newest snapshot + tail, `llmgw.ctl.history`);
+mutations are operator events published with the identity of the certificate; only
+`status` asks a control plane's admin API, for what only the running service knows
+(where its fold is, and whether it agrees with ctl's).
 Exit codes: 0 ok, 1 operational failure (or, for `replay --verify`, differences
 found), 2 bad input; every error is one line on stderr saying what to do.
 """
@@ -58,6 +60,7 @@ class Conn(msgspec.Struct, frozen=True):
     ca: str | None
     cert: str | None
     key: str | None
+    control_url: str | None = None
 
     def load(self) -> settings.CtlConfig:
         return settings.load(
@@ -67,6 +70,7 @@ class Conn(msgspec.Struct, frozen=True):
                 "ca_file": self.ca,
                 "cert_file": self.cert,
                 "key_file": self.key,
+                "control_url": self.control_url,
             },
         )
 
@@ -784,6 +788,100 @@ async def _verify(s: Session, cfg: reconcile.ReconcileConfig, json_out: bool) ->
     return 1 if differences else 0
 
 
+async def _leader_state(url: str) -> dict[str, Any]:
+    """GET /v1/state of a control plane's admin API; Failed when it does not answer."""
+    import aiohttp  # only `status` talks HTTP: keep it out of every other command's start
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+            http.get(f"{url.rstrip('/')}/v1/state") as resp,
+        ):
+            resp.raise_for_status()
+            data: dict[str, Any] = await resp.json()
+            return data
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise Failed(
+            f"the control plane's admin API at {url} did not answer: "
+            f"{str(exc) or type(exc).__name__}; check --control (its `admin` listener, "
+            "http://127.0.0.1:9190 by default, is only reachable from its own host)"
+        ) from None
+
+
+def status(
+    control: str | None = typer.Option(
+        None, "--control", help="A control plane's admin API, e.g. http://127.0.0.1:9190."
+    ),
+    json_out: bool = JSON,
+    config: Path | None = CONFIG,
+    server: list[str] | None = SERVER,
+    ca: str | None = CA,
+    cert: str | None = CERT,
+    key: str | None = KEY,
+) -> None:
+    """The log at a glance, and whether a control plane folded it to the same state as ctl."""
+
+    async def body(s: Session) -> int:
+        r = await _current(s)
+        doc: dict[str, Any] = {
+            "seq": r.target_seq,
+            "first_seq": r.bounds.first_seq,
+            "messages": r.bounds.messages,
+            "digest": state.digest(r.state),
+            "leader": r.state.leader,
+            "epoch": r.state.epoch,
+            "nodes": len(r.state.nodes),
+            "replicas": len(r.state.active_replicas()),
+            "models": len(r.state.models),
+            "endpoints": len(r.state.endpoints),
+            "snapshot_seq": r.snapshot_seq,
+            "refused": len(r.rejected),
+            "undecodable": len(r.skipped),
+            "control": None,
+        }
+        code = 0
+        if s.cfg.control_url:
+            svc = await _leader_state(s.cfg.control_url)
+            folded = int(svc.get("folded_seq", 0))
+            mine = r if folded == r.target_seq else await history.rebuild(s.nc, to_seq=folded)
+            agree = state.digest(mine.state) == svc.get("digest")
+            doc["control"] = {
+                "url": s.cfg.control_url,
+                "instance": svc.get("instance"),
+                "leading": svc.get("leading"),
+                "folded_seq": folded,
+                "lag": max(0, r.target_seq - folded),
+                "digest": svc.get("digest"),
+                "digest_agrees": agree,
+            }
+            code = 0 if agree else 1
+        if json_out:
+            _out(render.json_text(doc))
+            return code
+        _out(
+            f"log: seq {doc['first_seq']}-{doc['seq']} ({doc['messages']:,} messages); "
+            f"leader {doc['leader'] or '-'} (epoch {doc['epoch']}); {doc['nodes']} nodes, "
+            f"{doc['models']} models, {doc['replicas']} replicas, {doc['endpoints']} endpoints"
+        )
+        _out(render.rebuilt_header(r))
+        c = doc["control"]
+        if c is not None:
+            role = "leading" if c["leading"] else "standby"
+            verdict = (
+                "same state as this fold"
+                if c["digest_agrees"]
+                else f"DIFFERENT state: digest {str(c['digest'])[:12]}, this fold "
+                f"{state.digest(mine.state)[:12]} at seq {c['folded_seq']}"
+            )
+            _out(
+                f"control plane {c['instance']} ({role}) at seq {c['folded_seq']} "
+                f"(lag {c['lag']}): {verdict}"
+            )
+        return code
+
+    _run(Conn(config, server, ca, cert, key, control), body)
+
+
 def register(app: typer.Typer) -> None:
     """Add the fleet commands to the `llmgw ctl` group."""
     app.command("nodes")(nodes)
@@ -796,3 +894,4 @@ def register(app: typer.Typer) -> None:
     app.command("drain")(drain)
     app.command("events")(events_cmd)
     app.command("replay")(replay)
+    app.command("status")(status)

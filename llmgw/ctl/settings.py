@@ -4,7 +4,8 @@ Defaults follow `llmgw ctl cert init`'s layout (run from the repository root):
 NATS at tls://127.0.0.1:4222, the CA at nats/certs/ca.pem and the first operator's
 certificate at nats/certs/operator/admin.pem. A YAML file (`--config`, or the
 environment variable LLMGW_CTL_CONFIG) and `LLMGW_CTL__<FIELD>` variables override
-them, and command-line flags override both.
+them, and command-line flags override both. `control_url` names a control plane's
+admin API, for the one thing ctl asks the service rather than the log (`ctl status`).
 
 Who the operator is comes from the certificate itself (its CN and OU), never from a
 flag: the NATS server maps the same certificate to the same user, so the identity
@@ -38,6 +39,9 @@ class CtlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     key_file: str = ""
     """Default: beside cert_file, `<name>-key.pem` as `llmgw ctl cert` writes it."""
     connect_timeout_s: float = 5.0
+    control_url: str = ""
+    """A control plane's admin API (its `admin` listener, e.g. http://127.0.0.1:9190), asked
+    by `llmgw ctl status` for what only the running service knows; empty: not asked."""
 
     @property
     def key_path(self) -> str:

@@ -21,6 +21,16 @@ def _phase_summary(replica: state.ReplicaState) -> str:
     return phases[0] if len(phases) == 1 else "/".join(phases)
 
 
+def _heartbeat_age(node: state.NodeState, seen: state.Seen | None, now: float) -> float | None:
+    """From the newest heartbeat in the log; once that expired (per-message TTL), from the
+    last heartbeat the leader recorded in NodeUnreachable / NodeLost; None if neither."""
+    if seen is not None:
+        return round(max(0.0, now - seen.last_seen), 3)
+    if node.last_heartbeat:
+        return round(max(0.0, now - node.last_heartbeat), 3)
+    return None
+
+
 def node_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
     """Every node: lifecycle, operator flags, GPUs by class and why any are excluded."""
     out: list[dict[str, Any]] = []
@@ -74,9 +84,7 @@ def node_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
                 "draining": n.draining,
                 "drain_since": n.drain_since or None,
                 "drain_grace_s": n.drain_grace_s if n.draining else None,
-                "heartbeat_age_s": (
-                    round(max(0.0, now - seen.last_seen), 3) if seen is not None else None
-                ),
+                "heartbeat_age_s": _heartbeat_age(n, seen, now),
                 "registered_ts": n.registered_ts,
                 "agent_version": n.agent_version,
                 "fabrics": [

@@ -219,3 +219,36 @@ async def test_replay_starts_from_the_newest_snapshot_before_the_target(fleet: F
     text = await ctl("replay", "--view", "nodes")
     assert f"snapshot at seq {snap_seq}" in text.stdout
     assert "cordoned" in text.stdout
+
+
+async def test_status_compares_with_the_control_plane_and_tables_read_well(fleet: Fleet) -> None:
+    ctl = Ctl(fleet.server)
+    last = await settled(fleet)
+    doc = (await ctl("status", "--control", fleet.svc.admin_url, "--json")).json()
+    assert doc["seq"] == last
+    assert (doc["nodes"], doc["models"], doc["replicas"], doc["endpoints"]) == (2, 1, 1, 1)
+    assert doc["leader"] == "control-a"
+    control = doc["control"]
+    assert control["instance"] == "control-a"
+    assert control["leading"] is True
+    assert control["digest_agrees"] is True
+    assert control["digest"] == doc["digest"]
+    text = await ctl("status", "--control", fleet.svc.admin_url)
+    assert "control plane control-a (leading)" in text.stdout
+    assert "same state as this fold" in text.stdout
+    down = await ctl("status", "--control", "http://127.0.0.1:1")
+    assert down.code == 1
+    assert "did not answer" in down.stderr
+    # Without --control, only the log.
+    assert (await ctl("status", "--json")).json()["control"] is None
+
+    models = await ctl("models")
+    assert "SERVING/ACTIVE/WANTED" in models.stdout
+    assert "1/1/1" in models.stdout
+    replicas = await ctl("replicas")
+    assert "serving" in replicas.stdout
+    assert "REPLICA" in replicas.stdout
+    explained = await ctl("explain-placement", "m1")
+    assert explained.stdout.startswith("model m1: a new replica lands on")
+    lines = (await ctl("events", "--type", "control")).stdout.splitlines()
+    assert any("control.leader_elected" in x and "control-a leads (epoch 1)" in x for x in lines)
