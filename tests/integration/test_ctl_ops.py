@@ -254,3 +254,38 @@ async def test_events_filters_and_follow_in_a_real_process(
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), 10)
+
+
+async def test_replay_shows_what_the_fold_refused_and_what_did_not_decode(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    import nats
+
+    admin = await nats.connect(
+        nats_server.url, tls=nats_server.pki.admin_tls(), inbox_prefix="_INBOX.admin"
+    )
+    try:
+        js = admin.jetstream()
+        garbage = await js.publish("llmgw.events.node.node-a.heartbeat", b"\xff not json")
+        node = await connect_as(nats_server, "node", "node-a")
+        refused = await bus.Publisher(node.jetstream()).publish(
+            events.ShardStatus(
+                id="st-1", ts=time.time(), node="node-a", replica_id="ghost", generation=1,
+                phase="serving",
+            )
+        )  # fmt: skip
+        await node.close()
+    finally:
+        await admin.close()
+    ctl = Ctl(nats_server)
+    doc = (await ctl("replay", "--json")).json()
+    assert [x["seq"] for x in doc["skipped"]] == [garbage.seq]
+    assert doc["skipped"][0]["subject"] == "llmgw.events.node.node-a.heartbeat"
+    assert [x["seq"] for x in doc["rejected"]] == [refused.seq]
+    assert "never placed" in doc["rejected"][0]["reason"]
+    text = (await ctl("replay")).stdout
+    assert f"seq {garbage.seq} llmgw.events.node.node-a.heartbeat" in text
+    assert f"seq {refused.seq}: status for shard 0 of replica 'ghost'" in text
+    assert "1 refused by the fold; 1 undecodable skipped" in text
+    # And the events listing goes on past the garbage.
+    assert [e["seq"] for e in (await ctl("events", "--json")).lines()] == [1, refused.seq]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import io
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,37 @@ def test_tables_align_and_colour_only_when_asked() -> None:
     assert render.age(None) == "-"
     assert render.age(5) == "5.0s"
     assert render.age(7200) == "2.0h"
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal() -> None:
+    tty = _Tty()
+    bar = render.ProgressBar(tty)
+    bar(500, 1000)
+    bar(1000, 1000)
+    bar.close()
+    out = tty.getvalue()
+    assert "\r" in out
+    assert "100% 1,000/1,000 events" in out
+    assert out.endswith("\n")
+    plain = io.StringIO()
+    quiet = render.ProgressBar(plain)
+    quiet(1000, 1000)
+    quiet.close()
+    assert plain.getvalue() == ""
+
+
+def test_event_lines_are_coloured_by_writer_on_a_terminal() -> None:
+    from llmgw.bus import Record
+    from llmgw.cli.ctl_fleet import _event_line
+
+    rec = Record(7, "llmgw.events.operator.node_cordoned", 0.0, events.NodeCordoned(
+        id="c", ts=0, operator="carol", node="node-a"))  # fmt: skip
+    coloured = _event_line(rec, True)
+    assert "\x1b[35moperator.node_cordoned" in coloured
+    assert coloured.endswith("node-a cordoned by carol")
+    assert "\x1b[" not in _event_line(rec, False)
