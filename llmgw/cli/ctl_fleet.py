@@ -701,7 +701,9 @@ def replay(
         if diff is not None:
             return await _diff(s, diff, json_out, snapshots)
         if verify:
-            return await _verify(s, _reconcile_config(control_config), json_out)
+            return await _verify(
+                s, _reconcile_config(control_config), json_out, defaults=control_config is None
+            )
         now = time.time()
         point = history.Point(seq=to, time=history.parse_time(at, now) if at else None)
         r = await _rebuild_point(s, point, snapshots=snapshots)
@@ -745,15 +747,18 @@ async def _diff(s: Session, points: tuple[str, str], json_out: bool, snapshots: 
             )
         )
     else:
-        head = (
-            f"from seq {ra.target_seq} ({a.describe()}) to seq {rb.target_seq} "
-            f"({b.describe()}): {len(found)} change(s)"
-        )
+
+        def where(point: history.Point, r: history.Rebuilt) -> str:
+            return f"seq {r.target_seq}" + (f" ({point.describe()})" if point.time else "")
+
+        head = f"from {where(a, ra)} to {where(b, rb)}: {len(found)} change(s)"
         _out("\n".join([head, *(c.render() for c in found)]))
     return 0
 
 
-async def _verify(s: Session, cfg: reconcile.ReconcileConfig, json_out: bool) -> int:
+async def _verify(
+    s: Session, cfg: reconcile.ReconcileConfig, json_out: bool, *, defaults: bool
+) -> int:
     log = await _all_records(s)
     pairs = [(r.seq, r.event) for r in log]
     batches = {
@@ -780,6 +785,11 @@ async def _verify(s: Session, cfg: reconcile.ReconcileConfig, json_out: bool) ->
             "decided differently:"
         )
         _out("\n".join(f"  {d.detail}" for d in differences))
+        if defaults:
+            _out(
+                "(checked with the default reconcile timings: pass --control-config with the "
+                "leader's config file, whose timings also decide)"
+            )
     else:
         _out(
             f"verified {len(batches)} recorded decision batches over {len(pairs):,} events: "
