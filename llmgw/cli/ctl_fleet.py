@@ -420,6 +420,11 @@ async def _follow_drain(
                 shown = line
             if progress.done:
                 return progress
+            if not st.nodes[node].draining:
+                raise Failed(
+                    f"the drain of {node} was called off (uncordoned) before it finished "
+                    f"({line}); see `llmgw ctl events --node {node}`"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Failed(

@@ -104,13 +104,16 @@ def drain_progress(
     lines: list[str] = []
     for rid in originals:
         r = st.replicas.get(rid)
+        model = r.model if r is not None else ""
         gone = r is None or all(
             s.released or s.phase in state.TERMINAL for s in r.shards if s.node == node
         )
         successors = [x for x in st.replicas.values() if x.replaces == rid and not x.retired]
         serving = [x for x in successors if x.id in st.endpoints]
+        # A replica whose model was removed is stopped, never replaced: nothing to wait for.
+        unwanted = r is not None and model not in st.models
         stopped += gone
-        replaced += bool(serving)
+        replaced += bool(serving) or unwanted
         if serving:
             lines.append(
                 f"{rid}: replaced by {serving[0].id} on "
@@ -119,6 +122,8 @@ def drain_progress(
         elif successors:
             phases = "/".join(sorted({s.phase for s in successors[0].shards}))
             lines.append(f"{rid}: replacement {successors[0].id} {phases}")
+        elif unwanted:
+            lines.append(f"{rid}: model {model} removed, not replaced")
         else:
             lines.append(f"{rid}: {'stopped' if gone else 'waiting for a replacement'}")
     total = len(originals)

@@ -252,3 +252,26 @@ async def test_status_compares_with_the_control_plane_and_tables_read_well(fleet
     assert explained.stdout.startswith("model m1: a new replica lands on")
     lines = (await ctl("events", "--type", "control")).stdout.splitlines()
     assert any("control.leader_elected" in x and "control-a leads (epoch 1)" in x for x in lines)
+
+
+async def test_a_drain_with_nowhere_to_go_waits_until_called_off(fleet: Fleet) -> None:
+    ctl = Ctl(fleet.server)
+    (replica,) = (await ctl("replicas", "--json")).json()
+    holder = replica["shards"][0]["node"]
+    other = "node-b" if holder == "node-a" else "node-a"
+    assert (await ctl("cordon", other, "--reason", "maintenance")).code == 0
+    plan = (await ctl("drain", holder, "--dry-run", "--json")).json()
+    assert plan["moves"][0]["to"] == ""
+    assert "cordoned: 1" in plan["moves"][0]["why_not"]
+    # A real process: CliRunner swaps sys.stdout, so two cannot run at once in-process.
+    waiting = asyncio.create_task(ctl.subprocess("drain", holder, "--wait", "--timeout", "30"))
+    await wait_for(
+        lambda: fleet.svc.state.nodes[holder].draining, 30, f"{holder} draining in the fold"
+    )
+    await asyncio.sleep(0.5)
+    assert not waiting.done()
+    assert (await ctl("uncordon", holder)).code == 0
+    result = await asyncio.wait_for(waiting, 15)
+    assert result.code == 1
+    assert "called off" in result.stderr
+    assert "0/1 replaced" in result.stderr

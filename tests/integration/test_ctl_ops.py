@@ -289,3 +289,22 @@ async def test_replay_shows_what_the_fold_refused_and_what_did_not_decode(
     assert "1 refused by the fold; 1 undecodable skipped" in text
     # And the events listing goes on past the garbage.
     assert [e["seq"] for e in (await ctl("events", "--json")).lines()] == [1, refused.seq]
+
+
+async def test_a_log_that_was_never_provisioned_says_how_to_provision_it(
+    nats_server: TestNatsServer,
+) -> None:
+    result = await Ctl(nats_server)("nodes")
+    assert result.code == 1
+    assert "llmgw control" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+async def test_drain_of_an_empty_node_is_done_at_once(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    ctl = Ctl(nats_server)
+    empty = (await ctl("drain", "node-a", "--wait", "--json")).json()
+    assert empty["moves"] == []
+    assert empty["progress"]["done"]
+    assert (await ctl("nodes", "--json")).json()[0]["draining"]
