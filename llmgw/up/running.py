@@ -179,10 +179,14 @@ class Fleet:
             child.wait_for(rf"^llmgw agent {node} started$", 30.0, lambda: self.stopping)
 
     def start_router(self, endpoints: dict[str, str]) -> None:
-        """(Re)start the router with `endpoints` (replica id -> engine URL)."""
+        """(Re)start the router: reading the log, or with `endpoints` (replica id -> engine
+        URL) where the router cannot read the log."""
         if self.router is not None:
             self.router.stop()
-        _write_yaml(self.layout.router_config, render.router(self.plan, endpoints))
+        nats_url = self.nats_url if router_reads_log() else ""
+        _write_yaml(
+            self.layout.router_config, render.router(self.plan, endpoints, nats_url=nats_url)
+        )
         self.router = Child(
             "router",
             [*PY, "router", "--config", str(self.layout.router_config)],
@@ -195,14 +199,24 @@ class Fleet:
         self.router_endpoints = dict(endpoints)
 
     def wait_router_ready(self, timeout_s: float) -> bool:
-        """Until the router has probed an endpoint healthy (/ready answers 200)."""
+        """Until the router has probed an endpoint healthy (/ready answers 200); one look
+        when `timeout_s` is 0."""
         url = f"http://{self._dial_host}:{self.plan.port}/ready"
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self.stopping:
-            if status._get(url, 1.0) is not None:
+        while not self.stopping:
+            if status.fetch(url, 1.0) is not None:
                 return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.1)
         return False
+
+    def announce(self, started: float) -> None:
+        self.describe()
+        self.say(
+            f"llmgw up: ready in {time.monotonic() - started:.1f} s: "
+            f"model {self.plan.model!r} at http://{self._dial_host}:{self.plan.port}/v1"
+        )
 
     @property
     def _dial_host(self) -> str:
@@ -285,6 +299,13 @@ class Fleet:
             self.nats.stop(10.0)
 
 
+def router_reads_log() -> bool:
+    """Whether this llmgw's router can follow the log itself (its config has `log`)."""
+    from llmgw.router.config import RouterConfig
+
+    return "log" in RouterConfig.__struct_fields__
+
+
 def _claim(layout: Any) -> None:
     """Refuse to share a state directory with another running `llmgw up`."""
     other = children.recorded(layout.up_pid_file)
@@ -337,7 +358,8 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
 
 
 def _watch(fleet: Fleet, started: float) -> None:
-    """Start the router once replicas serve, restart it when they change, show status."""
+    """Run the router (reading the log; or, where it cannot, with the serving endpoints,
+    restarted when they change), announce readiness once, show the status until stopped."""
     first_endpoint_at: float | None = None
     announced = False
     last_total: float | None = None
@@ -355,23 +377,28 @@ def _watch(fleet: Fleet, started: float) -> None:
         endpoints = reading.endpoints
         if endpoints and first_endpoint_at is None:
             first_endpoint_at = time.monotonic()
-        settled = fleet.plan.replicas == 0 or (
-            first_endpoint_at is not None
-            and (
-                len(endpoints) >= fleet.plan.replicas
-                or time.monotonic() - first_endpoint_at > SETTLE_S
-            )
-        )
-        if settled and (fleet.router is None or endpoints != fleet.router_endpoints):
-            fleet.start_router(endpoints)
-            if not announced:
-                fleet.wait_router_ready(15.0)
-                fleet.describe()
-                fleet.say(
-                    f"llmgw up: ready in {time.monotonic() - started:.1f} s: "
-                    f"model {fleet.plan.model!r} at http://{fleet._dial_host}:{fleet.plan.port}/v1"
-                )
+        if router_reads_log():
+            # The router follows the log: started once, it picks up every endpoint itself.
+            if fleet.router is None:
+                fleet.start_router({})
+            if not announced and (fleet.plan.replicas == 0 or fleet.wait_router_ready(0.0)):
+                fleet.announce(started)
                 announced = True
+        else:
+            settled = fleet.plan.replicas == 0 or (
+                first_endpoint_at is not None
+                and (
+                    len(endpoints) >= fleet.plan.replicas
+                    or time.monotonic() - first_endpoint_at > SETTLE_S
+                )
+            )
+            if settled and (fleet.router is None or endpoints != fleet.router_endpoints):
+                fleet.start_router(endpoints)
+                if not announced:
+                    if fleet.plan.replicas:
+                        fleet.wait_router_ready(15.0)
+                    fleet.announce(started)
+                    announced = True
         now = time.monotonic()
         rate = None
         if reading.requests_total is not None and last_total is not None and now > last_at:

@@ -35,7 +35,7 @@ class Reading:
     unplaceable: str = ""
 
 
-def _get(url: str, timeout_s: float) -> bytes | None:
+def fetch(url: str, timeout_s: float) -> bytes | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             body: bytes = resp.read()
@@ -45,7 +45,7 @@ def _get(url: str, timeout_s: float) -> bytes | None:
 
 
 def _json(url: str, timeout_s: float) -> Any:
-    body = _get(url, timeout_s)
+    body = fetch(url, timeout_s)
     if body is None:
         return None
     try:
@@ -64,7 +64,7 @@ def read(control_admin: str, router_admin: str, *, timeout_s: float = 1.0) -> Re
     nodes = _json(f"{control_admin}/v1/nodes", timeout_s) if control_admin else None
     replicas = _json(f"{control_admin}/v1/replicas", timeout_s) if control_admin else None
     models = _json(f"{control_admin}/v1/models", timeout_s) if control_admin else None
-    metrics = _get(f"{router_admin}/metrics", timeout_s) if router_admin else None
+    metrics = fetch(f"{router_admin}/metrics", timeout_s) if router_admin else None
     return parse(nodes, replicas, models, metrics.decode(errors="replace") if metrics else None)
 
 

@@ -18,7 +18,7 @@ from llmgw.agent import config as agent_config
 from llmgw.control import config as control_config
 from llmgw.ctl import settings as ctl_settings
 from llmgw.router import config as router_config
-from llmgw.up import children, render, status
+from llmgw.up import children, render, running, status
 from llmgw.up.layout import Layout
 from llmgw.up.render import Plan
 
@@ -59,6 +59,10 @@ def test_every_rendered_config_passes_its_services_loader(tmp_path: Path, engine
         assert routed.listen.port == 8080
         assert routed.auth.allow_anonymous
         assert {e.id: e.url for e in routed.endpoints} == endpoints
+    if running.router_reads_log():
+        fed = router_config.load(write(tmp_path / "r.yaml", render.router(plan, {}, nats_url=URL)))
+        assert fed.endpoints == ()
+        assert fed.log is not None
     ctl = ctl_settings.load(write(tmp_path / "ctl.yaml", render.ctl(plan, URL)))
     assert ctl.servers == (URL,)
     assert Path(ctl.key_path).name == "admin-key.pem"
