@@ -107,6 +107,10 @@ class Fleet:
         self.router_endpoints: dict[str, str] = {}
         self._status_lines = 0
 
+    @property
+    def started_anything(self) -> bool:
+        return any(c is not None for c in (self.nats, self.control, self.router, *self.agents))
+
     # ------------------------------------------------------------------ output
 
     def say(self, text: str = "") -> None:
@@ -248,6 +252,11 @@ class Fleet:
             pid = child.pid if child is not None else "-"
             self.say(f"  {name:<14} pid {pid!s:<8} {where}  (log {lay.log(log)})")
         self.say(f"  model {p.model!r}: {p.replicas} replicas of {engine}")
+        if not self._dial_host.startswith("127.") and self._dial_host not in ("::1", "localhost"):
+            self.say(
+                f"  the router answers on {p.host} without API keys: anyone who reaches it can "
+                "use it (for a shared router, run `llmgw router` with auth.keys_file)"
+            )
         self.say()
         self.say("Try it:")
         self.say(
@@ -348,11 +357,13 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
         sys.stderr.flush()
         return 1
     finally:
-        fleet.say("\nllmgw up: stopping (router, agents, engines, control, nats)...")
+        if fleet.started_anything:
+            fleet.say("\nllmgw up: stopping (router, agents, engines, control, nats)...")
         fleet.stop()
         with contextlib.suppress(FileNotFoundError):
             layout.up_pid_file.unlink()
-        fleet.say("llmgw up: stopped")
+        if fleet.started_anything:
+            fleet.say("llmgw up: stopped")
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
