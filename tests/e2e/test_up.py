@@ -171,3 +171,19 @@ def test_bad_gpus_spec_says_what_to_write(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "--gpus 'lots'" in done.stderr
+
+
+@pytest.mark.parametrize("after_s", [0.8, 2.0, 3.0])
+def test_sigint_while_starting_leaves_no_process(
+    tmp_path: Path, ups: list[Up], after_s: float
+) -> None:
+    up = up_kit.start_up(tmp_path)
+    ups.append(up)
+    deadline = time.monotonic() + after_s
+    while time.monotonic() < deadline:
+        up.snapshot()  # remember every process as it appears
+        time.sleep(0.05)
+    assert up.interrupt() == 0, up.output()
+    assert up.leftovers() == [], up.output()
+    # Engines the agents were launching when the signal came are stopped too.
+    assert not [p for p in (up.state_dir / "agents").glob("*/state/shards/*.json")]
