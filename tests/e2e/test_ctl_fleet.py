@@ -60,10 +60,19 @@ async def services(nats_server: TestNatsServer, tmp_path: Path) -> AsyncIterator
         assert s.control.stdout is not None
         line = (await asyncio.wait_for(s.control.stdout.readline(), 30)).decode()
         assert line.startswith("llmgw control control-a admin http://"), line
-        for node in ("node-a", "node-b"):
+        # Each node on its own loopback address, as on separate hosts: placement gives
+        # ports per node, so two nodes on one address would both be given port 8100.
+        for node, address in (("node-a", "127.0.0.2"), ("node-b", "127.0.0.3")):
             state_dir = tmp_path / node
             s.state_dirs.append(state_dir)
-            settings = agent_kit.agent_settings(nats_server, node, state_dir, sim_gpus="2xh100-80g")
+            settings = agent_kit.agent_settings(
+                nats_server,
+                node,
+                state_dir,
+                sim_gpus="2xh100-80g",
+                address=address,
+                engine_host=address,
+            )
             path = agent_kit.write_config(tmp_path / f"{node}.yaml", settings)
             agent = agent_kit.AgentProcess(path, tmp_path / f"{node}.log")
             s.agents.append(agent)
@@ -94,12 +103,28 @@ async def poll(ctl: Ctl, args: tuple[str, ...], check: Any, within_s: float, wha
         await asyncio.sleep(0.5)
 
 
-async def answers(url: str) -> list[str]:
-    async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
-        http.get(f"{url}/v1/models") as resp,
-    ):
-        return [m["id"] for m in (await resp.json())["data"]]
+async def answers(ctl: Ctl, replica_id: str, within_s: float = 60) -> list[str]:
+    """The model list of the replica's engine, through its current endpoint.
+
+    Retried: placement's ports (8100...) are fixed, so on a machine shared with other
+    test runs an engine can lose its port and be restarted by the control plane.
+    """
+    deadline = time.monotonic() + within_s
+    while True:
+        rows = (await ctl("replicas", "--json")).json()
+        url = next((r["endpoint"] for r in rows if r["id"] == replica_id), None)
+        if url:
+            try:
+                async with (
+                    aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+                    http.get(f"{url}/v1/models") as resp,
+                ):
+                    return [m["id"] for m in (await resp.json())["data"]]
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{replica_id} answered at no endpoint within {within_s} s")
+        await asyncio.sleep(0.5)
 
 
 async def test_ctl_drains_replays_diffs_and_verifies_the_real_fleet(
@@ -113,7 +138,7 @@ async def test_ctl_drains_replays_diffs_and_verifies_the_real_fleet(
         90,
         "m1 serving on a real sim engine",
     )
-    assert await answers(replica["endpoint"]) == ["m1"]
+    assert await answers(ctl, replica["id"]) == ["m1"]
     holder = replica["shards"][0]["node"]
     other = "node-b" if holder == "node-a" else "node-a"
     nodes = {n["name"]: n for n in (await ctl("nodes", "--json")).json()}
@@ -121,6 +146,7 @@ async def test_ctl_drains_replays_diffs_and_verifies_the_real_fleet(
     assert nodes[holder]["gpu_classes"]["h100-80g"]["used"] == 1
     assert nodes[other]["gpu_classes"]["h100-80g"]["free"] == 2
     assert nodes[holder]["heartbeat_age_s"] < 10
+    assert replica["endpoint"].startswith(f"http://{nodes[holder]['address']}:")
 
     before = (await ctl("replay", "--json")).json()
     before_time = time.time()
@@ -134,7 +160,7 @@ async def test_ctl_drains_replays_diffs_and_verifies_the_real_fleet(
     (moved,) = [r for r in after["replicas"] if r["model"] == "m1"]
     assert moved["replaces"] == replica["id"]
     assert moved["shards"][0]["node"] == other
-    assert await answers(moved["endpoint"]) == ["m1"]
+    assert await answers(ctl, moved["id"]) == ["m1"]
 
     then = (await ctl("replay", "--at", f"@{before_time}", "--json")).json()
     node_then = {n["name"]: n for n in then["nodes"]}[holder]
