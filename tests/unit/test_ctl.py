@@ -339,3 +339,13 @@ def test_event_lines_are_coloured_by_writer_on_a_terminal() -> None:
     assert "\x1b[35moperator.node_cordoned" in coloured
     assert coloured.endswith("node-a cordoned by carol")
     assert "\x1b[" not in _event_line(rec, False)
+
+
+def test_the_example_files_in_deploy_load() -> None:
+    deploy = Path(__file__).resolve().parents[2] / "deploy"
+    cfg = load(deploy / "ctl.example.yaml", environ={})
+    assert cfg.cert_file == "nats/certs/operator/admin.pem"
+    assert cfg.control_url == "http://127.0.0.1:9190"
+    text = (deploy / "models.example.yaml").read_text()
+    names = [p.name for p in catalogfile.parse(text, "models.example.yaml")]
+    assert names == ["llama-3.1-8b", "qwen2.5-72b", "tiny-sim"]
