@@ -349,3 +349,26 @@ def test_the_example_files_in_deploy_load() -> None:
     text = (deploy / "models.example.yaml").read_text()
     names = [p.name for p in catalogfile.parse(text, "models.example.yaml")]
     assert names == ["llama-3.1-8b", "qwen2.5-72b", "tiny-sim"]
+
+
+def test_replica_rows_show_errors_and_engine_log_tails() -> None:
+    sim = scenarios.Sim()
+    sim.register("node-a", count=2)
+    sim.declare(scenarios.profile("m", engine="sim"))
+    sim.settle()
+    (rid,) = sim.state.replicas
+    # What a failed status leaves in the state (the fold's own handling is test_state's).
+    replica = sim.state.replicas[rid]
+    shard = replica.shards[0]
+    shard.phase = "failed"
+    shard.error = "engine exited with code 1"
+    shard.log_tail = ("loading weights", "CUDA out of memory")
+    (row,) = views.replica_rows(sim.state, "m")
+    assert row["shards"][0]["error"] == "engine exited with code 1"
+    assert row["shards"][0]["log_tail"] == ["loading weights", "CUDA out of memory"]
+    assert views.replica_rows(sim.state, "other") == []
+    text = render.replicas_table([row], log_lines=1)
+    assert "engine exited with code 1" in text
+    assert f"{rid}/0 on node-a, engine log tail:" in text
+    assert "  | CUDA out of memory" in text
+    assert "loading weights" not in text
