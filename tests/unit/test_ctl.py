@@ -331,7 +331,7 @@ def test_progress_bar_only_on_a_terminal() -> None:
 
 def test_event_lines_are_coloured_by_writer_on_a_terminal() -> None:
     from llmgw.bus import Record
-    from llmgw.cli.ctl_fleet import _event_line
+    from llmgw.cli.ctl_history import _event_line
 
     rec = Record(7, "llmgw.events.operator.node_cordoned", 0.0, events.NodeCordoned(
         id="c", ts=0, operator="carol", node="node-a"))  # fmt: skip

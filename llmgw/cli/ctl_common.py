@@ -1,0 +1,179 @@
+"""Shared by the `llmgw ctl` commands: connection options, running a command, one-line errors.
+
+`run(conn, body)` opens a `llmgw.ctl.session.Session` from the settings (file,
+environment, flags), runs the command's coroutine, closes, and turns a `CtlError`
+(and any failure of the log or the connection) into one line on stderr with its exit
+code: 0 ok, 1 operational failure, 2 bad input. Used by llmgw.cli.ctl_fleet (views,
+mutations) and llmgw.cli.ctl_history (events, replay, status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+import structlog
+import typer
+
+from llmgw import bus
+from llmgw.core import events, state
+from llmgw.ctl import history, render, settings
+from llmgw.ctl.errors import BadInput, CtlError, Failed
+from llmgw.ctl.session import Session
+
+CONFIG = typer.Option(
+    None, "--config", help=f"ctl settings YAML (default: ${settings.CONFIG_ENV}, else built-in)."
+)
+SERVER = typer.Option(None, "--server", "-s", help="NATS URL (repeat for a cluster).")
+CA = typer.Option(None, "--ca", help="The fleet's CA certificate [nats/certs/ca.pem].")
+CERT = typer.Option(
+    None, "--cert", help="Your operator certificate [nats/certs/operator/admin.pem]."
+)
+KEY = typer.Option(None, "--key", help="Its key [beside the certificate, NAME-key.pem].")
+JSON = typer.Option(False, "--json", help="Machine-readable JSON instead of a table.")
+
+
+class Conn(msgspec.Struct, frozen=True):
+    config: Path | None
+    servers: list[str] | None
+    ca: str | None
+    cert: str | None
+    key: str | None
+    control_url: str | None = None
+
+    def load(self) -> settings.CtlConfig:
+        return settings.load(
+            self.config,
+            overrides={
+                "servers": self.servers,
+                "ca_file": self.ca,
+                "cert_file": self.cert,
+                "key_file": self.key,
+                "control_url": self.control_url,
+            },
+        )
+
+
+class _Stderr:
+    """Whatever sys.stderr is when a line is logged (not when logging was configured)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def quiet_logs() -> None:
+    """Library logs only when critical, on stderr: stdout carries the answer (`--json` must
+    stay parseable), and what went wrong is ctl's own one-line error (a permission
+    violation the bus logs is reported by `Session.publish` with what to do)."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
+        cache_logger_on_first_use=False,
+    )
+    # asyncio warns "returning true from eof_received() has no effect when using ssl"
+    # whenever a TLS connection to NATS closes: noise on an operator's terminal.
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
+
+
+def run(conn: Conn, body: Callable[[Session], Awaitable[int | None]]) -> None:
+    """Connect, run `body`, close; CtlError -> one line on stderr and its exit code."""
+    quiet_logs()
+
+    async def main() -> int:
+        session = await Session.open(conn.load())
+        try:
+            return (await body(session)) or 0
+        finally:
+            await session.close()
+
+    try:
+        code = asyncio.run(main())
+    except CtlError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except (bus.ReaderError, bus.PublishError, nats.errors.Error, OSError) as exc:
+        # The log or the connection failed mid-command: still one line, exit 1.
+        detail = str(exc) or type(exc).__name__
+        typer.echo(f"error: {detail}; check that NATS is up and retry", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if code:
+        raise typer.Exit(code)
+
+
+def out(text: str) -> None:
+    typer.echo(text)
+
+
+def colour() -> bool:
+    return render.use_colour(sys.stdout)
+
+
+async def current(s: Session, *, progress: bool = True) -> history.Rebuilt:
+    bar = render.ProgressBar(label="reading the log") if progress else None
+    try:
+        return await history.rebuild(s.nc, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def require_node(st: state.ClusterState, node: str) -> None:
+    if node not in st.nodes:
+        known = ", ".join(sorted(st.nodes)[:8]) or "none registered yet"
+        raise BadInput(f"unknown node {node!r} (known: {known}): see `llmgw ctl nodes`")
+
+
+def require_model(st: state.ClusterState, model: str) -> None:
+    if model not in st.models:
+        known = ", ".join(sorted(st.models)[:8]) or "none declared"
+        raise BadInput(
+            f"unknown model {model!r} (declared: {known}): see `llmgw ctl models`, or declare "
+            "it with `llmgw ctl apply -f models.yaml`"
+        )
+
+
+async def publish_checked(
+    s: Session, st: state.ClusterState, items: list[events.Event]
+) -> list[dict[str, Any]]:
+    """Publish operator events, then fold up to them: the fold's refusal is an error too."""
+    results = []
+    for event in items:
+        published = await s.publish(event)
+        results.append(
+            {
+                "seq": published.seq,
+                "type": events.tag_of(type(event)),
+                "operator": s.identity.name,
+                "event": msgspec.to_builtins(event),
+            }
+        )
+    last = max((r["seq"] for r in results), default=0)
+    refused: dict[int, str] = {}
+    async for batch in history.records(s.nc, after_seq=st.last_seq, to_seq=last):
+        for rec in batch:
+            reason = state.apply(st, rec.event, rec.seq, rec.time)
+            if reason is not None:
+                refused[rec.seq] = reason
+    for r in results:
+        if r["seq"] in refused:
+            raise Failed(
+                f"{r['type']} was written at seq {r['seq']} but the fold refused it: "
+                f"{refused[r['seq']]}"
+            )
+    return results

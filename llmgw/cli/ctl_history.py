@@ -1,0 +1,425 @@
+"""`llmgw ctl` history commands: the log decoded, the cluster at any past point, and checks.
+
+`events` prints the log one line per event (or JSON lines), following it with
+`--follow`; `replay` rebuilds the state at a sequence or a time and shows it with
+the same views as `nodes` / `replicas`, lists a node's or replica's `--timeline`,
+`--diff`s two points, and `--verify`s that today's reconciler makes every decision
+the leader recorded (llmgw.control.verify); `status` compares ctl's fold with a
+control plane's (the one question ctl asks the service, through its admin API).
+`replay --verify` exits 1 when it finds differences.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import typer
+
+from llmgw import bus
+from llmgw.cli import ctl_common as common
+from llmgw.control import verify as control_verify
+from llmgw.core import events, reconcile, state
+from llmgw.ctl import changes, eventlines, history, render, views
+from llmgw.ctl.errors import BadInput, Failed
+from llmgw.ctl.session import Session
+
+# --------------------------------------------------------------------------- the log
+
+
+def _event_json(rec: bus.Record) -> dict[str, Any]:
+    return {
+        "seq": rec.seq,
+        "time": rec.time,
+        "subject": rec.subject,
+        "type": events.tag_of(type(rec.event)),
+        "event": msgspec.to_builtins(rec.event),
+    }
+
+
+def _event_line(rec: bus.Record, colour: bool) -> str:
+    tag = events.tag_of(type(rec.event))
+    fam = eventlines.family(rec.event)
+    return (
+        f"{rec.seq:>8}  {history.format_time(rec.time)}  "
+        f"{render.paint(tag.ljust(28), render.FAMILY_COLOUR.get(fam), colour)} "
+        f"{eventlines.summary(rec.event)}"
+    )
+
+
+def events_cmd(
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events."),
+    since: str | None = typer.Option(None, "--since", help="From this time (ISO, @UNIX, 10m)."),
+    seq: int | None = typer.Option(None, "--seq", help="From this sequence number."),
+    node: str | None = typer.Option(None, "--node", help="Only events about this node."),
+    type_: str | None = typer.Option(
+        None, "--type", "-t", help="Only this type: node.shard, a family (operator), or shard."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="One common.JSON object per line."),
+    config: Path | None = common.CONFIG,
+    server: list[str] | None = common.SERVER,
+    ca: str | None = common.CA,
+    cert: str | None = common.CERT,
+    key: str | None = common.KEY,
+) -> None:
+    """The log decoded, one line per event (coloured on a terminal)."""
+    if since is not None and seq is not None:
+        typer.echo("error: give --since or --seq, not both", err=True)
+        raise typer.Exit(2)
+    if seq is not None and seq < 1:
+        typer.echo("error: --seq counts from 1", err=True)
+        raise typer.Exit(2)
+    if type_ is not None and not any(eventlines.matches_tag(t, type_) for t in events.BY_TAG):
+        tags = ", ".join(sorted(events.BY_TAG))
+        typer.echo(f"error: no event type matches {type_!r}: use one of {tags}", err=True)
+        raise typer.Exit(2)
+
+    async def body(s: Session) -> None:
+        start = history.parse_time(since, time.time()) if since is not None else None
+        colour = common.colour()
+        async for batch in history.records(
+            s.nc, after_seq=(seq - 1) if seq else 0, since=start, follow=follow
+        ):
+            lines = []
+            for rec in batch:
+                if node is not None and not eventlines.touches(rec.event, node, rec.subject):
+                    continue
+                if type_ is not None and not eventlines.matches(rec.event, type_):
+                    continue
+                lines.append(
+                    render.json_text(_event_json(rec)) if json_out else _event_line(rec, colour)
+                )
+            if lines:
+                common.out("\n".join(lines))
+
+    common.run(common.Conn(config, server, ca, cert, key), body)
+
+
+def _state_document(r: history.Rebuilt, view: str) -> dict[str, Any]:
+    now = r.at if r.at is not None else time.time()
+    doc: dict[str, Any] = {
+        "seq": r.target_seq,
+        "time": r.at,
+        "snapshot_seq": r.snapshot_seq,
+        "folded": r.folded,
+        "elapsed_s": round(r.elapsed_s, 4),
+        "digest": state.digest(r.state),
+        "leader": r.state.leader,
+        "epoch": r.state.epoch,
+        "rejected": [{"seq": q, "reason": why} for q, why in r.rejected],
+        "skipped": [msgspec.to_builtins(x) for x in r.skipped],
+    }
+    if view in ("all", "nodes"):
+        doc["nodes"] = views.node_rows(r.state, now)
+    if view in ("all", "replicas"):
+        doc["replicas"] = views.replica_rows(r.state)
+    if view in ("all", "models"):
+        doc["models"] = views.model_rows(r.state, now)
+    if view in ("all", "endpoints"):
+        doc["endpoints"] = views.endpoint_rows(r.state)
+    return doc
+
+
+def _state_text(r: history.Rebuilt, doc: dict[str, Any], colour: bool) -> str:
+    parts = [render.rebuilt_header(r)]
+    if "nodes" in doc:
+        parts.append(render.nodes_table(doc["nodes"], colour=colour))
+    if "replicas" in doc:
+        parts.append(render.replicas_table(doc["replicas"], colour=colour))
+    if "models" in doc:
+        parts.append(render.models_table(doc["models"]))
+    if r.rejected:
+        parts.append(
+            "refused by the fold:\n" + "\n".join(f"  seq {q}: {why}" for q, why in r.rejected[-20:])
+        )
+    if r.skipped:
+        parts.append(
+            "undecodable, skipped:\n"
+            + "\n".join(f"  seq {x.seq} {x.subject}: {x.error}" for x in r.skipped[-20:])
+        )
+    return "\n\n".join(parts)
+
+
+async def _rebuild_point(s: Session, point: history.Point, *, snapshots: bool) -> history.Rebuilt:
+    bar = render.ProgressBar()
+    try:
+        return await history.rebuild(
+            s.nc, to_seq=point.seq, at=point.time, use_snapshots=snapshots, progress=bar
+        )
+    finally:
+        bar.close()
+
+
+async def _all_records(s: Session) -> list[bus.Record]:
+    out: list[bus.Record] = []
+    bar = render.ProgressBar(label="reading")
+    total = (await history.bounds(s.nc)).last_seq
+    try:
+        async for batch in history.records(s.nc):
+            out.extend(batch)
+            bar(batch[-1].seq, total)
+    finally:
+        bar.close()
+    return out
+
+
+def _reconcile_config(path: Path | None) -> reconcile.ReconcileConfig:
+    if path is None:
+        return reconcile.ReconcileConfig()
+    from llmgw import config as llmgw_config
+
+    try:
+        raw = llmgw_config.read_yaml(path)
+    except llmgw_config.ConfigError as exc:
+        raise BadInput(str(exc)) from None
+    section = raw.get("reconcile", {}) if "reconcile" in raw else raw
+    try:
+        return msgspec.convert(section or {}, reconcile.ReconcileConfig)
+    except msgspec.ValidationError as exc:
+        raise BadInput(f"{path}: reconcile settings: {exc}") from None
+
+
+def replay(
+    to: int | None = typer.Option(None, "--to", help="Rebuild up to this sequence."),
+    at: str | None = typer.Option(None, "--at", help="Rebuild as of this time (ISO, @UNIX, 10m)."),
+    timeline: str | None = typer.Option(
+        None, "--timeline", help="Every event that touched this node or replica."
+    ),
+    diff: tuple[str, str] | None = typer.Option(
+        None, "--diff", help="What changed between two points (sequences or times)."
+    ),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="Re-run today's reconciler at every decision the leader recorded; differences exit 1.",
+    ),
+    control_config: Path | None = typer.Option(
+        None,
+        "--control-config",
+        help="For --verify: the control plane's config, whose reconcile timings it ran with.",
+    ),
+    view: str = typer.Option("all", "--view", help="nodes, replicas, models, endpoints or all."),
+    snapshots: bool = typer.Option(
+        True, "--snapshots/--no-snapshots", help="Start from the newest snapshot before the target."
+    ),
+    json_out: bool = common.JSON,
+    config: Path | None = common.CONFIG,
+    server: list[str] | None = common.SERVER,
+    ca: str | None = common.CA,
+    cert: str | None = common.CERT,
+    key: str | None = common.KEY,
+) -> None:
+    """The cluster rebuilt as it was at a point of its history (or its timeline, diff, verify)."""
+    modes = sum(x for x in (timeline is not None, diff is not None, verify))
+    if modes > 1 or (modes and (to is not None or at is not None)):
+        typer.echo("error: use one of --to/--at, --timeline, --diff, --verify", err=True)
+        raise typer.Exit(2)
+    if view not in ("all", "nodes", "replicas", "models", "endpoints"):
+        typer.echo("error: --view is one of nodes, replicas, models, endpoints, all", err=True)
+        raise typer.Exit(2)
+
+    async def body(s: Session) -> int:
+        colour = common.colour()
+        if timeline is not None:
+            return await _timeline(s, timeline, json_out, colour)
+        if diff is not None:
+            return await _diff(s, diff, json_out, snapshots)
+        if verify:
+            return await _verify(
+                s, _reconcile_config(control_config), json_out, defaults=control_config is None
+            )
+        now = time.time()
+        point = history.Point(seq=to, time=history.parse_time(at, now) if at else None)
+        r = await _rebuild_point(s, point, snapshots=snapshots)
+        doc = _state_document(r, view)
+        common.out(render.json_text(doc) if json_out else _state_text(r, doc, colour))
+        return 0
+
+    common.run(common.Conn(config, server, ca, cert, key), body)
+
+
+async def _timeline(s: Session, target: str, json_out: bool, colour: bool) -> int:
+    found: list[bus.Record] = []
+    async for batch in history.records(s.nc):
+        found.extend(r for r in batch if eventlines.touches(r.event, target, r.subject))
+    if not found:
+        raise BadInput(
+            f"no node or replica {target!r} in the log: see `llmgw ctl nodes` and "
+            "`llmgw ctl replicas` for names"
+        )
+    if json_out:
+        common.out(render.json_text([_event_json(r) for r in found]))
+    else:
+        common.out("\n".join(_event_line(r, colour) for r in found))
+    return 0
+
+
+async def _diff(s: Session, points: tuple[str, str], json_out: bool, snapshots: bool) -> int:
+    now = time.time()
+    a, b = (history.parse_point(p, now) for p in points)
+    ra = await _rebuild_point(s, a, snapshots=snapshots)
+    rb = await _rebuild_point(s, b, snapshots=snapshots)
+    found = changes.diff(ra.state, rb.state)
+    if json_out:
+        common.out(
+            render.json_text(
+                {
+                    "from": {"seq": ra.target_seq, "time": ra.at},
+                    "to": {"seq": rb.target_seq, "time": rb.at},
+                    "changes": found,
+                }
+            )
+        )
+    else:
+
+        def where(point: history.Point, r: history.Rebuilt) -> str:
+            return f"seq {r.target_seq}" + (f" ({point.describe()})" if point.time else "")
+
+        head = f"from {where(a, ra)} to {where(b, rb)}: {len(found)} change(s)"
+        common.out("\n".join([head, *(c.render() for c in found)]))
+    return 0
+
+
+async def _verify(
+    s: Session, cfg: reconcile.ReconcileConfig, json_out: bool, *, defaults: bool
+) -> int:
+    log = await _all_records(s)
+    pairs = [(r.seq, r.event) for r in log]
+    batches = {
+        (e.epoch, e.basis_seq)
+        for _, e in pairs
+        if isinstance(e, events.ControlEvent)
+        and not isinstance(e, (events.LeaderElected, *reconcile.OBSERVATIONS))
+    }
+    differences = control_verify.verify(pairs, config=cfg)
+    if json_out:
+        common.out(
+            render.json_text(
+                {
+                    "events": len(pairs),
+                    "decision_batches": len(batches),
+                    "differences": differences,
+                    "ok": not differences,
+                }
+            )
+        )
+    elif differences:
+        common.out(
+            f"{len(differences)} of {len(batches)} recorded decision batches would now be "
+            "decided differently:"
+        )
+        common.out("\n".join(f"  {d.detail}" for d in differences))
+        if defaults:
+            common.out(
+                "(checked with the default reconcile timings: pass --control-config with the "
+                "leader's config file, whose timings also decide)"
+            )
+    else:
+        common.out(
+            f"verified {len(batches)} recorded decision batches over {len(pairs):,} events: "
+            "today's reconciler makes every one of them the same way"
+        )
+    return 1 if differences else 0
+
+
+async def _leader_state(url: str) -> dict[str, Any]:
+    """GET /v1/state of a control plane's admin API; Failed when it does not answer."""
+    import aiohttp  # only `status` talks HTTP: keep it out of every other command's start
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+            http.get(f"{url.rstrip('/')}/v1/state") as resp,
+        ):
+            resp.raise_for_status()
+            data: dict[str, Any] = await resp.json()
+            return data
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise Failed(
+            f"the control plane's admin API at {url} did not answer: "
+            f"{str(exc) or type(exc).__name__}; check --control (its `admin` listener, "
+            "http://127.0.0.1:9190 by default, is only reachable from its own host)"
+        ) from None
+
+
+def status(
+    control: str | None = typer.Option(
+        None, "--control", help="A control plane's admin API, e.g. http://127.0.0.1:9190."
+    ),
+    json_out: bool = common.JSON,
+    config: Path | None = common.CONFIG,
+    server: list[str] | None = common.SERVER,
+    ca: str | None = common.CA,
+    cert: str | None = common.CERT,
+    key: str | None = common.KEY,
+) -> None:
+    """The log at a glance, and whether a control plane folded it to the same state as ctl."""
+
+    async def body(s: Session) -> int:
+        r = await common.current(s)
+        doc: dict[str, Any] = {
+            "seq": r.target_seq,
+            "first_seq": r.bounds.first_seq,
+            "messages": r.bounds.messages,
+            "digest": state.digest(r.state),
+            "leader": r.state.leader,
+            "epoch": r.state.epoch,
+            "nodes": len(r.state.nodes),
+            "replicas": len(r.state.active_replicas()),
+            "models": len(r.state.models),
+            "endpoints": len(r.state.endpoints),
+            "snapshot_seq": r.snapshot_seq,
+            "refused": len(r.rejected),
+            "undecodable": len(r.skipped),
+            "control": None,
+        }
+        code = 0
+        if s.cfg.control_url:
+            svc = await _leader_state(s.cfg.control_url)
+            folded = int(svc.get("folded_seq", 0))
+            mine = r if folded == r.target_seq else await history.rebuild(s.nc, to_seq=folded)
+            agree = state.digest(mine.state) == svc.get("digest")
+            doc["control"] = {
+                "url": s.cfg.control_url,
+                "instance": svc.get("instance"),
+                "leading": svc.get("leading"),
+                "folded_seq": folded,
+                "lag": max(0, r.target_seq - folded),
+                "digest": svc.get("digest"),
+                "digest_agrees": agree,
+            }
+            code = 0 if agree else 1
+        if json_out:
+            common.out(render.json_text(doc))
+            return code
+        common.out(
+            f"log: seq {doc['first_seq']}-{doc['seq']} ({doc['messages']:,} messages); "
+            f"leader {doc['leader'] or '-'} (epoch {doc['epoch']}); {doc['nodes']} nodes, "
+            f"{doc['models']} models, {doc['replicas']} replicas, {doc['endpoints']} endpoints"
+        )
+        common.out(render.rebuilt_header(r))
+        c = doc["control"]
+        if c is not None:
+            role = "leading" if c["leading"] else "standby"
+            verdict = (
+                "same state as this fold"
+                if c["digest_agrees"]
+                else f"DIFFERENT state: digest {str(c['digest'])[:12]}, this fold "
+                f"{state.digest(mine.state)[:12]} at seq {c['folded_seq']}"
+            )
+            common.out(
+                f"control plane {c['instance']} ({role}) at seq {c['folded_seq']} "
+                f"(lag {c['lag']}): {verdict}"
+            )
+        return code
+
+    common.run(common.Conn(config, server, ca, cert, key, control), body)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the history commands to the `llmgw ctl` group."""
+    app.command("events")(events_cmd)
+    app.command("replay")(replay)
+    app.command("status")(status)
