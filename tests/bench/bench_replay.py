@@ -19,7 +19,9 @@ operator identity, through llmgw.ctl.history (what `llmgw ctl replay` runs):
 - `replay --to <end>` starting from the snapshot 10,000 events before (goal < 2 s);
 - the same as a real `python -m llmgw ctl replay --to N --json` process, end to end.
 
-Every run's digest is checked against a local fold of the same events.
+Every run's digest is checked against a local fold of the same events. Wall-clock
+rates depend on the load of this (shared, 2-core) machine, where nats-server competes
+for the same cores; the replay row also gives events per CPU-second of ctl itself.
 """
 
 from __future__ import annotations
@@ -243,14 +245,22 @@ async def main() -> None:
             count, secs = await read_only(op)
             assert count == n, count
             rows.append(("read + decode, no fold (bus.Reader)", f"{n / secs:,.0f} events/s"))
-            best = 0.0
+            best, best_cpu = 0.0, 0.0
             for _ in range(2):
+                cpu = time.process_time()
                 r = await history.rebuild(op, use_snapshots=False)
+                cpu = time.process_time() - cpu
                 assert r.folded == n
                 assert not r.rejected
                 assert state.digest(r.state) == state.digest(expected)
                 best = max(best, n / r.elapsed_s)
-            rows.append(("ctl replay from the beginning (fold)", f"{best:,.0f} events/s"))
+                best_cpu = max(best_cpu, n / cpu)
+            rows.append(
+                (
+                    "ctl replay from the beginning (fold)",
+                    f"{best:,.0f} events/s ({best_cpu:,.0f} per ctl CPU-second)",
+                )
+            )
             times = []
             for _ in range(3):
                 r = await history.rebuild(op, to_seq=n)
