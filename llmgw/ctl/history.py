@@ -174,8 +174,39 @@ async def first_seq_at_or_after(nc: bus.BusClient, when: float) -> int | None:
     if "error" in resp:
         if resp["error"].get("code") == 404:
             return None
-        raise Failed(f"cannot look up the log at {start}: {resp['error'].get('description')}")
+        # A server that does not know `start_time` (it came with nats-server 2.11):
+        # search by sequence instead.
+        return await search_seq_at_or_after(nc, when)
     return int(resp["message"]["seq"])
+
+
+async def _message_at_or_after(nc: bus.BusClient, seq: int) -> tuple[int, float] | None:
+    """(sequence, store time) of the first message at or after `seq` (gaps: expired ones)."""
+    resp = await _api(nc, f"STREAM.MSG.GET.{subjects.STREAM}", {"seq": seq, "next_by_subj": ">"})
+    if "error" in resp:
+        if resp["error"].get("code") == 404:
+            return None
+        raise Failed(f"cannot read the log at seq {seq}: {resp['error'].get('description')}")
+    msg = resp["message"]
+    return int(msg["seq"]), _parse_server_time(msg.get("time", ""))
+
+
+async def search_seq_at_or_after(nc: bus.BusClient, when: float) -> int | None:
+    """`first_seq_at_or_after` by binary search over sequences: ~log2(messages) requests."""
+    b = await bounds(nc)
+    lo, hi, found = b.first_seq, b.last_seq, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = await _message_at_or_after(nc, mid)
+        if got is None:
+            hi = mid - 1
+            continue
+        seq, stored = got
+        if stored >= when:
+            found, hi = seq, mid - 1
+        else:
+            lo = seq + 1
+    return found
 
 
 # --------------------------------------------------------------------------- reading

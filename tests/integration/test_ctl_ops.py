@@ -308,3 +308,27 @@ async def test_drain_of_an_empty_node_is_done_at_once(
     assert empty["moves"] == []
     assert empty["progress"]["done"]
     assert (await ctl("nodes", "--json")).json()[0]["draining"]
+
+
+async def test_a_time_finds_the_same_sequence_with_or_without_start_time(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    from llmgw.ctl import history
+
+    operator = await connect_as(nats_server, "operator", "alice")
+    publisher = bus.Publisher(operator.jetstream())
+    times = []
+    for i in range(6):
+        times.append(time.time())
+        await asyncio.sleep(0.02)
+        await publisher.publish(
+            events.NodeCordoned(id=f"c{i}", ts=time.time(), operator="alice", node="node-a")
+        )
+    try:
+        for when in [0.0, *times, time.time() + 10]:
+            direct = await history.first_seq_at_or_after(operator, when)
+            searched = await history.search_seq_at_or_after(operator, when)
+            assert direct == searched, when
+        assert await history.first_seq_at_or_after(operator, times[3]) == 5  # 1: registration
+    finally:
+        await operator.close()
