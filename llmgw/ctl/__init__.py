@@ -1,10 +1,15 @@
 """`llmgw ctl`: what an operator runs against a fleet, and how it travels through its history.
 
-- `settings` / `session`: where the log is and who the operator is (the certificate's CN);
-- `history`: rebuilding the cluster state at any point (newest snapshot + tail);
-- `views`, `changes`, `timeline`: pure functions from folded state / records to rows;
-- `catalogfile`, `operations`: models.yaml diffs, cordon / drain plans and their events;
-- `render`: tables, colour and JSON for the terminal.
+- `settings`, `session`: where the log is and who the operator is (the certificate's CN),
+  one connection, operator events published and refusals explained;
+- `history`: the cluster state at any point of the log (newest snapshot + tail);
+- `views`, `changes`, `eventlines`: pure functions from folded state and records to the
+  rows, differences and lines that are shown;
+- `catalogfile`, `operations`: models.yaml diffs, drain plans and drain progress (pure);
+- `render`: tables, colour, JSON and the progress bar; `errors`: exit codes 1 and 2.
 
-The typer commands are in `llmgw.cli.ctl_fleet`; tests in tests/*/test_ctl*.py.
+The typer commands are llmgw.cli.ctl_fleet (nodes, replicas, models, apply,
+explain-placement, cordon, uncordon, drain) and llmgw.cli.ctl_history (events, replay,
+status); tests in tests/unit/test_ctl.py, tests/integration/test_ctl*.py and
+tests/e2e/test_ctl_fleet.py; tests/bench/bench_replay.py measures replay.
 """
