@@ -8,11 +8,17 @@ something unusual (a second server, a foreign CA, an expired certificate) use th
   once. `admin_tls()` is a test-only identity allowed everything (raw garbage, inspection).
 - `TestNatsServer` (function-scoped `nats_server` fixture): a fresh nats-server with
   JetStream in a temp store, TLS `verify_and_map`, the rendered authorization, on a free
-  127.0.0.1 port; `stop()`, `start()` (same port and store), `kill()`, `reload()`.
+  127.0.0.1 port; `stop()`, `start()` (same port and store), `kill()`, `reload()`. It keeps
+  the server's default sync_interval (fast); nats/llmgw.conf uses `always`: pass
+  `sync_interval="always"` to a TestNatsServer of your own to test with it.
+- `TestNatsCluster` (`nats_cluster` fixture, with `connect_cluster`): three such servers in
+  one JetStream cluster, routes under mTLS; `servers[i]` to stop one. Costs the cluster's
+  meta-leader election (1.5 to 8 s): use it only for replication and failover.
 - `Connector` (function-scoped `connect` fixture): `await connect("node", "node-a")` gives a
   connected nats-py client for that identity, with its own inbox prefix and an error_cb that
   records errors in `connect.errors[(kind, name)]`; `await connect.admin()`; all are closed
-  at teardown.
+  at teardown. `await connect.violation(kind, name)` waits for the next permissions
+  violation the server reported to that identity (each is returned once, in order).
 
 Two nats-py habits that bite tests (measured with nats-py 2.16):
 - after `nats_server.stop(); nats_server.start()`, a `flush()` issued before the client has
