@@ -6,7 +6,8 @@ ready, draining, breaker open); scorers rate the survivors between 0 (worst)
 and 1 (best) — the router's own in-flight count, the engine's queue depth and
 KV-cache usage scraped from its /metrics, prefix affinity from
 `llmgw.core.prefix`, and session affinity — and the weighted sum orders them.
-Full ties are broken by a random number the caller draws from a seeded
+Full ties go to the endpoint sent to longest ago (round robin at idle), and
+exact ties beyond that by a random number the caller draws from a seeded
 generator, so a run can be replayed.
 
 Each filter and scorer is a small pure function; the tables `FILTERS` and
@@ -44,6 +45,9 @@ class EndpointState(msgspec.Struct, kw_only=True):
     kv_usage: float = 0.0
     """KV-cache usage, 0..1."""
     breaker: breaker.Breaker = breaker.CLOSED
+    last_sent: float = 0.0
+    """When the router last sent this endpoint a request (its clock): ties go to the
+    endpoint that waited longest, round robin when everything is idle."""
 
 
 class Query(msgspec.Struct, frozen=True, kw_only=True):
@@ -202,6 +206,12 @@ def rank(endpoints: Sequence[EndpointState], q: Query, weights: Weights, rand: f
         totals = [t + w * v for t, v in zip(totals, values, strict=True)]
     best = max(totals)
     tied = [i for i, t in enumerate(totals) if best - t <= 1e-9]
+    if len(tied) > 1:
+        # Equal scores (an idle fleet): the endpoint sent to longest ago, like round robin,
+        # so back-to-back requests do not queue behind each other's engine step; endpoints
+        # never sent to (or at the same instant) are picked among by the random number.
+        oldest = min(survivors[i].last_sent for i in tied)
+        tied = [i for i in tied if survivors[i].last_sent == oldest]
     first = tied[min(int(rand * len(tied)), len(tied) - 1)]
     order = [survivors[first]]
     if n == 2:

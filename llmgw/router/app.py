@@ -492,6 +492,7 @@ class Router:
         policy = cfg.breaker
         ep.breaker = breaker.on_attempt(ep.breaker, policy, time.monotonic())
         ep.inflight += 1
+        ep.last_sent = time.monotonic()
         self.metrics.attempt(ep.id)
         verdict: bool | None = None  # True success, False fault, None no verdict
         try:

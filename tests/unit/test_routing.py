@@ -80,6 +80,16 @@ def test_ties_are_broken_by_the_random_number() -> None:
     assert firsts == {"a", "b", "c", "d"}
 
 
+def test_ties_go_to_the_endpoint_sent_to_longest_ago() -> None:
+    eps = [ep("a", last_sent=5.0), ep("b", last_sent=2.0), ep("c", last_sent=9.0)]
+    for rand in (0.0, 0.5, 0.99):
+        assert routing.rank(eps, q(), Weights(), rand).order[0].id == "b"
+    # A better score still wins over waiting longer.
+    eps[2].inflight = 0
+    eps[0].inflight = eps[1].inflight = 3
+    assert routing.rank(eps, q(), Weights(), 0.0).order[0].id == "c"
+
+
 def test_nothing_survives_means_empty_order() -> None:
     r = routing.rank([ep("a", ready=False)], q(), Weights(), 0.5)
     assert r.order == []
