@@ -17,7 +17,10 @@ operator identity, through llmgw.ctl.history (what `llmgw ctl replay` runs):
 - reading the stream alone (bus.Reader, decode, no fold);
 - `replay` from the beginning without snapshots: events/s (goal >= 100,000);
 - `replay --to <end>` starting from the snapshot 10,000 events before (goal < 2 s);
-- the same as a real `python -m llmgw ctl replay --to N --json` process, end to end.
+- the same as a real `python -m llmgw ctl replay --to N --json` process, end to end;
+- `replay --verify` on a second log written by the core's in-memory leader and agents
+  (tests/unit/scenarios.py: 64 nodes, 8 models, rounds of drains and restarts), so that
+  every decision batch is real: batches re-planned per second, and the CLI end to end.
 
 Every run's digest is checked against a local fold of the same events. Wall-clock
 rates depend on the load of this (shared, 2-core) machine, where nats-server competes
@@ -44,12 +47,14 @@ import nats  # noqa: E402
 import structlog  # noqa: E402
 
 from llmgw import bus  # noqa: E402
+from llmgw.control import verify as control_verify  # noqa: E402
 from llmgw.core import events, state  # noqa: E402
 from llmgw.core.inventory import Gpu  # noqa: E402
 from llmgw.core.profile import LaunchSpec, ModelProfile  # noqa: E402
 from llmgw.ctl import history  # noqa: E402
 from llmgw.pki.identity import Identity  # noqa: E402
 from tests.harness import TestNatsServer, TestPki  # noqa: E402
+from tests.unit import scenarios  # noqa: E402
 
 NODES = 64
 GPUS = 8
@@ -176,6 +181,39 @@ async def fill(server: TestNatsServer, log: list[events.Event]) -> float:
     return took
 
 
+def decision_log(drains: int) -> tuple[list[events.Event], int]:
+    """A log the core's own leader wrote: 64 nodes, 8 models, `drains` drain-and-return rounds."""
+    sim = scenarios.Sim()
+    for i in range(NODES):
+        sim.register(f"node-{i:02d}", count=GPUS)
+    for m in range(MODELS):
+        sim.declare(scenarios.profile(f"m{m}", engine="sim", replicas=24))
+    sim.settle()
+    for k in range(drains):
+        node = f"node-{(k * 7) % NODES:02d}"
+        sim.drain(node, grace_s=600)
+        sim.settle()
+        sim.advance(60)
+        sim.settle()
+        sim.append(events.NodeUncordoned(id=sim.eid("op"), ts=sim.now, operator="alice", node=node))
+        sim.settle()
+    assert not sim.rejected, sim.rejected[:3]
+    return [e for _, e in sim.records], len(sim.decision_batches)
+
+
+def run_verify_cli(server: TestNatsServer) -> tuple[float, dict[str, object]]:
+    certs = server.pki.certs
+    operator = Identity("operator", "bench-op")
+    argv = [
+        sys.executable, "-m", "llmgw", "ctl", "replay", "--verify", "--json",
+        "--server", server.url, "--ca", str(certs.ca_cert), "--cert", str(certs.cert(operator)),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, cwd=ROOT, text=True)
+    assert out.returncode == 0, out.stderr
+    return time.perf_counter() - started, json.loads(out.stdout)
+
+
 async def connect_as(server: TestNatsServer, kind: str, name: str) -> bus.BusClient:
     ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
     return await bus.connect(
@@ -213,6 +251,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--snapshot-gap", type=int, default=10_000)
+    parser.add_argument("--drains", type=int, default=200, help="rounds in the --verify log")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     n, gap = args.events, args.snapshot_gap
@@ -283,6 +322,36 @@ async def main() -> None:
             secs, doc = await asyncio.to_thread(run_cli, server, n)
             assert doc["snapshot_seq"] == snap_seq, doc["snapshot_seq"]
             rows.append(("`llmgw ctl replay --to N --json` process, end to end", f"{secs:.2f} s"))
+        finally:
+            server.close()
+        # replay --verify, on a log whose every batch is a real decision of the leader.
+        log2, batches = decision_log(args.drains)
+        server = TestNatsServer(pki, Path(tmp) / "nats-verify")
+        server.root.mkdir()
+        server.start()
+        try:
+            await fill(server, log2)
+            op = await connect_as(server, "operator", "bench-op")
+            pairs = []
+            started = time.perf_counter()
+            async for batch in history.records(op):
+                pairs.extend((r.seq, r.event) for r in batch)
+            read_s = time.perf_counter() - started
+            started = time.perf_counter()
+            differences = control_verify.verify(pairs)
+            verify_s = time.perf_counter() - started
+            assert differences == [], differences[:2]
+            await op.close()
+            rows.append(
+                (
+                    f"replay --verify: {len(log2):,} events, {batches:,} decision batches",
+                    f"read {read_s:.2f} s + re-plan {verify_s:.2f} s "
+                    f"({batches / verify_s:,.0f} batches/s)",
+                )
+            )
+            secs, doc = await asyncio.to_thread(run_verify_cli, server)
+            assert doc["ok"] is True
+            rows.append(("`llmgw ctl replay --verify --json` process, end to end", f"{secs:.2f} s"))
         finally:
             server.close()
     print(f"\nllmgw ctl replay, {n:,} events ({NODES} nodes, {REPLICAS} replicas)")
