@@ -114,6 +114,11 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._body_mode != 0:
+            if self.done:
+                # Bytes after a complete response: nothing was asked; never relay them.
+                self._keep_alive = False
+                self._abort()
+                return
             self._feed(data)
             return
         if not self.expecting:
@@ -199,6 +204,8 @@ class _Conn(asyncio.Protocol):
         mode = self._body_mode
         if mode == 1:
             if len(data) >= self._left:
+                if len(data) > self._left:
+                    self._keep_alive = False  # bytes beyond the body: do not reuse
                 self._push(data[: self._left])
                 self._left = 0
                 self._finish()
@@ -226,6 +233,8 @@ class _Conn(asyncio.Protocol):
                 pos = end + 2
                 if not line:
                     self._cbuf = b""
+                    if pos < n:
+                        self._keep_alive = False  # bytes beyond the body: do not reuse
                     if out:
                         self._push(b"".join(out))
                     self._finish()

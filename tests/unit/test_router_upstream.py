@@ -132,3 +132,24 @@ def test_bytes_on_an_idle_connection_abort_it() -> None:
     c.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
     assert c.closed
     assert c.status == 0
+
+
+def test_bytes_after_a_complete_response_are_not_relayed() -> None:
+    c = conn()
+    body = feed(c, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", [])
+    c.data_received(b"HTTP/1.1 200 OK\r\n\r\nsmuggled")
+    assert body == b"ok"
+    assert c._chunks == []
+    assert not c.reusable
+
+
+def test_extra_bytes_in_the_last_segment_make_the_connection_unusable() -> None:
+    c = conn()
+    c.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA")
+    assert c._chunks == [b"ok"]
+    assert not c.reusable
+    c2 = conn()
+    c2.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nX")
+    assert c2._chunks == [b"ok"]
+    assert c2.done
+    assert not c2.reusable
