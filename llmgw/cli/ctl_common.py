@@ -31,11 +31,11 @@ CONFIG = typer.Option(
     None, "--config", help=f"ctl settings YAML (default: ${settings.CONFIG_ENV}, else built-in)."
 )
 SERVER = typer.Option(None, "--server", "-s", help="NATS URL (repeat for a cluster).")
-CA = typer.Option(None, "--ca", help="The fleet's CA certificate [nats/certs/ca.pem].")
+CA = typer.Option(None, "--ca", help="The fleet's CA certificate (default: nats/certs/ca.pem).")
 CERT = typer.Option(
-    None, "--cert", help="Your operator certificate [nats/certs/operator/admin.pem]."
+    None, "--cert", help="Your operator certificate (default: nats/certs/operator/admin.pem)."
 )
-KEY = typer.Option(None, "--key", help="Its key [beside the certificate, NAME-key.pem].")
+KEY = typer.Option(None, "--key", help="Its key (default: NAME-key.pem beside the certificate).")
 JSON = typer.Option(False, "--json", help="Machine-readable JSON instead of a table.")
 
 

@@ -283,7 +283,7 @@ def drain(
     reason: str = typer.Option("", "--reason"),
     wait: bool = typer.Option(False, "--wait", help="Follow the drain to its end, with progress."),
     timeout: float | None = typer.Option(
-        None, "--timeout", help="Give up waiting after this many seconds [grace + 120]."
+        None, "--timeout", help="Give up waiting after this many seconds (default: grace + 120)."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only show what would move where."),
     json_out: bool = common.JSON,
