@@ -38,6 +38,7 @@ from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import auth, requests
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
+from llmgw.router.feed import LogFeed
 from llmgw.router.metrics import Metrics, metrics_dir
 from llmgw.router.table import Catalog, EndpointTable, Prober
 
@@ -104,6 +105,7 @@ class Router:
             self.keys = auth.load_keys(cfg.auth.keys_file, time.monotonic(), self._share)
         self.session: aiohttp.ClientSession | None = None
         self.prober: Prober | None = None
+        self.feed: LogFeed | None = None
         self._routed = 0
         self._bases: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
         self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
@@ -124,6 +126,15 @@ class Router:
         self.prober = Prober(self.table, self.session, self.metrics, self.cfg.probe_interval_s)
         await self.prober.probe_all()
         self.prober.start()
+        if self.cfg.log is not None:
+            self.feed = LogFeed(
+                self.cfg.log,
+                self.catalog,
+                self.table,
+                static_models=frozenset(m.name for m in self.cfg.models),
+                static_endpoints=frozenset(ep.id for ep in self.cfg.endpoints),
+            )
+            self.feed.start()
         folder = metrics_dir()
         if folder is not None:
             self._snapshots = asyncio.get_running_loop().create_task(self._write_snapshots(folder))
@@ -138,6 +149,8 @@ class Router:
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
+        if self.feed is not None:
+            await self.feed.close()
         if self._snapshots is not None:
             self._snapshots.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -356,7 +369,10 @@ class Router:
                 "internal_error", rid,
             )  # fmt: skip
         finally:
-            self.metrics.request_done(asked, status, time.monotonic() - start)
+            took = time.monotonic() - start
+            self.metrics.request_done(asked, status, took)
+            # An access log at debug level: free when filtered out (the default, info).
+            log.debug("request", request_id=rid, model=asked, status=status, duration_s=took)
 
     # ------------------------------------------------------------------ dispatch
 
