@@ -5,7 +5,9 @@ Every process that folds state reads through a `Reader`: the control plane (snap
 `llmgw ctl replay` (up to now, then stop). It yields `Record(seq, subject, time,
 event)` in stream order, each event decoded with `llmgw.core.events.decode`.
 
-A message that does not decode is counted (`undecodable`), logged with its
+A message that does not decode, or whose event is not on the subject its writer
+owns (a node putting a control decision on its own subject: the server checks the
+subject, the reader checks the content), is counted (`undecodable`), logged with its
 sequence, kept in `skipped` (the most recent ones, for `ctl replay` to show) and
 passed over; the reader never leaves its loop because of the log's content
 (DESIGN.md, invariant 7).
@@ -358,7 +360,16 @@ class Reader:
         except Exception as exc:  # DecodeError; anything else is a decoder bug, same treatment
             self._skip(seq, name, ts / _NS, str(exc) or type(exc).__name__)
         else:
-            self._buf.append(Record(seq, name, ts / _NS, event))
+            if events.published_where_owned(event, name):
+                self._buf.append(Record(seq, name, ts / _NS, event))
+            else:
+                self._skip(
+                    seq,
+                    name,
+                    ts / _NS,
+                    f"{events.tag_of(type(event))} event refused: it does not belong on {name} "
+                    "(only its owner's subject is trusted; see events.published_where_owned)",
+                )
         if pending == b"0":
             self.caught_up.set()
 

@@ -317,6 +317,33 @@ def subject_of(event: Event) -> str:
     raise TypeError(f"{type(event).__name__} ({family}) has no subject")
 
 
+# Expected subject by (event class, node token): replays check every record, and the
+# number of distinct keys is bounded by nodes x event types.
+_SUBJECT_CACHE: dict[tuple[type[Event], str], str] = {}
+
+
+def published_where_owned(event: Event, subject: str) -> bool:
+    """True when `event` is on the subject its writer owns (what `subject_of` gives).
+
+    NATS checks which subjects an identity may write, not what a message says: a node
+    could put a control decision, or another node's heartbeat, on its own subject.
+    Readers refuse any event found on a subject other than its own, so the server's
+    per-identity permissions decide who can write each kind of event.
+    """
+    cls = type(event)
+    node = event.node if isinstance(event, NodeEvent | Command) else ""
+    key = (cls, node)
+    expected = _SUBJECT_CACHE.get(key)
+    if expected is None:
+        try:
+            expected = subject_of(event)
+        except subjects.SubjectTokenError:
+            return False
+        if len(_SUBJECT_CACHE) < 200_000:
+            _SUBJECT_CACHE[key] = expected
+    return expected == subject
+
+
 # --------------------------------------------------------------------------- codec
 
 

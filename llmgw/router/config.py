@@ -52,6 +52,18 @@ class PrefixConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Block hashes remembered (LRU)."""
 
 
+class LogSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where a router reads the log (llmgw.router.feed): NATS servers and its certificate."""
+
+    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
+    ca_file: str = ""
+    cert_file: str = ""
+    """The router's client certificate (CN = `name`, OU = router): it may only read."""
+    key_file: str = ""
+    name: str = "router"
+    """The router's identity: the CN of its certificate."""
+
+
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     listen: Listener = Listener(port=8080)
     admin: Listener = Listener(port=9090)
@@ -60,6 +72,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Processes sharing the listen port (SO_REUSEPORT)."""
     models: tuple[ModelProfile, ...] = ()
     endpoints: tuple[EndpointConfig, ...] = ()
+    log: LogSource | None = None
+    """Follow the fleet's log: models and endpoints come from the control plane's events
+    (besides the static ones above). None: a router-only deployment."""
     weights: Weights = Weights()
     breaker: BreakerPolicy = BreakerPolicy()
     prefix: PrefixConfig = PrefixConfig()
@@ -150,6 +165,15 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
                 )
                 problems.append(
                     f"endpoint {ep.id!r} serves {model!r}, which is not a declared model: {hint}"
+                )
+    if cfg.log is not None:
+        if not cfg.log.servers:
+            problems.append("log.servers is empty: list at least one tls://host:port")
+        for field in ("ca_file", "cert_file", "key_file"):
+            if not getattr(cfg.log, field):
+                problems.append(
+                    f"log.{field} is not set: point it at the router's files from "
+                    "`llmgw ctl cert issue router NAME` (and the fleet's ca.pem)"
                 )
     if cfg.workers < 1:
         problems.append("workers must be at least 1")

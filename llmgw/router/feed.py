@@ -29,6 +29,7 @@ from llmgw import bus, logs
 from llmgw.core import events, state
 from llmgw.core.profile import ModelProfile
 from llmgw.pki.identity import Identity
+from llmgw.router.config import LogSource
 from llmgw.router.table import Catalog, EndpointTable
 
 log = logs.get("llmgw.router.feed")
@@ -49,18 +50,6 @@ _RELEVANT = (
     events.ShardStatus,
     events.NodeLost,
 )
-
-
-class LogSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where the router reads the log: NATS servers and its `router` certificate."""
-
-    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
-    ca_file: str = ""
-    cert_file: str = ""
-    """The router's client certificate (CN = `name`, OU = router): it may only read."""
-    key_file: str = ""
-    name: str = "router"
-    """The router's identity: the CN of its certificate."""
 
 
 class Wanted(msgspec.Struct, frozen=True):

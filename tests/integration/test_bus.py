@@ -555,3 +555,34 @@ async def test_a_reader_holds_at_most_one_batch_however_slow_its_consumer(
             await asyncio.sleep(0.01)  # a slow fold: the server must not run ahead of it
     assert sum(sizes) == 500
     assert max(sizes) <= 50
+
+
+async def test_an_event_on_a_subject_its_writer_does_not_own_is_refused_by_readers(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    # The server lets node-a write anything under llmgw.events.node.node-a.>; what it writes
+    # there is checked by every reader: a control decision or another node's heartbeat
+    # smuggled onto node-a's subjects must not reach a fold.
+    node = await bus_connect("node", "node-a")
+    js = node.jetstream()
+    publisher = bus.Publisher(js)
+    first = await publisher.publish(heartbeat("node-a", 1))
+    forged = [
+        await js.publish(
+            "llmgw.events.node.node-a.heartbeat",
+            events.encode(events.ReplicaRetired(id="forged-1", ts=1.0, replica_id="r1")),
+        ),
+        await js.publish(
+            "llmgw.events.node.node-a.heartbeat", events.encode(heartbeat("node-b", 1))
+        ),
+        await js.publish("llmgw.events.node.node-a.registered", events.encode(shard("node-a", 1))),
+    ]
+    last = await publisher.publish(shard("node-a", 2))
+
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, follow=False)
+    records = await read_all(reader)
+    assert [r.seq for r in records] == [first.seq, last.seq]
+    assert reader.undecodable == 3
+    assert [s.seq for s in reader.skipped] == [f.seq for f in forged]
+    assert "control.replica_retired event refused" in reader.skipped[0].error

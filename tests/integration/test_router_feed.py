@@ -128,15 +128,16 @@ async def test_routing_continues_on_last_known_endpoints_while_nats_is_down(
             assert feed.catalog.resolve("m1") is not None
             await asyncio.to_thread(nats_server.start)
 
-            # The feed reconnects and keeps following: a change made after the restart arrives.
-            changed = model("m1", replicas=1, aliases=("m1-new",))
+            # The feed reconnects and keeps following: a model declared after the restart
+            # arrives. (m1 itself belongs to the control plane's config file, which the
+            # control plane re-asserts when it leads again.)
             await operator_publish(
                 nats_server,
-                events.ModelChanged(id="chg-1", ts=time.time(), operator="alice", profile=changed),
+                events.ModelDeclared(
+                    id="decl-m2", ts=time.time(), operator="alice", profile=model("m2", replicas=0)
+                ),
             )
-            await wait_for(
-                lambda: feed.catalog.resolve("m1-new") is not None, 30, "change after restart"
-            )
+            await wait_for(lambda: feed.catalog.resolve("m2") is not None, 30, "m2 after restart")
             assert ready_urls(feed, "m1") == known
     finally:
         await feed.close()

@@ -120,3 +120,18 @@ def test_subject_builders() -> None:
     assert subjects.control_event("replica_placed") == "llmgw.events.control.replica_placed"
     assert subjects.node_of("llmgw.cmd.gpu-07") == "gpu-07"
     assert subjects.node_of("llmgw.events.control.replica_placed") is None
+
+
+@given(any_event, any_event)
+def test_an_event_is_trusted_only_on_its_own_subject(a: events.Event, b: events.Event) -> None:
+    assert events.published_where_owned(a, events.subject_of(a))
+    other = events.subject_of(b)
+    assert events.published_where_owned(a, other) == (other == events.subject_of(a))
+
+
+def test_a_node_cannot_vouch_for_another_node_or_for_the_control_plane() -> None:
+    beat = events.Heartbeat(id="h", ts=1, node="node-b")
+    assert not events.published_where_owned(beat, "llmgw.events.node.node-a.heartbeat")
+    retired = events.ReplicaRetired(id="x", ts=1, replica_id="r1")
+    assert not events.published_where_owned(retired, "llmgw.events.node.node-a.heartbeat")
+    assert events.published_where_owned(retired, "llmgw.events.control.replica_retired")
