@@ -138,40 +138,27 @@ def agent(plan: Plan, nats_url: str, node: str, index: int) -> dict[str, Any]:
     return settings
 
 
-def router(plan: Plan, endpoints: dict[str, str], *, nats_url: str = "") -> dict[str, Any]:
-    """The router's config.
-
-    With `nats_url`, the router reads the log as its `router` identity: models and endpoints
-    come from the control plane's events, one description of the model shared with the
-    scheduler. Without, the router-only mode: the model here and `endpoints` (replica id ->
-    engine URL, the serving ones) as a static list, which `up` refreshes from the control
-    plane's view by restarting the router (for routers that cannot read the log).
-    """
-    settings: dict[str, Any] = {
+def router(plan: Plan, nats_url: str) -> dict[str, Any]:
+    """The router's config: it reads the log as its `router` identity, so the model (one
+    description, shared with the scheduler) and its endpoints come from the control plane's
+    events, and it keeps routing on the last known endpoints while NATS is down."""
+    n = _nats(plan, nats_url, ROUTER)
+    return {
         "listen": {"host": plan.host, "port": plan.port},
         "admin": {"host": "127.0.0.1", "port": 0},
         "workers": 1,
-    }
-    if nats_url:
-        n = _nats(plan, nats_url, ROUTER)
-        settings["log"] = {
+        "log": {
             "servers": n["servers"],
             "ca_file": n["ca_file"],
             "cert_file": n["cert_file"],
             "key_file": n["key_file"],
             "name": ROUTER.name,
-        }
-    else:
-        settings["models"] = [msgspec.to_builtins(profile(plan))]
-        settings["endpoints"] = [
-            {"id": rid, "url": url, "models": [plan.model]}
-            for rid, url in sorted(endpoints.items())
-        ]
-    # A private demo on loopback: no API keys. A router others reach needs keys_file.
-    settings["auth"] = {"allow_anonymous": True}
-    settings["probe_interval_s"] = 0.5
-    settings["log_level"] = "info"
-    return settings
+        },
+        # A private demo on loopback: no API keys. A router others reach needs keys_file.
+        "auth": {"allow_anonymous": True},
+        "probe_interval_s": 0.5,
+        "log_level": "info",
+    }
 
 
 def ctl(plan: Plan, nats_url: str) -> dict[str, Any]:

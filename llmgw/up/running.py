@@ -2,7 +2,8 @@
 
 `run(plan)` is `llmgw up`: stop whatever a previous run on the same state directory left
 behind, then start nats-server (private CA, mutual TLS), the control plane, one agent per
-simulated node and the router, each a real subprocess with its config and log in the
+simulated node and the router (which follows the log: the model and its endpoints come
+from the control plane's events), each a real subprocess with its config and log in the
 state directory; print what runs where and how to use it; redraw the live status until
 SIGINT or SIGTERM; then stop the router, the agents, the engines the agents leave running
 on purpose, the control plane and nats-server, in that order, leaving no process behind.
@@ -34,9 +35,6 @@ from llmgw.up.render import Plan
 PY = (sys.executable, "-m", "llmgw")
 CONTROL_READY = r"^llmgw control \S+ admin (http://\S+)$"
 ROUTER_READY = r"^llmgw router listening on (http://\S+) admin (http://\S+)$"
-# The first replicas come up together; wait this long for the rest before the router
-# starts, so that it does not restart for the second one right after serving.
-SETTLE_S = 5.0
 STATUS_EVERY_S = 0.5
 PLAIN_STATUS_EVERY_S = 10.0
 
@@ -104,7 +102,6 @@ class Fleet:
         self.agents: list[Child] = []
         self.router: Child | None = None
         self.router_admin = ""
-        self.router_endpoints: dict[str, str] = {}
         self._status_lines = 0
 
     @property
@@ -182,15 +179,8 @@ class Fleet:
         for child, node in zip(self.agents, self.plan.node_ids, strict=True):
             child.wait_for(rf"^llmgw agent {node} started$", 30.0, lambda: self.stopping)
 
-    def start_router(self, endpoints: dict[str, str]) -> None:
-        """(Re)start the router: reading the log, or with `endpoints` (replica id -> engine
-        URL) where the router cannot read the log."""
-        if self.router is not None:
-            self.router.stop()
-        nats_url = self.nats_url if router_reads_log() else ""
-        _write_yaml(
-            self.layout.router_config, render.router(self.plan, endpoints, nats_url=nats_url)
-        )
+    def start_router(self) -> None:
+        _write_yaml(self.layout.router_config, render.router(self.plan, self.nats_url))
         self.router = Child(
             "router",
             [*PY, "router", "--config", str(self.layout.router_config)],
@@ -198,9 +188,11 @@ class Fleet:
             pid_file=self.layout.pid_file("router"),
         )
         self.router.start()
+
+    def wait_router(self) -> None:
+        assert self.router is not None
         found = self.router.wait_for(ROUTER_READY, 30.0, lambda: self.stopping)
         self.router_admin = found.group(2)
-        self.router_endpoints = dict(endpoints)
 
     def wait_router_ready(self, timeout_s: float) -> bool:
         """Until the router has probed an endpoint healthy (/ready answers 200); one look
@@ -308,13 +300,6 @@ class Fleet:
             self.nats.stop(10.0)
 
 
-def router_reads_log() -> bool:
-    """Whether this llmgw's router can follow the log itself (its config has `log`)."""
-    from llmgw.router.config import RouterConfig
-
-    return "log" in RouterConfig.__struct_fields__
-
-
 def _claim(layout: Any) -> None:
     """Refuse to share a state directory with another running `llmgw up`."""
     other = children.recorded(layout.up_pid_file)
@@ -347,7 +332,10 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
         check_port_free(plan.host, plan.port)
         fleet.start_nats()
         fleet.start_control()
+        # The router needs only NATS: it starts while the agents do, and follows the log.
+        fleet.start_router()
         fleet.start_agents()
+        fleet.wait_router()
         _watch(fleet, started)
         return 0
     except UpError as exc:
@@ -369,47 +357,23 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
 
 
 def _watch(fleet: Fleet, started: float) -> None:
-    """Run the router (reading the log; or, where it cannot, with the serving endpoints,
-    restarted when they change), announce readiness once, show the status until stopped."""
-    first_endpoint_at: float | None = None
+    """Announce readiness once the router can route, then show the status until stopped."""
     announced = False
     last_total: float | None = None
     last_at = time.monotonic()
     last_plain = ""
     last_plain_at = 0.0
     while not fleet.stopping:
-        for child in [fleet.nats, fleet.control, *fleet.agents]:
+        for child in [fleet.nats, fleet.control, *fleet.agents, fleet.router]:
             if child is not None and not child.running:
                 raise UpError(
                     f"{child.name} exited (log {child.log_path}):\n"
                     + children.log_tail(child.log_path)
                 )
         reading = status.read(fleet.control_admin, fleet.router_admin)
-        endpoints = reading.endpoints
-        if endpoints and first_endpoint_at is None:
-            first_endpoint_at = time.monotonic()
-        if router_reads_log():
-            # The router follows the log: started once, it picks up every endpoint itself.
-            if fleet.router is None:
-                fleet.start_router({})
-            if not announced and (fleet.plan.replicas == 0 or fleet.wait_router_ready(0.0)):
-                fleet.announce(started)
-                announced = True
-        else:
-            settled = fleet.plan.replicas == 0 or (
-                first_endpoint_at is not None
-                and (
-                    len(endpoints) >= fleet.plan.replicas
-                    or time.monotonic() - first_endpoint_at > SETTLE_S
-                )
-            )
-            if settled and (fleet.router is None or endpoints != fleet.router_endpoints):
-                fleet.start_router(endpoints)
-                if not announced:
-                    if fleet.plan.replicas:
-                        fleet.wait_router_ready(15.0)
-                    fleet.announce(started)
-                    announced = True
+        if not announced and (fleet.plan.replicas == 0 or fleet.wait_router_ready(0.0)):
+            fleet.announce(started)
+            announced = True
         now = time.monotonic()
         rate = None
         if reading.requests_total is not None and last_total is not None and now > last_at:

@@ -18,7 +18,7 @@ from llmgw.agent import config as agent_config
 from llmgw.control import config as control_config
 from llmgw.ctl import settings as ctl_settings
 from llmgw.router import config as router_config
-from llmgw.up import children, render, running, status
+from llmgw.up import children, render, status
 from llmgw.up.layout import Layout
 from llmgw.up.render import Plan
 
@@ -54,15 +54,16 @@ def test_every_rendered_config_passes_its_services_loader(tmp_path: Path, engine
         assert agent.nats.cert_file.endswith(f"node/{node}.pem")
         if engine == "llamacpp":
             assert agent.engine_commands["llamacpp"] == ("/opt/llama-server",)
-    for endpoints in ({}, {"r-1": "http://127.0.0.1:8100", "r-2": "http://127.0.0.2:8100"}):
-        routed = router_config.load(write(tmp_path / "r.yaml", render.router(plan, endpoints)))
-        assert routed.listen.port == 8080
-        assert routed.auth.allow_anonymous
-        assert {e.id: e.url for e in routed.endpoints} == endpoints
-    if running.router_reads_log():
-        fed = router_config.load(write(tmp_path / "r.yaml", render.router(plan, {}, nats_url=URL)))
-        assert fed.endpoints == ()
-        assert fed.log is not None
+    routed = router_config.load(write(tmp_path / "r.yaml", render.router(plan, URL)))
+    assert routed.listen.port == 8080
+    assert routed.auth.allow_anonymous
+    # One description of the model: the router takes it, and the endpoints, from the log.
+    assert routed.models == ()
+    assert routed.endpoints == ()
+    assert routed.log is not None
+    assert routed.log.servers == (URL,)
+    assert routed.log.name == "router-1"
+    assert routed.log.cert_file.endswith("router/router-1.pem")
     ctl = ctl_settings.load(write(tmp_path / "ctl.yaml", render.ctl(plan, URL)))
     assert ctl.servers == (URL,)
     assert Path(ctl.key_path).name == "admin-key.pem"
