@@ -87,6 +87,9 @@ class BusClient(Client):
                 await self._connect_to_server(server)
             except Exception as exc:
                 server.last_attempt = time.monotonic()
+                # What `max_reconnect_attempts` counts: without it a client that should
+                # give up (ctl, tests) would retry a dead server forever.
+                server.reconnects += 1
                 log.warning(
                     "bus.connect_failed",
                     server=server.uri.netloc,
@@ -97,6 +100,7 @@ class BusClient(Client):
             self._current_server = server
             self._failed_attempts = 0
             server.last_attempt = None
+            server.reconnects = 0
             return
 
     async def _process_msg(

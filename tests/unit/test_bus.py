@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -246,3 +247,24 @@ def test_the_nats_py_internals_the_bus_client_overrides_still_exist() -> None:
     plain = Client()
     for attribute in ("_server_pool", "_current_server", "options", "stats"):
         assert hasattr(plain, attribute)
+
+
+async def test_a_client_that_may_give_up_does_give_up_on_a_dead_server() -> None:
+    import socket
+
+    import nats.errors
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(nats.errors.NoServersError):
+        await bus.connect(
+            f"nats://127.0.0.1:{port}",
+            tls=None,
+            identity=None,
+            name="gives-up",
+            max_reconnect_attempts=2,
+            connect_timeout=1,
+        )
+    assert time.monotonic() - started < 10
