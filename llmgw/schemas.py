@@ -8,6 +8,7 @@ Config Structs register themselves in CONFIG_TYPES by import path.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,20 @@ def generate() -> dict[str, str]:
 
 
 def _render(schema: dict[str, Any]) -> str:
-    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return json.dumps(_clean(schema), indent=2, sort_keys=True) + "\n"
+
+
+def _clean(node: Any) -> Any:
+    """Docstring-derived descriptions, dedented the same way whatever msgspec's version
+    (0.23 dedents them itself, 0.22 does not): the files must not depend on it."""
+    if isinstance(node, dict):
+        return {
+            k: inspect.cleandoc(v) if k == "description" and isinstance(v, str) else _clean(v)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_clean(v) for v in node]
+    return node
 
 
 def write(folder: Path) -> list[Path]:
