@@ -29,6 +29,8 @@ class Reading:
     replicas_wanted: int | None = None
     endpoints: dict[str, str] = field(default_factory=dict)
     """Serving replica id -> engine URL."""
+    engines: tuple[str, ...] = ()
+    """`URL (node)` of every serving engine, sorted: what runs where."""
     phases: dict[str, int] = field(default_factory=dict)
     """Shards per phase (starting, loading, serving, failed...)."""
     requests_total: float | None = None
@@ -81,17 +83,23 @@ def parse(nodes: Any, replicas: Any, models: Any, metrics: str | None) -> Readin
         )
     if isinstance(replicas, list):
         endpoints: dict[str, str] = {}
+        engines: list[str] = []
         phases: dict[str, int] = {}
         for r in replicas:
             if not isinstance(r, dict) or r.get("retired"):
                 continue
             if isinstance(r.get("endpoint"), str) and r["endpoint"]:
                 endpoints[str(r.get("id"))] = r["endpoint"]
+                shards = r.get("shards")
+                first = shards[0] if isinstance(shards, list) and shards else None
+                node = first.get("node") if isinstance(first, dict) else None
+                engines.append(f"{r['endpoint']} ({node})" if node else r["endpoint"])
             for s in r.get("shards") or ():
                 if isinstance(s, dict):
                     phase = str(s.get("phase"))
                     phases[phase] = phases.get(phase, 0) + 1
         out["endpoints"] = endpoints
+        out["engines"] = tuple(sorted(engines))
         out["phases"] = phases
         out["replicas_serving"] = len(endpoints)
     if isinstance(models, list):
@@ -123,6 +131,8 @@ def render(reading: Reading, rate: float | None) -> list[str]:
         + f" | {'?' if rate is None else f'{rate:.1f}'} req/s"
         + ("" if reading.requests_total is None else f" | {int(reading.requests_total)} requests")
     ]
+    if reading.engines:
+        lines.append(f"engines: {', '.join(reading.engines)}")
     if reading.unplaceable:
         lines.append(f"unplaceable: {reading.unplaceable}")
     return lines

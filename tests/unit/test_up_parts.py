@@ -104,7 +104,12 @@ def test_status_parse_never_crashes_on_any_answer(
 def test_status_from_real_shaped_answers() -> None:
     nodes = [{"name": "node-1", "liveness": "ready"}, {"name": "node-2", "liveness": "lost"}]
     replicas = [
-        {"id": "a", "endpoint": "http://x:1", "retired": False, "shards": [{"phase": "serving"}]},
+        {
+            "id": "a",
+            "endpoint": "http://x:1",
+            "retired": False,
+            "shards": [{"phase": "serving", "node": "node-1"}],
+        },
         {"id": "b", "endpoint": None, "retired": False, "shards": [{"phase": "loading"}]},
         {"id": "c", "endpoint": None, "retired": True, "shards": [{"phase": "stopped"}]},
     ]
@@ -121,8 +126,10 @@ def test_status_from_real_shaped_answers() -> None:
     assert (reading.replicas_serving, reading.replicas_wanted) == (1, 2)
     assert reading.phases == {"serving": 1, "loading": 1}
     assert reading.requests_total == 9.0
-    [line] = status.render(reading, 2.5)
-    assert line == "nodes 1/2 ready | replicas 1/2 serving (1 loading) | 2.5 req/s | 9 requests"
+    assert status.render(reading, 2.5) == [
+        "nodes 1/2 ready | replicas 1/2 serving (1 loading) | 2.5 req/s | 9 requests",
+        "engines: http://x:1 (node-1)",
+    ]
 
 
 @given(data=st.binary(max_size=300))
