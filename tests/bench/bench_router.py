@@ -152,6 +152,36 @@ def run_client(urls: list[str], concurrency: int, requests: int) -> dict[str, An
     return result
 
 
+# --------------------------------------------------------------------------- CPU
+
+
+def _proc_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (router workers)."""
+    out = [pid]
+    i = 0
+    while i < len(out):
+        try:
+            for task in Path(f"/proc/{out[i]}/task").iterdir():
+                kids = (task / "children").read_text().split()
+                out.extend(int(k) for k in kids)
+        except OSError:
+            pass
+        i += 1
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of these processes (and their threads), from /proc."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 # --------------------------------------------------------------------------- peers
 
 
@@ -262,6 +292,7 @@ def main() -> None:
     sims = [Sim.start("m", *sim_args) for _ in range(3)]
     stops: list[Any] = []
     targets: dict[str, list[str]] = {"direct": [s.url + "/v1/chat/completions" for s in sims]}
+    pids: dict[str, list[int]] = {"direct": []}
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
     try:
         endpoints = {f"s{i}": s for i, s in enumerate(sims)}
@@ -274,6 +305,7 @@ def main() -> None:
             )
             stops.append(r.stop)
             targets[name] = [r.url + "/v1/chat/completions"]
+            pids[name] = _proc_tree(r.pid)
         for name, start in (("vllm-router", start_vllm_router),
                             ("sglang-router", start_sglang_router)):  # fmt: skip
             if wanted and name not in wanted:
@@ -288,13 +320,18 @@ def main() -> None:
                 continue
             stops.append(peer.stop)
             targets[name] = [peer.url]
+            pids[name] = _proc_tree(peer.proc.pid)
         print(f"cores: {os.cpu_count()}; sims: 3 x llmgw sim, {TOKENS} tokens, "
               f"step {args.decode_ms} ms; "
               f"{rounds} round(s), targets interleaved, medians reported")  # fmt: skip
         for rnd in range(rounds):
             for conc, n in all_runs:
                 for name, urls in targets.items():
+                    c0 = cpu_seconds(pids[name])
                     r = run_client(urls, conc, n)
+                    # Router CPU per request (warm-up included in both): steadier than
+                    # latency on a machine whose other load comes and goes.
+                    r["cpu_us"] = (cpu_seconds(pids[name]) - c0) / (n + min(n // 4, 512)) * 1e6
                     samples.setdefault((name, conc), []).append(r)
                     print(f"  round {rnd + 1} {name:>17} c={conc:<4} n={r['n']:<5} "
                           f"err={r['errors']:<3} {r['rps']:8.0f} req/s  ttft p50 "
@@ -313,7 +350,7 @@ def main() -> None:
     print()
     print("medians; overhead = through the router minus direct, ms")
     print(f"{'target':>18} {'conc':>5} {'req/s':>7} {'ttft p50':>9} {'ttft p99':>9}"
-          f" {'total p50':>10} {'total p99':>10}")  # fmt: skip
+          f" {'total p50':>10} {'total p99':>10} {'router CPU/req':>15}")  # fmt: skip
     for name in targets:
         for conc, _ in overhead_runs:
             d = {k: med("direct", conc, k) for k in ("ttft_p50", "ttft_p99", "total_p50",
@@ -325,15 +362,17 @@ def main() -> None:
             else:
                 vals = [(v[k] - d[k]) * 1e3 for k in d]
                 label = ""
+            cpu = f"{med(name, conc, 'cpu_us'):12.0f} us" if pids[name] else f"{'-':>15}"
             print(f"{name:>18} {conc:>5} {med(name, conc, 'rps'):7.0f} {vals[0]:9.2f} "
-                  f"{vals[1]:9.2f} {vals[2]:10.2f} {vals[3]:10.2f} {label}")  # fmt: skip
+                  f"{vals[1]:9.2f} {vals[2]:10.2f} {vals[3]:10.2f} {cpu} {label}")  # fmt: skip
     print()
     conc = throughput_run[0]
     print(f"throughput at {conc} concurrent streams (median requests/s, ratio to direct)")
     d_rps = med("direct", conc, "rps")
     for name in targets:
         rps = med(name, conc, "rps")
-        print(f"{name:>18} {rps:8.0f}  {rps / d_rps:4.2f}")
+        cpu = f"  router CPU {med(name, conc, 'cpu_us'):4.0f} us/request" if pids[name] else ""
+        print(f"{name:>18} {rps:8.0f}  {rps / d_rps:4.2f}{cpu}")
     print()
     print("note: client, router and sims share the same cores; at high concurrency the")
     print("figures include CPU contention between them, not only each router's own work.")
