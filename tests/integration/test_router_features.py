@@ -240,3 +240,38 @@ async def test_sighup_reloads_the_keys_file_in_every_worker(
     router.proc.send_signal(signal.SIGHUP)
     await asyncio.sleep(0.5)
     assert await statuses(new) == {200}
+
+
+async def test_an_engine_restarted_on_its_port_is_used_again(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    """Kept-alive upstream connections to the old process are dropped, not reused."""
+    import socket as socket_mod
+
+    with socket_mod.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ("--eos-min-tokens", "2", "--eos-max-tokens", "2")
+    first = Sim.start("m", "--port", str(port), *args)
+    router = Router.start(tmp_path, {"s": first})
+    procs.append(router)
+    c = client(router)
+    for _ in range(5):
+        assert (await stream_text(c))[0]
+    first.stop()
+    second = Sim.start("m", "--port", str(port), *args)
+    procs.append(second)
+    deadline = time.monotonic() + 10
+    outcomes: list[int] = []
+    while outcomes[-5:] != [200] * 5 and time.monotonic() < deadline:
+        try:
+            await stream_text(c)
+            outcomes.append(200)
+        except openai.APIStatusError as exc:
+            outcomes.append(exc.status_code)
+            await asyncio.sleep(0.1)
+    # At most a 503 while the prober has not yet seen the new process, then only 200s.
+    assert outcomes[-5:] == [200] * 5, outcomes
+    assert set(outcomes) <= {200, 503}, outcomes
+    assert 503 not in outcomes[outcomes.index(200) :], outcomes
+    await c.close()
