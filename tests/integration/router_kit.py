@@ -110,6 +110,15 @@ class Sim(Proc):
         with urllib.request.urlopen(req, timeout=5) as r:
             assert r.status in (200, 204), r.status
 
+    def clear_faults(self) -> None:
+        _delete(self.url + "/sim/faults")
+
+
+def _delete(url: str) -> None:
+    req = urllib.request.Request(url, method="DELETE")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert r.status in (200, 204), r.status
+
 
 class Router(Proc):
     """One `llmgw router --config ...` with a generated config."""

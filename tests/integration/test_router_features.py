@@ -275,3 +275,31 @@ async def test_an_engine_restarted_on_its_port_is_used_again(
     assert set(outcomes) <= {200, 503}, outcomes
     assert 503 not in outcomes[outcomes.index(200) :], outcomes
     await c.close()
+
+
+async def test_breaker_opens_on_5xx_and_a_half_open_probe_closes_it(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    good, bad = (Sim.start("m", "--eos-min-tokens", "2", "--eos-max-tokens", "2") for _ in "ab")
+    procs += [good, bad]
+    bad.faults(fail_status=500)
+    router = Router.start(
+        tmp_path, {"good": good, "bad": bad}, breaker={"failures_to_open": 2, "open_s": 1.0}
+    )
+    procs.append(router)
+    c = client(router)
+    state = 'llmgw_router_breaker_state{endpoint="bad"}'
+    for _ in range(6):  # every request succeeds: a 500 before the first byte moves on
+        assert (await stream_text(c))[0]
+    assert router.metrics()[state] == 2.0  # open
+    sent = router.endpoint_requests()["bad"]
+    for _ in range(4):
+        assert (await stream_text(c))[0]
+    assert router.endpoint_requests()["bad"] == sent  # open: nothing sent there
+    bad.clear_faults()
+    await asyncio.sleep(1.1)  # the cool-down passes; the next request probes
+    for _ in range(4):
+        assert (await stream_text(c))[0]
+    assert router.metrics()[state] == 0.0  # the probe succeeded: closed
+    assert router.endpoint_requests()["bad"] > sent
+    await c.close()
