@@ -204,6 +204,7 @@ class Fleet:
     stream_replicas: int = 1
     control_name: str = "control-1"
     router_name: str = "router-1"
+    reconcile: ReconcileConfig = FAST
     control: Service | None = None
     agents: dict[str, Service] = field(default_factory=dict)
     router: Service | None = None
@@ -238,7 +239,7 @@ class Fleet:
             ),
             lease_ttl_s=2.0,
             reconcile_interval_s=0.2,
-            reconcile=FAST,
+            reconcile=self.reconcile,
             snapshot=SnapshotConfig(every_events=0, every_s=0),
             models=self.models,
             admin=AdminListener(host="127.0.0.1", port=0),
@@ -465,6 +466,14 @@ class Fleet:
             max_reconnect_attempts=50,
         )
 
+    async def publish(self, event: events.Event) -> bus.Published:
+        """Publish `event` as the test-only admin (an operator's intent, say)."""
+        nc = await self.admin()
+        try:
+            return await bus.Publisher(nc.jetstream(timeout=10)).publish(event)
+        finally:
+            await nc.close()
+
     async def read_log(self) -> list[bus.Record]:
         """Everything in the log now, in order (the test-only admin reads it)."""
         nc = await self.admin()
@@ -476,6 +485,21 @@ class Fleet:
             return out
         finally:
             await nc.close()
+
+
+def outbox(state_dir: Path) -> tuple[int, list[dict[str, Any]]]:
+    """An agent's outbox on disk: the cursor (last entry the server acknowledged) and the
+    entries still in pending.jsonl (`n`, `event` as JSON), acknowledged or not."""
+    folder = state_dir / "outbox"
+    cursor_path = folder / "cursor"
+    cursor = int(cursor_path.read_text().strip() or 0) if cursor_path.exists() else 0
+    entries = []
+    pending = folder / "pending.jsonl"
+    if pending.exists():
+        for line in pending.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                entries.append(json.loads(line))
+    return cursor, entries
 
 
 def serving(row: dict[str, Any]) -> bool:
@@ -526,8 +550,10 @@ async def wait_for(
 
 @dataclass
 class Outcome:
+    started: float
+    """time.monotonic() when the request was sent."""
     at: float
-    """time.monotonic() when the request ended."""
+    """time.monotonic() when it ended."""
     ok: bool
     detail: str = ""
 
@@ -588,6 +614,10 @@ class Load:
             f"{count} successful requests (failures: {self.summary()})",
         )
 
+    def failed_since(self, t: float) -> list[Outcome]:
+        """Failures of requests sent at or after `t`."""
+        return [o for o in self.outcomes if not o.ok and o.started >= t]
+
     def summary(self) -> str:
         fails = self.failures
         text = f"{self.ok} ok, {len(fails)} failed"
@@ -599,8 +629,9 @@ class Load:
         n = 0
         while not self._stop.is_set():
             n += 1
+            started = time.monotonic()
             ok, detail = await self.one(f"client {i} request {n}")
-            self.outcomes.append(Outcome(time.monotonic(), ok, detail))
+            self.outcomes.append(Outcome(started, time.monotonic(), ok, detail))
 
     async def one(self, what: str) -> tuple[bool, str]:
         assert self._session is not None
@@ -637,3 +668,21 @@ class Load:
         if not (done and finish and content):
             return False, f"{what}: truncated (content={content} finish={finish} done={done})"
         return True, ""
+
+
+def openai_stream(base_url: str, model: str = "m1") -> str:
+    """One streamed chat completion through the real openai SDK (blocking: run it in a
+    thread); the text it streamed."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none", timeout=30)
+    parts = []
+    for chunk in client.chat.completions.create(
+        model=model,
+        stream=True,
+        max_tokens=16,
+        messages=[{"role": "user", "content": "Hello!"}],
+    ):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+    return "".join(parts)
