@@ -293,7 +293,10 @@ class Fleet:
                 processes.signal_group(agent.pid, signal.SIGTERM)
         for agent in self.agents:
             agent.stop(15.0)
-        children.stop_engines([self.layout.agent_state(n) for n in self.plan.node_ids])
+        if self.agents:
+            # Only engines of agents this run started: a run that stopped early (another
+            # `up` owns the directory) must not touch the other run's engines.
+            children.stop_engines([self.layout.agent_state(n) for n in self.plan.node_ids])
         if self.control is not None:
             self.control.stop(10.0)
         if self.nats is not None:

@@ -105,11 +105,26 @@ def test_second_up_after_kill_9_stops_the_leftovers_and_serves(
     assert first.leftovers() == []
 
 
-def test_sigterm_stops_everything_too(tmp_path: Path, ups: list[Up]) -> None:
+def test_sigterm_stops_everything_and_a_second_up_on_the_dir_refuses(
+    tmp_path: Path, ups: list[Up]
+) -> None:
     up = up_kit.start_up(tmp_path, "--nodes", "1")
     ups.append(up)
     up.wait_for(r"^llmgw up: ready in", 30.0)
     assert len(engines(up.snapshot())) == 1
+    # A second `up` on the same state directory refuses, and touches nothing of the first.
+    second = subprocess.run(
+        [sys.executable, "-m", "llmgw", "up", "--state-dir", str(up.state_dir),
+         "--port", str(up_kit.free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert second.returncode == 1
+    assert f"another llmgw up (pid {up.proc.pid}) runs on" in second.stderr
+    gone = [fp for fp in up.seen if fp not in up_kit.alive(up.seen)]
+    assert gone == []
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
     assert up.leftovers() == [], up.output()
