@@ -8,7 +8,8 @@
     <state>/ctl.yaml             what `llmgw ctl` needs (LLMGW_CTL_CONFIG=<state>/ctl.yaml)
     <state>/logs/<process>.log   stdout and stderr of every process `up` started
     <state>/run/<process>.json   the pid files of those processes (with their fingerprints)
-    <state>/run/up.json          the running `llmgw up` itself: a second one refuses to share
+    <state>/run/up.lock          flocked by the running `llmgw up`: a second one refuses to
+                                 share the directory (run/up.json says which pid holds it)
 
 Everything survives a stop, so a second `up` on the same directory keeps the CA, the
 certificates and the log (its history is what `llmgw ctl replay` shows); what does not

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ from llmgw import natsd
 from llmgw.agent import processes
 from llmgw.up import children, render, status
 from llmgw.up.children import Child, UpError
+from llmgw.up.layout import Layout
 from llmgw.up.render import Plan
 
 PY = (sys.executable, "-m", "llmgw")
@@ -303,17 +305,29 @@ class Fleet:
             self.nats.stop(10.0)
 
 
-def _claim(layout: Any) -> None:
-    """Refuse to share a state directory with another running `llmgw up`."""
-    other = children.recorded(layout.up_pid_file)
-    if other is not None and other.pid != os.getpid():
+def _claim(layout: Layout) -> int:
+    """Refuse to share a state directory with another running `llmgw up`.
+
+    An exclusive flock on <state>/run/up.lock, held for the whole run: the kernel drops it
+    when `up` dies however it dies, so a crashed run never blocks the next one. Returns
+    the lock's file descriptor.
+    """
+    fd = os.open(layout.run / "up.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        other = children.recorded(layout.up_pid_file)
+        who = f"pid {other.pid}" if other is not None else "see run/up.json"
+        kill = f"`kill {other.pid}`" if other is not None else "kill it"
         raise UpError(
-            f"another llmgw up (pid {other.pid}) runs on {layout.root}: stop it (Ctrl-C there, "
-            f"or `kill {other.pid}`), or give this one its own --state-dir"
-        )
+            f"another llmgw up ({who}) runs on {layout.root}: stop it (Ctrl-C there, or "
+            f"{kill}), or give this one its own --state-dir"
+        ) from None
     mine = processes.fingerprint(os.getpid())
     if mine is not None:
         layout.up_pid_file.write_bytes(msgspec.json.encode(mine))
+    return fd
 
 
 def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> int:
@@ -328,9 +342,10 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
         fleet.stopping = True
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    lock: int | None = None
     try:
         layout.make()
-        _claim(layout)
+        lock = _claim(layout)
         fleet.clean_up_previous()
         check_port_free(plan.host, plan.port)
         fleet.start_nats()
@@ -351,8 +366,10 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
         if fleet.started_anything:
             fleet.say("\nllmgw up: stopping (router, agents, engines, control, nats)...")
         fleet.stop()
-        with contextlib.suppress(FileNotFoundError):
-            layout.up_pid_file.unlink()
+        if lock is not None:
+            with contextlib.suppress(FileNotFoundError):
+                layout.up_pid_file.unlink()
+            os.close(lock)
         if fleet.started_anything:
             fleet.say("llmgw up: stopped")
         for sig, handler in previous.items():

@@ -125,6 +125,7 @@ def test_sigterm_stops_everything_and_a_second_up_on_the_dir_refuses(
     assert f"another llmgw up (pid {up.proc.pid}) runs on" in second.stderr
     gone = [fp for fp in up.seen if fp not in up_kit.alive(up.seen)]
     assert gone == []
+    assert (up.state_dir / "run" / "up.json").exists()  # still the first one's
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
     assert up.leftovers() == [], up.output()
