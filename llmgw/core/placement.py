@@ -491,7 +491,10 @@ def explain(state: ClusterState, model: str, now: float) -> Explanation:
         return Explanation(
             model=model,
             placement=None,
-            verdict=f"model {model!r} is not declared: declare it in a models file and run `llmgw ctl apply -f models.yaml`",
+            verdict=(
+                f"model {model!r} is not declared: add it to a models file and run "
+                "`llmgw ctl apply -f models.yaml`"
+            ),
             nodes=(),
         )
     profile = current.profile
