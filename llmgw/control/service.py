@@ -87,6 +87,7 @@ class ControlService:
         self._last_snapshot = time.monotonic()
         self._snapshot_task: asyncio.Task[None] | None = None
         self._own_rejected_seen = 0
+        self._reader_resets = 0
         self._reader: bus.Reader | None = None
         self._nc: bus.BusClient | None = None
         self._lease: bus.Lease | None = None
@@ -313,6 +314,9 @@ class ControlService:
                 if self.caught_up.is_set():
                     try:
                         if await lease.acquire():
+                            # A lease lapses when the log cannot be written: silence
+                            # from before it is no evidence against the nodes.
+                            self._log_was_unavailable("lease acquired")
                             self._set_leading(True, lease.epoch)
                             self._announced = 0
                             log.info("control.leading", name=self.name, epoch=lease.epoch)
@@ -370,6 +374,7 @@ class ControlService:
                 await self._abdicate("a fenced write was refused: another leader wrote first")
             except (bus.PublishError, nats.errors.Error, TimeoutError) as exc:
                 log.warning("control.publish_failed", error=str(exc) or repr(exc))
+                self._log_was_unavailable("a write to the log failed")
                 await asyncio.sleep(0.5)
                 self._wake.set()
 
@@ -431,9 +436,27 @@ class ControlService:
         self._models_synced_epoch = self.epoch
         self._wake.set()
 
+    def _log_was_unavailable(self, why: str) -> None:
+        """Judge heartbeat silence only from now on.
+
+        While the log cannot be written (NATS down, this connection moving to another
+        server, a replicated stream electing a new leader) or read (this reader's
+        consumer lost), agents' heartbeats cannot reach this instance either. Counting
+        that time against the nodes had every node of the fleet declared unreachable
+        and lost, and every replica replaced, after a log outage longer than
+        lost_after_s (seen with a 3-server cluster losing the stream's leader).
+        """
+        now = self.clock()
+        if now > self.observing_since:
+            self.observing_since = now
+            log.info("control.observing_from_now", why=why)
+
     async def reconcile_once(self) -> int:
         """Reconcile the state as folded now and publish the decisions; their count."""
         st = self.state
+        if self._reader is not None and self._reader.resets != self._reader_resets:
+            self._reader_resets = self._reader.resets
+            self._log_was_unavailable("the log reader was reset")
         started = time.perf_counter()
         outcome = reconcile.reconcile_detail(
             st,
