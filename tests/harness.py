@@ -75,6 +75,10 @@ class TestPki:
         self.admin_key.write_bytes(admin.key_pem)
         self.authorization_file = root / "authorization.conf"
         self._lock = threading.Lock()
+        # Renders one at a time: two threads issuing at once both wrote the same .tmp file,
+        # and the last replace could publish a list without the other's identity (seen: a
+        # router refused with 'Authorization Violation' for a whole test).
+        self._render_lock = threading.Lock()
         self._contexts: dict[tuple[str, str], ssl.SSLContext] = {}
         self._servers: set[TestNatsServer] = set()
         self._foreign: CertificateAuthority | None = None
@@ -172,12 +176,13 @@ class TestPki:
     # -- authorization ---------------------------------------------------------------------
 
     def render(self) -> None:
-        text = authorization.render(
-            self.certs.identities(), superusers=[ADMIN_DN], source=str(self.certs.root)
-        )
-        tmp = self.authorization_file.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(self.authorization_file)
+        with self._render_lock:
+            text = authorization.render(
+                self.certs.identities(), superusers=[ADMIN_DN], source=str(self.certs.root)
+            )
+            tmp = self.authorization_file.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(self.authorization_file)
 
     def reload_servers(self) -> None:
         for server in list(self._servers):
