@@ -343,6 +343,12 @@ class Fleet:
     async def start(self, *, serving: int | None = None, within_s: float = 60.0) -> None:
         """Everything, then wait until `serving` replicas (default: every model's count)
         serve and the router routes to each of them."""
+        # Every certificate first, one after the other: each issue re-renders the
+        # authorization and reloads the servers.
+        pki = self.server.pki
+        identities = [("control", self.control_name), ("router", self.router_name)]
+        for kind, name in [*identities, *(("node", n) for n in self.nodes)]:
+            await asyncio.to_thread(pki.client_tls, kind, name)
         await self.provision()
         await asyncio.gather(*(asyncio.to_thread(self.start_agent, n) for n in self.nodes))
         await wait_for(self._all_registered, 30, "every node registered in the log")
