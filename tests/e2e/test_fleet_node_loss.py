@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.fleet_kit import FAST, Fleet, Load, on_node, openai_stream, serving, wait_for
+from tests.e2e.fleet_kit import (
+    FAST,
+    HEARTBEAT_S,
+    Fleet,
+    Load,
+    on_node,
+    openai_stream,
+    serving,
+    wait_for,
+)
 from tests.harness import TestNatsServer
 
 pytestmark = pytest.mark.slow
@@ -45,6 +54,8 @@ async def test_a_killed_node_is_lost_its_replica_moves_and_traffic_goes_on(
         assert (await fleet.router_sent()).get(dead, 0) > 0
         killed = time.monotonic()
         await asyncio.to_thread(fleet.kill_node, "node-a")
+        # Requests sent between `killed` and here may have reached the engine before it died.
+        dead_by = time.monotonic()
 
         async def router_dropped() -> bool:
             return (await fleet.router_ready()).get(dead) != 1.0
@@ -83,9 +94,11 @@ async def test_a_killed_node_is_lost_its_replica_moves_and_traffic_goes_on(
     # Only streams in flight on the dead engine when it died may break; every request
     # sent after the kill succeeded (the router retries a refused connection elsewhere).
     assert len(load.failures) <= load.clients, f"{load.summary()}\n{fleet.logs()}"
-    assert not load.failed_since(killed), f"{load.summary()}\n{fleet.logs()}"
+    assert all(f.at >= killed for f in load.failures), load.summary()
+    assert not load.failed_since(dead_by), f"{load.summary()}\n{fleet.logs()}"
     assert dropped_s < FAST.unreachable_after_s, f"router dropped the endpoint after {dropped_s}"
-    assert liveness.get("unreachable", 0) >= FAST.unreachable_after_s - 0.5, liveness
+    # From the last heartbeat (up to one interval, or two on a busy machine, before the kill).
+    assert liveness["unreachable"] >= FAST.unreachable_after_s - 2 * HEARTBEAT_S, liveness
     rows = await fleet.replicas()
     assert not any(on_node(r, "node-a") and serving(r) for r in rows), rows
     print(
