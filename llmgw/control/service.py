@@ -349,6 +349,11 @@ class ControlService:
             self._wake.clear()
             if not self.leading or not self.caught_up.is_set():
                 continue
+            if self._nc is not None and not self._nc.is_connected:
+                # Cut off: heartbeats cannot reach us and our writes would fail (or, worse,
+                # land after the reconnect, judged on silence we caused). Decide nothing.
+                self._log_was_unavailable("disconnected from NATS", quiet=True)
+                continue
             if self.state.last_seq < self._awaiting:
                 continue  # our own last writes are not folded yet: the state is not current
             self._awaiting = 0
@@ -436,7 +441,7 @@ class ControlService:
         self._models_synced_epoch = self.epoch
         self._wake.set()
 
-    def _log_was_unavailable(self, why: str) -> None:
+    def _log_was_unavailable(self, why: str, *, quiet: bool = False) -> None:
         """Judge heartbeat silence only from now on.
 
         While the log cannot be written (NATS down, this connection moving to another
@@ -449,7 +454,8 @@ class ControlService:
         now = self.clock()
         if now > self.observing_since:
             self.observing_since = now
-            log.info("control.observing_from_now", why=why)
+            if not quiet:
+                log.info("control.observing_from_now", why=why)
 
     async def reconcile_once(self) -> int:
         """Reconcile the state as folded now and publish the decisions; their count."""
