@@ -104,6 +104,12 @@ async def test_nats_restart_under_traffic_loses_no_request_and_no_event(
             return False
 
         recovered_s = await wait_for(restarted, 45, "the failed replica restarted", every_s=0.2)
+
+        async def both_agents_back() -> bool:
+            nodes = await fleet.nodes_view()
+            return all((nodes[n]["last_seen"] or 0) > up_wall for n in fleet.nodes)
+
+        await wait_for(both_agents_back, 30, "heartbeats from both agents after the restart")
         await fleet.wait_routable(2, 30)
 
         # The router follows the log again: a model declared now is placed and routed.
