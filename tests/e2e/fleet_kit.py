@@ -13,7 +13,8 @@ the router (aiohttp), each checked to the end (status 200, content, a finish_rea
 
 Helpers read the control plane's admin API (/v1/state, /v1/replicas, /v1/nodes), the
 router's per-endpoint counters, and the log itself (as the test-only admin).
-Every wait polls a condition with a deadline; nothing sleeps to let time pass.
+Every wait polls a condition with a deadline; the only waits on the clock are the
+outages a scenario decides to last (a stopped nats-server).
 """
 
 from __future__ import annotations
