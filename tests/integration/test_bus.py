@@ -586,3 +586,19 @@ async def test_an_event_on_a_subject_its_writer_does_not_own_is_refused_by_reade
     assert reader.undecodable == 3
     assert [s.seq for s in reader.skipped] == [f.seq for f in forged]
     assert "control.replica_retired event refused" in reader.skipped[0].error
+
+
+async def test_closing_a_client_while_it_reconnects_returns_promptly(
+    nats_server: TestNatsServer, bus_connect: BusConnect
+) -> None:
+    # A daemon told to stop while NATS is down must stop, not wait for a server.
+    nc = await bus_connect("router", "router-1", max_reconnect_attempts=-1)
+    await asyncio.to_thread(nats_server.stop)
+    await wait_until(lambda: _async(nc.is_reconnecting or not nc.is_connected), 10, "noticed")
+    await asyncio.sleep(1.0)  # well into the backoff loop
+    await asyncio.wait_for(nc.close(), 5)
+    assert nc.is_closed
+
+
+async def _async(value: bool) -> bool:
+    return value

@@ -250,6 +250,9 @@ async def test_the_checked_in_cluster_runs_from_the_repository_root(tmp_path: Pa
             except (nats.errors.TimeoutError, nats.js.errors.Error):
                 assert asyncio.get_running_loop().time() < deadline, "no JetStream meta leader"
                 await asyncio.sleep(0.2)
+        # Closed before its server is stopped: nats-py's close() can wait forever on a
+        # client that is in the middle of reconnecting.
+        await control.close()
         operator = await connect(root, Identity("operator", "admin"), urls[2])
         cordon = events.NodeCordoned(id="c-1", ts=1.0, operator="admin", node="gpu-1")
         ack = await operator.jetstream().publish(events.subject_of(cordon), events.encode(cordon))
@@ -269,7 +272,6 @@ async def test_the_checked_in_cluster_runs_from_the_repository_root(tmp_path: Pa
                 await asyncio.sleep(0.2)
         assert ack.seq == 2
         await operator.close()
-        await control.close()
     finally:
         for server in servers:
             server.stop()
