@@ -450,13 +450,22 @@ def _shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: flo
         raise _Reject(f"shard status from node {ev.node!r}, which never registered")
     what = f"shard {ev.shard} of replica {ev.replica_id!r} (generation {ev.generation})"
     replica = state.replicas.get(ev.replica_id)
-    if replica is None:
+    # An orphan's status: a replica the log does not know, or a shard of one that was
+    # released while its node was lost (the rest of a multi-node replica lives on).
+    released_here = (
+        replica is not None
+        and 0 <= ev.shard < len(replica.shards)
+        and replica.shards[ev.shard].released
+        and replica.shards[ev.shard].node == ev.node
+    )
+    if replica is None or released_here:
         for i, orphan in enumerate(node.orphans):
             if orphan.replica_id == ev.replica_id and orphan.shard == ev.shard:
                 if ev.phase in TERMINAL:
                     del node.orphans[i]
                 return
-        raise _Reject(f"status for {what}, which was never placed")
+        if replica is None:
+            raise _Reject(f"status for {what}, which was never placed")
     if not 0 <= ev.shard < len(replica.shards):
         raise _Reject(f"status for {what}: replica {ev.replica_id!r} has no shard {ev.shard}")
     shard = replica.shards[ev.shard]
@@ -716,15 +725,38 @@ def _replica_retired(state: ClusterState, ev: events.ReplicaRetired, seq: int, a
     for shard in list(replica.shards):
         node = state.nodes.get(shard.node)
         # Nothing runs for a shard that ended, or that no agent was ever told to
-        # start, or whose node is lost (its report on return settles the rest).
-        if (
-            shard.phase in TERMINAL
-            or (shard.phase == "placed" and not shard.started)
-            or (node is not None and node.liveness == "lost")
-        ):
+        # start. A lost node's shard is released too, but its engine may well still
+        # run there: it stays an orphan of that node (see `_orphan`).
+        lost = node is not None and node.liveness == "lost"
+        if node is not None and lost and shard.started and not shard.released:
+            _orphan(node, replica, shard)
+        if shard.phase in TERMINAL or (shard.phase == "placed" and not shard.started) or lost:
             _release(state, replica, shard)
             if replica.id not in state.replicas:
                 return
+
+
+def _orphan(node: NodeState, replica: ReplicaState, shard: ShardState) -> None:
+    """Remember that `shard`'s engine may still run on lost `node`, as an orphan.
+
+    A lost node is often only cut off (a partition, a stalled agent) and comes back
+    by heartbeat alone, with no registration report to say what runs. Without this,
+    the GPUs of its retired replicas looked free while their engines still held
+    them: the next replica placed there was refused by the agent, in a restart loop.
+    As an orphan, placement avoids its GPUs, the reconciler stops it once the node
+    is reachable again, and its `stopped` status (or the node's next registration)
+    clears it.
+    """
+    if any(o.replica_id == replica.id and o.shard == shard.shard for o in node.orphans):
+        return
+    node.orphans.append(
+        OrphanShard(
+            replica_id=replica.id,
+            generation=replica.generation,
+            shard=shard.shard,
+            gpus=tuple(shard.gpus),
+        )
+    )
 
 
 def _liveness(state: ClusterState, ev: Any, new: Liveness, seq: int) -> NodeState:
@@ -755,11 +787,14 @@ def _lost(state: ClusterState, ev: events.NodeLost, seq: int, at: float) -> None
         for shard in replica.shards:
             if shard.node != ev.node or shard.released:
                 continue
+            running = shard.started and shard.phase not in TERMINAL
             if shard.phase not in TERMINAL:
                 shard.phase = "failed"
                 shard.error = f"node {ev.node} lost"
                 shard.since = float(ev.ts)
             if replica.retired:
+                if running:
+                    _orphan(node, replica, shard)
                 _release(state, replica, shard)
                 if rid not in state.replicas:
                     break
