@@ -301,7 +301,7 @@ class Fleet:
         try:
             await bus.provision(nc.jetstream(timeout=10), replicas=self.stream_replicas)
         finally:
-            await nc.close()
+            await close(nc)
 
     def start_agent(self, node: str) -> Service:
         index = self.nodes.index(node) + 1
@@ -479,7 +479,7 @@ class Fleet:
         try:
             return await bus.Publisher(nc.jetstream(timeout=10)).publish(event)
         finally:
-            await nc.close()
+            await close(nc)
 
     async def read_log(self) -> list[bus.Record]:
         """Everything in the log now, in order (the test-only admin reads it)."""
@@ -491,7 +491,14 @@ class Fleet:
                     out.extend(batch)
             return out
         finally:
-            await nc.close()
+            await close(nc)
+
+
+async def close(nc: Client) -> None:
+    """Close a test client, bounded: nats-py's close() can wait on a reconnect loop forever
+    when its server is gone (seen in tests/integration/test_cert_cli.py)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), 5)
 
 
 def outbox(state_dir: Path) -> tuple[int, list[dict[str, Any]]]:

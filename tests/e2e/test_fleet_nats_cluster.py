@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
 
 from llmgw import bus
 from llmgw.core import events, subjects
-from tests.e2e.fleet_kit import Fleet, Load, openai_stream, sim_model, wait_for
+from tests.e2e.fleet_kit import Fleet, Load, close, openai_stream, sim_model, wait_for
 from tests.harness import TestNatsCluster
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,8 @@ class SteadyPublisher:
         assert self._task is not None
         await self._task
 
-    async def _run(self, nc: object) -> None:
-        publisher = bus.Publisher(nc.jetstream(timeout=2))  # type: ignore[attr-defined]
+    async def _run(self, nc: Client) -> None:
+        publisher = bus.Publisher(nc.jetstream(timeout=2))
         n = 0
         try:
             while not self._stop.is_set():
@@ -75,8 +75,7 @@ class SteadyPublisher:
                     self.failed += 1
                     await asyncio.sleep(0.05)
         finally:
-            with contextlib.suppress(Exception):
-                await nc.close()  # type: ignore[attr-defined]
+            await close(nc)
 
 
 async def stream_leader(fleet: Fleet) -> str:
@@ -87,7 +86,7 @@ async def stream_leader(fleet: Fleet) -> str:
         assert info.cluster.leader
         return str(info.cluster.leader)
     finally:
-        await nc.close()
+        await close(nc)
 
 
 async def test_cluster_loses_the_stream_leader_and_nothing_acknowledged_is_lost(
