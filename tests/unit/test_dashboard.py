@@ -27,16 +27,18 @@ def _exported(registry: CollectorRegistry) -> dict[str, set[str]]:
 
 
 def _metrics() -> dict[str, set[str]]:
-    router = router_metrics.Metrics()
+    # The control plane uses prometheus_client; the router its own lightweight metrics
+    # (llmgw.router.metrics), whose objects carry their name and label names.
     control = control_metrics.Metrics()
-    # Touch labelled children so their label names appear in the samples.
-    out = _exported(router.registry)
-    out.update(_exported(control.registry))
-    for metric in [*vars(router).values(), *vars(control).values()]:
+    out = _exported(control.registry)
+    for metric in vars(control).values():
         names = getattr(metric, "_labelnames", None)
         name = getattr(metric, "_name", None)
         if names is not None and name is not None:
             out.setdefault(name, set()).update(names)
+    for metric in vars(router_metrics.Metrics()).values():
+        if hasattr(metric, "kind") and hasattr(metric, "labels"):
+            out[metric.name] = set(metric.labels)
     return out
 
 

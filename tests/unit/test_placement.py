@@ -207,7 +207,8 @@ def test_place_many_stops_at_the_first_unplaceable_and_never_reuses_a_gpu() -> N
 
 def test_explain_an_undeclared_model_says_what_to_do() -> None:
     exp = placement.explain(Sim().state, "nope", 0.0)
-    assert "is not declared: declare it" in exp.verdict
+    assert "is not declared" in exp.verdict
+    assert "llmgw ctl apply -f models.yaml" in exp.verdict
 
 
 def test_explain_names_the_landing_spot() -> None:
