@@ -40,6 +40,7 @@ from typing import Any
 import msgspec
 
 from llmgw import __version__, bus, logs
+from llmgw import tasks as tasks_
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery, engines, ledger, reports
 from llmgw.agent.config import AgentConfig
@@ -130,11 +131,12 @@ class AgentService:
                     raise task.exception()  # type: ignore[misc]
         finally:
             stopped.cancel()
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            # The command reader first: its loop ends even if a cancel is swallowed
+            # (see llmgw.tasks).
+            if self._reader is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._reader.close(), 3)
+            await tasks_.stop(tasks, who=f"agent {self.cfg.node_id}")
             await self._shutdown()
 
     async def _prepare(self) -> None:
@@ -221,11 +223,7 @@ class AgentService:
         self._wake.set()
 
     async def _shutdown(self) -> None:
-        for task in list(self._inflight.values()):
-            task.cancel()
-        for task in list(self._inflight.values()):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await tasks_.stop(list(self._inflight.values()), who=f"agent {self.cfg.node_id} commands")
         if self._reader is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._reader.close(), 3)

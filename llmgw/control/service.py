@@ -38,6 +38,7 @@ import nats.errors
 import nats.js.errors
 
 from llmgw import bus, logs
+from llmgw import tasks as tasks_
 from llmgw.control import models as model_sync
 from llmgw.control.config import ControlConfig
 from llmgw.control.folding import CONTROL_PREFIX, Folded
@@ -81,6 +82,7 @@ class ControlService:
         self.observing_since = clock()
         self.unplaceable: dict[str, str] = {}
         self._wake = asyncio.Event()
+        self._stopping = False
         self._awaiting = 0
         self._announced = 0
         self._models_synced_epoch = 0
@@ -160,11 +162,15 @@ class ControlService:
                     raise task.exception()  # type: ignore[misc]
             stopped.cancel()
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            # Loops end by this flag and a closed reader, not only by cancellation: on
+            # Python 3.11 asyncio.wait_for (nats-py's requests use it) can swallow a
+            # cancel that arrives as its inner future completes, and a loop that lost its
+            # cancel would keep the process from stopping.
+            self._stopping = True
+            self._wake.set()
+            if self._reader is not None:
+                await self._reader.close()
+            await tasks_.stop(tasks, who=f"control {self.name}")
             if self._snapshot_task is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(self._snapshot_task), 5)
@@ -308,7 +314,7 @@ class ControlService:
     async def _lease_loop(self) -> None:
         lease = self._lease
         assert lease is not None
-        while True:
+        while not self._stopping:
             if not self.leading:
                 wait = min(lease.renew_every_s, 0.25)
                 if self.caught_up.is_set():
@@ -338,15 +344,17 @@ class ControlService:
             await asyncio.sleep(wait)
 
     async def _tick(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.cfg.reconcile_interval_s)
             self._wake.set()
             self._maybe_snapshot()
 
     async def _decide_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await self._wake.wait()
             self._wake.clear()
+            if self._stopping:
+                return
             if not self.leading or not self.caught_up.is_set():
                 continue
             if self._nc is not None and not self._nc.is_connected:

@@ -26,6 +26,7 @@ import ssl
 import msgspec
 
 from llmgw import bus, logs
+from llmgw import tasks as tasks_
 from llmgw.core import events, state
 from llmgw.core.profile import ModelProfile
 from llmgw.pki.identity import Identity
@@ -107,6 +108,7 @@ class LogFeed:
         self.ready = asyncio.Event()
         """Set once the log as it stood at start has been folded into the tables."""
         self._task: asyncio.Task[None] | None = None
+        self._reader: bus.Reader | None = None
         self._stop = asyncio.Event()
 
     # ----------------------------------------------------------------- lifecycle
@@ -116,10 +118,13 @@ class LogFeed:
 
     async def close(self) -> None:
         self._stop.set()
+        # Close the reader first, so that its loop ends even if a cancel is swallowed by
+        # asyncio.wait_for inside nats-py (Python 3.11); then cancel, bounded.
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._reader.close(), 5)
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await tasks_.stop([self._task], who="router log feed")
 
     def _context(self) -> ssl.SSLContext:
         if self._tls is not None:
@@ -139,7 +144,9 @@ class LogFeed:
         )
         try:
             after = await self._load_snapshot(nc)
-            async with bus.Reader(nc, after_seq=after, name=f"router-{self.source.name}") as reader:
+            reader = bus.Reader(nc, after_seq=after, name=f"router-{self.source.name}")
+            self._reader = reader
+            async with reader:
                 caught_up = asyncio.get_running_loop().create_task(self._mark_ready(reader))
                 try:
                     async for batch in reader.batches():

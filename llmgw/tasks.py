@@ -1,0 +1,35 @@
+"""Stopping a service's background tasks, boundedly.
+
+Every long-running service (control plane, agent, router feed) runs loops as asyncio
+tasks and stops them on SIGTERM. Cancellation alone is not enough on Python 3.11:
+`asyncio.wait_for`, which nats-py uses for its requests, can swallow a cancel that
+arrives just as its inner future completes, and the loop then carries on. Services
+therefore also end their loops by a flag or by closing their reader, and wait for
+them here with a bound, so a stuck task is logged instead of keeping a process alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from llmgw import logs
+
+log = logs.get("llmgw.tasks")
+
+
+async def stop(tasks: Iterable[asyncio.Task[Any]], *, timeout_s: float = 5.0, who: str) -> None:
+    """Cancel `tasks` and wait for them, at most twice `timeout_s`; never raises."""
+    pending = {t for t in tasks if not t.done()}
+    for attempt in range(2):
+        if not pending:
+            break
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=timeout_s)
+        for task in pending:
+            log.warning("tasks.slow_to_stop", who=who, task=task.get_name(), attempt=attempt + 1)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: its failure was handled where it happened
