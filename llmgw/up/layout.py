@@ -61,6 +61,11 @@ class Layout:
         return self.root / "ctl.yaml"
 
     @property
+    def models_file(self) -> Path:
+        """The demo catalog, declared with `llmgw ctl apply` once every node registered."""
+        return self.root / "models.yaml"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

@@ -112,7 +112,10 @@ def control(plan: Plan, nats_url: str) -> dict[str, Any]:
             "shard_drain_s": 5,
             "stop_grace_s": 5,
         },
-        "models": [msgspec.to_builtins(profile(plan))],
+        # The model is declared by `up` with `llmgw ctl apply` once every node has
+        # registered (see `models`): declared at start, all its replicas would land on
+        # whichever node registered first.
+        "models": [],
         "admin": {"host": "127.0.0.1", "port": 0},
         "log_level": "info",
     }
@@ -169,3 +172,8 @@ def ctl(plan: Plan, nats_url: str) -> dict[str, Any]:
         "cert_file": n["cert_file"],
         "key_file": n["key_file"],
     }
+
+
+def models(plan: Plan) -> dict[str, Any]:
+    """The catalog file `llmgw ctl apply -f` declares: the one demo model."""
+    return {"models": [msgspec.to_builtins(profile(plan))]}

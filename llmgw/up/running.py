@@ -17,6 +17,7 @@ import fcntl
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -180,6 +181,32 @@ class Fleet:
             self.agents.append(child)
         for child, node in zip(self.agents, self.plan.node_ids, strict=True):
             child.wait_for(rf"^llmgw agent {node} started$", 30.0, lambda: self.stopping)
+
+    def declare_model(self, timeout_s: float = 30.0) -> None:
+        """Once every node has registered, declare the model as an operator would."""
+        want = len(self.plan.node_ids)
+        deadline = time.monotonic() + timeout_s
+        while not self.stopping:
+            nodes = status.read(self.control_admin, "").nodes_total or 0
+            if nodes >= want or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if self.stopping:
+            return
+        _write_yaml(self.layout.models_file, render.models(self.plan))
+        done = subprocess.run(
+            [*PY, "ctl", "apply", "-f", str(self.layout.models_file), "--yes"],
+            env={**os.environ, "LLMGW_CTL_CONFIG": str(self.layout.ctl_config)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise UpError(
+                f"declaring the model failed: {(done.stderr or done.stdout).strip()} "
+                f"(see {self.layout.log('control')})"
+            )
 
     def start_router(self) -> None:
         _write_yaml(self.layout.router_config, render.router(self.plan, self.nats_url))
@@ -353,6 +380,7 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
         # The router needs only NATS: it starts while the agents do, and follows the log.
         fleet.start_router()
         fleet.start_agents()
+        fleet.declare_model()
         fleet.wait_router()
         _watch(fleet, started)
         return 0

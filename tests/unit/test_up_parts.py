@@ -13,10 +13,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw import config
 from llmgw.agent import config as agent_config
 from llmgw.control import config as control_config
+from llmgw.core import catalog
+from llmgw.ctl import catalogfile
 from llmgw.ctl import settings as ctl_settings
+from llmgw.ctl.errors import BadInput
 from llmgw.router import config as router_config
 from llmgw.up import children, render, status
 from llmgw.up.layout import Layout
@@ -42,9 +44,12 @@ def test_every_rendered_config_passes_its_services_loader(tmp_path: Path, engine
     )
     ctrl = control_config.load(write(tmp_path / "c.yaml", render.control(plan, URL)))
     assert ctrl.name == "control-1"
-    assert [m.name for m in ctrl.models] == ["demo"]
-    assert ctrl.models[0].engine == engine
-    assert ctrl.models[0].replicas == 2
+    # The model is declared with `llmgw ctl apply` once the nodes registered, not at start.
+    assert ctrl.models == ()
+    catalog = catalogfile.parse(yaml.safe_dump(render.models(plan)), "models.yaml")
+    assert [m.name for m in catalog] == ["demo"]
+    assert catalog[0].engine == engine
+    assert catalog[0].replicas == 2
     for i, node in enumerate(plan.node_ids, start=1):
         agent = agent_config.load(
             write(tmp_path / f"{node}.yaml", render.agent(plan, URL, node, i))
@@ -71,8 +76,9 @@ def test_every_rendered_config_passes_its_services_loader(tmp_path: Path, engine
 
 def test_a_bad_model_name_is_refused_by_the_loader_not_silently_served(tmp_path: Path) -> None:
     plan = Plan(layout=Layout(tmp_path), model="has space")
-    with pytest.raises(config.ConfigError):
-        control_config.load(write(tmp_path / "c.yaml", render.control(plan, URL)))
+    assert catalog.problems(render.profile(plan)), "llmgw up refuses it before starting"
+    with pytest.raises(BadInput):
+        catalogfile.parse(yaml.safe_dump(render.models(plan)), "models.yaml")
 
 
 @given(root=st.text(min_size=1, max_size=200))
