@@ -18,6 +18,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.agent.engines.common import LaunchContext
+from llmgw.bus.settings import NatsConnection
 from llmgw.core import placement, subjects
 from llmgw.core.inventory import Hca, Inventory
 from llmgw.core.profile import Engine
@@ -31,12 +32,8 @@ class FabricConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The adapters on this fabric (`mlx5_0`, ...): NCCL_IB_HCA is set to exactly these."""
 
 
-class NatsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
-    ca_file: str = ""
-    cert_file: str = ""
-    """This node's client certificate (CN = node id, OU = node)."""
-    key_file: str = ""
+class NatsConfig(NatsConnection, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """NATS for the agent: its certificate has CN = the node id, OU = node."""
 
 
 class PortRange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

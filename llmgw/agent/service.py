@@ -49,7 +49,6 @@ from llmgw.agent.supervisor import LIVE, Settings, ShardView, Supervisor, status
 from llmgw.core import events, subjects
 from llmgw.core.inventory import Inventory
 from llmgw.pki import authorization
-from llmgw.pki import tls as pki_tls
 from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.agent.service")
@@ -209,9 +208,7 @@ class AgentService:
 
     async def _connect(self) -> None:
         cfg = self.cfg
-        ctx = self._tls or pki_tls.client_context(
-            ca_file=cfg.nats.ca_file, cert_file=cfg.nats.cert_file, key_file=cfg.nats.key_file
-        )
+        ctx = self._tls or cfg.nats.tls_context()
         nc = await bus.connect(
             list(cfg.nats.servers), tls=ctx, identity=self.identity, name=f"agent-{self.node}"
         )

@@ -15,17 +15,15 @@ from pathlib import Path
 import msgspec
 
 from llmgw import config
+from llmgw.bus.settings import NatsConnection
 from llmgw.core import catalog, subjects
 from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile import ReconcileConfig
 
 
-class NatsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
-    ca_file: str = ""
-    cert_file: str = ""
-    """This control plane's client certificate: CN = `name`, OU = control."""
-    key_file: str = ""
+class NatsConfig(NatsConnection, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """NATS for the control plane: its certificate has CN = `name`, OU = control."""
+
     stream_replicas: int = 1
     """Replicas of the log, the lease and the snapshots: 3 or 5 on a NATS cluster."""
     duplicate_window_s: float = 120.0

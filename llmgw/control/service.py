@@ -44,7 +44,6 @@ from llmgw.control.config import ControlConfig
 from llmgw.control.folding import CONTROL_PREFIX, Folded
 from llmgw.control.metrics import Metrics, failure_reason
 from llmgw.core import events, reconcile, state, subjects
-from llmgw.pki import tls as pki_tls
 from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.control")
@@ -114,8 +113,7 @@ class ControlService:
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is not None:
             return self._tls
-        n = self.cfg.nats
-        return pki_tls.client_context(ca_file=n.ca_file, cert_file=n.cert_file, key_file=n.key_file)
+        return self.cfg.nats.tls_context()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, then shut down cleanly (the lease is released)."""

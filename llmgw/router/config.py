@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from llmgw import config
+from llmgw.bus.settings import NatsConnection
 from llmgw.core.breaker import BreakerPolicy
 from llmgw.core.profile import ModelProfile
 from llmgw.core.routing import Weights
@@ -52,14 +53,10 @@ class PrefixConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Block hashes remembered (LRU)."""
 
 
-class LogSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where a router reads the log (llmgw.router.feed): NATS servers and its certificate."""
+class LogSource(NatsConnection, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where a router reads the log (llmgw.router.feed): its certificate has CN = `name`,
+    OU = router, and may only read."""
 
-    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
-    ca_file: str = ""
-    cert_file: str = ""
-    """The router's client certificate (CN = `name`, OU = router): it may only read."""
-    key_file: str = ""
     name: str = "router"
     """The router's identity: the CN of its certificate."""
 

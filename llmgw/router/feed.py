@@ -127,12 +127,7 @@ class LogFeed:
             await tasks_.stop([self._task], who="router log feed")
 
     def _context(self) -> ssl.SSLContext:
-        if self._tls is not None:
-            return self._tls
-        from llmgw.pki import tls
-
-        s = self.source
-        return tls.client_context(ca_file=s.ca_file, cert_file=s.cert_file, key_file=s.key_file)
+        return self._tls if self._tls is not None else self.source.tls_context()
 
     async def _run(self) -> None:
         identity = Identity("router", self.source.name)

@@ -1,0 +1,30 @@
+"""How a service reaches NATS: the servers and its client certificate.
+
+One Struct for the `nats:` section of the control plane's and the agents' configs and
+the router's `log:` section, so that the settings and their TLS context are built one
+way everywhere.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import msgspec
+
+from llmgw.pki import tls
+
+
+class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    servers: tuple[str, ...] = ("tls://127.0.0.1:4222",)
+    """NATS URLs; list several members of a cluster."""
+    ca_file: str = ""
+    """The fleet's CA certificate (`ca.pem` from `llmgw ctl cert init`)."""
+    cert_file: str = ""
+    """This service's client certificate (`llmgw ctl cert issue KIND NAME`)."""
+    key_file: str = ""
+
+    def tls_context(self) -> ssl.SSLContext:
+        """The client context: trusts only the fleet's CA, presents this certificate."""
+        return tls.client_context(
+            ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file
+        )
