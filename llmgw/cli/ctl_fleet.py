@@ -20,8 +20,8 @@ import typer
 
 from llmgw import bus
 from llmgw.cli import ctl_common as common
-from llmgw.core import events, placement, state
-from llmgw.ctl import catalogfile, operations, render, views
+from llmgw.core import events, placement, state, views
+from llmgw.ctl import catalogfile, operations, render
 from llmgw.ctl.errors import BadInput, Failed
 from llmgw.ctl.session import Session
 

@@ -21,8 +21,8 @@ import typer
 from llmgw import bus
 from llmgw.cli import ctl_common as common
 from llmgw.control import verify as control_verify
-from llmgw.core import events, reconcile, state
-from llmgw.ctl import changes, eventlines, history, render, views
+from llmgw.core import events, reconcile, state, views
+from llmgw.ctl import changes, eventlines, history, render
 from llmgw.ctl.errors import BadInput, Failed
 from llmgw.ctl.session import Session
 

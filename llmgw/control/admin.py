@@ -10,9 +10,10 @@
 
 Plain HTTP on 127.0.0.1 by default; with `admin.cert_file` set, HTTPS that requires
 a client certificate from the fleet's CA and answers 403 unless it is an operator's.
-Everything is read from the folded state (llmgw.control.service) and nothing is
-written: mutations go through the log (`llmgw ctl`). JSON via msgspec. Used by
-operators, `llmgw ctl`, dashboards and the integration tests.
+Everything is read from the folded state (llmgw.control.service), shown with the same
+rows as `llmgw ctl` (llmgw.core.views), and nothing is written: mutations go through
+the log (`llmgw ctl`). JSON via msgspec. Used by operators, `llmgw ctl status`,
+`llmgw up`'s live status, dashboards and the integration tests.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import msgspec
 from aiohttp import web
 
 from llmgw import logs
-from llmgw.core import placement, state
+from llmgw.core import placement, state, views
 
 if TYPE_CHECKING:
     from llmgw.control.service import ControlService
@@ -38,96 +39,6 @@ SERVICE: web.AppKey[ControlService] = web.AppKey("service")
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(data), status=status, content_type="application/json")
-
-
-def nodes_view(st: state.ClusterState) -> list[dict[str, Any]]:
-    """Purely computational: the nodes as /v1/nodes shows them."""
-    out = []
-    for name in sorted(st.nodes):
-        n = st.nodes[name]
-        seen = st.seen.get(name)
-        out.append(
-            {
-                "name": name,
-                "address": n.address,
-                "liveness": n.liveness,
-                "cordoned": n.cordoned,
-                "cordon_reason": n.cordon_reason,
-                "draining": n.draining,
-                "agent_version": n.agent_version,
-                "last_seen": seen.last_seen if seen is not None else None,
-                "fabrics": [f.name for f in n.fabrics],
-                "gpus": [
-                    {
-                        "index": g.index,
-                        "class": g.gpu_class,
-                        "healthy": g.healthy,
-                        "problems": list(g.health_problems),
-                        "replica": n.holders.get(g.index),
-                    }
-                    for g in (n.gpus[i] for i in sorted(n.gpus))
-                ],
-                "orphans": [o.replica_id for o in n.orphans],
-            }
-        )
-    return out
-
-
-def replicas_view(st: state.ClusterState) -> list[dict[str, Any]]:
-    """Purely computational: the replicas as /v1/replicas shows them."""
-    out = []
-    for rid in sorted(st.replicas):
-        r = st.replicas[rid]
-        ep = st.endpoints.get(rid)
-        out.append(
-            {
-                "id": rid,
-                "model": r.model,
-                "generation": r.generation,
-                "revision": r.revision,
-                "retired": r.retired,
-                "retired_reason": r.retired_reason,
-                "replaces": r.replaces,
-                "reason": r.reason,
-                "failures": r.failures,
-                "fabric": r.fabric,
-                "endpoint": ep.url if ep is not None else None,
-                "shards": [
-                    {
-                        "shard": s.shard,
-                        "node": s.node,
-                        "gpus": list(s.gpus),
-                        "port": s.port,
-                        "phase": s.phase,
-                        "endpoint": s.endpoint,
-                        "error": s.error,
-                        "log_tail": list(s.log_tail),
-                    }
-                    for s in r.shards
-                ],
-            }
-        )
-    return out
-
-
-def models_view(st: state.ClusterState, unplaceable: dict[str, str]) -> list[dict[str, Any]]:
-    """Purely computational: the models as /v1/models shows them."""
-    out = []
-    for name in sorted(st.models):
-        m = st.models[name]
-        active = st.active_replicas(name)
-        out.append(
-            {
-                "name": name,
-                "revision": m.revision,
-                "replicas_wanted": m.profile.replicas,
-                "replicas_active": len(active),
-                "replicas_serving": sum(1 for r in active if r.id in st.endpoints),
-                "unplaceable": unplaceable.get(name),
-                "profile": m.profile,
-            }
-        )
-    return out
 
 
 def state_view(svc: ControlService) -> dict[str, Any]:
@@ -150,16 +61,17 @@ def state_view(svc: ControlService) -> dict[str, Any]:
 
 
 async def _nodes(request: web.Request) -> web.Response:
-    return _json(nodes_view(request.app[SERVICE].state))
+    svc = request.app[SERVICE]
+    return _json(views.node_rows(svc.state, svc.clock()))
 
 
 async def _replicas(request: web.Request) -> web.Response:
-    return _json(replicas_view(request.app[SERVICE].state))
+    return _json(views.replica_rows(request.app[SERVICE].state))
 
 
 async def _models(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    return _json(models_view(svc.state, svc.unplaceable))
+    return _json(views.model_rows(svc.state, svc.clock(), why=svc.unplaceable))
 
 
 async def _explain(request: web.Request) -> web.Response:

@@ -3,8 +3,9 @@
 - `settings`, `session`: where the log is and who the operator is (the certificate's CN),
   one connection, operator events published and refusals explained;
 - `history`: the cluster state at any point of the log (newest snapshot + tail);
-- `views`, `changes`, `eventlines`: pure functions from folded state and records to the
-  rows, differences and lines that are shown;
+- `changes`, `eventlines`: pure functions from folded state and records to the
+  differences and lines that are shown (the node / replica / model rows are
+  `llmgw.core.views`, shared with the control plane's admin API);
 - `catalogfile`, `operations`: models.yaml diffs, drain plans and drain progress (pure);
 - `render`: tables, colour, JSON and the progress bar; `errors`: exit codes 1 and 2.
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.core import events, state
-from llmgw.ctl import catalogfile, changes, eventlines, history, operations, render, views
+from llmgw.core import events, state, views
+from llmgw.ctl import catalogfile, changes, eventlines, history, operations, render
 from llmgw.ctl.errors import BadInput
 from llmgw.ctl.settings import identity_of, load
 from llmgw.pki.ca import CertificateAuthority, subject_name

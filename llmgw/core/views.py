@@ -1,8 +1,9 @@
-"""What `llmgw ctl nodes / replicas / models` show, as plain data from a folded state.
+"""Nodes, replicas and models as plain data from a folded state: what `llmgw ctl nodes /
+replicas / models` show and what the control plane's admin API serves.
 
 The same functions render the live fleet and any past point `ctl replay` rebuilds,
-so a replay reads exactly like the present. Each returns JSON-ready dicts (what
-`--json` prints); `llmgw.ctl.render` turns them into tables.
+so a replay reads exactly like the present, and the admin API like ctl. Each returns
+JSON-ready dicts (what `--json` prints); `llmgw.ctl.render` turns them into tables.
 
 Purely computational: `now` is an argument (the replay's target time for the past).
 """
@@ -85,6 +86,7 @@ def node_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
                 "drain_since": n.drain_since or None,
                 "drain_grace_s": n.drain_grace_s if n.draining else None,
                 "heartbeat_age_s": _heartbeat_age(n, seen, now),
+                "last_seen": seen.last_seen if seen is not None else None,
                 "registered_ts": n.registered_ts,
                 "agent_version": n.agent_version,
                 "fabrics": [
@@ -149,9 +151,12 @@ def unplaceable(st: state.ClusterState, now: float) -> dict[str, str]:
     return dict(outcome.unplaceable)
 
 
-def model_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
-    """Declared models: wanted, active and serving replicas, and why any cannot be placed."""
-    why = unplaceable(st, now)
+def model_rows(
+    st: state.ClusterState, now: float, why: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Declared models: wanted, active and serving replicas, and why any cannot be placed
+    (`why`: the leader's own last verdicts; by default computed here)."""
+    why = unplaceable(st, now) if why is None else why
     out: list[dict[str, Any]] = []
     for name in sorted(st.models):
         m = st.models[name]
