@@ -24,7 +24,9 @@ class Deadlines(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     headers_s: float = 30.0
     first_token_s: float = 60.0
     idle_s: float = 30.0
-    """Longest silence between two streamed chunks: a wedged engine, not a slow one."""
+    """Longest silence between two streamed chunks: a wedged engine, not a slow one.
+
+    The router cuts a silent stream between idle_s and idle_s * 1.05 (at most 0.5 s late)."""
     total_s: float = 600.0
 
 

@@ -50,6 +50,10 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 MAX_EVENT_BYTES = 4 * 1024 * 1024
 """An upstream 'event' this long without a blank line is relayed as is rather than buffered."""
+IDLE_SLACK = 0.05
+IDLE_SLACK_MAX_S = 0.5
+"""An idle deadline of d seconds fires after d to d * (1 + IDLE_SLACK) seconds of silence,
+at most IDLE_SLACK_MAX_S late."""
 SESSIONS_KEPT = 100_000
 SCORE_SAMPLE = 8
 PATHS: dict[str, requests.Kind] = {
@@ -720,8 +724,13 @@ class Router:
         finished = False
         problem: tuple[str, str] | None = None
         idle = d.idle_s
+        # The idle timer is moved only when it would fire too soon, and then `slack` beyond
+        # the idle deadline: a silence is cut between idle and idle + slack seconds, and a
+        # fast stream moves its timer a few times a second rather than at every chunk.
+        slack = min(idle * IDLE_SLACK, IDLE_SLACK_MAX_S)
+        deadline = min(t_first + idle + slack, total_at)
         try:
-            async with asyncio.timeout_at(min(t_first + idle, total_at)) as cm:
+            async with asyncio.timeout_at(deadline) as cm:
                 while True:
                     cut = buf.rfind(b"\n\n")
                     if cut >= 0 or len(buf) > MAX_EVENT_BYTES:
@@ -749,7 +758,9 @@ class Router:
                     chunks += 1
                     t_last = now
                     buf = buf + chunk if buf else chunk
-                    cm.reschedule(min(now + idle, total_at))
+                    if now + idle > deadline and deadline < total_at:
+                        deadline = min(now + idle + slack, total_at)
+                        cm.reschedule(deadline)
         except TimeoutError:
             if loop.time() >= total_at - 0.001:
                 problem = ("total_timeout", f"the engine did not finish within {d.total_s} s")

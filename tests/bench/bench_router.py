@@ -13,15 +13,21 @@ by direct. The peers (PyPI binary wheels `vllm-router==0.1.17`,
 not installed is skipped. The sims are infinitely fast (zero latency model,
 16 tokens per answer) so the router is what is measured.
 
-Caveat printed with the results: the load generator, the router and the three
-sims share this machine's cores, so at high concurrency every figure includes
-CPU contention between them, not only the router's own work.
+By default the load generator, the router and the three sims share this
+machine's cores, so at high concurrency every figure includes CPU contention
+between them, not only the router's own work. `--pin` separates them as
+separate machines would: every router (all its threads and workers) runs on
+the first half of the cores, the sims and the load generator on the other half,
+and direct runs get the same cores for sims and client as every other target.
+
+    .venv/bin/python tests/bench/bench_router.py --pin      # routers on their own core(s)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -170,16 +176,35 @@ def _proc_tree(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU of these processes (and their threads), from /proc."""
-    total = 0
+def cpu_times(pids: list[int]) -> tuple[float, float]:
+    """User and system CPU seconds of these processes (and their threads), from /proc."""
+    user = system = 0
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        user += int(fields[11])
+        system += int(fields[12])
+    tck = os.sysconf("SC_CLK_TCK")
+    return user / tck, system / tck
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of these processes (and their threads), from /proc."""
+    return sum(cpu_times(pids))
+
+
+def pin_tree(pid: int, cores: set[int]) -> None:
+    """Move a process, its threads and its descendants onto `cores`."""
+    for p in _proc_tree(pid):
+        try:
+            tids = [int(t.name) for t in Path(f"/proc/{p}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cores)
 
 
 # --------------------------------------------------------------------------- peers
@@ -270,6 +295,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (3)")
     ap.add_argument("--only", default="", help="comma-separated targets besides direct")
     ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="routers on the first half of the cores, sims and load generator on the rest",
+    )
+    ap.add_argument(
         "--decode-ms",
         type=float,
         default=0.0,
@@ -289,6 +319,14 @@ def main() -> None:
     sim_args = ["--eos-min-tokens", str(TOKENS), "--eos-max-tokens", str(TOKENS),
                 "--log-level", "warning", "--decode-base-ms", str(args.decode_ms)]  # fmt: skip
     wanted = set(filter(None, args.only.split(",")))
+    cores = sorted(os.sched_getaffinity(0))
+    router_cores: set[int] = set()
+    if args.pin:
+        if len(cores) < 2:
+            raise SystemExit("--pin needs at least 2 cores")
+        router_cores = set(cores[: len(cores) // 2])
+        # Sims and every client process inherit the load side's cores from here on.
+        os.sched_setaffinity(0, set(cores[len(cores) // 2 :]))
     sims = [Sim.start("m", *sim_args) for _ in range(3)]
     stops: list[Any] = []
     targets: dict[str, list[str]] = {"direct": [s.url + "/v1/chat/completions" for s in sims]}
@@ -306,6 +344,8 @@ def main() -> None:
             stops.append(r.stop)
             targets[name] = [r.url + "/v1/chat/completions"]
             pids[name] = _proc_tree(r.pid)
+            if router_cores:
+                pin_tree(r.pid, router_cores)
         for name, start in (("vllm-router", start_vllm_router),
                             ("sglang-router", start_sglang_router)):  # fmt: skip
             if wanted and name not in wanted:
@@ -321,17 +361,28 @@ def main() -> None:
             stops.append(peer.stop)
             targets[name] = [peer.url]
             pids[name] = _proc_tree(peer.proc.pid)
-        print(f"cores: {os.cpu_count()}; sims: 3 x llmgw sim, {TOKENS} tokens, "
+            if router_cores:
+                pin_tree(peer.proc.pid, router_cores)
+        layout = (
+            f"routers pinned to cores {sorted(router_cores)}, sims and client to "
+            f"{sorted(os.sched_getaffinity(0))}"
+            if router_cores
+            else "all share every core"
+        )
+        print(f"cores: {len(cores)} ({layout}); sims: 3 x llmgw sim, {TOKENS} tokens, "
               f"step {args.decode_ms} ms; "
               f"{rounds} round(s), targets interleaved, medians reported")  # fmt: skip
         for rnd in range(rounds):
             for conc, n in all_runs:
                 for name, urls in targets.items():
-                    c0 = cpu_seconds(pids[name])
+                    u0, s0 = cpu_times(pids[name])
                     r = run_client(urls, conc, n)
+                    u1, s1 = cpu_times(pids[name])
                     # Router CPU per request (warm-up included in both): steadier than
                     # latency on a machine whose other load comes and goes.
-                    r["cpu_us"] = (cpu_seconds(pids[name]) - c0) / (n + min(n // 4, 512)) * 1e6
+                    sent = n + min(n // 4, 512)
+                    r["cpu_us"] = (u1 - u0 + s1 - s0) / sent * 1e6
+                    r["sys_us"] = (s1 - s0) / sent * 1e6
                     samples.setdefault((name, conc), []).append(r)
                     print(f"  round {rnd + 1} {name:>17} c={conc:<4} n={r['n']:<5} "
                           f"err={r['errors']:<3} {r['rps']:8.0f} req/s  ttft p50 "
@@ -350,7 +401,7 @@ def main() -> None:
     print()
     print("medians; overhead = through the router minus direct, ms")
     print(f"{'target':>18} {'conc':>5} {'req/s':>7} {'ttft p50':>9} {'ttft p99':>9}"
-          f" {'total p50':>10} {'total p99':>10} {'router CPU/req':>15}")  # fmt: skip
+          f" {'total p50':>10} {'total p99':>10} {'router CPU/req (system)':>24}")  # fmt: skip
     for name in targets:
         for conc, _ in overhead_runs:
             d = {k: med("direct", conc, k) for k in ("ttft_p50", "ttft_p99", "total_p50",
@@ -362,7 +413,11 @@ def main() -> None:
             else:
                 vals = [(v[k] - d[k]) * 1e3 for k in d]
                 label = ""
-            cpu = f"{med(name, conc, 'cpu_us'):12.0f} us" if pids[name] else f"{'-':>15}"
+            cpu = (
+                f"{med(name, conc, 'cpu_us'):13.0f} us ({med(name, conc, 'sys_us'):3.0f} us)"
+                if pids[name]
+                else f"{'-':>24}"
+            )
             print(f"{name:>18} {conc:>5} {med(name, conc, 'rps'):7.0f} {vals[0]:9.2f} "
                   f"{vals[1]:9.2f} {vals[2]:10.2f} {vals[3]:10.2f} {cpu} {label}")  # fmt: skip
     print()
@@ -374,8 +429,11 @@ def main() -> None:
         cpu = f"  router CPU {med(name, conc, 'cpu_us'):4.0f} us/request" if pids[name] else ""
         print(f"{name:>18} {rps:8.0f}  {rps / d_rps:4.2f}{cpu}")
     print()
-    print("note: client, router and sims share the same cores; at high concurrency the")
-    print("figures include CPU contention between them, not only each router's own work.")
+    if router_cores:
+        print("note: routers ran on their own core(s); sims and client on the others.")
+    else:
+        print("note: client, router and sims share the same cores; at high concurrency the")
+        print("figures include CPU contention between them, not only each router's own work.")
     out = {f"{name}@{conc}": rs for (name, conc), rs in samples.items()}
     (tmp / "results.json").write_text(json.dumps(out, indent=2))
     print(f"raw results: {tmp / 'results.json'}")
