@@ -289,7 +289,24 @@ class Router:
                 status = principal.status
                 return principal
             try:
-                body = await request.read()
+                if request.content.is_eof():
+                    body = await request.read()  # all here already: no timer needed
+                else:
+                    async with asyncio.timeout(self.cfg.body_timeout_s):
+                        body = await request.read()
+            except TimeoutError:
+                status = 408
+                timed_out = error_response(
+                    408,
+                    f"the request body did not arrive within {self.cfg.body_timeout_s} s:"
+                    " send the whole body at once",
+                    "invalid_request_error",
+                    "request_timeout",
+                    rid,
+                )
+                # The rest of that body may still come: the connection cannot be reused.
+                timed_out.force_close()
+                return timed_out
             except web.HTTPRequestEntityTooLarge:
                 status = 413
                 return error_response(

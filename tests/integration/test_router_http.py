@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,13 +18,14 @@ from tests.integration.router_kit import Router, Sim
 pytestmark = pytest.mark.slow
 
 MAX_BODY = 64 * 1024
+BODY_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     tmp: Path = tmp_path_factory.mktemp("router-http")
     sim = Sim.start("m", "--eos-min-tokens", "2", "--eos-max-tokens", "2")
-    r = Router.start(tmp, {"s": sim}, max_body_bytes=MAX_BODY)
+    r = Router.start(tmp, {"s": sim}, max_body_bytes=MAX_BODY, body_timeout_s=BODY_TIMEOUT_S)
     yield r
     r.stop()
     sim.stop()
@@ -127,6 +130,46 @@ def test_embeddings_and_legacy_completions_stream(http: httpx.Client) -> None:
     assert raw.endswith(b"data: [DONE]\n\n")
     # The usage chunk the router asked for (to count tokens) is not shown to this client.
     assert b'"usage":{' not in raw
+
+
+def _raw_post(router: Router, body: bytes, *, send: list[tuple[float, bytes]]) -> bytes:
+    """POST /v1/chat/completions announcing `body`'s length, sending the pieces in `send`
+    (each after its delay); everything the router answers until it closes or 10 s pass."""
+    host, port = router.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        for delay, piece in send:
+            time.sleep(delay)
+            sock.sendall(piece)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def test_a_body_that_stops_half_way_gets_408_and_the_connection_closes(router: Router) -> None:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    t0 = time.monotonic()
+    answer = _raw_post(router, body, send=[(0.0, body[:10])])
+    took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"Connection: close" in answer
+    assert b'"code":"request_timeout"' in answer
+    assert BODY_TIMEOUT_S <= took < BODY_TIMEOUT_S + 5
+
+
+def test_a_body_sent_in_pieces_within_the_timeout_is_served(router: Router) -> None:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    answer = _raw_post(router, body, send=[(0.0, body[:10]), (0.2, body[10:])])
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert b'"choices"' in answer
 
 
 def test_router_survived(http: httpx.Client) -> None:

@@ -57,6 +57,7 @@ def test_a_good_config_loads_with_env_overrides(
         (lambda d: d["endpoints"][0].update(url="10.0.0.1:8000"), "must look like http"),
         (lambda d: d.update(auth={}), "allow_anonymous: true"),
         (lambda d: d["models"][0]["deadlines"].update(idle_s=0), "deadlines.idle_s"),
+        (lambda d: d.update(body_timeout_s=0), "body_timeout_s must be above 0"),
     ],
 )
 def test_validation_refuses_and_says_what_to_change(
