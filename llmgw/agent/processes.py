@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -63,9 +64,19 @@ def cmdline(pid: int) -> tuple[str, ...] | None:
     return tuple(part.decode(errors="replace") for part in raw.split(b"\0")[:-1])
 
 
-def fingerprint(pid: int) -> Fingerprint | None:
-    """The identity of a running process, or None when it is gone."""
+def fingerprint(pid: int, *, settle_s: float = 0.2) -> Fingerprint | None:
+    """The identity of a running process, or None when it is gone.
+
+    A process caught in the middle of exec (its parent's Popen has returned, but the
+    kernel has not yet laid out the new argument area) reads an empty command line:
+    that is re-read for up to `settle_s`, so a fingerprint taken right after a spawn
+    records the engine's command line, not nothing.
+    """
     started, argv = start_time(pid), cmdline(pid)
+    give_up = time.monotonic() + settle_s
+    while argv == () and state(pid) not in (None, "Z") and time.monotonic() < give_up:
+        time.sleep(0.001)
+        argv = cmdline(pid)
     if started is None or argv is None:
         return None
     return Fingerprint(pid=pid, start_time=started, boot_id=boot_id(), cmdline=argv)

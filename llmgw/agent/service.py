@@ -114,9 +114,8 @@ class AgentService:
             connecting = asyncio.create_task(self._connect())
             await asyncio.wait([stopped, connecting], return_when=asyncio.FIRST_COMPLETED)
             if not connecting.done():
-                connecting.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await connecting
+                # Cancelled again if nats-py's wait_for swallowed the first (Python 3.11).
+                await tasks_.stop([connecting], timeout_s=2.0, who="agent connect")
                 return
             connecting.result()
             tasks = [

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
 
 import typer
 
-from llmgw import config, logs
+from llmgw import config, logs, tasks
 
 
 def command(
@@ -68,7 +69,12 @@ async def _serve(cfg: object) -> None:
         sys.stdout.flush()
     elif stop.is_set() and not run.done():
         # Still waiting for NATS (it reconnects forever): a signal must end that too.
-        run.cancel()
+        # nats-py's wait_for can swallow a cancel (Python 3.11): tasks.stop cancels again.
+        await tasks.stop([run], timeout_s=2.0, who=f"control {cfg.name}")
+        if not run.done():
+            # Nothing is held yet (no lease, no log written): leave rather than hang.
+            sys.stderr.write("llmgw control: still connecting after SIGTERM, exiting\n")
+            os._exit(1)
     ready.cancel()
     stopped.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,6 +37,25 @@ def test_fingerprint_survives_a_command_name_with_parentheses(tmp_path: Path) ->
     assert "is not running" in processes.mismatch(fp)
     assert processes.fingerprint(proc.pid) is None
     assert processes.signal_group(proc.pid, processes.signal.SIGTERM) is False
+
+
+def test_fingerprint_rereads_a_command_line_caught_mid_exec(monkeypatch: Any) -> None:
+    # Right after Popen returns, the kernel may not have laid out the new process's
+    # arguments yet: /proc/<pid>/cmdline reads empty for a moment. Recording that would
+    # make the agent refuse to adopt its own engine after a restart.
+    real = processes.cmdline
+    reads = []
+
+    def racing(pid: int) -> tuple[str, ...] | None:
+        reads.append(pid)
+        return () if len(reads) < 3 else real(pid)
+
+    monkeypatch.setattr(processes, "cmdline", racing)
+    fp = processes.fingerprint(os.getpid())
+    assert fp is not None
+    assert fp.cmdline == real(os.getpid())
+    assert fp.cmdline
+    assert len(reads) == 3
 
 
 def test_tail_reads_the_last_lines_only(tmp_path: Path) -> None:
