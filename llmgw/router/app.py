@@ -91,7 +91,13 @@ def error_response(
 class Router:
     """One router process's state and its request path."""
 
-    def __init__(self, cfg: RouterConfig, *, worker: int = 0, workers: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        *,
+        worker: int = 0,
+        limits: auth.SharedLimits | None = None,
+    ) -> None:
         self.cfg = cfg
         self.catalog = Catalog(cfg.models)
         self.table = EndpointTable()
@@ -104,9 +110,10 @@ class Router:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(8), "big")
         self.rng = random.Random(seed + worker)
         self.keys: auth.Keys | None = None
-        self._share = 1.0 / workers
+        # With several workers, keys' limits are shared by all of them (see auth).
+        self.limits = limits
         if cfg.auth.keys_file:
-            self.keys = auth.load_keys(cfg.auth.keys_file, time.monotonic(), self._share)
+            self.keys = auth.load_keys(cfg.auth.keys_file, time.monotonic(), limits)
         self.session: aiohttp.ClientSession | None = None
         self.prober: Prober | None = None
         self.feed: LogFeed | None = None
@@ -170,7 +177,7 @@ class Router:
         if not self.cfg.auth.keys_file:
             return
         try:
-            keys = auth.load_keys(self.cfg.auth.keys_file, time.monotonic(), self._share)
+            keys = auth.load_keys(self.cfg.auth.keys_file, time.monotonic(), self.limits)
         except ConfigError as exc:
             log.error("keys_reload_failed", error=str(exc), kept=len(self.keys.by_digest) if
                       self.keys else 0)  # fmt: skip

@@ -16,16 +16,21 @@ Keys file (YAML):
         requests_per_s: 20           # optional
         tokens_per_min: 200000       # optional, counted from the engines' usage
 
-Limits are token buckets per key per router process: with `--workers N` each
-worker enforces 1/N of the limit (SO_REUSEPORT spreads connections evenly).
+Limits are token buckets per key for the router as a whole: with `--workers N`
+the buckets live in a file every worker maps (`SharedLimits`), changed under one
+lock, so a client whose one keep-alive connection lands on one worker gets its
+whole limit, and many connections spread over the workers get no more than it.
 Used by `llmgw.router.app`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 import secrets
 from pathlib import Path
+from typing import Any, Protocol
 
 import msgspec
 
@@ -94,25 +99,134 @@ class Bucket:
         self.level -= amount
 
 
+class Limiter(Protocol):
+    def take(self, now: float, amount: float = 1.0) -> bool: ...
+
+    def has_credit(self, now: float) -> bool: ...
+
+    def spend(self, now: float, amount: float) -> None: ...
+
+
+SLOTS = 65_536
+SLOT_FIELDS = 6
+"""Per key: a tag (the digest's first 8 bytes), then level and stamp of the requests
+bucket and of the tokens bucket, and one spare."""
+
+
+class SharedLimits:
+    """Token buckets kept in a file that every worker maps, changed under one lock.
+
+    A key finds its slot by open addressing on its digest; the first worker to claim a
+    slot fills both buckets, the others (and later reloads of the keys file) find them
+    as they are, so a reload keeps a key's spent budget. `now` is time.monotonic(),
+    the same clock in every process.
+    """
+
+    def __init__(self, path: str | Path, lock: Any) -> None:
+        self.lock = lock
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, SLOTS * SLOT_FIELDS * 8)
+        finally:
+            os.close(fd)
+        self.floats = memoryview(self._map).cast("d")
+        self.tags = memoryview(self._map).cast("q")
+
+    @staticmethod
+    def create(path: str | Path) -> None:
+        """The zeroed file the workers map (before they start)."""
+        with open(path, "wb") as f:
+            f.truncate(SLOTS * SLOT_FIELDS * 8)
+
+    def claim(self, digest_hex: str, now: float, bursts: tuple[float, float]) -> int:
+        """The slot of this key (the index of its first field), filled on first claim."""
+        tag = int(digest_hex[:16], 16) >> 1 | 1  # non-zero, fits a signed 64-bit int
+        i = tag % SLOTS
+        with self.lock:
+            for _ in range(SLOTS):
+                at = i * SLOT_FIELDS
+                if self.tags[at] == tag:
+                    return at
+                if self.tags[at] == 0:
+                    self.tags[at] = tag
+                    self.floats[at + 1], self.floats[at + 2] = bursts[0], now
+                    self.floats[at + 3], self.floats[at + 4] = bursts[1], now
+                    return at
+                i = (i + 1) % SLOTS
+        raise config.ConfigError(f"more than {SLOTS} keys with limits: the router holds no more")
+
+    def bucket(self, at: int, rate: float, burst: float) -> SharedBucket:
+        return SharedBucket(self, at, rate, burst)
+
+    def close(self) -> None:
+        self.floats.release()
+        self.tags.release()
+        self._map.close()
+
+
+class SharedBucket:
+    """A token bucket whose level and stamp live in `SharedLimits` (see Bucket)."""
+
+    __slots__ = ("at", "burst", "f", "lock", "rate")
+
+    def __init__(self, limits: SharedLimits, at: int, rate: float, burst: float) -> None:
+        self.f = limits.floats
+        self.lock = limits.lock
+        self.at = at
+        self.rate = rate
+        self.burst = burst
+
+    def _refilled(self, now: float) -> float:
+        f, at = self.f, self.at
+        level = f[at]
+        if now > f[at + 1]:
+            level = min(self.burst, level + (now - f[at + 1]) * self.rate)
+            f[at], f[at + 1] = level, now
+        return level
+
+    def take(self, now: float, amount: float = 1.0) -> bool:
+        with self.lock:
+            if self._refilled(now) >= amount:
+                self.f[self.at] -= amount
+                return True
+            return False
+
+    def has_credit(self, now: float) -> bool:
+        with self.lock:
+            return self._refilled(now) > 0
+
+    def spend(self, now: float, amount: float) -> None:
+        with self.lock:
+            self._refilled(now)
+            self.f[self.at] -= amount
+
+
 class Principal:
     """One key's permissions and its live buckets."""
 
     __slots__ = ("all_models", "entry", "models", "requests", "tokens")
 
-    def __init__(self, entry: KeyEntry, now: float, share: float) -> None:
+    def __init__(self, entry: KeyEntry, now: float, shared: SharedLimits | None = None) -> None:
         self.entry = entry
         self.all_models = "*" in entry.models
         self.models = frozenset(entry.models)
-        self.requests = (
-            Bucket(entry.requests_per_s * share, max(entry.requests_per_s * share, 1.0), now)
-            if entry.requests_per_s
-            else None
-        )
-        self.tokens = (
-            Bucket(entry.tokens_per_min * share / 60.0, max(entry.tokens_per_min * share, 1.0), now)
-            if entry.tokens_per_min
-            else None
-        )
+        # A burst of one second's requests, or of a whole minute's tokens.
+        rps, tpm = entry.requests_per_s, entry.tokens_per_min
+        r_burst = max(rps, 1.0) if rps else 0.0
+        t_burst = max(tpm, 1.0) if tpm else 0.0
+        self.requests: Limiter | None = None
+        self.tokens: Limiter | None = None
+        if shared is not None and (rps or tpm):
+            at = shared.claim(entry.sha256.lower(), now, (r_burst, t_burst))
+            if rps:
+                self.requests = shared.bucket(at + 1, rps, r_burst)
+            if tpm:
+                self.tokens = shared.bucket(at + 3, tpm / 60.0, t_burst)
+            return
+        if rps:
+            self.requests = Bucket(rps, r_burst, now)
+        if tpm:
+            self.tokens = Bucket(tpm / 60.0, t_burst, now)
 
     def may_use(self, model: str) -> bool:
         return self.all_models or model in self.models
@@ -121,8 +235,8 @@ class Principal:
 class Keys:
     """The loaded keys file: digest -> principal."""
 
-    def __init__(self, keys: KeysFile, now: float, share: float = 1.0) -> None:
-        self.by_digest = {e.sha256.lower(): Principal(e, now, share) for e in keys.keys}
+    def __init__(self, keys: KeysFile, now: float, shared: SharedLimits | None = None) -> None:
+        self.by_digest = {e.sha256.lower(): Principal(e, now, shared) for e in keys.keys}
 
     def lookup(self, authorization: str | None) -> Principal | None:
         """The principal of an `Authorization` header value, None when missing or unknown."""
@@ -134,7 +248,7 @@ class Keys:
         return self.by_digest.get(digest(key))
 
 
-def load_keys(path: str | Path, now: float, share: float = 1.0) -> Keys:
+def load_keys(path: str | Path, now: float, shared: SharedLimits | None = None) -> Keys:
     """Read and check a keys file; errors name the entry and what to fix."""
     data = config.read_yaml(path)
     try:
@@ -161,4 +275,4 @@ def load_keys(path: str | Path, now: float, share: float = 1.0) -> Keys:
                     f"keys file {path}: keys[{i}] ({e.name}): {field} must be above 0,"
                     " or left out for no limit"
                 )
-    return Keys(kf, now, share)
+    return Keys(kf, now, shared)

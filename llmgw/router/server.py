@@ -8,7 +8,8 @@ becomes a real port every worker shares), starts the workers, prints one line
 of them accept connections, and forwards SIGTERM / SIGINT (stop) and SIGHUP (re-read
 the keys file). With several
 workers, each writes metric snapshots to a shared folder so any worker's admin
-listener reports the whole router. Used by `llmgw router`.
+listener reports the whole router, and API keys' rate limits live in one file
+that all workers map (`auth.SharedLimits`). Used by `llmgw router`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import uvloop
 from aiohttp import web
 
 from llmgw import logs
+from llmgw.router.auth import SharedLimits
 from llmgw.router.config import RouterConfig
 from llmgw.router.metrics import METRICS_DIR_ENV
 
@@ -61,14 +63,14 @@ async def serve(
     cfg: RouterConfig,
     *,
     worker: int = 0,
-    workers: int = 1,
     ready: Any = None,
     stop: asyncio.Event | None = None,
+    limits: SharedLimits | None = None,
 ) -> None:
     """Serve until `stop` is set (or SIGTERM / SIGINT when `stop` is None)."""
     from llmgw.router.app import Router, build_admin_app, build_server
 
-    router = Router(cfg, worker=worker, workers=workers)
+    router = Router(cfg, worker=worker, limits=limits)
     await router.start()
     runner = web.ServerRunner(build_server(router))
     admin_runner = web.AppRunner(build_admin_app(router), access_log=None)
@@ -112,11 +114,12 @@ def _announce(host: str, port: int, admin_host: str, admin_port: int) -> None:
     sys.stdout.flush()
 
 
-def _worker_main(cfg_bytes: bytes, worker: int, workers: int, ready: Any) -> None:
+def _worker_main(cfg_bytes: bytes, worker: int, ready: Any, limits_path: str, lock: Any) -> None:
     cfg = msgspec.json.decode(cfg_bytes, type=RouterConfig)
     logs.setup(cfg.log_level)
+    limits = SharedLimits(limits_path, lock)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(cfg, worker=worker, workers=workers, ready=ready))
+        runner.run(serve(cfg, worker=worker, ready=ready, limits=limits))
 
 
 def run(cfg: RouterConfig) -> None:
@@ -149,6 +152,10 @@ def _run_workers(cfg: RouterConfig) -> None:
     mpdir = tempfile.mkdtemp(prefix="llmgw-router-metrics-")
     os.environ[METRICS_DIR_ENV] = mpdir
     ctx = multiprocessing.get_context("spawn")
+    # API keys' rate limits: one set of buckets for all workers.
+    limits_path = os.path.join(mpdir, "limits")
+    SharedLimits.create(limits_path)
+    limits_lock = ctx.Lock()
     procs: list[multiprocessing.process.BaseProcess] = []
     pipes: list[multiprocessing.connection.Connection] = []
     cfg_bytes = msgspec.json.encode(cfg)
@@ -175,7 +182,9 @@ def _run_workers(cfg: RouterConfig) -> None:
         for i in range(cfg.workers):
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=_worker_main, args=(cfg_bytes, i, cfg.workers, send), name=f"router-{i}"
+                target=_worker_main,
+                args=(cfg_bytes, i, send, limits_path, limits_lock),
+                name=f"router-{i}",
             )
             proc.start()
             send.close()

@@ -242,6 +242,51 @@ async def test_sighup_reloads_the_keys_file_in_every_worker(
     assert await statuses(new) == {200}
 
 
+async def test_a_keys_rate_limit_holds_for_all_workers_together(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    from llmgw.router import auth
+
+    sim = Sim.start("m", "--eos-min-tokens", "2", "--eos-max-tokens", "2")
+    procs.append(sim)
+    key = auth.new_key()
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n" + auth.entry_yaml("k", key) + "    requests_per_s: 4\n")
+    router = Router.start(tmp_path, {"s": sim}, workers=2, auth={"keys_file": str(keys)})
+    procs.append(router)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    auth_header = {"Authorization": f"Bearer {key}"}
+
+    # One kept-alive connection reaches one worker: it still gets the key's whole burst
+    # of 4 (a per-worker share would give it 2).
+    async with httpx.AsyncClient(base_url=router.url, timeout=10) as h:
+        t0 = time.monotonic()
+        codes = [
+            (await h.post("/v1/chat/completions", json=body, headers=auth_header)).status_code
+            for _ in range(10)
+        ]
+        took = time.monotonic() - t0
+    assert set(codes) <= {200, 429}
+    assert 4 <= codes.count(200) <= 4 + 4 * took + 1, (codes, took)
+
+    await asyncio.sleep(1.5)  # the bucket refills to its burst
+    # Separate connections spread over both workers share that one budget.
+    prefixes: set[str] = set()
+
+    async def one() -> int:
+        async with httpx.AsyncClient(base_url=router.url, timeout=10) as h:
+            r = await h.post("/v1/chat/completions", json=body, headers=auth_header)
+            prefixes.add(r.headers["X-Request-Id"].split("-")[0])
+            return r.status_code
+
+    t0 = time.monotonic()
+    codes = list(await asyncio.gather(*(one() for _ in range(24))))
+    took = time.monotonic() - t0
+    assert len(prefixes) == 2, "both workers answered"
+    assert set(codes) <= {200, 429}
+    assert 4 <= codes.count(200) <= 4 + 4 * took + 1, (codes, took)
+
+
 async def test_an_engine_restarted_on_its_port_is_used_again(
     tmp_path: Path, procs: list[Sim | Router]
 ) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw import config
@@ -41,6 +41,96 @@ def test_keys_file_lookup_models_and_buckets(tmp_path: Path) -> None:
     pr.tokens.spend(0.0, 100)
     assert not pr.tokens.has_credit(0.0)
     assert pr.tokens.has_credit(41.0)  # one token per second refills the 40 overdrawn
+
+
+def _workers_sharing(tmp_path: Path, n: int) -> list[auth.SharedLimits]:
+    """`n` views of one limits file and lock, as `--workers n` has them."""
+    import multiprocessing
+
+    path = tmp_path / "limits"
+    auth.SharedLimits.create(path)
+    lock = multiprocessing.get_context("spawn").Lock()
+    return [auth.SharedLimits(path, lock) for _ in range(n)]
+
+
+def test_workers_share_one_budget_per_key_and_a_reload_keeps_it(tmp_path: Path) -> None:
+    key, other = auth.new_key(), auth.new_key()
+    p = tmp_path / "keys.yaml"
+    p.write_text(
+        "keys:\n"
+        + auth.entry_yaml("team", key)
+        + "    requests_per_s: 2\n    tokens_per_min: 60\n"
+        + auth.entry_yaml("other", other)
+        + "    requests_per_s: 2\n"
+    )
+    a, b = _workers_sharing(tmp_path, 2)
+    ka, kb = auth.load_keys(p, 0.0, a), auth.load_keys(p, 0.0, b)
+    ra, rb = ka.lookup(f"Bearer {key}"), kb.lookup(f"Bearer {key}")
+    assert ra is not None
+    assert rb is not None
+    assert ra.requests is not None
+    assert rb.requests is not None
+    # One budget of 2 for both workers, not 2 each.
+    assert ra.requests.take(0.0)
+    assert rb.requests.take(0.0)
+    assert not ra.requests.take(0.0)
+    assert not rb.requests.take(0.0)
+    assert rb.requests.take(0.5)  # refills at 2/s, whichever worker asks
+    # Another key has its own budget.
+    ro = ka.lookup(f"Bearer {other}")
+    assert ro is not None
+    assert ro.requests is not None
+    assert ro.requests.take(0.5)
+    # Tokens spent through one worker are missing in the other.
+    assert ra.tokens is not None
+    assert rb.tokens is not None
+    ra.tokens.spend(1.0, 100)
+    assert not rb.tokens.has_credit(1.0)
+    # A reload (SIGHUP) finds the key's buckets as they are: no fresh burst.
+    again = auth.load_keys(p, 0.5, b).lookup(f"Bearer {key}")
+    assert again is not None
+    assert again.requests is not None
+    assert not again.requests.take(0.5)
+    for s in (a, b):
+        s.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 2),
+            st.floats(0, 0.5, allow_nan=False),
+            st.sampled_from(["take", "spend", "credit"]),
+            st.floats(0, 5, allow_nan=False),
+        ),
+        max_size=40,
+    )
+)
+def test_shared_buckets_over_workers_behave_as_one_bucket(
+    tmp_path_factory: pytest.TempPathFactory,
+    steps: list[tuple[int, float, str, float]],
+) -> None:
+    """Whatever the order of workers, N views of a shared bucket answer as one bucket."""
+    shared = _workers_sharing(tmp_path_factory.mktemp("limits"), 3)
+    digest = auth.digest(auth.new_key())
+    at = [s.claim(digest, 0.0, (3.0, 0.0)) for s in shared]
+    assert len(set(at)) == 1
+    views = [s.bucket(at[0] + 1, 2.0, 3.0) for s in shared]
+    one = auth.Bucket(2.0, 3.0, 0.0)
+    now = 0.0
+    for worker, gap, op, amount in steps:
+        now += gap
+        view = views[worker]
+        if op == "take":
+            assert view.take(now) == one.take(now)
+        elif op == "spend":
+            view.spend(now, amount)
+            one.spend(now, amount)
+        else:
+            assert view.has_credit(now) == one.has_credit(now)
+    for s in shared:
+        s.close()
 
 
 def test_keys_file_errors_say_what_to_do(tmp_path: Path) -> None:
