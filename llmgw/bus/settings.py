@@ -23,6 +23,17 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """This service's client certificate (`llmgw ctl cert issue KIND NAME`)."""
     key_file: str = ""
 
+    def problems(self, section: str, unset_hint: str) -> list[str]:
+        """What is missing, each naming `section.field`; `unset_hint` says where the
+        certificate files come from for this service."""
+        out = []
+        if not self.servers:
+            out.append(f"{section}.servers is empty: list at least one tls://host:port")
+        for field in ("ca_file", "cert_file", "key_file"):
+            if not getattr(self, field):
+                out.append(f"{section}.{field} is not set: {unset_hint}")
+        return out
+
     def tls_context(self) -> ssl.SSLContext:
         """The client context: trusts only the fleet's CA, presents this certificate."""
         return tls.client_context(

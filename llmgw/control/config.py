@@ -103,14 +103,11 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
         problems.append("snapshot.every_events and snapshot.every_s must be 0 (never) or more")
     if cfg.snapshot.keep < 1:
         problems.append("snapshot.keep must be at least 1")
-    if not cfg.nats.servers:
-        problems.append("nats.servers is empty: list at least one tls://host:port")
-    for field in ("ca_file", "cert_file", "key_file"):
-        if not getattr(cfg.nats, field):
-            problems.append(
-                f"nats.{field} is not set: the control plane connects with mutual TLS; "
-                "issue its certificate with `llmgw ctl cert issue control <name>`"
-            )
+    problems += cfg.nats.problems(
+        "nats",
+        "the control plane connects with mutual TLS; "
+        "issue its certificate with `llmgw ctl cert issue control <name>`",
+    )
     a = cfg.admin
     if any((a.cert_file, a.key_file, a.ca_file)) and not all((a.cert_file, a.key_file, a.ca_file)):
         problems.append(

@@ -167,14 +167,11 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
                     f"endpoint {ep.id!r} serves {model!r}, which is not a declared model: {hint}"
                 )
     if cfg.log is not None:
-        if not cfg.log.servers:
-            problems.append("log.servers is empty: list at least one tls://host:port")
-        for field in ("ca_file", "cert_file", "key_file"):
-            if not getattr(cfg.log, field):
-                problems.append(
-                    f"log.{field} is not set: point it at the router's files from "
-                    "`llmgw ctl cert issue router NAME` (and the fleet's ca.pem)"
-                )
+        problems += cfg.log.problems(
+            "log",
+            "point it at the router's files from "
+            "`llmgw ctl cert issue router NAME` (and the fleet's ca.pem)",
+        )
     if cfg.workers < 1:
         problems.append("workers must be at least 1")
     if cfg.max_attempts < 1:

@@ -58,6 +58,7 @@ def test_environment_overrides_and_the_default_name(
         ({"models": [{"name": "m"}, {"name": "m"}]}, "listed twice"),
         ({"models": [{"name": "m", "dtype": "fp8", "gpu_class": "a100-80g"}]}, "fp8"),
         ({"nats": {"ca_file": ""}}, "llmgw ctl cert issue control"),
+        ({"nats": {"servers": []}}, "nats.servers is empty"),
         ({"snapshot": {"keep": 0}}, "snapshot.keep"),
         ({"lease_ttl": 3}, "unknown field"),
         ({"admin": {"cert_file": "admin.pem"}}, "set all of cert_file, key_file and ca_file"),
