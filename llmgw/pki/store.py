@@ -51,23 +51,20 @@ def write_private(path: Path, data: bytes, *, force: bool = False) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         return
-    # Replace atomically: a reader never sees half a key, and the new file is 0600 from the start.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _replace(path, data, 0o600)
 
 
 def write_public(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    _replace(path, data, 0o644)
+
+
+def _replace(path: Path, data: bytes, mode: int) -> None:
+    """Replace `path` atomically: a reader never sees half a file, and the new file has
+    `mode` from its first byte."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        os.fchmod(fd, 0o644)
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
