@@ -108,9 +108,9 @@ class Limiter(Protocol):
 
 
 SLOTS = 65_536
-SLOT_FIELDS = 6
-"""Per key: a tag (the digest's first 8 bytes), then level and stamp of the requests
-bucket and of the tokens bucket, and one spare."""
+SLOT_FIELDS = 5
+"""Per key: a tag (from the digest's first 8 bytes), then level and stamp of the requests
+bucket and of the tokens bucket."""
 
 
 class SharedLimits:
