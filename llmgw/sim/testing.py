@@ -17,9 +17,40 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
-_LINE = re.compile(rb"^llmgw sim listening on (http://\S+)$")
+_LINE = re.compile(r"^llmgw sim listening on (http://\S+)$")
+
+
+def wait_for_line(
+    proc: subprocess.Popen[bytes], pattern: re.Pattern[str], what: str, timeout: float
+) -> re.Match[str]:
+    """Read `proc`'s stdout until a line matches `pattern` (a server announcing where it
+    listens). Raises RuntimeError when it exits or `timeout` passes first; the caller
+    decides how to end it."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+            m = pattern.search(line.decode(errors="replace").strip())
+            if m:
+                return m
+        elif proc.poll() is not None:
+            break
+    try:
+        code: int | None = proc.wait(0.5)  # stdout closed: it is exiting
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is not None:
+        raise RuntimeError(f"{what} exited ({code}) before announcing itself: stdout={seen!r}")
+    raise RuntimeError(f"{what} did not announce itself within {timeout}s: stdout={seen!r}")
 
 
 class SimProcess:
@@ -31,37 +62,26 @@ class SimProcess:
         self._log = log
 
     @classmethod
-    def start(cls, *args: str, model: str = "sim", timeout: float = 20.0) -> SimProcess:
-        """Start a sim serving `model` on a free 127.0.0.1 port, with extra CLI `args`."""
+    def start(
+        cls, *args: str, model: str = "sim", timeout: float = 20.0, log: Path | None = None
+    ) -> SimProcess:
+        """Start a sim serving `model` on a free 127.0.0.1 port, with extra CLI `args`;
+        its stderr is appended to `log` (a temporary file when None)."""
         cmd = [sys.executable, "-m", "llmgw", "sim", "--host", "127.0.0.1", "--port", "0"]
         cmd += ["--served-model-name", model, "--log-level", "warning", *args]
         # stderr goes to a file: a pipe nobody reads would block the sim once full.
-        log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log)
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        seen = b""
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-            if ready:
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                seen += line
-                m = _LINE.match(line.strip())
-                if m:
-                    return cls(proc, m.group(1).decode(), log)
-            elif proc.poll() is not None:
-                break
-        proc.kill()
-        proc.wait()
-        log.seek(0)
-        err = log.read()
-        log.close()
-        raise RuntimeError(
-            f"llmgw sim did not announce itself within {timeout}s: stdout={seen!r} "
-            f"stderr={err.decode(errors='replace')[-2000:]}"
-        )
+        err = open(log, "a+b") if log else tempfile.TemporaryFile()  # noqa: SIM115 - kept for stderr_text()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+        try:
+            m = wait_for_line(proc, _LINE, "llmgw sim", timeout)
+        except RuntimeError as exc:
+            proc.kill()
+            proc.wait()
+            err.seek(0)
+            tail = err.read().decode(errors="replace")[-2000:]
+            err.close()
+            raise RuntimeError(f"{exc} stderr={tail}") from None
+        return cls(proc, m.group(1), err)
 
     @property
     def port(self) -> int:

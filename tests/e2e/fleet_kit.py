@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,8 @@ from llmgw.core import events, state
 from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile import ReconcileConfig
 from llmgw.pki.identity import Identity
+from llmgw.sim.testing import wait_for_line
+from tests import harness
 from tests.harness import ADMIN_KEY, TestNatsCluster, TestNatsServer
 from tests.integration import agent_kit
 
@@ -118,28 +120,14 @@ class Service:
             start_new_session=True,
         )
         log.close()
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        seen = b""
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                seen += line
-                found = self.ready.search(line.decode(errors="replace"))
-                if found:
-                    self.match = found
-                    threading.Thread(target=self._copy_stdout, daemon=True).start()
-                    return found
-            elif self.proc.poll() is not None:
-                break
-        self.kill9()
-        raise AssertionError(
-            f"{self.name} did not announce itself within {timeout_s} s: stdout={seen!r}\n"
-            f"log {self.log_path}:\n{self.log_tail()}"
-        )
+        try:
+            found = wait_for_line(self.proc, self.ready, self.name, timeout_s)
+        except RuntimeError as exc:
+            self.kill9()
+            raise AssertionError(f"{exc}\nlog {self.log_path}:\n{self.log_tail()}") from None
+        self.match = found
+        threading.Thread(target=self._copy_stdout, daemon=True).start()
+        return found
 
     def _copy_stdout(self) -> None:
         assert self.proc is not None
@@ -537,26 +525,8 @@ def on_node(row: dict[str, Any], node: str) -> bool:
 
 # --------------------------------------------------------------------------- polling
 
-
-async def wait_for(
-    check: Callable[[], bool | Awaitable[bool]],
-    within_s: float,
-    what: str,
-    every_s: float = 0.1,
-    detail: Callable[[], str] | None = None,
-) -> float:
-    """Poll until `check` holds; the seconds it took. Raises AssertionError naming `what`."""
-    started = time.monotonic()
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return time.monotonic() - started
-        if time.monotonic() - started > within_s:
-            extra = f"\n{detail()}" if detail is not None else ""
-            raise AssertionError(f"{what}: not within {within_s} s{extra}")
-        await asyncio.sleep(every_s)
+# The fleet's checks read admin APIs and logs: every 0.1 s is often enough.
+wait_for = functools.partial(harness.wait_for, every_s=0.1)
 
 
 # --------------------------------------------------------------------------- load

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -21,29 +20,10 @@ from typing import Any
 
 import yaml
 
+from llmgw.sim.testing import SimProcess, wait_for_line
+
 PY = sys.executable
-LINE = re.compile(rb"listening on (http://[^\s]+)(?: admin (http://[^\s]+))?")
-
-
-def _read_announce(proc: subprocess.Popen[bytes], what: str, timeout: float) -> re.Match[bytes]:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    buf = b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if ready:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            buf += line
-            m = LINE.search(line)
-            if m:
-                return m
-        elif proc.poll() is not None:
-            break
-    proc.kill()
-    err = proc.stderr.read().decode(errors="replace")[-3000:] if proc.stderr else ""
-    raise RuntimeError(f"{what} did not announce itself: stdout={buf!r} stderr={err}")
+LINE = re.compile(r"listening on (http://[^\s]+)(?: admin (http://[^\s]+))?")
 
 
 class Proc:
@@ -71,16 +51,18 @@ class Proc:
 
 
 class Sim(Proc):
-    """One `llmgw sim` engine."""
+    """One `llmgw sim` engine, started by the package's own test helper."""
+
+    def __init__(self, sim: SimProcess) -> None:
+        super().__init__(sim.proc, sim.url)
+        self.sim = sim
 
     @classmethod
     def start(cls, name: str = "m", *args: str, log: Path | None = None) -> Sim:
-        cmd = [PY, "-m", "llmgw", "sim", "--host", "127.0.0.1", "--port", "0"]
-        cmd += ["--served-model-name", name, *args]
-        stderr = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr)
-        m = _read_announce(proc, "llmgw sim", 30)
-        return cls(proc, m.group(1).decode())
+        return cls(SimProcess.start(*args, model=name, timeout=30, log=log))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.sim.stop(timeout)
 
     def get(self, path: str) -> bytes:
         with urllib.request.urlopen(self.url + path, timeout=5) as r:
@@ -90,7 +72,7 @@ class Sim(Proc):
     def metrics(self) -> dict[str, float]:
         """Metric name (labels dropped, summed) -> value."""
         out: dict[str, float] = {}
-        for line in self.get("/metrics").decode().splitlines():
+        for line in self.sim.metrics_text().splitlines():
             if not line or line.startswith("#"):
                 continue
             name = re.split(r"[{ ]", line, maxsplit=1)[0]
@@ -99,25 +81,11 @@ class Sim(Proc):
         return out
 
     def faults(self, **faults: Any) -> None:
-        import json
-
-        req = urllib.request.Request(
-            self.url + "/sim/faults",
-            data=json.dumps(faults).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=5) as r:
-            assert r.status in (200, 204), r.status
+        assert faults, "clear_faults() clears the plan"
+        self.sim.faults(**faults)
 
     def clear_faults(self) -> None:
-        _delete(self.url + "/sim/faults")
-
-
-def _delete(url: str) -> None:
-    req = urllib.request.Request(url, method="DELETE")
-    with urllib.request.urlopen(req, timeout=5) as r:
-        assert r.status in (200, 204), r.status
+        self.sim.faults()
 
 
 class Router(Proc):
@@ -162,16 +130,23 @@ class Router(Proc):
             cfg[key] = value
         path = tmp / f"router-{len(list(tmp.glob('router-*.yaml')))}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        stderr = open(log or path.with_suffix(".log"), "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [PY, "-m", "llmgw", "router", "--config", str(path)],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            env={**os.environ, **(env or {})},
-        )
-        m = _read_announce(proc, "llmgw router", 60)
-        r = cls(proc, m.group(1).decode())
-        r.admin = m.group(2).decode()
+        log_path = log or path.with_suffix(".log")
+        with open(log_path, "ab") as stderr:
+            proc = subprocess.Popen(
+                [PY, "-m", "llmgw", "router", "--config", str(path)],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env={**os.environ, **(env or {})},
+            )
+        try:
+            m = wait_for_line(proc, LINE, "llmgw router", 60)
+        except RuntimeError as exc:
+            proc.kill()
+            proc.wait()
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{exc} stderr={tail}") from None
+        r = cls(proc, m.group(1))
+        r.admin = m.group(2)
         r.wait_ready()
         return r
 

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -28,21 +27,14 @@ import pytest
 
 from llmgw import bus
 from llmgw.core import events, subjects
-from tests.harness import TestNatsServer
-from tests.integration.control_kit import (
-    SimAgent,
-    connect_as,
-    control_config,
-    model,
-    read_log,
-    wait_for,
-    write_config,
-)
+from llmgw.sim.testing import wait_for_line
+from tests.harness import TestNatsServer, connect_as, wait_for
+from tests.integration.control_kit import SimAgent, control_config, model, read_log, write_config
 
 pytestmark = pytest.mark.slow
 
 TTL = 2.0
-ANNOUNCE = re.compile(rb"llmgw control (\S+) admin (http://\S+)")
+ANNOUNCE = re.compile(r"llmgw control (\S+) admin (http://\S+)")
 
 
 class ControlProc:
@@ -61,18 +53,11 @@ class ControlProc:
         self.url = self._announced(20.0)
 
     def _announced(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                m = ANNOUNCE.search(self.proc.stdout.readline())
-                if m:
-                    return m.group(2).decode()
-            if self.proc.poll() is not None:
-                break
-        self.proc.kill()
-        raise RuntimeError(f"{self.name} did not start: {self.stderr_path.read_text()[-3000:]}")
+        try:
+            return wait_for_line(self.proc, ANNOUNCE, self.name, timeout).group(2)
+        except RuntimeError as exc:
+            self.proc.kill()
+            raise RuntimeError(f"{exc}: {self.stderr_path.read_text()[-3000:]}") from None
 
     def state(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"{self.url}/v1/state", timeout=2) as resp:

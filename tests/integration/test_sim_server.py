@@ -610,3 +610,16 @@ def test_environment_overrides_and_flags_win_over_them() -> None:
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+def test_a_sim_that_cannot_start_is_reported_with_its_stderr(tmp_path: Path) -> None:
+    log = tmp_path / "sim.log"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        SimProcess.start("--max-num-seqs", "-3", log=log)
+    # It exited at once: reported then, not after the whole start-up timeout.
+    assert time.monotonic() - t0 < 15
+    assert "exited (2) before announcing itself" in str(err.value)
+    complaint = "max_num_seqs must be >= 1"
+    assert complaint in str(err.value)  # the sim's own words, from its stderr
+    assert complaint in log.read_text()
