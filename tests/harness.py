@@ -39,13 +39,14 @@ import ssl
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import nats
 from nats.aio.client import Client
 
-from llmgw import natsd
+from llmgw import bus, natsd
 from llmgw.pki import authorization, tls
 from llmgw.pki.ca import CertificateAuthority, subject_name
 from llmgw.pki.identity import Identity, Kind
@@ -460,3 +461,39 @@ class Connector:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(nc.close(), 5)
         self.clients.clear()
+
+
+async def connect_as(
+    server: TestNatsServer, kind: str, name: str, *, attempts: int = 50
+) -> bus.BusClient:
+    """A bus client of identity KIND/NAME (issued by the server's test PKI)."""
+    ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
+    return await bus.connect(
+        server.url,
+        tls=ctx,
+        identity=Identity(kind, name),  # type: ignore[arg-type]
+        name=f"test-{kind}-{name}",
+        max_reconnect_attempts=attempts,
+    )
+
+
+async def wait_for(
+    check: Callable[[], bool | Awaitable[bool]],
+    within_s: float,
+    what: str,
+    every_s: float = 0.05,
+    detail: Callable[[], str] | None = None,
+) -> float:
+    """Poll until `check` holds; the seconds it took. Raises AssertionError naming `what`
+    (and `detail()`, when given)."""
+    started = time.monotonic()
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return time.monotonic() - started
+        if time.monotonic() - started > within_s:
+            extra = f"\n{detail()}" if detail is not None else ""
+            raise AssertionError(f"{what}: not within {within_s} s{extra}")
+        await asyncio.sleep(every_s)

@@ -36,7 +36,7 @@ from nats.js import api  # noqa: E402
 from llmgw import bus  # noqa: E402
 from llmgw.core import events, subjects  # noqa: E402
 from llmgw.pki.identity import Identity  # noqa: E402
-from tests.harness import TestNatsServer, TestPki  # noqa: E402
+from tests.harness import TestNatsServer, TestPki, connect_as  # noqa: E402
 
 
 class Clock:
@@ -84,17 +84,6 @@ def fold(state: dict[str, Any], event: events.AnyEvent) -> None:
             state[rid] = phase
         case _:
             pass
-
-
-async def connect_as(server: TestNatsServer, kind: str, name: str) -> bus.BusClient:
-    ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
-    return await bus.connect(
-        server.url,
-        tls=ctx,
-        identity=Identity(kind, name),  # type: ignore[arg-type]
-        name=f"bench-{name}",
-        max_reconnect_attempts=3,
-    )
 
 
 async def connect_plain(server: TestNatsServer, kind: str, name: str) -> Client:

@@ -53,7 +53,7 @@ from llmgw.core.inventory import Gpu  # noqa: E402
 from llmgw.core.profile import LaunchSpec, ModelProfile  # noqa: E402
 from llmgw.ctl import history  # noqa: E402
 from llmgw.pki.identity import Identity  # noqa: E402
-from tests.harness import TestNatsServer, TestPki  # noqa: E402
+from tests.harness import TestNatsServer, TestPki, connect_as  # noqa: E402
 from tests.unit import scenarios  # noqa: E402
 
 NODES = 64
@@ -212,17 +212,6 @@ def run_verify_cli(server: TestNatsServer) -> tuple[float, dict[str, object]]:
     out = subprocess.run(argv, capture_output=True, cwd=ROOT, text=True)
     assert out.returncode == 0, out.stderr
     return time.perf_counter() - started, json.loads(out.stdout)
-
-
-async def connect_as(server: TestNatsServer, kind: str, name: str) -> bus.BusClient:
-    ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
-    return await bus.connect(
-        server.url,
-        tls=ctx,
-        identity=Identity(kind, name),  # type: ignore[arg-type]
-        name=f"bench-{name}",
-        max_reconnect_attempts=5,
-    )
 
 
 async def read_only(nc: bus.BusClient) -> tuple[int, float]:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -26,15 +24,6 @@ from tests.harness import TestNatsServer
 from tests.integration.ctl_kit import Ctl
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def fleet(nats_server: TestNatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
-    f = Fleet(nats_server, tmp_path)
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 async def test_control_plane_killed_mid_drain_restarts_and_finishes_it(

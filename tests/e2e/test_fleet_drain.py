@@ -9,8 +9,6 @@ response must be whole, and afterwards the router sends nothing to node-a.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -19,15 +17,6 @@ from tests.harness import TestNatsServer
 from tests.integration.ctl_kit import Ctl
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def fleet(nats_server: TestNatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
-    f = Fleet(nats_server, tmp_path)
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 async def test_rolling_drain_under_load_loses_no_request(

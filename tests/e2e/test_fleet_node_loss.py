@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -27,18 +25,8 @@ from tests.e2e.fleet_kit import (
     serving,
     wait_for,
 )
-from tests.harness import TestNatsServer
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def fleet(nats_server: TestNatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
-    f = Fleet(nats_server, tmp_path)
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 async def test_a_killed_node_is_lost_its_replica_moves_and_traffic_goes_on(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile import ReconcileConfig
 from llmgw.pki.authorization import command_consumer
 from llmgw.pki.identity import Identity
-from tests.harness import TestNatsServer
+from tests.harness import TestNatsServer, connect_as
 
 FAST = ReconcileConfig(
     unreachable_after_s=2.0,
@@ -91,33 +91,6 @@ async def running(svc: ControlService) -> AsyncIterator[ControlService]:
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
-
-
-async def wait_for(
-    check: Callable[[], bool | Awaitable[bool]], within_s: float, what: str, every_s: float = 0.05
-) -> float:
-    """Poll until `check` holds; the seconds it took. Raises AssertionError naming `what`."""
-    started = time.monotonic()
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return time.monotonic() - started
-        if time.monotonic() - started > within_s:
-            raise AssertionError(f"{what}: not within {within_s} s")
-        await asyncio.sleep(every_s)
-
-
-async def connect_as(server: TestNatsServer, kind: str, name: str) -> bus.BusClient:
-    ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
-    return await bus.connect(
-        server.url,
-        tls=ctx,
-        identity=Identity(kind, name),  # type: ignore[arg-type]
-        name=f"test-{kind}-{name}",
-        max_reconnect_attempts=50,
-    )
 
 
 async def read_log(nc: bus.BusClient) -> list[bus.Record]:

@@ -20,6 +20,7 @@ import pytest
 from llmgw.agent import processes
 from llmgw.agent.service import AgentService
 from llmgw.control.service import ControlService
+from tests import harness
 from tests.harness import TestNatsServer
 from tests.integration import agent_kit as kit
 from tests.integration import control_kit
@@ -66,7 +67,7 @@ async def test_a_declared_model_is_placed_started_and_served(
         nats_server, "control-1", models=(control_kit.model("m1", replicas=1),)
     )
     async with control_kit.running(ControlService(cfg)) as control:
-        await control_kit.wait_for(
+        await harness.wait_for(
             lambda: "m1" in {e.model for e in control.state.endpoints.values()},
             60,
             "an endpoint for m1",
@@ -92,7 +93,7 @@ async def test_a_declared_model_is_placed_started_and_served(
                 and endpoint.replica_id in control.state.endpoints
             )
 
-        await control_kit.wait_for(restarted, 60, "the replica restarted and serving again")
+        await harness.wait_for(restarted, 60, "the replica restarted and serving again")
         new = agent.supervisor.view(endpoint.replica_id)
         assert new is not None
         assert new.phase == "serving"

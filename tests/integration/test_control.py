@@ -22,17 +22,8 @@ from llmgw.control import verify
 from llmgw.control.config import AdminListener, SnapshotConfig
 from llmgw.control.service import ControlService
 from llmgw.core import events, state
-from tests.harness import Connector, TestNatsServer
-from tests.integration.control_kit import (
-    FAST,
-    SimAgent,
-    connect_as,
-    control_config,
-    model,
-    read_log,
-    running,
-    wait_for,
-)
+from tests.harness import Connector, TestNatsServer, connect_as, wait_for
+from tests.integration.control_kit import FAST, SimAgent, control_config, model, read_log, running
 
 
 def serving(svc: ControlService, name: str) -> int:

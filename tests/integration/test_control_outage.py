@@ -17,17 +17,8 @@ import time
 
 from llmgw.control.service import ControlService
 from llmgw.core import events
-from tests.harness import TestNatsServer
-from tests.integration.control_kit import (
-    FAST,
-    SimAgent,
-    connect_as,
-    control_config,
-    model,
-    read_log,
-    running,
-    wait_for,
-)
+from tests.harness import TestNatsServer, connect_as, wait_for
+from tests.integration.control_kit import FAST, SimAgent, control_config, model, read_log, running
 
 # Every client comes back within a fraction of a second of the server: the default
 # backoff (up to 10 s) would make an agent's own late return look like a lost node.

@@ -20,15 +20,13 @@ import pytest
 from llmgw import bus
 from llmgw.control.service import ControlService
 from llmgw.core import events, placement
-from tests.harness import TestNatsServer
+from tests.harness import TestNatsServer, connect_as, wait_for
 from tests.integration.control_kit import (
     SimAgent,
-    connect_as,
     control_config,
     model,
     read_log,
     running,
-    wait_for,
     write_config,
 )
 from tests.integration.ctl_kit import Ctl

@@ -23,8 +23,8 @@ import pytest
 
 from llmgw import bus
 from llmgw.core import events
-from tests.harness import TestNatsServer
-from tests.integration.control_kit import connect_as, read_log, sim_gpus
+from tests.harness import TestNatsServer, connect_as
+from tests.integration.control_kit import read_log, sim_gpus
 from tests.integration.ctl_kit import ROOT, Ctl
 
 MODELS = """\

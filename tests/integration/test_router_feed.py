@@ -16,15 +16,8 @@ from llmgw.core import events
 from llmgw.pki.identity import Identity
 from llmgw.router.feed import LogFeed, LogSource
 from llmgw.router.table import Catalog, EndpointTable
-from tests.harness import TestNatsServer
-from tests.integration.control_kit import (
-    SimAgent,
-    connect_as,
-    control_config,
-    model,
-    running,
-    wait_for,
-)
+from tests.harness import TestNatsServer, connect_as, wait_for
+from tests.integration.control_kit import SimAgent, control_config, model, running
 
 
 def feed_for(server: TestNatsServer, name: str = "r1") -> LogFeed:

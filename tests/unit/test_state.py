@@ -32,6 +32,13 @@ def the_replica(sim: Sim) -> state.ReplicaState:
     return replica
 
 
+def _placed(model: str, *shards: events.ShardAssignment, fabric: str = "") -> events.ReplicaPlaced:
+    """A new replica `r-new` of `model` on `shards`, as a hostile or buggy writer sends it."""
+    return events.ReplicaPlaced(
+        id="x", ts=5.0, epoch=1, replica_id="r-new", model=model, shards=shards, fabric=fabric
+    )
+
+
 def test_registration_builds_a_ready_node_with_its_inventory() -> None:
     sim = Sim()
     assert sim.register("a", fabrics=[fabric("ib-a")], unhealthy=[5]) is None
@@ -186,73 +193,45 @@ HOSTILE: list[tuple[str, Hostile, str]] = [
     ),
     (
         "a replica placed on GPUs another replica holds",
-        lambda sim: events.ReplicaPlaced(
-            id="x",
-            ts=5.0,
-            epoch=1,
-            replica_id="r-new",
-            model="llama",
-            shards=(
-                events.ShardAssignment(
-                    shard=0, node=the_replica(sim).shards[0].node, gpus=(0, 1, 2, 3), port=8200
-                ),
+        lambda sim: _placed(
+            "llama",
+            events.ShardAssignment(
+                shard=0, node=the_replica(sim).shards[0].node, gpus=(0, 1, 2, 3), port=8200
             ),
         ),
         "which is held by replica",
     ),
     (
         "a replica for an undeclared model",
-        lambda sim: events.ReplicaPlaced(
-            id="x",
-            ts=5.0,
-            epoch=1,
-            replica_id="r-new",
-            model="nope",
-            shards=(events.ShardAssignment(shard=0, node="b", gpus=(4,), port=8200),),
+        lambda sim: _placed(
+            "nope", events.ShardAssignment(shard=0, node="b", gpus=(4,), port=8200)
         ),
         "which is not declared",
     ),
     (
         "a replica mixing GPU classes",
-        lambda sim: events.ReplicaPlaced(
-            id="x",
-            ts=5.0,
-            epoch=1,
-            replica_id="r-new",
-            model="llama",
-            shards=(
-                events.ShardAssignment(shard=0, node="mixed", gpus=(0,), port=8200),
-                events.ShardAssignment(shard=1, node="b", gpus=(7,), port=8200),
-            ),
+        lambda sim: _placed(
+            "llama",
+            events.ShardAssignment(shard=0, node="mixed", gpus=(0,), port=8200),
+            events.ShardAssignment(shard=1, node="b", gpus=(7,), port=8200),
             fabric="ib-a",
         ),
         "mixes GPU classes",
     ),
     (
         "a multi-node replica spanning fabrics",
-        lambda sim: events.ReplicaPlaced(
-            id="x",
-            ts=5.0,
-            epoch=1,
-            replica_id="r-new",
-            model="llama",
-            shards=(
-                events.ShardAssignment(shard=0, node="b", gpus=(6,), port=8200),
-                events.ShardAssignment(shard=1, node="far", gpus=(0,), port=8200),
-            ),
+        lambda sim: _placed(
+            "llama",
+            events.ShardAssignment(shard=0, node="b", gpus=(6,), port=8200),
+            events.ShardAssignment(shard=1, node="far", gpus=(0,), port=8200),
             fabric="ib-a",
         ),
         "is not on fabric 'ib-a'",
     ),
     (
         "a GPU that does not exist",
-        lambda sim: events.ReplicaPlaced(
-            id="x",
-            ts=5.0,
-            epoch=1,
-            replica_id="r-new",
-            model="llama",
-            shards=(events.ShardAssignment(shard=0, node="b", gpus=(42,), port=8200),),
+        lambda sim: _placed(
+            "llama", events.ShardAssignment(shard=0, node="b", gpus=(42,), port=8200)
         ),
         "has no GPU 42",
     ),
