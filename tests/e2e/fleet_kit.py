@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import re
@@ -54,8 +53,7 @@ from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile import ReconcileConfig
 from llmgw.pki.identity import Identity
 from llmgw.sim.testing import wait_for_line
-from tests import harness
-from tests.harness import ADMIN_KEY, TestNatsCluster, TestNatsServer
+from tests.harness import ADMIN_KEY, TestNatsCluster, TestNatsServer, wait_for
 from tests.integration import agent_kit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -521,12 +519,6 @@ def fold(records: Sequence[bus.Record]) -> state.ClusterState:
 
 def on_node(row: dict[str, Any], node: str) -> bool:
     return any(s["node"] == node for s in row["shards"])
-
-
-# --------------------------------------------------------------------------- polling
-
-# The fleet's checks read admin APIs and logs: every 0.1 s is often enough.
-wait_for = functools.partial(harness.wait_for, every_s=0.1)
 
 
 # --------------------------------------------------------------------------- load

@@ -123,7 +123,7 @@ async def test_cluster_loses_the_stream_leader_and_nothing_acknowledged_is_lost(
             except Exception:  # not declared or not served yet: 404 / 503 until then
                 return False
 
-        served_s = await wait_for(m2_streams, 45, "m2 declared after the loss streams", 0.5)
+        served_s = await wait_for(m2_streams, 45, "m2 declared after the loss streams", every_s=0.5)
         await load.wait_ok(10)
 
     # Every acknowledged publish is in the stream, once.
