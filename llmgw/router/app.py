@@ -35,7 +35,7 @@ from llmgw.config import ConfigError
 from llmgw.core import breaker, routing
 from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import auth, requests
+from llmgw.router import auth, requests, sse
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
 from llmgw.router.feed import LogFeed
@@ -654,7 +654,7 @@ class Router:
                 # A chat stream opens with a role-only chunk before any token (vLLM sends it
                 # with the first token, others at once): hold it back, so the first-token
                 # deadline still covers the wait and the request can still move elsewhere.
-                while first and len(first) < 4096 and _only_openers(first):
+                while first and len(first) < 4096 and sse.only_openers(first):
                     more = await upstream.read_any()
                     if not more:
                         break
@@ -761,8 +761,11 @@ class Router:
                         end = cut + 2 if cut >= 0 else len(buf)
                         out = buf[:end] if end < len(buf) else buf
                         buf = buf[end:] if end < len(buf) else b""
-                        if b'"usage"' in out:
-                            out = self._usage_events(out, prof, principal, state.drop_usage)
+                        at = out.find(sse.USAGE_KEY)
+                        if at >= 0:
+                            out, usages = sse.take_usage(out, at, drop=state.drop_usage)
+                            for usage in usages:
+                                self._count(prof, principal, usage)
                         if out:
                             tail = out
                             try:
@@ -809,46 +812,6 @@ class Router:
             except ConnectionResetError:
                 raise _ClientGone from None
         return resp
-
-    def _usage_events(
-        self,
-        out: bytes,
-        prof: ModelProfile,
-        principal: auth.Principal | None,
-        drop: bool,
-    ) -> bytes:
-        """Count usage chunks; drop usage-only chunks the client did not ask for.
-
-        Only the events around each `"usage"` are looked at; the rest pass as bytes.
-        """
-        at = out.find(b'"usage"')
-        while at >= 0:
-            start = out.rfind(b"\n\n", 0, at) + 2 if out.rfind(b"\n\n", 0, at) >= 0 else 0
-            end = out.find(b"\n\n", at)
-            end = len(out) if end < 0 else end + 2
-            event = out[start:end].rstrip(b"\n")
-            if event.startswith(b"data: {"):
-                u = requests.usage_of(event[6:])
-                if u is not None and u.usage is not None:
-                    self._count(prof, principal, u.usage)
-                    if drop and not u.choices:
-                        out = out[:start] + out[end:]
-                        at = out.find(b'"usage"', start)
-                        continue
-            at = out.find(b'"usage"', end)
-        return out
-
-
-def _only_openers(data: bytes) -> bool:
-    """Whether `data` is whole SSE events that each only announce the assistant's role."""
-    if not data.endswith(b"\n\n"):
-        return False
-    for event in data.split(b"\n\n"):
-        if event and not (
-            b'"role"' in event and (b'"content":""' in event or b'"content"' not in event)
-        ):
-            return False
-    return True
 
 
 class _SSEResponse(web.StreamResponse):

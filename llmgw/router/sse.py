@@ -1,0 +1,73 @@
+"""What the relay looks at in an engine's SSE bytes, as pure functions over bytes.
+
+The router relays a stream as raw bytes, whole events at a time. It looks into
+them for two things only: whether the first bytes are nothing but the chat
+stream's role-only opening chunk (held back, so the first-token deadline still
+covers the wait), and the usage chunk, counted for metrics and token limits and
+dropped when the router asked for it on the client's behalf. Both look at as few
+bytes as they can: a fast engine's first read holds the whole answer.
+Used by `llmgw.router.app`.
+"""
+
+from __future__ import annotations
+
+from llmgw.router import requests
+
+USAGE_KEY = b'"usage"'
+_BLANK = b" \t\r\n"
+
+
+def only_openers(data: bytes) -> bool:
+    """Whether `data` is whole SSE events that each only announce the assistant's role.
+
+    Stops at the first event that is not one.
+    """
+    if not data.endswith(b"\n\n"):
+        return False
+    pos = 0
+    n = len(data)
+    while pos < n:
+        end = data.find(b"\n\n", pos)
+        if end < 0:  # "\n\n\n": the last "\n\n" overlapped; the rest is one event
+            end = n
+        if end > pos and not (
+            data.find(b'"role"', pos, end) >= 0
+            and (data.find(b'"content":""', pos, end) >= 0 or data.find(b'"content"', pos, end) < 0)
+        ):
+            return False
+        pos = end + 2
+    return True
+
+
+def _usage_is_object(data: bytes, at: int) -> bool:
+    """Whether the `"usage"` key at `at` has an object value (not null: OpenAI sends
+    `"usage":null` in every chunk of a stream that asked for usage)."""
+    rest = data[at + len(USAGE_KEY) : at + len(USAGE_KEY) + 16].lstrip(_BLANK)
+    return rest[:1] == b":" and rest[1:].lstrip(_BLANK)[:1] == b"{"
+
+
+def take_usage(out: bytes, at: int, *, drop: bool) -> tuple[bytes, list[requests.Usage]]:
+    """The usage of every event in `out` that carries one, and `out` without the
+    usage-only events (no choices) when `drop`.
+
+    `at` is the first `"usage"` in `out` (the caller has looked for it already). Only
+    the events around each `"usage"` are decoded; the rest stay bytes.
+    """
+    found: list[requests.Usage] = []
+    while at >= 0:
+        before = out.rfind(b"\n\n", 0, at)
+        start = before + 2 if before >= 0 else 0
+        end = out.find(b"\n\n", at)
+        end = len(out) if end < 0 else end + 2
+        if _usage_is_object(out, at):
+            event = out[start:end].rstrip(b"\n")
+            if event.startswith(b"data: {"):
+                u = requests.usage_of(event[6:])
+                if u is not None and u.usage is not None:
+                    found.append(u.usage)
+                    if drop and not u.choices:
+                        out = out[:start] + out[end:]
+                        at = out.find(USAGE_KEY, start)
+                        continue
+        at = out.find(USAGE_KEY, end)
+    return out, found

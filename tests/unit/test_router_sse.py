@@ -1,0 +1,109 @@
+"""The relay's looks into SSE bytes: role-only openers and usage chunks."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.router import sse
+
+OPENER = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+OPENER_BARE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}'
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}'
+TOKEN_NULL_USAGE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null}'
+DONE = b"data: [DONE]"
+
+
+def usage_event(prompt: int, completion: int, *, choices: bool, spaced: bool) -> bytes:
+    obj = {
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}] if choices else [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion},
+    }
+    text = json.dumps(obj) if spaced else json.dumps(obj, separators=(",", ":"))
+    return b"data: " + text.encode()
+
+
+def reference_only_openers(data: bytes) -> bool:
+    """The plain definition: split into events, every non-empty one only sets the role."""
+    if not data.endswith(b"\n\n"):
+        return False
+    return all(
+        not event
+        or (b'"role"' in event and (b'"content":""' in event or b'"content"' not in event))
+        for event in data.split(b"\n\n")
+    )
+
+
+events = st.sampled_from([OPENER, OPENER_BARE, TOKEN, TOKEN_NULL_USAGE, DONE, b"", b": ping"])
+
+
+@given(st.lists(events, max_size=8), st.sampled_from([b"\n\n", b"\n", b""]))
+def test_only_openers_matches_its_definition(parts: list[bytes], end: bytes) -> None:
+    data = b"\n\n".join(parts) + end
+    assert sse.only_openers(data) == reference_only_openers(data)
+
+
+def test_only_openers_cases() -> None:
+    assert sse.only_openers(OPENER + b"\n\n")
+    assert sse.only_openers(OPENER + b"\n\n" + OPENER_BARE + b"\n\n")
+    assert not sse.only_openers(OPENER + b"\n\n" + TOKEN + b"\n\n")
+    assert not sse.only_openers(OPENER)  # not a whole event yet
+    assert not sse.only_openers(TOKEN + b"\n\n")
+
+
+def test_usage_is_counted_and_the_requested_chunk_dropped() -> None:
+    usage = usage_event(20, 16, choices=False, spaced=False)
+    stream = b"".join(e + b"\n\n" for e in (OPENER, TOKEN, usage, DONE))
+    at = stream.find(sse.USAGE_KEY)
+    kept, found = sse.take_usage(stream, at, drop=False)
+    assert kept == stream
+    assert [(u.prompt_tokens, u.completion_tokens) for u in found] == [(20, 16)]
+    dropped, found = sse.take_usage(stream, at, drop=True)
+    assert dropped == b"".join(e + b"\n\n" for e in (OPENER, TOKEN, DONE))
+    assert len(found) == 1
+
+
+def test_usage_with_choices_and_spaced_json_is_counted_not_dropped() -> None:
+    usage = usage_event(3, 4, choices=True, spaced=True)
+    stream = TOKEN_NULL_USAGE + b"\n\n" + usage + b"\n\n" + DONE + b"\n\n"
+    out, found = sse.take_usage(stream, stream.find(sse.USAGE_KEY), drop=True)
+    assert out == stream
+    assert [(u.prompt_tokens, u.completion_tokens) for u in found] == [(3, 4)]
+
+
+@given(
+    st.lists(
+        st.one_of(
+            events,
+            st.builds(
+                usage_event,
+                st.integers(0, 10**6),
+                st.integers(0, 10**6),
+                choices=st.booleans(),
+                spaced=st.booleans(),
+            ),
+        ),
+        max_size=8,
+    ),
+    st.booleans(),
+)
+def test_take_usage_finds_every_usage_and_drops_exactly_the_usage_only_events(
+    parts: list[bytes], drop: bool
+) -> None:
+    stream = b"".join(p + b"\n\n" for p in parts)
+    at = stream.find(sse.USAGE_KEY)
+    out, found = sse.take_usage(stream, at, drop=drop) if at >= 0 else (stream, [])
+    expected_usage = []
+    kept = []
+    for p in parts:
+        body = json.loads(p[6:]) if p.startswith(b"data: {") else {}
+        usage = body.get("usage")
+        if usage is not None:
+            expected_usage.append((usage["prompt_tokens"], usage["completion_tokens"]))
+            if drop and not body["choices"]:
+                continue
+        kept.append(p)
+    assert [(u.prompt_tokens, u.completion_tokens) for u in found] == expected_usage
+    assert out == b"".join(p + b"\n\n" for p in kept)
