@@ -26,7 +26,7 @@ class Deadlines(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     idle_s: float = 30.0
     """Longest silence between two streamed chunks: a wedged engine, not a slow one.
 
-    The router cuts a silent stream between idle_s and idle_s * 1.05 (at most 0.5 s late)."""
+    The router cuts a silent stream after idle_s, at most a few milliseconds late."""
     total_s: float = 600.0
 
 

@@ -38,6 +38,7 @@ from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import auth, requests, sse
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
+from llmgw.router.deadlines import Watchdog
 from llmgw.router.feed import LogFeed
 from llmgw.router.metrics import Metrics, metrics_dir
 from llmgw.router.table import Catalog, EndpointTable, Prober
@@ -50,10 +51,6 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 MAX_EVENT_BYTES = 4 * 1024 * 1024
 """An upstream 'event' this long without a blank line is relayed as is rather than buffered."""
-IDLE_SLACK = 0.05
-IDLE_SLACK_MAX_S = 0.5
-"""An idle deadline of d seconds fires after d to d * (1 + IDLE_SLACK) seconds of silence,
-at most IDLE_SLACK_MAX_S late."""
 SESSIONS_KEPT = 100_000
 SCORE_SAMPLE = 8
 PATHS: dict[str, requests.Kind] = {
@@ -120,6 +117,7 @@ class Router:
         self._routed = 0
         self._bases: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
         self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
+        self.deadlines = Watchdog()
         self._rid_prefix = f"{os.urandom(4).hex()}-"
         self._rid = 0
         self._use_prefix = cfg.weights.prefix > 0
@@ -171,6 +169,7 @@ class Router:
         if self.session is not None:
             await self.session.close()
         self.pool.close()
+        self.deadlines.close()
 
     def reload_keys(self) -> None:
         """Re-read the keys file; a broken file keeps the keys in force (and says why)."""
@@ -631,7 +630,7 @@ class Router:
         upstream: upstream_http.Response | None = None
         phase = "headers"
         try:
-            async with asyncio.timeout_at(min(t0 + d.headers_s, total_at)) as cm:
+            async with self.deadlines.at(min(t0 + d.headers_s, total_at)) as cm:
                 upstream = await self.pool.request(key, head, body, connect_timeout=d.connect_s)
                 status = upstream.status
                 if status >= 500 or status == 429:
@@ -703,7 +702,7 @@ class Router:
         self, upstream: upstream_http.Response, d: Deadlines, total_at: float
     ) -> bytes:
         try:
-            async with asyncio.timeout_at(total_at):
+            async with self.deadlines.at(total_at):
                 return await upstream.read()
         except TimeoutError:
             raise Retry(
@@ -748,13 +747,11 @@ class Router:
         finished = False
         problem: tuple[str, str] | None = None
         idle = d.idle_s
-        # The idle timer is moved only when it would fire too soon, and then `slack` beyond
-        # the idle deadline: a silence is cut between idle and idle + slack seconds, and a
-        # fast stream moves its timer a few times a second rather than at every chunk.
-        slack = min(idle * IDLE_SLACK, IDLE_SLACK_MAX_S)
-        deadline = min(t_first + idle + slack, total_at)
+        # The idle deadline moves with every chunk: a Watchdog deadline moves for the price of
+        # an attribute write.
+        deadline = min(t_first + idle, total_at)
         try:
-            async with asyncio.timeout_at(deadline) as cm:
+            async with self.deadlines.at(deadline) as cm:
                 while True:
                     cut = buf.rfind(b"\n\n")
                     if cut >= 0 or len(buf) > MAX_EVENT_BYTES:
@@ -785,11 +782,11 @@ class Router:
                     chunks += 1
                     t_last = now
                     buf = buf + chunk if buf else chunk
-                    if now + idle > deadline and deadline < total_at:
-                        deadline = min(now + idle + slack, total_at)
+                    if deadline < total_at:
+                        deadline = min(now + idle, total_at)
                         cm.reschedule(deadline)
         except TimeoutError:
-            if loop.time() >= total_at - 0.001:
+            if deadline >= total_at:
                 problem = ("total_timeout", f"the engine did not finish within {d.total_s} s")
             else:
                 problem = ("idle_timeout", f"the engine sent nothing for {idle} s")
