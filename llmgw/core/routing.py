@@ -203,7 +203,9 @@ def rank(endpoints: Sequence[EndpointState], q: Query, weights: Weights, rand: f
             continue
         values = scorer(survivors, q)
         per_scorer.append((name, values))
-        totals = [t + w * v for t, v in zip(totals, values, strict=True)]
+        # An index loop, not a new list per scorer: rank runs on every request.
+        for i, v in enumerate(values):
+            totals[i] += w * v
     best = max(totals)
     tied = [i for i, t in enumerate(totals) if best - t <= 1e-9]
     if len(tied) > 1:

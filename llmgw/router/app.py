@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import random
 import time
@@ -118,6 +119,8 @@ class Router:
         self._bases: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
         self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
         self.deadlines = Watchdog()
+        # An access log at debug level; the check is made once (the default level is info).
+        self._access_log = log.is_enabled_for(logging.DEBUG)
         self._rid_prefix = f"{os.urandom(4).hex()}-"
         self._rid = 0
         self._use_prefix = cfg.weights.prefix > 0
@@ -398,8 +401,8 @@ class Router:
         finally:
             took = time.monotonic() - start
             self.metrics.request_done(asked, status, took)
-            # An access log at debug level: free when filtered out (the default, info).
-            log.debug("request", request_id=rid, model=asked, status=status, duration_s=took)
+            if self._access_log:
+                log.debug("request", request_id=rid, model=asked, status=status, duration_s=took)
 
     # ------------------------------------------------------------------ dispatch
 

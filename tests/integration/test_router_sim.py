@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -386,6 +387,7 @@ async def test_keys_401_401_403_429(tmp_path: Path, sims: list[Sim], routers: li
         models=[{"name": "m"}, {"name": "other"}],
         endpoint_models={"s": ["m", "other"]},
         auth={"keys_file": str(keys)},
+        log_level="debug",  # with the access log: a line per request
     )
     routers.append(router)
     async with httpx.AsyncClient() as h:
@@ -424,6 +426,8 @@ async def test_keys_401_401_403_429(tmp_path: Path, sims: list[Sim], routers: li
     await tc.close()
     log = (tmp_path / "router-0.log").read_text()
     assert "router_worker_started" in log  # the router's own log, read whole
+    access = [json.loads(line) for line in log.splitlines() if '"event": "request"' in line]
+    assert {a["status"] for a in access} >= {200, 401, 403, 429}
     for key in (good, limited, thrifty):
         assert key not in log
 
