@@ -27,7 +27,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -40,7 +40,7 @@ from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import auth, requests, sse
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
-from llmgw.router.deadlines import Watchdog
+from llmgw.router.deadlines import Deadline, Watchdog
 from llmgw.router.feed import LogFeed
 from llmgw.router.metrics import Metrics, metrics_dir
 from llmgw.router.table import Catalog, EndpointTable, Prober
@@ -736,67 +736,72 @@ class Router:
         state: _Relay,
         total_at: float,
     ) -> web.StreamResponse:
-        """Relay SSE events from the first bytes on. From here on there is no retry."""
+        """Relay SSE events from the first bytes on. From here on there is no retry.
+
+        Once the response has started, later chunks go straight from the engine
+        connection's data callback to the client's transport (`_Stream.sink`): no task
+        wakes up per chunk. A client that reads slower than the engine writes drops the
+        stream back to awaited writes, which wait for it.
+        """
         loop = asyncio.get_running_loop()
         d = prof.deadlines
         t_first = loop.time()
         self.metrics.first_token(prof.name, t_first - state.loop_start)
         resp = await state.prepare()
-        buf = first
-        chunks = 1
-        t_last = t_first
-        tail = b""
+        stream = _Stream(self, upstream, prof, principal, state.drop_usage, loop, t_first)
+        stream.idle = d.idle_s
+        stream.total_at = total_at
         finished = False
         problem: tuple[str, str] | None = None
-        idle = d.idle_s
-        # The idle deadline moves with every chunk: a Watchdog deadline moves for the price of
-        # an attribute write.
-        deadline = min(t_first + idle, total_at)
+        out = stream.take(first)
         try:
-            async with self.deadlines.at(deadline) as cm:
+            async with self.deadlines.at(min(t_first + d.idle_s, total_at)) as cm:
+                stream.deadline = cm
                 while True:
-                    cut = buf.rfind(b"\n\n")
-                    if cut >= 0 or len(buf) > MAX_EVENT_BYTES:
-                        end = cut + 2 if cut >= 0 else len(buf)
-                        out = buf[:end] if end < len(buf) else buf
-                        buf = buf[end:] if end < len(buf) else b""
-                        at = out.find(sse.USAGE_KEY)
-                        if at >= 0:
-                            out, usages = sse.take_usage(out, at, drop=state.drop_usage)
-                            for usage in usages:
-                                self._count(prof, principal, usage)
-                        if out:
-                            tail = out
-                            try:
-                                if not buf and upstream.at_eof() and out.endswith(DONE):
-                                    # The whole rest is here: headers (if still held), the
-                                    # events and the end of the body leave in one send.
-                                    await resp.write_eof(out)
+                    if out:
+                        try:
+                            if not stream.buf and upstream.at_eof() and out.endswith(DONE):
+                                # The whole rest is here: headers (if still held), the
+                                # events and the end of the body leave in one send.
+                                await resp.write_eof(out)
+                                finished = True
+                                break
+                            await resp.write(out)
+                        except ConnectionResetError:
+                            raise _ClientGone from None
+                        stream.started = True
+                    if stream.started and not stream.slow and resp.chunked:
+                        transport = state.request.transport
+                        if transport is not None and not transport.is_closing():
+                            out = await stream.direct(transport)
+                            if stream.failed is not None:
+                                problem = ("relay_error", "the router failed relaying the"
+                                           " stream (a bug): see its log")  # fmt: skip
+                                break
+                            if upstream.at_eof():
+                                if out:
+                                    try:
+                                        await resp.write_eof(out)
+                                    except ConnectionResetError:
+                                        raise _ClientGone from None
                                     finished = True
-                                    break
-                                await resp.write(out)
-                            except ConnectionResetError:
-                                raise _ClientGone from None
+                                break
+                            continue  # a slow client: `out` and the rest are written awaited
                     chunk = await upstream.read_any()
                     if not chunk:
                         break
-                    now = loop.time()
-                    chunks += 1
-                    t_last = now
-                    buf = buf + chunk if buf else chunk
-                    if deadline < total_at:
-                        deadline = min(now + idle, total_at)
-                        cm.reschedule(deadline)
+                    stream.arrived(loop.time())
+                    out = stream.take(chunk)
         except TimeoutError:
-            if deadline >= total_at:
+            if stream.deadline is not None and stream.deadline.when >= total_at:
                 problem = ("total_timeout", f"the engine did not finish within {d.total_s} s")
             else:
-                problem = ("idle_timeout", f"the engine sent nothing for {idle} s")
+                problem = ("idle_timeout", f"the engine sent nothing for {d.idle_s} s")
         except (upstream_http.UpstreamError, OSError) as exc:
             problem = ("engine_disconnected", f"the engine's stream broke off: {exc}")
-        if chunks > 1:
-            self.metrics.inter_token(prof.name, (t_last - t_first) / (chunks - 1))
-        if problem is None and not tail.endswith(DONE):
+        if stream.chunks > 1:
+            self.metrics.inter_token(prof.name, (stream.t_last - t_first) / (stream.chunks - 1))
+        if problem is None and not stream.tail.endswith(DONE):
             problem = ("engine_disconnected", "the engine ended the stream before it was complete")
         if problem is not None:
             log.warning("stream_cut", request_id=state.rid, endpoint=ep.id, reason=problem[0])
@@ -811,6 +816,121 @@ class Router:
             except ConnectionResetError:
                 raise _ClientGone from None
         return resp
+
+
+DIRECT_HIGH_WATER = 64 * 1024
+"""Bytes waiting in the client's transport that take a stream off the direct path."""
+
+
+class _Stream:
+    """One relayed stream: whole events out of the engine's bytes, usage counted, the
+    idle deadline moved with each chunk; and the direct path (`sink`)."""
+
+    __slots__ = (
+        "buf", "chunks", "deadline", "drop", "failed", "held", "idle", "loop", "principal",
+        "prof", "router", "slow", "started", "t_last", "tail", "total_at", "transport",
+        "upstream",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        router: Router,
+        upstream: upstream_http.Response,
+        prof: ModelProfile,
+        principal: auth.Principal | None,
+        drop: bool,
+        loop: asyncio.AbstractEventLoop,
+        t_first: float,
+    ) -> None:
+        self.router = router
+        self.upstream = upstream
+        self.prof = prof
+        self.principal = principal
+        self.drop = drop
+        self.loop = loop
+        self.buf = b""
+        self.tail = b""
+        """The last bytes relayed: a complete stream ends with [DONE]."""
+        self.held = b""
+        """Direct path: events ending in [DONE], kept to leave with the end of the body."""
+        self.chunks = 1
+        self.t_last = t_first
+        self.idle = 0.0
+        self.total_at = 0.0
+        self.deadline: Deadline | None = None
+        self.started = False
+        """Something went out through aiohttp: the headers are on the wire."""
+        self.slow = False
+        self.failed: BaseException | None = None
+        self.transport: asyncio.BaseTransport | None = None
+
+    def take(self, data: bytes) -> bytes:
+        """The whole events now complete (usage counted, a requested usage chunk dropped)."""
+        buf = self.buf + data if self.buf else data
+        cut = buf.rfind(b"\n\n")
+        if cut < 0 and len(buf) <= MAX_EVENT_BYTES:
+            self.buf = buf
+            return b""
+        end = cut + 2 if cut >= 0 else len(buf)
+        if end < len(buf):
+            out, self.buf = buf[:end], buf[end:]
+        else:
+            out, self.buf = buf, b""
+        at = out.find(sse.USAGE_KEY)
+        if at >= 0:
+            out, usages = sse.take_usage(out, at, drop=self.drop)
+            for usage in usages:
+                self.router._count(self.prof, self.principal, usage)
+        if out:
+            self.tail = out
+        return out
+
+    def arrived(self, now: float) -> None:
+        """A chunk came: count it and move the idle deadline past it."""
+        self.chunks += 1
+        self.t_last = now
+        d = self.deadline
+        if d is not None and d.when < self.total_at and not d.expired():
+            d.reschedule(min(now + self.idle, self.total_at))
+
+    async def direct(self, transport: asyncio.BaseTransport) -> bytes:
+        """Relay from the engine's data callback until the body ends or the client is slow;
+        returns what is left to write (the held end of the stream)."""
+        self.transport = transport
+        self.upstream.relay_to(self.sink)
+        try:
+            await self.upstream.wait_end()
+        finally:
+            self.upstream.relay_to(None)
+        held, self.held = self.held, b""
+        return held
+
+    def sink(self, data: bytes) -> None:
+        try:
+            self.arrived(self.loop.time())
+            out = self.take(data)
+            if not out:
+                return
+            if self.held:
+                out = self.held + out
+                self.held = b""
+            if out.endswith(DONE):
+                self.held = out  # most likely the end: it leaves with the last chunk marker
+                return
+            # uvloop's transports are not asyncio.Transport subclasses, only alike.
+            t = cast(asyncio.WriteTransport, self.transport)
+            if t.is_closing():
+                return  # the client left; its handler is being cancelled
+            # aiohttp chunked the response (HTTP/1.1); these are its next chunks.
+            t.write(b"%x\r\n%b\r\n" % (len(out), out))
+            if t.get_write_buffer_size() > DIRECT_HIGH_WATER:
+                self.slow = True
+                self.router.metrics.slow_client(self.prof.name)
+                self.upstream.relay_to(None)
+        except Exception as exc:  # a bug: never raise into the engine connection's callback
+            log.exception("relay_failed")
+            self.failed = exc
+            self.upstream.relay_to(None)
 
 
 class _SSEResponse(web.StreamResponse):
@@ -860,6 +980,10 @@ class _Relay:
         if self.response is None:
             resp = _SSEResponse(status=200, headers=SSE_HEADERS)
             resp.headers["X-Request-Id"] = self.rid
+            if self.request.version >= aiohttp.HttpVersion11:
+                # What aiohttp does anyway for a body of unknown length, said up front: the
+                # direct path writes the next chunks itself (`_Stream.sink`).
+                resp.enable_chunked_encoding()
             self.response = resp
         if not self.response.prepared:
             try:

@@ -2,9 +2,9 @@
 
 Requests by model and status, duration, time to first token, inter-token
 latency (per-request mean: one observation per request keeps the hot path
-cheap), tokens in and out, retries, fallbacks, attempts per endpoint, each
-scorer's value for the chosen endpoint (sampled), per-filter drops, and per
-endpoint the breaker state, readiness, queue depth, KV usage and in-flight
+cheap), tokens in and out, retries, fallbacks, streams of slow clients, attempts
+per endpoint, each scorer's value for the chosen endpoint (sampled), per-filter
+drops, and per endpoint the breaker state, readiness, queue depth, KV usage and in-flight
 count as the last probe saw them.
 
 The hot path only adds to plain dicts: one event loop owns them, so there is
@@ -136,6 +136,12 @@ class Metrics:
         self.fallbacks = Counter(
             p + "fallbacks", "Requests moved to a fallback model.", ("model", "fallback")
         )
+        self.slow_clients = Counter(
+            p + "slow_clients",
+            "Streams whose client read slower than the engine wrote: their chunks are relayed"
+            " through awaited writes instead of straight from the engine's connection.",
+            ("model",),
+        )
         self.sent = Counter(
             p + "endpoint_requests", "Attempts sent to each endpoint (retries included).",
             ("endpoint",),
@@ -170,7 +176,7 @@ class Metrics:
         )  # fmt: skip
         self.all: tuple[Metric, ...] = (
             self.requests, self.duration, self.ttft, self.itl, self.tokens, self.retries,
-            self.fallbacks, self.sent, self.scores, self.drops, self.breaker, self.ready,
+            self.fallbacks, self.slow_clients, self.sent, self.scores, self.drops, self.breaker, self.ready,
             self.queue, self.kv, self.inflight,
         )  # fmt: skip
 
@@ -191,6 +197,9 @@ class Metrics:
             self.tokens.inc((model, "in"), prompt)
         if completion:
             self.tokens.inc((model, "out"), completion)
+
+    def slow_client(self, model: str) -> None:
+        self.slow_clients.inc((model,))
 
     def attempt(self, endpoint: str) -> None:
         self.sent.inc((endpoint,))

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+from collections.abc import Callable
 from typing import cast
 
 MAX_HEAD = 64 * 1024
@@ -63,6 +64,7 @@ class _Conn(asyncio.Protocol):
         "expecting",
         "key",
         "loop",
+        "sink",
         "status",
         "transport",
     )  # fmt: skip
@@ -73,6 +75,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.expecting = False
         self.key: tuple[str, int, bool] = ("", 0, False)
+        self.sink: Callable[[bytes], None] | None = None
+        """Takes body bytes as they arrive, in the protocol callback, instead of `read_any`."""
         self._reset()
 
     def _reset(self) -> None:
@@ -272,6 +276,9 @@ class _Conn(asyncio.Protocol):
     def _push(self, data: bytes) -> None:
         if not data:
             return
+        if self.sink is not None and not self._chunks:
+            self.sink(data)
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
@@ -289,7 +296,14 @@ class _Conn(asyncio.Protocol):
 
     def _wake(self) -> None:
         w = self._waiter
-        if w is not None and not w.done():
+        if (
+            w is not None
+            and not w.done()
+            and (
+                # While a sink takes the body, its reader waits only for the end (or a failure).
+                self.sink is None or self.done or self._chunks or self._error is not None
+            )
+        ):
             w.set_result(None)
         h = self._headers_waiter
         if h is not None and not h.done() and (self.status >= 200 or self._error is not None
@@ -339,6 +353,21 @@ class _Conn(asyncio.Protocol):
             finally:
                 self._waiter = None
 
+    async def wait_end(self) -> None:
+        """Wait while a sink takes the body: until it is complete, or the sink is gone and
+        bytes wait for `read_any` (raises what broke the body)."""
+        while self.sink is not None and not self.done and not self._chunks:
+            if self._error is not None:
+                raise self._error
+            fut = self.loop.create_future()
+            self._waiter = fut
+            try:
+                await fut
+            finally:
+                self._waiter = None
+        if self._error is not None and not self._chunks:
+            raise self._error
+
     def at_eof(self) -> bool:
         return self.done and not self._chunks
 
@@ -364,6 +393,19 @@ class Response:
 
     async def read_any(self) -> bytes:
         return await self._conn.read_any()
+
+    def relay_to(self, sink: Callable[[bytes], None] | None) -> None:
+        """Hand body bytes to `sink` as they arrive (None: back to `read_any`).
+
+        The sink runs in the connection's data callback: it must not raise or block. It
+        may call `relay_to(None)` itself (a slow client), after which bytes wait for
+        `read_any` again."""
+        self._conn.sink = sink
+        if sink is None:
+            self._conn._wake()
+
+    async def wait_end(self) -> None:
+        await self._conn.wait_end()
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body (or its first `limit` bytes; the rest is dropped with the connection)."""
@@ -414,6 +456,7 @@ class Pool:
             conn._abort()
             return
         conn._reset()
+        conn.sink = None
         conn.expecting = False
         idle.append(conn)
 

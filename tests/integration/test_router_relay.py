@@ -1,0 +1,149 @@
+"""The stream relay's two paths: chunks straight from the engine's connection to the client,
+and awaited writes for a client that reads slower than the engine writes (or an HTTP/1.0
+client, whose body is not chunked). Real `llmgw sim` engines and a real router; clients on
+raw sockets, so what is checked is the bytes on the wire."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.integration.router_kit import Router, Sim
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Sim | Router]]:
+    started: list[Sim | Router] = []
+    yield started
+    for p in reversed(started):
+        p.stop()
+
+
+def post_stream(url: str, *, tokens: int, version: str = "1.1", rcvbuf: int = 0,
+                wait_s: float = 0.0) -> tuple[str, bytes]:  # fmt: skip
+    """Send a streamed chat request; after `wait_s` without reading, read the whole answer.
+
+    Returns the response head and the body as sent (still chunked when it was)."""
+    parts = urlsplit(url)
+    body = json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "relay"}], "stream": True,
+        "max_tokens": tokens, "stream_options": {"include_usage": True},
+    }).encode()  # fmt: skip
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(30)
+    s.connect((parts.hostname, parts.port))
+    s.sendall(
+        f"POST /v1/chat/completions HTTP/{version}\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    time.sleep(wait_s)
+    data = bytearray()
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    head, _, rest = bytes(data).partition(b"\r\n\r\n")
+    return head.decode("latin-1"), rest
+
+
+def dechunk(body: bytes) -> bytes:
+    """HTTP/1.1 chunked framing, strictly: every size line, every CRLF, the last chunk."""
+    out = bytearray()
+    pos = 0
+    while True:
+        end = body.index(b"\r\n", pos)
+        size = int(body[pos:end], 16)
+        pos = end + 2
+        if size == 0:
+            assert body[pos:] == b"\r\n", "bytes after the last chunk"
+            return bytes(out)
+        out += body[pos : pos + size]
+        assert body[pos + size : pos + size + 2] == b"\r\n", "a chunk without its CRLF"
+        pos += size + 2
+
+
+def events(sse: bytes) -> list[dict[str, object] | str]:
+    assert sse.endswith(b"\n\n")
+    out: list[dict[str, object] | str] = []
+    for event in sse[:-2].split(b"\n\n"):
+        assert event.startswith(b"data: "), event[:80]
+        payload = event[6:]
+        out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def check_complete(evs: list[dict[str, object] | str], tokens: int) -> None:
+    """One engine's whole answer: every token, the usage chunk, [DONE] last, no error."""
+    assert evs[-1] == "[DONE]"
+    objs = [e for e in evs[:-1] if isinstance(e, dict)]
+    assert len(objs) == len(evs) - 1
+    assert not [e for e in objs if "error" in e]
+    assert len({e["id"] for e in objs}) == 1  # never spliced from two answers
+    usage = [e["usage"] for e in objs if e.get("usage")]
+    assert len(usage) == 1
+    assert usage[0]["completion_tokens"] == tokens  # type: ignore[index]
+    content = [e for e in objs if _content(e)]
+    assert len(content) == tokens
+
+
+def _content(event: dict[str, Any]) -> str:
+    return str(event["choices"][0]["delta"].get("content") or "") if event["choices"] else ""
+
+
+def test_a_stream_in_many_chunks_arrives_whole_and_framed(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    sim = Sim.start("m", "--decode-base-ms", "5", "--eos-min-tokens", "400")
+    procs.append(sim)
+    router = Router.start(tmp_path, {"s": sim})
+    procs.append(router)
+    head, body = post_stream(router.url, tokens=60)
+    assert head.startswith("HTTP/1.1 200")
+    assert "transfer-encoding: chunked" in head.lower()
+    check_complete(events(dechunk(body)), 60)
+    m = router.metrics()
+    assert m['llmgw_router_requests_total{model="m",status="200"}'] == 1
+    assert m['llmgw_router_tokens_total{direction="out",model="m"}'] == 60
+    assert m['llmgw_router_inter_token_latency_seconds_count{model="m"}'] == 1
+    assert m.get('llmgw_router_slow_clients_total{model="m"}', 0) == 0
+
+
+def test_a_client_that_reads_late_gets_the_whole_stream(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    """~6 MB of events while the client reads nothing for a while: the kernel's buffers
+    (up to 4 MB here) fill, the stream leaves the direct path, and every byte still
+    arrives, in order."""
+    sim = Sim.start("m", "--eos-min-tokens", "40000", "--eos-max-tokens", "40000",
+                    "--max-model-len", "65536", "--num-blocks", "8192")  # fmt: skip
+    procs.append(sim)
+    router = Router.start(tmp_path, {"s": sim})
+    procs.append(router)
+    head, body = post_stream(router.url, tokens=36000, rcvbuf=4096, wait_s=3.0)
+    assert head.startswith("HTTP/1.1 200")
+    check_complete(events(dechunk(body)), 36000)
+    assert router.metrics()['llmgw_router_slow_clients_total{model="m"}'] == 1
+
+
+def test_an_http_1_0_client_gets_an_unchunked_stream(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    sim = Sim.start("m", "--decode-base-ms", "5", "--eos-min-tokens", "400")
+    procs.append(sim)
+    router = Router.start(tmp_path, {"s": sim})
+    procs.append(router)
+    head, body = post_stream(router.url, tokens=30, version="1.0")
+    assert head.startswith(("HTTP/1.0 200", "HTTP/1.1 200"))
+    assert "chunked" not in head.lower()
+    check_complete(events(body), 30)
