@@ -5,6 +5,7 @@ raw sockets, so what is checked is the bytes on the wire."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -20,12 +21,18 @@ from tests.integration.router_kit import Router, Sim
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Sim | Router]]:
-    started: list[Sim | Router] = []
-    yield started
-    for p in reversed(started):
-        p.stop()
+@contextlib.contextmanager
+def routed_sim(tmp: Path, *sim_args: str) -> Iterator[Router]:
+    """One `llmgw sim` (with `sim_args`) behind a router; both stopped afterwards."""
+    sim = Sim.start("m", *sim_args)
+    try:
+        router = Router.start(tmp, {"s": sim})
+        try:
+            yield router
+        finally:
+            router.stop()
+    finally:
+        sim.stop()
 
 
 def post_stream(url: str, *, tokens: int, version: str = "1.1", rcvbuf: int = 0,
@@ -101,49 +108,40 @@ def _content(event: dict[str, Any]) -> str:
     return str(event["choices"][0]["delta"].get("content") or "") if event["choices"] else ""
 
 
-def test_a_stream_in_many_chunks_arrives_whole_and_framed(
-    tmp_path: Path, procs: list[Sim | Router]
-) -> None:
-    sim = Sim.start("m", "--decode-base-ms", "5", "--eos-min-tokens", "400")
-    procs.append(sim)
-    router = Router.start(tmp_path, {"s": sim})
-    procs.append(router)
-    head, body = post_stream(router.url, tokens=60)
+FAST_TOKENS = ("--decode-base-ms", "5", "--eos-min-tokens", "400")
+"""A token every 5 ms: each one its own chunk, relayed on the direct path."""
+
+
+def test_a_stream_in_many_chunks_arrives_whole_and_framed(tmp_path: Path) -> None:
+    with routed_sim(tmp_path, *FAST_TOKENS) as router:
+        head, body = post_stream(router.url, tokens=60)
+        m = router.metrics()
     assert head.startswith("HTTP/1.1 200")
     assert "transfer-encoding: chunked" in head.lower()
     check_complete(events(dechunk(body)), 60)
-    m = router.metrics()
     assert m['llmgw_router_requests_total{model="m",status="200"}'] == 1
     assert m['llmgw_router_tokens_total{direction="out",model="m"}'] == 60
     assert m['llmgw_router_inter_token_latency_seconds_count{model="m"}'] == 1
     assert m.get('llmgw_router_slow_clients_total{model="m"}', 0) == 0
 
 
-def test_a_client_that_reads_late_gets_the_whole_stream(
-    tmp_path: Path, procs: list[Sim | Router]
-) -> None:
+def test_a_client_that_reads_late_gets_the_whole_stream(tmp_path: Path) -> None:
     """~6 MB of events while the client reads nothing for a while: the kernel's buffers
     (up to 4 MB here) fill, the stream leaves the direct path, and every byte still
     arrives, in order."""
-    sim = Sim.start("m", "--eos-min-tokens", "40000", "--eos-max-tokens", "40000",
-                    "--max-model-len", "65536", "--num-blocks", "8192")  # fmt: skip
-    procs.append(sim)
-    router = Router.start(tmp_path, {"s": sim})
-    procs.append(router)
-    head, body = post_stream(router.url, tokens=36000, rcvbuf=4096, wait_s=3.0)
+    big = ("--eos-min-tokens", "40000", "--eos-max-tokens", "40000", "--max-model-len",
+           "65536", "--num-blocks", "8192")  # fmt: skip
+    with routed_sim(tmp_path, *big) as router:
+        head, body = post_stream(router.url, tokens=36000, rcvbuf=4096, wait_s=3.0)
+        slow = router.metrics().get('llmgw_router_slow_clients_total{model="m"}', 0)
     assert head.startswith("HTTP/1.1 200")
     check_complete(events(dechunk(body)), 36000)
-    assert router.metrics()['llmgw_router_slow_clients_total{model="m"}'] == 1
+    assert slow == 1
 
 
-def test_an_http_1_0_client_gets_an_unchunked_stream(
-    tmp_path: Path, procs: list[Sim | Router]
-) -> None:
-    sim = Sim.start("m", "--decode-base-ms", "5", "--eos-min-tokens", "400")
-    procs.append(sim)
-    router = Router.start(tmp_path, {"s": sim})
-    procs.append(router)
-    head, body = post_stream(router.url, tokens=30, version="1.0")
+def test_an_http_1_0_client_gets_an_unchunked_stream(tmp_path: Path) -> None:
+    with routed_sim(tmp_path, *FAST_TOKENS) as router:
+        head, body = post_stream(router.url, tokens=30, version="1.0")
     assert head.startswith(("HTTP/1.0 200", "HTTP/1.1 200"))
     assert "chunked" not in head.lower()
     check_complete(events(body), 30)
