@@ -1,8 +1,8 @@
 """The router's HTTP application: OpenAI endpoints, auth, dispatch and the streaming relay.
 
 `Router` holds one process's state (catalog, endpoint table, breakers, prefix
-index, keys, the upstream connection pool) and `build_app` turns it into an
-aiohttp application. A request is authenticated, decoded just enough to route,
+index, keys, the upstream connection pool, the deadline watchdog) and
+`build_server` turns it into aiohttp's low-level server. A request is authenticated, decoded just enough to route,
 ranked by `llmgw.core.routing`, and sent to the best endpoint; it moves to the
 next endpoint (then to the model's fallbacks) only while nothing has reached
 the client — connect errors, 5xx, 429, a deadline before the first byte. Once
@@ -10,9 +10,13 @@ the first byte is relayed it never moves: a cut stream ends with an OpenAI
 error event rather than being spliced onto another engine's answer.
 
 SSE is relayed as raw bytes, whole events at a time, written as soon as they
-arrive; only a chunk that carries usage is decoded. A client that goes away
-cancels the handler (handler_cancellation), which closes the upstream
-connection at once, so the engine frees the request's KV blocks.
+arrive; only a chunk that carries usage is decoded. Once the response has
+started, chunks are written from the engine connection's data callback straight
+to the client's transport, without waking the handler per chunk; a client that
+reads slower than the engine writes goes back to awaited writes, which wait for
+it. A client that goes away cancels the handler (handler_cancellation), which
+closes the upstream connection at once, so the engine frees the request's KV
+blocks. Deadlines (`llmgw.router.deadlines`) share one loop timer.
 """
 
 from __future__ import annotations
@@ -770,7 +774,12 @@ class Router:
                         except ConnectionResetError:
                             raise _ClientGone from None
                         stream.started = True
-                    if stream.started and not stream.slow and resp.chunked:
+                    if (
+                        stream.started
+                        and not stream.slow
+                        and resp.chunked
+                        and not upstream.pending()  # bytes that came meanwhile go first
+                    ):
                         transport = state.request.transport
                         if transport is not None and not transport.is_closing():
                             out = await stream.direct(transport)

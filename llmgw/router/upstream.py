@@ -394,6 +394,10 @@ class Response:
     async def read_any(self) -> bytes:
         return await self._conn.read_any()
 
+    def pending(self) -> bool:
+        """Body bytes are waiting for `read_any`."""
+        return bool(self._conn._chunks)
+
     def relay_to(self, sink: Callable[[bytes], None] | None) -> None:
         """Hand body bytes to `sink` as they arrive (None: back to `read_any`).
 

@@ -5,9 +5,11 @@ raw sockets, so what is checked is the bytes on the wire."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from aiohttp import web
 
 from tests.integration.router_kit import Router, Sim
 
@@ -22,11 +25,15 @@ pytestmark = pytest.mark.slow
 
 
 @contextlib.contextmanager
-def routed_sim(tmp: Path, *sim_args: str) -> Iterator[Router]:
-    """One `llmgw sim` (with `sim_args`) behind a router; both stopped afterwards."""
+def routed_sim(tmp: Path, *sim_args: str, stall_first_s: float = 0.0,
+               **settings: Any) -> Iterator[Router]:  # fmt: skip
+    """One `llmgw sim` (with `sim_args`) behind a router (with `settings`); both stopped
+    afterwards."""
     sim = Sim.start("m", *sim_args)
     try:
-        router = Router.start(tmp, {"s": sim})
+        if stall_first_s:
+            sim.faults(stall_at="first_token", stall_s=stall_first_s)
+        router = Router.start(tmp, {"s": sim}, **settings)
         try:
             yield router
         finally:
@@ -145,3 +152,75 @@ def test_an_http_1_0_client_gets_an_unchunked_stream(tmp_path: Path) -> None:
     assert head.startswith(("HTTP/1.0 200", "HTTP/1.1 200"))
     assert "chunked" not in head.lower()
     check_complete(events(body), 30)
+
+
+class BurstEngine:
+    """An engine (aiohttp, on its own thread) that stays silent past the router's keep-alive
+    interval, then sends its tokens back to back, one write each."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+        assert ready.wait(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await asyncio.sleep(0.3)
+            for i in range(self.tokens):
+                choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
+                chunk = {"id": "b", "object": "chat.completion.chunk", "choices": [choice]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        ready.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_tokens_that_come_while_keepalive_comments_wait_go_first(tmp_path: Path) -> None:
+    """Keep-alive comments run the wait for the first token in a task of its own: by the
+    time the handler takes over, more tokens wait on the engine connection. They are
+    relayed, in order, before chunks go the direct way."""
+    engine = BurstEngine(300)
+    try:
+        router = Router.start(tmp_path, {"s": engine.url}, keepalive_s=0.05)
+        try:
+            # Three times: whether tokens wait at the handover is a matter of timing.
+            answers = [post_stream(router.url, tokens=300) for _ in range(3)]
+        finally:
+            router.stop()
+    finally:
+        engine.stop()
+    for head, body in answers:
+        assert head.startswith("HTTP/1.1 200")
+        sse = dechunk(body)
+        comments = sse[: sse.index(b"data: ")]
+        assert comments.count(b": keep-alive\n\n") >= 3
+        evs = events(sse[len(comments) :])
+        assert evs[-1] == "[DONE]"
+        assert "".join(_content(e) for e in evs[:-1] if isinstance(e, dict)) == "".join(
+            f"t{i} " for i in range(300)
+        )
