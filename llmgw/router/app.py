@@ -815,6 +815,11 @@ class Router:
         if problem is not None:
             log.warning("stream_cut", request_id=state.rid, endpoint=ep.id, reason=problem[0])
             upstream.close()
+            if stream.held:
+                # Whole events the direct path kept for the end of the body: the client gets
+                # them (with [DONE]), then the error.
+                with contextlib.suppress(ConnectionResetError):
+                    await resp.write(stream.held)
             await state.finish_with_error(
                 problem[1], "server_error", problem[0], 504 if "timeout" in problem[0] else 502
             )

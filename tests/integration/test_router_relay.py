@@ -158,8 +158,11 @@ class BurstEngine:
     """An engine (aiohttp, on its own thread) that stays silent past the router's keep-alive
     interval, then sends its tokens back to back, one write each."""
 
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, tokens: int, *, silence_s: float = 0.3, hang_s: float = 0.0) -> None:
         self.tokens = tokens
+        self.silence_s = silence_s
+        self.hang_s = hang_s
+        """After [DONE], this long without ending the body (a wedged engine)."""
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         threading.Thread(target=self._run, args=(ready,), daemon=True).start()
@@ -172,12 +175,15 @@ class BurstEngine:
             await request.read()
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(self.silence_s)
             for i in range(self.tokens):
                 choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
                 chunk = {"id": "b", "object": "chat.completion.chunk", "choices": [choice]}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if self.hang_s:
+                await asyncio.sleep(0.05)  # [DONE] comes on its own, on the direct path
             await resp.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(self.hang_s)
             await resp.write_eof()
             return resp
 
@@ -224,3 +230,26 @@ def test_tokens_that_come_while_keepalive_comments_wait_go_first(tmp_path: Path)
         assert "".join(_content(e) for e in evs[:-1] if isinstance(e, dict)) == "".join(
             f"t{i} " for i in range(300)
         )
+
+
+def test_an_engine_that_wedges_after_done_still_delivers_the_stream(tmp_path: Path) -> None:
+    """[DONE] reached the router but the body never ends: at the idle deadline the client
+    has every token and [DONE], then the idle-timeout error event."""
+    engine = BurstEngine(20, silence_s=0.0, hang_s=2.0)
+    try:
+        deadlines = {"idle_s": 0.5, "total_s": 30}
+        router = Router.start(
+            tmp_path, {"s": engine.url}, models=[{"name": "m", "deadlines": deadlines}]
+        )
+        try:
+            _, body = post_stream(router.url, tokens=20)
+        finally:
+            router.stop()
+    finally:
+        engine.stop()
+    evs = events(dechunk(body))
+    assert evs[-2] == "[DONE]"
+    assert evs[-1]["error"]["code"] == "idle_timeout"  # type: ignore[index]
+    assert "".join(_content(e) for e in evs[:-2] if isinstance(e, dict)) == "".join(
+        f"t{i} " for i in range(20)
+    )
