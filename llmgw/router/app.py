@@ -2,12 +2,13 @@
 
 `Router` holds one process's state (catalog, endpoint table, breakers, prefix
 index, keys, the upstream connection pool, the deadline watchdog) and
-`build_server` turns it into aiohttp's low-level server. A request is authenticated, decoded just enough to route,
-ranked by `llmgw.core.routing`, and sent to the best endpoint; it moves to the
-next endpoint (then to the model's fallbacks) only while nothing has reached
-the client — connect errors, 5xx, 429, a deadline before the first byte. Once
-the first byte is relayed it never moves: a cut stream ends with an OpenAI
-error event rather than being spliced onto another engine's answer.
+`build_server` turns it into aiohttp's low-level server. A request is
+authenticated, decoded just enough to route, ranked by `llmgw.core.routing`,
+and sent to the best endpoint; it moves to the next endpoint (then to the
+model's fallbacks) only while nothing has reached the client — connect errors,
+5xx, 429, a deadline before the first byte. Once the first byte is relayed it
+never moves: a cut stream ends with an OpenAI error event rather than being
+spliced onto another engine's answer.
 
 SSE is relayed as raw bytes, whole events at a time, written as soon as they
 arrive; only a chunk that carries usage is decoded. Once the response has

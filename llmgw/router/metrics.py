@@ -176,8 +176,8 @@ class Metrics:
         )  # fmt: skip
         self.all: tuple[Metric, ...] = (
             self.requests, self.duration, self.ttft, self.itl, self.tokens, self.retries,
-            self.fallbacks, self.slow_clients, self.sent, self.scores, self.drops, self.breaker, self.ready,
-            self.queue, self.kv, self.inflight,
+            self.fallbacks, self.slow_clients, self.sent, self.scores, self.drops, self.breaker,
+            self.ready, self.queue, self.kv, self.inflight,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the hot path
