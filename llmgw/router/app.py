@@ -753,9 +753,7 @@ class Router:
         t_first = loop.time()
         self.metrics.first_token(prof.name, t_first - state.loop_start)
         resp = await state.prepare()
-        stream = _Stream(self, upstream, prof, principal, state.drop_usage, loop, t_first)
-        stream.idle = d.idle_s
-        stream.total_at = total_at
+        stream = _Stream(self, upstream, prof, principal, state.drop_usage, t_first, total_at)
         finished = False
         problem: tuple[str, str] | None = None
         out = stream.take(first)
@@ -784,7 +782,7 @@ class Router:
                         transport = state.request.transport
                         if transport is not None and not transport.is_closing():
                             out = await stream.direct(transport)
-                            if stream.failed is not None:
+                            if stream.failed:
                                 problem = ("relay_error", "the router failed relaying the"
                                            " stream (a bug): see its log")  # fmt: skip
                                 break
@@ -854,15 +852,15 @@ class _Stream:
         prof: ModelProfile,
         principal: auth.Principal | None,
         drop: bool,
-        loop: asyncio.AbstractEventLoop,
         t_first: float,
+        total_at: float,
     ) -> None:
         self.router = router
         self.upstream = upstream
         self.prof = prof
         self.principal = principal
         self.drop = drop
-        self.loop = loop
+        self.loop = asyncio.get_running_loop()
         self.buf = b""
         self.tail = b""
         """The last bytes relayed: a complete stream ends with [DONE]."""
@@ -870,13 +868,14 @@ class _Stream:
         """Direct path: events ending in [DONE], kept to leave with the end of the body."""
         self.chunks = 1
         self.t_last = t_first
-        self.idle = 0.0
-        self.total_at = 0.0
+        self.idle = prof.deadlines.idle_s
+        self.total_at = total_at
         self.deadline: Deadline | None = None
         self.started = False
         """Something went out through aiohttp: the headers are on the wire."""
         self.slow = False
-        self.failed: BaseException | None = None
+        self.failed = False
+        """The direct path hit a bug (logged); the stream is cut."""
         self.transport: asyncio.BaseTransport | None = None
 
     def take(self, data: bytes) -> bytes:
@@ -942,9 +941,9 @@ class _Stream:
                 self.slow = True
                 self.router.metrics.slow_client(self.prof.name)
                 self.upstream.relay_to(None)
-        except Exception as exc:  # a bug: never raise into the engine connection's callback
+        except Exception:  # a bug: never raise into the engine connection's callback
             log.exception("relay_failed")
-            self.failed = exc
+            self.failed = True
             self.upstream.relay_to(None)
 
 

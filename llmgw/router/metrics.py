@@ -4,8 +4,8 @@ Requests by model and status, duration, time to first token, inter-token
 latency (per-request mean: one observation per request keeps the hot path
 cheap), tokens in and out, retries, fallbacks, streams of slow clients, attempts
 per endpoint, each scorer's value for the chosen endpoint (sampled), per-filter
-drops, and per endpoint the breaker state, readiness, queue depth, KV usage and in-flight
-count as the last probe saw them.
+drops, and per endpoint the breaker state, readiness, queue depth, KV usage and
+in-flight count as the last probe saw them.
 
 The hot path only adds to plain dicts: one event loop owns them, so there is
 nothing to lock, and a histogram observation is one bisect. (prometheus_client

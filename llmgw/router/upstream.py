@@ -75,11 +75,11 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.expecting = False
         self.key: tuple[str, int, bool] = ("", 0, False)
-        self.sink: Callable[[bytes], None] | None = None
-        """Takes body bytes as they arrive, in the protocol callback, instead of `read_any`."""
         self._reset()
 
     def _reset(self) -> None:
+        self.sink: Callable[[bytes], None] | None = None
+        """Takes body bytes as they arrive, in the protocol callback, instead of `read_any`."""
         self.status = 0
         self.content_type = ""
         self.done = False
@@ -346,12 +346,7 @@ class _Conn(asyncio.Protocol):
                 return b""
             if self._error is not None:
                 raise self._error
-            fut = self.loop.create_future()
-            self._waiter = fut
-            try:
-                await fut
-            finally:
-                self._waiter = None
+            await self._park()
 
     async def wait_end(self) -> None:
         """Wait while a sink takes the body: until it is complete, or the sink is gone and
@@ -359,14 +354,18 @@ class _Conn(asyncio.Protocol):
         while self.sink is not None and not self.done and not self._chunks:
             if self._error is not None:
                 raise self._error
-            fut = self.loop.create_future()
-            self._waiter = fut
-            try:
-                await fut
-            finally:
-                self._waiter = None
+            await self._park()
         if self._error is not None and not self._chunks:
             raise self._error
+
+    async def _park(self) -> None:
+        """Wait for `_wake` (body bytes, its end, a failure, or the sink gone)."""
+        fut = self.loop.create_future()
+        self._waiter = fut
+        try:
+            await fut
+        finally:
+            self._waiter = None
 
     def at_eof(self) -> bool:
         return self.done and not self._chunks
@@ -460,7 +459,6 @@ class Pool:
             conn._abort()
             return
         conn._reset()
-        conn.sink = None
         conn.expecting = False
         idle.append(conn)
 
