@@ -11,13 +11,15 @@ never moves: a cut stream ends with an OpenAI error event rather than being
 spliced onto another engine's answer.
 
 SSE is relayed as raw bytes, whole events at a time, written as soon as they
-arrive; only a chunk that carries usage is decoded. Once the response has
-started, chunks are written from the engine connection's data callback straight
-to the client's transport, without waking the handler per chunk; a client that
-reads slower than the engine writes goes back to awaited writes, which wait for
-it. A client that goes away cancels the handler (handler_cancellation), which
-closes the upstream connection at once, so the engine frees the request's KV
-blocks. Deadlines (`llmgw.router.deadlines`) share one loop timer.
+arrive; only a chunk that carries usage is decoded. Chunks are written from the
+engine connection's data callback straight to the client's transport: the first
+token with the response's headers, the last events with the end of the body,
+and everything between, without waking the handler, which waits for the end. A
+client that reads slower than the engine writes goes back to awaited writes,
+which wait for it. A client that goes away cancels the handler
+(handler_cancellation), which closes the upstream connection at once, so the
+engine frees the request's KV blocks. Deadlines (`llmgw.router.deadlines`) share
+one loop timer; keep-alive comments before the first token come from a timer.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import os
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar, cast
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import StreamWriter
 
 from llmgw import logs
 from llmgw.config import ConfigError
@@ -381,11 +384,15 @@ class Router:
             inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
             state = _Relay(request, rid, start, stream=parsed.stream, drop_usage=inject_usage)
             state.kind = kind
+            if parsed.stream and self.cfg.keepalive_s > 0:
+                state.start_keepalive(self.cfg.keepalive_s)
             try:
                 resp = await self.dispatch(request, body, parsed, profile, principal, state)
             except _ClientGone:
                 status = 499
                 return state.response or web.Response(status=499)
+            finally:
+                state.stop_keepalive()
             status = state.failed_status or resp.status
             return resp
         except asyncio.CancelledError:
@@ -590,32 +597,32 @@ class Router:
         head = upstream_http.request_head(
             path, host_header, len(body), [("X-Request-Id", state.rid)]
         )
-        open_coro = self._open(key, head, body, d, t0, total_at, state.stream)
-        if self.cfg.keepalive_s > 0 and state.stream:
-            opened = await self._open_with_keepalive(open_coro, state)
-        else:
-            opened = await open_coro
-        upstream, first = opened
+        upstream = await self._open(key, head, body, d, t0, total_at)
         try:
-            if not state.stream or first is None:
-                # A whole body: a non-streamed answer, or a 4xx the client must see as is.
-                data = await self._read_body(upstream, d, total_at)
-                if upstream.status == 200:
-                    self._account(prof, principal, data)
-                ttft = loop.time() - state.loop_start
-                self.metrics.first_token(prof.name, ttft)
-                if state.response is not None and state.response.prepared:
-                    # Keep-alive comments went out as a 200 stream: pass the body as an event.
-                    await state._write(b"data: " + data + b"\n\n")
-                    await state.response.write_eof()
-                    return state.response
-                return web.Response(
-                    status=upstream.status,
-                    body=data,
-                    content_type=(upstream.content_type or JSON),
-                    headers={"X-Request-Id": state.rid},
-                )
-            return await self._relay(ep, upstream, first, prof, principal, state, total_at)
+            if (
+                state.stream
+                and upstream.status == 200
+                and upstream.content_type == "text/event-stream"
+            ):
+                return await self._relay(ep, upstream, prof, principal, state, t0, total_at)
+            # A whole body: a non-streamed answer, or one the client must see as is (a 4xx,
+            # or an engine's JSON answer to a stream request).
+            data = await self._read_body(upstream, d, total_at)
+            if upstream.status == 200:
+                self._account(prof, principal, data)
+            self.metrics.first_token(prof.name, loop.time() - state.loop_start)
+            if state.response is not None and state.response.prepared:
+                # Keep-alive comments went out as a 200 stream: pass the body as an event.
+                state.stop_keepalive()
+                await state._write(b"data: " + data + b"\n\n")
+                await state.response.write_eof()
+                return state.response
+            return web.Response(
+                status=upstream.status,
+                body=data,
+                content_type=(upstream.content_type or JSON),
+                headers={"X-Request-Id": state.rid},
+            )
         finally:
             upstream.close()
 
@@ -627,17 +634,15 @@ class Router:
         d: Deadlines,
         t0: float,
         total_at: float,
-        stream: bool,
-    ) -> tuple[upstream_http.Response, bytes | None]:
-        """Send the request; return the response and, for a 2xx stream, its first bytes.
+    ) -> upstream_http.Response:
+        """Send the request and wait for the response head (connect and headers deadlines).
 
-        One timer covers both phases, moved from the headers deadline to the first-token
-        deadline once the headers are in.
+        Raises Retry for what another endpoint may do better: no connection, no head in
+        time, 5xx, 429.
         """
         upstream: upstream_http.Response | None = None
-        phase = "headers"
         try:
-            async with self.deadlines.at(min(t0 + d.headers_s, total_at)) as cm:
+            async with self.deadlines.at(min(t0 + d.headers_s, total_at)):
                 upstream = await self.pool.request(key, head, body, connect_timeout=d.connect_s)
                 status = upstream.status
                 if status >= 500 or status == 429:
@@ -651,34 +656,13 @@ class Router:
                         f"engine answered {status}: {detail.decode('utf-8', 'replace')[:300]}",
                         fault=status != 429,
                     )
-                if not stream or status != 200 or upstream.content_type != "text/event-stream":
-                    # Not a stream (or not one after all: an engine's JSON answer): relayed whole.
-                    return upstream, None
-                phase = "first_token"
-                cm.reschedule(min(t0 + d.first_token_s, total_at))
-                first = await upstream.read_any()
-                # A chat stream opens with a role-only chunk before any token (vLLM sends it
-                # with the first token, others at once): hold it back, so the first-token
-                # deadline still covers the wait and the request can still move elsewhere.
-                while first and len(first) < 4096 and sse.only_openers(first):
-                    more = await upstream.read_any()
-                    if not more:
-                        break
-                    first += more
-            if not first:
-                raise Retry("empty_stream", 502, "engine closed the stream before any data")
-            return upstream, first
+            return upstream
         except BaseException as exc:
             if upstream is not None:
                 upstream.close()
             if isinstance(exc, TimeoutError):
-                if phase == "headers":
-                    raise Retry("headers_timeout", 504, "engine sent no response headers within"
-                                f" {d.headers_s} s") from None  # fmt: skip
-                raise Retry(
-                    "first_token_timeout", 504, f"engine sent no first token within"
-                    f" {d.first_token_s} s"
-                ) from None  # fmt: skip
+                raise Retry("headers_timeout", 504, "engine sent no response headers within"
+                            f" {d.headers_s} s") from None  # fmt: skip
             if isinstance(exc, upstream_http.ConnectTimeout):
                 raise Retry("connect_timeout", 504, str(exc)) from None
             if isinstance(exc, upstream_http.ConnectError):
@@ -686,24 +670,6 @@ class Router:
             if isinstance(exc, upstream_http.UpstreamError | OSError):
                 raise Retry("upstream_error", 502, f"engine connection failed: {exc}") from None
             raise
-
-    async def _open_with_keepalive(
-        self,
-        open_coro: Awaitable[tuple[upstream_http.Response, bytes | None]],
-        state: _Relay,
-    ) -> tuple[upstream_http.Response, bytes | None]:
-        """Await `open_coro`, sending SSE comments every keepalive_s while it waits."""
-        task = asyncio.ensure_future(open_coro)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.cfg.keepalive_s)
-                if done:
-                    return task.result()
-                await state.prepare()
-                await state._write(KEEPALIVE)
-        finally:
-            if not task.done():
-                task.cancel()
 
     async def _read_body(
         self, upstream: upstream_http.Response, d: Deadlines, total_at: float
@@ -735,148 +701,157 @@ class Router:
         self,
         ep: routing.EndpointState,
         upstream: upstream_http.Response,
-        first: bytes,
         prof: ModelProfile,
         principal: auth.Principal | None,
         state: _Relay,
+        t0: float,
         total_at: float,
     ) -> web.StreamResponse:
-        """Relay SSE events from the first bytes on. From here on there is no retry.
+        """Relay an SSE stream from the engine's data callback (`_Stream.sink`).
 
-        Once the response has started, later chunks go straight from the engine
-        connection's data callback to the client's transport (`_Stream.sink`): no task
-        wakes up per chunk. A client that reads slower than the engine writes drops the
-        stream back to awaited writes, which wait for it.
+        Until the first token the request may still move to another endpoint (Retry):
+        nothing has reached the client. The first token leaves from the callback it
+        arrived in, with the response's headers, and so does every later chunk: the
+        handler wakes only at the end, or when a slow client needs awaited writes.
         """
         loop = asyncio.get_running_loop()
         d = prof.deadlines
-        t_first = loop.time()
-        self.metrics.first_token(prof.name, t_first - state.loop_start)
-        resp = await state.prepare()
-        stream = _Stream(self, upstream, prof, principal, state.drop_usage, t_first, total_at)
-        finished = False
+        stream = _Stream(self, state, upstream, prof, principal, total_at)
         problem: tuple[str, str] | None = None
-        out = stream.take(first)
         try:
-            async with self.deadlines.at(min(t_first + d.idle_s, total_at)) as cm:
+            async with self.deadlines.at(min(t0 + d.first_token_s, total_at)) as cm:
                 stream.deadline = cm
-                while True:
-                    if out:
-                        try:
-                            if not stream.buf and upstream.at_eof() and out.endswith(DONE):
-                                # The whole rest is here: headers (if still held), the
-                                # events and the end of the body leave in one send.
-                                await resp.write_eof(out)
-                                finished = True
-                                break
-                            await resp.write(out)
-                        except ConnectionResetError:
-                            raise _ClientGone from None
-                        stream.started = True
-                    if (
-                        stream.started
-                        and not stream.slow
-                        and resp.chunked
-                        and not upstream.pending()  # bytes that came meanwhile go first
-                    ):
-                        transport = state.request.transport
-                        if transport is not None and not transport.is_closing():
-                            out = await stream.direct(transport)
-                            if stream.failed:
-                                problem = ("relay_error", "the router failed relaying the"
-                                           " stream (a bug): see its log")  # fmt: skip
-                                break
-                            if upstream.at_eof():
-                                if out:
-                                    try:
-                                        await resp.write_eof(out)
-                                    except ConnectionResetError:
-                                        raise _ClientGone from None
-                                    finished = True
-                                break
-                            continue  # a slow client: `out` and the rest are written awaited
-                    chunk = await upstream.read_any()
-                    if not chunk:
-                        break
-                    stream.arrived(loop.time())
-                    out = stream.take(chunk)
+                upstream.relay_to(stream.sink)
+                try:
+                    early = upstream.take_pending()  # body bytes that came with the head
+                    if early:
+                        stream.sink(early)
+                    await upstream.wait_end()
+                finally:
+                    upstream.relay_to(None)
+                if stream.gone:
+                    raise _ClientGone
+                if stream.failed:
+                    problem = ("relay_error", "the router failed relaying the stream (a bug):"
+                               " see its log")  # fmt: skip
+                elif not stream.t_first:
+                    raise Retry("empty_stream", 502, "engine ended the stream before any token")
+                else:
+                    # A slow client (or none of the above: the body is complete, and this
+                    # reads nothing): awaited writes, which wait for it.
+                    resp = await state.prepare()
+                    while True:
+                        chunk = await upstream.read_any()
+                        if not chunk:
+                            break
+                        stream.arrived(loop.time())
+                        out = stream.take(chunk)
+                        if out:
+                            if stream.held:
+                                out, stream.held = stream.held + out, b""
+                            try:
+                                await resp.write(out)
+                            except ConnectionResetError:
+                                raise _ClientGone from None
         except TimeoutError:
+            if not stream.t_first:
+                raise Retry(
+                    "first_token_timeout", 504, f"engine sent no first token within"
+                    f" {d.first_token_s} s"
+                ) from None  # fmt: skip
             if stream.deadline is not None and stream.deadline.when >= total_at:
                 problem = ("total_timeout", f"the engine did not finish within {d.total_s} s")
             else:
                 problem = ("idle_timeout", f"the engine sent nothing for {d.idle_s} s")
         except (upstream_http.UpstreamError, OSError) as exc:
+            if not stream.t_first:
+                raise Retry("upstream_error", 502, f"engine response failed: {exc}") from None
             problem = ("engine_disconnected", f"the engine's stream broke off: {exc}")
         if stream.chunks > 1:
-            self.metrics.inter_token(prof.name, (stream.t_last - t_first) / (stream.chunks - 1))
+            self.metrics.inter_token(
+                prof.name, (stream.t_last - stream.t_first) / (stream.chunks - 1)
+            )
         if problem is None and not stream.tail.endswith(DONE):
             problem = ("engine_disconnected", "the engine ended the stream before it was complete")
         if problem is not None:
             log.warning("stream_cut", request_id=state.rid, endpoint=ep.id, reason=problem[0])
             upstream.close()
             if stream.held:
-                # Whole events the direct path kept for the end of the body: the client gets
-                # them (with [DONE]), then the error.
+                # Whole events kept for the end of the body: the client gets them (with
+                # [DONE]), then the error.
+                resp = await state.prepare()
                 with contextlib.suppress(ConnectionResetError):
                     await resp.write(stream.held)
             await state.finish_with_error(
                 problem[1], "server_error", problem[0], 504 if "timeout" in problem[0] else 502
             )
             raise _EngineFault
-        if not finished:
-            try:
-                await resp.write_eof()
-            except ConnectionResetError:
-                raise _ClientGone from None
+        resp = await state.prepare()
+        try:
+            # The rest (for a fast engine: the whole answer, headers included) and the end
+            # of the body, in one send.
+            await resp.write_eof(stream.held)
+        except ConnectionResetError:
+            raise _ClientGone from None
         return resp
 
 
 DIRECT_HIGH_WATER = 64 * 1024
 """Bytes waiting in the client's transport that take a stream off the direct path."""
+END_NOW_MAX = 16 * 1024
+"""The most bytes a stream's end is written with from the data callback (see `_Stream.sink`)."""
+OPENERS_HELD = 4096
+"""Role-only opening events held back for the first token, at most this many bytes."""
 
 
 class _Stream:
     """One relayed stream: whole events out of the engine's bytes, usage counted, the
-    idle deadline moved with each chunk; and the direct path (`sink`)."""
+    deadlines moved with each chunk, written to the client from the engine's data
+    callback (`sink`)."""
 
     __slots__ = (
-        "buf", "chunks", "deadline", "drop", "failed", "held", "idle", "loop", "principal",
-        "prof", "router", "slow", "started", "t_last", "tail", "total_at", "transport",
-        "upstream",
+        "buf", "chunked", "chunks", "deadline", "drop", "failed", "first", "gone", "held",
+        "idle", "loop", "principal", "prof", "router", "state", "t_first", "t_last", "tail",
+        "total_at", "transport", "upstream",
     )  # fmt: skip
 
     def __init__(
         self,
         router: Router,
+        state: _Relay,
         upstream: upstream_http.Response,
         prof: ModelProfile,
         principal: auth.Principal | None,
-        drop: bool,
-        t_first: float,
         total_at: float,
     ) -> None:
         self.router = router
+        self.state = state
         self.upstream = upstream
         self.prof = prof
         self.principal = principal
-        self.drop = drop
+        self.drop = state.drop_usage
         self.loop = asyncio.get_running_loop()
+        self.first = b""
+        """Role-only opening events, held until the first token comes."""
         self.buf = b""
         self.tail = b""
         """The last bytes relayed: a complete stream ends with [DONE]."""
         self.held = b""
-        """Direct path: events ending in [DONE], kept to leave with the end of the body."""
-        self.chunks = 1
-        self.t_last = t_first
+        """Events ending in [DONE], kept to leave with the end of the body."""
+        self.chunks = 0
+        self.t_first = 0.0
+        """When the first token came (0: not yet, the request may still move elsewhere)."""
+        self.t_last = 0.0
         self.idle = prof.deadlines.idle_s
         self.total_at = total_at
         self.deadline: Deadline | None = None
-        self.started = False
-        """Something went out through aiohttp: the headers are on the wire."""
-        self.slow = False
+        self.transport: asyncio.WriteTransport | None = None
+        """The client's, once the response has started."""
+        self.chunked = True
         self.failed = False
         """The direct path hit a bug (logged); the stream is cut."""
-        self.transport: asyncio.BaseTransport | None = None
+        self.gone = False
+        """The client went away while the callback wrote to it."""
 
     def take(self, data: bytes) -> bytes:
         """The whole events now complete (usage counted, a requested usage chunk dropped)."""
@@ -907,21 +882,36 @@ class _Stream:
         if d is not None and d.when < self.total_at and not d.expired():
             d.reschedule(min(now + self.idle, self.total_at))
 
-    async def direct(self, transport: asyncio.BaseTransport) -> bytes:
-        """Relay from the engine's data callback until the body ends or the client is slow;
-        returns what is left to write (the held end of the stream)."""
-        self.transport = transport
-        self.upstream.relay_to(self.sink)
-        try:
-            await self.upstream.wait_end()
-        finally:
-            self.upstream.relay_to(None)
-        held, self.held = self.held, b""
-        return held
+    def _first_token(self, data: bytes, now: float) -> bytes | None:
+        """The bytes to relay once the first token is in (None: not yet, or too late)."""
+        first = self.first + data if self.first else data
+        if len(first) < OPENERS_HELD and sse.only_openers(first):
+            # A chat stream opens with a role-only chunk before any token (vLLM sends it
+            # with the first token, others at once): held back, so the first-token
+            # deadline still covers the wait and the request can still move elsewhere.
+            self.first = first
+            return None
+        d = self.deadline
+        if d is None or d.expired():
+            return None  # the first-token deadline fired: the request moves on
+        self.first = b""
+        self.t_first = self.t_last = now
+        self.chunks = 1
+        d.reschedule(min(now + self.idle, self.total_at))  # from here: the idle gap
+        self.state.stop_keepalive()
+        self.router.metrics.first_token(self.prof.name, now - self.state.loop_start)
+        return first
 
     def sink(self, data: bytes) -> None:
         try:
-            self.arrived(self.loop.time())
+            now = self.loop.time()
+            if self.t_first:
+                self.arrived(now)
+            else:
+                first = self._first_token(data, now)
+                if first is None:
+                    return
+                data = first
             out = self.take(data)
             if not out:
                 return
@@ -929,18 +919,40 @@ class _Stream:
                 out = self.held + out
                 self.held = b""
             if out.endswith(DONE):
+                client = self.state.request.transport
+                if (
+                    self.upstream.at_eof()
+                    and len(out) < END_NOW_MAX
+                    and client is not None
+                    and not client.is_closing()
+                    and not client.get_write_buffer_size()
+                ):
+                    # The end: the last events and the end of the body leave together,
+                    # now. (Nothing waits in the client's transport and this is small, so
+                    # aiohttp's write_eof has nothing to wait for.)
+                    self.state.end_now(out)
+                    return
                 self.held = out  # most likely the end: it leaves with the last chunk marker
                 return
-            # uvloop's transports are not asyncio.Transport subclasses, only alike.
-            t = cast(asyncio.WriteTransport, self.transport)
-            if t.is_closing():
+            t = self.transport
+            if t is None:
+                # The response starts: aiohttp's headers leave in the same send.
+                self.state.write_now(out)
+                self.chunked = bool(self.state.response and self.state.response.chunked)
+                # uvloop's transports are not asyncio.Transport subclasses, only alike.
+                t = self.transport = cast(asyncio.WriteTransport, self.state.request.transport)
+            elif t.is_closing():
                 return  # the client left; its handler is being cancelled
-            # aiohttp chunked the response (HTTP/1.1); these are its next chunks.
-            t.write(b"%x\r\n%b\r\n" % (len(out), out))
+            elif self.chunked:
+                t.write(b"%x\r\n%b\r\n" % (len(out), out))
+            else:
+                t.write(out)  # HTTP/1.0: the body ends with the connection
             if t.get_write_buffer_size() > DIRECT_HIGH_WATER:
-                self.slow = True
                 self.router.metrics.slow_client(self.prof.name)
                 self.upstream.relay_to(None)
+        except ConnectionResetError:
+            self.gone = True
+            self.upstream.relay_to(None)
         except Exception:  # a bug: never raise into the engine connection's callback
             log.exception("relay_failed")
             self.failed = True
@@ -970,8 +982,8 @@ class _Relay:
     """Per-request relay state shared across attempts (the client response, once started)."""
 
     __slots__ = (
-        "drop_usage", "failed_status", "kind", "loop_start", "request", "response", "rid",
-        "start", "stream",
+        "drop_usage", "failed_status", "keepalive", "keepalive_s", "kind", "loop",
+        "loop_start", "request", "response", "rid", "start", "stream",
     )  # fmt: skip
 
     def __init__(
@@ -986,38 +998,101 @@ class _Relay:
         self.drop_usage = drop_usage
         self.failed_status = 0
         """The status metrics record for a stream that ended with an error event."""
+        self.loop = asyncio.get_running_loop()
         # Deadlines run on the loop's clock; start was taken on time.monotonic (the same clock
         # under asyncio's default and uvloop), so the phases line up with the request's start.
-        self.loop_start = asyncio.get_running_loop().time() - (time.monotonic() - start)
+        self.loop_start = self.loop.time() - (time.monotonic() - start)
+        self.keepalive: asyncio.TimerHandle | None = None
+        self.keepalive_s = 0.0
 
-    async def prepare(self) -> web.StreamResponse:
+    def _sse_response(self) -> web.StreamResponse:
         if self.response is None:
             resp = _SSEResponse(status=200, headers=SSE_HEADERS)
             resp.headers["X-Request-Id"] = self.rid
             if self.request.version >= aiohttp.HttpVersion11:
                 # What aiohttp does anyway for a body of unknown length, said up front: the
-                # direct path writes the next chunks itself (`_Stream.sink`).
+                # relay writes the next chunks itself (`_Stream.sink`).
                 resp.enable_chunked_encoding()
             self.response = resp
-        if not self.response.prepared:
-            try:
-                await self.response.prepare(self.request)
-            except ConnectionResetError:
-                raise _ClientGone from None
         return self.response
 
-    async def _write(self, data: bytes) -> None:
-        assert self.response is not None
+    async def prepare(self) -> web.StreamResponse:
+        resp = self._sse_response()
+        if not resp.prepared:
+            try:
+                await resp.prepare(self.request)
+            except ConnectionResetError:
+                raise _ClientGone from None
+        return resp
+
+    def write_now(self, data: bytes) -> None:
+        """Write to the client here and now, from a protocol callback or a timer.
+
+        aiohttp's prepare and write are coroutines, but as the relay uses them (a plain
+        request, no compression, no signals, `drain=False`) they never wait: they run to
+        their end at once, without a task. Raises ConnectionResetError if the client left.
+        """
+        writer = _run_now(self._sse_response().prepare(self.request))
+        if not isinstance(writer, StreamWriter):
+            raise RuntimeError(f"unexpected response writer {writer!r} (the response ended?)")
+        _run_now(writer.write(data, drain=False))
+
+    def end_now(self, data: bytes) -> None:
+        """Write the last bytes and end the response here and now (see `write_now`): the
+        caller knows aiohttp's write_eof has nothing to wait for."""
+        resp = self._sse_response()
+        _run_now(resp.prepare(self.request))
+        _run_now(resp.write_eof(data))
+
+    def start_keepalive(self, every: float) -> None:
+        """SSE comments every `every` seconds until the first token (for load balancers
+        that close idle connections)."""
+        self.keepalive_s = every
+        self.keepalive = self.loop.call_later(every, self._keep_alive)
+
+    def _keep_alive(self) -> None:
+        self.keepalive = None
         try:
-            await self.response.write(data)
+            self.write_now(KEEPALIVE)
+        except ConnectionResetError:
+            return  # the client left; its handler is being cancelled
+        except Exception:  # a bug: never raise into the loop
+            log.exception("keepalive_failed", request_id=self.rid)
+            return
+        self.keepalive = self.loop.call_later(self.keepalive_s, self._keep_alive)
+
+    def stop_keepalive(self) -> None:
+        if self.keepalive is not None:
+            self.keepalive.cancel()
+            self.keepalive = None
+
+    async def _write(self, data: bytes) -> None:
+        resp = await self.prepare()
+        try:
+            await resp.write(data)
         except ConnectionResetError:
             raise _ClientGone from None
 
     async def finish_with_error(self, message: str, type_: str, code: str, status: int) -> None:
+        self.stop_keepalive()  # nothing may follow the end of the body
         self.failed_status = status
         resp = await self.prepare()
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof(requests.error_event(message, type_, code))
+
+
+_T = TypeVar("_T")
+
+
+def _run_now(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run a coroutine that does not wait to its end, here and now; one that would
+    wait is closed and raises RuntimeError."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return cast(_T, stop.value)
+    coro.close()
+    raise RuntimeError(f"{coro!r} waited where it was expected not to")
 
 
 def build_server(router: Router) -> web.Server:

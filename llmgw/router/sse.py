@@ -32,7 +32,11 @@ def only_openers(data: bytes) -> bool:
             end = n
         if end > pos and not (
             data.find(b'"role"', pos, end) >= 0
-            and (data.find(b'"content":""', pos, end) >= 0 or data.find(b'"content"', pos, end) < 0)
+            and (
+                data.find(b'"content":""', pos, end) >= 0
+                or data.find(b'"content": ""', pos, end) >= 0  # Python's json.dumps
+                or data.find(b'"content"', pos, end) < 0
+            )
         ):
             return False
         pos = end + 2

@@ -239,6 +239,9 @@ class _Conn(asyncio.Protocol):
                     self._cbuf = b""
                     if pos < n:
                         self._keep_alive = False  # bytes beyond the body: do not reuse
+                    # Complete before the last bytes are pushed: a sink sees that they are
+                    # the last (and can end its own response with them).
+                    self.done = True
                     if out:
                         self._push(b"".join(out))
                     self._finish()
@@ -330,18 +333,24 @@ class _Conn(asyncio.Protocol):
             finally:
                 self._headers_waiter = None
 
+    def take_pending(self) -> bytes:
+        """The body bytes received and not yet read (b"" if none), without waiting."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
     async def read_any(self) -> bytes:
         """Body bytes received so far (waiting for some); b"" once the body is complete."""
         while True:
             if self._chunks:
-                chunks = self._chunks
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                self._chunks = []
-                self._buffered = 0
-                if self._paused and self.transport is not None:
-                    self._paused = False
-                    self.transport.resume_reading()
-                return data
+                return self.take_pending()
             if self.done:
                 return b""
             if self._error is not None:
@@ -393,9 +402,9 @@ class Response:
     async def read_any(self) -> bytes:
         return await self._conn.read_any()
 
-    def pending(self) -> bool:
-        """Body bytes are waiting for `read_any`."""
-        return bool(self._conn._chunks)
+    def take_pending(self) -> bytes:
+        """Body bytes that came before a sink was set (b"" if none): the sink's to take."""
+        return self._conn.take_pending()
 
     def relay_to(self, sink: Callable[[bytes], None] | None) -> None:
         """Hand body bytes to `sink` as they arrive (None: back to `read_any`).
@@ -425,6 +434,7 @@ class Response:
         return b"".join(parts)
 
     def at_eof(self) -> bool:
+        """The body is complete and every byte of it was read (or given to the sink)."""
         return self._conn.at_eof()
 
     def close(self) -> None:

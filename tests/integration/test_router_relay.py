@@ -1,7 +1,7 @@
-"""The stream relay's two paths: chunks straight from the engine's connection to the client,
-and awaited writes for a client that reads slower than the engine writes (or an HTTP/1.0
-client, whose body is not chunked). Real `llmgw sim` engines and a real router; clients on
-raw sockets, so what is checked is the bytes on the wire."""
+"""The stream relay's two paths: chunks (the first token and the end included) straight
+from the engine's connection to the client, and awaited writes for a client that reads
+slower than the engine writes. Real `llmgw sim` engines and a real router; clients on raw
+sockets, so what is checked is the bytes on the wire."""
 
 from __future__ import annotations
 
@@ -158,11 +158,16 @@ class BurstEngine:
     """An engine (aiohttp, on its own thread) that stays silent past the router's keep-alive
     interval, then sends its tokens back to back, one write each."""
 
-    def __init__(self, tokens: int, *, silence_s: float = 0.3, hang_s: float = 0.0) -> None:
+    def __init__(
+        self, tokens: int, *, silence_s: float = 0.3, hang_s: float = 0.0, opener: bool = False
+    ) -> None:
         self.tokens = tokens
         self.silence_s = silence_s
         self.hang_s = hang_s
         """After [DONE], this long without ending the body (a wedged engine)."""
+        self.opener = opener
+        """Open with a role-only chunk; with no tokens, end the body right after it."""
+        self.requests = 0
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         threading.Thread(target=self._run, args=(ready,), daemon=True).start()
@@ -173,8 +178,16 @@ class BurstEngine:
 
         async def chat(request: web.Request) -> web.StreamResponse:
             await request.read()
+            self.requests += 1
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
+            if self.opener:
+                opener = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+                chunk = {"id": "b", "object": "chat.completion.chunk", "choices": [opener]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if not self.tokens:
+                    await resp.write_eof()  # a broken engine: the stream ends with no token
+                    return resp
             await asyncio.sleep(self.silence_s)
             for i in range(self.tokens):
                 choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
@@ -206,10 +219,9 @@ class BurstEngine:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def test_tokens_that_come_while_keepalive_comments_wait_go_first(tmp_path: Path) -> None:
-    """Keep-alive comments run the wait for the first token in a task of its own: by the
-    time the handler takes over, more tokens wait on the engine connection. They are
-    relayed, in order, before chunks go the direct way."""
+def test_tokens_that_come_after_keepalive_comments_follow_them_in_order(tmp_path: Path) -> None:
+    """Keep-alive comments go out from a timer while the first token is awaited; the first
+    token then comes in a burst of 300 writes. The comments, then every token in order."""
     engine = BurstEngine(300)
     try:
         router = Router.start(tmp_path, {"s": engine.url}, keepalive_s=0.05)
@@ -253,3 +265,28 @@ def test_an_engine_that_wedges_after_done_still_delivers_the_stream(tmp_path: Pa
     assert "".join(_content(e) for e in evs[:-2] if isinstance(e, dict)) == "".join(
         f"t{i} " for i in range(20)
     )
+
+
+def test_a_stream_that_ends_before_its_first_token_moves_to_another_engine(
+    tmp_path: Path,
+) -> None:
+    """An engine opens the stream with the role-only chunk and ends it with no token.
+    Nothing has reached the client (the opener is held back for the first token), so the
+    request moves to the healthy engine and the client gets its whole answer."""
+    broken = BurstEngine(0, opener=True)
+    sim = Sim.start("m", "--eos-min-tokens", "400")
+    try:
+        router = Router.start(tmp_path, {"a": broken.url, "b": sim})
+        try:
+            answers = [post_stream(router.url, tokens=12) for _ in range(6)]
+            m = router.metrics()
+        finally:
+            router.stop()
+    finally:
+        broken.stop()
+        sim.stop()
+    assert broken.requests >= 1
+    assert m['llmgw_router_retries_total{model="m",reason="empty_stream"}'] == broken.requests
+    for head, body in answers:
+        assert head.startswith("HTTP/1.1 200")
+        check_complete(events(dechunk(body)), 12)

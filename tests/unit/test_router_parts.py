@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from llmgw import config
 from llmgw.core.profile import ModelProfile
-from llmgw.router import auth, requests
+from llmgw.router import app, auth, requests
 from llmgw.router.table import Catalog, EndpointTable, parse_engine_metrics
 
 
@@ -257,3 +258,33 @@ def test_usage_option_is_added_without_losing_anything(
     assert p2.has_options
     out2 = requests.rewrite(null_opts, model="n", include_usage=True, has_options=True)
     assert msgspec.json.decode(out2)["stream_options"] == {"include_usage": True}
+
+
+def test_run_now_finishes_a_coroutine_that_does_not_wait() -> None:
+    async def add(a: int, b: int) -> int:
+        return a + b
+
+    assert app._run_now(add(1, 2)) == 3
+
+
+def test_run_now_refuses_a_coroutine_that_would_wait_and_closes_it() -> None:
+    """The relay writes from protocol callbacks with aiohttp coroutines that never wait;
+    one that would is not left half-run."""
+    loop = asyncio.new_event_loop()
+    try:
+        fut: asyncio.Future[None] = loop.create_future()
+        steps: list[str] = []
+
+        async def waits() -> None:
+            steps.append("started")
+            try:
+                await fut
+                steps.append("resumed")
+            finally:
+                steps.append("closed")
+
+        with pytest.raises(RuntimeError, match="waited"):
+            app._run_now(waits())
+        assert steps == ["started", "closed"]
+    finally:
+        loop.close()

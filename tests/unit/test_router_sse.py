@@ -11,6 +11,7 @@ from llmgw.router import sse
 
 OPENER = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
 OPENER_BARE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}'
+OPENER_SPACED = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}'
 TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}'
 TOKEN_NULL_USAGE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null}'
 DONE = b"data: [DONE]"
@@ -31,12 +32,17 @@ def reference_only_openers(data: bytes) -> bool:
         return False
     return all(
         not event
-        or (b'"role"' in event and (b'"content":""' in event or b'"content"' not in event))
+        or (
+            b'"role"' in event
+            and (b'"content":""' in event or b'"content": ""' in event or b'"content"' not in event)
+        )
         for event in data.split(b"\n\n")
     )
 
 
-events = st.sampled_from([OPENER, OPENER_BARE, TOKEN, TOKEN_NULL_USAGE, DONE, b"", b": ping"])
+events = st.sampled_from(
+    [OPENER, OPENER_BARE, OPENER_SPACED, TOKEN, TOKEN_NULL_USAGE, DONE, b"", b": ping"]
+)
 
 
 @given(st.lists(events, max_size=8), st.sampled_from([b"\n\n", b"\n", b""]))
@@ -48,6 +54,7 @@ def test_only_openers_matches_its_definition(parts: list[bytes], end: bytes) -> 
 def test_only_openers_cases() -> None:
     assert sse.only_openers(OPENER + b"\n\n")
     assert sse.only_openers(OPENER + b"\n\n" + OPENER_BARE + b"\n\n")
+    assert sse.only_openers(OPENER_SPACED + b"\n\n")
     assert not sse.only_openers(OPENER + b"\n\n" + TOKEN + b"\n\n")
     assert not sse.only_openers(OPENER)  # not a whole event yet
     assert not sse.only_openers(TOKEN + b"\n\n")
