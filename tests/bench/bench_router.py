@@ -21,6 +21,10 @@ the first half of the cores, the sims and the load generator on the other half,
 and direct runs get the same cores for sims and client as every other target.
 
     .venv/bin/python tests/bench/bench_router.py --pin      # routers on their own core(s)
+
+`--decode-ms` gives the sims a step time, so tokens come one chunk at a time as from
+a real engine's batch; `--levels 64` keeps such a run to the 64-stream overhead (and
+the throughput run).
 """
 
 from __future__ import annotations
@@ -305,6 +309,11 @@ def main() -> None:
         default=0.0,
         help="sim step time in ms (0: infinitely fast engines, the router alone is measured)",
     )
+    ap.add_argument(
+        "--levels",
+        default="1,64,512",
+        help="concurrency levels of the overhead runs (1,64,512); throughput is always at 256",
+    )
     args = ap.parse_args()
     if args.client:
         _client_main(args)
@@ -312,7 +321,14 @@ def main() -> None:
 
     scale = 0.2 if args.quick else 1.0
     rounds = 1 if args.quick else max(args.rounds, 1)
-    overhead_runs = [(1, int(400 * scale)), (64, int(4000 * scale)), (512, int(6000 * scale))]
+    sizes = {1: 400, 64: 4000, 512: 6000}
+    try:
+        levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--levels takes numbers like 1,64, not {args.levels!r}") from None
+    if not levels or min(levels) < 1:
+        raise SystemExit("--levels needs at least one concurrency level, each 1 or more")
+    overhead_runs = [(c, int(sizes.get(c, 4000) * scale)) for c in levels]
     throughput_run = (256, int(8000 * scale))
     all_runs = [*overhead_runs, throughput_run]
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
