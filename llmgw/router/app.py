@@ -747,8 +747,8 @@ class Router:
                         stream.arrived(loop.time())
                         out = stream.take(chunk)
                         if out:
-                            if stream.held:
-                                out, stream.held = stream.held + out, b""
+                            # (`held` is empty here: the sink gives up only right
+                            # after a write, which takes it.)
                             try:
                                 await resp.write(out)
                             except ConnectionResetError:
