@@ -1,11 +1,13 @@
 """NVML parsing with a fake pynvml, and the loud fallback to a real nvidia-smi subprocess.
 
-The real NVML path cannot run here (no GPU); these tests check what the code
-makes of NVML's values, and that a failing NVML downgrades with a warning.
+No GPU here: these tests check what the code makes of NVML's values (invented ones,
+and NVML's answers recorded on a real H200), and that a failing NVML downgrades with
+a warning.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -267,3 +269,40 @@ def test_old_driver_gets_the_minimal_query(monkeypatch: pytest.MonkeyPatch, tmp_
     assert any("reduced GPU query" in w and "compute_cap" in w for w in found.warnings), (
         found.warnings
     )
+
+
+# Recorded on an H200 (driver 580.159.04) by tests/gpu/record_discovery.py, NVML and
+# nvidia-smi at the same moment: idle, then while pid `held_pid` held 2 GiB of memory.
+H200_RECORDED = HW / "nvidia-smi" / "h200-1gpu-580-llmgw"
+
+
+def recorded(moment: str) -> tuple[FakeNvml, tuple[str, str, str]]:
+    """NVML's recorded answers as a fake, and nvidia-smi's (query, apps, topology) texts."""
+    answers = json.loads(H200_RECORDED.with_suffix(".nvml.json").read_text())[moment]
+    fake = FakeNvml(answers["gpus"], {frozenset(pair) for pair in answers["nvlink"]})
+    at = "" if moment == "idle" else f"{moment}."
+    texts = tuple(
+        H200_RECORDED.with_suffix(f".{at}{kind}").read_text() for kind in ("query.csv", "apps.csv")
+    )
+    return fake, (*texts, H200_RECORDED.with_suffix(".topo.txt").read_text())
+
+
+@pytest.mark.parametrize(("moment", "foreign_mib"), [("idle", 0), ("held", 2566)])
+def test_recorded_nvml_and_nvidia_smi_give_the_same_gpus(moment: str, foreign_mib: int) -> None:
+    fake, (query, apps, topo) = recorded(moment)
+    by_nvml = nvml.read_gpus(fake)
+    assert by_nvml == smi.gpus_from_smi(query, apps, topo)
+    (gpu,) = by_nvml
+    assert (gpu.name, gpu.gpu_class, gpu.memory_mib) == ("NVIDIA H200", "h200-140g", 143771)
+    assert (gpu.compute_capability, gpu.nvlink_domain, gpu.ecc_uncorrected) == ("9.0", None, 0)
+    assert gpu.uuid == "GPU-16fb8516-9f03-8d84-eb33-9dfbc4d69c74"
+    assert gpu.foreign_memory_mib == foreign_mib
+    assert gpu.healthy == (foreign_mib == 0)  # another tenant's memory: not placeable
+
+
+def test_recorded_holder_is_not_foreign_once_it_is_our_own() -> None:
+    fake, (query, apps, topo) = recorded("held")
+    pid = json.loads(H200_RECORDED.with_suffix(".nvml.json").read_text())["held_pid"]
+    own = frozenset({pid})
+    assert nvml.read_gpus(fake, own_pids=own)[0].foreign_memory_mib == 0
+    assert smi.gpus_from_smi(query, apps, topo, own_pids=own)[0].foreign_memory_mib == 0

@@ -1,9 +1,10 @@
 """GPU discovery through NVML (pynvml): the primary source, and the only one with NVLink peers.
 
 `read_gpus` takes the NVML module as an argument so that tests drive it with a
-fake module holding recorded values; `load` imports the real pynvml. Nothing
-here has run against a real driver in CI (no GPU there): the parsing of values
-is tested, the bindings are not. Used by `llmgw.agent.discovery.discover_gpus`.
+fake module holding recorded values; `load` imports the real pynvml. CI has no
+GPU: there the fake replays NVML's answers recorded on an H200 by
+`tests/gpu/record_discovery.py`, which also checks, on a real node, that NVML and
+nvidia-smi give the same GPUs. Used by `llmgw.agent.discovery.discover_gpus`.
 """
 
 from __future__ import annotations
