@@ -262,7 +262,9 @@ class Peer:
 
 
 def start_vllm_router(sims: list[Sim], tmp: Path) -> Peer | None:
+    # Beside this interpreter (a venv), else on PATH (an install with pip --target).
     exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    exe = exe or shutil.which("vllm-router")
     if not exe:
         return None
     port = free_port()
@@ -369,7 +371,8 @@ def main() -> None:
             try:
                 peer = start(sims, tmp)
             except RuntimeError as exc:
-                print(f"  {name}: did not start ({exc}); see {tmp}")
+                log = (tmp / f"{name}.log").read_text(errors="replace")[-1500:]
+                print(f"  {name}: did not start ({exc}); its log ends:\n{log}")
                 continue
             if peer is None:
                 print(f"  {name}: not installed, skipped")
