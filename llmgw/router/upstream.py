@@ -210,8 +210,9 @@ class _Conn(asyncio.Protocol):
             if len(data) >= self._left:
                 if len(data) > self._left:
                     self._keep_alive = False  # bytes beyond the body: do not reuse
-                self._push(data[: self._left])
-                self._left = 0
+                last, self._left = self._left, 0
+                self.done = True  # before the push, as for a chunked body's last bytes
+                self._push(data[:last])
                 self._finish()
             else:
                 self._left -= len(data)
@@ -240,7 +241,8 @@ class _Conn(asyncio.Protocol):
                     if pos < n:
                         self._keep_alive = False  # bytes beyond the body: do not reuse
                     # Complete before the last bytes are pushed: a sink sees that they are
-                    # the last (and can end its own response with them).
+                    # the last (and can end its own response with them). The same for a
+                    # Content-Length body (`_feed`).
                     self.done = True
                     if out:
                         self._push(b"".join(out))

@@ -226,7 +226,7 @@ def test_tokens_that_come_after_keepalive_comments_follow_them_in_order(tmp_path
     try:
         router = Router.start(tmp_path, {"s": engine.url}, keepalive_s=0.05)
         try:
-            # Three times: whether tokens wait at the handover is a matter of timing.
+            # Three times: how the burst splits into reads is a matter of timing.
             answers = [post_stream(router.url, tokens=300) for _ in range(3)]
         finally:
             router.stop()

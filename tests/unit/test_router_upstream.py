@@ -88,6 +88,39 @@ def test_content_length_bodies(body: bytes, cuts: list[int]) -> None:
     assert c.done
 
 
+@given(
+    parts=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(0, 600), max_size=12),
+    framing=st.sampled_from(["chunked", "content-length"]),
+)
+def test_a_sink_gets_every_byte_and_knows_the_last(
+    parts: list[bytes], cuts: list[int], framing: str
+) -> None:
+    """The relay's sink takes body bytes in the data callback, and ends its own response
+    with the last ones when the body's end came in the same read: then the body must
+    already read as complete when the sink gets them."""
+    body = b"".join(parts)
+    if framing == "chunked":
+        data = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(parts)
+    else:
+        data = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    c = conn()
+    got: list[tuple[bytes, bool]] = []
+    c.sink = lambda b: got.append((b, c.at_eof()))
+    points = sorted({min(x, len(data)) for x in cuts} | {0, len(data)})
+    for a, b in itertools.pairwise(points):
+        before = len(got)
+        c.data_received(data[a:b])
+        if c.done:
+            if len(got) > before:  # the last bytes and the end came in this read
+                assert got[-1][1]
+            break
+    assert c.done
+    assert not c._chunks  # nothing left for read_any
+    assert b"".join(b for b, _ in got) == body
+    assert not any(end for _, end in got[:-1])
+
+
 def test_close_delimited_body_and_connection_close() -> None:
     c = conn()
     assert feed(c, b"HTTP/1.0 200 OK\r\n\r\nabc", []) == b"abc"
