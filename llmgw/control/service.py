@@ -48,9 +48,8 @@ from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.control")
 
-_MODEL_EVENTS = tuple(
-    subjects.operator_event(kind) for kind in ("model_declared", "model_changed", "model_removed")
-)
+_MODEL_KINDS = ("model_declared", "model_changed", "model_removed")
+_MODEL_EVENTS = tuple(f for kind in _MODEL_KINDS for f in subjects.operator_event_kind(kind))
 
 
 class ControlService:
@@ -435,7 +434,10 @@ class ControlService:
             basis_seq=self.state.last_seq,
         )
         for event in todo:
-            published = await self._publisher.publish(event)
+            kind = events.tag_of(type(event)).partition(".")[2]
+            published = await self._publisher.publish(
+                event, subject=subjects.control_operator_event(self.name, kind)
+            )
             self._wrote(published.seq)
             log.info(
                 "control.model_synced",

@@ -311,7 +311,7 @@ def subject_of(event: Event) -> str:
         case NodeEvent():
             return subjects.node_event(event.node, kind.removeprefix("node_"))
         case OperatorEvent():
-            return subjects.operator_event(kind)
+            return subjects.operator_event(event.operator, kind)
         case ControlEvent():
             return subjects.control_event(kind)
     raise TypeError(f"{type(event).__name__} ({family}) has no subject")
@@ -330,6 +330,8 @@ def published_where_owned(event: Event, subject: str) -> bool:
     Readers refuse any event found on a subject other than its own, so the server's
     per-identity permissions decide who can write each kind of event.
     """
+    if isinstance(event, OperatorEvent):
+        return _operator_event_owned(event, subject)
     cls = type(event)
     node = event.node if isinstance(event, NodeEvent | Command) else ""
     key = (cls, node)
@@ -342,6 +344,27 @@ def published_where_owned(event: Event, subject: str) -> bool:
         if len(_SUBJECT_CACHE) < 200_000:
             _SUBJECT_CACHE[key] = expected
     return expected == subject
+
+
+# Operator events a control plane writes itself: the models of its config file.
+CONTROL_OPERATOR_KINDS = frozenset({"model_declared", "model_changed", "model_removed"})
+
+
+def _operator_event_owned(event: OperatorEvent, subject: str) -> bool:
+    """An operator event names its author in its subject (`llmgw.events.operator.<operator>.
+    <kind>`, or `...operator.control.<instance>.<kind>` for a control plane's models), and the
+    server lets each identity write only under its own name: the event's `operator` must be
+    that name. The form without an author (`llmgw.events.operator.<kind>`) is what logs held
+    before; no identity may write it any more, so it can only come from such a log."""
+    author = subjects.operator_author(subject)
+    if author is None:
+        return False
+    writer, name, kind = author
+    if kind != tag_of(type(event)).partition(".")[2]:
+        return False
+    if writer == "control":
+        return name == event.operator and kind in CONTROL_OPERATOR_KINDS
+    return writer == "" or name == event.operator
 
 
 # --------------------------------------------------------------------------- codec
