@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.errors
 import pytest
 from nats.aio.client import Client
 
@@ -126,7 +127,7 @@ async def test_an_operator_is_recorded_under_its_certificates_name_only(
     bob = await connect("operator", "bob")
     as_alice = events.NodeCordoned(id="c-bob", ts=1.0, operator="alice", node="node-a")
     # On alice's subject the server refuses it...
-    with pytest.raises(Exception):  # noqa: B017 - a refused publish surfaces as a timeout
+    with pytest.raises(nats.errors.TimeoutError):  # how nats-py reports a refused publish
         await bob.jetstream().publish(
             subjects.operator_event("alice", "node_cordoned"), events.encode(as_alice), timeout=0.5
         )
