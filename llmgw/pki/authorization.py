@@ -157,6 +157,8 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
                 f"{API}.STREAM.MSG.GET.KV_{LEASE_BUCKET}",
             ]
         case "router" | "operator":
+            # `nats stream ls` (the operator's view of the log with the nats CLI).
+            publish.append(f"{API}.STREAM.LIST")
             publish += _read_stream(STREAM)
             for bucket in _bucket_streams():
                 publish += _read_stream(bucket)

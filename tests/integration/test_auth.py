@@ -192,6 +192,12 @@ async def test_operator_writes_operator_subjects_only(connect: Connector) -> Non
         "llmgw.>", stream=STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
     )
     assert events.decode((await sub.next_msg(timeout=2)).data) == cordon
+    # What the nats CLI does for `stream ls`, `stream info` and `stream get --last-for`.
+    js = operator.jetstream()
+    assert STREAM in [info.config.name for info in await js.streams_info()]
+    assert (await js.stream_info(STREAM)).state.messages == 1
+    last = await js.get_last_msg(STREAM, events.subject_of(cordon))
+    assert events.decode(last.data) == cordon
     await refused(connect, operator, "operator", "alice", subjects.control_event("replica_placed"))
     await refused(connect, operator, "operator", "alice", subjects.command("node-a"))
     await refused(connect, operator, "operator", "alice", subjects.node_event("node-a", "shard"))
