@@ -8,7 +8,7 @@ GPU with 2**70 MiB of memory. The bounds are generous for any real fleet and sma
 enough that every arithmetic and encoding step downstream stays exact: integers fit
 in 53 bits (exact as JSON numbers in any language, and in msgpack), floats are finite.
 
-Pure data: type aliases only.
+Pure: type aliases, and `clip` for text a decision composes.
 """
 
 from __future__ import annotations
