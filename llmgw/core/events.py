@@ -28,7 +28,6 @@ from llmgw.core.limits import (
     MAX_LIST,
     MAX_SHARDS,
     Counter,
-    Detail,
     GpuIndex,
     GpuIndices,
     LogTail,
@@ -131,7 +130,7 @@ class ShardStatus(NodeEvent, tag="node.shard", kw_only=True, frozen=True):
     phase: ShardPhase
     endpoint: Text = ""
     """`http://host:port` once the engine answers; empty before."""
-    error: Detail = ""
+    error: Text = ""
     log_tail: LogTail = ()
     """The engine's last output lines, shipped with `failed`: the only diagnosis of a bad load."""
     pid: Pid | None = None

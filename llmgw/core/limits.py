@@ -38,13 +38,13 @@ MAX_LIST = 256
 MAX_ENV = 256
 """Environment variables of a model."""
 MAX_LOG_LINES = 1000
-MAX_LINE = 16 * 1024
+MAX_LINE = 64 * 1024
+"""The agent reads at most 64 KiB per 256 lines of an engine's output for a tail."""
 MAX_NAME = 256
 """Node, replica, model, operator and leader names; ids; classes; addresses."""
 MAX_TEXT = 16 * 1024
-"""Free text: reasons, paths, URLs, engine arguments, environment values."""
-MAX_DETAIL = 4 * 1024
-"""An error message: short enough that a reason quoting it stays within MAX_TEXT."""
+"""Free text: reasons, errors, paths, URLs, engine arguments, environment values. A
+decision quoting one (a reason naming a shard's error) is clipped to it (`clip`)."""
 MAX_PARALLEL = 4096
 MAX_REPLICAS = 100_000
 MAX_MODEL_LEN = 2**30
@@ -72,7 +72,6 @@ Rate: TypeAlias = Annotated[float, msgspec.Meta(ge=0.0, le=10.0**7)]
 
 Name: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Text: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
-Detail: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_DETAIL)]
 Line: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_LINE)]
 
 Names: TypeAlias = Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_LIST)]

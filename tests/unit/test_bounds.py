@@ -296,7 +296,7 @@ def test_an_old_version_is_bounded_too() -> None:
 def test_a_decision_quoting_a_long_error_stays_within_bounds() -> None:
     sim = base_sim()
     r = sim.state.replicas[REPLICA]
-    sim.status(r.shards[0].node, REPLICA, r.generation, 0, "failed", error="e" * limits.MAX_DETAIL)
+    sim.status(r.shards[0].node, REPLICA, r.generation, 0, "failed", error="e" * limits.MAX_TEXT)
     decisions = sim.leader()
     assert decisions
     for d in decisions:
