@@ -119,6 +119,9 @@ async def test_out_of_range_registrations_are_refused_and_the_control_plane_carr
         doc = status.json()
         assert doc["control"]["digest_agrees"] is True  # (ctl folds from the snapshot)
         assert doc["leader_state"] == "leading"
+        # A replay to the hostile messages folds through them (skipping them) too.
+        replayed = (await ctl("replay", "--to", str(max(seqs)), "--json")).json()
+        assert "node-evil" not in {n["name"] for n in replayed["nodes"]}
         nodes = await ctl("nodes")
         assert nodes.code == 0
         assert "node-evil" not in nodes.stdout
