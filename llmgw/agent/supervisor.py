@@ -35,7 +35,7 @@ import msgspec
 from llmgw import logs
 from llmgw.agent import logtail, pidfiles, processes
 from llmgw.agent.engines.common import Launch
-from llmgw.core import events
+from llmgw.core import events, limits
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
 
@@ -96,7 +96,9 @@ def status_event(view: ShardView, *, node: str, event_id: str, ts: float) -> eve
         shard=view.shard,
         phase=view.phase,
         endpoint=view.endpoint,
-        error=view.error,
+        # Readers refuse an event beyond the log's bounds: a failure is reported cut, never
+        # lost to an over-long message.
+        error=view.error if len(view.error) <= limits.MAX_TEXT else view.error[: limits.MAX_TEXT],
         log_tail=view.log_tail,
         pid=view.pid,
     )
