@@ -19,8 +19,9 @@ It ties the agent's parts to the log:
   idempotently by replica id and generation, ignoring deposed leaders' epochs.
   Commands on one shard run one after the other; on different shards they run
   concurrently (a 30 s stop grace does not hold up another shard's start);
-- a StartShard that the node must refuse (GPU in use, fp8 on an old GPU, ...)
-  yields ShardStatus failed with the reasons; nothing a command says crashes it.
+- a StartShard that the node must refuse (GPU in use, fp8 on an old GPU, an env
+  name or engine option its `launch` policy does not allow, ...) yields ShardStatus
+  failed with the reasons; nothing a command says crashes it.
 
 Engines are never stopped when the agent stops: serving survives the agent.
 """
@@ -44,6 +45,7 @@ from llmgw import tasks as tasks_
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery, engines, ledger, reports
 from llmgw.agent.config import AgentConfig
+from llmgw.agent.engines import validation
 from llmgw.agent.outbox import Outbox
 from llmgw.agent.supervisor import LIVE, Settings, ShardView, Supervisor, status_event
 from llmgw.core import events, subjects
@@ -72,8 +74,11 @@ class AgentService:
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = _new_id,
         reconnect_backoff: tuple[float, float] | None = None,
+        config_source: str = "",
     ) -> None:
         self.cfg = cfg
+        self.config_source = config_source
+        """The config file's path, named in refusals that say which setting to change."""
         self.node = cfg.node_id
         self.identity = Identity("node", cfg.node_id)
         self.state_dir = Path(cfg.state_dir)
@@ -510,6 +515,8 @@ class AgentService:
         if live is not None and live.phase in LIVE and live.generation < cmd.generation:
             busy -= set(live.gpus)  # the supervisor stops the older generation first
         try:
+            # The operator's env and engine arguments, bounded by this node's own policy.
+            validation.check_policy(cmd.launch, self.cfg.launch, source=self.config_source)
             launch = engines.plan(
                 cmd.launch, self.inventory, self.context, busy_gpus=frozenset(busy)
             )
