@@ -10,6 +10,7 @@ differs and what to do about it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -156,8 +157,11 @@ async def _ensure_lease_bucket(js: JetStreamContext, replicas: int) -> bool:
             history=1,
             replicas=replicas,
             storage=api.StorageType.FILE,
+            direct=True,  # agents read the holder's epoch with a direct get
         )
         return True
+    if not info.config.allow_direct:
+        await js.update_stream(dataclasses.replace(info.config, allow_direct=True))
     if not info.config.allow_msg_ttl:
         raise ProvisionConflict(
             f"KV bucket {LEASE_BUCKET} exists without per-message TTL (allow_msg_ttl): the lease "

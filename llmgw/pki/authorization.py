@@ -121,6 +121,8 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
                 # Its own last events and commands (an agent restarting reads where it was).
                 f"{API}.DIRECT.GET.{STREAM}.{subjects.node_events(node)}",
                 f"{API}.DIRECT.GET.{STREAM}.{subjects.command(node)}",
+                # The leader lease: a command's epoch must not exceed the current holder's.
+                "$JS.API.DIRECT.GET.KV_llmgw-lease.$KV.llmgw-lease.leader",
             ]
         case "router" | "operator":
             publish += _read_stream(STREAM)
