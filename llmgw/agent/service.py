@@ -59,6 +59,10 @@ log = logs.get("llmgw.agent.service")
 
 Discover = Callable[..., discovery.Discovery]
 
+LEASE_READS = 3
+"""Reads of the leader lease before a command's epoch counts as beyond it."""
+LEASE_REREAD_S = 0.25
+
 
 def _new_id() -> str:
     return uuid.uuid4().hex
@@ -426,9 +430,13 @@ class AgentService:
         cmd = record.event
         if not isinstance(cmd, events.Command) or cmd.node != self.node:
             return True
-        if cmd.epoch <= self.lease_epoch:
-            return True
-        await self._reread_lease()
+        for attempt in range(LEASE_READS):
+            if cmd.epoch <= self.lease_epoch:
+                return True
+            if attempt:
+                # A replica answering the direct get may lag the new leader's acquisition.
+                await asyncio.sleep(LEASE_REREAD_S * attempt)
+            await self._reread_lease()
         why = ledger.beyond_lease(cmd, self.lease_epoch)
         if not why:
             return True
