@@ -7,6 +7,7 @@ control plane (a `control` identity) and the leader lease (KV `llmgw-lease`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +15,15 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent import ledger
+from llmgw.agent.service import AgentService
+from llmgw.control.service import ControlService
 from llmgw.core import events
+from tests import harness
 from tests.harness import Connector, TestNatsServer
 from tests.integration import agent_kit as kit
+from tests.integration import control_kit
 from tests.integration.agent_kit import AgentProcess, Control, status
+from tests.integration.ctl_kit import Ctl
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +180,41 @@ async def test_an_epoch_on_disk_no_leader_had_is_dropped(
     assert saved_epoch(state_dir) == Control.LEASE_EPOCH
     log = agent.log_tail(200)
     assert ("ledger_garbage" in log) or ("agent_ledger_epoch_beyond_lease" in log), log
+
+
+async def test_ctl_replicas_shows_why_the_node_refused(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    """Under the real control plane: the refusal reaches `llmgw ctl replicas`."""
+    node = "node-r"
+    state_dir = tmp_path / "agent"
+    cfg = kit.agent_cfg(nats_server, node, state_dir)
+    tls = await asyncio.to_thread(nats_server.pki.client_tls, "node", node)
+    source = "/etc/llmgw/agent.yaml"
+    svc = AgentService(cfg, tls=tls, reconnect_backoff=(0.05, 0.5), config_source=source)
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.run(stop))
+    bad = control_kit.model("m-bad", replicas=1, env={"LD_PRELOAD": "/tmp/evil.so"})
+    control_cfg = control_kit.control_config(nats_server, "control-1", models=(bad,))
+    ctl = Ctl(nats_server)
+    want = (
+        "env LD_PRELOAD is not allowed by this node's launch.env_allow "
+        f"(agent config {source}): add it there if this node should run it"
+    )
+    try:
+        async with control_kit.running(ControlService(control_cfg)):
+
+            async def shown() -> bool:
+                result = await ctl.subprocess("replicas", "--model", "m-bad", "--json")
+                replicas = result.json()
+                errors = [s["error"] for r in replicas for s in r["shards"]]
+                return any(want in e for e in errors)
+
+            await harness.wait_for(shown, 60, "the refusal in ctl replicas", every_s=1.0)
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+        kit.kill_engines(state_dir)
+    assert svc.supervisor is not None
+    assert svc.supervisor.views() == []  # nothing was ever started
