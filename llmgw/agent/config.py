@@ -4,7 +4,8 @@ Loaded from YAML plus `LLMGW_AGENT__...` environment overrides
 (`llmgw.config.load(AgentConfig, path, section="AGENT")`), then completed and
 checked by `load`: the node id defaults to the short hostname and must be one
 subject token; fabric labels are validated because a wrong one makes the
-scheduler place multi-node replicas that hang on their first all-reduce.
+scheduler place multi-node replicas that hang on their first all-reduce; the
+`launch` policy (what an operator's model may make this node run) is checked too.
 Used by `llmgw agent` and `llmgw agent inventory`.
 """
 
@@ -18,6 +19,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.agent.engines.common import LaunchContext
+from llmgw.agent.engines.validation import LaunchPolicy, policy_errors
 from llmgw.bus.settings import NatsConnection
 from llmgw.core import placement, subjects
 from llmgw.core.inventory import Hca, Inventory
@@ -79,6 +81,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     outbox_max_bytes: int = 64 * 1024 * 1024
     engine_poll_s: float = 0.5
     """How often the supervisor checks each engine's liveness and readiness."""
+    launch: LaunchPolicy = LaunchPolicy()
+    """What a StartShard may make this node run: engines, environment names, engine options
+    and the directories options may read files from. Anything else is refused before launch."""
     log_level: str = "info"
 
 
@@ -204,6 +209,9 @@ def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
             "outbox_max_events must be >= 1 and outbox_max_bytes >= 4096: the outbox keeps the "
             "node's events while NATS is unreachable"
         )
+    errors = policy_errors(cfg.launch)
+    if errors:
+        raise config.ConfigError("; ".join(errors))
     return msgspec.structs.replace(cfg, node_id=node_id, address=cfg.address or node_id)
 
 
