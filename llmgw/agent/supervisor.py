@@ -380,7 +380,8 @@ class Supervisor:
                 continue
             if (record.replica_id, record.shard) in self._shards:
                 continue
-            why = processes.mismatch(record.process)
+            # The reason may quote a command line, and SGLang's carries its key.
+            (why,) = _redact((processes.mismatch(record.process),), record.launch.api_key)
             if why:
                 # Adopting an unrelated process is worse than leaking the original: an
                 # engine we lost still shows up as foreign GPU memory and is not reused.

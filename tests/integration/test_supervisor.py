@@ -381,12 +381,16 @@ async def test_restarted_agent_adopts_its_running_engine(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("lie", ["start_time", "cmdline"])
 async def test_foreign_process_with_a_reused_pid_is_not_adopted(tmp_path: Path, lie: str) -> None:
-    foreign = subprocess.Popen(["sleep", "300"], start_new_session=True)  # noqa: ASYNC220
+    key = "engine-key-in-a-command-line"
+    # The process now at the pid shows the key on its command line (as SGLang's would).
+    foreign = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, "-c", "import time; time.sleep(300)", key], start_new_session=True
+    )
     try:
         real = processes.fingerprint(foreign.pid)
         assert real is not None
         spec = sim_spec("x", free_port())
-        launch = engines.plan(spec, INVENTORY, CONTEXT)
+        launch = engines.keyed(spec, engines.plan(spec, INVENTORY, CONTEXT), key)
         # The pid file of an engine that died while the agent was away; its pid now
         # belongs to `sleep`. Either the start time or the command line gives it away.
         recorded = processes.Fingerprint(
@@ -414,6 +418,7 @@ async def test_foreign_process_with_a_reused_pid_is_not_adopted(tmp_path: Path, 
         (result,) = await supervisor.adopt()
         assert not result.adopted
         assert ("was reused" if lie == "start_time" else "not the engine") in result.reason
+        assert key not in result.reason  # the reason is logged and reported
         assert supervisor.views() == []
         assert not pidfiles.path_for(state, "rep-old", 0).exists()
         await supervisor.stop_all()
