@@ -60,8 +60,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     state_dir: str = "/var/lib/llmgw/agent"
     """Pid files and engine logs: what lets a restarted agent adopt its running engines."""
     engine_ports: PortRange = PortRange()
-    engine_host: str = "0.0.0.0"
-    """Address engines bind to."""
+    engine_host: str = ""
+    """Address engines bind to; empty: `address`, the one routers are told. `0.0.0.0` (every
+    interface) is an explicit opt-in, for a node whose serving address is not its own
+    (behind NAT): engines then answer on every network the node is on, and vLLM's key
+    guards only its /v1 routes, so anyone on those networks could bypass the routers."""
     engine_commands: dict[Engine, tuple[str, ...]] = {}
     """How to start each engine, e.g. `vllm: [/opt/vllm/bin/vllm, serve]`; defaults:
     `vllm serve`, `python3 -m sglang.launch_server`, `llama-server`, `<python> -m llmgw sim`."""
@@ -230,7 +233,7 @@ def load(
 def launch_context(cfg: AgentConfig, inventory: Inventory) -> LaunchContext:
     """What the engine adapters need from this node: bind address, fabrics, ports, commands."""
     return LaunchContext(
-        host=cfg.engine_host,
+        host=cfg.engine_host or cfg.address,
         fabrics=inventory.fabrics,
         port_range=(cfg.engine_ports.first, cfg.engine_ports.last),
         commands=dict(cfg.engine_commands),

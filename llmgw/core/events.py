@@ -134,6 +134,9 @@ class ShardStatus(NodeEvent, tag="node.shard", kw_only=True, frozen=True):
     log_tail: LogTail = ()
     """The engine's last output lines, shipped with `failed`: the only diagnosis of a bad load."""
     pid: Pid | None = None
+    api_key: Name = ""
+    """The key the engine of shard 0 requires (`Authorization: Bearer`), reported with
+    serving: routers present it; NATS lets no other node read this subject."""
 
 
 # --------------------------------------------------------------------------- operator intents
@@ -232,6 +235,9 @@ class EndpointUp(ControlEvent, tag="control.endpoint_up", kw_only=True, frozen=T
     model: Name
     url: Text
     node: Name = ""
+    api_key: Name = ""
+    """What routers send the engine as `Authorization: Bearer`; empty for an engine
+    started without one."""
 
 
 class EndpointDown(ControlEvent, tag="control.endpoint_down", kw_only=True, frozen=True):

@@ -371,7 +371,12 @@ class _Planner:
                 node = self.state.nodes[head.node]
                 url = head.endpoint or f"http://{node.address}:{head.port}"
                 self.b.add(
-                    events.EndpointUp, replica_id=r.id, model=r.model, url=url, node=node.name
+                    events.EndpointUp,
+                    replica_id=r.id,
+                    model=r.model,
+                    url=url,
+                    node=node.name,
+                    api_key=head.api_key,
                 )
         elif up:
             phases = ", ".join(sorted({s.phase for s in r.shards}))

@@ -72,6 +72,8 @@ class ShardState(msgspec.Struct, kw_only=True, gc=False):
     since: float = 0.0
     """Producer time of the last phase change."""
     endpoint: str = ""
+    api_key: str = ""
+    """The key its engine requires (shard 0), from its serving status."""
     error: str = ""
     log_tail: tuple[str, ...] = ()
     started: bool = False
@@ -154,6 +156,7 @@ class Endpoint(msgspec.Struct, kw_only=True, gc=False):
     model: str
     url: str
     node: str = ""
+    api_key: str = ""
 
 
 class Seen(msgspec.Struct, kw_only=True, gc=False):
@@ -519,6 +522,8 @@ def _shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: flo
     shard.since = float(ev.ts)
     if ev.endpoint:
         shard.endpoint = ev.endpoint
+    if ev.api_key:
+        shard.api_key = ev.api_key
     if ev.phase == "failed":
         shard.error = ev.error or "failed"
         shard.log_tail = ev.log_tail
@@ -749,6 +754,7 @@ def _restarted(state: ClusterState, replica: ReplicaState, ev: events.ReplicaPla
         shard.phase = "placed"
         shard.since = float(ev.ts)
         shard.endpoint = ""
+        shard.api_key = ""
         shard.started = False
         shard.drain_sent_at = None
         shard.stop_sent = False
@@ -869,7 +875,7 @@ def _endpoint_up(state: ClusterState, ev: events.EndpointUp, seq: int, at: float
     if replica is None or replica.retired:
         raise _Reject(f"endpoint up for replica {ev.replica_id!r}, which is not active")
     state.endpoints[ev.replica_id] = Endpoint(
-        replica_id=ev.replica_id, model=ev.model, url=ev.url, node=ev.node
+        replica_id=ev.replica_id, model=ev.model, url=ev.url, node=ev.node, api_key=ev.api_key
     )
 
 

@@ -144,6 +144,29 @@ def _gpus(spec: LaunchSpec, gpus: dict[int, Gpu], busy: frozenset[int]) -> list[
     return problems
 
 
+API_KEY_FLAGS = ("--api-key", "--api-key-file")
+API_KEY_VARIABLES = ("VLLM_API_KEY", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLMGW_SIM_API_KEY")
+
+
+def _api_key(spec: LaunchSpec) -> list[str]:
+    """The agent gives every engine its own key, which routers learn from the log: a key
+    set by the model would lock the routers out (or open the engine to whoever knows it)."""
+    problems = []
+    flags = [a for a in spec.engine_args if a.split("=", 1)[0] in API_KEY_FLAGS]
+    if flags:
+        problems.append(
+            f"engine_args set {', '.join(sorted(set(flags)))}: the agent sets each engine's "
+            "API key itself; remove it from the model"
+        )
+    variables = sorted(v for v in spec.env if v in API_KEY_VARIABLES)
+    if variables:
+        problems.append(
+            f"env sets {', '.join(variables)}: the agent sets each engine's API key itself; "
+            "remove it from the model"
+        )
+    return problems
+
+
 def check(
     spec: LaunchSpec,
     inventory: Inventory,
@@ -161,6 +184,7 @@ def check(
     if not first <= spec.port <= last:
         problems.append(f"port {spec.port} is outside this agent's engine ports {first}-{last}")
     problems += _arithmetic(spec)
+    problems += _api_key(spec)
     problems += _multi_node(spec, context)
     problems += _fabric(spec, context)
     if spec.engine == "llamacpp":
