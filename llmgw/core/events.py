@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, TypeAlias
 import msgspec
 
 from llmgw.core import subjects
+from llmgw.core.attestation import DIGEST_BYTES, MAX_PER_ATTESTATION
 from llmgw.core.inventory import Fabric, Gpu, Hca
 from llmgw.core.limits import (
     MAX_GPUS,
@@ -42,6 +43,9 @@ from llmgw.core.limits import (
     Version,
 )
 from llmgw.core.profile import LaunchSpec, ModelProfile
+
+# Base64 of MAX_PER_ATTESTATION digests of DIGEST_BYTES, with room for padding.
+_MAX_DIGESTS_B64 = (MAX_PER_ATTESTATION * DIGEST_BYTES + 2) // 3 * 4 + 4
 
 ShardPhase = Literal["starting", "loading", "serving", "draining", "stopped", "failed"]
 SHARD_PHASES: tuple[ShardPhase, ...] = (
@@ -252,6 +256,20 @@ class LeaderElected(ControlEvent, tag="control.leader_elected", kw_only=True, fr
     """Instance name of the control plane that now decides."""
 
 
+class LogAttested(ControlEvent, tag="control.log_attested", kw_only=True, frozen=True):
+    """What the leader accepted of the log, so that readers verify each event once
+    (llmgw.core.attestation): of the sequences first_seq..last_seq, those in `accepted`
+    (inclusive runs) passed its signature check, with these digests (base64, 16 bytes each,
+    in sequence order). Changes no state."""
+
+    first_seq: Counter
+    last_seq: Counter
+    accepted: Annotated[
+        tuple[tuple[Counter, Counter], ...], msgspec.Meta(max_length=MAX_PER_ATTESTATION)
+    ] = ()
+    digests: Annotated[str, msgspec.Meta(max_length=_MAX_DIGESTS_B64)] = ""
+
+
 # --------------------------------------------------------------------------- commands
 
 
@@ -298,6 +316,7 @@ AnyEvent: TypeAlias = (
     | EndpointUp
     | EndpointDown
     | LeaderElected
+    | LogAttested
     | StartShard
     | StopShard
     | DrainShard

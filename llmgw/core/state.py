@@ -970,6 +970,8 @@ _HANDLERS: dict[type, Handler] = {
     events.EndpointUp: _endpoint_up,
     events.EndpointDown: _endpoint_down,
     events.LeaderElected: _leader,
+    # What the leader verified: for readers to check signatures once, no state.
+    events.LogAttested: lambda state, event, seq, at: None,
     events.StartShard: _start,
     events.StopShard: _stop,
     events.DrainShard: _drain,

@@ -1,0 +1,105 @@
+"""Attestations confirm exactly the messages their signer accepted, byte for byte."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.core import attestation, events
+from llmgw.core.attestation import NOT_COVERED, Attestations, Attested
+
+Message = tuple[bytes, bytes, bytes, bytes]
+message = st.tuples(
+    st.binary(min_size=1, max_size=40),
+    st.binary(max_size=20),
+    st.binary(max_size=200),
+    st.binary(max_size=72),
+)
+
+
+def attest(first: int, log: dict[int, Message], accepted: set[int]) -> Attested:
+    seqs = sorted(s for s in log if s in accepted)
+    digests = attestation.encode_digests(attestation.digest(*log[s]) for s in seqs)
+    item = Attested.of(first, max(log), attestation.runs(seqs), digests)
+    assert item is not None
+    return item
+
+
+@given(
+    msgs=st.lists(message, min_size=1, max_size=60),
+    accepted_mask=st.lists(st.booleans(), min_size=60, max_size=60),
+    first=st.integers(1, 10_000),
+    tamper=st.integers(0, 59),
+    field=st.integers(0, 3),
+)
+def test_confirmed_exactly_when_accepted_and_unchanged(
+    msgs: list[Message], accepted_mask: list[bool], first: int, tamper: int, field: int
+) -> None:
+    log = {first + i: m for i, m in enumerate(msgs)}
+    accepted = {s for i, s in enumerate(log) if accepted_mask[i]}
+    book = Attestations()
+    book.add(attest(first, log, accepted))
+    for seq, msg in log.items():
+        verdict = book.check(seq, attestation.digest(*msg))
+        assert (verdict is None) == (seq in accepted)
+    # One byte changed anywhere: refused, never confirmed.
+    seq = first + tamper % len(msgs)
+    parts = list(log[seq])
+    parts[field] = parts[field] + b"x"
+    assert book.check(seq, attestation.digest(*parts)) is not None
+    # Outside every range: not covered, so the signature is checked instead.
+    assert book.check(first + len(msgs), b"\0" * 16) == NOT_COVERED
+    assert book.check(first - 1, b"\0" * 16) == NOT_COVERED
+
+
+def test_fields_are_length_prefixed() -> None:
+    assert attestation.digest(b"ab", b"c", b"", b"") != attestation.digest(b"a", b"bc", b"", b"")
+
+
+@given(st.lists(st.integers(1, 500), unique=True))
+def test_runs_cover_exactly_the_sequences(seqs: list[int]) -> None:
+    seqs.sort()
+    got = [s for a, b in attestation.runs(seqs) for s in range(a, b + 1)]
+    assert got == seqs
+
+
+def test_an_attestation_that_does_not_hold_together_confirms_nothing() -> None:
+    one = attestation.encode_digests([b"\1" * 16])
+    assert Attested.of(5, 10, [(4, 4)], one) is None  # run before the range
+    assert Attested.of(5, 10, [(11, 11)], one) is None  # after it
+    assert Attested.of(5, 10, [(6, 7)], one) is None  # two sequences, one digest
+    assert Attested.of(5, 10, [(6, 6), (6, 6)], one + "") is None  # overlapping runs
+    assert Attested.of(5, 10, [(6, 6)], "not base64!") is None
+    assert Attested.of(10, 5, [], "") is None
+    assert Attested.of(5, 10, [(6, 6)], one) is not None
+
+
+def test_overlapping_attestations_each_confirm_their_own() -> None:
+    log = {s: (b"s", str(s).encode(), b"p", b"sig") for s in range(1, 21)}
+    book = Attestations()
+    book.add(attest(1, {s: log[s] for s in range(1, 11)}, set(range(1, 11))))
+    book.add(attest(6, {s: log[s] for s in range(6, 21)}, set(range(6, 21))))
+    assert all(book.check(s, attestation.digest(*log[s])) is None for s in log)
+    assert book.last_seq == 20
+
+
+def test_the_event_round_trips_and_changes_no_state() -> None:
+    from llmgw.core.state import ClusterState, apply, digest
+
+    log = {s: (b"s", b"i", b"p", b"g") for s in range(3, 8)}
+    item = attest(3, log, {3, 4, 6})
+    event = events.LogAttested(
+        id="a-1",
+        ts=1.0,
+        first_seq=3,
+        last_seq=7,
+        accepted=((3, 4), (6, 6)),
+        digests=attestation.encode_digests(item.digests[i : i + 16] for i in range(0, 48, 16)),
+    )
+    assert events.decode(events.encode(event)) == event
+    state = ClusterState()
+    before = digest(state)
+    assert apply(state, event, 9) is None
+    assert state.last_seq == 9
+    state.last_seq = 0
+    assert digest(state) == before
