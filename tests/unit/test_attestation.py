@@ -103,3 +103,39 @@ def test_the_event_round_trips_and_changes_no_state() -> None:
     assert state.last_seq == 9
     state.last_seq = 0
     assert digest(state) == before
+
+
+def test_the_attester_covers_what_was_read_and_forgets_what_the_log_attests() -> None:
+    from llmgw.control.attesting import Attester
+
+    now = [0.0]
+    att = Attester(every=3, within_s=5.0, clock=lambda: now[0])
+    assert not att.due()
+    for seq in (1, 2):
+        att.accepted(seq, bytes([seq]) * 16)
+    att.read(3)  # refused: in the range, not accepted
+    assert not att.due()
+    now[0] = 6.0
+    assert att.due()
+    first = att.take(event_id="a", epoch=1, basis_seq=3)
+    assert first is not None
+    assert (first.first_seq, first.last_seq, first.accepted) == (1, 3, ((1, 2),))
+    item = Attested.of(first.first_seq, first.last_seq, first.accepted, first.digests)
+    assert item is not None
+    book = Attestations()
+    book.add(item)
+    assert book.check(2, b"\2" * 16) is None
+    assert book.check(3, b"\3" * 16) is not None  # the refused one stays refused
+    # Until the attestation is folded back, a failed write is attested again.
+    again = att.take(event_id="b", epoch=1, basis_seq=3)
+    assert again is not None
+    assert again.accepted == first.accepted
+    att.attested(first)
+    assert att.pending == 0
+    assert att.take(event_id="c", epoch=1, basis_seq=3) is None
+    for seq in (4, 5, 6, 7):
+        att.accepted(seq, b"\4" * 16)
+    assert att.due()  # three or more
+    nxt = att.take(event_id="d", epoch=1, basis_seq=7)
+    assert nxt is not None
+    assert (nxt.first_seq, nxt.last_seq, nxt.accepted) == (4, 6, ((4, 6),))

@@ -1,0 +1,40 @@
+"""Reading the leader's attestations before a long replay (llmgw.core.attestation).
+
+A replay from the start, or from an old snapshot, first reads every `control.log_attested`
+event (one server-side filtered pass, signatures verified like any control event), then
+reads the log with those attestations: a message they cover costs a hash instead of an
+ECDSA verification.
+"""
+
+from __future__ import annotations
+
+from nats.aio.client import Client
+
+from llmgw import logs
+from llmgw.core import attestation, events, subjects
+
+log = logs.get("llmgw.bus")
+
+SUBJECT = subjects.control_event("log_attested")
+
+
+async def load(nc: Client, *, after_seq: int = 0) -> attestation.Attestations:
+    """Every attestation in the log covering a sequence after `after_seq`."""
+    from llmgw.bus.reader import Reader  # the reader imports this module
+
+    book = attestation.Attestations()
+    reader = Reader(nc, subjects_filter=[SUBJECT], follow=False, name="attestations")
+    async with reader:
+        async for batch in reader.batches():
+            for record in batch:
+                event = record.event
+                if not isinstance(event, events.LogAttested) or event.last_seq <= after_seq:
+                    continue
+                item = attestation.Attested.of(
+                    event.first_seq, event.last_seq, event.accepted, event.digests
+                )
+                if item is None:
+                    log.warning("bus.attestation_malformed", seq=record.seq, id=event.id)
+                    continue
+                book.add(item)
+    return book
