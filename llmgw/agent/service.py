@@ -209,7 +209,11 @@ class AgentService:
         cfg = self.cfg
         ctx = self._tls or cfg.nats.tls_context()
         nc = await bus.connect(
-            list(cfg.nats.servers), tls=ctx, identity=self.identity, name=f"agent-{self.node}"
+            list(cfg.nats.servers),
+            tls=ctx,
+            identity=self.identity,
+            name=f"agent-{self.node}",
+            keys=cfg.nats.keys(),
         )
         if self._backoff is not None:
             nc.backoff_base, nc.backoff_cap = self._backoff

@@ -11,6 +11,7 @@ import ssl
 
 import msgspec
 
+from llmgw.bus.keys import Keys
 from llmgw.pki import tls
 
 
@@ -38,4 +39,10 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """The client context: trusts only the fleet's CA, presents this certificate."""
         return tls.client_context(
             ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file
+        )
+
+    def keys(self) -> Keys:
+        """This service's signer (its certificate and key) and the CA's verifier."""
+        return Keys.load(
+            ca_file=self.ca_file, cert_file=self.cert_file or None, key_file=self.key_file or None
         )
