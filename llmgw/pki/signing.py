@@ -103,9 +103,9 @@ def event_message(subject: str, msg_id: str | bytes, payload: bytes) -> bytes:
     return EVENT_DOMAIN + _field(subject.encode()) + _field(mid) + payload
 
 
-def lease_message(holder: str, epoch: int) -> bytes:
-    """What a lease value's signature covers. Pure."""
-    return LEASE_DOMAIN + _field(holder.encode()) + struct.pack(">q", epoch)
+def lease_message(holder: str, epoch: int, until: float) -> bytes:
+    """What a lease value's signature covers: holder, epoch, and the time it runs out. Pure."""
+    return LEASE_DOMAIN + _field(holder.encode()) + struct.pack(">qd", epoch, until)
 
 
 def snapshot_message(seq: int, data: bytes) -> bytes:

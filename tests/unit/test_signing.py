@@ -224,10 +224,10 @@ def test_unsigned_events_are_accepted_only_up_to_the_cut_over() -> None:
 
 def test_lease_and_snapshot_signatures_bind_what_they_cover() -> None:
     control = SIGNERS[Identity("control", "a")]
-    sig = control.sign(signing.lease_message("a", 41))
-    assert VERIFIER.verify(signing.lease_message("a", 41), sig, control.cert_b64, time.time())
+    sig = control.sign(signing.lease_message("a", 41, 1e9))
+    assert VERIFIER.verify(signing.lease_message("a", 41, 1e9), sig, control.cert_b64, time.time())
     with pytest.raises(signing.SignatureRefused):
-        VERIFIER.verify(signing.lease_message("a", 42), sig, control.cert_b64, time.time())
+        VERIFIER.verify(signing.lease_message("a", 42, 1e9), sig, control.cert_b64, time.time())
     snap = control.sign(signing.snapshot_message(10, b"state"))
     with pytest.raises(signing.SignatureRefused):
         VERIFIER.verify(signing.snapshot_message(10, b"stat3"), snap, control.cert_b64, time.time())
