@@ -53,6 +53,7 @@ from nats.aio.client import Client
 
 from llmgw import bus, natsd
 from llmgw.bus import keys as bus_keys
+from llmgw.core import events, subjects
 from llmgw.pki import authorization, signing, tls
 from llmgw.pki.ca import CertificateAuthority, subject_name
 from llmgw.pki.identity import Identity, Kind
@@ -120,6 +121,23 @@ class TestPki:
         signer = self.keys(kind, name).signer
         assert signer is not None
         return signer
+
+    def owner_signer(self, event: events.Event) -> signing.Signer:
+        """A signer of the identity that owns `event`'s subject, for a test that publishes
+        on that identity's behalf (a node's events as that node, decisions and commands
+        as `control/control-test`, operator events as the operator the event names)."""
+        subject = events.subject_of(event)
+        node = subjects.node_of(subject)
+        if subject.startswith(f"{subjects.EVENTS_ROOT}.node.") and node is not None:
+            return self.signer("node", node)
+        if subject.startswith(f"{subjects.EVENTS_ROOT}.operator."):
+            name = getattr(event, "operator", "")
+            try:
+                subjects.check_token(name)
+            except subjects.SubjectTokenError:
+                name = "admin"
+            return self.signer("operator", name)
+        return self.signer("control", "control-test")
 
     def verifier(self, *, accept_unsigned_before: int = 0) -> signing.Verifier:
         return signing.Verifier(self.ca.cert, accept_unsigned_before=accept_unsigned_before)

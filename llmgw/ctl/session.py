@@ -40,7 +40,10 @@ class Session:
                 ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_path
             )
             keys = bus.Keys.load(
-                ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_path
+                ca_file=cfg.ca_file,
+                cert_file=cfg.cert_file,
+                key_file=cfg.key_path,
+                accept_unsigned_before=cfg.accept_unsigned_before,
             )
         except FileNotFoundError as exc:
             raise BadInput(str(exc)) from None
