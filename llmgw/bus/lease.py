@@ -72,7 +72,7 @@ def _signed(signer: Signer, holder: str, epoch: int, until: float) -> bytes:
     return msgspec.json.encode(_Value(holder, epoch, until, sig, signer.cert_b64))
 
 
-def _verified(verifier: Verifier, raw: bytes, now: float, grace_s: float) -> _Value | str:
+def verified_value(verifier: Verifier, raw: bytes, now: float, grace_s: float) -> _Value | str:
     """The lease value if its holder signed it and it has not run out (`until` plus
     `grace_s` for clock skew), else why not. Pure given `now`."""
     try:
@@ -171,7 +171,7 @@ class Lease:
             return None
         if entry.value is None or entry.revision is None:
             return None
-        return entry.revision, _verified(self._verifier, entry.value, time.time(), self.ttl_s)
+        return entry.revision, verified_value(self._verifier, entry.value, time.time(), self.ttl_s)
 
     async def holder(self) -> Holder | None:
         """The current holder, or None when the lease is free (or its value is forged)."""

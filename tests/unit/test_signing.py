@@ -13,12 +13,13 @@ import base64
 import datetime as dt
 import time
 
+import msgspec
 import pytest
 from cryptography.hazmat.primitives import serialization
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.bus import reader
+from llmgw.bus import lease, reader, snapshots
 from llmgw.core import events
 from llmgw.pki import signing
 from llmgw.pki.ca import CertificateAuthority
@@ -295,3 +296,58 @@ def test_signature_headers_parse() -> None:
     assert reader.signature_headers(raw) == (b"x", b"s", b"c")
     assert reader.signature_headers(b"") == (None, None, None)
     assert reader.signature_headers(raw + b"Nats-Msg-Id: y\r\n") is None
+
+
+# --------------------------------------------------------------------------- lease, snapshots
+
+
+def lease_value(signer: signing.Signer, holder: str, epoch: int, until: float) -> bytes:
+    sig = signer.sign(signing.lease_message(holder, epoch, until))
+    return msgspec.json.encode(
+        {"holder": holder, "epoch": epoch, "until": until, "sig": sig, "cert": signer.cert_b64}
+    )
+
+
+def test_a_lease_value_counts_only_signed_by_its_holder_and_until_it_runs_out() -> None:
+    now = time.time()
+    control_a = SIGNERS[Identity("control", "a")]
+    good = lease.verified_value(VERIFIER, lease_value(control_a, "a", 7, now + 3), now, 3.0)
+    assert not isinstance(good, str)
+    assert (good.holder, good.epoch) == ("a", 7)
+    # Another control plane's signature naming "a", a node's, none, garbage, a stale one.
+    by_b = lease_value(SIGNERS[Identity("control", "b")], "a", 7, now + 3)
+    by_node = lease_value(SIGNERS[Identity("node", "a")], "a", 7, now + 3)
+    unsigned = msgspec.json.encode({"holder": "a", "epoch": 7})
+    stale = lease_value(control_a, "a", 7, now - 10)
+    for raw in (by_b, by_node, unsigned, b"\xff", stale):
+        assert isinstance(lease.verified_value(VERIFIER, raw, now, 3.0), str)
+    # Changing the epoch or the time under a genuine signature breaks it.
+    tampered = msgspec.json.decode(lease_value(control_a, "a", 7, now + 3))
+    tampered["epoch"] = 8
+    assert isinstance(lease.verified_value(VERIFIER, msgspec.json.encode(tampered), now, 3.0), str)
+
+
+def test_a_snapshot_opens_only_under_a_control_seal_for_its_own_sequence() -> None:
+    now = time.time()
+    control_a = SIGNERS[Identity("control", "a")]
+    sealed = snapshots.seal(control_a, 10, b"state bytes")
+    assert snapshots.unseal(VERIFIER, 10, sealed, now) == b"state bytes"
+    refused = [
+        (11, sealed),  # moved to another sequence's name
+        (10, sealed[:-1] + b"!"),  # data altered
+        (10, b"state bytes"),  # unsigned (saved before signing)
+        (10, snapshots.seal(SIGNERS[Identity("operator", "a")], 10, b"state bytes")),
+        (10, snapshots.seal(signer_for(Identity("control", "a"), OTHER_CA), 10, b"state bytes")),
+    ]
+    for seq, raw in refused:
+        with pytest.raises(signing.SignatureRefused):
+            snapshots.unseal(VERIFIER, seq, raw, now)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.integers(0, 2**40))
+def test_unsealing_any_bytes_refuses_or_opens_never_crashes(raw: bytes, seq: int) -> None:
+    prefixed = b"llmgw-snapshot-signed/v1\n" + raw
+    for candidate in (raw, prefixed):
+        with pytest.raises(signing.SignatureRefused):
+            snapshots.unseal(VERIFIER, seq, candidate, time.time())
