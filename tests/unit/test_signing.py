@@ -351,3 +351,13 @@ def test_unsealing_any_bytes_refuses_or_opens_never_crashes(raw: bytes, seq: int
     for candidate in (raw, prefixed):
         with pytest.raises(signing.SignatureRefused):
             snapshots.unseal(VERIFIER, seq, candidate, time.time())
+
+
+async def test_a_connection_signs_only_as_the_identity_it_connects_as() -> None:
+    from llmgw import bus
+
+    keys = bus.Keys(SIGNERS[Identity("node", "a")], VERIFIER)
+    with pytest.raises(ValueError, match="node/a's, not node/b's"):
+        await bus.connect(
+            "tls://127.0.0.1:1", tls=None, identity=Identity("node", "b"), name="x", keys=keys
+        )
