@@ -4,7 +4,8 @@ Loaded from YAML plus `LLMGW_AGENT__...` environment overrides
 (`llmgw.config.load(AgentConfig, path, section="AGENT")`), then completed and
 checked by `load`: the node id defaults to the short hostname and must be one
 subject token; fabric labels are validated because a wrong one makes the
-scheduler place multi-node replicas that hang on their first all-reduce.
+scheduler place multi-node replicas that hang on their first all-reduce; the
+`launch` policy (what an operator's model may make this node run) is checked too.
 Used by `llmgw agent` and `llmgw agent inventory`.
 """
 
@@ -18,6 +19,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.agent.engines.common import LaunchContext
+from llmgw.agent.engines.validation import LaunchPolicy, policy_errors
 from llmgw.bus.settings import NatsConnection
 from llmgw.core import placement, subjects
 from llmgw.core.inventory import Hca, Inventory
@@ -58,8 +60,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     state_dir: str = "/var/lib/llmgw/agent"
     """Pid files and engine logs: what lets a restarted agent adopt its running engines."""
     engine_ports: PortRange = PortRange()
-    engine_host: str = "0.0.0.0"
-    """Address engines bind to."""
+    engine_host: str = ""
+    """Address engines bind to; empty: `address`, the one routers are told. `0.0.0.0` (every
+    interface) is an explicit opt-in, for a node whose serving address is not its own
+    (behind NAT): engines then answer on every network the node is on, and vLLM's key
+    guards only its /v1 routes, so anyone on those networks could bypass the routers."""
     engine_commands: dict[Engine, tuple[str, ...]] = {}
     """How to start each engine, e.g. `vllm: [/opt/vllm/bin/vllm, serve]`; defaults:
     `vllm serve`, `python3 -m sglang.launch_server`, `llama-server`, `<python> -m llmgw sim`."""
@@ -79,6 +84,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     outbox_max_bytes: int = 64 * 1024 * 1024
     engine_poll_s: float = 0.5
     """How often the supervisor checks each engine's liveness and readiness."""
+    launch: LaunchPolicy = LaunchPolicy()
+    """What a StartShard may make this node run: engines, environment names, engine options
+    and the directories options may read files from. Anything else is refused before launch."""
     log_level: str = "info"
 
 
@@ -204,6 +212,9 @@ def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
             "outbox_max_events must be >= 1 and outbox_max_bytes >= 4096: the outbox keeps the "
             "node's events while NATS is unreachable"
         )
+    errors = policy_errors(cfg.launch)
+    if errors:
+        raise config.ConfigError("; ".join(errors))
     return msgspec.structs.replace(cfg, node_id=node_id, address=cfg.address or node_id)
 
 
@@ -222,7 +233,7 @@ def load(
 def launch_context(cfg: AgentConfig, inventory: Inventory) -> LaunchContext:
     """What the engine adapters need from this node: bind address, fabrics, ports, commands."""
     return LaunchContext(
-        host=cfg.engine_host,
+        host=cfg.engine_host or cfg.address,
         fabrics=inventory.fabrics,
         port_range=(cfg.engine_ports.first, cfg.engine_ports.last),
         commands=dict(cfg.engine_commands),

@@ -8,17 +8,23 @@ ledger makes applying them idempotent by replica id and generation:
 - a StopShard of an older generation than the one running does not stop the new one;
 - a command from a leader epoch lower than the highest seen is ignored (a stale
   leader's decision, published before the server's fence caught it);
+- a command from an epoch higher than the leader lease shows is refused (no leader
+  could have sent it: the current holder's epoch is the highest there is), and never
+  raises the epoch kept here, so it cannot make the agent ignore the real leader;
+  an epoch on disk that no lease could have had is dropped when the ledger is read;
 - `last_seq` is the stream sequence up to which every command's effect is
   recorded: a restarted agent reads its commands from there, so a command sent
   while it was away still runs, and one already applied is not re-read.
 
-`decide` is purely computational; `load` / `save` keep the ledger as one JSON
-file in the state dir, written atomically. Used by `llmgw.agent.service`.
+`decide`, `stale_epoch`, `lease_epoch` and `sanitize` are purely computational;
+`load` / `save` keep the ledger as one JSON file in the state dir, written
+atomically. Used by `llmgw.agent.service`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,12 +32,21 @@ from typing import Literal
 
 import msgspec
 
+from llmgw import logs
 from llmgw.agent.supervisor import LIVE, ShardView
 from llmgw.core import events
 
 Action = Literal["start", "stop", "drain", "report_stopped", "ignore"]
 
 MAX_SHARDS_KEPT = 10_000
+
+MAX_EPOCH = 2**40
+"""No lease gets near this: an epoch is a sequence of the lease bucket's stream, which
+grows by one per acquisition or renewal (a few per minute). More on disk is garbage."""
+MAX_SEQ = 2**63 - 1
+MAX_GENERATION = 2**53
+
+log = logs.get("llmgw.agent.ledger")
 
 
 class Applied(msgspec.Struct, kw_only=True):
@@ -69,6 +84,68 @@ def stale_epoch(cmd: events.Command, highest: int) -> str:
     if cmd.epoch < highest:
         return f"from leader epoch {cmd.epoch}, older than the {highest} already seen"
     return ""
+
+
+class _LeaseValue(msgspec.Struct):
+    holder: str = ""
+    epoch: int = 0
+
+
+LEASE_MARKERS = ("KV-Operation", "Nats-Marker-Reason")
+"""Headers of a lease entry that is a delete, purge or expiry marker: no holder."""
+
+
+def lease_epoch(seq: int, data: bytes | None, headers: dict[str, str] | None) -> int | None:
+    """The epoch of the lease entry stored at `seq`, or None when it names no holder.
+
+    As `llmgw.bus.lease` writes it: the acquiring write carries epoch 0 (its epoch is
+    its own sequence), renewals carry the epoch. Purely computational, no side effects.
+    """
+    if any(h in (headers or {}) for h in LEASE_MARKERS) or not data:
+        return None
+    try:
+        value = msgspec.json.decode(data, type=_LeaseValue)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    epoch = value.epoch or seq
+    return epoch if epoch > 0 else None
+
+
+def beyond_lease(cmd: events.Command, lease: int) -> str:
+    """Why `cmd` cannot come from any leader, or "" when its epoch is within the lease's.
+
+    The lease's current holder has the highest epoch there is. Purely computational.
+    """
+    if cmd.epoch > lease:
+        shown = f"epoch {lease}" if lease else "no epoch yet"
+        return f"from leader epoch {cmd.epoch}, beyond the leader lease ({shown})"
+    return ""
+
+
+def sanitize(ledger: Ledger) -> list[str]:
+    """Drop what no real ledger holds (garbage on disk); what was dropped, one line each.
+
+    Purely computational: changes `ledger` in place.
+    """
+    problems = []
+    if not 0 <= ledger.epoch <= MAX_EPOCH:
+        problems.append(f"epoch {ledger.epoch} is not a leader epoch: reset to 0")
+        ledger.epoch = 0
+    if not 0 <= ledger.last_seq <= MAX_SEQ:
+        problems.append(
+            f"last_seq {ledger.last_seq} is not a stream sequence: commands are re-read "
+            "from the start (applied idempotently)"
+        )
+        ledger.last_seq = 0
+    for k, entry in list(ledger.shards.items()):
+        if not (
+            0 <= entry.started <= MAX_GENERATION
+            and 0 <= entry.ended <= MAX_GENERATION
+            and math.isfinite(entry.updated)
+        ):
+            problems.append(f"shard {k}: generations {entry.started}/{entry.ended}: dropped")
+            del ledger.shards[k]
+    return problems
 
 
 def decide(cmd: events.Command, ledger: Ledger, live: ShardView | None) -> Decision:
@@ -174,7 +251,7 @@ def load(state_dir: str | Path) -> Ledger:
     """The saved ledger, or an empty one when there is none yet."""
     path = path_in(state_dir)
     try:
-        return _decoder.decode(path.read_bytes())
+        ledger = _decoder.decode(path.read_bytes())
     except FileNotFoundError:
         return Ledger()
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -182,6 +259,9 @@ def load(state_dir: str | Path) -> Ledger:
             f"{path} is corrupt ({exc}): move it aside and restart the agent; it will re-read "
             "this node's commands from the start of the log (applied idempotently)"
         ) from None
+    for problem in sanitize(ledger):
+        log.warning("ledger_garbage", path=str(path), detail=problem)
+    return ledger
 
 
 def save(state_dir: str | Path, ledger: Ledger) -> None:

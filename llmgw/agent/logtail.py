@@ -12,7 +12,30 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from llmgw.core import limits
+
 _CHUNK = 64 * 1024
+# What a failed shard's report may carry of the engine's output: readers refuse an event
+# beyond the log's bounds (llmgw.core.limits), and NATS refuses a message over its maximum
+# payload (1 MiB by default), so the tail is cut to fit well inside both.
+MAX_LINE_CHARS = 4096
+MAX_TAIL_BYTES = 256 * 1024
+
+
+def bounded(lines: tuple[str, ...]) -> tuple[str, ...]:
+    """`lines` cut to what one event may carry: each line to MAX_LINE_CHARS, then the last
+    lines that fit in MAX_TAIL_BYTES and in the log's line count."""
+    cut = [
+        line if len(line) <= MAX_LINE_CHARS else line[: MAX_LINE_CHARS - 1] + "…" for line in lines
+    ]
+    kept: list[str] = []
+    total = 0
+    for line in reversed(cut[-limits.MAX_LOG_LINES :]):
+        total += len(line.encode()) + 8
+        if total > MAX_TAIL_BYTES:
+            break
+        kept.append(line)
+    return tuple(reversed(kept))
 
 
 def tail(path: Path, lines: int) -> tuple[str, ...]:
@@ -30,7 +53,7 @@ def tail(path: Path, lines: int) -> tuple[str, ...]:
     parts = [line.rstrip("\r") for line in text.split("\n")]
     if start > 0 and parts:
         parts = parts[1:]  # the first line is cut in the middle
-    return tuple(line for line in parts if line.strip())[-lines:]
+    return bounded(tuple(line for line in parts if line.strip())[-lines:])
 
 
 def trim(path: Path, max_bytes: int, keep_bytes: int) -> bool:

@@ -2,7 +2,8 @@
 
 One JSON file per shard under `<state_dir>/shards/`, written atomically
 (temporary file + rename) so a crash never leaves half a record. It holds the
-process fingerprint, the LaunchSpec and Launch, and where the output goes.
+process fingerprint, the LaunchSpec and Launch (with the engine's API key, so the
+file is mode 0600), and where the output goes.
 Used by `llmgw.agent.supervisor`.
 """
 
@@ -47,7 +48,11 @@ def save(state_dir: Path, record: ShardRecord) -> Path:
     path = path_for(state_dir, record.replica_id, record.shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(msgspec.json.encode(record))
+    # Created 0600 rather than chmod-ed after: the key is never readable by others.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        os.fchmod(out.fileno(), 0o600)  # a leftover temporary file keeps its old mode
+        out.write(msgspec.json.encode(record))
     os.replace(tmp, path)
     return path
 

@@ -16,11 +16,13 @@ It ties the agent's parts to the log:
 - it reads `llmgw.cmd.<node>` through the consumer `cmd-<node>` from the last
   sequence whose effect it recorded (`llmgw.agent.ledger`), so a command sent
   while the agent was away runs when it returns, and applies each command
-  idempotently by replica id and generation, ignoring deposed leaders' epochs.
+  idempotently by replica id and generation, ignoring deposed leaders' epochs and
+  refusing epochs beyond the leader lease's (read from KV, re-read on a higher one);
   Commands on one shard run one after the other; on different shards they run
   concurrently (a 30 s stop grace does not hold up another shard's start);
-- a StartShard that the node must refuse (GPU in use, fp8 on an old GPU, ...)
-  yields ShardStatus failed with the reasons; nothing a command says crashes it.
+- a StartShard that the node must refuse (GPU in use, fp8 on an old GPU, an env
+  name or engine option its `launch` policy does not allow, ...) yields ShardStatus
+  failed with the reasons; nothing a command says crashes it.
 
 Engines are never stopped when the agent stops: serving survives the agent.
 """
@@ -38,12 +40,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.js.errors
 
 from llmgw import __version__, bus, logs
 from llmgw import tasks as tasks_
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery, engines, ledger, reports
 from llmgw.agent.config import AgentConfig
+from llmgw.agent.engines import validation
 from llmgw.agent.outbox import Outbox
 from llmgw.agent.supervisor import LIVE, Settings, ShardView, Supervisor, status_event
 from llmgw.core import events, subjects
@@ -54,6 +58,10 @@ from llmgw.pki.identity import Identity
 log = logs.get("llmgw.agent.service")
 
 Discover = Callable[..., discovery.Discovery]
+
+LEASE_READS = 3
+"""Reads of the leader lease before a command's epoch counts as beyond it."""
+LEASE_REREAD_S = 0.25
 
 
 def _new_id() -> str:
@@ -72,8 +80,11 @@ class AgentService:
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = _new_id,
         reconnect_backoff: tuple[float, float] | None = None,
+        config_source: str = "",
     ) -> None:
         self.cfg = cfg
+        self.config_source = config_source
+        """The config file's path, named in refusals that say which setting to change."""
         self.node = cfg.node_id
         self.identity = Identity("node", cfg.node_id)
         self.state_dir = Path(cfg.state_dir)
@@ -96,6 +107,10 @@ class AgentService:
         self.registrations = 0
         self.heartbeats_sent = 0
         self.commands_applied = 0
+        self.commands_refused = 0
+        """Commands refused for an epoch beyond the leader lease's (never applied or kept)."""
+        self.lease_epoch = 0
+        """The highest epoch a live leader lease has shown this agent."""
         self._wake = asyncio.Event()
         self._reader: bus.Reader | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
@@ -385,8 +400,13 @@ class AgentService:
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 10.0)
         self._reader = reader
+        with contextlib.suppress(Exception):
+            # Best effort: heals an epoch on disk no leader had before the first command.
+            await self._read_lease()
         log.info("agent_reading_commands", after_seq=self.ledger.last_seq)
-        async for batch in reader.batches():
+        async for records in reader.batches():
+            # Refused ones first: a command no leader could have sent must not supersede.
+            batch = [r for r in records if await self._within_lease(r)]
             # Each shard's commands in this batch, in order: what may supersede a start.
             per_shard: dict[str, list[events.Command]] = {}
             for record in batch:
@@ -403,6 +423,73 @@ class AgentService:
                     later = per_shard[k][p + 1 :]
                 self._dispatch(record, later)
             self._advance()
+
+    async def _within_lease(self, record: bus.Record) -> bool:
+        """False (logged, counted) for a command whose epoch no leader lease has shown.
+
+        A new leader's first commands carry an epoch above the one cached here: the
+        lease is re-read before refusing them. What is refused is not applied and does
+        not raise the ledger's epoch, so it cannot make the agent ignore the leader.
+        """
+        cmd = record.event
+        if not isinstance(cmd, events.Command) or cmd.node != self.node:
+            return True
+        for attempt in range(LEASE_READS):
+            if cmd.epoch <= self.lease_epoch:
+                return True
+            if attempt:
+                # A replica answering the read may lag the new leader's acquisition.
+                await asyncio.sleep(LEASE_REREAD_S * attempt)
+            await self._reread_lease()
+        why = ledger.beyond_lease(cmd, self.lease_epoch)
+        if not why:
+            return True
+        self.commands_refused += 1
+        self._dispatched_seq = max(self._dispatched_seq, record.seq)
+        log.warning(
+            "agent_command_refused",
+            seq=record.seq,
+            id=cmd.id,
+            type=events.tag_of(type(cmd)),
+            replica_id=cmd.replica_id,
+            reason=why,
+            refused=self.commands_refused,
+        )
+        return False
+
+    async def _reread_lease(self) -> None:
+        """Read the lease until it answers: a command is neither obeyed nor lost unread."""
+        wait = 0.2
+        while True:
+            try:
+                await self._read_lease()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("agent_lease_unreadable", error=repr(exc), retry_in_s=wait)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, 5.0)
+
+    async def _read_lease(self) -> None:
+        """Raise `lease_epoch` to the live lease's; an epoch on disk above it is garbage."""
+        assert self.nc is not None
+        stream = f"KV_{bus.LEASE_BUCKET}"
+        try:
+            msg = await self.nc.jetstream().get_last_msg(stream, f"$KV.{bus.LEASE_BUCKET}.leader")
+        except nats.js.errors.NotFoundError:
+            return  # no leader now (expired or released): the highest seen stays
+        epoch = ledger.lease_epoch(msg.seq or 0, msg.data, msg.headers)
+        if epoch is None:
+            return
+        self.lease_epoch = max(self.lease_epoch, epoch)
+        if self.ledger.epoch > epoch:
+            # The live holder's epoch is the highest any leader had: more was never real.
+            log.warning(
+                "agent_ledger_epoch_beyond_lease", epoch=self.ledger.epoch, lease_epoch=epoch
+            )
+            self.ledger.epoch = epoch
+            ledger.save(self.state_dir, self.ledger)
 
     def _dispatch(self, record: bus.Record, later: list[events.Command]) -> None:
         cmd = record.event
@@ -514,6 +601,8 @@ class AgentService:
         if live is not None and live.phase in LIVE and live.generation < cmd.generation:
             busy -= set(live.gpus)  # the supervisor stops the older generation first
         try:
+            # The operator's env and engine arguments, bounded by this node's own policy.
+            validation.check_policy(cmd.launch, self.cfg.launch, source=self.config_source)
             launch = engines.plan(
                 cmd.launch, self.inventory, self.context, busy_gpus=frozenset(busy)
             )

@@ -11,7 +11,9 @@ and stalls HTTP until loaded, so an accepted connection already means loading.
 Stop is SIGTERM to the group, then SIGKILL after a grace period. A pid file
 per shard, fingerprinted with start time and command line, lets a restarted
 agent adopt its running engines and never an unrelated process that reused a
-pid.
+pid. Shard 0 of each generation gets its own API key (`secrets.token_urlsafe`), kept
+in the pid file (mode 0600) so an adopting agent still knows it, and reported with
+serving for routers to present; no log line carries it.
 
 Driven by the agent service through an async API: `start`, `stop`,
 `mark_draining`, `adopt`, and an `on_change` callback receiving a `ShardView`
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -33,9 +36,9 @@ import aiohttp
 import msgspec
 
 from llmgw import logs
-from llmgw.agent import logtail, pidfiles, processes
+from llmgw.agent import engines, logtail, pidfiles, processes
 from llmgw.agent.engines.common import Launch
-from llmgw.core import events
+from llmgw.core import events, limits
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
 
@@ -58,6 +61,8 @@ class ShardView(msgspec.Struct, frozen=True, kw_only=True):
     pid: int | None = None
     gpus: tuple[int, ...] = ()
     adopted: bool = False
+    api_key: str = ""
+    """The engine's API key, reported only with its endpoint (serving, draining)."""
 
 
 OnChange = Callable[[ShardView], Awaitable[None]]
@@ -96,9 +101,12 @@ def status_event(view: ShardView, *, node: str, event_id: str, ts: float) -> eve
         shard=view.shard,
         phase=view.phase,
         endpoint=view.endpoint,
-        error=view.error,
+        # Readers refuse an event beyond the log's bounds: a failure is reported cut, never
+        # lost to an over-long message.
+        error=view.error if len(view.error) <= limits.MAX_TEXT else view.error[: limits.MAX_TEXT],
         log_tail=view.log_tail,
         pid=view.pid,
+        api_key=view.api_key,
     )
 
 
@@ -112,6 +120,13 @@ def running_shard(view: ShardView) -> events.RunningShard:
         phase=view.phase,
         endpoint=view.endpoint,
     )
+
+
+def _redact(lines: tuple[str, ...], api_key: str) -> tuple[str, ...]:
+    """The engine's output as it may leave the node: without its API key."""
+    if not api_key:
+        return lines
+    return tuple(line.replace(api_key, "<api key>") for line in lines)
 
 
 def _remove(path: str) -> None:
@@ -196,6 +211,7 @@ class Supervisor:
             pid=sh.pid or None,
             gpus=sh.record.spec.gpus,
             adopted=sh.adopted,
+            api_key=spec.api_key if endpoint else "",
         )
 
     # ------------------------------------------------------------------ commands
@@ -209,6 +225,10 @@ class Supervisor:
         newer generation is left alone; an older one is stopped first.
         """
         began = time.perf_counter()
+        if launch.http and spec.node_rank == 0 and not launch.api_key:
+            # Routers present it; no other node can read this node's events, so an engine
+            # reachable on the node network still answers only the routers.
+            launch = engines.keyed(spec, launch, secrets.token_urlsafe(32))
         key = (replica_id, shard)
         existing = self._shards.get(key)
         if existing is not None and existing.phase in LIVE:
@@ -224,7 +244,8 @@ class Supervisor:
             old_log.unlink(missing_ok=True)
         log_path = base.with_suffix(f".g{generation}.log")
         # O_APPEND: the engine always writes at the end, so trimming the file stays safe.
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        # 0600: an engine may print its arguments, and SGLang's include its API key.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *launch.argv,
@@ -361,7 +382,8 @@ class Supervisor:
                 continue
             if (record.replica_id, record.shard) in self._shards:
                 continue
-            why = processes.mismatch(record.process)
+            # The reason may quote a command line, and SGLang's carries its key.
+            (why,) = _redact((processes.mismatch(record.process),), record.launch.api_key)
             if why:
                 # Adopting an unrelated process is worse than leaking the original: an
                 # engine we lost still shows up as foreign GPU memory and is not reused.
@@ -433,7 +455,10 @@ class Supervisor:
         await self._terminate(sh, min(self.settings.stop_grace_s, 5.0))
         sh.phase = "failed"
         sh.error = error
-        sh.log_tail = logtail.tail(Path(sh.record.log_path), self.settings.tail_lines)
+        sh.log_tail = _redact(
+            logtail.tail(Path(sh.record.log_path), self.settings.tail_lines),
+            sh.record.launch.api_key,
+        )
         pidfiles.remove(self.state_dir, sh.record.replica_id, sh.record.shard)
         log.warning("shard_failed", replica_id=sh.record.replica_id, error=error)
         await self._emit(sh)
@@ -488,11 +513,12 @@ class Supervisor:
                 timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
             )
         base = f"http://{host}:{port}"
+        headers = {"Authorization": f"Bearer {launch.api_key}"} if launch.api_key else None
         try:
             async with self._http.get(f"{base}/health") as resp:
                 if resp.status != 200:
                     return "up"
-            async with self._http.get(f"{base}/v1/models") as resp:
+            async with self._http.get(f"{base}/v1/models", headers=headers) as resp:
                 if resp.status != 200:
                     return "up"
                 body = await resp.json(content_type=None)

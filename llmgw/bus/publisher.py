@@ -120,13 +120,21 @@ class Publisher:
         self.retry_wait_s = retry_wait_s
 
     async def publish(
-        self, event: events.Event, *, ttl_s: float | None = None, fence: Fence | None = None
+        self,
+        event: events.Event,
+        *,
+        ttl_s: float | None = None,
+        fence: Fence | None = None,
+        subject: str | None = None,
     ) -> Published:
         """Publish `event` on its subject; retry timeouts (safe: the id deduplicates).
 
+        `subject` overrides `events.subject_of(event)` where the writer decides it: a control
+        plane's own operator events go to its namespace (`subjects.control_operator_event`).
         Raises FenceRefused when `fence` no longer holds, PublishError otherwise.
         """
-        subject = events.subject_of(event)
+        if subject is None:
+            subject = events.subject_of(event)
         payload = events.encode(event)
         headers = _headers(self.signer, subject, event, payload, ttl_s, fence)
         for attempt in range(1, self.attempts + 1):

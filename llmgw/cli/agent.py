@@ -25,6 +25,7 @@ from llmgw import config, logs
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery
 from llmgw.agent.discovery import simulated
+from llmgw.agent.engines.validation import LaunchPolicy
 from llmgw.core.inventory import Fabric, Gpu, Hca
 
 app = typer.Typer(
@@ -64,26 +65,39 @@ def agent(
         raise typer.Exit(2) from None
     if check:
         typer.echo(f"{config_path}: node {cfg.node_id!r}, state in {cfg.state_dir}: ok")
+        typer.echo(_launch_summary(cfg.launch))
         return
     logs.setup(cfg.log_level)
     try:
         import uvloop
 
-        uvloop.run(_serve(cfg))
+        uvloop.run(_serve(cfg, str(config_path.resolve())))
     except (FileNotFoundError, discovery.DiscoveryError, simulated.SimSpecError) as exc:
         # A certificate path, or no GPUs to be found: the message says what to do.
         typer.echo(f"llmgw agent: {exc}", err=True)
         raise typer.Exit(2) from None
 
 
-async def _serve(cfg: agent_config.AgentConfig) -> None:
+def _launch_summary(policy: LaunchPolicy) -> str:
+    """One line: what a StartShard may make this node run."""
+    extra_env = sum(len(v) for v in policy.env_allow.values())
+    extra_args = sum(len(v) for v in policy.args_allow.values())
+    base = "built-in allowlists" if policy.defaults else "no built-in allowlists"
+    dirs = ", ".join(policy.file_dirs) or "none"
+    return (
+        f"launch: engines {', '.join(policy.engines)}; env and engine options: {base}, "
+        f"+{extra_env} env entries, +{extra_args} options; files read from: {dirs}"
+    )
+
+
+async def _serve(cfg: agent_config.AgentConfig, source: str = "") -> None:
     from llmgw.agent.service import AgentService
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    svc = AgentService(cfg)
+    svc = AgentService(cfg, config_source=source)
     run = asyncio.create_task(svc.run(stop))
     started = asyncio.create_task(svc.started.wait())
     await asyncio.wait([run, started], return_when=asyncio.FIRST_COMPLETED)

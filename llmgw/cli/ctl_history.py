@@ -324,6 +324,128 @@ async def _verify(
     return 1 if differences else 0
 
 
+class LeaseSeen(msgspec.Struct, kw_only=True):
+    """The leader lease's key as ctl read it (llmgw.bus.lease writes it)."""
+
+    holder: str = ""
+    epoch: int = 0
+    written: float | None = None
+    """Server time of the key's last write (a renewal, or the release's delete marker)."""
+    ttl_s: float | None = None
+    released: bool = False
+    """The key's last write is a delete (a clean shutdown gave the lease up)."""
+
+
+async def _read_lease(s: Session) -> LeaseSeen | None:
+    """The lease key's last write, or None when there is none (never taken, or expired)."""
+    import nats.errors
+    import nats.js.errors
+
+    from llmgw.bus import lease as lease_
+    from llmgw.bus.provisioning import LEASE_BUCKET
+
+    try:
+        # Not a direct get: the bucket is created without allow_direct.
+        msg = await s.js.get_msg(f"KV_{LEASE_BUCKET}", subject=f"$KV.{LEASE_BUCKET}.{lease_.KEY}")
+    except nats.js.errors.NotFoundError:
+        return None
+    except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+        raise Failed(
+            f"cannot read the leader lease ({LEASE_BUCKET}): {str(exc) or type(exc).__name__}"
+        ) from None
+    headers = msg.headers or {}
+    seen = LeaseSeen(written=msg.time.timestamp() if msg.time is not None else None)
+    ttl = str(headers.get("Nats-TTL", "")).strip()
+    if ttl.endswith("s") and ttl[:-1].isdigit():
+        seen.ttl_s = float(ttl[:-1])
+    if headers.get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+        seen.released = True
+        return seen
+    try:
+        value = msgspec.json.decode(msg.data)
+    except msgspec.DecodeError:
+        return seen
+    if isinstance(value, dict):
+        seen.holder = str(value.get("holder", ""))[:256]
+        epoch = value.get("epoch")
+        seen.epoch = epoch if isinstance(epoch, int) and epoch > 0 else int(msg.seq or 0)
+    return seen
+
+
+def leader_status(
+    lease: LeaseSeen | None, *, leader: str, epoch: int, elected_at: float | None, now: float
+) -> dict[str, Any]:
+    """Whether anyone leads now, from the lease and the log's last LeaderElected. Pure.
+
+    `state` is `leading` (the lease's holder is the leader the log last elected),
+    `none` (nobody holds the lease: free, released or expired) or `unannounced` (the
+    holder is not the leader the log names: it has not announced itself, or the log's
+    leader lost the lease to it). `since` is when that became so, where known.
+    """
+    when = history.format_time
+    last = f"the log's last elected leader is {leader} (epoch {epoch}" + (
+        f", at {when(elected_at)})" if elected_at is not None else ")"
+    )
+    if not leader:
+        last = "no leader was ever elected in the log"
+    out: dict[str, Any] = {"state": "leading", "holder": None, "since": None, "text": ""}
+    expired_at = None
+    if lease is not None and not lease.released and lease.written is not None and lease.ttl_s:
+        expired_at = lease.written + lease.ttl_s
+    if (
+        lease is None
+        or lease.released
+        or not lease.holder
+        or (expired_at is not None and expired_at <= now)
+    ):
+        out["state"] = "none"
+        if lease is not None and lease.released:
+            out["since"] = lease.written
+            why = "the lease was released" + (
+                f" at {when(lease.written)}" if lease.written is not None else ""
+            )
+        elif expired_at is not None and expired_at <= now:
+            out["since"] = expired_at
+            why = f"the lease of {lease.holder if lease else '?'} expired at {when(expired_at)}"
+        else:
+            why = "the lease is free (never taken, or expired)"
+        out["text"] = f"NO LEADER: {why}; {last}"
+        return out
+    out["holder"] = lease.holder
+    if lease.holder != leader or lease.epoch != epoch:
+        out["state"] = "unannounced"
+        out["text"] = (
+            f"NO LEADER in the log: {lease.holder} holds the lease (epoch {lease.epoch}) but "
+            f"has not announced itself; {last}"
+        )
+        out["since"] = elected_at
+        return out
+    out["since"] = elected_at
+    out["text"] = f"leader {leader} (epoch {epoch})" + (
+        f" since {when(elected_at)}" if elected_at is not None else ""
+    )
+    return out
+
+
+async def _last_elected_at(s: Session, epoch: int) -> float | None:
+    """Producer time of the log's last LeaderElected, if it is the one of `epoch`."""
+    import nats.errors
+    import nats.js.errors
+
+    from llmgw.core import subjects
+
+    try:
+        msg = await s.js.get_msg(
+            subjects.STREAM, subject=subjects.control_event("leader_elected"), direct=True
+        )
+        event = events.decode(msg.data or b"")
+    except (nats.errors.Error, nats.js.errors.Error, TimeoutError, events.DecodeError):
+        return None
+    if isinstance(event, events.LeaderElected) and event.epoch == epoch:
+        return float(event.ts)
+    return None
+
+
 async def _leader_state(url: str) -> dict[str, Any]:
     """GET /v1/state of a control plane's admin API; Failed when it does not answer."""
     import aiohttp  # only `status` talks HTTP: keep it out of every other command's start
@@ -359,6 +481,15 @@ def status(
 
     async def body(s: Session) -> int:
         r = await common.current(s)
+        lease = await _read_lease(s)
+        elected_at = await _last_elected_at(s, r.state.epoch) if r.state.leader else None
+        leading = leader_status(
+            lease,
+            leader=r.state.leader,
+            epoch=r.state.epoch,
+            elected_at=elected_at,
+            now=time.time(),
+        )
         doc: dict[str, Any] = {
             "seq": r.target_seq,
             "first_seq": r.bounds.first_seq,
@@ -366,6 +497,9 @@ def status(
             "digest": state.digest(r.state),
             "leader": r.state.leader,
             "epoch": r.state.epoch,
+            "leader_state": leading["state"],
+            "leader_since": leading["since"],
+            "lease": None if lease is None else msgspec.to_builtins(lease),
             "nodes": len(r.state.nodes),
             "replicas": len(r.state.active_replicas()),
             "models": len(r.state.models),
@@ -396,9 +530,10 @@ def status(
             return code
         common.out(
             f"log: seq {doc['first_seq']}-{doc['seq']} ({doc['messages']:,} messages); "
-            f"leader {doc['leader'] or '-'} (epoch {doc['epoch']}); {doc['nodes']} nodes, "
-            f"{doc['models']} models, {doc['replicas']} replicas, {doc['endpoints']} endpoints"
+            f"{doc['nodes']} nodes, {doc['models']} models, {doc['replicas']} replicas, "
+            f"{doc['endpoints']} endpoints"
         )
+        common.out(leading["text"])
         common.out(render.rebuilt_header(r))
         c = doc["control"]
         if c is not None:

@@ -79,6 +79,14 @@ def command(
     log_level: str | None = typer.Option(
         None, "--log-level", help="debug, info or warning (default: info)."
     ),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="LLMGW_SIM_API_KEY",
+        show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on /v1 and /sim (not /health, /metrics);"
+        " prefer the environment variable: a command line is visible in `ps`.",
+    ),
     config_path: Path | None = typer.Option(
         None, "--config", help="YAML file of settings (see schemas/sim-config.schema.json)."
     ),
@@ -105,6 +113,7 @@ def command(
         "embedding_dim": embedding_dim,
         "shutdown_timeout_s": shutdown_timeout_s,
         "log_level": log_level,
+        "api_key": api_key,
         "latency": {
             "decode_base_ms": decode_base_ms,
             "decode_per_seq_ms": decode_per_seq_ms,

@@ -5,7 +5,8 @@
 - `GET /v1/models`: declared models, wanted and active replica counts, and why
   missing replicas cannot be placed;
 - `GET /v1/explain/<model>`: every node and whether a new replica could land there;
-- `GET /v1/state`: digest, folded sequence, leader, epoch, this instance's role;
+- `GET /v1/state`: digest, folded sequence, leader, epoch, this instance's role, how many
+  events the fold refused and how many messages did not decode;
 - `GET /metrics`: Prometheus; `GET /health`: 200 once caught up with the log, else 503.
 
 Plain HTTP on 127.0.0.1 by default; with `admin.cert_file` set, HTTPS that requires
@@ -54,6 +55,7 @@ def state_view(svc: ControlService) -> dict[str, Any]:
         "snapshot_seq": svc.snapshot_seq,
         "caught_up": svc.caught_up.is_set(),
         "rejected": svc.rejected,
+        "undecodable": svc.folded.undecodable,
         "nodes": len(st.nodes),
         "replicas": len(st.replicas),
         "models": len(st.models),

@@ -89,6 +89,11 @@ class Folded:
         self._settle_skipped()
         return interesting
 
+    @property
+    def undecodable(self) -> int:
+        """Messages the Reader could not decode (or refused by subject) so far."""
+        return self._undecodable_seen
+
     def note_skipped(self, undecodable: int, skipped: Iterable[bus.Skipped]) -> None:
         """Messages the Reader could not decode (`undecodable` so far, the recent `skipped`).
 

@@ -14,7 +14,7 @@ events and publishes what `diff` returns.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from llmgw.core import events
 from llmgw.core.profile import ModelProfile
@@ -48,17 +48,21 @@ def diff(
     operator: str,
     now: float,
     basis_seq: int,
+    ids: Callable[[str], str] | None = None,
 ) -> list[ModelEvent]:
     """The events that make the log's catalog match `wanted`. Pure.
 
-    Ids are `config-<operator>-<basis_seq>-<i>`: two control planes with the same
-    file at the same log position write the same ids (JetStream drops the second),
-    and the same change made again later gets new ids (not dropped as a duplicate).
+    Base ids are `config-<operator>-<basis_seq>-<i>`; `ids` turns each into the id
+    written (the service appends 128 random bits, so that no other writer can
+    pre-publish it and have it dropped as a duplicate). A second control plane
+    syncing the same file is harmless: declaring a model again with the same
+    profile changes nothing in the fold.
     """
     out: list[ModelEvent] = []
 
     def next_id() -> str:
-        return f"{ID_PREFIX}{operator}-{basis_seq}-{len(out)}"
+        base = f"{ID_PREFIX}{operator}-{basis_seq}-{len(out)}"
+        return base if ids is None else ids(base)
 
     names = {p.name for p in wanted}
     for name in sorted(config_managed - names):

@@ -39,6 +39,7 @@ import nats.js.errors
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
+from llmgw.control import ids as ids_
 from llmgw.control import models as model_sync
 from llmgw.control.config import ControlConfig
 from llmgw.control.folding import CONTROL_PREFIX, Folded
@@ -48,9 +49,8 @@ from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.control")
 
-_MODEL_EVENTS = tuple(
-    subjects.operator_event(kind) for kind in ("model_declared", "model_changed", "model_removed")
-)
+_MODEL_KINDS = ("model_declared", "model_changed", "model_removed")
+_MODEL_EVENTS = tuple(f for kind in _MODEL_KINDS for f in subjects.operator_event_kind(kind))
 
 
 class ControlService:
@@ -85,6 +85,9 @@ class ControlService:
         self._awaiting = 0
         self._announced = 0
         self._models_synced_epoch = 0
+        self._decision_ids = ids_.DecisionIds()
+        self._leader_ids: dict[int, str] = {}
+        """Epoch -> the id of our LeaderElected: the same on a retried announcement."""
         self._last_snapshot = time.monotonic()
         self._snapshot_task: asyncio.Task[None] | None = None
         self._own_rejected_seen = 0
@@ -407,8 +410,12 @@ class ControlService:
         await self.reconcile_once()
 
     async def _announce(self) -> None:
+        event_id = self._leader_ids.get(self.epoch)
+        if event_id is None:
+            self._leader_ids = {self.epoch: ids_.unique(f"leader-{self.name}-{self.epoch}")}
+            event_id = self._leader_ids[self.epoch]
         event = events.LeaderElected(
-            id=f"leader-{self.name}-{self.epoch}",
+            id=event_id,
             ts=self.clock(),
             leader=self.name,
             epoch=self.epoch,
@@ -434,9 +441,13 @@ class ControlService:
             operator=self.name,
             now=self.clock(),
             basis_seq=self.state.last_seq,
+            ids=ids_.unique,
         )
         for event in todo:
-            published = await self._publisher.publish(event)
+            kind = events.tag_of(type(event)).partition(".")[2]
+            published = await self._publisher.publish(
+                event, subject=subjects.control_operator_event(self.name, kind)
+            )
             self._wrote(published.seq)
             log.info(
                 "control.model_synced",
@@ -478,6 +489,7 @@ class ControlService:
             basis_seq=st.last_seq,
             config=self.cfg.reconcile,
             observing_since=self.observing_since,
+            ids=self._decision_ids,
         )
         self.metrics.reconcile_seconds.set(time.perf_counter() - started)
         self._note_unplaceable(outcome.unplaceable)

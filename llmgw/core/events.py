@@ -17,12 +17,30 @@ Pure: no I/O, no clock, no randomness. Producers pass `id` and `ts` in.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias
+from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
 
 from llmgw.core import subjects
 from llmgw.core.inventory import Fabric, Gpu, Hca
+from llmgw.core.limits import (
+    MAX_GPUS,
+    MAX_LIST,
+    MAX_SHARDS,
+    Counter,
+    GpuIndex,
+    GpuIndices,
+    LogTail,
+    MemoryMib,
+    Name,
+    Pid,
+    Port,
+    Seconds,
+    ShardIndex,
+    Text,
+    Time,
+    Version,
+)
 from llmgw.core.profile import LaunchSpec, ModelProfile
 
 ShardPhase = Literal["starting", "loading", "serving", "draining", "stopped", "failed"]
@@ -39,9 +57,9 @@ SHARD_PHASES: tuple[ShardPhase, ...] = (
 class Event(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
     """Fields every event carries."""
 
-    id: str
-    ts: float
-    v: int = 1
+    id: Name
+    ts: Time
+    v: Version = 1
 
 
 # --------------------------------------------------------------------------- nested data
@@ -50,79 +68,82 @@ class Event(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
 class RunningShard(msgspec.Struct, frozen=True, kw_only=True):
     """A shard an agent already runs when it (re-)registers: what survives an agent restart."""
 
-    replica_id: str
-    generation: int
-    shard: int
-    gpus: tuple[int, ...]
+    replica_id: Name
+    generation: Counter
+    shard: ShardIndex
+    gpus: GpuIndices
     phase: ShardPhase
-    endpoint: str = ""
+    endpoint: Text = ""
 
 
 class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
     """Health flags of one GPU, refreshed with every heartbeat."""
 
-    index: int
-    ecc_uncorrected: int = 0
-    foreign_memory_mib: int = 0
+    index: GpuIndex
+    ecc_uncorrected: Counter = 0
+    foreign_memory_mib: MemoryMib = 0
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     """Where one shard of a replica runs: a node and GPU indices on it."""
 
-    shard: int
-    node: str
-    gpus: tuple[int, ...]
-    port: int = 0
+    shard: ShardIndex
+    node: Name
+    gpus: GpuIndices
+    port: Port = 0
 
 
 # --------------------------------------------------------------------------- node events
 
 
 class NodeEvent(Event, kw_only=True, frozen=True):
-    node: str
+    node: Name
 
 
 class NodeRegistered(NodeEvent, tag="node.registered", kw_only=True, frozen=True):
     """An agent (re)connected: its whole inventory and the shards it already runs."""
 
-    address: str
+    address: Name
     """Host name or IP at which this node's engines are reachable."""
-    gpus: tuple[Gpu, ...] = ()
-    fabrics: tuple[Fabric, ...] = ()
-    hcas: tuple[Hca, ...] = ()
-    shards: tuple[RunningShard, ...] = ()
-    agent_version: str = ""
+    gpus: Annotated[tuple[Gpu, ...], msgspec.Meta(max_length=MAX_GPUS)] = ()
+    fabrics: Annotated[tuple[Fabric, ...], msgspec.Meta(max_length=MAX_LIST)] = ()
+    hcas: Annotated[tuple[Hca, ...], msgspec.Meta(max_length=MAX_LIST)] = ()
+    shards: Annotated[tuple[RunningShard, ...], msgspec.Meta(max_length=MAX_SHARDS)] = ()
+    agent_version: Name = ""
 
 
 class Heartbeat(NodeEvent, tag="node.heartbeat", kw_only=True, frozen=True):
     """The node is alive. Published with a per-message TTL so the log does not grow with them."""
 
-    seq: int = 0
+    seq: Counter = 0
     """Counts up from 1 per agent run, so a gap says heartbeats were lost."""
-    gpus: tuple[GpuHealth, ...] = ()
+    gpus: Annotated[tuple[GpuHealth, ...], msgspec.Meta(max_length=MAX_GPUS)] = ()
 
 
 class ShardStatus(NodeEvent, tag="node.shard", kw_only=True, frozen=True):
     """A shard changed phase on this node (v2: `log_tail` replaced v1's single `log` string)."""
 
-    v: int = 2
-    replica_id: str
-    generation: int
-    shard: int = 0
+    v: Version = 2
+    replica_id: Name
+    generation: Counter
+    shard: ShardIndex = 0
     phase: ShardPhase
-    endpoint: str = ""
+    endpoint: Text = ""
     """`http://host:port` once the engine answers; empty before."""
-    error: str = ""
-    log_tail: tuple[str, ...] = ()
+    error: Text = ""
+    log_tail: LogTail = ()
     """The engine's last output lines, shipped with `failed`: the only diagnosis of a bad load."""
-    pid: int | None = None
+    pid: Pid | None = None
+    api_key: Name = ""
+    """The key the engine of shard 0 requires (`Authorization: Bearer`), reported with
+    serving: routers present it; NATS lets no other node read this subject."""
 
 
 # --------------------------------------------------------------------------- operator intents
 
 
 class OperatorEvent(Event, kw_only=True, frozen=True):
-    operator: str
+    operator: Name
     """The identity (certificate CN) of the operator who asked for it."""
 
 
@@ -135,66 +156,66 @@ class ModelChanged(OperatorEvent, tag="operator.model_changed", kw_only=True, fr
 
 
 class ModelRemoved(OperatorEvent, tag="operator.model_removed", kw_only=True, frozen=True):
-    name: str
+    name: Name
 
 
 class NodeCordoned(OperatorEvent, tag="operator.node_cordoned", kw_only=True, frozen=True):
-    node: str
-    reason: str = ""
+    node: Name
+    reason: Text = ""
 
 
 class NodeUncordoned(OperatorEvent, tag="operator.node_uncordoned", kw_only=True, frozen=True):
-    node: str
+    node: Name
 
 
 class NodeDrainRequested(
     OperatorEvent, tag="operator.node_drain_requested", kw_only=True, frozen=True
 ):
-    node: str
-    grace_s: float = 600.0
+    node: Name
+    grace_s: Seconds = 600.0
     """After this, the node's replicas stop even when no replacement serves yet."""
-    reason: str = ""
+    reason: Text = ""
 
 
 # --------------------------------------------------------------------------- control decisions
 
 
 class ControlEvent(Event, kw_only=True, frozen=True):
-    epoch: int = 0
+    epoch: Counter = 0
     """Leader epoch that decided it: a deposed leader's decisions carry an older one."""
-    basis_seq: int = 0
+    basis_seq: Counter = 0
     """The last stream sequence folded into the state this decision was computed from."""
 
 
 class ReplicaPlaced(ControlEvent, tag="control.replica_placed", kw_only=True, frozen=True):
-    replica_id: str
-    model: str
-    generation: int = 1
-    shards: tuple[ShardAssignment, ...]
-    replaces: str = ""
+    replica_id: Name
+    model: Name
+    generation: Counter = 1
+    shards: Annotated[tuple[ShardAssignment, ...], msgspec.Meta(max_length=MAX_SHARDS)]
+    replaces: Name = ""
     """Replica id this one replaces (drain or lost node); empty for a new replica."""
-    reason: str = ""
-    fabric: str = ""
+    reason: Text = ""
+    fabric: Name = ""
     """Multi-node: the RDMA fabric its nodes share (NCCL_IB_HCA lists its HCAs); else empty."""
 
 
 class ReplicaRetired(ControlEvent, tag="control.replica_retired", kw_only=True, frozen=True):
-    replica_id: str
-    reason: str = ""
+    replica_id: Name
+    reason: Text = ""
 
 
 class NodeUnreachable(ControlEvent, tag="control.node_unreachable", kw_only=True, frozen=True):
-    node: str
-    last_heartbeat: float
+    node: Name
+    last_heartbeat: Time
 
 
 class NodeLost(ControlEvent, tag="control.node_lost", kw_only=True, frozen=True):
-    node: str
-    last_heartbeat: float
+    node: Name
+    last_heartbeat: Time
 
 
 class NodeRecovered(ControlEvent, tag="control.node_recovered", kw_only=True, frozen=True):
-    node: str
+    node: Name
 
 
 class GpuHealthChanged(ControlEvent, tag="control.gpu_health_changed", kw_only=True, frozen=True):
@@ -204,27 +225,30 @@ class GpuHealthChanged(ControlEvent, tag="control.gpu_health_changed", kw_only=T
     this recorded observation is what the fold (and a replay) takes GPU health from.
     """
 
-    node: str
-    gpus: tuple[GpuHealth, ...]
+    node: Name
+    gpus: Annotated[tuple[GpuHealth, ...], msgspec.Meta(max_length=MAX_GPUS)]
     """The new health of each GPU that changed; GPUs not listed keep theirs."""
 
 
 class EndpointUp(ControlEvent, tag="control.endpoint_up", kw_only=True, frozen=True):
-    replica_id: str
-    model: str
-    url: str
-    node: str = ""
+    replica_id: Name
+    model: Name
+    url: Text
+    node: Name = ""
+    api_key: Name = ""
+    """What routers send the engine as `Authorization: Bearer`; empty for an engine
+    started without one."""
 
 
 class EndpointDown(ControlEvent, tag="control.endpoint_down", kw_only=True, frozen=True):
-    replica_id: str
-    model: str
-    url: str
-    reason: str = ""
+    replica_id: Name
+    model: Name
+    url: Text
+    reason: Text = ""
 
 
 class LeaderElected(ControlEvent, tag="control.leader_elected", kw_only=True, frozen=True):
-    leader: str
+    leader: Name
     """Instance name of the control plane that now decides."""
 
 
@@ -234,10 +258,10 @@ class LeaderElected(ControlEvent, tag="control.leader_elected", kw_only=True, fr
 class Command(ControlEvent, kw_only=True, frozen=True):
     """Sent by the leader on `llmgw.cmd.<node>`; agents apply it idempotently by generation."""
 
-    node: str
-    replica_id: str
-    generation: int
-    shard: int = 0
+    node: Name
+    replica_id: Name
+    generation: Counter
+    shard: ShardIndex = 0
 
 
 class StartShard(Command, tag="cmd.start_shard", kw_only=True, frozen=True):
@@ -245,14 +269,14 @@ class StartShard(Command, tag="cmd.start_shard", kw_only=True, frozen=True):
 
 
 class StopShard(Command, tag="cmd.stop_shard", kw_only=True, frozen=True):
-    grace_s: float = 30.0
-    reason: str = ""
+    grace_s: Seconds = 30.0
+    reason: Text = ""
 
 
 class DrainShard(Command, tag="cmd.drain_shard", kw_only=True, frozen=True):
     """Stop taking new requests, finish those in flight; a StopShard follows."""
 
-    grace_s: float = 600.0
+    grace_s: Seconds = 600.0
 
 
 AnyEvent: TypeAlias = (
@@ -311,7 +335,7 @@ def subject_of(event: Event) -> str:
         case NodeEvent():
             return subjects.node_event(event.node, kind.removeprefix("node_"))
         case OperatorEvent():
-            return subjects.operator_event(kind)
+            return subjects.operator_event(event.operator, kind)
         case ControlEvent():
             return subjects.control_event(kind)
     raise TypeError(f"{type(event).__name__} ({family}) has no subject")
@@ -330,6 +354,8 @@ def published_where_owned(event: Event, subject: str) -> bool:
     Readers refuse any event found on a subject other than its own, so the server's
     per-identity permissions decide who can write each kind of event.
     """
+    if isinstance(event, OperatorEvent):
+        return _operator_event_owned(event, subject)
     cls = type(event)
     node = event.node if isinstance(event, NodeEvent | Command) else ""
     key = (cls, node)
@@ -342,6 +368,27 @@ def published_where_owned(event: Event, subject: str) -> bool:
         if len(_SUBJECT_CACHE) < 200_000:
             _SUBJECT_CACHE[key] = expected
     return expected == subject
+
+
+# Operator events a control plane writes itself: the models of its config file.
+CONTROL_OPERATOR_KINDS = frozenset({"model_declared", "model_changed", "model_removed"})
+
+
+def _operator_event_owned(event: OperatorEvent, subject: str) -> bool:
+    """An operator event names its author in its subject (`llmgw.events.operator.<operator>.
+    <kind>`, or `...operator.control.<instance>.<kind>` for a control plane's models), and the
+    server lets each identity write only under its own name: the event's `operator` must be
+    that name. The form without an author (`llmgw.events.operator.<kind>`) is what logs held
+    before; no identity may write it any more, so it can only come from such a log."""
+    author = subjects.operator_author(subject)
+    if author is None:
+        return False
+    writer, name, kind = author
+    if kind != tag_of(type(event)).partition(".")[2]:
+        return False
+    if writer == "control":
+        return name == event.operator and kind in CONTROL_OPERATOR_KINDS
+    return writer == "" or name == event.operator
 
 
 # --------------------------------------------------------------------------- codec

@@ -8,9 +8,19 @@ reads them from the folded state. Pure data plus the GPU class rule.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+
+from llmgw.core.limits import (
+    Counter,
+    GpuIndex,
+    MemoryMib,
+    Name,
+    Names,
+    Rate,
+    SmallInt,
+)
 
 FabricKind = Literal["infiniband", "roce"]
 
@@ -27,17 +37,17 @@ _TAIL = re.compile(r"^(\d+gb|pcie|sxm\d*|hbm\d*e?|nvl|mig|generation|with)$", re
 class Gpu(msgspec.Struct, frozen=True, kw_only=True):
     """One GPU of a node, with the health flags that exclude it from placement."""
 
-    index: int
-    uuid: str
-    name: str
-    gpu_class: str
-    memory_mib: int
-    compute_capability: str
-    nvlink_domain: int | None = None
+    index: GpuIndex
+    uuid: Name
+    name: Name
+    gpu_class: Name
+    memory_mib: MemoryMib
+    compute_capability: Annotated[str, msgspec.Meta(max_length=16)]
+    nvlink_domain: SmallInt | None = None
     """GPUs of one node with the same domain share NVLink; None: PCIe only."""
-    ecc_uncorrected: int = 0
+    ecc_uncorrected: Counter = 0
     """Uncorrected (volatile) ECC errors: a GPU with any is not given new work."""
-    foreign_memory_mib: int = 0
+    foreign_memory_mib: MemoryMib = 0
     """Memory held by processes that are not this agent's engines."""
 
     @property
@@ -58,11 +68,11 @@ class Gpu(msgspec.Struct, frozen=True, kw_only=True):
 class Hca(msgspec.Struct, frozen=True, kw_only=True):
     """One RDMA adapter port as /sys/class/infiniband reports it."""
 
-    name: str
-    port: int = 1
-    state: str = "ACTIVE"
-    rate_gbps: float = 0.0
-    link_layer: str = "InfiniBand"
+    name: Name
+    port: SmallInt = 1
+    state: Name = "ACTIVE"
+    rate_gbps: Rate = 0.0
+    link_layer: Name = "InfiniBand"
 
     @property
     def kind(self) -> FabricKind:
@@ -72,9 +82,9 @@ class Hca(msgspec.Struct, frozen=True, kw_only=True):
 class Fabric(msgspec.Struct, frozen=True, kw_only=True):
     """An RDMA fabric a node is attached to: nodes sharing a fabric name can run one replica."""
 
-    name: str
+    name: Name
     kind: FabricKind = "infiniband"
-    hcas: tuple[str, ...] = ()
+    hcas: Names = ()
 
 
 class Inventory(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,6 +13,21 @@ from typing import Literal
 
 import msgspec
 
+from llmgw.core.limits import (
+    Args,
+    Env,
+    GpuIndices,
+    ModelLen,
+    Name,
+    Names,
+    Parallel,
+    Port,
+    Replicas,
+    ShardIndex,
+    SignedSeconds,
+    Text,
+)
+
 Engine = Literal["vllm", "sglang", "sim", "llamacpp"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 
@@ -20,41 +35,41 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 class Deadlines(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How long a router waits at each phase of a request, in seconds."""
 
-    connect_s: float = 2.0
-    headers_s: float = 30.0
-    first_token_s: float = 60.0
-    idle_s: float = 30.0
+    connect_s: SignedSeconds = 2.0
+    headers_s: SignedSeconds = 30.0
+    first_token_s: SignedSeconds = 60.0
+    idle_s: SignedSeconds = 30.0
     """Longest silence between two streamed chunks: a wedged engine, not a slow one.
 
     The router cuts a silent stream after idle_s, at most a few milliseconds late."""
-    total_s: float = 600.0
+    total_s: SignedSeconds = 600.0
 
 
 class ModelProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One model as the fleet serves it: where it may run, how to start it, how to route it."""
 
-    name: str
+    name: Name
     """The served model name clients ask for."""
     engine: Engine = "vllm"
-    model: str = ""
+    model: Text = ""
     """What the engine loads: a Hugging Face id or a path on the node; defaults to `name`."""
-    aliases: tuple[str, ...] = ()
-    replicas: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    nodes: int = 1
+    aliases: Names = ()
+    replicas: Replicas = 1
+    tensor_parallel: Parallel = 1
+    pipeline_parallel: Parallel = 1
+    nodes: Parallel = 1
     """Nodes per replica; more than one needs a shared RDMA fabric."""
-    gpu_class: str = ""
+    gpu_class: Name = ""
     """e.g. `h100-80g`; empty accepts any class (GPUs of one replica still never mix)."""
     dtype: Dtype = "auto"
-    max_model_len: int | None = None
-    engine_args: tuple[str, ...] = ()
-    env: dict[str, str] = {}
-    start_timeout_s: float = 60.0
+    max_model_len: ModelLen | None = None
+    engine_args: Args = ()
+    env: Env = {}
+    start_timeout_s: SignedSeconds = 60.0
     """Process start until /health answers."""
-    load_timeout_s: float = 1800.0
+    load_timeout_s: SignedSeconds = 1800.0
     """/health until /v1/models lists the model: a 70B model legitimately takes minutes."""
-    fallbacks: tuple[str, ...] = ()
+    fallbacks: Names = ()
     deadlines: Deadlines = Deadlines()
 
     @property
@@ -74,25 +89,25 @@ class LaunchSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything one node needs to start one shard of a replica, decided by the control plane."""
 
     engine: Engine
-    model: str
-    served_name: str
-    aliases: tuple[str, ...] = ()
-    port: int
-    gpus: tuple[int, ...]
+    model: Text
+    served_name: Name
+    aliases: Names = ()
+    port: Port
+    gpus: GpuIndices
     """Indices of this node's GPUs the shard uses (CUDA_VISIBLE_DEVICES)."""
-    gpu_class: str = ""
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    head_address: str = ""
+    gpu_class: Name = ""
+    tensor_parallel: Parallel = 1
+    pipeline_parallel: Parallel = 1
+    nnodes: Parallel = 1
+    node_rank: ShardIndex = 0
+    head_address: Name = ""
     """Multi-node: the rank-0 node's address, which the other ranks dial."""
-    head_port: int = 0
-    fabric: str = ""
+    head_port: Port = 0
+    fabric: Name = ""
     dtype: Dtype = "auto"
-    max_model_len: int | None = None
-    engine_args: tuple[str, ...] = ()
-    env: dict[str, str] = {}
+    max_model_len: ModelLen | None = None
+    engine_args: Args = ()
+    env: Env = {}
     """Environment for the engine, NCCL variables of the chosen fabric included."""
-    start_timeout_s: float = 60.0
-    load_timeout_s: float = 1800.0
+    start_timeout_s: SignedSeconds = 60.0
+    load_timeout_s: SignedSeconds = 1800.0

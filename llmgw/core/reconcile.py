@@ -17,11 +17,19 @@ invariant 1) and reconciles again only once it has. It:
   down as replicas start or stop serving.
 
 Because planning reads only the durable state (what the log holds forever)
-and `now`, and every id is derived from (epoch, basis_seq, index), re-running
-`plan` on the state folded up to a recorded batch's basis_seq, at its `ts`,
-reproduces that batch exactly. `verify` does that over a whole log: it is
-`llmgw ctl replay --verify`'s engine. Heartbeat-driven observations cannot be
-recomputed once heartbeats expire; they are recorded facts.
+and `now`, and every replica id is derived from (epoch, basis_seq, index),
+re-running `plan` on the state folded up to a recorded batch's basis_seq, at
+its `ts`, reproduces that batch exactly, up to the events' own ids. `verify`
+does that over a whole log: it is `llmgw ctl replay --verify`'s engine.
+Heartbeat-driven observations cannot be recomputed once heartbeats expire;
+they are recorded facts.
+
+Event ids. Each decision's base id is `{epoch}-{basis_seq}-{index}`; the
+caller's `ids` function turns it into the id written (the control service
+appends 128 random bits). JetStream drops any message whose Nats-Msg-Id it
+has seen inside the duplicate window, from whichever writer: with predictable
+ids, another identity could publish them first and have the leader's decisions
+dropped as duplicates. `verify` therefore compares decisions without their ids.
 
 Purely computational: no I/O, no clock, no randomness.
 """
@@ -29,12 +37,13 @@ Purely computational: no I/O, no clock, no randomness.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 import msgspec
 
 from llmgw.core import events, placement
+from llmgw.core.limits import clip
 from llmgw.core.profile import LaunchSpec, ModelProfile
 from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, apply, misplaced
 
@@ -51,6 +60,9 @@ Decision: TypeAlias = (
     | events.StopShard
     | events.DrainShard
 )
+
+IdFactory: TypeAlias = Callable[[str], str]
+"""Base id `{epoch}-{basis_seq}-{index}` -> the id the decision is written with."""
 
 OBSERVATIONS: tuple[type[events.ControlEvent], ...] = (
     events.NodeUnreachable,
@@ -76,6 +88,10 @@ class ReconcileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """StopShard's grace: SIGTERM, then SIGKILL after this."""
     change_grace_s: float = 600.0
     """A changed model's old replicas are replaced by a rolling move bounded by this."""
+    orphan_stop_retry_s: float = 30.0
+    """A process its agent reported that no replica owns gets one StopShard; if it still
+    runs, another after this, the wait doubling each time."""
+    orphan_stop_retry_max_s: float = 3600.0
 
 
 class Outcome(msgspec.Struct, kw_only=True):
@@ -95,13 +111,15 @@ def reconcile(
     basis_seq: int | None = None,
     config: ReconcileConfig | None = None,
     observing_since: float = 0.0,
+    ids: IdFactory | None = None,
 ) -> list[Decision]:
     """The decisions to publish now; empty when the fleet is as it should be. Pure.
 
     `basis_seq` defaults to `state.last_seq`. `observing_since` is when this
     process began seeing heartbeats: a leader that just started from a replay
     (heartbeats expired from the log) gives nodes that long before calling
-    them unreachable.
+    them unreachable. `ids` maps each decision's base id to the id it is written
+    with (see the module docstring); by default the base id itself.
     """
     return reconcile_detail(
         state,
@@ -110,6 +128,7 @@ def reconcile(
         basis_seq=basis_seq,
         config=config,
         observing_since=observing_since,
+        ids=ids,
     ).decisions
 
 
@@ -121,33 +140,51 @@ def reconcile_detail(
     basis_seq: int | None = None,
     config: ReconcileConfig | None = None,
     observing_since: float = 0.0,
+    ids: IdFactory | None = None,
 ) -> Outcome:
     """`reconcile`, plus why missing replicas could not be placed (for metrics and logs)."""
     cfg = config or ReconcileConfig()
     basis = state.last_seq if basis_seq is None else basis_seq
     seen = observe(
-        state, now, epoch=epoch, basis_seq=basis, config=cfg, observing_since=observing_since
+        state,
+        now,
+        epoch=epoch,
+        basis_seq=basis,
+        config=cfg,
+        observing_since=observing_since,
+        ids=ids,
     )
     if seen:
         return Outcome(decisions=seen)
-    return plan(state, now, epoch=epoch, basis_seq=basis, config=cfg)
+    return plan(state, now, epoch=epoch, basis_seq=basis, config=cfg, ids=ids)
 
 
 class _Batch:
-    """Decisions of one pass, with ids derived from (epoch, basis_seq, index)."""
+    """Decisions of one pass, with base ids derived from (epoch, basis_seq, index)."""
 
-    def __init__(self, now: float, epoch: int, basis_seq: int) -> None:
+    def __init__(self, now: float, epoch: int, basis_seq: int, ids: IdFactory | None) -> None:
         self.now = now
         self.epoch = epoch
         self.basis_seq = basis_seq
+        self.ids = ids
         self.out: list[Decision] = []
 
     def next_id(self) -> str:
+        """The next decision's base id (replica ids are made from it: reproducible)."""
         return f"{self.epoch}-{self.basis_seq}-{len(self.out)}"
 
     def add(self, cls: type[Any], **fields: Any) -> Any:
+        base = self.next_id()
+        if "reason" in fields:
+            # Reasons quote what the log said (an engine's error, an operator's words);
+            # the decision must stay within the bounds every reader decodes.
+            fields["reason"] = clip(fields["reason"])
         event = cls(
-            id=self.next_id(), ts=self.now, epoch=self.epoch, basis_seq=self.basis_seq, **fields
+            id=base if self.ids is None else self.ids(base),
+            ts=self.now,
+            epoch=self.epoch,
+            basis_seq=self.basis_seq,
+            **fields,
         )
         self.out.append(event)
         return event
@@ -164,9 +201,10 @@ def observe(
     basis_seq: int,
     config: ReconcileConfig,
     observing_since: float = 0.0,
+    ids: IdFactory | None = None,
 ) -> list[Decision]:
     """Liveness and GPU health changes seen in heartbeats, as decisions to record. Pure."""
-    b = _Batch(now, epoch, basis_seq)
+    b = _Batch(now, epoch, basis_seq, ids)
     for name in sorted(state.nodes):
         node = state.nodes[name]
         seen = state.seen.get(name)
@@ -203,6 +241,12 @@ def backoff(failures: int, config: ReconcileConfig) -> float:
     return float(min(config.restart_backoff_s * (2**exponent), config.restart_backoff_max_s))
 
 
+def orphan_backoff(stops: int, config: ReconcileConfig) -> float:
+    """Seconds after the last of `stops` StopShards for an orphan before the next one."""
+    exponent = min(max(stops - 1, 0), 30)
+    return float(min(config.orphan_stop_retry_s * (2**exponent), config.orphan_stop_retry_max_s))
+
+
 def plan(
     state: ClusterState,
     now: float,
@@ -210,9 +254,10 @@ def plan(
     epoch: int,
     basis_seq: int,
     config: ReconcileConfig,
+    ids: IdFactory | None = None,
 ) -> Outcome:
     """Decisions from the durable state and `now` alone (reproducible by `verify`). Pure."""
-    p = _Planner(state, now, epoch, basis_seq, config)
+    p = _Planner(state, now, epoch, basis_seq, config, ids)
     p.run()
     return Outcome(decisions=p.b.out, unplaceable=p.unplaceable)
 
@@ -223,12 +268,18 @@ def _fully_serving(replica: ReplicaState) -> bool:
 
 class _Planner:
     def __init__(
-        self, state: ClusterState, now: float, epoch: int, basis_seq: int, config: ReconcileConfig
+        self,
+        state: ClusterState,
+        now: float,
+        epoch: int,
+        basis_seq: int,
+        config: ReconcileConfig,
+        ids: IdFactory | None = None,
     ) -> None:
         self.state = state
         self.now = now
         self.cfg = config
-        self.b = _Batch(now, epoch, basis_seq)
+        self.b = _Batch(now, epoch, basis_seq, ids)
         self._capacity: placement.Capacity | None = None
         self.retired_now: set[str] = set()
         self.placed_now: list[tuple[str, str, str]] = []
@@ -264,16 +315,23 @@ class _Planner:
             if node.liveness == "lost":
                 continue
             for orphan in node.orphans:
-                if not orphan.stop_sent:
-                    self.b.add(
-                        events.StopShard,
-                        node=name,
-                        replica_id=orphan.replica_id,
-                        generation=orphan.generation,
-                        shard=orphan.shard,
-                        grace_s=self.cfg.stop_grace_s,
-                        reason="not a replica the control plane placed",
-                    )
+                # Once, then again only after a growing wait: an agent that does not
+                # stop it must not get a StopShard on every pass. (A snapshot written
+                # before stops were counted says only `stop_sent`: one stop so far.)
+                stops = orphan.stops or (1 if orphan.stop_sent else 0)
+                if stops and self.now < orphan.stop_sent_at + orphan_backoff(stops, self.cfg):
+                    continue
+                self.b.add(
+                    events.StopShard,
+                    node=name,
+                    replica_id=orphan.replica_id,
+                    generation=orphan.generation,
+                    shard=orphan.shard,
+                    grace_s=self.cfg.stop_grace_s,
+                    reason="not a replica the control plane placed"
+                    if orphan.replica_id not in state.replicas
+                    else f"generation {orphan.generation} is not the replica's current one",
+                )
 
     # --- one replica
 
@@ -313,7 +371,12 @@ class _Planner:
                 node = self.state.nodes[head.node]
                 url = head.endpoint or f"http://{node.address}:{head.port}"
                 self.b.add(
-                    events.EndpointUp, replica_id=r.id, model=r.model, url=url, node=node.name
+                    events.EndpointUp,
+                    replica_id=r.id,
+                    model=r.model,
+                    url=url,
+                    node=node.name,
+                    api_key=head.api_key,
                 )
         elif up:
             phases = ", ".join(sorted({s.phase for s in r.shards}))
@@ -642,6 +705,11 @@ class VerifyReport(msgspec.Struct, kw_only=True):
 _encode = msgspec.json.Encoder().encode
 
 
+def _without_id(decision: Decision) -> bytes:
+    """A decision's encoding with its id left out: ids carry the leader's random part."""
+    return _encode(msgspec.structs.replace(decision, id=""))
+
+
 def verify(
     records: Iterable[tuple[int, events.Event]],
     *,
@@ -693,7 +761,7 @@ def _check(
     report.batches += 1
     again = plan(state, recorded[0].ts, epoch=epoch, basis_seq=basis, config=cfg).decisions
     for n, (a, b) in enumerate(zip(recorded, again, strict=False)):
-        if _encode(a) != _encode(b):
+        if _without_id(a) != _without_id(b):
             report.mismatches.append(
                 f"batch at seq {basis} (epoch {epoch}), decision {n}: recorded "
                 f"{_encode(a).decode()} but the log reproduces {_encode(b).decode()}"

@@ -36,6 +36,8 @@ class EndpointState(msgspec.Struct, kw_only=True):
     url: str
     models: frozenset[str]
     """Served model names (canonical names, aliases resolved by the router first)."""
+    api_key: str = ""
+    """Sent to the engine as `Authorization: Bearer`; empty: no header."""
     ready: bool = False
     draining: bool = False
     inflight: int = 0

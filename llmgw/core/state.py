@@ -33,6 +33,7 @@ import msgspec
 
 from llmgw.core import catalog, events
 from llmgw.core.inventory import Fabric, Gpu, Hca
+from llmgw.core.limits import MAX_PORT
 from llmgw.core.profile import ModelProfile
 
 Liveness = Literal["ready", "unreachable", "lost"]
@@ -71,6 +72,8 @@ class ShardState(msgspec.Struct, kw_only=True, gc=False):
     since: float = 0.0
     """Producer time of the last phase change."""
     endpoint: str = ""
+    api_key: str = ""
+    """The key its engine requires (shard 0), from its serving status."""
     error: str = ""
     log_tail: tuple[str, ...] = ()
     started: bool = False
@@ -117,6 +120,10 @@ class OrphanShard(msgspec.Struct, kw_only=True, gc=False):
     shard: int
     gpus: tuple[int, ...]
     stop_sent: bool = False
+    stop_sent_at: float = 0.0
+    """Producer time of the last StopShard for it: the next one waits out a backoff."""
+    stops: int = 0
+    """StopShards sent for it so far (the reconciler doubles the wait after each)."""
 
 
 class NodeState(msgspec.Struct, kw_only=True, gc=False):
@@ -149,6 +156,7 @@ class Endpoint(msgspec.Struct, kw_only=True, gc=False):
     model: str
     url: str
     node: str = ""
+    api_key: str = ""
 
 
 class Seen(msgspec.Struct, kw_only=True, gc=False):
@@ -338,11 +346,19 @@ def _registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: fl
                         f"node {ev.node!r} claims GPU {g} for replica {rs.replica_id!r}, but "
                         f"GPU {g} is held by replica {holder!r}"
                     )
-        orphans.append(
-            OrphanShard(
-                replica_id=rs.replica_id, generation=rs.generation, shard=rs.shard, gpus=rs.gpus
-            )
+        orphan = OrphanShard(
+            replica_id=rs.replica_id, generation=rs.generation, shard=rs.shard, gpus=rs.gpus
         )
+        if old is not None:
+            # The same orphan reported again keeps its stop history: an agent that
+            # re-registers does not reset the reconciler's backoff.
+            for known in old.orphans:
+                if _same_orphan(known, rs.replica_id, rs.generation, rs.shard):
+                    orphan.stop_sent = known.stop_sent
+                    orphan.stop_sent_at = known.stop_sent_at
+                    orphan.stops = known.stops
+                    break
+        orphans.append(orphan)
     # Validated; now mutate.
     if old is None:
         node = NodeState(name=ev.node, address=ev.address, gpus=gpus)
@@ -400,6 +416,23 @@ def _registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: fl
                     replica.failed_ts = float(ev.ts)
                 shard.since = float(ev.ts)
                 _shard_ended(state, replica, shard, float(ev.ts))
+
+
+def _same_orphan(orphan: OrphanShard, replica_id: str, generation: int, shard: int) -> bool:
+    return (
+        orphan.replica_id == replica_id
+        and orphan.shard == shard
+        and orphan.generation == generation
+    )
+
+
+def _find_orphan(
+    node: NodeState, replica_id: str, generation: int, shard: int
+) -> tuple[int, OrphanShard] | None:
+    for i, orphan in enumerate(node.orphans):
+        if _same_orphan(orphan, replica_id, generation, shard):
+            return i, orphan
+    return None
 
 
 def misplaced(node: NodeState, replica: ReplicaState, shard: ShardState) -> str:
@@ -466,6 +499,13 @@ def _shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: flo
                 return
         if replica is None:
             raise _Reject(f"status for {what}, which was never placed")
+    elif ev.generation < replica.generation:
+        # An older generation of a live replica that its agent reported still running.
+        found = _find_orphan(node, ev.replica_id, ev.generation, ev.shard)
+        if found is not None:
+            if ev.phase in TERMINAL:
+                del node.orphans[found[0]]
+            return
     if not 0 <= ev.shard < len(replica.shards):
         raise _Reject(f"status for {what}: replica {ev.replica_id!r} has no shard {ev.shard}")
     shard = replica.shards[ev.shard]
@@ -482,6 +522,8 @@ def _shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: flo
     shard.since = float(ev.ts)
     if ev.endpoint:
         shard.endpoint = ev.endpoint
+    if ev.api_key:
+        shard.api_key = ev.api_key
     if ev.phase == "failed":
         shard.error = ev.error or "failed"
         shard.log_tail = ev.log_tail
@@ -640,6 +682,11 @@ def _replica_placed(state: ClusterState, ev: events.ReplicaPlaced, seq: int, at:
                     )
             used.add((sa.node, g))
             classes.add(gpu.gpu_class)
+        if sa.port >= MAX_PORT:
+            raise _Reject(
+                f"replica {ev.replica_id!r}: port {sa.port} of {sa.node!r} leaves no port "
+                "after it (a shard uses two)"
+            )
         for port in (sa.port, sa.port + 1):
             if sa.port and (port in node.ports or (sa.node, port) in ports):
                 raise _Reject(
@@ -707,6 +754,7 @@ def _restarted(state: ClusterState, replica: ReplicaState, ev: events.ReplicaPla
         shard.phase = "placed"
         shard.since = float(ev.ts)
         shard.endpoint = ""
+        shard.api_key = ""
         shard.started = False
         shard.drain_sent_at = None
         shard.stop_sent = False
@@ -827,7 +875,7 @@ def _endpoint_up(state: ClusterState, ev: events.EndpointUp, seq: int, at: float
     if replica is None or replica.retired:
         raise _Reject(f"endpoint up for replica {ev.replica_id!r}, which is not active")
     state.endpoints[ev.replica_id] = Endpoint(
-        replica_id=ev.replica_id, model=ev.model, url=ev.url, node=ev.node
+        replica_id=ev.replica_id, model=ev.model, url=ev.url, node=ev.node, api_key=ev.api_key
     )
 
 
@@ -874,15 +922,29 @@ def _drain(state: ClusterState, ev: events.DrainShard, seq: int, at: float) -> N
 
 
 def _stop(state: ClusterState, ev: events.StopShard, seq: int, at: float) -> None:
-    if ev.replica_id not in state.replicas:
+    replica = state.replicas.get(ev.replica_id)
+    live = (
+        replica is not None
+        and ev.generation == replica.generation
+        and 0 <= ev.shard < len(replica.shards)
+        and not replica.shards[ev.shard].released
+    )
+    if not live:
+        # An orphan: a replica the log does not know, an older generation of one (what
+        # an agent reported still running), or a shard released while its node was lost.
+        _check_epoch(state, ev)
         node = _node(state, ev.node)
-        for orphan in node.orphans:
-            if orphan.replica_id == ev.replica_id and orphan.shard == ev.shard:
-                orphan.stop_sent = True
-                return
-        raise _Reject(
-            f"stop for shard {ev.shard} of replica {ev.replica_id!r}, which does not exist"
-        )
+        found = _find_orphan(node, ev.replica_id, ev.generation, ev.shard)
+        if found is not None:
+            orphan = found[1]
+            orphan.stop_sent = True
+            orphan.stop_sent_at = float(ev.ts)
+            orphan.stops += 1
+            return
+        if replica is None:
+            raise _Reject(
+                f"stop for shard {ev.shard} of replica {ev.replica_id!r}, which does not exist"
+            )
     replica, shard = _command_shard(state, ev)
     shard.stop_sent = True
     if replica.retired and shard.phase == "placed" and not shard.started:

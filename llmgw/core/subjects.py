@@ -50,9 +50,59 @@ def node_events(node: str) -> str:
     return f"{EVENTS_ROOT}.node.{check_token(node, 'node id')}.>"
 
 
-def operator_event(kind: str) -> str:
-    """`llmgw.events.operator.<kind>`: written only by operators (`llmgw ctl`)."""
-    return f"{EVENTS_ROOT}.operator.{check_token(kind, 'event kind')}"
+# The token that puts a control plane's own operator events (the models of its config file)
+# in a namespace of their own: `llmgw.events.operator.control.<instance>.<kind>` has one token
+# more than any operator's `llmgw.events.operator.<operator>.<kind>`, so an operator named
+# "control" (whose permission is `llmgw.events.operator.control.*`) cannot write there.
+CONTROL_WRITER = "control"
+
+
+def operator_event(operator: str, kind: str) -> str:
+    """`llmgw.events.operator.<operator>.<kind>`: written only by that operator (`llmgw ctl`).
+
+    The operator's name is part of the subject, and the server lets each operator
+    certificate write only under its own name, so the recorded author of an operator
+    event is what the server enforced, not what the event says.
+    """
+    op = check_token(operator, "operator name")
+    return f"{EVENTS_ROOT}.operator.{op}.{check_token(kind, 'event kind')}"
+
+
+def operator_events(operator: str) -> str:
+    """Every subject one operator may write: `llmgw.events.operator.<operator>.*`."""
+    return f"{EVENTS_ROOT}.operator.{check_token(operator, 'operator name')}.*"
+
+
+def control_operator_event(instance: str, kind: str) -> str:
+    """`llmgw.events.operator.control.<instance>.<kind>`: an operator event (a model of its
+    config file) written by the control-plane instance `instance`."""
+    name = check_token(instance, "control-plane name")
+    return f"{EVENTS_ROOT}.operator.{CONTROL_WRITER}.{name}.{check_token(kind, 'event kind')}"
+
+
+def operator_event_kind(kind: str) -> tuple[str, ...]:
+    """Filters for one kind of operator event, whoever wrote it: operators, control planes,
+    and logs written before the author became part of the subject."""
+    k = check_token(kind, "event kind")
+    root = f"{EVENTS_ROOT}.operator"
+    return (f"{root}.*.{k}", f"{root}.{CONTROL_WRITER}.*.{k}", f"{root}.{k}")
+
+
+def operator_author(subject: str) -> tuple[str, str, str] | None:
+    """(writer kind, writer name, event kind) of an operator-event subject: ("operator",
+    name, kind), ("control", instance, kind), or ("", "", kind) for the pre-author form
+    `llmgw.events.operator.<kind>` of older logs. None for other subjects."""
+    parts = subject.split(".")
+    if parts[:3] != ["llmgw", "events", "operator"]:
+        return None
+    rest = parts[3:]
+    if len(rest) == 1:
+        return ("", "", rest[0])
+    if len(rest) == 2:
+        return ("operator", rest[0], rest[1])
+    if len(rest) == 3 and rest[0] == CONTROL_WRITER:
+        return ("control", rest[1], rest[2])
+    return None
 
 
 def control_event(kind: str) -> str:

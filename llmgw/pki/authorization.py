@@ -1,22 +1,40 @@
-"""What each llmgw identity may do on NATS, and its rendering as a nats-server `authorization`
-block (the file `nats/llmgw.conf` includes).
+"""What each llmgw identity may do on NATS, and its rendering as the nats-server `accounts`
+block that `nats/llmgw.conf` includes (docs/security.md explains the design).
 
-DESIGN.md invariant 4 — every writer owns a namespace, enforced by NATS — lives here:
+DESIGN invariant 4 — every writer owns a namespace, enforced by NATS — lives here. Two layers:
+
+**Accounts.** The JetStream streams (the log `llmgw-events`, the lease and snapshot buckets)
+live in the account `LOG`, where no client connects. Every identity has an account of its
+own (`NODE_gpu-01`, `ROUTER_router-1`, ...) that imports from `LOG`, as services, exactly the
+subjects that identity may publish. JetStream answers a request on the request's reply
+subject; a request that crossed a service import is answered through the server's response
+mapping (`_R_...` in `LOG`) and arrives in the requester's own account, where nothing stores
+it. So no reply subject can make the server store a message on a subject of the log: a
+`$JS.API.DIRECT.GET` answered "to" `llmgw.cmd.<other node>`, a pull request, any API call, all
+land in the requester's account. Push consumers deliver inside `LOG`, where the only client
+interest is each identity's own inbox (exported to that identity's account as a stream), and
+nats-server refuses a deliver subject that the consumer's own stream captures.
+
+**Permissions.** Inside its account each user may publish only what its role needs:
 
 - a **node** publishes only `llmgw.events.node.<its id>.>` and consumes only
   `llmgw.cmd.<its id>`, through one durable consumer named `cmd-<its id>` that it may create
   only with exactly that filter (the filtered create subject
   `$JS.API.CONSUMER.CREATE.<stream>.<consumer>.<filter>` lets the server check the filter);
+  it may read its own last events and commands and the leader lease;
 - a **router** only reads: ephemeral/ordered consumers over the stream, direct gets, and
   read-only access to the lease and snapshot buckets;
-- an **operator** reads like a router and writes `llmgw.events.operator.>`;
+- an **operator** reads like a router and writes `llmgw.events.operator.<its name>.*`, so the
+  author of every operator event is in its subject, enforced by the server;
 - the **control** plane manages the stream and the `llmgw-lease` / `llmgw-snapshots` buckets
   (KV or object store), writes `llmgw.events.control.>` and `llmgw.cmd.>` (and the
-  `operator.model_*` events of the models its config file declares), and reads all.
+  `operator.control.<its name>.model_*` events of the models its config file declares), and
+  reads all.
 
 Every identity subscribes only to its own inbox namespace `_INBOX.<kind>.<name>.>` (JetStream
 replies and push-consumer deliveries arrive there), so one client cannot read another's
-replies. The rules are pure data (`permissions`); `render` turns them into config text.
+replies. The rules are pure data (`permissions`, `accounts`); `render` turns them into config
+text.
 """
 
 from __future__ import annotations
@@ -34,6 +52,11 @@ SNAPSHOT_BUCKET = "llmgw-snapshots"
 API = "$JS.API"
 # Operator-event kinds the control plane may also write: its config file's models.
 CONTROL_MODEL_EVENTS = ("model_declared", "model_changed", "model_removed")
+# The account holding the JetStream streams. No client connects to it in a fleet (the test
+# harness puts its all-powerful administrator there).
+LOG_ACCOUNT = "LOG"
+# Requests answered with more than one message: a pull request gets up to a batch of them.
+STREAMED_RESPONSES = (f"{API}.CONSUMER.MSG.NEXT.",)
 
 
 def command_consumer(node: str) -> str:
@@ -81,9 +104,16 @@ def _read_stream(stream: str) -> list[str]:
 
 
 def _manage_stream(stream: str) -> list[str]:
+    """What the control plane needs of a stream it provisions. Not UPDATE (a republish or
+    subject transform would write where the control plane may not), not SNAPSHOT or RESTORE
+    (a snapshot is sent to a deliver subject of the requester's choosing), not DELETE."""
     return [
-        f"{API}.STREAM.*.{stream}",  # CREATE, UPDATE, INFO, DELETE, PURGE
-        f"{API}.STREAM.MSG.*.{stream}",  # GET, DELETE
+        f"{API}.STREAM.CREATE.{stream}",
+        f"{API}.STREAM.INFO.{stream}",
+        # Object-store writes purge the chunks they replace.
+        f"{API}.STREAM.PURGE.{stream}",
+        f"{API}.STREAM.MSG.GET.{stream}",
+        f"{API}.STREAM.MSG.DELETE.{stream}",
         f"{API}.CONSUMER.*.{stream}",  # CREATE (ephemeral), LIST, NAMES
         f"{API}.CONSUMER.*.{stream}.>",  # CREATE, INFO, DELETE, PAUSE of a named consumer
         f"{API}.CONSUMER.DURABLE.CREATE.{stream}.*",
@@ -121,13 +151,19 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
                 # Its own last events and commands (an agent restarting reads where it was).
                 f"{API}.DIRECT.GET.{STREAM}.{subjects.node_events(node)}",
                 f"{API}.DIRECT.GET.{STREAM}.{subjects.command(node)}",
+                # The leader lease (its bucket holds that one key): an agent obeys no epoch
+                # beyond the current leader's. Not a direct get: buckets made before llmgw
+                # enabled direct gets on them answer only this.
+                f"{API}.STREAM.MSG.GET.KV_{LEASE_BUCKET}",
             ]
         case "router" | "operator":
+            # `nats stream ls` (the operator's view of the log with the nats CLI).
+            publish.append(f"{API}.STREAM.LIST")
             publish += _read_stream(STREAM)
             for bucket in _bucket_streams():
                 publish += _read_stream(bucket)
             if identity.kind == "operator":
-                publish.append(subjects.OPERATOR_EVENTS_ALL)
+                publish.append(subjects.operator_events(identity.name))
             for node in nodes:
                 consumer = command_consumer(node)
                 deny += [
@@ -146,7 +182,7 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
                 subjects.COMMANDS_ALL,
                 # The models of the control plane's config file become operator events
                 # (llmgw.control.models); only these three kinds, never cordon or drain.
-                *(subjects.operator_event(k) for k in CONTROL_MODEL_EVENTS),
+                *(subjects.control_operator_event(identity.name, k) for k in CONTROL_MODEL_EVENTS),
                 f"$KV.{LEASE_BUCKET}.>",
                 f"$KV.{SNAPSHOT_BUCKET}.>",
                 f"$O.{SNAPSHOT_BUCKET}.>",
@@ -160,16 +196,70 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
 
 @dataclass(frozen=True)
 class User:
-    """One `authorization.users` entry: a certificate DN and what it may do."""
+    """One user of an account: a certificate DN and what it may do."""
 
     dn: str
     permissions: Permissions | None  # None: everything (test-only administrators)
 
 
-def users(identities: Iterable[Identity], *, superusers: Iterable[str] = ()) -> list[User]:
+def account_name(identity: Identity) -> str:
+    """The NATS account of one identity: `NODE_gpu-01`, `OPERATOR_alice`, ... The kind has no
+    `_` and comes first, so two identities never share an account."""
+    return f"{identity.kind.upper()}_{identity.name}"
+
+
+@dataclass(frozen=True)
+class Account:
+    """One identity's account: its user and what it imports from `LOG`.
+
+    `services` are the subjects of `LOG` it may publish to (JetStream API requests and the
+    subjects of its own events), `inbox` the subject push consumers deliver it on."""
+
+    name: str
+    user: User
+    services: tuple[str, ...]
+    inbox: str
+
+
+def _imports(perms: Permissions) -> tuple[str, ...]:
+    # Everything a user may publish is a subject of LOG: the events it writes and the API
+    # requests it makes. Its denials are enforced by its own permissions, before any import.
+    return perms.publish
+
+
+def accounts(identities: Iterable[Identity]) -> list[Account]:
+    """One account per identity, sorted by kind and name. Pure."""
     ids = sorted(set(identities), key=lambda i: (i.kind, i.name))
     nodes = [i.name for i in ids if i.kind == "node"]
-    out = [User(i.dn, permissions(i, nodes)) for i in ids]
+    out = []
+    for identity in ids:
+        perms = permissions(identity, nodes)
+        out.append(
+            Account(
+                name=account_name(identity),
+                user=User(identity.dn, perms),
+                services=_imports(perms),
+                inbox=f"{identity.inbox_prefix}.>",
+            )
+        )
+    return out
+
+
+def exports(accounts_: Sequence[Account]) -> list[tuple[str, tuple[str, ...]]]:
+    """`LOG`'s service exports: each subject some account imports, with exactly the accounts
+    that import it. Exports are keyed by the very subject imported: nats-server approves an
+    import by an export of the same subject first, and among overlapping wildcard exports it
+    would take whichever its map yields first."""
+    by_subject: dict[str, list[str]] = {}
+    for account in accounts_:
+        for subject in account.services:
+            by_subject.setdefault(subject, []).append(account.name)
+    return [(subject, tuple(names)) for subject, names in sorted(by_subject.items())]
+
+
+def users(identities: Iterable[Identity], *, superusers: Iterable[str] = ()) -> list[User]:
+    """Every user, of every account (superusers last)."""
+    out = [a.user for a in accounts(identities)]
     out += [User(dn, None) for dn in superusers]
     return out
 
@@ -180,37 +270,75 @@ def _list(items: Iterable[str]) -> str:
     return "[" + ", ".join(json.dumps(s) for s in items) + "]"
 
 
+def _user_lines(user: User, indent: str) -> list[str]:
+    lines = [f"{indent}{{", f"{indent}  user: {json.dumps(user.dn)}"]
+    perms = user.permissions
+    if perms is None:
+        lines.append(f'{indent}  permissions: {{ publish: ">", subscribe: ">" }}')
+    else:
+        lines.append(f"{indent}  permissions: {{")
+        lines.append(f"{indent}    publish: {{ allow: {_list(perms.publish)}")
+        if perms.publish_deny:
+            lines.append(f"{indent}               deny: {_list(perms.publish_deny)}")
+        lines.append(f"{indent}    }}")
+        lines.append(f"{indent}    subscribe: {{ allow: {_list(perms.subscribe)} }}")
+        lines.append(f"{indent}  }}")
+    lines.append(f"{indent}}}")
+    return lines
+
+
+def _from_log(subject: str) -> str:
+    return f"{{ account: {LOG_ACCOUNT}, subject: {json.dumps(subject)} }}"
+
+
+def _streamed(subject: str) -> bool:
+    return subject.startswith(STREAMED_RESPONSES)
+
+
 def render(
     identities: Iterable[Identity], *, superusers: Iterable[str] = (), source: str = ""
 ) -> str:
-    """The text of the authorization file for nats-server's `include`. Pure.
+    """The text of the accounts file for nats-server's `include`. Pure.
 
-    `superusers` are DNs allowed everything: only the test harness uses them, to publish
-    raw garbage and inspect anything.
+    `superusers` are DNs allowed everything inside `LOG`: only the test harness uses them,
+    to publish raw garbage and inspect anything.
     """
+    accts = accounts(identities)
     lines = [
         "# Rendered by llmgw from the client certificates"
         + (f" in {source}" if source else "")
         + ": do not edit.",
         "# Issue or remove a certificate with `llmgw ctl cert`, which renders this file again;",
         "# then apply it without a restart: nats-server --signal reload=<pid> (or SIGHUP).",
-        "authorization {",
-        "  users = [",
+        "# The streams live in the account LOG, which no client of the fleet joins; each",
+        "# identity has its own account importing only what it may publish (docs/security.md).",
+        "accounts {",
+        f"  {LOG_ACCOUNT}: {{",
+        "    jetstream: enabled",
+        "    users: [",
     ]
-    for user in users(identities, superusers=superusers):
-        lines.append("    {")
-        lines.append(f"      user: {json.dumps(user.dn)}")
-        perms = user.permissions
-        if perms is None:
-            lines.append('      permissions: { publish: ">", subscribe: ">" }')
-        else:
-            lines.append("      permissions: {")
-            lines.append(f"        publish: {{ allow: {_list(perms.publish)}")
-            if perms.publish_deny:
-                lines.append(f"                   deny: {_list(perms.publish_deny)}")
-            lines.append("        }")
-            lines.append(f"        subscribe: {{ allow: {_list(perms.subscribe)} }}")
-            lines.append("      }")
-        lines.append("    }")
-    lines += ["  ]", "}", ""]
+    for dn in superusers:
+        lines += _user_lines(User(dn, None), "      ")
+    lines += ["    ]", "    exports: ["]
+    for subject, names in exports(accts):
+        response = ", response_type: stream" if _streamed(subject) else ""
+        lines.append(
+            f"      {{ service: {json.dumps(subject)}, accounts: {_list(names)}{response} }}"
+        )
+    for account in accts:
+        lines.append(
+            f"      {{ stream: {json.dumps(account.inbox)}, accounts: {_list([account.name])} }}"
+        )
+    lines += ["    ]", "  }"]
+    for account in accts:
+        lines.append(f"  {json.dumps(account.name)}: {{")
+        lines.append("    users: [")
+        lines += _user_lines(account.user, "      ")
+        lines.append("    ]")
+        lines.append("    imports: [")
+        for subject in account.services:
+            lines.append(f"      {{ service: {_from_log(subject)} }}")
+        lines.append(f"      {{ stream: {_from_log(account.inbox)} }}")
+        lines += ["    ]", "  }"]
+    lines += ["}", ""]
     return "\n".join(lines)

@@ -444,8 +444,17 @@ class Router:
         chain = [profile]
         for fb in profile.fallbacks:
             p = self.catalog.resolve(fb)
-            if p is not None and p not in chain:
-                chain.append(p)
+            if p is None or p in chain:
+                continue
+            if principal is not None and not (principal.may_use(fb) or principal.may_use(p.name)):
+                # A key allowed A is not allowed A's fallback B unless it says so: skipping
+                # B answers as if B were down (A's own 503), since the client asked for a
+                # model it may use; a 403 would name a model it never asked for.
+                log.info(
+                    "fallback_not_allowed", request_id=rid, model=profile.name, fallback=p.name
+                )
+                continue
+            chain.append(p)
         for n, prof in enumerate(chain):
             if n > 0:
                 self.metrics.fallback(profile.name, prof.name)
@@ -594,9 +603,10 @@ class Router:
             base = self._bases[ep.url] = upstream_http.parse_base(ep.url)
         key, host_header, prefix = base
         path = prefix + ("/v1/chat/completions" if kind == "chat" else f"/v1/{kind}")
-        head = upstream_http.request_head(
-            path, host_header, len(body), [("X-Request-Id", state.rid)]
-        )
+        extra = [("X-Request-Id", state.rid)]
+        if ep.api_key:
+            extra.append(("Authorization", f"Bearer {ep.api_key}"))
+        head = upstream_http.request_head(path, host_header, len(body), extra)
         upstream = await self._open(key, head, body, d, t0, total_at)
         try:
             if (
@@ -645,6 +655,15 @@ class Router:
             async with self.deadlines.at(min(t0 + d.headers_s, total_at)):
                 upstream = await self.pool.request(key, head, body, connect_timeout=d.connect_s)
                 status = upstream.status
+                if status == 401:
+                    # The router checked the client itself: an engine's 401 means the key
+                    # the router holds for it is not the engine's (a stale EndpointUp).
+                    raise Retry(
+                        "engine_unauthorized",
+                        502,
+                        "engine refused the router's key for it: the endpoint's EndpointUp"
+                        " does not carry the key its engine was started with",
+                    )
                 if status >= 500 or status == 429:
                     detail = b""
                     with contextlib.suppress(TimeoutError, upstream_http.UpstreamError, OSError):

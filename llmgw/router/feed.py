@@ -57,14 +57,14 @@ class Wanted(msgspec.Struct, frozen=True):
     """What the tables should hold according to the folded log. Purely computational."""
 
     models: dict[str, ModelProfile]
-    endpoints: dict[str, tuple[str, str, bool]]
-    """Endpoint id (the replica id) -> (url, model, draining)."""
+    endpoints: dict[str, tuple[str, str, bool, str]]
+    """Endpoint id (the replica id) -> (url, model, draining, the engine's API key)."""
 
 
 def wanted(cluster: state.ClusterState) -> Wanted:
     """Models and endpoints a router should route to, from the folded state. Pure."""
     models = {name: m.profile for name, m in cluster.models.items()}
-    endpoints: dict[str, tuple[str, str, bool]] = {}
+    endpoints: dict[str, tuple[str, str, bool, str]] = {}
     for replica_id, ep in cluster.endpoints.items():
         replica = cluster.replicas.get(replica_id)
         draining = replica is None or replica.retired
@@ -75,7 +75,7 @@ def wanted(cluster: state.ClusterState) -> Wanted:
                     draining = True
                 if node is not None and node.draining:
                     draining = True
-        endpoints[replica_id] = (ep.url, ep.model, draining)
+        endpoints[replica_id] = (ep.url, ep.model, draining, ep.api_key)
     return Wanted(models=models, endpoints=endpoints)
 
 
@@ -101,8 +101,8 @@ class LogFeed:
         self.cluster = state.ClusterState()
         self.models: set[str] = set()
         """Models this feed put into the catalog."""
-        self.endpoints: dict[str, tuple[str, str]] = {}
-        """Endpoint ids this feed put into the table -> (url, model)."""
+        self.endpoints: dict[str, tuple[str, str, str]] = {}
+        """Endpoint ids this feed put into the table -> (url, model, API key)."""
         self.applied = 0
         self.rejected = 0
         self.ready = asyncio.Event()
@@ -214,15 +214,17 @@ class LogFeed:
             self.catalog.remove(name)
             self.models.discard(name)
             log.info("router.model_removed", model=name)
-        for ep_id, (url, model, draining) in want.endpoints.items():
+        for ep_id, (url, model, draining, api_key) in want.endpoints.items():
             if ep_id in self._static_endpoints:
                 continue
-            if self.endpoints.get(ep_id) != (url, model):
+            if self.endpoints.get(ep_id) != (url, model, api_key):
                 # A new engine is reported up only once it serves: route to it at once;
                 # the prober keeps checking it like every other endpoint.
-                self.table.add(ep_id, url, [model], ready=True)
-                self.endpoints[ep_id] = (url, model)
-                log.info("router.endpoint_up", endpoint=ep_id, url=url, model=model)
+                self.table.add(ep_id, url, [model], ready=True, api_key=api_key)
+                self.endpoints[ep_id] = (url, model, api_key)
+                log.info(
+                    "router.endpoint_up", endpoint=ep_id, url=url, model=model, keyed=bool(api_key)
+                )
             ep = self.table.by_id.get(ep_id)
             if ep is not None and ep.draining != draining:
                 self.table.mark_draining(ep_id, draining)

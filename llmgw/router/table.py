@@ -75,11 +75,22 @@ class EndpointTable:
         self.by_model: dict[str, list[EndpointState]] = {}
 
     def add(
-        self, id: str, url: str, models: Iterable[str], *, ready: bool = False
+        self,
+        id: str,
+        url: str,
+        models: Iterable[str],
+        *,
+        ready: bool = False,
+        api_key: str = "",
     ) -> EndpointState:
-        """Add an endpoint, or replace the one with this id (an engine restarted elsewhere)."""
+        """Add an endpoint, or replace the one with this id (an engine restarted elsewhere).
+
+        `api_key` is the engine's own key (from EndpointUp), presented on every request.
+        """
         self.remove(id)
-        ep = EndpointState(id=id, url=url.rstrip("/"), models=frozenset(models), ready=ready)
+        ep = EndpointState(
+            id=id, url=url.rstrip("/"), models=frozenset(models), ready=ready, api_key=api_key
+        )
         self.by_id[id] = ep
         for m in ep.models:
             self.by_model.setdefault(m, []).append(ep)
@@ -180,6 +191,8 @@ class Prober:
     async def _probe(self, ep: EndpointState) -> None:
         timeout = aiohttp.ClientTimeout(total=min(max(2 * self.interval, 1.0), 3.0))
         was = ep.ready
+        # /health is open on every engine; llama-server wants the key for /metrics.
+        headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
         try:
             async with self.session.get(ep.url + "/health", timeout=timeout) as r:
                 await r.read()
@@ -198,7 +211,9 @@ class Prober:
             log.info("endpoint_ready" if ok else "endpoint_not_ready", endpoint=ep.id, url=ep.url)
         if ok:
             try:
-                async with self.session.get(ep.url + "/metrics", timeout=timeout) as r:
+                async with self.session.get(
+                    ep.url + "/metrics", timeout=timeout, headers=headers
+                ) as r:
                     if r.status == 200:
                         queue, running, kv = parse_engine_metrics(await r.text())
                         ep.queue_depth = queue or 0.0

@@ -113,6 +113,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     shutdown_timeout_s: float = 2.0
     """On SIGTERM, how long requests in flight may finish before connections close."""
     log_level: str = "info"
+    api_key: str = ""
+    """With a key, every /v1 route, /sim/* and /reset_prefix_cache answer 401 without
+    `Authorization: Bearer <key>`; /health and /metrics stay open, as in vLLM."""
 
     def problems(self) -> list[str]:
         """Everything wrong with this configuration, each said with what to change."""

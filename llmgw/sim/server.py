@@ -11,13 +11,15 @@ frees its blocks at once.
 
 Routes: the OpenAI endpoints, `/health`, `/metrics`, vLLM's
 `/reset_prefix_cache`, and the test-only `/sim/faults` (GET, POST, DELETE) and
-`/sim/state` (GET).
+`/sim/state` (GET). With `api_key` set, every route but `/health` and `/metrics`
+answers 401 without `Authorization: Bearer <key>`, as vLLM's `--api-key` does for /v1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
 import signal
 import socket
@@ -44,6 +46,8 @@ _MASK = (1 << 64) - 1
 # /metrics are not starved by a big batch or a long generation.
 _ZERO_LATENCY_BURST_TOKENS = 2048
 _JSON = "application/json"
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Open even with a key: probes and Prometheus carry none, in vLLM too."""
 _KNOWN_PATHS = {
     "/v1/chat/completions",
     "/v1/completions",
@@ -82,7 +86,8 @@ class SimServer:
     def app(self) -> web.Application:
         # Long prompts are the point of prefix-cache tests; aiohttp's 1 MiB default
         # would refuse them before the sim could answer in OpenAI's shape.
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        middlewares = [self._require_key] if self.cfg.api_key else []
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/completions", self._completions)
@@ -100,6 +105,27 @@ class SimServer:
         app.on_startup.append(self._start_engine)
         app.on_cleanup.append(self._stop_engine)
         return app
+
+    @web.middleware
+    async def _require_key(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        if request.path in _OPEN_PATHS:
+            response: web.StreamResponse = await handler(request)
+            return response
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {self.cfg.api_key}"
+        # Constant time: a byte-by-byte comparison would tell a prober how far it got.
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return _error(
+                api.ApiError(
+                    401,
+                    "this engine requires its API key: send `Authorization: Bearer <key>`",
+                    code="invalid_api_key",
+                )
+            )
+        response = await handler(request)
+        return response
 
     async def _start_engine(self, _app: web.Application) -> None:
         self._wake = asyncio.Event()

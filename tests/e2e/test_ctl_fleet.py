@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from llmgw.agent import pidfiles
 from llmgw.core import placement
 from tests.harness import TestNatsServer
 from tests.integration import agent_kit
@@ -103,7 +104,18 @@ async def poll(ctl: Ctl, args: tuple[str, ...], check: Any, within_s: float, wha
         await asyncio.sleep(0.5)
 
 
-async def answers(ctl: Ctl, replica_id: str, within_s: float = 60) -> list[str]:
+def engine_key(state_dirs: list[Path], replica_id: str) -> str:
+    """The replica's engine key, from its agent's pid file (it answers nobody without it)."""
+    for state_dir in state_dirs:
+        for _, record in pidfiles.load_all(state_dir):
+            if record is not None and record.replica_id == replica_id and record.shard == 0:
+                return record.launch.api_key
+    return ""
+
+
+async def answers(
+    ctl: Ctl, replica_id: str, state_dirs: list[Path], within_s: float = 60
+) -> list[str]:
     """The model list of the replica's engine, through its current endpoint.
 
     Retried: placement's ports (8100...) are fixed, so on a machine shared with other
@@ -115,10 +127,13 @@ async def answers(ctl: Ctl, replica_id: str, within_s: float = 60) -> list[str]:
         url = next((r["endpoint"] for r in rows if r["id"] == replica_id), None)
         if url:
             try:
+                bearer = {"Authorization": f"Bearer {engine_key(state_dirs, replica_id)}"}
                 async with (
                     aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
-                    http.get(f"{url}/v1/models") as resp,
+                    http.get(f"{url}/v1/models", headers=bearer) as resp,
                 ):
+                    if resp.status != 200:
+                        raise aiohttp.ClientError(f"status {resp.status}")
                     return [m["id"] for m in (await resp.json())["data"]]
             except (aiohttp.ClientError, TimeoutError):
                 pass
@@ -138,7 +153,7 @@ async def test_ctl_drains_replays_diffs_and_verifies_the_real_fleet(
         90,
         "m1 serving on a real sim engine",
     )
-    assert await answers(ctl, replica["id"]) == ["m1"]
+    assert await answers(ctl, replica["id"], services.state_dirs) == ["m1"]
     holder = replica["shards"][0]["node"]
     other = "node-b" if holder == "node-a" else "node-a"
     nodes = {n["name"]: n for n in (await ctl("nodes", "--json")).json()}
@@ -160,7 +175,7 @@ async def test_ctl_drains_replays_diffs_and_verifies_the_real_fleet(
     (moved,) = [r for r in after["replicas"] if r["model"] == "m1"]
     assert moved["replaces"] == replica["id"]
     assert moved["shards"][0]["node"] == other
-    assert await answers(ctl, moved["id"]) == ["m1"]
+    assert await answers(ctl, moved["id"], services.state_dirs) == ["m1"]
 
     then = (await ctl("replay", "--at", f"@{before_time}", "--json")).json()
     node_then = {n["name"]: n for n in then["nodes"]}[holder]

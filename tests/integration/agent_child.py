@@ -1,7 +1,8 @@
 """A stand-in agent process for the adoption test: starts one sim shard, then waits to be killed.
 
 Run as `python -m tests.integration.agent_child STATE_DIR PORT NAME`; prints
-`SERVING <pid>` once the engine serves. The test kills it with SIGKILL.
+`SERVING <pid> <api key>` once the engine serves (the key on stdout for the test to
+compare; its JSON log goes to stderr). The test kills it with SIGKILL.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ async def main(state_dir: str, port: int, name: str) -> None:
 
     async def on_change(view: ShardView) -> None:
         if view.phase == "serving":
-            print(f"SERVING {view.pid}", flush=True)
+            print(f"SERVING {view.pid} {view.api_key}", flush=True)
             serving.set()
 
     sup = Supervisor(Settings(state_dir=state_dir, poll_s=0.1), on_change)

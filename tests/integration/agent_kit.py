@@ -99,6 +99,9 @@ def sim_spec(port: int, gpus: tuple[int, ...] = (0,), name: str = "m", **over: A
 class Control:
     """The test playing the control-plane leader: provisions the stream, sends commands."""
 
+    LEASE_EPOCH = 1000
+    """The epoch the leader lease shows: agents refuse commands from beyond it."""
+
     def __init__(self, nc: Client) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -107,6 +110,12 @@ class Control:
 
     async def provision(self) -> None:
         await bus.provision(self.js)
+        await self.hold_lease(self.LEASE_EPOCH)
+
+    async def hold_lease(self, epoch: int) -> None:
+        """Write the leader lease as a holder of `epoch` renewing it would."""
+        kv = await self.js.key_value(bus.LEASE_BUCKET)
+        await kv.put("leader", msgspec.json.encode({"holder": "test-control", "epoch": epoch}))
 
     async def send(self, cmd: events.Command) -> bus.Published:
         return await self.publisher.publish(cmd)

@@ -100,10 +100,10 @@ async def start_agent(
         kit.kill_engines(state_dir)
 
 
-async def get_models(endpoint: str) -> list[str]:
+async def get_models(endpoint: str, api_key: str) -> list[str]:
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
-        http.get(f"{endpoint}/v1/models") as resp,
+        http.get(f"{endpoint}/v1/models", headers={"Authorization": f"Bearer {api_key}"}) as resp,
     ):
         body = await resp.json()
         return [m["id"] for m in body["data"]]
@@ -123,7 +123,8 @@ async def test_start_serves_and_stop_ends_the_whole_group(
     serving = await kit.wait_for(admin, NODE, status("rep-1", "serving"), what="serving")
     assert isinstance(serving, events.ShardStatus)
     assert serving.endpoint == f"http://127.0.0.1:{port}"
-    assert await get_models(serving.endpoint) == ["llama"]
+    assert serving.api_key
+    assert await get_models(serving.endpoint, serving.api_key) == ["llama"]
     pid = serving.pid
     assert pid is not None
     assert kit.pid_alive(pid)

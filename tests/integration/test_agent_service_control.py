@@ -20,6 +20,7 @@ import pytest
 from llmgw.agent import processes
 from llmgw.agent.service import AgentService
 from llmgw.control.service import ControlService
+from llmgw.core import state
 from tests import harness
 from tests.harness import TestNatsServer
 from tests.integration import agent_kit as kit
@@ -49,11 +50,13 @@ async def agent(nats_server: TestNatsServer, tmp_path: Path) -> AsyncIterator[Ag
         kit.kill_engines(state_dir)
 
 
-async def models_at(url: str) -> list[str]:
+async def models_at(endpoint: state.Endpoint) -> list[str]:
+    """The models the engine lists to whoever presents the key of its EndpointUp."""
+    bearer = {"Authorization": f"Bearer {endpoint.api_key}"}
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http,
-            http.get(f"{url}/v1/models") as resp,
+            http.get(f"{endpoint.url}/v1/models", headers=bearer) as resp,
         ):
             return [m["id"] for m in (await resp.json())["data"]]
     except (aiohttp.ClientError, TimeoutError):
@@ -73,7 +76,8 @@ async def test_a_declared_model_is_placed_started_and_served(
             "an endpoint for m1",
         )
         (endpoint,) = control.state.endpoints.values()
-        assert await models_at(endpoint.url) == ["m1"]
+        assert endpoint.api_key
+        assert await models_at(endpoint) == ["m1"]
         replica = control.state.replicas[endpoint.replica_id]
         assert replica.shards[0].node == NODE
         generation = replica.generation
@@ -98,6 +102,9 @@ async def test_a_declared_model_is_placed_started_and_served(
         assert new is not None
         assert new.phase == "serving"
         assert new.generation == control.state.replicas[endpoint.replica_id].generation
-        assert await models_at(control.state.endpoints[endpoint.replica_id].url) == ["m1"]
+        # The new generation's engine has a key of its own, and EndpointUp carries it.
+        again = control.state.endpoints[endpoint.replica_id]
+        assert again.api_key not in ("", endpoint.api_key)
+        assert await models_at(again) == ["m1"]
         # The control plane folded every agent event without rejecting any.
         assert control.rejected == 0

@@ -65,10 +65,12 @@ async def start_agent(
     return agent
 
 
-async def models(port: int) -> list[str]:
+async def models(port: int, api_key: str) -> list[str]:
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
-        http.get(f"http://127.0.0.1:{port}/v1/models") as resp,
+        http.get(
+            f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {api_key}"}
+        ) as resp,
     ):
         return [m["id"] for m in (await resp.json())["data"]]
 
@@ -90,13 +92,13 @@ async def test_kill9_restart_adopts_and_runs_what_was_sent_meanwhile(
     await control.start(NODE, "rep-1", kit.sim_spec(port, gpus=(0,), name="one"))
     serving = await kit.wait_for(admin, NODE, status("rep-1", "serving"), what="serving")
     assert isinstance(serving, events.ShardStatus)
-    engine_pid = serving.pid
+    engine_pid, key = serving.pid, serving.api_key
     assert engine_pid is not None
     assert engines_on_port(port) == [engine_pid]
 
     agent.kill9()
     # Serving survives the agent.
-    assert await models(port) == ["one"]
+    assert await models(port, key) == ["one"]
     # A command sent while the agent is away waits in the stream for it.
     port2 = kit.free_port()
     await control.start(NODE, "rep-2", kit.sim_spec(port2, gpus=(1,), name="two"))
@@ -118,8 +120,11 @@ async def test_kill9_restart_adopts_and_runs_what_was_sent_meanwhile(
     assert shard.endpoint == f"http://127.0.0.1:{port}"
     assert shard.gpus == (0,)
     # ...and runs the command it missed.
-    await kit.wait_for(admin, NODE, status("rep-2", "serving"), what="rep-2 serving")
-    assert await models(port2) == ["two"]
+    serving2 = await kit.wait_for(admin, NODE, status("rep-2", "serving"), what="rep-2 serving")
+    assert isinstance(serving2, events.ShardStatus)
+    key2 = serving2.api_key
+    assert key2 not in ("", key)
+    assert await models(port2, key2) == ["two"]
 
     # Adopted, not started again: the same single engine process serves rep-1.
     assert engines_on_port(port) == [engine_pid]
@@ -129,19 +134,25 @@ async def test_kill9_restart_adopts_and_runs_what_was_sent_meanwhile(
         for r in after
         if isinstance(r.event, events.ShardStatus) and r.event.replica_id == "rep-1"
     ]
-    assert [(e.phase, e.pid) for e in rep1] == [("serving", engine_pid)]
-    assert await models(port) == ["one"]
+    # The adopting agent reports the key it found in the pid file.
+    assert [(e.phase, e.pid, e.api_key) for e in rep1] == [("serving", engine_pid, key)]
+    assert await models(port, key) == ["one"]
 
     # The StartShard of rep-1 is not re-applied by a third run either (ledger + adoption),
     # and a plain SIGTERM leaves both engines serving.
     assert agent.terminate() == 0
-    assert await models(port) == ["one"]
-    assert await models(port2) == ["two"]
+    assert await models(port, key) == ["one"]
+    assert await models(port2, key2) == ["two"]
     await asyncio.to_thread(agent.start)
     await control.stop(NODE, "rep-2")
     await kit.wait_for(admin, NODE, status("rep-2", "stopped"))
     assert engines_on_port(port2) == []
     assert engines_on_port(port) == [engine_pid]
+    log_text = (tmp_path / "agent.log").read_text()
+    assert "engine_spawned" in log_text
+    # No agent log line carries a key.
+    assert key not in log_text
+    assert key2 not in log_text
 
 
 async def test_nats_down_at_start_the_agent_waits_then_registers(

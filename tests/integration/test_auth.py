@@ -78,7 +78,8 @@ async def test_node_cannot_write_outside_its_namespace(connect: Connector) -> No
     node = await connect("node", "node-a")
     await refused(connect, node, "node", "node-a", subjects.node_event("node-b", "heartbeat"))
     await refused(connect, node, "node", "node-a", subjects.control_event("leader_elected"))
-    await refused(connect, node, "node", "node-a", subjects.operator_event("node_cordoned"))
+    own_name = subjects.operator_event("node-a", "node_cordoned")
+    await refused(connect, node, "node", "node-a", own_name)
     # Not even its own command subject: only the control plane writes commands.
     await refused(connect, node, "node", "node-a", subjects.command("node-a"))
     # Nor the stream itself.
@@ -165,7 +166,7 @@ async def test_router_reads_everything_and_writes_nothing(connect: Connector) ->
 
     for subject in (
         subjects.node_event("node-a", "heartbeat"),
-        subjects.operator_event("model_declared"),
+        subjects.operator_event("router-1", "model_declared"),
         subjects.control_event("endpoint_up"),
         subjects.command("node-a"),
     ):
@@ -191,6 +192,12 @@ async def test_operator_writes_operator_subjects_only(connect: Connector) -> Non
         "llmgw.>", stream=STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
     )
     assert events.decode((await sub.next_msg(timeout=2)).data) == cordon
+    # What the nats CLI does for `stream ls`, `stream info` and `stream get --last-for`.
+    js = operator.jetstream()
+    assert STREAM in [info.config.name for info in await js.streams_info()]
+    assert (await js.stream_info(STREAM)).state.messages == 1
+    last = await js.get_last_msg(STREAM, events.subject_of(cordon))
+    assert events.decode(last.data) == cordon
     await refused(connect, operator, "operator", "alice", subjects.control_event("replica_placed"))
     await refused(connect, operator, "operator", "alice", subjects.command("node-a"))
     await refused(connect, operator, "operator", "alice", subjects.node_event("node-a", "shard"))
@@ -226,7 +233,11 @@ async def test_control_manages_stream_and_buckets(connect: Connector) -> None:
         connect, control, "control", "control-1", subjects.node_event("node-a", "heartbeat")
     )
     await refused(
-        connect, control, "control", "control-1", subjects.operator_event("node_cordoned")
+        connect,
+        control,
+        "control",
+        "control-1",
+        subjects.operator_event("control-1", "node_cordoned"),
     )
     # And creates no other stream.
     with pytest.raises(nats.errors.TimeoutError):

@@ -114,8 +114,23 @@ async def test_sim_reaches_serving_and_stop_ends_the_whole_group(
     serving = await recorder.wait_for("rep-a", "serving")
     assert serving.endpoint == f"http://127.0.0.1:{port}"
     assert recorder.phases("rep-a")[0] == "starting"
-    async with aiohttp.ClientSession() as http, http.get(f"{serving.endpoint}/v1/models") as r:
-        assert name in [m["id"] for m in (await r.json())["data"]]
+    # The engine got its own key, reported with serving only, and answers only with it.
+    assert len(serving.api_key) >= 40
+    assert [v.api_key for v in recorder.views if v.phase != "serving"] == [""] * (
+        len(recorder.views) - 1
+    )
+    bearer = {"Authorization": f"Bearer {serving.api_key}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{serving.endpoint}/v1/models") as r:
+            assert r.status == 401
+        async with http.get(f"{serving.endpoint}/v1/models", headers=bearer) as r:
+            assert name in [m["id"] for m in (await r.json())["data"]]
+    assert serving.api_key not in " ".join(processes.cmdline(started.pid or 0) or ())
+    record_file = pidfiles.path_for(supervisor.state_dir, "rep-a", 0)
+    assert record_file.stat().st_mode & 0o777 == 0o600
+    (log_file,) = (supervisor.state_dir / "logs").rglob("*.log")
+    assert log_file.stat().st_mode & 0o777 == 0o600
+    assert status_event(serving, node="n", event_id="e0", ts=1.0).api_key == serving.api_key
     assert supervisor.busy_gpus() == {0}
 
     group = processes.group_members(started.pid or 0)
@@ -190,6 +205,25 @@ async def test_engine_exiting_while_loading_fails_with_its_log_tail(
     supervisor.forget("rep-b")
     assert supervisor.view("rep-b") is None
     assert not log_file.exists()
+
+
+async def test_a_failed_engines_log_tail_leaves_without_its_api_key(
+    sup: tuple[Supervisor, Recorder], tmp_path: Path
+) -> None:
+    """SGLang prints its arguments at start, the key among them: the tail is redacted."""
+    supervisor, recorder = sup
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('server_args=ServerArgs(api_key=' + repr(os.environ['LLMGW_SIM_API_KEY']) + ')')\n"
+        "sys.exit(1)\n"
+    )
+    spec = sim_spec("leaky", free_port())
+    launch = Launch(argv=(sys.executable, str(script)), env={}, port=spec.port)
+    await supervisor.start("rep-k", 1, 0, spec, launch)
+    failed = await recorder.wait_for("rep-k", "failed")
+    assert failed.log_tail == ("server_args=ServerArgs(api_key='<api key>')",)
+    assert failed.api_key == ""
 
 
 async def test_engine_that_never_answers_times_out_and_is_killed(
@@ -290,21 +324,26 @@ async def test_missing_engine_binary_fails_with_what_to_do(
 
 async def test_restarted_agent_adopts_its_running_engine(tmp_path: Path) -> None:
     state, port, name = tmp_path / "state", free_port(), f"adopt-{uuid.uuid4().hex[:8]}"
-    child = subprocess.Popen(  # noqa: ASYNC220 - a plain child we SIGKILL, not awaited
-        [sys.executable, "-m", "tests.integration.agent_child", str(state), str(port), name],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    child_log = tmp_path / "agent_child.log"
+    with child_log.open("w") as stderr:
+        child = subprocess.Popen(  # noqa: ASYNC220 - a plain child we SIGKILL, not awaited
+            [sys.executable, "-m", "tests.integration.agent_child", str(state), str(port), name],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
     try:
         assert child.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 90)
         assert line.startswith("SERVING "), line
-        engine_pid = int(line.split()[1])
+        engine_pid, key = int(line.split()[1]), line.split()[2]
     finally:
         child.send_signal(signal.SIGKILL)  # the agent dies without cleaning up
         child.wait(10)
     assert alive(engine_pid)  # serving survives the agent
+    assert "engine_spawned" in child_log.read_text()
+    assert key not in child_log.read_text()  # the agent's log never carries the key
 
     recorder = Recorder()
     supervisor = Supervisor(Settings(state_dir=str(state), poll_s=0.1), recorder)
@@ -317,6 +356,13 @@ async def test_restarted_agent_adopts_its_running_engine(tmp_path: Path) -> None
         assert view.pid == engine_pid
         assert view.adopted
         assert view.endpoint == f"http://127.0.0.1:{port}"
+        # The adopting agent knows the engine's key from the pid file, and it still works.
+        assert view.api_key == key
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{view.endpoint}/v1/models", headers={"Authorization": f"Bearer {key}"}) as r,
+        ):
+            assert r.status == 200
         # No second engine was started: exactly one process serves this model name.
         serving_it = [
             p
@@ -335,12 +381,16 @@ async def test_restarted_agent_adopts_its_running_engine(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("lie", ["start_time", "cmdline"])
 async def test_foreign_process_with_a_reused_pid_is_not_adopted(tmp_path: Path, lie: str) -> None:
-    foreign = subprocess.Popen(["sleep", "300"], start_new_session=True)  # noqa: ASYNC220
+    key = "engine-key-in-a-command-line"
+    # The process now at the pid shows the key on its command line (as SGLang's would).
+    foreign = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, "-c", "import time; time.sleep(300)", key], start_new_session=True
+    )
     try:
         real = processes.fingerprint(foreign.pid)
         assert real is not None
         spec = sim_spec("x", free_port())
-        launch = engines.plan(spec, INVENTORY, CONTEXT)
+        launch = engines.keyed(spec, engines.plan(spec, INVENTORY, CONTEXT), key)
         # The pid file of an engine that died while the agent was away; its pid now
         # belongs to `sleep`. Either the start time or the command line gives it away.
         recorded = processes.Fingerprint(
@@ -368,6 +418,7 @@ async def test_foreign_process_with_a_reused_pid_is_not_adopted(tmp_path: Path, 
         (result,) = await supervisor.adopt()
         assert not result.adopted
         assert ("was reused" if lie == "start_time" else "not the engine") in result.reason
+        assert key not in result.reason  # the reason is logged and reported
         assert supervisor.views() == []
         assert not pidfiles.path_for(state, "rep-old", 0).exists()
         await supervisor.stop_all()

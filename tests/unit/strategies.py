@@ -4,18 +4,69 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from hypothesis import strategies as st
 
 from llmgw.core import events
 from llmgw.core.inventory import Fabric, Gpu
 from llmgw.core.profile import Deadlines, LaunchSpec, ModelProfile
 
+
+def from_type_info(t: Any) -> st.SearchStrategy[Any]:
+    """Values of one msgspec type within its declared constraints (llmgw/core/limits.py).
+
+    Hypothesis's own inference ignores msgspec.Meta bounds; this keeps strings and
+    collections short, as the hand-made strategies below do.
+    """
+    ti = msgspec.inspect
+    if isinstance(t, ti.IntType):
+        lo = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else -(2**53))
+        hi = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else 2**53)
+        return st.integers(lo, hi)
+    if isinstance(t, ti.FloatType):
+        return st.floats(
+            min_value=t.ge if t.ge is not None else -1e12,
+            max_value=t.le if t.le is not None else 1e12,
+            allow_nan=False,
+            allow_infinity=False,
+        )
+    if isinstance(t, ti.StrType):
+        return st.text(max_size=min(t.max_length or 20, 20))
+    if isinstance(t, ti.BoolType):
+        return st.booleans()
+    if isinstance(t, ti.NoneType):
+        return st.none()
+    if isinstance(t, ti.LiteralType):
+        return st.sampled_from(t.values)
+    if isinstance(t, ti.UnionType):
+        return st.one_of([from_type_info(x) for x in t.types])
+    if isinstance(t, ti.VarTupleType | ti.ListType):
+        items = st.lists(from_type_info(t.item_type), max_size=min(t.max_length or 3, 3))
+        return items.map(tuple) if isinstance(t, ti.VarTupleType) else items
+    if isinstance(t, ti.DictType):
+        return st.dictionaries(from_type_info(t.key_type), from_type_info(t.value_type), max_size=2)
+    if isinstance(t, ti.StructType):
+        return builds(t.cls)
+    raise TypeError(f"no strategy for {t!r}")
+
+
+def builds(cls: type[Any], **overrides: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """st.builds for a msgspec Struct: required fields within their bounds, `overrides` as given."""
+    fields = {
+        f.name: from_type_info(f.type)
+        for f in msgspec.inspect.type_info(cls).fields  # type: ignore[attr-defined]
+        if f.required
+    }
+    fields.update(overrides)
+    return st.builds(cls, **fields)
+
+
 tokens = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,15}", fullmatch=True)
 texts = st.text(max_size=20)
 times = st.floats(min_value=0, max_value=4e9, allow_nan=False)
 small = st.integers(min_value=0, max_value=64)
 
-gpus = st.builds(
+gpus = builds(
     Gpu,
     index=small,
     uuid=texts,
@@ -27,10 +78,10 @@ gpus = st.builds(
     ecc_uncorrected=small,
     foreign_memory_mib=small,
 )
-fabrics = st.builds(
+fabrics = builds(
     Fabric, name=tokens, kind=st.sampled_from(["infiniband", "roce"]), hcas=st.tuples(tokens)
 )
-profiles = st.builds(
+profiles = builds(
     ModelProfile,
     name=tokens,
     engine=st.sampled_from(["vllm", "sglang", "sim", "llamacpp"]),
@@ -38,9 +89,9 @@ profiles = st.builds(
     replicas=small,
     tensor_parallel=st.integers(1, 8),
     env=st.dictionaries(tokens, texts, max_size=2),
-    deadlines=st.builds(Deadlines, idle_s=st.floats(0.1, 100)),
+    deadlines=builds(Deadlines, idle_s=st.floats(0.1, 100)),
 )
-launches = st.builds(
+launches = builds(
     LaunchSpec,
     engine=st.sampled_from(["vllm", "sglang", "sim", "llamacpp"]),
     model=texts,
@@ -68,11 +119,9 @@ def event_strategy(cls: type[events.Event]) -> st.SearchStrategy[Any]:
         launch=launches,
     )
     if cls in (events.Heartbeat, events.GpuHealthChanged):
-        overrides["gpus"] = st.lists(st.builds(events.GpuHealth, index=small), max_size=3).map(
-            tuple
-        )
-    fields = {f.name for f in __import__("msgspec").structs.fields(cls)}
-    return st.builds(cls, **{k: v for k, v in overrides.items() if k in fields})
+        overrides["gpus"] = st.lists(builds(events.GpuHealth, index=small), max_size=3).map(tuple)
+    fields = {f.name for f in msgspec.structs.fields(cls)}
+    return builds(cls, **{k: v for k, v in overrides.items() if k in fields})
 
 
 any_event = st.one_of([event_strategy(cls) for cls in events.EVENT_TYPES])

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.agent import logtail, pidfiles, processes
+from llmgw.core import events
 
 
 def test_fingerprint_survives_a_command_name_with_parentheses(tmp_path: Path) -> None:
@@ -64,6 +65,28 @@ def test_tail_reads_the_last_lines_only(tmp_path: Path) -> None:
     assert logtail.tail(path, 3) == ("line 199998", "line 199999", "partial")
     assert len(logtail.tail(path, 100)) == 100
     assert logtail.tail(tmp_path / "missing.log", 5) == ()
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.text(min_size=1, max_size=20_000).filter(str.strip), max_size=40),
+    st.integers(1, 2000),
+)
+def test_a_tail_always_fits_one_event_the_readers_accept(lines: list[str], count: int) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "engine.log"
+        path.write_text(
+            "".join(line.replace("\n", " ").replace("\r", " ") + "\n" for line in lines)
+        )
+        got = logtail.tail(path, count)
+    event = events.ShardStatus(
+        id="i", ts=1.0, node="n", replica_id="r", generation=1, phase="failed", log_tail=got
+    )
+    data = events.encode(event)
+    assert events.decode(data) == event
+    assert len(data) < 512 * 1024
 
 
 def test_trim_keeps_the_end_and_the_engine_keeps_appending(tmp_path: Path) -> None:

@@ -187,10 +187,11 @@ def test_failure_reason_is_a_short_label() -> None:
 def test_the_control_plane_may_write_model_events_and_no_other_operator_event() -> None:
     perms = permissions(Identity("control", "control-1"))
     for kind in ("model_declared", "model_changed", "model_removed"):
-        assert subjects.operator_event(kind) in perms.publish
+        assert subjects.control_operator_event("control-1", kind) in perms.publish
     operator_subjects = [p for p in perms.publish if p.startswith("llmgw.events.operator")]
     assert sorted(operator_subjects) == sorted(
-        subjects.operator_event(k) for k in ("model_declared", "model_changed", "model_removed")
+        subjects.control_operator_event("control-1", k)
+        for k in ("model_declared", "model_changed", "model_removed")
     )
 
 

@@ -92,7 +92,9 @@ def test_every_event_has_a_subject_in_its_writers_namespace(event: events.Event)
     elif isinstance(event, events.NodeEvent):
         assert subject.startswith(f"llmgw.events.node.{event.node}.")
     elif isinstance(event, events.OperatorEvent):
-        assert subject == "llmgw.events.operator." + tag.split(".", 1)[1]
+        assert subject == f"llmgw.events.operator.{event.operator}." + tag.split(".", 1)[1]
+        assert events.published_where_owned(event, subject)
+        assert not events.published_where_owned(event, subject.replace(".operator.", ".operator.x"))
     else:
         assert subject == "llmgw.events.control." + tag.split(".", 1)[1]
     assert subjects.node_of(subject) == getattr(event, "node", None) or not isinstance(
@@ -116,7 +118,30 @@ def test_subject_builders() -> None:
     assert subjects.node_event("gpu-07", "heartbeat") == "llmgw.events.node.gpu-07.heartbeat"
     assert subjects.node_events("gpu-07") == "llmgw.events.node.gpu-07.>"
     assert subjects.command("gpu-07") == "llmgw.cmd.gpu-07"
-    assert subjects.operator_event("node_cordoned") == "llmgw.events.operator.node_cordoned"
+    assert (
+        subjects.operator_event("alice", "node_cordoned")
+        == "llmgw.events.operator.alice.node_cordoned"
+    )
+    assert (
+        subjects.control_operator_event("control-1", "model_declared")
+        == "llmgw.events.operator.control.control-1.model_declared"
+    )
+    assert subjects.operator_author("llmgw.events.operator.alice.node_cordoned") == (
+        "operator",
+        "alice",
+        "node_cordoned",
+    )
+    assert subjects.operator_author("llmgw.events.operator.control.c1.model_declared") == (
+        "control",
+        "c1",
+        "model_declared",
+    )
+    assert subjects.operator_author("llmgw.events.operator.node_cordoned") == (
+        "",
+        "",
+        "node_cordoned",
+    )
+    assert subjects.operator_author("llmgw.events.control.leader_elected") is None
     assert subjects.control_event("replica_placed") == "llmgw.events.control.replica_placed"
     assert subjects.node_of("llmgw.cmd.gpu-07") == "gpu-07"
     assert subjects.node_of("llmgw.events.control.replica_placed") is None

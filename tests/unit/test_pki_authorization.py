@@ -58,7 +58,7 @@ def test_a_node_writes_only_its_own_events(a: str, b: str, kind: str) -> None:
     assert not may_publish(perms, subjects.command(a))
     assert not may_publish(perms, subjects.command(b))
     assert not may_publish(perms, subjects.control_event(kind))
-    assert not may_publish(perms, subjects.operator_event(kind))
+    assert not may_publish(perms, subjects.operator_event(a, kind))
 
 
 @given(a=names, b=names)
@@ -101,7 +101,7 @@ def test_a_router_writes_nothing_in_the_log(name: str, node: str, kind: str) -> 
     perms = permissions(Identity("router", name), nodes=[node])
     for subject in (
         subjects.node_event(node, kind),
-        subjects.operator_event(kind),
+        subjects.operator_event(name, kind),
         subjects.control_event(kind),
         subjects.command(node),
         f"$KV.{authorization.LEASE_BUCKET}.leader",
@@ -132,17 +132,25 @@ def test_a_router_writes_nothing_in_the_log(name: str, node: str, kind: str) -> 
     node=names,
 )
 def test_only_operators_write_operator_events(name: str, kind: str, node: str) -> None:
-    subject = subjects.operator_event(kind)
+    subject = subjects.operator_event(name, kind)
     for who in KINDS:
         perms = permissions(Identity(who, name))  # type: ignore[arg-type]
-        # The one exception (2578d7c, control workstream): the control plane publishes the
-        # models of its config file as operator.model_* events; nothing else of the
-        # operator's (cordon, drain...).
-        allowed = who == "operator" or (
-            who == "control" and kind in authorization.CONTROL_MODEL_EVENTS
-        )
-        assert may_publish(perms, subject) == allowed, who
+        assert may_publish(perms, subject) == (who == "operator"), who
+        # The one exception: the control plane publishes the models of its config file as
+        # operator.model_* events, in a namespace of its own; nothing else of the operator's
+        # (cordon, drain...).
+        own = subjects.control_operator_event(name, kind)
+        allowed = who == "control" and kind in authorization.CONTROL_MODEL_EVENTS
+        assert may_publish(perms, own) == allowed, who
     operator = permissions(Identity("operator", name))
+    # Each operator writes under its own name only, and never in a control plane's namespace
+    # (an operator named "control" included: the control plane's subjects are one token
+    # longer).
+    assert not may_publish(operator, subjects.operator_event(f"{name}x", kind))
+    assert not may_publish(operator, f"llmgw.events.operator.{kind}")
+    assert not may_publish(operator, subjects.control_operator_event(name, kind))
+    if name == "control":
+        assert not may_publish(operator, subjects.control_operator_event("c1", kind))
     assert not may_publish(operator, subjects.control_event(kind))
     assert not may_publish(operator, subjects.command(node))
     assert not may_publish(operator, subjects.node_event(node, kind))
@@ -165,7 +173,8 @@ def test_only_control_writes_decisions_commands_and_the_lease(
             assert may_publish(perms, subject) == (who == "control"), (who, subject)
     control = permissions(Identity("control", name))
     assert not may_publish(control, subjects.node_event(node, kind))
-    assert may_publish(control, subjects.operator_event(kind)) == (
+    assert not may_publish(control, subjects.operator_event(name, kind))
+    assert may_publish(control, subjects.control_operator_event(name, kind)) == (
         kind in authorization.CONTROL_MODEL_EVENTS
     )
     assert not may_publish(control, "$JS.API.STREAM.CREATE.other")
@@ -178,4 +187,8 @@ def test_render_lists_every_identity_and_the_superusers() -> None:
     assert 'user: "CN=r1,OU=router,O=llmgw"' in text
     assert 'user: "CN=admin,OU=test,O=llmgw-test"' in text
     assert '"$JS.ACK.llmgw-events.cmd-n1.>"' in text  # the router's deny list
-    assert "authorization {" in text
+    # One account each, and the streams' account with the superuser only.
+    assert "accounts {" in text
+    assert '"NODE_n1": {' in text
+    assert '"ROUTER_r1": {' in text
+    assert text.count("jetstream: enabled") == 1

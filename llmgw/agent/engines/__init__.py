@@ -5,11 +5,14 @@ the spec; `plan` validates the spec against the node's inventory first
 (`llmgw.agent.engines.validation`), because an engine refuses a bad profile
 only after minutes of loading. The supervisor runs what `plan` returns.
 Purely computational, no side effects: the caller (the agent service) acts.
+`keyed` adds the API key the supervisor draws for an engine that serves HTTP.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+
+import msgspec
 
 from llmgw.agent.engines import llamacpp, sglang, sim, validation, vllm
 from llmgw.agent.engines.common import Launch, LaunchContext
@@ -17,7 +20,16 @@ from llmgw.agent.engines.validation import LaunchRefused
 from llmgw.core.inventory import Inventory
 from llmgw.core.profile import Engine, LaunchSpec
 
-__all__ = ["ADAPTERS", "Launch", "LaunchContext", "LaunchRefused", "environment", "plan"]
+__all__ = [
+    "ADAPTERS",
+    "API_KEY_ENV",
+    "Launch",
+    "LaunchContext",
+    "LaunchRefused",
+    "environment",
+    "keyed",
+    "plan",
+]
 
 Adapter = Callable[[LaunchSpec, LaunchContext], tuple[str, ...]]
 
@@ -27,6 +39,34 @@ ADAPTERS: Mapping[Engine, Adapter] = {
     "sim": sim.argv,
     "llamacpp": llamacpp.argv,
 }
+
+
+API_KEY_ENV: Mapping[Engine, str] = {
+    "vllm": "VLLM_API_KEY",
+    "llamacpp": "LLAMA_API_KEY",
+    "sim": "LLMGW_SIM_API_KEY",
+}
+"""Where each engine reads its API key from the environment. SGLang 0.5.23 has no such
+variable: it gets `--api-key` on its command line."""
+
+
+def keyed(spec: LaunchSpec, launch: Launch, api_key: str) -> Launch:
+    """`launch` with the engine requiring `api_key` on its API. Purely computational.
+
+    The environment is preferred over argv: a command line is readable by every local
+    user (`ps`, /proc/<pid>/cmdline), and vLLM logs its non-default arguments at start.
+    The key comes last, after the spec's env and engine_args, so the agent's value wins
+    (validation refuses a spec that sets one itself). The supervisor calls it for shard
+    0 of a generation, the one routers reach.
+    """
+    variable = API_KEY_ENV.get(spec.engine)
+    if variable is not None:
+        return msgspec.structs.replace(
+            launch, env={**launch.env, variable: api_key}, api_key=api_key
+        )
+    return msgspec.structs.replace(
+        launch, argv=(*launch.argv, "--api-key", api_key), api_key=api_key
+    )
 
 
 def environment(spec: LaunchSpec, context: LaunchContext) -> dict[str, str]:

@@ -22,7 +22,8 @@ DEFAULT_COMMANDS: Mapping[Engine, tuple[str, ...]] = {
 class LaunchContext(msgspec.Struct, frozen=True, kw_only=True):
     """What the node adds to a LaunchSpec: its bind address, fabrics, ports and engine commands."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
+    """Where engines bind: the node's serving address (`llmgw.agent.config.launch_context`)."""
     fabrics: tuple[Fabric, ...] = ()
     port_range: tuple[int, int] = (1, 65535)
     commands: dict[Engine, tuple[str, ...]] = msgspec.field(default_factory=dict)
@@ -46,3 +47,6 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     listens_before_loading: bool = True
     """vLLM, llama.cpp and the sim open their port first and load after; SGLang opens it
     only once the weights are loaded, so for it the start deadline covers loading too."""
+    api_key: str = ""
+    """The key the engine requires on its API (`Authorization: Bearer`); empty: none.
+    Set by `llmgw.agent.engines.keyed`; never logged."""

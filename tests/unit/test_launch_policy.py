@@ -1,0 +1,395 @@
+"""The agent's launch policy: which engines, env names and engine options a StartShard may use.
+
+An operator's model profile reaches every node; what it may make a node run is
+bounded by that node's `launch` config. Properties over any env mapping and any
+argv: only what is allowed passes, and every refusal names the setting to change.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw import config
+from llmgw.agent import config as agent_config
+from llmgw.agent.engines import validation
+from llmgw.agent.engines.validation import LaunchPolicy, LaunchRefused
+from llmgw.core.profile import Engine, LaunchSpec
+
+SOURCE = "/etc/llmgw/agent.yaml"
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "llamacpp", "sim")
+
+
+def spec(engine: Engine = "vllm", **over: object) -> LaunchSpec:
+    return LaunchSpec(
+        engine=engine,
+        model="org/model",
+        served_name="m",
+        port=30000,
+        gpus=(0,),
+        **over,  # type: ignore[arg-type]
+    )
+
+
+def refusal(s: LaunchSpec, policy: LaunchPolicy = LaunchPolicy()) -> list[str]:
+    try:
+        validation.check_policy(s, policy, source=SOURCE)
+    except LaunchRefused as exc:
+        return list(exc.reasons)
+    return []
+
+
+# ------------------------------------------------------------------ env
+
+
+def test_ld_preload_is_refused_with_the_setting_to_change() -> None:
+    reasons = refusal(spec(env={"LD_PRELOAD": "/tmp/evil.so", "VLLM_LOGGING_LEVEL": "INFO"}))
+    assert reasons == [
+        "env LD_PRELOAD is not allowed by this node's launch.env_allow "
+        "(agent config /etc/llmgw/agent.yaml): add it there if this node should run it"
+    ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "PYTHONPATH",
+        "PYTHONSTARTUP",
+        "PYTHONHOME",
+        "BROWSER",
+        "PATH",
+        "CUDA_INJECTION64_PATH",
+        "NCCL_NET_PLUGIN",
+        "NCCL_TUNER_PLUGIN",
+        "NCCL_DEBUG_FILE",
+        "NCCL_TOPO_FILE",
+        "VLLM_PLUGINS",
+        "VLLM_LOGGING_CONFIG_PATH",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        "VLLM_SERVER_DEV_MODE",
+        "VLLM_API_KEY",
+        "HF_HOME",
+        "HF_MODULES_CACHE",
+        "HF_HUB_TRUST_REMOTE_CODE",
+        "LLAMA_ARG_CHAT_TEMPLATE_FILE",
+    ],
+)
+def test_code_or_file_loading_names_are_refused_by_default(name: str) -> None:
+    engine: Engine = "llamacpp" if name.startswith("LLAMA") else "vllm"
+    assert refusal(spec(engine, env={name: "x"})), name
+
+
+@pytest.mark.parametrize(
+    ("engine", "name"),
+    [
+        ("vllm", "VLLM_ATTENTION_BACKEND"),
+        ("vllm", "NCCL_DEBUG"),
+        ("vllm", "CUDA_LAUNCH_BLOCKING"),
+        ("vllm", "HF_HUB_OFFLINE"),
+        ("vllm", "OMP_NUM_THREADS"),
+        ("sglang", "SGLANG_ENABLE_TORCH_COMPILE"),
+        ("llamacpp", "GGML_CUDA_ENABLE_UNIFIED_MEMORY"),
+        ("sim", "LLMGW_SIM__SEED"),
+    ],
+)
+def test_the_engines_own_tuning_names_pass(engine: Engine, name: str) -> None:
+    assert refusal(spec(engine, env={name: "1"})) == []
+
+
+def test_another_engines_prefix_is_not_allowed() -> None:
+    assert refusal(spec("sglang", env={"VLLM_ATTENTION_BACKEND": "x"}))
+    assert refusal(spec("sim", env={"CUDA_LAUNCH_BLOCKING": "1"}))
+
+
+def test_exact_names_in_the_config_are_admitted_patterns_never_admit_code() -> None:
+    policy = LaunchPolicy(env_allow={"vllm": ("LD_PRELOAD", "MY_*"), "all": ("TEAM_FLAG",)})
+    assert refusal(spec(env={"LD_PRELOAD": "/opt/lib.so"}), policy) == []
+    assert refusal(spec(env={"MY_SETTING": "1", "TEAM_FLAG": "1"}), policy) == []
+    assert refusal(spec("sglang", env={"TEAM_FLAG": "1"}), policy) == []
+    assert refusal(spec(env={"MY_PLUGIN": "x"}), policy)  # a pattern never admits it
+    assert refusal(spec("sglang", env={"LD_PRELOAD": "x"}), policy)  # listed for vllm only
+
+
+def test_without_defaults_only_the_listed_names_pass() -> None:
+    policy = LaunchPolicy(defaults=False, env_allow={"vllm": ("VLLM_LOGGING_LEVEL",)})
+    assert refusal(spec(env={"VLLM_LOGGING_LEVEL": "INFO"}), policy) == []
+    assert refusal(spec(env={"VLLM_ATTENTION_BACKEND": "x"}), policy)
+    assert refusal(spec(engine_args=("--max-num-seqs", "8")), policy)
+
+
+_env_names = st.one_of(
+    st.sampled_from(
+        [
+            "LD_PRELOAD",
+            "PYTHONPATH",
+            "VLLM_PLUGINS",
+            "VLLM_ATTENTION_BACKEND",
+            "NCCL_DEBUG",
+            "NCCL_NET_PLUGIN",
+            "CUDA_INJECTION64_PATH",
+            "HF_TOKEN",
+            "SGLANG_X",
+            "GGML_CUDA_X",
+            "LLMGW_SIM__SEED",
+            "MY_VAR",
+        ]
+    ),
+    st.text(min_size=0, max_size=20),
+    st.from_regex(r"(CUDA|NCCL|VLLM|HF|SGLANG|GGML)_[A-Z_]{0,12}", fullmatch=True),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    engine=st.sampled_from(ENGINES),
+    env=st.dictionaries(_env_names, st.text(max_size=8), max_size=6),
+    extra=st.lists(_env_names, max_size=3),
+)
+def test_any_env_passes_only_allowed_names_or_is_refused_naming_the_setting(
+    engine: Engine, env: dict[str, str], extra: list[str]
+) -> None:
+    policy = LaunchPolicy(env_allow={engine: tuple(e for e in extra if e.isidentifier())})
+    reasons = refusal(spec(engine, env=env), policy)
+    for name, value in env.items():
+        ok = validation.env_allowed(policy, engine, name)
+        if ok:
+            # What passes is exactly listed, or a pattern's match that loads no code.
+            assert name in policy.env_allow.get(engine, ()) or not validation.loads_code(name)
+            assert name.isidentifier()
+            assert name.isascii()
+        if not ok:
+            assert any(
+                f"env {name} is not allowed by this node's launch.env_allow" in r for r in reasons
+            )
+        elif "\x00" not in value:
+            assert not any(r.startswith(f"env {name} ") for r in reasons)
+    for r in reasons:
+        assert SOURCE in r or "NUL" in r
+
+
+# ------------------------------------------------------------------ engine arguments
+
+
+@pytest.mark.parametrize(
+    ("engine", "args"),
+    [
+        ("vllm", ("--worker-extension-cls", "evil.Ext")),
+        ("vllm", ("--worker-extension-cls=evil.Ext",)),
+        ("vllm", ("--worker_extension_cls", "evil.Ext")),
+        ("vllm", ("--worker-ext", "evil.Ext")),  # argparse's abbreviations
+        ("vllm", ("--worker-cls", "evil.W")),
+        ("vllm", ("--tool-parser-plugin", "/tmp/p.py")),
+        ("vllm", ("--reasoning-parser-plugin", "/tmp/p.py")),
+        ("vllm", ("--io-processor-plugin", "x")),
+        ("vllm", ("--logits-processors", "evil:LP")),
+        ("vllm", ("--middleware", "evil.mw")),
+        ("vllm", ("--trust-remote-code",)),
+        ("vllm", ("--model-class-overrides", '{"A": "evil:C"}')),
+        ("vllm", ("--allowed-local-media-path", "/")),
+        ("vllm", ("--config", "/tmp/opts.yaml")),
+        ("vllm", ("--compilation-config.pass_config", "x")),
+        ("vllm", ("--api-key", "k")),
+        ("vllm", ("--port", "1")),
+        ("vllm", ("-O3",)),
+        ("vllm", ("@/tmp/args",)),
+        ("vllm", ("other-model",)),
+        ("vllm", ("--chat-template", "/etc/shadow")),
+        ("vllm", ("--chat-template", "relative.jinja")),
+        ("vllm", ("--chat-template=/etc/passwd",)),
+        ("vllm", ("--tokenizer", "/home/x/tok")),
+        ("vllm", ("--tokenizer", "../../tok")),
+        ("sglang", ("--custom-weight-loader", "evil.load")),
+        ("sglang", ("--forward-hooks", "[]")),
+        ("sglang", ("--chat-template", "/tmp/t.jinja")),
+        ("llamacpp", ("--chat-template-file", "/tmp/t.jinja")),
+        ("llamacpp", ("--log-file", "/etc/cron.d/x")),
+        ("llamacpp", ("--rpc", "10.0.0.1:50052")),
+        ("llamacpp", ("--slot-save-path", "/tmp")),
+        ("sim", ("--config", "/tmp/sim.yaml")),
+    ],
+)
+def test_code_and_file_loading_options_are_refused(engine: Engine, args: tuple[str, ...]) -> None:
+    reasons = refusal(spec(engine, engine_args=args))
+    assert reasons, args
+    assert all(SOURCE in r or "file" in r or "not an option" in r for r in reasons), reasons
+
+
+def test_the_refusal_names_the_option_and_the_setting() -> None:
+    assert refusal(spec(engine_args=("--worker-extension-cls", "evil.Ext"))) == [
+        "engine argument --worker-extension-cls is not allowed by this node's "
+        "launch.args_allow.vllm (agent config /etc/llmgw/agent.yaml): "
+        "add it there if this node should run it"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("engine", "args"),
+    [
+        ("vllm", ("--enable-prefix-caching", "--max-num-seqs", "256")),
+        ("vllm", ("--gpu-memory-utilization=0.85", "--enforce-eager", "--seed", "-1")),
+        ("vllm", ("--max_num_seqs", "8")),
+        ("vllm", ("--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}")),
+        ("vllm", ("--tokenizer", "meta-llama/Llama-3.1-8B-Instruct")),
+        ("sglang", ("--mem-fraction-static", "0.8", "--chat-template", "chatml")),
+        ("llamacpp", ("--threads", "8", "--flash-attn", "on", "--no-cont-batching")),
+        ("sim", ("--decode-base-ms", "5", "--fail-status", "503")),
+    ],
+)
+def test_tuning_options_pass(engine: Engine, args: tuple[str, ...]) -> None:
+    assert refusal(spec(engine, engine_args=args)) == []
+
+
+def test_files_are_read_only_from_the_configured_dirs() -> None:
+    policy = LaunchPolicy(file_dirs=("/opt/templates",))
+    ok = ("--chat-template", "/opt/templates/llama.jinja")
+    assert refusal(spec(engine_args=ok), policy) == []
+    assert refusal(spec("llamacpp", engine_args=("--chat-template-file", ok[1])), policy) == []
+    escape = ("--chat-template", "/opt/templates/../../etc/shadow")
+    [reason] = refusal(spec(engine_args=escape), policy)
+    assert "'/etc/shadow'" in reason
+    assert "launch.file_dirs" in reason
+    assert SOURCE in reason
+    assert refusal(spec(engine_args=("--chat-template", "/opt/templates-evil/x")), policy)
+
+
+def test_options_added_in_the_config_pass() -> None:
+    policy = LaunchPolicy(args_allow={"vllm": ("--worker-extension-cls",)})
+    assert refusal(spec(engine_args=("--worker-extension-cls", "ours.Ext")), policy) == []
+    assert refusal(spec("sglang", engine_args=("--worker-extension-cls", "x")), policy)
+
+
+def test_an_engine_off_the_list_is_refused() -> None:
+    policy = LaunchPolicy(engines=("sim",))
+    assert refusal(spec("vllm"), policy) == [
+        "engine vllm is not allowed by this node's launch.engines "
+        "(agent config /etc/llmgw/agent.yaml): add it there if this node should run it"
+    ]
+    assert refusal(spec("sim"), policy) == []
+
+
+_tokens = st.one_of(
+    st.sampled_from(
+        [
+            "--max-num-seqs",
+            "--enable-prefix-caching",
+            "--worker-extension-cls",
+            "--chat-template",
+            "--chat-template-file",
+            "--tokenizer",
+            "--config",
+            "--trust-remote-code",
+            "--decode-base-ms",
+            "--threads",
+            "-O3",
+            "-1",
+            "@x",
+            "/etc/shadow",
+            "/opt/t/x.jinja",
+            "org/name",
+            "{{ x }}",
+            "8",
+        ]
+    ),
+    st.text(max_size=12),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(engine=st.sampled_from(ENGINES), args=st.lists(_tokens, max_size=8))
+def test_any_argv_passes_only_allowed_options_or_is_refused_naming_the_setting(
+    engine: Engine, args: list[str]
+) -> None:
+    policy = LaunchPolicy(file_dirs=("/opt/t",))
+    reasons = refusal(spec(engine, engine_args=tuple(args)), policy)
+    allowed = set(validation.DEFAULT_ARGS_ALLOW[engine])
+    if not reasons:
+        # Every option is on the list; every value follows an option; files stay in /opt/t.
+        flag = ""
+        for token in args:
+            assert not token.startswith("@")
+            assert "\x00" not in token
+            if (
+                token.startswith("-")
+                and not token[1:2].isdigit()
+                and token[1:2] != "."
+                and token != "-"
+            ):
+                flag = validation._flag_name(token)
+                assert flag in allowed
+                value = token.split("=", 1)[1] if "=" in token else None
+            else:
+                assert flag, token
+                value = token
+            if value is not None and flag in validation.FILE_ARGS[engine]:
+                assert value.startswith("/opt/t/") or not value.startswith("/")
+                assert ".." not in value or "{" in value or "}" in value or "\n" in value
+    for r in reasons:
+        assert (
+            f"launch.args_allow.{engine} ({'agent config ' + SOURCE})" in r
+            or "launch.file_dirs" in r
+            or "not an option" in r
+            or "read arguments from a file" in r
+            or "NUL" in r
+        ), r
+
+
+# ------------------------------------------------------------------ the policy itself
+
+
+def test_check_reports_a_bad_policy(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(
+        "node_id: gpu-01\nlaunch:\n  env_allow: {vllm: ['BAD-NAME', '*']}\n"
+        "  args_allow: {sglang: [max-num-seqs, '--x=1']}\n  file_dirs: [relative/dir, /]\n"
+    )
+    with pytest.raises(config.ConfigError) as err:
+        agent_config.load(path, environ={})
+    text = str(err.value)
+    assert "launch.env_allow.vllm: 'BAD-NAME'" in text
+    assert "launch.env_allow.vllm: '*'" in text
+    assert "launch.args_allow.sglang: 'max-num-seqs'" in text
+    assert "launch.args_allow.sglang: '--x=1'" in text
+    assert "launch.file_dirs: 'relative/dir'" in text
+    assert "launch.file_dirs: '/'" in text
+
+
+def test_check_refuses_an_unknown_engine_and_an_empty_list(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("node_id: gpu-01\nlaunch: {engines: [vllm, tensorrt]}\n")
+    with pytest.raises(config.ConfigError, match="tensorrt"):
+        agent_config.load(path, environ={})
+    path.write_text("node_id: gpu-01\nlaunch: {engines: []}\n")
+    with pytest.raises(config.ConfigError, match=r"launch\.engines is empty"):
+        agent_config.load(path, environ={})
+
+
+def test_agent_check_prints_the_policy_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(
+        "node_id: gpu-01\nlaunch:\n  engines: [vllm, sim]\n  env_allow: {all: [MY_*]}\n"
+        "  file_dirs: [/opt/templates]\n"
+    )
+    run = [sys.executable, "-m", "llmgw", "agent", "--config", str(path), "--check"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "launch: engines vllm, sim" in done.stdout
+    assert "files read from: /opt/templates" in done.stdout
+    path.write_text("node_id: gpu-01\nlaunch: {args_allow: {vllm: [oops]}}\n")
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert "launch.args_allow.vllm: 'oops' is not an option name" in done.stderr
+
+
+def test_the_example_fleet_configs_pass() -> None:
+    root = Path(__file__).resolve().parents[2] / "deploy" / "fleet"
+    for name in ("gpu-01.yaml", "gpu-02.yaml"):
+        cfg = agent_config.load(root / name, environ={})
+        assert cfg.launch.engines
