@@ -130,6 +130,11 @@ class TestPki:
         node = subjects.node_of(subject)
         if subject.startswith(f"{subjects.EVENTS_ROOT}.node.") and node is not None:
             return self.signer("node", node)
+        parts = subject.split(".")
+        if subject.startswith(f"{subjects.EVENTS_ROOT}.operator.") and len(parts) > 4:
+            if len(parts) == 6 and parts[3] == "control":
+                return self.signer("control", parts[4])  # a control plane's config models
+            return self.signer("operator", parts[3])
         if subject.startswith(f"{subjects.EVENTS_ROOT}.operator."):
             name = getattr(event, "operator", "")
             try:
@@ -504,6 +509,15 @@ class Connector:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(nc.close(), 5)
         self.clients.clear()
+
+
+def signed_headers(nc: Client, subject: str, payload: bytes, msg_id: str) -> dict[str, str]:
+    """Headers of a raw publish of `payload` on `subject` signed by the identity bound to
+    `nc` (by `connect` or `connect_as`): for tests that store what `bus.Publisher` would
+    not (an event on a subject other than its own, out-of-bounds JSON)."""
+    signer = bus_keys.signer_of(nc)
+    assert signer is not None, "this connection signs as nobody (the admin?)"
+    return {"Nats-Msg-Id": msg_id, **signer.event_headers(subject, msg_id, payload)}
 
 
 async def connect_as(

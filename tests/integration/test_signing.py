@@ -147,7 +147,7 @@ async def test_a_control_plane_never_folds_what_its_owner_did_not_sign(
             # Signed by a node, on an operator subject.
             await store(
                 admin,
-                subjects.operator_event("node_cordoned"),
+                subjects.operator_event("eve", "node_cordoned"),
                 events.NodeCordoned(id="f2", ts=time.time(), operator="eve", node="node-a"),
                 pki.signer("node", "node-a"),
             ),
