@@ -67,7 +67,8 @@ class _Value(msgspec.Struct, frozen=True):
     cert: str = ""
 
 
-def _signed(signer: Signer, holder: str, epoch: int, until: float) -> bytes:
+def signed_value(signer: Signer, holder: str, epoch: int, until: float) -> bytes:
+    """The stored lease value for `holder` at `epoch`, held until `until`, signed."""
     sig = signer.sign(lease_message(holder, epoch, until))
     return msgspec.json.encode(_Value(holder, epoch, until, sig, signer.cert_b64))
 
@@ -192,7 +193,7 @@ class Lease:
         try:
             revision = await self._kv.create(
                 KEY,
-                _signed(self._signer, self.name, 0, time.time() + self.ttl_s),
+                signed_value(self._signer, self.name, 0, time.time() + self.ttl_s),
                 msg_ttl=self.ttl_s,
             )
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -220,7 +221,7 @@ class Lease:
         try:
             ack = await self._js.publish(
                 f"$KV.{LEASE_BUCKET}.{KEY}",
-                _signed(self._signer, self.name, 0, time.time() + self.ttl_s),
+                signed_value(self._signer, self.name, 0, time.time() + self.ttl_s),
                 headers=headers,
                 timeout=1.0,
             )
@@ -240,7 +241,7 @@ class Lease:
             "Nats-Msg-Id": f"lease-{self.name}-{self.epoch}-{self._renewals}",
             "Nats-TTL": _ttl_header(self.ttl_s),
         }
-        payload = _signed(self._signer, self.name, self.epoch, time.time() + self.ttl_s)
+        payload = signed_value(self._signer, self.name, self.epoch, time.time() + self.ttl_s)
         subject = f"$KV.{LEASE_BUCKET}.{KEY}"
         seq = 0
         for attempt in range(3):

@@ -261,3 +261,37 @@ async def test_a_forged_snapshot_is_passed_over_for_the_log(
         await nc.close()
     for agent in agents:
         await agent.close()
+
+
+async def test_an_agent_takes_the_lease_epoch_only_from_a_signed_lease(
+    nats_server: TestNatsServer,
+    connect: Connector,
+    tmp_path: Path,
+    state_dir: Path,
+    agents: list[AgentProcess],
+) -> None:
+    control = Control(await connect("control", "control-1"))
+    await control.provision()  # a signed lease at Control.LEASE_EPOCH
+    lease = Control.LEASE_EPOCH
+    admin = await connect.admin()
+    config = kit.write_config(
+        tmp_path / "agent.yaml", kit.agent_settings(nats_server, NODE, state_dir)
+    )
+    agent = AgentProcess(config, tmp_path / "agent.log")
+    agents.append(agent)
+    await asyncio.to_thread(agent.start)
+    await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
+    await control.stop(NODE, "marker-1", epoch=lease)
+    await kit.wait_for(admin, NODE, status("marker-1", "stopped"), what="marker-1")
+
+    # An unsigned lease showing a higher epoch: the agent does not take it as a leader's.
+    kv = await admin.jetstream().key_value(bus.LEASE_BUCKET)
+    await kv.put("leader", msgspec.json.encode({"holder": "control-1", "epoch": lease + 500}))
+    await control.stop(NODE, "marker-2", epoch=lease + 500)
+    await control.stop(NODE, "marker-3", epoch=lease)
+    await kit.wait_for(admin, NODE, status("marker-3", "stopped"), what="marker-3")
+    evs = kit.without_heartbeats(await kit.node_records(admin, NODE))
+    assert not [e for e in evs if getattr(e, "replica_id", "") == "marker-2"]
+    log = agent.log_tail(400)
+    assert "agent_lease_refused" in log, log
+    assert f"from leader epoch {lease + 500}, beyond the leader lease" in log
