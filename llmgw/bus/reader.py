@@ -408,9 +408,12 @@ class Reader:
         if signed is None:
             refusal: str | None = "signature headers appear twice"
         else:
-            refusal = self.verifier.event_refusal(
-                name, signed[0], data, signed[1], signed[2], seq=seq, when=ts / _NS
-            )
+            try:
+                refusal = self.verifier.event_refusal(
+                    name, signed[0], data, signed[1], signed[2], seq=seq, when=ts / _NS
+                )
+            except Exception as exc:  # a verifier bug: refused, never a lost message
+                refusal = f"the signature could not be checked: {exc!r}"
         if refusal is not None:
             self.refused += 1
             self._skip(
