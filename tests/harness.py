@@ -19,6 +19,11 @@ something unusual (a second server, a foreign CA, an expired certificate) use th
   records errors in `connect.errors[(kind, name)]`; `await connect.admin()`; all are closed
   at teardown. `await connect.violation(kind, name)` waits for the next permissions
   violation the server reported to that identity (each is returned once, in order).
+- Signing: every client `connect(...)` and `connect_as(...)` make is bound to that
+  identity's signer and the CA's verifier (`pki.keys(kind, name)`), so a `bus.Publisher`
+  on it signs as that identity and a `bus.Reader` checks signatures; `connect.admin()`
+  gets the verifier only (the admin is not an llmgw identity: what it stores unsigned is
+  what an attacker with the server's trust could store, and readers refuse it).
 
 Two nats-py habits that bite tests (measured with nats-py 2.16):
 - after `nats_server.stop(); nats_server.start()`, a `flush()` issued before the client has
@@ -47,7 +52,9 @@ import nats
 from nats.aio.client import Client
 
 from llmgw import bus, natsd
-from llmgw.pki import authorization, tls
+from llmgw.bus import keys as bus_keys
+from llmgw.core import events, subjects
+from llmgw.pki import authorization, signing, tls
 from llmgw.pki.ca import CertificateAuthority, subject_name
 from llmgw.pki.identity import Identity, Kind
 from llmgw.pki.store import CertDir, utcnow
@@ -102,6 +109,43 @@ class TestPki:
         with self._lock:
             self._contexts[key] = ctx
         return ctx
+
+    def keys(self, kind: Kind | str, name: str) -> bus.Keys:
+        """`kind`/`name`'s signer (issuing its certificate on first use) and the verifier."""
+        identity = Identity(kind, name)  # type: ignore[arg-type]
+        self.client_tls(kind, name)
+        signer = signing.Signer.load(self.certs.cert(identity), self.certs.key(identity))
+        return bus.Keys(signer, self.verifier())
+
+    def signer(self, kind: Kind | str, name: str) -> signing.Signer:
+        signer = self.keys(kind, name).signer
+        assert signer is not None
+        return signer
+
+    def owner_signer(self, event: events.Event) -> signing.Signer:
+        """A signer of the identity that owns `event`'s subject, for a test that publishes
+        on that identity's behalf (a node's events as that node, decisions and commands
+        as `control/control-test`, operator events as the operator the event names)."""
+        subject = events.subject_of(event)
+        node = subjects.node_of(subject)
+        if subject.startswith(f"{subjects.EVENTS_ROOT}.node.") and node is not None:
+            return self.signer("node", node)
+        parts = subject.split(".")
+        if subject.startswith(f"{subjects.EVENTS_ROOT}.operator.") and len(parts) > 4:
+            if len(parts) == 6 and parts[3] == "control":
+                return self.signer("control", parts[4])  # a control plane's config models
+            return self.signer("operator", parts[3])
+        if subject.startswith(f"{subjects.EVENTS_ROOT}.operator."):
+            name = getattr(event, "operator", "")
+            try:
+                subjects.check_token(name)
+            except subjects.SubjectTokenError:
+                name = "admin"
+            return self.signer("operator", name)
+        return self.signer("control", "control-test")
+
+    def verifier(self, *, accept_unsigned_before: int = 0) -> signing.Verifier:
+        return signing.Verifier(self.ca.cert, accept_unsigned_before=accept_unsigned_before)
 
     def issue(
         self,
@@ -402,10 +446,14 @@ class Connector:
     async def __call__(self, kind: Kind | str, name: str, **options: Any) -> Client:
         identity = Identity(kind, name)  # type: ignore[arg-type]
         ctx = await asyncio.to_thread(self.server.pki.client_tls, kind, name)
-        return await self._connect((kind, name), ctx, identity.inbox_prefix, options)
+        nc = await self._connect((kind, name), ctx, identity.inbox_prefix, options)
+        bus_keys.bind(nc, await asyncio.to_thread(self.server.pki.keys, kind, name))
+        return nc
 
     async def admin(self, **options: Any) -> Client:
-        return await self._connect(ADMIN_KEY, self.server.pki.admin_tls(), "_INBOX.admin", options)
+        nc = await self._connect(ADMIN_KEY, self.server.pki.admin_tls(), "_INBOX.admin", options)
+        bus_keys.bind(nc, bus.Keys(None, self.server.pki.verifier()))
+        return nc
 
     async def _connect(
         self, key: tuple[str, str], ctx: ssl.SSLContext, inbox: str, options: dict[str, Any]
@@ -463,6 +511,15 @@ class Connector:
         self.clients.clear()
 
 
+def signed_headers(nc: Client, subject: str, payload: bytes, msg_id: str) -> dict[str, str]:
+    """Headers of a raw publish of `payload` on `subject` signed by the identity bound to
+    `nc` (by `connect` or `connect_as`): for tests that store what `bus.Publisher` would
+    not (an event on a subject other than its own, out-of-bounds JSON)."""
+    signer = bus_keys.signer_of(nc)
+    assert signer is not None, "this connection signs as nobody (the admin?)"
+    return {"Nats-Msg-Id": msg_id, **signer.event_headers(subject, msg_id, payload)}
+
+
 async def connect_as(
     server: TestNatsServer, kind: str, name: str, *, attempts: int = 50
 ) -> bus.BusClient:
@@ -474,6 +531,7 @@ async def connect_as(
         identity=Identity(kind, name),  # type: ignore[arg-type]
         name=f"test-{kind}-{name}",
         max_reconnect_attempts=attempts,
+        keys=await asyncio.to_thread(server.pki.keys, kind, name),
     )
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import ssl
 import time
@@ -50,6 +51,8 @@ from llmgw.agent.config import AgentConfig
 from llmgw.agent.engines import validation
 from llmgw.agent.outbox import Outbox
 from llmgw.agent.supervisor import LIVE, Settings, ShardView, Supervisor, status_event
+from llmgw.bus import keys as bus_keys
+from llmgw.bus import lease as bus_lease
 from llmgw.core import events, subjects
 from llmgw.core.inventory import Inventory
 from llmgw.pki import authorization
@@ -224,7 +227,11 @@ class AgentService:
         cfg = self.cfg
         ctx = self._tls or cfg.nats.tls_context()
         nc = await bus.connect(
-            list(cfg.nats.servers), tls=ctx, identity=self.identity, name=f"agent-{self.node}"
+            list(cfg.nats.servers),
+            tls=ctx,
+            identity=self.identity,
+            name=f"agent-{self.node}",
+            keys=cfg.nats.keys(),
         )
         if self._backoff is not None:
             nc.backoff_base, nc.backoff_cap = self._backoff
@@ -477,6 +484,16 @@ class AgentService:
             return  # no leader now (expired or released): the highest seen stays
         epoch = ledger.lease_epoch(msg.seq or 0, msg.data, msg.headers)
         if epoch is None:
+            return
+        # Only a value its control plane signed shows an epoch (a forged one raises none).
+        verifier = bus_keys.verifier_of(self.nc)
+        checked = (
+            "no verifier"
+            if verifier is None
+            else bus_lease.verified_value(verifier, msg.data or b"", time.time(), math.inf)
+        )
+        if isinstance(checked, str):
+            log.warning("agent_lease_refused", seq=msg.seq, why=checked)
             return
         self.lease_epoch = max(self.lease_epoch, epoch)
         if self.ledger.epoch > epoch:

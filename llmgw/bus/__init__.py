@@ -6,7 +6,8 @@ The stream is `llmgw-events` (`llmgw.core.subjects.STREAM`).
 
 How the control plane uses it (a sketch; `llmgw.control` owns the real loop):
 
-    nc = await bus.connect(url, tls=ctx, identity=Identity("control", me), name=me)
+    keys = bus.Keys.load(ca_file=ca, cert_file=cert, key_file=key)   # signs and verifies
+    nc = await bus.connect(url, tls=ctx, identity=Identity("control", me), name=me, keys=keys)
     js = nc.jetstream()
     await bus.provision(js, replicas=3)
     lease = await bus.Lease.open(js, me, ttl_s=10)
@@ -36,6 +37,7 @@ NATS API subjects each role uses (the authorization must allow them; `<s>` is
 """
 
 from llmgw.bus.connection import BusClient, backoff_delay, connect
+from llmgw.bus.keys import Keys
 from llmgw.bus.lease import Holder, Lease, LeaseLost
 from llmgw.bus.provisioning import (
     LEASE_BUCKET,
@@ -56,6 +58,7 @@ __all__ = [
     "Fence",
     "FenceRefused",
     "Holder",
+    "Keys",
     "Lease",
     "LeaseLost",
     "ProvisionConflict",

@@ -30,6 +30,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
 from llmgw import logs
+from llmgw.bus.keys import Keys, bind
 from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.bus")
@@ -148,6 +149,7 @@ async def connect(
     connect_timeout: int = 5,
     max_reconnect_attempts: int = -1,
     error_cb: ErrorCallback | None = None,
+    keys: Keys | None = None,
     **options: Any,
 ) -> BusClient:
     """Connect to NATS as `identity` over mutual TLS (`tls` from llmgw.pki).
@@ -156,8 +158,17 @@ async def connect(
     first connection: a daemon started before its server waits for it. Pass a
     positive `max_reconnect_attempts` where giving up is right (`llmgw ctl`, tests).
     `error_cb`, when given, is called after the bus has logged the error.
+    `keys` (llmgw.bus.keys) sign what is published and check what is read on this
+    connection; their signer must be `identity`.
     """
+    if keys is not None and keys.signer is not None and keys.signer.identity != identity:
+        raise ValueError(
+            f"the signing certificate is {keys.signer.identity}'s, not {identity}'s: "
+            "sign with the certificate this service connects with"
+        )
     nc = BusClient()
+    if keys is not None:
+        bind(nc, keys)
     server_list = [servers] if isinstance(servers, str) else list(servers)
     who = str(identity) if identity is not None else name
 

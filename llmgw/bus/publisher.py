@@ -11,6 +11,11 @@ sequence it has folded on those subjects. If anything else was written there
 since (a second leader that believes it still holds the lease), the server refuses
 the write and `publish` raises `FenceRefused`: the caller must stop deciding and
 re-read the log.
+
+Every event is signed (llmgw.pki.signing): a `Publisher` gets a `Signer`, given or
+bound to its connection (`bus.connect(..., keys=...)`), and adds the signature of
+(subject, Nats-Msg-Id, payload) and the signer's certificate as headers, so that
+readers trust the event because of who signed it, not because of where it is stored.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from llmgw import logs
+from llmgw.bus.keys import signer_of
 from llmgw.core import events, subjects
+from llmgw.pki.signing import Signer
 
 log = logs.get("llmgw.bus")
 
@@ -67,8 +74,16 @@ class Published(msgspec.Struct, frozen=True):
     stream: str
 
 
-def _headers(event: events.Event, ttl_s: float | None, fence: Fence | None) -> dict[str, str]:
+def _headers(
+    signer: Signer,
+    subject: str,
+    event: events.Event,
+    payload: bytes,
+    ttl_s: float | None,
+    fence: Fence | None,
+) -> dict[str, str]:
     headers = {"Nats-Msg-Id": event.id}
+    headers.update(signer.event_headers(subject, event.id, payload))
     if ttl_s is not None:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
@@ -90,7 +105,15 @@ class Publisher:
         timeout_s: float = 2.0,
         attempts: int = 5,
         retry_wait_s: float = 0.2,
+        signer: Signer | None = None,
     ) -> None:
+        found = signer if signer is not None else signer_of(js)
+        if found is None:
+            raise ValueError(
+                "a Publisher needs a Signer: connect with bus.connect(..., keys=Keys.load(...)) "
+                "using this identity's certificate and key, or pass signer="
+            )
+        self.signer = found
         self._js = js
         self.timeout_s = timeout_s
         self.attempts = max(1, attempts)
@@ -113,7 +136,7 @@ class Publisher:
         if subject is None:
             subject = events.subject_of(event)
         payload = events.encode(event)
-        headers = _headers(event, ttl_s, fence)
+        headers = _headers(self.signer, subject, event, payload, ttl_s, fence)
         for attempt in range(1, self.attempts + 1):
             try:
                 ack = await self._js.publish(
@@ -176,11 +199,13 @@ class Publisher:
         items = list(batch)
         futures: list[asyncio.Future[api.PubAck]] = []
         for event in items:
+            subject = events.subject_of(event)
+            payload = events.encode(event)
             future = await self._js.publish_async(
-                events.subject_of(event),
-                events.encode(event),
+                subject,
+                payload,
                 stream=subjects.STREAM,
-                headers=_headers(event, ttl_s, None),
+                headers=_headers(self.signer, subject, event, payload, ttl_s, None),
             )
             futures.append(future)
         # Wait for the whole batch at once (a wait_for per future costs a task each),

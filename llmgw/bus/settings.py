@@ -11,6 +11,7 @@ import ssl
 
 import msgspec
 
+from llmgw.bus.keys import Keys
 from llmgw.pki import tls
 
 
@@ -22,6 +23,9 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cert_file: str = ""
     """This service's client certificate (`llmgw ctl cert issue KIND NAME`)."""
     key_file: str = ""
+    accept_unsigned_before: int = 0
+    """Accept unsigned events up to this stream sequence (a log written before events
+    were signed); 0, the default, accepts none. Signed events are always checked."""
 
     def problems(self, section: str, unset_hint: str) -> list[str]:
         """What is missing, each naming `section.field`; `unset_hint` says where the
@@ -38,4 +42,13 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """The client context: trusts only the fleet's CA, presents this certificate."""
         return tls.client_context(
             ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file
+        )
+
+    def keys(self) -> Keys:
+        """This service's signer (its certificate and key) and the CA's verifier."""
+        return Keys.load(
+            ca_file=self.ca_file,
+            cert_file=self.cert_file or None,
+            key_file=self.key_file or None,
+            accept_unsigned_before=self.accept_unsigned_before,
         )

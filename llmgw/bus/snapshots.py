@@ -9,6 +9,13 @@ Folded state of a large fleet can be megabytes, more than a KV value may hold
 (the server's max_payload, 1 MiB by default), so snapshots live in the JetStream
 object store `llmgw-snapshots`, which chunks them. Each object is named after its
 sequence, `state-<seq, 20 digits>`, and the store keeps the newest `keep` ones.
+
+Each object is sealed by the control plane that saved it (`seal`: a signature over
+the sequence and the SHA-256 of the data, with the signer's certificate), and `load`
+opens only what a control identity of the fleet's CA signed for that very sequence;
+anything else (unsigned, another identity's, moved to another name, altered) is
+logged as `bus.snapshot_refused` and passed over like an unreadable snapshot, so a
+cold start then folds from an older snapshot or from the log itself.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 
 import msgspec
 import nats.errors
@@ -24,11 +32,19 @@ from nats.js import JetStreamContext
 from nats.js.object_store import ObjectStore
 
 from llmgw import logs
+from llmgw.bus.keys import signer_of, verifier_of
 from llmgw.bus.provisioning import SNAPSHOT_BUCKET
+from llmgw.pki.signing import SignatureRefused, Signer, Verifier, snapshot_message
 
 log = logs.get("llmgw.bus")
 
 _NAME = re.compile(r"state-(\d{20})")
+_SEALED = b"llmgw-snapshot-signed/v1\n"
+
+
+class _Seal(msgspec.Struct, frozen=True):
+    sig: str
+    cert: str
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -57,19 +73,68 @@ def choose(seqs: list[int], at_or_before: int | None) -> int | None:
     return max(eligible) if eligible else None
 
 
+def seal(signer: Signer, seq: int, data: bytes) -> bytes:
+    """The bytes stored for `data` folded up to `seq`: a signed header, then the data."""
+    header = msgspec.json.encode(_Seal(signer.sign(snapshot_message(seq, data)), signer.cert_b64))
+    return _SEALED + header + b"\n" + data
+
+
+def unseal(verifier: Verifier, seq: int, sealed: bytes, now: float) -> bytes:
+    """The data of a sealed snapshot of `seq` signed by a control identity; else
+    SignatureRefused. Pure given `now`."""
+    if not sealed.startswith(_SEALED):
+        raise SignatureRefused("not a signed snapshot")
+    header, sep, data = sealed[len(_SEALED) :].partition(b"\n")
+    if not sep:
+        raise SignatureRefused("a signed snapshot without its data")
+    try:
+        found = msgspec.json.decode(header, type=_Seal)
+    except msgspec.DecodeError:
+        raise SignatureRefused("the snapshot's signature header does not decode") from None
+    signer = verifier.verify(snapshot_message(seq, data), found.sig, found.cert, now)
+    if signer.kind != "control":
+        raise SignatureRefused(f"signed by {signer}: only a control plane writes snapshots")
+    return data
+
+
 class SnapshotStore:
     """Save and load folded state in the object store `llmgw-snapshots`."""
 
-    def __init__(self, store: ObjectStore, *, keep: int = 5, load_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        keep: int = 5,
+        load_timeout_s: float = 60.0,
+        verifier: Verifier,
+        signer: Signer | None = None,
+    ) -> None:
         self._store = store
+        self._verifier = verifier
+        self._signer = signer
         self.keep = max(1, keep)
         self.load_timeout_s = load_timeout_s
 
     @classmethod
     async def open(
-        cls, js: JetStreamContext, *, keep: int = 5, load_timeout_s: float = 60.0
+        cls,
+        js: JetStreamContext,
+        *,
+        keep: int = 5,
+        load_timeout_s: float = 60.0,
+        signer: Signer | None = None,
+        verifier: Verifier | None = None,
     ) -> SnapshotStore:
-        """Bind to the store; `provision` creates it (the control identity may)."""
+        """Bind to the store; `provision` creates it (the control identity may).
+
+        `signer` (to save) and `verifier` (to load) default to the connection's keys."""
+        verifier = verifier if verifier is not None else verifier_of(js)
+        if verifier is None:
+            raise ValueError(
+                "a SnapshotStore needs the CA's Verifier: connect with "
+                "bus.connect(..., keys=...) or pass verifier="
+            )
+        signer = signer if signer is not None else signer_of(js)
         try:
             store = await js.object_store(SNAPSHOT_BUCKET)
         except nats.js.errors.BucketNotFoundError:
@@ -77,7 +142,9 @@ class SnapshotStore:
                 f"object store {SNAPSHOT_BUCKET} does not exist: run the control plane once "
                 "(it provisions the log), or call llmgw.bus.provision"
             ) from None
-        return cls(store, keep=keep, load_timeout_s=load_timeout_s)
+        return cls(
+            store, keep=keep, load_timeout_s=load_timeout_s, verifier=verifier, signer=signer
+        )
 
     async def seqs(self) -> list[int]:
         """Sequences of the snapshots stored, ascending."""
@@ -90,7 +157,9 @@ class SnapshotStore:
 
     async def save(self, data: bytes, seq: int) -> None:
         """Store `data` as the state folded up to and including `seq`; prune old ones."""
-        await self._store.put(object_name(seq), data)
+        if self._signer is None:
+            raise ValueError("saving a snapshot needs a Signer (a control plane's keys)")
+        await self._store.put(object_name(seq), seal(self._signer, seq, data))
         log.info("bus.snapshot_saved", seq=seq, bytes=len(data))
         stored = await self.seqs()
         for old in stored[: max(0, len(stored) - self.keep)]:
@@ -116,5 +185,10 @@ class SnapshotStore:
                     "bus.snapshot_unreadable", seq=seq, error=str(exc) or type(exc).__name__
                 )
                 continue
-            return Snapshot(seq=seq, data=bytes(result.data or b""))
+            try:
+                data = unseal(self._verifier, seq, bytes(result.data or b""), time.time())
+            except SignatureRefused as exc:
+                log.warning("bus.snapshot_refused", seq=seq, error=str(exc))
+                continue
+            return Snapshot(seq=seq, data=data)
         return None

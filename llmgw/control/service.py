@@ -128,6 +128,7 @@ class ControlService:
             tls=self._tls_context(),
             identity=self.identity,
             name=f"control-{self.name}",
+            keys=n.keys(),
         )
         self._nc = nc
         tasks: list[asyncio.Task[Any]] = []

@@ -39,9 +39,15 @@ class Session:
             ctx = tls.client_context(
                 ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_path
             )
+            keys = bus.Keys.load(
+                ca_file=cfg.ca_file,
+                cert_file=cfg.cert_file,
+                key_file=cfg.key_path,
+                accept_unsigned_before=cfg.accept_unsigned_before,
+            )
         except FileNotFoundError as exc:
             raise BadInput(str(exc)) from None
-        except OSError as exc:  # ssl.SSLError: a key that does not match, a bad PEM
+        except (OSError, ValueError) as exc:  # ssl.SSLError: a key that does not match, a bad PEM
             raise BadInput(
                 f"cannot load {cfg.cert_file} with key {cfg.key_path}: {exc}; pass the matching "
                 "--key"
@@ -57,6 +63,7 @@ class Session:
                     name=f"ctl-{identity.name}",
                     connect_timeout=max(1, int(cfg.connect_timeout_s)),
                     max_reconnect_attempts=2,
+                    keys=keys,
                 ),
                 timeout=2 * cfg.connect_timeout_s,
             )

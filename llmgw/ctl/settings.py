@@ -39,6 +39,9 @@ class CtlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     key_file: str = ""
     """Default: beside cert_file, `<name>-key.pem` as `llmgw ctl cert` writes it."""
     connect_timeout_s: float = 5.0
+    accept_unsigned_before: int = 0
+    """Accept unsigned events up to this stream sequence (a log written before events
+    were signed, e.g. `LLMGW_CTL__ACCEPT_UNSIGNED_BEFORE=SEQ`); 0 accepts none."""
     control_url: str = ""
     """A control plane's admin API (its `admin` listener, e.g. http://127.0.0.1:9190), asked
     by `llmgw ctl status` for what only the running service knows; empty: not asked."""

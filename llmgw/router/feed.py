@@ -136,6 +136,7 @@ class LogFeed:
             tls=self._context(),
             identity=identity,
             name=f"llmgw-router-{self.source.name}",
+            keys=self.source.keys(),
         )
         try:
             after = await self._load_snapshot(nc)

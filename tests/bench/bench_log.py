@@ -11,6 +11,10 @@ rendered authorization (the test harness's throwaway CA), once with the producti
 publishes as a node and replays as a router, through llmgw.bus, and prints a table.
 Replay alternatives through nats-py's own consumers are measured for comparison:
 they are why `Reader` uses a raw pull consumer with an inline handler.
+Every event is signed (llmgw.pki.signing): publishing signs, and the replay rows are
+measured twice, on a log of signed events that the Reader verifies and on the same
+events unsigned, read with `accept_unsigned_before` (no signature checks: the cost of
+reading and folding alone).
 Goals (issue 2): replay >= 100,000 events/s; decode + simple fold >= 1,000,000 events/s.
 """
 
@@ -34,7 +38,9 @@ from nats.aio.client import Client  # noqa: E402
 from nats.js import api  # noqa: E402
 
 from llmgw import bus  # noqa: E402
+from llmgw.bus import keys as bus_keys  # noqa: E402
 from llmgw.core import events, subjects  # noqa: E402
+from llmgw.pki import signing  # noqa: E402
 from llmgw.pki.identity import Identity  # noqa: E402
 from tests.harness import TestNatsServer, TestPki, connect_as  # noqa: E402
 
@@ -91,7 +97,14 @@ async def connect_plain(server: TestNatsServer, kind: str, name: str) -> Client:
 
     ctx = await asyncio.to_thread(server.pki.client_tls, kind, name)
     identity = Identity(kind, name)  # type: ignore[arg-type]
-    return await nats.connect(server.url, tls=ctx, inbox_prefix=identity.inbox_prefix)
+    nc = await nats.connect(server.url, tls=ctx, inbox_prefix=identity.inbox_prefix)
+    bus_keys.bind(nc, await asyncio.to_thread(server.pki.keys, kind, name))
+    return nc
+
+
+def unchecked(server: TestNatsServer) -> signing.Verifier:
+    """A verifier that takes every unsigned event (a log from before signing)."""
+    return server.pki.verifier(accept_unsigned_before=2**62)
 
 
 async def publish_figures(server: TestNatsServer, n_sync: int, n_async: int) -> dict[str, float]:
@@ -119,8 +132,8 @@ async def publish_figures(server: TestNatsServer, n_sync: int, n_async: int) -> 
     return {"sync": sync_rate, "async": async_rate}
 
 
-async def fill(server: TestNatsServer, n: int) -> None:
-    """Publish n events as the nodes that own them (admin-free, as production does)."""
+async def fill(server: TestNatsServer, n: int, *, signed: bool) -> None:
+    """Store n events, signed by the nodes that own them (or unsigned)."""
     control = await connect_as(server, "control", "bench-control")
     await bus.provision(control.jetstream())
     all_events = make_events(n)
@@ -135,17 +148,23 @@ async def fill(server: TestNatsServer, n: int) -> None:
 
     admin = await nats.connect(server.url, tls=server.pki.admin_tls(), inbox_prefix="_INBOX.admin")
     js = admin.jetstream()
+    signers = {node: server.pki.signer("node", node) for node in by_node} if signed else {}
     for i in range(0, n, 5000):
         for e in all_events[i : i + 5000]:
-            await js.publish_async(
-                events.subject_of(e), events.encode(e), headers={"Nats-Msg-Id": e.id}
-            )
+            subject, payload = events.subject_of(e), events.encode(e)
+            headers = {"Nats-Msg-Id": e.id}
+            if signed:
+                assert isinstance(e, events.NodeEvent)
+                headers |= signers[e.node].event_headers(subject, e.id, payload)
+            await js.publish_async(subject, payload, headers=headers)
         await js.publish_async_completed()
     await admin.close()
     await control.close()
 
 
-async def replay_reader(server: TestNatsServer, n: int, fast: bool) -> tuple[float, float]:
+async def replay_reader(
+    server: TestNatsServer, n: int, fast: bool, verifier: signing.Verifier | None = None
+) -> tuple[float, float]:
     router = (
         await connect_as(server, "router", "router-bench")
         if fast
@@ -154,13 +173,13 @@ async def replay_reader(server: TestNatsServer, n: int, fast: bool) -> tuple[flo
     state: dict[str, Any] = {}
     count = 0
     clock = Clock()
-    async with bus.Reader(router, follow=False, batch=20_000) as reader:
+    async with bus.Reader(router, follow=False, batch=20_000, verifier=verifier) as reader:
         async for batch in reader.batches():
             for record in batch:
                 fold(state, record.event)
             count += len(batch)
     rate = clock.rates(count)
-    assert count == n, (count, n)
+    assert count == n, (count, n, list(reader.skipped)[:3])
     await router.close()
     return rate
 
@@ -234,6 +253,27 @@ def decode_fold(n: int, repeats: int = 3) -> tuple[tuple[float, float], int]:
     return best, size
 
 
+def verify_decode_fold(n: int, pki: TestPki) -> tuple[float, float]:
+    """Signature check + decode + fold of n signed events, in process (no server)."""
+    verifier = signing.Verifier(pki.ca.cert)
+    signers: dict[str, signing.Signer] = {}
+    signed = []
+    for e in make_events(n):
+        assert isinstance(e, events.NodeEvent)
+        signer = signers.get(e.node) or signers.setdefault(e.node, pki.signer("node", e.node))
+        subject, payload = events.subject_of(e), events.encode(e)
+        headers = signer.event_headers(subject, e.id, payload)
+        sig, cert = headers[signing.SIG_HEADER].encode(), headers[signing.CERT_HEADER].encode()
+        signed.append((subject, e.id.encode(), payload, sig, cert))
+    state: dict[str, Any] = {}
+    when = time.time()
+    clock = Clock()
+    for seq, (subject, mid, payload, sig, cert) in enumerate(signed, 1):
+        assert verifier.event_refusal(subject, mid, payload, sig, cert, seq=seq, when=when) is None
+        fold(state, events.decode(payload))
+    return clock.rates(n)
+
+
 def quiet_logs() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
 
@@ -275,10 +315,11 @@ async def main() -> None:
         server.root.mkdir()
         server.start()
         try:
-            await fill(server, n)
-            runs = [await replay_reader(server, n, fast=True) for _ in range(3)]
-            row("replay + decode + fold: bus.Reader", f"{n:,} events", max(runs))
-            plain = await replay_reader(server, n, fast=False)
+            await fill(server, n, signed=False)
+            off = unchecked(server)
+            runs = [await replay_reader(server, n, fast=True, verifier=off) for _ in range(3)]
+            row("replay + decode + fold: bus.Reader, unsigned", f"{n:,} events", max(runs))
+            plain = await replay_reader(server, n, fast=False, verifier=off)
             row("replay: bus.Reader on a plain nats-py client", f"{n:,} events", plain)
             row(
                 "replay: nats-py ordered consumer", f"{n:,} events", await replay_ordered(server, n)
@@ -292,6 +333,18 @@ async def main() -> None:
                 )
         finally:
             server.close()
+
+        server = TestNatsServer(pki, Path(tmp) / "nats-replay-signed")
+        server.root.mkdir()
+        server.start()
+        try:
+            await fill(server, n, signed=True)
+            runs = [await replay_reader(server, n, fast=True) for _ in range(3)]
+            row("replay + verify + decode + fold: bus.Reader", f"{n:,} signed events", max(runs))
+        finally:
+            server.close()
+        m = min(n, 50_000)
+        row("verify + decode + fold, in-process", f"{m:,} signed", verify_decode_fold(m, pki))
 
     rates, size = decode_fold(300_000)
     row("decode + simple fold, in-process", f"300,000 x {size} B", rates)

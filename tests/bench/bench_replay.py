@@ -22,6 +22,11 @@ operator identity, through llmgw.ctl.history (what `llmgw ctl replay` runs):
   (tests/unit/scenarios.py: 64 nodes, 8 models, rounds of drains and restarts), so that
   every decision batch is real: batches re-planned per second, and the CLI end to end.
 
+Events are signed by the identities that own their subjects, and ctl verifies every
+one (llmgw.pki.signing). The replay rows are measured twice in one run: on that signed
+log, verified, and on the same events unsigned, read with `accept_unsigned_before`
+(no signature checks: what reading and folding cost alone).
+
 Every run's digest is checked against a local fold of the same events. Wall-clock
 rates depend on the load of this (shared, 2-core) machine, where nats-server competes
 for the same cores; the replay row also gives events per CPU-second of ctl itself.
@@ -38,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -47,6 +53,7 @@ import nats  # noqa: E402
 import structlog  # noqa: E402
 
 from llmgw import bus  # noqa: E402
+from llmgw.bus import keys as bus_keys  # noqa: E402
 from llmgw.control import verify as control_verify  # noqa: E402
 from llmgw.core import events, state  # noqa: E402
 from llmgw.core.inventory import Gpu  # noqa: E402
@@ -161,18 +168,30 @@ def make_log(n: int) -> list[events.Event]:
     return out[:n]
 
 
-async def fill(server: TestNatsServer, log: list[events.Event]) -> float:
+async def fill(server: TestNatsServer, log: list[events.Event], *, signed: bool = True) -> float:
+    """Store `log` through the admin, each event signed by its subject's owner (or not);
+    the seconds the stores took (signing happens before, not counted)."""
     control = await connect_as(server, "control", "bench-control")
     await bus.provision(control.jetstream())
     await control.close()
     admin = await nats.connect(server.url, tls=server.pki.admin_tls(), inbox_prefix="_INBOX.admin")
     js = admin.jetstream()
+    signers: dict[str, Any] = {}
+    prepared = []
+    for e in log:
+        subject, payload = events.subject_of(e), events.encode(e)
+        headers = {"Nats-Msg-Id": e.id}
+        if signed:
+            owner = subject if ".node." in subject else subject.rsplit(".", 1)[0]
+            signer = signers.get(owner)
+            if signer is None:
+                signer = signers.setdefault(owner, server.pki.owner_signer(e))
+            headers |= signer.event_headers(subject, e.id, payload)
+        prepared.append((subject, payload, headers))
     started = time.perf_counter()
-    for i in range(0, len(log), 5000):
-        for e in log[i : i + 5000]:
-            await js.publish_async(
-                events.subject_of(e), events.encode(e), headers={"Nats-Msg-Id": e.id}
-            )
+    for i in range(0, len(prepared), 5000):
+        for subject, payload, headers in prepared[i : i + 5000]:
+            await js.publish_async(subject, payload, headers=headers)
         await js.publish_async_completed()
         if i % 100_000 == 0 and i:
             print(f"  published {i:,}", flush=True)
@@ -223,7 +242,9 @@ async def read_only(nc: bus.BusClient) -> tuple[int, float]:
     return count, time.perf_counter() - started
 
 
-def run_cli(server: TestNatsServer, to_seq: int) -> tuple[float, dict[str, object]]:
+def run_cli(
+    server: TestNatsServer, to_seq: int, env: dict[str, str] | None = None
+) -> tuple[float, dict[str, object]]:
     certs = server.pki.certs
     operator = Identity("operator", "bench-op")
     argv = [
@@ -232,8 +253,90 @@ def run_cli(server: TestNatsServer, to_seq: int) -> tuple[float, dict[str, objec
         "--cert", str(certs.cert(operator)),
     ]  # fmt: skip
     started = time.perf_counter()
-    out = subprocess.run(argv, capture_output=True, check=True, cwd=ROOT, text=True)
+    out = subprocess.run(
+        argv,
+        capture_output=True,
+        check=True,
+        cwd=ROOT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     return time.perf_counter() - started, json.loads(out.stdout)
+
+
+async def replay_rows(
+    pki: TestPki,
+    root: Path,
+    log: list[events.Event],
+    expected: state.ClusterState,
+    n: int,
+    gap: int,
+    signed: bool,
+    rows: list[tuple[str, str]],
+) -> None:
+    """The replay rows on one log, signed (and verified) or unsigned (and unchecked)."""
+    server = TestNatsServer(pki, root)
+    server.root.mkdir()
+    server.start()
+    try:
+        took = await fill(server, log, signed=signed)
+        rows.append(("publish (admin, pipelined acks)", f"{n / took:,.0f} events/s, {took:.1f} s"))
+        # A snapshot `gap` events before the end, saved as the control plane does.
+        snap_seq = n - gap
+        snap_state, _ = state.fold(enumerate(log[:snap_seq], start=1))
+        control = await connect_as(server, "control", "bench-control")
+        store = await bus.SnapshotStore.open(control.jetstream())
+        data = state.encode_snapshot(snap_state)
+        await store.save(data, snap_seq)
+        await control.close()
+        rows.append(("snapshot", f"seq {snap_seq:,}, {len(data) / 1e6:.1f} MB"))
+
+        op = await connect_as(server, "operator", "bench-op")
+        if not signed:
+            unchecked = pki.verifier(accept_unsigned_before=2**62)
+            bus_keys.bind(op, bus.Keys(pki.signer("operator", "bench-op"), unchecked))
+        count, secs = await read_only(op)
+        assert count == n, count
+        rows.append(("read + decode, no fold (bus.Reader)", f"{n / secs:,.0f} events/s"))
+        best, best_cpu = 0.0, 0.0
+        for _ in range(2):
+            cpu = time.process_time()
+            r = await history.rebuild(op, use_snapshots=False)
+            cpu = time.process_time() - cpu
+            assert r.folded == n
+            assert not r.rejected
+            assert state.digest(r.state) == state.digest(expected)
+            best = max(best, n / r.elapsed_s)
+            best_cpu = max(best_cpu, n / cpu)
+        rows.append(
+            (
+                "ctl replay from the beginning (fold)",
+                f"{best:,.0f} events/s ({best_cpu:,.0f} per ctl CPU-second)",
+            )
+        )
+        times = []
+        for _ in range(3):
+            r = await history.rebuild(op, to_seq=n)
+            assert r.snapshot_seq == snap_seq
+            assert r.folded == gap
+            assert state.digest(r.state) == state.digest(expected)
+            times.append(r.elapsed_s)
+        rows.append(
+            (
+                f"ctl replay --to {n:,}, snapshot {gap:,} before",
+                f"{min(times):.3f} s (best of 3)",
+            )
+        )
+        mid = n // 2
+        r = await history.rebuild(op, to_seq=mid)
+        rows.append((f"ctl replay --to {mid:,} (no snapshot before it)", f"{r.elapsed_s:.2f} s"))
+        await op.close()
+        env = {} if signed else {"LLMGW_CTL__ACCEPT_UNSIGNED_BEFORE": str(2**62)}
+        secs, doc = await asyncio.to_thread(run_cli, server, n, env)
+        assert doc["snapshot_seq"] == snap_seq, doc["snapshot_seq"]
+        rows.append(("`llmgw ctl replay --to N --json` process, end to end", f"{secs:.2f} s"))
+    finally:
+        server.close()
 
 
 async def main() -> None:
@@ -251,68 +354,11 @@ async def main() -> None:
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         pki = TestPki(Path(tmp) / "pki")
-        server = TestNatsServer(pki, Path(tmp) / "nats")
-        server.root.mkdir()
-        server.start()
-        try:
-            took = await fill(server, log)
-            rows.append(
-                ("publish (admin, pipelined acks)", f"{n / took:,.0f} events/s, {took:.1f} s")
+        for signed in (False, True):
+            rows.append(("", "signed, every event verified" if signed else "unsigned, unchecked"))
+            await replay_rows(
+                pki, Path(tmp) / f"nats-{signed}", log, expected, n, gap, signed, rows
             )
-            # A snapshot `gap` events before the end, saved as the control plane does.
-            snap_seq = n - gap
-            snap_state, _ = state.fold(enumerate(log[:snap_seq], start=1))
-            control = await connect_as(server, "control", "bench-control")
-            store = await bus.SnapshotStore.open(control.jetstream())
-            data = state.encode_snapshot(snap_state)
-            await store.save(data, snap_seq)
-            await control.close()
-            rows.append(("snapshot", f"seq {snap_seq:,}, {len(data) / 1e6:.1f} MB"))
-
-            op = await connect_as(server, "operator", "bench-op")
-            count, secs = await read_only(op)
-            assert count == n, count
-            rows.append(("read + decode, no fold (bus.Reader)", f"{n / secs:,.0f} events/s"))
-            best, best_cpu = 0.0, 0.0
-            for _ in range(2):
-                cpu = time.process_time()
-                r = await history.rebuild(op, use_snapshots=False)
-                cpu = time.process_time() - cpu
-                assert r.folded == n
-                assert not r.rejected
-                assert state.digest(r.state) == state.digest(expected)
-                best = max(best, n / r.elapsed_s)
-                best_cpu = max(best_cpu, n / cpu)
-            rows.append(
-                (
-                    "ctl replay from the beginning (fold)",
-                    f"{best:,.0f} events/s ({best_cpu:,.0f} per ctl CPU-second)",
-                )
-            )
-            times = []
-            for _ in range(3):
-                r = await history.rebuild(op, to_seq=n)
-                assert r.snapshot_seq == snap_seq
-                assert r.folded == gap
-                assert state.digest(r.state) == state.digest(expected)
-                times.append(r.elapsed_s)
-            rows.append(
-                (
-                    f"ctl replay --to {n:,}, snapshot {gap:,} before",
-                    f"{min(times):.3f} s (best of 3)",
-                )
-            )
-            mid = n // 2
-            r = await history.rebuild(op, to_seq=mid)
-            rows.append(
-                (f"ctl replay --to {mid:,} (no snapshot before it)", f"{r.elapsed_s:.2f} s")
-            )
-            await op.close()
-            secs, doc = await asyncio.to_thread(run_cli, server, n)
-            assert doc["snapshot_seq"] == snap_seq, doc["snapshot_seq"]
-            rows.append(("`llmgw ctl replay --to N --json` process, end to end", f"{secs:.2f} s"))
-        finally:
-            server.close()
         # replay --verify, on a log whose every batch is a real decision of the leader.
         log2, batches = decision_log(args.drains)
         server = TestNatsServer(pki, Path(tmp) / "nats-verify")
@@ -346,7 +392,7 @@ async def main() -> None:
     print(f"\nllmgw ctl replay, {n:,} events ({NODES} nodes, {REPLICAS} replicas)")
     width = max(len(a) for a, _ in rows)
     for a, b in rows:
-        print(f"  {a.ljust(width)}  {b}")
+        print(f"  {a.ljust(width)}  {b}" if a else f"{b}:")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

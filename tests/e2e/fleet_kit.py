@@ -42,6 +42,7 @@ import yaml
 from nats.aio.client import Client
 
 from llmgw import bus
+from llmgw.bus import keys as bus_keys
 from llmgw.control.config import (
     AdminListener,
     ControlConfig,
@@ -449,7 +450,7 @@ class Fleet:
 
     async def admin(self) -> Client:
         pki = self.server.pki
-        return await nats.connect(
+        nc = await nats.connect(
             servers=self.urls,
             tls=pki.admin_tls(),
             inbox_prefix="_INBOX.admin",
@@ -458,12 +459,16 @@ class Fleet:
             reconnect_time_wait=0.1,
             max_reconnect_attempts=50,
         )
+        bus_keys.bind(nc, bus.Keys(None, pki.verifier()))  # reads; signs nothing
+        return nc
 
     async def publish(self, event: events.Event) -> bus.Published:
-        """Publish `event` as the test-only admin (an operator's intent, say)."""
+        """Publish `event` through the test-only admin's connection (an operator's intent,
+        say), signed by the identity that owns its subject."""
         nc = await self.admin()
+        signer = await asyncio.to_thread(self.server.pki.owner_signer, event)
         try:
-            return await bus.Publisher(nc.jetstream(timeout=10)).publish(event)
+            return await bus.Publisher(nc.jetstream(timeout=10), signer=signer).publish(event)
         finally:
             await close(nc)
 

@@ -58,7 +58,8 @@ class SteadyPublisher:
         await self._task
 
     async def _run(self, nc: Client) -> None:
-        publisher = bus.Publisher(nc.jetstream(timeout=2))
+        signer = await asyncio.to_thread(self.fleet.server.pki.signer, "node", self.node)
+        publisher = bus.Publisher(nc.jetstream(timeout=2), signer=signer)
         n = 0
         try:
             while not self._stop.is_set():

@@ -29,6 +29,7 @@ from nats.aio.client import Client
 from llmgw import bus
 from llmgw.agent import config as agent_config
 from llmgw.agent import pidfiles, processes
+from llmgw.bus import lease as bus_lease
 from llmgw.core import events, subjects
 from llmgw.core.profile import LaunchSpec
 from llmgw.pki.identity import Identity
@@ -115,7 +116,9 @@ class Control:
     async def hold_lease(self, epoch: int) -> None:
         """Write the leader lease as a holder of `epoch` renewing it would."""
         kv = await self.js.key_value(bus.LEASE_BUCKET)
-        await kv.put("leader", msgspec.json.encode({"holder": "test-control", "epoch": epoch}))
+        signer = self.publisher.signer  # signed as this control identity, as a holder signs
+        value = bus_lease.signed_value(signer, signer.identity.name, epoch, time.time() + 3600)
+        await kv.put("leader", value)
 
     async def send(self, cmd: events.Command) -> bus.Published:
         return await self.publisher.publish(cmd)

@@ -16,7 +16,7 @@ from llmgw import bus
 from llmgw.core import events, subjects
 from llmgw.core.profile import LaunchSpec
 from llmgw.pki import authorization
-from tests.harness import Connector
+from tests.harness import Connector, signed_headers
 from tests.integration.test_log_integrity import fleet, settle, stored_subjects
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,8 @@ async def test_a_node_cannot_put_a_start_shard_on_another_nodes_commands(
     )
     # The payload is stored on the node's own subject (which it may write)...
     own = subjects.node_event("node-a", "shard")
-    await node.jetstream().publish(own, events.encode(forged), headers={"Nats-Msg-Id": "f1"})
+    payload = events.encode(forged)
+    await node.jetstream().publish(own, payload, headers=signed_headers(node, own, payload, "f1"))
     admin = await connect.admin()
     before = await stored_subjects(admin)
     # ...then copied, as the answer to a direct get, to node-b's command subject.
@@ -106,7 +107,8 @@ async def test_a_node_cannot_announce_an_endpoint_for_the_router(connect: Connec
         id="hj-1", ts=1.0, replica_id="r-1", model="demo", url="http://attacker:8000", epoch=1
     )
     own = subjects.node_event("node-a", "registered")
-    await node.jetstream().publish(own, events.encode(hijack), headers={"Nats-Msg-Id": "hj"})
+    payload = events.encode(hijack)
+    await node.jetstream().publish(own, payload, headers=signed_headers(node, own, payload, "hj"))
     await copy_to(node, own, subjects.control_event("endpoint_up"))
     admin = await connect.admin()
     await settle(admin)
@@ -133,11 +135,13 @@ async def test_an_operator_is_recorded_under_its_certificates_name_only(
         )
     assert "llmgw.events.operator.alice" in await connect.violation("operator", "bob")
     # ...and on his own the readers refuse it: the subject names bob, the event alice.
+    # (Signed by bob: the signature holds, the content check refuses it.)
+    own, payload = subjects.operator_event("bob", "node_cordoned"), events.encode(as_alice)
     ack = await bob.jetstream().publish(
-        subjects.operator_event("bob", "node_cordoned"), events.encode(as_alice)
+        own, payload, headers=signed_headers(bob, own, payload, as_alice.id)
     )
     honest = events.NodeCordoned(id="c-bob-2", ts=2.0, operator="bob", node="node-a")
-    await bob.jetstream().publish(events.subject_of(honest), events.encode(honest))
+    await bus.Publisher(bob.jetstream()).publish(honest)
     router = await connect("router", "router-1")
     reader = await read_all(router, [subjects.OPERATOR_EVENTS_ALL])
     assert [s.seq for s in reader.skipped] == [ack.seq]

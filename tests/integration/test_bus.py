@@ -37,6 +37,7 @@ async def bus_connect(nats_server: TestNatsServer) -> AsyncIterator[BusConnect]:
             identity=Identity(kind, name),  # type: ignore[arg-type]
             name=f"test-{kind}-{name}",
             max_reconnect_attempts=options.pop("max_reconnect_attempts", 50),
+            keys=await asyncio.to_thread(nats_server.pki.keys, kind, name),
             **options,
         )
         clients.append(nc)
@@ -239,8 +240,10 @@ async def test_garbage_is_skipped_counted_and_reported_with_its_sequence(
     assert [r.seq for r in records] == [p.seq for p in before + after]
     assert reader.undecodable == 3
     assert [s.seq for s in reader.skipped] == [g.seq for g in garbage]
-    assert "unknown event type 'node.nonsense'" in reader.skipped[1].error
-    logged = [e for e in logs if e["event"] == "bus.undecodable"]
+    # The admin's bytes carry no signature: refused before they are even decoded.
+    assert all("signature refused: unsigned" in s.error for s in reader.skipped)
+    assert reader.refused == 3
+    logged = [e for e in logs if e["event"] == "bus.signature_refused"]
     assert [e["seq"] for e in logged] == [g.seq for g in garbage]
 
 
@@ -563,19 +566,25 @@ async def test_an_event_on_a_subject_its_writer_does_not_own_is_refused_by_reade
     # The server lets node-a write anything under llmgw.events.node.node-a.>; what it writes
     # there is checked by every reader: a control decision or another node's heartbeat
     # smuggled onto node-a's subjects must not reach a fold.
+    # Signed by node-a itself, so the signature holds: the content check refuses them.
     node = await bus_connect("node", "node-a")
     js = node.jetstream()
     publisher = bus.Publisher(js)
+    signer = publisher.signer
+
+    async def signed(subject: str, event: events.Event) -> Any:
+        payload = events.encode(event)
+        headers = {"Nats-Msg-Id": event.id, **signer.event_headers(subject, event.id, payload)}
+        return await js.publish(subject, payload, headers=headers)
+
     first = await publisher.publish(heartbeat("node-a", 1))
     forged = [
-        await js.publish(
+        await signed(
             "llmgw.events.node.node-a.heartbeat",
-            events.encode(events.ReplicaRetired(id="forged-1", ts=1.0, replica_id="r1")),
+            events.ReplicaRetired(id="forged-1", ts=1.0, replica_id="r1"),
         ),
-        await js.publish(
-            "llmgw.events.node.node-a.heartbeat", events.encode(heartbeat("node-b", 1))
-        ),
-        await js.publish("llmgw.events.node.node-a.registered", events.encode(shard("node-a", 1))),
+        await signed("llmgw.events.node.node-a.heartbeat", heartbeat("node-b", 1)),
+        await signed("llmgw.events.node.node-a.registered", shard("node-a", 1)),
     ]
     last = await publisher.publish(shard("node-a", 2))
 

@@ -18,7 +18,7 @@ import pytest
 
 from llmgw.control.config import SnapshotConfig
 from llmgw.core import events, subjects
-from tests.harness import TestNatsServer, connect_as, wait_for
+from tests.harness import TestNatsServer, connect_as, signed_headers, wait_for
 from tests.integration.control_kit import SimAgent, sim_gpus
 from tests.integration.ctl_kit import Ctl
 from tests.integration.test_control_failover import ControlProc
@@ -80,9 +80,10 @@ async def test_out_of_range_registrations_are_refused_and_the_control_plane_carr
         js = evil.jetstream()
         seqs = []
         for n, (subject, message) in enumerate(hostile("node-evil")):
-            ack = await js.publish(
-                subject, json.dumps(message).encode(), headers={"Nats-Msg-Id": f"evil-{n}"}
-            )
+            payload = json.dumps(message).encode()
+            # Signed by node-evil itself: what it may write, checked for its bounds.
+            headers = signed_headers(evil, subject, payload, f"evil-{n}")
+            ack = await js.publish(subject, payload, headers=headers)
             seqs.append(ack.seq)
 
         async def refused_all() -> bool:

@@ -238,9 +238,10 @@ async def fleet(connect: Connector) -> Client:
     await bus.provision(js)
     node = await connect("node", "node-a")
     beat = events.Heartbeat(id="hb-1", ts=1.0, node="node-a", seq=1)
+    # Raw, without a Nats-Msg-Id or signature: a copy of it is not a duplicate.
     await node.jetstream().publish(events.subject_of(beat), events.encode(beat))
     stop = events.StopShard(id="c-1", ts=1.0, node=VICTIM, replica_id="r", generation=1)
-    await js.publish(events.subject_of(stop), events.encode(stop))
+    await bus.Publisher(js).publish(stop)
     lease = await js.key_value(authorization.LEASE_BUCKET)
     await lease.put("leader", b'{"holder":"control-1","epoch":1}')
     store = await js.object_store(authorization.SNAPSHOT_BUCKET)
@@ -296,6 +297,21 @@ async def test_inside_the_streams_account_a_reply_subject_writes_to_the_log(
     await admin.flush()
     after = await settle(admin)
     assert grown(before, after) == {subjects.command(VICTIM)}
+    # What the server stored there is not what any control plane signed: the victim's
+    # agent reads only the real command and refuses the copy.
+    victim = await connect("node", VICTIM)
+    reader = bus.Reader(
+        victim,
+        subjects_filter=[subjects.command(VICTIM)],
+        consumer_name=authorization.command_consumer(VICTIM),
+        follow=False,
+    )
+    delivered: list[events.AnyEvent] = []
+    async with reader:
+        async for batch in reader.batches():
+            delivered += [r.event for r in batch]
+    assert [type(c).__name__ for c in delivered] == ["StopShard"]
+    assert reader.refused == 1
 
 
 @pytest.mark.parametrize("attacker", ATTACKERS, ids=str)

@@ -22,7 +22,9 @@ from tests.integration.control_kit import SimAgent, control_config, model, runni
 
 def feed_for(server: TestNatsServer, name: str = "r1") -> LogFeed:
     ctx = server.pki.client_tls("router", name)
-    return LogFeed(LogSource(servers=(server.url,), name=name), Catalog(), EndpointTable(), tls=ctx)
+    # The CA file is what the feed checks signatures with; the TLS context comes ready-made.
+    source = LogSource(servers=(server.url,), name=name, ca_file=str(server.pki.certs.ca_cert))
+    return LogFeed(source, Catalog(), EndpointTable(), tls=ctx)
 
 
 def ready_urls(feed: LogFeed, model_name: str) -> set[str]:

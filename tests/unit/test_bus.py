@@ -20,6 +20,17 @@ from nats.js import api
 from llmgw import bus
 from llmgw.bus import provisioning, publisher, reader, snapshots
 from llmgw.core import events, subjects
+from llmgw.pki import signing
+from llmgw.pki.ca import CertificateAuthority
+from llmgw.pki.identity import Identity
+
+# The intake tests feed unsigned events: a verifier that takes them as a log written
+# before signing existed (tests/unit/test_signing.py covers signed intake).
+_NOW = datetime.datetime.now(datetime.UTC)
+_CA = CertificateAuthority.create(now=_NOW, name="unit CA")
+LEGACY = signing.Verifier(_CA.cert, accept_unsigned_before=10**12)
+_NODE_A = _CA.issue_client(Identity("node", "node-a"), now=_NOW)
+NODE_A = signing.Signer.from_pem(_NODE_A.cert_pem, _NODE_A.key_pem)
 
 
 def shard(i: int) -> events.ShardStatus:
@@ -86,18 +97,24 @@ def test_every_conflict_is_named() -> None:
 # --------------------------------------------------------------------------- publishing
 
 
-def test_publish_headers_carry_id_ttl_and_fence() -> None:
+def test_publish_headers_carry_id_ttl_fence_and_signature() -> None:
     fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, 41)
-    headers = publisher._headers(shard(1), 1.2, fence)
+    event = shard(1)
+    subject, payload = events.subject_of(event), events.encode(event)
+    headers = publisher._headers(NODE_A, subject, event, payload, 1.2, fence)
+    sig, cert = headers.pop("Llmgw-Sig"), headers.pop("Llmgw-Cert")
     assert headers == {
         "Nats-Msg-Id": "s1",
         "Nats-TTL": "2s",  # rounded up: never expire early
         "Nats-Expected-Last-Subject-Sequence": "41",
         "Nats-Expected-Last-Subject-Sequence-Subject": "llmgw.events.control.>",
     }
-    assert publisher._headers(shard(1), None, None) == {"Nats-Msg-Id": "s1"}
+    signed = signing.event_message(subject, "s1", payload)
+    assert LEGACY.verify(signed, sig, cert, time.time()) == Identity("node", "node-a")
+    plain = publisher._headers(NODE_A, subject, event, payload, None, None)
+    assert set(plain) == {"Nats-Msg-Id", "Llmgw-Sig", "Llmgw-Cert"}
     with pytest.raises(ValueError, match="ttl_s must be positive"):
-        publisher._headers(shard(1), 0, None)
+        publisher._headers(NODE_A, subject, event, payload, 0, None)
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -134,7 +151,7 @@ class _NoClient:
 
 
 def intake() -> reader.Reader:
-    return reader.Reader(_NoClient(), after_seq=0)  # type: ignore[arg-type]
+    return reader.Reader(_NoClient(), after_seq=0, verifier=LEGACY)  # type: ignore[arg-type]
 
 
 async def test_intake_decodes_in_order_and_skips_garbage_with_its_sequence() -> None:
@@ -212,7 +229,8 @@ def test_start_time_is_rfc3339_utc() -> None:
 
 def test_consumer_start_points() -> None:
     def config(**kwargs: object) -> dict[str, object]:
-        return reader.Reader(_NoClient(), **kwargs)._consumer_config("c")  # type: ignore[arg-type]
+        made = reader.Reader(_NoClient(), verifier=LEGACY, **kwargs)  # type: ignore[arg-type]
+        return made._consumer_config("c")
 
     assert config()["deliver_policy"] == "all"
     after = config(after_seq=41)
@@ -223,7 +241,7 @@ def test_consumer_start_points() -> None:
         "1970-01-01T00:00:00.500000Z",
     )
     # After messages arrived, a reset resumes after the last one, whatever the start was.
-    r = reader.Reader(_NoClient(), since=0.5)  # type: ignore[arg-type]
+    r = reader.Reader(_NoClient(), since=0.5, verifier=LEGACY)  # type: ignore[arg-type]
     r.last_seq = 7
     assert r._consumer_config("c")["opt_start_seq"] == 8
     assert "filter_subject" not in config()
