@@ -31,11 +31,13 @@ from nats.js import JetStreamContext, api
 
 from llmgw import logs
 from llmgw.bus.keys import signer_of
-from llmgw.core import events, subjects
+from llmgw.core import events, retention, subjects
 from llmgw.pki.signing import Signer
 
 log = logs.get("llmgw.bus")
 
+# A heartbeat published without a TTL of its own gets this one.
+DEFAULT_HEARTBEAT_TTL_S = 120.0
 # Server error code for a failed expected-last-sequence check (JSStreamWrongLastSequenceErr).
 WRONG_LAST_SEQUENCE = 10071
 EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
@@ -84,6 +86,16 @@ def _headers(
 ) -> dict[str, str]:
     headers = {"Nats-Msg-Id": event.id}
     headers.update(signer.event_headers(subject, event.id, payload))
+    # Only heartbeats expire, and every one does (readers refuse anything else:
+    # llmgw.core.retention).
+    if isinstance(event, events.Heartbeat):
+        if ttl_s is None:
+            ttl_s = DEFAULT_HEARTBEAT_TTL_S
+        ttl_s = min(ttl_s, retention.MAX_HEARTBEAT_TTL_S)
+    elif ttl_s is not None:
+        raise ValueError(
+            f"ttl_s on a {type(event).__name__}: only heartbeats may expire from the log"
+        )
     if ttl_s is not None:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")

@@ -50,7 +50,7 @@ from nats.aio.subscription import Subscription
 from llmgw import logs
 from llmgw.bus.connection import BusClient
 from llmgw.bus.keys import verifier_of
-from llmgw.core import events, subjects
+from llmgw.core import attestation, events, retention, subjects
 from llmgw.pki.signing import Verifier
 
 log = logs.get("llmgw.bus")
@@ -79,6 +79,23 @@ def signature_headers(raw: bytes) -> tuple[bytes | None, bytes | None, bytes | N
                     return None
                 found[key] = value.strip()
     return found.get(_MSG_ID), found.get(_SIG), found.get(_CERT)
+
+
+def ttl_header(raw: bytes) -> str | None:
+    """The `Nats-TTL` value of a raw header block, or None. Pure."""
+    for line in raw.split(b"\r\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == b"nats-ttl":
+            return value.strip().decode(errors="replace")
+    return None
+
+
+def _ttl_problem(subject: str, raw: bytes) -> str | None:
+    # Most messages carry no TTL and are not heartbeats: decided without parsing.
+    has_ttl = b"nats-ttl" in raw.lower()
+    if not has_ttl and not subject.endswith(".heartbeat"):
+        return None
+    return retention.ttl_problem(subject, ttl_header(raw) if has_ttl else None)
 
 
 def header_block(headers: dict[str, str] | None) -> bytes:
@@ -144,6 +161,8 @@ class Reader:
         consumer_name: str | None = None,
         max_skipped_kept: int = 1000,
         verifier: Verifier | None = None,
+        attestations: attestation.Attestations | None = None,
+        attester: attestation.Sink | None = None,
     ) -> None:
         found = verifier if verifier is not None else verifier_of(nc)
         if found is None:
@@ -152,6 +171,15 @@ class Reader:
                 "bus.connect(..., keys=Keys.load(ca_file=...)) or pass verifier="
             )
         self.verifier = found
+        # Messages a leader's attestation covers are checked by digest, not signature
+        # (llmgw.core.attestation); an attester (the control plane's) is told what passed.
+        self._attested = attestations if attestations is not None and len(attestations) else None
+        self._attester = attester
+        self.confirmed = 0
+        """Messages accepted on an attestation's word rather than a signature check."""
+        self.ttl_refused: deque[int] = deque(maxlen=10_000)
+        """Sequences refused for their TTL (llmgw.core.retention), for the control plane
+        to delete."""
         if after_seq < 0:
             raise ValueError(f"after_seq must be >= 0, got {after_seq}")
         if since is not None and after_seq:
@@ -405,31 +433,31 @@ class Reader:
             if len(self._subject_names) < 100_000:
                 self._subject_names[subject] = name
         signed = signature_headers(headers)
+        digest = b""
         if signed is None:
             refusal: str | None = "signature headers appear twice"
         else:
-            try:
-                refusal = self.verifier.event_refusal(
-                    name, signed[0], data, signed[1], signed[2], seq=seq, when=ts / _NS
-                )
-            except Exception as exc:  # a verifier bug: refused, never a lost message
-                refusal = f"the signature could not be checked: {exc!r}"
+            if self._attested is not None or self._attester is not None:
+                digest = attestation.digest(subject, signed[0] or b"", data, signed[1] or b"")
+            refusal = self._check(seq, name, data, signed, digest, ts / _NS)
         if refusal is not None:
             self.refused += 1
             self._skip(
                 seq, name, ts / _NS, f"signature refused: {refusal}", "bus.signature_refused"
             )
+            if self._attester is not None:
+                self._attester.read(seq)
             if pending == b"0":
                 self.caught_up.set()
             return
+        if self._attester is not None:
+            self._attester.accepted(seq, digest)
         try:
             event = events.decode(data)
         except Exception as exc:  # DecodeError; anything else is a decoder bug, same treatment
             self._skip(seq, name, ts / _NS, str(exc) or type(exc).__name__)
         else:
-            if events.published_where_owned(event, name):
-                self._buf.append(Record(seq, name, ts / _NS, event))
-            else:
+            if not events.published_where_owned(event, name):
                 self._skip(
                     seq,
                     name,
@@ -437,8 +465,38 @@ class Reader:
                     f"{events.tag_of(type(event))} event refused: it does not belong on {name} "
                     "(only its owner's subject is trusted; see events.published_where_owned)",
                 )
+            elif (problem := _ttl_problem(name, headers)) is not None:
+                self.ttl_refused.append(seq)
+                self._skip(seq, name, ts / _NS, f"refused: {problem}", "bus.ttl_refused")
+            else:
+                self._buf.append(Record(seq, name, ts / _NS, event))
         if pending == b"0":
             self.caught_up.set()
+
+    def _check(
+        self,
+        seq: int,
+        name: str,
+        data: bytes,
+        signed: tuple[bytes | None, bytes | None, bytes | None],
+        digest: bytes,
+        when: float,
+    ) -> str | None:
+        """Why the message at `seq` is not trusted, or None: on an attestation's word where
+        one covers it, else by its signature."""
+        if self._attested is not None and seq <= self._attested.last_seq:
+            verdict = self._attested.check(seq, digest)
+            if verdict is None:
+                self.confirmed += 1
+                return None
+            if verdict != attestation.NOT_COVERED:
+                return verdict
+        try:
+            return self.verifier.event_refusal(
+                name, signed[0], data, signed[1], signed[2], seq=seq, when=when
+            )
+        except Exception as exc:  # a verifier bug: refused, never a lost message
+            return f"the signature could not be checked: {exc!r}"
 
     def _skip(
         self, seq: int, name: str, when: float, error: str, what: str = "bus.undecodable"

@@ -23,6 +23,7 @@ import bisect
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 DIGEST_BYTES = 16
 MAX_PER_ATTESTATION = 4096
@@ -105,6 +106,16 @@ class Attested:
 
 LOOK_BACK = 8
 NOT_COVERED = "not covered"
+
+
+class Sink(Protocol):
+    """What a reader tells an attester: every sequence it read, and each it accepted."""
+
+    def read(self, seq: int) -> None: ...
+
+    def accepted(self, seq: int, digest: bytes) -> None: ...
+
+
 """`Attestations.check`: no attestation covers the sequence; verify the signature."""
 
 

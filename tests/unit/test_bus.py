@@ -19,7 +19,7 @@ from nats.js import api
 
 from llmgw import bus
 from llmgw.bus import provisioning, publisher, reader, snapshots
-from llmgw.core import events, subjects
+from llmgw.core import events, retention, subjects
 from llmgw.pki import signing
 from llmgw.pki.ca import CertificateAuthority
 from llmgw.pki.identity import Identity
@@ -99,7 +99,7 @@ def test_every_conflict_is_named() -> None:
 
 def test_publish_headers_carry_id_ttl_fence_and_signature() -> None:
     fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, 41)
-    event = shard(1)
+    event = events.Heartbeat(id="s1", ts=1.0, node="node-a", seq=1)
     subject, payload = events.subject_of(event), events.encode(event)
     headers = publisher._headers(NODE_A, subject, event, payload, 1.2, fence)
     sig, cert = headers.pop("Llmgw-Sig"), headers.pop("Llmgw-Cert")
@@ -111,8 +111,18 @@ def test_publish_headers_carry_id_ttl_fence_and_signature() -> None:
     }
     signed = signing.event_message(subject, "s1", payload)
     assert LEGACY.verify(signed, sig, cert, time.time()) == Identity("node", "node-a")
-    plain = publisher._headers(NODE_A, subject, event, payload, None, None)
+    # A heartbeat always expires; nothing else may.
+    beat = publisher._headers(NODE_A, subject, event, payload, None, None)
+    assert beat["Nats-TTL"] == f"{publisher.DEFAULT_HEARTBEAT_TTL_S:.0f}s"
+    assert publisher._headers(NODE_A, subject, event, payload, 10**9, None)["Nats-TTL"] == (
+        f"{retention.MAX_HEARTBEAT_TTL_S:.0f}s"
+    )
+    other = shard(1)
+    other_subject, other_payload = events.subject_of(other), events.encode(other)
+    plain = publisher._headers(NODE_A, other_subject, other, other_payload, None, None)
     assert set(plain) == {"Nats-Msg-Id", "Llmgw-Sig", "Llmgw-Cert"}
+    with pytest.raises(ValueError, match="only heartbeats"):
+        publisher._headers(NODE_A, other_subject, other, other_payload, 60, None)
     with pytest.raises(ValueError, match="ttl_s must be positive"):
         publisher._headers(NODE_A, subject, event, payload, 0, None)
 

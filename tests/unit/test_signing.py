@@ -259,7 +259,11 @@ async def test_intake_folds_signed_events_and_refuses_the_rest_with_their_sequen
     subject = "llmgw.events.node.a.heartbeat"
     event = events.Heartbeat(id="hb-1", ts=1.0, node="a", seq=1)
     payload = events.encode(event)
-    good = {"Nats-Msg-Id": "hb-1", **node_a.event_headers(subject, "hb-1", payload)}
+    good = {
+        "Nats-Msg-Id": "hb-1",
+        "Nats-TTL": "60s",
+        **node_a.event_headers(subject, "hb-1", payload),
+    }
     wrong = {"Nats-Msg-Id": "hb-1", **node_b.event_headers(subject, "hb-1", payload)}
     twice = block(good)[:-2] + f"{signing.SIG_HEADER}: {good[signing.SIG_HEADER]}\r\n\r\n".encode()
     r._on_raw(subject.encode(), ack(1, 1, 4), payload, block(good))

@@ -1,0 +1,121 @@
+"""What a Reader accepts of the raw messages it is handed: the TTL rule, and attestations in
+place of signature checks (with the real signing code, no network)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmgw.bus import reader
+from llmgw.control.attesting import Attester
+from llmgw.core import attestation, events, subjects
+from llmgw.pki import signing
+from llmgw.pki.identity import Identity
+from tests.unit.test_signing import SIGNERS, VERIFIER, _NoClient, ack, block
+
+NODE = SIGNERS[Identity("node", "a")]
+
+
+class CountingVerifier:
+    """The real verifier, counting how often it is asked."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def event_refusal(self, *args: Any, **kwargs: Any) -> str | None:
+        self.calls += 1
+        return VERIFIER.event_refusal(*args, **kwargs)
+
+
+def signed(event: events.Event, ttl: str | None = None) -> tuple[bytes, bytes, bytes]:
+    subject = events.subject_of(event)
+    payload = events.encode(event)
+    headers = {"Nats-Msg-Id": event.id, **NODE.event_headers(subject, event.id, payload)}
+    if ttl is not None:
+        headers["Nats-TTL"] = ttl
+    return subject.encode(), payload, block(headers)
+
+
+def feed(r: reader.Reader, messages: list[tuple[bytes, bytes, bytes]], first: int = 1) -> None:
+    r._outstanding = len(messages) + 1
+    for i, (subject, payload, headers) in enumerate(messages):
+        pending = len(messages) - i - 1
+        r._expect_cseq = first + i
+        r._on_raw(subject, ack(first + i, first + i, pending), payload, headers)
+
+
+def beat(i: int) -> events.Heartbeat:
+    return events.Heartbeat(id=f"hb-{i}", ts=1.0, node="a", seq=i)
+
+
+def shard(i: int) -> events.ShardStatus:
+    return events.ShardStatus(
+        id=f"s-{i}", ts=1.0, node="a", replica_id="r", generation=i, phase="starting"
+    )
+
+
+def test_only_heartbeats_expire_and_every_heartbeat_does() -> None:
+    r = reader.Reader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
+    feed(
+        r,
+        [
+            signed(beat(1), "60s"),  # accepted
+            signed(beat(2)),  # no TTL: would stay forever
+            signed(beat(3), "never"),
+            signed(beat(4), "2h"),
+            signed(shard(5)),  # accepted
+            signed(shard(6), "60s"),  # would vanish from later replays
+        ],
+    )
+    assert [rec.seq for rec in r._buf] == [1, 5]
+    assert list(r.ttl_refused) == [2, 3, 4, 6]
+    assert all("refused:" in s.error for s in r.skipped)
+
+
+def test_an_attestation_replaces_the_signature_check_and_confirms_only_what_it_saw() -> None:
+    msgs = [signed(shard(i)) for i in range(1, 9)]
+    forged = (
+        subjects.node_event("a", "shard").encode(),
+        events.encode(shard(3)),
+        block({"Nats-Msg-Id": "s-3"}),  # unsigned: the leader refuses it
+    )
+    log = [*msgs[:2], forged, *msgs[3:]]
+    # The leader reads and verifies everything, and attests what it accepted.
+    now = [0.0]
+    att = Attester(every=100, within_s=0.0, clock=lambda: now[0])
+    leader = reader.Reader(_NoClient(), verifier=VERIFIER, attester=att)  # type: ignore[arg-type]
+    feed(leader, log[:6])
+    assert [rec.seq for rec in leader._buf] == [1, 2, 4, 5, 6]
+    event = att.take(event_id="att-1", epoch=1, basis_seq=6)
+    assert event is not None
+    assert (event.first_seq, event.last_seq) == (1, 6)
+    item = attestation.Attested.of(event.first_seq, event.last_seq, event.accepted, event.digests)
+    assert item is not None
+    book = attestation.Attestations()
+    book.add(item)
+
+    # A later reader checks no signature in the attested range, and one per message after.
+    counting = CountingVerifier()
+    later = reader.Reader(
+        _NoClient(),  # type: ignore[arg-type]
+        verifier=counting,  # type: ignore[arg-type]
+        attestations=book,
+    )
+    tampered = (log[4][0], log[4][1] + b" ", log[4][2])
+    feed(later, [*log[:4], tampered, *log[5:]])
+    assert [rec.seq for rec in later._buf] == [1, 2, 4, 6, 7, 8]
+    assert later.confirmed == 4
+    assert counting.calls == 2  # seqs 7 and 8, after the attestation
+    refusals = {s.seq: s.error for s in later.skipped}
+    assert "did not accept" in refusals[3]
+    assert "differs" in refusals[5]
+
+
+def test_a_reader_without_an_attester_or_attestations_hashes_nothing(monkeypatch: Any) -> None:
+    def boom(*args: object) -> bytes:
+        raise AssertionError("hashed")
+
+    monkeypatch.setattr(attestation, "digest", boom)
+    r = reader.Reader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
+    feed(r, [signed(shard(1))])
+    assert [rec.seq for rec in r._buf] == [1]
+    assert signing  # the real signing module signed these messages
