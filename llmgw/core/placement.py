@@ -28,7 +28,7 @@ import msgspec
 
 from llmgw.core import catalog, events
 from llmgw.core.profile import ModelProfile
-from llmgw.core.state import ClusterState, NodeState
+from llmgw.core.state import ClusterState, NodeState, Quarantine
 
 PORT_BASE = 8100
 PORT_LIMIT = 9100
@@ -178,7 +178,7 @@ class Capacity:
         self.rejected: dict[str, str] = {}
         for name in sorted(state.nodes):
             node = state.nodes[name]
-            why = _unusable(node)
+            why = _unusable(node, quarantine=state.quarantined.get(name))
             if why:
                 self.rejected[name] = why
             else:
@@ -198,7 +198,9 @@ class Capacity:
             self.spread[model][sa.node] += 1
 
 
-def _unusable(node: NodeState, now: float | None = None) -> str:
+def _unusable(
+    node: NodeState, now: float | None = None, *, quarantine: Quarantine | None = None
+) -> str:
     if node.liveness == "lost":
         return "lost"
     if node.liveness == "unreachable":
@@ -207,6 +209,8 @@ def _unusable(node: NodeState, now: float | None = None) -> str:
         return "unreachable"
     if node.draining:
         return "draining"
+    if quarantine is not None:
+        return f"quarantined ({quarantine.reason})" if quarantine.reason else "quarantined"
     if node.cordoned:
         return f"cordoned ({node.cordon_reason})" if node.cordon_reason else "cordoned"
     return ""
@@ -456,6 +460,7 @@ _CATEGORIES = (
     ("lost", "lost"),
     ("unreachable", "unreachable"),
     ("draining", "draining"),
+    ("quarantined", "quarantined"),
     ("cordoned", "cordoned"),
     ("wrong class", "wrong class"),
     ("no shared fabric", "no shared fabric"),
@@ -504,7 +509,7 @@ def explain(state: ClusterState, model: str, now: float) -> Explanation:
     if isinstance(result, Unplaceable):
         reasons.update(result.nodes)
     for name in cap.rejected:
-        reasons[name] = _unusable(state.nodes[name], now)
+        reasons[name] = _unusable(state.nodes[name], now, quarantine=state.quarantined.get(name))
     fits = {c.node: c for c in _all_candidates(state, cap, profile)}
     landing = {sa.node: sa for sa in result.shards} if isinstance(result, Placement) else {}
     verdicts: list[NodeVerdict] = []
