@@ -58,6 +58,8 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     time: float
     """Server's store time, UNIX seconds (UTC)."""
     event: events.AnyEvent
+    size: int = 0
+    """Bytes of the message's payload and headers: what it costs the log (quotas)."""
 
 
 class Skipped(msgspec.Struct, frozen=True):
@@ -361,7 +363,7 @@ class Reader:
             self._skip(seq, name, ts / _NS, str(exc) or type(exc).__name__)
         else:
             if events.published_where_owned(event, name):
-                self._buf.append(Record(seq, name, ts / _NS, event))
+                self._buf.append(Record(seq, name, ts / _NS, event, len(data) + len(headers)))
             else:
                 self._skip(
                     seq,
