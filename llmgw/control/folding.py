@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 from llmgw import bus, logs
 from llmgw.control.metrics import Metrics
+from llmgw.control.quota import Meter
 from llmgw.core import events, state, subjects
 
 log = logs.get("llmgw.control")
@@ -25,8 +26,17 @@ CONTROL_PREFIX = subjects.CONTROL_EVENTS_ALL[:-1]  # "llmgw.events.control."
 class Folded:
     """The state folded so far and the bookkeeping the leader needs around it."""
 
-    def __init__(self, metrics: Metrics, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, metrics: Metrics, clock: Callable[[], float], meter: Meter | None = None
+    ) -> None:
         self.state = state.ClusterState()
+        self.meter = meter
+        """Counts each node's registered/shard messages (llmgw.control.quota)."""
+        self.collect_ignored = False
+        """Keep the sequences of quarantined nodes' ignored events in `ignored` (the
+        leader deletes them)."""
+        self.ignored: list[int] = []
+        self.ignored_total = 0
         self.metrics = metrics
         self.clock = clock
         self.control_seq = 0
@@ -48,8 +58,12 @@ class Folded:
         applied = rejected = 0
         interesting = False
         control = self.control_seq
+        meter = self.meter
+        ignored = 0
         for rec in batch:
             event = rec.event
+            if meter is not None and isinstance(event, state.QUARANTINABLE):
+                meter.observe(event.node, rec.seq, rec.time, rec.size)
             if type(event) is events.Heartbeat:
                 if not interesting:
                     node = st.nodes.get(event.node)
@@ -65,6 +79,13 @@ class Folded:
                 applied += 1
                 continue
             rejected += 1
+            if st.quarantined and state.ignored_by_quarantine(st, event):
+                # Not worth a line each: a flood is what quarantined it. Counted, and
+                # kept for the leader to delete.
+                ignored += 1
+                if self.collect_ignored:
+                    self.ignored.append(rec.seq)
+                continue
             if epoch and isinstance(event, events.ControlEvent) and event.epoch == epoch:
                 self.own_rejected += 1
             log.warning(
@@ -82,6 +103,10 @@ class Folded:
             m.applied.inc(applied)
         if rejected:
             m.rejected.inc(rejected)
+        if ignored:
+            self.ignored_total += ignored
+            m.quarantine_ignored.inc(ignored)
+        m.quarantined_nodes.set(len(st.quarantined))
         if batch:
             m.folded_seq.set(st.last_seq)
             m.fold_lag.set(max(0.0, self.clock() - batch[-1].time))
