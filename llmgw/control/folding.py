@@ -96,6 +96,8 @@ class Folded:
                 reason=reason,
             )
         self.control_seq = control
+        if meter is not None and batch:
+            meter.advance(batch[-1].time)  # heartbeats move the window's end too
         self.rejected += rejected
         self.since_snapshot += len(batch)
         m = self.metrics

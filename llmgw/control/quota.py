@@ -75,6 +75,11 @@ class Meter:
         self.now = 0.0
         """The newest server time seen: the window ends there."""
 
+    def advance(self, at: float) -> None:
+        """The log has reached server time `at` (any record): the window ends there."""
+        if at > self.now:
+            self.now = at
+
     def observe(self, node: str, seq: int, at: float, size: int) -> None:
         """One message of `node`, stored at server time `at`, `size` bytes."""
         if at > self.now:
