@@ -28,7 +28,7 @@ import msgspec
 
 from llmgw.core import catalog, events
 from llmgw.core.profile import ModelProfile
-from llmgw.core.state import ClusterState, NodeState, Quarantine
+from llmgw.core.state import ClusterState, NodeState
 
 PORT_BASE = 8100
 PORT_LIMIT = 9100
@@ -178,7 +178,7 @@ class Capacity:
         self.rejected: dict[str, str] = {}
         for name in sorted(state.nodes):
             node = state.nodes[name]
-            why = _unusable(node, quarantine=state.quarantined.get(name))
+            why = _unusable(node) or _quarantined(state, name)
             if why:
                 self.rejected[name] = why
             else:
@@ -198,9 +198,15 @@ class Capacity:
             self.spread[model][sa.node] += 1
 
 
-def _unusable(
-    node: NodeState, now: float | None = None, *, quarantine: Quarantine | None = None
-) -> str:
+def _quarantined(state: ClusterState, name: str) -> str:
+    """Why a node whose log traffic exceeded its budget gets nothing (see NodeQuarantined)."""
+    q = state.quarantined.get(name)
+    if q is None:
+        return ""
+    return f"quarantined ({q.reason})" if q.reason else "quarantined"
+
+
+def _unusable(node: NodeState, now: float | None = None) -> str:
     if node.liveness == "lost":
         return "lost"
     if node.liveness == "unreachable":
@@ -209,8 +215,6 @@ def _unusable(
         return "unreachable"
     if node.draining:
         return "draining"
-    if quarantine is not None:
-        return f"quarantined ({quarantine.reason})" if quarantine.reason else "quarantined"
     if node.cordoned:
         return f"cordoned ({node.cordon_reason})" if node.cordon_reason else "cordoned"
     return ""
@@ -509,7 +513,7 @@ def explain(state: ClusterState, model: str, now: float) -> Explanation:
     if isinstance(result, Unplaceable):
         reasons.update(result.nodes)
     for name in cap.rejected:
-        reasons[name] = _unusable(state.nodes[name], now, quarantine=state.quarantined.get(name))
+        reasons[name] = _unusable(state.nodes[name], now) or _quarantined(state, name)
     fits = {c.node: c for c in _all_candidates(state, cap, profile)}
     landing = {sa.node: sa for sa in result.shards} if isinstance(result, Placement) else {}
     verdicts: list[NodeVerdict] = []
