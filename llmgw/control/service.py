@@ -86,6 +86,9 @@ class ControlService:
         self._wake = asyncio.Event()
         self._delete_wake = asyncio.Event()
         self._delete_strikes = 0
+        self._sweep_task: asyncio.Task[None] | None = None
+        self._sweep_epoch = 0
+        """The epoch in which this instance last swept quarantined nodes' messages."""
         self._stopping = False
         self._awaiting = 0
         self._announced = 0
@@ -178,6 +181,8 @@ class ControlService:
             self._delete_wake.set()
             if self._reader is not None:
                 await self._reader.close()
+            if self._sweep_task is not None:
+                tasks.append(self._sweep_task)
             await tasks_.stop(tasks, who=f"control {self.name}")
             if self._snapshot_task is not None:
                 with contextlib.suppress(Exception):
@@ -339,6 +344,7 @@ class ControlService:
                             self._log_was_unavailable("lease acquired")
                             self._set_leading(True, lease.epoch)
                             self._announced = 0
+                            self._sweep_epoch = 0
                             log.info("control.leading", name=self.name, epoch=lease.epoch)
                             self._wake.set()
                     except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
@@ -419,6 +425,9 @@ class ControlService:
         if self.cfg.sync_models and self._models_synced_epoch != self.epoch:
             await self._sync_models()
             return
+        if self._sweep_epoch != self.epoch and self.cfg.node_quota.delete:
+            self._sweep_epoch = self.epoch
+            self._sweep_task = self._spawn(self._sweep_quarantined(), "sweep")
         if await self._police_quota():
             return  # decide on once the fold has the quarantines
         await self.reconcile_once()
@@ -467,6 +476,45 @@ class ControlService:
             return False
         await self._publish_fenced(decided)
         return True
+
+    async def _sweep_quarantined(self) -> None:
+        """Once per leadership: queue for deletion what quarantined nodes wrote before this
+        instance led (or before it restarted), which no list of this instance holds.
+
+        A node quarantined since sequence Q and still quarantined at the folded sequence S
+        had every registered and shard message in (Q, S] ignored by every fold: those are
+        deleted. Best effort: a failure leaves them in the log, as before.
+        """
+        assert self._nc is not None
+        upto = self.state.last_seq
+        targets = sorted((node, q.seq) for node, q in self.state.quarantined.items())
+        found: list[int] = []
+        for node, since in targets:
+            reader = bus.Reader(
+                self._nc,
+                after_seq=since,
+                subjects_filter=[
+                    subjects.node_event(node, "registered"),
+                    subjects.node_event(node, "shard"),
+                ],
+                follow=False,
+                name=f"control-{self.name}-sweep",
+            )
+            try:
+                async with reader:
+                    async for batch in reader.batches():
+                        found += [r.seq for r in batch if r.seq <= upto]
+                        if batch and batch[-1].seq >= upto:
+                            break
+            except Exception as exc:  # best effort; the loop must not die of it
+                log.warning("control.quarantine_sweep_failed", node=node, error=repr(exc))
+                continue
+            # Undecodable messages there are refused by every reader as well.
+            found += [x.seq for x in reader.skipped if since < x.seq <= upto]
+        if found and self.leading:
+            log.info("control.quarantine_sweep", messages=len(found), upto_seq=upto)
+            self.folded.ignored.extend(found)
+            self._delete_wake.set()
 
     async def _delete_loop(self) -> None:
         """Delete the messages the fold ignored for quarantined nodes: a flood then costs

@@ -249,3 +249,65 @@ def digest_to(log: list[bus.Record], seq: int) -> str:
 
 def replica_on_first(svc: ControlService, node: str) -> str:
     return sorted(r.id for r in svc.state.active_replicas() if r.shards[0].node == node)[0]
+
+
+async def test_a_new_leader_sweeps_what_a_quarantined_node_wrote_before_it_led(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """A leader that did not delete (deletion off) leaves the flood in the log; the next
+    leader deletes it once it leads, and no fold changes: the same digest before and after."""
+    keep = control_config(
+        nats_server,
+        "control-a",
+        node_quota=NodeQuota(
+            window_s=60.0, max_messages=200, max_bytes=4 * 1024 * 1024, delete=False
+        ),
+    )
+    admin = await connect.admin()
+    agent: SimAgent | None = None
+    try:
+        async with running(ControlService(keep)) as svc:
+            agent = await SimAgent(nats_server, "node-b", gpus=1).start()
+            await wait_for(lambda: "node-b" in svc.state.nodes, 20, "node-b registered")
+            await operate(
+                nats_server,
+                events.ModelDeclared(
+                    id="op-1", ts=time.time(), operator="alice", profile=model("m1", replicas=1)
+                ),
+            )
+            await wait_for(lambda: serving(svc, "m1") == 1, 20, "m1 serving")
+            start = next(c for c in agent.commands if isinstance(c, events.StartShard))
+            flood = Flood(agent, start)
+            flood.begin(1500)
+            await wait_for(lambda: "node-b" in svc.state.quarantined, 30, "node-b quarantined")
+            await flood.done()
+            q_seq = svc.state.quarantined["node-b"].seq
+            log = await read_log(admin)
+            late = [r.seq for r in log if r.seq > q_seq and r.subject.endswith(".node-b.shard")]
+            assert late, "the flood went on after the quarantine"
+            await wait_for(lambda: svc.state.last_seq >= log[-1].seq, 10, "folded to the end")
+            before = digest_to(log, svc.state.last_seq)
+            assert before == state.digest(svc.state)
+            assert svc.metrics.quarantine_deleted._value.get() == 0
+
+        sweep = control_config(
+            nats_server,
+            "control-a",
+            node_quota=NodeQuota(window_s=60.0, max_messages=200, max_bytes=4 * 1024 * 1024),
+        )
+        async with running(ControlService(sweep)) as svc2:
+
+            async def swept() -> bool:
+                now = await read_log(admin)
+                return not [r for r in now if r.seq in set(late)]
+
+            await wait_for(swept, 30, "the flood swept from the log", every_s=0.5)
+            assert svc2.metrics.quarantine_deleted._value.get() >= len(late) - 5
+            after = await read_log(admin)
+            assert digest_to(after, log[-1].seq) == before
+            assert "node-b" in svc2.state.quarantined
+    finally:
+        if agent is not None:
+            await agent.close()
+        with contextlib.suppress(Exception):
+            await admin.close()
