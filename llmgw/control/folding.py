@@ -6,6 +6,9 @@ folds each batch the Reader yields, counts and logs every event the fold refuses
 sequence on `llmgw.events.control.>` - the value the leader's fenced writes
 expect, since the server counts every message there. It also says whether a
 batch could change a decision, so the leader is not woken by routine heartbeats.
+It feeds each node's registered/shard messages to the quota meter (llmgw.control.quota)
+and, for the leader, keeps the sequences its fold ignored for quarantined nodes, which
+the service deletes; those are counted, not logged one by one.
 Used by llmgw.control.service; no I/O beyond logging.
 """
 

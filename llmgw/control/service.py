@@ -22,6 +22,11 @@ passed the batch's last sequence, so it never places the same replica twice.
 Rejected events are counted and logged with their sequence; nothing in the log
 stops the loop. The leader saves snapshots every N events or T seconds.
 
+Every instance measures each node's log traffic (llmgw.control.quota); the leader
+quarantines a node over its budget and releases it once calm (fenced decisions like
+any other), deletes the messages its fold ignored for quarantined nodes, and once per
+epoch sweeps what they wrote before it led (docs/security.md, "A node's share of the log").
+
 The admin API (llmgw.control.admin) reads `state` and `metrics`.
 """
 

@@ -21,6 +21,12 @@ The reconciler turns what it observes there into recorded control events
 (NodeUnreachable, NodeLost, NodeRecovered, GpuHealthChanged), and the durable
 state takes liveness and GPU health only from those. That is what lets a
 replay of the log reach the leader's digest and reproduce its decisions.
+
+Quarantine. From a node's NodeQuarantined until its NodeReleased, the fold refuses that
+node's registrations and shard reports (`ignored_by_quarantine`) and keeps its heartbeats;
+placement gives it nothing. The rule depends only on the order of the log, so every
+reader agrees, and the leader may delete the refused messages without changing any fold
+(llmgw.control.quota, docs/security.md).
 """
 
 from __future__ import annotations
