@@ -364,3 +364,12 @@ def test_config_rejects_a_budget_of_nothing() -> None:
     cfg = msgspec.convert({"name": "c1", "node_quota": {"max_messages": 0}}, config.ControlConfig)
     problems: list[Any] = config.validate(cfg)
     assert any("node_quota" in p for p in problems)
+
+
+def test_ctl_events_says_who_was_quarantined_and_why() -> None:
+    from llmgw.ctl import eventlines
+
+    line = eventlines.summary(quarantine("gpu-07"))
+    assert line == "gpu-07 quarantined: wrote too much"
+    assert eventlines.summary(release("gpu-07")) == "gpu-07 released from quarantine"
+    assert eventlines.nodes_of(quarantine("gpu-07")) == {"gpu-07"}
