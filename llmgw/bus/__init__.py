@@ -33,10 +33,12 @@ NATS API subjects each role uses (the authorization must allow them; `<s>` is
 - the control plane also: `STREAM.INFO.*`, `STREAM.CREATE.*` (provisioning of
   `llmgw-events`, `KV_llmgw-lease`, `OBJ_llmgw-snapshots`), `$KV.llmgw-lease.>`,
   `DIRECT.GET.KV_llmgw-lease.>` / `STREAM.MSG.GET.KV_llmgw-lease`, `$O.llmgw-snapshots.>`
-  and the consumer API on `OBJ_llmgw-snapshots` (listing snapshots).
+  and the consumer API on `OBJ_llmgw-snapshots` (listing snapshots), and
+  `STREAM.MSG.DELETE.llmgw-events` (`delete_messages`: what no fold uses).
 """
 
 from llmgw.bus.connection import BusClient, backoff_delay, connect
+from llmgw.bus.deletion import Deleted, delete_messages
 from llmgw.bus.keys import Keys
 from llmgw.bus.lease import Holder, Lease, LeaseLost
 from llmgw.bus.provisioning import (
@@ -55,6 +57,7 @@ __all__ = [
     "LEASE_BUCKET",
     "SNAPSHOT_BUCKET",
     "BusClient",
+    "Deleted",
     "Fence",
     "FenceRefused",
     "Holder",
@@ -75,5 +78,6 @@ __all__ = [
     "StreamSettings",
     "backoff_delay",
     "connect",
+    "delete_messages",
     "provision",
 ]

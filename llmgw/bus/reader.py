@@ -114,6 +114,8 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     time: float
     """Server's store time, UNIX seconds (UTC)."""
     event: events.AnyEvent
+    size: int = 0
+    """Bytes of the message's payload and headers: what it costs the log (quotas)."""
 
 
 class Skipped(msgspec.Struct, frozen=True):
@@ -469,7 +471,7 @@ class Reader:
                 self.ttl_refused.append(seq)
                 self._skip(seq, name, ts / _NS, f"refused: {problem}", "bus.ttl_refused")
             else:
-                self._buf.append(Record(seq, name, ts / _NS, event))
+                self._buf.append(Record(seq, name, ts / _NS, event, len(data) + len(headers)))
         if pending == b"0":
             self.caught_up.set()
 

@@ -16,6 +16,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.bus.settings import NatsConnection
+from llmgw.control.quota import NodeQuota
 from llmgw.core import catalog, subjects
 from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile import ReconcileConfig
@@ -63,6 +64,8 @@ class ControlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Reconcile at least this often (heartbeat ages), besides after every new event."""
     reconcile: ReconcileConfig = ReconcileConfig()
     snapshot: SnapshotConfig = SnapshotConfig()
+    node_quota: NodeQuota = NodeQuota()
+    """Each node's budget of log traffic: over it, the leader quarantines the node."""
     models: tuple[ModelProfile, ...] = ()
     """Declared in the log at start (ModelDeclared / ModelChanged / ModelRemoved, diffed
     against it): the models this file declared and no longer lists are removed; models an
@@ -101,6 +104,12 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
         )
     if cfg.snapshot.every_events < 0 or cfg.snapshot.every_s < 0:
         problems.append("snapshot.every_events and snapshot.every_s must be 0 (never) or more")
+    nq = cfg.node_quota
+    if not nq.window_s > 0 or nq.max_messages < 1 or nq.max_bytes < 1:
+        problems.append(
+            "node_quota: window_s, max_messages and max_bytes must be above 0 "
+            "(600, 5000 and 67108864 are the defaults; set enabled: false to measure nothing)"
+        )
     if cfg.snapshot.keep < 1:
         problems.append("snapshot.keep must be at least 1")
     problems += cfg.nats.problems(

@@ -6,6 +6,9 @@ folds each batch the Reader yields, counts and logs every event the fold refuses
 sequence on `llmgw.events.control.>` - the value the leader's fenced writes
 expect, since the server counts every message there. It also says whether a
 batch could change a decision, so the leader is not woken by routine heartbeats.
+It feeds each node's registered/shard messages to the quota meter (llmgw.control.quota)
+and, for the leader, keeps the sequences its fold ignored for quarantined nodes, which
+the service deletes; those are counted, not logged one by one.
 Used by llmgw.control.service; no I/O beyond logging.
 """
 
@@ -15,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 from llmgw import bus, logs
 from llmgw.control.metrics import Metrics
+from llmgw.control.quota import Meter
 from llmgw.core import events, state, subjects
 
 log = logs.get("llmgw.control")
@@ -25,8 +29,17 @@ CONTROL_PREFIX = subjects.CONTROL_EVENTS_ALL[:-1]  # "llmgw.events.control."
 class Folded:
     """The state folded so far and the bookkeeping the leader needs around it."""
 
-    def __init__(self, metrics: Metrics, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, metrics: Metrics, clock: Callable[[], float], meter: Meter | None = None
+    ) -> None:
         self.state = state.ClusterState()
+        self.meter = meter
+        """Counts each node's registered/shard messages (llmgw.control.quota)."""
+        self.collect_ignored = False
+        """Keep the sequences of quarantined nodes' ignored events in `ignored` (the
+        leader deletes them)."""
+        self.ignored: list[int] = []
+        self.ignored_total = 0
         self.metrics = metrics
         self.clock = clock
         self.control_seq = 0
@@ -48,8 +61,12 @@ class Folded:
         applied = rejected = 0
         interesting = False
         control = self.control_seq
+        meter = self.meter
+        ignored = 0
         for rec in batch:
             event = rec.event
+            if meter is not None and isinstance(event, state.QUARANTINABLE):
+                meter.observe(event.node, rec.seq, rec.time, rec.size)
             if type(event) is events.Heartbeat:
                 if not interesting:
                     node = st.nodes.get(event.node)
@@ -65,6 +82,13 @@ class Folded:
                 applied += 1
                 continue
             rejected += 1
+            if st.quarantined and state.ignored_by_quarantine(st, event):
+                # Not worth a line each: a flood is what quarantined it. Counted, and
+                # kept for the leader to delete.
+                ignored += 1
+                if self.collect_ignored:
+                    self.ignored.append(rec.seq)
+                continue
             if epoch and isinstance(event, events.ControlEvent) and event.epoch == epoch:
                 self.own_rejected += 1
             log.warning(
@@ -75,6 +99,8 @@ class Folded:
                 reason=reason,
             )
         self.control_seq = control
+        if meter is not None and batch:
+            meter.advance(batch[-1].time)  # heartbeats move the window's end too
         self.rejected += rejected
         self.since_snapshot += len(batch)
         m = self.metrics
@@ -82,6 +108,10 @@ class Folded:
             m.applied.inc(applied)
         if rejected:
             m.rejected.inc(rejected)
+        if ignored:
+            self.ignored_total += ignored
+            m.quarantine_ignored.inc(ignored)
+        m.quarantined_nodes.set(len(st.quarantined))
         if batch:
             m.folded_seq.set(st.last_seq)
             m.fold_lag.set(max(0.0, self.clock() - batch[-1].time))

@@ -59,6 +59,25 @@ class Metrics:
             p + "snapshot_seq", "Sequence of the last snapshot saved or loaded.", registry=r
         )
 
+        self.quarantine_ignored = Counter(
+            p + "quarantine_ignored",
+            "Events of quarantined nodes the fold ignored (registered and shard).",
+            registry=r,
+        )
+        self.quarantine_deleted = Counter(
+            p + "quarantine_deleted",
+            "Messages of quarantined nodes this leader deleted from the log.",
+            registry=r,
+        )
+        self.quarantine_delete_failed = Counter(
+            p + "quarantine_delete_failed",
+            "Deletions of quarantined nodes' messages that failed (retried).",
+            registry=r,
+        )
+        self.quarantined_nodes = Gauge(
+            p + "quarantined_nodes", "Nodes quarantined in the folded state.", registry=r
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

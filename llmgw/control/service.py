@@ -22,6 +22,11 @@ passed the batch's last sequence, so it never places the same replica twice.
 Rejected events are counted and logged with their sequence; nothing in the log
 stops the loop. The leader saves snapshots every N events or T seconds.
 
+Every instance measures each node's log traffic (llmgw.control.quota); the leader
+quarantines a node over its budget and releases it once calm (fenced decisions like
+any other), deletes the messages its fold ignored for quarantined nodes, and once per
+epoch sweeps what they wrote before it led (docs/security.md, "A node's share of the log").
+
 The admin API (llmgw.control.admin) reads `state` and `metrics`.
 """
 
@@ -41,6 +46,7 @@ from llmgw import bus, logs
 from llmgw import tasks as tasks_
 from llmgw.control import ids as ids_
 from llmgw.control import models as model_sync
+from llmgw.control import quota as quota_
 from llmgw.control.config import ControlConfig
 from llmgw.control.folding import CONTROL_PREFIX, Folded
 from llmgw.control.metrics import Metrics, failure_reason
@@ -69,7 +75,9 @@ class ControlService:
         self._tls = tls
         self.clock = clock
         self.metrics = Metrics()
-        self.folded = Folded(self.metrics, clock)
+        self.meter = quota_.Meter(cfg.node_quota) if cfg.node_quota.enabled else None
+        """Each node's log traffic in the window; the leader quarantines on it."""
+        self.folded = Folded(self.metrics, clock, self.meter)
         self.leading = False
         self.epoch = 0
         """Epoch of the lease this instance holds (0 when it holds none)."""
@@ -81,6 +89,11 @@ class ControlService:
         self.observing_since = clock()
         self.unplaceable: dict[str, str] = {}
         self._wake = asyncio.Event()
+        self._delete_wake = asyncio.Event()
+        self._delete_strikes = 0
+        self._sweep_task: asyncio.Task[None] | None = None
+        self._sweep_epoch = 0
+        """The epoch in which this instance last swept quarantined nodes' messages."""
         self._stopping = False
         self._awaiting = 0
         self._announced = 0
@@ -156,6 +169,7 @@ class ControlService:
                 self._spawn(self._lease_loop(), "lease"),
                 self._spawn(self._decide_loop(), "decide"),
                 self._spawn(self._tick(), "tick"),
+                self._spawn(self._delete_loop(), "delete"),
             ]
             stopped = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -170,8 +184,11 @@ class ControlService:
             # cancel would keep the process from stopping.
             self._stopping = True
             self._wake.set()
+            self._delete_wake.set()
             if self._reader is not None:
                 await self._reader.close()
+            if self._sweep_task is not None:
+                tasks.append(self._sweep_task)
             await tasks_.stop(tasks, who=f"control {self.name}")
             if self._snapshot_task is not None:
                 with contextlib.suppress(Exception):
@@ -254,6 +271,8 @@ class ControlService:
                 self._mark_caught_up()
             if interesting or self._awaiting:
                 self._wake.set()
+            if folded.ignored:
+                self._delete_wake.set()
             self._maybe_snapshot()
 
     # ------------------------------------------------------------------ snapshots
@@ -298,6 +317,10 @@ class ControlService:
     def _set_leading(self, leading: bool, epoch: int = 0) -> None:
         self.leading = leading
         self.epoch = epoch if leading else 0
+        # Only the leader deletes what quarantined nodes wrote; a follower keeps no list.
+        self.folded.collect_ignored = leading and self.cfg.node_quota.delete
+        if not leading:
+            self.folded.ignored.clear()
         self.metrics.leader.set(1 if leading else 0)
 
     def _step_down(self, why: str) -> None:
@@ -327,6 +350,7 @@ class ControlService:
                             self._log_was_unavailable("lease acquired")
                             self._set_leading(True, lease.epoch)
                             self._announced = 0
+                            self._sweep_epoch = 0
                             log.info("control.leading", name=self.name, epoch=lease.epoch)
                             self._wake.set()
                     except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
@@ -407,7 +431,142 @@ class ControlService:
         if self.cfg.sync_models and self._models_synced_epoch != self.epoch:
             await self._sync_models()
             return
+        if self._sweep_epoch != self.epoch and self.cfg.node_quota.delete:
+            self._sweep_epoch = self.epoch
+            self._sweep_task = self._spawn(self._sweep_quarantined(), "sweep")
+        if await self._police_quota():
+            return  # decide on once the fold has the quarantines
         await self.reconcile_once()
+
+    async def _police_quota(self) -> bool:
+        """Quarantine the nodes over their budget, release those that calmed down (see
+        llmgw.control.quota); True when it published any such decision."""
+        meter = self.meter
+        if meter is None:
+            return False
+        st = self.state
+        window = meter.quota.window_s
+        decided: list[events.ControlEvent] = []
+        for usage in meter.excessive():
+            if usage.node in st.quarantined:
+                continue
+            decided.append(
+                events.NodeQuarantined(
+                    id=ids_.unique(f"quarantine-{self.epoch}-{st.last_seq}-{len(decided)}"),
+                    ts=self.clock(),
+                    epoch=self.epoch,
+                    basis_seq=st.last_seq,
+                    node=usage.node,
+                    reason=meter.reason(usage),
+                    since_seq=usage.since_seq,
+                    messages=usage.messages,
+                    bytes=usage.bytes,
+                    window_s=window,
+                )
+            )
+        for node in sorted(st.quarantined):
+            if meter.calm(node, st.quarantined[node]):
+                usage = meter.usage(node)
+                decided.append(
+                    events.NodeReleased(
+                        id=ids_.unique(f"release-{self.epoch}-{st.last_seq}-{len(decided)}"),
+                        ts=self.clock(),
+                        epoch=self.epoch,
+                        basis_seq=st.last_seq,
+                        node=node,
+                        reason=f"wrote {usage.messages} messages, {usage.bytes} bytes in the "
+                        f"last {window:g} s: under the budget",
+                    )
+                )
+        if not decided:
+            return False
+        await self._publish_fenced(decided)
+        return True
+
+    async def _sweep_quarantined(self) -> None:
+        """Once per leadership: queue for deletion what quarantined nodes wrote before this
+        instance led (or before it restarted), which no list of this instance holds.
+
+        A node quarantined since sequence Q and still quarantined at the folded sequence S
+        had every registered and shard message in (Q, S] ignored by every fold: those are
+        deleted. Best effort: a failure leaves them in the log, as before.
+        """
+        assert self._nc is not None
+        upto = self.state.last_seq
+        targets = sorted((node, q.seq) for node, q in self.state.quarantined.items())
+        found: list[int] = []
+        for node, since in targets:
+            reader = bus.Reader(
+                self._nc,
+                after_seq=since,
+                subjects_filter=[
+                    subjects.node_event(node, "registered"),
+                    subjects.node_event(node, "shard"),
+                ],
+                follow=False,
+                name=f"control-{self.name}-sweep",
+            )
+            try:
+                async with reader:
+                    async for batch in reader.batches():
+                        found += [r.seq for r in batch if r.seq <= upto]
+                        if batch and batch[-1].seq >= upto:
+                            break
+            except Exception as exc:  # best effort; the loop must not die of it
+                log.warning("control.quarantine_sweep_failed", node=node, error=repr(exc))
+                continue
+            # Undecodable messages there are refused by every reader as well.
+            found += [x.seq for x in reader.skipped if since < x.seq <= upto]
+        if found and self.leading:
+            log.info("control.quarantine_sweep", messages=len(found), upto_seq=upto)
+            self.folded.ignored.extend(found)
+            self._delete_wake.set()
+
+    async def _delete_loop(self) -> None:
+        """Delete the messages the fold ignored for quarantined nodes: a flood then costs
+        the log bounded storage. No fold changes: every fold ignores them (they come after
+        the node's quarantine in the log)."""
+        batch = 1000
+        while not self._stopping:
+            await self._delete_wake.wait()
+            self._delete_wake.clear()
+            ignored = self.folded.ignored
+            while ignored and self.leading and not self._stopping and self._nc is not None:
+                seqs = ignored[:batch]
+                del ignored[:batch]
+                result = await bus.delete_messages(self._nc, seqs)
+                self.metrics.quarantine_deleted.inc(result.deleted)
+                log.info(
+                    "control.quarantine_deleted",
+                    deleted=result.deleted,
+                    gone=result.gone,
+                    failed=len(result.failed),
+                    first_seq=seqs[0],
+                    last_seq=seqs[-1],
+                )
+                if not result.failed:
+                    self._delete_strikes = 0
+                    continue
+                self.metrics.quarantine_delete_failed.inc(len(result.failed))
+                self._delete_strikes = 0 if result.deleted else self._delete_strikes + 1
+                seq, why = result.failed[0]
+                if self._delete_strikes >= 5:
+                    log.error(
+                        "control.quarantine_delete_failed",
+                        count=len(result.failed) + len(ignored),
+                        seq=seq,
+                        error=why,
+                        action="giving up on these; check the control identity may call "
+                        "STREAM.MSG.DELETE",
+                    )
+                    ignored.clear()
+                    self._delete_strikes = 0
+                    break
+                log.warning(
+                    "control.quarantine_delete_retry", count=len(result.failed), seq=seq, error=why
+                )
+                ignored.extend(s for s, _ in result.failed)
+                await asyncio.sleep(1.0)
 
     async def _announce(self) -> None:
         event_id = self._leader_ids.get(self.epoch)

@@ -234,6 +234,31 @@ class GpuHealthChanged(ControlEvent, tag="control.gpu_health_changed", kw_only=T
     """The new health of each GPU that changed; GPUs not listed keep theirs."""
 
 
+class NodeQuarantined(ControlEvent, tag="control.node_quarantined", kw_only=True, frozen=True):
+    """The leader measured more log traffic from a node than its budget allows.
+
+    From this event on, until a NodeReleased, every fold ignores the node's
+    `registered` and `shard` events (refused with a reason, like any refused event),
+    keeps its heartbeats for liveness, and places nothing on it; the leader deletes
+    the ignored messages from the stream. The counts say what was measured.
+    """
+
+    node: Name
+    reason: Text = ""
+    since_seq: Counter = 0
+    """The first sequence of the node's messages in the window that exceeded the budget."""
+    messages: Counter = 0
+    bytes: Counter = 0
+    window_s: Seconds = 0.0
+
+
+class NodeReleased(ControlEvent, tag="control.node_released", kw_only=True, frozen=True):
+    """The node's traffic stayed under its budget for a window: its events fold again."""
+
+    node: Name
+    reason: Text = ""
+
+
 class EndpointUp(ControlEvent, tag="control.endpoint_up", kw_only=True, frozen=True):
     replica_id: Name
     model: Name
@@ -313,6 +338,8 @@ AnyEvent: TypeAlias = (
     | NodeLost
     | NodeRecovered
     | GpuHealthChanged
+    | NodeQuarantined
+    | NodeReleased
     | EndpointUp
     | EndpointDown
     | LeaderElected

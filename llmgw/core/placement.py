@@ -178,7 +178,7 @@ class Capacity:
         self.rejected: dict[str, str] = {}
         for name in sorted(state.nodes):
             node = state.nodes[name]
-            why = _unusable(node)
+            why = _unusable(node) or _quarantined(state, name)
             if why:
                 self.rejected[name] = why
             else:
@@ -196,6 +196,14 @@ class Capacity:
             cap.take(placement.gpu_class, sa.gpus)
             cap.take_port(sa.port)
             self.spread[model][sa.node] += 1
+
+
+def _quarantined(state: ClusterState, name: str) -> str:
+    """Why a node whose log traffic exceeded its budget gets nothing (see NodeQuarantined)."""
+    q = state.quarantined.get(name)
+    if q is None:
+        return ""
+    return f"quarantined ({q.reason})" if q.reason else "quarantined"
 
 
 def _unusable(node: NodeState, now: float | None = None) -> str:
@@ -456,6 +464,7 @@ _CATEGORIES = (
     ("lost", "lost"),
     ("unreachable", "unreachable"),
     ("draining", "draining"),
+    ("quarantined", "quarantined"),
     ("cordoned", "cordoned"),
     ("wrong class", "wrong class"),
     ("no shared fabric", "no shared fabric"),
@@ -504,7 +513,7 @@ def explain(state: ClusterState, model: str, now: float) -> Explanation:
     if isinstance(result, Unplaceable):
         reasons.update(result.nodes)
     for name in cap.rejected:
-        reasons[name] = _unusable(state.nodes[name], now)
+        reasons[name] = _unusable(state.nodes[name], now) or _quarantined(state, name)
     fits = {c.node: c for c in _all_candidates(state, cap, profile)}
     landing = {sa.node: sa for sa in result.shards} if isinstance(result, Placement) else {}
     verdicts: list[NodeVerdict] = []

@@ -69,6 +69,9 @@ OBSERVATIONS: tuple[type[events.ControlEvent], ...] = (
     events.NodeLost,
     events.NodeRecovered,
     events.GpuHealthChanged,
+    # The leader's measurements of log traffic (llmgw.control.quota), not planning:
+    events.NodeQuarantined,
+    events.NodeReleased,
 )
 
 

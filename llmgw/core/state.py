@@ -21,6 +21,12 @@ The reconciler turns what it observes there into recorded control events
 (NodeUnreachable, NodeLost, NodeRecovered, GpuHealthChanged), and the durable
 state takes liveness and GPU health only from those. That is what lets a
 replay of the log reach the leader's digest and reproduce its decisions.
+
+Quarantine. From a node's NodeQuarantined until its NodeReleased, the fold refuses that
+node's registrations and shard reports (`ignored_by_quarantine`) and keeps its heartbeats;
+placement gives it nothing. The rule depends only on the order of the log, so every
+reader agrees, and the leader may delete the refused messages without changing any fold
+(llmgw.control.quota, docs/security.md).
 """
 
 from __future__ import annotations
@@ -167,6 +173,16 @@ class Seen(msgspec.Struct, kw_only=True, gc=False):
     health: tuple[events.GpuHealth, ...] | None = None
 
 
+class Quarantine(msgspec.Struct, kw_only=True, gc=False):
+    """A node whose log traffic exceeded its budget (see NodeQuarantined)."""
+
+    node: str
+    reason: str = ""
+    seq: int = 0
+    """Sequence of the NodeQuarantined event: the node's later events are ignored."""
+    ts: float = 0.0
+
+
 class ClusterState(msgspec.Struct, kw_only=True):
     nodes: dict[str, NodeState] = {}
     models: dict[str, ModelState] = {}
@@ -174,6 +190,8 @@ class ClusterState(msgspec.Struct, kw_only=True):
     endpoints: dict[str, Endpoint] = {}
     epoch: int = 0
     leader: str = ""
+    quarantined: dict[str, Quarantine] = {}
+    """Node -> its quarantine; a node may be quarantined before it ever registered."""
     # Not part of the digest:
     last_seq: int = 0
     seen: dict[str, Seen] = {}
@@ -218,6 +236,9 @@ def digest(state: ClusterState) -> str:
         state.epoch,
         state.leader,
     ]
+    if state.quarantined:
+        # Only when there is one: the digest of every log without quarantines is unchanged.
+        durable.append([(k, state.quarantined[k]) for k in sorted(state.quarantined)])
     return hashlib.sha256(_digest_encoder.encode(durable)).hexdigest()
 
 
@@ -278,8 +299,16 @@ def apply(
     if seq and seq <= state.last_seq:
         return f"sequence {seq} was already folded (state is at {state.last_seq})"
     handler = _HANDLERS.get(type(event))
-    if handler is None:
-        reason: str | None = f"{type(event).__name__} is not an event the fold knows"
+    q = None
+    if state.quarantined and isinstance(event, QUARANTINABLE):
+        q = state.quarantined.get(event.node)
+    if q is not None:
+        reason: str | None = (
+            f"node {q.node!r} is quarantined since seq {q.seq} ({q.reason}): "
+            f"its {events.tag_of(type(event))} events are not folded"
+        )
+    elif handler is None:
+        reason = f"{type(event).__name__} is not an event the fold knows"
     else:
         try:
             handler(state, event, seq, event.ts if at is None else at)
@@ -291,6 +320,16 @@ def apply(
     if seq:
         state.last_seq = seq
     return reason
+
+
+QUARANTINABLE = (events.NodeRegistered, events.ShardStatus)
+"""What a quarantined node's events the fold ignores: all but heartbeats (liveness)."""
+
+
+def ignored_by_quarantine(state: ClusterState, event: events.Event) -> bool:
+    """True when `event` is a quarantined node's registration or shard status: the fold
+    refuses it, and the leader may delete it from the log, since no fold ever uses it."""
+    return isinstance(event, QUARANTINABLE) and event.node in state.quarantined
 
 
 def _node(state: ClusterState, name: str) -> NodeState:
@@ -869,6 +908,21 @@ def _gpu_health(state: ClusterState, ev: events.GpuHealthChanged, seq: int, at: 
         )
 
 
+def _quarantined(state: ClusterState, ev: events.NodeQuarantined, seq: int, at: float) -> None:
+    _check_epoch(state, ev)
+    if ev.node in state.quarantined:
+        return  # already: the first quarantine's sequence stands
+    state.quarantined[ev.node] = Quarantine(
+        node=ev.node, reason=ev.reason, seq=seq, ts=float(ev.ts)
+    )
+
+
+def _released(state: ClusterState, ev: events.NodeReleased, seq: int, at: float) -> None:
+    _check_epoch(state, ev)
+    if state.quarantined.pop(ev.node, None) is None:
+        raise _Reject(f"node {ev.node!r} released, but it is not quarantined")
+
+
 def _endpoint_up(state: ClusterState, ev: events.EndpointUp, seq: int, at: float) -> None:
     _check_epoch(state, ev)
     replica = state.replicas.get(ev.replica_id)
@@ -967,6 +1021,8 @@ _HANDLERS: dict[type, Handler] = {
     events.NodeLost: _lost,
     events.NodeRecovered: _recovered,
     events.GpuHealthChanged: _gpu_health,
+    events.NodeQuarantined: _quarantined,
+    events.NodeReleased: _released,
     events.EndpointUp: _endpoint_up,
     events.EndpointDown: _endpoint_down,
     events.LeaderElected: _leader,

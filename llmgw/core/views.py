@@ -74,6 +74,9 @@ def node_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
             lifecycle += ",draining"
         if n.cordoned:
             lifecycle += ",cordoned"
+        quarantine = st.quarantined.get(name)
+        if quarantine is not None:
+            lifecycle += ",quarantined"
         out.append(
             {
                 "name": name,
@@ -83,6 +86,9 @@ def node_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
                 "cordoned": n.cordoned,
                 "cordon_reason": n.cordon_reason,
                 "draining": n.draining,
+                "quarantined": quarantine is not None,
+                "quarantine_reason": quarantine.reason if quarantine is not None else "",
+                "quarantined_seq": quarantine.seq if quarantine is not None else None,
                 "drain_since": n.drain_since or None,
                 "drain_grace_s": n.drain_grace_s if n.draining else None,
                 "heartbeat_age_s": _heartbeat_age(n, seen, now),
@@ -98,7 +104,37 @@ def node_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
                 "orphans": [o.replica_id for o in n.orphans],
             }
         )
+    for name in sorted(set(st.quarantined) - set(st.nodes)):
+        out.append(_unregistered_quarantined(st.quarantined[name]))
+    out.sort(key=lambda row: row["name"])
     return out
+
+
+def _unregistered_quarantined(q: state.Quarantine) -> dict[str, Any]:
+    """A node that never registered but was quarantined for what it wrote."""
+    return {
+        "name": q.node,
+        "address": "",
+        "state": "unregistered,quarantined",
+        "liveness": "unregistered",
+        "cordoned": False,
+        "cordon_reason": "",
+        "draining": False,
+        "quarantined": True,
+        "quarantine_reason": q.reason,
+        "quarantined_seq": q.seq,
+        "drain_since": None,
+        "drain_grace_s": None,
+        "heartbeat_age_s": None,
+        "last_seen": None,
+        "registered_ts": 0.0,
+        "agent_version": "",
+        "fabrics": [],
+        "gpu_classes": {},
+        "gpus": [],
+        "replicas": [],
+        "orphans": [],
+    }
 
 
 def replica_rows(st: state.ClusterState, model: str | None = None) -> list[dict[str, Any]]:

@@ -75,6 +75,11 @@ def _summary(event: events.Event) -> str:
             return f"{event.node} {what}"
         case events.NodeRecovered():
             return f"{event.node} recovered"
+        case events.NodeQuarantined():
+            return f"{event.node} quarantined: {event.reason}"
+        case events.NodeReleased():
+            why = f": {event.reason}" if event.reason else ""
+            return f"{event.node} released from quarantine{why}"
         case events.GpuHealthChanged():
             return f"{event.node} GPU health: " + ", ".join(
                 f"{h.index} ecc={h.ecc_uncorrected} foreign={h.foreign_memory_mib}MiB"

@@ -42,6 +42,7 @@ STATE_COLOUR = {
     "starting": "cyan",
     "placed": "cyan",
     "lost": "red",
+    "quarantined": "red",
     "failed": "red",
     "stopped": "dim",
 }
@@ -121,6 +122,8 @@ def nodes_table(rows: list[dict[str, Any]], *, colour: bool = False) -> str:
             excluded += c["excluded"]
         fabrics = ",".join(f["name"] for f in n["fabrics"]) or "-"
         state = n["state"] + (f" ({n['cordon_reason']})" if n["cordon_reason"] else "")
+        if n.get("quarantine_reason"):
+            state += f" (quarantined: {n['quarantine_reason']})"
         out.append(
             [
                 n["name"],
