@@ -31,7 +31,7 @@ async def load(nc: Client, *, after_seq: int = 0) -> attestation.Attestations:
                 if not isinstance(event, events.LogAttested) or event.last_seq <= after_seq:
                     continue
                 item = attestation.Attested.of(
-                    event.first_seq, event.last_seq, event.accepted, event.digests
+                    event.first_seq, event.last_seq, event.accepted, event.digests, event.refused
                 )
                 if item is None:
                     log.warning("bus.attestation_malformed", seq=record.seq, id=event.id)

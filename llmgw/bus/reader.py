@@ -448,11 +448,11 @@ class Reader:
                 seq, name, ts / _NS, f"signature refused: {refusal}", "bus.signature_refused"
             )
             if self._attester is not None:
-                self._attester.read(seq)
+                self._attester.refused(seq)
             if pending == b"0":
                 self.caught_up.set()
             return
-        if self._attester is not None:
+        if self._attester is not None and not name.endswith(".heartbeat"):
             self._attester.accepted(seq, digest)
         try:
             event = events.decode(data)

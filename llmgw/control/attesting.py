@@ -1,11 +1,12 @@
-"""The leader's side of verifying each event once: collecting what its reader accepted and
+"""The leader's side of verifying each event once: collecting what its reader checked and
 turning it into `control.log_attested` events (llmgw.core.attestation says why).
 
-The control plane's reader verifies every message's signature as it reads, and hands each
-accepted message's digest to an `Attester`. The leader publishes an attestation when enough
-has gathered (`every`) or some time has passed (`within_s`); every instance, leading or not,
-drops what an attestation in the log already covers, so a new leader attests only the
-stretch nobody has.
+The control plane's reader verifies every message's signature as it reads, and tells an
+`Attester` each message it accepted (with its digest) and each it refused. The leader
+publishes an attestation when enough has gathered (`every`) or some time has passed
+(`within_s`); every instance, leading or not, drops what an attestation in the log already
+covers, so a new leader attests only the stretch nobody has. Heartbeats are not attested
+(they expire; a digest kept forever is not worth it), nor do attestations alone make one due.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ DEFAULT_WITHIN_S = 10.0
 
 
 class Attester:
-    """Digests of accepted messages, waiting to be attested, in sequence order."""
+    """Digests of accepted messages and refused sequences, waiting to be attested."""
 
     def __init__(
         self,
@@ -31,32 +32,32 @@ class Attester:
         self.every = max(1, min(every, attestation.MAX_PER_ATTESTATION))
         self.within_s = within_s
         self.clock = clock
-        self._first = 0  # first sequence of the pending range (0: nothing read yet)
-        self._last = 0
         self._seqs: list[int] = []
         self._digests: list[bytes] = []
-        self._since = clock()
+        self._refused: list[int] = []
+        self._quiet: set[int] = set()
         self._covered = 0
+        self._since = clock()
 
     # -- fed by the reader -----------------------------------------------------------------
 
-    def read(self, seq: int) -> None:
-        """The reader has handed out or refused everything up to `seq`."""
-        if seq <= self._covered:
-            return
-        if not self._first:
-            self._first = max(seq, self._covered + 1)
-        self._last = max(self._last, seq)
-
     def accepted(self, seq: int, digest: bytes) -> None:
-        """The reader verified the message at `seq` (and read everything before it)."""
         if seq <= self._covered or (self._seqs and seq <= self._seqs[-1]):
             return
-        self.read(seq)
         self._seqs.append(seq)
         self._digests.append(digest)
 
+    def refused(self, seq: int) -> None:
+        if seq <= self._covered or (self._refused and seq <= self._refused[-1]):
+            return
+        self._refused.append(seq)
+
     # -- fed by the fold -------------------------------------------------------------------
+
+    def quiet(self, seq: int) -> None:
+        """The message at `seq` is an attestation: attested like any, due for none."""
+        if seq > self._covered:
+            self._quiet.add(seq)
 
     def attested(self, event: events.LogAttested) -> None:
         """An attestation reached the log: what it covers needs none from us."""
@@ -66,38 +67,41 @@ class Attester:
         keep = [i for i, s in enumerate(self._seqs) if s > self._covered]
         self._seqs = [self._seqs[i] for i in keep]
         self._digests = [self._digests[i] for i in keep]
-        self._first = self._covered + 1 if self._last > self._covered else 0
-        if not self._first:
-            self._last = 0
+        self._refused = [s for s in self._refused if s > self._covered]
+        self._quiet = {s for s in self._quiet if s > self._covered}
 
     # -- for the leader --------------------------------------------------------------------
 
     @property
     def pending(self) -> int:
-        return len(self._seqs)
+        return len(self._seqs) + len(self._refused)
 
     def due(self) -> bool:
-        if not self._seqs:
+        worth = self.pending - len(self._quiet)
+        if worth <= 0:
             return False
-        return len(self._seqs) >= self.every or self.clock() - self._since >= self.within_s
+        return self.pending >= self.every or self.clock() - self._since >= self.within_s
 
     def take(self, *, event_id: str, epoch: int, basis_seq: int) -> events.LogAttested | None:
-        """The next attestation (at most `every` messages), or None with nothing pending.
+        """The next attestation (at most `every` sequences), or None with nothing pending.
         What it covers stays pending until it is folded back (`attested`): a write that
         fails is attested again."""
-        if not self._seqs:
+        if not self.pending:
             return None
-        n = min(len(self._seqs), self.every)
-        seqs, digests = self._seqs[:n], self._digests[:n]
-        last = self._last if n == len(self._seqs) else self._seqs[n - 1]
+        merged = sorted([(s, True) for s in self._seqs] + [(s, False) for s in self._refused])
+        chunk = merged[: self.every]
+        last = chunk[-1][0]
+        accepted = [s for s, ok in chunk if ok]
+        digests = self._digests[: len(accepted)]
         self._since = self.clock()
         return events.LogAttested(
             id=event_id,
             ts=self.clock(),
             epoch=epoch,
             basis_seq=basis_seq,
-            first_seq=min(self._first or seqs[0], seqs[0]),
+            first_seq=chunk[0][0],
             last_seq=last,
-            accepted=attestation.runs(seqs),
+            accepted=attestation.runs(accepted),
             digests=attestation.encode_digests(digests),
+            refused=attestation.runs(s for s, ok in chunk if not ok),
         )

@@ -3,17 +3,18 @@
 Checking an event's signature costs an ECDSA verification (tens of microseconds), so a
 reader that verified every event of a long log at every replay would replay ten times
 slower than it decodes and folds. The control-plane leader already verifies every event it
-folds; every so often it publishes what it accepted as a `control.log_attested` event (a
-signed control event like any other): the range of sequences it read, the sequences in it
-that it accepted, and for each a 128-bit digest of the message (subject, id, payload and
-signature). A later reader checks the attestation's own signature once, then for each
-message in the range compares the message's digest with the attested one (a hash: about a
-microsecond) instead of verifying its signature. A message whose digest differs, or that
-the leader did not accept, is refused, so an attestation can only confirm what its signer
-verified. Messages after the last attestation are verified one by one.
+folds; every so often it publishes what it checked as a `control.log_attested` event (a
+signed control event like any other): a range of sequences, the sequences in it it accepted
+with a 128-bit digest of each message (subject, id, payload and signature), and those it
+refused. A later reader checks the attestation's own signature once, then for each message
+the attestation lists compares the message's digest with the attested one (a hash: about a
+microsecond) instead of verifying its signature, and refuses what the leader refused. A
+message whose digest differs is refused, so an attestation can only confirm what its signer
+verified. Messages it does not list (heartbeats, which expire and are not worth a digest
+kept forever) and those after the last attestation are verified one by one.
 
-Digests are per message, not a chain, so heartbeats that expired and messages deleted since
-change nothing for the others.
+Digests are per message, not a chain, so messages that expired or were deleted since change
+nothing for the others.
 """
 
 from __future__ import annotations
@@ -58,21 +59,44 @@ def encode_digests(digests: Iterable[bytes]) -> str:
     return base64.b64encode(b"".join(digests)).decode()
 
 
+def _index(starts: Sequence[int], ends: Sequence[int], seq: int) -> int:
+    """Which run holds `seq`, or -1."""
+    i = bisect.bisect_right(starts, seq) - 1
+    return i if i >= 0 and seq <= ends[i] else -1
+
+
+def _valid_runs(runs_: Sequence[tuple[int, int]], first: int, last: int) -> bool:
+    previous = first - 1
+    for a, b in runs_:
+        if not previous < a <= b <= last:
+            return False
+        previous = b
+    return True
+
+
 @dataclass(frozen=True)
 class Attested:
-    """One attestation, ready for look-ups: the range it covers and its accepted messages."""
+    """One attestation, ready for look-ups: the range it covers, the messages it accepted
+    (with their digests) and those it refused."""
 
     first_seq: int
     last_seq: int
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     offsets: tuple[int, ...]
-    """Index of each run's first digest in `digests`."""
+    """Index of each accepted run's first digest in `digests`."""
     digests: bytes
+    refused_starts: tuple[int, ...] = ()
+    refused_ends: tuple[int, ...] = ()
 
     @classmethod
     def of(
-        cls, first_seq: int, last_seq: int, accepted: Sequence[tuple[int, int]], digests: str
+        cls,
+        first_seq: int,
+        last_seq: int,
+        accepted: Sequence[tuple[int, int]],
+        digests: str,
+        refused: Sequence[tuple[int, int]] = (),
     ) -> Attested | None:
         """None for an attestation that does not hold together (runs outside the range,
         overlapping, or a digest count that does not match): such a one confirms nothing."""
@@ -80,28 +104,34 @@ class Attested:
             raw = base64.b64decode(digests, validate=True)
         except ValueError:
             return None
-        starts, ends, offsets = [], [], []
-        count, previous = 0, first_seq - 1
+        if first_seq > last_seq or not _valid_runs(accepted, first_seq, last_seq):
+            return None
+        if not _valid_runs(refused, first_seq, last_seq):
+            return None
+        offsets, count = [], 0
         for a, b in accepted:
-            if not previous < a <= b <= last_seq:
-                return None
-            starts.append(a)
-            ends.append(b)
             offsets.append(count)
             count += b - a + 1
-            previous = b
-        if first_seq > last_seq or len(raw) != count * DIGEST_BYTES:
+        if len(raw) != count * DIGEST_BYTES:
             return None
-        return cls(first_seq, last_seq, tuple(starts), tuple(ends), tuple(offsets), raw)
+        starts = tuple(a for a, _ in accepted)
+        ends = tuple(b for _, b in accepted)
+        r_starts = tuple(a for a, _ in refused)
+        r_ends = tuple(b for _, b in refused)
+        if any(_index(starts, ends, a) >= 0 or _index(starts, ends, b) >= 0 for a, b in refused):
+            return None
+        return cls(first_seq, last_seq, starts, ends, tuple(offsets), raw, r_starts, r_ends)
 
     def lookup(self, seq: int) -> bytes | None:
-        """The attested digest of `seq`, or None when the range holds `seq` but the leader
-        did not accept it (the caller checks `first_seq <= seq <= last_seq` first)."""
-        i = bisect.bisect_right(self.starts, seq) - 1
-        if i < 0 or seq > self.ends[i]:
+        """The attested digest of `seq`, or None when it did not accept it."""
+        i = _index(self.starts, self.ends, seq)
+        if i < 0:
             return None
         at = (self.offsets[i] + seq - self.starts[i]) * DIGEST_BYTES
         return self.digests[at : at + DIGEST_BYTES]
+
+    def refused(self, seq: int) -> bool:
+        return _index(self.refused_starts, self.refused_ends, seq) >= 0
 
 
 LOOK_BACK = 8
@@ -109,9 +139,9 @@ NOT_COVERED = "not covered"
 
 
 class Sink(Protocol):
-    """What a reader tells an attester: every sequence it read, and each it accepted."""
+    """What a reader tells an attester: each message it refused, and each it accepted."""
 
-    def read(self, seq: int) -> None: ...
+    def refused(self, seq: int) -> None: ...
 
     def accepted(self, seq: int, digest: bytes) -> None: ...
 
@@ -155,10 +185,11 @@ class Attestations:
             item = self._items[i]
             if item.first_seq <= seq <= item.last_seq:
                 attested = item.lookup(seq)
-                if attested is None:
-                    return "the control plane that attested this range did not accept it"
-                if attested != message_digest:
-                    return "it differs from the message the control plane attested"
-                return None
+                if attested is not None:
+                    if attested != message_digest:
+                        return "it differs from the message the control plane attested"
+                    return None
+                if item.refused(seq):
+                    return "the control plane that attested this range refused it"
             i -= 1
         return NOT_COVERED

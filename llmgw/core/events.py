@@ -282,10 +282,11 @@ class LeaderElected(ControlEvent, tag="control.leader_elected", kw_only=True, fr
 
 
 class LogAttested(ControlEvent, tag="control.log_attested", kw_only=True, frozen=True):
-    """What the leader accepted of the log, so that readers verify each event once
+    """What the leader checked of the log, so that readers verify each event once
     (llmgw.core.attestation): of the sequences first_seq..last_seq, those in `accepted`
     (inclusive runs) passed its signature check, with these digests (base64, 16 bytes each,
-    in sequence order). Changes no state."""
+    in sequence order), and those in `refused` did not; the others (heartbeats) it does not
+    vouch for. Changes no state."""
 
     first_seq: Counter
     last_seq: Counter
@@ -293,6 +294,10 @@ class LogAttested(ControlEvent, tag="control.log_attested", kw_only=True, frozen
         tuple[tuple[Counter, Counter], ...], msgspec.Meta(max_length=MAX_PER_ATTESTATION)
     ] = ()
     digests: Annotated[str, msgspec.Meta(max_length=_MAX_DIGESTS_B64)] = ""
+    refused: Annotated[
+        tuple[tuple[Counter, Counter], ...], msgspec.Meta(max_length=MAX_PER_ATTESTATION)
+    ] = ()
+    """Inclusive runs of the sequences it refused (readers refuse them too)."""
 
 
 # --------------------------------------------------------------------------- commands

@@ -20,7 +20,8 @@ message = st.tuples(
 def attest(first: int, log: dict[int, Message], accepted: set[int]) -> Attested:
     seqs = sorted(s for s in log if s in accepted)
     digests = attestation.encode_digests(attestation.digest(*log[s]) for s in seqs)
-    item = Attested.of(first, max(log), attestation.runs(seqs), digests)
+    refused = attestation.runs(sorted(s for s in log if s not in accepted))
+    item = Attested.of(first, max(log), attestation.runs(seqs), digests, refused)
     assert item is not None
     return item
 
@@ -105,7 +106,7 @@ def test_the_event_round_trips_and_changes_no_state() -> None:
     assert digest(state) == before
 
 
-def test_the_attester_covers_what_was_read_and_forgets_what_the_log_attests() -> None:
+def test_the_attester_attests_what_its_reader_checked_and_forgets_what_the_log_has() -> None:
     from llmgw.control.attesting import Attester
 
     now = [0.0]
@@ -113,19 +114,21 @@ def test_the_attester_covers_what_was_read_and_forgets_what_the_log_attests() ->
     assert not att.due()
     for seq in (1, 2):
         att.accepted(seq, bytes([seq]) * 16)
-    att.read(3)  # refused: in the range, not accepted
-    assert not att.due()
+    att.refused(3)
     now[0] = 6.0
     assert att.due()
     first = att.take(event_id="a", epoch=1, basis_seq=3)
     assert first is not None
-    assert (first.first_seq, first.last_seq, first.accepted) == (1, 3, ((1, 2),))
-    item = Attested.of(first.first_seq, first.last_seq, first.accepted, first.digests)
+    assert (first.first_seq, first.last_seq) == (1, 3)
+    assert (first.accepted, first.refused) == (((1, 2),), ((3, 3),))
+    item = Attested.of(
+        first.first_seq, first.last_seq, first.accepted, first.digests, first.refused
+    )
     assert item is not None
     book = Attestations()
     book.add(item)
     assert book.check(2, b"\2" * 16) is None
-    assert book.check(3, b"\3" * 16) is not None  # the refused one stays refused
+    assert "refused" in (book.check(3, b"\3" * 16) or "")
     # Until the attestation is folded back, a failed write is attested again.
     again = att.take(event_id="b", epoch=1, basis_seq=3)
     assert again is not None
@@ -133,9 +136,27 @@ def test_the_attester_covers_what_was_read_and_forgets_what_the_log_attests() ->
     att.attested(first)
     assert att.pending == 0
     assert att.take(event_id="c", epoch=1, basis_seq=3) is None
-    for seq in (4, 5, 6, 7):
-        att.accepted(seq, b"\4" * 16)
+    # An attestation alone (the one just folded) makes none due.
+    att.accepted(4, b"\4" * 16)
+    att.quiet(4)
+    now[0] = 60.0
+    assert not att.due()
+    for seq in (5, 6, 7):
+        att.accepted(seq, b"\5" * 16)
     assert att.due()  # three or more
     nxt = att.take(event_id="d", epoch=1, basis_seq=7)
     assert nxt is not None
     assert (nxt.first_seq, nxt.last_seq, nxt.accepted) == (4, 6, ((4, 6),))
+
+
+def test_a_sequence_neither_accepted_nor_refused_is_left_to_its_signature() -> None:
+    one = attestation.encode_digests([b"\1" * 16])
+    item = Attested.of(1, 10, [(2, 2)], one, [(5, 6)])
+    assert item is not None
+    book = Attestations()
+    book.add(item)
+    assert book.check(2, b"\1" * 16) is None
+    assert book.check(3, b"\0" * 16) == NOT_COVERED  # a heartbeat, say
+    assert book.check(6, b"\0" * 16) not in (None, NOT_COVERED)
+    # Accepted and refused at once does not hold together.
+    assert Attested.of(1, 10, [(2, 2)], one, [(2, 3)]) is None

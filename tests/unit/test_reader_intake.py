@@ -87,8 +87,10 @@ def test_an_attestation_replaces_the_signature_check_and_confirms_only_what_it_s
     assert [rec.seq for rec in leader._buf] == [1, 2, 4, 5, 6]
     event = att.take(event_id="att-1", epoch=1, basis_seq=6)
     assert event is not None
-    assert (event.first_seq, event.last_seq) == (1, 6)
-    item = attestation.Attested.of(event.first_seq, event.last_seq, event.accepted, event.digests)
+    assert (event.first_seq, event.last_seq, event.refused) == (1, 6, ((3, 3),))
+    item = attestation.Attested.of(
+        event.first_seq, event.last_seq, event.accepted, event.digests, event.refused
+    )
     assert item is not None
     book = attestation.Attestations()
     book.add(item)
@@ -106,7 +108,7 @@ def test_an_attestation_replaces_the_signature_check_and_confirms_only_what_it_s
     assert later.confirmed == 4
     assert counting.calls == 2  # seqs 7 and 8, after the attestation
     refusals = {s.seq: s.error for s in later.skipped}
-    assert "did not accept" in refusals[3]
+    assert "refused it" in refusals[3]
     assert "differs" in refusals[5]
 
 
