@@ -37,6 +37,7 @@ NATS API subjects each role uses (the authorization must allow them; `<s>` is
   `STREAM.MSG.DELETE.llmgw-events` (`delete_messages`: what no fold uses).
 """
 
+from llmgw.bus.attestations import load as load_attestations
 from llmgw.bus.connection import BusClient, backoff_delay, connect
 from llmgw.bus.deletion import Deleted, delete_messages
 from llmgw.bus.keys import Keys
@@ -79,5 +80,6 @@ __all__ = [
     "backoff_delay",
     "connect",
     "delete_messages",
+    "load_attestations",
     "provision",
 ]

@@ -69,6 +69,11 @@ class Metrics:
             "Messages of quarantined nodes this leader deleted from the log.",
             registry=r,
         )
+        self.ttl_deleted = Counter(
+            p + "ttl_refused_deleted",
+            "Messages refused for their TTL (only heartbeats expire) this leader deleted.",
+            registry=r,
+        )
         self.quarantine_delete_failed = Counter(
             p + "quarantine_delete_failed",
             "Deletions of quarantined nodes' messages that failed (retried).",

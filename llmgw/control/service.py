@@ -44,6 +44,7 @@ import nats.js.errors
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
+from llmgw.control import attesting
 from llmgw.control import ids as ids_
 from llmgw.control import models as model_sync
 from llmgw.control import quota as quota_
@@ -78,6 +79,9 @@ class ControlService:
         self.meter = quota_.Meter(cfg.node_quota) if cfg.node_quota.enabled else None
         """Each node's log traffic in the window; the leader quarantines on it."""
         self.folded = Folded(self.metrics, clock, self.meter)
+        self.attester = attesting.Attester(clock=clock)
+        """What this instance's reader checked, for the leader to attest
+        (llmgw.control.attesting): later readers then verify each event once."""
         self.leading = False
         self.epoch = 0
         """Epoch of the lease this instance holds (0 when it holds none)."""
@@ -158,7 +162,11 @@ class ControlService:
             await self._load_snapshot()
             self.folded.control_seq = await self._last_control_seq(js, upto=self.state.last_seq)
             self._reader = bus.Reader(
-                nc, after_seq=self.state.last_seq, name=f"control-{self.name}"
+                nc,
+                after_seq=self.state.last_seq,
+                name=f"control-{self.name}",
+                attestations=await bus.load_attestations(nc, after_seq=self.state.last_seq),
+                attester=self.attester,
             )
             await self._reader.start()
             if self._reader.caught_up.is_set():
@@ -265,7 +273,13 @@ class ControlService:
         reader = self._reader
         folded = self.folded
         async for batch in reader.batches():
+            for rec in batch:
+                if type(rec.event) is events.LogAttested:
+                    self.attester.quiet(rec.seq)
+                    self.attester.attested(rec.event)
             interesting = folded.fold(batch, epoch=self.epoch)
+            if reader.ttl_refused:
+                self._delete_expiring(reader)
             folded.note_skipped(reader.undecodable, reader.skipped)
             if reader.caught_up.is_set():
                 self._mark_caught_up()
@@ -436,7 +450,10 @@ class ControlService:
             self._sweep_task = self._spawn(self._sweep_quarantined(), "sweep")
         if await self._police_quota():
             return  # decide on once the fold has the quarantines
-        await self.reconcile_once()
+        # Attest only when nothing was just written: a write's fence is the control
+        # sequence folded so far, which our own unfolded decisions would have moved.
+        if await self.reconcile_once() == 0:
+            await self._attest()
 
     async def _police_quota(self) -> bool:
         """Quarantine the nodes over their budget, release those that calmed down (see
@@ -521,6 +538,41 @@ class ControlService:
             log.info("control.quarantine_sweep", messages=len(found), upto_seq=upto)
             self.folded.ignored.extend(found)
             self._delete_wake.set()
+
+    def _delete_expiring(self, reader: bus.Reader) -> None:
+        """The leader deletes messages refused for their TTL (llmgw.core.retention): a
+        heartbeat that would never expire, or an event that would vanish from replays."""
+        seqs = list(reader.ttl_refused)
+        reader.ttl_refused.clear()
+        if not self.leading or self._nc is None:
+            return
+        self._spawn(self._delete_ttl(seqs), "ttl-delete")
+
+    async def _delete_ttl(self, seqs: list[int]) -> None:
+        assert self._nc is not None
+        result = await bus.delete_messages(self._nc, seqs)
+        self.metrics.ttl_deleted.inc(result.deleted)
+        log.info(
+            "control.ttl_refused_deleted",
+            deleted=result.deleted,
+            gone=result.gone,
+            failed=len(result.failed),
+            first_seq=seqs[0],
+            last_seq=seqs[-1],
+        )
+
+    async def _attest(self) -> None:
+        """Publish what this instance's reader checked, when enough has gathered."""
+        if not self.attester.due():
+            return
+        st = self.state
+        event = self.attester.take(
+            event_id=ids_.unique(f"attest-{self.epoch}-{st.last_seq}"),
+            epoch=self.epoch,
+            basis_seq=st.last_seq,
+        )
+        if event is not None:
+            await self._publish_fenced([event])
 
     async def _delete_loop(self) -> None:
         """Delete the messages the fold ignored for quarantined nodes: a flood then costs

@@ -72,6 +72,8 @@ OBSERVATIONS: tuple[type[events.ControlEvent], ...] = (
     # The leader's measurements of log traffic (llmgw.control.quota), not planning:
     events.NodeQuarantined,
     events.NodeReleased,
+    # What the leader's reader checked (llmgw.core.attestation), not planning:
+    events.LogAttested,
 )
 
 

@@ -92,6 +92,13 @@ def _summary(event: events.Event) -> str:
             return f"{event.replica_id} ({event.model}) down at {event.url}{why}"
         case events.LeaderElected():
             return f"{event.leader} leads (epoch {event.epoch})"
+        case events.LogAttested():
+            accepted = sum(b - a + 1 for a, b in event.accepted)
+            refused = sum(b - a + 1 for a, b in event.refused)
+            return (
+                f"attested {event.first_seq}..{event.last_seq}: {accepted} accepted, "
+                f"{refused} refused"
+            )
         case events.StartShard():
             return (
                 f"start {event.replica_id}/{event.shard} g{event.generation} on {event.node} "

@@ -228,6 +228,7 @@ async def records(
         follow=follow,
         name="ctl",
         batch=20_000,
+        attestations=await bus.load_attestations(nc, after_seq=after_seq),
     )
     async with reader:
         async for batch in reader.batches():
@@ -301,7 +302,16 @@ async def rebuild(
     last_time: float | None = None
     apply = state.apply
     if target > start_seq:
-        reader = bus.Reader(nc, after_seq=start_seq, follow=False, name="ctl", batch=20_000)
+        # What the leader attested is checked by digest, the rest by signature.
+        attested = await bus.load_attestations(nc, after_seq=start_seq)
+        reader = bus.Reader(
+            nc,
+            after_seq=start_seq,
+            follow=False,
+            name="ctl",
+            batch=20_000,
+            attestations=attested,
+        )
         async with reader:
             done = False
             async for batch in reader.batches():

@@ -140,7 +140,12 @@ class LogFeed:
         )
         try:
             after = await self._load_snapshot(nc)
-            reader = bus.Reader(nc, after_seq=after, name=f"router-{self.source.name}")
+            reader = bus.Reader(
+                nc,
+                after_seq=after,
+                name=f"router-{self.source.name}",
+                attestations=await bus.load_attestations(nc, after_seq=after),
+            )
             self._reader = reader
             async with reader:
                 caught_up = asyncio.get_running_loop().create_task(self._mark_ready(reader))
