@@ -153,6 +153,8 @@ async def fill(server: TestNatsServer, n: int, *, signed: bool) -> None:
         for e in all_events[i : i + 5000]:
             subject, payload = events.subject_of(e), events.encode(e)
             headers = {"Nats-Msg-Id": e.id}
+            if isinstance(e, events.Heartbeat):
+                headers["Nats-TTL"] = "3600s"  # only heartbeats expire, and every one does
             if signed:
                 assert isinstance(e, events.NodeEvent)
                 headers |= signers[e.node].event_headers(subject, e.id, payload)

@@ -22,10 +22,13 @@ operator identity, through llmgw.ctl.history (what `llmgw ctl replay` runs):
   (tests/unit/scenarios.py: 64 nodes, 8 models, rounds of drains and restarts), so that
   every decision batch is real: batches re-planned per second, and the CLI end to end.
 
-Events are signed by the identities that own their subjects, and ctl verifies every
-one (llmgw.pki.signing). The replay rows are measured twice in one run: on that signed
-log, verified, and on the same events unsigned, read with `accept_unsigned_before`
-(no signature checks: what reading and folding cost alone).
+Events are signed by the identities that own their subjects (llmgw.pki.signing). The
+replay rows are measured three times in one run: on the events unsigned, read with
+`accept_unsigned_before` (no signature checks: what reading and folding cost alone); on
+the signed log with every event's signature verified; and on the signed log after a
+control identity has attested it as the leader does (llmgw.core.attestation: one pass of
+a verifying reader, then `control.log_attested` events), so that ctl checks each event's
+digest against the attestation instead of its signature.
 
 Every run's digest is checked against a local fold of the same events. Wall-clock
 rates depend on the load of this (shared, 2-core) machine, where nats-server competes
@@ -54,6 +57,7 @@ import structlog  # noqa: E402
 
 from llmgw import bus  # noqa: E402
 from llmgw.bus import keys as bus_keys  # noqa: E402
+from llmgw.control import attesting  # noqa: E402
 from llmgw.control import verify as control_verify  # noqa: E402
 from llmgw.core import events, state  # noqa: E402
 from llmgw.core.inventory import Gpu  # noqa: E402
@@ -181,6 +185,8 @@ async def fill(server: TestNatsServer, log: list[events.Event], *, signed: bool 
     for e in log:
         subject, payload = events.subject_of(e), events.encode(e)
         headers = {"Nats-Msg-Id": e.id}
+        if isinstance(e, events.Heartbeat):
+            headers["Nats-TTL"] = "3600s"  # only heartbeats expire, and every one does
         if signed:
             owner = subject if ".node." in subject else subject.rsplit(".", 1)[0]
             signer = signers.get(owner)
@@ -236,7 +242,8 @@ def run_verify_cli(server: TestNatsServer) -> tuple[float, dict[str, object]]:
 async def read_only(nc: bus.BusClient) -> tuple[int, float]:
     count = 0
     started = time.perf_counter()
-    async with bus.Reader(nc, follow=False, batch=20_000) as reader:
+    attestations = await bus.load_attestations(nc)
+    async with bus.Reader(nc, follow=False, batch=20_000, attestations=attestations) as reader:
         async for batch in reader.batches():
             count += len(batch)
     return count, time.perf_counter() - started
@@ -264,6 +271,25 @@ def run_cli(
     return time.perf_counter() - started, json.loads(out.stdout)
 
 
+async def attest(server: TestNatsServer, n: int) -> list[events.LogAttested]:
+    """What the leader does as it folds: verify every event once, then attest."""
+    control = await connect_as(server, "control", "bench-control")
+    att = attesting.Attester(within_s=float("inf"), clock=time.time)
+    started = time.perf_counter()
+    async with bus.Reader(control, follow=False, batch=20_000, attester=att) as reader:
+        async for _batch in reader.batches():
+            pass
+    publisher = bus.Publisher(control.jetstream())
+    out: list[events.LogAttested] = []
+    while (event := att.take(event_id=f"att-{len(out)}", epoch=1, basis_seq=n)) is not None:
+        await publisher.publish(event)
+        att.attested(event)
+        out.append(event)
+    print(f"  attested {n:,} events in {time.perf_counter() - started:.1f} s", flush=True)
+    await control.close()
+    return out
+
+
 async def replay_rows(
     pki: TestPki,
     root: Path,
@@ -273,14 +299,22 @@ async def replay_rows(
     gap: int,
     signed: bool,
     rows: list[tuple[str, str]],
+    attested: bool = False,
 ) -> None:
-    """The replay rows on one log, signed (and verified) or unsigned (and unchecked)."""
+    """The replay rows on one log: unsigned (and unchecked), signed (and verified), or
+    signed and attested (checked by digest)."""
     server = TestNatsServer(pki, root)
     server.root.mkdir()
     server.start()
     try:
         took = await fill(server, log, signed=signed)
         rows.append(("publish (admin, pipelined acks)", f"{n / took:,.0f} events/s, {took:.1f} s"))
+        whole = n
+        if attested:
+            attestations = await attest(server, n)
+            expected, _ = state.fold(enumerate([*log, *attestations], start=1))
+            whole = n + len(attestations)
+            rows.append(("attestations", f"{len(attestations):,} after the log"))
         # A snapshot `gap` events before the end, saved as the control plane does.
         snap_seq = n - gap
         snap_state, _ = state.fold(enumerate(log[:snap_seq], start=1))
@@ -296,18 +330,18 @@ async def replay_rows(
             unchecked = pki.verifier(accept_unsigned_before=2**62)
             bus_keys.bind(op, bus.Keys(pki.signer("operator", "bench-op"), unchecked))
         count, secs = await read_only(op)
-        assert count == n, count
+        assert count == whole, count
         rows.append(("read + decode, no fold (bus.Reader)", f"{n / secs:,.0f} events/s"))
         best, best_cpu = 0.0, 0.0
         for _ in range(2):
             cpu = time.process_time()
             r = await history.rebuild(op, use_snapshots=False)
             cpu = time.process_time() - cpu
-            assert r.folded == n
+            assert r.folded == whole
             assert not r.rejected
             assert state.digest(r.state) == state.digest(expected)
-            best = max(best, n / r.elapsed_s)
-            best_cpu = max(best_cpu, n / cpu)
+            best = max(best, whole / r.elapsed_s)
+            best_cpu = max(best_cpu, whole / cpu)
         rows.append(
             (
                 "ctl replay from the beginning (fold)",
@@ -315,11 +349,12 @@ async def replay_rows(
             )
         )
         times = []
+        at_n, _ = state.fold(enumerate(log, start=1))
         for _ in range(3):
             r = await history.rebuild(op, to_seq=n)
             assert r.snapshot_seq == snap_seq
             assert r.folded == gap
-            assert state.digest(r.state) == state.digest(expected)
+            assert state.digest(r.state) == state.digest(at_n)
             times.append(r.elapsed_s)
         rows.append(
             (
@@ -354,10 +389,28 @@ async def main() -> None:
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         pki = TestPki(Path(tmp) / "pki")
-        for signed in (False, True):
-            rows.append(("", "signed, every event verified" if signed else "unsigned, unchecked"))
+        # Heartbeats are not attested (a digest kept forever for a message that lives two
+        # minutes): a replay verifies those still alive, at most nodes x TTL / interval.
+        # The last mode's log is the same with its heartbeats expired, as a fleet's is.
+        beats_gone = [e for e in log if not isinstance(e, events.Heartbeat)]
+        modes = (
+            ("unsigned, unchecked", False, False, log),
+            ("signed, every event verified", True, False, log),
+            ("signed, attested by the leader; every heartbeat still alive", True, True, log),
+            ("signed, attested by the leader; heartbeats expired", True, True, beats_gone),
+        )
+        for i, (title, signed, attested, events_) in enumerate(modes):
+            rows.append(("", f"{title} ({len(events_):,} events)"))
             await replay_rows(
-                pki, Path(tmp) / f"nats-{signed}", log, expected, n, gap, signed, rows
+                pki,
+                Path(tmp) / f"nats-{i}",
+                events_,
+                expected,
+                len(events_),
+                gap,
+                signed,
+                rows,
+                attested,
             )
         # replay --verify, on a log whose every batch is a real decision of the leader.
         log2, batches = decision_log(args.drains)
