@@ -552,14 +552,7 @@ class ControlService:
         assert self._nc is not None
         result = await bus.delete_messages(self._nc, seqs)
         self.metrics.ttl_deleted.inc(result.deleted)
-        log.info(
-            "control.ttl_refused_deleted",
-            deleted=result.deleted,
-            gone=result.gone,
-            failed=len(result.failed),
-            first_seq=seqs[0],
-            last_seq=seqs[-1],
-        )
+        log.info("control.ttl_refused_deleted", **_deletion(result, seqs))
 
     async def _attest(self) -> None:
         """Publish what this instance's reader checked, when enough has gathered."""
@@ -588,14 +581,7 @@ class ControlService:
                 del ignored[:batch]
                 result = await bus.delete_messages(self._nc, seqs)
                 self.metrics.quarantine_deleted.inc(result.deleted)
-                log.info(
-                    "control.quarantine_deleted",
-                    deleted=result.deleted,
-                    gone=result.gone,
-                    failed=len(result.failed),
-                    first_seq=seqs[0],
-                    last_seq=seqs[-1],
-                )
+                log.info("control.quarantine_deleted", **_deletion(result, seqs))
                 if not result.failed:
                     self._delete_strikes = 0
                     continue
@@ -750,6 +736,17 @@ class ControlService:
                 **_describe(event),
             )
         return last
+
+
+def _deletion(result: bus.Deleted, seqs: list[int]) -> dict[str, Any]:
+    """A deletion's log fields: how many went, were gone already, failed; which range."""
+    return {
+        "deleted": result.deleted,
+        "gone": result.gone,
+        "failed": len(result.failed),
+        "first_seq": seqs[0],
+        "last_seq": seqs[-1],
+    }
 
 
 def _describe(event: events.Event) -> dict[str, Any]:
