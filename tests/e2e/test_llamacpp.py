@@ -13,7 +13,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
+from openai import OpenAI
 
 from llmgw.agent import pidfiles
 from llmgw.up import locating, render
@@ -76,8 +78,17 @@ def test_router_streams_real_llama_server_tokens_to_the_openai_sdk(up: Up) -> No
         (p, r) for p, r in pidfiles.load_all(up.state_dir / "agents/node-1/state") if r
     ]
     direct = f"http://{render.node_address(up.state_dir.resolve(), 1)}:{record.spec.port}/v1"
+    # The engine answers only with its own key, which the agent gave it and the router
+    # presents: without it, llama-server refuses.
+    key = record.launch.api_key
+    assert len(key) >= 40
+    without = OpenAI(base_url=direct, api_key="none", max_retries=0, timeout=10.0)
+    with pytest.raises(openai.AuthenticationError):
+        without.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": PROMPT}], max_tokens=4
+        )
     d_first, d_last, d_pieces, _ = up_kit.stream_chat(
-        direct, "smollm2", deadline_s=10.0, max_tokens=48, prompt=PROMPT
+        direct, "smollm2", deadline_s=10.0, max_tokens=48, prompt=PROMPT, api_key=key
     )
     assert "".join(d_pieces) == text
 

@@ -140,12 +140,18 @@ def start_up(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Up:
 
 
 def stream_chat(
-    base_url: str, model: str, *, deadline_s: float, max_tokens: int = 32, prompt: str = "Hello!"
+    base_url: str,
+    model: str,
+    *,
+    deadline_s: float,
+    max_tokens: int = 32,
+    prompt: str = "Hello!",
+    api_key: str = "none",
 ) -> tuple[float, float, list[str], str | None]:
     """Retry until a streamed chat completion starts (the fleet may still be coming up),
     then read it whole. Returns (first-token time, last-token time, the content pieces,
     finish_reason); times are time.monotonic()."""
-    client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=10.0)
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=10.0)
     end = time.monotonic() + deadline_s
     last_error: Exception | None = None
     while time.monotonic() < end:
