@@ -30,7 +30,7 @@ from llmgw.pki.identity import Identity
 from llmgw.pki.store import CertDir, utcnow
 
 # Durability: with the server's default (fsync every 2 minutes) a power loss can lose writes
-# that were acknowledged; `always` fsyncs before every ack (FIELD-NOTES: Jepsen, Dec 2025).
+# that were acknowledged; `always` fsyncs before every ack (Jepsen, Dec 2025: docs/design.md).
 DEFAULT_SYNC_INTERVAL = "always"
 # What nats-server logs once a SIGHUP reload is applied.
 RELOADED = "Reloaded server configuration"

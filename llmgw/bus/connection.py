@@ -8,7 +8,7 @@ in three ways that matter in production:
   attempts, so a fleet of agents does not stampede a restarted server in lockstep;
 - its error callback recognises a permissions violation and logs it as such (a
   JetStream publish the server refuses on permissions otherwise surfaces only as a
-  timeout, see FIELD-NOTES) and keeps the recent ones in `permission_violations`;
+  timeout, see docs/design.md) and keeps the recent ones in `permission_violations`;
 - it can hand the messages of a subscription straight to a synchronous function
   (`fast_subscribe`), skipping nats-py's per-message header parsing and queueing;
   the `Reader` uses it to replay the log several times faster.

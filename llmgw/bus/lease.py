@@ -1,7 +1,7 @@
 """The control-plane leader lease: one key in the KV bucket `llmgw-lease`, with a TTL.
 
 Several control-plane instances may run; the one holding the lease decides
-(DESIGN.md, invariant 5). The lease is the key `leader` written with a
+(docs/design.md, invariant 5). The lease is the key `leader` written with a
 per-message TTL: `acquire` creates it only if it does not exist (an expired
 lease does not); `renew` rewrites it with a fresh TTL only if nobody wrote it
 since (expected-last-subject-sequence), so a holder that paused past its TTL

@@ -33,7 +33,7 @@ class StreamSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What is configurable about the log; everything else is fixed by llmgw's design."""
 
     replicas: int = 1
-    """1 for one server; 3 or 5 across failure domains in production (see FIELD-NOTES)."""
+    """1 for one server; 3 or 5 across failure domains in production (see docs/design.md)."""
     duplicate_window_s: float = 120.0
     """How long JetStream remembers event ids to drop duplicate publishes."""
 

@@ -5,7 +5,7 @@ Each event's id travels as `Nats-Msg-Id`, so a retry after a lost acknowledgemen
 is stored once (inside the stream's duplicate window); the retry's result says
 `duplicate=True`. Heartbeats pass `ttl_s` so that the log does not grow with them.
 
-Fencing (DESIGN.md, invariant 5): the control-plane leader passes
+Fencing (docs/design.md, invariant 5): the control-plane leader passes
 `Fence(subject_filter="llmgw.events.control.>", last_seq=N)` where N is the last
 sequence it has folded on those subjects. If anything else was written there
 since (a second leader that believes it still holds the lease), the server refuses

@@ -10,7 +10,7 @@ owns (a node putting a control decision on its own subject: the server checks th
 subject, the reader checks the content), is counted (`undecodable`), logged with its
 sequence, kept in `skipped` (the most recent ones, for `ctl replay` to show) and
 passed over; the reader never leaves its loop because of the log's content
-(DESIGN.md, invariant 7).
+(docs/design.md, invariant 7).
 
 Before it decodes anything, the reader checks the message's signature with its
 `Verifier` (given, or bound to the connection with `bus.connect(..., keys=...)`;
@@ -439,7 +439,9 @@ class Reader:
         if signed is None:
             refusal: str | None = "signature headers appear twice"
         else:
-            if self._attested is not None or self._attester is not None:
+            # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
+            heartbeat = name.endswith(".heartbeat")
+            if not heartbeat and (self._attested is not None or self._attester is not None):
                 digest = attestation.digest(subject, signed[0] or b"", data, signed[1] or b"")
             refusal = self._check(seq, name, data, signed, digest, ts / _NS)
         if refusal is not None:

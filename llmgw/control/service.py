@@ -16,7 +16,7 @@ leader lease (llmgw.bus.Lease) also decides:
   deposed. On FenceRefused it steps down and stays a follower until the lease
   is free again.
 
-The leader changes state only by folding what it reads back (DESIGN.md,
+The leader changes state only by folding what it reads back (docs/design.md,
 invariant 1): after publishing a batch it decides again only once the fold has
 passed the batch's last sequence, so it never places the same replica twice.
 Rejected events are counted and logged with their sequence; nothing in the log

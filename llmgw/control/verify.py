@@ -1,4 +1,4 @@
-"""Checking a log against the control plane's determinism (DESIGN.md, invariant 3).
+"""Checking a log against the control plane's determinism (docs/design.md, invariant 3).
 
 `verify(records)` folds a log and recomputes every batch of decisions the leader
 recorded, at its decision point (the state folded up to its `basis_seq`, at its

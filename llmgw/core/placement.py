@@ -1,6 +1,6 @@
 """Placement: where a new replica of a model lands, or why it cannot.
 
-The rules (DESIGN.md, and the Go predecessor's scheduler):
+The rules (docs/design.md):
 - only nodes that are ready, not cordoned and not draining receive replicas;
 - only healthy, free GPUs of the requested class (`Gpu.health_problems`), and
   one replica never mixes GPU classes;

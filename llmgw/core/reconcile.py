@@ -2,7 +2,7 @@
 
 `reconcile(state, now, epoch=..., basis_seq=...)` returns control events and
 commands (llmgw/core/events.py) for the control service's leader to publish;
-the leader then folds them back from the log like everyone else (DESIGN.md,
+the leader then folds them back from the log like everyone else (docs/design.md,
 invariant 1) and reconciles again only once it has. It:
 
 - observes liveness and GPU health from heartbeats (the volatile part of the

@@ -1,6 +1,6 @@
 """NATS subjects of the llmgw log, built in one place.
 
-Every writer owns a namespace (DESIGN.md, invariant 4), and the server enforces
+Every writer owns a namespace (docs/design.md, invariant 4), and the server enforces
 it by subject. An identifier that smuggled a `.`, `*` or `>` into a subject
 would let a node write into another's namespace or a wildcard swallow a whole
 tree, so every identifier that becomes a token is checked here. Pure.

@@ -46,7 +46,7 @@ def listening_socket(host: str, port: int, *, backlog: int = 4096) -> socket.soc
     TCP_NODELAY on the listener is inherited by accepted sockets on Linux; uvloop
     sets it on every TCP transport as well. Without it Nagle's algorithm holds the
     first SSE chunk behind the headers until the client's delayed ACK: +40 ms
-    time to first token on reused keep-alive connections (FIELD-NOTES).
+    time to first token on reused keep-alive connections (docs/design.md).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -1,5 +1,6 @@
-"""Every writer owns a namespace, enforced by NATS (DESIGN.md invariant 4): tests against a real
-nats-server with mutual TLS and the authorization rendered from the issued certificates.
+"""Every writer owns a namespace, enforced by NATS (docs/design.md invariant 4): tests against
+a real nats-server with mutual TLS and the authorization rendered from the issued
+certificates.
 
 A refused publish surfaces in nats-py only as a timeout; each test therefore also checks that
 the server itself reported the permissions violation (through error_cb), so a test cannot

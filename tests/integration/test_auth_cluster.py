@@ -1,4 +1,4 @@
-"""The log on a 3-server NATS cluster (DESIGN.md: where users outgrow one machine): the same
+"""The log on a 3-server NATS cluster (docs/design.md: where users outgrow one machine): the same
 per-identity authorization on every member, a replicated stream that keeps accepting writes
 with one member down, and routes that admit only route certificates.
 

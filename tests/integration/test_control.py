@@ -2,7 +2,7 @@
 
 Simulated agents (tests/integration/control_kit.py) publish as node identities
 and answer commands; the control plane runs in-process (ControlService), with
-short timings. Determinism (DESIGN.md, invariant 3) is checked on the real log:
+short timings. Determinism (docs/design.md, invariant 3) is checked on the real log:
 folding from scratch and from a snapshot give the leader's digest, and every
 recorded decision batch is reproduced by re-running the reconciler.
 """

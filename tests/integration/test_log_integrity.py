@@ -27,6 +27,7 @@ from llmgw.core import events, subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import Identity
 from tests.harness import Connector
+from tests.unit.test_pki_authorization import matches
 
 pytestmark = pytest.mark.slow
 
@@ -340,16 +341,6 @@ async def test_no_identity_makes_the_server_store_where_it_may_not_write(
         await js.consumer_info(STREAM, authorization.command_consumer(VICTIM))
 
 
-def _covers(pattern: str, subject: str) -> bool:
-    p, s = pattern.split("."), subject.split(".")
-    for i, token in enumerate(p):
-        if token == ">":
-            return len(s) > i
-        if i >= len(s) or (token != "*" and token != s[i]):
-            return False
-    return len(p) == len(s)
-
-
 @pytest.mark.parametrize("attacker", ATTACKERS, ids=str)
 def test_the_enumeration_exercises_every_api_an_identity_may_call(attacker: Identity) -> None:
     """Each JetStream API permission of each identity is hit by some attempt, so an API
@@ -358,4 +349,4 @@ def test_the_enumeration_exercises_every_api_an_identity_may_call(attacker: Iden
     tried = {a.subject for a in attempts(attacker)}
     for pattern in perms.publish:
         if pattern.startswith("$JS.API."):
-            assert any(_covers(pattern, s) for s in tried), pattern
+            assert any(matches(pattern, s) for s in tried), pattern

@@ -1,4 +1,4 @@
-"""llmgw.core stays pure: no I/O libraries, no clock, no randomness (DESIGN.md invariant 2)."""
+"""llmgw.core stays pure: no I/O libraries, no clock, no randomness (docs/design.md invariant 2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Who may publish and subscribe where: DESIGN.md invariant 4 checked on the permission data
+"""Who may publish and subscribe where: docs/design.md invariant 4 checked on the permission data
 for any identity names (Hypothesis), with NATS's own wildcard semantics. The real server
 enforcing these rules is tests/integration/test_auth.py."""
 
