@@ -28,16 +28,16 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
+from nats.protocol.parser import Parser
 
 from llmgw import logs
 from llmgw.bus.keys import Keys, bind
+from llmgw.bus.wire import FastHandler, FrameParser
 from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.bus")
 
 ErrorCallback = Callable[[Exception], Awaitable[None]]
-# (subject, reply, payload, raw header block or b"") of one message, called inline.
-FastHandler = Callable[[bytes, bytes, bytes, bytes], None]
 
 
 def backoff_delay(attempt: int, *, base: float, cap: float, rand: random.Random) -> float:
@@ -61,6 +61,10 @@ class BusClient(Client):
         self._rand = random.Random()
         self._fast: dict[int, FastHandler] = {}
         self._failed_attempts = 0
+        # Message frames without nats-py's per-frame regular expressions (llmgw.bus.wire);
+        # only over the parser it was written against.
+        if type(self._ps) is Parser:
+            self._ps = FrameParser(self)
 
     # nats-py's own loop waits a fixed `reconnect_time_wait` between attempts at the
     # same server. This replaces it with a jittered exponential backoff; the body

@@ -61,41 +61,53 @@ _NS = 1_000_000_000
 _MSG_ID = b"Nats-Msg-Id"
 _SIG = b"Llmgw-Sig"
 _CERT = b"Llmgw-Cert"
-_SIGNED = (_MSG_ID, _SIG, _CERT)
+
+
+def message_headers(
+    raw: bytes,
+) -> tuple[bytes | None, bytes | None, bytes | None, bytes | None] | None:
+    """(Nats-Msg-Id, Llmgw-Sig, Llmgw-Cert, Nats-TTL) from a raw header block in one pass,
+    each None when absent; None altogether when a signature header appears twice (never
+    trusted). The TTL header's name is matched in any case, and its first value counts,
+    as the server reads it. Pure; on every message of a replay, hence written flat."""
+    msg_id = sig = cert = ttl = None
+    if not raw:
+        return None, None, None, None
+    for line in raw.split(b"\r\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        key = key.strip()
+        if key == _MSG_ID:
+            if msg_id is not None:
+                return None
+            msg_id = value.strip()
+        elif key == _SIG:
+            if sig is not None:
+                return None
+            sig = value.strip()
+        elif key == _CERT:
+            if cert is not None:
+                return None
+            cert = value.strip()
+        elif ttl is None and len(key) == 8 and key.lower() == b"nats-ttl":
+            ttl = value.strip()
+    return msg_id, sig, cert, ttl
 
 
 def signature_headers(raw: bytes) -> tuple[bytes | None, bytes | None, bytes | None] | None:
     """(Nats-Msg-Id, Llmgw-Sig, Llmgw-Cert) from a raw header block, each None when
     absent; None altogether when one of them appears twice (never trusted). Pure."""
-    found: dict[bytes, bytes] = {}
-    if raw:
-        for line in raw.split(b"\r\n")[1:]:
-            key, sep, value = line.partition(b":")
-            if not sep:
-                continue
-            key = key.strip()
-            if key in _SIGNED:
-                if key in found:
-                    return None
-                found[key] = value.strip()
-    return found.get(_MSG_ID), found.get(_SIG), found.get(_CERT)
+    found = message_headers(raw)
+    return None if found is None else found[:3]
 
 
 def ttl_header(raw: bytes) -> str | None:
     """The `Nats-TTL` value of a raw header block, or None. Pure."""
-    for line in raw.split(b"\r\n")[1:]:
-        key, sep, value = line.partition(b":")
-        if sep and key.strip().lower() == b"nats-ttl":
-            return value.strip().decode(errors="replace")
-    return None
-
-
-def _ttl_problem(subject: str, raw: bytes) -> str | None:
-    # Most messages carry no TTL and are not heartbeats: decided without parsing.
-    has_ttl = b"nats-ttl" in raw.lower()
-    if not has_ttl and not subject.endswith(".heartbeat"):
+    found = message_headers(raw)
+    if found is None or found[3] is None:
         return None
-    return retention.ttl_problem(subject, ttl_header(raw) if has_ttl else None)
+    return found[3].decode(errors="replace")
 
 
 def header_block(headers: dict[str, str] | None) -> bytes:
@@ -211,6 +223,7 @@ class Reader:
         self._buf: list[Record] = []
         # Subjects repeat (one per node and kind): decode each once.
         self._subject_names: dict[bytes, str] = {}
+        self._ttl_verdicts: dict[tuple[str, bytes | None], str | None] = {}
         self._wakeup = asyncio.Event()
         self._consumer = ""
         self._sub: Subscription | None = None
@@ -434,46 +447,47 @@ class Reader:
             name = subject.decode(errors="replace")
             if len(self._subject_names) < 100_000:
                 self._subject_names[subject] = name
-        signed = signature_headers(headers)
+        found = message_headers(headers)
+        when = ts / _NS
         digest = b""
-        if signed is None:
+        ttl: bytes | None = None
+        # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
+        heartbeat = name.endswith(".heartbeat")
+        if found is None:
             refusal: str | None = "signature headers appear twice"
         else:
-            # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
-            heartbeat = name.endswith(".heartbeat")
+            msg_id, sig, cert, ttl = found
             if not heartbeat and (self._attested is not None or self._attester is not None):
-                digest = attestation.digest(subject, signed[0] or b"", data, signed[1] or b"")
-            refusal = self._check(seq, name, data, signed, digest, ts / _NS)
+                digest = attestation.digest(subject, msg_id or b"", data, sig or b"")
+            refusal = self._check(seq, name, data, msg_id, sig, cert, digest, when)
         if refusal is not None:
             self.refused += 1
-            self._skip(
-                seq, name, ts / _NS, f"signature refused: {refusal}", "bus.signature_refused"
-            )
+            self._skip(seq, name, when, f"signature refused: {refusal}", "bus.signature_refused")
             if self._attester is not None:
                 self._attester.refused(seq)
             if pending == b"0":
                 self.caught_up.set()
             return
-        if self._attester is not None and not name.endswith(".heartbeat"):
+        if self._attester is not None and not heartbeat:
             self._attester.accepted(seq, digest)
         try:
             event = events.decode(data)
         except Exception as exc:  # DecodeError; anything else is a decoder bug, same treatment
-            self._skip(seq, name, ts / _NS, str(exc) or type(exc).__name__)
+            self._skip(seq, name, when, str(exc) or type(exc).__name__)
         else:
             if not events.published_where_owned(event, name):
                 self._skip(
                     seq,
                     name,
-                    ts / _NS,
+                    when,
                     f"{events.tag_of(type(event))} event refused: it does not belong on {name} "
                     "(only its owner's subject is trusted; see events.published_where_owned)",
                 )
-            elif (problem := _ttl_problem(name, headers)) is not None:
+            elif (problem := self._ttl_problem(name, ttl)) is not None:
                 self.ttl_refused.append(seq)
-                self._skip(seq, name, ts / _NS, f"refused: {problem}", "bus.ttl_refused")
+                self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused")
             else:
-                self._buf.append(Record(seq, name, ts / _NS, event, len(data) + len(headers)))
+                self._buf.append(Record(seq, name, when, event, len(data) + len(headers)))
         if pending == b"0":
             self.caught_up.set()
 
@@ -482,7 +496,9 @@ class Reader:
         seq: int,
         name: str,
         data: bytes,
-        signed: tuple[bytes | None, bytes | None, bytes | None],
+        msg_id: bytes | None,
+        sig: bytes | None,
+        cert: bytes | None,
         digest: bytes,
         when: float,
     ) -> str | None:
@@ -496,11 +512,25 @@ class Reader:
             if verdict != attestation.NOT_COVERED:
                 return verdict
         try:
-            return self.verifier.event_refusal(
-                name, signed[0], data, signed[1], signed[2], seq=seq, when=when
-            )
+            return self.verifier.event_refusal(name, msg_id, data, sig, cert, seq=seq, when=when)
         except Exception as exc:  # a verifier bug: refused, never a lost message
             return f"the signature could not be checked: {exc!r}"
+
+    def _ttl_problem(self, name: str, ttl: bytes | None) -> str | None:
+        """llmgw.core.retention's verdict on a TTL header, remembered per subject and value:
+        both repeat (one heartbeat subject per node, one TTL per fleet), and the verdict is
+        on every message of a replay."""
+        key = (name, ttl)
+        try:
+            return self._ttl_verdicts[key]
+        except KeyError:
+            pass
+        verdict = retention.ttl_problem(
+            name, None if ttl is None else ttl.decode("utf-8", "replace")
+        )
+        if len(self._ttl_verdicts) < 100_000:
+            self._ttl_verdicts[key] = verdict
+        return verdict
 
     def _skip(
         self, seq: int, name: str, when: float, error: str, what: str = "bus.undecodable"
