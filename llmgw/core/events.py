@@ -397,6 +397,20 @@ def subject_of(event: Event) -> str:
 _SUBJECT_CACHE: dict[tuple[type[Event], str], str] = {}
 
 
+_BY_OPERATOR, _BY_NODE, _BY_CONTROL = 0, 1, 2
+# Which of those writes each event class: asked of every record of a replay, where
+# isinstance against unions costs more than a dictionary lookup.
+_OWNER_KINDS: dict[type[Event], int] = {}
+
+
+def _owner_kind(cls: type[Event]) -> int:
+    if issubclass(cls, OperatorEvent):
+        return _BY_OPERATOR
+    if issubclass(cls, NodeEvent | Command):
+        return _BY_NODE
+    return _BY_CONTROL
+
+
 def published_where_owned(event: Event, subject: str) -> bool:
     """True when `event` is on the subject its writer owns (what `subject_of` gives).
 
@@ -405,11 +419,13 @@ def published_where_owned(event: Event, subject: str) -> bool:
     Readers refuse any event found on a subject other than its own, so the server's
     per-identity permissions decide who can write each kind of event.
     """
-    if isinstance(event, OperatorEvent):
-        return _operator_event_owned(event, subject)
     cls = type(event)
-    node = event.node if isinstance(event, NodeEvent | Command) else ""
-    key = (cls, node)
+    kind = _OWNER_KINDS.get(cls)
+    if kind is None:
+        kind = _OWNER_KINDS[cls] = _owner_kind(cls)
+    if kind == _BY_OPERATOR:
+        return _operator_event_owned(event, subject)  # type: ignore[arg-type]
+    key = (cls, event.node if kind == _BY_NODE else "")  # type: ignore[attr-defined]
     expected = _SUBJECT_CACHE.get(key)
     if expected is None:
         try:
