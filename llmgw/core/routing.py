@@ -110,6 +110,15 @@ the model can: it loses them once a replacement is ready, never before, so a dra
 the node holding every replica of a model drops nothing (docs/design.md, "Drains")."""
 
 
+def routable(endpoints: Sequence[EndpointState]) -> int:
+    """How many of one model's endpoints take its new requests now, breakers aside: the
+    ready ones not draining or, while there are none, the ready draining ones (the same
+    rule as `PREFERENCES`, so readiness reports what `rank` does). Pure."""
+    ready_eps = [ep for ep in endpoints if ep.ready]
+    serving = sum(1 for ep in ready_eps if not ep.draining)
+    return serving or len(ready_eps)
+
+
 def _lower_is_better(values: list[float]) -> list[float]:
     """Min-max normalise so the lowest value scores 1 and the highest 0; all equal score 1."""
     lo = min(values)

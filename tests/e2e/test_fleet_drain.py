@@ -10,10 +10,13 @@ endpoints keep taking requests until a replacement serves.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from llmgw.core import events
@@ -86,13 +89,20 @@ async def _drain_under_load(fleet: Fleet, node: str) -> None:
     originals = sorted(r["id"] for r in rows if on_node(r, node) and not r["retired"])
     assert originals, rows
     ctl = Ctl(fleet.server)  # type: ignore[arg-type]
+    not_ready: list[str] = []
+    watching = asyncio.Event()
     async with Load(fleet.router_url, clients=4) as load:
         await load.wait_ok(20)
+        watcher = asyncio.create_task(_watch_ready(fleet.router_url, watching, not_ready))
         started = time.monotonic()
         drained = await ctl.subprocess(
             "drain", node, "--grace", "60", "--wait", "--timeout", "90", "--json"
         )
+        watching.set()
+        await watcher
         assert drained.code == 0, f"{drained}\n{fleet.logs()}"
+        # A load balancer polling the router's /ready would have kept it in rotation.
+        assert not_ready == [], not_ready[:5]
         drain_s = time.monotonic() - started
         doc = drained.json()
         assert doc["progress"]["done"], doc
@@ -126,6 +136,21 @@ async def _drain_under_load(fleet: Fleet, node: str) -> None:
     ]
     assert surplus == [], surplus
     print(f"drain of {node} took {drain_s:.1f} s under load; {load.ok} streams, none failed")
+
+
+async def _watch_ready(router_url: str, stop: asyncio.Event, seen: list[str]) -> None:
+    """Poll the router's /ready until `stop`; note every answer that is not ready for m1."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        while not stop.is_set():
+            try:
+                async with session.get(router_url.rstrip("/") + "/ready") as r:
+                    body = await r.json()
+                    if r.status != 200 or not body["ready_endpoints"].get("m1"):
+                        seen.append(f"{r.status} {body}")
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                seen.append(f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.05)  # the polling cadence
 
 
 async def test_draining_the_node_holding_every_replica_loses_no_request(

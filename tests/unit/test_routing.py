@@ -111,6 +111,13 @@ def test_a_draining_endpoint_takes_requests_while_no_other_of_its_model_can() ->
     assert r.drops["not_draining"] == 2
 
 
+def test_routable_counts_what_rank_would_send_to() -> None:
+    assert routing.routable([ep("d", draining=True), ep("loading", ready=False)]) == 1
+    assert routing.routable([ep("d", draining=True), ep("a"), ep("b")]) == 2
+    assert routing.routable([ep("d", draining=True, ready=False)]) == 0
+    assert routing.routable([]) == 0
+
+
 def test_nothing_survives_means_empty_order() -> None:
     r = routing.rank([ep("a", ready=False)], q(), Weights(), 0.5)
     assert r.order == []
