@@ -250,29 +250,51 @@ async def _follow_drain(
     reader = bus.Reader(s.nc, after_seq=st.last_seq, follow=True, name="ctl", heartbeat_s=1.0)
     async with reader:
         batches = reader.batches().__aiter__()
-        while True:
-            progress = operations.drain_progress(st, node, originals, time.time())
-            line = progress.render()
-            if line != shown:
-                typer.echo(line + "".join(f"\n    {x}" for x in progress.lines), err=True)
-                shown = line
-            if progress.done:
-                return progress
-            if not st.nodes[node].draining:
-                raise Failed(
-                    f"the drain of {node} was called off (uncordoned) before it finished "
-                    f"({line}); see `llmgw ctl events --node {node}`"
-                )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Failed(
-                    f"the drain of {node} did not finish within {timeout_s:g} s ({line}); "
-                    "follow it with `llmgw ctl replicas`, or wait longer with --timeout"
-                )
-            with contextlib.suppress(TimeoutError):
-                batch = await asyncio.wait_for(batches.__anext__(), timeout=min(left, 1.0))
+        # One pending read, kept across quiet seconds: cancelling a read on a timeout
+        # (asyncio.wait_for) would end the generator, and the next read would raise
+        # StopAsyncIteration although the log goes on.
+        pending: asyncio.Future[list[bus.Record]] | None = None
+        try:
+            while True:
+                progress = operations.drain_progress(st, node, originals, time.time())
+                line = progress.render()
+                if line != shown:
+                    typer.echo(line + "".join(f"\n    {x}" for x in progress.lines), err=True)
+                    shown = line
+                if progress.done:
+                    return progress
+                if not st.nodes[node].draining:
+                    raise Failed(
+                        f"the drain of {node} was called off (uncordoned) before it finished "
+                        f"({line}); see `llmgw ctl events --node {node}`"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Failed(
+                        f"the drain of {node} did not finish within {timeout_s:g} s ({line}); "
+                        "follow it with `llmgw ctl replicas`, or wait longer with --timeout"
+                    )
+                if pending is None:
+                    pending = asyncio.ensure_future(batches.__anext__())
+                # Wake at least once a second: the grace period ends on the clock.
+                done, _ = await asyncio.wait({pending}, timeout=min(left, 1.0))
+                if not done:
+                    continue
+                got, pending = pending, None
+                try:
+                    batch = got.result()
+                except StopAsyncIteration:
+                    raise Failed(
+                        f"the log stopped being readable while following the drain of {node} "
+                        f"({line}); follow it with `llmgw ctl replicas`"
+                    ) from None
                 for rec in batch:
                     state.apply(st, rec.event, rec.seq, rec.time)
+        finally:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await pending
 
 
 def drain(

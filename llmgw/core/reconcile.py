@@ -477,7 +477,10 @@ class _Planner:
             placed = self._place(r.model, replaces=r.id, reason=f"replaces {r.id}: {why}")
             if placed:
                 return False  # the original serves on until its replacement does
-        ready = replacement is not None and _fully_serving(replacement)
+        # Its replacement serves once its EndpointUp is in the log, not merely when its
+        # shards say serving: the original's EndpointDown then follows it in the log, so
+        # a router never folds the one without the other and finds no endpoint between.
+        ready = replacement is not None and replacement.id in state.endpoints
         if ready or self.now >= deadline:
             detail = "its replacement serves" if ready else "the drain grace period ended"
             self._retire(r, f"{why}; {detail}", graceful=True)
@@ -551,7 +554,11 @@ class _Planner:
         replaces = {state.replicas[rid].replaces for rid in alive if state.replicas[rid].replaces}
         replaces |= {rep for model, _rid, rep in self.placed_now if model == name and rep}
         counted = [rid for rid in alive if rid not in replaces]
-        counted += [rid for model, rid, rep in self.placed_now if model == name and not rep]
+        # Every replica placed in this pass counts, replacements too: the original a
+        # replacement stands for is no longer counted, so leaving it out as well would
+        # make the count place one more replica per drained one (retired as surplus on
+        # the next pass, a model load thrown away).
+        counted += [rid for model, rid, _rep in self.placed_now if model == name]
         return counted
 
     def _count(self, name: str) -> None:

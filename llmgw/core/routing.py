@@ -2,17 +2,18 @@
 
 The router asks `rank` which of a model's endpoints should take a request.
 Filters drop endpoints that must not get it (does not serve the model, not
-ready, draining, breaker open); scorers rate the survivors between 0 (worst)
-and 1 (best) — the router's own in-flight count, the engine's queue depth and
+ready, breaker open); preferences then drop those that should not get it while
+another can (draining, see `PREFERENCES`); scorers rate the survivors between 0
+(worst) and 1 (best) — the router's own in-flight count, the engine's queue depth and
 KV-cache usage scraped from its /metrics, prefix affinity from
 `llmgw.core.prefix`, and session affinity — and the weighted sum orders them.
 Full ties go to the endpoint sent to longest ago (round robin at idle), and
 exact ties beyond that by a random number the caller draws from a seeded
 generator, so a run can be replayed.
 
-Each filter and scorer is a small pure function; the tables `FILTERS` and
-`SCORERS` name them, and those names label the router's metrics. Used by
-`llmgw.router.dispatch`. Purely computational: time and randomness are arguments.
+Each filter, preference and scorer is a small pure function; the tables `FILTERS`,
+`PREFERENCES` and `SCORERS` name them, and those names label the router's metrics.
+Used by `llmgw.router.dispatch`. Purely computational: time and randomness are arguments.
 """
 
 from __future__ import annotations
@@ -100,9 +101,22 @@ def breaker_closed(ep: EndpointState, q: Query) -> bool:
 FILTERS: tuple[tuple[str, Filter], ...] = (
     ("serves_model", serves_model),
     ("ready", ready),
-    ("not_draining", not_draining),
     ("breaker_closed", breaker_closed),
 )
+PREFERENCES: tuple[tuple[str, Filter], ...] = (("not_draining", not_draining),)
+"""Applied after the filters, each only when some survivor satisfies it. A draining
+endpoint (its node or shard drains) keeps taking new requests while no other endpoint of
+the model can: it loses them once a replacement is ready, never before, so a drain of
+the node holding every replica of a model drops nothing (docs/design.md, "Drains")."""
+
+
+def routable(endpoints: Sequence[EndpointState]) -> int:
+    """How many of one model's endpoints take its new requests now, breakers aside: the
+    ready ones not draining or, while there are none, the ready draining ones (the same
+    rule as `PREFERENCES`, so readiness reports what `rank` does). Pure."""
+    ready_eps = [ep for ep in endpoints if ep.ready]
+    serving = sum(1 for ep in ready_eps if not ep.draining)
+    return serving or len(ready_eps)
 
 
 def _lower_is_better(values: list[float]) -> list[float]:
@@ -168,9 +182,11 @@ class Ranking(msgspec.Struct, kw_only=True):
 def apply_filters(
     endpoints: Sequence[EndpointState], q: Query
 ) -> tuple[list[EndpointState], dict[str, int]]:
-    """Endpoints that pass every filter, and how many each filter dropped.
+    """Endpoints that pass every filter and preference, and how many each dropped.
 
-    Each endpoint is charged to the first filter (in pipeline order) that drops it.
+    Each endpoint is charged to the first filter (in pipeline order) that drops it; a
+    preference drops only when at least one survivor satisfies it, and is charged for
+    what it drops.
     """
     survivors: list[EndpointState] = []
     drops: dict[str, int] = {}
@@ -181,6 +197,11 @@ def apply_filters(
                 break
         else:
             survivors.append(ep)
+    for name, prefer in PREFERENCES:
+        preferred = [ep for ep in survivors if prefer(ep, q)]
+        if preferred and len(preferred) < len(survivors):
+            drops[name] = drops.get(name, 0) + len(survivors) - len(preferred)
+            survivors = preferred
     return survivors, drops
 
 

@@ -257,8 +257,7 @@ class Router:
 
     async def handle_ready(self, request: web.BaseRequest) -> web.Response:
         per_model = {
-            name: sum(1 for ep in self.table.for_model(name) if ep.ready and not ep.draining)
-            for name in self.catalog.profiles
+            name: routing.routable(self.table.for_model(name)) for name in self.catalog.profiles
         }
         ready = any(per_model.values())
         return web.json_response(

@@ -8,8 +8,9 @@ live — and keeps its `Catalog` and `EndpointTable` equal to what that state sa
 - every declared model (ModelDeclared / ModelChanged / ModelRemoved) with its aliases,
   fallbacks and deadlines: one description of a model, shared with the scheduler;
 - one endpoint per replica whose engine serves (EndpointUp / EndpointDown), marked
-  draining while its node drains or its shard drains, so new requests avoid it while
-  the streams in flight finish.
+  draining while its node drains or its shard drains, so new requests avoid it once
+  another endpoint of its model is ready (`llmgw.core.routing.PREFERENCES`) while the
+  streams in flight finish.
 
 Models and endpoints from the static config are left alone. When NATS is unreachable
 nothing is removed: the router keeps routing on the last known endpoints (its prober

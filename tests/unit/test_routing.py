@@ -90,6 +90,34 @@ def test_ties_go_to_the_endpoint_sent_to_longest_ago() -> None:
     assert routing.rank(eps, q(), Weights(), 0.0).order[0].id == "c"
 
 
+def test_a_draining_endpoint_takes_requests_while_no_other_of_its_model_can() -> None:
+    # The drained node held every replica: they keep serving, scored like any other.
+    draining = [ep("d1", draining=True, inflight=3), ep("d2", draining=True, inflight=0)]
+    r = routing.rank(draining, q(), Weights(), 0.0)
+    assert [e.id for e in r.order] == ["d2", "d1"]
+    assert r.drops == {}
+    # Other endpoints that cannot take it (loading, broken, another model) change nothing.
+    others = [
+        ep("loading", ready=False),
+        ep("broken", breaker=breaker.Breaker(state="open", opened_at=95.0)),
+        ep("other-model", models=frozenset({"x"})),
+    ]
+    r = routing.rank([*draining, *others], q(), Weights(), 0.0)
+    assert {e.id for e in r.order} == {"d1", "d2"}
+    assert "not_draining" not in r.drops
+    # Once a replacement is ready, it alone takes new requests.
+    r = routing.rank([*draining, *others, ep("replacement", inflight=9)], q(), Weights(), 0.0)
+    assert [e.id for e in r.order] == ["replacement"]
+    assert r.drops["not_draining"] == 2
+
+
+def test_routable_counts_what_rank_would_send_to() -> None:
+    assert routing.routable([ep("d", draining=True), ep("loading", ready=False)]) == 1
+    assert routing.routable([ep("d", draining=True), ep("a"), ep("b")]) == 2
+    assert routing.routable([ep("d", draining=True, ready=False)]) == 0
+    assert routing.routable([]) == 0
+
+
 def test_nothing_survives_means_empty_order() -> None:
     r = routing.rank([ep("a", ready=False)], q(), Weights(), 0.5)
     assert r.order == []
@@ -136,6 +164,10 @@ def test_rank_orders_exactly_the_eligible_endpoints(
     query = q(prefix_blocks=20, prefix_hits=hits, session_endpoint=eps[0].id if eps else "")
     r = routing.rank(eps, query, weights, rand)
     eligible = [e for e in eps if all(f(e, query) for _, f in routing.FILTERS)]
+    # Draining endpoints only when nothing else is eligible (the drained node's last
+    # replica keeps serving until a replacement is ready).
+    if any(not e.draining for e in eligible):
+        eligible = [e for e in eligible if not e.draining]
     assert sorted(map(id, r.order)) == sorted(map(id, eligible))
     assert sum(r.drops.values()) == len(eps) - len(eligible)
     # Deterministic: the same inputs give the same order.
@@ -144,3 +176,20 @@ def test_rank_orders_exactly_the_eligible_endpoints(
     ]
     for values in (s(eligible, query) for _, s in routing.SCORERS if eligible):
         assert all(0.0 <= v <= 1.0 for v in values)
+
+
+@given(eps=st.lists(endpoint_st, min_size=1, max_size=8), rand=st.floats(0, 1, exclude_max=True))
+def test_no_request_goes_unrouted_while_a_draining_endpoint_could_take_it(
+    eps: list[EndpointState], rand: float
+) -> None:
+    query = q()
+    r = routing.rank(eps, query, Weights(), rand)
+    # Whatever serves the model, is ready and whose breaker lets a request through.
+    takers = [
+        e
+        for e in eps
+        if "m" in e.models and e.ready and breaker.allows(e.breaker, POLICY, query.now)
+    ]
+    assert bool(r.order) == bool(takers)
+    assert all(e.draining for e in r.order) or not any(e.draining for e in r.order)
+    assert not r.order or r.order[0].draining == all(e.draining for e in takers)
