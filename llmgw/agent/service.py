@@ -189,6 +189,7 @@ class AgentService:
             infiniband_root=cfg.infiniband_root,
             declared_fabrics=[(f.name, f.hcas) for f in cfg.fabrics],
             own_pids=self.supervisor.own_pids(),
+            own_gpus=self.supervisor.busy_gpus(),
         )
         for warning in found.warnings:
             log.warning("discovery_warning", detail=warning)
@@ -366,12 +367,15 @@ class AgentService:
                 log.warning("agent_heartbeat_failed", error=str(exc))
 
     async def _refresh_health(self) -> None:
-        """Re-read GPU health (ECC, foreign memory) for heartbeats and launch validation."""
+        """Re-read GPU health (ECC, row remapping, foreign memory) for heartbeats and
+        launch validation."""
         if self.source == "simulated" or self.supervisor is None:
             return
         try:
             found = await asyncio.to_thread(
-                discovery.discover_gpus, own_pids=self.supervisor.own_pids()
+                discovery.discover_gpus,
+                own_pids=self.supervisor.own_pids(),
+                own_gpus=self.supervisor.busy_gpus(),
             )
         except discovery.DiscoveryError as exc:
             log.warning("gpu_health_refresh_failed", error=str(exc))
