@@ -40,6 +40,8 @@ class Discovery(msgspec.Struct, frozen=True, kw_only=True):
     inventory: Inventory
     source: GpuSource
     warnings: tuple[str, ...] = ()
+    hcas_simulated: bool = False
+    """The HCAs came from a simulated inventory, not sysfs: there is nothing to re-read."""
 
 
 def discover_gpus(
@@ -150,6 +152,7 @@ def discover(
             inventory=Inventory(gpus=sim.gpus, hcas=hcas, fabrics=usable),
             source="simulated",
             warnings=tuple(notes),
+            hcas_simulated=bool(sim.hcas),
         )
     found = discover_gpus(
         own_pids=own_pids, own_gpus=own_gpus, nvml_module=nvml_module, smi_discover=smi_discover
