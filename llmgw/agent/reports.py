@@ -18,14 +18,7 @@ __all__ = ["gpu_health", "heartbeat", "registered", "status_event"]
 
 
 def gpu_health(gpus: Iterable[Gpu]) -> tuple[events.GpuHealth, ...]:
-    return tuple(
-        events.GpuHealth(
-            index=g.index,
-            ecc_uncorrected=g.ecc_uncorrected,
-            foreign_memory_mib=g.foreign_memory_mib,
-        )
-        for g in gpus
-    )
+    return tuple(events.GpuHealth.of(g) for g in gpus)
 
 
 def registered(

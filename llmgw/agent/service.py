@@ -48,6 +48,7 @@ from llmgw import tasks as tasks_
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery, engines, ledger, reports
 from llmgw.agent.config import AgentConfig
+from llmgw.agent.discovery import infiniband
 from llmgw.agent.engines import validation
 from llmgw.agent.outbox import Outbox
 from llmgw.agent.supervisor import LIVE, Settings, ShardView, Supervisor, status_event
@@ -107,6 +108,7 @@ class AgentService:
         self.inventory = Inventory()
         self.context = engines.LaunchContext()
         self.source = ""
+        self._hcas_simulated = False
         self.registrations = 0
         self.heartbeats_sent = 0
         self.commands_applied = 0
@@ -189,6 +191,7 @@ class AgentService:
             infiniband_root=cfg.infiniband_root,
             declared_fabrics=[(f.name, f.hcas) for f in cfg.fabrics],
             own_pids=self.supervisor.own_pids(),
+            own_gpus=self.supervisor.busy_gpus(),
         )
         for warning in found.warnings:
             log.warning("discovery_warning", detail=warning)
@@ -196,6 +199,7 @@ class AgentService:
             log.warning("fabric_warning", detail=warning)
         self.inventory = found.inventory
         self.source = found.source
+        self._hcas_simulated = found.hcas_simulated
         self.context = agent_config.launch_context(cfg, self.inventory)
         # Queued before any adopted shard's first status: the log shows the node first.
         self._register()
@@ -366,17 +370,49 @@ class AgentService:
                 log.warning("agent_heartbeat_failed", error=str(exc))
 
     async def _refresh_health(self) -> None:
-        """Re-read GPU health (ECC, foreign memory) for heartbeats and launch validation."""
-        if self.source == "simulated" or self.supervisor is None:
+        """Re-read GPU health (ECC, row remapping, foreign memory) for heartbeats and
+        launch validation, and the fabrics."""
+        if self.supervisor is None:
+            return
+        await self._refresh_fabrics()
+        if self.source == "simulated":
             return
         try:
             found = await asyncio.to_thread(
-                discovery.discover_gpus, own_pids=self.supervisor.own_pids()
+                discovery.discover_gpus,
+                own_pids=self.supervisor.own_pids(),
+                own_gpus=self.supervisor.busy_gpus(),
             )
         except discovery.DiscoveryError as exc:
             log.warning("gpu_health_refresh_failed", error=str(exc))
             return
         self.inventory = msgspec.structs.replace(self.inventory, gpus=found.gpus)
+
+    async def _refresh_fabrics(self) -> None:
+        """Re-read the RDMA adapters; re-register when the usable fabrics changed.
+
+        A fabric whose ports went down (a cable, the subnet manager) must stop
+        being advertised, or the scheduler keeps placing multi-node replicas that
+        hang on their first all-reduce; one that came back is advertised again.
+        """
+        if self._hcas_simulated:
+            return
+        cfg = self.cfg
+        hcas = await asyncio.to_thread(infiniband.read_hcas, cfg.infiniband_root)
+        notes: list[str] = []
+        usable = discovery.fabrics([(f.name, f.hcas) for f in cfg.fabrics], hcas, notes)
+        if usable == self.inventory.fabrics:
+            return
+        for note in notes:
+            log.warning("fabric_warning", detail=note)
+        log.info(
+            "fabrics_changed",
+            before=[f.name for f in self.inventory.fabrics],
+            after=[f.name for f in usable],
+        )
+        self.inventory = msgspec.structs.replace(self.inventory, hcas=hcas, fabrics=usable)
+        self.context = agent_config.launch_context(cfg, self.inventory)
+        self._register()
 
     # ------------------------------------------------------------------ commands in
 

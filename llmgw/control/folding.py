@@ -155,9 +155,6 @@ def _health_changed(node: state.NodeState, hb: events.Heartbeat) -> bool:
         gpu = node.gpus.get(h.index)
         if gpu is None:
             return True
-        if (
-            gpu.ecc_uncorrected != h.ecc_uncorrected
-            or gpu.foreign_memory_mib != h.foreign_memory_mib
-        ):
+        if h.differs_from(gpu):
             return True
     return False

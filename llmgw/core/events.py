@@ -81,11 +81,37 @@ class RunningShard(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GpuHealth(msgspec.Struct, frozen=True, kw_only=True):
-    """Health flags of one GPU, refreshed with every heartbeat."""
+    """Health flags of one GPU, refreshed with every heartbeat (the same as `Gpu`'s)."""
 
     index: GpuIndex
     ecc_uncorrected: Counter = 0
     foreign_memory_mib: MemoryMib = 0
+    remap_pending: bool = False
+    remap_failed: bool = False
+
+    @classmethod
+    def of(cls, gpu: Gpu) -> GpuHealth:
+        return cls(
+            index=gpu.index,
+            ecc_uncorrected=gpu.ecc_uncorrected,
+            foreign_memory_mib=gpu.foreign_memory_mib,
+            remap_pending=gpu.remap_pending,
+            remap_failed=gpu.remap_failed,
+        )
+
+    def differs_from(self, gpu: Gpu) -> bool:
+        """Whether any flag disagrees with `gpu`'s: one place, so no flag is compared in
+        the fold and forgotten in the reconciler."""
+        return self != GpuHealth.of(gpu)
+
+    def applied_to(self, gpu: Gpu) -> Gpu:
+        return msgspec.structs.replace(
+            gpu,
+            ecc_uncorrected=self.ecc_uncorrected,
+            foreign_memory_mib=self.foreign_memory_mib,
+            remap_pending=self.remap_pending,
+            remap_failed=self.remap_failed,
+        )
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):

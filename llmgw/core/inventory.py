@@ -28,10 +28,20 @@ _MIB_PER_GIB = 1024
 
 # Words in NVML product names that say who made the card or which line it belongs
 # to, not what it is: "NVIDIA GeForce RTX 4080 SUPER" and "RTX 4080 SUPER" are one class.
-_VENDOR_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
+_VENDOR_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro", "grid"})
 # Words that begin the memory / form-factor tail of a product name ("80GB HBM3",
 # "PCIe", "SXM4-80GB", "NVL"); the class carries memory separately, from the driver.
-_TAIL = re.compile(r"^(\d+gb|pcie|sxm\d*|hbm\d*e?|nvl|mig|generation|with)$", re.IGNORECASE)
+# The edition of a workstation card ("Max-Q Workstation Edition", "Server Edition")
+# ends it too: otherwise three editions of one RTX PRO 6000, with the same memory,
+# would be three classes, each with a name as long as the product's.
+_TAIL = re.compile(
+    r"^(\d+gb|pcie|sxm\d*|hbm\d*e?|nvl|mig|generation|with|max|workstation"
+    r"|server|edition)$",
+    re.IGNORECASE,
+)
+# The profile of a vGPU, hyphenated to the board's name ("NVIDIA H200-141C", "GRID
+# T4-16Q": framebuffer GB and a series letter): kept, it would make `h200141c-141g`.
+_VGPU_PROFILE = re.compile(r"(?<=\w)-\d+[a-z]{1,2}\b", re.IGNORECASE)
 
 
 class Gpu(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,7 +58,12 @@ class Gpu(msgspec.Struct, frozen=True, kw_only=True):
     ecc_uncorrected: Counter = 0
     """Uncorrected (volatile) ECC errors: a GPU with any is not given new work."""
     foreign_memory_mib: MemoryMib = 0
-    """Memory held by processes that are not this agent's engines."""
+    """Memory held by processes that are not this agent's engines, including memory
+    the driver reports used that no visible process accounts for (containers, vGPU guests)."""
+    remap_pending: bool = False
+    """A row remap is recorded but not applied: the faulty row stays in use until a GPU reset."""
+    remap_failed: bool = False
+    """Row remapping failed (no spare rows left): the GPU needs service."""
 
     @property
     def health_problems(self) -> tuple[str, ...]:
@@ -58,6 +73,10 @@ class Gpu(msgspec.Struct, frozen=True, kw_only=True):
             problems.append(f"uncorrected ECC errors ({self.ecc_uncorrected})")
         if self.foreign_memory_mib > 0:
             problems.append(f"{self.foreign_memory_mib} MiB held by a foreign process")
+        if self.remap_pending:
+            problems.append("row remap pending (reset the GPU to apply it)")
+        if self.remap_failed:
+            problems.append("row remapping failed (the GPU needs service)")
         return tuple(problems)
 
     @property
@@ -103,7 +122,7 @@ def gib_from_mib(memory_mib: float) -> int:
 def gpu_family(name: str) -> str:
     """The model part of an NVML product name: 'NVIDIA H100 80GB HBM3' -> 'h100'."""
     words: list[str] = []
-    for word in re.split(r"[\s_-]+", name.strip()):
+    for word in re.split(r"[\s_-]+", _VGPU_PROFILE.sub(" ", name.strip())):
         if not word or word.lower() in _VENDOR_WORDS:
             continue
         if _TAIL.match(word):

@@ -94,7 +94,12 @@ class _NodeCap:
             if index in held or index in orphaned:
                 continue
             gpu = gpus[index]
-            if gpu.ecc_uncorrected or gpu.foreign_memory_mib:
+            if (
+                gpu.ecc_uncorrected
+                or gpu.foreign_memory_mib
+                or gpu.remap_pending
+                or gpu.remap_failed
+            ):
                 self.problems.append(f"GPU {index} unhealthy: {', '.join(gpu.health_problems)}")
                 continue
             cls = gpu.gpu_class

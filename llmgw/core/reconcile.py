@@ -222,11 +222,7 @@ def observe(
                 changed = tuple(
                     h
                     for h in seen.health
-                    if h.index in node.gpus
-                    and (
-                        node.gpus[h.index].ecc_uncorrected != h.ecc_uncorrected
-                        or node.gpus[h.index].foreign_memory_mib != h.foreign_memory_mib
-                    )
+                    if h.index in node.gpus and h.differs_from(node.gpus[h.index])
                 )
                 if changed:
                     b.add(events.GpuHealthChanged, node=name, gpus=changed)

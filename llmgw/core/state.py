@@ -901,11 +901,7 @@ def _gpu_health(state: ClusterState, ev: events.GpuHealthChanged, seq: int, at: 
         if h.index not in node.gpus:
             raise _Reject(f"node {ev.node!r} has no GPU {h.index}")
     for h in ev.gpus:
-        node.gpus[h.index] = msgspec.structs.replace(
-            node.gpus[h.index],
-            ecc_uncorrected=h.ecc_uncorrected,
-            foreign_memory_mib=h.foreign_memory_mib,
-        )
+        node.gpus[h.index] = h.applied_to(node.gpus[h.index])
 
 
 def _quarantined(state: ClusterState, ev: events.NodeQuarantined, seq: int, at: float) -> None:

@@ -83,6 +83,8 @@ def _summary(event: events.Event) -> str:
         case events.GpuHealthChanged():
             return f"{event.node} GPU health: " + ", ".join(
                 f"{h.index} ecc={h.ecc_uncorrected} foreign={h.foreign_memory_mib}MiB"
+                + (" remap-pending" if h.remap_pending else "")
+                + (" remap-failed" if h.remap_failed else "")
                 for h in event.gpus
             )
         case events.EndpointUp():

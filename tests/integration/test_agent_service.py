@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 import textwrap
 import time
@@ -356,3 +357,46 @@ async def test_the_agent_cannot_publish_as_another_node(
         await asyncio.sleep(0.05)
     assert "cmd-node-b" in svc.nc.permission_violations[-1]
     assert await kit.node_records(admin, "node-b") == []
+
+
+NDR_SYSFS = (
+    Path(__file__).resolve().parents[1]
+    / "fixtures/hw/derived/sysfs-h100-cx7-ndr-x8/sys/class/infiniband"
+)
+
+
+async def test_a_fabric_whose_ports_go_down_is_withdrawn_then_advertised_again(
+    start_agent: Any, control: Control, admin: Any, tmp_path: Path
+) -> None:
+    """Before: the fabrics were read once at start, so a fabric whose ports went down stayed
+    advertised until the agent restarted, and multi-node replicas kept landing on it."""
+    root = tmp_path / "infiniband"
+    shutil.copytree(NDR_SYSFS, root)
+    agent = await start_agent(
+        infiniband_root=str(root), fabrics=[{"name": "ib-pod-a", "hcas": ["mlx5_0", "mlx5_1"]}]
+    )
+
+    def registered(fabrics: tuple[str, ...], after: int) -> Callable[[events.AnyEvent], bool]:
+        def match(e: events.AnyEvent) -> bool:
+            return (
+                isinstance(e, events.NodeRegistered)
+                and tuple(f.name for f in e.fabrics) == fabrics
+                and e.id not in seen[:after]
+            )
+
+        return match
+
+    seen: list[str] = []
+    first = await kit.wait_for(admin, NODE, registered(("ib-pod-a",), 0), what="registration")
+    seen.append(first.id)
+    for hca in ("mlx5_0", "mlx5_1"):
+        (root / hca / "ports" / "1" / "state").write_text("1: DOWN\n")
+    down = await kit.wait_for(admin, NODE, registered((), 1), what="fabric withdrawn")
+    assert isinstance(down, events.NodeRegistered)
+    assert {h.state for h in down.hcas if h.name in ("mlx5_0", "mlx5_1")} == {"DOWN"}
+    seen.append(down.id)
+    for hca in ("mlx5_0", "mlx5_1"):
+        (root / hca / "ports" / "1" / "state").write_text("4: ACTIVE\n")
+    back = await kit.wait_for(admin, NODE, registered(("ib-pod-a",), 2), what="fabric back")
+    assert back.id not in seen
+    assert agent.svc.context.fabrics == agent.svc.inventory.fabrics != ()

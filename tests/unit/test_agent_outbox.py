@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -192,3 +195,72 @@ def test_property_any_bytes_on_disk_open_cleanly(
     kept = ids(Outbox(folder))
     assert kept[-1] == "s2"
     assert set(kept) <= {"s1", "s2"}
+
+
+class SyncSpy:
+    """Records what each fsync made durable, by the path behind its descriptor."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.synced: list[str] = []
+        for name in ("fsync", "fdatasync"):
+            real = getattr(os, name, None)
+            if real is not None:
+                monkeypatch.setattr(os, name, self._wrap(real))
+
+    def _wrap(self, real: Callable[[int], None]) -> Callable[[int], None]:
+        def sync(fd: int) -> None:
+            self.synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
+
+        return sync
+
+    def count(self, path: Path) -> int:
+        return self.synced.count(str(path))
+
+
+def test_a_put_is_fsynced_before_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: nothing was fsynced, so a power loss could take back a recorded transition
+    that NATS, fsyncing every acknowledgement, would otherwise have kept."""
+    box = Outbox(tmp_path / "outbox")
+    spy = SyncSpy(monkeypatch)
+    box.put(status(1, "failed"))
+    assert spy.count(tmp_path / "outbox" / "pending.jsonl") == 1
+    # A batch is one fsync, not one per entry.
+    box.put_many([(status(i), None) for i in range(2, 102)])
+    assert spy.count(tmp_path / "outbox" / "pending.jsonl") == 2
+    assert ids(box) == [f"s{i}" for i in range(1, 102)]
+    assert box.put_many([]) == []
+    assert spy.count(tmp_path / "outbox" / "pending.jsonl") == 2
+
+
+def test_a_rewrite_is_durable_before_and_after_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "outbox"
+    spy = SyncSpy(monkeypatch)
+    box = Outbox(folder, max_events=3)
+    # Opening rewrites the file (tmp, then rename): both the new file and the folder.
+    assert spy.synced[-2:] == [str(folder / "pending.tmp"), str(folder)]
+    assert str(tmp_path) in spy.synced  # the new folder's own name
+    spy.synced.clear()
+    for i in range(3):
+        box.put(status(i))
+    box.put(heartbeat(9))  # over the bound: the heartbeat is dropped, the file compacted
+    assert ids(box) == ["s0", "s1", "s2"]
+    assert spy.synced[-2:] == [str(folder / "pending.tmp"), str(folder)]
+    box.put(status(3))
+    # Appends after a compaction go to the renamed file, and are fsynced there.
+    assert spy.synced[-1] == str(folder / "pending.jsonl")
+    box.close()
+    assert ids(Outbox(folder, max_events=10)) == ["s0", "s1", "s2", "s3"]
+
+
+def test_put_stays_fast_with_fsync(tmp_path: Path) -> None:
+    """One fsync per batch keeps a burst of transitions cheap (generous bound for CI disks)."""
+    box = Outbox(tmp_path)
+    started = time.perf_counter()
+    box.put_many([(status(i), None) for i in range(1000)])
+    assert time.perf_counter() - started < 5.0
+    assert len(box) == 1000

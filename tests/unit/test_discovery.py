@@ -154,6 +154,20 @@ def test_row_without_memory_says_what_to_check() -> None:
         smi.gpus_from_smi("index, name\n0, NVIDIA H100\n")
 
 
+def test_recorded_vgpu_and_workstation_names_give_short_classes() -> None:
+    """Before: `h200141c-141g` and `rtxpro6000blackwellmaxqworkstationedition-96g`."""
+    vgpu = smi.gpus_from_smi(read(SMI / "h200-141c-vgpu-x4.query.csv"))
+    assert [g.gpu_class for g in vgpu] == ["h200-141g"] * 4
+    # Recorded without a header (`--format=csv,noheader`): this is the one nvidia-smi
+    # prints for the three fields the recording shows.
+    header = "index, name, memory.total [MiB]\n"
+    pro = smi.gpus_from_smi(header + read(SMI / "rtxpro6000-maxq-x2.noheader.csv"))
+    assert [(g.index, g.gpu_class) for g in pro] == [
+        (0, "rtxpro6000blackwell-96g"),
+        (1, "rtxpro6000blackwell-96g"),
+    ]
+
+
 # --------------------------------------------------------------------------- InfiniBand
 
 
@@ -193,6 +207,37 @@ def test_node_without_infiniband_is_an_island(tmp_path: Path) -> None:
     inventory = discovery.discover(sim_gpus="1xl4-23g", infiniband_root=tmp_path / "absent")
     assert inventory.inventory.hcas == ()
     assert inventory.inventory.fabrics == ()
+
+
+NDR = DERIVED / "sysfs-h100-cx7-ndr-x8" / "sys/class/infiniband"
+DOWN = DERIVED / "sysfs-cx7-down-esc8000a" / "sys/class/infiniband"
+
+
+@pytest.mark.parametrize(
+    ("root", "hcas", "why"),
+    [
+        # The ESC8000A's four ConnectX-7, every port PORT_DOWN as recorded.
+        (DOWN, ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"), "no port of mlx5_0, mlx5_1"),
+        # One of the declared rails is gone (a dead card, a driver that did not load).
+        (NDR, ("mlx5_0", "mlx5_1", "mlx5_4", "mlx5_10"), "HCA mlx5_10 not present"),
+        # No RDMA adapter at all: before, this was advertised as "infiniband".
+        ("absent", ("mlx5_0",), "HCA mlx5_0 not present"),
+        # The NDR node's InfiniBand rail and its Ethernet bond: before, "infiniband".
+        (NDR, ("mlx5_0", "mlx5_bond_0"), "mixes InfiniBand and RoCE"),
+    ],
+)
+def test_a_fabric_that_cannot_carry_a_replica_is_not_advertised(
+    root: Path | str, hcas: tuple[str, ...], why: str, tmp_path: Path
+) -> None:
+    found = discovery.discover(
+        sim_gpus="8xh100-80g",
+        infiniband_root=tmp_path / root if isinstance(root, str) else root,
+        declared_fabrics=[("ib-pod-a", hcas)],
+    )
+    assert found.inventory.fabrics == ()
+    (warning,) = found.warnings
+    assert warning.startswith('fabric "ib-pod-a" is not advertised to the scheduler: ')
+    assert why in warning
 
 
 def test_declared_fabric_takes_its_kind_from_the_adapters() -> None:

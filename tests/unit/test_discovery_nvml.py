@@ -65,7 +65,8 @@ class FakeNvml:
         return self.gpus[h]["uuid"]
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        return SimpleNamespace(total=self.gpus[h]["total"], used=0, free=self.gpus[h]["total"])
+        total, used = self.gpus[h]["total"], self.gpus[h].get("used", 0)
+        return SimpleNamespace(total=total, used=used, free=total - used)
 
     def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
         return self.gpus[h]["cc"]
@@ -84,6 +85,16 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
         return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in self.gpus[h].get("procs", [])]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h: int) -> list[Any]:
+        graphics = self.gpus[h].get("graphics", [])
+        return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in graphics]
+
+    def nvmlDeviceGetRemappedRows(self, h: int) -> tuple[int, int, int, int]:
+        """(correctable rows, uncorrectable rows, pending, failure), as pynvml returns them."""
+        if "remap" not in self.gpus[h]:
+            raise self.NVMLError("Not Supported")
+        return tuple(self.gpus[h]["remap"])  # type: ignore[return-value]
 
 
 def h200(i: int, **extra: Any) -> dict[str, Any]:
@@ -226,7 +237,7 @@ def test_fallback_says_what_it_could_not_read(
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     found = discovery.discover_gpus()
     assert found.gpus[0].gpu_class == "h200-140g"
-    assert any("foreign GPU memory is not checked" in w for w in found.warnings)
+    assert any("foreign GPU memory is seen only in memory.used" in w for w in found.warnings)
     assert any("NVLink domains unknown" in w for w in found.warnings)
 
 
@@ -306,3 +317,105 @@ def test_recorded_holder_is_not_foreign_once_it_is_our_own() -> None:
     own = frozenset({pid})
     assert nvml.read_gpus(fake, own_pids=own)[0].foreign_memory_mib == 0
     assert smi.gpus_from_smi(query, apps, topo, own_pids=own)[0].foreign_memory_mib == 0
+
+
+# The 4x A100 node whose recorded `nvidia-smi -q` shows a row remap pending on GPU 1
+# (00000000:9E:00.0: Remapped Rows Correctable Error 1, Pending Yes).
+A100_REMAP = HW / "derived" / "a100-sxm4-80gb-x4-555.query.csv"
+
+
+def test_pending_row_remap_and_remap_failure_make_a_gpu_unhealthy() -> None:
+    """Before: the remapped-rows fields were never asked for, and these GPUs took shards."""
+    gpus = smi.gpus_from_smi(A100_REMAP.read_text())
+    assert [g.remap_pending for g in gpus] == [False, True, False, False]
+    assert [g.index for g in gpus if g.healthy] == [0, 2, 3]
+    assert gpus[1].health_problems == ("row remap pending (reset the GPU to apply it)",)
+    (failed,) = smi.gpus_from_smi(
+        (HW / "derived" / "h100-sxm-1gpu-590.remap-failed.query.csv").read_text()
+    )
+    assert (failed.remap_failed, failed.remap_pending) == (True, False)
+    assert failed.health_problems == ("row remapping failed (the GPU needs service)",)
+    # NVML's answer for the same boards: (correctable rows, uncorrectable rows, pending, failure).
+    fake = FakeNvml(
+        [
+            h200(0, remap=(0, 0, 0, 0)),
+            h200(1, remap=(1, 0, 1, 0)),
+            h200(2, remap=(12, 8, 0, 1)),
+            h200(3),
+        ],
+        set(),
+    )
+    by_nvml = nvml.read_gpus(fake)
+    assert [(g.remap_pending, g.remap_failed) for g in by_nvml] == [
+        (False, False),
+        (True, False),
+        (False, True),
+        (False, False),  # "Not Supported" (no row remapper): nothing to report
+    ]
+    assert [g.index for g in by_nvml if g.healthy] == [0, 3]
+
+
+def test_remap_fields_are_asked_for_and_na_reads_as_no(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert {"remapped_rows.pending", "remapped_rows.failure", "memory.used"} <= set(smi.GPU_FIELDS)
+    failing_pynvml(monkeypatch)
+    fake_smi(tmp_path, A100_REMAP, HW / "nvidia-smi" / "h200-1gpu-580-llmgw.apps.csv", None)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    found = discovery.discover_gpus()
+    assert [g.index for g in found.gpus if not g.healthy] == [1]
+    # Consumer boards and MIG answer "[N/A]": not a pending remap.
+    (rtx,) = smi.gpus_from_smi((HW / "nvidia-smi" / "rtx2080super-linux-595.query.csv").read_text())
+    assert rtx.healthy
+
+
+# A vGPU guest's four H200-141C, recorded with `--query-gpu=index,uuid,name,memory.total,
+# memory.used`: the memory is held by engines in containers, which the guest's process
+# list does not show (a real empty compute-apps list stands for it).
+VGPU = HW / "nvidia-smi" / "h200-141c-vgpu-x4.query.csv"
+NO_APPS = HW / "nvidia-smi" / "h200-1gpu-580-llmgw.apps.csv"
+
+
+def test_memory_no_visible_process_accounts_for_is_foreign() -> None:
+    """Before: an empty process list meant 0 MiB foreign, with 131470 of 144384 MiB in use."""
+    gpus = smi.gpus_from_smi(VGPU.read_text(), NO_APPS.read_text())
+    assert {g.gpu_class for g in gpus} == {"h200-141g"}
+    assert [g.foreign_memory_mib for g in gpus] == [45662, 131470, 137255, 111082]
+    assert not any(g.healthy for g in gpus)
+    # The GPUs our own engines hold: their memory is ours even when their pids are not shown.
+    ours = smi.gpus_from_smi(VGPU.read_text(), NO_APPS.read_text(), own_gpus=frozenset({1, 2}))
+    assert [g.foreign_memory_mib for g in ours] == [45662, 0, 0, 111082]
+    # A listed process is not counted twice: what it holds is seen, the rest unseen.
+    apps = "gpu_uuid, pid, used_gpu_memory [MiB]\n"
+    apps += "GPU-7bdd753d-3af1-11b3-a839-80f10ebdf224, 77, 131000\n"
+    listed = smi.gpus_from_smi(VGPU.read_text(), apps, own_pids=frozenset({77}))
+    assert listed[1].foreign_memory_mib == 0  # 470 MiB unseen: within the driver's allowance
+
+
+def test_idle_recordings_have_no_unseen_memory() -> None:
+    """The allowance covers every idle recording, a workstation driving a desktop included."""
+    for name in (
+        "h100-sxm-1gpu-590.query.csv",
+        "h200-1gpu-590.query.csv",
+        "l40s-1gpu-595.query.csv",
+        "a100-pcie-40gb-x2-dl380g11.query.csv",
+        "rtx2080super-linux-595.query.csv",
+        "rtx2080super-windows-610.query.csv",
+        "rtx4080super-linux-595.query.csv",
+    ):
+        gpus = smi.gpus_from_smi((HW / "nvidia-smi" / name).read_text(), NO_APPS.read_text())
+        assert all(g.foreign_memory_mib == 0 for g in gpus), name
+
+
+def test_nvml_counts_unseen_memory_but_not_a_visible_desktop() -> None:
+    used = 131470 * 1024 * 1024
+    fake = FakeNvml(
+        [
+            h200(0, used=used),
+            h200(1, used=used),
+            h200(2, used=3 * GIB, graphics=[(900, 3 * GIB)]),
+        ],
+        set(),
+    )
+    gpus = nvml.read_gpus(fake, own_gpus=frozenset({1}))
+    assert [g.foreign_memory_mib for g in gpus] == [131470, 0, 0]

@@ -20,6 +20,17 @@ from llmgw.core.inventory import Gpu, gpu_class
         ("NVIDIA RTX 6000 Ada Generation", 49140, "rtx6000ada-48g"),
         ("NVIDIA A10G", 23028, "a10g-22g"),
         ("Tesla P100-PCIE-16GB", 16280, "p100-16g"),
+        # vGPU profiles and workstation editions (see tests/fixtures/hw/SOURCES.md).
+        ("NVIDIA H200-141C", 144384, "h200-141g"),
+        ("GRID T4-16Q", 16384, "t4-16g"),
+        (
+            "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition",
+            97887,
+            "rtxpro6000blackwell-96g",
+        ),
+        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", 97887, "rtxpro6000blackwell-96g"),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", 97887, "rtxpro6000blackwell-96g"),
+        ("NVIDIA RTX 2000E Ada Generation", 16380, "rtx2000eada-16g"),
     ],
 )
 def test_gpu_class(name: str, mib: int, expected: str) -> None:
@@ -45,4 +56,21 @@ def test_health_problems_name_each_flag() -> None:
     assert gpu.health_problems == (
         "uncorrected ECC errors (2)",
         "512 MiB held by a foreign process",
+    )
+
+
+def test_health_problems_name_row_remapping() -> None:
+    gpu = Gpu(
+        index=0,
+        uuid="u",
+        name="n",
+        gpu_class="a100-80g",
+        memory_mib=1,
+        compute_capability="8.0",
+        remap_pending=True,
+        remap_failed=True,
+    )
+    assert gpu.health_problems == (
+        "row remap pending (reset the GPU to apply it)",
+        "row remapping failed (the GPU needs service)",
     )

@@ -319,6 +319,26 @@ def test_gpu_health_from_heartbeats_is_recorded_and_steers_placement() -> None:
     assert [s.gpus for d in of(decisions, events.ReplicaPlaced) for s in d.shards] == [(0,)]  # type: ignore[attr-defined]
 
 
+def test_a_pending_row_remap_in_a_heartbeat_is_recorded_and_cleared() -> None:
+    """Before: the flag was not in the heartbeat, so the GPU stayed placeable."""
+    sim = Sim()
+    sim.register("a", count=2, per_domain=2)
+    sim.heartbeat("a", [events.GpuHealth(index=0, remap_pending=True)])
+    (changed,) = sim.step()
+    assert isinstance(changed, events.GpuHealthChanged)
+    assert changed.gpus == (events.GpuHealth(index=0, remap_pending=True),)
+    assert sim.state.nodes["a"].gpus[0].health_problems == (
+        "row remap pending (reset the GPU to apply it)",
+    )
+    sim.declare(profile("m", tensor_parallel=1, replicas=2))
+    decisions = sim.settle()
+    assert [s.gpus for d in of(decisions, events.ReplicaPlaced) for s in d.shards] == [(1,)]  # type: ignore[attr-defined]
+    sim.heartbeat("a", [events.GpuHealth(index=0, remap_failed=True)])
+    sim.settle()
+    assert sim.state.nodes["a"].gpus[0].remap_failed
+    assert not sim.state.nodes["a"].gpus[0].remap_pending
+
+
 def test_a_replica_on_a_gpu_turned_unhealthy_is_moved_when_it_fails() -> None:
     sim = two_nodes()
     sim.declare(profile("m", tensor_parallel=8))

@@ -40,11 +40,14 @@ class Discovery(msgspec.Struct, frozen=True, kw_only=True):
     inventory: Inventory
     source: GpuSource
     warnings: tuple[str, ...] = ()
+    hcas_simulated: bool = False
+    """The HCAs came from a simulated inventory, not sysfs: there is nothing to re-read."""
 
 
 def discover_gpus(
     *,
     own_pids: frozenset[int] = frozenset(),
+    own_gpus: frozenset[int] = frozenset(),
     nvml_module: Callable[[], ModuleType] = nvml.load,
     smi_discover: Callable[..., tuple[tuple[Gpu, ...], list[str]]] = smi.discover,
 ) -> GpuDiscovery:
@@ -55,7 +58,7 @@ def discover_gpus(
     """
     notes: list[str] = []
     try:
-        gpus = nvml.read_gpus(nvml_module(), own_pids=own_pids, warnings=notes)
+        gpus = nvml.read_gpus(nvml_module(), own_pids=own_pids, own_gpus=own_gpus, warnings=notes)
     except nvml.NvmlError as exc:
         reason = str(exc)
     else:
@@ -65,7 +68,7 @@ def discover_gpus(
     warning = f"NVML failed ({reason}); falling back to nvidia-smi"
     log.warning("nvml_failed_falling_back_to_nvidia_smi", reason=reason)
     try:
-        gpus, more = smi_discover(own_pids=own_pids)
+        gpus, more = smi_discover(own_pids=own_pids, own_gpus=own_gpus)
     except smi.SmiError as exc:
         raise DiscoveryError(
             f"no GPUs could be listed: NVML failed ({reason}) and nvidia-smi failed ({exc}). "
@@ -76,20 +79,57 @@ def discover_gpus(
     return GpuDiscovery(gpus=gpus, source="nvidia-smi", warnings=(warning, *more))
 
 
+def fabric_problem(hca_names: Iterable[str], hcas: Iterable[Hca]) -> str | None:
+    """Why a declared fabric must not be advertised, or None when it can carry a replica.
+
+    Every declared adapter must be present with a port up, and the ports up must be
+    of one kind: a replica placed across nodes on a fabric that is not there hangs
+    on its first all-reduce, and NCCL does not cross between InfiniBand and RoCE.
+    Purely computational.
+    """
+    names = tuple(hca_names)
+    ports: dict[str, list[Hca]] = {name: [] for name in names}
+    for hca in hcas:
+        if hca.name in ports:
+            ports[hca.name].append(hca)
+    missing = [name for name in names if not ports[name]]
+    if missing:
+        return f"HCA {', '.join(missing)} not present"
+    down = [name for name in names if not any(h.state.upper() == "ACTIVE" for h in ports[name])]
+    if down:
+        return f"no port of {', '.join(down)} is ACTIVE"
+    kinds = {h.kind for name in names for h in ports[name] if h.state.upper() == "ACTIVE"}
+    if len(kinds) > 1:
+        return "it mixes InfiniBand and RoCE ports"
+    return None
+
+
 def fabric_kind(hca_names: Iterable[str], hcas: Iterable[Hca]) -> FabricKind:
-    """RoCE when every seen port of the fabric's adapters runs over Ethernet, else InfiniBand."""
+    """The kind of a usable fabric's ports that are up (see `fabric_problem`)."""
     names = set(hca_names)
-    layers = {h.kind for h in hcas if h.name in names}
+    layers = {h.kind for h in hcas if h.name in names and h.state.upper() == "ACTIVE"}
     return "roce" if layers == {"roce"} else "infiniband"
 
 
 def fabrics(
-    declared: Iterable[tuple[str, tuple[str, ...]]], hcas: tuple[Hca, ...]
+    declared: Iterable[tuple[str, tuple[str, ...]]],
+    hcas: tuple[Hca, ...],
+    warnings: list[str] | None = None,
 ) -> tuple[Fabric, ...]:
-    """Fabric labels with their kind; the operator declares them: the wire does not say."""
-    return tuple(
-        Fabric(name=name, kind=fabric_kind(names, hcas), hcas=names) for name, names in declared
-    )
+    """The declared fabrics this node can use now, with their kind; the operator declares
+    them (the wire does not say), discovery decides whether each is there. Each one
+    left out gets a line in `warnings`. Purely computational."""
+    out: list[Fabric] = []
+    for name, names in declared:
+        problem = fabric_problem(names, hcas)
+        if problem is None:
+            out.append(Fabric(name=name, kind=fabric_kind(names, hcas), hcas=names))
+        elif warnings is not None:
+            warnings.append(
+                f'fabric "{name}" is not advertised to the scheduler: {problem}; '
+                "this node serves single-node replicas until it is (`ibstat`)"
+            )
+    return tuple(out)
 
 
 def discover(
@@ -98,21 +138,29 @@ def discover(
     infiniband_root: str | Path = infiniband.DEFAULT_ROOT,
     declared_fabrics: Iterable[tuple[str, tuple[str, ...]]] = (),
     own_pids: frozenset[int] = frozenset(),
+    own_gpus: frozenset[int] = frozenset(),
     nvml_module: Callable[[], ModuleType] = nvml.load,
     smi_discover: Callable[..., tuple[tuple[Gpu, ...], list[str]]] = smi.discover,
 ) -> Discovery:
     """The node's whole inventory; a simulated one replaces the GPUs (and HCAs if it has any)."""
+    notes: list[str] = []
     if sim_gpus:
         sim = simulated.load(sim_gpus)
         hcas = sim.hcas or infiniband.read_hcas(infiniband_root)
+        usable = fabrics(declared_fabrics, hcas, notes)
         return Discovery(
-            inventory=Inventory(gpus=sim.gpus, hcas=hcas, fabrics=fabrics(declared_fabrics, hcas)),
+            inventory=Inventory(gpus=sim.gpus, hcas=hcas, fabrics=usable),
             source="simulated",
+            warnings=tuple(notes),
+            hcas_simulated=bool(sim.hcas),
         )
-    found = discover_gpus(own_pids=own_pids, nvml_module=nvml_module, smi_discover=smi_discover)
+    found = discover_gpus(
+        own_pids=own_pids, own_gpus=own_gpus, nvml_module=nvml_module, smi_discover=smi_discover
+    )
     hcas = infiniband.read_hcas(infiniband_root)
+    usable = fabrics(declared_fabrics, hcas, notes)
     return Discovery(
-        inventory=Inventory(gpus=found.gpus, hcas=hcas, fabrics=fabrics(declared_fabrics, hcas)),
+        inventory=Inventory(gpus=found.gpus, hcas=hcas, fabrics=usable),
         source=found.source,
-        warnings=found.warnings,
+        warnings=(*found.warnings, *notes),
     )

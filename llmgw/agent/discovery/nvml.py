@@ -14,6 +14,7 @@ import warnings
 from types import ModuleType
 from typing import Any
 
+from llmgw.agent.discovery.memory import foreign_mib
 from llmgw.agent.discovery.smi import nvlink_domains
 from llmgw.core.inventory import Gpu, gpu_class
 
@@ -47,7 +48,11 @@ def _optional(nv: Any, fn: Any, *args: Any, default: Any = None) -> Any:
 
 
 def read_gpus(
-    nv: Any, *, own_pids: frozenset[int] = frozenset(), warnings: list[str] | None = None
+    nv: Any,
+    *,
+    own_pids: frozenset[int] = frozenset(),
+    own_gpus: frozenset[int] = frozenset(),
+    warnings: list[str] | None = None,
 ) -> tuple[Gpu, ...]:
     """Every GPU with its health flags and NVLink domain, read through the module `nv`.
 
@@ -55,6 +60,8 @@ def read_gpus(
     for direct links and through NVSwitch (HGX boards), so one query covers both.
     GPUs in MIG mode are left out, with a line in `warnings`: llmgw places whole
     GPUs by index, and a MIG-enabled GPU is reachable only through MIG UUIDs.
+    Foreign memory follows `llmgw.agent.discovery.memory` (`own_gpus`: the GPUs
+    our engines hold).
     """
     try:
         nv.nvmlInit()
@@ -89,7 +96,8 @@ def read_gpus(
                         f"GPUs; disable MIG (`nvidia-smi -i {i} -mig 0`) to use it"
                     )
                 continue
-            memory_mib = int(nv.nvmlDeviceGetMemoryInfo(handle).total) / _MIB
+            memory = nv.nvmlDeviceGetMemoryInfo(handle)
+            memory_mib = int(memory.total) / _MIB
             major, minor = nv.nvmlDeviceGetCudaComputeCapability(handle)
             ecc = _optional(
                 nv,
@@ -104,11 +112,20 @@ def read_gpus(
             processes = _optional(nv, nv.nvmlDeviceGetComputeRunningProcesses, handle, default=[])
             # usedGpuMemory is None where the driver may not say (some vGPU setups):
             # such a process still makes the GPU busy, so it counts as at least 1 MiB.
-            foreign = sum(
-                max(1, int(p.usedGpuMemory or 0) // _MIB)
-                for p in processes
-                if int(p.pid) not in own_pids
+            listed = [(int(p.pid), max(1, int(p.usedGpuMemory or 0) // _MIB)) for p in processes]
+            # ...but a visible desktop's memory is accounted for, not unseen.
+            graphics = _optional(nv, nv.nvmlDeviceGetGraphicsRunningProcesses, handle, default=[])
+            foreign = foreign_mib(
+                used_mib=int(memory.used) / _MIB,
+                processes=listed,
+                own_pids=own_pids,
+                ours=i in own_gpus,
+                seen_elsewhere_mib=sum(int(p.usedGpuMemory or 0) // _MIB for p in graphics),
             )
+            # (corrected rows, uncorrected rows, pending, failure); absent on boards
+            # without row remapping (before Ampere, consumer cards): nothing to report.
+            remap = _optional(nv, nv.nvmlDeviceGetRemappedRows, handle, default=None)
+            pending, failed = (bool(remap[2]), bool(remap[3])) if remap else (False, False)
             gpus.append(
                 Gpu(
                     index=i,
@@ -120,6 +137,8 @@ def read_gpus(
                     nvlink_domain=domains.get(i),
                     ecc_uncorrected=int(ecc or 0),
                     foreign_memory_mib=foreign,
+                    remap_pending=pending,
+                    remap_failed=failed,
                 )
             )
         return tuple(gpus)

@@ -15,6 +15,7 @@ import re
 import subprocess
 from collections.abc import Iterable, Mapping
 
+from llmgw.agent.discovery.memory import foreign_mib
 from llmgw.core.inventory import Gpu, gpu_class
 
 GPU_FIELDS = (
@@ -22,12 +23,15 @@ GPU_FIELDS = (
     "uuid",
     "name",
     "memory.total",
+    "memory.used",
     "compute_cap",
     "ecc.errors.uncorrected.volatile.total",
+    "remapped_rows.pending",
+    "remapped_rows.failure",
     "mig.mode.current",
 )
 # What every driver since the 2010s answers: the retry when an old driver rejects a field.
-MINIMAL_FIELDS = ("index", "uuid", "name", "memory.total")
+MINIMAL_FIELDS = ("index", "uuid", "name", "memory.total", "memory.used")
 APP_FIELDS = ("gpu_uuid", "pid", "used_memory")
 
 QUERY_GPUS = ("nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,nounits")
@@ -69,6 +73,11 @@ def _number(value: str | None) -> float | None:
         return None
     match = _NUMBER.match(value.strip())
     return float(match.group(0)) if match else None
+
+
+def _yes(value: str | None) -> bool:
+    """'Yes' is set; 'No', '[N/A]' (boards without row remapping) and absence are not."""
+    return (value or "").strip().lower() == "yes"
 
 
 def parse_topology(text: str) -> dict[int, int | None]:
@@ -140,12 +149,15 @@ def gpus_from_smi(
     topology: str = "",
     *,
     own_pids: frozenset[int] = frozenset(),
+    own_gpus: frozenset[int] = frozenset(),
 ) -> tuple[Gpu, ...]:
     """Build the GPUs from the three nvidia-smi outputs. Purely computational, no side effects.
 
     Memory held by a compute process whose pid is not one of the agent's engines
     (`own_pids`) counts as foreign: another tenant's job would make an engine
-    fail its memory plan minutes into loading.
+    fail its memory plan minutes into loading. So does `memory.used` that no
+    listed process accounts for, except on the GPUs our engines hold (`own_gpus`):
+    see `llmgw.agent.discovery.memory`.
     """
     domains = parse_topology(topology) if topology else {}
     by_uuid = parse_apps(apps) if apps else {}
@@ -165,7 +177,12 @@ def gpus_from_smi(
         uuid = row.get("uuid", "") or f"GPU-index-{index}"
         ecc = _number(row.get("ecc.errors.uncorrected.volatile.total"))
         cap = _number(row.get("compute_cap"))
-        foreign = sum(used for pid, used in by_uuid.get(uuid, ()) if pid not in own_pids)
+        foreign = foreign_mib(
+            used_mib=_number(row.get("memory.used")),
+            processes=by_uuid.get(uuid, ()),
+            own_pids=own_pids,
+            ours=index in own_gpus,
+        )
         gpus.append(
             Gpu(
                 index=index,
@@ -177,6 +194,8 @@ def gpus_from_smi(
                 nvlink_domain=domains.get(index),
                 ecc_uncorrected=int(ecc or 0),
                 foreign_memory_mib=foreign,
+                remap_pending=_yes(row.get("remapped_rows.pending")),
+                remap_failed=_yes(row.get("remapped_rows.failure")),
             )
         )
     return tuple(sorted(gpus, key=lambda g: g.index))
@@ -218,7 +237,9 @@ def run(argv: tuple[str, ...], *, timeout_s: float = 15.0) -> str:
     return done.stdout
 
 
-def discover(*, own_pids: frozenset[int] = frozenset()) -> tuple[tuple[Gpu, ...], list[str]]:
+def discover(
+    *, own_pids: frozenset[int] = frozenset(), own_gpus: frozenset[int] = frozenset()
+) -> tuple[tuple[Gpu, ...], list[str]]:
     """GPUs as nvidia-smi reports them, and warnings for the parts it could not read.
 
     The GPU list is required; the process list and the topology are not, but
@@ -232,16 +253,18 @@ def discover(*, own_pids: frozenset[int] = frozenset()) -> tuple[tuple[Gpu, ...]
         # An old driver rejects fields it does not know (compute_cap came with 510);
         # the minimal query still lists the GPUs, without compute capability or ECC.
         query = run(QUERY_GPUS_MINIMAL)
-        warnings.append(f"reduced GPU query (no compute capability, ECC or MIG mode): {exc}")
+        warnings.append(
+            f"reduced GPU query (no compute capability, ECC, row remapping or MIG mode): {exc}"
+        )
     warnings += mig_warnings(query)
     try:
         apps = run(QUERY_APPS)
     except SmiError as exc:
         apps = ""
-        warnings.append(f"no process list, foreign GPU memory is not checked: {exc}")
+        warnings.append(f"no process list, foreign GPU memory is seen only in memory.used: {exc}")
     try:
         topology = run(TOPOLOGY)
     except SmiError as exc:
         topology = ""
         warnings.append(f"no topology, NVLink domains unknown: {exc}")
-    return gpus_from_smi(query, apps, topology, own_pids=own_pids), warnings
+    return gpus_from_smi(query, apps, topology, own_pids=own_pids, own_gpus=own_gpus), warnings
