@@ -62,7 +62,13 @@ def run(
         except config.ConfigError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
-    server.run(cfg)
+    try:
+        # Before anything starts: a taken port is said once, not as a worker's traceback.
+        claimed = server.claim(cfg)
+    except OSError as exc:
+        typer.echo(f"llmgw router: {exc}", err=True)
+        raise typer.Exit(1) from None
+    server.run(cfg, claimed)
 
 
 @app.command("check")
