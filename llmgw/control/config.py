@@ -35,7 +35,7 @@ class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     that admits only operator certificates of the fleet's CA when `cert_file` is set."""
 
     host: str = "127.0.0.1"
-    port: int = 9190
+    port: config.Port = 9190
     cert_file: str = ""
     """This listener's server certificate (its SANs must name `host`); empty: plain HTTP."""
     key_file: str = ""

@@ -24,7 +24,7 @@ from llmgw.core.routing import Weights
 
 class Listener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: config.Port = 8080
 
 
 class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
