@@ -79,6 +79,10 @@ def check(
     from llmgw.router import auth
 
     cfg = _load(config_path, None)
+    problems = cfg.log.file_problems("log") if cfg.log is not None else []
+    if problems:
+        typer.echo("\n".join(f"{config_path}: {p}" for p in problems), err=True)
+        raise typer.Exit(2)
     if cfg.auth.keys_file:
         try:
             keys = auth.load_keys(cfg.auth.keys_file, 0.0)

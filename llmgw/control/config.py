@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 
 from llmgw import config
+from llmgw.bus import settings
 from llmgw.bus.settings import NatsConnection
 from llmgw.control.quota import NodeQuota
 from llmgw.core import catalog, subjects
@@ -134,6 +135,16 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
             problems.append(f"models[{i}] ({profile.name!r}): {problem}")
         seen.append(profile)
     return [f"{where}: {p}" for p in problems]
+
+
+def file_problems(cfg: ControlConfig) -> list[str]:
+    """What is wrong with the files `cfg` names (certificates), for `--check`."""
+    problems = cfg.nats.file_problems("nats")
+    for field in ("cert_file", "key_file", "ca_file"):
+        path = getattr(cfg.admin, field)
+        if path:
+            problems += settings.file_problem(f"admin.{field}", path)
+    return problems
 
 
 def load(path: str | Path | None) -> ControlConfig:
