@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmgw.router import auth
 from tests.integration.router_kit import Router, Sim
@@ -176,6 +178,32 @@ def test_a_malformed_authorization_header_is_never_echoed(
         log = keyed.log.read_text(errors="replace")
     assert SECRET not in log
     assert "Traceback" not in log
+
+
+# Control characters other than CR and LF (which end the header line) and HTAB (allowed).
+CONTROL = st.sampled_from([bytes([c]) for c in (*range(9), *range(11, 13), *range(14, 32), 127)])
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    before=st.binary(max_size=20).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+    control=CONTROL,
+    after=st.binary(max_size=20).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+)
+def test_no_header_value_is_ever_echoed(
+    keyed: Keyed, before: bytes, control: bytes, after: bytes
+) -> None:
+    router = keyed.router
+    value = b"Bearer " + SECRET.encode() + before + control + after
+    raw = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\n\r\n"
+    answer = _exchange(router.url, raw)
+    assert answer.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")), answer[:300]
+    assert SECRET.encode() not in answer
+    assert value not in answer
 
 
 def test_deeply_nested_json_is_a_400_from_the_router_and_the_sim(keyed: Keyed, sim: Sim) -> None:
