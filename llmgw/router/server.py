@@ -73,7 +73,9 @@ def listening_sockets(
     One socket needs no SO_REUSEPORT, so the kernel itself refuses a taken port.
     Several must all set it, and so would any stranger's that set it too: before
     they listen, a socket without SO_REUSEPORT probes the port, and its bind fails
-    exactly when some socket already listens on it (ours only bind until then).
+    exactly when some socket already listens on it (ours only bind until then). Two
+    routers started within the same few microseconds could still both pass; anything
+    started later, with or without SO_REUSEPORT, is refused.
     """
     socks: list[socket.socket] = []
     try:
