@@ -3,20 +3,28 @@
 Every long-running command (control, agent, router, sim) describes its settings
 as a msgspec Struct and loads them here. `LLMGW_ROUTER__LISTEN__PORT=9000`
 overrides `listen.port` of a config whose env section is `ROUTER` (`__` nests).
-Errors say which file and which key is wrong and what to do about it.
+A variable's value is read as the setting's type: a string setting takes the
+text as it is (`0123` stays `0123`, `on` stays `on`), a number or a boolean is
+parsed as one, and lists or mappings are written in YAML's flow style (`[a, b]`).
+Errors say which file, key or variable is wrong and what to do about it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
+import msgspec.inspect as mi
 import yaml
 
 T = TypeVar("T")
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+"""A TCP port: 0 (pick a free one) to 65535."""
 
 
 class ConfigError(ValueError):
@@ -45,21 +53,45 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def env_overrides(section: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Nested mapping from `LLMGW_<SECTION>__A__B=value` variables (values parsed as YAML)."""
+def env_overrides(
+    section: str, environ: Mapping[str, str] | None = None, cls: type | None = None
+) -> dict[str, Any]:
+    """Nested mapping from `LLMGW_<SECTION>__A__B=value` variables.
+
+    With `cls`, each value is read as the type of the setting it names (see the module's
+    docstring) and a variable naming no setting of `cls` is an error; without, as YAML.
+    """
+    return _env_entries(section, environ, cls)[0]
+
+
+_EnvPaths = dict[tuple[str, ...], tuple[str, str]]
+"""Path of keys -> (variable, raw value), to name the variable in errors."""
+
+
+def _env_entries(
+    section: str, environ: Mapping[str, str] | None, cls: type | None
+) -> tuple[dict[str, Any], _EnvPaths]:
     environ = os.environ if environ is None else environ
     prefix = f"LLMGW_{section.upper()}__" if section else "LLMGW_"
+    root = mi.type_info(cls) if cls is not None else None
     out: dict[str, Any] = {}
-    for name, raw in environ.items():
+    paths: _EnvPaths = {}
+    for name, raw in sorted(environ.items()):
         if not name.startswith(prefix):
             continue
         keys = [k.lower() for k in name[len(prefix) :].split("__") if k]
         if not keys:
             continue
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        if root is None:
+            value = _yaml_value(name, raw)
+        else:
+            target = _setting_type(root, keys)
+            if target is None:
+                raise ConfigError(
+                    f"{name}: there is no setting {'.'.join(keys)}: check the name"
+                    f" ({prefix}A__B sets b of section a) or unset the variable"
+                )
+            value = _typed_value(name, raw, target)
         node = out
         for key in keys[:-1]:
             child = node.setdefault(key, {})
@@ -67,7 +99,106 @@ def env_overrides(section: str, environ: Mapping[str, str] | None = None) -> dic
                 raise ConfigError(f"{name}: {key} is both a value and a section")
             node = child
         node[keys[-1]] = value
-    return out
+        paths[tuple(keys)] = (name, raw)
+    return out, paths
+
+
+def _setting_type(t: mi.Type, keys: list[str]) -> mi.Type | None:
+    """The type of the setting at `keys` under `t`; None when there is none."""
+    for key in keys:
+        if isinstance(t, mi.UnionType):
+            # `section: X | None`: a variable sets a key inside X.
+            t = next((m for m in t.types if isinstance(m, (mi.StructType, mi.DictType))), t)
+        if isinstance(t, mi.StructType):
+            field = next((f for f in t.fields if f.encode_name == key), None)
+            if field is None:
+                return None
+            t = field.type
+        elif isinstance(t, mi.DictType):
+            t = t.value_type
+        elif isinstance(t, mi.AnyType):
+            return t
+        else:
+            return None
+    return t
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+_NULL = {"", "null", "~", "none"}
+
+
+def _typed_value(name: str, raw: str, t: mi.Type) -> Any:
+    members = t.types if isinstance(t, mi.UnionType) else (t,)
+    text = raw.strip()
+    if any(_is_text(m) for m in members):
+        return raw
+    if any(isinstance(m, mi.NoneType) for m in members) and text.lower() in _NULL:
+        return None
+    if any(isinstance(m, mi.BoolType) for m in members):
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+    if any(isinstance(m, mi.IntType) for m in members):
+        try:
+            return int(text, 10)
+        except ValueError:
+            pass
+    if any(isinstance(m, mi.FloatType) for m in members):
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    if all(isinstance(m, (mi.BoolType, mi.IntType, mi.FloatType, mi.NoneType)) for m in members):
+        wanted = " or ".join(_describe(m) for m in members)
+        raise ConfigError(f"{name}={raw!r} is not {wanted}: set it to one, or unset it")
+    return _yaml_value(name, raw)
+
+
+def _is_text(t: mi.Type) -> bool:
+    if isinstance(t, (mi.StrType, mi.CustomType, mi.EnumType)):
+        return True
+    return isinstance(t, mi.LiteralType) and all(isinstance(v, str) for v in t.values)
+
+
+def _describe(t: mi.Type) -> str:
+    if isinstance(t, mi.BoolType):
+        return "true or false"
+    if isinstance(t, mi.IntType):
+        return "a whole number"
+    if isinstance(t, mi.FloatType):
+        return "a number"
+    return "empty"
+
+
+def _yaml_value(name: str, raw: str) -> Any:
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "unreadable"
+        raise ConfigError(
+            f"{name} is not valid YAML ({first}): write a list as [a, b] and a mapping as"
+            " {key: value}"
+        ) from None
+
+
+_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
+
+
+def _blame(exc: msgspec.ValidationError, where: str, paths: _EnvPaths) -> str:
+    """The error, naming the environment variable that set the value, if one did."""
+    m = _AT.match(str(exc))
+    if m is None:
+        return f"{where}: {exc}"
+    at = m.group("path")
+    for keys, (name, raw) in paths.items():
+        p = "." + ".".join(keys)
+        if at == p or at.startswith((p + ".", p + "[")):
+            return f"{name}={raw!r}: {m.group('what')}: change the variable or unset it"
+    return f"{where}: {exc}"
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -91,11 +222,12 @@ def load(
 ) -> T:
     """Load `cls` from an optional YAML file, then env overrides, then explicit overrides."""
     data: dict[str, Any] = read_yaml(path) if path is not None else {}
-    data = merge(data, env_overrides(section, environ))
+    env, env_paths = _env_entries(section, environ, cls)
+    data = merge(data, env)
     if overrides:
         data = merge(data, overrides)
     where = str(path) if path is not None else "configuration"
     try:
         return msgspec.convert(data, cls, str_keys=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(_blame(exc, where, env_paths)) from None

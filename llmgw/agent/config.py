@@ -46,8 +46,8 @@ class PortRange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     carry a port range, so a narrower one here refuses every placement.
     """
 
-    first: int = placement.PORT_BASE
-    last: int = placement.PORT_LIMIT - 1
+    first: config.Port = placement.PORT_BASE
+    last: config.Port = placement.PORT_LIMIT - 1
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -8,6 +8,7 @@ way everywhere.
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 
 import msgspec
 
@@ -38,6 +39,27 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 out.append(f"{section}.{field} is not set: {unset_hint}")
         return out
 
+    def file_problems(self, section: str) -> list[str]:
+        """What is wrong with the certificate files themselves (missing, unreadable, a
+        key that does not match its certificate), each naming `section.field`; for
+        `--check`, which must not say ok when the service could not connect."""
+        out = []
+        for field in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, field)
+            if path:
+                out += file_problem(f"{section}.{field}", path)
+        if out or not all((self.ca_file, self.cert_file, self.key_file)):
+            return out
+        try:
+            self.tls_context()
+        except (ssl.SSLError, ValueError) as exc:
+            out.append(
+                f"{section}: cannot use {self.cert_file} and {self.key_file} with"
+                f" {self.ca_file} ({exc}): check that the key is the certificate's own"
+                " and the CA is the fleet's"
+            )
+        return out
+
     def tls_context(self) -> ssl.SSLContext:
         """The client context: trusts only the fleet's CA, presents this certificate."""
         return tls.client_context(
@@ -52,3 +74,18 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             key_file=self.key_file or None,
             accept_unsigned_before=self.accept_unsigned_before,
         )
+
+
+def file_problem(setting: str, path: str) -> list[str]:
+    """[] when `path` is a readable file, else one problem naming `setting`."""
+    p = Path(path)
+    if not p.exists():
+        return [f"{setting}: {path} does not exist: fix the path or copy the file there"]
+    if not p.is_file():
+        return [f"{setting}: {path} is not a file: point it at the file itself"]
+    try:
+        with p.open("rb"):
+            pass
+    except OSError as exc:
+        return [f"{setting}: cannot read {path} ({exc.strerror}): check its owner and mode"]
+    return []

@@ -18,7 +18,7 @@ import typer
 
 from llmgw import natsd
 from llmgw.core.subjects import check_token
-from llmgw.pki.ca import CertificateAuthority, PkiError
+from llmgw.pki.ca import CertificateAuthority, PkiError, PkiInputError
 from llmgw.pki.identity import KINDS, Identity
 from llmgw.pki.store import CertDir, expires, utcnow, write_private, write_public
 
@@ -54,15 +54,17 @@ def default_hosts() -> list[str]:
 
 
 def _fail(exc: Exception) -> typer.Exit:
+    """Exit 2 when the command was asked wrongly (the message says how to ask), 1 when a
+    certificate operation failed (as `llmgw ctl` does)."""
     typer.echo(f"error: {exc}", err=True)
-    return typer.Exit(1)
+    return typer.Exit(2 if isinstance(exc, PkiInputError) else 1)
 
 
 def _identity(kind: str, name: str) -> Identity:
     try:
         return Identity(kind, name)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise _fail(exc) from None
+        raise _fail(PkiInputError(str(exc))) from None
 
 
 def _render_and_reload(certs: CertDir, authorization: Path | None, pid_file: Path | None) -> None:
@@ -101,7 +103,7 @@ def init(
     certs = CertDir(dir)
     if certs.ca_key.exists() and not force:
         raise _fail(
-            PkiError(
+            PkiInputError(
                 f"a CA already exists in {dir}: issue more certificates with "
                 "`llmgw ctl cert issue`, or pass --force to replace the CA (every certificate "
                 "it signed stops working)"
@@ -191,9 +193,9 @@ def route(
     try:
         check_token(name, "cluster member name")
     except ValueError as exc:
-        raise _fail(exc) from None
+        raise _fail(PkiInputError(str(exc))) from None
     if not host:
-        raise _fail(PkiError("give the address the other members dial: --host 10.0.0.5"))
+        raise _fail(PkiInputError("give the address the other members dial: --host 10.0.0.5"))
     certs = CertDir(dir)
     try:
         issued = certs.load_ca().issue_route(host, now=utcnow())
@@ -210,7 +212,7 @@ def list_(dir: Path = DIR_OPTION) -> None:
     """List the identities admitted to NATS and when their certificates expire."""
     certs = CertDir(dir)
     if not certs.ca_cert.exists():
-        raise _fail(PkiError(f"no CA in {dir}: run `llmgw ctl cert init` first"))
+        raise _fail(PkiInputError(f"no CA in {dir}: run `llmgw ctl cert init` first"))
     now = utcnow()
     for identity in certs.identities():
         until = expires(certs.cert(identity))
@@ -235,7 +237,9 @@ def remove(
     identity = _identity(kind, name)
     certs = CertDir(dir)
     if not certs.cert(identity).exists():
-        raise _fail(PkiError(f"no certificate for {identity} in {dir}: see `llmgw ctl cert list`"))
+        raise _fail(
+            PkiInputError(f"no certificate for {identity} in {dir}: see `llmgw ctl cert list`")
+        )
     certs.cert(identity).unlink()
     certs.key(identity).unlink(missing_ok=True)
     typer.echo(f"removed {identity}")

@@ -34,6 +34,11 @@ def command(
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     if check:
+        # The files, too: --check must not say ok about a service that could not connect.
+        problems = control_config.file_problems(cfg)
+        if problems:
+            typer.echo("\n".join(f"{config_path}: {p}" for p in problems), err=True)
+            raise typer.Exit(2)
         typer.echo(f"{config_path}: control plane {cfg.name!r}, {len(cfg.models)} models: ok")
         return
     logs.setup(cfg.log_level)

@@ -123,6 +123,11 @@ def apply(
     prune: bool = typer.Option(
         True, "--prune/--no-prune", help="Remove declared models the file does not list."
     ),
+    allow_empty: bool = typer.Option(
+        False,
+        "--allow-empty",
+        help="Let a file that lists no models remove every declared model (with pruning).",
+    ),
     json_out: bool = common.JSON,
     config: Path | None = common.CONFIG,
     server: list[str] | None = common.SERVER,
@@ -141,6 +146,15 @@ def apply(
     except BadInput as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    if prune and not wanted and not allow_empty:
+        # An empty file is more often a truncated or wrong one than a wish to stop serving:
+        # --yes alone must not remove the whole catalog.
+        typer.echo(
+            f"error: {file} lists no models, so applying it would remove every declared model:"
+            " pass --allow-empty if that is what you want, or --no-prune to remove nothing",
+            err=True,
+        )
+        raise typer.Exit(2)
 
     async def body(s: Session) -> int:
         r = await common.current(s)

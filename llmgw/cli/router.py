@@ -62,7 +62,13 @@ def run(
         except config.ConfigError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
-    server.run(cfg)
+    try:
+        # Before anything starts: a taken port is said once, not as a worker's traceback.
+        claimed = server.claim(cfg)
+    except OSError as exc:
+        typer.echo(f"llmgw router: {exc}", err=True)
+        raise typer.Exit(1) from None
+    server.run(cfg, claimed)
 
 
 @app.command("check")
@@ -73,6 +79,10 @@ def check(
     from llmgw.router import auth
 
     cfg = _load(config_path, None)
+    problems = cfg.log.file_problems("log") if cfg.log is not None else []
+    if problems:
+        typer.echo("\n".join(f"{config_path}: {p}" for p in problems), err=True)
+        raise typer.Exit(2)
     if cfg.auth.keys_file:
         try:
             keys = auth.load_keys(cfg.auth.keys_file, 0.0)

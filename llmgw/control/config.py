@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 
 from llmgw import config
+from llmgw.bus import settings
 from llmgw.bus.settings import NatsConnection
 from llmgw.control.quota import NodeQuota
 from llmgw.core import catalog, subjects
@@ -35,7 +36,7 @@ class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     that admits only operator certificates of the fleet's CA when `cert_file` is set."""
 
     host: str = "127.0.0.1"
-    port: int = 9190
+    port: config.Port = 9190
     cert_file: str = ""
     """This listener's server certificate (its SANs must name `host`); empty: plain HTTP."""
     key_file: str = ""
@@ -134,6 +135,16 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
             problems.append(f"models[{i}] ({profile.name!r}): {problem}")
         seen.append(profile)
     return [f"{where}: {p}" for p in problems]
+
+
+def file_problems(cfg: ControlConfig) -> list[str]:
+    """What is wrong with the files `cfg` names (certificates), for `--check`."""
+    problems = cfg.nats.file_problems("nats")
+    for field in ("cert_file", "key_file", "ca_file"):
+        path = getattr(cfg.admin, field)
+        if path:
+            problems += settings.file_problem(f"admin.{field}", path)
+    return problems
 
 
 def load(path: str | Path | None) -> ControlConfig:

@@ -42,6 +42,11 @@ class PkiError(ValueError):
     """A certificate operation that cannot be done; the message says what to do."""
 
 
+class PkiInputError(PkiError):
+    """The operation was asked wrongly (a bad host, a key it would replace without
+    --force, no CA where it was told to look): `llmgw ctl cert` exits 2 on these."""
+
+
 @dataclass(frozen=True)
 class Issued:
     """A certificate and its private key, both PEM encoded."""
@@ -100,7 +105,7 @@ def san_entries(hosts: Iterable[str]) -> list[x509.GeneralName]:
             out.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             if any(c.isspace() or c in "/:@" for c in host):
-                raise PkiError(
+                raise PkiInputError(
                     f"{raw!r} is neither an IP address nor a host name: give names such as "
                     "'nats.example.com' or addresses such as '10.0.0.5'"
                 ) from None
@@ -193,7 +198,7 @@ class CertificateAuthority:
         """The NATS server's certificate, valid for every host and IP in `hosts`."""
         sans = san_entries(hosts)
         if not sans:
-            raise PkiError(
+            raise PkiInputError(
                 "the server certificate needs at least one host or IP that clients dial, "
                 "e.g. --host 127.0.0.1 --host nats.example.com"
             )
@@ -219,7 +224,7 @@ class CertificateAuthority:
         a client certificate from the same CA cannot join the cluster as a route."""
         sans = san_entries(hosts)
         if not sans:
-            raise PkiError(
+            raise PkiInputError(
                 "a route certificate needs the host or IP the other servers dial for routes, "
                 "e.g. --host 10.0.0.5 --host nats-2.example.com"
             )

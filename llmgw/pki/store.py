@@ -27,13 +27,13 @@ from pathlib import Path
 from cryptography import x509
 
 from llmgw.pki import authorization, tls
-from llmgw.pki.ca import CertificateAuthority, Issued, PkiError
+from llmgw.pki.ca import CertificateAuthority, Issued, PkiInputError
 from llmgw.pki.identity import KINDS, Identity
 
 DEFAULT_DIR = Path("nats/certs")
 
 
-class KeyExistsError(PkiError):
+class KeyExistsError(PkiInputError):
     """Refusal to overwrite an existing private key without --force."""
 
 
@@ -105,7 +105,7 @@ class CertDir:
         try:
             return CertificateAuthority.load(self.ca_cert.read_bytes(), self.ca_key.read_bytes())
         except FileNotFoundError:
-            raise PkiError(
+            raise PkiInputError(
                 f"no CA in {self.root}: run `llmgw ctl cert init` first "
                 "(or pass --dir where the CA lives)"
             ) from None

@@ -45,7 +45,7 @@ from llmgw.config import ConfigError
 from llmgw.core import breaker, routing
 from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import auth, requests, sse
+from llmgw.router import auth, protocol, requests, sse
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Deadline, Watchdog
@@ -1145,8 +1145,12 @@ def build_server(router: Router) -> web.Server:
 
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream connection, so the engine stops generating and frees the KV blocks.
-    return web.Server(
-        handle, request_factory=make_request, handler_cancellation=True, access_log=None
+    return protocol.Server(
+        handle,
+        request_factory=make_request,
+        handler_cancellation=True,
+        access_log=None,
+        head_timeout_s=router.cfg.header_timeout_s,
     )
 
 

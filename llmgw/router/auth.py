@@ -240,9 +240,13 @@ class Keys:
 
     def lookup(self, authorization: str | None) -> Principal | None:
         """The principal of an `Authorization` header value, None when missing or unknown."""
-        if not authorization or not authorization.startswith("Bearer "):
+        if not authorization:
             return None
-        key = authorization[7:].strip()
+        # The scheme is case-insensitive (RFC 9110, 11.1): `bearer` is as good as `Bearer`.
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        key = key.strip()
         if not key:
             return None
         return self.by_digest.get(digest(key))

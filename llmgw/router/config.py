@@ -24,7 +24,7 @@ from llmgw.core.routing import Weights
 
 class Listener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: config.Port = 8080
 
 
 class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -84,6 +84,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     body_timeout_s: float = 30.0
     """Longest wait for a request's whole body once its headers are in; a client that
     sends it slower (or stops half-way) gets 408 and its connection is closed."""
+    header_timeout_s: float = 10.0
+    """Longest wait for a request's line and headers once their first byte is in; a client
+    that sends them slower gets 408 and its connection is closed."""
     keepalive_s: float = 0.0
     """Send an SSE comment every this many seconds before the first token (0: never);
     for load balancers that cut idle connections during a long prefill."""
@@ -180,6 +183,8 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
         problems.append("max_body_bytes must be at least 1024")
     if cfg.body_timeout_s <= 0:
         problems.append("body_timeout_s must be above 0")
+    if cfg.header_timeout_s <= 0:
+        problems.append("header_timeout_s must be above 0")
     if cfg.prefix.block_chars < 1 or cfg.prefix.max_blocks < 0 or cfg.prefix.capacity < 1:
         problems.append("prefix: block_chars and capacity must be at least 1, max_blocks >= 0")
     if cfg.probe_interval_s <= 0:

@@ -80,6 +80,11 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         raise BadRequest(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # msgspec refuses JSON nested deeper than the interpreter's recursion limit.
+        raise BadRequest(
+            "the request body is nested too deeply: keep it to a few hundred levels"
+        ) from None
     if not req.model:
         raise BadRequest("`model` is empty: name the model to use")
     if isinstance(req, EmbeddingBody):

@@ -1,9 +1,12 @@
 """Running the router: uvloop, the listeners, and `--workers N` processes sharing one port.
 
 Each worker is a whole router (its own event loop, endpoint table, breakers
-and prefix index) bound to the same address with SO_REUSEPORT, so the kernel
-spreads connections across them. The parent reserves the port first (port 0
-becomes a real port every worker shares), starts the workers, prints one line
+and prefix index) with its own listening socket on the same address, shared
+with SO_REUSEPORT, so the kernel spreads connections across them. The parent
+makes every worker's sockets itself (port 0 becomes one real port they share)
+and refuses to start when any other process listens on the port: SO_REUSEPORT
+would otherwise let a second router, started by mistake, take half of the
+first one's connections. It then starts the workers, prints one line
 `llmgw router listening on http://HOST:PORT admin http://HOST:PORT` once all
 of them accept connections, and forwards SIGTERM / SIGINT (stop) and SIGHUP (re-read
 the keys file). With several
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -34,33 +38,91 @@ from aiohttp import web
 
 from llmgw import logs
 from llmgw.router.auth import SharedLimits
-from llmgw.router.config import RouterConfig
+from llmgw.router.config import Listener, RouterConfig
 from llmgw.router.metrics import METRICS_DIR_ENV
 
 log = logs.get("llmgw.router")
 
 
-def listening_socket(host: str, port: int, *, backlog: int = 4096) -> socket.socket:
-    """A TCP listener with SO_REUSEPORT (workers share it) and TCP_NODELAY.
+class PortTaken(OSError):
+    """Another process listens on a port the router was told to use; the message says
+    which and what to do."""
 
-    TCP_NODELAY on the listener is inherited by accepted sockets on Linux; uvloop
-    sets it on every TCP transport as well. Without it Nagle's algorithm holds the
-    first SSE chunk behind the headers until the client's delayed ACK: +40 ms
-    time to first token on reused keep-alive connections (docs/design.md).
-    """
+
+def _socket(host: str, *, reuseport: bool) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    # SO_REUSEADDR: a restart binds at once despite the last run's TIME_WAIT connections;
+    # on Linux it never lets a second socket bind a port someone listens on.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuseport:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    # Inherited by accepted sockets on Linux; uvloop sets it on every TCP transport as
+    # well. Without it Nagle's algorithm holds the first SSE chunk behind the headers
+    # until the client's delayed ACK: +40 ms time to first token (docs/design.md).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
-    sock.setblocking(False)
     return sock
+
+
+def listening_sockets(
+    lst: Listener, count: int, *, setting: str, backlog: int = 4096
+) -> list[socket.socket]:
+    """`count` TCP listeners on `lst`, one per worker, sharing the port only among
+    themselves; raises PortTaken when another process listens there.
+
+    One socket needs no SO_REUSEPORT, so the kernel itself refuses a taken port.
+    Several must all set it, and so would any stranger's that set it too: before
+    they listen, a socket without SO_REUSEPORT probes the port, and its bind fails
+    exactly when some socket already listens on it (ours only bind until then). Two
+    routers started within the same few microseconds could still both pass; anything
+    started later, with or without SO_REUSEPORT, is refused.
+    """
+    socks: list[socket.socket] = []
+    try:
+        port = lst.port
+        for _ in range(count):
+            s = _socket(lst.host, reuseport=count > 1)
+            socks.append(s)
+            s.bind((lst.host, port))
+            port = s.getsockname()[1]
+        if count > 1:
+            with _socket(lst.host, reuseport=False) as probe:
+                probe.bind((lst.host, port))
+        for s in socks:
+            s.listen(backlog)
+            s.setblocking(False)
+    except OSError as exc:
+        for s in socks:
+            s.close()
+        where = f"{lst.host}:{lst.port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise PortTaken(
+                f"{where} ({setting}) is taken by another process: stop that process,"
+                f" or set {setting} to a free port",
+            ) from None
+        raise OSError(
+            f"cannot listen on {where} ({setting}): {exc.strerror}: fix {setting} or the host"
+        ) from None
+    return socks
+
+
+def claim(cfg: RouterConfig) -> tuple[list[socket.socket], list[socket.socket]]:
+    """Every worker's API and admin listeners; raises PortTaken (or OSError) saying why not."""
+    count = max(cfg.workers, 1)
+    api = listening_sockets(cfg.listen, count, setting="listen.port")
+    try:
+        admin = listening_sockets(cfg.admin, count, setting="admin.port", backlog=128)
+    except OSError:
+        for s in api:
+            s.close()
+        raise
+    return api, admin
 
 
 async def serve(
     cfg: RouterConfig,
+    sock: socket.socket,
+    admin_sock: socket.socket,
     *,
     worker: int = 0,
     ready: Any = None,
@@ -76,8 +138,6 @@ async def serve(
     admin_runner = web.AppRunner(build_admin_app(router), access_log=None)
     await runner.setup()
     await admin_runner.setup()
-    sock = listening_socket(cfg.listen.host, cfg.listen.port)
-    admin_sock = listening_socket(cfg.admin.host, cfg.admin.port, backlog=128)
     await web.SockSite(runner, sock).start()
     await web.SockSite(admin_runner, admin_sock).start()
     # Start-up objects (config, modules, tables) never die: keep them out of every
@@ -114,36 +174,38 @@ def _announce(host: str, port: int, admin_host: str, admin_port: int) -> None:
     sys.stdout.flush()
 
 
-def _worker_main(cfg_bytes: bytes, worker: int, ready: Any, limits_path: str, lock: Any) -> None:
+def _worker_main(
+    cfg_bytes: bytes,
+    worker: int,
+    ready: Any,
+    limits_path: str,
+    lock: Any,
+    sock: socket.socket,
+    admin_sock: socket.socket,
+) -> None:
     cfg = msgspec.json.decode(cfg_bytes, type=RouterConfig)
     logs.setup(cfg.log_level)
     limits = SharedLimits(limits_path, lock)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(cfg, worker=worker, ready=ready, limits=limits))
+        runner.run(serve(cfg, sock, admin_sock, worker=worker, ready=ready, limits=limits))
 
 
-def run(cfg: RouterConfig) -> None:
-    """Run the router in the foreground until SIGTERM / SIGINT."""
+def run(
+    cfg: RouterConfig,
+    claimed: tuple[list[socket.socket], list[socket.socket]] | None = None,
+) -> None:
+    """Run the router in the foreground until SIGTERM / SIGINT, on the listeners of
+    `claim(cfg)` (claimed here when not given)."""
+    api, admin = claimed if claimed is not None else claim(cfg)
     if cfg.workers <= 1:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(serve(cfg))
+            runner.run(serve(cfg, api[0], admin[0]))
         return
-    _run_workers(cfg)
+    _run_workers(cfg, api, admin)
 
 
-def _run_workers(cfg: RouterConfig) -> None:
-    # Reserve the ports so that port 0 becomes one real port all workers share; the
-    # reservation only binds (no listen), so the kernel never hands it a connection.
-    holds = []
-    ports = []
-    for lst in (cfg.listen, cfg.admin):
-        family = socket.AF_INET6 if ":" in lst.host else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind((lst.host, lst.port))
-        holds.append(s)
-        ports.append(s.getsockname()[1])
+def _run_workers(cfg: RouterConfig, api: list[socket.socket], admin: list[socket.socket]) -> None:
+    ports = [api[0].getsockname()[1], admin[0].getsockname()[1]]
     cfg = msgspec.structs.replace(
         cfg,
         listen=msgspec.structs.replace(cfg.listen, port=ports[0]),
@@ -183,11 +245,15 @@ def _run_workers(cfg: RouterConfig) -> None:
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(cfg_bytes, i, send, limits_path, limits_lock),
+                # The sockets travel as file descriptors the child inherits.
+                args=(cfg_bytes, i, send, limits_path, limits_lock, api[i], admin[i]),
                 name=f"router-{i}",
             )
             proc.start()
             send.close()
+            # The worker has its own copies now; a dead worker's queue must not linger here.
+            api[i].close()
+            admin[i].close()
             procs.append(proc)
             pipes.append(recv)
         for p, recv in zip(procs, pipes, strict=True):
@@ -197,8 +263,6 @@ def _run_workers(cfg: RouterConfig) -> None:
                         f"router worker {p.name} exited during start (code {p.exitcode})"
                     )
             recv.recv()
-        for s in holds:
-            s.close()
         _announce(cfg.listen.host, ports[0], cfg.admin.host, ports[1])
         while not stopping:
             multiprocessing.connection.wait([p.sentinel for p in procs], timeout=1.0)
@@ -208,6 +272,8 @@ def _run_workers(cfg: RouterConfig) -> None:
                 on_signal(signal.SIGTERM, None)
                 raise SystemExit(1)
     finally:
+        for sock in (*api, *admin):
+            sock.close()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

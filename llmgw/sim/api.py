@@ -184,6 +184,13 @@ def _decode(body: bytes, tp: type[Any]) -> Any:
         raise ApiError(
             400, f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
+    except RecursionError:
+        # msgspec refuses JSON nested deeper than the interpreter's recursion limit.
+        raise ApiError(
+            400,
+            "the request body is nested too deeply: keep it to a few hundred levels",
+            code="invalid_json",
+        ) from None
 
 
 def _unsupported(param: str, what: str) -> ApiError:

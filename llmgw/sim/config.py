@@ -12,6 +12,8 @@ from typing import Literal
 
 import msgspec
 
+from llmgw.config import Port
+
 StallAt = Literal["headers", "first_token", "mid_stream"]
 
 
@@ -87,7 +89,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """One simulated engine: where it listens, what it serves, and how it behaves."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Port = 8000
     """0 picks a free port; the start-up line says which."""
     served_model_names: tuple[str, ...] = ("sim",)
     """The first name labels the metrics (`model_name`); the others are aliases."""

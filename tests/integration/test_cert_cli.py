@@ -73,7 +73,7 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
     for key in (certs.ca_key, certs.server_key, certs.key(Identity("control", "control"))):
         assert stat.S_IMODE(key.stat().st_mode) == 0o600
     again = llmgw(root, "ctl", "cert", "init")
-    assert again.returncode == 1
+    assert again.returncode == 2
     assert "a CA already exists" in again.stderr
     assert "--force" in again.stderr
 
@@ -115,7 +115,7 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
         # Its key is not replaced by accident.
         key_before = certs.key(Identity("node", "gpu-1")).read_bytes()
         twice = llmgw(root, "ctl", "cert", "issue", "node", "gpu-1")
-        assert twice.returncode == 1
+        assert twice.returncode == 2
         assert "--force" in twice.stderr
         assert certs.key(Identity("node", "gpu-1")).read_bytes() == key_before
 
@@ -128,7 +128,7 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
         ]
 
         bad = llmgw(root, "ctl", "cert", "issue", "node", "gpu.1")
-        assert bad.returncode == 1
+        assert bad.returncode == 2
         assert "cannot be used in a NATS subject" in bad.stderr
 
         # The server certificate is re-issued for a new name clients dial, and applied by
@@ -147,7 +147,7 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
         with pytest.raises(Exception, match=r"(?i)hostname|certificate"):
             await dial_as("nats.internal")
         kept = llmgw(root, "ctl", "cert", "server", "--host", "127.0.0.1")
-        assert kept.returncode == 1
+        assert kept.returncode == 2
         assert "--force" in kept.stderr
         reissued = llmgw(
             root,
@@ -187,8 +187,31 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
 
 def test_issue_without_a_ca_says_to_run_init(tmp_path: Path) -> None:
     out = llmgw(tmp_path, "ctl", "cert", "issue", "node", "gpu-1")
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert "llmgw ctl cert init" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("issue", "robot", "r1"), "robot"),
+        (("issue", "node", "gpu.1"), "cannot be used in a NATS subject"),
+        (("issue", "node", ""), "node"),
+        (("remove", "node", "never-issued"), "no certificate for"),
+        (("route", "nats-1"), "--host"),
+        (("route", "nats.1", "--host", "10.0.0.5"), "cluster member name"),
+        (("server", "--host", "a b", "--force"), "neither an IP address nor a host name"),
+        (("init",), "a CA already exists"),
+    ],
+)
+def test_bad_input_exits_2_saying_what_to_do(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    assert llmgw(tmp_path, "ctl", "cert", "init", "--host", "127.0.0.1").returncode == 0
+    out = llmgw(tmp_path, "ctl", "cert", *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert says in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_llmgw_ctl_is_listed_in_help(tmp_path: Path) -> None:
@@ -222,7 +245,7 @@ async def test_the_checked_in_cluster_runs_from_the_repository_root(tmp_path: Pa
         out = llmgw(root, "ctl", "cert", "route", f"nats-{i}", "--host", "127.0.0.1")
         assert out.returncode == 0, out.stderr
     refused = llmgw(root, "ctl", "cert", "route", "nats-1", "--host", "127.0.0.1")
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "--force" in refused.stderr
 
     servers = [

@@ -140,6 +140,32 @@ async def test_apply_shows_the_diff_declares_changes_and_removes(
     ]
 
 
+@pytest.mark.parametrize("text", ["", "models: []\n", "[]\n", "# nothing yet\n"])
+async def test_an_empty_models_file_removes_nothing_without_allow_empty(
+    nats_server: TestNatsServer, log: bus.BusClient, tmp_path: Path, text: str
+) -> None:
+    ctl = Ctl(nats_server)
+    path = tmp_path / "models.yaml"
+    path.write_text(MODELS)
+    assert (await ctl("apply", "-f", str(path), "--yes")).code == 0
+    path.write_text(text)
+    refused = await ctl("apply", "-f", str(path), "--yes")
+    assert refused.code == 2, refused
+    assert "lists no models" in refused.stderr
+    assert "--allow-empty" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    removed = [r for r in await read_log(log) if isinstance(r.event, events.ModelRemoved)]
+    assert removed == []
+    assert {m["name"] for m in (await ctl("models", "--json")).json()} == {"m1", "m2"}
+    # --no-prune with an empty file changes nothing; --allow-empty removes them all.
+    kept = await ctl("apply", "-f", str(path), "--yes", "--no-prune")
+    assert kept.code == 0, kept
+    assert "nothing to do" in kept.stdout
+    emptied = await ctl("apply", "-f", str(path), "--yes", "--allow-empty")
+    assert emptied.code == 0, emptied
+    assert (await ctl("models", "--json")).json() == []
+
+
 BAD_MODELS = {
     "not yaml": ("- name: m1\n  engine: [sim\n", "not valid YAML at line"),
     "unknown engine": ("- name: m1\n  engine: vllmx\n", "engine 'vllmx' is not supported"),

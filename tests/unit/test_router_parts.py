@@ -29,6 +29,11 @@ def test_keys_file_lookup_models_and_buckets(tmp_path: Path) -> None:
     assert keys.lookup(None) is None
     assert keys.lookup("Bearer wrong") is None
     assert keys.lookup(key) is None  # no Bearer scheme
+    assert keys.lookup(f"Basic {key}") is None
+    assert keys.lookup("Bearer ") is None
+    # The scheme is case-insensitive, as HTTP has it.
+    for scheme in ("bearer", "BEARER", "BeArEr"):
+        assert keys.lookup(f"{scheme} {key}") is not None, scheme
     pr = keys.lookup(f"Bearer {key}")
     assert pr is not None
     assert pr.may_use("m")

@@ -1,0 +1,267 @@
+"""HTTP hygiene of a real `llmgw router` (and `llmgw sim`) over real sockets.
+
+A second router on a taken port fails to start instead of sharing it; malformed
+requests get a 400 that quotes nothing they sent, and a log line without a
+traceback; deeply nested JSON is a 400; a request head that trickles in is cut
+with a 408; the `Bearer` scheme is case-insensitive.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmgw.router import auth
+from tests.integration.router_kit import Router, Sim
+
+pytestmark = pytest.mark.slow
+
+HEAD_TIMEOUT_S = 1.0
+SECRET = "sk-hygiene-secret-7f3a9c"
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Sim]:
+    s = Sim.start("m", "--eos-min-tokens", "2", "--eos-max-tokens", "2")
+    yield s
+    s.stop()
+
+
+class Keyed(NamedTuple):
+    router: Router
+    key: str
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory, sim: Sim) -> Iterator[Keyed]:
+    """A router with one API key, its stderr in `log`."""
+    tmp: Path = tmp_path_factory.mktemp("router-hygiene")
+    key = auth.new_key()
+    keys = tmp / "keys.yaml"
+    keys.write_text("keys:\n" + auth.entry_yaml("k", key))
+    r = Router.start(
+        tmp,
+        {"s": sim},
+        auth={"keys_file": str(keys)},
+        header_timeout_s=HEAD_TIMEOUT_S,
+        log=tmp / "router.log",
+    )
+    yield Keyed(r, key, tmp / "router.log")
+    r.stop()
+
+
+def _addr(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def _exchange(url: str, raw: bytes, *, timeout: float = 20.0) -> bytes:
+    """Send `raw`, return everything the server answers until it closes the connection."""
+    with socket.create_connection(_addr(url), timeout=timeout) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return answer
+            answer += chunk
+
+
+def _models(url: str, authorization: str) -> int:
+    req = urllib.request.Request(url + "/v1/models", headers={"Authorization": authorization})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+# ------------------------------------------------------------------ a taken port
+
+
+def _second_router(tmp: Path, cfg: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    path = tmp / f"second-{len(list(tmp.glob('second-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw", "router", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("first_workers", [1, 2])
+def test_a_second_router_on_a_taken_port_fails_and_the_first_keeps_all_traffic(
+    tmp_path: Path, sim: Sim, first_workers: int
+) -> None:
+    key = auth.new_key()
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n" + auth.entry_yaml("k", key))
+    first = Router.start(tmp_path, {"s": sim}, workers=first_workers, auth={"keys_file": str(keys)})
+    try:
+        host, port = _addr(first.url)
+        _, admin_port = _addr(first.admin)
+        base: dict[str, object] = {
+            "models": [{"name": "m"}],
+            "endpoints": [{"id": "s", "url": sim.url, "models": ["m"]}],
+            "auth": {"allow_anonymous": True},
+        }
+        for workers in (1, 2):
+            for taken, free, setting in (
+                ("listen", "admin", "listen.port"),
+                ("admin", "listen", "admin.port"),
+            ):
+                used = port if taken == "listen" else admin_port
+                cfg = {
+                    **base,
+                    "workers": workers,
+                    taken: {"host": host, "port": used},
+                    free: {"host": host, "port": 0},
+                }
+                done = _second_router(tmp_path, cfg)
+                assert done.returncode == 1, (done.stdout, done.stderr)
+                assert f"{host}:{used} ({setting}) is taken by another process" in done.stderr
+                assert "Traceback" not in done.stderr
+                assert "listening on" not in done.stdout
+        # Every request still reaches the first router (the anonymous second one would
+        # have answered 200 to a request without a key).
+        assert [_models(first.url, "Bearer wrong") for _ in range(20)] == [401] * 20
+        assert _models(first.url, f"Bearer {key}") == 200
+    finally:
+        first.stop()
+
+
+# ------------------------------------------------------------------ malformed requests
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (f"Bearer {SECRET}\x01tail", "invalid_header"),
+        (f"Bearer {SECRET}" + "x" * 9000, "line_too_long"),
+    ],
+)
+def test_a_malformed_authorization_header_is_never_echoed(
+    keyed: Keyed, value: str, problem: str
+) -> None:
+    router = keyed.router
+    host, _ = _addr(router.url)
+    raw = (f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nAuthorization: {value}\r\n\r\n").encode(
+        "latin-1"
+    )
+    answer = _exchange(router.url, raw)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")), answer[:300]
+    assert SECRET.encode() not in answer
+    err = json.loads(body)["error"]
+    assert err["code"] == "bad_http_request"
+    assert err["type"] == "invalid_request_error"
+    # The log line may be written just after the answer: wait for it.
+    deadline = time.monotonic() + 20
+    log = keyed.log.read_text(errors="replace")
+    while problem not in log:
+        assert time.monotonic() < deadline, log[-2000:]
+        time.sleep(0.05)
+        log = keyed.log.read_text(errors="replace")
+    assert SECRET not in log
+    assert "Traceback" not in log
+
+
+# Control characters other than CR and LF (which end the header line) and HTAB (allowed).
+CONTROL = st.sampled_from([bytes([c]) for c in (*range(9), *range(11, 13), *range(14, 32), 127)])
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    before=st.binary(max_size=20).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+    control=CONTROL,
+    after=st.binary(max_size=20).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+)
+def test_no_header_value_is_ever_echoed(
+    keyed: Keyed, before: bytes, control: bytes, after: bytes
+) -> None:
+    router = keyed.router
+    value = b"Bearer " + SECRET.encode() + before + control + after
+    raw = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\n\r\n"
+    answer = _exchange(router.url, raw)
+    assert answer.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")), answer[:300]
+    assert SECRET.encode() not in answer
+    assert value not in answer
+
+
+def test_deeply_nested_json_is_a_400_from_the_router_and_the_sim(keyed: Keyed, sim: Sim) -> None:
+    router, key = keyed.router, keyed.key
+    depth = 100_000
+    body = (
+        b'{"model":"m","messages":[{"role":"user","content":"x"}],"x":'
+        + b"[" * depth
+        + b"]" * depth
+        + b"}"
+    )
+    for url, data, headers in (
+        (router.url + "/v1/chat/completions", body, {"Authorization": f"Bearer {key}"}),
+        (sim.url + "/v1/chat/completions", body, {}),
+    ):
+        req = urllib.request.Request(
+            url,
+            data=data,
+            headers={"Content-Type": "application/json", **headers},
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=20)
+        assert info.value.code == 400, url
+        err = json.loads(info.value.read())["error"]
+        assert "nested" in err["message"], err
+
+
+def test_a_request_head_that_trickles_in_gets_408(keyed: Keyed) -> None:
+    router, key = keyed.router, keyed.key
+    host, _ = _addr(router.url)
+    with socket.create_connection(_addr(router.url), timeout=30) as sock:
+        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n".encode())
+        t0 = time.monotonic()
+        answer = b""
+        sock.settimeout(0.25)
+        # One header line every 0.25 s, for far longer than the deadline.
+        for i in range(200):
+            try:
+                sock.sendall(f"X-Slow-{i}: {i}\r\n".encode())
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            answer += chunk
+        took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b'"code":"request_timeout"' in answer
+    assert HEAD_TIMEOUT_S <= took < HEAD_TIMEOUT_S + 20
+    # A head sent at once is served on a new connection.
+    assert _models(router.url, f"Bearer {key}") == 200
+
+
+def test_the_bearer_scheme_is_case_insensitive(keyed: Keyed) -> None:
+    router, key = keyed.router, keyed.key
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert _models(router.url, f"{scheme} {key}") == 200, scheme
+    assert _models(router.url, f"Basic {key}") == 401
