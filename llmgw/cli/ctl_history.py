@@ -193,12 +193,14 @@ def replay(
     verify: bool = typer.Option(
         False,
         "--verify",
-        help="Re-run today's reconciler at every decision the leader recorded; differences exit 1.",
+        help="Re-run today's reconciler at every decision the leader recorded, with the timings "
+        "it recorded; differences exit 1.",
     ),
     control_config: Path | None = typer.Option(
         None,
         "--control-config",
-        help="For --verify: the control plane's config, whose reconcile timings it ran with.",
+        help="For --verify of a log from an older llmgw, whose leaders recorded no reconcile "
+        "timings: the control plane's config (newer leaders record theirs in the log).",
     ),
     view: str = typer.Option("all", "--view", help="nodes, replicas, models, endpoints or all."),
     snapshots: bool = typer.Option(
@@ -228,7 +230,7 @@ def replay(
             return await _diff(s, diff, json_out, snapshots)
         if verify:
             return await _verify(
-                s, _reconcile_config(control_config), json_out, defaults=control_config is None
+                s, _reconcile_config(control_config), json_out, fallback_from=control_config
             )
         now = time.time()
         point = history.Point(seq=to, time=history.parse_time(at, now) if at else None)
@@ -283,7 +285,7 @@ async def _diff(s: Session, points: tuple[str, str], json_out: bool, snapshots: 
 
 
 async def _verify(
-    s: Session, cfg: reconcile.ReconcileConfig, json_out: bool, *, defaults: bool
+    s: Session, fallback: reconcile.ReconcileConfig, json_out: bool, *, fallback_from: Path | None
 ) -> int:
     log = await _all_records(s)
     pairs = [(r.seq, r.event) for r in log]
@@ -293,35 +295,62 @@ async def _verify(
         if isinstance(e, events.ControlEvent)
         and not isinstance(e, (events.LeaderElected, *reconcile.OBSERVATIONS))
     }
-    differences = control_verify.verify(pairs, config=cfg)
+    timings = control_verify.recorded_timings(pairs)
+    differences = control_verify.verify(pairs, config=fallback)
+    source = str(fallback_from) if fallback_from is not None else "the defaults"
     if json_out:
         common.out(
             render.json_text(
                 {
                     "events": len(pairs),
                     "decision_batches": len(batches),
+                    "timings": {
+                        "recorded_epochs": sorted(timings.by_epoch),
+                        "unrecorded_epochs": list(timings.unrecorded),
+                        "unrecorded_from": source if timings.unrecorded else None,
+                    },
                     "differences": differences,
                     "ok": not differences,
                 }
             )
         )
-    elif differences:
+        return 1 if differences else 0
+    if differences:
         common.out(
             f"{len(differences)} of {len(batches)} recorded decision batches would now be "
             "decided differently:"
         )
         common.out("\n".join(f"  {d.detail}" for d in differences))
-        if defaults:
-            common.out(
-                "(checked with the default reconcile timings: pass --control-config with the "
-                "leader's config file, whose timings also decide)"
-            )
     else:
         common.out(
             f"verified {len(batches)} recorded decision batches over {len(pairs):,} events: "
             "today's reconciler makes every one of them the same way"
         )
+    if timings.by_epoch:
+        common.out(
+            "with the reconcile timings each leader recorded in the log (epochs "
+            f"{_epochs(sorted(timings.by_epoch))})"
+            + (
+                " (--control-config applies only to epochs that recorded none)"
+                if fallback_from is not None and not timings.unrecorded
+                else ""
+            )
+        )
+    if timings.unrecorded:
+        hint = (
+            ""
+            if fallback_from is not None
+            else ": pass --control-config with that leader's config file if its timings differ"
+        )
+        common.out(
+            f"epochs {_epochs(list(timings.unrecorded))} recorded no timings (a log from an "
+            f"older llmgw): checked with {source}{hint}"
+        )
     return 1 if differences else 0
+
+
+def _epochs(epochs: list[int]) -> str:
+    return ", ".join(str(e) for e in epochs[:10]) + (" ..." if len(epochs) > 10 else "")
 
 
 class LeaseSeen(msgspec.Struct, kw_only=True):
