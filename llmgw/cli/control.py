@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from llmgw import config, logs, tasks
+from llmgw import config, logs, tasks, wording
 
 
 def command(
@@ -34,7 +34,10 @@ def command(
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     if check:
-        typer.echo(f"{config_path}: control plane {cfg.name!r}, {len(cfg.models)} models: ok")
+        typer.echo(
+            f"{config_path}: control plane {cfg.name!r}, "
+            f"{wording.count(len(cfg.models), 'model')}: ok"
+        )
         return
     logs.setup(cfg.log_level)
     import uvloop

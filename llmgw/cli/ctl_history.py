@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import typer
 
-from llmgw import bus
+from llmgw import bus, wording
 from llmgw.cli import ctl_common as common
 from llmgw.control import verify as control_verify
 from llmgw.core import events, reconcile, state, views
@@ -57,7 +57,7 @@ def events_cmd(
     type_: str | None = typer.Option(
         None, "--type", "-t", help="Only this type: node.shard, a family (operator), or shard."
     ),
-    json_out: bool = typer.Option(False, "--json", help="One common.JSON object per line."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per line."),
     config: Path | None = common.CONFIG,
     server: list[str] | None = common.SERVER,
     ca: str | None = common.CA,
@@ -279,7 +279,7 @@ async def _diff(s: Session, points: tuple[str, str], json_out: bool, snapshots: 
         def where(point: history.Point, r: history.Rebuilt) -> str:
             return f"seq {r.target_seq}" + (f" ({point.describe()})" if point.time else "")
 
-        head = f"from {where(a, ra)} to {where(b, rb)}: {len(found)} change(s)"
+        head = f"from {where(a, ra)} to {where(b, rb)}: {wording.count(len(found), 'change')}"
         common.out("\n".join([head, *(c.render() for c in found)]))
     return 0
 
@@ -558,9 +558,11 @@ def status(
             common.out(render.json_text(doc))
             return code
         common.out(
-            f"log: seq {doc['first_seq']}-{doc['seq']} ({doc['messages']:,} messages); "
-            f"{doc['nodes']} nodes, {doc['models']} models, {doc['replicas']} replicas, "
-            f"{doc['endpoints']} endpoints"
+            f"log: seq {doc['first_seq']}-{doc['seq']} "
+            f"({wording.count(doc['messages'], 'message')}); "
+            + ", ".join(
+                wording.count(doc[k], k[:-1]) for k in ("nodes", "models", "replicas", "endpoints")
+            )
         )
         common.out(leading["text"])
         common.out(render.rebuilt_header(r))

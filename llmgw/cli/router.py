@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import typer
 
-from llmgw import config, logs
+from llmgw import config, logs, wording
 from llmgw.router import config as router_config
 from llmgw.router.config import RouterConfig
 
@@ -79,11 +79,11 @@ def check(
         except config.ConfigError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
-        typer.echo(f"{len(keys.by_digest)} API keys")
+        typer.echo(wording.count(len(keys.by_digest), "API key"))
     names = sum(1 + len(m.aliases) for m in cfg.models)
     typer.echo(
-        f"{config_path}: {len(cfg.models)} models ({names} names),"
-        f" {len(cfg.endpoints)} endpoints: ok"
+        f"{config_path}: {wording.count(len(cfg.models), 'model')} "
+        f"({wording.count(names, 'name')}), {wording.count(len(cfg.endpoints), 'endpoint')}: ok"
     )
 
 

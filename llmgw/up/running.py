@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import msgspec
 import yaml
 
-from llmgw import natsd
+from llmgw import natsd, wording
 from llmgw.agent import processes
 from llmgw.up import children, render, status
 from llmgw.up.children import Child, UpError
@@ -294,7 +294,7 @@ class Fleet:
         for name, child, where, log in rows:
             pid = child.pid if child is not None else "-"
             self.say(f"  {name:<14} pid {pid!s:<8} {where}  (log {lay.log(log)})")
-        self.say(f"  model {p.model!r}: {p.replicas} replicas of {engine}")
+        self.say(f"  model {p.model!r}: {wording.count(p.replicas, 'replica')} of {engine}")
         if not self._dial_host.startswith("127.") and self._dial_host not in ("::1", "localhost"):
             self.say(
                 f"  the router answers on {p.host} without API keys: anyone who reaches it can "

@@ -123,6 +123,7 @@ async def test_apply_shows_the_diff_declares_changes_and_removes(
     assert "~ change m1" in shown.stdout
     assert "replicas: 2 -> 3" in shown.stdout
     assert "- remove m2" in shown.stdout
+    assert "applied 2 changes as " in shown.stdout
     models = {m["name"]: m for m in (await ctl("models", "--json")).json()}
     assert set(models) == {"m1"}
     assert models["m1"]["replicas_wanted"] == 3
@@ -138,6 +139,9 @@ async def test_apply_shows_the_diff_declares_changes_and_removes(
         ("operator.model_removed", "alice"),
         ("operator.model_changed", "alice"),
     ]
+    path.write_text("- name: m1\n  engine: sim\n  replicas: 4\n")
+    one = await ctl("apply", "-f", str(path), "--yes")
+    assert "applied 1 change as " in one.stdout
 
 
 BAD_MODELS = {
