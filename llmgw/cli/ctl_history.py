@@ -51,7 +51,9 @@ def _event_line(rec: bus.Record, colour: bool) -> str:
 
 def events_cmd(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events."),
-    since: str | None = typer.Option(None, "--since", help="From this time (ISO, @UNIX, 10m)."),
+    since: str | None = typer.Option(
+        None, "--since", help="From this time (ISO, 03:12 UTC, @UNIX, 10m)."
+    ),
     seq: int | None = typer.Option(None, "--seq", help="From this sequence number."),
     node: str | None = typer.Option(None, "--node", help="Only events about this node."),
     type_: str | None = typer.Option(
@@ -183,7 +185,9 @@ def _reconcile_config(path: Path | None) -> reconcile.ReconcileConfig:
 
 def replay(
     to: int | None = typer.Option(None, "--to", help="Rebuild up to this sequence."),
-    at: str | None = typer.Option(None, "--at", help="Rebuild as of this time (ISO, @UNIX, 10m)."),
+    at: str | None = typer.Option(
+        None, "--at", help="Rebuild as of this time (ISO, 03:12 UTC, @UNIX, 10m)."
+    ),
     timeline: str | None = typer.Option(
         None, "--timeline", help="Every event that touched this node or replica."
     ),

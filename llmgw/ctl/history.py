@@ -64,11 +64,13 @@ class Rebuilt(msgspec.Struct, kw_only=True):
 
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d)(?:\s*ago)?")
+_TIME_OF_DAY = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)(?::([0-5]\d(?:\.\d+)?))?Z?")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_time(text: str, now: float) -> float:
-    """UNIX seconds from `2026-11-29T03:12:00Z`, `@1764386000`, or `10m` / `2h ago`. Pure."""
+    """UNIX seconds from `2026-11-29T03:12:00Z`, `@1764386000`, `10m` / `2h ago`, or a time
+    of day `03:12` (UTC, as ctl prints times: the latest 03:12 at or before `now`). Pure."""
     raw = text.strip()
     if raw.startswith("@"):
         try:
@@ -79,6 +81,15 @@ def parse_time(text: str, now: float) -> float:
         rel = _RELATIVE.fullmatch(raw)
         if rel:
             return now - float(rel.group(1)) * _UNITS[rel.group(2)]
+        clock = _TIME_OF_DAY.fullmatch(raw)
+        if clock:
+            hour, minute, second = clock.groups()
+            day = dt.datetime.fromtimestamp(now, dt.UTC).replace(
+                hour=0, minute=0, second=0, microsecond=0
+            )
+            offset = int(hour) * 3600 + int(minute) * 60 + float(second or 0)
+            when_s = day.timestamp() + offset
+            return when_s if when_s <= now else when_s - 86400.0
         try:
             when = dt.datetime.fromisoformat(raw.replace("Z", "+00:00").replace(" ", "T", 1))
         except ValueError:
@@ -88,8 +99,8 @@ def parse_time(text: str, now: float) -> float:
                 when = when.replace(tzinfo=dt.UTC)
             return when.timestamp()
     raise BadInput(
-        f"cannot read {text!r} as a time: use ISO 8601 (2026-11-29T03:12:00Z), "
-        "@UNIX-SECONDS, or an age such as 10m or 2h"
+        f"cannot read {text!r} as a time: use ISO 8601 (2026-11-29T03:12:00Z), a time of "
+        "day in UTC (03:12, the latest one), @UNIX-SECONDS, or an age such as 10m or 2h"
     )
 
 

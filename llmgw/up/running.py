@@ -307,6 +307,7 @@ class Fleet:
             f'    -d \'{{"model": "{p.model}", "stream": true, '
             '"messages": [{"role": "user", "content": "Hello!"}]}\''
         )
+        self.say("  # with the openai package (pip install openai):")
         self.say(
             "  python -c 'from openai import OpenAI\n"
             f'c = OpenAI(base_url="{base}", api_key="none")\n'
