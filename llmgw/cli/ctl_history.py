@@ -126,6 +126,13 @@ def _state_document(r: history.Rebuilt, view: str) -> dict[str, Any]:
 
 def _state_text(r: history.Rebuilt, doc: dict[str, Any], colour: bool) -> str:
     parts = [render.rebuilt_header(r)]
+    if "heartbeats_expired_before" in doc:
+        horizon = doc["heartbeats_expired_before"]
+        since = f"before {history.format_time(horizon)} " if horizon is not None else ""
+        parts.append(
+            f"heartbeats {since}have expired from the log (per-message TTL): the heartbeat "
+            "ages of that moment are unknown"
+        )
     if "nodes" in doc:
         parts.append(render.nodes_table(doc["nodes"], colour=colour))
     if "replicas" in doc:
@@ -240,6 +247,11 @@ def replay(
         point = history.Point(seq=to, time=history.parse_time(at, now) if at else None)
         r = await _rebuild_point(s, point, snapshots=snapshots)
         doc = _state_document(r, view)
+        if "nodes" in doc and r.target_seq < r.bounds.last_seq:
+            # A past moment: its heartbeats may have expired from the log since.
+            horizon = await history.oldest_heartbeat(s.nc, r.bounds.first_seq)
+            if history.without_expired_heartbeats(doc["nodes"], horizon):
+                doc["heartbeats_expired_before"] = horizon
         common.out(render.json_text(doc) if json_out else _state_text(r, doc, colour))
         return 0
 

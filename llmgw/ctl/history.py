@@ -202,6 +202,43 @@ async def _message_at_or_after(nc: bus.BusClient, seq: int) -> tuple[int, float]
     return int(msg["seq"]), _parse_server_time(msg.get("time", ""))
 
 
+HEARTBEATS = f"{subjects.EVENTS_ROOT}.node.*.heartbeat"
+
+
+async def oldest_heartbeat(nc: bus.BusClient, first_seq: int) -> float | None:
+    """Store time of the oldest heartbeat the log still holds; None when it holds none."""
+    resp = await _api(
+        nc,
+        f"STREAM.MSG.GET.{subjects.STREAM}",
+        {"seq": max(first_seq, 1), "next_by_subj": HEARTBEATS},
+    )
+    if "error" in resp:
+        if resp["error"].get("code") == 404:
+            return None
+        raise Failed(f"cannot read the log's heartbeats: {resp['error'].get('description')}")
+    return _parse_server_time(resp["message"].get("time", ""))
+
+
+def without_expired_heartbeats(rows: list[dict[str, Any]], horizon: float | None) -> int:
+    """Unset the heartbeat age of every node row whose newest heartbeat, as replayed, is
+    older than the oldest heartbeat the log still holds (`horizon`; None: it holds none).
+
+    Heartbeats expire from the log (per-message TTL), so replaying a moment from before
+    the horizon finds none of the heartbeats of that moment: the node's last sign of life
+    is then its registration, and an age counted from it says how long ago the node
+    registered, not when it last reported. Such an age is unknown, and said so
+    (`heartbeat_expired`). Returns how many rows were changed. Pure.
+    """
+    changed = 0
+    for row in rows:
+        seen = row.get("last_seen")
+        if seen is not None and (horizon is None or seen < horizon):
+            row["heartbeat_age_s"] = None
+            row["heartbeat_expired"] = True
+            changed += 1
+    return changed
+
+
 async def search_seq_at_or_after(nc: bus.BusClient, when: float) -> int | None:
     """`first_seq_at_or_after` by binary search over sequences: ~log2(messages) requests."""
     b = await bounds(nc)
