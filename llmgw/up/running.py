@@ -278,7 +278,12 @@ class Fleet:
         self.say(f"llmgw up: state in {lay.root}")
         rows: list[tuple[str, Child | None, str, str]] = [
             ("nats-server", self.nats, f"{self.nats_url} (mutual TLS, JetStream)", "nats"),
-            ("control", self.control, f"admin {self.control_admin}", "control"),
+            (
+                "control",
+                self.control,
+                f"admin {self.control_admin}, config {lay.control_config}",
+                "control",
+            ),
         ]
         for i, (agent, node) in enumerate(zip(self.agents, p.node_ids, strict=True), start=1):
             engines_at = render.node_address(lay.root, i)

@@ -219,6 +219,8 @@ def test_the_first_request_after_ready_is_served(tmp_path: Path, ups: list[Up]) 
     assert answer.choices[0].message.content
     assert "model 'demo': 1 replica of llmgw sim" in up.output()
     assert "(pip install openai)" in up.output()  # what its python -c example needs
+    # The control plane's config, whose settings a check of its decisions may need.
+    assert f"config {up.state_dir.resolve() / 'control' / 'control.yaml'}" in up.output()
     # The banner is the first thing printed: no status from before it above it.
     assert up.output().lstrip().startswith("llmgw up: state in"), up.output()
     assert up.interrupt() == 0
