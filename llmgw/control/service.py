@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 
@@ -617,6 +618,9 @@ class ControlService:
             leader=self.name,
             epoch=self.epoch,
             basis_seq=self.state.last_seq,
+            # The timings decide too: recorded, so that a check of this epoch's decisions
+            # needs no config file and cannot be run against the wrong one.
+            reconcile=msgspec.structs.asdict(self.cfg.reconcile),
         )
         await self._publish_fenced([event])
         self._announced = self.epoch

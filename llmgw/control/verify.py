@@ -2,8 +2,9 @@
 
 `verify(records)` folds a log and recomputes every batch of decisions the leader
 recorded, at its decision point (the state folded up to its `basis_seq`, at its
-`ts`), and returns each disagreement as a `Difference`; an empty list means the
-log reproduces its own decisions. `digests_agree` folds a log from scratch and
+`ts`), with the reconcile timings that leader recorded in its LeaderElected
+(`recorded_timings`), and returns each disagreement as a `Difference`; an empty
+list means the log reproduces its own decisions. `digests_agree` folds a log from scratch and
 from a snapshot and compares the digests. `llmgw ctl replay --verify` and the
 control-plane integration tests call these; the recomputation itself is
 `llmgw.core.reconcile.verify` (pure), this module only shapes its report.
@@ -28,6 +29,46 @@ class Difference(msgspec.Struct, frozen=True, kw_only=True):
     detail: str
 
 
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """The reconcile timings each epoch's leader recorded, and the epochs that recorded
+    none although they decided (logs from before the timings were recorded)."""
+
+    by_epoch: dict[int, reconcile.ReconcileConfig]
+    unrecorded: tuple[int, ...] = ()
+    problems: tuple[Difference, ...] = ()
+    """Recorded timings this llmgw cannot read (a setting it does not know)."""
+
+
+def recorded_timings(records: Iterable[tuple[int, events.Event]]) -> Timings:
+    """What every LeaderElected of `records` says its leader decides with. Pure."""
+    by_epoch: dict[int, reconcile.ReconcileConfig] = {}
+    deciding: set[int] = set()
+    problems: list[Difference] = []
+    unreadable: set[int] = set()
+    for seq, event in records:
+        if isinstance(event, events.LeaderElected):
+            if not event.reconcile:
+                continue
+            try:
+                by_epoch[event.epoch] = msgspec.convert(event.reconcile, reconcile.ReconcileConfig)
+            except msgspec.ValidationError as exc:
+                unreadable.add(event.epoch)
+                problems.append(
+                    Difference(
+                        kind="timings",
+                        detail=f"seq {seq}: leader {event.leader} (epoch {event.epoch}) "
+                        f"recorded reconcile timings this llmgw cannot read ({exc}): verify "
+                        "with the llmgw version that leader ran",
+                    )
+                )
+        elif isinstance(event, events.ControlEvent) and not isinstance(
+            event, reconcile.OBSERVATIONS
+        ):
+            deciding.add(event.epoch)
+    unrecorded = tuple(sorted(deciding - set(by_epoch) - unreadable))
+    return Timings(by_epoch=by_epoch, unrecorded=unrecorded, problems=tuple(problems))
+
+
 def verify(
     records: Iterable[tuple[int, events.Event]],
     *,
@@ -38,10 +79,13 @@ def verify(
 
     `records` are (seq, event) pairs in log order (`bus.Record`s unpacked);
     `start` resumes from a snapshot's state (batches decided before it are skipped).
-    Pass the ReconcileConfig the leader ran with: timings change decisions.
+    Each epoch is checked with the timings its leader recorded; `config` (default:
+    the defaults) serves the epochs that recorded none, from older logs.
     """
-    report = reconcile.verify(records, config=config, state=start)
-    return [Difference(kind="decision", detail=m) for m in report.mismatches]
+    log = list(records)
+    timings = recorded_timings(log)
+    report = reconcile.verify(log, config=config, state=start, by_epoch=timings.by_epoch)
+    return [*timings.problems, *(Difference(kind="decision", detail=m) for m in report.mismatches)]
 
 
 def digests_agree(

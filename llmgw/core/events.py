@@ -305,6 +305,11 @@ class EndpointDown(ControlEvent, tag="control.endpoint_down", kw_only=True, froz
 class LeaderElected(ControlEvent, tag="control.leader_elected", kw_only=True, frozen=True):
     leader: Name
     """Instance name of the control plane that now decides."""
+    reconcile: Annotated[dict[Name, Seconds], msgspec.Meta(max_length=MAX_LIST)] = {}
+    """The reconcile timings this leader decides with (its config's `reconcile` section,
+    every setting): they change decisions, so re-running the reconciler over the log
+    (`llmgw ctl replay --verify`) takes them from here. Empty in logs from before it was
+    recorded."""
 
 
 class LogAttested(ControlEvent, tag="control.log_attested", kw_only=True, frozen=True):

@@ -304,6 +304,10 @@ def _why_not(node: NodeState, cap: _NodeCap, profile: ModelProfile) -> str:
     if profile.gpu_class and profile.gpu_class not in classes:
         return f"wrong class: has {', '.join(classes)}, needs {profile.gpu_class}"
     wanted = [profile.gpu_class] if profile.gpu_class else classes
+    sizes = _class_sizes(node)
+    if all(sizes.get(cls, 0) < per_node for cls in wanted):
+        has = ", ".join(f"{sizes[c]} {c}" for c in wanted)
+        return f"too small: has {has}, a shard needs {per_node} of one class on one node"
     parts: list[str] = []
     for cls in wanted:
         free = cap.by_class.get(cls, [])
@@ -397,7 +401,7 @@ def place_many(
     while len(out) < count:
         if not heap:
             why = _reasons(state, cap, profile)
-            out.append(Unplaceable(reason=_summary(profile, why), nodes=why))
+            out.append(Unplaceable(reason=_summary(state, profile, why), nodes=why))
             break
         _, seen, best = heapq.heappop(heap)
         if seen != version[best.node]:
@@ -441,8 +445,11 @@ def _place_multi(
             best = (score, chosen)
     if best is None:
         why = _reasons(state, cap, profile)
+        short = _too_few_nodes(state, profile)
         for c in candidates:
-            if c.node not in why:
+            if c.node not in why and short is not None:
+                why[c.node] = f"could host a shard, but {short}"
+            elif c.node not in why:
                 fabrics = sorted(f.name for f in state.nodes[c.node].fabrics if f.hcas)
                 sizes = ", ".join(
                     f"{f} offers {len({m.node for m in groups.get((f, c.gpu_class), [])})}"
@@ -452,7 +459,7 @@ def _place_multi(
                     f"no shared fabric: a replica needs {profile.nodes} nodes with "
                     f"{profile.gpus_per_node} free {c.gpu_class} on one fabric ({sizes})"
                 )
-        return Unplaceable(reason=_summary(profile, why), nodes=why)
+        return Unplaceable(reason=_summary(state, profile, why), nodes=why)
     (_, _, _, fabric, cls), chosen = best
     shards = tuple(
         events.ShardAssignment(
@@ -472,6 +479,8 @@ _CATEGORIES = (
     ("quarantined", "quarantined"),
     ("cordoned", "cordoned"),
     ("wrong class", "wrong class"),
+    ("too small", "never fits"),
+    ("could host a shard, but", "never fits"),
     ("no shared fabric", "no shared fabric"),
     ("fp8", "below compute capability 8.9"),
     ("free port", "out of ports"),
@@ -480,7 +489,9 @@ _CATEGORIES = (
 )
 
 
-def _summary(profile: ModelProfile, why: dict[str, str]) -> str:
+def _summary(state: ClusterState, profile: ModelProfile, why: dict[str, str]) -> str:
+    """One line: what is impossible and why, if it is, then what each node lacks, counted
+    (the last parenthesis is the metrics label's source: `failure_reason`)."""
     need = f"{profile.gpus_per_node} free {profile.gpu_class or 'GPUs of one class'}"
     if profile.nodes > 1:
         need = f"{profile.nodes} nodes on one fabric with {need} each"
@@ -489,7 +500,74 @@ def _summary(profile: ModelProfile, why: dict[str, str]) -> str:
         label = next((lbl for word, lbl in _CATEGORIES if word in reason), "other")
         counts[label] += 1
     top = ", ".join(f"{r}: {n}" for r, n in sorted(counts.items(), key=lambda x: (-x[1], x[0])))
-    return f"no node offers {need} ({top or 'no nodes registered'})"
+    never = impossible(state, profile) if state.nodes else None
+    head = f"{never}; " if never else ""
+    return f"{head}no node offers {need} ({top or 'no nodes registered'})"
+
+
+def _class_sizes(node: NodeState) -> dict[str, int]:
+    """GPUs per class of a node, whatever their use or health: what it could ever offer."""
+    sizes: dict[str, int] = defaultdict(int)
+    for gpu in node.gpus.values():
+        sizes[gpu.gpu_class] += 1
+    return sizes
+
+
+def _big_enough(state: ClusterState, profile: ModelProfile) -> list[str]:
+    """Registered nodes with enough GPUs of one wanted class for a shard, used or not."""
+    per_node = profile.gpus_per_node
+    out = []
+    for name in sorted(state.nodes):
+        sizes = _class_sizes(state.nodes[name])
+        wanted = [profile.gpu_class] if profile.gpu_class else list(sizes)
+        if any(sizes.get(cls, 0) >= per_node for cls in wanted):
+            out.append(name)
+    return out
+
+
+def _too_few_nodes(state: ClusterState, profile: ModelProfile) -> str | None:
+    big = _big_enough(state, profile)
+    if profile.nodes <= 1 or len(big) >= profile.nodes:
+        return None
+    cls = profile.gpu_class or "GPUs of one class"
+    return (
+        f"a replica needs {profile.nodes} nodes with {profile.gpus_per_node} {cls} each and "
+        f"the fleet has {len(big)} such node{'' if len(big) == 1 else 's'}"
+    )
+
+
+def impossible(state: ClusterState, profile: ModelProfile) -> str | None:
+    """Why no replica of `profile` can ever be placed on the registered hardware, freeing
+    every GPU and healing every node; None when it could. Pure.
+
+    "7 of 16 free" would send an operator to free GPUs on a node that has 8: the model
+    must change (fewer GPUs, more nodes per replica) or the fleet must grow.
+    """
+    per_node = profile.gpus_per_node
+    cls = profile.gpu_class or "GPUs of one class"
+    if not _big_enough(state, profile):
+        largest = max(
+            (
+                n
+                for node in state.nodes.values()
+                for c, n in _class_sizes(node).items()
+                if not profile.gpu_class or c == profile.gpu_class
+            ),
+            default=0,
+        )
+        fix = (
+            "split it over more nodes (`nodes`) or ask for fewer GPUs"
+            if profile.nodes == 1
+            else "ask for fewer GPUs per node"
+        )
+        return (
+            f"never fits this fleet: a shard needs {per_node} {cls} on one node and the "
+            f"largest node has {largest}: {fix}"
+        )
+    short = _too_few_nodes(state, profile)
+    if short is not None:
+        return f"never fits this fleet: {short}: ask for fewer nodes per replica or add nodes"
+    return None
 
 
 # --------------------------------------------------------------------------- explain

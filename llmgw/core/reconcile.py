@@ -37,7 +37,7 @@ Purely computational: no I/O, no clock, no randomness.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias
 
 import msgspec
@@ -723,15 +723,18 @@ def verify(
     *,
     config: ReconcileConfig | None = None,
     state: ClusterState | None = None,
+    by_epoch: Mapping[int, ReconcileConfig] | None = None,
 ) -> VerifyReport:
     """Replay a log and recompute every recorded planning batch at its decision point. Pure.
 
     A batch is the control events and commands sharing (epoch, basis_seq); it
     must equal `plan` run on the state folded up to basis_seq at the batch's
     `ts`. A recorded prefix of the recomputed batch also matches: a leader may
-    die halfway through publishing. `state` resumes from a snapshot.
+    die halfway through publishing. `state` resumes from a snapshot. `by_epoch`
+    holds the timings each leader recorded; `config` serves the other epochs.
     """
     cfg = config or ReconcileConfig()
+    timings = by_epoch or {}
     log = list(records)
     batches: dict[tuple[int, int], list[Decision]] = defaultdict(list)
     report = VerifyReport()
@@ -745,13 +748,13 @@ def verify(
     i = 0
     for seq, event in log:
         while i < len(pending) and pending[i][1] < seq:
-            _check(st, pending[i], batches[pending[i]], cfg, report)
+            _check(st, pending[i], batches[pending[i]], timings.get(pending[i][0], cfg), report)
             i += 1
         reason = apply(st, event, seq)
         if reason is not None:
             report.rejected.append((seq, reason))
     while i < len(pending):
-        _check(st, pending[i], batches[pending[i]], cfg, report)
+        _check(st, pending[i], batches[pending[i]], timings.get(pending[i][0], cfg), report)
         i += 1
     return report
 

@@ -64,11 +64,13 @@ class Rebuilt(msgspec.Struct, kw_only=True):
 
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d)(?:\s*ago)?")
+_TIME_OF_DAY = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)(?::([0-5]\d(?:\.\d+)?))?Z?")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_time(text: str, now: float) -> float:
-    """UNIX seconds from `2026-11-29T03:12:00Z`, `@1764386000`, or `10m` / `2h ago`. Pure."""
+    """UNIX seconds from `2026-11-29T03:12:00Z`, `@1764386000`, `10m` / `2h ago`, or a time
+    of day `03:12` (UTC, as ctl prints times: the latest 03:12 at or before `now`). Pure."""
     raw = text.strip()
     if raw.startswith("@"):
         try:
@@ -79,6 +81,15 @@ def parse_time(text: str, now: float) -> float:
         rel = _RELATIVE.fullmatch(raw)
         if rel:
             return now - float(rel.group(1)) * _UNITS[rel.group(2)]
+        clock = _TIME_OF_DAY.fullmatch(raw)
+        if clock:
+            hour, minute, second = clock.groups()
+            day = dt.datetime.fromtimestamp(now, dt.UTC).replace(
+                hour=0, minute=0, second=0, microsecond=0
+            )
+            offset = int(hour) * 3600 + int(minute) * 60 + float(second or 0)
+            when_s = day.timestamp() + offset
+            return when_s if when_s <= now else when_s - 86400.0
         try:
             when = dt.datetime.fromisoformat(raw.replace("Z", "+00:00").replace(" ", "T", 1))
         except ValueError:
@@ -88,8 +99,8 @@ def parse_time(text: str, now: float) -> float:
                 when = when.replace(tzinfo=dt.UTC)
             return when.timestamp()
     raise BadInput(
-        f"cannot read {text!r} as a time: use ISO 8601 (2026-11-29T03:12:00Z), "
-        "@UNIX-SECONDS, or an age such as 10m or 2h"
+        f"cannot read {text!r} as a time: use ISO 8601 (2026-11-29T03:12:00Z), a time of "
+        "day in UTC (03:12, the latest one), @UNIX-SECONDS, or an age such as 10m or 2h"
     )
 
 
@@ -189,6 +200,43 @@ async def _message_at_or_after(nc: bus.BusClient, seq: int) -> tuple[int, float]
         raise Failed(f"cannot read the log at seq {seq}: {resp['error'].get('description')}")
     msg = resp["message"]
     return int(msg["seq"]), _parse_server_time(msg.get("time", ""))
+
+
+HEARTBEATS = f"{subjects.EVENTS_ROOT}.node.*.heartbeat"
+
+
+async def oldest_heartbeat(nc: bus.BusClient, first_seq: int) -> float | None:
+    """Store time of the oldest heartbeat the log still holds; None when it holds none."""
+    resp = await _api(
+        nc,
+        f"STREAM.MSG.GET.{subjects.STREAM}",
+        {"seq": max(first_seq, 1), "next_by_subj": HEARTBEATS},
+    )
+    if "error" in resp:
+        if resp["error"].get("code") == 404:
+            return None
+        raise Failed(f"cannot read the log's heartbeats: {resp['error'].get('description')}")
+    return _parse_server_time(resp["message"].get("time", ""))
+
+
+def without_expired_heartbeats(rows: list[dict[str, Any]], horizon: float | None) -> int:
+    """Unset the heartbeat age of every node row whose newest heartbeat, as replayed, is
+    older than the oldest heartbeat the log still holds (`horizon`; None: it holds none).
+
+    Heartbeats expire from the log (per-message TTL), so replaying a moment from before
+    the horizon finds none of the heartbeats of that moment: the node's last sign of life
+    is then its registration, and an age counted from it says how long ago the node
+    registered, not when it last reported. Such an age is unknown, and said so
+    (`heartbeat_expired`). Returns how many rows were changed. Pure.
+    """
+    changed = 0
+    for row in rows:
+        seen = row.get("last_seen")
+        if seen is not None and (horizon is None or seen < horizon):
+            row["heartbeat_age_s"] = None
+            row["heartbeat_expired"] = True
+            changed += 1
+    return changed
 
 
 async def search_seq_at_or_after(nc: bus.BusClient, when: float) -> int | None:

@@ -130,7 +130,7 @@ def nodes_table(rows: list[dict[str, Any]], *, colour: bool = False) -> str:
                 state,
                 "; ".join(classes) or "no GPUs",
                 fabrics,
-                age(n["heartbeat_age_s"]),
+                "expired" if n.get("heartbeat_expired") else age(n["heartbeat_age_s"]),
                 "; ".join(excluded) or "-",
             ]
         )

@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,30 @@ PR_SET_PDEATHSIG = 1
 
 class UpError(RuntimeError):
     """Something `llmgw up` cannot get past; the message says what to do."""
+
+
+def python_env(base: Mapping[str, str], search_path: Sequence[str] | None = None) -> dict[str, str]:
+    """The environment of the `python -m llmgw` children: their working directory is not
+    on sys.path, and they import the very llmgw that runs `up`.
+
+    `python -m` puts the working directory first on sys.path, so `up` run from a directory
+    holding a folder named `llmgw` (or `nats`, `yaml`...) would have run that code in every
+    service and, through the agents' environment, every simulated engine. PYTHONSAFEPATH
+    drops it, for the children and everything they start. The directory this llmgw comes
+    from goes first on PYTHONPATH, as an absolute path, unless it is on sys.path beyond
+    its first entry already (site-packages): so a checkout found through the working
+    directory, or an editable install, is still the code the children run.
+    """
+    env = dict(base)
+    env["PYTHONSAFEPATH"] = "1"
+    root = str(Path(__file__).resolve().parents[2])
+    found = search_path if search_path is not None else sys.path[1:]
+    importable = {str(Path(p).resolve()) for p in found if p}
+    if root not in importable:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+        )
+    return env
 
 
 def _die_with_parent() -> None:

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import msgspec
 import yaml
 
-from llmgw import natsd
+from llmgw import natsd, wording
 from llmgw.agent import processes
 from llmgw.up import children, render, status
 from llmgw.up.children import Child, UpError
@@ -106,6 +106,8 @@ class Fleet:
         self.router: Child | None = None
         self.router_admin = ""
         self._status_lines = 0
+        # Services run from the state directory, which is not on their sys.path either.
+        self.python_env = children.python_env(os.environ)
 
     @property
     def started_anything(self) -> bool:
@@ -162,6 +164,8 @@ class Fleet:
             [*PY, "control", "--config", str(self.layout.control_config)],
             log_path=self.layout.log("control"),
             pid_file=self.layout.pid_file("control"),
+            env=self.python_env,
+            cwd=self.layout.root,
         )
         self.control.start()
         found = self.control.wait_for(CONTROL_READY, 30.0, lambda: self.stopping)
@@ -176,6 +180,8 @@ class Fleet:
                 [*PY, "agent", "--config", str(path)],
                 log_path=self.layout.log(f"agent-{node}"),
                 pid_file=self.layout.pid_file(f"agent-{node}"),
+                env=self.python_env,
+                cwd=self.layout.root,
             )
             child.start()
             self.agents.append(child)
@@ -196,7 +202,8 @@ class Fleet:
         _write_yaml(self.layout.models_file, render.models(self.plan))
         done = subprocess.run(
             [*PY, "ctl", "apply", "-f", str(self.layout.models_file), "--yes"],
-            env={**os.environ, "LLMGW_CTL_CONFIG": str(self.layout.ctl_config)},
+            env={**self.python_env, "LLMGW_CTL_CONFIG": str(self.layout.ctl_config)},
+            cwd=self.layout.root,
             capture_output=True,
             text=True,
             timeout=60,
@@ -215,6 +222,8 @@ class Fleet:
             [*PY, "router", "--config", str(self.layout.router_config)],
             log_path=self.layout.log("router"),
             pid_file=self.layout.pid_file("router"),
+            env=self.python_env,
+            cwd=self.layout.root,
         )
         self.router.start()
 
@@ -224,19 +233,32 @@ class Fleet:
         self.router_admin = found.group(2)
 
     def wait_router_ready(self, timeout_s: float) -> bool:
-        """Until the router has probed an endpoint healthy (/ready answers 200); one look
-        when `timeout_s` is 0."""
-        url = f"http://{self._dial_host}:{self.plan.port}/ready"
+        """Until the router answers the model: /v1/models lists it and (with replicas to
+        serve) /ready counts a healthy endpoint of it. One look when `timeout_s` is 0.
+
+        "ready" is what a user acts on at once, so it is the router's own answer that
+        decides, for this model, not the fleet's progress in general."""
         deadline = time.monotonic() + timeout_s
         while not self.stopping:
-            if status.fetch(url, 1.0) is not None:
+            if self.router_serves_model():
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.1)
         return False
 
+    def router_serves_model(self) -> bool:
+        base = f"http://{self._dial_host}:{self.plan.port}"
+        listed = status.models_listed(status.fetch(f"{base}/v1/models", 1.0))
+        if self.plan.model not in listed:
+            return False
+        if self.plan.replicas == 0:
+            return True
+        ready = status.fetch(f"{base}/ready", 1.0)
+        return ready is not None and self.plan.model in status.ready_models(ready)
+
     def announce(self, started: float) -> None:
+        self.clear_status()
         self.describe()
         self.say(
             f"llmgw up: ready in {time.monotonic() - started:.1f} s: "
@@ -256,7 +278,12 @@ class Fleet:
         self.say(f"llmgw up: state in {lay.root}")
         rows: list[tuple[str, Child | None, str, str]] = [
             ("nats-server", self.nats, f"{self.nats_url} (mutual TLS, JetStream)", "nats"),
-            ("control", self.control, f"admin {self.control_admin}", "control"),
+            (
+                "control",
+                self.control,
+                f"admin {self.control_admin}, config {lay.control_config}",
+                "control",
+            ),
         ]
         for i, (agent, node) in enumerate(zip(self.agents, p.node_ids, strict=True), start=1):
             engines_at = render.node_address(lay.root, i)
@@ -272,7 +299,7 @@ class Fleet:
         for name, child, where, log in rows:
             pid = child.pid if child is not None else "-"
             self.say(f"  {name:<14} pid {pid!s:<8} {where}  (log {lay.log(log)})")
-        self.say(f"  model {p.model!r}: {p.replicas} replicas of {engine}")
+        self.say(f"  model {p.model!r}: {wording.count(p.replicas, 'replica')} of {engine}")
         if not self._dial_host.startswith("127.") and self._dial_host not in ("::1", "localhost"):
             self.say(
                 f"  the router answers on {p.host} without API keys: anyone who reaches it can "
@@ -285,6 +312,7 @@ class Fleet:
             f'    -d \'{{"model": "{p.model}", "stream": true, '
             '"messages": [{"role": "user", "content": "Hello!"}]}\''
         )
+        self.say("  # with the openai package (pip install openai):")
         self.say(
             "  python -c 'from openai import OpenAI\n"
             f'c = OpenAI(base_url="{base}", api_key="none")\n'
@@ -297,6 +325,14 @@ class Fleet:
         self.say("  llmgw ctl nodes; llmgw ctl replicas; llmgw ctl events")
         self.say("Ctrl-C stops everything.")
         self.say()
+
+    def clear_status(self) -> None:
+        """Erase the status block drawn while starting: the banner replaces it, and a
+        status from before "ready" left above the banner reads as the current one."""
+        if self.tty and self._status_lines:
+            self.out.write(f"\x1b[{self._status_lines}F\x1b[J")
+            self.out.flush()
+            self._status_lines = 0
 
     def show(self, lines: list[str]) -> None:
         if self.tty:
@@ -418,10 +454,11 @@ def _watch(fleet: Fleet, started: float) -> None:
                     f"{child.name} exited (log {child.log_path}):\n"
                     + children.log_tail(child.log_path)
                 )
-        reading = status.read(fleet.control_admin, fleet.router_admin)
-        if not announced and (fleet.plan.replicas == 0 or fleet.wait_router_ready(0.0)):
+        if not announced and fleet.wait_router_ready(0.0):
             fleet.announce(started)
             announced = True
+        # Read after the banner, so that the first status below it is current.
+        reading = status.read(fleet.control_admin, fleet.router_admin)
         now = time.monotonic()
         rate = None
         if reading.requests_total is not None and last_total is not None and now > last_at:
@@ -431,9 +468,10 @@ def _watch(fleet: Fleet, started: float) -> None:
         lines = status.render(reading, rate)
         if fleet.tty:
             fleet.show(lines)
-        else:
+        elif announced or now - started > PLAIN_STATUS_EVERY_S:
             # Plain output (a log, a pipe): a line when something other than the rate
-            # changed, and otherwise every PLAIN_STATUS_EVERY_S.
+            # changed, and otherwise every PLAIN_STATUS_EVERY_S; before the banner only
+            # when starting takes long, so that a log does not open with a stale status.
             key = "\n".join(status.render(dataclasses.replace(reading, requests_total=None), None))
             if key != last_plain or now - last_plain_at > PLAIN_STATUS_EVERY_S:
                 fleet.show(lines)

@@ -56,6 +56,30 @@ def _json(url: str, timeout_s: float) -> Any:
         return None
 
 
+def models_listed(body: bytes | None) -> set[str]:
+    """The model ids a router's GET /v1/models lists; empty when it did not answer. Pure."""
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        return set()
+    items = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        return set()
+    return {str(m["id"]) for m in items if isinstance(m, dict) and "id" in m}
+
+
+def ready_models(body: bytes) -> set[str]:
+    """The models a router's /ready counts at least one ready endpoint for. Pure."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return set()
+    per_model = data.get("ready_endpoints") if isinstance(data, dict) else None
+    if not isinstance(per_model, dict):
+        return set()
+    return {str(m) for m, n in per_model.items() if isinstance(n, int) and n > 0}
+
+
 def requests_total(metrics_text: str) -> float:
     """Sum of `llmgw_router_requests_total` over its labels. Purely computational."""
     return sum(float(v) for v in _REQUESTS.findall(metrics_text))

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
 from llmgw.agent import processes
 from tests.e2e import up_kit
@@ -203,6 +204,52 @@ def test_sigint_while_starting_leaves_no_process(
     assert up.leftovers() == [], up.output()
     # Engines the agents were launching when the signal came are stopped too.
     assert not [p for p in (up.state_dir / "agents").glob("*/state/shards/*.json")]
+
+
+def test_the_first_request_after_ready_is_served(tmp_path: Path, ups: list[Up]) -> None:
+    # "ready" is what a user acts on at once: no retry here, unlike stream_chat.
+    up = up_kit.start_up(tmp_path, "--nodes", "1")
+    ups.append(up)
+    up.wait_for(r"^llmgw up: ready in [0-9.]+ s", 60.0)
+    client = OpenAI(base_url=up.base_url, api_key="none", max_retries=0, timeout=10.0)
+    assert "demo" in [m.id for m in client.models.list().data]
+    answer = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+    )
+    assert answer.choices[0].message.content
+    assert "model 'demo': 1 replica of llmgw sim" in up.output()
+    assert "(pip install openai)" in up.output()  # what its python -c example needs
+    # The control plane's config, whose settings a check of its decisions may need.
+    assert f"config {up.state_dir.resolve() / 'control' / 'control.yaml'}" in up.output()
+    # The banner is the first thing printed: no status from before it above it.
+    assert up.output().lstrip().startswith("llmgw up: state in"), up.output()
+    assert up.interrupt() == 0
+    assert up.leftovers() == [], up.output()
+
+
+def test_a_folder_named_llmgw_in_the_working_directory_is_not_run(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    # `python -m` puts the working directory first on sys.path; the services `up` starts
+    # must not import from it (a writable directory would be code execution).
+    here = tmp_path / "cwd"
+    fake = here / "llmgw"
+    fake.mkdir(parents=True)
+    marker = tmp_path / "imported-from-cwd"
+    (fake / "__init__.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('oops')\n"
+    )
+    (fake / "__main__.py").write_text("raise SystemExit(3)\n")
+    # `up` itself is started the way the `llmgw` script starts it: without the cwd.
+    up = up_kit.start_up(tmp_path, "--nodes", "1", cwd=here, python_args=("-P",))
+    ups.append(up)
+    _, _, pieces, _ = up_kit.stream_chat(up.base_url, "demo", deadline_s=60.0)
+    assert "".join(pieces).strip()
+    assert not marker.exists()
+    assert len(engines(up.snapshot())) == 1
+    assert up.interrupt() == 0
+    assert up.leftovers() == [], up.output()
+    assert not marker.exists()
 
 
 def test_without_nats_server_it_says_how_to_get_one(tmp_path: Path) -> None:

@@ -124,18 +124,26 @@ class Up:
         return alive(self.seen)
 
 
-def start_up(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Up:
+def start_up(
+    tmp: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    python_args: tuple[str, ...] = (),
+) -> Up:
     state = tmp / "state"
     port = free_port()
     out_path = tmp / f"up-{time.monotonic_ns()}.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
-            [PY, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port), *args],
+            [PY, *python_args, "-m", "llmgw", "up", "--state-dir", str(state),
+             "--port", str(port), *args],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
-        )
+            cwd=cwd,
+        )  # fmt: skip
     return Up(proc, state, port, out_path, time.monotonic(), [])
 
 

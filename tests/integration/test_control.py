@@ -358,7 +358,9 @@ async def test_the_admin_api_shows_nodes_replicas_models_explain_state_and_metri
             assert "4" in by_name["big"]["unplaceable"]
             status, explained = await get("/v1/explain/big")
             assert status == 200
-            assert "1 of 4" in explained["text"]
+            # A 4-GPU shard on a 2-GPU node: impossible, and said so (not "1 of 4 free").
+            assert "never fits this fleet" in explained["text"]
+            assert "too small: has 2" in explained["text"]
             status, _ = await get("/v1/explain/nope")
             assert status == 404
             _, st = await get("/v1/state")
@@ -371,8 +373,7 @@ async def test_the_admin_api_shows_nodes_replicas_models_explain_state_and_metri
             assert "llmgw_control_leader 1.0" in metrics
             assert 'llmgw_control_decisions_total{kind="control.replica_placed"} 1.0' in metrics
             assert (
-                'llmgw_control_placement_failures_total{model="big",reason="too few free GPUs"}'
-                in metrics
+                'llmgw_control_placement_failures_total{model="big",reason="never fits"}' in metrics
             )
     for agent in agents:
         await agent.close()

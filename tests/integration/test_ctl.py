@@ -175,6 +175,15 @@ async def test_views_drain_and_replay_across_it(
     assert report["ok"]
     assert report["differences"] == []
     assert report["decision_batches"] >= 3
+    # The leader recorded the (short) timings it decides with: no config file needed, and
+    # none can mislead the check.
+    recorded = (await ctl("replay", "--verify", "--json")).json()
+    assert recorded["ok"], recorded["differences"]
+    assert recorded["timings"]["recorded_epochs"] == [fleet.svc.epoch]
+    assert recorded["timings"]["unrecorded_epochs"] == []
+    plain = await ctl("replay", "--verify")
+    assert plain.code == 0
+    assert "timings each leader recorded in the log" in plain.stdout
 
     # ...and a deliberately altered placement rule is flagged: never place on the node
     # that got the first replica.

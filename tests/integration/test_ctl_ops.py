@@ -23,7 +23,7 @@ import pytest
 
 from llmgw import bus
 from llmgw.core import events
-from tests.harness import TestNatsServer, connect_as
+from tests.harness import TestNatsServer, connect_as, wait_for
 from tests.integration.control_kit import read_log, sim_gpus
 from tests.integration.ctl_kit import ROOT, Ctl
 
@@ -123,6 +123,7 @@ async def test_apply_shows_the_diff_declares_changes_and_removes(
     assert "~ change m1" in shown.stdout
     assert "replicas: 2 -> 3" in shown.stdout
     assert "- remove m2" in shown.stdout
+    assert "applied 2 changes as " in shown.stdout
     models = {m["name"]: m for m in (await ctl("models", "--json")).json()}
     assert set(models) == {"m1"}
     assert models["m1"]["replicas_wanted"] == 3
@@ -138,6 +139,9 @@ async def test_apply_shows_the_diff_declares_changes_and_removes(
         ("operator.model_removed", "alice"),
         ("operator.model_changed", "alice"),
     ]
+    path.write_text("- name: m1\n  engine: sim\n  replicas: 4\n")
+    one = await ctl("apply", "-f", str(path), "--yes")
+    assert "applied 1 change as " in one.stdout
 
 
 @pytest.mark.parametrize("text", ["", "models: []\n", "[]\n", "# nothing yet\n"])
@@ -359,3 +363,42 @@ async def test_a_time_finds_the_same_sequence_with_or_without_start_time(
         assert await history.first_seq_at_or_after(operator, times[3]) == 5  # 1: registration
     finally:
         await operator.close()
+
+
+async def test_replay_of_a_moment_whose_heartbeats_expired_says_their_age_is_unknown(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    node = await connect_as(nats_server, "node", "node-a")
+    pub = bus.Publisher(node.jetstream())
+    try:
+        early = await pub.publish(
+            events.Heartbeat(id="hb-1", ts=time.time(), node="node-a", seq=1), ttl_s=1
+        )
+        assert early.seq > 1
+        await asyncio.sleep(0.05)
+        moment = f"@{time.time():.3f}"  # the moment replayed: just after that heartbeat
+
+        async def expired() -> bool:
+            doc = (await Ctl(nats_server)("events", "--json")).lines()
+            return early.seq not in [e["seq"] for e in doc]
+
+        await wait_for(expired, 30, "the short-lived heartbeat expiring", every_s=0.3)
+        await pub.publish(
+            events.Heartbeat(id="hb-2", ts=time.time(), node="node-a", seq=2), ttl_s=600
+        )
+    finally:
+        await node.close()
+    ctl = Ctl(nats_server)
+    doc = (await ctl("replay", "--at", moment, "--view", "nodes", "--json")).json()
+    row = doc["nodes"][0]
+    # Without the heartbeat, its last sign of life is the registration: an age counted
+    # from there would say how long ago it registered. Unknown, and said so.
+    assert row["heartbeat_age_s"] is None
+    assert row["heartbeat_expired"] is True
+    assert doc["heartbeats_expired_before"] is not None
+    text = (await ctl("replay", "--at", moment, "--view", "nodes")).stdout
+    assert "have expired from the log" in text
+    assert "expired" in text.splitlines()[-1]
+    # The end of the log, with a live heartbeat: an age.
+    now = (await ctl("nodes", "--json")).json()
+    assert now[0]["heartbeat_age_s"] is not None

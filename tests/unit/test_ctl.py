@@ -372,3 +372,32 @@ def test_replica_rows_show_errors_and_engine_log_tails() -> None:
     assert f"{rid}/0 on node-a, engine log tail:" in text
     assert "  | CUDA out of memory" in text
     assert "loading weights" not in text
+
+
+@given(
+    seen=st.lists(st.one_of(st.none(), st.floats(0, 1e4)), max_size=6),
+    horizon=st.one_of(st.none(), st.floats(0, 1e4)),
+)
+def test_only_ages_from_before_the_heartbeat_horizon_are_unset(
+    seen: list[float | None], horizon: float | None
+) -> None:
+    rows = [{"last_seen": s, "heartbeat_age_s": 1.0} for s in seen]
+    changed = history.without_expired_heartbeats(rows, horizon)
+    for s, row in zip(seen, rows, strict=True):
+        gone = s is not None and (horizon is None or s < horizon)
+        assert (row["heartbeat_age_s"] is None) == gone
+        assert row.get("heartbeat_expired", False) == gone
+    assert changed == sum(1 for r in rows if r.get("heartbeat_expired"))
+    assert "expired" in render.nodes_table(
+        [
+            {
+                "name": "n",
+                "state": "ready",
+                "cordon_reason": "",
+                "gpu_classes": {},
+                "fabrics": [],
+                "heartbeat_age_s": None,
+                "heartbeat_expired": True,
+            }
+        ]
+    )
