@@ -374,11 +374,50 @@ async def replay_rows(
         server.close()
 
 
+async def verify_rows(pki: TestPki, root: Path, drains: int, rows: list[tuple[str, str]]) -> None:
+    """replay --verify, on a log whose every batch is a real decision of the leader."""
+    log2, batches = decision_log(drains)
+    server = TestNatsServer(pki, root)
+    server.root.mkdir()
+    server.start()
+    try:
+        await fill(server, log2)
+        op = await connect_as(server, "operator", "bench-op")
+        pairs = []
+        started = time.perf_counter()
+        async for batch in history.records(op):
+            pairs.extend((r.seq, r.event) for r in batch)
+        read_s = time.perf_counter() - started
+        started = time.perf_counter()
+        differences = control_verify.verify(pairs)
+        verify_s = time.perf_counter() - started
+        assert differences == [], differences[:2]
+        await op.close()
+        rows.append(
+            (
+                f"replay --verify: {len(log2):,} events, {batches:,} decision batches",
+                f"read {read_s:.2f} s + re-plan {verify_s:.2f} s "
+                f"({batches / verify_s:,.0f} batches/s)",
+            )
+        )
+        secs, doc = await asyncio.to_thread(run_verify_cli, server)
+        assert doc["ok"] is True
+        rows.append(("`llmgw ctl replay --verify --json` process, end to end", f"{secs:.2f} s"))
+    finally:
+        server.close()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--snapshot-gap", type=int, default=10_000)
     parser.add_argument("--drains", type=int, default=200, help="rounds in the --verify log")
+    parser.add_argument(
+        "--modes",
+        default="unsigned,verified,attested,attested-expired",
+        help="which logs to replay, comma-separated (a million verified events take minutes)",
+    )
+    parser.add_argument("--no-verify", action="store_true", help="skip the replay --verify rows")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     n, gap = args.events, args.snapshot_gap
@@ -393,13 +432,27 @@ async def main() -> None:
         # minutes): a replay verifies those still alive, at most nodes x TTL / interval.
         # The last mode's log is the same with its heartbeats expired, as a fleet's is.
         beats_gone = [e for e in log if not isinstance(e, events.Heartbeat)]
-        modes = (
-            ("unsigned, unchecked", False, False, log),
-            ("signed, every event verified", True, False, log),
-            ("signed, attested by the leader; every heartbeat still alive", True, True, log),
-            ("signed, attested by the leader; heartbeats expired", True, True, beats_gone),
-        )
-        for i, (title, signed, attested, events_) in enumerate(modes):
+        modes = {
+            "unsigned": ("unsigned, unchecked", False, False, log),
+            "verified": ("signed, every event verified", True, False, log),
+            "attested": (
+                "signed, attested by the leader; every heartbeat still alive",
+                True,
+                True,
+                log,
+            ),
+            "attested-expired": (
+                "signed, attested by the leader; heartbeats expired",
+                True,
+                True,
+                beats_gone,
+            ),
+        }
+        chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = sorted(set(chosen) - set(modes))
+        if unknown:
+            parser.error(f"unknown --modes {unknown}: choose from {', '.join(modes)}")
+        for i, (title, signed, attested, events_) in enumerate(modes[m] for m in chosen):
             rows.append(("", f"{title} ({len(events_):,} events)"))
             await replay_rows(
                 pki,
@@ -412,36 +465,8 @@ async def main() -> None:
                 rows,
                 attested,
             )
-        # replay --verify, on a log whose every batch is a real decision of the leader.
-        log2, batches = decision_log(args.drains)
-        server = TestNatsServer(pki, Path(tmp) / "nats-verify")
-        server.root.mkdir()
-        server.start()
-        try:
-            await fill(server, log2)
-            op = await connect_as(server, "operator", "bench-op")
-            pairs = []
-            started = time.perf_counter()
-            async for batch in history.records(op):
-                pairs.extend((r.seq, r.event) for r in batch)
-            read_s = time.perf_counter() - started
-            started = time.perf_counter()
-            differences = control_verify.verify(pairs)
-            verify_s = time.perf_counter() - started
-            assert differences == [], differences[:2]
-            await op.close()
-            rows.append(
-                (
-                    f"replay --verify: {len(log2):,} events, {batches:,} decision batches",
-                    f"read {read_s:.2f} s + re-plan {verify_s:.2f} s "
-                    f"({batches / verify_s:,.0f} batches/s)",
-                )
-            )
-            secs, doc = await asyncio.to_thread(run_verify_cli, server)
-            assert doc["ok"] is True
-            rows.append(("`llmgw ctl replay --verify --json` process, end to end", f"{secs:.2f} s"))
-        finally:
-            server.close()
+        if not args.no_verify:
+            await verify_rows(pki, Path(tmp) / "nats-verify", args.drains, rows)
     print(f"\nllmgw ctl replay, {n:,} events ({NODES} nodes, {REPLICAS} replicas)")
     width = max(len(a) for a, _ in rows)
     for a, b in rows:
