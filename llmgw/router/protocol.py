@@ -68,15 +68,20 @@ def bad_http_message(exc: http_exceptions.BadHttpMessage) -> tuple[str, str]:
     return (f"the request is not valid HTTP/1.1{said}: fix the client", "not_http")
 
 
+_LINGER_S = 2.0
+"""How long a connection answered with a 408 still reads (and drops) before it closes."""
+
+
 class Handler(RequestHandler):
     """One client connection."""
 
-    __slots__ = ("_head_timeout_s", "_head_timer")
+    __slots__ = ("_draining_late", "_head_timeout_s", "_head_timer")
 
     def __init__(self, manager: Any, *, head_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
+        self._draining_late = False
 
     def _awaiting_head(self) -> bool:
         # start() waits on _waiter exactly while no complete request head is queued.
@@ -84,6 +89,8 @@ class Handler(RequestHandler):
         return waiter is not None and not waiter.done()
 
     def data_received(self, data: bytes) -> None:
+        if self._draining_late:
+            return  # answered with a 408: what still arrives is dropped
         super().data_received(data)
         if self._awaiting_head():
             # Part of a head: the deadline runs from its first byte, not from each piece.
@@ -100,8 +107,16 @@ class Handler(RequestHandler):
         peer = self.transport.get_extra_info("peername")
         log.info("request_head_timeout", peer=str(peer), timeout_s=self._head_timeout_s)
         self.transport.write(head_timeout_answer(self._head_timeout_s))
-        # close() sends what is buffered, then closes.
-        self.force_close()
+        if not self.transport.can_write_eof():
+            self.force_close()  # close() sends what is buffered, then closes
+            return
+        # A lingering close: closing while the client's next header lines sit unread would
+        # make the kernel answer with a reset, which can discard the 408 before the client
+        # reads it. So: send the answer and end our side, read and drop what still comes
+        # for a moment, then close.
+        self._draining_late = True
+        self.transport.write_eof()
+        self._loop.call_later(_LINGER_S, self.force_close)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:

@@ -249,6 +249,8 @@ def test_a_request_head_that_trickles_in_gets_408(keyed: Keyed) -> None:
                 chunk = sock.recv(65536)
             except TimeoutError:
                 continue
+            except ConnectionResetError:
+                break  # the answer must have come before: the router lingers after it
             if not chunk:
                 break
             answer += chunk
