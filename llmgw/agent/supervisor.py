@@ -35,8 +35,8 @@ from typing import Literal
 import aiohttp
 import msgspec
 
-from llmgw import logs
-from llmgw.agent import engines, logtail, pidfiles, processes
+from llmgw import logs, pidfiles, processes
+from llmgw.agent import engines, logtail
 from llmgw.agent.engines.common import Launch
 from llmgw.core import events, limits
 from llmgw.core.events import ShardPhase

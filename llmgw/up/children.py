@@ -5,8 +5,8 @@ reaches only `up`, which then stops the children in order (router, agents, engin
 control, nats) instead of all at once. Each child asks the kernel to SIGTERM it when `up`
 dies (PR_SET_PDEATHSIG), so even `kill -9` of `up` leaves no service running; engines are
 the agents' children in groups of their own, which agents leave running on purpose, so
-`up` stops them from the agents' pid files (`llmgw.agent.pidfiles`). A pid file of `up`
-holds the process fingerprint (`llmgw.agent.processes.Fingerprint`), so a later run stops
+`up` stops them from the agents' pid files (`llmgw.pidfiles`). A pid file of `up`
+holds the process fingerprint (`llmgw.processes.Fingerprint`), so a later run stops
 what is really left over and never a process that merely got the same pid.
 Used by `llmgw.up.running`.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from llmgw.agent import pidfiles, processes
+from llmgw import pidfiles, processes
 
 PR_SET_PDEATHSIG = 1
 

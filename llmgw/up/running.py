@@ -28,8 +28,7 @@ from typing import Any, TextIO
 import msgspec
 import yaml
 
-from llmgw import natsd, wording
-from llmgw.agent import processes
+from llmgw import natsd, processes, wording
 from llmgw.up import children, render, status
 from llmgw.up.children import Child, UpError
 from llmgw.up.layout import Layout

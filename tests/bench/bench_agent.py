@@ -122,9 +122,8 @@ async def service_latency(state: Path, runs: int, shards: int, window_s: float) 
     """StartShard published -> engine spawned, through NATS and the whole AgentService."""
     import msgspec
 
-    from llmgw import bus
+    from llmgw import bus, pidfiles
     from llmgw.agent import config as agent_config
-    from llmgw.agent import pidfiles
     from llmgw.agent.service import AgentService
     from llmgw.core import events
     from llmgw.pki.identity import Identity

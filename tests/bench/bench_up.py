@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from llmgw.agent import pidfiles
+from llmgw import pidfiles
 from llmgw.up import locating, render
 from tests.e2e import up_kit
 

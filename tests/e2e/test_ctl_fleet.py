@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw.agent import pidfiles
+from llmgw import pidfiles
 from llmgw.core import placement
 from tests.harness import TestNatsServer
 from tests.integration import agent_kit

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import pidfiles, processes
+from llmgw import pidfiles, processes
 from llmgw.core import events
 from tests.e2e.fleet_kit import Fleet, Load, on_node, openai_stream, serving, sim_model, wait_for
 from tests.harness import TestNatsServer

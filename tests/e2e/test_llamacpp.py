@@ -25,7 +25,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from llmgw.agent import pidfiles
+from llmgw import pidfiles
 from llmgw.up import locating, render
 from tests.e2e import up_kit
 from tests.e2e.fleet_kit import Load

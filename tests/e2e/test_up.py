@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from llmgw.agent import processes
+from llmgw import processes
 from tests.e2e import up_kit
 from tests.e2e.up_kit import Up
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from llmgw.agent import processes
+from llmgw import processes
 
 PY = sys.executable
 

@@ -26,9 +26,8 @@ import msgspec
 import yaml
 from nats.aio.client import Client
 
-from llmgw import bus
+from llmgw import bus, pidfiles, processes
 from llmgw.agent import config as agent_config
-from llmgw.agent import pidfiles, processes
 from llmgw.bus import lease as bus_lease
 from llmgw.core import events, subjects
 from llmgw.core.profile import LaunchSpec

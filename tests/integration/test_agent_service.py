@@ -23,8 +23,7 @@ import aiohttp
 import nats.errors
 import pytest
 
-from llmgw import bus
-from llmgw.agent import processes
+from llmgw import bus, processes
 from llmgw.agent.service import AgentService
 from llmgw.core import events, subjects
 from tests.harness import Connector, TestNatsServer

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw.agent import processes
+from llmgw import processes
 from llmgw.agent.service import AgentService
 from llmgw.control.service import ControlService
 from llmgw.core import state

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw.agent import processes
+from llmgw import processes
 from llmgw.core import events
 from tests.harness import Connector, TestNatsServer
 from tests.integration import agent_kit as kit

@@ -23,7 +23,8 @@ import aiohttp
 import msgspec
 import pytest
 
-from llmgw.agent import engines, pidfiles, processes
+from llmgw import pidfiles, processes
+from llmgw.agent import engines
 from llmgw.agent.discovery import simulated
 from llmgw.agent.engines import Launch, LaunchContext
 from llmgw.agent.supervisor import Settings, ShardView, Supervisor, status_event

@@ -10,7 +10,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.agent import logtail, pidfiles, processes
+from llmgw import pidfiles, processes
+from llmgw.agent import logtail
 from llmgw.core import events
 
 

@@ -152,7 +152,7 @@ def test_a_garbage_pid_file_names_no_process(
 def test_a_pid_file_of_a_reused_pid_is_not_signalled(tmp_path: Path) -> None:
     import os
 
-    from llmgw.agent import processes
+    from llmgw import processes
 
     me = processes.fingerprint(os.getpid())
     assert me is not None

@@ -4,7 +4,8 @@ A pid alone does not identify a process: pids are reused. A `Fingerprint`
 adds the boot id, the start time in clock ticks since boot (field 22 of
 /proc/<pid>/stat) and the command line, so that a restarted agent adopts its
 own orphaned engines and never an unrelated process that got the same pid.
-Used by `llmgw.agent.supervisor`.
+Used by `llmgw.agent.supervisor`, and by `llmgw.up` to stop what a previous run left.
+Outside the agent because both shells read it, and shells never import each other.
 """
 
 from __future__ import annotations

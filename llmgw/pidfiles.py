@@ -4,7 +4,8 @@ One JSON file per shard under `<state_dir>/shards/`, written atomically
 (temporary file + rename) so a crash never leaves half a record. It holds the
 process fingerprint, the LaunchSpec and Launch (with the engine's API key, so the
 file is mode 0600), and where the output goes.
-Used by `llmgw.agent.supervisor`.
+Used by `llmgw.agent.supervisor`, and by `llmgw.up` to stop what a previous run left.
+Outside the agent because both shells read it, and shells never import each other.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pathlib import Path
 import msgspec
 
 from llmgw.agent.engines.common import Launch
-from llmgw.agent.processes import Fingerprint
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
+from llmgw.processes import Fingerprint
 
 
 class ShardRecord(msgspec.Struct, frozen=True, kw_only=True):
