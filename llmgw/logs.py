@@ -1,7 +1,12 @@
 """structlog setup shared by every long-running command.
 
 JSON lines when stderr is not a terminal (collectors parse them), coloured
-key=value lines on a terminal. Secrets are never passed to a logger.
+key=value lines on a terminal. Every line names its component (`component`: the
+module family that wrote it, `llmgw.router`, `aiohttp.access`, `nats.aio.client`):
+llmgw's own loggers carry the name given to `get`, and records of the standard
+library's logging (aiohttp, nats-py, asyncio) go through the same processors and
+renderer, so a collector sees one format, never plain text inside the JSON stream.
+Secrets are never passed to a logger.
 """
 
 from __future__ import annotations
@@ -23,24 +28,45 @@ def setup(level: str = "info", *, json: bool | None = None) -> None:
         if as_json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(
-        level=numeric, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, _component_of_record],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(numeric)
+
+
+def _component_of_record(
+    _logger: object, _method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """A standard library record's logger name, as llmgw's own lines carry theirs."""
+    record = event_dict.get("_record")
+    if record is not None:
+        event_dict["component"] = record.name
+    return event_dict
 
 
 def get(name: str) -> structlog.typing.FilteringBoundLogger:
-    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
+    """A logger whose every line carries `component=name` (bound when first used, so
+    that module-level loggers take the configuration `setup` makes later)."""
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name, component=name)
     return logger
