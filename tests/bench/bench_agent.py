@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from llmgw.agent.engines import Launch, LaunchContext
 from llmgw.agent.supervisor import Settings, ShardView, Supervisor
 from llmgw.core.inventory import Inventory
 from llmgw.core.profile import LaunchSpec
+from llmgw.natsd import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,13 +40,6 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def spawn_latency(state: Path, runs: int) -> None:

@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from llmgw.natsd import free_port  # noqa: E402
 from tests.integration.router_kit import Router, Sim  # noqa: E402
 
 TOKENS = 16
@@ -212,13 +212,6 @@ def pin_tree(pid: int, cores: set[int]) -> None:
 
 
 # --------------------------------------------------------------------------- peers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_http(url: str, timeout: float = 60.0) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,14 +24,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from llmgw.natsd import free_port
 from llmgw.up import locating
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def ttft_ms(base: str, n: int, *, keepalive: bool) -> float:

@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,9 @@ from pathlib import Path
 from openai import OpenAI
 
 from llmgw import processes
+from llmgw.natsd import free_port
 
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def children_of() -> dict[int, list[int]]:

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,19 +30,13 @@ from llmgw.agent.supervisor import Settings, ShardView, Supervisor, status_event
 from llmgw.core import events
 from llmgw.core.inventory import Inventory
 from llmgw.core.profile import LaunchSpec
+from llmgw.natsd import free_port
 
 pytestmark = pytest.mark.slow
 
 INVENTORY = Inventory(gpus=simulated.parse_spec("8xh100-80g"))
 CONTEXT = LaunchContext(host="127.0.0.1")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Recorder:
