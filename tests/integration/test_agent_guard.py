@@ -18,6 +18,7 @@ from llmgw.agent import ledger
 from llmgw.agent.service import AgentService
 from llmgw.control.service import ControlService
 from llmgw.core import events
+from llmgw.natsd import free_port
 from tests import harness
 from tests.harness import Connector, TestNatsServer
 from tests.integration import agent_kit as kit
@@ -80,7 +81,7 @@ async def test_a_launch_outside_the_node_policy_is_refused_and_reported_failed(
     agent = new_agent(nats_server, tmp_path, state_dir, agents)
     await asyncio.to_thread(agent.start)
 
-    port = kit.free_port()
+    port = free_port()
     env = {"LD_PRELOAD": "/tmp/evil.so", "LLMGW_SIM__SEED": "3"}
     await control.start(NODE, "rep-env", kit.sim_spec(port, env=env))
     failed = await kit.wait_for(admin, NODE, status("rep-env", "failed"), what="a refusal")
@@ -124,7 +125,7 @@ async def test_an_epoch_beyond_the_lease_is_refused_and_blocks_nothing_across_a_
     agent = new_agent(nats_server, tmp_path, state_dir, agents)
     await asyncio.to_thread(agent.start)
 
-    await control.start(NODE, "rep-b", kit.sim_spec(kit.free_port()), epoch=lease)
+    await control.start(NODE, "rep-b", kit.sim_spec(free_port()), epoch=lease)
     await kit.wait_for(admin, NODE, status("rep-b", "serving"), what="serving")
 
     # A forged stop from an epoch no leader had: refused. The leader's next command runs.

@@ -26,6 +26,7 @@ import pytest
 from llmgw import bus, processes
 from llmgw.agent.service import AgentService
 from llmgw.core import events, subjects
+from llmgw.natsd import free_port
 from tests.harness import Connector, TestNatsServer
 from tests.integration import agent_kit as kit
 from tests.integration.agent_kit import Control, status
@@ -118,7 +119,7 @@ async def test_start_serves_and_stop_ends_the_whole_group(
     assert len(reg.gpus) == 8
     assert reg.shards == ()
 
-    port = kit.free_port()
+    port = free_port()
     await control.start(NODE, "rep-1", kit.sim_spec(port, name="llama"))
     serving = await kit.wait_for(admin, NODE, status("rep-1", "serving"), what="serving")
     assert isinstance(serving, events.ShardStatus)
@@ -175,7 +176,7 @@ async def test_engine_exiting_while_loading_fails_with_its_log_tail(
     script = tmp_path / "bad_engine.py"
     script.write_text(FAILING_ENGINE)
     await start_agent(engine_commands={"llamacpp": [sys.executable, str(script)]})
-    spec = kit.sim_spec(kit.free_port(), name="bad", engine="llamacpp", model="/models/none")
+    spec = kit.sim_spec(free_port(), name="bad", engine="llamacpp", model="/models/none")
     await control.start(NODE, "rep-bad", spec)
     failed = await kit.wait_for(admin, NODE, status("rep-bad", "failed"), what="failed")
     assert isinstance(failed, events.ShardStatus)
@@ -188,12 +189,12 @@ async def test_bad_commands_fail_the_shard_never_the_agent(
     start_agent: Any, control: Control, admin: Any
 ) -> None:
     agent = await start_agent(sim_gpus="4xh100-80g,2xv100-32g")
-    await control.start(NODE, "rep-ok", kit.sim_spec(kit.free_port(), gpus=(0,)))
+    await control.start(NODE, "rep-ok", kit.sim_spec(free_port(), gpus=(0,)))
     await kit.wait_for(admin, NODE, status("rep-ok", "serving"))
 
     # GPU 0 is taken; GPU 4 is a V100 (compute capability 7.0) and cannot run fp8.
-    await control.start(NODE, "rep-dup", kit.sim_spec(kit.free_port(), gpus=(0,)))
-    await control.start(NODE, "rep-fp8", kit.sim_spec(kit.free_port(), gpus=(4,), dtype="fp8"))
+    await control.start(NODE, "rep-dup", kit.sim_spec(free_port(), gpus=(0,)))
+    await control.start(NODE, "rep-fp8", kit.sim_spec(free_port(), gpus=(4,), dtype="fp8"))
     # Garbage on the node's command subject (only an admin can write it): skipped, counted.
     await admin.jetstream().publish(subjects.command(NODE), b"\x00not json")
     await admin.jetstream().publish(subjects.command(NODE), b'{"type":"cmd.start_shard"}')
@@ -206,7 +207,7 @@ async def test_bad_commands_fail_the_shard_never_the_agent(
     assert dup.error.startswith(f"node {NODE} refused the shard")
 
     # Still alive and obeying: a good command after the bad ones runs.
-    await control.start(NODE, "rep-after", kit.sim_spec(kit.free_port(), gpus=(1,)))
+    await control.start(NODE, "rep-after", kit.sim_spec(free_port(), gpus=(1,)))
     await kit.wait_for(admin, NODE, status("rep-after", "serving"))
     assert not agent.task.done()
     assert agent.svc._reader is not None
@@ -218,7 +219,7 @@ async def test_commands_apply_once_by_generation_and_epoch(
 ) -> None:
     agent = await start_agent()
     control.epoch = 3
-    port = kit.free_port()
+    port = free_port()
     spec = kit.sim_spec(port)
     first = await control.start(NODE, "rep-1", spec, generation=2)
     await kit.wait_for(admin, NODE, status("rep-1", "serving", 2))
@@ -232,7 +233,7 @@ async def test_commands_apply_once_by_generation_and_epoch(
     # A stale stop (generation 1 < 2) from the current leader: ignored too.
     await control.stop(NODE, "rep-1", generation=1, epoch=3)
     # A marker command on another shard tells us when everything before it was applied.
-    await control.start(NODE, "marker", kit.sim_spec(kit.free_port(), gpus=(1,)), epoch=3)
+    await control.start(NODE, "marker", kit.sim_spec(free_port(), gpus=(1,)), epoch=3)
     await kit.wait_for(admin, NODE, status("marker", "starting"))
     await asyncio.sleep(0.3)
     evs = kit.without_heartbeats(await kit.node_records(admin, NODE))
@@ -270,11 +271,11 @@ async def test_outage_events_arrive_exactly_once_in_order(
     outage_s = float(os.environ.get("LLMGW_TEST_OUTAGE_S", "30"))
     agent = await start_agent()
     svc = agent.svc
-    await control.start(NODE, "rep-a", kit.sim_spec(kit.free_port(), gpus=(0,)))
+    await control.start(NODE, "rep-a", kit.sim_spec(free_port(), gpus=(0,)))
     serving_a = await kit.wait_for(admin, NODE, status("rep-a", "serving"))
     assert isinstance(serving_a, events.ShardStatus)
     assert serving_a.pid is not None
-    await control.start(NODE, "rep-b", kit.sim_spec(kit.free_port(), gpus=(1,)))
+    await control.start(NODE, "rep-b", kit.sim_spec(free_port(), gpus=(1,)))
     await kit.wait_for(admin, NODE, status("rep-b", "starting"))
 
     nats_server.stop()

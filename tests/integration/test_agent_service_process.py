@@ -14,6 +14,7 @@ import pytest
 
 from llmgw import processes
 from llmgw.core import events
+from llmgw.natsd import free_port
 from tests.harness import Connector, TestNatsServer
 from tests.integration import agent_kit as kit
 from tests.integration.agent_kit import AgentProcess, Control, status
@@ -88,7 +89,7 @@ async def test_kill9_restart_adopts_and_runs_what_was_sent_meanwhile(
     agent = await start_agent(nats_server, tmp_path, state_dir, agents)
     await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
 
-    port = kit.free_port()
+    port = free_port()
     await control.start(NODE, "rep-1", kit.sim_spec(port, gpus=(0,), name="one"))
     serving = await kit.wait_for(admin, NODE, status("rep-1", "serving"), what="serving")
     assert isinstance(serving, events.ShardStatus)
@@ -100,7 +101,7 @@ async def test_kill9_restart_adopts_and_runs_what_was_sent_meanwhile(
     # Serving survives the agent.
     assert await models(port, key) == ["one"]
     # A command sent while the agent is away waits in the stream for it.
-    port2 = kit.free_port()
+    port2 = free_port()
     await control.start(NODE, "rep-2", kit.sim_spec(port2, gpus=(1,), name="two"))
     before = len(await kit.node_records(admin, NODE))
 
@@ -199,7 +200,7 @@ async def test_events_queued_when_the_agent_is_killed_are_published_by_the_next_
     await control.provision()
     admin = await connect.admin()
     agent = await start_agent(nats_server, tmp_path, state_dir, agents)
-    await control.start(NODE, "rep-x", kit.sim_spec(kit.free_port(), gpus=(2,)))
+    await control.start(NODE, "rep-x", kit.sim_spec(free_port(), gpus=(2,)))
     serving = await kit.wait_for(admin, NODE, status("rep-x", "serving"))
     assert isinstance(serving, events.ShardStatus)
     assert serving.pid is not None

@@ -23,6 +23,7 @@ from llmgw import bus
 from llmgw.bus import snapshots
 from llmgw.control.service import ControlService
 from llmgw.core import events, state, subjects
+from llmgw.natsd import free_port
 from llmgw.pki import signing
 from tests.harness import Connector, TestNatsServer, connect_as, wait_for
 from tests.integration import agent_kit as kit
@@ -97,7 +98,7 @@ async def test_an_agent_obeys_only_commands_a_control_plane_signed(
             launch=kit.sim_spec(port, name=replica),
         )
 
-    ports = [kit.free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(4)]
     cmd = subjects.command(NODE)
     await store(admin, cmd, start("forged-unsigned", ports[0]))
     await store(admin, cmd, start("forged-by-node", ports[1]), pki.signer("node", NODE))
@@ -110,7 +111,7 @@ async def test_an_agent_obeys_only_commands_a_control_plane_signed(
         signed_subject=subjects.command("node-other"),
     )
     # Then a genuine command: once it is served, everything before it was dealt with.
-    port = kit.free_port()
+    port = free_port()
     await control.start(NODE, "genuine", kit.sim_spec(port, name="genuine"))
     await kit.wait_for(admin, NODE, status("genuine", "serving"), what="genuine serving")
 
