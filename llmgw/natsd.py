@@ -34,6 +34,8 @@ from llmgw.pki.store import CertDir, utcnow
 DEFAULT_SYNC_INTERVAL = "always"
 # What nats-server logs once a SIGHUP reload is applied.
 RELOADED = "Reloaded server configuration"
+RELOAD_FAILED = "Failed to reload server configuration"
+"""What nats-server logs when it refuses a reload (it keeps running the old configuration)."""
 # An account added by a reload is created without the subscriptions behind its service
 # imports (measured with nats-server 2.15.1: its requests find no responders); the next
 # reload, finding the account already there, wires them. So every reload is done twice,
@@ -386,7 +388,7 @@ class NatsServer:
         self.stop()
         self.start(timeout_s)
 
-    def reload(self, timeout_s: float = 5.0) -> None:
+    def reload(self, timeout_s: float = 30.0) -> None:
         """Re-read the configuration (and the accounts it includes) without a restart;
         connected clients stay connected. With a log, wait until the server reports that the
         reload was applied, so a caller's next connection sees the new users.
@@ -400,12 +402,20 @@ class NatsServer:
         if not self.running or self.proc is None:
             raise NatsServerError("nats-server is not running: start it before reloading")
         before = self._count_in_log(RELOADED)
+        failed_before = self._count_in_log(RELOAD_FAILED)
         self.proc.send_signal(signal.SIGHUP)
         if self.log_path is None:
             time.sleep(RELOAD_GAP_S)
             return
         deadline = time.monotonic() + timeout_s
+        # A busy machine can take seconds to get to the signal: wait long, but not for a
+        # reload the server has already refused.
         while self._count_in_log(RELOADED) <= before:
+            if self._count_in_log(RELOAD_FAILED) > failed_before:
+                raise NatsServerError(
+                    "nats-server refused the reloaded configuration and keeps the old one:\n"
+                    + self.log_tail()
+                )
             if time.monotonic() > deadline:
                 raise NatsServerError(
                     f"nats-server did not apply the reload within {timeout_s:.0f} s (a config "
