@@ -1,7 +1,8 @@
 """What each llmgw identity may do on NATS, and its rendering as the nats-server `accounts`
 block that `nats/llmgw.conf` includes (docs/security.md explains the design).
 
-DESIGN invariant 4 — every writer owns a namespace, enforced by NATS — lives here. Two layers:
+Invariant 4 of docs/design.md (every writer owns a namespace, enforced by NATS) lives
+here. Two layers:
 
 **Accounts.** The JetStream streams (the log `llmgw-events`, the lease and snapshot buckets)
 live in the account `LOG`, where no client connects. Every identity has an account of its

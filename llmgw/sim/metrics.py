@@ -3,7 +3,7 @@
 A prometheus_client collector that reads the engine's plain counters
 (`llmgw.sim.stats`) at scrape time, so the engine's hot path never touches a
 metric object. Names, types and labels follow vLLM 0.33 (`vllm/v1/metrics/
-loggers.py`, summarised in the shared reference/engines/MULTINODE.md): every
+loggers.py`): every
 series carries `model_name` (the first served name) and `engine` ("0"); counters
 are exposed with `_total`. The removed names (`vllm:gpu_cache_usage_perc`,
 `vllm:time_per_output_token_seconds`, `vllm:gpu_prefix_cache_*`) are not emitted.

@@ -1,9 +1,9 @@
-"""SGLang (`python -m sglang.launch_server`, checked against 0.5.23: sglang-server-flags.txt).
+"""SGLang (`python -m sglang.launch_server`, its options checked against 0.5.23).
 
 Full option names only: SGLang's parser accepts unique prefixes, and `--pp`
 is ambiguous in 0.5.23. Multi-node: the same command on every node but
 `--node-rank`, all dialing `--dist-init-addr` = rank 0; ranks above 0 run
-schedulers only, without HTTP (MULTINODE.md §2).
+schedulers only, without HTTP (docs/design.md, "Multi-node engines").
 """
 
 from __future__ import annotations

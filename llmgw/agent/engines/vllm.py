@@ -1,8 +1,9 @@
-"""vLLM (`vllm serve`, checked against 0.33.0's parser: reference/engines/vllm-serve-flags.txt).
+"""vLLM (`vllm serve`, its options checked against vLLM 0.33.0's argument parser).
 
 Multi-node uses the multiprocessing backend: identical commands on every node
 but `--node-rank`, `--master-addr/--master-port` pointing at rank 0, and
-`--headless` on the other ranks, which serve no HTTP (MULTINODE.md §1a).
+`--headless` on the other ranks, which serve no HTTP (docs/design.md, "Multi-node
+engines").
 """
 
 from __future__ import annotations
