@@ -48,12 +48,13 @@ pytestmark = [
 PROMPT = "Name three colours of the rainbow."
 
 
-@pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
+def llamacpp_fleet(tmp_path: Path, nodes: int) -> Iterator[Up]:
+    """`llmgw up --engine llamacpp` with one SmolLM2 replica on `nodes` nodes; whatever is
+    left running is killed afterwards."""
     assert GGUF is not None
     started = up_kit.start_up(
         tmp_path, "--engine", "llamacpp", "--model-file", GGUF, "--model", "smollm2",
-        "--nodes", "1", "--replicas", "1",
+        "--nodes", str(nodes), "--replicas", "1",
     )  # fmt: skip
     yield started
     if started.proc.poll() is None:
@@ -61,6 +62,11 @@ def up(tmp_path: Path) -> Iterator[Up]:
         started.proc.kill()
         started.proc.wait()
     up_kit.kill_all(started.seen)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Up]:
+    yield from llamacpp_fleet(tmp_path, nodes=1)
 
 
 def tokens_per_s(first: float, last: float, pieces: list[str]) -> float:
@@ -119,17 +125,7 @@ def test_router_streams_real_llama_server_tokens_to_the_openai_sdk(up: Up) -> No
 @pytest.fixture
 def up_two_nodes(tmp_path: Path) -> Iterator[Up]:
     """Two nodes, one llama-server replica: the drained node holds the model's only one."""
-    assert GGUF is not None
-    started = up_kit.start_up(
-        tmp_path, "--engine", "llamacpp", "--model-file", GGUF, "--model", "smollm2",
-        "--nodes", "2", "--replicas", "1",
-    )  # fmt: skip
-    yield started
-    if started.proc.poll() is None:
-        started.snapshot()
-        started.proc.kill()
-        started.proc.wait()
-    up_kit.kill_all(started.seen)
+    yield from llamacpp_fleet(tmp_path, nodes=2)
 
 
 async def ctl_json(up: Up, *args: str, timeout_s: float = 60.0) -> Any:

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.bus import lease, reader, snapshots
+from llmgw.bus import headers, lease, reader, snapshots
 from llmgw.core import events
 from llmgw.pki import signing
 from llmgw.pki.ca import CertificateAuthority
@@ -297,9 +297,10 @@ def test_verification_costs_one_ecdsa_check_per_event() -> None:
 
 def test_signature_headers_parse() -> None:
     raw = b"NATS/1.0\r\nNats-Msg-Id: x\r\nLlmgw-Sig: s\r\nLlmgw-Cert: c\r\nNats-TTL: 5s\r\n\r\n"
-    assert reader.signature_headers(raw) == (b"x", b"s", b"c")
-    assert reader.signature_headers(b"") == (None, None, None)
-    assert reader.signature_headers(raw + b"Nats-Msg-Id: y\r\n") is None
+    assert headers.message_headers(raw) == (b"x", b"s", b"c", b"5s")
+    assert headers.message_headers(b"NATS/1.0\r\nnats-ttl: 1s\r\n\r\n") == (None, None, None, b"1s")
+    assert headers.message_headers(b"") == (None, None, None, None)
+    assert headers.message_headers(raw + b"Nats-Msg-Id: y\r\n") is None
 
 
 # --------------------------------------------------------------------------- lease, snapshots

@@ -1,0 +1,51 @@
+"""Message headers as the server sends them: the raw header block of a NATS message.
+
+The reader gets each message's header block as bytes (`BusClient.fast_subscribe`) and
+reads the few headers it checks in one pass, on every message of a replay. Pure.
+"""
+
+from __future__ import annotations
+
+_MSG_ID = b"Nats-Msg-Id"
+_SIG = b"Llmgw-Sig"
+_CERT = b"Llmgw-Cert"
+
+
+def message_headers(
+    raw: bytes,
+) -> tuple[bytes | None, bytes | None, bytes | None, bytes | None] | None:
+    """(Nats-Msg-Id, Llmgw-Sig, Llmgw-Cert, Nats-TTL) from a raw header block in one pass,
+    each None when absent; None altogether when a signature header appears twice (never
+    trusted). The TTL header's name is matched in any case, and its first value counts,
+    as the server reads it. Pure; on every message of a replay, hence written flat."""
+    msg_id = sig = cert = ttl = None
+    if not raw:
+        return None, None, None, None
+    for line in raw.split(b"\r\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        key = key.strip()
+        if key == _MSG_ID:
+            if msg_id is not None:
+                return None
+            msg_id = value.strip()
+        elif key == _SIG:
+            if sig is not None:
+                return None
+            sig = value.strip()
+        elif key == _CERT:
+            if cert is not None:
+                return None
+            cert = value.strip()
+        elif ttl is None and len(key) == 8 and key.lower() == b"nats-ttl":
+            ttl = value.strip()
+    return msg_id, sig, cert, ttl
+
+
+def header_block(headers: dict[str, str] | None) -> bytes:
+    """A raw header block (as the server sends it) from nats-py's parsed headers. Pure."""
+    if not headers:
+        return b""
+    lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return f"NATS/1.0\r\n{lines}\r\n".encode()
