@@ -22,6 +22,13 @@ and direct runs get the same cores for sims and client as every other target.
 
     .venv/bin/python tests/bench/bench_router.py --pin      # routers on their own core(s)
 
+`--baseline TREE` adds the llmgw router of another checkout (an older commit, say,
+from `git worktree add`) as the target "llmgw@baseline", run in the same rounds,
+interleaved with this tree's: a before/after comparison on one machine at one time.
+
+    git worktree add /tmp/before HEAD~3
+    .venv/bin/python tests/bench/bench_router.py --pin --baseline /tmp/before --only llmgw
+
 `--decode-ms` gives the sims a step time, so tokens come one chunk at a time as from
 a real engine's batch; `--levels 64` keeps such a run to the 64-stream overhead (and
 the throughput run).
@@ -299,6 +306,12 @@ def main() -> None:
         help="routers on the first half of the cores, sims and load generator on the rest",
     )
     ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another llmgw checkout whose router runs too, as target llmgw@baseline",
+    )
+    ap.add_argument(
         "--decode-ms",
         type=float,
         default=0.0,
@@ -313,6 +326,8 @@ def main() -> None:
     if args.client:
         _client_main(args)
         return
+    if args.baseline is not None and not (args.baseline / "llmgw" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {args.baseline}: no llmgw/__init__.py there, not a checkout")
 
     scale = 0.2 if args.quick else 1.0
     rounds = 1 if args.quick else max(args.rounds, 1)
@@ -346,11 +361,18 @@ def main() -> None:
     try:
         endpoints = {f"s{i}": s for i, s in enumerate(sims)}
         # Production settings: probes once a second (the test kit probes 5x faster).
-        for name, workers in (("llmgw", 1), ("llmgw --workers 2", 2)):
-            if wanted and name not in wanted:
+        routers: list[tuple[str, int, dict[str, str]]] = [
+            ("llmgw", 1, {}),
+            ("llmgw --workers 2", 2, {}),
+        ]
+        if args.baseline is not None:
+            # The baseline's package shadows this tree's (PYTHONPATH comes first on sys.path).
+            routers.insert(1, ("llmgw@baseline", 1, {"PYTHONPATH": str(args.baseline.resolve())}))
+        for name, workers, env in routers:
+            if wanted and name.split("@")[0] not in wanted and name not in wanted:
                 continue
             r = Router.start(
-                tmp, endpoints, workers=workers, log_level="warning", probe_interval_s=1.0
+                tmp, endpoints, workers=workers, log_level="warning", probe_interval_s=1.0, env=env
             )
             stops.append(r.stop)
             targets[name] = [r.url + "/v1/chat/completions"]
