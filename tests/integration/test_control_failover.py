@@ -257,11 +257,13 @@ def test_sigterm_ends_a_control_plane_still_waiting_for_nats(
     path = write_config(cfg, tmp_path / "c.yaml")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmgw", "control", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
-        time.sleep(2.0)
+        # Its first failed connect is logged after its signal handlers are installed: from
+        # then on a SIGTERM must end it, however long the start took on a busy machine.
+        wait_for_line(proc, re.compile("connect_failed"), "llmgw control", 120)
         assert proc.poll() is None, "it must wait for the server, not give up"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
