@@ -214,6 +214,8 @@ class MemoryReader:
 
     async def start(self) -> None:
         self._log._wakes.add(self._wake)
+        if not self._log.after(self.last_seq, self._filters):
+            self.caught_up.set()  # as JetStream's reader: nothing pending at the start
 
     async def close(self) -> None:
         self._closed = True
