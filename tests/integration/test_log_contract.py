@@ -1,23 +1,24 @@
-"""One contract for the event log port (llmgw.bus.ports.EventLog), run against both sides.
+"""One contract for the bus ports (llmgw.bus.ports), run against memory and JetStream.
 
-`memory`: llmgw.bus.memory.MemoryLog on an injected clock. `jetstream`:
-llmgw.bus.JetStreamLog on a real nats-server with mutual TLS and the rendered
+`memory`: llmgw.bus.memory on an injected clock. `jetstream`: llmgw.bus.JetStreamLog,
+Lease and SnapshotStore on a real nats-server with mutual TLS and the rendered
 authorization, each writer connected as the identity that owns its subjects. What a
-service test concludes on the in-memory log holds on the real one only as far as this
+service test concludes on the in-memory side holds on the real one only as far as this
 suite says they agree: append/read order, dedupe within the window, fences accepted
-and refused, TTL expiry, and following from a sequence.
+and refused, TTL expiry, following from a sequence, the lease's hand-over and expiry,
+and which snapshot is loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 from llmgw import bus
-from llmgw.bus.memory import MemoryLog
+from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, MemorySnapshots
 from llmgw.core import events, subjects
 from tests.harness import TestNatsServer, connect_as, wait_for
 
@@ -36,7 +37,9 @@ class Side:
     """Let `seconds` pass for the log's TTLs."""
     patience_s: float
     """How long to poll for something time-driven (a real server's TTL sweep)."""
-    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    lease: Callable[[str, float], Awaitable[bus.LeasePort]]
+    """The lease port of control plane `name`, with a TTL."""
+    snapshots: Callable[[], Awaitable[bus.SnapshotPort]]
 
 
 class FakeClock:
@@ -52,19 +55,36 @@ async def side(request: pytest.FixtureRequest) -> AsyncIterator[Side]:
     if request.param == "memory":
         clock = FakeClock()
         log = MemoryLog(clock=clock)
+        bucket = LeaseBucket(clock=clock)
+        store = MemorySnapshots()
 
         async def advance(seconds: float) -> None:
             clock.now += seconds
 
-        yield Side(node=log, control=log, let_pass=advance, patience_s=1.0)
+        async def memory_lease(name: str, ttl_s: float) -> bus.LeasePort:
+            return MemoryLease(bucket, name, ttl_s=ttl_s)
+
+        async def memory_snapshots() -> bus.SnapshotPort:
+            return store
+
+        yield Side(log, log, advance, 1.0, memory_lease, memory_snapshots)
         return
     server: TestNatsServer = request.getfixturevalue("nats_server")
     control_nc = await connect_as(server, "control", "control-a")
     await bus.provision(control_nc.jetstream())
     node_nc = await connect_as(server, "node", "node-a")
+    others: list[bus.BusClient] = []
 
     async def real_time(seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+    async def real_lease(name: str, ttl_s: float) -> bus.LeasePort:
+        nc = await connect_as(server, "control", name)
+        others.append(nc)
+        return await bus.Lease.open(nc.jetstream(), name, ttl_s=ttl_s)
+
+    async def real_snapshots() -> bus.SnapshotPort:
+        return await bus.SnapshotStore.open(control_nc.jetstream())
 
     # A real server's TTL sweep and a busy machine: poll generously, never assume speed.
     got = Side(
@@ -72,9 +92,11 @@ async def side(request: pytest.FixtureRequest) -> AsyncIterator[Side]:
         control=bus.JetStreamLog(control_nc),
         let_pass=real_time,
         patience_s=60.0,
+        lease=real_lease,
+        snapshots=real_snapshots,
     )
     yield got
-    for nc in (node_nc, control_nc):
+    for nc in (node_nc, control_nc, *others):
         await asyncio.wait_for(nc.close(), 5)
 
 
@@ -188,3 +210,51 @@ async def test_a_follower_from_a_sequence_sees_later_appends_in_order(side: Side
         await reader.close()
         task.cancel()
         await asyncio.wait([task], timeout=10)
+
+
+# --------------------------------------------------------------------------- lease, snapshots
+
+
+async def test_one_contender_holds_the_lease_until_it_gives_it_up(side: Side) -> None:
+    a = await side.lease("control-a", 10)
+    b = await side.lease("control-b", 10)
+    assert await b.holder() is None
+    assert await a.acquire()
+    assert a.held
+    assert a.epoch > 0
+    assert not await b.acquire()
+    holder = await b.holder()
+    assert holder is not None
+    assert (holder.holder, holder.epoch) == ("control-a", a.epoch)
+    await a.renew()
+    assert not await b.acquire()
+    await a.release()
+    assert await b.acquire()
+    assert b.epoch > a.epoch
+    with pytest.raises(bus.LeaseLost):
+        await a.renew()
+
+
+async def test_a_lease_not_renewed_runs_out_and_its_holder_learns_it(side: Side) -> None:
+    a = await side.lease("control-a", 1)
+    b = await side.lease("control-b", 1)
+    assert await a.acquire()
+    await side.let_pass(1.5)
+    await wait_for(b.acquire, side.patience_s, "the lease running out", every_s=0.25)
+    assert b.epoch > a.epoch
+    with pytest.raises(bus.LeaseLost):
+        await a.renew()
+
+
+async def test_the_newest_snapshot_or_the_newest_at_or_before_is_loaded(side: Side) -> None:
+    store = await side.snapshots()
+    assert await store.load() is None
+    await store.save(b"state at 10", 10)
+    await store.save(b"state at 20", 20)
+    newest = await store.load()
+    assert newest is not None
+    assert (newest.seq, newest.data) == (20, b"state at 20")
+    older = await store.load(at_or_before=15)
+    assert older is not None
+    assert (older.seq, older.data) == (10, b"state at 10")
+    assert await store.load(at_or_before=5) is None
