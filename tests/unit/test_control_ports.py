@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from llmgw import bus
 from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, MemorySnapshots
 from llmgw.control.config import AdminListener, ControlConfig, SnapshotConfig
@@ -189,3 +191,30 @@ async def test_it_folds_from_a_snapshot_and_the_tail_on_memory_ports() -> None:
         await until(lambda: "node-b" in svc.state.nodes, "the tail folded")
         assert svc.snapshot_seq == snap_seq
         assert "node-a" in svc.state.nodes
+
+
+async def test_simulated_agents_on_the_memory_log_get_their_replicas_serving() -> None:
+    from tests.integration.control_kit import SimAgent
+
+    log, bucket = RecordingLog(), LeaseBucket()
+    cfg = msgspec.structs.replace(
+        config(), models=(ModelProfile(name="m1", engine="sim", replicas=2),)
+    )
+    agents = [
+        SimAgent(None, node, log=log, heartbeat_s=0.05, serve_after_s=0.01)
+        for node in ("node-a", "node-b")
+    ]
+    try:
+        async with running(ControlService(cfg, ports=ports(log, bucket))) as svc:
+            for agent in agents:
+                await agent.start()
+
+            def serving() -> int:
+                st = svc.state
+                return sum(1 for r in st.active_replicas("m1") if r.id in st.endpoints)
+
+            await until(lambda: serving() == 2, "two replicas of m1 serving")
+            assert sum(len(a.running) for a in agents) == 2
+    finally:
+        for agent in agents:
+            await agent.close()
