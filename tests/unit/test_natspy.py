@@ -45,3 +45,20 @@ def test_a_forced_fallback_is_stock_nats_py_and_logged_once(
     told = [e for e in logs if e["event"] == "bus.natspy_fallback"]
     assert len(told) == 1
     assert told[0]["why"] == "forced by the test"
+
+
+def test_the_nats_py_internals_the_bus_client_overrides_still_exist() -> None:
+    """llmgw.bus.natspy overrides two private nats-py methods; an upgrade within the
+    guarded range that renamed them would silently bring back fixed reconnect waits and
+    break the Reader's fast path."""
+    import inspect
+
+    from nats.aio.client import Client
+
+    params = list(inspect.signature(Client._process_msg).parameters)
+    assert params == ["self", "sid", "subject", "reply", "data", "headers"]
+    assert inspect.iscoroutinefunction(Client._select_next_server)
+    assert inspect.iscoroutinefunction(Client._connect_to_server)
+    plain = Client()
+    for attribute in ("_server_pool", "_current_server", "options", "stats"):
+        assert hasattr(plain, attribute)
