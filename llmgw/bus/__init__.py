@@ -40,8 +40,10 @@ NATS API subjects each role uses (the authorization must allow them; `<s>` is
 from llmgw.bus.attestations import load as load_attestations
 from llmgw.bus.connection import BusClient, backoff_delay, connect
 from llmgw.bus.deletion import Deleted, delete_messages
+from llmgw.bus.jetstream import JetStreamLog
 from llmgw.bus.keys import Keys
 from llmgw.bus.lease import Holder, Lease, LeaseLost
+from llmgw.bus.ports import EventLog, LeasePort, LogReader, SnapshotPort
 from llmgw.bus.provisioning import (
     LEASE_BUCKET,
     SNAPSHOT_BUCKET,
@@ -59,12 +61,16 @@ __all__ = [
     "SNAPSHOT_BUCKET",
     "BusClient",
     "Deleted",
+    "EventLog",
     "Fence",
     "FenceRefused",
     "Holder",
+    "JetStreamLog",
     "Keys",
     "Lease",
     "LeaseLost",
+    "LeasePort",
+    "LogReader",
     "ProvisionConflict",
     "Provisioned",
     "PublishError",
@@ -75,6 +81,7 @@ __all__ = [
     "Record",
     "Skipped",
     "Snapshot",
+    "SnapshotPort",
     "SnapshotStore",
     "StreamSettings",
     "backoff_delay",

@@ -8,10 +8,16 @@ ECDSA verification.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from nats.aio.client import Client
 
 from llmgw import logs
 from llmgw.core import attestation, events, subjects
+
+if TYPE_CHECKING:
+    from llmgw.bus.reader import Record
 
 log = logs.get("llmgw.bus")
 
@@ -26,15 +32,21 @@ async def load(nc: Client, *, after_seq: int = 0) -> attestation.Attestations:
     reader = Reader(nc, subjects_filter=[SUBJECT], follow=False, name="attestations")
     async with reader:
         async for batch in reader.batches():
-            for record in batch:
-                event = record.event
-                if not isinstance(event, events.LogAttested) or event.last_seq <= after_seq:
-                    continue
-                item = attestation.Attested.of(
-                    event.first_seq, event.last_seq, event.accepted, event.digests, event.refused
-                )
-                if item is None:
-                    log.warning("bus.attestation_malformed", seq=record.seq, id=event.id)
-                    continue
-                book.add(item)
+            add(book, batch, after_seq=after_seq)
     return book
+
+
+def add(book: attestation.Attestations, records: Iterable[Record], *, after_seq: int) -> None:
+    """Add to `book` the attestations among `records` that cover a sequence after
+    `after_seq`; a malformed one is logged and passed over."""
+    for record in records:
+        event = record.event
+        if not isinstance(event, events.LogAttested) or event.last_seq <= after_seq:
+            continue
+        item = attestation.Attested.of(
+            event.first_seq, event.last_seq, event.accepted, event.digests, event.refused
+        )
+        if item is None:
+            log.warning("bus.attestation_malformed", seq=record.seq, id=event.id)
+            continue
+        book.add(item)

@@ -12,27 +12,22 @@ in three ways that matter in production:
 - it can hand the messages of a subscription straight to a synchronous function
   (`fast_subscribe`), skipping nats-py's per-message header parsing and queueing;
   the `Reader` uses it to replay the log several times faster.
+
+The backoff and the fast path override nats-py internals; they live in
+llmgw.bus.natspy, behind a check of nats-py's version.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import random
 import ssl
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import nats.errors
-from nats.aio.client import Client
-from nats.aio.subscription import Subscription
-from nats.protocol.parser import Parser
-
 from llmgw import logs
+from llmgw.bus import natspy
 from llmgw.bus.keys import Keys, bind
-from llmgw.bus.wire import FastHandler, FrameParser
+from llmgw.bus.natspy import backoff_delay as backoff_delay
 from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.bus")
@@ -40,103 +35,13 @@ log = logs.get("llmgw.bus")
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
 
-def backoff_delay(attempt: int, *, base: float, cap: float, rand: random.Random) -> float:
-    """Seconds to wait before reconnect attempt `attempt` (1, 2, ...). Pure given `rand`.
-
-    "Full jitter": uniform in [0, min(cap, base * 2**(attempt-1))], with a floor of
-    a tenth of the window so that a failing server is never hammered in a tight loop.
-    """
-    window = min(cap, base * (2.0 ** min(max(attempt - 1, 0), 30)))
-    return float(window * (0.1 + 0.9 * rand.random()))
-
-
-class BusClient(Client):
-    """A nats-py client with jittered exponential reconnect backoff and a fast dispatch path."""
+class BusClient(natspy.Client):
+    """A nats-py client with llmgw's reconnect backoff and fast dispatch (llmgw.bus.natspy),
+    and a record of the permission violations the server reported."""
 
     def __init__(self) -> None:
         super().__init__()
         self.permission_violations: deque[str] = deque(maxlen=100)
-        self.backoff_base = 0.25
-        self.backoff_cap = 10.0
-        self._rand = random.Random()
-        self._fast: dict[int, FastHandler] = {}
-        self._failed_attempts = 0
-        # Message frames without nats-py's per-frame regular expressions (llmgw.bus.wire);
-        # only over the parser it was written against.
-        if type(self._ps) is Parser:
-            self._ps = FrameParser(self)
-
-    # nats-py's own loop waits a fixed `reconnect_time_wait` between attempts at the
-    # same server. This replaces it with a jittered exponential backoff; the body
-    # otherwise follows nats-py 2.16's `_select_next_server`.
-    async def _select_next_server(self) -> None:
-        while True:
-            if len(self._server_pool) == 0:
-                self._current_server = None
-                raise nats.errors.NoServersError
-            server = self._server_pool.pop(0)
-            max_attempts = self.options["max_reconnect_attempts"]
-            if max_attempts > 0 and server.reconnects > max_attempts:
-                continue
-            self._server_pool.append(server)
-            if server.last_attempt is not None or self._failed_attempts:
-                self._failed_attempts += 1
-                delay = backoff_delay(
-                    self._failed_attempts,
-                    base=self.backoff_base,
-                    cap=self.backoff_cap,
-                    rand=self._rand,
-                )
-                await asyncio.sleep(delay)
-            try:
-                await self._connect_to_server(server)
-            except Exception as exc:
-                server.last_attempt = time.monotonic()
-                # What `max_reconnect_attempts` counts: without it a client that should
-                # give up (ctl, tests) would retry a dead server forever.
-                server.reconnects += 1
-                log.warning(
-                    "bus.connect_failed",
-                    server=server.uri.netloc,
-                    attempt=self._failed_attempts + 1,
-                    error=str(exc) or type(exc).__name__,
-                )
-                continue
-            self._current_server = server
-            self._failed_attempts = 0
-            server.last_attempt = None
-            server.reconnects = 0
-            return
-
-    async def _process_msg(
-        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
-    ) -> None:
-        handler = self._fast.get(sid)
-        if handler is None:
-            await super()._process_msg(sid, subject, reply, data, headers)
-            return
-        self.stats["in_msgs"] += 1
-        self.stats["in_bytes"] += len(data)
-        try:
-            handler(subject, reply, data, headers or b"")
-        except Exception as exc:  # a handler bug must not kill the connection's reader
-            log.error("bus.fast_handler_failed", error=repr(exc))
-
-    async def fast_subscribe(self, subject: str, handler: FastHandler) -> Subscription:
-        """Subscribe with `handler` called inline, in order, for every message on `subject`.
-
-        The handler gets raw bytes and must not block; it is the caller's job to decode.
-        """
-        sub = await self.subscribe(subject)
-        self._fast[sub._id] = handler
-        return sub
-
-    async def fast_unsubscribe(self, sub: Subscription) -> None:
-        self._fast.pop(sub._id, None)
-        with contextlib.suppress(
-            nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError
-        ):
-            await sub.unsubscribe()
 
 
 def _describe(exc: Exception) -> str:
@@ -208,7 +113,8 @@ async def connect(
         connect_timeout=connect_timeout,
         allow_reconnect=True,
         max_reconnect_attempts=max_reconnect_attempts,
-        reconnect_time_wait=0,  # BusClient waits its own jittered backoff instead
+        # 0 where BusClient waits its own jittered backoff instead (llmgw.bus.natspy).
+        reconnect_time_wait=nc.reconnect_wait_s,
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,

@@ -76,6 +76,28 @@ class Published(msgspec.Struct, frozen=True):
     stream: str
 
 
+def stored_ttl_s(event: events.Event, ttl_s: float | None) -> int | None:
+    """Whole seconds after which the log drops `event`, or None when it never does. Pure.
+
+    Only heartbeats expire, and every one does (readers refuse anything else:
+    llmgw.core.retention); raises ValueError for a TTL on anything else.
+    """
+    if isinstance(event, events.Heartbeat):
+        if ttl_s is None:
+            ttl_s = DEFAULT_HEARTBEAT_TTL_S
+        ttl_s = min(ttl_s, retention.MAX_HEARTBEAT_TTL_S)
+    elif ttl_s is not None:
+        raise ValueError(
+            f"ttl_s on a {type(event).__name__}: only heartbeats may expire from the log"
+        )
+    if ttl_s is None:
+        return None
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
+    # The server's TTL granularity is one second; round up so nothing expires early.
+    return max(1, math.ceil(ttl_s))
+
+
 def _headers(
     signer: Signer,
     subject: str,
@@ -86,21 +108,9 @@ def _headers(
 ) -> dict[str, str]:
     headers = {"Nats-Msg-Id": event.id}
     headers.update(signer.event_headers(subject, event.id, payload))
-    # Only heartbeats expire, and every one does (readers refuse anything else:
-    # llmgw.core.retention).
-    if isinstance(event, events.Heartbeat):
-        if ttl_s is None:
-            ttl_s = DEFAULT_HEARTBEAT_TTL_S
-        ttl_s = min(ttl_s, retention.MAX_HEARTBEAT_TTL_S)
-    elif ttl_s is not None:
-        raise ValueError(
-            f"ttl_s on a {type(event).__name__}: only heartbeats may expire from the log"
-        )
-    if ttl_s is not None:
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
-        # The server's TTL granularity is one second; round up so nothing expires early.
-        headers["Nats-TTL"] = f"{max(1, math.ceil(ttl_s))}s"
+    ttl = stored_ttl_s(event, ttl_s)
+    if ttl is not None:
+        headers["Nats-TTL"] = f"{ttl}s"
     if fence is not None:
         headers[EXPECTED_LAST_SUBJECT_SEQUENCE] = str(fence.last_seq)
         headers[EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT] = fence.subject_filter

@@ -45,13 +45,16 @@ import nats.js.errors
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
+from llmgw.bus.ports import EventLog, LeasePort, LogReader, SnapshotPort
 from llmgw.control import attesting
 from llmgw.control import ids as ids_
 from llmgw.control import models as model_sync
+from llmgw.control import ports as ports_
 from llmgw.control import quota as quota_
 from llmgw.control.config import ControlConfig
 from llmgw.control.folding import CONTROL_PREFIX, Folded
 from llmgw.control.metrics import Metrics, failure_reason
+from llmgw.control.ports import ControlPorts
 from llmgw.core import events, reconcile, state, subjects
 from llmgw.pki.identity import Identity
 
@@ -70,7 +73,10 @@ class ControlService:
         *,
         tls: ssl.SSLContext | None = None,
         clock: Callable[[], float] = time.time,
+        ports: ControlPorts | None = None,
     ) -> None:
+        """`ports` (llmgw.control.ports) are the log, snapshots and lease to run on; without
+        them `run` connects to NATS with `tls` (or the config's) and uses JetStream."""
         self.cfg = cfg
         self.name = cfg.name
         self.identity = Identity("control", cfg.name)
@@ -110,11 +116,13 @@ class ControlService:
         self._snapshot_task: asyncio.Task[None] | None = None
         self._own_rejected_seen = 0
         self._reader_resets = 0
-        self._reader: bus.Reader | None = None
+        self._ports = ports
+        self._reader: LogReader | None = None
         self._nc: bus.BusClient | None = None
-        self._lease: bus.Lease | None = None
-        self._publisher: bus.Publisher | None = None
-        self._snapshots: bus.SnapshotStore | None = None
+        """The NATS connection, when this instance made one (no ports given)."""
+        self._log: EventLog | None = None
+        self._lease: LeasePort | None = None
+        self._snapshots: SnapshotPort | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -140,33 +148,25 @@ class ControlService:
         """Start, serve until `stop` is set, then shut down cleanly (the lease is released)."""
         from llmgw.control import admin
 
-        n = self.cfg.nats
-        nc = await bus.connect(
-            list(n.servers),
-            tls=self._tls_context(),
-            identity=self.identity,
-            name=f"control-{self.name}",
-            keys=n.keys(),
-        )
-        self._nc = nc
+        ports = self._ports
+        if ports is None:
+            self._nc = await ports_.connect(self.cfg, self._tls_context())
         tasks: list[asyncio.Task[Any]] = []
         runner = None
         try:
-            js = nc.jetstream()
-            await bus.provision(
-                js, replicas=n.stream_replicas, duplicate_window_s=n.duplicate_window_s
-            )
-            self._publisher = bus.Publisher(js)
-            self._snapshots = await bus.SnapshotStore.open(js, keep=self.cfg.snapshot.keep)
-            self._lease = await bus.Lease.open(js, self.name, ttl_s=self.cfg.lease_ttl_s)
+            if ports is None:
+                assert self._nc is not None
+                ports = await ports_.open_jetstream(self.cfg, self._nc)
+            log_ = self._log = ports.log
+            self._snapshots = ports.snapshots
+            self._lease = ports.lease
             runner = await admin.start(self)
             await self._load_snapshot()
-            self.folded.control_seq = await self._last_control_seq(js, upto=self.state.last_seq)
-            self._reader = bus.Reader(
-                nc,
+            self.folded.control_seq = await self._last_control_seq(upto=self.state.last_seq)
+            self._reader = log_.reader(
                 after_seq=self.state.last_seq,
                 name=f"control-{self.name}",
-                attestations=await bus.load_attestations(nc, after_seq=self.state.last_seq),
+                attestations=await log_.attestations(after_seq=self.state.last_seq),
                 attester=self.attester,
             )
             await self._reader.start()
@@ -248,18 +248,15 @@ class ControlService:
         self.metrics.folded_seq.set(snap.seq)
         log.info("control.snapshot_loaded", seq=snap.seq, bytes=len(snap.data))
 
-    async def _last_control_seq(self, js: Any, *, upto: int) -> int:
+    async def _last_control_seq(self, *, upto: int) -> int:
         """The last control-subject sequence at or before `upto` (the snapshot's).
 
         If the last one is later, the tail replay folds it and sets `control_seq`.
         """
         if upto == 0:
             return 0
-        try:
-            msg = await js.get_last_msg(subjects.STREAM, subjects.CONTROL_EVENTS_ALL, direct=True)
-        except nats.js.errors.NotFoundError:
-            return 0
-        seq = int(msg.seq or 0)
+        assert self._log is not None
+        seq = await self._log.last_seq(subjects.CONTROL_EVENTS_ALL)
         return seq if seq <= upto else 0
 
     # ------------------------------------------------------------------ folding
@@ -398,7 +395,7 @@ class ControlService:
                 return
             if not self.leading or not self.caught_up.is_set():
                 continue
-            if self._nc is not None and not self._nc.is_connected:
+            if self._log is not None and not self._log.connected:
                 # Cut off: heartbeats cannot reach us and our writes would fail (or, worse,
                 # land after the reconnect, judged on silence we caused). Decide nothing.
                 self._log_was_unavailable("disconnected from NATS", quiet=True)
@@ -509,13 +506,12 @@ class ControlService:
         had every registered and shard message in (Q, S] ignored by every fold: those are
         deleted. Best effort: a failure leaves them in the log, as before.
         """
-        assert self._nc is not None
+        assert self._log is not None
         upto = self.state.last_seq
         targets = sorted((node, q.seq) for node, q in self.state.quarantined.items())
         found: list[int] = []
         for node, since in targets:
-            reader = bus.Reader(
-                self._nc,
+            reader = self._log.reader(
                 after_seq=since,
                 subjects_filter=[
                     subjects.node_event(node, "registered"),
@@ -540,18 +536,18 @@ class ControlService:
             self.folded.ignored.extend(found)
             self._delete_wake.set()
 
-    def _delete_expiring(self, reader: bus.Reader) -> None:
+    def _delete_expiring(self, reader: LogReader) -> None:
         """The leader deletes messages refused for their TTL (llmgw.core.retention): a
         heartbeat that would never expire, or an event that would vanish from replays."""
         seqs = list(reader.ttl_refused)
         reader.ttl_refused.clear()
-        if not self.leading or self._nc is None:
+        if not self.leading or self._log is None:
             return
         self._spawn(self._delete_ttl(seqs), "ttl-delete")
 
     async def _delete_ttl(self, seqs: list[int]) -> None:
-        assert self._nc is not None
-        result = await bus.delete_messages(self._nc, seqs)
+        assert self._log is not None
+        result = await self._log.delete(seqs)
         self.metrics.ttl_deleted.inc(result.deleted)
         log.info("control.ttl_refused_deleted", **_deletion(result, seqs))
 
@@ -577,10 +573,10 @@ class ControlService:
             await self._delete_wake.wait()
             self._delete_wake.clear()
             ignored = self.folded.ignored
-            while ignored and self.leading and not self._stopping and self._nc is not None:
+            while ignored and self.leading and not self._stopping and self._log is not None:
                 seqs = ignored[:batch]
                 del ignored[:batch]
-                result = await bus.delete_messages(self._nc, seqs)
+                result = await self._log.delete(seqs)
                 self.metrics.quarantine_deleted.inc(result.deleted)
                 log.info("control.quarantine_deleted", **_deletion(result, seqs))
                 if not result.failed:
@@ -626,10 +622,9 @@ class ControlService:
         self._announced = self.epoch
 
     async def _sync_models(self) -> None:
-        assert self._nc is not None
-        assert self._publisher is not None
-        reader = bus.Reader(
-            self._nc, subjects_filter=_MODEL_EVENTS, follow=False, name=f"control-{self.name}-m"
+        assert self._log is not None
+        reader = self._log.reader(
+            subjects_filter=_MODEL_EVENTS, follow=False, name=f"control-{self.name}-m"
         )
         history: list[events.Event] = []
         async with reader:
@@ -646,7 +641,7 @@ class ControlService:
         )
         for event in todo:
             kind = events.tag_of(type(event)).partition(".")[2]
-            published = await self._publisher.publish(
+            published = await self._log.append(
                 event, subject=subjects.control_operator_event(self.name, kind)
             )
             self._wrote(published.seq)
@@ -719,14 +714,14 @@ class ControlService:
         generation's ReplicaPlaced), so commands are not moved behind the control
         events; they are fenced like them instead.
         """
-        assert self._publisher is not None
+        assert self._log is not None
         fence_seq = self.control_seq
         last = 0
         for event in decisions:
             if not self.leading:
                 break
             fence = bus.Fence(subjects.CONTROL_EVENTS_ALL, fence_seq)
-            published = await self._publisher.publish(event, fence=fence)
+            published = await self._log.append(event, fence=fence)
             self._wrote(published.seq)
             if events.subject_of(event).startswith(CONTROL_PREFIX):
                 fence_seq = published.seq

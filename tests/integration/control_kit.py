@@ -118,18 +118,25 @@ def sim_gpus(count: int, gpu_class: str = "h100-80g") -> tuple[Gpu, ...]:
 
 
 class SimAgent:
-    """A node on the wire: registers, heartbeats, answers its commands with ShardStatus."""
+    """A node on the wire: registers, heartbeats, answers its commands with ShardStatus.
+
+    On `server` as the node's identity, or on any event log port given as `log` (an
+    in-memory one, llmgw.bus.memory, for tests of the control plane without NATS)."""
 
     def __init__(
         self,
-        server: TestNatsServer,
+        server: TestNatsServer | None,
         node: str,
         *,
         gpus: int = 2,
         heartbeat_s: float = 0.5,
         serve_after_s: float = 0.1,
+        log: bus.EventLog | None = None,
     ) -> None:
+        if (server is None) == (log is None):
+            raise ValueError("a SimAgent runs on a server or on a log, one of them")
         self.server = server
+        self._log = log
         self.node = node
         self.gpus = sim_gpus(gpus)
         self.heartbeat_s = heartbeat_s
@@ -141,13 +148,16 @@ class SimAgent:
         self.commands: list[events.Event] = []
         self._nc: bus.BusClient | None = None
         self._pub: bus.Publisher | None = None
+        """On a server: the publisher behind the log (batches for the quota tests)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._hb = 0
         self._n = 0
 
     async def start(self) -> SimAgent:
-        self._nc = await connect_as(self.server, "node", self.node)
-        self._pub = bus.Publisher(self._nc.jetstream())
+        if self.server is not None:
+            self._nc = await connect_as(self.server, "node", self.node)
+            log = bus.JetStreamLog(self._nc)
+            self._log, self._pub = log, log.publisher
         await self.register()
         self._tasks = [
             asyncio.create_task(self._heartbeats()),
@@ -169,8 +179,8 @@ class SimAgent:
         return f"{self.node}-{what}-{self._n}-{time.monotonic_ns()}"
 
     async def publish(self, event: events.Event, **kw: Any) -> bus.Published:
-        assert self._pub is not None
-        return await self._pub.publish(event, **kw)
+        assert self._log is not None
+        return await self._log.append(event, **kw)
 
     async def register(self) -> None:
         await self.publish(
@@ -198,12 +208,17 @@ class SimAgent:
             await asyncio.sleep(self.heartbeat_s)
 
     async def _commands(self) -> None:
-        assert self._nc is not None
-        reader = bus.Reader(
-            self._nc,
-            subjects_filter=[subjects.command(self.node)],
-            consumer_name=command_consumer(self.node),
-        )
+        assert self._log is not None
+        reader: bus.LogReader
+        if self._nc is not None:
+            # The node's authorization allows exactly one consumer name on its commands.
+            reader = bus.Reader(
+                self._nc,
+                subjects_filter=[subjects.command(self.node)],
+                consumer_name=command_consumer(self.node),
+            )
+        else:
+            reader = self._log.reader(subjects_filter=[subjects.command(self.node)])
         async with reader:
             async for batch in reader.batches():
                 for rec in batch:

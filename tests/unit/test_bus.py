@@ -261,22 +261,6 @@ def test_consumer_start_points() -> None:
     assert two["filter_subjects"] == ["llmgw.events.control.>", "llmgw.cmd.>"]
 
 
-def test_the_nats_py_internals_the_bus_client_overrides_still_exist() -> None:
-    """BusClient overrides two private nats-py methods; an upgrade that renames them
-    would silently bring back fixed reconnect waits and break the Reader's fast path."""
-    import inspect
-
-    from nats.aio.client import Client
-
-    params = list(inspect.signature(Client._process_msg).parameters)
-    assert params == ["self", "sid", "subject", "reply", "data", "headers"]
-    assert inspect.iscoroutinefunction(Client._select_next_server)
-    assert inspect.iscoroutinefunction(Client._connect_to_server)
-    plain = Client()
-    for attribute in ("_server_pool", "_current_server", "options", "stats"):
-        assert hasattr(plain, attribute)
-
-
 async def test_a_client_that_may_give_up_does_give_up_on_a_dead_server() -> None:
     import socket
 

@@ -1,4 +1,4 @@
-"""llmgw.bus.wire's FrameParser against nats-py's own parser: the same protocol streams,
+"""llmgw.bus.natspy's FrameParser against nats-py's own parser: the same protocol streams,
 cut at the same random points, must give the same deliveries, pings, pongs and infos in
 the same order, and the same errors on what is not NATS."""
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from nats.errors import ProtocolError
 from nats.protocol.parser import Parser
 
-from llmgw.bus.wire import FrameParser
+from llmgw.bus.natspy import FrameParser
 
 FAST_SIDS = (1, 3)
 

@@ -1,0 +1,220 @@
+"""The control plane's logic on in-memory ports (llmgw.bus.memory): no nats-server.
+
+The same `ControlService` as production, constructed with a `MemoryLog`, a
+`MemoryLease` and `MemorySnapshots` (llmgw.control.ports): it elects itself through
+the lease port, folds a node's registration, and appends its placement with fences on
+the control subjects; a write fenced on a sequence that a rival has moved past is
+refused and the instance steps down. Each test runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from llmgw import bus
+from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, MemorySnapshots
+from llmgw.control.config import AdminListener, ControlConfig, SnapshotConfig
+from llmgw.control.ports import ControlPorts
+from llmgw.control.service import ControlService
+from llmgw.core import events, subjects
+from llmgw.core.inventory import Gpu
+from llmgw.core.profile import ModelProfile
+
+DEADLINE_S = 10.0
+"""Generous: a loaded machine may be slow; each test normally takes milliseconds."""
+
+
+class RecordingLog(MemoryLog):
+    """A MemoryLog that remembers the fence of every append, and can let a rival write
+    first (as a second leader that still believes it leads would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fences: list[tuple[str, bus.Fence | None]] = []
+        self.before: Callable[[events.Event], Any] | None = None
+
+    async def append(
+        self,
+        event: events.Event,
+        *,
+        subject: str | None = None,
+        fence: bus.Fence | None = None,
+        ttl_s: float | None = None,
+    ) -> bus.Published:
+        if self.before is not None:
+            await self.before(event)
+        self.fences.append((event.id, fence))
+        return await super().append(event, subject=subject, fence=fence, ttl_s=ttl_s)
+
+
+def gpus(count: int) -> tuple[Gpu, ...]:
+    return tuple(
+        Gpu(
+            index=i,
+            uuid=f"GPU-{i:04d}",
+            name="NVIDIA H100 80GB HBM3",
+            gpu_class="h100-80g",
+            memory_mib=81559,
+            compute_capability="9.0",
+            nvlink_domain=0,
+        )
+        for i in range(count)
+    )
+
+
+def config(name: str = "control-a") -> ControlConfig:
+    return ControlConfig(
+        name=name,
+        lease_ttl_s=10.0,
+        reconcile_interval_s=0.05,
+        snapshot=SnapshotConfig(every_events=0, every_s=0),
+        models=(ModelProfile(name="m1", engine="sim", replicas=1),),
+        admin=AdminListener(host="127.0.0.1", port=0),
+    )
+
+
+@contextlib.asynccontextmanager
+async def running(svc: ControlService) -> AsyncIterator[ControlService]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.run(stop))
+    try:
+        yield svc
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, DEADLINE_S)
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def register(log: MemoryLog, node: str) -> None:
+    now = time.time()
+    await log.append(
+        events.NodeRegistered(
+            id=f"{node}-reg", ts=now, node=node, address="127.0.0.1", gpus=gpus(2)
+        )
+    )
+    await log.append(events.Heartbeat(id=f"{node}-hb-1", ts=now, node=node, seq=1), ttl_s=60)
+
+
+def of_type(log: MemoryLog, kind: type[events.Event]) -> list[bus.Record]:
+    return [r for r in log.records() if isinstance(r.event, kind)]
+
+
+def ports(log: MemoryLog, bucket: LeaseBucket, name: str = "control-a") -> ControlPorts:
+    return ControlPorts(log=log, snapshots=MemorySnapshots(), lease=MemoryLease(bucket, name))
+
+
+async def test_it_leads_through_the_lease_port_and_places_with_fences() -> None:
+    log, bucket = RecordingLog(), LeaseBucket()
+    started = time.monotonic()
+    async with running(ControlService(config(), ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        holder = await MemoryLease(bucket, "control-b").holder()
+        assert holder is not None
+        assert (holder.holder, holder.epoch) == ("control-a", svc.epoch)
+        await register(log, "node-a")
+        await until(lambda: bool(of_type(log, events.StartShard)), "a StartShard")
+        assert "node-a" in svc.state.nodes
+        placed = of_type(log, events.ReplicaPlaced)
+        assert len(placed) == 1
+        assert placed[0].event.epoch == svc.epoch  # type: ignore[union-attr]
+    # Every decision (control event or command) was fenced on the control subjects, at
+    # the last control sequence written before it.
+    fences = dict(log.fences)
+    control_before = 0
+    for record in log.records():
+        if isinstance(record.event, events.ControlEvent | events.Command) and not (
+            record.subject.startswith(f"{subjects.EVENTS_ROOT}.operator")
+        ):
+            assert fences[record.event.id] == bus.Fence(
+                subjects.CONTROL_EVENTS_ALL, control_before
+            ), record
+        if record.subject.startswith(f"{subjects.EVENTS_ROOT}.control."):
+            control_before = record.seq
+    assert bucket.entry() is None  # released at shutdown
+    assert time.monotonic() - started < DEADLINE_S
+
+
+async def test_a_write_fenced_behind_a_rival_is_refused_and_the_instance_steps_down() -> None:
+    log, bucket = RecordingLog(), LeaseBucket()
+    rival_wrote: list[int] = []
+
+    async def rival_first(event: events.Event) -> None:
+        # The rival writes on the control subjects just before our first placement.
+        if isinstance(event, events.ReplicaPlaced) and not rival_wrote:
+            log.before = None
+            rogue = events.LeaderElected(
+                id="rival-leader", ts=time.time(), leader="control-b", epoch=1, basis_seq=0
+            )
+            rival_wrote.append((await log.append(rogue)).seq)
+
+    log.before = rival_first
+    async with running(ControlService(config(), ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        first_epoch = svc.epoch
+        await register(log, "node-a")
+        await until(lambda: svc.metrics.fence_refused._value.get() == 1, "the fence refusal")
+        # The refused placement of the first epoch was never stored.
+        assert not [r for r in of_type(log, events.ReplicaPlaced) if r.event.epoch == first_epoch]  # type: ignore[union-attr]
+        # It gave the lease up and contends again: a later epoch places the replica.
+        await until(
+            lambda: any(
+                r.event.epoch > first_epoch  # type: ignore[union-attr]
+                for r in of_type(log, events.ReplicaPlaced)
+            ),
+            "a placement in a later epoch",
+        )
+    assert rival_wrote
+
+
+async def test_it_folds_from_a_snapshot_and_the_tail_on_memory_ports() -> None:
+    log, bucket = RecordingLog(), LeaseBucket()
+    first = ports(log, bucket)
+    async with running(ControlService(config(), ports=first)) as svc:
+        await register(log, "node-a")
+        await until(lambda: bool(of_type(log, events.StartShard)), "a StartShard")
+        snap_seq = await svc.snapshot_now()
+    await register(log, "node-b")
+    again = ControlPorts(log=log, snapshots=first.snapshots, lease=MemoryLease(bucket, "c-b"))
+    async with running(ControlService(config("c-b"), ports=again)) as svc:
+        await until(lambda: "node-b" in svc.state.nodes, "the tail folded")
+        assert svc.snapshot_seq == snap_seq
+        assert "node-a" in svc.state.nodes
+
+
+async def test_simulated_agents_on_the_memory_log_get_their_replicas_serving() -> None:
+    from tests.integration.control_kit import SimAgent
+
+    log, bucket = RecordingLog(), LeaseBucket()
+    cfg = msgspec.structs.replace(
+        config(), models=(ModelProfile(name="m1", engine="sim", replicas=2),)
+    )
+    agents = [
+        SimAgent(None, node, log=log, heartbeat_s=0.05, serve_after_s=0.01)
+        for node in ("node-a", "node-b")
+    ]
+    try:
+        async with running(ControlService(cfg, ports=ports(log, bucket))) as svc:
+            for agent in agents:
+                await agent.start()
+
+            def serving() -> int:
+                st = svc.state
+                return sum(1 for r in st.active_replicas("m1") if r.id in st.endpoints)
+
+            await until(lambda: serving() == 2, "two replicas of m1 serving")
+            assert sum(len(a.running) for a in agents) == 2
+    finally:
+        for agent in agents:
+            await agent.close()

@@ -1,0 +1,64 @@
+"""llmgw.bus.natspy's version guard: the overrides apply to the nats-py range they were
+written for, and a client outside it is stock nats-py (said once in the log)."""
+
+from __future__ import annotations
+
+import pytest
+from nats.protocol.parser import Parser
+from structlog.testing import capture_logs
+
+from llmgw.bus import natspy
+
+
+@pytest.mark.parametrize("version", ["2.16.0", "2.16.7", "2.16.1rc1"])
+def test_the_pinned_minor_release_is_supported(version: str) -> None:
+    assert natspy.unsupported(version) is None
+
+
+@pytest.mark.parametrize("version", ["2.17.0", "2.15.9", "3.0.0", "1.99", "unknown", ""])
+def test_anything_else_falls_back_and_says_why(version: str) -> None:
+    reason = natspy.unsupported(version)
+    assert reason is not None
+    assert "nats-py" in reason
+
+
+def test_the_installed_version_gets_the_overrides() -> None:
+    # pyproject pins nats-py to the range: an install outside it is a packaging bug.
+    assert natspy.REASON is None, natspy.REASON
+    client = natspy.Client()
+    assert client.overridden
+    assert type(client._ps) is natspy.FrameParser
+    assert client.reconnect_wait_s == 0
+
+
+def test_a_forced_fallback_is_stock_nats_py_and_logged_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(natspy, "REASON", "forced by the test")
+    monkeypatch.setattr(natspy, "_told", False)
+    with capture_logs() as logs:
+        clients = [natspy.Client(), natspy.Client()]
+    for client in clients:
+        assert not client.overridden
+        assert type(client._ps) is Parser
+        assert client.reconnect_wait_s == natspy.FALLBACK_RECONNECT_WAIT_S > 0
+    told = [e for e in logs if e["event"] == "bus.natspy_fallback"]
+    assert len(told) == 1
+    assert told[0]["why"] == "forced by the test"
+
+
+def test_the_nats_py_internals_the_bus_client_overrides_still_exist() -> None:
+    """llmgw.bus.natspy overrides two private nats-py methods; an upgrade within the
+    guarded range that renamed them would silently bring back fixed reconnect waits and
+    break the Reader's fast path."""
+    import inspect
+
+    from nats.aio.client import Client
+
+    params = list(inspect.signature(Client._process_msg).parameters)
+    assert params == ["self", "sid", "subject", "reply", "data", "headers"]
+    assert inspect.iscoroutinefunction(Client._select_next_server)
+    assert inspect.iscoroutinefunction(Client._connect_to_server)
+    plain = Client()
+    for attribute in ("_server_pool", "_current_server", "options", "stats"):
+        assert hasattr(plain, attribute)
