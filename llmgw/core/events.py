@@ -17,7 +17,7 @@ Pure: no I/O, no clock, no randomness. Producers pass `id` and `ts` in.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
 
@@ -42,20 +42,12 @@ from llmgw.core.limits import (
     Time,
     Version,
 )
+from llmgw.core.phases import SHARD_PHASES as SHARD_PHASES
+from llmgw.core.phases import ShardPhase as ShardPhase
 from llmgw.core.profile import LaunchSpec, ModelProfile
 
 # Base64 of MAX_PER_ATTESTATION digests of DIGEST_BYTES, with room for padding.
 _MAX_DIGESTS_B64 = (MAX_PER_ATTESTATION * DIGEST_BYTES + 2) // 3 * 4 + 4
-
-ShardPhase = Literal["starting", "loading", "serving", "draining", "stopped", "failed"]
-SHARD_PHASES: tuple[ShardPhase, ...] = (
-    "starting",
-    "loading",
-    "serving",
-    "draining",
-    "stopped",
-    "failed",
-)
 
 
 class Event(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):

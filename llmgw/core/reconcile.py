@@ -42,7 +42,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from llmgw.core import events, placement
+from llmgw.core import events, placement, vocabulary
 from llmgw.core.limits import clip
 from llmgw.core.profile import LaunchSpec, ModelProfile
 from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, apply, misplaced
@@ -64,17 +64,7 @@ Decision: TypeAlias = (
 IdFactory: TypeAlias = Callable[[str], str]
 """Base id `{epoch}-{basis_seq}-{index}` -> the id the decision is written with."""
 
-OBSERVATIONS: tuple[type[events.ControlEvent], ...] = (
-    events.NodeUnreachable,
-    events.NodeLost,
-    events.NodeRecovered,
-    events.GpuHealthChanged,
-    # The leader's measurements of log traffic (llmgw.control.quota), not planning:
-    events.NodeQuarantined,
-    events.NodeReleased,
-    # What the leader's reader checked (llmgw.core.attestation), not planning:
-    events.LogAttested,
-)
+OBSERVATIONS = vocabulary.OBSERVATIONS
 
 
 class ReconcileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -15,10 +15,11 @@ from typing import Any
 import msgspec
 
 from llmgw.core import reconcile, state
+from llmgw.core.phases import RANK
 
 
 def _phase_summary(replica: state.ReplicaState) -> str:
-    phases = sorted({s.phase for s in replica.shards}, key=lambda p: state._RANK.get(p, 9))
+    phases = sorted({s.phase for s in replica.shards}, key=lambda p: RANK.get(p, 9))
     return phases[0] if len(phases) == 1 else "/".join(phases)
 
 

@@ -18,7 +18,7 @@ from llmgw.control.folding import Folded
 from llmgw.control.metrics import Metrics, failure_reason
 from llmgw.core import events, subjects
 from llmgw.core.profile import ModelProfile
-from llmgw.core.state import ClusterState, apply, digest, fold
+from llmgw.core.state import ClusterState, apply, digest, fold_records
 from llmgw.pki.authorization import permissions
 from llmgw.pki.identity import Identity
 from tests.unit.strategies import any_event
@@ -212,7 +212,7 @@ def test_the_batched_fold_is_the_cores_and_tracks_the_fence(evs: list[events.Eve
     half = len(records) // 2
     folded.fold(records[:half])
     folded.fold(records[half:])
-    core, rejected = fold([(r.seq, r.event) for r in records])
+    core, rejected = fold_records([(r.seq, r.event) for r in records])
     assert digest(folded.state) == digest(core)
     assert folded.rejected == len(rejected)
     control = [r.seq for r in records if r.subject.startswith("llmgw.events.control.")]
