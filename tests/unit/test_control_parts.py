@@ -15,7 +15,7 @@ from llmgw import bus, config
 from llmgw.control import config as control_config
 from llmgw.control import models
 from llmgw.control.folding import Folded
-from llmgw.control.metrics import Metrics, failure_reason
+from llmgw.control.metrics import Metrics
 from llmgw.core import events, subjects
 from llmgw.core.profile import ModelProfile
 from llmgw.core.state import ClusterState, apply, digest, fold_records
@@ -172,16 +172,6 @@ def test_applying_the_diff_makes_the_next_diff_empty(
 
 
 # --------------------------------------------------------------------------- the rest
-
-
-def test_failure_reason_is_a_short_label() -> None:
-    assert failure_reason("no node offers 4 free h100-80g (too few free GPUs: 3, lost: 1)") == (
-        "too few free GPUs"
-    )
-    assert failure_reason("no node offers 1 free GPUs of one class (no nodes registered)") == (
-        "no nodes"
-    )
-    assert failure_reason("the profile's GPU arithmetic is invalid") == "other"
 
 
 def test_the_control_plane_may_write_model_events_and_no_other_operator_event() -> None:

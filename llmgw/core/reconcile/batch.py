@@ -9,6 +9,7 @@ import msgspec
 
 from llmgw.core import events, vocabulary
 from llmgw.core.limits import clip
+from llmgw.core.refusals import Reason
 
 Decision: TypeAlias = (
     events.ReplicaPlaced
@@ -56,6 +57,8 @@ class Outcome(msgspec.Struct, kw_only=True):
     decisions: list[Decision]
     unplaceable: dict[str, str] = {}
     """Model -> why its missing replicas could not be placed this pass."""
+    unplaceable_codes: dict[str, Reason] = {}
+    """Model -> that reason's code (llmgw.core.refusals): the metrics label."""
 
 
 class Batch:

@@ -8,6 +8,7 @@ from llmgw.core import events, placement
 from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile.batch import Batch, IdFactory, Outcome, ReconcileConfig
 from llmgw.core.reconcile.launch import launch_spec
+from llmgw.core.refusals import Reason
 from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, misplaced
 
 
@@ -35,7 +36,9 @@ def plan(
     """Decisions from the durable state and `now` alone (reproducible by `verify`). Pure."""
     p = _Planner(state, now, epoch, basis_seq, config, ids)
     p.run()
-    return Outcome(decisions=p.b.out, unplaceable=p.unplaceable)
+    return Outcome(
+        decisions=p.b.out, unplaceable=p.unplaceable, unplaceable_codes=p.unplaceable_codes
+    )
 
 
 def _fully_serving(replica: ReplicaState) -> bool:
@@ -63,6 +66,7 @@ class _Planner:
         self.to_replace: dict[str, list[str]] = defaultdict(list)
         """Model -> replicas retired this pass that a new replica should name as replaced."""
         self.unplaceable: dict[str, str] = {}
+        self.unplaceable_codes: dict[str, Reason] = {}
         self.downed: set[str] = set()
         self.touched: set[str] = set()
         """Replicas a rule already acted on this pass: no second rule acts on them."""
@@ -343,6 +347,7 @@ class _Planner:
             for i, result in enumerate(results):
                 if isinstance(result, placement.Unplaceable):
                     self.unplaceable[name] = result.reason
+                    self.unplaceable_codes[name] = result.code
                     break
                 replaces_id = queue[i] if i < len(queue) else ""
                 why = (
@@ -365,6 +370,7 @@ class _Planner:
         result = placement.place(self.state, profile, self.now, capacity=self.capacity)
         if isinstance(result, placement.Unplaceable):
             self.unplaceable[model] = result.reason
+            self.unplaceable_codes[model] = result.code
             return False
         self.capacity.reserve(model, result)
         self._emit_placement(profile, result, replaces, reason)
