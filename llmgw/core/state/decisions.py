@@ -101,48 +101,7 @@ def on_replica_placed(state: ClusterState, ev: events.ReplicaPlaced, seq: int, a
         raise Reject(f"replica {ev.replica_id!r} has no shards")
     if sorted(s.shard for s in ev.shards) != list(range(len(ev.shards))):
         raise Reject(f"replica {ev.replica_id!r}: shards must be numbered 0..{len(ev.shards) - 1}")
-    classes: set[str] = set()
-    used: set[tuple[str, int]] = set()
-    ports: set[tuple[str, int]] = set()
-    for sa in sorted(ev.shards, key=lambda s: s.shard):
-        node = state.nodes.get(sa.node)
-        if node is None:
-            raise Reject(
-                f"replica {ev.replica_id!r} placed on node {sa.node!r}, which never registered"
-            )
-        if not sa.gpus:
-            raise Reject(f"replica {ev.replica_id!r}: shard {sa.shard} has no GPUs")
-        for g in sa.gpus:
-            gpu = node.gpus.get(g)
-            if gpu is None:
-                raise Reject(f"replica {ev.replica_id!r}: node {sa.node!r} has no GPU {g}")
-            if (sa.node, g) in used:
-                raise Reject(f"replica {ev.replica_id!r} uses GPU {g} of {sa.node!r} twice")
-            holder = node.holders.get(g)
-            if holder is not None:
-                raise Reject(
-                    f"replica {ev.replica_id!r} placed on GPU {g} of {sa.node!r}, which is held "
-                    f"by replica {holder!r}"
-                )
-            for orphan in node.orphans:
-                if g in orphan.gpus:
-                    raise Reject(
-                        f"replica {ev.replica_id!r} placed on GPU {g} of {sa.node!r}, which an "
-                        f"unknown process ({orphan.replica_id!r}) still uses"
-                    )
-            used.add((sa.node, g))
-            classes.add(gpu.gpu_class)
-        if sa.port >= MAX_PORT:
-            raise Reject(
-                f"replica {ev.replica_id!r}: port {sa.port} of {sa.node!r} leaves no port "
-                "after it (a shard uses two)"
-            )
-        for port in (sa.port, sa.port + 1):
-            if sa.port and (port in node.ports or (sa.node, port) in ports):
-                raise Reject(
-                    f"replica {ev.replica_id!r}: port {port} of {sa.node!r} is already in use"
-                )
-            ports.add((sa.node, port))
+    classes = _check_assignments(state, ev)
     if len(classes) > 1:
         raise Reject(f"replica {ev.replica_id!r} mixes GPU classes {sorted(classes)}")
     nodes = {sa.node for sa in ev.shards}
@@ -180,6 +139,65 @@ def on_replica_placed(state: ClusterState, ev: events.ReplicaPlaced, seq: int, a
         if shard.port:
             node.ports[shard.port] = replica.id
             node.ports[shard.port + 1] = replica.id
+
+
+def _check_assignments(state: ClusterState, ev: events.ReplicaPlaced) -> set[str]:
+    """Raise Reject unless every shard's node, GPUs and ports are free for the replica;
+    the GPU classes the shards use."""
+    classes: set[str] = set()
+    used: set[tuple[str, int]] = set()
+    ports: set[tuple[str, int]] = set()
+    for sa in sorted(ev.shards, key=lambda s: s.shard):
+        node = state.nodes.get(sa.node)
+        if node is None:
+            raise Reject(
+                f"replica {ev.replica_id!r} placed on node {sa.node!r}, which never registered"
+            )
+        if not sa.gpus:
+            raise Reject(f"replica {ev.replica_id!r}: shard {sa.shard} has no GPUs")
+        for g in sa.gpus:
+            classes.add(_free_gpu(ev, sa, node, g, used))
+            used.add((sa.node, g))
+        if sa.port >= MAX_PORT:
+            raise Reject(
+                f"replica {ev.replica_id!r}: port {sa.port} of {sa.node!r} leaves no port "
+                "after it (a shard uses two)"
+            )
+        for port in (sa.port, sa.port + 1):
+            if sa.port and (port in node.ports or (sa.node, port) in ports):
+                raise Reject(
+                    f"replica {ev.replica_id!r}: port {port} of {sa.node!r} is already in use"
+                )
+            ports.add((sa.node, port))
+    return classes
+
+
+def _free_gpu(
+    ev: events.ReplicaPlaced,
+    sa: events.ShardAssignment,
+    node: NodeState,
+    g: int,
+    used: set[tuple[str, int]],
+) -> str:
+    """GPU `g`'s class, after checking nothing else holds it; raises Reject."""
+    gpu = node.gpus.get(g)
+    if gpu is None:
+        raise Reject(f"replica {ev.replica_id!r}: node {sa.node!r} has no GPU {g}")
+    if (sa.node, g) in used:
+        raise Reject(f"replica {ev.replica_id!r} uses GPU {g} of {sa.node!r} twice")
+    holder = node.holders.get(g)
+    if holder is not None:
+        raise Reject(
+            f"replica {ev.replica_id!r} placed on GPU {g} of {sa.node!r}, which is held "
+            f"by replica {holder!r}"
+        )
+    for orphan in node.orphans:
+        if g in orphan.gpus:
+            raise Reject(
+                f"replica {ev.replica_id!r} placed on GPU {g} of {sa.node!r}, which an "
+                f"unknown process ({orphan.replica_id!r}) still uses"
+            )
+    return gpu.gpu_class
 
 
 def _restarted(state: ClusterState, replica: ReplicaState, ev: events.ReplicaPlaced) -> None:
