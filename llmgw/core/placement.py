@@ -32,7 +32,15 @@ from llmgw.core.node_capacity import PORT_LIMIT as PORT_LIMIT
 from llmgw.core.node_capacity import NodeCapacity
 from llmgw.core.profile import ModelProfile
 from llmgw.core.refusals import Reason as Reason
-from llmgw.core.refusals import Refusals, class_sizes, summary, too_few_nodes
+from llmgw.core.refusals import (
+    Refusals,
+    class_sizes,
+    quarantined,
+    refusal,
+    rejected_code,
+    summary,
+    too_few_nodes,
+)
 from llmgw.core.refusals import impossible as impossible
 from llmgw.core.state import ClusterState, NodeState
 
@@ -87,9 +95,9 @@ class Capacity:
         self.rejected = Refusals()
         for name in sorted(state.nodes):
             node = state.nodes[name]
-            why = _unusable(node) or _quarantined(state, name)
+            why = _unusable(node) or quarantined(state, name)
             if why:
-                self.rejected.add(name, _rejected_code(state, node), why)
+                self.rejected.add(name, rejected_code(state, node), why)
             else:
                 self.nodes[name] = NodeCapacity(node)
         # Replicas of each model per node, for spreading.
@@ -107,41 +115,10 @@ class Capacity:
             self.spread[model][sa.node] += 1
 
 
-def _quarantined(state: ClusterState, name: str) -> str:
-    """Why a node whose log traffic exceeded its budget gets nothing (see NodeQuarantined)."""
-    q = state.quarantined.get(name)
-    if q is None:
-        return ""
-    return f"quarantined ({q.reason})" if q.reason else "quarantined"
-
-
 def _unusable(node: NodeState, now: float | None = None) -> str:
     """Why a node gets nothing, whatever it offers; empty when it is usable. (The replay
     verification tests replace this function to alter a placement rule.)"""
-    return _refusal(node, now)[1]
-
-
-def _refusal(node: NodeState, now: float | None = None) -> tuple[Reason, str]:
-    if node.liveness == "lost":
-        return "lost", "lost"
-    if node.liveness == "unreachable":
-        if now is not None and node.last_heartbeat:
-            ago = max(0.0, now - node.last_heartbeat)
-            return "unreachable", f"unreachable (last heartbeat {ago:.0f} s ago)"
-        return "unreachable", "unreachable"
-    if node.draining:
-        return "draining", "draining"
-    if node.cordoned:
-        why = f"cordoned ({node.cordon_reason})" if node.cordon_reason else "cordoned"
-        return "cordoned", why
-    return "other", ""
-
-
-def _rejected_code(state: ClusterState, node: NodeState) -> Reason:
-    code, why = _refusal(node)
-    if why:
-        return code
-    return "quarantined" if node.name in state.quarantined else "other"
+    return refusal(node, now)[1]
 
 
 # --------------------------------------------------------------------------- place
@@ -316,22 +293,36 @@ def place_many(
             )
         ]
     if profile.nodes > 1:
-        # Candidates per node, refreshed only for the nodes a placement used.
-        by_node: dict[str, list[_Candidate]] = defaultdict(list)
-        for c in _all_candidates(state, cap, profile):
-            by_node[c.node].append(c)
-        spread_of = cap.spread[profile.name]
-        for _ in range(count):
-            result = _place_multi(state, cap, profile, by_node)
-            out.append(result)
-            if isinstance(result, Unplaceable):
-                break
-            cap.reserve(profile.name, result)
-            for sa in result.shards:
-                by_node[sa.node] = _candidates_on(
-                    state.nodes[sa.node], cap.nodes[sa.node], profile, spread_of[sa.node]
-                )
-        return out
+        return _place_many_multi(state, cap, profile, count)
+    return _place_many_single(state, cap, profile, count)
+
+
+def _place_many_multi(
+    state: ClusterState, cap: Capacity, profile: ModelProfile, count: int
+) -> list[Placement | Unplaceable]:
+    out: list[Placement | Unplaceable] = []
+    # Candidates per node, refreshed only for the nodes a placement used.
+    by_node: dict[str, list[_Candidate]] = defaultdict(list)
+    for c in _all_candidates(state, cap, profile):
+        by_node[c.node].append(c)
+    spread_of = cap.spread[profile.name]
+    for _ in range(count):
+        result = _place_multi(state, cap, profile, by_node)
+        out.append(result)
+        if isinstance(result, Unplaceable):
+            break
+        cap.reserve(profile.name, result)
+        for sa in result.shards:
+            by_node[sa.node] = _candidates_on(
+                state.nodes[sa.node], cap.nodes[sa.node], profile, spread_of[sa.node]
+            )
+    return out
+
+
+def _place_many_single(
+    state: ClusterState, cap: Capacity, profile: ModelProfile, count: int
+) -> list[Placement | Unplaceable]:
+    out: list[Placement | Unplaceable] = []
     # Heap entries carry their node's version: a reservation on a node makes
     # its older entries stale (fewer GPUs, one more replica of the model there).
     version: dict[str, int] = defaultdict(int)
@@ -438,22 +429,13 @@ def explain(state: ClusterState, model: str, now: float) -> Explanation:
     if isinstance(result, Unplaceable):
         reasons.update(result.nodes)
     for name in cap.rejected.sentences:
-        reasons[name] = _unusable(state.nodes[name], now) or _quarantined(state, name)
+        reasons[name] = _unusable(state.nodes[name], now) or quarantined(state, name)
     fits = {c.node: c for c in _all_candidates(state, cap, profile)}
     landing = {sa.node: sa for sa in result.shards} if isinstance(result, Placement) else {}
     verdicts: list[NodeVerdict] = []
     for name in sorted(state.nodes):
         if name in landing and isinstance(result, Placement):
-            sa = landing[name]
-            where = f"lands here: GPUs {_ranges(sa.gpus)} ({result.gpu_class}"
-            where += (
-                f", fabric {result.fabric}, port {sa.port})"
-                if result.fabric
-                else f", port {sa.port})"
-            )
-            if not result.nvlink_fit and profile.gpus_per_node > 1:
-                where += "; NVLink domain too small: the tensor-parallel group spans PCIe"
-            verdicts.append(NodeVerdict(node=name, ok=True, reason=where))
+            verdicts.append(_landing(name, landing[name], result, profile))
         elif name in reasons:
             verdicts.append(NodeVerdict(node=name, ok=False, reason=reasons[name]))
         elif name in fits and not fits[name].fit and profile.gpus_per_node > 1:
@@ -478,6 +460,16 @@ def explain(state: ClusterState, model: str, now: float) -> Explanation:
         verdict=verdict,
         nodes=tuple(verdicts),
     )
+
+
+def _landing(
+    name: str, sa: events.ShardAssignment, result: Placement, profile: ModelProfile
+) -> NodeVerdict:
+    where = f"lands here: GPUs {_ranges(sa.gpus)} ({result.gpu_class}"
+    where += f", fabric {result.fabric}, port {sa.port})" if result.fabric else f", port {sa.port})"
+    if not result.nvlink_fit and profile.gpus_per_node > 1:
+        where += "; NVLink domain too small: the tensor-parallel group spans PCIe"
+    return NodeVerdict(node=name, ok=True, reason=where)
 
 
 def _refused(state: ClusterState, profile: ModelProfile, why: Refusals) -> Unplaceable:

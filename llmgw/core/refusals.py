@@ -54,6 +54,40 @@ class Refusals:
         return node in self.sentences
 
 
+def quarantined(state: ClusterState, name: str) -> str:
+    """Why a node whose log traffic exceeded its budget gets nothing (see NodeQuarantined)."""
+    q = state.quarantined.get(name)
+    if q is None:
+        return ""
+    return f"quarantined ({q.reason})" if q.reason else "quarantined"
+
+
+def refusal(node: NodeState, now: float | None = None) -> tuple[Reason, str]:
+    """Why a node gets nothing, whatever it offers, as a code and a sentence (empty when it
+    is usable); `now` words an unreachable node's silence."""
+    if node.liveness == "lost":
+        return "lost", "lost"
+    if node.liveness == "unreachable":
+        if now is not None and node.last_heartbeat:
+            ago = max(0.0, now - node.last_heartbeat)
+            return "unreachable", f"unreachable (last heartbeat {ago:.0f} s ago)"
+        return "unreachable", "unreachable"
+    if node.draining:
+        return "draining", "draining"
+    if node.cordoned:
+        why = f"cordoned ({node.cordon_reason})" if node.cordon_reason else "cordoned"
+        return "cordoned", why
+    return "other", ""
+
+
+def rejected_code(state: ClusterState, node: NodeState) -> Reason:
+    """The code of a node placement's `Capacity` refused: unusable, else quarantined."""
+    code, why = refusal(node)
+    if why:
+        return code
+    return "quarantined" if node.name in state.quarantined else "other"
+
+
 def summary(state: ClusterState, profile: ModelProfile, why: Refusals) -> tuple[Reason, str]:
     """One line: what is impossible and why, if it is, then what each node lacks, counted;
     and the most common code among the nodes (ties: the first by name) as its code."""
