@@ -5,7 +5,7 @@ durable state), `launch` (what a node needs to start a shard), `verification` (r
 a log's decisions) and `batch` (a pass's configuration and decisions).
 
 `reconcile(state, now, epoch=..., basis_seq=...)` returns control events and
-commands (llmgw/core/events.py) for the control service's leader to publish;
+commands (llmgw/core/events/) for the control service's leader to publish;
 the leader then folds them back from the log like everyone else (docs/design.md,
 invariant 1) and reconciles again only once it has. It:
 
