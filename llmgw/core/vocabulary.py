@@ -56,6 +56,7 @@ def _no_state(state: ClusterState, event: Any, seq: int, at: float) -> None:
     """What the leader verified: for readers to check signatures once, no state."""
 
 
+# Short names for the categories, so that each entry below reads as one line.
 R, OP, OBS, D, L = (
     Category.REPORT,
     Category.OPERATOR,
