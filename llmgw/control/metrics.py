@@ -85,20 +85,3 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def failure_reason(reason: str) -> str:
-    """A short label from placement's one-line verdict: its most common category. Pure.
-
-    `no node offers 2 free h100-80g (wrong class: 3, unreachable: 1)` gives `wrong class`;
-    the full line goes to the logs and /v1/explain, not into a label.
-    """
-    if "no nodes registered" in reason:
-        return "no nodes"
-    start, end = reason.rfind("("), reason.rfind(")")
-    if 0 <= start < end:
-        first = reason[start + 1 : end].split(",", 1)[0]
-        label = first.rsplit(":", 1)[0].strip()
-        if label:
-            return label
-    return "other"

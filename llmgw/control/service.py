@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import msgspec
@@ -53,7 +53,7 @@ from llmgw.control import ports as ports_
 from llmgw.control import quota as quota_
 from llmgw.control.config import ControlConfig
 from llmgw.control.folding import CONTROL_PREFIX, Folded
-from llmgw.control.metrics import Metrics, failure_reason
+from llmgw.control.metrics import Metrics
 from llmgw.control.ports import ControlPorts
 from llmgw.core import events, reconcile, state, subjects
 from llmgw.pki.identity import Identity
@@ -688,15 +688,15 @@ class ControlService:
             ids=self._decision_ids,
         )
         self.metrics.reconcile_seconds.set(time.perf_counter() - started)
-        self._note_unplaceable(outcome.unplaceable)
+        self._note_unplaceable(outcome.unplaceable, outcome.unplaceable_codes)
         if not outcome.decisions:
             return 0
         await self._publish_fenced(outcome.decisions)
         return len(outcome.decisions)
 
-    def _note_unplaceable(self, now_unplaceable: dict[str, str]) -> None:
+    def _note_unplaceable(self, now_unplaceable: dict[str, str], codes: Mapping[str, str]) -> None:
         for model, reason in now_unplaceable.items():
-            self.metrics.placement_failures.labels(model, failure_reason(reason)).inc()
+            self.metrics.placement_failures.labels(model, codes.get(model, "other")).inc()
             if self.unplaceable.get(model) != reason:
                 log.warning("control.unplaceable", model=model, reason=reason)
         self.unplaceable = dict(now_unplaceable)

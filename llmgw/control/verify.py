@@ -94,12 +94,12 @@ def digests_agree(
 ) -> list[Difference]:
     """Fold `records` from scratch and, if given, from `snapshot` (seq, bytes) plus the
     records after it; a Difference when the two digests differ. Pure."""
-    scratch, _ = state.fold(records)
+    scratch, _ = state.fold_records(records)
     if snapshot is None:
         return []
     seq, data = snapshot
     resumed = state.decode_snapshot(data)
-    resumed, _ = state.fold([r for r in records if r[0] > seq], resumed)
+    resumed, _ = state.fold_records([r for r in records if r[0] > seq], resumed)
     a, b = state.digest(scratch), state.digest(resumed)
     if a == b:
         return []

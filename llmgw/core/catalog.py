@@ -123,8 +123,17 @@ def problems(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> list
 
     `others` are the other declared models: aliases must not shadow their names.
     """
+    return [
+        *_shape_problems(profile),
+        *_limit_problems(profile),
+        *_owned_problems(profile),
+        *_name_problems(profile, others),
+    ]
+
+
+def _shape_problems(p: ModelProfile) -> list[str]:
+    """The engine, the parallelism and the GPUs it asks for."""
     out: list[str] = []
-    p = profile
     if not _NAME.fullmatch(p.name):
         out.append("name must be 1-256 characters without whitespace, e.g. llama-3.1-8b")
     if p.engine not in ENGINES:
@@ -161,6 +170,12 @@ def problems(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> list
                 f"dtype fp8 needs compute capability 8.9 or newer, and {p.gpu_class} has "
                 f"{cc[0]}.{cc[1]}: use dtype bfloat16, or a gpu_class such as h100-80g or l40s-45g"
             )
+    return out
+
+
+def _limit_problems(p: ModelProfile) -> list[str]:
+    """Lengths, timeouts and deadlines."""
+    out: list[str] = []
     if p.max_model_len is not None and p.max_model_len < 1:
         out.append(f"max_model_len is {p.max_model_len}: remove it or use a positive length")
     for field, seconds in (
@@ -174,6 +189,12 @@ def problems(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> list
         value = getattr(d, field)
         if not value > 0:
             out.append(f"deadlines.{field} is {value}: use a positive number of seconds")
+    return out
+
+
+def _owned_problems(p: ModelProfile) -> list[str]:
+    """Settings the control plane decides per shard."""
+    out: list[str] = []
     for key, why in _OWNED_ENV.items():
         if key in p.env:
             out.append(f"env sets {key}, which is {why}: remove it")
@@ -181,6 +202,12 @@ def problems(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> list
         flag = arg.split("=", 1)[0]
         if flag in _OWNED_ARGS:
             out.append(f"engine_args sets {flag}: remove it ({_OWNED_ARGS[flag]})")
+    return out
+
+
+def _name_problems(p: ModelProfile, others: Iterable[ModelProfile]) -> list[str]:
+    """Aliases and fallbacks, and names other models already use."""
+    out: list[str] = []
     seen: set[str] = set()
     for alias in p.aliases:
         if alias == p.name:

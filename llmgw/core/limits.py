@@ -1,6 +1,6 @@
 """The bounds of every number, string and collection a writer puts into an event.
 
-Every field of every event and nested Struct (llmgw/core/events.py, inventory.py,
+Every field of every event and nested Struct (llmgw/core/events/, inventory.py,
 profile.py) is declared with one of these types, so a message outside them fails in
 `events.decode` with DecodeError: readers count, log and skip it, and nothing after
 decoding (the fold, the digest, snapshots, the admin API, `ctl`) ever meets, say, a

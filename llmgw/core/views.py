@@ -15,10 +15,11 @@ from typing import Any
 import msgspec
 
 from llmgw.core import reconcile, state
+from llmgw.core.phases import RANK
 
 
 def _phase_summary(replica: state.ReplicaState) -> str:
-    phases = sorted({s.phase for s in replica.shards}, key=lambda p: state._RANK.get(p, 9))
+    phases = sorted({s.phase for s in replica.shards}, key=lambda p: RANK.get(p, 9))
     return phases[0] if len(phases) == 1 else "/".join(phases)
 
 
@@ -34,80 +35,84 @@ def _heartbeat_age(node: state.NodeState, seen: state.Seen | None, now: float) -
 
 def node_rows(st: state.ClusterState, now: float) -> list[dict[str, Any]]:
     """Every node: lifecycle, operator flags, GPUs by class and why any are excluded."""
-    out: list[dict[str, Any]] = []
-    for name in sorted(st.nodes):
-        n = st.nodes[name]
-        seen = st.seen.get(name)
-        orphaned = {g: o.replica_id for o in n.orphans for g in o.gpus}
-        classes: dict[str, dict[str, Any]] = {}
-        gpus: list[dict[str, Any]] = []
-        for index in sorted(n.gpus):
-            g = n.gpus[index]
-            c = classes.setdefault(
-                g.gpu_class, {"total": 0, "free": 0, "used": 0, "unhealthy": 0, "excluded": []}
-            )
-            c["total"] += 1
-            holder = n.holders.get(index)
-            problems = list(g.health_problems)
-            if holder is not None:
-                c["used"] += 1
-            elif index in orphaned:
-                c["used"] += 1
-                c["excluded"].append(f"GPU {index}: held by an unknown process ({orphaned[index]})")
-            elif problems:
-                c["unhealthy"] += 1
-                c["excluded"].append(f"GPU {index}: {', '.join(problems)}")
-            else:
-                c["free"] += 1
-            gpus.append(
-                {
-                    "index": index,
-                    "class": g.gpu_class,
-                    "memory_mib": g.memory_mib,
-                    "nvlink_domain": g.nvlink_domain,
-                    "replica": holder,
-                    "problems": problems,
-                }
-            )
-        lifecycle: str = n.liveness
-        if n.draining:
-            lifecycle += ",draining"
-        if n.cordoned:
-            lifecycle += ",cordoned"
-        quarantine = st.quarantined.get(name)
-        if quarantine is not None:
-            lifecycle += ",quarantined"
-        out.append(
-            {
-                "name": name,
-                "address": n.address,
-                "state": lifecycle,
-                "liveness": n.liveness,
-                "cordoned": n.cordoned,
-                "cordon_reason": n.cordon_reason,
-                "draining": n.draining,
-                "quarantined": quarantine is not None,
-                "quarantine_reason": quarantine.reason if quarantine is not None else "",
-                "quarantined_seq": quarantine.seq if quarantine is not None else None,
-                "drain_since": n.drain_since or None,
-                "drain_grace_s": n.drain_grace_s if n.draining else None,
-                "heartbeat_age_s": _heartbeat_age(n, seen, now),
-                "last_seen": seen.last_seen if seen is not None else None,
-                "registered_ts": n.registered_ts,
-                "agent_version": n.agent_version,
-                "fabrics": [
-                    {"name": f.name, "kind": f.kind, "hcas": list(f.hcas)} for f in n.fabrics
-                ],
-                "gpu_classes": classes,
-                "gpus": gpus,
-                "replicas": sorted(set(n.holders.values())),
-                "orphans": [o.replica_id for o in n.orphans],
-            }
-        )
+    out = [_node_row(st, name, now) for name in sorted(st.nodes)]
     for name in sorted(set(st.quarantined) - set(st.nodes)):
         out.append(_unregistered_quarantined(st.quarantined[name]))
     out.sort(key=lambda row: row["name"])
     return out
+
+
+def _node_row(st: state.ClusterState, name: str, now: float) -> dict[str, Any]:
+    n = st.nodes[name]
+    seen = st.seen.get(name)
+    classes, gpus = _gpu_rows(n)
+    lifecycle: str = n.liveness
+    if n.draining:
+        lifecycle += ",draining"
+    if n.cordoned:
+        lifecycle += ",cordoned"
+    quarantine = st.quarantined.get(name)
+    if quarantine is not None:
+        lifecycle += ",quarantined"
+    return {
+        "name": name,
+        "address": n.address,
+        "state": lifecycle,
+        "liveness": n.liveness,
+        "cordoned": n.cordoned,
+        "cordon_reason": n.cordon_reason,
+        "draining": n.draining,
+        "quarantined": quarantine is not None,
+        "quarantine_reason": quarantine.reason if quarantine is not None else "",
+        "quarantined_seq": quarantine.seq if quarantine is not None else None,
+        "drain_since": n.drain_since or None,
+        "drain_grace_s": n.drain_grace_s if n.draining else None,
+        "heartbeat_age_s": _heartbeat_age(n, seen, now),
+        "last_seen": seen.last_seen if seen is not None else None,
+        "registered_ts": n.registered_ts,
+        "agent_version": n.agent_version,
+        "fabrics": [{"name": f.name, "kind": f.kind, "hcas": list(f.hcas)} for f in n.fabrics],
+        "gpu_classes": classes,
+        "gpus": gpus,
+        "replicas": sorted(set(n.holders.values())),
+        "orphans": [o.replica_id for o in n.orphans],
+    }
+
+
+def _gpu_rows(n: state.NodeState) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """A node's GPUs counted per class (free, used, unhealthy, why excluded), and each GPU."""
+    orphaned = {g: o.replica_id for o in n.orphans for g in o.gpus}
+    classes: dict[str, dict[str, Any]] = {}
+    gpus: list[dict[str, Any]] = []
+    for index in sorted(n.gpus):
+        g = n.gpus[index]
+        c = classes.setdefault(
+            g.gpu_class, {"total": 0, "free": 0, "used": 0, "unhealthy": 0, "excluded": []}
+        )
+        c["total"] += 1
+        holder = n.holders.get(index)
+        problems = list(g.health_problems)
+        if holder is not None:
+            c["used"] += 1
+        elif index in orphaned:
+            c["used"] += 1
+            c["excluded"].append(f"GPU {index}: held by an unknown process ({orphaned[index]})")
+        elif problems:
+            c["unhealthy"] += 1
+            c["excluded"].append(f"GPU {index}: {', '.join(problems)}")
+        else:
+            c["free"] += 1
+        gpus.append(
+            {
+                "index": index,
+                "class": g.gpu_class,
+                "memory_mib": g.memory_mib,
+                "nvlink_domain": g.nvlink_domain,
+                "replica": holder,
+                "problems": problems,
+            }
+        )
+    return classes, gpus
 
 
 def _unregistered_quarantined(q: state.Quarantine) -> dict[str, Any]:

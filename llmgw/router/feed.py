@@ -28,7 +28,7 @@ import msgspec
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
-from llmgw.core import events, state
+from llmgw.core import state, vocabulary
 from llmgw.core.profile import ModelProfile
 from llmgw.pki.identity import Identity
 from llmgw.router.config import LogSource
@@ -38,20 +38,7 @@ log = logs.get("llmgw.router.feed")
 
 # Events after which the catalog or the endpoint table may need to change. The rest
 # (heartbeats above all) are folded without looking at the tables.
-_RELEVANT = (
-    events.ModelDeclared,
-    events.ModelChanged,
-    events.ModelRemoved,
-    events.EndpointUp,
-    events.EndpointDown,
-    events.NodeDrainRequested,
-    events.NodeUncordoned,
-    events.DrainShard,
-    events.StopShard,
-    events.ReplicaRetired,
-    events.ShardStatus,
-    events.NodeLost,
-)
+_RELEVANT = vocabulary.ROUTED
 
 
 class Wanted(msgspec.Struct, frozen=True):

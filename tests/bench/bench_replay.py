@@ -312,12 +312,12 @@ async def replay_rows(
         whole = n
         if attested:
             attestations = await attest(server, n)
-            expected, _ = state.fold(enumerate([*log, *attestations], start=1))
+            expected, _ = state.fold_records(enumerate([*log, *attestations], start=1))
             whole = n + len(attestations)
             rows.append(("attestations", f"{len(attestations):,} after the log"))
         # A snapshot `gap` events before the end, saved as the control plane does.
         snap_seq = n - gap
-        snap_state, _ = state.fold(enumerate(log[:snap_seq], start=1))
+        snap_state, _ = state.fold_records(enumerate(log[:snap_seq], start=1))
         control = await connect_as(server, "control", "bench-control")
         store = await bus.SnapshotStore.open(control.jetstream())
         data = state.encode_snapshot(snap_state)
@@ -349,7 +349,7 @@ async def replay_rows(
             )
         )
         times = []
-        at_n, _ = state.fold(enumerate(log, start=1))
+        at_n, _ = state.fold_records(enumerate(log, start=1))
         for _ in range(3):
             r = await history.rebuild(op, to_seq=n)
             assert r.snapshot_seq == snap_seq
@@ -423,7 +423,7 @@ async def main() -> None:
     n, gap = args.events, args.snapshot_gap
     print(f"load average before: {os.getloadavg()[0]:.2f} (2 = both cores busy)", flush=True)
     log = make_log(n)
-    expected, refused = state.fold(enumerate(log, start=1))
+    expected, refused = state.fold_records(enumerate(log, start=1))
     assert not refused, refused[:3]
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -533,7 +533,7 @@ def serving(row: dict[str, Any]) -> bool:
 
 def fold(records: Sequence[bus.Record]) -> state.ClusterState:
     """A fresh fold of the log, as any reader would compute it."""
-    st, _ = state.fold((r.seq, r.event) for r in records)
+    st, _ = state.fold_records((r.seq, r.event) for r in records)
     return st
 
 

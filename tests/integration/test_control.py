@@ -68,7 +68,7 @@ async def test_a_scenario_replays_to_the_same_digest_and_the_same_decisions(
             leader_digest = state.digest(svc.state)
             await operator.close()
         records = [(r.seq, r.event) for r in log]
-        scratch, rejected = state.fold(records)
+        scratch, rejected = state.fold_records(records)
         assert state.digest(scratch) == leader_digest
         assert rejected == []
         store = await bus.SnapshotStore.open(
@@ -407,7 +407,7 @@ async def test_a_cold_start_loads_the_newest_snapshot_and_replays_only_the_tail(
         await wait_for(lambda: second.caught_up.is_set(), 10, "caught up")
         assert second.snapshot_seq == saved  # loaded, not folded from 0
         log = await settle(second, nc)
-        scratch, _ = state.fold([(r.seq, r.event) for r in log])
+        scratch, _ = state.fold_records([(r.seq, r.event) for r in log])
         assert state.digest(second.state) == state.digest(scratch)
     await nc.close()
     for agent in agents:

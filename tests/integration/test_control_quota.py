@@ -244,7 +244,7 @@ async def operate(server: TestNatsServer, event: events.Event) -> None:
 
 def digest_to(log: list[bus.Record], seq: int) -> str:
     """The digest of the log folded from zero up to `seq`."""
-    return state.digest(state.fold([(r.seq, r.event) for r in log if r.seq <= seq])[0])
+    return state.digest(state.fold_records([(r.seq, r.event) for r in log if r.seq <= seq])[0])
 
 
 def replica_on_first(svc: ControlService, node: str) -> str:

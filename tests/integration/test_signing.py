@@ -254,7 +254,7 @@ async def test_a_forged_snapshot_is_passed_over_for_the_log(
         assert second.snapshot_seq == saved
         nc = await connect_as(nats_server, "router", "r1")
         log = await read_log(nc)
-        scratch, _ = state.fold([(r.seq, r.event) for r in log])
+        scratch, _ = state.fold_records([(r.seq, r.event) for r in log])
         await wait_for(
             lambda: second.state.last_seq >= log[-1].seq, 10, "second folded the whole log"
         )

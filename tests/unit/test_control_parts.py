@@ -15,10 +15,10 @@ from llmgw import bus, config
 from llmgw.control import config as control_config
 from llmgw.control import models
 from llmgw.control.folding import Folded
-from llmgw.control.metrics import Metrics, failure_reason
+from llmgw.control.metrics import Metrics
 from llmgw.core import events, subjects
 from llmgw.core.profile import ModelProfile
-from llmgw.core.state import ClusterState, apply, digest, fold
+from llmgw.core.state import ClusterState, apply, digest, fold_records
 from llmgw.pki.authorization import permissions
 from llmgw.pki.identity import Identity
 from tests.unit.strategies import any_event
@@ -174,16 +174,6 @@ def test_applying_the_diff_makes_the_next_diff_empty(
 # --------------------------------------------------------------------------- the rest
 
 
-def test_failure_reason_is_a_short_label() -> None:
-    assert failure_reason("no node offers 4 free h100-80g (too few free GPUs: 3, lost: 1)") == (
-        "too few free GPUs"
-    )
-    assert failure_reason("no node offers 1 free GPUs of one class (no nodes registered)") == (
-        "no nodes"
-    )
-    assert failure_reason("the profile's GPU arithmetic is invalid") == "other"
-
-
 def test_the_control_plane_may_write_model_events_and_no_other_operator_event() -> None:
     perms = permissions(Identity("control", "control-1"))
     for kind in ("model_declared", "model_changed", "model_removed"):
@@ -212,7 +202,7 @@ def test_the_batched_fold_is_the_cores_and_tracks_the_fence(evs: list[events.Eve
     half = len(records) // 2
     folded.fold(records[:half])
     folded.fold(records[half:])
-    core, rejected = fold([(r.seq, r.event) for r in records])
+    core, rejected = fold_records([(r.seq, r.event) for r in records])
     assert digest(folded.state) == digest(core)
     assert folded.rejected == len(rejected)
     control = [r.seq for r in records if r.subject.startswith("llmgw.events.control.")]

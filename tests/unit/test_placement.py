@@ -112,21 +112,28 @@ def _fields(g: Gpu) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("setup", "reason"),
+    ("setup", "reason", "code"),
     [
-        (lambda s: s.cordon("a", "bad fan"), "cordoned (bad fan)"),
-        (lambda s: s.drain("a"), "draining"),
-        (lambda s: s.liveness("a", events.NodeUnreachable), "unreachable (last heartbeat"),
-        (lambda s: s.liveness("a", events.NodeLost), "lost"),
+        (lambda s: s.cordon("a", "bad fan"), "cordoned (bad fan)", "cordoned"),
+        (lambda s: s.drain("a"), "draining", "draining"),
+        (
+            lambda s: s.liveness("a", events.NodeUnreachable),
+            "unreachable (last heartbeat",
+            "unreachable",
+        ),
+        (lambda s: s.liveness("a", events.NodeLost), "lost", "lost"),
     ],
     ids=["cordoned", "draining", "unreachable", "lost"],
 )
-def test_unusable_nodes_are_rejected_in_operator_language(setup: Any, reason: str) -> None:
+def test_unusable_nodes_are_rejected_in_operator_language(
+    setup: Any, reason: str, code: str
+) -> None:
     sim = sim_with(("a", {}))
     setup(sim)
     sim.declare(profile("m"))
     result = placement.place(sim.state, sim.state.models["m"].profile)
     assert isinstance(result, Unplaceable)
+    assert result.code == code
     explanation = placement.explain(sim.state, "m", sim.now + 42)
     (verdict,) = explanation.nodes
     assert not verdict.ok
@@ -219,3 +226,30 @@ def test_explain_names_the_landing_spot() -> None:
     assert exp.nodes[0].reason == "lands here: GPUs 0-3 (h100-80g, port 8100)"
     assert exp.nodes[1].reason == "could host it; another node ranks first"
     assert exp.render().splitlines()[0] == "model m: a new replica lands on a"
+
+
+def test_the_code_is_chosen_where_the_reason_is_written_not_read_from_its_words() -> None:
+    # An operator's words may name another reason; the label stays the cordon.
+    sim = sim_with(("a", {}), ("b", {}))
+    sim.cordon("a", "lost its fan, unreachable by ssh")
+    sim.cordon("b", "too few free GPUs, they say")
+    result = placement.place(sim.state, profile("m"))
+    assert isinstance(result, Unplaceable)
+    assert result.code == "cordoned"
+    assert result.reason.endswith("(cordoned: 2)")
+
+
+def test_codes_of_a_replica_nobody_can_take() -> None:
+    empty = placement.place(Sim().state, profile("m"))
+    assert isinstance(empty, Unplaceable)
+    assert empty.code == "no nodes"
+    bad = placement.place(sim_with(("a", {})).state, profile("m", tensor_parallel=3, nodes=2))
+    assert isinstance(bad, Unplaceable)
+    assert (bad.code, bad.reason.startswith("the profile's GPU arithmetic")) == ("other", True)
+    mixed = sim_with(("b", {"gpu_class": "a100-80g"}), ("c", {"count": 1}), ("d", {"count": 1}))
+    result = placement.place(mixed.state, profile("m", tensor_parallel=2))
+    assert isinstance(result, Unplaceable)
+    # The most common code among the nodes: two are too small for a shard, one has the
+    # wrong class.
+    assert result.code == "never fits"
+    assert result.reason.endswith("(never fits: 2, wrong class: 1)")

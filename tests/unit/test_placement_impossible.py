@@ -7,7 +7,6 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.control.metrics import failure_reason
 from llmgw.core import placement
 from llmgw.core.placement import Placement, Unplaceable
 
@@ -36,7 +35,7 @@ def test_a_shard_larger_than_every_node_is_impossible_not_short_of_free_gpus() -
         assert "free" not in v.reason
     result = placement.place(sim.state, sim.state.models["big"].profile)
     assert isinstance(result, Unplaceable)
-    assert failure_reason(result.reason) == "never fits"
+    assert result.code == "never fits"
 
 
 def test_more_nodes_per_replica_than_the_fleet_has_blames_the_fleet_not_the_fabric() -> None:
@@ -59,7 +58,7 @@ def test_a_busy_fleet_that_could_fit_it_still_says_what_is_free() -> None:
     result = placement.place(sim.state, profile("m", tensor_parallel=8))
     assert isinstance(result, Unplaceable)
     assert "never fits" not in result.reason
-    assert failure_reason(result.reason) == "too few free GPUs"
+    assert result.code == "too few free GPUs"
 
 
 @settings(max_examples=200, deadline=None)

@@ -137,8 +137,8 @@ def test_the_fold_ignores_exactly_a_quarantined_nodes_later_events_and_is_determ
 ) -> None:
     base = list(BASE.records)
     log = base + [(len(base) + i + 1, ev) for i, ev in enumerate(traffic)]
-    folded, rejected = state.fold(log)
-    again, _ = state.fold(log)
+    folded, rejected = state.fold_records(log)
+    again, _ = state.fold_records(log)
     assert state.digest(folded) == state.digest(again)
 
     # Exactly the model's sequences are refused as a quarantined node's.
@@ -148,14 +148,14 @@ def test_the_fold_ignores_exactly_a_quarantined_nodes_later_events_and_is_determ
 
     # From a snapshot at any point, then the rest: the same digest.
     at = len(base) + min(cut, len(traffic))
-    head, _ = state.fold(log[:at])
+    head, _ = state.fold_records(log[:at])
     resumed = state.decode_snapshot(state.encode_snapshot(head))
-    resumed, _ = state.fold(log[at:], resumed)
+    resumed, _ = state.fold_records(log[at:], resumed)
     assert state.digest(resumed) == state.digest(folded)
 
     # Deleting the ignored messages (the leader does) changes no fold.
     kept = [(seq, ev) for seq, ev in log if seq not in expected]
-    pruned, _ = state.fold(kept)
+    pruned, _ = state.fold_records(kept)
     assert state.digest(pruned) == state.digest(folded)
 
     # Quarantine changes nothing else: the log without the quarantine events and without
@@ -165,7 +165,7 @@ def test_the_fold_ignores_exactly_a_quarantined_nodes_later_events_and_is_determ
         for seq, ev in kept
         if not isinstance(ev, events.NodeQuarantined | events.NodeReleased)
     ]
-    unquarantined, _ = state.fold(plain)
+    unquarantined, _ = state.fold_records(plain)
     assert without_quarantine(folded) == state.digest(unquarantined)
 
     # Heartbeats of quarantined nodes still count for liveness (the volatile part).

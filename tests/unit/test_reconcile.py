@@ -364,7 +364,7 @@ def test_observations_come_alone_and_planning_follows_on_the_next_pass() -> None
 def test_a_fresh_leader_gives_nodes_time_after_a_replay_without_heartbeats() -> None:
     sim = two_nodes(config=ReconcileConfig(unreachable_after_s=10))
     sim.now += 3600
-    replay, _ = state.fold(sim.durable_records())
+    replay, _ = state.fold_records(sim.durable_records())
     assert reconcile.reconcile(replay, sim.now, epoch=2, observing_since=sim.now - 1) == []
     assert kinds(reconcile.reconcile(replay, sim.now, epoch=2)) == ["NodeUnreachable"] * 2
 
@@ -400,14 +400,14 @@ def test_replay_reaches_the_leaders_digest_and_verify_reproduces_every_batch() -
     sim.settle()
     assert sim.rejected == []
     assert len(sim.decision_batches) >= 8
-    replay, rejected = state.fold(sim.durable_records())
+    replay, rejected = state.fold_records(sim.durable_records())
     assert rejected == []
     assert state.digest(replay) == state.digest(sim.state)
     # From a snapshot halfway, too.
     half = len(sim.records) // 2
-    mid, _ = state.fold(sim.records[:half])
+    mid, _ = state.fold_records(sim.records[:half])
     resumed = state.decode_snapshot(state.encode_snapshot(mid))
-    state.fold([r for r in sim.durable_records() if r[0] > half], resumed)
+    state.fold_records([r for r in sim.durable_records() if r[0] > half], resumed)
     assert state.digest(resumed) == state.digest(sim.state)
     report = reconcile.verify(sim.durable_records(), config=cfg)
     assert report.mismatches == []

@@ -272,9 +272,9 @@ class Fleet(RuleBasedStateMachine):
     @invariant()
     def folding_again_gives_the_same_digest(self) -> None:
         digest = state.digest(self.sim.state)
-        again, _ = state.fold(self.sim.records)
+        again, _ = state.fold_records(self.sim.records)
         assert state.digest(again) == digest
-        without_heartbeats, _ = state.fold(self.sim.durable_records())
+        without_heartbeats, _ = state.fold_records(self.sim.durable_records())
         assert state.digest(without_heartbeats) == digest
 
     def teardown(self) -> None:

@@ -379,7 +379,7 @@ def test_snapshot_round_trip_and_digest() -> None:
 def test_digest_ignores_heartbeats_and_insertion_order() -> None:
     sim = placed_sim()
     sim.heartbeats()
-    replay, _ = state.fold(sim.durable_records())
+    replay, _ = state.fold_records(sim.durable_records())
     assert state.digest(replay) == state.digest(sim.state)
     st = ClusterState()
     st.nodes = dict(reversed(list(replay.nodes.items())))

@@ -89,6 +89,6 @@ def test_a_registration_report_on_return_settles_the_orphans_instead() -> None:
 
 def test_the_fold_with_orphans_is_deterministic() -> None:
     sim, _, _ = lost_and_back()
-    replay, rejected = state.fold(sim.durable_records())
+    replay, rejected = state.fold_records(sim.durable_records())
     assert rejected == []
     assert state.digest(replay) == state.digest(sim.state)

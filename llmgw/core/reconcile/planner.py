@@ -1,239 +1,15 @@
-"""The reconciler: from folded state and the time, the decisions that move the fleet.
-
-`reconcile(state, now, epoch=..., basis_seq=...)` returns control events and
-commands (llmgw/core/events.py) for the control service's leader to publish;
-the leader then folds them back from the log like everyone else (docs/design.md,
-invariant 1) and reconciles again only once it has. It:
-
-- observes liveness and GPU health from heartbeats (the volatile part of the
-  state) and records what changed: NodeUnreachable, NodeLost, NodeRecovered,
-  GpuHealthChanged. A pass that observes something returns only those; the
-  next pass plans on the state they produced;
-- otherwise plans, from the durable state alone: places missing replicas and
-  retires surplus ones, replaces the replicas of lost nodes, restarts failed
-  replicas with exponential backoff, drains as a rolling move (replacement
-  placed and serving before the original is drained, then stopped; the drain
-  grace bounds it), stops what nobody should run, and publishes endpoint up /
-  down as replicas start or stop serving.
-
-Because planning reads only the durable state (what the log holds forever)
-and `now`, and every replica id is derived from (epoch, basis_seq, index),
-re-running `plan` on the state folded up to a recorded batch's basis_seq, at
-its `ts`, reproduces that batch exactly, up to the events' own ids. `verify`
-does that over a whole log: it is `llmgw ctl replay --verify`'s engine.
-Heartbeat-driven observations cannot be recomputed once heartbeats expire;
-they are recorded facts.
-
-Event ids. Each decision's base id is `{epoch}-{basis_seq}-{index}`; the
-caller's `ids` function turns it into the id written (the control service
-appends 128 random bits). JetStream drops any message whose Nats-Msg-Id it
-has seen inside the duplicate window, from whichever writer: with predictable
-ids, another identity could publish them first and have the leader's decisions
-dropped as duplicates. `verify` therefore compares decisions without their ids.
-
-Purely computational: no I/O, no clock, no randomness.
-"""
+"""Plan: from the durable state and the time alone, the decisions that move the fleet."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeAlias
-
-import msgspec
 
 from llmgw.core import events, placement
-from llmgw.core.limits import clip
-from llmgw.core.profile import LaunchSpec, ModelProfile
-from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, apply, misplaced
-
-Decision: TypeAlias = (
-    events.ReplicaPlaced
-    | events.ReplicaRetired
-    | events.NodeUnreachable
-    | events.NodeLost
-    | events.NodeRecovered
-    | events.GpuHealthChanged
-    | events.EndpointUp
-    | events.EndpointDown
-    | events.StartShard
-    | events.StopShard
-    | events.DrainShard
-)
-
-IdFactory: TypeAlias = Callable[[str], str]
-"""Base id `{epoch}-{basis_seq}-{index}` -> the id the decision is written with."""
-
-OBSERVATIONS: tuple[type[events.ControlEvent], ...] = (
-    events.NodeUnreachable,
-    events.NodeLost,
-    events.NodeRecovered,
-    events.GpuHealthChanged,
-    # The leader's measurements of log traffic (llmgw.control.quota), not planning:
-    events.NodeQuarantined,
-    events.NodeReleased,
-    # What the leader's reader checked (llmgw.core.attestation), not planning:
-    events.LogAttested,
-)
-
-
-class ReconcileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Timings of the reconciler; part of the control plane's configuration."""
-
-    unreachable_after_s: float = 10.0
-    """No heartbeat for this long: unreachable (no new placements there)."""
-    lost_after_s: float = 60.0
-    """Unreachable for this long: lost (its replicas are replaced elsewhere)."""
-    restart_backoff_s: float = 5.0
-    """Wait before the first restart of a failed replica; doubles per failure."""
-    restart_backoff_max_s: float = 300.0
-    shard_drain_s: float = 30.0
-    """How long a drained shard finishes in-flight requests before it is stopped."""
-    stop_grace_s: float = 30.0
-    """StopShard's grace: SIGTERM, then SIGKILL after this."""
-    change_grace_s: float = 600.0
-    """A changed model's old replicas are replaced by a rolling move bounded by this."""
-    orphan_stop_retry_s: float = 30.0
-    """A process its agent reported that no replica owns gets one StopShard; if it still
-    runs, another after this, the wait doubling each time."""
-    orphan_stop_retry_max_s: float = 3600.0
-
-
-class Outcome(msgspec.Struct, kw_only=True):
-    decisions: list[Decision]
-    unplaceable: dict[str, str] = {}
-    """Model -> why its missing replicas could not be placed this pass."""
-
-
-# --------------------------------------------------------------------------- entry points
-
-
-def reconcile(
-    state: ClusterState,
-    now: float,
-    *,
-    epoch: int = 0,
-    basis_seq: int | None = None,
-    config: ReconcileConfig | None = None,
-    observing_since: float = 0.0,
-    ids: IdFactory | None = None,
-) -> list[Decision]:
-    """The decisions to publish now; empty when the fleet is as it should be. Pure.
-
-    `basis_seq` defaults to `state.last_seq`. `observing_since` is when this
-    process began seeing heartbeats: a leader that just started from a replay
-    (heartbeats expired from the log) gives nodes that long before calling
-    them unreachable. `ids` maps each decision's base id to the id it is written
-    with (see the module docstring); by default the base id itself.
-    """
-    return reconcile_detail(
-        state,
-        now,
-        epoch=epoch,
-        basis_seq=basis_seq,
-        config=config,
-        observing_since=observing_since,
-        ids=ids,
-    ).decisions
-
-
-def reconcile_detail(
-    state: ClusterState,
-    now: float,
-    *,
-    epoch: int = 0,
-    basis_seq: int | None = None,
-    config: ReconcileConfig | None = None,
-    observing_since: float = 0.0,
-    ids: IdFactory | None = None,
-) -> Outcome:
-    """`reconcile`, plus why missing replicas could not be placed (for metrics and logs)."""
-    cfg = config or ReconcileConfig()
-    basis = state.last_seq if basis_seq is None else basis_seq
-    seen = observe(
-        state,
-        now,
-        epoch=epoch,
-        basis_seq=basis,
-        config=cfg,
-        observing_since=observing_since,
-        ids=ids,
-    )
-    if seen:
-        return Outcome(decisions=seen)
-    return plan(state, now, epoch=epoch, basis_seq=basis, config=cfg, ids=ids)
-
-
-class _Batch:
-    """Decisions of one pass, with base ids derived from (epoch, basis_seq, index)."""
-
-    def __init__(self, now: float, epoch: int, basis_seq: int, ids: IdFactory | None) -> None:
-        self.now = now
-        self.epoch = epoch
-        self.basis_seq = basis_seq
-        self.ids = ids
-        self.out: list[Decision] = []
-
-    def next_id(self) -> str:
-        """The next decision's base id (replica ids are made from it: reproducible)."""
-        return f"{self.epoch}-{self.basis_seq}-{len(self.out)}"
-
-    def add(self, cls: type[Any], **fields: Any) -> Any:
-        base = self.next_id()
-        if "reason" in fields:
-            # Reasons quote what the log said (an engine's error, an operator's words);
-            # the decision must stay within the bounds every reader decodes.
-            fields["reason"] = clip(fields["reason"])
-        event = cls(
-            id=base if self.ids is None else self.ids(base),
-            ts=self.now,
-            epoch=self.epoch,
-            basis_seq=self.basis_seq,
-            **fields,
-        )
-        self.out.append(event)
-        return event
-
-
-# --------------------------------------------------------------------------- observe
-
-
-def observe(
-    state: ClusterState,
-    now: float,
-    *,
-    epoch: int,
-    basis_seq: int,
-    config: ReconcileConfig,
-    observing_since: float = 0.0,
-    ids: IdFactory | None = None,
-) -> list[Decision]:
-    """Liveness and GPU health changes seen in heartbeats, as decisions to record. Pure."""
-    b = _Batch(now, epoch, basis_seq, ids)
-    for name in sorted(state.nodes):
-        node = state.nodes[name]
-        seen = state.seen.get(name)
-        last = max(seen.last_seen if seen is not None else node.registered_ts, observing_since)
-        if node.liveness == "ready":
-            if now - last > config.unreachable_after_s:
-                b.add(events.NodeUnreachable, node=name, last_heartbeat=last)
-                continue
-            if seen is not None and seen.health:
-                changed = tuple(
-                    h
-                    for h in seen.health
-                    if h.index in node.gpus and h.differs_from(node.gpus[h.index])
-                )
-                if changed:
-                    b.add(events.GpuHealthChanged, node=name, gpus=changed)
-        elif seen is not None and seen.seq > node.liveness_seq:
-            b.add(events.NodeRecovered, node=name)
-        elif node.liveness == "unreachable" and now - last > config.lost_after_s:
-            b.add(events.NodeLost, node=name, last_heartbeat=last)
-    return b.out
-
-
-# --------------------------------------------------------------------------- plan
+from llmgw.core.profile import ModelProfile
+from llmgw.core.reconcile.batch import Batch, IdFactory, Outcome, ReconcileConfig
+from llmgw.core.reconcile.launch import launch_spec
+from llmgw.core.refusals import Reason
+from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, misplaced
 
 
 def backoff(failures: int, config: ReconcileConfig) -> float:
@@ -260,7 +36,9 @@ def plan(
     """Decisions from the durable state and `now` alone (reproducible by `verify`). Pure."""
     p = _Planner(state, now, epoch, basis_seq, config, ids)
     p.run()
-    return Outcome(decisions=p.b.out, unplaceable=p.unplaceable)
+    return Outcome(
+        decisions=p.b.out, unplaceable=p.unplaceable, unplaceable_codes=p.unplaceable_codes
+    )
 
 
 def _fully_serving(replica: ReplicaState) -> bool:
@@ -280,7 +58,7 @@ class _Planner:
         self.state = state
         self.now = now
         self.cfg = config
-        self.b = _Batch(now, epoch, basis_seq, ids)
+        self.b = Batch(now, epoch, basis_seq, ids)
         self._capacity: placement.Capacity | None = None
         self.retired_now: set[str] = set()
         self.placed_now: list[tuple[str, str, str]] = []
@@ -288,6 +66,7 @@ class _Planner:
         self.to_replace: dict[str, list[str]] = defaultdict(list)
         """Model -> replicas retired this pass that a new replica should name as replaced."""
         self.unplaceable: dict[str, str] = {}
+        self.unplaceable_codes: dict[str, Reason] = {}
         self.downed: set[str] = set()
         self.touched: set[str] = set()
         """Replicas a rule already acted on this pass: no second rule acts on them."""
@@ -568,6 +347,7 @@ class _Planner:
             for i, result in enumerate(results):
                 if isinstance(result, placement.Unplaceable):
                     self.unplaceable[name] = result.reason
+                    self.unplaceable_codes[name] = result.code
                     break
                 replaces_id = queue[i] if i < len(queue) else ""
                 why = (
@@ -590,6 +370,7 @@ class _Planner:
         result = placement.place(self.state, profile, self.now, capacity=self.capacity)
         if isinstance(result, placement.Unplaceable):
             self.unplaceable[model] = result.reason
+            self.unplaceable_codes[model] = result.code
             return False
         self.capacity.reserve(model, result)
         self._emit_placement(profile, result, replaces, reason)
@@ -643,146 +424,3 @@ class _Planner:
             shard=sa.shard,
             launch=spec,
         )
-
-
-def launch_spec(
-    state: ClusterState,
-    profile: ModelProfile,
-    sa: events.ShardAssignment,
-    layout: tuple[events.ShardAssignment, ...],
-    *,
-    fabric: str,
-    gpu_class: str,
-) -> LaunchSpec:
-    """Everything one node needs to start shard `sa` of a replica laid out as `layout`. Pure.
-
-    For a multi-node replica, NCCL_IB_HCA lists exactly this node's HCAs on the
-    chosen fabric in NCCL's exact-match syntax (`=mlx5_0,mlx5_1`): an open list
-    lets NCCL pick an adapter whose peer is unreachable, and the job hangs on
-    its first all-reduce instead of failing.
-    """
-    head = layout[0]
-    env = dict(profile.env)
-    nnodes = len(layout)
-    if nnodes > 1:
-        node = state.nodes[sa.node]
-        hcas = next((f.hcas for f in node.fabrics if f.name == fabric), ())
-        env["NCCL_IB_HCA"] = "=" + ",".join(hcas)
-    return LaunchSpec(
-        engine=profile.engine,
-        model=profile.engine_model,
-        served_name=profile.name,
-        aliases=profile.aliases,
-        port=sa.port,
-        gpus=tuple(sa.gpus),
-        gpu_class=gpu_class,
-        tensor_parallel=profile.tensor_parallel,
-        pipeline_parallel=profile.pipeline_parallel,
-        nnodes=nnodes,
-        node_rank=sa.shard,
-        head_address=state.nodes[head.node].address if nnodes > 1 else "",
-        head_port=head.port + 1 if nnodes > 1 else 0,
-        fabric=fabric if nnodes > 1 else "",
-        dtype=profile.dtype,
-        max_model_len=profile.max_model_len,
-        engine_args=profile.engine_args,
-        env=env,
-        start_timeout_s=profile.start_timeout_s,
-        load_timeout_s=profile.load_timeout_s,
-    )
-
-
-# --------------------------------------------------------------------------- verify
-
-
-class VerifyReport(msgspec.Struct, kw_only=True):
-    batches: int = 0
-    """Recorded planning batches recomputed."""
-    matched: int = 0
-    observations: int = 0
-    """Recorded observations (heartbeat-driven: facts, not recomputable)."""
-    mismatches: list[str] = []
-    rejected: list[tuple[int, str]] = []
-    """(seq, reason) of events the fold refused while replaying."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-
-_encode = msgspec.json.Encoder().encode
-
-
-def _without_id(decision: Decision) -> bytes:
-    """A decision's encoding with its id left out: ids carry the leader's random part."""
-    return _encode(msgspec.structs.replace(decision, id=""))
-
-
-def verify(
-    records: Iterable[tuple[int, events.Event]],
-    *,
-    config: ReconcileConfig | None = None,
-    state: ClusterState | None = None,
-    by_epoch: Mapping[int, ReconcileConfig] | None = None,
-) -> VerifyReport:
-    """Replay a log and recompute every recorded planning batch at its decision point. Pure.
-
-    A batch is the control events and commands sharing (epoch, basis_seq); it
-    must equal `plan` run on the state folded up to basis_seq at the batch's
-    `ts`. A recorded prefix of the recomputed batch also matches: a leader may
-    die halfway through publishing. `state` resumes from a snapshot. `by_epoch`
-    holds the timings each leader recorded; `config` serves the other epochs.
-    """
-    cfg = config or ReconcileConfig()
-    timings = by_epoch or {}
-    log = list(records)
-    batches: dict[tuple[int, int], list[Decision]] = defaultdict(list)
-    report = VerifyReport()
-    for _seq, event in log:
-        if isinstance(event, OBSERVATIONS):
-            report.observations += 1
-        elif isinstance(event, events.ControlEvent) and not isinstance(event, events.LeaderElected):
-            batches[(event.epoch, event.basis_seq)].append(event)  # type: ignore[arg-type]
-    pending = sorted(batches, key=lambda k: (k[1], k[0]))
-    st = state if state is not None else ClusterState()
-    i = 0
-    for seq, event in log:
-        while i < len(pending) and pending[i][1] < seq:
-            _check(st, pending[i], batches[pending[i]], timings.get(pending[i][0], cfg), report)
-            i += 1
-        reason = apply(st, event, seq)
-        if reason is not None:
-            report.rejected.append((seq, reason))
-    while i < len(pending):
-        _check(st, pending[i], batches[pending[i]], timings.get(pending[i][0], cfg), report)
-        i += 1
-    return report
-
-
-def _check(
-    state: ClusterState,
-    key: tuple[int, int],
-    recorded: list[Decision],
-    cfg: ReconcileConfig,
-    report: VerifyReport,
-) -> None:
-    epoch, basis = key
-    if basis < state.last_seq:
-        return  # the replay started after this batch's basis (from a snapshot)
-    report.batches += 1
-    again = plan(state, recorded[0].ts, epoch=epoch, basis_seq=basis, config=cfg).decisions
-    for n, (a, b) in enumerate(zip(recorded, again, strict=False)):
-        if _without_id(a) != _without_id(b):
-            report.mismatches.append(
-                f"batch at seq {basis} (epoch {epoch}), decision {n}: recorded "
-                f"{_encode(a).decode()} but the log reproduces {_encode(b).decode()}"
-            )
-            return
-    if len(recorded) > len(again):
-        extra = _encode(recorded[len(again)]).decode()
-        report.mismatches.append(
-            f"batch at seq {basis} (epoch {epoch}): recorded {len(recorded)} decisions, the log "
-            f"reproduces {len(again)}; first extra: {extra}"
-        )
-        return
-    report.matched += 1

@@ -12,16 +12,18 @@ field changes incompatibly, bump the default, and register an upcaster in
 folds with today's code; tests/fixtures/events holds stored old versions.
 
 Pure: no I/O, no clock, no randomness. Producers pass `id` and `ts` in.
+
+The Structs live here; `codec` (encode, decode, upcasters) and `owners` (each event's
+subject, and whether a record is on it) are re-exported, so `events.decode` and
+`events.subject_of` are what callers use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import Annotated, TypeAlias
 
 import msgspec
 
-from llmgw.core import subjects
 from llmgw.core.attestation import DIGEST_BYTES, MAX_PER_ATTESTATION
 from llmgw.core.inventory import Fabric, Gpu, Hca
 from llmgw.core.limits import (
@@ -42,20 +44,12 @@ from llmgw.core.limits import (
     Time,
     Version,
 )
+from llmgw.core.phases import SHARD_PHASES as SHARD_PHASES
+from llmgw.core.phases import ShardPhase as ShardPhase
 from llmgw.core.profile import LaunchSpec, ModelProfile
 
 # Base64 of MAX_PER_ATTESTATION digests of DIGEST_BYTES, with room for padding.
 _MAX_DIGESTS_B64 = (MAX_PER_ATTESTATION * DIGEST_BYTES + 2) // 3 * 4 + 4
-
-ShardPhase = Literal["starting", "loading", "serving", "draining", "stopped", "failed"]
-SHARD_PHASES: tuple[ShardPhase, ...] = (
-    "starting",
-    "loading",
-    "serving",
-    "draining",
-    "stopped",
-    "failed",
-)
 
 
 class Event(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
@@ -404,178 +398,14 @@ def current_version(cls: type[Event]) -> int:
     return field.default
 
 
-# --------------------------------------------------------------------------- subjects
-
-
-def subject_of(event: Event) -> str:
-    """The subject an event is published on; raises SubjectTokenError for unsafe ids."""
-    tag = tag_of(type(event))
-    family, _, kind = tag.partition(".")
-    match event:
-        case Command():
-            return subjects.command(event.node)
-        case NodeEvent():
-            return subjects.node_event(event.node, kind.removeprefix("node_"))
-        case OperatorEvent():
-            return subjects.operator_event(event.operator, kind)
-        case ControlEvent():
-            return subjects.control_event(kind)
-    raise TypeError(f"{type(event).__name__} ({family}) has no subject")
-
-
-# Expected subject by (event class, node token): replays check every record, and the
-# number of distinct keys is bounded by nodes x event types.
-_SUBJECT_CACHE: dict[tuple[type[Event], str], str] = {}
-
-
-_BY_OPERATOR, _BY_NODE, _BY_CONTROL = 0, 1, 2
-# Which of those writes each event class: asked of every record of a replay, where
-# isinstance against unions costs more than a dictionary lookup.
-_OWNER_KINDS: dict[type[Event], int] = {}
-
-
-def _owner_kind(cls: type[Event]) -> int:
-    if issubclass(cls, OperatorEvent):
-        return _BY_OPERATOR
-    if issubclass(cls, NodeEvent | Command):
-        return _BY_NODE
-    return _BY_CONTROL
-
-
-def published_where_owned(event: Event, subject: str) -> bool:
-    """True when `event` is on the subject its writer owns (what `subject_of` gives).
-
-    NATS checks which subjects an identity may write, not what a message says: a node
-    could put a control decision, or another node's heartbeat, on its own subject.
-    Readers refuse any event found on a subject other than its own, so the server's
-    per-identity permissions decide who can write each kind of event.
-    """
-    cls = type(event)
-    kind = _OWNER_KINDS.get(cls)
-    if kind is None:
-        kind = _OWNER_KINDS[cls] = _owner_kind(cls)
-    if kind == _BY_OPERATOR:
-        return _operator_event_owned(event, subject)  # type: ignore[arg-type]
-    key = (cls, event.node if kind == _BY_NODE else "")  # type: ignore[attr-defined]
-    expected = _SUBJECT_CACHE.get(key)
-    if expected is None:
-        try:
-            expected = subject_of(event)
-        except subjects.SubjectTokenError:
-            return False
-        if len(_SUBJECT_CACHE) < 200_000:
-            _SUBJECT_CACHE[key] = expected
-    return expected == subject
-
-
-# Operator events a control plane writes itself: the models of its config file.
-CONTROL_OPERATOR_KINDS = frozenset({"model_declared", "model_changed", "model_removed"})
-
-
-def _operator_event_owned(event: OperatorEvent, subject: str) -> bool:
-    """An operator event names its author in its subject (`llmgw.events.operator.<operator>.
-    <kind>`, or `...operator.control.<instance>.<kind>` for a control plane's models), and the
-    server lets each identity write only under its own name: the event's `operator` must be
-    that name. The form without an author (`llmgw.events.operator.<kind>`) is what logs held
-    before; no identity may write it any more, so it can only come from such a log."""
-    author = subjects.operator_author(subject)
-    if author is None:
-        return False
-    writer, name, kind = author
-    if kind != tag_of(type(event)).partition(".")[2]:
-        return False
-    if writer == "control":
-        return name == event.operator and kind in CONTROL_OPERATOR_KINDS
-    return writer == "" or name == event.operator
-
-
-# --------------------------------------------------------------------------- codec
-
-
-class DecodeError(ValueError):
-    """A message that is not a valid llmgw event of any known version."""
-
-
-Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
-
-# (tag, from_version) -> function turning that version's raw mapping into the next version's.
-UPCASTERS: dict[tuple[str, int], Upcaster] = {}
-
-
-def upcaster(tag: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
-    def register(fn: Upcaster) -> Upcaster:
-        UPCASTERS[(tag, from_version)] = fn
-        return fn
-
-    return register
-
-
-@upcaster("node.shard", 1)
-def _shard_status_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
-    """v1 carried the engine's output as one string `log`; v2 keeps a tail of lines."""
-    out = dict(raw)
-    log = out.pop("log", "")
-    out["log_tail"] = [line for line in str(log or "").splitlines() if line][-50:]
-    out["v"] = 2
-    return out
-
-
-_encoder = msgspec.json.Encoder()
-_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
-_raw_decoder = msgspec.json.Decoder(dict[str, Any])
-_CURRENT: dict[str, int] = {tag: current_version(cls) for tag, cls in BY_TAG.items()}
-# The same keyed by class: `decode` runs once per event of every replay, and this lookup
-# is measurably cheaper than deriving the tag first (tests/bench/bench_log.py).
-_CURRENT_BY_TYPE: dict[type[Event], int] = {cls: _CURRENT[tag_of(cls)] for cls in EVENT_TYPES}
-
-
-def encode(event: Event) -> bytes:
-    return _encoder.encode(event)
-
-
-def decode(data: bytes | bytearray | memoryview) -> AnyEvent:
-    """Decode one message into its current-version event, or raise DecodeError.
-
-    Fast path: a current-version message decodes straight into its Struct. Only
-    an older version, or a message that fails validation, takes the slow path
-    through the raw mapping and the upcaster chain.
-    """
-    try:
-        event = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return _decode_old(data, exc)
-    if event.v == _CURRENT_BY_TYPE[type(event)]:
-        return event
-    return _decode_old(data, None)
-
-
-def _decode_old(data: bytes | bytearray | memoryview, first: Exception | None) -> AnyEvent:
-    try:
-        raw = _raw_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise DecodeError(f"not a JSON object: {exc}") from None
-    tag, version = raw.get("type"), raw.get("v", 1)
-    if not isinstance(tag, str) or tag not in BY_TAG:
-        raise DecodeError(f"unknown event type {tag!r}")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise DecodeError(f"{tag}: version {version!r} is not an integer")
-    current = _CURRENT[tag]
-    if version > current:
-        raise DecodeError(
-            f"{tag} v{version} is newer than this llmgw understands (v{current}): upgrade llmgw"
-        )
-    while version < current:
-        step = UPCASTERS.get((tag, version))
-        if step is None:
-            raise DecodeError(f"{tag} v{version}: no upcaster to v{version + 1}")
-        try:
-            raw = step(raw)
-        except Exception as exc:
-            raise DecodeError(f"{tag} v{version}: upcasting failed: {exc}") from None
-        version += 1
-    try:
-        result: AnyEvent = msgspec.convert(raw, AnyEvent)
-    except msgspec.ValidationError as exc:
-        detail = first or exc
-        raise DecodeError(f"{tag} v{version}: {detail}") from None
-    return result
+# Where events go and how they are encoded read the Structs above, so those modules are
+# imported after them (importing either first still runs this module to here first).
+from llmgw.core.events.codec import UPCASTERS as UPCASTERS  # noqa: E402
+from llmgw.core.events.codec import DecodeError as DecodeError  # noqa: E402
+from llmgw.core.events.codec import Upcaster as Upcaster  # noqa: E402
+from llmgw.core.events.codec import decode as decode  # noqa: E402
+from llmgw.core.events.codec import encode as encode  # noqa: E402
+from llmgw.core.events.codec import upcaster as upcaster  # noqa: E402
+from llmgw.core.events.owners import CONTROL_OPERATOR_KINDS as CONTROL_OPERATOR_KINDS  # noqa: E402
+from llmgw.core.events.owners import published_where_owned as published_where_owned  # noqa: E402
+from llmgw.core.events.owners import subject_of as subject_of  # noqa: E402
