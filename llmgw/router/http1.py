@@ -299,7 +299,7 @@ class PyParser:
                     self._trailer = True
                     continue
                 self._chunk_left = size
-            if self._chunk_left > 0:
+            if self._chunk_left > 0 and pos < n:
                 take = min(self._chunk_left, n - pos)
                 out.append(buf[pos : pos + take])
                 pos += take
@@ -320,6 +320,11 @@ try:
     import httptools
 except ImportError:  # pragma: no cover - a dependency; the fallback is for installs without it
     httptools = None  # type: ignore[assignment]
+
+
+_LLHTTP_ERRORS: tuple[type[Exception], ...] = (
+    (httptools.HttpParserError, httptools.HttpParserUpgrade) if httptools is not None else ()
+)
 
 
 class _Stop(Exception):
@@ -369,12 +374,14 @@ class LlhttpParser:
         self._began = False
         self._ended = False
         self._stopped = False
+        self._keep_alive: bool = True
         self.reset(head_request=head_request)
 
     def reset(self, *, head_request: bool = False) -> None:
         """Ready for the next response (`head_request`: it answers a HEAD, so has no body)."""
-        if self._stopped or (self._began and not self._ended):
-            # llhttp is ready for the next message only after a clean end.
+        if self._stopped or (self._began and not (self._ended and self._keep_alive)):
+            # llhttp is ready for the next message only after a clean end that kept the
+            # connection alive.
             self._p = httptools.HttpResponseParser(self)
         self._head_request = head_request
         self._head: Head | None = None
@@ -404,7 +411,7 @@ class LlhttpParser:
             raise ProtocolError("bytes after the end of the response")
         try:
             self._p.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except _LLHTTP_ERRORS as exc:
             self._failed(exc)
         body = self._body
         if body:
@@ -424,7 +431,7 @@ class LlhttpParser:
             self._raw += data
         try:
             self._p.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except _LLHTTP_ERRORS as exc:
             self._failed(exc)
             if self._head_request:
                 self._trailing = self._after_heads(self._raw)
@@ -458,6 +465,7 @@ class LlhttpParser:
         """The connection closed: the end of a close-delimited body, else an error."""
         if self._close_delimited and not self._ended:
             self._ended = True
+            self._stopped = True  # llhttp itself still waits for the body's end
             return [End(False)]
         raise ProtocolError("the connection closed before the end of the response")
 
