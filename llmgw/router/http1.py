@@ -55,14 +55,14 @@ class Head:
         self.content_type = content_type
         """The media type of the last Content-Type, as sent, parameters dropped ("" if none)."""
 
+    def _fields(self) -> tuple[object, ...]:
+        return (self.status, self.reason, self.headers, self.keep_alive, self.content_type)
+
     def __repr__(self) -> str:
-        return f"Head({self.status}, {self.reason!r}, {self.headers!r}, {self.keep_alive})"
+        return "Head" + repr(self._fields())
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Head) and (
-            (self.status, self.reason, self.headers, self.keep_alive)
-            == (other.status, other.reason, other.headers, other.keep_alive)
-        )
+        return isinstance(other, Head) and self._fields() == other._fields()
 
     __hash__ = None  # type: ignore[assignment]
 

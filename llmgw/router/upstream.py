@@ -5,9 +5,10 @@ answer, often a chunked SSE stream. A general client (aiohttp's) spends more
 Python per request on features the router never uses (cookies, redirects, URL
 objects, payload registries, tracing) than the router spends routing, so this
 module does just the needed part on asyncio protocols: a per-host pool of
-kept-alive connections, the request written in one send, the response head
-parsed once, and the body decoded (Content-Length, chunked or until close) into
-bytes the relay reads as they arrive. TCP_NODELAY is set on every connection.
+kept-alive connections, the request written in one send, and the response framed
+by the sans-I/O parser of `llmgw.router.http1` (head, then the body decoded from
+Content-Length, chunked or until close) into bytes the relay reads as they arrive.
+TCP_NODELAY is set on every connection.
 
 A response that ends early raises `UpstreamError`; closing a response that is
 not complete aborts its connection, so the engine sees the client leave and
