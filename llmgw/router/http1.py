@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Final
 
+import msgspec
+
 MAX_HEAD: Final = 64 * 1024
 """The most bytes a response may take to complete its head (interim heads included)."""
 
@@ -33,57 +35,25 @@ class ProtocolError(Exception):
     """The engine's response is not valid HTTP/1.1 (or breaks a limit)."""
 
 
-class Head:
+class Head(msgspec.Struct):
     """A response's final head (never an interim 1xx)."""
 
-    __slots__ = ("content_type", "headers", "keep_alive", "reason", "status")
-
-    def __init__(
-        self,
-        status: int,
-        reason: bytes,
-        headers: list[tuple[bytes, bytes]],
-        keep_alive: bool,
-        content_type: str = "",
-    ) -> None:
-        self.status = status
-        self.reason = reason
-        self.headers = headers
-        """(name, value) as received, in order; names keep their case."""
-        self.keep_alive = keep_alive
-        """What the version and Connection header ask; false for a body that ends at the close."""
-        self.content_type = content_type
-        """The media type of the last Content-Type, as sent, parameters dropped ("" if none)."""
-
-    def _fields(self) -> tuple[object, ...]:
-        return (self.status, self.reason, self.headers, self.keep_alive, self.content_type)
-
-    def __repr__(self) -> str:
-        return "Head" + repr(self._fields())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Head) and self._fields() == other._fields()
-
-    __hash__ = None  # type: ignore[assignment]
+    status: int
+    reason: bytes
+    headers: list[tuple[bytes, bytes]]
+    """(name, value) as received, in order; names keep their case."""
+    keep_alive: bool
+    """What the version and Connection header ask; false for a body that ends at the close."""
+    content_type: str = ""
+    """The media type of the last Content-Type, as sent, parameters dropped ("" if none)."""
 
 
-class End:
+class End(msgspec.Struct):
     """The response is complete."""
 
-    __slots__ = ("keep_alive",)
-
-    def __init__(self, keep_alive: bool) -> None:
-        self.keep_alive = keep_alive
-        """The connection may carry the next request: the head allowed it and no byte came
-        after the end."""
-
-    def __repr__(self) -> str:
-        return f"End({self.keep_alive})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, End) and self.keep_alive == other.keep_alive
-
-    __hash__ = None  # type: ignore[assignment]
+    keep_alive: bool
+    """The connection may carry the next request: the head allowed it and no byte came
+    after the end."""
 
 
 Event = Head | bytes | End
@@ -264,56 +234,74 @@ class PyParser:
         pos = 0
         n = len(buf)
         out: list[bytes] = []
+        left = self._chunk_left  # -1: a size line comes next; 0: the CRLF after a chunk
         while pos < n:
-            if self._trailer:
-                # After the last chunk: optional trailers, then an empty line.
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    if n - pos > self.max_head:
-                        raise ProtocolError("the trailers are too large")
+            if left < 0:
+                if self._trailer:
+                    pos = self._feed_trailers(buf, pos, out, events)
+                    if self._mode == _DONE:
+                        return
                     break
-                line = buf[pos:end]
-                pos = end + 2
-                if line:
-                    if b":" not in line:
-                        raise ProtocolError(f"malformed trailer line {line[:80]!r}")
-                    continue
-                if out:
-                    events.append(b"".join(out))
-                self._buf = b""
-                self._mode = _DONE
-                events.append(End(self._keep_alive and pos == n))
-                return
-            if self._chunk_left < 0:
                 end = buf.find(b"\r\n", pos)
                 if end < 0:
                     if n - pos > 4096:
                         raise ProtocolError("malformed chunk size line")
                     break
-                size_hex = buf[pos:end].split(b";", 1)[0]
+                line = buf[pos:end]
+                semi = line.find(b";")
+                size_hex = line if semi < 0 else line[:semi]
                 if not size_hex or len(size_hex) > 16 or not _HEX.issuperset(size_hex):
-                    raise ProtocolError(f"malformed chunk size {buf[pos:end][:40]!r}")
-                size = int(size_hex, 16)
+                    raise ProtocolError(f"malformed chunk size {line[:40]!r}")
+                left = int(size_hex, 16)
                 pos = end + 2
-                if size == 0:
+                if left == 0:
                     self._trailer = True
+                    left = -1
                     continue
-                self._chunk_left = size
-            if self._chunk_left > 0 and pos < n:
-                take = min(self._chunk_left, n - pos)
-                out.append(buf[pos : pos + take])
-                pos += take
-                self._chunk_left -= take
-            if self._chunk_left == 0:
-                if n - pos < 2:
-                    break  # wait for the CRLF after the chunk
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise ProtocolError("a chunk does not end with CRLF")
-                pos += 2
-                self._chunk_left = -1
+                if pos == n:
+                    break
+            if left > 0:
+                end = pos + left
+                if end > n:
+                    out.append(buf[pos:])
+                    left = end - n
+                    pos = n
+                    break
+                out.append(buf[pos:end])
+                pos = end
+                left = 0
+            if n - pos < 2:
+                break  # wait for the CRLF after the chunk
+            if buf[pos : pos + 2] != b"\r\n":
+                raise ProtocolError("a chunk does not end with CRLF")
+            pos += 2
+            left = -1
+        self._chunk_left = left
         self._buf = buf[pos:] if pos < n else b""
         if out:
-            events.append(b"".join(out))
+            events.append(out[0] if len(out) == 1 else b"".join(out))
+
+    def _feed_trailers(self, buf: bytes, pos: int, out: list[bytes], events: list[Event]) -> int:
+        """After the last chunk: optional trailers, then an empty line (the end)."""
+        n = len(buf)
+        while True:
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                if n - pos > self.max_head:
+                    raise ProtocolError("the trailers are too large")
+                return pos
+            line = buf[pos:end]
+            pos = end + 2
+            if not line:
+                break
+            if b":" not in line:
+                raise ProtocolError(f"malformed trailer line {line[:80]!r}")
+        if out:
+            events.append(out[0] if len(out) == 1 else b"".join(out))
+        self._buf = b""
+        self._mode = _DONE
+        events.append(End(self._keep_alive and pos == n))
+        return pos
 
 
 try:

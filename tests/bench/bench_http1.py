@@ -4,7 +4,7 @@ Run: .venv/bin/python -m tests.bench.bench_http1 [--iterations 20000] [--repeats
 
 Frames two responses, each many times over, with both implementations of
 `llmgw.router.http1` side by side in one run, and prints microseconds per response (the
-best of the repeats, process CPU time):
+best of the repeats, process CPU time; the two sides take turns):
 
 - an SSE stream of 16 chunked events, fed as an engine's writes arrive: the head in one
   read, then one read per event, the last with the terminating chunk;
@@ -102,14 +102,18 @@ def conn_loop(
     return run
 
 
-def best_us(run: Callable[[int], None], iterations: int, repeats: int) -> float:
-    run(max(1, iterations // 10))  # warm up
-    best = float("inf")
+def best_us(runs: list[Callable[[int], None]], iterations: int, repeats: int) -> list[float]:
+    """The best time per response of each run; the runs take turns, so that a busy
+    machine's slow moments fall on both sides alike."""
+    for run in runs:
+        run(max(1, iterations // 10))  # warm up
+    best = [float("inf")] * len(runs)
     for _ in range(repeats):
-        t0 = time.process_time()
-        run(iterations)
-        best = min(best, time.process_time() - t0)
-    return best / iterations * 1e6
+        for i, run in enumerate(runs):
+            t0 = time.process_time()
+            run(iterations)
+            best[i] = min(best[i], time.process_time() - t0)
+    return [b / iterations * 1e6 for b in best]
 
 
 def main() -> None:
@@ -123,7 +127,8 @@ def main() -> None:
     print(f"{'response':<24} {'layer':<16}" + "".join(f"{name:>20}" for name, _ in sides))
     for label, reads in cases:
         for layer, make in (("parser", parser_loop), ("connection", conn_loop)):
-            figures = [best_us(make(cls, reads), args.iterations, args.repeats) for _, cls in sides]
+            runs = [make(cls, reads) for _, cls in sides]
+            figures = best_us(runs, args.iterations, args.repeats)
             print(f"{label:<24} {layer:<16}" + "".join(f"{f:>20.2f}" for f in figures))
 
 
