@@ -7,11 +7,11 @@ from that read as one `bytes` object (Content-Length, chunked, or until the clos
 `End` once the body is complete. Interim 1xx heads are skipped; trailers are read and
 dropped. One read gives one body `bytes`, so the relay makes one write per read.
 
-Malformed input raises `ProtocolError` (and nothing else), at the latest at the end of
-the `feed` that made it malformed: no input makes a parser loop or wait for bytes that
-cannot make the response valid. A head still incomplete after `MAX_HEAD` bytes is an
-error too. Bytes after the end in the same read are dropped and make `End.keep_alive`
-false: they answer nothing asked, so the connection can no longer frame a response.
+Malformed input raises `ProtocolError` (and nothing else) once the parser has read the
+part it cannot frame; no input makes a parser loop, and a head still incomplete after
+`MAX_HEAD` bytes is an error too (so are over-long chunk-size and trailer lines). Bytes
+after the end in the same read are dropped and make `End.keep_alive` false: they answer
+nothing asked, so the connection can no longer frame a response.
 `reset` readies the parser for the next response on a kept-alive connection.
 
 Two implementations share this interface: `LlhttpParser` on httptools (Node's llhttp),
