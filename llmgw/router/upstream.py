@@ -5,9 +5,10 @@ answer, often a chunked SSE stream. A general client (aiohttp's) spends more
 Python per request on features the router never uses (cookies, redirects, URL
 objects, payload registries, tracing) than the router spends routing, so this
 module does just the needed part on asyncio protocols: a per-host pool of
-kept-alive connections, the request written in one send, the response head
-parsed once, and the body decoded (Content-Length, chunked or until close) into
-bytes the relay reads as they arrive. TCP_NODELAY is set on every connection.
+kept-alive connections, the request written in one send, and the response framed
+by the sans-I/O parser of `llmgw.router.http1` (head, then the body decoded from
+Content-Length, chunked or until close) into bytes the relay reads as they arrive.
+TCP_NODELAY is set on every connection.
 
 A response that ends early raises `UpstreamError`; closing a response that is
 not complete aborts its connection, so the engine sees the client leave and
@@ -24,7 +25,9 @@ import ssl
 from collections.abc import Callable
 from typing import cast
 
-MAX_HEAD = 64 * 1024
+from llmgw.router import http1
+
+MAX_HEAD = http1.MAX_HEAD
 HIGH_WATER = 1024 * 1024
 """Body bytes buffered before reading from the engine pauses (a slow client)."""
 
@@ -42,21 +45,16 @@ class ConnectTimeout(UpstreamError):
 
 
 class _Conn(asyncio.Protocol):
-    """One connection; carries one response at a time."""
+    """One connection; carries one response at a time, framed by `http1.ResponseParser`."""
 
     __slots__ = (
-        "_body_mode",
         "_buffered",
-        "_cbuf",
-        "_chunk_left",
         "_chunks",
         "_error",
-        "_head",
         "_headers_waiter",
         "_keep_alive",
-        "_left",
+        "_parser",
         "_paused",
-        "_trailer",
         "_waiter",
         "closed",
         "content_type",
@@ -69,12 +67,16 @@ class _Conn(asyncio.Protocol):
         "transport",
     )  # fmt: skip
 
+    parser_class: type[http1.PyParser | http1.LlhttpParser] = http1.ResponseParser
+    """The framing; a benchmark swaps it to compare the implementations."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.expecting = False
         self.key: tuple[str, int, bool] = ("", 0, False)
+        self._parser = self.parser_class(max_head=MAX_HEAD)
         self._reset()
 
     def _reset(self) -> None:
@@ -83,17 +85,12 @@ class _Conn(asyncio.Protocol):
         self.status = 0
         self.content_type = ""
         self.done = False
-        self._head = b""
         self._headers_waiter: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._error: BaseException | None = None
-        self._body_mode = 0  # 0 head, 1 length, 2 chunked, 3 until close
-        self._left = 0
-        self._cbuf = b""
-        self._chunk_left = -1  # -1: expecting a size line
-        self._trailer = False
+        self._parser.reset()
         self._keep_alive = True
         self._paused = False
 
@@ -109,174 +106,54 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._body_mode == 3 and self.status and not self.done:
-            self.done = True  # a body delimited by the close is complete now
-        elif not self.done:
-            self._fail(UpstreamError(f"engine closed the connection: {exc!r}" if exc else
-                                     "engine closed the connection"))  # fmt: skip
+        if not self.done:
+            try:
+                self._parser.feed_eof()
+            except http1.ProtocolError:
+                self._fail(UpstreamError(f"engine closed the connection: {exc!r}" if exc else
+                                         "engine closed the connection"))  # fmt: skip
+            else:
+                self.done = True  # a body delimited by the close is complete now
         self._wake()
 
     def data_received(self, data: bytes) -> None:
-        if self._body_mode != 0:
-            if self.done:
-                # Bytes after a complete response: nothing was asked; never relay them.
-                self._keep_alive = False
-                self._abort()
-                return
-            self._feed(data)
+        if self.done:
+            # Bytes after a complete response: nothing was asked; never relay them.
+            self._keep_alive = False
+            self._abort()
             return
-        if not self.expecting:
+        if not self.status and not self.expecting:
             # Bytes on an idle kept-alive connection answer nothing we asked: the
             # connection can no longer be trusted to frame the next response.
             self._abort()
             return
-        self._head += data
-        while self._body_mode == 0:
-            end = self._head.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._head) > MAX_HEAD:
-                    self._fail(UpstreamError("engine response head is too large"))
-                    self._abort()
-                return
-            head, self._head = self._head[:end], self._head[end + 4 :]
-            if not self._parse_head(head):
-                return
-        rest, self._head = self._head, b""
-        if rest:
-            self._feed(rest)
+        try:
+            events = self._parser.feed(data)
+        except http1.ProtocolError as exc:
+            self._fail(UpstreamError(f"engine sent a malformed response: {exc}"))
+            self._abort()
+            return
+        # At most a head, the body bytes of this read, and the end, in that order.
+        for ev in events:
+            if type(ev) is bytes:
+                if type(events[-1]) is http1.End:
+                    # Complete before the last bytes are pushed: a sink sees that they are
+                    # the last (and can end its own response with them).
+                    self.done = True
+                self._push(ev)
+            elif type(ev) is http1.Head:
+                self.status = ev.status
+                self.content_type = ev.content_type
+                self._keep_alive = ev.keep_alive
+            else:
+                self._keep_alive = cast(http1.End, ev).keep_alive
+                self.done = True
         self._wake()
 
     def eof_received(self) -> bool | None:
         return None
 
-    # ------------------------------------------------------------------ parsing
-
-    def _parse_head(self, head: bytes) -> bool:
-        lines = head.split(b"\r\n")
-        status_line = lines[0]
-        try:
-            version, _, rest = status_line.partition(b" ")
-            status = int(rest[:3])
-        except ValueError:
-            self._fail(UpstreamError(f"engine sent a malformed status line {status_line[:80]!r}"))
-            self._abort()
-            return False
-        if 100 <= status < 200:
-            # Interim response (100 Continue and friends): the real head follows.
-            return True
-        length = -1
-        chunked = False
-        keep_alive = version == b"HTTP/1.1"
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                try:
-                    length = int(value.strip())
-                except ValueError:
-                    self._fail(UpstreamError("engine sent a malformed Content-Length"))
-                    self._abort()
-                    return False
-            elif name == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            elif name == b"connection":
-                v = value.strip().lower()
-                if v == b"close":
-                    keep_alive = False
-                elif v == b"keep-alive":
-                    keep_alive = True
-            elif name == b"content-type":
-                self.content_type = value.strip().split(b";")[0].decode("latin-1")
-        self.status = status
-        self._keep_alive = keep_alive
-        if chunked:
-            self._body_mode = 2
-        elif length >= 0:
-            self._body_mode = 1
-            self._left = length
-            if length == 0:
-                self._finish()
-        elif status in (204, 304):
-            self._body_mode = 1
-            self._finish()
-        else:
-            self._body_mode = 3
-            self._keep_alive = False
-        return True
-
-    def _feed(self, data: bytes) -> None:
-        mode = self._body_mode
-        if mode == 1:
-            if len(data) >= self._left:
-                if len(data) > self._left:
-                    self._keep_alive = False  # bytes beyond the body: do not reuse
-                last, self._left = self._left, 0
-                self.done = True  # before the push, as for a chunked body's last bytes
-                self._push(data[:last])
-                self._finish()
-            else:
-                self._left -= len(data)
-                self._push(data)
-        elif mode == 2:
-            self._feed_chunked(data)
-        elif mode == 3:
-            self._push(data)
-        self._wake()
-
-    def _feed_chunked(self, data: bytes) -> None:
-        buf = self._cbuf + data if self._cbuf else data
-        pos = 0
-        n = len(buf)
-        out: list[bytes] = []
-        while pos < n:
-            if self._trailer:
-                # After the last chunk: optional trailers, then an empty line.
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                line = buf[pos:end]
-                pos = end + 2
-                if not line:
-                    self._cbuf = b""
-                    if pos < n:
-                        self._keep_alive = False  # bytes beyond the body: do not reuse
-                    # Complete before the last bytes are pushed: a sink sees that they are
-                    # the last (and can end its own response with them). The same for a
-                    # Content-Length body (`_feed`).
-                    self.done = True
-                    if out:
-                        self._push(b"".join(out))
-                    self._finish()
-                    return
-                continue
-            if self._chunk_left < 0:
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                try:
-                    size = int(buf[pos:end].split(b";", 1)[0], 16)
-                except ValueError:
-                    self._fail(UpstreamError("engine sent a malformed chunk size"))
-                    self._abort()
-                    return
-                pos = end + 2
-                if size == 0:
-                    self._trailer = True
-                    continue
-                self._chunk_left = size
-            take = min(self._chunk_left, n - pos)
-            if take:
-                out.append(buf[pos : pos + take])
-                pos += take
-                self._chunk_left -= take
-            if self._chunk_left == 0:
-                if n - pos < 2:
-                    break  # wait for the CRLF after the chunk
-                pos += 2
-                self._chunk_left = -1
-        self._cbuf = buf[pos:] if pos < n else b""
-        if out:
-            self._push(b"".join(out))
+    # ------------------------------------------------------------------ the body
 
     def _push(self, data: bytes) -> None:
         if not data:
@@ -289,10 +166,6 @@ class _Conn(asyncio.Protocol):
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-
-    def _finish(self) -> None:
-        self.done = True
-        self._wake()
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None and not self.done:

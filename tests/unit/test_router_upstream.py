@@ -1,14 +1,31 @@
-"""The router's HTTP/1.1 response parsing (llmgw.router.upstream), fed arbitrary segmentations."""
+"""The router's engine connection (llmgw.router.upstream), fed arbitrary segmentations."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.router import http1
 from llmgw.router.upstream import UpstreamError, _Conn, parse_base, request_head
+
+
+@pytest.fixture(
+    scope="module",
+    autouse=True,
+    params=[http1.LlhttpParser, http1.PyParser],
+    ids=["llhttp", "python"],
+)
+def parser_class(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test here runs on the parser the router uses and on its fallback."""
+    old = _Conn.parser_class
+    _Conn.parser_class = request.param
+    yield
+    _Conn.parser_class = old
 
 
 class FakeTransport:
