@@ -19,15 +19,14 @@ the request's total deadline is spent no model starts another attempt.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from llmgw.core import breaker, routing
 from llmgw.core.profile import ModelProfile
 from llmgw.router.errors import Refusal, Retry, retry_refusal
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
+class Attempt(NamedTuple):
     """One try: this endpoint, for this model of the chain (`n` 0: the model asked for)."""
 
     endpoint: routing.EndpointState
@@ -45,6 +44,8 @@ def fallback_chain(
     it may use and a 403 would name a model it never asked for)."""
     chain = [profile]
     skipped: list[ModelProfile] = []
+    if not profile.fallbacks:
+        return chain, skipped
     for name in profile.fallbacks:
         p = resolve(name)
         if p is None or p in chain:

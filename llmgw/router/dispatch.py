@@ -126,15 +126,14 @@ class Dispatcher:
             session_key = hashlib.blake2b(session_key.encode(), digest_size=16).hexdigest()
         session_ep = self.sessions.get(session_key, "") if session_key else ""
         planner = self._planner(parsed, profile, state, hashes, session_ep)
-        bodies: dict[str, bytes] = {}
+        up_body, body_of = body, ""  # the body as the engine gets it, and for which model
         while True:
             step = planner.next(time.monotonic())
             if not isinstance(step, Attempt):
                 break
-            up_body = bodies.get(step.profile.name)
-            if up_body is None:
-                up_body = bodies[step.profile.name] = self._body_for(body, parsed, step.profile,
-                                                                     state)  # fmt: skip
+            if body_of != step.profile.name:
+                body_of = step.profile.name
+                up_body = self._body_for(body, parsed, step.profile, state)
             try:
                 resp = await self._attempt(step, up_body, state)
             except Retry as exc:
