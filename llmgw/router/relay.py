@@ -156,11 +156,15 @@ class ClientStream:
         self.keepalive = self.loop.call_later(self.keepalive_s, self._keep_alive)
 
     async def _keep_alive_awaited(self) -> None:
+        """`_keep_alive` without the direct path: a task that awaits its writes."""
         while True:
             await asyncio.sleep(self.keepalive_s)
             try:
                 await self.write(KEEPALIVE)
             except ClientGone:
+                return  # the client left; its handler is being cancelled
+            except Exception:  # a bug: logged here, not as a task nobody awaits
+                log.exception("keepalive_failed", request_id=self.rid)
                 return
 
     def stop_keepalive(self) -> None:
