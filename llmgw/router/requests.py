@@ -4,7 +4,8 @@ The router decodes only the fields it routes on (model, stream, the prompt
 text for prefix affinity) into small msgspec Structs, and relays the body
 untouched unless it must change it (an alias or fallback renames the model; a
 stream gets a usage chunk requested for token accounting). Decoding errors
-become 400s in OpenAI's error shape, never a 500. Used by `llmgw.router.app`.
+become 400s in OpenAI's error shape, never a 500. Used by `llmgw.router.app` and
+`llmgw.router.dispatch`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ stream's role-only opening chunk (held back, so the first-token deadline still
 covers the wait), and the usage chunk, counted for metrics and token limits and
 dropped when the router asked for it on the client's behalf. Both look at as few
 bytes as they can: a fast engine's first read holds the whole answer.
-Used by `llmgw.router.app`.
+Used by `llmgw.router.relay`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from llmgw import config
 from llmgw.core.profile import ModelProfile
-from llmgw.router import app, auth, requests
+from llmgw.router import aiohttp_direct, auth, requests
 from llmgw.router.table import Catalog, EndpointTable, parse_engine_metrics
 
 
@@ -269,7 +269,7 @@ def test_run_now_finishes_a_coroutine_that_does_not_wait() -> None:
     async def add(a: int, b: int) -> int:
         return a + b
 
-    assert app._run_now(add(1, 2)) == 3
+    assert aiohttp_direct.run_now(add(1, 2)) == 3
 
 
 def test_run_now_refuses_a_coroutine_that_would_wait_and_closes_it() -> None:
@@ -289,7 +289,7 @@ def test_run_now_refuses_a_coroutine_that_would_wait_and_closes_it() -> None:
                 steps.append("closed")
 
         with pytest.raises(RuntimeError, match="waited"):
-            app._run_now(waits())
+            aiohttp_direct.run_now(waits())
         assert steps == ["started", "closed"]
     finally:
         loop.close()

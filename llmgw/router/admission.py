@@ -1,0 +1,115 @@
+"""Admission: who is asking, for which model, and whether their limits let them.
+
+Every check returns data (a `Principal`, a `ModelProfile`, or a `Refusal`) and
+touches no socket: the handler reads the body and turns a refusal into a
+response (`llmgw.router.errors.refusal_response`). The order of the checks is
+the order a client fixes them in: a key, then a model it may use, then its rate.
+"""
+
+from __future__ import annotations
+
+from llmgw.core.profile import ModelProfile
+from llmgw.router import auth
+from llmgw.router.errors import Refusal
+from llmgw.router.table import Catalog
+
+NO_KEY = Refusal(
+    401,
+    "no API key: send it as `Authorization: Bearer <key>`",
+    "invalid_request_error",
+    "missing_api_key",
+)
+BAD_KEY = Refusal(
+    401,
+    "invalid API key: check the key, or ask the router's operator for one",
+    "invalid_request_error",
+    "invalid_api_key",
+)
+
+
+def authenticate(keys: auth.Keys | None, header: str | None) -> auth.Principal | Refusal | None:
+    """The caller's principal; None when the router takes anonymous requests."""
+    if keys is None:
+        return None
+    if not header:
+        return NO_KEY
+    principal = keys.lookup(header)
+    if principal is None:
+        return BAD_KEY
+    return principal
+
+
+def body_late(timeout_s: float) -> Refusal:
+    return Refusal(
+        408,
+        f"the request body did not arrive within {timeout_s} s: send the whole body at once",
+        "invalid_request_error",
+        "request_timeout",
+        close=True,
+    )
+
+
+def body_too_large(max_bytes: int) -> Refusal:
+    return Refusal(
+        413,
+        f"the request body is larger than {max_bytes} bytes:"
+        " send a shorter prompt or ask the operator to raise max_body_bytes",
+        "invalid_request_error",
+        "request_too_large",
+    )
+
+
+def bad_body(problem: str) -> Refusal:
+    return Refusal(400, problem, "invalid_request_error", "invalid_body")
+
+
+def may_use(principal: auth.Principal | None, asked: str, profile: ModelProfile) -> bool:
+    """Whether the key may use a model, by the name asked or by its canonical name."""
+    return principal is None or principal.may_use(asked) or principal.may_use(profile.name)
+
+
+def resolve(catalog: Catalog, asked: str) -> ModelProfile | Refusal:
+    """The profile of the model asked for, by name or alias."""
+    profile = catalog.resolve(asked)
+    if profile is None:
+        return Refusal(
+            404,
+            f"the model {asked!r} does not exist here: GET /v1/models lists"
+            " the models this router serves",
+            "invalid_request_error",
+            "model_not_found",
+        )
+    return profile
+
+
+def admit(
+    principal: auth.Principal | None, asked: str, profile: ModelProfile, now: float
+) -> Refusal | None:
+    """None when the key may use the model and is within its limits (a request is taken
+    from its request bucket); else why not."""
+    if principal is None:
+        return None
+    if not may_use(principal, asked, profile):
+        return Refusal(
+            403,
+            f"this API key may not use the model {asked!r}",
+            "permission_error",
+            "model_not_allowed",
+        )
+    if principal.requests is not None and not principal.requests.take(now):
+        return Refusal(
+            429,
+            f"this API key is over its limit of {principal.entry.requests_per_s}"
+            " requests/s: retry later",
+            "rate_limit_error",
+            "rate_limit_exceeded",
+        )
+    if principal.tokens is not None and not principal.tokens.has_credit(now):
+        return Refusal(
+            429,
+            f"this API key is over its limit of {principal.entry.tokens_per_min}"
+            " tokens/min: retry later",
+            "rate_limit_error",
+            "tokens_exceeded",
+        )
+    return None

@@ -1,0 +1,362 @@
+"""The dispatch loop: the attempt planner (`llmgw.router.attempts`) driven with real I/O.
+
+`Dispatcher.dispatch` asks the planner for an endpoint, sends the request over
+the upstream pool (`llmgw.router.upstream`), and relays the answer
+(`llmgw.router.relay`); an attempt that fails before anything reached the
+client raises `Retry` and the planner is asked again. It also keeps the
+per-endpoint bookkeeping the planner reads: in-flight counts, breakers (a
+verdict per attempt), the prefix index and the session map. It implements the
+relay's `Hooks` (token counting and stream metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import random
+import time
+from collections import OrderedDict
+
+from aiohttp import web
+
+from llmgw import logs
+from llmgw.core import breaker, routing
+from llmgw.core.prefix import PrefixIndex, block_hashes
+from llmgw.core.profile import Deadlines, ModelProfile
+from llmgw.router import admission, auth, requests
+from llmgw.router import upstream as upstream_http
+from llmgw.router.attempts import Attempt, Planner, fallback_chain
+from llmgw.router.config import RouterConfig
+from llmgw.router.deadlines import Watchdog
+from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, refusal_response
+from llmgw.router.metrics import Metrics
+from llmgw.router.relay import ClientStream, EngineStream, relay
+from llmgw.router.table import Catalog, EndpointTable
+
+log = logs.get("llmgw.router")
+
+SESSIONS_KEPT = 100_000
+SCORE_SAMPLE = 8
+
+
+class Dispatcher:
+    """Sends requests to endpoints: one per router process, shared by its requests."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        catalog: Catalog,
+        table: EndpointTable,
+        metrics: Metrics,
+        pool: upstream_http.Pool,
+        watchdog: Watchdog,
+        rng: random.Random,
+    ) -> None:
+        self.cfg = cfg
+        self.catalog = catalog
+        self.table = table
+        self.metrics = metrics
+        self.pool = pool
+        self.watchdog = watchdog
+        self.rng = rng
+        self.prefix = PrefixIndex(capacity=cfg.prefix.capacity)
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        self._routed = 0
+        self._bases: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
+        self._session_header = cfg.session_header
+
+    # ------------------------------------------------------------------ the loop
+
+    def _planner(
+        self, parsed: requests.Parsed, profile: ModelProfile, state: ClientStream,
+        hashes: list[bytes], session_ep: str,
+    ) -> Planner:  # fmt: skip
+        principal, rid = state.principal, state.rid
+        chain, skipped = fallback_chain(
+            profile,
+            self.catalog.resolve,
+            lambda name, p: admission.may_use(principal, name, p),
+        )
+        for p in skipped:
+            log.info("fallback_not_allowed", request_id=rid, model=profile.name, fallback=p.name)
+
+        def ranked(n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
+            if n > 0:
+                self.metrics.fallback(profile.name, prof.name)
+                log.info("fallback", request_id=rid, model=profile.name, fallback=prof.name)
+            self._routed += 1
+            # Scorer values are sampled (1 request in SCORE_SAMPLE): five histogram
+            # observations on every request would cost more than the routing itself.
+            self.metrics.routed(
+                ranking.drops, ranking.winner_scores if self._routed % SCORE_SAMPLE == 0 else {}
+            )
+
+        return Planner(
+            chain,
+            self.table.for_model,
+            weights=self.cfg.weights,
+            policy=self.cfg.breaker,
+            max_attempts=self.cfg.max_attempts,
+            start=state.start,
+            draw=self.rng.random,
+            prefix_blocks=len(hashes),
+            prefix_hits=self.prefix.match(hashes) if hashes else {},
+            session_endpoint=session_ep,
+            on_rank=ranked,
+        )
+
+    async def dispatch(
+        self,
+        request: web.BaseRequest,
+        body: bytes,
+        parsed: requests.Parsed,
+        profile: ModelProfile,
+        state: ClientStream,
+    ) -> web.StreamResponse:
+        cfg = self.cfg
+        hashes = (
+            block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks)
+            if parsed.text
+            else []
+        )
+        session_key = request.headers.get(self._session_header, "")
+        if len(session_key) > 128:
+            # Keys are kept (100,000 of them): a long header must not cost its length each.
+            session_key = hashlib.blake2b(session_key.encode(), digest_size=16).hexdigest()
+        session_ep = self.sessions.get(session_key, "") if session_key else ""
+        planner = self._planner(parsed, profile, state, hashes, session_ep)
+        up_body, body_of = body, ""  # the body as the engine gets it, and for which model
+        while True:
+            step = planner.next(time.monotonic())
+            if not isinstance(step, Attempt):
+                break
+            if body_of != step.profile.name:
+                body_of = step.profile.name
+                up_body = self._body_for(body, parsed, step.profile, state)
+            try:
+                resp = await self._attempt(step, up_body, state)
+            except Retry as exc:
+                planner.failed(exc)
+                self.metrics.retry(profile.name, exc.reason)
+                log.info("attempt_failed", request_id=state.rid, endpoint=step.endpoint.id,
+                         reason=exc.reason, detail=exc.message)  # fmt: skip
+                continue
+            planner.answered()
+            if hashes:
+                self.prefix.record(hashes, step.endpoint.id)
+            if session_key:
+                self._remember_session(session_key, step.endpoint.id)
+            return resp
+        assert isinstance(step, Refusal)
+        return await self._refuse(step, profile, state)
+
+    def _body_for(
+        self, body: bytes, parsed: requests.Parsed, prof: ModelProfile, state: ClientStream
+    ) -> bytes:
+        """The body an engine of `prof` gets: the model renamed for a fallback or an alias,
+        the usage chunk asked for when the router counts a stream's tokens."""
+        rename = prof.name if prof.name != parsed.model else None
+        if rename is None and not state.drop_usage:
+            return body
+        return requests.rewrite(
+            body, model=rename, include_usage=state.drop_usage, has_options=parsed.has_options
+        )
+
+    async def _refuse(
+        self, refusal: Refusal, profile: ModelProfile, state: ClientStream
+    ) -> web.StreamResponse:
+        code = refusal.code or ""
+        log.warning("request_failed", request_id=state.rid, model=profile.name, reason=code)
+        if state.response is not None and state.started:
+            # Keep-alive comments already went out as a 200: the status can no longer change.
+            await state.finish_with_error(refusal.message, "server_error", code, refusal.status)
+            return state.response
+        return refusal_response(refusal, state.rid)
+
+    def _remember_session(self, key: str, ep_id: str) -> None:
+        s = self.sessions
+        if s.get(key) == ep_id:
+            return
+        s[key] = ep_id
+        s.move_to_end(key)
+        if len(s) > SESSIONS_KEPT:
+            s.popitem(last=False)
+
+    # ------------------------------------------------------------------ one attempt
+
+    async def _attempt(self, at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:
+        """One try on one endpoint. Raises Retry while nothing has reached the client."""
+        ep = at.endpoint
+        policy = self.cfg.breaker
+        ep.breaker = breaker.on_attempt(ep.breaker, policy, time.monotonic())
+        ep.inflight += 1
+        ep.last_sent = time.monotonic()
+        self.metrics.attempt(ep.id)
+        verdict: bool | None = None  # True success, False fault, None no verdict
+        try:
+            resp = await self._exchange(at, body, state)
+            verdict = True
+            return resp
+        except Retry as exc:
+            verdict = False if exc.fault else None
+            raise
+        except EngineFault:
+            verdict = False
+            assert state.response is not None
+            return state.response
+        finally:
+            ep.inflight -= 1
+            before = ep.breaker.state
+            if verdict is True:
+                ep.breaker = breaker.on_success(ep.breaker)
+            elif verdict is False:
+                ep.breaker = breaker.on_failure(ep.breaker, policy, time.monotonic())
+            else:
+                ep.breaker = breaker.on_abandon(ep.breaker)
+            if ep.breaker.state != before:
+                log.warning("breaker_" + ep.breaker.state, endpoint=ep.id, url=ep.url)
+                self.metrics.breaker_changed(ep.id, ep.breaker.state)
+
+    async def _exchange(self, at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:
+        ep, prof = at.endpoint, at.profile
+        d = prof.deadlines
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        total_at = state.loop_start + d.total_s
+        base = self._bases.get(ep.url)
+        if base is None:
+            base = self._bases[ep.url] = upstream_http.parse_base(ep.url)
+        key, host_header, prefix = base
+        kind = state.kind
+        path = prefix + ("/v1/chat/completions" if kind == "chat" else f"/v1/{kind}")
+        extra = [("X-Request-Id", state.rid)]
+        if ep.api_key:
+            extra.append(("Authorization", f"Bearer {ep.api_key}"))
+        head = upstream_http.request_head(path, host_header, len(body), extra)
+        upstream = await self._open(key, head, body, d, t0, total_at)
+        try:
+            if (
+                state.stream
+                and upstream.status == 200
+                and upstream.content_type == "text/event-stream"
+            ):
+                stream = EngineStream(state, upstream, prof, self, total_at, ep.id)
+                return await relay(stream, self.watchdog, d, t0)
+            # A whole body: a non-streamed answer, or one the client must see as is (a 4xx,
+            # or an engine's JSON answer to a stream request).
+            data = await self._read_body(upstream, d, total_at)
+            if upstream.status == 200:
+                self._account(prof, state.principal, data)
+            self.metrics.first_token(prof.name, loop.time() - state.loop_start)
+            if state.response is not None and state.started:
+                # Keep-alive comments went out as a 200 stream: pass the body as an event.
+                state.stop_keepalive()
+                await state.write(b"data: " + data + b"\n\n")
+                await state.response.write_eof()
+                return state.response
+            return web.Response(
+                status=upstream.status,
+                body=data,
+                content_type=(upstream.content_type or JSON),
+                headers={"X-Request-Id": state.rid},
+            )
+        finally:
+            upstream.close()
+
+    async def _open(
+        self,
+        key: tuple[str, int, bool],
+        head: bytes,
+        body: bytes,
+        d: Deadlines,
+        t0: float,
+        total_at: float,
+    ) -> upstream_http.Response:
+        """Send the request and wait for the response head (connect and headers deadlines).
+
+        Raises Retry for what another endpoint may do better: no connection, no head in
+        time, 5xx, 429.
+        """
+        upstream: upstream_http.Response | None = None
+        try:
+            async with self.watchdog.at(min(t0 + d.headers_s, total_at)):
+                upstream = await self.pool.request(key, head, body, connect_timeout=d.connect_s)
+                status = upstream.status
+                if status == 401:
+                    # The router checked the client itself: an engine's 401 means the key
+                    # the router holds for it is not the engine's (a stale EndpointUp).
+                    raise Retry(
+                        "engine_unauthorized",
+                        502,
+                        "engine refused the router's key for it: the endpoint's EndpointUp"
+                        " does not carry the key its engine was started with",
+                    )
+                if status >= 500 or status == 429:
+                    detail = b""
+                    with contextlib.suppress(TimeoutError, upstream_http.UpstreamError, OSError):
+                        async with asyncio.timeout(1.0):
+                            detail = await upstream.read(2048)
+                    raise Retry(
+                        "overloaded" if status == 429 else f"status_{status}",
+                        429 if status == 429 else 502,
+                        f"engine answered {status}: {detail.decode('utf-8', 'replace')[:300]}",
+                        fault=status != 429,
+                    )
+            return upstream
+        except BaseException as exc:
+            if upstream is not None:
+                upstream.close()
+            raise _as_retry(exc, d) from None
+
+    async def _read_body(
+        self, upstream: upstream_http.Response, d: Deadlines, total_at: float
+    ) -> bytes:
+        try:
+            async with self.watchdog.at(total_at):
+                return await upstream.read()
+        except TimeoutError:
+            raise Retry(
+                "total_timeout", 504, f"engine did not finish within {d.total_s} s"
+            ) from None
+        except (upstream_http.UpstreamError, OSError) as exc:
+            raise Retry("upstream_error", 502, f"engine response failed: {exc}") from None
+
+    # ------------------------------------------------------------------ relay hooks
+
+    def _account(self, prof: ModelProfile, principal: auth.Principal | None, data: bytes) -> None:
+        u = requests.usage_of(data)
+        if u is None or u.usage is None:
+            return
+        self.usage(prof, principal, u.usage)
+
+    def usage(
+        self, prof: ModelProfile, principal: auth.Principal | None, u: requests.Usage
+    ) -> None:
+        self.metrics.count_tokens(prof.name, u.prompt_tokens, u.completion_tokens)
+        if principal is not None and principal.tokens is not None:
+            principal.tokens.spend(time.monotonic(), u.prompt_tokens + u.completion_tokens)
+
+    def first_token(self, model: str, after_s: float) -> None:
+        self.metrics.first_token(model, after_s)
+
+    def slow_client(self, model: str) -> None:
+        self.metrics.slow_client(model)
+
+    def inter_token(self, model: str, gap_s: float) -> None:
+        self.metrics.inter_token(model, gap_s)
+
+
+def _as_retry(exc: BaseException, d: Deadlines) -> BaseException:
+    """What a failure to get a response head becomes: a Retry, or itself (a Retry
+    already, a cancellation, a bug)."""
+    if isinstance(exc, TimeoutError):
+        return Retry("headers_timeout", 504, f"engine sent no response headers within"
+                     f" {d.headers_s} s")  # fmt: skip
+    if isinstance(exc, upstream_http.ConnectTimeout):
+        return Retry("connect_timeout", 504, str(exc))
+    if isinstance(exc, upstream_http.ConnectError):
+        return Retry("connect_error", 502, str(exc))
+    if isinstance(exc, upstream_http.UpstreamError | OSError):
+        return Retry("upstream_error", 502, f"engine connection failed: {exc}")
+    return exc

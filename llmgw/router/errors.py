@@ -1,0 +1,79 @@
+"""The router's failures in one place: what an attempt raises, what a client is told.
+
+`Retry` is an attempt that failed before anything reached the client (another
+endpoint may take the request); `EngineFault` and `ClientGone` end a request
+whose stream has started. `Refusal` is an answer as data (status, message and
+OpenAI's error type and code): admission and the attempt planner return one,
+and only `refusal_response` turns it into an aiohttp response.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from llmgw.router import requests
+
+JSON = "application/json"
+
+
+class Retry(Exception):
+    """An attempt failed before anything reached the client: another endpoint may take it."""
+
+    def __init__(self, reason: str, status: int, message: str, *, fault: bool = True) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+        self.message = message
+        self.fault = fault
+        """Counts against the endpoint's breaker (a 429 is load, not a fault)."""
+
+
+class EngineFault(Exception):
+    """The stream broke after the first byte; the client already got an error event."""
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it went away. Upstream is closed on the way out."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request answered with an OpenAI error instead of a model's answer."""
+
+    status: int
+    message: str
+    type: str
+    """OpenAI's error type: invalid_request_error, permission_error, rate_limit_error, ..."""
+    code: str | None = None
+    close: bool = False
+    """The connection cannot be reused (the rest of a late body may still arrive)."""
+
+    def body(self) -> bytes:
+        return requests.error_body(self.message, self.type, self.code)
+
+
+def retry_refusal(last: Retry) -> Refusal:
+    """What the client is told when no attempt got through: the last attempt's failure."""
+    type_ = "rate_limit_error" if last.status == 429 else "server_error"
+    return Refusal(last.status, last.message, type_, last.reason)
+
+
+def error_response(
+    status: int, message: str, type_: str, code: str | None = None, rid: str = ""
+) -> web.Response:
+    headers = {"X-Request-Id": rid} if rid else None
+    return web.Response(
+        status=status,
+        body=requests.error_body(message, type_, code),
+        content_type=JSON,
+        headers=headers,
+    )
+
+
+def refusal_response(refusal: Refusal, rid: str = "") -> web.Response:
+    resp = error_response(refusal.status, refusal.message, refusal.type, refusal.code, rid)
+    if refusal.close:
+        resp.force_close()
+    return resp

@@ -1,0 +1,96 @@
+"""Admission (llmgw.router.admission) and the aiohttp guard, without a server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from llmgw.core.profile import ModelProfile
+from llmgw.router import admission, aiohttp_direct, auth
+from llmgw.router.errors import Refusal, refusal_response
+from llmgw.router.table import Catalog
+
+
+def _keys(tmp_path: Path, key: str, models: tuple[str, ...], limits: str = "") -> auth.Keys:
+    p = tmp_path / "keys.yaml"
+    p.write_text("keys:\n" + auth.entry_yaml("team", key, models) + limits)
+    return auth.load_keys(p, now=0.0)
+
+
+def _error(r: Refusal) -> dict[str, str]:
+    err: dict[str, str] = msgspec.json.decode(r.body())["error"]
+    return err
+
+
+def test_no_key_and_a_wrong_key_are_401s_in_openai_shape(tmp_path: Path) -> None:
+    key = auth.new_key()
+    keys = _keys(tmp_path, key, ("*",))
+    assert admission.authenticate(None, None) is None  # anonymous router
+    missing = admission.authenticate(keys, None)
+    wrong = admission.authenticate(keys, "Bearer nope")
+    assert isinstance(missing, Refusal)
+    assert isinstance(wrong, Refusal)
+    assert (missing.status, _error(missing)["code"]) == (401, "missing_api_key")
+    assert (wrong.status, _error(wrong)["code"]) == (401, "invalid_api_key")
+    assert isinstance(admission.authenticate(keys, f"Bearer {key}"), auth.Principal)
+
+
+def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:
+    key = auth.new_key()
+    keys = _keys(tmp_path, key, ("m",), "    requests_per_s: 1\n    tokens_per_min: 60\n")
+    principal = keys.lookup(f"Bearer {key}")
+    assert principal is not None
+    catalog = Catalog((ModelProfile(name="m", aliases=("best",)), ModelProfile(name="other")))
+    unknown = admission.resolve(catalog, "nope")
+    assert isinstance(unknown, Refusal)
+    assert _error(unknown)["code"] == "model_not_found"
+    other = admission.resolve(catalog, "other")
+    assert isinstance(other, ModelProfile)
+    refused = admission.admit(principal, "other", other, 0.0)
+    assert refused is not None
+    assert (refused.status, refused.type, refused.code) == (
+        403, "permission_error", "model_not_allowed"
+    )  # fmt: skip
+    m = admission.resolve(catalog, "best")  # by alias: the canonical name is allowed
+    assert isinstance(m, ModelProfile)
+    assert admission.admit(principal, "best", m, 0.0) is None
+    over = admission.admit(principal, "m", m, 0.0)  # one request per second, taken
+    assert over is not None
+    assert (over.status, over.code) == (429, "rate_limit_exceeded")
+    assert principal.tokens is not None
+    principal.tokens.spend(1.0, 1000)
+    spent = admission.admit(principal, "m", m, 1.0)
+    assert spent is not None
+    assert (spent.status, spent.code) == (429, "tokens_exceeded")
+    assert spent.type == "rate_limit_error"
+
+
+def test_a_late_body_refusal_closes_the_connection() -> None:
+    late = admission.body_late(1.0)
+    assert late.close
+    assert late.status == 408
+    assert refusal_response(late).keep_alive is False
+    assert refusal_response(admission.body_too_large(10)).keep_alive is None
+
+
+@pytest.mark.parametrize(
+    ("version", "known"),
+    [
+        ("3.12.0", True),
+        ("3.14.5", True),
+        ("3.15.0", False),
+        ("3.11.18", False),
+        ("4.0.0a1", False),
+        ("garbage", False),
+    ],
+)
+def test_the_aiohttp_guard_knows_its_versions(version: str, known: bool) -> None:
+    assert aiohttp_direct.supported(version) is known
+    assert (aiohttp_direct._why_not(version, "") == "") is known
+
+
+def test_the_direct_writes_can_be_turned_off() -> None:
+    assert "LLMGW_AIOHTTP_DIRECT=0" in aiohttp_direct._why_not("3.14.5", "0")
+    assert aiohttp_direct._why_not("3.14.5", "1") == ""
