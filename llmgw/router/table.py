@@ -6,7 +6,7 @@ per engine, with add / remove / mark-draining. Today the static router config
 fills both at start; the control plane's ModelDeclared / ModelChanged /
 ModelRemoved and EndpointUp / EndpointDown events will call the same methods.
 `Prober` keeps each endpoint's readiness (/health) and load (/metrics) fresh.
-Used by `llmgw.router.app`.
+Used by `llmgw.router.app`, `dispatch`, `admission` and `feed`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ TCP_NODELAY is set on every connection.
 
 A response that ends early raises `UpstreamError`; closing a response that is
 not complete aborts its connection, so the engine sees the client leave and
-frees the request's KV blocks. Used by `llmgw.router.app`; health and metrics
+frees the request's KV blocks. Used by `llmgw.router.dispatch`; health and metrics
 probes use aiohttp (not hot).
 """
 
