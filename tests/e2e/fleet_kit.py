@@ -22,9 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -56,20 +54,12 @@ from llmgw.pki.identity import Identity
 from llmgw.sim.testing import wait_for_line
 from tests.harness import ADMIN_KEY, TestNatsCluster, TestNatsServer, wait_for
 from tests.integration import agent_kit
+from tests.kit.processes import Proc, killpg
+from tests.kit.timings import FAST_FLEET, HEARTBEAT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
-FAST = ReconcileConfig(
-    unreachable_after_s=2.0,
-    lost_after_s=4.0,
-    restart_backoff_s=0.5,
-    restart_backoff_max_s=2.0,
-    shard_drain_s=1.0,
-    stop_grace_s=2.0,
-    change_grace_s=30.0,
-)
-HEARTBEAT_S = 0.5
 # Engines with a step time, so streams are in flight when things fail (16 tokens ~ 0.1 s).
 SIM_ARGS = ("--decode-base-ms", "5")
 
@@ -91,7 +81,7 @@ def sim_model(name: str = "m1", replicas: int = 2, **fields: Any) -> ModelProfil
 # --------------------------------------------------------------------------- processes
 
 
-class Service:
+class Service(Proc):
     """One llmgw service subprocess: ready when its announce line matches `ready`.
 
     stdout is read until that line, then copied to the log by a thread, so that the
@@ -100,12 +90,13 @@ class Service:
     the service can take its whole group with it.
     """
 
+    log_path: Path
+
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, ready: str) -> None:
+        super().__init__(None, log_path)
         self.name = name
         self.argv = list(argv)
-        self.log_path = log_path
         self.ready = re.compile(ready)
-        self.proc: subprocess.Popen[bytes] | None = None
         self.match: re.Match[str] | None = None
 
     def start(self, timeout_s: float = 60.0) -> re.Match[str]:
@@ -135,26 +126,14 @@ class Service:
             for line in self.proc.stdout:
                 log.write(line)
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def kill9(self) -> None:
         """SIGKILL the service and anything left in its process group."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait(10)
+        if self.proc is not None:
+            killpg(self.proc)
 
     def terminate(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, then (at once if it exited, after `timeout_s` if not) SIGKILL to the
+        group: nothing it started outlives the test."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -162,11 +141,6 @@ class Service:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)
         self.kill9()
-
-    def log_tail(self, lines: int = 40) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def loopback_base(tmp: Path) -> str:
@@ -192,7 +166,7 @@ class Fleet:
     stream_replicas: int = 1
     control_name: str = "control-1"
     router_name: str = "router-1"
-    reconcile: ReconcileConfig = FAST
+    reconcile: ReconcileConfig = FAST_FLEET
     control: Service | None = None
     agents: dict[str, Service] = field(default_factory=dict)
     router: Service | None = None

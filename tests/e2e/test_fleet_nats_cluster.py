@@ -34,7 +34,9 @@ async def fleet(nats_cluster: TestNatsCluster, tmp_path: Path) -> AsyncIterator[
     # shorter than a stream leader election plus a reconnect takes on a machine whose
     # cores are both busy; production's is far longer. What this test shows is that the
     # loss of a server does not look like the loss of a node, at any such timeout.
-    quick = msgspec.structs.replace(fleet_kit.FAST, unreachable_after_s=6.0, lost_after_s=15.0)
+    quick = msgspec.structs.replace(
+        fleet_kit.FAST_FLEET, unreachable_after_s=6.0, lost_after_s=15.0
+    )
     f = Fleet(nats_cluster, tmp_path, stream_replicas=3, reconcile=quick)
     try:
         yield f

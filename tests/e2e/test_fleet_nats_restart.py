@@ -24,7 +24,7 @@ import pytest
 
 from llmgw.core import events
 from tests.e2e.fleet_kit import (
-    FAST,
+    FAST_FLEET,
     Fleet,
     Load,
     on_node,
@@ -47,7 +47,7 @@ RANK = {"starting": 1, "loading": 2, "serving": 3, "draining": 4, "stopped": 5, 
 async def fleet(nats_server: TestNatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
     # Lost only after 15 s: after the restart each client reconnects on its own jittered
     # backoff (up to seconds apart), and this test is about the log, not about liveness.
-    f = Fleet(nats_server, tmp_path, reconcile=msgspec.structs.replace(FAST, lost_after_s=15))
+    f = Fleet(nats_server, tmp_path, reconcile=msgspec.structs.replace(FAST_FLEET, lost_after_s=15))
     try:
         yield f
     finally:

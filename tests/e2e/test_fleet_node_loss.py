@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.e2e.fleet_kit import (
-    FAST,
+    FAST_FLEET,
     HEARTBEAT_S,
     Fleet,
     Load,
@@ -84,9 +84,9 @@ async def test_a_killed_node_is_lost_its_replica_moves_and_traffic_goes_on(
     assert len(load.failures) <= load.clients, f"{load.summary()}\n{fleet.logs()}"
     assert all(f.at >= killed for f in load.failures), load.summary()
     assert not load.failed_since(dead_by), f"{load.summary()}\n{fleet.logs()}"
-    assert dropped_s < FAST.unreachable_after_s, f"router dropped the endpoint after {dropped_s}"
+    assert dropped_s < FAST_FLEET.unreachable_after_s, f"router dropped it after {dropped_s}"
     # From the last heartbeat (up to one interval, or two on a busy machine, before the kill).
-    assert liveness["unreachable"] >= FAST.unreachable_after_s - 2 * HEARTBEAT_S, liveness
+    assert liveness["unreachable"] >= FAST_FLEET.unreachable_after_s - 2 * HEARTBEAT_S, liveness
     rows = await fleet.replicas()
     assert not any(on_node(r, "node-a") and serving(r) for r in rows), rows
     print(

@@ -32,6 +32,7 @@ from llmgw.core import events, subjects
 from llmgw.core.profile import LaunchSpec
 from llmgw.pki.identity import Identity
 from tests.harness import TestNatsServer
+from tests.kit.processes import Proc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -226,10 +227,6 @@ def _short(ev: events.AnyEvent) -> str:
     return events.tag_of(type(ev))
 
 
-def pid_alive(pid: int) -> bool:
-    return processes.fingerprint(pid) is not None
-
-
 def kill_engines(state_dir: Path) -> None:
     """Tests end with no engine left: engines outlive the agent by design."""
     for _, record in pidfiles.load_all(state_dir):
@@ -238,13 +235,12 @@ def kill_engines(state_dir: Path) -> None:
                 os.killpg(record.pgid, signal.SIGKILL)
 
 
-class AgentProcess:
+class AgentProcess(Proc):
     """`llmgw agent --config FILE` as a real subprocess."""
 
     def __init__(self, config_path: Path, log_path: Path) -> None:
+        super().__init__(None, log_path)
         self.config_path = config_path
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait_started: bool = True) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 (handed to the child)
@@ -261,27 +257,11 @@ class AgentProcess:
             assert line.startswith("llmgw agent "), (line, self.log_tail())
             assert "started" in line, (line, self.log_tail())
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
     def kill9(self) -> None:
         assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
+        self.kill()
 
     def terminate(self) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.terminate()
-        try:
-            return self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(5)
-
-    def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        """SIGTERM; its exit code (SIGKILL after 15 s)."""
+        code = self.stop(15)
+        return 0 if code is None else code

@@ -25,20 +25,10 @@ from llmgw.control.service import ControlService
 from llmgw.core import events, subjects
 from llmgw.core.inventory import Gpu
 from llmgw.core.profile import ModelProfile
-from llmgw.core.reconcile import ReconcileConfig
 from llmgw.pki.authorization import command_consumer
 from llmgw.pki.identity import Identity
 from tests.harness import TestNatsServer, connect_as
-
-FAST = ReconcileConfig(
-    unreachable_after_s=2.0,
-    lost_after_s=4.0,
-    restart_backoff_s=0.5,
-    restart_backoff_max_s=2.0,
-    shard_drain_s=0.5,
-    stop_grace_s=1.0,
-    change_grace_s=10.0,
-)
+from tests.kit.timings import FAST
 
 
 def model(name: str = "m1", replicas: int = 1, **fields: Any) -> ModelProfile:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,48 +20,27 @@ from typing import Any
 import yaml
 
 from llmgw.sim.testing import SimProcess, wait_for_line
+from tests.kit.processes import Proc
 
 PY = sys.executable
 LINE = re.compile(r"listening on (http://[^\s]+)(?: admin (http://[^\s]+))?")
-
-
-class Proc:
-    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
-        self.proc = proc
-        self.url = url
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 class Sim(Proc):
     """One `llmgw sim` engine, started by the package's own test helper."""
 
     def __init__(self, sim: SimProcess) -> None:
-        super().__init__(sim.proc, sim.url)
+        super().__init__(sim.proc)
+        self.url = sim.url
         self.sim = sim
 
     @classmethod
     def start(cls, name: str = "m", *args: str, log: Path | None = None) -> Sim:
         return cls(SimProcess.start(*args, model=name, timeout=30, log=log))
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> int | None:
         self.sim.stop(timeout)
+        return self.sim.proc.returncode
 
     def get(self, path: str) -> bytes:
         with urllib.request.urlopen(self.url + path, timeout=5) as r:
@@ -91,6 +69,7 @@ class Sim(Proc):
 class Router(Proc):
     """One `llmgw router --config ...` with a generated config."""
 
+    url: str
     admin: str
 
     @classmethod
@@ -145,8 +124,8 @@ class Router(Proc):
             proc.wait()
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{exc} stderr={tail}") from None
-        r = cls(proc, m.group(1))
-        r.admin = m.group(2)
+        r = cls(proc, log_path)
+        r.url, r.admin = m.group(1), m.group(2)
         r.wait_ready()
         return r
 
