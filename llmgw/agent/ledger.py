@@ -212,6 +212,29 @@ def superseded(cmd: events.Command, later: Sequence[events.Command], epoch: int)
     return False
 
 
+def successors(batch: Sequence[object]) -> list[list[events.Command]]:
+    """For each event of a batch, the commands on its shard after it in the batch.
+
+    What may supersede a start (`superseded`); an event that is no command has none.
+    Purely computational, no side effects.
+    """
+    per_shard: dict[str, list[events.Command]] = {}
+    for ev in batch:
+        if isinstance(ev, events.Command):
+            per_shard.setdefault(key(ev.replica_id, ev.shard), []).append(ev)
+    position: dict[str, int] = {}
+    out: list[list[events.Command]] = []
+    for ev in batch:
+        later: list[events.Command] = []
+        if isinstance(ev, events.Command):
+            k = key(ev.replica_id, ev.shard)
+            p = position.get(k, 0)
+            position[k] = p + 1
+            later = per_shard[k][p + 1 :]
+        out.append(later)
+    return out
+
+
 def note_started(ledger: Ledger, replica_id: str, shard: int, generation: int, now: float) -> None:
     entry = ledger.shards.setdefault(key(replica_id, shard), Applied())
     entry.started = max(entry.started, generation)

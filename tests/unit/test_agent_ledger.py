@@ -98,6 +98,12 @@ def test_superseded_starts_in_a_backlog() -> None:
     assert not ledger.superseded(stop(1), [start(2)], epoch=1)
 
 
+def test_successors_are_the_later_commands_on_the_same_shard() -> None:
+    a1, other, a2, a3 = start(1), start(1, rid="o"), stop(1), start(2)
+    hb = object()  # not a command: it has no successors and is none
+    assert ledger.successors([a1, hb, other, a2, a3]) == [[a2, a3], [], [], [a3], []]
+
+
 def test_persistence_and_corruption(tmp_path: Path) -> None:
     assert ledger.load(tmp_path) == ledger.Ledger()
     book = ledger.Ledger(last_seq=42, epoch=3)
