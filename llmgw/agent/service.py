@@ -47,7 +47,7 @@ from llmgw.agent import config as agent_config
 from llmgw.agent import discovery, engines, ledger, refresh, reports
 from llmgw.agent.applier import Applier
 from llmgw.agent.config import AgentConfig
-from llmgw.agent.engines import validation
+from llmgw.agent.engines import policy
 from llmgw.agent.lease_bound import LeaseBound
 from llmgw.agent.outbox import Outbox
 from llmgw.agent.supervisor import LIVE, Settings, ShardView, Supervisor, status_event
@@ -486,5 +486,5 @@ class AgentService:
 
     def _plan(self, cmd: events.StartShard, busy: frozenset[int]) -> engines.Launch:
         # The operator's env and engine arguments, bounded by this node's own policy.
-        validation.check_policy(cmd.launch, self.cfg.launch, source=self.config_source)
+        policy.check_policy(cmd.launch, self.cfg.launch, source=self.config_source)
         return engines.plan(cmd.launch, self.inventory, self.context, busy_gpus=busy)
