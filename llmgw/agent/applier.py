@@ -13,7 +13,8 @@ from pathlib import Path
 
 from llmgw import logs
 from llmgw.agent import engines, ledger
-from llmgw.agent.supervisor import LIVE, ShardView, Supervisor
+from llmgw.agent.shards import LIVE, ShardView
+from llmgw.agent.supervisor import Supervisor
 from llmgw.core import events
 
 log = logs.get("llmgw.agent.service")

@@ -33,7 +33,7 @@ from typing import Literal
 import msgspec
 
 from llmgw import logs
-from llmgw.agent.supervisor import LIVE, ShardView
+from llmgw.agent.shards import LIVE, ShardView
 from llmgw.core import events
 
 Action = Literal["start", "stop", "drain", "report_stopped", "ignore"]

@@ -50,7 +50,8 @@ from llmgw.agent.config import AgentConfig
 from llmgw.agent.engines import policy
 from llmgw.agent.lease_bound import LeaseBound
 from llmgw.agent.outbox import Outbox
-from llmgw.agent.supervisor import LIVE, Settings, ShardView, Supervisor, status_event
+from llmgw.agent.shards import LIVE, ShardView, status_event
+from llmgw.agent.supervisor import Settings, Supervisor
 from llmgw.core import events, subjects
 from llmgw.core.inventory import Inventory
 from llmgw.pki import authorization
@@ -185,6 +186,25 @@ class AgentService:
                     pid=result.pid,
                     reason=result.reason,
                 )
+        await self._discover_node()
+        self.context = agent_config.launch_context(cfg, self.inventory)
+        # Queued before any adopted shard's first status: the log shows the node first.
+        self._register()
+        self.started.set()
+        log.info(
+            "agent_started",
+            node=self.node,
+            gpus=len(self.inventory.gpus),
+            source=self.source,
+            adopted=[v.replica_id for v in self.supervisor.views()],
+            outbox=len(self.outbox),
+            commands_after_seq=self.ledger.last_seq,
+        )
+
+    async def _discover_node(self) -> None:
+        """Read the node's GPUs, adapters and fabrics into `inventory`, warning of surprises."""
+        assert self.supervisor is not None
+        cfg = self.cfg
         # After adoption: our engines' GPU memory must not count as foreign.
         found = await asyncio.to_thread(
             self._discover,
@@ -201,19 +221,6 @@ class AgentService:
         self.inventory = found.inventory
         self.source = found.source
         self._hcas_simulated = found.hcas_simulated
-        self.context = agent_config.launch_context(cfg, self.inventory)
-        # Queued before any adopted shard's first status: the log shows the node first.
-        self._register()
-        self.started.set()
-        log.info(
-            "agent_started",
-            node=self.node,
-            gpus=len(self.inventory.gpus),
-            source=self.source,
-            adopted=[v.replica_id for v in self.supervisor.views()],
-            outbox=len(self.outbox),
-            commands_after_seq=self.ledger.last_seq,
-        )
 
     def _load_ledger(self) -> ledger.Ledger:
         try:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.agent import ledger
-from llmgw.agent.supervisor import ShardView
+from llmgw.agent.shards import ShardView
 from llmgw.core import events
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec

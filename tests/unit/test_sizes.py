@@ -64,8 +64,7 @@ def offences(name: str, source: str) -> list[str]:
         above = lines[first - 2] if first >= 2 else ""
         if not _reason(_FUNCTION_MARKER, above):
             found.append(
-                f"{name}:{node.lineno}: {node.name} is {length} lines "
-                f"(limit {MAX_FUNCTION_LINES})"
+                f"{name}:{node.lineno}: {node.name} is {length} lines (limit {MAX_FUNCTION_LINES})"
             )
     return found
 
@@ -135,6 +134,4 @@ def test_the_rule_catches_an_oversized_module() -> None:
     assert offences("m.py", "# long module: a table of metrics\n" + source) == []
     late = "x = 1\n" * MODULE_MARKER_WINDOW + "# long module: too late\n" + source
     assert len(offences("m.py", late)) == 1
-    assert offences("m.py", "# long module:\nx = 1\n") == [
-        "m.py:1: a size marker without a reason"
-    ]
+    assert offences("m.py", "# long module:\nx = 1\n") == ["m.py:1: a size marker without a reason"]
