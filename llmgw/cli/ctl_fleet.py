@@ -4,7 +4,7 @@ nodes, replicas, models, explain-placement read the state by folding the log her
 (newest snapshot + tail, `llmgw.ctl.history`); apply, cordon, uncordon and drain
 publish operator events carrying the identity of the certificate, then fold up to
 them so that an event the fold refuses is reported too. The log's own tools (events,
-replay, status) are in llmgw.cli.ctl_history.
+replay, status) are in llmgw.cli.ctl_history and llmgw.cli.ctl_status.
 """
 
 from __future__ import annotations
