@@ -16,7 +16,7 @@ from llmgw import config, logs
 from llmgw.sim.config import SimConfig, StallAt
 
 
-# long: one typer option per simulator setting (a flat list); the work is in _serve
+# long: one typer option per simulator setting and the dict they fill; _serve does the work
 def command(
     host: str | None = typer.Option(None, "--host", help="Address to listen on [127.0.0.1]."),
     port: int | None = typer.Option(
