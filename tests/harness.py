@@ -51,7 +51,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
-from llmgw import bus, natsd
+from llmgw import bus, natsconf, natsd
 from llmgw.bus import keys as bus_keys
 from llmgw.core import events, subjects
 from llmgw.pki import authorization, signing, tls
@@ -258,7 +258,7 @@ class TestNatsServer:
         self.host = "127.0.0.1"
         self.port = 0
         # Set by TestNatsCluster before the first start.
-        self.cluster: natsd.ClusterConfig | None = None
+        self.cluster: natsconf.ClusterConfig | None = None
         self._server: natsd.NatsServer | None = None
 
     @property
@@ -275,7 +275,7 @@ class TestNatsServer:
 
     def _render(self) -> None:
         certs = self.pki.certs
-        cfg = natsd.ServerConfig(
+        cfg = natsconf.ServerConfig(
             store_dir=self.store_dir,
             cert_file=certs.server_cert.resolve(),
             key_file=certs.server_key.resolve(),
@@ -290,7 +290,7 @@ class TestNatsServer:
             sync_interval=self.sync_interval,
             cluster=self.cluster,
         )
-        self.config_path.write_text(natsd.render_config(cfg))
+        self.config_path.write_text(natsconf.render_config(cfg))
 
     @property
     def urls(self) -> list[str]:
@@ -377,7 +377,7 @@ class TestNatsCluster:
             route_ports = [natsd.free_port() for _ in self.servers]
             routes = tuple(f"127.0.0.1:{p}" for p in route_ports)
             for server, port in zip(self.servers, route_ports, strict=True):
-                server.cluster = natsd.ClusterConfig(
+                server.cluster = natsconf.ClusterConfig(
                     name=self.name,
                     host="127.0.0.1",
                     port=port,

@@ -19,7 +19,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.agent.engines.common import LaunchContext
-from llmgw.agent.engines.validation import LaunchPolicy, policy_errors
+from llmgw.agent.engines.policy import LaunchPolicy, policy_errors
 from llmgw.bus.settings import NatsConnection
 from llmgw.core import placement, subjects
 from llmgw.core.inventory import Hca, Inventory

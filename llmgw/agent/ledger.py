@@ -33,7 +33,7 @@ from typing import Literal
 import msgspec
 
 from llmgw import logs
-from llmgw.agent.supervisor import LIVE, ShardView
+from llmgw.agent.shards import LIVE, ShardView
 from llmgw.core import events
 
 Action = Literal["start", "stop", "drain", "report_stopped", "ignore"]
@@ -210,6 +210,29 @@ def superseded(cmd: events.Command, later: Sequence[events.Command], epoch: int)
         if isinstance(other, events.StartShard) and other.generation > cmd.generation:
             return True
     return False
+
+
+def successors(batch: Sequence[object]) -> list[list[events.Command]]:
+    """For each event of a batch, the commands on its shard after it in the batch.
+
+    What may supersede a start (`superseded`); an event that is no command has none.
+    Purely computational, no side effects.
+    """
+    per_shard: dict[str, list[events.Command]] = {}
+    for ev in batch:
+        if isinstance(ev, events.Command):
+            per_shard.setdefault(key(ev.replica_id, ev.shard), []).append(ev)
+    position: dict[str, int] = {}
+    out: list[list[events.Command]] = []
+    for ev in batch:
+        later: list[events.Command] = []
+        if isinstance(ev, events.Command):
+            k = key(ev.replica_id, ev.shard)
+            p = position.get(k, 0)
+            position[k] = p + 1
+            later = per_shard[k][p + 1 :]
+        out.append(later)
+    return out
 
 
 def note_started(ledger: Ledger, replica_id: str, shard: int, generation: int, now: float) -> None:

@@ -74,3 +74,10 @@ def trim(path: Path, max_bytes: int, keep_bytes: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def redact(lines: tuple[str, ...], api_key: str) -> tuple[str, ...]:
+    """The engine's output as it may leave the node: without its API key."""
+    if not api_key:
+        return lines
+    return tuple(line.replace(api_key, "<api key>") for line in lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from llmgw.agent.supervisor import LIVE, ShardView, running_shard, status_event
+from llmgw.agent.shards import LIVE, ShardView, running_shard, status_event
 from llmgw.core import events
 from llmgw.core.inventory import Gpu, Inventory
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import ssl
 import time
@@ -41,19 +40,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats.js.errors
 
 from llmgw import __version__, bus, logs
 from llmgw import tasks as tasks_
 from llmgw.agent import config as agent_config
-from llmgw.agent import discovery, engines, ledger, reports
+from llmgw.agent import discovery, engines, ledger, refresh, reports
+from llmgw.agent.applier import Applier
 from llmgw.agent.config import AgentConfig
-from llmgw.agent.discovery import infiniband
-from llmgw.agent.engines import validation
+from llmgw.agent.engines import policy
+from llmgw.agent.lease_bound import LeaseBound
 from llmgw.agent.outbox import Outbox
-from llmgw.agent.supervisor import LIVE, Settings, ShardView, Supervisor, status_event
-from llmgw.bus import keys as bus_keys
-from llmgw.bus import lease as bus_lease
+from llmgw.agent.shards import LIVE, ShardView, status_event
+from llmgw.agent.supervisor import Settings, Supervisor
 from llmgw.core import events, subjects
 from llmgw.core.inventory import Inventory
 from llmgw.pki import authorization
@@ -62,10 +60,6 @@ from llmgw.pki.identity import Identity
 log = logs.get("llmgw.agent.service")
 
 Discover = Callable[..., discovery.Discovery]
-
-LEASE_READS = 3
-"""Reads of the leader lease before a command's epoch counts as beyond it."""
-LEASE_REREAD_S = 0.25
 
 
 def _new_id() -> str:
@@ -111,11 +105,10 @@ class AgentService:
         self._hcas_simulated = False
         self.registrations = 0
         self.heartbeats_sent = 0
-        self.commands_applied = 0
-        self.commands_refused = 0
-        """Commands refused for an epoch beyond the leader lease's (never applied or kept)."""
-        self.lease_epoch = 0
-        """The highest epoch a live leader lease has shown this agent."""
+        self.lease = LeaseBound(self.node, self.state_dir)
+        """The leader lease's epoch as seen here, and the commands refused beyond it."""
+        self.applier: Applier | None = None
+        """Carries out the commands; counts those applied."""
         self._wake = asyncio.Event()
         self._reader: bus.Reader | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
@@ -176,6 +169,15 @@ class AgentService:
             ),
             self._on_change,
         )
+        self.applier = Applier(
+            node=self.node,
+            supervisor=self.supervisor,
+            book=self.ledger,
+            state_dir=self.state_dir,
+            clock=self.clock,
+            status=self._status,
+            plan=self._plan,
+        )
         for result in await self.supervisor.adopt():
             if not result.adopted:
                 log.warning(
@@ -184,6 +186,25 @@ class AgentService:
                     pid=result.pid,
                     reason=result.reason,
                 )
+        await self._discover_node()
+        self.context = agent_config.launch_context(cfg, self.inventory)
+        # Queued before any adopted shard's first status: the log shows the node first.
+        self._register()
+        self.started.set()
+        log.info(
+            "agent_started",
+            node=self.node,
+            gpus=len(self.inventory.gpus),
+            source=self.source,
+            adopted=[v.replica_id for v in self.supervisor.views()],
+            outbox=len(self.outbox),
+            commands_after_seq=self.ledger.last_seq,
+        )
+
+    async def _discover_node(self) -> None:
+        """Read the node's GPUs, adapters and fabrics into `inventory`, warning of surprises."""
+        assert self.supervisor is not None
+        cfg = self.cfg
         # After adoption: our engines' GPU memory must not count as foreign.
         found = await asyncio.to_thread(
             self._discover,
@@ -200,19 +221,6 @@ class AgentService:
         self.inventory = found.inventory
         self.source = found.source
         self._hcas_simulated = found.hcas_simulated
-        self.context = agent_config.launch_context(cfg, self.inventory)
-        # Queued before any adopted shard's first status: the log shows the node first.
-        self._register()
-        self.started.set()
-        log.info(
-            "agent_started",
-            node=self.node,
-            gpus=len(self.inventory.gpus),
-            source=self.source,
-            adopted=[v.replica_id for v in self.supervisor.views()],
-            outbox=len(self.outbox),
-            commands_after_seq=self.ledger.last_seq,
-        )
 
     def _load_ledger(self) -> ledger.Ledger:
         try:
@@ -370,49 +378,21 @@ class AgentService:
                 log.warning("agent_heartbeat_failed", error=str(exc))
 
     async def _refresh_health(self) -> None:
-        """Re-read GPU health (ECC, row remapping, foreign memory) for heartbeats and
-        launch validation, and the fabrics."""
+        """Re-read GPU health and the fabrics (`llmgw.agent.refresh`); re-register when
+        the usable fabrics changed."""
         if self.supervisor is None:
             return
-        await self._refresh_fabrics()
-        if self.source == "simulated":
-            return
-        try:
-            found = await asyncio.to_thread(
-                discovery.discover_gpus,
-                own_pids=self.supervisor.own_pids(),
-                own_gpus=self.supervisor.busy_gpus(),
-            )
-        except discovery.DiscoveryError as exc:
-            log.warning("gpu_health_refresh_failed", error=str(exc))
-            return
-        self.inventory = msgspec.structs.replace(self.inventory, gpus=found.gpus)
-
-    async def _refresh_fabrics(self) -> None:
-        """Re-read the RDMA adapters; re-register when the usable fabrics changed.
-
-        A fabric whose ports went down (a cable, the subnet manager) must stop
-        being advertised, or the scheduler keeps placing multi-node replicas that
-        hang on their first all-reduce; one that came back is advertised again.
-        """
-        if self._hcas_simulated:
-            return
-        cfg = self.cfg
-        hcas = await asyncio.to_thread(infiniband.read_hcas, cfg.infiniband_root)
-        notes: list[str] = []
-        usable = discovery.fabrics([(f.name, f.hcas) for f in cfg.fabrics], hcas, notes)
-        if usable == self.inventory.fabrics:
-            return
-        for note in notes:
-            log.warning("fabric_warning", detail=note)
-        log.info(
-            "fabrics_changed",
-            before=[f.name for f in self.inventory.fabrics],
-            after=[f.name for f in usable],
-        )
-        self.inventory = msgspec.structs.replace(self.inventory, hcas=hcas, fabrics=usable)
-        self.context = agent_config.launch_context(cfg, self.inventory)
-        self._register()
+        if not self._hcas_simulated:
+            cfg = self.cfg
+            changed = await refresh.fabrics(self.inventory, cfg.fabrics, cfg.infiniband_root)
+            if changed is not None:
+                self.inventory = changed
+                self.context = agent_config.launch_context(cfg, self.inventory)
+                self._register()
+        if self.source != "simulated":
+            found = await refresh.gpus(self.supervisor)
+            if found is not None:
+                self.inventory = msgspec.structs.replace(self.inventory, gpus=found)
 
     # ------------------------------------------------------------------ commands in
 
@@ -441,104 +421,23 @@ class AgentService:
         self._reader = reader
         with contextlib.suppress(Exception):
             # Best effort: heals an epoch on disk no leader had before the first command.
-            await self._read_lease()
+            await self.lease.read(self.nc, self.ledger)
         log.info("agent_reading_commands", after_seq=self.ledger.last_seq)
         async for records in reader.batches():
             # Refused ones first: a command no leader could have sent must not supersede.
-            batch = [r for r in records if await self._within_lease(r)]
-            # Each shard's commands in this batch, in order: what may supersede a start.
-            per_shard: dict[str, list[events.Command]] = {}
-            for record in batch:
-                if isinstance(record.event, events.Command):
-                    ev = record.event
-                    per_shard.setdefault(ledger.key(ev.replica_id, ev.shard), []).append(ev)
-            position: dict[str, int] = {}
-            for record in batch:
-                later: list[events.Command] = []
-                if isinstance(record.event, events.Command):
-                    k = ledger.key(record.event.replica_id, record.event.shard)
-                    p = position.get(k, 0)
-                    position[k] = p + 1
-                    later = per_shard[k][p + 1 :]
+            batch = [r for r in records if await self._admitted(r)]
+            for record, later in zip(
+                batch, ledger.successors([r.event for r in batch]), strict=True
+            ):
                 self._dispatch(record, later)
             self._advance()
 
-    async def _within_lease(self, record: bus.Record) -> bool:
-        """False (logged, counted) for a command whose epoch no leader lease has shown.
-
-        A new leader's first commands carry an epoch above the one cached here: the
-        lease is re-read before refusing them. What is refused is not applied and does
-        not raise the ledger's epoch, so it cannot make the agent ignore the leader.
-        """
-        cmd = record.event
-        if not isinstance(cmd, events.Command) or cmd.node != self.node:
-            return True
-        for attempt in range(LEASE_READS):
-            if cmd.epoch <= self.lease_epoch:
-                return True
-            if attempt:
-                # A replica answering the read may lag the new leader's acquisition.
-                await asyncio.sleep(LEASE_REREAD_S * attempt)
-            await self._reread_lease()
-        why = ledger.beyond_lease(cmd, self.lease_epoch)
-        if not why:
-            return True
-        self.commands_refused += 1
-        self._dispatched_seq = max(self._dispatched_seq, record.seq)
-        log.warning(
-            "agent_command_refused",
-            seq=record.seq,
-            id=cmd.id,
-            type=events.tag_of(type(cmd)),
-            replica_id=cmd.replica_id,
-            reason=why,
-            refused=self.commands_refused,
-        )
-        return False
-
-    async def _reread_lease(self) -> None:
-        """Read the lease until it answers: a command is neither obeyed nor lost unread."""
-        wait = 0.2
-        while True:
-            try:
-                await self._read_lease()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("agent_lease_unreadable", error=repr(exc), retry_in_s=wait)
-                await asyncio.sleep(wait)
-                wait = min(wait * 2, 5.0)
-
-    async def _read_lease(self) -> None:
-        """Raise `lease_epoch` to the live lease's; an epoch on disk above it is garbage."""
+    async def _admitted(self, record: bus.Record) -> bool:
         assert self.nc is not None
-        stream = f"KV_{bus.LEASE_BUCKET}"
-        try:
-            msg = await self.nc.jetstream().get_last_msg(stream, f"$KV.{bus.LEASE_BUCKET}.leader")
-        except nats.js.errors.NotFoundError:
-            return  # no leader now (expired or released): the highest seen stays
-        epoch = ledger.lease_epoch(msg.seq or 0, msg.data, msg.headers)
-        if epoch is None:
-            return
-        # Only a value its control plane signed shows an epoch (a forged one raises none).
-        verifier = bus_keys.verifier_of(self.nc)
-        checked = (
-            "no verifier"
-            if verifier is None
-            else bus_lease.verified_value(verifier, msg.data or b"", time.time(), math.inf)
-        )
-        if isinstance(checked, str):
-            log.warning("agent_lease_refused", seq=msg.seq, why=checked)
-            return
-        self.lease_epoch = max(self.lease_epoch, epoch)
-        if self.ledger.epoch > epoch:
-            # The live holder's epoch is the highest any leader had: more was never real.
-            log.warning(
-                "agent_ledger_epoch_beyond_lease", epoch=self.ledger.epoch, lease_epoch=epoch
-            )
-            self.ledger.epoch = epoch
-            ledger.save(self.state_dir, self.ledger)
+        if await self.lease.admits(self.nc, self.ledger, record):
+            return True
+        self._dispatched_seq = max(self._dispatched_seq, record.seq)
+        return False
 
     def _dispatch(self, record: bus.Record, later: list[events.Command]) -> None:
         cmd = record.event
@@ -579,107 +478,20 @@ class AgentService:
     async def _apply_after(
         self, before: asyncio.Task[None] | None, seq: int, cmd: events.Command, skip: bool
     ) -> None:
+        assert self.applier is not None
         if before is not None:
             # Commands on one shard apply in order: a restart's stop before its start.
             await asyncio.wait([before])
         try:
-            await self._apply(seq, cmd, skip)
+            await self.applier.apply(seq, cmd, skip)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.exception("agent_command_failed", seq=seq, id=cmd.id)
             if isinstance(cmd, events.StartShard):
-                self._refused(cmd, f"the agent could not apply the command: {exc!r}")
+                self.applier.refused(cmd, f"the agent could not apply the command: {exc!r}")
 
-    async def _apply(self, seq: int, cmd: events.Command, skip: bool) -> None:
-        assert self.supervisor is not None
-        sup = self.supervisor
-        decision = ledger.decide(cmd, self.ledger, sup.view(cmd.replica_id, cmd.shard))
-        fields = {
-            "seq": seq,
-            "type": events.tag_of(type(cmd)),
-            "replica_id": cmd.replica_id,
-            "generation": cmd.generation,
-            "shard": cmd.shard,
-        }
-        if decision.action == "start" and skip:
-            ledger.note_started(
-                self.ledger, cmd.replica_id, cmd.shard, cmd.generation, self.clock()
-            )
-            log.info("agent_command_superseded", **fields)
-            return
-        log.info("agent_command", action=decision.action, reason=decision.reason, **fields)
-        self.commands_applied += 1
-        match decision.action:
-            case "start":
-                assert isinstance(cmd, events.StartShard)
-                await self._start(cmd)
-            case "stop":
-                assert isinstance(cmd, events.StopShard)
-                await sup.stop(
-                    cmd.replica_id,
-                    cmd.shard,
-                    grace_s=cmd.grace_s,
-                    reason=cmd.reason or "stopped by command",
-                )
-            case "drain":
-                await sup.mark_draining(cmd.replica_id, cmd.shard)
-            case "report_stopped":
-                reason = cmd.reason if isinstance(cmd, events.StopShard) else ""
-                self._status(
-                    ShardView(
-                        replica_id=cmd.replica_id,
-                        generation=cmd.generation,
-                        shard=cmd.shard,
-                        phase="stopped",
-                        error=reason or "not running on this node",
-                    )
-                )
-                ledger.note_ended(
-                    self.ledger, cmd.replica_id, cmd.shard, cmd.generation, self.clock()
-                )
-                ledger.save(self.state_dir, self.ledger)
-            case "ignore":
-                pass
-
-    async def _start(self, cmd: events.StartShard) -> None:
-        assert self.supervisor is not None
-        sup = self.supervisor
-        busy = set(sup.busy_gpus())
-        live = sup.view(cmd.replica_id, cmd.shard)
-        if live is not None and live.phase in LIVE and live.generation < cmd.generation:
-            busy -= set(live.gpus)  # the supervisor stops the older generation first
-        try:
-            # The operator's env and engine arguments, bounded by this node's own policy.
-            validation.check_policy(cmd.launch, self.cfg.launch, source=self.config_source)
-            launch = engines.plan(
-                cmd.launch, self.inventory, self.context, busy_gpus=frozenset(busy)
-            )
-        except engines.LaunchRefused as exc:
-            self._refused(cmd, f"node {self.node} refused the shard: {exc}")
-            return
-        await sup.start(cmd.replica_id, cmd.generation, cmd.shard, cmd.launch, launch)
-        ledger.note_started(self.ledger, cmd.replica_id, cmd.shard, cmd.generation, self.clock())
-        ledger.save(self.state_dir, self.ledger)
-        log.info(
-            "agent_shard_started",
-            replica_id=cmd.replica_id,
-            generation=cmd.generation,
-            since_command_ms=round((self.clock() - cmd.ts) * 1000, 2),
-        )
-
-    def _refused(self, cmd: events.StartShard, error: str) -> None:
-        log.warning("agent_shard_refused", replica_id=cmd.replica_id, error=error)
-        self._status(
-            ShardView(
-                replica_id=cmd.replica_id,
-                generation=cmd.generation,
-                shard=cmd.shard,
-                phase="failed",
-                error=error,
-                gpus=cmd.launch.gpus,
-            )
-        )
-        ledger.note_started(self.ledger, cmd.replica_id, cmd.shard, cmd.generation, self.clock())
-        ledger.note_ended(self.ledger, cmd.replica_id, cmd.shard, cmd.generation, self.clock())
-        ledger.save(self.state_dir, self.ledger)
+    def _plan(self, cmd: events.StartShard, busy: frozenset[int]) -> engines.Launch:
+        # The operator's env and engine arguments, bounded by this node's own policy.
+        policy.check_policy(cmd.launch, self.cfg.launch, source=self.config_source)
+        return engines.plan(cmd.launch, self.inventory, self.context, busy_gpus=busy)

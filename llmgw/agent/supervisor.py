@@ -26,46 +26,20 @@ import asyncio
 import contextlib
 import os
 import secrets
-import signal
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Literal
 
-import aiohttp
 import msgspec
 
 from llmgw import logs, pidfiles, processes
-from llmgw.agent import engines, logtail
+from llmgw.agent import engines, logtail, stopping
 from llmgw.agent.engines.common import Launch
-from llmgw.core import events, limits
+from llmgw.agent.probe import Prober, Startup
+from llmgw.agent.shards import LIVE, OnChange, ShardView
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
 
-LIVE: frozenset[ShardPhase] = frozenset({"starting", "loading", "serving", "draining"})
-Probe = Literal["down", "up", "ready"]
-
 log = logs.get("llmgw.agent.supervisor")
-
-
-class ShardView(msgspec.Struct, frozen=True, kw_only=True):
-    """One shard as the agent reports it: the data of a ShardStatus."""
-
-    replica_id: str
-    generation: int
-    shard: int
-    phase: ShardPhase
-    endpoint: str = ""
-    error: str = ""
-    log_tail: tuple[str, ...] = ()
-    pid: int | None = None
-    gpus: tuple[int, ...] = ()
-    adopted: bool = False
-    api_key: str = ""
-    """The engine's API key, reported only with its endpoint (serving, draining)."""
-
-
-OnChange = Callable[[ShardView], Awaitable[None]]
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,50 +64,23 @@ class AdoptionResult(msgspec.Struct, frozen=True, kw_only=True):
     pid: int | None = None
 
 
-def status_event(view: ShardView, *, node: str, event_id: str, ts: float) -> events.ShardStatus:
-    """The ShardStatus event of a view. Purely computational, no side effects."""
-    return events.ShardStatus(
-        id=event_id,
-        ts=ts,
-        node=node,
-        replica_id=view.replica_id,
-        generation=view.generation,
-        shard=view.shard,
-        phase=view.phase,
-        endpoint=view.endpoint,
-        # Readers refuse an event beyond the log's bounds: a failure is reported cut, never
-        # lost to an over-long message.
-        error=view.error if len(view.error) <= limits.MAX_TEXT else view.error[: limits.MAX_TEXT],
-        log_tail=view.log_tail,
-        pid=view.pid,
-        api_key=view.api_key,
-    )
-
-
-def running_shard(view: ShardView) -> events.RunningShard:
-    """What NodeRegistered says about a shard this agent already runs."""
-    return events.RunningShard(
-        replica_id=view.replica_id,
-        generation=view.generation,
-        shard=view.shard,
-        gpus=view.gpus,
-        phase=view.phase,
-        endpoint=view.endpoint,
-    )
-
-
-def _redact(lines: tuple[str, ...], api_key: str) -> tuple[str, ...]:
-    """The engine's output as it may leave the node: without its API key."""
-    if not api_key:
-        return lines
-    return tuple(line.replace(api_key, "<api key>") for line in lines)
-
-
 def _remove(path: str) -> None:
     """Delete a small local file (microseconds: not worth a thread)."""
     if path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+async def _spawn(launch: Launch, output: int) -> asyncio.subprocess.Process:
+    """Start the engine in its own process group, its output going to the file `output`."""
+    return await asyncio.create_subprocess_exec(
+        *launch.argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=output,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, **launch.env},
+        start_new_session=True,
+    )
 
 
 class _Shard:
@@ -169,7 +116,7 @@ class Supervisor:
         self.state_dir = Path(settings.state_dir)
         self.on_change = on_change
         self._shards: dict[tuple[str, int], _Shard] = {}
-        self._http: aiohttp.ClientSession | None = None
+        self._prober = Prober()
 
     # ------------------------------------------------------------------ queries
 
@@ -235,26 +182,9 @@ class Supervisor:
             if existing.record.generation >= generation:
                 return self._view(existing)
             await self.stop(replica_id, shard, reason=f"superseded by generation {generation}")
-        logs_dir = self.state_dir / "logs"
-        logs_dir.mkdir(parents=True, exist_ok=True)
-        base = pidfiles.path_for(logs_dir, replica_id, shard)
-        base.parent.mkdir(parents=True, exist_ok=True)
-        # Earlier generations' output is history once a new one starts: keep disk bounded.
-        for old_log in base.parent.glob(f"{base.stem}.g*.log"):
-            old_log.unlink(missing_ok=True)
-        log_path = base.with_suffix(f".g{generation}.log")
-        # O_APPEND: the engine always writes at the end, so trimming the file stays safe.
-        # 0600: an engine may print its arguments, and SGLang's include its API key.
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        log_path, fd = self._open_log(replica_id, shard, generation)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *launch.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=fd,
-                stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **launch.env},
-                start_new_session=True,
-            )
+            proc = await _spawn(launch, fd)
         except OSError as exc:
             return await self._refuse_spawn(replica_id, generation, shard, spec, launch, exc)
         finally:
@@ -290,6 +220,21 @@ class Supervisor:
         sh.task = asyncio.create_task(self._watch(sh), name=f"shard-{replica_id}-{shard}")
         await self._emit(sh)
         return self._view(sh)
+
+    def _open_log(self, replica_id: str, shard: int, generation: int) -> tuple[Path, int]:
+        """A new generation's output file, opened; earlier generations' files are deleted."""
+        logs_dir = self.state_dir / "logs"
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        base = pidfiles.path_for(logs_dir, replica_id, shard)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        # Earlier generations' output is history once a new one starts: keep disk bounded.
+        for old_log in base.parent.glob(f"{base.stem}.g*.log"):
+            old_log.unlink(missing_ok=True)
+        log_path = base.with_suffix(f".g{generation}.log")
+        # O_APPEND: the engine always writes at the end, so trimming the file stays safe.
+        # 0600: an engine may print its arguments, and SGLang's include its API key.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        return log_path, os.open(log_path, flags, 0o600)
 
     async def _refuse_spawn(
         self,
@@ -374,44 +319,36 @@ class Supervisor:
             if record is None:
                 path.unlink(missing_ok=True)
                 log.warning("pid_file_unreadable_removed", path=str(path))
-                results.append(
-                    AdoptionResult(
-                        replica_id=path.stem, shard=-1, adopted=False, reason="unreadable"
-                    )
+                unreadable = AdoptionResult(
+                    replica_id=path.stem, shard=-1, adopted=False, reason="unreadable"
                 )
-                continue
-            if (record.replica_id, record.shard) in self._shards:
-                continue
-            # The reason may quote a command line, and SGLang's carries its key.
-            (why,) = _redact((processes.mismatch(record.process),), record.launch.api_key)
-            if why:
-                # Adopting an unrelated process is worse than leaking the original: an
-                # engine we lost still shows up as foreign GPU memory and is not reused.
-                path.unlink(missing_ok=True)
-                log.warning("not_adopted", replica_id=record.replica_id, reason=why)
-                results.append(
-                    AdoptionResult(
-                        replica_id=record.replica_id,
-                        shard=record.shard,
-                        adopted=False,
-                        reason=why,
-                        pid=record.process.pid,
-                    )
-                )
-                continue
-            sh = _Shard(record, adopted=True)
-            self._shards[sh.key] = sh
-            sh.task = asyncio.create_task(self._watch(sh), name=f"adopted-{record.replica_id}")
-            log.info("engine_adopted", replica_id=record.replica_id, pid=record.process.pid)
-            results.append(
-                AdoptionResult(
-                    replica_id=record.replica_id,
-                    shard=record.shard,
-                    adopted=True,
-                    pid=record.process.pid,
-                )
-            )
+                results.append(unreadable)
+            elif (record.replica_id, record.shard) not in self._shards:
+                results.append(self._adopt(path, record))
         return results
+
+    def _adopt(self, path: Path, record: pidfiles.ShardRecord) -> AdoptionResult:
+        """Watch the engine a pid file names, or delete the file if its process is another."""
+        # The reason may quote a command line, and SGLang's carries its key.
+        (why,) = logtail.redact((processes.mismatch(record.process),), record.launch.api_key)
+        result = AdoptionResult(
+            replica_id=record.replica_id,
+            shard=record.shard,
+            adopted=not why,
+            reason=why,
+            pid=record.process.pid,
+        )
+        if why:
+            # Adopting an unrelated process is worse than leaking the original: an
+            # engine we lost still shows up as foreign GPU memory and is not reused.
+            path.unlink(missing_ok=True)
+            log.warning("not_adopted", replica_id=record.replica_id, reason=why)
+            return result
+        sh = _Shard(record, adopted=True)
+        self._shards[sh.key] = sh
+        sh.task = asyncio.create_task(self._watch(sh), name=f"adopted-{record.replica_id}")
+        log.info("engine_adopted", replica_id=record.replica_id, pid=record.process.pid)
+        return result
 
     async def close(self) -> None:
         """Stop watching. Engines keep running: serving survives the agent."""
@@ -422,9 +359,7 @@ class Supervisor:
             if sh.task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await sh.task
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self._prober.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -455,7 +390,7 @@ class Supervisor:
         await self._terminate(sh, min(self.settings.stop_grace_s, 5.0))
         sh.phase = "failed"
         sh.error = error
-        sh.log_tail = _redact(
+        sh.log_tail = logtail.redact(
             logtail.tail(Path(sh.record.log_path), self.settings.tail_lines),
             sh.record.launch.api_key,
         )
@@ -464,137 +399,33 @@ class Supervisor:
         await self._emit(sh)
 
     async def _terminate(self, sh: _Shard, grace_s: float) -> None:
-        pgid = sh.record.pgid
-        if pgid <= 0:
-            return
-        if not processes.group_members(pgid):
-            return
-        processes.signal_group(pgid, signal.SIGTERM)
-        if not await self._group_gone(sh, grace_s):
-            log.warning("engine_ignored_sigterm", replica_id=sh.record.replica_id, grace_s=grace_s)
-            processes.signal_group(pgid, signal.SIGKILL)
-            await self._group_gone(sh, 10.0)
-
-    async def _group_gone(self, sh: _Shard, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if sh.proc is not None and sh.proc.returncode is None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(sh.proc.wait()), 0.02)
-            if not processes.group_members(sh.record.pgid):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
+        await stopping.terminate(sh.record.pgid, sh.proc, grace_s, sh.record.replica_id)
 
     def _alive(self, sh: _Shard) -> bool:
         if sh.proc is not None:
             return sh.proc.returncode is None
         return not processes.mismatch(sh.record.process)
 
-    async def _probe(self, launch: Launch) -> Probe:
-        """down: nothing listens; up: listening or answering, not ready; ready: model listed.
-
-        A TCP connect that succeeds counts as up: vLLM binds its port before it
-        loads the weights, and its HTTP requests stall until loading ends.
-        """
-        host, port = launch.probe_host, launch.port
-        try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port), self.settings.probe_timeout_s
-            )
-        except (TimeoutError, OSError):
-            return "down"
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        if self._http is None:
-            self._http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
-            )
-        base = f"http://{host}:{port}"
-        headers = {"Authorization": f"Bearer {launch.api_key}"} if launch.api_key else None
-        try:
-            async with self._http.get(f"{base}/health") as resp:
-                if resp.status != 200:
-                    return "up"
-            async with self._http.get(f"{base}/v1/models", headers=headers) as resp:
-                if resp.status != 200:
-                    return "up"
-                body = await resp.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, ValueError):
-            return "up"
-        data = body.get("data") if isinstance(body, dict) else None
-        names = (
-            {m.get("id") for m in data if isinstance(m, dict)} if isinstance(data, list) else set()
-        )
-        return "ready" if launch.served_name in names else "up"
-
     async def _watch(self, sh: _Shard) -> None:
         """Drive one shard through its phases until it serves, then watch that it stays alive."""
-        launch, spec = sh.record.launch, sh.record.spec
-        if sh.proc is not None:
-            proc = sh.proc
-
-            async def reap() -> None:
-                sh.returncode = await proc.wait()
-                sh.exited.set()
-
-            reaper = asyncio.create_task(reap())
-        else:
-            reaper = None
-        began = time.monotonic()
-        start_deadline, start_rule = spec.start_timeout_s, "start_timeout_s"
-        if not launch.listens_before_loading:
-            start_deadline += spec.load_timeout_s
-            start_rule = "start_timeout_s + load_timeout_s: this engine listens only once loaded"
-        up_since: float | None = None
+        reaper = self._reaper(sh)
+        startup = Startup(sh.record.launch, sh.record.spec, time.monotonic())
         announced = not sh.adopted
-        last_trim = began
+        last_trim = startup.began
         try:
             while True:
                 if not self._alive(sh):
-                    if sh.stopping:
-                        return
-                    code = sh.returncode
-                    how = f"exited with code {code}" if code is not None else "disappeared"
-                    await self._fail(sh, f"engine {how} while {sh.phase}")
+                    if not sh.stopping:
+                        code = sh.returncode
+                        how = f"exited with code {code}" if code is not None else "disappeared"
+                        await self._fail(sh, f"engine {how} while {sh.phase}")
                     return
                 now = time.monotonic()
                 if sh.phase in ("starting", "loading"):
-                    if not launch.http:
-                        if now - began >= self.settings.headless_settle_s:
-                            await self._set_phase(sh, "serving")
-                    else:
-                        probe = await self._probe(launch)
-                        if probe != "down" and up_since is None:
-                            up_since = time.monotonic()
-                        target: ShardPhase = sh.phase
-                        if probe == "ready":
-                            target = "serving"
-                        elif probe == "up":
-                            target = "loading"
-                        if target != sh.phase or not announced:
-                            announced = True
-                            await self._set_phase(sh, target)
-                    if sh.phase == "starting" and now - began > start_deadline:
-                        await self._fail(
-                            sh,
-                            f"engine did not open port {launch.port} within {start_deadline:g} s "
-                            f"({start_rule})",
-                        )
-                        return
-                    if (
-                        sh.phase == "loading"
-                        and up_since is not None
-                        and now - up_since > spec.load_timeout_s
-                    ):
-                        await self._fail(
-                            sh,
-                            f"/v1/models did not list {launch.served_name!r} within "
-                            f"{spec.load_timeout_s:g} s of the engine opening its port "
-                            "(load_timeout_s)",
-                        )
+                    announced = await self._step_startup(sh, startup, now, announced)
+                    overdue = startup.overdue(sh.phase, now)
+                    if overdue:
+                        await self._fail(sh, overdue)
                         return
                 elif not announced:
                     announced = True
@@ -611,3 +442,37 @@ class Supervisor:
         finally:
             if reaper is not None and not reaper.done() and not sh.stopping:
                 reaper.cancel()
+
+    def _reaper(self, sh: _Shard) -> asyncio.Task[None] | None:
+        """A task noting a spawned engine's exit; None for an adopted one (not our child)."""
+        if sh.proc is None:
+            return None
+        proc = sh.proc
+
+        async def reap() -> None:
+            sh.returncode = await proc.wait()
+            sh.exited.set()
+
+        return asyncio.create_task(reap())
+
+    async def _step_startup(
+        self, sh: _Shard, startup: Startup, now: float, announced: bool
+    ) -> bool:
+        """Move a starting or loading shard on as its probe says; whether it was announced."""
+        launch = sh.record.launch
+        if not launch.http:
+            if now - startup.began >= self.settings.headless_settle_s:
+                await self._set_phase(sh, "serving")
+            return announced
+        probe = await self._prober.probe(launch, self.settings.probe_timeout_s)
+        if probe != "down" and startup.up_since is None:
+            startup.up_since = time.monotonic()
+        target: ShardPhase = sh.phase
+        if probe == "ready":
+            target = "serving"
+        elif probe == "up":
+            target = "loading"
+        if target != sh.phase or not announced:
+            await self._set_phase(sh, target)
+            return True
+        return announced

@@ -25,7 +25,7 @@ from llmgw import config, logs
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery
 from llmgw.agent.discovery import simulated
-from llmgw.agent.engines.validation import LaunchPolicy
+from llmgw.agent.engines.policy import LaunchPolicy
 from llmgw.core.inventory import Fabric, Gpu, Hca
 
 app = typer.Typer(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from llmgw import natsd
+from llmgw import natsconf, natsd
 from llmgw.core.subjects import check_token
 from llmgw.pki.ca import CertificateAuthority, PkiError, PkiInputError
 from llmgw.pki.identity import KINDS, Identity
@@ -28,7 +28,7 @@ app = typer.Typer(
 )
 
 DIR_OPTION = typer.Option(
-    natsd.DEFAULT_CONFIG.ca_file.parent,
+    natsconf.DEFAULT_CONFIG.ca_file.parent,
     "--dir",
     help="Folder of the CA and certificates (nats/llmgw.conf reads nats/certs).",
 )
@@ -38,7 +38,7 @@ AUTH_OPTION = typer.Option(
     help="Where to render the NATS authorization [default: beside --dir, authorization.conf].",
 )
 PID_OPTION = typer.Option(
-    natsd.DEFAULT_CONFIG.pid_file,
+    natsconf.DEFAULT_CONFIG.pid_file,
     "--pid-file",
     help="pid file of a running nats-server to reload after a change (from nats/llmgw.conf).",
 )

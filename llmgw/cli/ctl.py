@@ -1,13 +1,14 @@
 """`llmgw ctl`: what an operator runs against a fleet. Each sub-group lives in its own module
 and is added here once it works: `cert` (llmgw.cli.cert), the fleet commands
 (llmgw.cli.ctl_fleet: nodes, replicas, models, apply, explain-placement, cordon, uncordon,
-drain) and the history commands (llmgw.cli.ctl_history: events, replay, status)."""
+drain), the history commands (llmgw.cli.ctl_history: events, replay) and `status`
+(llmgw.cli.ctl_status)."""
 
 from __future__ import annotations
 
 import typer
 
-from llmgw.cli import cert, ctl_fleet, ctl_history
+from llmgw.cli import cert, ctl_fleet, ctl_history, ctl_status
 
 app = typer.Typer(
     help="Operator tools: the fleet's certificates, its state, changes and history.",
@@ -16,3 +17,4 @@ app = typer.Typer(
 app.add_typer(cert.app, name="cert")
 ctl_fleet.register(app)
 ctl_history.register(app)
+ctl_status.register(app)

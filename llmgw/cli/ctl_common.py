@@ -4,7 +4,7 @@
 environment, flags), runs the command's coroutine, closes, and turns a `CtlError`
 (and any failure of the log or the connection) into one line on stderr with its exit
 code: 0 ok, 1 operational failure, 2 bad input. Used by llmgw.cli.ctl_fleet (views,
-mutations) and llmgw.cli.ctl_history (events, replay, status).
+mutations), llmgw.cli.ctl_history (events, replay) and llmgw.cli.ctl_status (status).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ nodes, replicas, models, explain-placement read the state by folding the log her
 (newest snapshot + tail, `llmgw.ctl.history`); apply, cordon, uncordon and drain
 publish operator events carrying the identity of the certificate, then fold up to
 them so that an event the fold refuses is reported too. The log's own tools (events,
-replay, status) are in llmgw.cli.ctl_history.
+replay, status) are in llmgw.cli.ctl_history and llmgw.cli.ctl_status.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import typer
 from llmgw import bus, wording
 from llmgw.cli import ctl_common as common
 from llmgw.core import events, placement, state, views
+from llmgw.core.profile import ModelProfile
 from llmgw.ctl import catalogfile, operations, render
 from llmgw.ctl.errors import BadInput, Failed
 from llmgw.ctl.session import Session
@@ -136,6 +137,41 @@ def apply(
     key: str | None = common.KEY,
 ) -> None:
     """Declare, change or remove models to match a models.yaml; shows the diff first."""
+    wanted = _wanted_models(file, prune=prune, allow_empty=allow_empty)
+
+    async def body(s: Session) -> int:
+        r = await common.current(s)
+        ops = catalogfile.plan(r.state.models, wanted, prune=prune)
+        if not ops:
+            if json_out:
+                common.out(render.json_text({"operations": [], "published": []}))
+            else:
+                common.out(f"{file}: the declared models already match; nothing to do")
+            return 0
+        if not json_out:
+            common.out("\n".join(op.render() for op in ops))
+        if not yes:
+            if not sys.stdin.isatty():
+                raise BadInput("not on a terminal, so not asking: pass --yes to apply")
+            if not typer.confirm(f"apply {wording.count(len(ops), 'change')}?", default=False):
+                common.out("nothing applied")
+                return 1
+        published = await common.publish_checked(s, r.state, _catalog_events(s, ops))
+        if json_out:
+            common.out(render.json_text({"operations": ops, "published": published}))
+        else:
+            common.out(
+                f"applied {wording.count(len(published), 'change')} as {s.identity} (seq "
+                f"{published[0]['seq']}-{published[-1]['seq']})"
+            )
+        return 0
+
+    common.run(common.Conn(config, server, ca, cert, key), body)
+
+
+def _wanted_models(file: Path, *, prune: bool, allow_empty: bool) -> list[ModelProfile]:
+    """The models a models.yaml lists; exit 2 for a file that is unreadable, invalid, or
+    empty where applying it would remove every declared model."""
     try:
         text = file.read_text()
     except OSError as exc:
@@ -155,46 +191,23 @@ def apply(
             err=True,
         )
         raise typer.Exit(2)
+    return wanted
 
-    async def body(s: Session) -> int:
-        r = await common.current(s)
-        ops = catalogfile.plan(r.state.models, wanted, prune=prune)
-        if not ops:
-            if json_out:
-                common.out(render.json_text({"operations": [], "published": []}))
-            else:
-                common.out(f"{file}: the declared models already match; nothing to do")
-            return 0
-        if not json_out:
-            common.out("\n".join(op.render() for op in ops))
-        if not yes:
-            if not sys.stdin.isatty():
-                raise BadInput("not on a terminal, so not asking: pass --yes to apply")
-            if not typer.confirm(f"apply {wording.count(len(ops), 'change')}?", default=False):
-                common.out("nothing applied")
-                return 1
-        batch: list[events.Event] = []
-        for op in ops:
-            fields: dict[str, Any] = {"id": s.new_id(), "ts": s.now(), "operator": s.identity.name}
-            if op.action == "remove":
-                batch.append(events.ModelRemoved(name=op.name, **fields))
-            elif op.action == "declare":
-                assert op.profile is not None
-                batch.append(events.ModelDeclared(profile=op.profile, **fields))
-            else:
-                assert op.profile is not None
-                batch.append(events.ModelChanged(profile=op.profile, **fields))
-        published = await common.publish_checked(s, r.state, batch)
-        if json_out:
-            common.out(render.json_text({"operations": ops, "published": published}))
+
+def _catalog_events(s: Session, ops: list[catalogfile.ModelOp]) -> list[events.Event]:
+    """The operator events that carry out a catalog plan, as this operator, now."""
+    batch: list[events.Event] = []
+    for op in ops:
+        fields: dict[str, Any] = {"id": s.new_id(), "ts": s.now(), "operator": s.identity.name}
+        if op.action == "remove":
+            batch.append(events.ModelRemoved(name=op.name, **fields))
+        elif op.action == "declare":
+            assert op.profile is not None
+            batch.append(events.ModelDeclared(profile=op.profile, **fields))
         else:
-            common.out(
-                f"applied {wording.count(len(published), 'change')} as {s.identity} (seq "
-                f"{published[0]['seq']}-{published[-1]['seq']})"
-            )
-        return 0
-
-    common.run(common.Conn(config, server, ca, cert, key), body)
+            assert op.profile is not None
+            batch.append(events.ModelChanged(profile=op.profile, **fields))
+    return batch
 
 
 def cordon(
@@ -342,26 +355,12 @@ def drain(
         moves = operations.drain_plan(r.state, node, time.time())
         originals = [m.replica for m in moves]
         if not json_out:
-            common.out(
-                f"draining {node} moves {len(moves)} replica(s):"
-                if moves
-                else f"{node} runs no replicas: nothing moves"
-            )
-            for m in moves:
-                common.out(m.render())
+            common.out(_moves_text(node, moves))
         if dry_run:
             if json_out:
                 common.out(render.json_text({"node": node, "moves": moves, "published": None}))
             return 0
-        ev = events.NodeDrainRequested(
-            id=s.new_id(),
-            ts=s.now(),
-            operator=s.identity.name,
-            node=node,
-            grace_s=grace,
-            reason=reason,
-        )
-        (pub,) = await common.publish_checked(s, r.state, [ev])
+        pub = await _request_drain(s, r.state, node, grace, reason)
         if not json_out:
             common.out(f"drain of {node} requested by {s.identity} (seq {pub['seq']})")
         result: operations.DrainProgress | None = None
@@ -379,6 +378,31 @@ def drain(
         return 0
 
     common.run(common.Conn(config, server, ca, cert, key), body)
+
+
+async def _request_drain(
+    s: Session, st: state.ClusterState, node: str, grace: float, reason: str
+) -> dict[str, Any]:
+    """Publish NodeDrainRequested as this operator; what `publish_checked` says of it."""
+    ev = events.NodeDrainRequested(
+        id=s.new_id(),
+        ts=s.now(),
+        operator=s.identity.name,
+        node=node,
+        grace_s=grace,
+        reason=reason,
+    )
+    (pub,) = await common.publish_checked(s, st, [ev])
+    return pub
+
+
+def _moves_text(node: str, moves: list[operations.Move]) -> str:
+    head = (
+        f"draining {node} moves {len(moves)} replica(s):"
+        if moves
+        else f"{node} runs no replicas: nothing moves"
+    )
+    return "\n".join([head, *(m.render() for m in moves)])
 
 
 def register(app: typer.Typer) -> None:

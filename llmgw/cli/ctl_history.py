@@ -4,9 +4,8 @@
 `--follow`; `replay` rebuilds the state at a sequence or a time and shows it with
 the same views as `nodes` / `replicas`, lists a node's or replica's `--timeline`,
 `--diff`s two points, and `--verify`s that today's reconciler makes every decision
-the leader recorded (llmgw.control.verify); `status` compares ctl's fold with a
-control plane's (the one question ctl asks the service, through its admin API).
-`replay --verify` exits 1 when it finds differences.
+the leader recorded (llmgw.control.verify). `replay --verify` exits 1 when it finds
+differences. `status` is llmgw.cli.ctl_status.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from llmgw.cli import ctl_common as common
 from llmgw.control import verify as control_verify
 from llmgw.core import events, reconcile, state, views
 from llmgw.ctl import changes, eventlines, history, render
-from llmgw.ctl.errors import BadInput, Failed
+from llmgw.ctl.errors import BadInput
 from llmgw.ctl.session import Session
 
 # --------------------------------------------------------------------------- the log
@@ -243,19 +242,24 @@ def replay(
             return await _verify(
                 s, _reconcile_config(control_config), json_out, fallback_from=control_config
             )
-        now = time.time()
-        point = history.Point(seq=to, time=history.parse_time(at, now) if at else None)
-        r = await _rebuild_point(s, point, snapshots=snapshots)
-        doc = _state_document(r, view)
-        if "nodes" in doc and r.target_seq < r.bounds.last_seq:
-            # A past moment: its heartbeats may have expired from the log since.
-            horizon = await history.oldest_heartbeat(s.nc, r.bounds.first_seq)
-            if history.without_expired_heartbeats(doc["nodes"], horizon):
-                doc["heartbeats_expired_before"] = horizon
-        common.out(render.json_text(doc) if json_out else _state_text(r, doc, colour))
-        return 0
+        point = history.Point(seq=to, time=history.parse_time(at, time.time()) if at else None)
+        return await _show_state(s, point, view, snapshots=snapshots, json_out=json_out)
 
     common.run(common.Conn(config, server, ca, cert, key), body)
+
+
+async def _show_state(
+    s: Session, point: history.Point, view: str, *, snapshots: bool, json_out: bool
+) -> int:
+    r = await _rebuild_point(s, point, snapshots=snapshots)
+    doc = _state_document(r, view)
+    if "nodes" in doc and r.target_seq < r.bounds.last_seq:
+        # A past moment: its heartbeats may have expired from the log since.
+        horizon = await history.oldest_heartbeat(s.nc, r.bounds.first_seq)
+        if history.without_expired_heartbeats(doc["nodes"], horizon):
+            doc["heartbeats_expired_before"] = horizon
+    common.out(render.json_text(doc) if json_out else _state_text(r, doc, common.colour()))
+    return 0
 
 
 async def _timeline(s: Session, target: str, json_out: bool, colour: bool) -> int:
@@ -315,35 +319,47 @@ async def _verify(
     differences = control_verify.verify(pairs, config=fallback)
     source = str(fallback_from) if fallback_from is not None else "the defaults"
     if json_out:
-        common.out(
-            render.json_text(
-                {
-                    "events": len(pairs),
-                    "decision_batches": len(batches),
-                    "timings": {
-                        "recorded_epochs": sorted(timings.by_epoch),
-                        "unrecorded_epochs": list(timings.unrecorded),
-                        "unrecorded_from": source if timings.unrecorded else None,
-                    },
-                    "differences": differences,
-                    "ok": not differences,
-                }
-            )
-        )
-        return 1 if differences else 0
-    if differences:
-        common.out(
-            f"{len(differences)} of {len(batches)} recorded decision batches would now be "
-            "decided differently:"
-        )
-        common.out("\n".join(f"  {d.detail}" for d in differences))
+        doc = {
+            "events": len(pairs),
+            "decision_batches": len(batches),
+            "timings": {
+                "recorded_epochs": sorted(timings.by_epoch),
+                "unrecorded_epochs": list(timings.unrecorded),
+                "unrecorded_from": source if timings.unrecorded else None,
+            },
+            "differences": differences,
+            "ok": not differences,
+        }
+        common.out(render.json_text(doc))
     else:
-        common.out(
-            f"verified {len(batches)} recorded decision batches over {len(pairs):,} events: "
+        common.out(_verdict(len(pairs), len(batches), differences))
+        for line in _timings_notes(timings, source, fallback_from):
+            common.out(line)
+    return 1 if differences else 0
+
+
+def _verdict(events_n: int, batches: int, differences: list[control_verify.Difference]) -> str:
+    if not differences:
+        return (
+            f"verified {batches} recorded decision batches over {events_n:,} events: "
             "today's reconciler makes every one of them the same way"
         )
+    return "\n".join(
+        [
+            f"{len(differences)} of {batches} recorded decision batches would now be "
+            "decided differently:",
+            *(f"  {d.detail}" for d in differences),
+        ]
+    )
+
+
+def _timings_notes(
+    timings: control_verify.Timings, source: str, fallback_from: Path | None
+) -> list[str]:
+    """Which reconcile timings the check used: those the leaders recorded, or `source`."""
+    notes = []
     if timings.by_epoch:
-        common.out(
+        notes.append(
             "with the reconcile timings each leader recorded in the log (epochs "
             f"{_epochs(sorted(timings.by_epoch))})"
             + (
@@ -358,250 +374,18 @@ async def _verify(
             if fallback_from is not None
             else ": pass --control-config with that leader's config file if its timings differ"
         )
-        common.out(
+        notes.append(
             f"epochs {_epochs(list(timings.unrecorded))} recorded no timings (a log from an "
             f"older llmgw): checked with {source}{hint}"
         )
-    return 1 if differences else 0
+    return notes
 
 
 def _epochs(epochs: list[int]) -> str:
     return ", ".join(str(e) for e in epochs[:10]) + (" ..." if len(epochs) > 10 else "")
 
 
-class LeaseSeen(msgspec.Struct, kw_only=True):
-    """The leader lease's key as ctl read it (llmgw.bus.lease writes it)."""
-
-    holder: str = ""
-    epoch: int = 0
-    written: float | None = None
-    """Server time of the key's last write (a renewal, or the release's delete marker)."""
-    ttl_s: float | None = None
-    released: bool = False
-    """The key's last write is a delete (a clean shutdown gave the lease up)."""
-
-
-async def _read_lease(s: Session) -> LeaseSeen | None:
-    """The lease key's last write, or None when there is none (never taken, or expired)."""
-    import nats.errors
-    import nats.js.errors
-
-    from llmgw.bus import lease as lease_
-    from llmgw.bus.provisioning import LEASE_BUCKET
-
-    try:
-        # Not a direct get: the bucket is created without allow_direct.
-        msg = await s.js.get_msg(f"KV_{LEASE_BUCKET}", subject=f"$KV.{LEASE_BUCKET}.{lease_.KEY}")
-    except nats.js.errors.NotFoundError:
-        return None
-    except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-        raise Failed(
-            f"cannot read the leader lease ({LEASE_BUCKET}): {str(exc) or type(exc).__name__}"
-        ) from None
-    headers = msg.headers or {}
-    seen = LeaseSeen(written=msg.time.timestamp() if msg.time is not None else None)
-    ttl = str(headers.get("Nats-TTL", "")).strip()
-    if ttl.endswith("s") and ttl[:-1].isdigit():
-        seen.ttl_s = float(ttl[:-1])
-    if headers.get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
-        seen.released = True
-        return seen
-    try:
-        value = msgspec.json.decode(msg.data)
-    except msgspec.DecodeError:
-        return seen
-    if isinstance(value, dict):
-        seen.holder = str(value.get("holder", ""))[:256]
-        epoch = value.get("epoch")
-        seen.epoch = epoch if isinstance(epoch, int) and epoch > 0 else int(msg.seq or 0)
-    return seen
-
-
-def leader_status(
-    lease: LeaseSeen | None, *, leader: str, epoch: int, elected_at: float | None, now: float
-) -> dict[str, Any]:
-    """Whether anyone leads now, from the lease and the log's last LeaderElected. Pure.
-
-    `state` is `leading` (the lease's holder is the leader the log last elected),
-    `none` (nobody holds the lease: free, released or expired) or `unannounced` (the
-    holder is not the leader the log names: it has not announced itself, or the log's
-    leader lost the lease to it). `since` is when that became so, where known.
-    """
-    when = history.format_time
-    last = f"the log's last elected leader is {leader} (epoch {epoch}" + (
-        f", at {when(elected_at)})" if elected_at is not None else ")"
-    )
-    if not leader:
-        last = "no leader was ever elected in the log"
-    out: dict[str, Any] = {"state": "leading", "holder": None, "since": None, "text": ""}
-    expired_at = None
-    if lease is not None and not lease.released and lease.written is not None and lease.ttl_s:
-        expired_at = lease.written + lease.ttl_s
-    if (
-        lease is None
-        or lease.released
-        or not lease.holder
-        or (expired_at is not None and expired_at <= now)
-    ):
-        out["state"] = "none"
-        if lease is not None and lease.released:
-            out["since"] = lease.written
-            why = "the lease was released" + (
-                f" at {when(lease.written)}" if lease.written is not None else ""
-            )
-        elif expired_at is not None and expired_at <= now:
-            out["since"] = expired_at
-            why = f"the lease of {lease.holder if lease else '?'} expired at {when(expired_at)}"
-        else:
-            why = "the lease is free (never taken, or expired)"
-        out["text"] = f"NO LEADER: {why}; {last}"
-        return out
-    out["holder"] = lease.holder
-    if lease.holder != leader or lease.epoch != epoch:
-        out["state"] = "unannounced"
-        out["text"] = (
-            f"NO LEADER in the log: {lease.holder} holds the lease (epoch {lease.epoch}) but "
-            f"has not announced itself; {last}"
-        )
-        out["since"] = elected_at
-        return out
-    out["since"] = elected_at
-    out["text"] = f"leader {leader} (epoch {epoch})" + (
-        f" since {when(elected_at)}" if elected_at is not None else ""
-    )
-    return out
-
-
-async def _last_elected_at(s: Session, epoch: int) -> float | None:
-    """Producer time of the log's last LeaderElected, if it is the one of `epoch`."""
-    import nats.errors
-    import nats.js.errors
-
-    from llmgw.core import subjects
-
-    try:
-        msg = await s.js.get_msg(
-            subjects.STREAM, subject=subjects.control_event("leader_elected"), direct=True
-        )
-        event = events.decode(msg.data or b"")
-    except (nats.errors.Error, nats.js.errors.Error, TimeoutError, events.DecodeError):
-        return None
-    if isinstance(event, events.LeaderElected) and event.epoch == epoch:
-        return float(event.ts)
-    return None
-
-
-async def _leader_state(url: str) -> dict[str, Any]:
-    """GET /v1/state of a control plane's admin API; Failed when it does not answer."""
-    import aiohttp  # only `status` talks HTTP: keep it out of every other command's start
-
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
-            http.get(f"{url.rstrip('/')}/v1/state") as resp,
-        ):
-            resp.raise_for_status()
-            data: dict[str, Any] = await resp.json()
-            return data
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise Failed(
-            f"the control plane's admin API at {url} did not answer: "
-            f"{str(exc) or type(exc).__name__}; check --control (its `admin` listener, "
-            "http://127.0.0.1:9190 by default, is only reachable from its own host)"
-        ) from None
-
-
-def status(
-    control: str | None = typer.Option(
-        None, "--control", help="A control plane's admin API, e.g. http://127.0.0.1:9190."
-    ),
-    json_out: bool = common.JSON,
-    config: Path | None = common.CONFIG,
-    server: list[str] | None = common.SERVER,
-    ca: str | None = common.CA,
-    cert: str | None = common.CERT,
-    key: str | None = common.KEY,
-) -> None:
-    """The log at a glance, and whether a control plane folded it to the same state as ctl."""
-
-    async def body(s: Session) -> int:
-        r = await common.current(s)
-        lease = await _read_lease(s)
-        elected_at = await _last_elected_at(s, r.state.epoch) if r.state.leader else None
-        leading = leader_status(
-            lease,
-            leader=r.state.leader,
-            epoch=r.state.epoch,
-            elected_at=elected_at,
-            now=time.time(),
-        )
-        doc: dict[str, Any] = {
-            "seq": r.target_seq,
-            "first_seq": r.bounds.first_seq,
-            "messages": r.bounds.messages,
-            "digest": state.digest(r.state),
-            "leader": r.state.leader,
-            "epoch": r.state.epoch,
-            "leader_state": leading["state"],
-            "leader_since": leading["since"],
-            "lease": None if lease is None else msgspec.to_builtins(lease),
-            "nodes": len(r.state.nodes),
-            "replicas": len(r.state.active_replicas()),
-            "models": len(r.state.models),
-            "endpoints": len(r.state.endpoints),
-            "snapshot_seq": r.snapshot_seq,
-            "refused": len(r.rejected),
-            "undecodable": len(r.skipped),
-            "control": None,
-        }
-        code = 0
-        if s.cfg.control_url:
-            svc = await _leader_state(s.cfg.control_url)
-            folded = int(svc.get("folded_seq", 0))
-            mine = r if folded == r.target_seq else await history.rebuild(s.nc, to_seq=folded)
-            agree = state.digest(mine.state) == svc.get("digest")
-            doc["control"] = {
-                "url": s.cfg.control_url,
-                "instance": svc.get("instance"),
-                "leading": svc.get("leading"),
-                "folded_seq": folded,
-                "lag": max(0, r.target_seq - folded),
-                "digest": svc.get("digest"),
-                "digest_agrees": agree,
-            }
-            code = 0 if agree else 1
-        if json_out:
-            common.out(render.json_text(doc))
-            return code
-        common.out(
-            f"log: seq {doc['first_seq']}-{doc['seq']} "
-            f"({wording.count(doc['messages'], 'message')}); "
-            + ", ".join(
-                wording.count(doc[k], k[:-1]) for k in ("nodes", "models", "replicas", "endpoints")
-            )
-        )
-        common.out(leading["text"])
-        common.out(render.rebuilt_header(r))
-        c = doc["control"]
-        if c is not None:
-            role = "leading" if c["leading"] else "standby"
-            verdict = (
-                "same state as this fold"
-                if c["digest_agrees"]
-                else f"DIFFERENT state: digest {str(c['digest'])[:12]}, this fold "
-                f"{state.digest(mine.state)[:12]} at seq {c['folded_seq']}"
-            )
-            common.out(
-                f"control plane {c['instance']} ({role}) at seq {c['folded_seq']} "
-                f"(lag {c['lag']}): {verdict}"
-            )
-        return code
-
-    common.run(common.Conn(config, server, ca, cert, key, control), body)
-
-
 def register(app: typer.Typer) -> None:
     """Add the history commands to the `llmgw ctl` group."""
     app.command("events")(events_cmd)
     app.command("replay")(replay)
-    app.command("status")(status)

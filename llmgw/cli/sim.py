@@ -16,6 +16,7 @@ from llmgw import config, logs
 from llmgw.sim.config import SimConfig, StallAt
 
 
+# long: one typer option per simulator setting and the dict they fill; _serve does the work
 def command(
     host: str | None = typer.Option(None, "--host", help="Address to listen on [127.0.0.1]."),
     port: int | None = typer.Option(
@@ -128,6 +129,11 @@ def command(
             "count": fault_count,
         },
     }
+    _serve(flags, config_path)
+
+
+def _serve(flags: dict[str, Any], config_path: Path | None) -> None:
+    """Load the settings (file, environment, the flags given), check them, and serve."""
     try:
         cfg = config.load(SimConfig, config_path, section="SIM", overrides=_given(flags))
     except config.ConfigError as exc:

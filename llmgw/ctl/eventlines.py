@@ -35,6 +35,15 @@ def summary(event: events.Event) -> str:
 
 
 def _summary(event: events.Event) -> str:
+    for part in (_node_summary, _operator_summary, _control_summary, _command_summary):
+        text = part(event)
+        if text is not None:
+            return text
+    return type(event).__name__
+
+
+def _node_summary(event: events.Event) -> str | None:
+    """What a node reported; None for another kind of event."""
     match event:
         case events.NodeRegistered():
             shards = f", {len(event.shards)} shards running" if event.shards else ""
@@ -50,6 +59,12 @@ def _summary(event: events.Event) -> str:
             if event.error:
                 text += f": {event.error}"
             return text
+    return None
+
+
+def _operator_summary(event: events.Event) -> str | None:
+    """What an operator asked for; None for another kind of event."""
+    match event:
         case events.ModelDeclared() | events.ModelChanged():
             p = event.profile
             verb = "declared" if isinstance(event, events.ModelDeclared) else "changed"
@@ -64,6 +79,12 @@ def _summary(event: events.Event) -> str:
         case events.NodeDrainRequested():
             why = f" ({event.reason})" if event.reason else ""
             return f"{event.node} drain by {event.operator}, grace {event.grace_s:g} s{why}"
+    return None
+
+
+def _control_summary(event: events.Event) -> str | None:
+    """What the control plane decided or observed; None for another kind of event."""
+    match event:
         case events.ReplicaPlaced():
             where = " ".join(f"{s.node}:{_gpus(s.gpus)}" for s in event.shards)
             rep = f" replacing {event.replaces}" if event.replaces else ""
@@ -101,6 +122,12 @@ def _summary(event: events.Event) -> str:
                 f"attested {event.first_seq}..{event.last_seq}: {accepted} accepted, "
                 f"{refused} refused"
             )
+    return None
+
+
+def _command_summary(event: events.Event) -> str | None:
+    """A command to an agent; None for another kind of event."""
+    match event:
         case events.StartShard():
             return (
                 f"start {event.replica_id}/{event.shard} g{event.generation} on {event.node} "
@@ -110,7 +137,7 @@ def _summary(event: events.Event) -> str:
             return f"stop {event.replica_id}/{event.shard} g{event.generation} on {event.node}"
         case events.DrainShard():
             return f"drain {event.replica_id}/{event.shard} g{event.generation} on {event.node}"
-    return type(event).__name__
+    return None
 
 
 def nodes_of(event: events.Event, subject: str = "") -> set[str]:

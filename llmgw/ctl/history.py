@@ -319,7 +319,30 @@ async def rebuild(
     b = await bounds(nc)
     if to_seq is not None and at is not None:
         raise BadInput("give --to SEQ or --at TIME, not both")
-    target = b.last_seq
+    target = await _target(nc, b, to_seq, at)
+    start_seq, st = 0, state.ClusterState()
+    if use_snapshots and target > 0:
+        snap = await _load_snapshot(nc, target if at is None else max(target - 1, 0))
+        if snap is not None:
+            start_seq, st = snap
+    tail = _Tail()
+    if target > start_seq:
+        await _fold_tail(nc, st, tail, start_seq, target, at, progress)
+    return Rebuilt(
+        state=st,
+        target_seq=st.last_seq,
+        at=at if at is not None else tail.last_time,
+        snapshot_seq=start_seq,
+        folded=tail.folded,
+        elapsed_s=time.perf_counter() - started,
+        rejected=tail.rejected,
+        skipped=tail.skipped,
+        bounds=b,
+    )
+
+
+async def _target(nc: bus.BusClient, b: Bounds, to_seq: int | None, at: float | None) -> int:
+    """The last sequence to fold for `--to` or `--at` (or the log's end); BadInput outside it."""
     if to_seq is not None:
         if to_seq < 0:
             raise BadInput(f"sequence {to_seq} is negative: sequences start at 1")
@@ -328,8 +351,8 @@ async def rebuild(
                 f"sequence {to_seq} is beyond the end of the log (last sequence {b.last_seq}): "
                 "pick a smaller one"
             )
-        target = to_seq
-    elif at is not None:
+        return to_seq
+    if at is not None:
         if b.messages == 0 or at < b.first_time:
             begins = format_time(b.first_time) if b.messages else "nowhere (the log is empty)"
             raise BadInput(
@@ -337,57 +360,59 @@ async def rebuild(
                 "`llmgw ctl events --seq 1` to see where it starts"
             )
         after = await first_seq_at_or_after(nc, at)
-        target = b.last_seq if after is None else after
-    start_seq, st = 0, state.ClusterState()
-    if use_snapshots and target > 0:
-        snap = await _load_snapshot(nc, target if at is None else max(target - 1, 0))
-        if snap is not None:
-            start_seq, st = snap
-    rejected: list[tuple[int, str]] = []
-    skipped: list[bus.Skipped] = []
-    folded = 0
+        return b.last_seq if after is None else after
+    return b.last_seq
+
+
+class _Tail:
+    """What folding the log after the snapshot found."""
+
+    def __init__(self) -> None:
+        self.rejected: list[tuple[int, str]] = []
+        self.skipped: list[bus.Skipped] = []
+        self.folded = 0
+        self.last_time: float | None = None
+
+
+async def _fold_tail(
+    nc: bus.BusClient,
+    st: state.ClusterState,
+    tail: _Tail,
+    start_seq: int,
+    target: int,
+    at: float | None,
+    progress: Progress | None,
+) -> None:
+    """Fold into `st` the records after `start_seq` up to `target` (and time `at`)."""
     total = max(0, target - start_seq)
-    last_time: float | None = None
     apply = state.apply
-    if target > start_seq:
-        # What the leader attested is checked by digest, the rest by signature.
-        attested = await bus.load_attestations(nc, after_seq=start_seq)
-        reader = bus.Reader(
-            nc,
-            after_seq=start_seq,
-            follow=False,
-            name="ctl",
-            batch=20_000,
-            attestations=attested,
-        )
-        async with reader:
-            done = False
-            async for batch in reader.batches():
-                for rec in batch:
-                    if rec.seq > target or (at is not None and rec.time > at):
-                        done = True
-                        break
-                    reason = apply(st, rec.event, rec.seq, rec.time)
-                    if reason is not None:
-                        rejected.append((rec.seq, reason))
-                    last_time = rec.time
-                    folded += 1
-                if progress is not None:
-                    progress(min(batch[-1].seq, target) - start_seq, total)
-                if done or batch[-1].seq >= target:
-                    break
-            skipped = [s for s in reader.skipped if s.seq <= target]
-    return Rebuilt(
-        state=st,
-        target_seq=st.last_seq,
-        at=at if at is not None else last_time,
-        snapshot_seq=start_seq,
-        folded=folded,
-        elapsed_s=time.perf_counter() - started,
-        rejected=rejected,
-        skipped=skipped,
-        bounds=b,
+    # What the leader attested is checked by digest, the rest by signature.
+    attested = await bus.load_attestations(nc, after_seq=start_seq)
+    reader = bus.Reader(
+        nc,
+        after_seq=start_seq,
+        follow=False,
+        name="ctl",
+        batch=20_000,
+        attestations=attested,
     )
+    async with reader:
+        done = False
+        async for batch in reader.batches():
+            for rec in batch:
+                if rec.seq > target or (at is not None and rec.time > at):
+                    done = True
+                    break
+                reason = apply(st, rec.event, rec.seq, rec.time)
+                if reason is not None:
+                    tail.rejected.append((rec.seq, reason))
+                tail.last_time = rec.time
+                tail.folded += 1
+            if progress is not None:
+                progress(min(batch[-1].seq, target) - start_seq, total)
+            if done or batch[-1].seq >= target:
+                break
+        tail.skipped = [s for s in reader.skipped if s.seq <= target]
 
 
 def copy_state(st: state.ClusterState) -> state.ClusterState:

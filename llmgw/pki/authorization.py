@@ -137,62 +137,87 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
     deny: list[str] = []
     match identity.kind:
         case "node":
-            node = identity.name
-            consumer = command_consumer(node)
-            publish += [
-                subjects.node_events(node),
-                # Only the filtered form: the server refuses it unless the consumer's
-                # filter_subject is exactly llmgw.cmd.<node>.
-                f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}.{subjects.command(node)}",
-                f"{API}.CONSUMER.INFO.{STREAM}.{consumer}",
-                f"{API}.CONSUMER.DELETE.{STREAM}.{consumer}",
-                f"{API}.CONSUMER.MSG.NEXT.{STREAM}.{consumer}",
-                f"$JS.ACK.{STREAM}.{consumer}.>",
-                f"$JS.FC.{STREAM}.{consumer}.>",
-                # Its own last events and commands (an agent restarting reads where it was).
-                f"{API}.DIRECT.GET.{STREAM}.{subjects.node_events(node)}",
-                f"{API}.DIRECT.GET.{STREAM}.{subjects.command(node)}",
-                # The leader lease (its bucket holds that one key): an agent obeys no epoch
-                # beyond the current leader's. Not a direct get: buckets made before llmgw
-                # enabled direct gets on them answer only this.
-                f"{API}.STREAM.MSG.GET.KV_{LEASE_BUCKET}",
-            ]
+            publish += _node_publish(identity.name)
         case "router" | "operator":
-            # `nats stream ls` (the operator's view of the log with the nats CLI).
-            publish.append(f"{API}.STREAM.LIST")
-            publish += _read_stream(STREAM)
-            for bucket in _bucket_streams():
-                publish += _read_stream(bucket)
-            if identity.kind == "operator":
-                publish.append(subjects.operator_events(identity.name))
-            for node in nodes:
-                consumer = command_consumer(node)
-                deny += [
-                    f"$JS.ACK.{STREAM}.{consumer}.>",
-                    f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}",
-                    f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}.>",
-                    f"{API}.CONSUMER.MSG.NEXT.{STREAM}.{consumer}",
-                    f"{API}.CONSUMER.DELETE.{STREAM}.{consumer}",
-                ]
+            publish += _reader_publish(identity)
+            deny += _others_commands(nodes)
         case "control":
-            publish.append(f"{API}.STREAM.LIST")
-            for stream in [STREAM, *_bucket_streams()]:
-                publish += _manage_stream(stream)
-            publish += [
-                subjects.CONTROL_EVENTS_ALL,
-                subjects.COMMANDS_ALL,
-                # The models of the control plane's config file become operator events
-                # (llmgw.control.models); only these three kinds, never cordon or drain.
-                *(subjects.control_operator_event(identity.name, k) for k in CONTROL_MODEL_EVENTS),
-                f"$KV.{LEASE_BUCKET}.>",
-                f"$KV.{SNAPSHOT_BUCKET}.>",
-                f"$O.{SNAPSHOT_BUCKET}.>",
-            ]
+            publish += _control_publish(identity.name)
     return Permissions(
         publish=tuple(dict.fromkeys(publish)),
         subscribe=tuple(dict.fromkeys(subscribe)),
         publish_deny=tuple(dict.fromkeys(deny)),
     )
+
+
+def _node_publish(node: str) -> list[str]:
+    """A node's own: its events, its command consumer, its last messages, the lease."""
+    consumer = command_consumer(node)
+    return [
+        subjects.node_events(node),
+        # Only the filtered form: the server refuses it unless the consumer's
+        # filter_subject is exactly llmgw.cmd.<node>.
+        f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}.{subjects.command(node)}",
+        f"{API}.CONSUMER.INFO.{STREAM}.{consumer}",
+        f"{API}.CONSUMER.DELETE.{STREAM}.{consumer}",
+        f"{API}.CONSUMER.MSG.NEXT.{STREAM}.{consumer}",
+        f"$JS.ACK.{STREAM}.{consumer}.>",
+        f"$JS.FC.{STREAM}.{consumer}.>",
+        # Its own last events and commands (an agent restarting reads where it was).
+        f"{API}.DIRECT.GET.{STREAM}.{subjects.node_events(node)}",
+        f"{API}.DIRECT.GET.{STREAM}.{subjects.command(node)}",
+        # The leader lease (its bucket holds that one key): an agent obeys no epoch
+        # beyond the current leader's. Not a direct get: buckets made before llmgw
+        # enabled direct gets on them answer only this.
+        f"{API}.STREAM.MSG.GET.KV_{LEASE_BUCKET}",
+    ]
+
+
+def _reader_publish(identity: Identity) -> list[str]:
+    """A router's or operator's: reading the log and the buckets; an operator also
+    writes its own events."""
+    # `nats stream ls` (the operator's view of the log with the nats CLI).
+    publish = [f"{API}.STREAM.LIST"]
+    publish += _read_stream(STREAM)
+    for bucket in _bucket_streams():
+        publish += _read_stream(bucket)
+    if identity.kind == "operator":
+        publish.append(subjects.operator_events(identity.name))
+    return publish
+
+
+def _others_commands(nodes: Sequence[str]) -> list[str]:
+    """What a reader may not do to a node's command consumer: ack, create, pull, delete."""
+    deny: list[str] = []
+    for node in nodes:
+        consumer = command_consumer(node)
+        deny += [
+            f"$JS.ACK.{STREAM}.{consumer}.>",
+            f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}",
+            f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}.>",
+            f"{API}.CONSUMER.MSG.NEXT.{STREAM}.{consumer}",
+            f"{API}.CONSUMER.DELETE.{STREAM}.{consumer}",
+        ]
+    return deny
+
+
+def _control_publish(name: str) -> list[str]:
+    """The control plane's: managing the streams, its decisions and commands, its config
+    file's models, the lease and the snapshots."""
+    publish = [f"{API}.STREAM.LIST"]
+    for stream in [STREAM, *_bucket_streams()]:
+        publish += _manage_stream(stream)
+    publish += [
+        subjects.CONTROL_EVENTS_ALL,
+        subjects.COMMANDS_ALL,
+        # The models of the control plane's config file become operator events
+        # (llmgw.control.models); only these three kinds, never cordon or drain.
+        *(subjects.control_operator_event(name, k) for k in CONTROL_MODEL_EVENTS),
+        f"$KV.{LEASE_BUCKET}.>",
+        f"$KV.{SNAPSHOT_BUCKET}.>",
+        f"$O.{SNAPSHOT_BUCKET}.>",
+    ]
+    return publish
 
 
 @dataclass(frozen=True)

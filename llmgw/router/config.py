@@ -108,6 +108,16 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
     at request time, so they are refused here instead.
     """
     problems: list[str] = []
+    names = _model_names(cfg, problems)
+    problems += _model_problems(cfg, names)
+    problems += _endpoint_problems(cfg, names)
+    problems += _setting_problems(cfg)
+    return [f"{where}: {p}" for p in problems]
+
+
+def _model_names(cfg: RouterConfig, problems: list[str]) -> dict[str, str]:
+    """Every name a request may use (models and aliases) to the model it means; a name
+    or alias declared twice is a problem."""
     names: dict[str, str] = {}
     for i, m in enumerate(cfg.models):
         if not m.name:
@@ -132,7 +142,12 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
                 )
             else:
                 names[alias] = m.name
-    canonical = {m.name for m in cfg.models}
+    return names
+
+
+def _model_problems(cfg: RouterConfig, names: dict[str, str]) -> list[str]:
+    """Fallbacks that name no model or the model itself, and deadlines that are not positive."""
+    problems: list[str] = []
     for m in cfg.models:
         for fb in m.fallbacks:
             if fb not in names:
@@ -146,6 +161,13 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
         for field in ("connect_s", "headers_s", "first_token_s", "idle_s", "total_s"):
             if getattr(d, field) <= 0:
                 problems.append(f"model {m.name!r}: deadlines.{field} must be above 0 seconds")
+    return problems
+
+
+def _endpoint_problems(cfg: RouterConfig, names: dict[str, str]) -> list[str]:
+    """Endpoint ids used twice, URLs that are none, and models no endpoint may serve."""
+    problems: list[str] = []
+    canonical = {m.name for m in cfg.models}
     ids: set[str] = set()
     for i, ep in enumerate(cfg.endpoints):
         if ep.id in ids:
@@ -169,6 +191,12 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
                 problems.append(
                     f"endpoint {ep.id!r} serves {model!r}, which is not a declared model: {hint}"
                 )
+    return problems
+
+
+def _setting_problems(cfg: RouterConfig) -> list[str]:
+    """The router's own settings: the log connection, limits, timeouts, authentication."""
+    problems: list[str] = []
     if cfg.log is not None:
         problems += cfg.log.problems(
             "log",
@@ -198,7 +226,7 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
         )
     if cfg.auth.keys_file and cfg.auth.allow_anonymous:
         problems.append("auth.keys_file and auth.allow_anonymous are both set: choose one")
-    return [f"{where}: {p}" for p in problems]
+    return problems
 
 
 def load(path: str | Path | None) -> RouterConfig:

@@ -103,6 +103,7 @@ Metric = Counter | Gauge | Histogram
 class Metrics:
     """Every metric of one router process."""
 
+    # long: one declaration per metric family (16 of them), each with its help text
     def __init__(self, *, worker: int = 0) -> None:
         self.worker = worker
         p = PREFIX

@@ -226,43 +226,20 @@ def _run_workers(cfg: RouterConfig, api: list[socket.socket], admin: list[socket
     def on_signal(signum: int, _frame: Any) -> None:
         nonlocal stopping
         stopping = True
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGTERM)
+        _signal_all(procs, signal.SIGTERM)
 
     def on_hup(signum: int, _frame: Any) -> None:
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGHUP)
+        _signal_all(procs, signal.SIGHUP)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_hup)
     try:
         for i in range(cfg.workers):
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_worker_main,
-                # The sockets travel as file descriptors the child inherits.
-                args=(cfg_bytes, i, send, limits_path, limits_lock, api[i], admin[i]),
-                name=f"router-{i}",
-            )
-            proc.start()
-            send.close()
-            # The worker has its own copies now; a dead worker's queue must not linger here.
-            api[i].close()
-            admin[i].close()
+            proc, recv = _start_worker(ctx, i, (cfg_bytes, limits_path, limits_lock), api, admin)
             procs.append(proc)
             pipes.append(recv)
-        for p, recv in zip(procs, pipes, strict=True):
-            while not recv.poll(0.2):
-                if not p.is_alive():
-                    raise SystemExit(
-                        f"router worker {p.name} exited during start (code {p.exitcode})"
-                    )
-            recv.recv()
+        _wait_started(procs, pipes)
         _announce(cfg.listen.host, ports[0], cfg.admin.host, ports[1])
         while not stopping:
             multiprocessing.connection.wait([p.sentinel for p in procs], timeout=1.0)
@@ -279,3 +256,48 @@ def _run_workers(cfg: RouterConfig, api: list[socket.socket], admin: list[socket
             if p.is_alive():
                 p.kill()
         shutil.rmtree(mpdir, ignore_errors=True)
+
+
+def _start_worker(
+    ctx: multiprocessing.context.SpawnContext,
+    i: int,
+    shared: tuple[bytes, str, Any],
+    api: list[socket.socket],
+    admin: list[socket.socket],
+) -> tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]:
+    """Start worker `i` on its sockets; its process and the pipe it says it listens on.
+    `shared`: the encoded config, the rate limits' file and their lock."""
+    cfg_bytes, limits_path, limits_lock = shared
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_worker_main,
+        # The sockets travel as file descriptors the child inherits.
+        args=(cfg_bytes, i, send, limits_path, limits_lock, api[i], admin[i]),
+        name=f"router-{i}",
+    )
+    proc.start()
+    send.close()
+    # The worker has its own copies now; a dead worker's queue must not linger here.
+    api[i].close()
+    admin[i].close()
+    return proc, recv
+
+
+def _signal_all(procs: list[multiprocessing.process.BaseProcess], sig: int) -> None:
+    """Send `sig` to every worker still alive."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, sig)
+
+
+def _wait_started(
+    procs: list[multiprocessing.process.BaseProcess],
+    pipes: list[multiprocessing.connection.Connection],
+) -> None:
+    """Wait for every worker's word that it listens; exit if one dies first."""
+    for p, recv in zip(procs, pipes, strict=True):
+        while not recv.poll(0.2):
+            if not p.is_alive():
+                raise SystemExit(f"router worker {p.name} exited during start (code {p.exitcode})")
+        recv.recv()

@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from llmgw.sim.engine import Engine
+from llmgw.sim.stats import Stats
 
 _LABELS = ["model_name", "engine"]
 
@@ -51,90 +52,118 @@ class EngineCollector(Collector):
         self.values = [model_name, "0"]
 
     def collect(self) -> Iterator[Metric]:
-        e = self.engine
-        s = e.stats
-        v = self.values
+        yield from self._scheduler()
+        yield from self._tokens()
+        yield from self._requests()
+        yield self._cache_config()
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=_LABELS)
-            g.add_metric(v, value)
-            return g
+    @property
+    def stats(self) -> Stats:
+        return self.engine.stats
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=_LABELS)
-            c.add_metric(v, value)
-            return c
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=_LABELS)
+        g.add_metric(self.values, value)
+        return g
 
-        yield gauge(
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=_LABELS)
+        c.add_metric(self.values, value)
+        return c
+
+    def _scheduler(self) -> Iterator[Metric]:
+        """The batch, the queue and the KV cache's fill."""
+        yield self._gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            len(e.running),
+            len(self.engine.running),
         )
-        yield gauge(
+        yield self._gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            len(e.waiting),
+            len(self.engine.waiting),
         )
         by_reason = GaugeMetricFamily(
             "vllm:num_requests_waiting_by_reason",
             "Number of requests waiting, by the reason they wait.",
             labels=[*_LABELS, "reason"],
         )
-        by_reason.add_metric([*v, "capacity"], len(e.waiting))
-        by_reason.add_metric([*v, "deferred"], 0)
+        by_reason.add_metric([*self.values, "capacity"], len(self.engine.waiting))
+        by_reason.add_metric([*self.values, "deferred"], 0)
         yield by_reason
-        yield gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.pool.usage
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            self.engine.pool.usage,
         )
-        yield counter(
+
+    def _tokens(self) -> Iterator[Metric]:
+        """Prompt and generated tokens, the prefix cache's hits, preemptions."""
+        yield self._counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            s.prefix_cache_queries,
+            self.stats.prefix_cache_queries,
         )
-        yield counter(
+        yield self._counter(
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            s.prefix_cache_hits,
+            self.stats.prefix_cache_hits,
         )
-        yield counter(
+        yield self._counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
-            s.preemptions,
+            self.stats.preemptions,
         )
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield self._counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", self.stats.prompt_tokens
+        )
         by_source = CounterMetricFamily(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
             labels=[*_LABELS, "source"],
         )
-        by_source.add_metric([*v, "local_compute"], s.prompt_tokens - s.prompt_tokens_cached)
-        by_source.add_metric([*v, "local_cache_hit"], s.prompt_tokens_cached)
+        by_source.add_metric(
+            [*self.values, "local_compute"],
+            self.stats.prompt_tokens - self.stats.prompt_tokens_cached,
+        )
+        by_source.add_metric([*self.values, "local_cache_hit"], self.stats.prompt_tokens_cached)
         yield by_source
-        yield counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens.", s.prompt_tokens_cached
+        yield self._counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens.",
+            self.stats.prompt_tokens_cached,
         )
-        yield counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens
+        yield self._counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            self.stats.generation_tokens,
         )
+
+    def _requests(self) -> Iterator[Metric]:
+        """Finished requests by reason, and the per-request histograms."""
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
             labels=[*_LABELS, "finished_reason"],
         )
-        for reason, n in s.request_success.items():
-            success.add_metric([*v, reason], n)
+        for reason, n in self.stats.request_success.items():
+            success.add_metric([*self.values, reason], n)
         yield success
-        for name, h in s.histograms().items():
+        for name, h in self.stats.histograms().items():
             fam = HistogramMetricFamily(f"vllm:{name}", _HISTOGRAM_HELP[name], labels=_LABELS)
-            fam.add_metric(v, buckets=h.cumulative(), sum_value=h.sum)
+            fam.add_metric(self.values, buckets=h.cumulative(), sum_value=h.sum)
             yield fam
+
+    def _cache_config(self) -> Metric:
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
             labels=["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
         )
-        info.add_metric(["0", str(e.block_size), str(e.pool.num_blocks), "True"], 1)
-        yield info
+        info.add_metric(
+            ["0", str(self.engine.block_size), str(self.engine.pool.num_blocks), "True"], 1
+        )
+        return info
 
 
 def registry_for(engine: Engine, model_name: str) -> CollectorRegistry:

@@ -22,8 +22,6 @@ import contextlib
 import hmac
 import os
 import signal
-import socket
-import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import logs
-from llmgw.sim import api, tokens
+from llmgw.sim import api, faultplan, streaming, tokens
 from llmgw.sim.config import Faults, SimConfig
 from llmgw.sim.engine import Engine, Request
 from llmgw.sim.metrics import registry_for
@@ -72,8 +70,7 @@ class SimServer:
         self.cfg = cfg
         self.engine = Engine(cfg)
         self.registry = registry_for(self.engine, cfg.served_model_names[0])
-        self.faults = cfg.faults
-        self.faults_left = cfg.faults.count
+        self.faults = faultplan.FaultPlan(cfg.faults)
         self._id_prefix = os.urandom(3).hex()
         self._n = 0
         self._created = int(time.time())
@@ -181,55 +178,22 @@ class SimServer:
     # --- faults ------------------------------------------------------------------
 
     def _take_fault(self) -> Faults | None:
-        f = self.faults
-        if not f.active:
-            return None
-        if self.faults_left is not None:
-            self.faults_left -= 1
-            if self.faults_left <= 0:
-                self.faults = Faults()
-                self.faults_left = None
-        return f
-
-    def _faults_json(self) -> bytes:
-        body = msgspec.to_builtins(self.faults)
-        body["count"] = self.faults_left
-        body["active"] = self.faults.active
-        return msgspec.json.encode(body)
+        return self.faults.take()
 
     async def _faults_get(self, _request: web.Request) -> web.Response:
-        return web.Response(body=self._faults_json(), content_type=_JSON)
+        return web.Response(body=self.faults.json(), content_type=_JSON)
 
     async def _faults_set(self, request: web.Request) -> web.Response:
-        raw = await request.read()
         try:
-            plan = msgspec.json.decode(raw or b"{}", type=Faults)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            plan = self.faults.set(await request.read())
+        except faultplan.InvalidPlan as exc:
             return _error(api.ApiError(400, f"invalid fault plan: {exc}", code="invalid_value"))
-        problem = plan.problem()
-        if problem:
-            return _error(api.ApiError(400, f"invalid fault plan: {problem}", code="invalid_value"))
-        self.faults = plan
-        self.faults_left = plan.count
         self.log.info("sim.faults_set", faults=msgspec.to_builtins(plan))
-        return web.Response(body=self._faults_json(), content_type=_JSON)
+        return web.Response(body=self.faults.json(), content_type=_JSON)
 
     async def _faults_clear(self, _request: web.Request) -> web.Response:
-        self.faults = Faults()
-        self.faults_left = None
-        return web.Response(body=self._faults_json(), content_type=_JSON)
-
-    @staticmethod
-    async def _die(request: web.Request) -> None:
-        """Abort the connection with a TCP RST, as a crashed engine would leave it."""
-        transport = request.transport
-        if transport is not None:
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            transport.abort()
-        # handler_cancellation cancels this handler as the connection goes.
-        raise asyncio.CancelledError
+        self.faults.clear()
+        return web.Response(body=self.faults.json(), content_type=_JSON)
 
     # --- OpenAI endpoints ----------------------------------------------------------
 
@@ -282,8 +246,8 @@ class SimServer:
         self._wake.set()
         try:
             if p.stream:
-                return await self._stream(request, p, req, fault)
-            return await self._complete(request, p, req, fault)
+                return await streaming.stream(request, p, req, fault, zero=self.cfg.latency.zero)
+            return await streaming.complete(request, p, req, fault)
         finally:
             if not req.finished:
                 self.engine.abort(req, loop.time())
@@ -304,121 +268,8 @@ class SimServer:
                 content_type=_JSON,
             )
         if fault.die_mid_stream and not stream:
-            await self._die(request)
+            await streaming.die(request)
         return None
-
-    async def _wait(self, req: Request) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        req.waiter = fut
-        try:
-            await fut
-        finally:
-            req.waiter = None
-
-    def _usage(self, req: Request) -> dict[str, Any]:
-        return api.usage(req.num_prompt, req.num_generated, req.cached_tokens or 0)
-
-    async def _complete(
-        self, request: web.Request, p: api.Prepared, req: Request, fault: Faults | None
-    ) -> web.StreamResponse:
-        while not req.finished:
-            await self._wait(req)
-        if fault is not None:
-            if fault.stall_at in ("first_token", "mid_stream"):
-                await asyncio.sleep(fault.stall_s)
-            if fault.die_mid_stream:
-                await self._die(request)
-        body = api.full_response(
-            p,
-            req.rid,
-            int(time.time()),
-            "".join(req.pieces),
-            req.finish_reason or "stop",
-            self._usage(req),
-        )
-        return web.Response(body=body, content_type=_JSON)
-
-    async def _stream(
-        self, request: web.Request, p: api.Prepared, req: Request, fault: Faults | None
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        # The client may leave between two writes, before handler cancellation gets
-        # to us: not an error of the sim. `_generation` drops the request; aiohttp
-        # notices the closed connection when it finishes the response.
-        with contextlib.suppress(ConnectionResetError):
-            await self._stream_to(resp, request, p, req, fault)
-        return resp
-
-    async def _stream_to(
-        self,
-        resp: web.StreamResponse,
-        request: web.Request,
-        p: api.Prepared,
-        req: Request,
-        fault: Faults | None,
-    ) -> None:
-        await resp.prepare(request)
-        # aiohttp holds the headers back until the first body write. A real engine
-        # sends them at once, so a slow prefill or a long queue shows up as a late
-        # first token rather than late headers; the sim does the same, except with
-        # a zero-latency model, where the whole response (headers, every chunk,
-        # the end) goes out in one write unless the request has to queue.
-        zero = self.cfg.latency.zero
-        flushed = False  # the headers are on the wire
-        if not zero:
-            await resp.write(b"")
-            flushed = True
-        fmt = api.StreamFormat(p, req.rid, int(time.time()))
-        # The chat role chunk goes out with the first token, as vLLM sends it.
-        opening = fmt.opening()
-        pending = b""
-        # Where the fault strikes, counted in streamed tokens; -1 once it has.
-        cut = -1
-        if fault is not None and (fault.stall_at == "mid_stream" or fault.die_mid_stream):
-            cut = fault.after_tokens
-        if fault is not None and fault.stall_at == "first_token":
-            await resp.write(opening)
-            opening = b""
-            flushed = True
-            await asyncio.sleep(fault.stall_s)
-        sent = 0
-        woken = not zero
-        while True:
-            emit = req.emit
-            if emit > sent:
-                pending += opening
-                opening = b""
-                if 0 <= cut < emit:
-                    pending += fmt.pieces(req.pieces[sent:cut])
-                    sent = cut
-                    await resp.write(pending)
-                    pending = b""
-                    flushed = True
-                    cut = -1
-                    assert fault is not None
-                    if fault.die_mid_stream:
-                        await self._die(request)
-                    await asyncio.sleep(fault.stall_s)
-                    continue
-                pending += fmt.pieces(req.pieces[sent:emit])
-                sent = emit
-            if req.finished:
-                use = self._usage(req) if p.include_usage else None
-                closing = fmt.closing(req.finish_reason or "stop", use)
-                await resp.write_eof(opening + pending + closing)
-                return
-            if pending:
-                await resp.write(pending)
-                pending = b""
-                flushed = True
-            elif woken and not flushed:
-                # Woken with nothing to send: the request queues. Send the headers now.
-                await resp.write(b"")
-                flushed = True
-            await self._wait(req)
-            woken = True
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -27,7 +27,8 @@ from llmgw import logs
 from llmgw.agent import engines
 from llmgw.agent.discovery import simulated
 from llmgw.agent.engines import Launch, LaunchContext
-from llmgw.agent.supervisor import Settings, ShardView, Supervisor
+from llmgw.agent.shards import ShardView
+from llmgw.agent.supervisor import Settings, Supervisor
 from llmgw.core.inventory import Inventory
 from llmgw.core.profile import LaunchSpec
 from llmgw.natsd import free_port

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nats
 
-from llmgw import natsd
+from llmgw import natsconf, natsd
 from llmgw.pki.ca import CertificateAuthority
 from llmgw.pki.identity import Identity
 from llmgw.pki.store import CertDir, utcnow
@@ -56,7 +56,7 @@ def main() -> None:
         )
 
         port = natsd.free_port()
-        cfg = natsd.ServerConfig(
+        cfg = natsconf.ServerConfig(
             store_dir=root / "js",
             cert_file=certs.server_cert,
             key_file=certs.server_key,
@@ -65,7 +65,7 @@ def main() -> None:
             port=port,
             http_port=None,
         )
-        (root / "nats.conf").write_text(natsd.render_config(cfg))
+        (root / "nats.conf").write_text(natsconf.render_config(cfg))
         server = natsd.NatsServer(root / "nats.conf", port=port, log_path=root / "nats.log")
         t = time.perf_counter()
         server.start()

@@ -13,7 +13,8 @@ import sys
 from llmgw import logs
 from llmgw.agent import engines
 from llmgw.agent.discovery import simulated
-from llmgw.agent.supervisor import Settings, ShardView, Supervisor
+from llmgw.agent.shards import ShardView
+from llmgw.agent.supervisor import Settings, Supervisor
 from llmgw.core.inventory import Inventory
 from llmgw.core.profile import LaunchSpec
 

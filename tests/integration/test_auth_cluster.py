@@ -15,7 +15,7 @@ import nats
 import pytest
 from nats.js.api import DeliverPolicy
 
-from llmgw import natsd
+from llmgw import natsconf, natsd
 from llmgw.core import events, subjects
 from llmgw.pki.identity import Identity
 from tests.harness import Connector, TestNatsCluster, TestNatsServer
@@ -108,7 +108,7 @@ async def test_a_client_certificate_cannot_join_the_cluster_as_a_route(
 
     rogue = TestNatsServer(pki, tmp_path / "rogue", server_name="rogue")
     rogue.root.mkdir()
-    rogue.cluster = natsd.ClusterConfig(
+    rogue.cluster = natsconf.ClusterConfig(
         name=nats_cluster.name,
         host="127.0.0.1",
         port=natsd.free_port(),

@@ -10,7 +10,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from llmgw import natsd
+from llmgw import natsconf, natsd
 from llmgw.core import subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import KINDS, Identity
@@ -30,9 +30,9 @@ def check(config: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_checked_in_config_is_what_llmgw_renders() -> None:
-    rendered = natsd.render_config(natsd.DEFAULT_CONFIG, natsd.DEFAULT_HEADER)
+    rendered = natsconf.render_config(natsconf.DEFAULT_CONFIG, natsconf.DEFAULT_HEADER)
     assert (REPO / "nats" / "llmgw.conf").read_text() == rendered, (
-        "nats/llmgw.conf drifted from llmgw.natsd.DEFAULT_CONFIG: regenerate it with "
+        "nats/llmgw.conf drifted from llmgw.natsconf.DEFAULT_CONFIG: regenerate it with "
         "render_config(DEFAULT_CONFIG, DEFAULT_HEADER)"
     )
     assert "sync_interval: always" in rendered
@@ -48,7 +48,7 @@ def test_rendered_authorization_for_many_identities_is_accepted(
     (tmp_path / "authorization.conf").write_text(
         authorization.render(ids, superusers=["CN=admin,OU=test,O=llmgw-test"])
     )
-    cfg = natsd.ServerConfig(
+    cfg = natsconf.ServerConfig(
         store_dir=tmp_path / "js",
         cert_file=pki.certs.server_cert,
         key_file=pki.certs.server_key,
@@ -57,14 +57,14 @@ def test_rendered_authorization_for_many_identities_is_accepted(
         port=natsd.free_port(),
         http_port=None,
     )
-    (tmp_path / "nats.conf").write_text(natsd.render_config(cfg))
+    (tmp_path / "nats.conf").write_text(natsconf.render_config(cfg))
     result = check(tmp_path / "nats.conf")
     assert result.returncode == 0, result.stderr
     assert "is valid" in result.stdout + result.stderr
 
 
 def test_an_absolute_include_path_is_refused_with_the_reason(pki: TestPki) -> None:
-    cfg = natsd.ServerConfig(
+    cfg = natsconf.ServerConfig(
         store_dir=Path("js"),
         cert_file=pki.certs.server_cert,
         key_file=pki.certs.server_key,
@@ -72,7 +72,7 @@ def test_an_absolute_include_path_is_refused_with_the_reason(pki: TestPki) -> No
         authorization_file=Path("/etc/authorization.conf"),
     )
     with pytest.raises(ValueError, match="relative to the config file's folder"):
-        natsd.render_config(cfg)
+        natsconf.render_config(cfg)
 
 
 def test_a_broken_config_fails_start_with_the_servers_words(tmp_path: Path) -> None:
@@ -176,9 +176,9 @@ async def test_stopped_server_refuses_and_reports_clearly(nats_server: TestNatsS
 
 
 def test_checked_in_cluster_configs_are_what_llmgw_renders() -> None:
-    for index in range(1, natsd.CLUSTER_SIZE + 1):
+    for index in range(1, natsconf.CLUSTER_SIZE + 1):
         path = REPO / "nats" / "cluster" / f"nats-{index}.conf"
-        assert path.read_text() == natsd.render_cluster_member(index), (
-            f"{path} drifted from llmgw.natsd.cluster_member_config: regenerate it with "
+        assert path.read_text() == natsconf.render_cluster_member(index), (
+            f"{path} drifted from llmgw.natsconf.cluster_member_config: regenerate it with "
             f"render_cluster_member({index})"
         )

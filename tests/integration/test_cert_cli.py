@@ -16,7 +16,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from llmgw import natsd
+from llmgw import natsconf, natsd
 from llmgw.core import events, subjects
 from llmgw.pki.identity import Identity
 from llmgw.pki.store import CertDir
@@ -229,11 +229,11 @@ async def test_the_checked_in_cluster_runs_from_the_repository_root(tmp_path: Pa
     (root / "nats" / "cluster").mkdir(parents=True)
     texts = [
         (REPO / "nats" / "cluster" / f"nats-{i}.conf").read_text()
-        for i in range(1, natsd.CLUSTER_SIZE + 1)
+        for i in range(1, natsconf.CLUSTER_SIZE + 1)
     ]
     ports: dict[int, int] = {}
     for base in (4221, 6221, 8221):
-        for i in range(1, natsd.CLUSTER_SIZE + 1):
+        for i in range(1, natsconf.CLUSTER_SIZE + 1):
             ports[base + i] = natsd.free_port()
     for i, text in enumerate(texts, start=1):
         for old, new in ports.items():
@@ -241,7 +241,7 @@ async def test_the_checked_in_cluster_runs_from_the_repository_root(tmp_path: Pa
         (root / "nats" / "cluster" / f"nats-{i}.conf").write_text(text)
 
     assert llmgw(root, "ctl", "cert", "init", "--host", "127.0.0.1").returncode == 0
-    for i in range(1, natsd.CLUSTER_SIZE + 1):
+    for i in range(1, natsconf.CLUSTER_SIZE + 1):
         out = llmgw(root, "ctl", "cert", "route", f"nats-{i}", "--host", "127.0.0.1")
         assert out.returncode == 0, out.stderr
     refused = llmgw(root, "ctl", "cert", "route", "nats-1", "--host", "127.0.0.1")
@@ -255,7 +255,7 @@ async def test_the_checked_in_cluster_runs_from_the_repository_root(tmp_path: Pa
             cwd=root,
             log_path=root / f"nats-{i}.log",
         )
-        for i in range(1, natsd.CLUSTER_SIZE + 1)
+        for i in range(1, natsconf.CLUSTER_SIZE + 1)
     ]
     try:
         for server in servers:

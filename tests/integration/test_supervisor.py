@@ -26,7 +26,8 @@ from llmgw import pidfiles, processes
 from llmgw.agent import engines
 from llmgw.agent.discovery import simulated
 from llmgw.agent.engines import Launch, LaunchContext
-from llmgw.agent.supervisor import Settings, ShardView, Supervisor, status_event
+from llmgw.agent.shards import ShardView, status_event
+from llmgw.agent.supervisor import Settings, Supervisor
 from llmgw.core import events
 from llmgw.core.inventory import Inventory
 from llmgw.core.profile import LaunchSpec

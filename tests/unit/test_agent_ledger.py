@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.agent import ledger
-from llmgw.agent.supervisor import ShardView
+from llmgw.agent.shards import ShardView
 from llmgw.core import events
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
@@ -96,6 +96,12 @@ def test_superseded_starts_in_a_backlog() -> None:
     # A deposed leader's stop does not cancel the current leader's start.
     assert not ledger.superseded(start(1, epoch=3), [stop(1, epoch=2)], epoch=3)
     assert not ledger.superseded(stop(1), [start(2)], epoch=1)
+
+
+def test_successors_are_the_later_commands_on_the_same_shard() -> None:
+    a1, other, a2, a3 = start(1), start(1, rid="o"), stop(1), start(2)
+    hb = object()  # not a command: it has no successors and is none
+    assert ledger.successors([a1, hb, other, a2, a3]) == [[a2, a3], [], [], [a3], []]
 
 
 def test_persistence_and_corruption(tmp_path: Path) -> None:

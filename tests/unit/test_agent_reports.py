@@ -5,7 +5,7 @@ from __future__ import annotations
 from llmgw.agent import reports
 from llmgw.agent.config import AgentConfig, launch_context
 from llmgw.agent.discovery import simulated
-from llmgw.agent.supervisor import ShardView
+from llmgw.agent.shards import ShardView
 from llmgw.core import events, placement
 from llmgw.core.inventory import Fabric, Inventory
 

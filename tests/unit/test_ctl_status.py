@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.cli.ctl_history import LeaseSeen, leader_status
+from llmgw.ctl.leadership import LeaseSeen, leader_status
 
 NOW = 1_800_000_000.0
 

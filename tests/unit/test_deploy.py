@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from llmgw import natsd
+from llmgw import natsconf
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "systemd"
@@ -152,8 +152,8 @@ def test_the_sandbox_rules_match_systemd() -> None:
 
 
 def test_the_deployed_nats_config_is_rendered() -> None:
-    rendered = natsd.render_config(natsd.SYSTEMD_CONFIG, natsd.SYSTEMD_HEADER)
-    assert (REPO / natsd.SYSTEMD_CONFIG_PATH).read_text() == rendered, (
-        "deploy/nats/llmgw.conf drifted from llmgw.natsd.SYSTEMD_CONFIG: regenerate it with "
+    rendered = natsconf.render_config(natsconf.SYSTEMD_CONFIG, natsconf.SYSTEMD_HEADER)
+    assert (REPO / natsconf.SYSTEMD_CONFIG_PATH).read_text() == rendered, (
+        "deploy/nats/llmgw.conf drifted from llmgw.natsconf.SYSTEMD_CONFIG: regenerate it with "
         "render_config(SYSTEMD_CONFIG, SYSTEMD_HEADER)"
     )

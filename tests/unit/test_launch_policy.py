@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from llmgw import config
 from llmgw.agent import config as agent_config
-from llmgw.agent.engines import validation
-from llmgw.agent.engines.validation import LaunchPolicy, LaunchRefused
+from llmgw.agent.engines import allowlists
+from llmgw.agent.engines import policy as launch_policy
+from llmgw.agent.engines.policy import LaunchPolicy
+from llmgw.agent.engines.validation import LaunchRefused
 from llmgw.core.profile import Engine, LaunchSpec
 
 SOURCE = "/etc/llmgw/agent.yaml"
@@ -38,7 +40,7 @@ def spec(engine: Engine = "vllm", **over: object) -> LaunchSpec:
 
 def refusal(s: LaunchSpec, policy: LaunchPolicy = LaunchPolicy()) -> list[str]:
     try:
-        validation.check_policy(s, policy, source=SOURCE)
+        launch_policy.check_policy(s, policy, source=SOURCE)
     except LaunchRefused as exc:
         return list(exc.reasons)
     return []
@@ -159,10 +161,10 @@ def test_any_env_passes_only_allowed_names_or_is_refused_naming_the_setting(
     policy = LaunchPolicy(env_allow={engine: tuple(e for e in extra if e.isidentifier())})
     reasons = refusal(spec(engine, env=env), policy)
     for name, value in env.items():
-        ok = validation.env_allowed(policy, engine, name)
+        ok = launch_policy.env_allowed(policy, engine, name)
         if ok:
             # What passes is exactly listed, or a pattern's match that loads no code.
-            assert name in policy.env_allow.get(engine, ()) or not validation.loads_code(name)
+            assert name in policy.env_allow.get(engine, ()) or not allowlists.loads_code(name)
             assert name.isidentifier()
             assert name.isascii()
         if not ok:
@@ -309,7 +311,7 @@ def test_any_argv_passes_only_allowed_options_or_is_refused_naming_the_setting(
 ) -> None:
     policy = LaunchPolicy(file_dirs=("/opt/t",))
     reasons = refusal(spec(engine, engine_args=tuple(args)), policy)
-    allowed = set(validation.DEFAULT_ARGS_ALLOW[engine])
+    allowed = set(allowlists.DEFAULT_ARGS_ALLOW[engine])
     if not reasons:
         # Every option is on the list; every value follows an option; files stay in /opt/t.
         flag = ""
@@ -322,13 +324,13 @@ def test_any_argv_passes_only_allowed_options_or_is_refused_naming_the_setting(
                 and token[1:2] != "."
                 and token != "-"
             ):
-                flag = validation._flag_name(token)
+                flag = launch_policy._flag_name(token)
                 assert flag in allowed
                 value = token.split("=", 1)[1] if "=" in token else None
             else:
                 assert flag, token
                 value = token
-            if value is not None and flag in validation.FILE_ARGS[engine]:
+            if value is not None and flag in allowlists.FILE_ARGS[engine]:
                 assert value.startswith("/opt/t/") or not value.startswith("/")
                 assert ".." not in value or "{" in value or "}" in value or "\n" in value
     for r in reasons:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.sim import api, tokens
+from llmgw.sim import api, bodies, tokens
 from llmgw.sim.config import Faults, LatencyModel, SimConfig
 
 CFG = SimConfig(served_model_names=("m", "alias"), max_model_len=64, block_size=4, num_blocks=32)
@@ -93,8 +93,8 @@ def test_stream_chunks_are_valid_json_for_any_text(texts: list[str], kind: str) 
     prepare = api.prepare_chat if kind == "chat" else api.prepare_completion
     body = chat() if kind == "chat" else b'{"model": "m", "prompt": "p"}'
     p = prepare(body, CFG)
-    fmt = api.StreamFormat(p, 'id-"quoted"', 123)
-    raw = fmt.opening() + fmt.pieces(texts) + fmt.closing("stop", api.usage(3, len(texts), 0))
+    fmt = bodies.StreamFormat(p, 'id-"quoted"', 123)
+    raw = fmt.opening() + fmt.pieces(texts) + fmt.closing("stop", bodies.usage(3, len(texts), 0))
     events = raw.split(b"\n\n")
     assert events[-1] == b""
     assert events[-2] == b"data: [DONE]"

@@ -70,21 +70,7 @@ def read_gpus(
     try:
         count = int(nv.nvmlDeviceGetCount())
         handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        links: dict[int, set[int]] = {i: set() for i in range(count)}
-        for i in range(count):
-            for j in range(i + 1, count):
-                status = _optional(
-                    nv,
-                    nv.nvmlDeviceGetP2PStatus,
-                    handles[i],
-                    handles[j],
-                    nv.NVML_P2P_CAPS_INDEX_NVLINK,
-                    default=-1,
-                )
-                if status == nv.NVML_P2P_STATUS_OK:
-                    links[i].add(j)
-                    links[j].add(i)
-        domains = nvlink_domains(links)
+        domains = nvlink_domains(_nvlinks(nv, handles))
         gpus = []
         for i, handle in enumerate(handles):
             name = _text(nv.nvmlDeviceGetName(handle))
@@ -96,51 +82,7 @@ def read_gpus(
                         f"GPUs; disable MIG (`nvidia-smi -i {i} -mig 0`) to use it"
                     )
                 continue
-            memory = nv.nvmlDeviceGetMemoryInfo(handle)
-            memory_mib = int(memory.total) / _MIB
-            major, minor = nv.nvmlDeviceGetCudaComputeCapability(handle)
-            ecc = _optional(
-                nv,
-                nv.nvmlDeviceGetTotalEccErrors,
-                handle,
-                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                nv.NVML_VOLATILE_ECC,
-                default=0,
-            )
-            # Compute processes only, as nvidia-smi --query-compute-apps: a display
-            # server's few MiB on a workstation card are not another tenant's job.
-            processes = _optional(nv, nv.nvmlDeviceGetComputeRunningProcesses, handle, default=[])
-            # usedGpuMemory is None where the driver may not say (some vGPU setups):
-            # such a process still makes the GPU busy, so it counts as at least 1 MiB.
-            listed = [(int(p.pid), max(1, int(p.usedGpuMemory or 0) // _MIB)) for p in processes]
-            # ...but a visible desktop's memory is accounted for, not unseen.
-            graphics = _optional(nv, nv.nvmlDeviceGetGraphicsRunningProcesses, handle, default=[])
-            foreign = foreign_mib(
-                used_mib=int(memory.used) / _MIB,
-                processes=listed,
-                own_pids=own_pids,
-                ours=i in own_gpus,
-                seen_elsewhere_mib=sum(int(p.usedGpuMemory or 0) // _MIB for p in graphics),
-            )
-            # (corrected rows, uncorrected rows, pending, failure); absent on boards
-            # without row remapping (before Ampere, consumer cards): nothing to report.
-            remap = _optional(nv, nv.nvmlDeviceGetRemappedRows, handle, default=None)
-            pending, failed = (bool(remap[2]), bool(remap[3])) if remap else (False, False)
-            gpus.append(
-                Gpu(
-                    index=i,
-                    uuid=_text(nv.nvmlDeviceGetUUID(handle)),
-                    name=name,
-                    gpu_class=gpu_class(name, memory_mib),
-                    memory_mib=int(memory_mib),
-                    compute_capability=f"{int(major)}.{int(minor)}",
-                    nvlink_domain=domains.get(i),
-                    ecc_uncorrected=int(ecc or 0),
-                    foreign_memory_mib=foreign,
-                    remap_pending=pending,
-                    remap_failed=failed,
-                )
-            )
+            gpus.append(_gpu(nv, i, handle, name, domains.get(i), own_pids, i in own_gpus))
         return tuple(gpus)
     except nv.NVMLError as exc:
         raise NvmlError(f"NVML query failed: {exc}") from None
@@ -150,3 +92,85 @@ def read_gpus(
         ) from None
     finally:
         _optional(nv, nv.nvmlShutdown)
+
+
+def _nvlinks(nv: Any, handles: list[Any]) -> dict[int, set[int]]:
+    """Each GPU's NVLink peers, from pairwise P2P status (direct links and NVSwitch alike)."""
+    count = len(handles)
+    links: dict[int, set[int]] = {i: set() for i in range(count)}
+    for i in range(count):
+        for j in range(i + 1, count):
+            status = _optional(
+                nv,
+                nv.nvmlDeviceGetP2PStatus,
+                handles[i],
+                handles[j],
+                nv.NVML_P2P_CAPS_INDEX_NVLINK,
+                default=-1,
+            )
+            if status == nv.NVML_P2P_STATUS_OK:
+                links[i].add(j)
+                links[j].add(i)
+    return links
+
+
+def _gpu(
+    nv: Any,
+    i: int,
+    handle: Any,
+    name: str,
+    domain: int | None,
+    own_pids: frozenset[int],
+    ours: bool,
+) -> Gpu:
+    """One whole GPU's size, capability and health, read through `nv`."""
+    memory = nv.nvmlDeviceGetMemoryInfo(handle)
+    memory_mib = int(memory.total) / _MIB
+    major, minor = nv.nvmlDeviceGetCudaComputeCapability(handle)
+    ecc = _optional(
+        nv,
+        nv.nvmlDeviceGetTotalEccErrors,
+        handle,
+        nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+        nv.NVML_VOLATILE_ECC,
+        default=0,
+    )
+    foreign = _foreign_mib(nv, handle, int(memory.used) / _MIB, own_pids, ours)
+    # (corrected rows, uncorrected rows, pending, failure); absent on boards
+    # without row remapping (before Ampere, consumer cards): nothing to report.
+    remap = _optional(nv, nv.nvmlDeviceGetRemappedRows, handle, default=None)
+    pending, failed = (bool(remap[2]), bool(remap[3])) if remap else (False, False)
+    return Gpu(
+        index=i,
+        uuid=_text(nv.nvmlDeviceGetUUID(handle)),
+        name=name,
+        gpu_class=gpu_class(name, memory_mib),
+        memory_mib=int(memory_mib),
+        compute_capability=f"{int(major)}.{int(minor)}",
+        nvlink_domain=domain,
+        ecc_uncorrected=int(ecc or 0),
+        foreign_memory_mib=foreign,
+        remap_pending=pending,
+        remap_failed=failed,
+    )
+
+
+def _foreign_mib(
+    nv: Any, handle: Any, used_mib: float, own_pids: frozenset[int], ours: bool
+) -> int:
+    """Memory on the GPU held by no engine of ours (`llmgw.agent.discovery.memory`)."""
+    # Compute processes only, as nvidia-smi --query-compute-apps: a display
+    # server's few MiB on a workstation card are not another tenant's job.
+    processes = _optional(nv, nv.nvmlDeviceGetComputeRunningProcesses, handle, default=[])
+    # usedGpuMemory is None where the driver may not say (some vGPU setups):
+    # such a process still makes the GPU busy, so it counts as at least 1 MiB.
+    listed = [(int(p.pid), max(1, int(p.usedGpuMemory or 0) // _MIB)) for p in processes]
+    # ...but a visible desktop's memory is accounted for, not unseen.
+    graphics = _optional(nv, nv.nvmlDeviceGetGraphicsRunningProcesses, handle, default=[])
+    return foreign_mib(
+        used_mib=used_mib,
+        processes=listed,
+        own_pids=own_pids,
+        ours=ours,
+        seen_elsewhere_mib=sum(int(p.usedGpuMemory or 0) // _MIB for p in graphics),
+    )

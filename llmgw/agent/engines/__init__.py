@@ -3,7 +3,8 @@
 One module per engine (vllm, sglang, sim, llamacpp), each a pure function of
 the spec; `plan` validates the spec against the node's inventory first
 (`llmgw.agent.engines.validation`), because an engine refuses a bad profile
-only after minutes of loading. The supervisor runs what `plan` returns.
+only after minutes of loading; what the node's own launch policy allows is
+`llmgw.agent.engines.policy`. The supervisor runs what `plan` returns.
 Purely computational, no side effects: the caller (the agent service) acts.
 `keyed` adds the API key the supervisor draws for an engine that serves HTTP.
 """

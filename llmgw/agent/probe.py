@@ -1,0 +1,106 @@
+"""Asking a local engine how far it got: nothing listening, up (listening or answering
+but the model not listed), or ready (`/health` is 200 and `/v1/models` lists the
+served name). Routing on /health alone sends traffic into a loading model.
+Used by `llmgw.agent.supervisor`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Literal
+
+import aiohttp
+
+from llmgw.agent.engines.common import Launch
+from llmgw.core.events import ShardPhase
+from llmgw.core.profile import LaunchSpec
+
+Probe = Literal["down", "up", "ready"]
+
+
+class Prober:
+    """Probes engines over one HTTP session, opened at the first probe with that probe's
+    timeout; `close()` releases it."""
+
+    def __init__(self) -> None:
+        self._http: aiohttp.ClientSession | None = None
+
+    async def probe(self, launch: Launch, timeout_s: float) -> Probe:
+        """down: nothing listens; up: listening or answering, not ready; ready: model listed.
+
+        A TCP connect that succeeds counts as up: vLLM binds its port before it
+        loads the weights, and its HTTP requests stall until loading ends.
+        """
+        host, port = launch.probe_host, launch.port
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        except (TimeoutError, OSError):
+            return "down"
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        base = f"http://{host}:{port}"
+        headers = {"Authorization": f"Bearer {launch.api_key}"} if launch.api_key else None
+        try:
+            async with self._http.get(f"{base}/health") as resp:
+                if resp.status != 200:
+                    return "up"
+            async with self._http.get(f"{base}/v1/models", headers=headers) as resp:
+                if resp.status != 200:
+                    return "up"
+                body = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return "up"
+        return "ready" if launch.served_name in listed_models(body) else "up"
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+
+def listed_models(body: object) -> set[object]:
+    """The model ids a `/v1/models` body lists; none for a body of another shape."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return set()
+    return {m.get("id") for m in data if isinstance(m, dict)}
+
+
+class Startup:
+    """The clock of one engine's start: when it began, when it first answered, and the
+    deadlines its phases must meet."""
+
+    def __init__(self, launch: Launch, spec: LaunchSpec, began: float) -> None:
+        self.launch = launch
+        self.spec = spec
+        self.began = began
+        self.up_since: float | None = None
+        """When a probe first found the engine listening or answering."""
+        self.deadline = spec.start_timeout_s
+        self.rule = "start_timeout_s"
+        if not launch.listens_before_loading:
+            self.deadline += spec.load_timeout_s
+            self.rule = "start_timeout_s + load_timeout_s: this engine listens only once loaded"
+
+    def overdue(self, phase: ShardPhase, now: float) -> str:
+        """Why an engine in `phase` has failed to start by `now`; empty while it is in time."""
+        launch, spec = self.launch, self.spec
+        if phase == "starting" and now - self.began > self.deadline:
+            return (
+                f"engine did not open port {launch.port} within {self.deadline:g} s ({self.rule})"
+            )
+        if (
+            phase == "loading"
+            and self.up_since is not None
+            and now - self.up_since > spec.load_timeout_s
+        ):
+            return (
+                f"/v1/models did not list {launch.served_name!r} within "
+                f"{spec.load_timeout_s:g} s of the engine opening its port "
+                "(load_timeout_s)"
+            )
+        return ""
