@@ -22,6 +22,7 @@ platform) and the reference the property tests hold llhttp to. Both live in this
 module, a little over the project's 500 lines, because they share the events and the
 framing rules (`_body_mode`, `_keep_alive`).
 """
+# long module: two parsers of one interface, sharing its events and framing rules
 
 from __future__ import annotations
 
