@@ -351,7 +351,7 @@ def build_server(router: Router) -> web.Server:
 
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream connection, so the engine stops generating and frees the KV blocks.
-    return protocol.Server(
+    return protocol.server(
         handle,
         request_factory=make_request,
         handler_cancellation=True,

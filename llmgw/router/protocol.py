@@ -11,6 +11,11 @@ which quotes the offending line (an `Authorization` header with its key
 included), and logs it with a traceback. Here the answer is an OpenAI-shaped
 400 naming only the kind of problem, and the log line names the client and the
 kind, never the bytes. Used by `llmgw.router.app.build_server`.
+
+`Handler` subclasses aiohttp's request handler and reads three of its private attributes
+(`_waiter`, `_loop`, and the server's `_kwargs`): `server` builds it only on the aiohttp
+versions `llmgw.router.aiohttp_direct` knows, and aiohttp's own server on any other, which
+serves the same requests without the head deadline and with aiohttp's 400s (logged once).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
 from llmgw import logs
+from llmgw.router import aiohttp_direct
 from llmgw.router.requests import error_body
 
 log = logs.get("llmgw.router")
@@ -153,3 +160,21 @@ class Server(web.Server):
 
     def __call__(self) -> RequestHandler:
         return Handler(self, loop=self._loop, head_timeout_s=self._head_timeout_s, **self._kwargs)
+
+
+SUPPORTED = aiohttp_direct.supported(aiohttp.__version__)
+"""Whether `Handler`'s reading of aiohttp's internals was written for this aiohttp."""
+
+
+def server(handler: Any, *, head_timeout_s: float, **kwargs: Any) -> web.Server:
+    """The router's low-level server: `Server` (head deadline, quiet 400s) on the aiohttp
+    versions it was written for, aiohttp's own `web.Server` on any other."""
+    if SUPPORTED:
+        return Server(handler, head_timeout_s=head_timeout_s, **kwargs)
+    log.warning(
+        "request_handler_stock",
+        aiohttp=aiohttp.__version__,
+        reason="an aiohttp version the router's request handler was not written for: "
+        "no deadline on request heads, and aiohttp's own answers to malformed requests",
+    )
+    return web.Server(handler, **kwargs)
