@@ -96,7 +96,7 @@ def agent_cfg(state_dir: Path, **over: Any) -> agent_config.AgentConfig:
         "engine_host": "127.0.0.1",
         "engine_ports": {"first": 1024, "last": 65535},
         "heartbeat_s": 0.05,
-        "heartbeat_ttl_s": 60,
+        "heartbeat_ttl_s": 10,
         "engine_poll_s": 0.05,
         "stop_grace_s": 5,
     }
@@ -153,8 +153,9 @@ async def test_registration_and_heartbeats_with_a_ttl_go_on_the_nodes_own_subjec
         assert {r.subject for r in heartbeats()} == {subjects.node_event(NODE, "heartbeat")}
         assert len(node.reports()) == len(log.records())  # nothing off the node's subjects
         seen = [r.seq for r in heartbeats()]
-        # Past the heartbeat TTL (60 s) the heartbeats then stored expire; the rest stays.
-        clock.skipped = 61.0
+        # Past the configured heartbeat TTL (10 s; the log's default is 120 s) the
+        # heartbeats then stored expire; the rest stays.
+        clock.skipped = 11.0
         left = {r.seq for r in log.records()}
         assert reg.seq in left
         assert not left & set(seen)
