@@ -34,7 +34,7 @@ from llmgw.agent import ledger
 from llmgw.bus import keys as bus_keys
 from llmgw.bus import lease as bus_lease
 from llmgw.bus.lease import Holder
-from llmgw.bus.memory import MemoryLog
+from llmgw.bus.memory import MemoryLease, MemoryLog
 from llmgw.bus.settings import NatsConnection
 from llmgw.core import events, subjects
 from llmgw.pki import authorization
@@ -226,12 +226,15 @@ def memory_ports(log: MemoryLog, node: str, lease: LeaseView) -> AgentPorts:
     return AgentPorts(reports=MemoryReports(log), commands=MemoryCommands(log, node), lease=lease)
 
 
-def _conforms(nc: bus.BusClient, log: MemoryLog, lease: bus_lease.Lease) -> None:
+def _conforms(
+    nc: bus.BusClient, log: MemoryLog, lease: bus_lease.Lease, memory_lease: MemoryLease
+) -> None:
     """Type-checked only: both sides satisfy every port."""
     _r: Reports = JetStreamReports(nc)
     _c: Commands = JetStreamCommands(nc, "n")
     _l: LeaseView = JetStreamLeaseView(nc)
     _mr: Reports = MemoryReports(log)
     _mc: Commands = MemoryCommands(log, "n")
-    _ml: LeaseView = lease
-    del _r, _c, _l, _mr, _mc, _ml
+    _jl: LeaseView = lease
+    _ml: LeaseView = memory_lease
+    del _r, _c, _l, _mr, _mc, _jl, _ml

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 
 from llmgw import bus
 from llmgw.agent import config as agent_config
-from llmgw.agent.ports import memory_ports
+from llmgw.agent.ports import MemoryCommands, MemoryReports, memory_ports
 from llmgw.agent.service import AgentService
 from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, subject_matches
 from llmgw.core import events, subjects
@@ -256,3 +257,31 @@ async def test_reports_wait_while_the_log_is_unreachable(tmp_path: Path) -> None
         await until(lambda: not len(node.svc.outbox or []), "the outbox drained")
         kinds = [type(r.event) for r in node.reports() if not isinstance(r.event, events.Heartbeat)]
         assert kinds == [events.NodeRegistered, events.ShardStatus]
+
+
+async def test_the_memory_ports_read_the_nodes_commands_and_refuse_reports_offline() -> None:
+    log = MemoryLog()
+    spec = refused_spec()
+    for i, node in enumerate([NODE, "node-b", NODE]):
+        await log.append(
+            events.StartShard(
+                id=f"c{i}",
+                ts=1.0,
+                epoch=1,
+                node=node,
+                replica_id=f"r{i}",
+                generation=1,
+                launch=spec,
+            )
+        )
+    reader = MemoryCommands(log, NODE).reader(1)
+    await reader.start()
+    batch = await anext(aiter(reader.batches()))
+    await reader.close()
+    assert [(r.seq, r.event.id) for r in batch] == [(3, "c2")]  # after seq 1, its own only
+    reports = MemoryReports(log)
+    log.connected = False
+    hb = events.Heartbeat(id="hb", ts=1.0, node=NODE, seq=1)
+    with pytest.raises(bus.PublishError):
+        await reports.append(hb, ttl_s=10)
+    assert not reports.connected
