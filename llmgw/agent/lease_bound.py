@@ -10,16 +10,11 @@ agent ignore the real leader. Used by `llmgw.agent.service`.
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 from pathlib import Path
-
-import nats.js.errors
 
 from llmgw import bus, logs
 from llmgw.agent import ledger
-from llmgw.bus import keys as bus_keys
-from llmgw.bus import lease as bus_lease
+from llmgw.agent.ports import LeaseView
 from llmgw.core import events
 
 log = logs.get("llmgw.agent.service")
@@ -40,7 +35,7 @@ class LeaseBound:
         self.refused = 0
         """Commands refused for an epoch beyond the leader lease's (never applied or kept)."""
 
-    async def admits(self, nc: bus.BusClient, book: ledger.Ledger, record: bus.Record) -> bool:
+    async def admits(self, lease: LeaseView, book: ledger.Ledger, record: bus.Record) -> bool:
         """False (logged, counted) for a command whose epoch no leader lease has shown."""
         cmd = record.event
         if not isinstance(cmd, events.Command) or cmd.node != self.node:
@@ -51,7 +46,7 @@ class LeaseBound:
             if attempt:
                 # A replica answering the read may lag the new leader's acquisition.
                 await asyncio.sleep(LEASE_REREAD_S * attempt)
-            await self.reread(nc, book)
+            await self.reread(lease, book)
         why = ledger.beyond_lease(cmd, self.epoch)
         if not why:
             return True
@@ -67,12 +62,12 @@ class LeaseBound:
         )
         return False
 
-    async def reread(self, nc: bus.BusClient, book: ledger.Ledger) -> None:
+    async def reread(self, lease: LeaseView, book: ledger.Ledger) -> None:
         """Read the lease until it answers: a command is neither obeyed nor lost unread."""
         wait = 0.2
         while True:
             try:
-                await self.read(nc, book)
+                await self.read(lease, book)
                 return
             except asyncio.CancelledError:
                 raise
@@ -81,26 +76,12 @@ class LeaseBound:
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 5.0)
 
-    async def read(self, nc: bus.BusClient, book: ledger.Ledger) -> None:
+    async def read(self, lease: LeaseView, book: ledger.Ledger) -> None:
         """Raise `epoch` to the live lease's; an epoch on disk above it is garbage."""
-        stream = f"KV_{bus.LEASE_BUCKET}"
-        try:
-            msg = await nc.jetstream().get_last_msg(stream, f"$KV.{bus.LEASE_BUCKET}.leader")
-        except nats.js.errors.NotFoundError:
-            return  # no leader now (expired or released): the highest seen stays
-        epoch = ledger.lease_epoch(msg.seq or 0, msg.data, msg.headers)
-        if epoch is None:
-            return
-        # Only a value its control plane signed shows an epoch (a forged one raises none).
-        verifier = bus_keys.verifier_of(nc)
-        checked = (
-            "no verifier"
-            if verifier is None
-            else bus_lease.verified_value(verifier, msg.data or b"", time.time(), math.inf)
-        )
-        if isinstance(checked, str):
-            log.warning("agent_lease_refused", seq=msg.seq, why=checked)
-            return
+        holder = await lease.holder()
+        if holder is None:
+            return  # no leader now (expired, released or untrusted): the highest seen stays
+        epoch = holder.epoch
         self.epoch = max(self.epoch, epoch)
         if book.epoch > epoch:
             # The live holder's epoch is the highest any leader had: more was never real.

@@ -7,7 +7,9 @@ It ties the agent's parts to the log:
   NodeRegistered with the whole inventory and the shards already running;
 - it connects to NATS as this node (mutual TLS), reconnecting forever with the
   bus's jittered exponential backoff, so a restarted server does not face the
-  whole fleet at once; every reconnect queues a fresh NodeRegistered;
+  whole fleet at once; every reconnect queues a fresh NodeRegistered. It reaches
+  the log only through its ports (`llmgw.agent.ports`: reports out, commands in,
+  the lease), which tests build in memory;
 - every event goes through the on-disk outbox (`llmgw.agent.outbox`) and is
   published in order from there, each with its id as `Nats-Msg-Id`: what happens
   while NATS is unreachable (or the agent is being killed) is published, once,
@@ -50,11 +52,11 @@ from llmgw.agent.config import AgentConfig
 from llmgw.agent.engines import policy
 from llmgw.agent.lease_bound import LeaseBound
 from llmgw.agent.outbox import Outbox
+from llmgw.agent.ports import AgentPorts, CommandReader, connect_jetstream
 from llmgw.agent.shards import LIVE, ShardView, status_event
 from llmgw.agent.supervisor import Settings, Supervisor
-from llmgw.core import events, subjects
+from llmgw.core import events
 from llmgw.core.inventory import Inventory
-from llmgw.pki import authorization
 from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.agent.service")
@@ -79,6 +81,7 @@ class AgentService:
         new_id: Callable[[], str] = _new_id,
         reconnect_backoff: tuple[float, float] | None = None,
         config_source: str = "",
+        ports: AgentPorts | None = None,
     ) -> None:
         self.cfg = cfg
         self.config_source = config_source
@@ -94,8 +97,9 @@ class AgentService:
         self.started = asyncio.Event()
         """Set once engines are adopted, the node discovered and its registration queued."""
         self.connected_once = asyncio.Event()
+        self.ports = ports
+        """Reports, commands and the lease; built on the NATS connection when not given."""
         self.nc: bus.BusClient | None = None
-        self.publisher: bus.Publisher | None = None
         self.supervisor: Supervisor | None = None
         self.outbox: Outbox | None = None
         self.ledger = ledger.Ledger()
@@ -110,7 +114,7 @@ class AgentService:
         self.applier: Applier | None = None
         """Carries out the commands; counts those applied."""
         self._wake = asyncio.Event()
-        self._reader: bus.Reader | None = None
+        self._reader: CommandReader | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._by_shard: dict[str, asyncio.Task[None]] = {}
         self._dispatched_seq = 0
@@ -236,19 +240,10 @@ class AgentService:
             return ledger.Ledger()
 
     async def _connect(self) -> None:
-        cfg = self.cfg
-        ctx = self._tls or cfg.nats.tls_context()
-        nc = await bus.connect(
-            list(cfg.nats.servers),
-            tls=ctx,
-            identity=self.identity,
-            name=f"agent-{self.node}",
-            keys=cfg.nats.keys(),
-        )
-        if self._backoff is not None:
-            nc.backoff_base, nc.backoff_cap = self._backoff
-        self.nc = nc
-        self.publisher = bus.Publisher(nc.jetstream(), timeout_s=2.0, attempts=2)
+        if self.ports is None:
+            nats_cfg = self.cfg.nats
+            tls = self._tls or nats_cfg.tls_context()
+            self.nc, self.ports = await connect_jetstream(self.node, nats_cfg, tls, self._backoff)
         self.connected_once.set()
         self._wake.set()
 
@@ -314,26 +309,25 @@ class AgentService:
 
     async def _deliver(self) -> None:
         """Publish the outbox in order; queue a registration on every reconnect."""
-        assert self.nc is not None
+        assert self.ports is not None
         assert self.outbox is not None
-        assert self.publisher is not None
-        nc, outbox, publisher = self.nc, self.outbox, self.publisher
-        reconnects = nc.stats["reconnects"]
+        sink, outbox = self.ports.reports, self.outbox
+        reconnects = sink.reconnects
         failures = 0
         while True:
-            if nc.stats["reconnects"] != reconnects:
-                reconnects = nc.stats["reconnects"]
+            if sink.reconnects != reconnects:
+                reconnects = sink.reconnects
                 log.info("agent_reconnected", node=self.node, pending=len(outbox))
                 self._register()
             entry = outbox.peek()
-            if entry is None or not nc.is_connected:
+            if entry is None or not sink.connected:
                 self._wake.clear()
                 # Polling also notices a reconnect (its registration) within 0.2 s.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.2)
                 continue
             try:
-                await publisher.publish(entry.event, ttl_s=entry.ttl_s)
+                await sink.append(entry.event, ttl_s=entry.ttl_s)
             except bus.PublishError as exc:
                 failures += 1
                 log.warning(
@@ -354,14 +348,15 @@ class AgentService:
             outbox.delivered(entry.n)
 
     async def _heartbeats(self) -> None:
-        assert self.nc is not None
+        assert self.ports is not None
         assert self.outbox is not None
+        sink = self.ports.reports
         while True:
             await asyncio.sleep(self.cfg.heartbeat_s)
             # Counts every tick, sent or not: a gap in the log says heartbeats were lost.
             self._heartbeat_seq += 1
             await self._refresh_health()
-            if not self.nc.is_connected or len(self.outbox):
+            if not sink.connected or len(self.outbox):
                 continue
             hb = reports.heartbeat(
                 node=self.node,
@@ -370,9 +365,8 @@ class AgentService:
                 event_id=self.new_id(),
                 ts=self.clock(),
             )
-            assert self.publisher is not None
             try:
-                await self.publisher.publish(hb, ttl_s=self.cfg.heartbeat_ttl_s)
+                await sink.append(hb, ttl_s=self.cfg.heartbeat_ttl_s)
                 self.heartbeats_sent += 1
             except Exception as exc:  # a heartbeat is replaced by the next one
                 log.warning("agent_heartbeat_failed", error=str(exc))
@@ -397,17 +391,12 @@ class AgentService:
     # ------------------------------------------------------------------ commands in
 
     async def _commands(self) -> None:
-        assert self.nc is not None
+        assert self.ports is not None
+        ports = self.ports
         self._dispatched_seq = self.ledger.last_seq
         wait = 0.2
         while True:
-            reader = bus.Reader(
-                self.nc,
-                after_seq=self.ledger.last_seq,
-                subjects_filter=[subjects.command(self.node)],
-                consumer_name=authorization.command_consumer(self.node),
-                name=f"agent-{self.node}",
-            )
+            reader = ports.commands.reader(self.ledger.last_seq)
             try:
                 await reader.start()
                 break
@@ -421,7 +410,7 @@ class AgentService:
         self._reader = reader
         with contextlib.suppress(Exception):
             # Best effort: heals an epoch on disk no leader had before the first command.
-            await self.lease.read(self.nc, self.ledger)
+            await self.lease.read(ports.lease, self.ledger)
         log.info("agent_reading_commands", after_seq=self.ledger.last_seq)
         async for records in reader.batches():
             # Refused ones first: a command no leader could have sent must not supersede.
@@ -433,8 +422,8 @@ class AgentService:
             self._advance()
 
     async def _admitted(self, record: bus.Record) -> bool:
-        assert self.nc is not None
-        if await self.lease.admits(self.nc, self.ledger, record):
+        assert self.ports is not None
+        if await self.lease.admits(self.ports.lease, self.ledger, record):
             return True
         self._dispatched_seq = max(self._dispatched_seq, record.seq)
         return False

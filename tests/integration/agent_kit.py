@@ -33,6 +33,7 @@ from llmgw.core.profile import LaunchSpec
 from llmgw.pki.identity import Identity
 from tests.harness import TestNatsServer
 from tests.kit.processes import Proc
+from tests.kit.processes import pid_alive as pid_alive  # the agent tests read it from here
 
 REPO = Path(__file__).resolve().parents[2]
 
