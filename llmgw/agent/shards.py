@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from llmgw.core import events, limits
-from llmgw.core.events import ShardPhase
+from llmgw.core import events, limits, phases
+from llmgw.core.phases import ShardPhase
 
-LIVE: frozenset[ShardPhase] = frozenset({"starting", "loading", "serving", "draining"})
+LIVE = phases.RUNNING
+"""Phases in which the shard's process exists (or is being started)."""
 
 
 class ShardView(msgspec.Struct, frozen=True, kw_only=True):

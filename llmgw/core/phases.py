@@ -29,7 +29,7 @@ RANK: dict[str, int] = {
     "stopped": 5,
     "failed": 5,
 }
-TERMINAL = frozenset({"stopped", "failed"})
+TERMINAL: frozenset[ShardPhase] = frozenset({"stopped", "failed"})
 """A generation that reached one of these does not run again."""
-RUNNING = frozenset({"starting", "loading", "serving", "draining"})
+RUNNING: frozenset[ShardPhase] = frozenset({"starting", "loading", "serving", "draining"})
 """A process exists (or is being started) for the shard."""
