@@ -9,6 +9,7 @@ the feed folds what a control plane would have written. Each test runs in millis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from llmgw import bus
 from llmgw.bus.memory import MemoryLog, MemoryReader, MemorySnapshots
 from llmgw.core import attestation, events, state, subjects
+from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
 from llmgw.router.feed import LogFeed
 from llmgw.router.ports import FeedPorts
@@ -297,3 +299,34 @@ async def test_a_reader_that_fails_leaves_the_tables_as_they_were(
     assert isinstance(task.exception(), bus.ReaderError)
     assert routable(feed, "m") == known
     assert feed.catalog.resolve("m-latest") is not None
+
+
+async def test_the_feed_releases_what_its_opener_opened_when_it_stops() -> None:
+    """The production opener closes its connection on exit; the feed must leave it."""
+    log = MemoryLog()
+    entered: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def opener() -> AsyncIterator[FeedPorts]:
+        entered.append("open")
+        try:
+            yield FeedPorts(log=log, snapshots=MemorySnapshots())
+        finally:
+            entered.append("closed")
+
+    feed = LogFeed(LogSource(name="r1"), Catalog(), EndpointTable(), ports=opener)
+    feed.start()
+    await asyncio.wait_for(feed.ready.wait(), DEADLINE_S)
+    assert entered == ["open"]
+    await feed.close()
+    assert entered == ["open", "closed"]
+
+
+async def test_a_routers_log_refuses_to_write_before_the_server_would() -> None:
+    nc = bus.BusClient()  # never connected: nothing may reach the server
+    log = ports_.ReadOnlyLog(nc)
+    assert not log.connected
+    with pytest.raises(PermissionError):
+        await log.append(events.ModelRemoved(id="rm", ts=1.0, operator="alice", name="m"))
+    with pytest.raises(PermissionError):
+        await log.delete([1])
