@@ -41,6 +41,7 @@ from llmgw import logs
 from llmgw.config import ConfigError
 from llmgw.core import routing
 from llmgw.router import admission, aiohttp_direct, auth, protocol, requests
+from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
@@ -113,10 +114,13 @@ class Router:
         await self.prober.probe_all()
         self.prober.start()
         if self.cfg.log is not None:
+            # The production wiring: the feed connects in the background (a router
+            # started before NATS serves on its static config meanwhile).
             self.feed = LogFeed(
                 self.cfg.log,
                 self.catalog,
                 self.table,
+                ports=feed_ports.jetstream(self.cfg.log),
                 static_models=frozenset(m.name for m in self.cfg.models),
                 static_endpoints=frozenset(ep.id for ep in self.cfg.endpoints),
             )

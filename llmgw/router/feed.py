@@ -16,6 +16,9 @@ Models and endpoints from the static config are left alone. When NATS is unreach
 nothing is removed: the router keeps routing on the last known endpoints (its prober
 still takes dead engines out of rotation) and the reader reconnects forever. Several
 routers can follow the same log side by side. Used by `llmgw.router.app.Router`.
+
+The feed reads through ports (llmgw.router.ports): the JetStream log and snapshot store
+in production, the in-memory ones of llmgw.bus.memory in fast tests of its folding.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from llmgw import bus, logs
 from llmgw import tasks as tasks_
 from llmgw.core import state, vocabulary
 from llmgw.core.profile import ModelProfile
-from llmgw.pki.identity import Identity
+from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
+from llmgw.router.ports import FeedPorts, PortsOpener
 from llmgw.router.table import Catalog, EndpointTable
 
 log = logs.get("llmgw.router.feed")
@@ -76,14 +80,22 @@ class LogFeed:
         catalog: Catalog,
         table: EndpointTable,
         *,
+        ports: FeedPorts | PortsOpener | None = None,
         tls: ssl.SSLContext | None = None,
         static_models: frozenset[str] = frozenset(),
         static_endpoints: frozenset[str] = frozenset(),
     ) -> None:
+        """`ports` (llmgw.router.ports) are the log and snapshots to fold, or an opener of
+        them; without, the feed connects to `source` itself (`tls` ready-made, or from
+        the source's files) as the production wiring does."""
         self.source = source
         self.catalog = catalog
         self.table = table
-        self._tls = tls
+        if ports is None:
+            ports = ports_.jetstream(source, tls=tls)
+        elif isinstance(ports, FeedPorts):
+            ports = ports_.given(ports)
+        self._open: PortsOpener = ports
         self._static_models = static_models
         self._static_endpoints = static_endpoints
         self.cluster = state.ClusterState()
@@ -96,7 +108,7 @@ class LogFeed:
         self.ready = asyncio.Event()
         """Set once the log as it stood at start has been folded into the tables."""
         self._task: asyncio.Task[None] | None = None
-        self._reader: bus.Reader | None = None
+        self._reader: bus.LogReader | None = None
         self._stop = asyncio.Event()
 
     # ----------------------------------------------------------------- lifecycle
@@ -114,25 +126,13 @@ class LogFeed:
         if self._task is not None:
             await tasks_.stop([self._task], who="router log feed")
 
-    def _context(self) -> ssl.SSLContext:
-        return self._tls if self._tls is not None else self.source.tls_context()
-
     async def _run(self) -> None:
-        identity = Identity("router", self.source.name)
-        nc = await bus.connect(
-            list(self.source.servers),
-            tls=self._context(),
-            identity=identity,
-            name=f"llmgw-router-{self.source.name}",
-            keys=self.source.keys(),
-        )
-        try:
-            after = await self._load_snapshot(nc)
-            reader = bus.Reader(
-                nc,
+        async with self._open() as ports:
+            after = await self._load_snapshot(ports.snapshots)
+            reader = ports.log.reader(
                 after_seq=after,
                 name=f"router-{self.source.name}",
-                attestations=await bus.load_attestations(nc, after_seq=after),
+                attestations=await ports.log.attestations(after_seq=after),
             )
             self._reader = reader
             async with reader:
@@ -142,11 +142,8 @@ class LogFeed:
                         self.apply(batch)
                 finally:
                     caught_up.cancel()
-        finally:
-            with contextlib.suppress(Exception):
-                await nc.close()
 
-    async def _mark_ready(self, reader: bus.Reader) -> None:
+    async def _mark_ready(self, reader: bus.LogReader) -> None:
         await reader.caught_up.wait()
         self.sync()
         self.ready.set()
@@ -157,11 +154,10 @@ class LogFeed:
             endpoints=len(self.endpoints),
         )
 
-    async def _load_snapshot(self, nc: bus.BusClient) -> int:
+    async def _load_snapshot(self, snapshots: bus.SnapshotPort) -> int:
         """Fold from the newest snapshot when one is readable; else from the beginning."""
         try:
-            store = await bus.SnapshotStore.open(nc.jetstream(), load_timeout_s=10.0)
-            snap = await store.load()
+            snap = await snapshots.load()
         except Exception as exc:  # no store yet, or not readable: the whole log is the truth
             log.info("router.feed_no_snapshot", reason=str(exc) or type(exc).__name__)
             return 0
