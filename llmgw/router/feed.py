@@ -115,6 +115,21 @@ class LogFeed:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="router-log-feed")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A feed that ends by itself (its reader gave up) leaves the router routing on the
+        tables it has, no longer following the log: that must not pass unseen."""
+        if self._stop.is_set() or task.cancelled():
+            return
+        exc = task.exception()
+        log.error(
+            "feed_ended",
+            error=repr(exc) if exc is not None else "the log's reader ended",
+            seq=self.cluster.last_seq,
+            advice="routing continues on the last-known endpoints; restart the router "
+            "to follow the log again",
+        )
 
     async def close(self) -> None:
         self._stop.set()

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
+import structlog
 
 from llmgw import bus
 from llmgw.bus.memory import MemoryLog, MemoryReader, MemorySnapshots
@@ -292,11 +293,16 @@ async def test_a_reader_that_fails_leaves_the_tables_as_they_were(
     log.connected, log.gone_for_good = False, True
     sim.heartbeats()
     await copy(sim, log)
-    log.back.set()
     task = feed._task
     assert task is not None
-    await until(task.done, "the feed's loop ends with its reader")
+    with structlog.testing.capture_logs() as logged:
+        log.back.set()
+        await until(task.done, "the feed's loop ends with its reader")
+        await asyncio.sleep(0)  # the done callback runs on the next loop turn
     assert isinstance(task.exception(), bus.ReaderError)
+    (ended,) = [e for e in logged if e["event"] == "feed_ended"]
+    assert "ReaderError" in ended["error"]
+    assert "restart the router" in ended["advice"]
     assert routable(feed, "m") == known
     assert feed.catalog.resolve("m-latest") is not None
 
