@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from llmgw import processes
 from llmgw.natsd import free_port
+from tests.kit.processes import Proc
 
 PY = sys.executable
 
@@ -67,8 +68,8 @@ def kill_all(fps: list[processes.Fingerprint]) -> None:
 
 
 @dataclass
-class Up:
-    """One `llmgw up` subprocess."""
+class Up(Proc):
+    """One `llmgw up` subprocess (its output, stdout and stderr, is its log)."""
 
     proc: subprocess.Popen[bytes]
     state_dir: Path
@@ -76,6 +77,9 @@ class Up:
     out_path: Path
     started: float
     seen: list[processes.Fingerprint]
+
+    def __post_init__(self) -> None:
+        self.log_path = self.out_path
 
     @property
     def base_url(self) -> str:

@@ -1,9 +1,11 @@
 """Real subprocesses in tests: one base for every wrapper, and waiting for their lines.
 
 Every process a test starts is one of these (`router_kit.Sim` and `Router`,
-`agent_kit.AgentProcess`, `fleet_kit.Service`), so stopping, killing and reading the log
-behave the same everywhere: a stop is SIGTERM, then SIGKILL when it has not exited within
-the timeout; a kill is SIGKILL now (a crash); neither raises for a process already gone.
+`agent_kit.AgentProcess`, `fleet_kit.Service`, `up_kit.Up`), so stopping, killing and
+reading the log behave the same everywhere: a stop is SIGTERM, then SIGKILL when it has
+not exited within the timeout; a kill is SIGKILL now (a crash); neither raises for a
+process already gone. (`llmgw.sim.testing.SimProcess`, which the package ships for its
+users' tests, stays apart: `router_kit.Sim` wraps it.)
 """
 
 from __future__ import annotations
