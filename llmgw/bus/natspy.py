@@ -282,31 +282,10 @@ class FrameParser(Parser):
             if eol < 0:
                 partial = end - pos < _MAX_CONTROL_LINE
                 break
-            args = view[pos + skip : eol].split()
-            try:
-                if with_headers:
-                    if len(args) == 5:
-                        subject, sid_b, reply, hsize_b, size_b = args
-                    elif len(args) == 4:
-                        subject, sid_b, hsize_b, size_b = args
-                        reply = b""
-                    else:
-                        break
-                    hsize = int(hsize_b)
-                else:
-                    if len(args) == 4:
-                        subject, sid_b, reply, size_b = args
-                    elif len(args) == 3:
-                        subject, sid_b, size_b = args
-                        reply = b""
-                    else:
-                        break
-                    hsize = 0
-                sid, size = int(sid_b), int(size_b)
-            except ValueError:
+            frame = _control_line(view[pos + skip : eol].split(), with_headers)
+            if frame is None:
                 break  # nats-py's parser reports it
-            if not 0 <= hsize <= size:
-                break
+            subject, sid, reply, hsize, size = frame
             start = eol + 2
             if end < start + size + 2:
                 partial = True  # the rest of this frame is in a later read
@@ -329,3 +308,35 @@ class FrameParser(Parser):
         del buf[:pos]
         if buf and not partial:
             await super().parse()
+
+
+def _control_line(
+    args: list[bytes], with_headers: bool
+) -> tuple[bytes, int, bytes, int, int] | None:
+    """A frame's subject, subscription id, reply subject, header size and total size from
+    the words of its control line; None when they are not what this parser reads."""
+    try:
+        if with_headers:
+            if len(args) == 5:
+                subject, sid_b, reply, hsize_b, size_b = args
+            elif len(args) == 4:
+                subject, sid_b, hsize_b, size_b = args
+                reply = b""
+            else:
+                return None
+            hsize = int(hsize_b)
+        else:
+            if len(args) == 4:
+                subject, sid_b, reply, size_b = args
+            elif len(args) == 3:
+                subject, sid_b, size_b = args
+                reply = b""
+            else:
+                return None
+            hsize = 0
+        sid, size = int(sid_b), int(size_b)
+    except ValueError:
+        return None
+    if not 0 <= hsize <= size:
+        return None
+    return subject, sid, reply, hsize, size
