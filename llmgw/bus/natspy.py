@@ -252,6 +252,9 @@ class FrameParser(Parser):
     go to `nc._process_msg` as with the stock parser.
     """
 
+    # The loop runs once per frame of a replay, so it is one function: reading the control
+    # line in a helper measured about 8% fewer frames per second (CPU-only, 50,000 frames).
+    # long: the per-frame loop of the replay's hot path, inlined on purpose
     async def parse(self, data: bytes = b"") -> None:
         buf = self.buf
         buf.extend(data)
@@ -282,10 +285,31 @@ class FrameParser(Parser):
             if eol < 0:
                 partial = end - pos < _MAX_CONTROL_LINE
                 break
-            frame = _control_line(view[pos + skip : eol].split(), with_headers)
-            if frame is None:
+            args = view[pos + skip : eol].split()
+            try:
+                if with_headers:
+                    if len(args) == 5:
+                        subject, sid_b, reply, hsize_b, size_b = args
+                    elif len(args) == 4:
+                        subject, sid_b, hsize_b, size_b = args
+                        reply = b""
+                    else:
+                        break
+                    hsize = int(hsize_b)
+                else:
+                    if len(args) == 4:
+                        subject, sid_b, reply, size_b = args
+                    elif len(args) == 3:
+                        subject, sid_b, size_b = args
+                        reply = b""
+                    else:
+                        break
+                    hsize = 0
+                sid, size = int(sid_b), int(size_b)
+            except ValueError:
                 break  # nats-py's parser reports it
-            subject, sid, reply, hsize, size = frame
+            if not 0 <= hsize <= size:
+                break
             start = eol + 2
             if end < start + size + 2:
                 partial = True  # the rest of this frame is in a later read
@@ -308,35 +332,3 @@ class FrameParser(Parser):
         del buf[:pos]
         if buf and not partial:
             await super().parse()
-
-
-def _control_line(
-    args: list[bytes], with_headers: bool
-) -> tuple[bytes, int, bytes, int, int] | None:
-    """A frame's subject, subscription id, reply subject, header size and total size from
-    the words of its control line; None when they are not what this parser reads."""
-    try:
-        if with_headers:
-            if len(args) == 5:
-                subject, sid_b, reply, hsize_b, size_b = args
-            elif len(args) == 4:
-                subject, sid_b, hsize_b, size_b = args
-                reply = b""
-            else:
-                return None
-            hsize = int(hsize_b)
-        else:
-            if len(args) == 4:
-                subject, sid_b, reply, size_b = args
-            elif len(args) == 3:
-                subject, sid_b, size_b = args
-                reply = b""
-            else:
-                return None
-            hsize = 0
-        sid, size = int(sid_b), int(size_b)
-    except ValueError:
-        return None
-    if not 0 <= hsize <= size:
-        return None
-    return subject, sid, reply, hsize, size
