@@ -33,6 +33,7 @@ from llmgw.pki.identity import Identity
 log = logs.get("llmgw.bus")
 
 ErrorCallback = Callable[[Exception], Awaitable[None]]
+_Notice = Callable[[], Awaitable[None]]
 
 
 class BusClient(natspy.Client):
@@ -80,6 +81,36 @@ async def connect(
         bind(nc, keys)
     server_list = [servers] if isinstance(servers, str) else list(servers)
     who = str(identity) if identity is not None else name
+    on_error, on_disconnected, on_reconnected, on_closed = _logging_callbacks(nc, who, error_cb)
+    if identity is not None:
+        options.setdefault("inbox_prefix", identity.inbox_prefix)
+    await nc.connect(
+        servers=server_list,
+        name=name,
+        tls=tls,
+        tls_hostname=tls_hostname,
+        connect_timeout=connect_timeout,
+        allow_reconnect=True,
+        max_reconnect_attempts=max_reconnect_attempts,
+        # 0 where BusClient waits its own jittered backoff instead (llmgw.bus.natspy).
+        reconnect_time_wait=nc.reconnect_wait_s,
+        error_cb=on_error,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
+        closed_cb=on_closed,
+        **options,
+    )
+    url = nc.connected_url
+    log.info("bus.connected", identity=who, server=url.netloc if url else None)
+    return nc
+
+
+def _logging_callbacks(
+    nc: BusClient, who: str, error_cb: ErrorCallback | None
+) -> tuple[ErrorCallback, _Notice, _Notice, _Notice]:
+    """nats-py's connection callbacks (error, disconnected, reconnected, closed), each
+    logging as `who`. An error is also handed to `error_cb`, after a permissions
+    violation is kept in `nc.permission_violations`."""
 
     async def on_error(exc: Exception) -> None:
         text = _describe(exc)
@@ -103,24 +134,4 @@ async def connect(
     async def on_closed() -> None:
         log.info("bus.closed", identity=who)
 
-    if identity is not None:
-        options.setdefault("inbox_prefix", identity.inbox_prefix)
-    await nc.connect(
-        servers=server_list,
-        name=name,
-        tls=tls,
-        tls_hostname=tls_hostname,
-        connect_timeout=connect_timeout,
-        allow_reconnect=True,
-        max_reconnect_attempts=max_reconnect_attempts,
-        # 0 where BusClient waits its own jittered backoff instead (llmgw.bus.natspy).
-        reconnect_time_wait=nc.reconnect_wait_s,
-        error_cb=on_error,
-        disconnected_cb=on_disconnected,
-        reconnected_cb=on_reconnected,
-        closed_cb=on_closed,
-        **options,
-    )
-    url = nc.connected_url
-    log.info("bus.connected", identity=who, server=url.netloc if url else None)
-    return nc
+    return on_error, on_disconnected, on_reconnected, on_closed

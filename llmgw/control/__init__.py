@@ -2,6 +2,8 @@
 
 - `config`: ControlConfig, loaded by `llmgw control --config FILE`;
 - `service`: the ControlService (consume -> fold -> reconcile -> fenced publish);
+  its parts: `instance` (shared state, the fenced write), `snapshotting`,
+  `leadership` (the lease), `policing` (quarantines, deletions), `deciding`;
 - `folding`: the folded state, the fence's position, refused events;
 - `models`: the config file's models as operator events, diffed against the log;
 - `admin`: the read-only management API and /metrics;

@@ -99,8 +99,17 @@ class Folded:
                 reason=reason,
             )
         self.control_seq = control
-        if meter is not None and batch:
-            meter.advance(batch[-1].time)  # heartbeats move the window's end too
+        self._account(batch, applied=applied, rejected=rejected, ignored=ignored)
+        self._settle_skipped()
+        return interesting
+
+    def _account(
+        self, batch: list[bus.Record], *, applied: int, rejected: int, ignored: int
+    ) -> None:
+        """Once per folded batch: move the quota window, count, and set the metrics."""
+        st = self.state
+        if self.meter is not None and batch:
+            self.meter.advance(batch[-1].time)  # heartbeats move the window's end too
         self.rejected += rejected
         self.since_snapshot += len(batch)
         m = self.metrics
@@ -116,8 +125,6 @@ class Folded:
             m.folded_seq.set(st.last_seq)
             m.fold_lag.set(max(0.0, self.clock() - batch[-1].time))
             m.epoch.set(st.epoch)
-        self._settle_skipped()
-        return interesting
 
     @property
     def undecodable(self) -> int:

@@ -248,8 +248,8 @@ def ack(seq: int, cseq: int, pending: int) -> bytes:
     return f"$JS.ACK.llmgw-events.reader-x.1.{seq}.{cseq}.{ts}.{pending}".encode()
 
 
-def block(headers: dict[str, str]) -> bytes:
-    return reader.header_block(headers)
+def block(fields: dict[str, str]) -> bytes:
+    return headers.header_block(fields)
 
 
 async def test_intake_folds_signed_events_and_refuses_the_rest_with_their_sequence() -> None:

@@ -1,0 +1,263 @@
+"""The Reader's intake: every message of the log, placed in order, checked, decoded.
+
+`Intake` is the part of `Reader` (llmgw.bus.reader) that each message passes through,
+inline, from the connection's read loop (`BusClient.fast_subscribe`, llmgw.bus.natspy).
+`_on_raw` places the message in the consumer's sequence (a gap asks the reader for a
+new consumer) and reads the pull request's status messages; `_admit` checks the
+message's trust (a leader's attestation or its signature), its subject and TTL,
+decodes it and keeps it for the next batch, or skips it with the reason. Nothing in
+the log makes it raise. `Record` is what a reader yields, `Skipped` what it passed over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import msgspec
+from nats.aio.msg import Msg
+
+from llmgw import logs
+from llmgw.bus.headers import header_block, message_headers
+from llmgw.core import attestation, events, retention
+from llmgw.pki.signing import Verifier
+
+log = logs.get("llmgw.bus")
+
+_ACK_PREFIX = b"$JS.ACK."
+_NS = 1_000_000_000
+
+
+class Record(msgspec.Struct, frozen=True, gc=False):
+    """One event of the log with where and when the server stored it."""
+
+    seq: int
+    subject: str
+    time: float
+    """Server's store time, UNIX seconds (UTC)."""
+    event: events.AnyEvent
+    size: int = 0
+    """Bytes of the message's payload and headers: what it costs the log (quotas)."""
+
+
+class Skipped(msgspec.Struct, frozen=True):
+    """A message that is not a valid llmgw event: passed over, reported."""
+
+    seq: int
+    subject: str
+    time: float
+    error: str
+
+
+class Intake:
+    """What a Reader knows of the messages handed to it, and the functions that take them."""
+
+    def __init__(
+        self,
+        verifier: Verifier,
+        *,
+        after_seq: int,
+        max_skipped_kept: int,
+        attestations: attestation.Attestations | None,
+        attester: attestation.Sink | None,
+    ) -> None:
+        self.verifier = verifier
+        # Messages a leader's attestation covers are checked by digest, not signature
+        # (llmgw.core.attestation); an attester (the control plane's) is told what passed.
+        self._attested = attestations if attestations is not None and len(attestations) else None
+        self._attester = attester
+        self.confirmed = 0
+        """Messages accepted on an attestation's word rather than a signature check."""
+        self.ttl_refused: deque[int] = deque(maxlen=10_000)
+        """Sequences refused for their TTL (llmgw.core.retention), for the control plane
+        to delete."""
+        self.last_seq = after_seq
+        """Sequence of the last message handed out or skipped."""
+        self.undecodable = 0
+        self.refused = 0
+        """Messages refused for their signature (also counted in `undecodable`)."""
+        self.skipped: deque[Skipped] = deque(maxlen=max_skipped_kept)
+        self.caught_up = asyncio.Event()
+        """Set once everything stored when reading began has been handed out."""
+        self._buf: list[Record] = []
+        # Subjects repeat (one per node and kind): decode each once.
+        self._subject_names: dict[bytes, str] = {}
+        self._ttl_verdicts: dict[tuple[str, bytes | None], str | None] = {}
+        self._wakeup = asyncio.Event()
+        # Where the consumer's delivery stands; the reader resets these with a new one.
+        self._expect_cseq = 1
+        self._outstanding = 0
+        self._request_open = False
+        self._reset_needed = False
+        self._activity = 0
+        self._ended_quietly = False
+
+    def _on_raw(self, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        """Called inline for every message on the inbox. Never raises on content.
+
+        The hot path of a replay, one call per event: it places the message in the
+        consumer's order and hands it to `_admit`; both are written flat.
+        """
+        self._activity += 1
+        if not self._wakeup.is_set():
+            self._wakeup.set()
+        if not reply.startswith(_ACK_PREFIX):
+            if headers.startswith(b"NATS/1.0 "):
+                self._on_status(headers[9:12], headers)
+            return
+        if self._reset_needed:
+            return
+        tokens = reply.split(b".")
+        try:
+            if len(tokens) == 9:
+                seq, cseq, ts = int(tokens[5]), int(tokens[6]), int(tokens[7])
+                pending = tokens[8]
+            else:  # v2: $JS.ACK.<domain>.<account>.<stream>.<consumer>.<n>.<s>.<c>.<t>.<p>...
+                seq, cseq, ts = int(tokens[7]), int(tokens[8]), int(tokens[9])
+                pending = tokens[10]
+        except (IndexError, ValueError):
+            # Not the server's ack subject format: nothing we can place in the order.
+            log.warning("bus.reader_bad_reply_subject", reply=reply.decode(errors="replace"))
+            return
+        if cseq != self._expect_cseq:
+            # A message was lost (e.g. delivered while we were disconnected): start over
+            # from the last one we have, so that the fold never misses an event.
+            self._reset_needed = True
+            return
+        self._expect_cseq += 1
+        self._outstanding -= 1
+        if self._outstanding <= 0:
+            self._request_open = False
+        self.last_seq = seq
+        self._admit(seq, subject, data, headers, ts / _NS)
+        if pending == b"0":
+            self.caught_up.set()
+
+    def _admit(self, seq: int, subject: bytes, data: bytes, headers: bytes, when: float) -> None:
+        """Check the message at `seq`, decode it and keep its record, or skip it."""
+        name = self._subject_names.get(subject)
+        if name is None:
+            name = subject.decode(errors="replace")
+            if len(self._subject_names) < 100_000:
+                self._subject_names[subject] = name
+        found = message_headers(headers)
+        digest = b""
+        ttl: bytes | None = None
+        # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
+        heartbeat = name.endswith(".heartbeat")
+        if found is None:
+            refusal: str | None = "signature headers appear twice"
+        else:
+            msg_id, sig, cert, ttl = found
+            if not heartbeat and (self._attested is not None or self._attester is not None):
+                digest = attestation.digest(subject, msg_id or b"", data, sig or b"")
+            refusal = self._check(seq, name, data, msg_id, sig, cert, digest, when)
+        if refusal is not None:
+            self.refused += 1
+            self._skip(seq, name, when, f"signature refused: {refusal}", "bus.signature_refused")
+            if self._attester is not None:
+                self._attester.refused(seq)
+            return
+        if self._attester is not None and not heartbeat:
+            self._attester.accepted(seq, digest)
+        try:
+            event = events.decode(data)
+        except Exception as exc:  # DecodeError; anything else is a decoder bug, same treatment
+            self._skip(seq, name, when, str(exc) or type(exc).__name__)
+        else:
+            if not events.published_where_owned(event, name):
+                self._skip(
+                    seq,
+                    name,
+                    when,
+                    f"{events.tag_of(type(event))} event refused: it does not belong on {name} "
+                    "(only its owner's subject is trusted; see events.published_where_owned)",
+                )
+            elif (problem := self._ttl_problem(name, ttl)) is not None:
+                self.ttl_refused.append(seq)
+                self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused")
+            else:
+                self._buf.append(Record(seq, name, when, event, len(data) + len(headers)))
+
+    def _check(
+        self,
+        seq: int,
+        name: str,
+        data: bytes,
+        msg_id: bytes | None,
+        sig: bytes | None,
+        cert: bytes | None,
+        digest: bytes,
+        when: float,
+    ) -> str | None:
+        """Why the message at `seq` is not trusted, or None: on an attestation's word where
+        one covers it, else by its signature."""
+        if self._attested is not None and seq <= self._attested.last_seq:
+            verdict = self._attested.check(seq, digest)
+            if verdict is None:
+                self.confirmed += 1
+                return None
+            if verdict != attestation.NOT_COVERED:
+                return verdict
+        try:
+            return self.verifier.event_refusal(name, msg_id, data, sig, cert, seq=seq, when=when)
+        except Exception as exc:  # a verifier bug: refused, never a lost message
+            return f"the signature could not be checked: {exc!r}"
+
+    def _ttl_problem(self, name: str, ttl: bytes | None) -> str | None:
+        """llmgw.core.retention's verdict on a TTL header, remembered per subject and value:
+        both repeat (one heartbeat subject per node, one TTL per fleet), and the verdict is
+        on every message of a replay."""
+        key = (name, ttl)
+        try:
+            return self._ttl_verdicts[key]
+        except KeyError:
+            pass
+        verdict = retention.ttl_problem(
+            name, None if ttl is None else ttl.decode("utf-8", "replace")
+        )
+        if len(self._ttl_verdicts) < 100_000:
+            self._ttl_verdicts[key] = verdict
+        return verdict
+
+    def _skip(
+        self, seq: int, name: str, when: float, error: str, what: str = "bus.undecodable"
+    ) -> None:
+        self.undecodable += 1
+        self.skipped.append(Skipped(seq=seq, subject=name, time=when, error=error))
+        log.warning(what, seq=seq, subject=name, error=error)
+
+    def _on_status(self, code: bytes, headers: bytes) -> None:
+        if code == b"100":
+            return  # idle heartbeat: the request is alive
+        # 404 no messages, 408 request expired, 409 consumer deleted / leadership change
+        # / limits: this pull request is over.
+        self._request_open = False
+        if code in (b"404", b"408"):
+            self._ended_quietly = True
+        elif code == b"409":
+            text = headers[13:].split(b"\r\n", 1)[0].decode(errors="replace")
+            if (
+                "Consumer Deleted" in text
+                or "Consumer is push based" in text
+                or "Leadership Change" in text
+                or "Server Shutdown" in text
+            ):
+                self._reset_needed = True
+            else:
+                log.warning("bus.reader_pull_status", status=409, detail=text)
+        else:
+            text = headers[9:].split(b"\r\n", 1)[0].decode(errors="replace")
+            log.warning("bus.reader_pull_status", detail=text)
+            self._reset_needed = True
+
+    async def _on_msg(self, msg: Msg) -> None:
+        """Slow path for a plain nats-py client: rebuild what `_on_raw` needs."""
+        status = (msg.headers or {}).get("Status")
+        if status and not msg.reply:
+            desc = (msg.headers or {}).get("Description", "")
+            raw = f"NATS/1.0 {status} {desc}\r\n\r\n".encode()
+            self._on_raw(msg.subject.encode(), b"", b"", raw)
+        else:
+            raw = header_block(msg.headers)
+            self._on_raw(msg.subject.encode(), (msg.reply or "").encode(), msg.data, raw)
