@@ -29,7 +29,7 @@ async def stop(tasks: Iterable[asyncio.Task[Any]], *, timeout_s: float = 5.0, wh
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=timeout_s)
         for task in pending:
-            log.warning("tasks.slow_to_stop", who=who, task=task.get_name(), attempt=attempt + 1)
+            log.warning("slow_to_stop", who=who, task=task.get_name(), attempt=attempt + 1)
     for task in tasks:
         if task.done() and not task.cancelled():
             task.exception()  # retrieved: its failure was handled where it happened

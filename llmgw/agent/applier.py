@@ -58,9 +58,9 @@ class Applier:
         }
         if decision.action == "start" and skip:
             self._note_started(cmd)
-            log.info("agent_command_superseded", **fields)
+            log.info("command_superseded", **fields)
             return
-        log.info("agent_command", action=decision.action, reason=decision.reason, **fields)
+        log.info("command", action=decision.action, reason=decision.reason, **fields)
         self.applied += 1
         match decision.action:
             case "start":
@@ -110,7 +110,7 @@ class Applier:
         self._note_started(cmd)
         ledger.save(self.state_dir, self.book)
         log.info(
-            "agent_shard_started",
+            "shard_started",
             replica_id=cmd.replica_id,
             generation=cmd.generation,
             since_command_ms=round((self.clock() - cmd.ts) * 1000, 2),
@@ -118,7 +118,7 @@ class Applier:
 
     def refused(self, cmd: events.StartShard, error: str) -> None:
         """Report a start this node will not run as failed, with `error`, and record it."""
-        log.warning("agent_shard_refused", replica_id=cmd.replica_id, error=error)
+        log.warning("shard_refused", replica_id=cmd.replica_id, error=error)
         self._status(
             ShardView(
                 replica_id=cmd.replica_id,

@@ -52,7 +52,7 @@ class LeaseBound:
             return True
         self.refused += 1
         log.warning(
-            "agent_command_refused",
+            "command_refused",
             seq=record.seq,
             id=cmd.id,
             type=events.tag_of(type(cmd)),
@@ -72,7 +72,7 @@ class LeaseBound:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("agent_lease_unreadable", error=repr(exc), retry_in_s=wait)
+                log.warning("lease_unreadable", error=repr(exc), retry_in_s=wait)
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 5.0)
 
@@ -85,6 +85,6 @@ class LeaseBound:
         self.epoch = max(self.epoch, epoch)
         if book.epoch > epoch:
             # The live holder's epoch is the highest any leader had: more was never real.
-            log.warning("agent_ledger_epoch_beyond_lease", epoch=book.epoch, lease_epoch=epoch)
+            log.warning("ledger_epoch_beyond_lease", epoch=book.epoch, lease_epoch=epoch)
             book.epoch = epoch
             ledger.save(self.state_dir, book)

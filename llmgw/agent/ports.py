@@ -156,7 +156,7 @@ class JetStreamLeaseView:
             else bus_lease.verified_value(verifier, msg.data or b"", time.time(), math.inf)
         )
         if isinstance(checked, str):
-            log.warning("agent_lease_refused", seq=msg.seq, why=checked)
+            log.warning("lease_refused", seq=msg.seq, why=checked)
             return None
         return Holder(checked.holder, epoch, seq)
 

@@ -196,7 +196,7 @@ class AgentService:
         self._register()
         self.started.set()
         log.info(
-            "agent_started",
+            "started",
             node=self.node,
             gpus=len(self.inventory.gpus),
             source=self.source,
@@ -260,7 +260,7 @@ class AgentService:
                 await asyncio.wait_for(self.nc.close(), 5)
         if self.outbox is not None:
             self.outbox.close()
-        log.info("agent_stopped", node=self.node)
+        log.info("stopped", node=self.node)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
         return asyncio.create_task(coro, name=f"agent-{self.node}-{what}")
@@ -317,7 +317,7 @@ class AgentService:
         while True:
             if sink.reconnects != reconnects:
                 reconnects = sink.reconnects
-                log.info("agent_reconnected", node=self.node, pending=len(outbox))
+                log.info("reconnected", node=self.node, pending=len(outbox))
                 self._register()
             entry = outbox.peek()
             if entry is None or not sink.connected:
@@ -331,7 +331,7 @@ class AgentService:
             except bus.PublishError as exc:
                 failures += 1
                 log.warning(
-                    "agent_publish_failed",
+                    "publish_failed",
                     id=entry.event.id,
                     pending=len(outbox),
                     error=str(exc),
@@ -341,7 +341,7 @@ class AgentService:
                 continue
             except Exception as exc:  # e.g. connection closed under us: try again later
                 failures += 1
-                log.warning("agent_publish_error", id=entry.event.id, error=repr(exc))
+                log.warning("publish_error", id=entry.event.id, error=repr(exc))
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** min(failures, 5)))
                 continue
             failures = 0
@@ -369,7 +369,7 @@ class AgentService:
                 await sink.append(hb, ttl_s=self.cfg.heartbeat_ttl_s)
                 self.heartbeats_sent += 1
             except Exception as exc:  # a heartbeat is replaced by the next one
-                log.warning("agent_heartbeat_failed", error=str(exc))
+                log.warning("heartbeat_failed", error=str(exc))
 
     async def _refresh_health(self) -> None:
         """Re-read GPU health and the fabrics (`llmgw.agent.refresh`); re-register when
@@ -402,7 +402,7 @@ class AgentService:
                 break
             except Exception as exc:
                 # The stream may not be provisioned yet, or the server just went away.
-                log.warning("agent_commands_unavailable", error=str(exc), retry_in_s=wait)
+                log.warning("commands_unavailable", error=str(exc), retry_in_s=wait)
                 with contextlib.suppress(Exception):
                     await reader.close()
                 await asyncio.sleep(wait)
@@ -411,7 +411,7 @@ class AgentService:
         with contextlib.suppress(Exception):
             # Best effort: heals an epoch on disk no leader had before the first command.
             await self.lease.read(ports.lease, self.ledger)
-        log.info("agent_reading_commands", after_seq=self.ledger.last_seq)
+        log.info("reading_commands", after_seq=self.ledger.last_seq)
         async for records in reader.batches():
             # Refused ones first: a command no leader could have sent must not supersede.
             batch = [r for r in records if await self._admitted(r)]
@@ -432,11 +432,11 @@ class AgentService:
         cmd = record.event
         self._dispatched_seq = max(self._dispatched_seq, record.seq)
         if not isinstance(cmd, events.Command) or cmd.node != self.node:
-            log.warning("agent_command_unexpected", seq=record.seq, type=type(cmd).__name__)
+            log.warning("command_unexpected", seq=record.seq, type=type(cmd).__name__)
             return
         why = ledger.stale_epoch(cmd, self.ledger.epoch)
         if why:
-            log.warning("agent_command_ignored", seq=record.seq, id=cmd.id, reason=why)
+            log.warning("command_ignored", seq=record.seq, id=cmd.id, reason=why)
             return
         self.ledger.epoch = cmd.epoch
         skip = ledger.superseded(cmd, later, self.ledger.epoch)
@@ -476,7 +476,7 @@ class AgentService:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("agent_command_failed", seq=seq, id=cmd.id)
+            log.exception("command_failed", seq=seq, id=cmd.id)
             if isinstance(cmd, events.StartShard):
                 self.applier.refused(cmd, f"the agent could not apply the command: {exc!r}")
 

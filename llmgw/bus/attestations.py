@@ -47,6 +47,6 @@ def add(book: attestation.Attestations, records: Iterable[Record], *, after_seq:
             event.first_seq, event.last_seq, event.accepted, event.digests, event.refused
         )
         if item is None:
-            log.warning("bus.attestation_malformed", seq=record.seq, id=event.id)
+            log.warning("attestation_malformed", seq=record.seq, id=event.id)
             continue
         book.add(item)

@@ -101,7 +101,7 @@ async def connect(
         **options,
     )
     url = nc.connected_url
-    log.info("bus.connected", identity=who, server=url.netloc if url else None)
+    log.info("connected", identity=who, server=url.netloc if url else None)
     return nc
 
 
@@ -118,20 +118,20 @@ def _logging_callbacks(
             nc.permission_violations.append(text)
             # The identity's certificate does not allow this: a bug or a misconfigured
             # authorization, never something a retry fixes.
-            log.error("bus.permission_violation", identity=who, detail=text)
+            log.error("permission_violation", identity=who, detail=text)
         else:
-            log.warning("bus.error", identity=who, error=text)
+            log.warning("error", identity=who, error=text)
         if error_cb is not None:
             await error_cb(exc)
 
     async def on_disconnected() -> None:
-        log.warning("bus.disconnected", identity=who)
+        log.warning("disconnected", identity=who)
 
     async def on_reconnected() -> None:
         url = nc.connected_url
-        log.info("bus.reconnected", identity=who, server=url.netloc if url else None)
+        log.info("reconnected", identity=who, server=url.netloc if url else None)
 
     async def on_closed() -> None:
-        log.info("bus.closed", identity=who)
+        log.info("closed", identity=who)
 
     return on_error, on_disconnected, on_reconnected, on_closed

@@ -117,7 +117,7 @@ class Intake:
                 pending = tokens[10]
         except (IndexError, ValueError):
             # Not the server's ack subject format: nothing we can place in the order.
-            log.warning("bus.reader_bad_reply_subject", reply=reply.decode(errors="replace"))
+            log.warning("reader_bad_reply_subject", reply=reply.decode(errors="replace"))
             return
         if cseq != self._expect_cseq:
             # A message was lost (e.g. delivered while we were disconnected): start over
@@ -245,10 +245,10 @@ class Intake:
             ):
                 self._reset_needed = True
             else:
-                log.warning("bus.reader_pull_status", status=409, detail=text)
+                log.warning("reader_pull_status", status=409, detail=text)
         else:
             text = headers[9:].split(b"\r\n", 1)[0].decode(errors="replace")
-            log.warning("bus.reader_pull_status", detail=text)
+            log.warning("reader_pull_status", detail=text)
             self._reset_needed = True
 
     async def _on_msg(self, msg: Msg) -> None:

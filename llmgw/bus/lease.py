@@ -181,7 +181,7 @@ class Lease:
             return None
         revision, value = found
         if isinstance(value, str):
-            log.warning("bus.lease_refused", revision=revision, why=value)
+            log.warning("lease_refused", revision=revision, why=value)
             return None
         return Holder(value.holder, value.epoch or revision, revision)
 
@@ -207,7 +207,7 @@ class Lease:
         self._revision = revision
         self.epoch = revision
         self._valid_until = started + self.ttl_s
-        log.info("bus.lease_acquired", holder=self.name, epoch=self.epoch)
+        log.info("lease_acquired", holder=self.name, epoch=self.epoch)
         return True
 
     async def _take_over_forged(self) -> int:
@@ -216,7 +216,7 @@ class Lease:
         if found is None or not isinstance(found[1], str):
             return 0  # held by a genuine holder (or freed meanwhile: the next try creates)
         stored, why = found
-        log.warning("bus.lease_refused", revision=stored, why=why, action="taking it over")
+        log.warning("lease_refused", revision=stored, why=why, action="taking it over")
         headers = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(stored), "Nats-TTL": _ttl_header(self.ttl_s)}
         try:
             ack = await self._js.publish(
@@ -264,7 +264,7 @@ class Lease:
         epoch = self.epoch
         self._revision = 0
         self._valid_until = 0.0
-        log.warning("bus.lease_lost", holder=self.name, epoch=epoch, why=why)
+        log.warning("lease_lost", holder=self.name, epoch=epoch, why=why)
         raise LeaseLost(f"{self.name} lost the lease (epoch {epoch}): {why}")
 
     async def release(self) -> None:
@@ -276,6 +276,6 @@ class Lease:
             await self._kv.delete(KEY, last=revision)
         except nats.js.errors.APIError as exc:
             # Someone else holds it already: nothing of ours to release.
-            log.info("bus.lease_release_skipped", holder=self.name, detail=str(exc))
+            log.info("lease_release_skipped", holder=self.name, detail=str(exc))
         else:
-            log.info("bus.lease_released", holder=self.name, epoch=self.epoch)
+            log.info("lease_released", holder=self.name, epoch=self.epoch)

@@ -87,7 +87,7 @@ def overrides_on() -> bool:
     if not _told:
         _told = True
         log.warning(
-            "bus.natspy_fallback",
+            "natspy_fallback",
             version=VERSION,
             why=REASON,
             action="using nats-py's stock reconnect loop, parser and dispatch",
@@ -120,7 +120,7 @@ def _stock_delivery(handler: FastHandler) -> Callable[[Msg], Awaitable[None]]:
                 raw = header_block(msg.headers)
                 handler(msg.subject.encode(), (msg.reply or "").encode(), msg.data, raw)
         except Exception as exc:  # a handler bug must not kill the subscription
-            log.error("bus.fast_handler_failed", error=repr(exc))
+            log.error("fast_handler_failed", error=repr(exc))
 
     return deliver
 
@@ -179,7 +179,7 @@ class Client(_NatsClient):
                 # give up (ctl, tests) would retry a dead server forever.
                 server.reconnects += 1
                 log.warning(
-                    "bus.connect_failed",
+                    "connect_failed",
                     server=server.uri.netloc,
                     attempt=self._failed_attempts + 1,
                     error=str(exc) or type(exc).__name__,
@@ -204,7 +204,7 @@ class Client(_NatsClient):
         try:
             handler(subject, reply, data, headers or b"")
         except Exception as exc:  # a handler bug must not kill the connection's reader
-            log.error("bus.fast_handler_failed", error=repr(exc))
+            log.error("fast_handler_failed", error=repr(exc))
 
     async def fast_subscribe(self, subject: str, handler: FastHandler) -> Subscription:
         """Subscribe with `handler` called in order for every message on `subject`: inline
@@ -324,7 +324,7 @@ class FrameParser(Parser):
                 try:
                     handler(subject, reply, payload, headers)
                 except Exception as exc:  # a handler bug must not kill the connection's reader
-                    log.error("bus.fast_handler_failed", error=repr(exc))
+                    log.error("fast_handler_failed", error=repr(exc))
                 continue
             await nc._process_msg(sid, subject, reply, payload, headers or None)
             if self.buf is not buf:

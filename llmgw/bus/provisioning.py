@@ -209,5 +209,5 @@ async def provision(
     if snapshots:
         note(SNAPSHOT_BUCKET, await _ensure_snapshot_store(js, replicas))
     if created:
-        log.info("bus.provisioned", created=created, existing=existing)
+        log.info("provisioned", created=created, existing=existing)
     return Provisioned(created=tuple(created), existing=tuple(existing))

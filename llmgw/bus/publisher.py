@@ -177,7 +177,7 @@ class Publisher:
                         "on that subject (a permission violation is logged as "
                         "bus.permission_violation)"
                     ) from None
-                log.warning("bus.publish_retry", subject=subject, id=event.id, attempt=attempt)
+                log.warning("publish_retry", subject=subject, id=event.id, attempt=attempt)
                 await asyncio.sleep(self.retry_wait_s * attempt)
                 continue
             except nats.js.errors.APIError as exc:
@@ -187,7 +187,7 @@ class Publisher:
                     # whether the last message on the subject is this very event.
                     stored = await self._stored_last(subject, event.id)
                     if stored is not None:
-                        log.info("bus.publish_duplicate", subject=subject, id=event.id, seq=stored)
+                        log.info("publish_duplicate", subject=subject, id=event.id, seq=stored)
                         return Published(seq=stored, duplicate=True, stream=subjects.STREAM)
                     raise FenceRefused(fence, exc.description or str(exc)) from None
                 raise PublishError(
@@ -196,7 +196,7 @@ class Publisher:
                 ) from None
             result = Published(seq=ack.seq, duplicate=bool(ack.duplicate), stream=ack.stream)
             if result.duplicate:
-                log.info("bus.publish_duplicate", subject=subject, id=event.id, seq=result.seq)
+                log.info("publish_duplicate", subject=subject, id=event.id, seq=result.seq)
             return result
         raise AssertionError("unreachable")
 

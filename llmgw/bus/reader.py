@@ -251,7 +251,7 @@ class Reader(Intake):
             return  # the create below reports what is wrong
         err = resp.get("error") or {}
         if err and err.get("code") != 404:
-            log.warning("bus.reader_delete_failed", consumer=name, detail=err.get("description"))
+            log.warning("reader_delete_failed", consumer=name, detail=err.get("description"))
 
     async def _drop_consumer(self) -> None:
         sub, name = self._sub, self._consumer
@@ -272,7 +272,7 @@ class Reader(Intake):
     async def _reset(self) -> None:
         """Start a new consumer after `last_seq`; retries until the server answers."""
         self.resets += 1
-        log.warning("bus.reader_reset", consumer=self._consumer, after_seq=self.last_seq)
+        log.warning("reader_reset", consumer=self._consumer, after_seq=self.last_seq)
         await self._drop_consumer()
         wait = 0.2
         while not self._closed:
@@ -282,7 +282,7 @@ class Reader(Intake):
                 await self._open()
                 return
             except (ReaderError, nats.errors.Error) as exc:
-                log.warning("bus.reader_reopen_failed", error=str(exc), retry_in_s=wait)
+                log.warning("reader_reopen_failed", error=str(exc), retry_in_s=wait)
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 5.0)
 

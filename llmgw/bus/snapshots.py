@@ -160,7 +160,7 @@ class SnapshotStore:
         if self._signer is None:
             raise ValueError("saving a snapshot needs a Signer (a control plane's keys)")
         await self._store.put(object_name(seq), seal(self._signer, seq, data))
-        log.info("bus.snapshot_saved", seq=seq, bytes=len(data))
+        log.info("snapshot_saved", seq=seq, bytes=len(data))
         stored = await self.seqs()
         for old in stored[: max(0, len(stored) - self.keep)]:
             with contextlib.suppress(nats.js.errors.NotFoundError):  # pruned concurrently
@@ -182,13 +182,13 @@ class SnapshotStore:
                 )
             except (TimeoutError, nats.errors.Error) as exc:
                 log.warning(
-                    "bus.snapshot_unreadable", seq=seq, error=str(exc) or type(exc).__name__
+                    "snapshot_unreadable", seq=seq, error=str(exc) or type(exc).__name__
                 )
                 continue
             try:
                 data = unseal(self._verifier, seq, bytes(result.data or b""), time.time())
             except SignatureRefused as exc:
-                log.warning("bus.snapshot_refused", seq=seq, error=str(exc))
+                log.warning("snapshot_refused", seq=seq, error=str(exc))
                 continue
             return Snapshot(seq=seq, data=data)
         return None

@@ -188,5 +188,5 @@ async def start(svc: ControlService) -> web.AppRunner:
     port = sock.getsockname()[1]
     host = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
     svc.admin_url = f"{'https' if tls else 'http'}://{host}:{port}"
-    log.info("control.admin_listening", url=svc.admin_url)
+    log.info("admin_listening", url=svc.admin_url)
     return runner

@@ -48,7 +48,7 @@ class Deciding(Leadership, Policing):
                 # The fold refused our own decisions: deciding again at once would very
                 # likely repeat them, in a tight loop that fills the log. Pace it instead.
                 log.error(
-                    "control.own_decisions_rejected",
+                    "own_decisions_rejected",
                     count=self.folded.own_rejected - self._own_rejected_seen,
                     action=f"deciding again in {self.cfg.reconcile_interval_s} s",
                 )
@@ -61,11 +61,11 @@ class Deciding(Leadership, Policing):
             except bus.FenceRefused as exc:
                 self.metrics.fence_refused.inc()
                 log.warning(
-                    "control.fence_refused", name=self.name, epoch=self.epoch, detail=str(exc)
+                    "fence_refused", name=self.name, epoch=self.epoch, detail=str(exc)
                 )
                 await self._abdicate("a fenced write was refused: another leader wrote first")
             except (bus.PublishError, nats.errors.Error, TimeoutError) as exc:
-                log.warning("control.publish_failed", error=str(exc) or repr(exc))
+                log.warning("publish_failed", error=str(exc) or repr(exc))
                 self._log_was_unavailable("a write to the log failed")
                 await asyncio.sleep(0.5)
                 self._wake.set()
@@ -132,7 +132,7 @@ class Deciding(Leadership, Policing):
             )
             self._wrote(published.seq)
             log.info(
-                "control.model_synced",
+                "model_synced",
                 type=events.tag_of(type(event)),
                 model=getattr(event, "name", "")
                 or getattr(getattr(event, "profile", None), "name", ""),
@@ -168,6 +168,6 @@ class Deciding(Leadership, Policing):
         for model, reason in now_unplaceable.items():
             self.metrics.placement_failures.labels(model, codes.get(model, "other")).inc()
             if self.unplaceable.get(model) != reason:
-                log.warning("control.unplaceable", model=model, reason=reason)
+                log.warning("unplaceable", model=model, reason=reason)
         self.unplaceable = dict(now_unplaceable)
         self.metrics.unplaceable.set(len(now_unplaceable))

@@ -92,7 +92,7 @@ class Folded:
             if epoch and isinstance(event, events.ControlEvent) and event.epoch == epoch:
                 self.own_rejected += 1
             log.warning(
-                "control.rejected",
+                "rejected",
                 seq=rec.seq,
                 subject=rec.subject,
                 type=events.tag_of(type(event)),

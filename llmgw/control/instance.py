@@ -115,7 +115,7 @@ class Instance:
     def _mark_caught_up(self) -> None:
         if not self.caught_up.is_set():
             self.caught_up.set()
-            log.info("control.caught_up", name=self.name, folded_seq=self.state.last_seq)
+            log.info("caught_up", name=self.name, folded_seq=self.state.last_seq)
 
     def _log_was_unavailable(self, why: str, *, quiet: bool = False) -> None:
         """Judge heartbeat silence only from now on.
@@ -131,7 +131,7 @@ class Instance:
         if now > self.observing_since:
             self.observing_since = now
             if not quiet:
-                log.info("control.observing_from_now", why=why)
+                log.info("observing_from_now", why=why)
 
     def _wrote(self, seq: int) -> None:
         """Decide again only once the fold has passed `seq`. Set after every single write,
@@ -159,7 +159,7 @@ class Instance:
             last = published.seq
             self.metrics.decisions.labels(events.tag_of(type(event))).inc()
             log.info(
-                "control.decision",
+                "decision",
                 seq=published.seq,
                 type=events.tag_of(type(event)),
                 id=event.id,

@@ -32,7 +32,7 @@ class Leadership(Instance):
 
     def _step_down(self, why: str) -> None:
         if self.leading:
-            log.warning("control.step_down", name=self.name, epoch=self.epoch, why=why)
+            log.warning("step_down", name=self.name, epoch=self.epoch, why=why)
         self._set_leading(False)
         self._awaiting = 0
 
@@ -58,10 +58,10 @@ class Leadership(Instance):
                             self._set_leading(True, lease.epoch)
                             self._announced = 0
                             self._sweep_epoch = 0
-                            log.info("control.leading", name=self.name, epoch=lease.epoch)
+                            log.info("leading", name=self.name, epoch=lease.epoch)
                             self._wake.set()
                     except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                        log.warning("control.lease_error", error=str(exc) or repr(exc))
+                        log.warning("lease_error", error=str(exc) or repr(exc))
             else:
                 wait = lease.renew_every_s
                 try:
@@ -70,7 +70,7 @@ class Leadership(Instance):
                     self._step_down(str(exc))
                     wait = 0.25
                 except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                    log.warning("control.lease_renew_error", error=str(exc) or repr(exc))
+                    log.warning("lease_renew_error", error=str(exc) or repr(exc))
                     if not lease.held:
                         self._step_down("the lease ran out while renewals failed")
                     wait = 0.2

@@ -97,12 +97,12 @@ class Policing(Instance):
                         if batch and batch[-1].seq >= upto:
                             break
             except Exception as exc:  # best effort; the loop must not die of it
-                log.warning("control.quarantine_sweep_failed", node=node, error=repr(exc))
+                log.warning("quarantine_sweep_failed", node=node, error=repr(exc))
                 continue
             # Undecodable messages there are refused by every reader as well.
             found += [x.seq for x in reader.skipped if since < x.seq <= upto]
         if found and self.leading:
-            log.info("control.quarantine_sweep", messages=len(found), upto_seq=upto)
+            log.info("quarantine_sweep", messages=len(found), upto_seq=upto)
             self.folded.ignored.extend(found)
             self._delete_wake.set()
 
@@ -119,7 +119,7 @@ class Policing(Instance):
         assert self._log is not None
         result = await self._log.delete(seqs)
         self.metrics.ttl_deleted.inc(result.deleted)
-        log.info("control.ttl_refused_deleted", **_deletion(result, seqs))
+        log.info("ttl_refused_deleted", **_deletion(result, seqs))
 
     async def _delete_loop(self) -> None:
         """Delete the messages the fold ignored for quarantined nodes: a flood then costs
@@ -135,7 +135,7 @@ class Policing(Instance):
                 del ignored[:batch]
                 result = await self._log.delete(seqs)
                 self.metrics.quarantine_deleted.inc(result.deleted)
-                log.info("control.quarantine_deleted", **_deletion(result, seqs))
+                log.info("quarantine_deleted", **_deletion(result, seqs))
                 if not result.failed:
                     self._delete_strikes = 0
                     continue
@@ -144,7 +144,7 @@ class Policing(Instance):
                 seq, why = result.failed[0]
                 if self._delete_strikes >= 5:
                     log.error(
-                        "control.quarantine_delete_failed",
+                        "quarantine_delete_failed",
                         count=len(result.failed) + len(ignored),
                         seq=seq,
                         error=why,
@@ -155,7 +155,7 @@ class Policing(Instance):
                     self._delete_strikes = 0
                     break
                 log.warning(
-                    "control.quarantine_delete_retry", count=len(result.failed), seq=seq, error=why
+                    "quarantine_delete_retry", count=len(result.failed), seq=seq, error=why
                 )
                 ignored.extend(s for s, _ in result.failed)
                 await asyncio.sleep(1.0)

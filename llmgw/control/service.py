@@ -143,7 +143,7 @@ class ControlService(Deciding, Snapshotting):
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._nc.close(), 5)
-        log.info("control.stopped", name=self.name, folded_seq=self.state.last_seq)
+        log.info("stopped", name=self.name, folded_seq=self.state.last_seq)
 
     async def _consume(self) -> None:
         assert self._reader is not None

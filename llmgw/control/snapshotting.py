@@ -22,22 +22,22 @@ class Snapshotting(Instance):
         try:
             snap = await self._snapshots.load()
         except (nats.errors.Error, OSError) as exc:
-            log.warning("control.snapshot_unreadable", error=str(exc), action="folding from seq 0")
+            log.warning("snapshot_unreadable", error=str(exc), action="folding from seq 0")
             return
         if snap is None:
-            log.info("control.no_snapshot", action="folding the log from the start")
+            log.info("no_snapshot", action="folding the log from the start")
             return
         try:
             loaded = state.decode_snapshot(snap.data)
         except ValueError as exc:
-            log.warning("control.snapshot_invalid", seq=snap.seq, error=str(exc))
+            log.warning("snapshot_invalid", seq=snap.seq, error=str(exc))
             return
         loaded.last_seq = snap.seq
         self.folded.state = loaded
         self.snapshot_seq = snap.seq
         self.metrics.snapshot_seq.set(snap.seq)
         self.metrics.folded_seq.set(snap.seq)
-        log.info("control.snapshot_loaded", seq=snap.seq, bytes=len(snap.data))
+        log.info("snapshot_loaded", seq=snap.seq, bytes=len(snap.data))
 
     async def _last_control_seq(self, *, upto: int) -> int:
         """The last control-subject sequence at or before `upto` (the snapshot's).
@@ -72,7 +72,7 @@ class Snapshotting(Instance):
         try:
             await self._snapshots.save(data, seq)
         except Exception as exc:  # a failed snapshot costs only a longer cold start
-            log.warning("control.snapshot_failed", seq=seq, error=str(exc) or repr(exc))
+            log.warning("snapshot_failed", seq=seq, error=str(exc) or repr(exc))
             return
         self.snapshot_seq = seq
         self.metrics.snapshots.inc()

@@ -163,7 +163,7 @@ class LogFeed:
         self.sync()
         self.ready.set()
         log.info(
-            "router.feed_caught_up",
+            "feed_caught_up",
             seq=self.cluster.last_seq,
             models=sorted(self.models),
             endpoints=len(self.endpoints),
@@ -174,17 +174,17 @@ class LogFeed:
         try:
             snap = await snapshots.load()
         except Exception as exc:  # no store yet, or not readable: the whole log is the truth
-            log.info("router.feed_no_snapshot", reason=str(exc) or type(exc).__name__)
+            log.info("feed_no_snapshot", reason=str(exc) or type(exc).__name__)
             return 0
         if snap is None:
             return 0
         try:
             self.cluster = state.decode_snapshot(snap.data)
         except Exception as exc:
-            log.warning("router.feed_snapshot_unusable", seq=snap.seq, error=str(exc))
+            log.warning("feed_snapshot_unusable", seq=snap.seq, error=str(exc))
             self.cluster = state.ClusterState()
             return 0
-        log.info("router.feed_snapshot", seq=snap.seq)
+        log.info("feed_snapshot", seq=snap.seq)
         self.sync()
         return snap.seq
 
@@ -212,12 +212,12 @@ class LogFeed:
                 continue
             if self.catalog.profiles.get(name) != profile:
                 self.catalog.put(profile)
-                log.info("router.model_updated", model=name, aliases=list(profile.aliases))
+                log.info("model_updated", model=name, aliases=list(profile.aliases))
             self.models.add(name)
         for name in sorted(self.models - set(want.models)):
             self.catalog.remove(name)
             self.models.discard(name)
-            log.info("router.model_removed", model=name)
+            log.info("model_removed", model=name)
         for ep_id, (url, model, draining, api_key) in want.endpoints.items():
             if ep_id in self._static_endpoints:
                 continue
@@ -227,13 +227,13 @@ class LogFeed:
                 self.table.add(ep_id, url, [model], ready=True, api_key=api_key)
                 self.endpoints[ep_id] = (url, model, api_key)
                 log.info(
-                    "router.endpoint_up", endpoint=ep_id, url=url, model=model, keyed=bool(api_key)
+                    "endpoint_up", endpoint=ep_id, url=url, model=model, keyed=bool(api_key)
                 )
             ep = self.table.by_id.get(ep_id)
             if ep is not None and ep.draining != draining:
                 self.table.mark_draining(ep_id, draining)
-                log.info("router.endpoint_draining", endpoint=ep_id, draining=draining)
+                log.info("endpoint_draining", endpoint=ep_id, draining=draining)
         for ep_id in sorted(set(self.endpoints) - set(want.endpoints)):
             self.table.remove(ep_id)
             del self.endpoints[ep_id]
-            log.info("router.endpoint_down", endpoint=ep_id)
+            log.info("endpoint_down", endpoint=ep_id)

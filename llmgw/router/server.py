@@ -147,7 +147,7 @@ async def serve(
     gc.set_threshold(20_000, 20, 20)
     port = sock.getsockname()[1]
     admin_port = admin_sock.getsockname()[1]
-    log.info("router_worker_started", worker=worker, port=port, admin_port=admin_port)
+    log.info("worker_started", worker=worker, port=port, admin_port=admin_port)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -161,7 +161,7 @@ async def serve(
     else:
         _announce(cfg.listen.host, port, cfg.admin.host, admin_port)
     await stop.wait()
-    log.info("router_worker_stopping", worker=worker)
+    log.info("worker_stopping", worker=worker)
     await runner.cleanup()
     await admin_runner.cleanup()
     await router.stop()
@@ -245,7 +245,7 @@ def _run_workers(cfg: RouterConfig, api: list[socket.socket], admin: list[socket
             multiprocessing.connection.wait([p.sentinel for p in procs], timeout=1.0)
             dead = [p for p in procs if not p.is_alive()]
             if dead and not stopping:
-                log.error("router_worker_died", worker=dead[0].name, code=dead[0].exitcode)
+                log.error("worker_died", worker=dead[0].name, code=dead[0].exitcode)
                 on_signal(signal.SIGTERM, None)
                 raise SystemExit(1)
     finally:

@@ -166,7 +166,7 @@ class SimServer:
         except asyncio.CancelledError:
             raise
         except Exception:  # pragma: no cover - a bug; say so loudly rather than hang clients
-            self.log.exception("sim.engine_loop_failed")
+            self.log.exception("engine_loop_failed")
             raise
 
     def _deliver(self) -> None:
@@ -188,7 +188,7 @@ class SimServer:
             plan = self.faults.set(await request.read())
         except faultplan.InvalidPlan as exc:
             return _error(api.ApiError(400, f"invalid fault plan: {exc}", code="invalid_value"))
-        self.log.info("sim.faults_set", faults=msgspec.to_builtins(plan))
+        self.log.info("faults_set", faults=msgspec.to_builtins(plan))
         return web.Response(body=self.faults.json(), content_type=_JSON)
 
     async def _faults_clear(self, _request: web.Request) -> web.Response:
@@ -330,7 +330,7 @@ class SimServer:
     async def _reset_prefix_cache(self, _request: web.Request) -> web.Response:
         """vLLM's endpoint of the same name: forget every cached block nobody holds."""
         forgotten = self.engine.pool.reset_cache()
-        self.log.info("sim.prefix_cache_reset", blocks=forgotten)
+        self.log.info("prefix_cache_reset", blocks=forgotten)
         return web.Response()
 
     async def _no_route(self, request: web.Request) -> web.Response:
@@ -360,7 +360,7 @@ async def serve(cfg: SimConfig, *, announce: Callable[[str], None] = print) -> N
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{port}"
     server.log.info(
-        "sim.listening",
+        "listening",
         url=url,
         models=list(cfg.served_model_names),
         blocks=cfg.num_blocks,
@@ -375,9 +375,9 @@ async def serve(cfg: SimConfig, *, announce: Callable[[str], None] = print) -> N
     try:
         await stop.wait()
     finally:
-        server.log.info("sim.stopping")
+        server.log.info("stopping")
         await runner.cleanup()
-    server.log.info("sim.stopped")
+    server.log.info("stopped")
 
 
 def run(cfg: SimConfig) -> None:

@@ -108,7 +108,7 @@ async def test_a_launch_outside_the_node_policy_is_refused_and_reported_failed(
     ok = kit.sim_spec(port, gpus=(2,), engine_args=("--decode-base-ms", "1"))
     await control.start(NODE, "rep-ok", ok)
     await kit.wait_for(admin, NODE, status("rep-ok", "serving"), what="serving")
-    assert "agent_shard_refused" in agent.log_tail(200)
+    assert "shard_refused" in agent.log_tail(200)
 
 
 async def test_an_epoch_beyond_the_lease_is_refused_and_blocks_nothing_across_a_restart(
@@ -153,7 +153,7 @@ async def test_an_epoch_beyond_the_lease_is_refused_and_blocks_nothing_across_a_
     reg = [e for e in evs if isinstance(e, events.NodeRegistered)][-1]
     assert [s.replica_id for s in reg.shards] == ["rep-b"]  # adopted, still serving
     log = agent.log_tail(400)
-    assert log.count("agent_command_refused") == 2, log
+    assert log.count("command_refused") == 2, log
     assert f"from leader epoch {FORGED}, beyond the leader lease" in log
     assert agent.terminate() == 0
     assert saved_epoch(state_dir) == lease + 500
@@ -180,7 +180,7 @@ async def test_an_epoch_on_disk_no_leader_had_is_dropped(
     assert agent.terminate() == 0
     assert saved_epoch(state_dir) == Control.LEASE_EPOCH
     log = agent.log_tail(200)
-    assert ("ledger_garbage" in log) or ("agent_ledger_epoch_beyond_lease" in log), log
+    assert ("ledger_garbage" in log) or ("ledger_epoch_beyond_lease" in log), log
 
 
 async def test_ctl_replicas_shows_why_the_node_refused(

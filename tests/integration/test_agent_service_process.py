@@ -172,7 +172,7 @@ async def test_nats_down_at_start_the_agent_waits_then_registers(
     await asyncio.to_thread(agent.start)
     # Let it fail a few connection attempts (each is logged, none is fatal).
     deadline = time.monotonic() + 15
-    while agent.log_tail(200).count("bus.connect_failed") < 3:
+    while agent.log_tail(200).count("connect_failed") < 3:
         assert time.monotonic() < deadline, agent.log_tail()
         assert agent.proc is not None
         assert agent.proc.poll() is None, agent.log_tail()

@@ -157,7 +157,7 @@ async def test_a_permission_violation_is_logged_as_such(
     with capture_logs() as logs, pytest.raises(bus.PublishError, match="may publish"):
         await publisher.publish(shard("node-b", 1))  # another node's subject
     assert any("llmgw.events.node.node-b" in v for v in node.permission_violations)
-    assert any(e["event"] == "bus.permission_violation" for e in logs)
+    assert any(e["event"] == "permission_violation" for e in logs)
 
 
 async def test_a_heartbeat_with_a_ttl_is_gone_after_it(
@@ -519,7 +519,7 @@ async def test_the_first_connection_waits_for_a_server_that_starts_later(
         nc = await asyncio.wait_for(pending, 15)
     try:
         assert nc.is_connected
-        failures = [e for e in logs if e["event"] == "bus.connect_failed"]
+        failures = [e for e in logs if e["event"] == "connect_failed"]
         assert len(failures) >= 2
     finally:
         await nc.close()
@@ -542,7 +542,7 @@ async def test_an_unreadable_snapshot_falls_back_to_the_older_one(
     with capture_logs() as logs:
         loaded = await store.load()
     assert loaded == bus.Snapshot(seq=10, data=b"old state")
-    assert [e["seq"] for e in logs if e["event"] == "bus.snapshot_unreadable"] == [20]
+    assert [e["seq"] for e in logs if e["event"] == "snapshot_unreadable"] == [20]
 
 
 async def test_a_reader_holds_at_most_one_batch_however_slow_its_consumer(

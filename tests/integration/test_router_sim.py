@@ -428,7 +428,7 @@ async def test_keys_401_401_403_429(tmp_path: Path, sims: list[Sim], routers: li
     assert over.value.body["code"] == "tokens_exceeded"  # type: ignore[index]
     await tc.close()
     log = (tmp_path / "router-0.log").read_text()
-    assert "router_worker_started" in log  # the router's own log, read whole
+    assert "worker_started" in log  # the router's own log, read whole
     access = [json.loads(line) for line in log.splitlines() if '"event": "request"' in line]
     assert {a["status"] for a in access} >= {200, 401, 403, 429}
     for key in (good, limited, thrifty):

@@ -294,5 +294,5 @@ async def test_an_agent_takes_the_lease_epoch_only_from_a_signed_lease(
     evs = kit.without_heartbeats(await kit.node_records(admin, NODE))
     assert not [e for e in evs if getattr(e, "replica_id", "") == "marker-2"]
     log = agent.log_tail(400)
-    assert "agent_lease_refused" in log, log
+    assert "lease_refused" in log, log
     assert f"from leader epoch {lease + 500}, beyond the leader lease" in log

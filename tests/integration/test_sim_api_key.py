@@ -118,5 +118,5 @@ def test_the_key_from_the_environment_and_not_in_the_log() -> None:
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=20)
-    assert b"sim.listening" in err
+    assert b"listening" in err
     assert KEY.encode() not in err

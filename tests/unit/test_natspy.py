@@ -42,7 +42,7 @@ def test_a_forced_fallback_is_stock_nats_py_and_logged_once(
         assert not client.overridden
         assert type(client._ps) is Parser
         assert client.reconnect_wait_s == natspy.FALLBACK_RECONNECT_WAIT_S > 0
-    told = [e for e in logs if e["event"] == "bus.natspy_fallback"]
+    told = [e for e in logs if e["event"] == "natspy_fallback"]
     assert len(told) == 1
     assert told[0]["why"] == "forced by the test"
 
