@@ -181,9 +181,7 @@ class SnapshotStore:
                     self._store.get(object_name(seq)), timeout=self.load_timeout_s
                 )
             except (TimeoutError, nats.errors.Error) as exc:
-                log.warning(
-                    "snapshot_unreadable", seq=seq, error=str(exc) or type(exc).__name__
-                )
+                log.warning("snapshot_unreadable", seq=seq, error=str(exc) or type(exc).__name__)
                 continue
             try:
                 data = unseal(self._verifier, seq, bytes(result.data or b""), time.time())

@@ -60,9 +60,7 @@ class Deciding(Leadership, Policing):
                 await self._decide()
             except bus.FenceRefused as exc:
                 self.metrics.fence_refused.inc()
-                log.warning(
-                    "fence_refused", name=self.name, epoch=self.epoch, detail=str(exc)
-                )
+                log.warning("fence_refused", name=self.name, epoch=self.epoch, detail=str(exc))
                 await self._abdicate("a fenced write was refused: another leader wrote first")
             except (bus.PublishError, nats.errors.Error, TimeoutError) as exc:
                 log.warning("publish_failed", error=str(exc) or repr(exc))

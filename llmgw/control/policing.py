@@ -154,9 +154,7 @@ class Policing(Instance):
                     ignored.clear()
                     self._delete_strikes = 0
                     break
-                log.warning(
-                    "quarantine_delete_retry", count=len(result.failed), seq=seq, error=why
-                )
+                log.warning("quarantine_delete_retry", count=len(result.failed), seq=seq, error=why)
                 ignored.extend(s for s, _ in result.failed)
                 await asyncio.sleep(1.0)
 

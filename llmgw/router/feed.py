@@ -226,9 +226,7 @@ class LogFeed:
                 # the prober keeps checking it like every other endpoint.
                 self.table.add(ep_id, url, [model], ready=True, api_key=api_key)
                 self.endpoints[ep_id] = (url, model, api_key)
-                log.info(
-                    "endpoint_up", endpoint=ep_id, url=url, model=model, keyed=bool(api_key)
-                )
+                log.info("endpoint_up", endpoint=ep_id, url=url, model=model, keyed=bool(api_key))
             ep = self.table.by_id.get(ep_id)
             if ep is not None and ep.draining != draining:
                 self.table.mark_draining(ep_id, draining)
