@@ -218,6 +218,23 @@ def pin_tree(pid: int, cores: set[int]) -> None:
                 os.sched_setaffinity(tid, cores)
 
 
+def baseline_env(tree: Path) -> dict[str, str]:
+    """The environment that runs `python -m llmgw` from `tree` instead of this checkout:
+    its package first on the path, and not the working directory, which `-m` would
+    otherwise put before it. Checked, since a mistake here compares a tree with itself."""
+    env = {"PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
+    found = subprocess.run(
+        [sys.executable, "-c", "import llmgw; print(llmgw.__file__)"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(found).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"--baseline {tree}: llmgw still loads from {found}")
+    return env
+
+
 # --------------------------------------------------------------------------- peers
 
 
@@ -366,8 +383,7 @@ def main() -> None:
             ("llmgw --workers 2", 2, {}),
         ]
         if args.baseline is not None:
-            # The baseline's package shadows this tree's (PYTHONPATH comes first on sys.path).
-            routers.insert(1, ("llmgw@baseline", 1, {"PYTHONPATH": str(args.baseline.resolve())}))
+            routers.insert(1, ("llmgw@baseline", 1, baseline_env(args.baseline)))
         for name, workers, env in routers:
             if wanted and name.split("@")[0] not in wanted and name not in wanted:
                 continue
