@@ -18,13 +18,13 @@ import msgspec
 from nats.aio.msg import Msg
 
 from llmgw import logs
+from llmgw.bus import acks
 from llmgw.bus.headers import header_block, message_headers
 from llmgw.core import attestation, events, retention
 from llmgw.pki.signing import Verifier
 
 log = logs.get("llmgw.bus")
 
-_ACK_PREFIX = b"$JS.ACK."
 _NS = 1_000_000_000
 
 
@@ -101,24 +101,18 @@ class Intake:
         self._activity += 1
         if not self._wakeup.is_set():
             self._wakeup.set()
-        if not reply.startswith(_ACK_PREFIX):
+        if not reply.startswith(acks.PREFIX):
             if headers.startswith(b"NATS/1.0 "):
                 self._on_status(headers[9:12], headers)
             return
         if self._reset_needed:
             return
-        tokens = reply.split(b".")
-        try:
-            if len(tokens) == 9:
-                seq, cseq, ts = int(tokens[5]), int(tokens[6]), int(tokens[7])
-                pending = tokens[8]
-            else:  # v2: $JS.ACK.<domain>.<account>.<stream>.<consumer>.<n>.<s>.<c>.<t>.<p>...
-                seq, cseq, ts = int(tokens[7]), int(tokens[8]), int(tokens[9])
-                pending = tokens[10]
-        except (IndexError, ValueError):
+        ack = acks.parse(reply)
+        if ack is None:
             # Not the server's ack subject format: nothing we can place in the order.
             log.warning("reader_bad_reply_subject", reply=reply.decode(errors="replace"))
             return
+        seq, cseq, ts, caught_up = ack
         if cseq != self._expect_cseq:
             # A message was lost (e.g. delivered while we were disconnected): start over
             # from the last one we have, so that the fold never misses an event.
@@ -130,7 +124,7 @@ class Intake:
             self._request_open = False
         self.last_seq = seq
         self._admit(seq, subject, data, headers, ts / _NS)
-        if pending == b"0":
+        if caught_up:
             self.caught_up.set()
 
     def _admit(self, seq: int, subject: bytes, data: bytes, headers: bytes, when: float) -> None:
