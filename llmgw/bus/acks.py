@@ -15,33 +15,31 @@ one, or a message was lost), so their reading lives here, with its property test
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 PREFIX = b"$JS.ACK."
 
 
-class AckInfo(NamedTuple):
-    stream_seq: int
-    consumer_seq: int
-    timestamp_ns: int
-    caught_up: bool
-    """No message of the consumer's filter is pending after this one."""
+AckInfo = tuple[int, int, int, bool]
+"""(stream sequence, consumer sequence, timestamp in ns, caught up: nothing of the
+consumer's filter pending after this message). A plain tuple: this runs once per message
+of a replay, and a NamedTuple's construction alone cost a third of the time."""
 
 
 def parse(reply: bytes) -> AckInfo | None:
-    """The metadata of an ack reply subject; None for any other subject."""
-    if not reply.startswith(PREFIX):
-        return None
+    """The metadata of an ack reply subject; None for any other subject, or one whose
+    numbers are not numbers. Never raises."""
     tokens = reply.split(b".")
+    n = len(tokens)
     # v1 has exactly 9 tokens; v2 at least 11 (a random token follows, and the format
     # reserves later tokens for additions).
-    first = 5 if len(tokens) == 9 else 7 if len(tokens) >= 11 else 0
-    if not first:
+    first = 5 if n == 9 else 7 if n >= 11 else 0
+    if not first or tokens[0] != b"$JS" or tokens[1] != b"ACK":
         return None
     try:
-        seq, cseq, ts = int(tokens[first]), int(tokens[first + 1]), int(tokens[first + 2])
+        return (
+            int(tokens[first]),
+            int(tokens[first + 1]),
+            int(tokens[first + 2]),
+            tokens[first + 3] == b"0",
+        )
     except ValueError:
         return None
-    if min(seq, cseq, ts) < 0 or not tokens[first + 3].isdigit():
-        return None
-    return AckInfo(seq, cseq, ts, tokens[first + 3] == b"0")
