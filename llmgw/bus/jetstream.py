@@ -29,7 +29,14 @@ class JetStreamLog:
     def __init__(self, nc: BusClient, *, publisher: Publisher | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
-        self.publisher = publisher if publisher is not None else Publisher(self.js)
+        self._publisher = publisher
+
+    @property
+    def publisher(self) -> Publisher:
+        """Made at the first append: a reader's log (a router's) has no key to sign with."""
+        if self._publisher is None:
+            self._publisher = Publisher(self.js)
+        return self._publisher
 
     @property
     def connected(self) -> bool:

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-import nats.js.errors
-
 from llmgw import bus
-from llmgw.core import attestation, events, subjects
+from llmgw.core import events
 from llmgw.pki.identity import Identity
 from llmgw.router.config import LogSource
 
@@ -43,15 +41,9 @@ PortsOpener = Callable[[], AbstractAsyncContextManager[FeedPorts]]
 """Entered once per feed: yields the ports, and releases what it opened on exit."""
 
 
-class ReadOnlyLog:
-    """The `EventLog` of the stream `llmgw-events` as a router sees it: read and follow."""
-
-    def __init__(self, nc: bus.BusClient) -> None:
-        self.nc = nc
-
-    @property
-    def connected(self) -> bool:
-        return bool(self.nc.is_connected)
+class ReadOnlyLog(bus.JetStreamLog):
+    """The `EventLog` of the stream `llmgw-events` as a router sees it: it reads and
+    follows as any JetStream log, and refuses to write here, before the server would."""
 
     async def append(
         self,
@@ -62,38 +54,6 @@ class ReadOnlyLog:
         ttl_s: float | None = None,
     ) -> bus.Published:
         raise PermissionError(f"a router may only read the log: {events.tag_of(type(event))}")
-
-    def reader(
-        self,
-        *,
-        after_seq: int = 0,
-        subjects_filter: Sequence[str] = subjects.STREAM_SUBJECTS,
-        follow: bool = True,
-        name: str = "reader",
-        attestations: attestation.Attestations | None = None,
-        attester: attestation.Sink | None = None,
-    ) -> bus.Reader:
-        return bus.Reader(
-            self.nc,
-            after_seq=after_seq,
-            subjects_filter=subjects_filter,
-            follow=follow,
-            name=name,
-            attestations=attestations,
-            attester=attester,
-        )
-
-    async def last_seq(self, subject_filter: str) -> int:
-        try:
-            msg = await self.nc.jetstream().get_last_msg(
-                subjects.STREAM, subject_filter, direct=True
-            )
-        except nats.js.errors.NotFoundError:
-            return 0
-        return int(msg.seq or 0)
-
-    async def attestations(self, *, after_seq: int = 0) -> attestation.Attestations:
-        return await bus.load_attestations(self.nc, after_seq=after_seq)
 
     async def delete(self, seqs: Iterable[int]) -> bus.Deleted:
         raise PermissionError("a router may only read the log")

@@ -20,6 +20,7 @@ from llmgw import bus
 from llmgw.core import events, subjects
 from llmgw.pki.identity import Identity
 from tests.harness import Connector, TestNatsServer
+from tests.kit.events import shard_report
 
 BusConnect = Callable[..., Awaitable[bus.BusClient]]
 
@@ -54,18 +55,6 @@ async def provisioned(bus_connect: BusConnect) -> bus.BusClient:
     control = await bus_connect("control", "control-a")
     await bus.provision(control.jetstream())
     return control
-
-
-def shard(node: str, i: int) -> events.ShardStatus:
-    return events.ShardStatus(
-        id=f"{node}-shard-{i}",
-        ts=1_800_000_000.0 + i,
-        node=node,
-        replica_id="r1",
-        generation=1,
-        phase="loading",
-        error=f"step {i}",
-    )
 
 
 def heartbeat(node: str, i: int) -> events.Heartbeat:
@@ -139,7 +128,7 @@ async def test_a_duplicate_publish_inside_the_window_is_stored_once(
 ) -> None:
     node = await bus_connect("node", "node-a")
     publisher = bus.Publisher(node.jetstream())
-    event = shard("node-a", 1)
+    event = shard_report(1, "node-a")
     first = await publisher.publish(event)
     second = await publisher.publish(event)
     assert not first.duplicate
@@ -155,7 +144,7 @@ async def test_a_permission_violation_is_logged_as_such(
     node = await bus_connect("node", "node-a")
     publisher = bus.Publisher(node.jetstream(), timeout_s=0.5, attempts=1)
     with capture_logs() as logs, pytest.raises(bus.PublishError, match="may publish"):
-        await publisher.publish(shard("node-b", 1))  # another node's subject
+        await publisher.publish(shard_report(1, "node-b"))  # another node's subject
     assert any("llmgw.events.node.node-b" in v for v in node.permission_violations)
     assert any(e["event"] == "permission_violation" for e in logs)
 
@@ -165,7 +154,7 @@ async def test_a_heartbeat_with_a_ttl_is_gone_after_it(
 ) -> None:
     node = await bus_connect("node", "node-a")
     publisher = bus.Publisher(node.jetstream())
-    kept = await publisher.publish(shard("node-a", 1))
+    kept = await publisher.publish(shard_report(1, "node-a"))
     beat = await publisher.publish(heartbeat("node-a", 1), ttl_s=1)
     js = provisioned.jetstream()
     stored = await js.get_msg(subjects.STREAM, beat.seq)
@@ -190,7 +179,7 @@ async def test_replay_after_sequence_n_returns_exactly_the_later_events_in_order
 ) -> None:
     node = await bus_connect("node", "node-a")
     published = await bus.Publisher(node.jetstream()).publish_all(
-        shard("node-a", i) for i in range(40)
+        shard_report(i, "node-a") for i in range(40)
     )
     seqs = [p.seq for p in published]
     router = await bus_connect("router", "router-1")
@@ -198,7 +187,7 @@ async def test_replay_after_sequence_n_returns_exactly_the_later_events_in_order
         records = await read_all(bus.Reader(router, after_seq=n, follow=False, batch=7))
         assert [r.seq for r in records] == [s for s in seqs if s > n]
         assert [r.event for r in records] == [
-            shard("node-a", i) for i, s in enumerate(seqs) if s > n
+            shard_report(i, "node-a") for i, s in enumerate(seqs) if s > n
         ]
         assert all(r.subject == "llmgw.events.node.node-a.shard" for r in records)
     # Everything the reader did (create, pull, info, delete its consumer) was allowed.
@@ -209,11 +198,11 @@ async def test_replay_after_sequence_n_returns_exactly_the_later_events_in_order
 async def test_replay_from_a_time(provisioned: bus.BusClient, bus_connect: BusConnect) -> None:
     node = await bus_connect("node", "node-a")
     publisher = bus.Publisher(node.jetstream())
-    await publisher.publish_all(shard("node-a", i) for i in range(5))
+    await publisher.publish_all(shard_report(i, "node-a") for i in range(5))
     await asyncio.sleep(0.05)
     since = time.time()
     await asyncio.sleep(0.05)
-    later = await publisher.publish_all(shard("node-a", i) for i in range(5, 10))
+    later = await publisher.publish_all(shard_report(i, "node-a") for i in range(5, 10))
     router = await bus_connect("router", "router-1")
     records = await read_all(bus.Reader(router, since=since, follow=False))
     assert [r.seq for r in records] == [p.seq for p in later]
@@ -226,12 +215,12 @@ async def test_garbage_is_skipped_counted_and_reported_with_its_sequence(
     node = await bus_connect("node", "node-a")
     publisher = bus.Publisher(node.jetstream())
     admin = await connect.admin()
-    before = await publisher.publish_all(shard("node-a", i) for i in range(3))
+    before = await publisher.publish_all(shard_report(i, "node-a") for i in range(3))
     garbage = [
         await admin.jetstream().publish("llmgw.events.node.node-a.shard", raw)
         for raw in (b"\xff\xfe not json", b'{"type": "node.nonsense", "id": "x", "ts": 1}', b"")
     ]
-    after = await publisher.publish_all(shard("node-a", i) for i in range(3, 6))
+    after = await publisher.publish_all(shard_report(i, "node-a") for i in range(3, 6))
 
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, follow=False)
@@ -252,7 +241,7 @@ async def test_a_following_reader_gets_live_events_and_garbage_does_not_stop_it(
 ) -> None:
     node = await bus_connect("node", "node-a")
     publisher = bus.Publisher(node.jetstream())
-    await publisher.publish(shard("node-a", 0))
+    await publisher.publish(shard_report(0, "node-a"))
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, heartbeat_s=0.5)
     got: list[bus.Record] = []
@@ -268,13 +257,13 @@ async def test_a_following_reader_gets_live_events_and_garbage_does_not_stop_it(
         admin = await connect.admin()
         await admin.jetstream().publish("llmgw.events.node.node-a.shard", b"garbage")
         for i in range(1, 4):
-            await publisher.publish(shard("node-a", i))
+            await publisher.publish(shard_report(i, "node-a"))
 
         async def all_arrived() -> bool:
             return len(got) == 4
 
         await wait_until(all_arrived, 5.0, "live events")
-        assert [r.event for r in got] == [shard("node-a", i) for i in range(4)]
+        assert [r.event for r in got] == [shard_report(i, "node-a") for i in range(4)]
         assert reader.undecodable == 1
         assert not task.done()
     finally:
@@ -296,19 +285,19 @@ async def test_a_following_reader_survives_a_server_restart(
 
     task = asyncio.create_task(consume())
     try:
-        await bus.Publisher(node.jetstream()).publish(shard("node-a", 0))
+        await bus.Publisher(node.jetstream()).publish(shard_report(0, "node-a"))
         await asyncio.wait_for(reader.caught_up.wait(), 5)
         nats_server.stop()
         nats_server.start()
         publisher = bus.Publisher(node.jetstream(), timeout_s=1.0, attempts=10)
         for i in range(1, 4):
-            await publisher.publish(shard("node-a", i))
+            await publisher.publish(shard_report(i, "node-a"))
 
         async def all_arrived() -> bool:
             return len(got) == 4
 
         await wait_until(all_arrived, 15.0, "events after the restart")
-        assert [r.event for r in got] == [shard("node-a", i) for i in range(4)]
+        assert [r.event for r in got] == [shard_report(i, "node-a") for i in range(4)]
         assert reader.resets >= 1
     finally:
         task.cancel()
@@ -318,7 +307,7 @@ async def test_a_reader_with_one_filter_reads_only_those_subjects(
     provisioned: bus.BusClient, bus_connect: BusConnect
 ) -> None:
     node = await bus_connect("node", "node-a")
-    await bus.Publisher(node.jetstream()).publish_all(shard("node-a", i) for i in range(3))
+    await bus.Publisher(node.jetstream()).publish_all(shard_report(i, "node-a") for i in range(3))
     decided = events.NodeRecovered(id="d1", ts=1.0, node="node-a", epoch=1)
     placed = await bus.Publisher(provisioned.jetstream()).publish(decided)
     router = await bus_connect("router", "router-1")
@@ -337,7 +326,7 @@ async def test_a_fenced_publish_after_another_write_to_the_fenced_subjects_is_re
     rival_nc = await bus_connect("control", "control-b")
     rival = bus.Publisher(rival_nc.jetstream())
     node = await bus_connect("node", "node-a")
-    await bus.Publisher(node.jetstream()).publish(shard("node-a", 1))  # not a fenced subject
+    await bus.Publisher(node.jetstream()).publish(shard_report(1, "node-a"))  # not a fenced subject
 
     def decision(i: int) -> events.NodeRecovered:
         return events.NodeRecovered(id=f"decision-{i}", ts=float(i), node="node-a", epoch=1)
@@ -549,7 +538,7 @@ async def test_a_reader_holds_at_most_one_batch_however_slow_its_consumer(
     provisioned: bus.BusClient, bus_connect: BusConnect
 ) -> None:
     node = await bus_connect("node", "node-a")
-    await bus.Publisher(node.jetstream()).publish_all(shard("node-a", i) for i in range(500))
+    await bus.Publisher(node.jetstream()).publish_all(shard_report(i, "node-a") for i in range(500))
     router = await bus_connect("router", "router-1")
     sizes: list[int] = []
     async with bus.Reader(router, follow=False, batch=50) as reader:
@@ -584,9 +573,9 @@ async def test_an_event_on_a_subject_its_writer_does_not_own_is_refused_by_reade
             events.ReplicaRetired(id="forged-1", ts=1.0, replica_id="r1"),
         ),
         await signed("llmgw.events.node.node-a.heartbeat", heartbeat("node-b", 1)),
-        await signed("llmgw.events.node.node-a.registered", shard("node-a", 1)),
+        await signed("llmgw.events.node.node-a.registered", shard_report(1, "node-a")),
     ]
-    last = await publisher.publish(shard("node-a", 2))
+    last = await publisher.publish(shard_report(2, "node-a"))
 
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, follow=False)

@@ -21,6 +21,7 @@ from llmgw import bus
 from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, MemorySnapshots
 from llmgw.core import events, subjects
 from tests.harness import TestNatsServer, connect_as, wait_for
+from tests.kit.events import shard_report as shard
 
 NODE_EVENTS = subjects.node_events("node-a")
 
@@ -98,18 +99,6 @@ async def side(request: pytest.FixtureRequest) -> AsyncIterator[Side]:
     yield got
     for nc in (node_nc, control_nc, *others):
         await asyncio.wait_for(nc.close(), 5)
-
-
-def shard(i: int, node: str = "node-a") -> events.ShardStatus:
-    return events.ShardStatus(
-        id=f"{node}-shard-{i}",
-        ts=1_800_000_000.0 + i,
-        node=node,
-        replica_id="r1",
-        generation=1,
-        phase="loading",
-        error=f"step {i}",
-    )
 
 
 def beat(i: int, node: str = "node-a") -> events.Heartbeat:

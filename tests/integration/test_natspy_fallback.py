@@ -11,20 +11,9 @@ from nats.protocol.parser import Parser
 
 from llmgw import bus
 from llmgw.bus import natspy
-from llmgw.core import events, subjects
+from llmgw.core import subjects
 from tests.harness import TestNatsServer, connect_as, wait_for
-
-
-def shard(i: int) -> events.ShardStatus:
-    return events.ShardStatus(
-        id=f"node-a-shard-{i}",
-        ts=1_800_000_000.0 + i,
-        node="node-a",
-        replica_id="r1",
-        generation=1,
-        phase="loading",
-        error=f"step {i}",
-    )
+from tests.kit.events import shard_report as shard
 
 
 async def test_a_client_on_the_stock_path_connects_publishes_and_receives(

@@ -13,7 +13,7 @@ from llmgw.bus.memory import (
     MemorySnapshots,
     subject_matches,
 )
-from llmgw.core import events
+from tests.kit.events import shard_report as shard
 
 
 class Clock:
@@ -22,17 +22,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def shard(i: int) -> events.ShardStatus:
-    return events.ShardStatus(
-        id=f"node-a-shard-{i}",
-        ts=1.0,
-        node="node-a",
-        replica_id="r1",
-        generation=1,
-        phase="loading",
-    )
 
 
 @pytest.mark.parametrize(
