@@ -198,6 +198,11 @@ class Lease:
             )
         except nats.js.errors.KeyWrongLastSequenceError:
             revision = await self._take_over_forged()
+        except nats.js.errors.KeyNotFoundError:
+            # create() re-reads the key after a refusal; the holder's value can expire (its
+            # TTL) between the two, and that error carries no err_code. Free now: the next
+            # try creates it.
+            revision = 0
         except nats.js.errors.APIError as exc:
             if exc.err_code != WRONG_LAST_SEQUENCE:
                 raise

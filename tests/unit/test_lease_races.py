@@ -1,0 +1,74 @@
+"""The lease's acquire under the races a real KV bucket can show, without a server.
+
+nats-py's `create` re-reads the key after the server refuses it; when the holder's value
+expires (its TTL) between those two reads, the second raises KeyNotFoundError, an APIError
+with no err_code. A control plane starting up at that moment must treat the lease as not
+held yet and try again, not crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+import nats.js.errors
+import pytest
+
+from llmgw.bus import lease
+from llmgw.pki import signing
+from llmgw.pki.ca import CertificateAuthority
+from llmgw.pki.identity import Identity
+
+NOW = dt.datetime.now(dt.UTC)
+CA = CertificateAuthority.create(now=NOW, name="unit CA")
+
+
+def signer(name: str) -> signing.Signer:
+    issued = CA.issue_client(Identity("control", name), now=NOW)
+    return signing.Signer.from_pem(issued.cert_pem, issued.key_pem)
+
+
+class RacingKV:
+    """A bucket whose create fails the way it was told to; counts the calls."""
+
+    def __init__(self, error: Exception | None, revision: int = 5) -> None:
+        self.error = error
+        self.revision = revision
+        self.creates = 0
+
+    async def create(self, key: str, value: bytes, msg_ttl: float | None = None) -> int:
+        self.creates += 1
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return self.revision
+
+
+def contender(kv: RacingKV) -> lease.Lease:
+    js: Any = object()  # acquire never reaches JetStream directly on these paths
+    return lease.Lease(
+        js, kv, "control-a", ttl_s=3, signer=signer("control-a"), verifier=signing.Verifier(CA.cert)
+    )
+
+
+def test_a_lease_that_expires_inside_create_is_not_held_and_the_next_try_takes_it() -> None:
+    kv = RacingKV(nats.js.errors.KeyNotFoundError())
+    held = contender(kv)
+
+    async def twice() -> tuple[bool, bool]:
+        return await held.acquire(), await held.acquire()
+
+    first, second = asyncio.run(twice())
+    assert (first, second) == (False, True)
+    assert kv.creates == 2
+    assert held.epoch == kv.revision
+
+
+def test_any_other_refusal_from_the_bucket_is_raised_not_swallowed() -> None:
+    refusal = nats.js.errors.APIError(code=503, err_code=10008, description="unavailable")
+    held = contender(RacingKV(refusal))
+    with pytest.raises(nats.js.errors.APIError) as raised:
+        asyncio.run(held.acquire())
+    assert raised.value is refusal
+    assert held.epoch == 0
