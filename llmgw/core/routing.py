@@ -205,6 +205,25 @@ def apply_filters(
     return survivors, drops
 
 
+_ACTIVE: dict[int, tuple[Weights, tuple[tuple[str, float, Scorer], ...]]] = {}
+
+
+def _active(weights: Weights) -> tuple[tuple[str, float, Scorer], ...]:
+    """The scorers `weights` turns on, with their weights: read once per Weights object
+    (a router has one), not five attribute lookups on every request."""
+    got = _ACTIVE.get(id(weights))
+    if got is None or got[0] is not weights:
+        active = tuple(
+            (name, float(getattr(weights, name)), scorer)
+            for name, scorer in SCORERS
+            if getattr(weights, name) != 0
+        )
+        if len(_ACTIVE) > 64:
+            _ACTIVE.clear()  # weights made per call (tests): never a growing cache
+        got = _ACTIVE[id(weights)] = (weights, active)
+    return got[1]
+
+
 def rank(endpoints: Sequence[EndpointState], q: Query, weights: Weights, rand: float) -> Ranking:
     """Order the endpoints that may take `q`, best first.
 
@@ -220,15 +239,21 @@ def rank(endpoints: Sequence[EndpointState], q: Query, weights: Weights, rand: f
     n = len(survivors)
     totals = [0.0] * n
     per_scorer: list[tuple[str, list[float]]] = []
-    for name, scorer in SCORERS:
-        w = getattr(weights, name)
-        if w == 0:
+    idx = range(n)
+    no_prefix = q.prefix_blocks <= 0 or not q.prefix_hits
+    for name, w, scorer in _active(weights):
+        if (scorer is score_prefix and no_prefix) or (
+            scorer is score_session and not q.session_endpoint
+        ):
+            # Nothing to go by (no prefix, no session): it would score every endpoint 0,
+            # which moves no total; its value is still reported.
+            per_scorer.append((name, [0.0] * n))
             continue
         values = scorer(survivors, q)
         per_scorer.append((name, values))
         # An index loop, not a new list per scorer: rank runs on every request.
-        for i, v in enumerate(values):
-            totals[i] += w * v
+        for i in idx:
+            totals[i] += w * values[i]
     best = max(totals)
     tied = [i for i, t in enumerate(totals) if best - t <= 1e-9]
     if len(tied) > 1:

@@ -19,15 +19,17 @@ the request's total deadline is spent no model starts another attempt.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+
+import msgspec
 
 from llmgw.core import breaker, routing
 from llmgw.core.profile import ModelProfile
 from llmgw.router.errors import Refusal, Retry, retry_refusal
 
 
-class Attempt(NamedTuple):
-    """One try: this endpoint, for this model of the chain (`n` 0: the model asked for)."""
+class Attempt(msgspec.Struct, gc=False):
+    """One try: this endpoint, for this model of the chain (`n` 0: the model asked for).
+    (A Struct: made in C, where a NamedTuple's constructor is a Python function.)"""
 
     endpoint: routing.EndpointState
     profile: ModelProfile
@@ -65,40 +67,54 @@ def _no_hook(n: int, profile: ModelProfile, ranking: routing.Ranking) -> None:
     return None
 
 
-class Planner:
-    """One request's attempts, planned one at a time (see the module's docstring)."""
+class Rules:
+    """What every request's planner of one router shares: where the endpoints of a model
+    are, how to rank them, the breaker policy, the attempt cap and the tie-breaking draw.
+    Made once (the planner is made per request)."""
 
-    __slots__ = (
-        "_chain", "_done", "_draw", "_endpoints", "_i", "_last", "_max", "_n", "_on_rank",
-        "_order", "_policy", "_prefix_blocks", "_prefix_hits", "_session", "_start",
-        "_tried", "_weights",
-    )  # fmt: skip
+    __slots__ = ("draw", "endpoints", "max_attempts", "policy", "weights")
 
     def __init__(
         self,
-        chain: Sequence[ModelProfile],
         endpoints: Callable[[str], Sequence[routing.EndpointState]],
         *,
         weights: routing.Weights,
         policy: breaker.BreakerPolicy,
         max_attempts: int,
-        start: float,
         draw: Callable[[], float],
+    ) -> None:
+        """`endpoints(model)` the table's endpoints of a model; `draw()` a number in [0, 1)
+        for ties; at most `max_attempts` endpoints of each model are tried."""
+        self.endpoints = endpoints
+        self.weights = weights
+        self.policy = policy
+        self.max_attempts = max_attempts
+        self.draw = draw
+
+
+class Planner:
+    """One request's attempts, planned one at a time (see the module's docstring)."""
+
+    __slots__ = (
+        "_chain", "_done", "_i", "_last", "_n", "_on_rank", "_order", "_prefix_blocks",
+        "_prefix_hits", "_rules", "_session", "_start", "_tried",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        chain: Sequence[ModelProfile],
+        rules: Rules,
+        start: float,
         prefix_blocks: int = 0,
         prefix_hits: dict[str, int] | None = None,
         session_endpoint: str = "",
         on_rank: RankHook = _no_hook,
     ) -> None:
-        """`chain` from `fallback_chain`; `endpoints(model)` the table's endpoints of a
-        model; `start` when the request began (the total deadline runs from it, on the
-        clock `now` is read from); `draw()` a number in [0, 1) for ties."""
+        """`chain` from `fallback_chain`; `start` when the request began (the total deadline
+        runs from it, on the clock `now` is read from)."""
         self._chain = chain
-        self._endpoints = endpoints
-        self._weights = weights
-        self._policy = policy
-        self._max = max_attempts
+        self._rules = rules
         self._start = start
-        self._draw = draw
         self._prefix_blocks = prefix_blocks
         self._prefix_hits = prefix_hits if prefix_hits is not None else {}
         self._session = session_endpoint
@@ -129,7 +145,7 @@ class Planner:
                     continue
                 ep = self._order[self._i]
                 self._i += 1
-                if ep.id in self._tried or not breaker.allows(ep.breaker, self._policy, now):
+                if ep.id in self._tried or not breaker.allows(ep.breaker, self._rules.policy, now):
                     continue
                 self._tried.add(ep.id)
                 return Attempt(ep, prof, self._n)
@@ -141,17 +157,18 @@ class Planner:
 
     def _rank(self, now: float) -> None:
         prof = self._chain[self._n]
+        rules = self._rules
         q = routing.Query(
             model=prof.name,
             now=now,
-            policy=self._policy,
+            policy=rules.policy,
             prefix_blocks=self._prefix_blocks,
             prefix_hits=self._prefix_hits,
             session_endpoint=self._session,
         )
-        ranking = routing.rank(self._endpoints(prof.name), q, self._weights, self._draw())
+        ranking = routing.rank(rules.endpoints(prof.name), q, rules.weights, rules.draw())
         self._on_rank(self._n, prof, ranking)
-        self._order = ranking.order[: self._max]
+        self._order = ranking.order[: rules.max_attempts]
         self._i = 0
         if not ranking.order and self._last is None:
             self._last = Retry(

@@ -17,6 +17,7 @@ import hashlib
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -26,7 +27,7 @@ from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import admission, auth, requests
 from llmgw.router import upstream as upstream_http
-from llmgw.router.attempts import Attempt, Planner, fallback_chain
+from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, refusal_response
@@ -42,6 +43,10 @@ SCORE_SAMPLE = 8
 
 class Dispatcher:
     """Sends requests to endpoints: one per router process, shared by its requests."""
+
+    first_token: Callable[[str, float], None]
+    slow_client: Callable[[str], None]
+    inter_token: Callable[[str, float], None]
 
     def __init__(
         self,
@@ -61,10 +66,21 @@ class Dispatcher:
         self.watchdog = watchdog
         self.rng = rng
         self.prefix = PrefixIndex(capacity=cfg.prefix.capacity)
+        # Three of the relay's hooks are the metrics' own methods: no forwarding call.
+        self.first_token = metrics.first_token
+        self.slow_client = metrics.slow_client
+        self.inter_token = metrics.inter_token
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self._routed = 0
         self._bases: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
         self._session_header = cfg.session_header
+        self._rules = Rules(
+            table.for_model,
+            weights=cfg.weights,
+            policy=cfg.breaker,
+            max_attempts=cfg.max_attempts,
+            draw=rng.random,
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -72,39 +88,51 @@ class Dispatcher:
         self, parsed: requests.Parsed, profile: ModelProfile, state: ClientStream,
         hashes: list[bytes], session_ep: str,
     ) -> Planner:  # fmt: skip
-        principal, rid = state.principal, state.rid
-        chain, skipped = fallback_chain(
-            profile,
-            self.catalog.resolve,
-            lambda name, p: admission.may_use(principal, name, p),
+        if profile.fallbacks:
+            principal, rid = state.principal, state.rid
+            chain, skipped = fallback_chain(
+                profile,
+                self.catalog.resolve,
+                lambda name, p: admission.may_use(principal, name, p),
+            )
+            for p in skipped:
+                log.info("fallback_not_allowed", request_id=rid, model=profile.name,
+                         fallback=p.name)  # fmt: skip
+            on_rank = self._fallback_hook(profile.name, rid)
+        else:
+            # The common case: one model, no fallback to log; no closure made per request.
+            chain, on_rank = [profile], self._ranked
+        return Planner(
+            chain,
+            self._rules,
+            state.start,
+            len(hashes),
+            self.prefix.match(hashes) if hashes else {},
+            session_ep,
+            on_rank,
         )
-        for p in skipped:
-            log.info("fallback_not_allowed", request_id=rid, model=profile.name, fallback=p.name)
+
+    def _ranked(self, n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
+        """The planner ranked a model's endpoints: the routing metrics."""
+        self._routed += 1
+        # Scorer values are sampled (1 request in SCORE_SAMPLE): five histogram
+        # observations on every request would cost more than the routing itself.
+        self.metrics.routed(
+            ranking.drops, ranking.winner_scores if self._routed % SCORE_SAMPLE == 0 else {}
+        )
+
+    def _fallback_hook(
+        self, asked: str, rid: str
+    ) -> Callable[[int, ModelProfile, routing.Ranking], None]:
+        """`_ranked`, and for a fallback reached its metric and log line."""
 
         def ranked(n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
             if n > 0:
-                self.metrics.fallback(profile.name, prof.name)
-                log.info("fallback", request_id=rid, model=profile.name, fallback=prof.name)
-            self._routed += 1
-            # Scorer values are sampled (1 request in SCORE_SAMPLE): five histogram
-            # observations on every request would cost more than the routing itself.
-            self.metrics.routed(
-                ranking.drops, ranking.winner_scores if self._routed % SCORE_SAMPLE == 0 else {}
-            )
+                self.metrics.fallback(asked, prof.name)
+                log.info("fallback", request_id=rid, model=asked, fallback=prof.name)
+            self._ranked(n, prof, ranking)
 
-        return Planner(
-            chain,
-            self.table.for_model,
-            weights=self.cfg.weights,
-            policy=self.cfg.breaker,
-            max_attempts=self.cfg.max_attempts,
-            start=state.start,
-            draw=self.rng.random,
-            prefix_blocks=len(hashes),
-            prefix_hits=self.prefix.match(hashes) if hashes else {},
-            session_endpoint=session_ep,
-            on_rank=ranked,
-        )
+        return ranked
 
     async def dispatch(
         self,
@@ -133,7 +161,11 @@ class Dispatcher:
                 break
             if body_of != step.profile.name:
                 body_of = step.profile.name
-                up_body = self._body_for(body, parsed, step.profile, state)
+                up_body = (
+                    self._body_for(body, parsed, step.profile, state)
+                    if body_of != parsed.model or state.drop_usage
+                    else body
+                )
             try:
                 resp = await self._attempt(step, up_body, state)
             except Retry as exc:
@@ -336,15 +368,6 @@ class Dispatcher:
         self.metrics.count_tokens(prof.name, u.prompt_tokens, u.completion_tokens)
         if principal is not None and principal.tokens is not None:
             principal.tokens.spend(time.monotonic(), u.prompt_tokens + u.completion_tokens)
-
-    def first_token(self, model: str, after_s: float) -> None:
-        self.metrics.first_token(model, after_s)
-
-    def slow_client(self, model: str) -> None:
-        self.metrics.slow_client(model)
-
-    def inter_token(self, model: str, gap_s: float) -> None:
-        self.metrics.inter_token(model, gap_s)
 
 
 def _as_retry(exc: BaseException, d: Deadlines) -> BaseException:

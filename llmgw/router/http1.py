@@ -355,12 +355,18 @@ class LlhttpParser:
         "_stopped",
         "_trailing",
         "max_head",
+        "on_body",
     )  # fmt: skip
 
     def __init__(self, *, head_request: bool = False, max_head: int = MAX_HEAD) -> None:
         if httptools is None:  # pragma: no cover
             raise RuntimeError("httptools is not installed")
         self.max_head = max_head
+        # llhttp calls on_body once per chunk: the list's own append, not a Python method,
+        # so a streamed answer's chunks cost no Python frame each. The list stays the same
+        # object for the parser's life (llhttp holds its append).
+        self._body: list[bytes] = []
+        self.on_body = self._body.append
         self._p = httptools.HttpResponseParser(self)
         self._began = False
         self._ended = False
@@ -379,7 +385,7 @@ class LlhttpParser:
         self._headers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._content_type = ""
-        self._body: list[bytes] = []
+        self._body.clear()
         self._began = False
         self._interim = False
         self._ended = False
@@ -406,8 +412,8 @@ class LlhttpParser:
             self._failed(exc)
         body = self._body
         if body:
-            self._body = []
             data = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
             if self._ended:
                 return [data, End(self._keep_alive and not self._trailing)]
             return [data]
@@ -436,8 +442,8 @@ class LlhttpParser:
         events: list[Event] = [head]
         body = self._body
         if body:
-            self._body = []
             events.append(body[0] if len(body) == 1 else b"".join(body))
+            body.clear()
         if self._ended:
             events.append(End(self._keep_alive and not self._trailing))
         return events
@@ -511,9 +517,6 @@ class LlhttpParser:
         if self._head_request:
             self._ended = True
             raise _Stop
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
 
     def on_message_complete(self) -> None:
         if self._interim:

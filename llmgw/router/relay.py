@@ -118,7 +118,9 @@ class ClientStream:
         return self.response
 
     async def prepare(self) -> web.StreamResponse:
-        resp = self._sse_response()
+        resp = self.response
+        if resp is None:
+            resp = self._sse_response()
         if not resp.prepared:
             try:
                 await resp.prepare(self.request)
@@ -129,11 +131,17 @@ class ClientStream:
     def write_now(self, data: bytes) -> None:
         """Write to the client here and now, from a protocol callback or a timer (the
         direct path only). Raises ConnectionResetError if the client left."""
-        aiohttp_direct.write_now(self._sse_response(), self.request, data)
+        resp = self.response
+        aiohttp_direct.write_now(
+            resp if resp is not None else self._sse_response(), self.request, data
+        )
 
     def end_now(self, data: bytes) -> None:
         """Write the last bytes and end the response here and now (see `write_now`)."""
-        aiohttp_direct.end_now(self._sse_response(), self.request, data)
+        resp = self.response
+        aiohttp_direct.end_now(
+            resp if resp is not None else self._sse_response(), self.request, data
+        )
 
     def start_keepalive(self, every: float) -> None:
         """SSE comments every `every` seconds until the first token (for load balancers

@@ -3,6 +3,7 @@ generated fleets, fallback chains and attempt outcomes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -11,10 +12,19 @@ from hypothesis import strategies as st
 
 from llmgw.core import breaker, routing
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router.attempts import Attempt, Planner, fallback_chain
+from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.errors import Refusal, Retry
 
 POLICY = breaker.BreakerPolicy(failures_to_open=2, open_s=10.0)
+
+
+def rules(endpoints: Callable[[str], list[routing.EndpointState]]) -> Rules:
+    """Three attempts a model, ties to the first."""
+    return Rules(
+        endpoints, weights=routing.Weights(), policy=POLICY, max_attempts=3, draw=lambda: 0.0
+    )
+
+
 MODELS = ["m0", "m1", "m2", "m3"]
 FAILURES = [
     Retry("connect_error", 502, "no connection"),
@@ -114,15 +124,14 @@ def drive(w: World, start: float = 100.0) -> Run:
         profile, w.profiles.get, lambda name, p: name == w.asked or name in w.allowed
     )
     draws = iter(w.draws * 10)
-    planner = Planner(
-        chain,
+    rules = Rules(
         w.for_model,
         weights=routing.Weights(),
         policy=POLICY,
         max_attempts=w.max_attempts,
-        start=start,
         draw=lambda: next(draws),
     )
+    planner = Planner(chain, rules, start)
     now = start
     attempts: list[Attempt] = []
     times: list[float] = []
@@ -242,12 +251,8 @@ def test_a_fallback_is_tried_after_the_models_own_endpoints_fail() -> None:
     ranked: list[tuple[int, str]] = []
     planner = Planner(
         [big, small],
-        lambda name: [e for e in eps if name in e.models],
-        weights=routing.Weights(),
-        policy=POLICY,
-        max_attempts=3,
-        start=0.0,
-        draw=lambda: 0.0,
+        rules(lambda name: [e for e in eps if name in e.models]),
+        0.0,
         on_rank=lambda n, p, r: ranked.append((n, p.name)),
     )
     seen = []
@@ -262,15 +267,7 @@ def test_a_fallback_is_tried_after_the_models_own_endpoints_fail() -> None:
 
 
 def test_no_endpoint_at_all_is_a_503() -> None:
-    planner = Planner(
-        [ModelProfile(name="m")],
-        lambda name: [],
-        weights=routing.Weights(),
-        policy=POLICY,
-        max_attempts=3,
-        start=0.0,
-        draw=lambda: 0.0,
-    )
+    planner = Planner([ModelProfile(name="m")], rules(lambda name: []), 0.0)
     step = planner.next(0.0)
     assert isinstance(step, Refusal)
     assert (step.status, step.type, step.code) == (503, "server_error", "no_endpoint")
