@@ -25,9 +25,14 @@ and direct runs get the same cores for sims and client as every other target.
 `--baseline TREE` adds the llmgw router of another checkout (an older commit, say,
 from `git worktree add`) as the target "llmgw@baseline", run in the same rounds,
 interleaved with this tree's: a before/after comparison on one machine at one time.
+The targets take turns going first, round by round, so give as many rounds as there are
+targets (or a multiple): `--rounds 6` for direct, llmgw and llmgw@baseline. With
+`--baseline` (or `--fresh`) llmgw's routers are new processes every round: two processes
+of the very same router differ by 2-4 % in CPU per request, so the medians must be over
+several of each.
 
     git worktree add /tmp/before HEAD~3
-    .venv/bin/python tests/bench/bench_router.py --pin --baseline /tmp/before --only llmgw
+    python -m tests.bench.bench_router --pin --baseline /tmp/before --only llmgw --rounds 6
 
 `--decode-ms` gives the sims a step time, so tokens come one chunk at a time as from
 a real engine's batch; `--levels 64` keeps such a run to the 64-stream overhead (and
@@ -329,6 +334,11 @@ def main() -> None:
         help="another llmgw checkout whose router runs too, as target llmgw@baseline",
     )
     ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start llmgw's routers anew every round (always with --baseline)",
+    )
+    ap.add_argument(
         "--decode-ms",
         type=float,
         default=0.0,
@@ -345,6 +355,7 @@ def main() -> None:
         return
     if args.baseline is not None and not (args.baseline / "llmgw" / "__init__.py").is_file():
         raise SystemExit(f"--baseline {args.baseline}: no llmgw/__init__.py there, not a checkout")
+    args.fresh = args.fresh or args.baseline is not None
 
     scale = 0.2 if args.quick else 1.0
     rounds = 1 if args.quick else max(args.rounds, 1)
@@ -384,17 +395,23 @@ def main() -> None:
         ]
         if args.baseline is not None:
             routers.insert(1, ("llmgw@baseline", 1, baseline_env(args.baseline)))
-        for name, workers, env in routers:
-            if wanted and name.split("@")[0] not in wanted and name not in wanted:
-                continue
-            r = Router.start(
-                tmp, endpoints, workers=workers, log_level="warning", probe_interval_s=1.0, env=env
-            )
-            stops.append(r.stop)
-            targets[name] = [r.url + "/v1/chat/completions"]
-            pids[name] = _proc_tree(r.pid)
-            if router_cores:
-                pin_tree(r.pid, router_cores)
+        routers = [r for r in routers
+                   if not wanted or r[0].split("@")[0] in wanted or r[0] in wanted]  # fmt: skip
+
+        def start_routers() -> list[Router]:
+            started = []
+            for name, workers, env in routers:
+                r = Router.start(tmp, endpoints, workers=workers, log_level="warning",
+                                 probe_interval_s=1.0, env=env)  # fmt: skip
+                started.append(r)
+                targets[name] = [r.url + "/v1/chat/completions"]
+                pids[name] = _proc_tree(r.pid)
+                if router_cores:
+                    pin_tree(r.pid, router_cores)
+            return started
+
+        running = start_routers()
+        stops.append(lambda: [r.stop() for r in running])
         for name, start in (("vllm-router", start_vllm_router),
                             ("sglang-router", start_sglang_router)):  # fmt: skip
             if wanted and name not in wanted:
@@ -422,9 +439,22 @@ def main() -> None:
         print(f"cores: {len(cores)} ({layout}); sims: 3 x llmgw sim, {TOKENS} tokens, "
               f"step {args.decode_ms} ms; "
               f"{rounds} round(s), targets interleaved, medians reported")  # fmt: skip
+        order = list(targets)
         for rnd in range(rounds):
+            if args.fresh and rnd > 0:
+                # New processes: one process of a router differs from the next by a few
+                # percent in CPU per request (memory layout, hash seed), so one process
+                # per target for the whole run would compare two draws, not two routers.
+                for r in running:
+                    r.stop()
+                running[:] = start_routers()
+            # Each round starts one target later: a target measured right after another
+            # ran 2-4 % differently in CPU per request (the same router as two targets,
+            # in fixed order, showed it), so over len(targets) rounds each takes each place.
+            turn = order[rnd % len(order) :] + order[: rnd % len(order)]
             for conc, n in all_runs:
-                for name, urls in targets.items():
+                for name in turn:
+                    urls = targets[name]
                     u0, s0 = cpu_times(pids[name])
                     r = run_client(urls, conc, n)
                     u1, s1 = cpu_times(pids[name])
