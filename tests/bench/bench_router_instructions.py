@@ -100,6 +100,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams (16)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds, each router once a round")
+    ap.add_argument(
+        "--decode-ms", type=float, default=0.0, help="sim step time in ms (0: no latency)"
+    )
     args = ap.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind is not installed: apt-get install valgrind")
@@ -108,6 +111,7 @@ def main() -> None:
         targets.append(("llmgw@baseline", baseline_env(args.baseline)))
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-instr-"))
     sim_args = ["--eos-min-tokens", "16", "--eos-max-tokens", "16", "--log-level", "warning"]
+    sim_args += ["--decode-base-ms", str(args.decode_ms)]
     sims = [Sim.start("m", *sim_args) for _ in range(3)]
     figures: dict[str, list[float]] = {name: [] for name, _ in targets}
     try:
