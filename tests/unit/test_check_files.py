@@ -1,5 +1,6 @@
-"""`llmgw control --check` and `llmgw router check` look at the certificate files too:
-missing, unreadable or mismatched files are refused (exit 2) naming the setting."""
+"""`llmgw control --check`, `llmgw agent --check` and `llmgw router check` look at the
+certificate files too: missing, unreadable or mismatched files are refused (exit 2)
+naming the setting."""
 
 from __future__ import annotations
 
@@ -92,3 +93,31 @@ def test_router_check_refuses_missing_log_files(pki: TestPki, tmp_path: Path) ->
     assert done.returncode == 2
     assert "log.cert_file" in done.stderr
     assert "does not exist" in done.stderr
+
+
+def _agent(tmp_path: Path, nats: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "agent.yaml"
+    cfg = {"node_id": "n1", "state_dir": str(tmp_path / "state"), "nats": nats}
+    path.write_text(yaml.safe_dump(cfg))
+    return _run("agent", "--config", str(path), "--check")
+
+
+def test_agent_check_passes_with_real_files(pki: TestPki, tmp_path: Path) -> None:
+    done = _agent(tmp_path, _files(pki, "node", "n1"))
+    assert done.returncode == 0, done.stderr
+    assert "ok" in done.stdout
+
+
+@pytest.mark.parametrize("field", ["ca_file", "cert_file", "key_file"])
+def test_agent_check_refuses_a_missing_file(pki: TestPki, tmp_path: Path, field: str) -> None:
+    done = _agent(tmp_path, {**_files(pki, "node", "n1"), field: str(tmp_path / "gone.pem")})
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert f"nats.{field}: {tmp_path / 'gone.pem'} does not exist" in done.stderr
+    assert "ok" not in done.stdout
+
+
+def test_agent_check_refuses_a_key_of_another_certificate(pki: TestPki, tmp_path: Path) -> None:
+    nats = {**_files(pki, "node", "n1"), "key_file": _files(pki, "node", "n2")["key_file"]}
+    done = _agent(tmp_path, nats)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "nats: cannot use" in done.stderr
