@@ -67,6 +67,14 @@ class Deciding(Leadership, Policing):
                 self._log_was_unavailable("a write to the log failed")
                 await asyncio.sleep(0.5)
                 self._wake.set()
+            except bus.ReaderError as exc:
+                # A read the decision needs (the model sync's history) got no answer: in a
+                # NATS cluster, while the stream elects a new leader. Decide again shortly;
+                # a control plane that exits here leaves the fleet without a leader.
+                log.warning("read_failed", error=str(exc), action="deciding again in 0.5 s")
+                self._log_was_unavailable("a read of the log failed")
+                await asyncio.sleep(0.5)
+                self._wake.set()
 
     async def _decide(self) -> None:
         st = self.state

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from llmgw import config
@@ -44,7 +45,20 @@ def test_run_command_needs_a_config_and_checks_it(tmp_path: Path) -> None:
     result = runner.invoke(app, ["agent", "--check"])
     assert result.exit_code == 2
     assert "give --config FILE" in result.output
+    # The example names certificates where a deployed node keeps them: --check says which
+    # file is missing and what to do, rather than ok for an agent that could not connect.
     result = runner.invoke(app, ["agent", "--config", str(EXAMPLE), "--check"])
+    assert result.exit_code == 2, result.output
+    assert "nats.ca_file: /etc/llmgw/certs/ca.pem does not exist" in result.output
+    assert "fix the path or copy the file there" in result.output
+    # With those files present, the same config is ok (tests/unit/test_check_files.py
+    # checks real certificates).
+    local = tmp_path / "agent.yaml"
+    example = yaml.safe_load(EXAMPLE.read_text())
+    example.pop("nats", None)
+    example["state_dir"] = str(tmp_path / "state")
+    local.write_text(yaml.safe_dump(example))
+    result = runner.invoke(app, ["agent", "--config", str(local), "--check"])
     assert result.exit_code == 0, result.output
     assert "node 'gpu-07'" in result.output
     bad = tmp_path / "bad.yaml"

@@ -218,3 +218,36 @@ async def test_simulated_agents_on_the_memory_log_get_their_replicas_serving() -
     finally:
         for agent in agents:
             await agent.close()
+
+
+class ModelHistoryUnreadableOnce(RecordingLog):
+    """The model sync's history read gets no answer the first time, as in a NATS cluster
+    while the stream elects a new leader (the consumer create times out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
+
+    def reader(self, **kwargs: Any) -> Any:
+        if str(kwargs.get("name", "")).endswith("-m") and not self.refused:
+            self.refused += 1
+            return _NoAnswer()
+        return super().reader(**kwargs)
+
+
+class _NoAnswer:
+    async def __aenter__(self) -> None:
+        raise bus.ReaderError("no answer creating a consumer on llmgw-events: TimeoutError()")
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+async def test_a_read_that_gets_no_answer_is_retried_and_the_control_plane_keeps_leading() -> None:
+    log, bucket = ModelHistoryUnreadableOnce(), LeaseBucket()
+    async with running(ControlService(config(), ports=ports(log, bucket))) as svc:
+        await until(lambda: bool(of_type(log, events.ModelDeclared)), "the models synced")
+        assert log.refused == 1
+        assert svc.leading
+        await register(log, "node-a")
+        await until(lambda: bool(of_type(log, events.StartShard)), "a StartShard")
