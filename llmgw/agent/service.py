@@ -255,9 +255,8 @@ class AgentService:
         if self.supervisor is not None:
             # Engines keep running: serving survives the agent; the next run adopts them.
             await self.supervisor.close()
-        if self.nc is not None and not self.nc.is_closed:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.close(), 5)
+        if self.nc is not None:
+            await bus.close(self.nc)
         if self.outbox is not None:
             self.outbox.close()
         log.info("stopped", node=self.node)

@@ -38,7 +38,7 @@ NATS API subjects each role uses (the authorization must allow them; `<s>` is
 """
 
 from llmgw.bus.attestations import load as load_attestations
-from llmgw.bus.connection import BusClient, backoff_delay, connect
+from llmgw.bus.connection import BusClient, backoff_delay, close, connect
 from llmgw.bus.deletion import Deleted, delete_messages
 from llmgw.bus.jetstream import JetStreamLog
 from llmgw.bus.keys import Keys
@@ -85,6 +85,7 @@ __all__ = [
     "SnapshotStore",
     "StreamSettings",
     "backoff_delay",
+    "close",
     "connect",
     "delete_messages",
     "load_attestations",

@@ -19,6 +19,7 @@ llmgw.bus.natspy, behind a check of nats-py's version.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -103,6 +104,18 @@ async def connect(
     url = nc.connected_url
     log.info("connected", identity=who, server=url.netloc if url else None)
     return nc
+
+
+async def close(nc: natspy.Client, timeout_s: float = 5.0) -> None:
+    """Close `nc` if open, within `timeout_s`, never raising: a shutdown goes on whatever the
+    connection's state. nats-py's close fails in more ways than its errors (an
+    AttributeError from asyncio's TLS transport when the server went away mid-reconnect)."""
+    if nc.is_closed:
+        return
+    try:
+        await asyncio.wait_for(nc.close(), timeout_s)
+    except Exception as exc:
+        log.debug("close_failed", error=_describe(exc))
 
 
 def _logging_callbacks(

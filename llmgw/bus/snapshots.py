@@ -10,6 +10,11 @@ Folded state of a large fleet can be megabytes, more than a KV value may hold
 object store `llmgw-snapshots`, which chunks them. Each object is named after its
 sequence, `state-<seq, 20 digits>`, and the store keeps the newest `keep` ones.
 
+Reads go by request only (a stream-info listing of the objects' metadata, then one
+message get per chunk), never through a push consumer: no account of the fleet imports
+the deliveries a push consumer would make (llmgw.pki.authorization says why). A pruned
+snapshot's metadata is purged with its chunks, so the listing stays as short as `keep`.
+
 Each object is sealed by the control plane that saved it (`seal`: a signature over
 the sequence and the SHA-256 of the data, with the signer's certificate), and `load`
 opens only what a control identity of the fleet's CA signed for that very sequence;
@@ -21,14 +26,17 @@ cold start then folds from an older snapshot or from the log itself.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
+import json
 import re
 import time
 
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 from nats.js.object_store import ObjectStore
 
 from llmgw import logs
@@ -39,6 +47,9 @@ from llmgw.pki.signing import SignatureRefused, Signer, Verifier, snapshot_messa
 log = logs.get("llmgw.bus")
 
 _NAME = re.compile(r"state-(\d{20})")
+_STREAM = f"OBJ_{SNAPSHOT_BUCKET}"
+_META = f"$O.{SNAPSHOT_BUCKET}.M."
+_CHUNKS = f"$O.{SNAPSHOT_BUCKET}.C."
 _SEALED = b"llmgw-snapshot-signed/v1\n"
 
 
@@ -65,6 +76,10 @@ def seq_of(name: str) -> int | None:
     """The sequence a snapshot object's name encodes, or None for any other object. Pure."""
     match = _NAME.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def _b64(name: str) -> str:
+    return base64.urlsafe_b64encode(name.encode()).decode()
 
 
 def choose(seqs: list[int], at_or_before: int | None) -> int | None:
@@ -103,6 +118,7 @@ class SnapshotStore:
     def __init__(
         self,
         store: ObjectStore,
+        js: JetStreamContext,
         *,
         keep: int = 5,
         load_timeout_s: float = 60.0,
@@ -110,6 +126,7 @@ class SnapshotStore:
         signer: Signer | None = None,
     ) -> None:
         self._store = store
+        self._js = js
         self._verifier = verifier
         self._signer = signer
         self.keep = max(1, keep)
@@ -143,17 +160,50 @@ class SnapshotStore:
                 "(it provisions the log), or call llmgw.bus.provision"
             ) from None
         return cls(
-            store, keep=keep, load_timeout_s=load_timeout_s, verifier=verifier, signer=signer
+            store, js, keep=keep, load_timeout_s=load_timeout_s, verifier=verifier, signer=signer
         )
 
     async def seqs(self) -> list[int]:
         """Sequences of the snapshots stored, ascending."""
-        try:
-            infos = await self._store.list(ignore_deletes=True)
-        except nats.js.errors.NotFoundError:
-            return []
-        found = (seq_of(info.name) for info in infos if not info.deleted)
-        return sorted(s for s in found if s is not None)
+        return sorted(
+            s for s in (seq_of(info.name or "") for info in await self._infos()) if s is not None
+        )
+
+    async def _infos(self) -> list[api.ObjectInfo]:
+        # The metadata subjects the stream holds, then each one's last message.
+        info = await self._js.stream_info(_STREAM, subjects_filter=f"{_META}>")
+        out = []
+        for subject in sorted((info.state.subjects or {}) if info.state else {}):
+            with contextlib.suppress(nats.js.errors.NotFoundError):  # pruned meanwhile
+                msg = await self._js.get_last_msg(_STREAM, subject)
+                try:
+                    found = api.ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+                except (ValueError, TypeError, KeyError):
+                    log.warning("snapshot_meta_unreadable", subject=subject)
+                    continue
+                if not found.deleted:
+                    out.append(found)
+        return out
+
+    async def _read(self, name: str) -> bytes:
+        """An object's bytes, chunk by chunk with message gets, its digest checked."""
+        info = next((i for i in await self._infos() if i.name == name), None)
+        if info is None or not info.nuid:
+            raise nats.js.errors.NotFoundError
+        subject = _CHUNKS + info.nuid
+        data = bytearray()
+        seq = 0
+        for _ in range(info.chunks or 0):
+            msg = await self._js.get_msg(_STREAM, seq=seq, subject=subject, next=True)
+            data += msg.data or b""
+            seq = (msg.seq or seq) + 1
+        digest = (info.digest or "").partition("=")[2]
+        if len(data) != (info.size or 0) or (
+            base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4))
+            != hashlib.sha256(data).digest()
+        ):
+            raise nats.js.errors.Error(f"{name}: its chunks do not match its size and digest")
+        return bytes(data)
 
     async def save(self, data: bytes, seq: int) -> None:
         """Store `data` as the state folded up to and including `seq`; prune old ones."""
@@ -165,6 +215,8 @@ class SnapshotStore:
         for old in stored[: max(0, len(stored) - self.keep)]:
             with contextlib.suppress(nats.js.errors.NotFoundError):  # pruned concurrently
                 await self._store.delete(object_name(old))
+            # The delete leaves a metadata tombstone per name, and every name is new.
+            await self._js.purge_stream(_STREAM, subject=_META + _b64(object_name(old)))
 
     async def load(self, *, at_or_before: int | None = None) -> Snapshot | None:
         """The newest readable snapshot (at or before a sequence, if given), or None.
@@ -177,14 +229,14 @@ class SnapshotStore:
         while (seq := choose(candidates, at_or_before)) is not None:
             candidates.remove(seq)
             try:
-                result = await asyncio.wait_for(
-                    self._store.get(object_name(seq)), timeout=self.load_timeout_s
+                sealed = await asyncio.wait_for(
+                    self._read(object_name(seq)), timeout=self.load_timeout_s
                 )
             except (TimeoutError, nats.errors.Error) as exc:
                 log.warning("snapshot_unreadable", seq=seq, error=str(exc) or type(exc).__name__)
                 continue
             try:
-                data = unseal(self._verifier, seq, bytes(result.data or b""), time.time())
+                data = unseal(self._verifier, seq, sealed, time.time())
             except SignatureRefused as exc:
                 log.warning("snapshot_refused", seq=seq, error=str(exc))
                 continue

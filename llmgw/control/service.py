@@ -43,6 +43,7 @@ import contextlib
 from typing import Any
 
 from llmgw import tasks as tasks_
+from llmgw.bus.connection import close as close_connection
 from llmgw.bus.ports import EventLog
 from llmgw.control import ports as ports_
 from llmgw.control.deciding import Deciding
@@ -140,9 +141,8 @@ class ControlService(Deciding, Snapshotting):
         if self._reader is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._reader.close(), 3)
-        if self._nc is not None and not self._nc.is_closed:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._nc.close(), 5)
+        if self._nc is not None:
+            await close_connection(self._nc)
         log.info("stopped", name=self.name, folded_seq=self.state.last_seq)
 
     async def _consume(self) -> None:

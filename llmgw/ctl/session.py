@@ -9,7 +9,6 @@ a write the server refuses because this certificate may not make it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 
@@ -76,9 +75,7 @@ class Session:
         return cls(cfg, identity, nc)
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            with contextlib.suppress(TimeoutError, nats.errors.Error):
-                await asyncio.wait_for(self.nc.close(), 5)
+        await bus.close(self.nc)
 
     def new_id(self) -> str:
         return f"op-{self.identity.name}-{uuid.uuid4().hex}"

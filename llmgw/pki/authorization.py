@@ -12,9 +12,11 @@ subject; a request that crossed a service import is answered through the server'
 mapping (`_R_...` in `LOG`) and arrives in the requester's own account, where nothing stores
 it. So no reply subject can make the server store a message on a subject of the log: a
 `$JS.API.DIRECT.GET` answered "to" `llmgw.cmd.<other node>`, a pull request, any API call, all
-land in the requester's account. Push consumers deliver inside `LOG`, where the only client
-interest is each identity's own inbox (exported to that identity's account as a stream), and
-nats-server refuses a deliver subject that the consumer's own stream captures.
+land in the requester's account. Push consumers deliver inside `LOG`, where no client has
+interest, so they deliver nothing: llmgw reads only by requests (pull consumers, message
+gets). No account imports a stream: nats-server (2.11 to 2.15 at least) crashes when a
+reload races a subscription in an account with stream imports, and every new certificate
+is a reload.
 
 **Permissions.** Inside its account each user may publish only what its role needs:
 
@@ -33,9 +35,8 @@ nats-server refuses a deliver subject that the consumer's own stream captures.
   reads all.
 
 Every identity subscribes only to its own inbox namespace `_INBOX.<kind>.<name>.>` (JetStream
-replies and push-consumer deliveries arrive there), so one client cannot read another's
-replies. The rules are pure data (`permissions`, `accounts`); `render` turns them into config
-text.
+replies arrive there), so one client cannot read another's replies. The rules are pure
+data (`permissions`, `accounts`); `render` turns them into config text.
 """
 
 from __future__ import annotations
@@ -239,12 +240,11 @@ class Account:
     """One identity's account: its user and what it imports from `LOG`.
 
     `services` are the subjects of `LOG` it may publish to (JetStream API requests and the
-    subjects of its own events), `inbox` the subject push consumers deliver it on."""
+    subjects of its own events). Nothing is imported as a stream (see the module's doc)."""
 
     name: str
     user: User
     services: tuple[str, ...]
-    inbox: str
 
 
 def _imports(perms: Permissions) -> tuple[str, ...]:
@@ -265,7 +265,6 @@ def accounts(identities: Iterable[Identity]) -> list[Account]:
                 name=account_name(identity),
                 user=User(identity.dn, perms),
                 services=_imports(perms),
-                inbox=f"{identity.inbox_prefix}.>",
             )
         )
     return out
@@ -351,10 +350,6 @@ def render(
         lines.append(
             f"      {{ service: {json.dumps(subject)}, accounts: {_list(names)}{response} }}"
         )
-    for account in accts:
-        lines.append(
-            f"      {{ stream: {json.dumps(account.inbox)}, accounts: {_list([account.name])} }}"
-        )
     lines += ["    ]", "  }"]
     for account in accts:
         lines.append(f"  {json.dumps(account.name)}: {{")
@@ -364,7 +359,6 @@ def render(
         lines.append("    imports: [")
         for subject in account.services:
             lines.append(f"      {{ service: {_from_log(subject)} }}")
-        lines.append(f"      {{ stream: {_from_log(account.inbox)} }}")
         lines += ["    ]", "  }"]
     lines += ["}", ""]
     return "\n".join(lines)

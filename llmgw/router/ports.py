@@ -103,8 +103,7 @@ def jetstream(source: LogSource, *, tls: ssl.SSLContext | None = None) -> PortsO
         try:
             yield FeedPorts(log=ReadOnlyLog(nc), snapshots=StoreOnLoad(nc))
         finally:
-            with contextlib.suppress(Exception):
-                await nc.close()
+            await bus.close(nc)
 
     return opened
 

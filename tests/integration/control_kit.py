@@ -161,8 +161,8 @@ class SimAgent:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self._nc is not None and not self._nc.is_closed:
-            await asyncio.wait_for(self._nc.close(), 5)
+        if self._nc is not None:
+            await bus.close(self._nc)
 
     def _id(self, what: str) -> str:
         self._n += 1

@@ -16,6 +16,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from llmgw import bus
 from llmgw.core import events, subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import Identity
@@ -157,10 +158,9 @@ async def test_router_reads_everything_and_writes_nothing(connect: Connector) ->
 
     router = await connect("router", "router-1")
     js = router.jetstream()
-    sub = await js.subscribe(
-        "llmgw.events.>", stream=STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
-    )
-    got = [events.decode((await sub.next_msg(timeout=2)).data) for _ in range(3)]
+    # Reads go by request (pull consumers, message gets): push consumers deliver nothing to a
+    # client (docs/security.md).
+    got = [events.decode((await js.get_msg(STREAM, seq)).data) for seq in (1, 2, 3)]
     assert [e.seq for e in got if isinstance(e, events.Heartbeat)] == [1, 2, 3]
     last = await js.get_last_msg(STREAM, subjects.node_event("node-a", "heartbeat"), direct=True)
     assert events.decode(last.data) == heartbeat("node-a", 3)
@@ -189,10 +189,7 @@ async def test_operator_writes_operator_subjects_only(connect: Connector) -> Non
     operator = await connect("operator", "alice")
     cordon = events.NodeCordoned(id="op-1", ts=1.0, operator="alice", node="node-a")
     assert await js_publish(operator, cordon) == 1
-    sub = await operator.jetstream().subscribe(
-        "llmgw.>", stream=STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
-    )
-    assert events.decode((await sub.next_msg(timeout=2)).data) == cordon
+    assert events.decode((await operator.jetstream().get_msg(STREAM, 1)).data) == cordon
     # What the nats CLI does for `stream ls`, `stream info` and `stream get --last-for`.
     js = operator.jetstream()
     assert STREAM in [info.config.name for info in await js.streams_info()]
@@ -214,9 +211,8 @@ async def test_control_manages_stream_and_buckets(connect: Connector) -> None:
     lease = await js.create_key_value(bucket=authorization.LEASE_BUCKET, history=1)
     await lease.put("leader", b"control-1")
     assert (await lease.get("leader")).value == b"control-1"
-    snaps = await js.create_object_store(bucket=authorization.SNAPSHOT_BUCKET)
-    await snaps.put("state", b"x" * 300_000)
-    assert (await snaps.get("state")).data == b"x" * 300_000
+    await js.create_object_store(bucket=authorization.SNAPSHOT_BUCKET)
+    await (await bus.SnapshotStore.open(js)).save(b"x" * 300_000, 7)
 
     # Readers may read the lease and the snapshots, not write them.
     router = await connect("router", "router-1")
@@ -224,9 +220,7 @@ async def test_control_manages_stream_and_buckets(connect: Connector) -> None:
     assert (await (await rjs.key_value(authorization.LEASE_BUCKET)).get("leader")).value == (
         b"control-1"
     )
-    assert (await (await rjs.object_store(authorization.SNAPSHOT_BUCKET)).get("state")).data == (
-        b"x" * 300_000
-    )
+    assert await (await bus.SnapshotStore.open(rjs)).load() == bus.Snapshot(7, b"x" * 300_000)
     await refused(connect, router, "router", "router-1", f"$KV.{authorization.LEASE_BUCKET}.leader")
 
     # Control writes no node or operator events.

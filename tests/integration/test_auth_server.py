@@ -4,6 +4,7 @@ lifecycle as the harness and `llmgw up` drive it (start, restart on the same sto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -156,6 +157,48 @@ async def test_reload_does_not_drop_connected_clients(
     await nc.flush(timeout=2)
     assert nc.is_connected
     assert disconnects == 0
+
+
+async def test_new_certificates_reload_the_server_while_clients_subscribe_and_it_survives(
+    connect: Connector, nats_server: TestNatsServer
+) -> None:
+    """Every issued certificate is a reload, and clients subscribe at any time (each reconnect,
+    each reader). nats-server 2.11 to 2.15 crash (a nil sublist in addShadowSub) when a reload
+    races a subscription in an account that imports a stream; with the inbox imported as a
+    stream, as llmgw once rendered it, this crashed within three reloads."""
+    stop = asyncio.Event()
+    rounds: dict[str, int] = {}
+
+    async def churn(kind: str, name: str) -> None:
+        nc = await connect(kind, name)
+        prefix = Identity(kind, name).inbox_prefix  # type: ignore[arg-type]
+        n = 0
+        while not stop.is_set():
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                sub = await nc.subscribe(f"{prefix}.churn.{n}")
+                await sub.unsubscribe()
+                await nc.request(f"{authorization.API}.INFO", b"", timeout=2)
+            n += 1
+            rounds[name] = n
+
+    churners = [
+        asyncio.create_task(churn(kind, name))
+        for kind, name in [("node", "churn-node"), ("router", "churn-router"), ("control", "c")]
+    ]
+    try:
+        await asyncio.sleep(0.2)
+        for i in range(6):
+            await asyncio.to_thread(nats_server.pki.issue, Identity("node", f"reloaded-{i}"))
+            assert nats_server.running, "nats-server died in a reload:\n" + nats_server.log_tail()
+    finally:
+        stop.set()
+        await asyncio.gather(*churners, return_exceptions=True)
+    assert "panic" not in nats_server.log_tail(400)
+    assert sorted(rounds) == ["c", "churn-node", "churn-router"], rounds
+    assert all(n > 0 for n in rounds.values()), rounds
+    # The last identity issued connects and is answered.
+    nc = await connect("node", "reloaded-5")
+    assert (await nc.request(f"{authorization.API}.INFO", b"", timeout=5)).data
 
 
 async def test_stopped_server_refuses_and_reports_clearly(nats_server: TestNatsServer) -> None:

@@ -417,6 +417,12 @@ async def test_snapshots_load_the_newest_and_the_newest_at_or_before(
     for seq, data in ((10, b"ten"), (20, big), (30, b"thirty"), (40, b"forty")):
         await store.save(data, seq)
     assert await store.seqs() == [20, 30, 40]  # the oldest pruned
+    # Pruned with its metadata, so the listing (one get per metadata subject) stays short.
+    meta = await provisioned.jetstream().stream_info(
+        f"OBJ_{bus.SNAPSHOT_BUCKET}", subjects_filter=f"$O.{bus.SNAPSHOT_BUCKET}.M.>"
+    )
+    assert meta.state.subjects is not None
+    assert len(meta.state.subjects) == 3
     newest = await store.load()
     assert newest == bus.Snapshot(seq=40, data=b"forty")
     at = await store.load(at_or_before=39)
@@ -432,6 +438,12 @@ async def test_snapshots_load_the_newest_and_the_newest_at_or_before(
     assert await seen.load(at_or_before=35) == bus.Snapshot(seq=30, data=b"thirty")
     await operator.flush()
     assert list(operator.permission_violations) == []
+    # And a router (its feed starts from the newest), the 3 MiB one chunk by chunk.
+    router = await bus_connect("router", "router-1")
+    got = await (await bus.SnapshotStore.open(router.jetstream())).load(at_or_before=29)
+    assert got == bus.Snapshot(seq=20, data=big)
+    await router.flush()
+    assert list(router.permission_violations) == []
 
 
 # --------------------------------------------------------------------------- as a node, and errors

@@ -192,3 +192,12 @@ def test_render_lists_every_identity_and_the_superusers() -> None:
     assert '"NODE_n1": {' in text
     assert '"ROUTER_r1": {' in text
     assert text.count("jetstream: enabled") == 1
+
+
+@given(st.lists(st.tuples(st.sampled_from(KINDS), names), min_size=1, max_size=6))
+def test_no_account_imports_or_exports_a_stream(ids: list[tuple[str, str]]) -> None:
+    """nats-server crashes when a reload races a subscription in an account that imports a
+    stream (docs/security.md), and every issued certificate is a reload: only services."""
+    text = authorization.render([Identity(k, n) for k, n in ids])  # type: ignore[arg-type]
+    assert "{ stream:" not in text
+    assert text.count("{ service:") >= 2 * len({(k, n) for k, n in ids})
