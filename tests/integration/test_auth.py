@@ -10,10 +10,12 @@ pass merely because something was slow.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from llmgw import bus
@@ -315,3 +317,75 @@ async def test_a_new_identity_connects_after_a_reload_without_restart(
     assert nats_server.pid == pid
     assert old.is_connected
     assert await js_publish(old, heartbeat("node-a")) == 2
+
+
+async def _page(nc: Client, name: str, inbox: str, page: int) -> list[Msg]:
+    """The JetStream API calls of `nats stream view llmgw-events` (the nats CLI's stream
+    pager, from jsm.go): a named pull consumer over the stream, one no-wait batch of a
+    page into the client's own inbox, an ack for each message, the consumer deleted."""
+    config = {
+        "stream_name": STREAM,
+        "config": {
+            "name": name,
+            "durable_name": name,
+            "description": "JSM Stream Pager",
+            "deliver_policy": "all",
+            "ack_policy": "explicit",
+            "ack_wait": 30_000_000_000,
+            "replay_policy": "instant",
+            "inactive_threshold": 3_600_000_000_000,
+            "mem_storage": True,
+            "num_replicas": 1,
+        },
+    }
+    created = await nc.request(
+        f"{authorization.API}.CONSUMER.CREATE.{STREAM}.{name}",
+        json.dumps(config).encode(),
+        timeout=2,
+    )
+    assert "error" not in json.loads(created.data), created.data
+    sub = await nc.subscribe(inbox)
+    await nc.publish(
+        f"{authorization.API}.CONSUMER.MSG.NEXT.{STREAM}.{name}",
+        json.dumps({"batch": page, "no_wait": True}).encode(),
+        reply=inbox,
+    )
+    got: list[Msg] = []
+    while True:
+        msg = await sub.next_msg(timeout=2)
+        if msg.headers and msg.headers.get("Status") in ("404", "408"):
+            break
+        if not msg.data and msg.headers:  # another status (a terminal one) ends the page
+            break
+        got.append(msg)
+        await msg.ack()
+        if len(got) == page:
+            break
+    await sub.unsubscribe()
+    deleted = await nc.request(
+        f"{authorization.API}.CONSUMER.DELETE.{STREAM}.{name}", b"", timeout=2
+    )
+    assert json.loads(deleted.data).get("success") is True, deleted.data
+    return got
+
+
+async def test_an_operator_pages_the_log_as_nats_stream_view_does(connect: Connector) -> None:
+    """The nats CLI reads by request too (its `stream view` is a pull consumer), so it works
+    without push deliveries; a node, whose permissions name only its own consumer, cannot."""
+    await provision(await connect("control", "control-1"))
+    node = await connect("node", "node-a")
+    for i in range(1, 31):
+        await js_publish(node, heartbeat("node-a", i))
+    operator = await connect("operator", "alice")
+    page = await _page(operator, "stream_pager_1", "_INBOX.operator.alice.pager", 25)
+    assert [events.decode(m.data).seq for m in page] == list(range(1, 26))  # type: ignore[union-attr]
+    assert page[0].metadata.sequence.stream == 1
+    assert connect.violations("operator", "alice") == []
+
+    with pytest.raises(nats.errors.TimeoutError):
+        await node.request(
+            f"{authorization.API}.CONSUMER.CREATE.{STREAM}.stream_pager_2",
+            b"{}",
+            timeout=REFUSED,
+        )
+    assert "stream_pager_2" in await connect.violation("node", "node-a")

@@ -1,7 +1,7 @@
 """The vocabulary of the llmgw log: every event and command, as one tagged union.
 
 Each message in the stream `llmgw-events` is one of these Structs encoded as
-JSON, so `nats stream get` shows it readably. The `type` tag selects the class,
+JSON, so `nats stream view` shows it readably. The `type` tag selects the class,
 `v` is its schema version, `id` is unique (sent as `Nats-Msg-Id` so JetStream
 drops duplicates) and `ts` is the producer's clock in UNIX seconds, UTC.
 
