@@ -176,4 +176,5 @@ class Deciding(Leadership, Policing):
             if self.unplaceable.get(model) != reason:
                 log.warning("unplaceable", model=model, reason=reason)
         self.unplaceable = dict(now_unplaceable)
+        self.unplaceable_codes = {m: codes.get(m, "other") for m in now_unplaceable}
         self.metrics.unplaceable.set(len(now_unplaceable))

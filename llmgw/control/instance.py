@@ -25,7 +25,8 @@ from llmgw.control.config import ControlConfig
 from llmgw.control.folding import CONTROL_PREFIX, Folded
 from llmgw.control.metrics import Metrics
 from llmgw.control.ports import ControlPorts
-from llmgw.core import events, state, subjects
+from llmgw.core import events, state, subjects, views
+from llmgw.core.state import ClusterState
 from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.control")
@@ -66,6 +67,10 @@ class Instance:
         self.snapshot_seq = 0
         self.observing_since = clock()
         self.unplaceable: dict[str, str] = {}
+        self.unplaceable_codes: dict[str, str] = {}
+        """The leader's last verdicts: model -> why (and its code) missing replicas of it
+        could not be placed."""
+        self.metrics.export_fleet(self._fleet_now)
         self._wake = asyncio.Event()
         self._delete_wake = asyncio.Event()
         self._delete_strikes = 0
@@ -94,6 +99,13 @@ class Instance:
     @property
     def state(self) -> state.ClusterState:
         return self.folded.state
+
+    def _fleet_now(self) -> tuple[ClusterState, dict[str, str]]:
+        """What the fleet metrics export: the folded state, and the leader's last placement
+        verdicts (a follower, which decides nothing, plans once to get the same)."""
+        if self.leading:
+            return self.state, self.unplaceable_codes
+        return self.state, views.unplaceable_codes(self.state, self.clock())
 
     @property
     def control_seq(self) -> int:

@@ -2,13 +2,24 @@
 
 Events applied and rejected by the fold, fold position and lag, decisions
 published by kind, leader status and epoch, fenced writes refused, placement
-failures by reason, snapshots. One registry per service instance, so tests can
-run several control planes in one process.
+failures by reason, snapshots; and the fleet's state (llmgw.core.fleet_metrics: nodes by
+liveness and flag, GPUs by class and state, replicas by model and phase, desired against
+serving replicas, unplaceable models), computed from the folded state at each scrape. One
+registry per service instance, so tests can run several control planes in one process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llmgw.core import fleet_metrics, state
+
+FleetSource = Callable[[], tuple[state.ClusterState, Mapping[str, str]]]
+"""The folded state now and each unplaceable model's refusal code."""
 
 
 class Metrics:
@@ -86,5 +97,26 @@ class Metrics:
             p + "quarantined_nodes", "Nodes quarantined in the folded state.", registry=r
         )
 
+    def export_fleet(self, source: FleetSource) -> None:
+        """Export the fleet's state from `source`, called at each scrape."""
+        self.registry.register(_FleetCollector(source))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _FleetCollector(Collector):
+    def __init__(self, source: FleetSource) -> None:
+        self._source = source
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        # Described as nothing: the registry would otherwise call collect() on register.
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        st, codes = self._source()
+        for family in fleet_metrics.families(st, codes):
+            out = GaugeMetricFamily(family.name, family.help, labels=family.labels)
+            for labels, value in family.samples:
+                out.add_metric(labels, value)
+            yield out

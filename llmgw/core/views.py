@@ -184,12 +184,20 @@ def replica_rows(st: state.ClusterState, model: str | None = None) -> list[dict[
     return out
 
 
-def unplaceable(st: state.ClusterState, now: float) -> dict[str, str]:
-    """Model -> why its missing replicas cannot be placed now (the reconciler's own words)."""
-    outcome = reconcile.plan(
+def _plan(st: state.ClusterState, now: float) -> reconcile.Outcome:
+    return reconcile.plan(
         st, now, epoch=st.epoch, basis_seq=st.last_seq, config=reconcile.ReconcileConfig()
     )
-    return dict(outcome.unplaceable)
+
+
+def unplaceable(st: state.ClusterState, now: float) -> dict[str, str]:
+    """Model -> why its missing replicas cannot be placed now (the reconciler's own words)."""
+    return dict(_plan(st, now).unplaceable)
+
+
+def unplaceable_codes(st: state.ClusterState, now: float) -> dict[str, str]:
+    """Model -> the code of that refusal (llmgw.core.refusals): a metrics label."""
+    return dict(_plan(st, now).unplaceable_codes)
 
 
 def model_rows(

@@ -375,6 +375,18 @@ async def test_the_admin_api_shows_nodes_replicas_models_explain_state_and_metri
             assert (
                 'llmgw_control_placement_failures_total{model="big",reason="never fits"}' in metrics
             )
+            # The fleet's state, read from the same fold at the scrape.
+            for line in (
+                'llmgw_fleet_nodes{liveness="ready"} 1.0',
+                'llmgw_fleet_node_liveness{liveness="ready",node="node-a"} 1.0',
+                'llmgw_fleet_model_replicas_desired{model="m1"} 1.0',
+                'llmgw_fleet_model_replicas_serving{model="m1"} 1.0',
+                'llmgw_fleet_model_replicas_serving{model="big"} 0.0',
+                'llmgw_fleet_replicas{model="m1",phase="serving"} 1.0',
+                'llmgw_fleet_model_unplaceable{model="big",reason="never fits"} 1.0',
+            ):
+                assert line in metrics, line
+            assert 'llmgw_fleet_gpus{gpu_class="' in metrics
     for agent in agents:
         await agent.close()
 

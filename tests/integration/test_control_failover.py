@@ -81,6 +81,12 @@ class ControlProc:
     def log_text(self) -> str:
         return self.stderr_path.read_text(errors="replace")
 
+    def fleet_metrics(self) -> list[str]:
+        """The fleet-state lines of its /metrics (llmgw.core.fleet_metrics)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+        return sorted(line for line in text.splitlines() if line.startswith("llmgw_fleet_"))
+
 
 @pytest.fixture
 def planes(nats_server: TestNatsServer, tmp_path: Path) -> Iterator[list[ControlProc]]:
@@ -126,6 +132,15 @@ async def test_one_leads_and_the_follower_takes_over_within_the_ttl_without_dupl
         (leader,) = await leaders(planes)
         (follower,) = [p for p in planes if p is not leader]
         before = await leader.astate()
+
+        # The follower exports the fleet's state as the leader does, from its own fold.
+        async def same_fleet_metrics() -> bool:
+            ours, theirs = await asyncio.gather(
+                asyncio.to_thread(leader.fleet_metrics), asyncio.to_thread(follower.fleet_metrics)
+            )
+            return ours == theirs and 'llmgw_fleet_nodes{liveness="ready"} 2.0' in ours
+
+        await wait_for(same_fleet_metrics, 15, "the same fleet metrics from both", every_s=0.2)
 
         leader.proc.kill()  # kill -9: no lease release
         killed = time.monotonic()
