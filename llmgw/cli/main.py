@@ -19,9 +19,27 @@ app = typer.Typer(
     name="llmgw",
     help="Run a fleet of GPU nodes serving LLMs behind one OpenAI-compatible endpoint.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    _version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print llmgw's version and exit.",
+        callback=_print_version,
+        is_eager=True,
+    ),
+) -> None:
+    """Typer adds --install-completion and --show-completion (bash, zsh, fish, PowerShell)."""
 
 
 @app.command("version")

@@ -26,7 +26,8 @@ class NvmlError(RuntimeError):
 
 
 def load() -> ModuleType:
-    """Import pynvml; the PyPI `pynvml` wrapper warns that it is deprecated on import."""
+    """Import pynvml (from `nvidia-ml-py`, NVIDIA's binding; a leftover PyPI `pynvml` wrapper
+    warns on import that it is deprecated)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         try:

@@ -1,0 +1,50 @@
+"""`llmgw` itself: --version, and shell completion that knows the commands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from llmgw import __version__
+from llmgw.cli.main import app
+
+
+def test_version_flag_and_command_print_the_version() -> None:
+    runner = CliRunner()
+    for args in (["--version"], ["version"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert result.output.strip() == __version__
+
+
+def test_bash_completion_completes_commands() -> None:
+    """What the script `llmgw --install-completion` installs runs: the completion protocol,
+    in a real process, offers llmgw's commands for `llmgw c`."""
+    env = {
+        **os.environ,
+        "_LLMGW_COMPLETE": "complete_bash",
+        "COMP_WORDS": "llmgw c",
+        "COMP_CWORD": "1",
+    }
+    # The console script pip installed beside this interpreter: completion is keyed by the
+    # program's name.
+    script = Path(sys.executable).with_name("llmgw")
+    out = subprocess.run(
+        [str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert set(out.stdout.split()) == {"ctl", "control"}, (out.stdout, out.stderr)
+
+
+def test_show_completion_prints_a_script_for_the_shell() -> None:
+    result = CliRunner().invoke(app, ["--show-completion", "bash"])
+    assert result.exit_code == 0, result.output
+    assert "_llmgw_completion" in result.output
