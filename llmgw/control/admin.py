@@ -7,7 +7,11 @@
 - `GET /v1/explain/<model>`: every node and whether a new replica could land there;
 - `GET /v1/state`: digest, folded sequence, leader, epoch, this instance's role, how many
   events the fold refused and how many messages did not decode;
-- `GET /metrics`: Prometheus; `GET /health`: 200 once caught up with the log, else 503.
+- `GET /metrics`: Prometheus, the fleet's state included; `GET /health`: 200 once caught
+  up with the log, else 503;
+- `GET /v1/sd/prometheus`: Prometheus `http_sd_configs` targets: every engine with an
+  endpoint (labelled with model, replica, shard, node, GPU class, engine, phase) and this
+  control plane, so one scrape config follows the fleet as replicas move.
 
 Plain HTTP on 127.0.0.1 by default; with `admin.cert_file` set, HTTPS that requires
 a client certificate from the fleet's CA and answers 403 unless it is an operator's.
@@ -102,6 +106,12 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
+async def _prometheus_targets(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    control = svc.admin_url.partition("://")[2]
+    return _json(views.prometheus_targets(svc.state, control, svc.name))
+
+
 async def _health(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     ok = svc.caught_up.is_set()
@@ -160,6 +170,7 @@ def build_app(svc: ControlService) -> web.Application:
     app.router.add_get("/v1/explain/{model}", _explain)
     app.router.add_get("/v1/state", _state)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/sd/prometheus", _prometheus_targets)
     app.router.add_get("/health", _health)
     return app
 

@@ -235,3 +235,47 @@ def endpoint_rows(st: state.ClusterState) -> list[dict[str, Any]]:
         {"replica": e.replica_id, "model": e.model, "url": e.url, "node": e.node}
         for _, e in sorted(st.endpoints.items())
     ]
+
+
+def prometheus_targets(st: state.ClusterState, control: str, name: str) -> list[dict[str, Any]]:
+    """Prometheus `http_sd_configs` target groups: every engine with an endpoint (one group
+    per shard that serves HTTP, on the dynamic port the leader chose), labelled with its
+    model, replica, shard, node, GPU class and engine; and this control plane (`control`,
+    its admin `host:port`, named `name`). Engines' keys are never listed."""
+    groups: list[dict[str, Any]] = []
+    for rid in sorted(st.replicas):
+        r = st.replicas[rid]
+        if r.retired:
+            continue
+        model = st.models.get(r.model)
+        engine = model.profile.engine if model is not None else ""
+        for s in r.shards:
+            target = _host_port(s.endpoint)
+            if target is None:
+                continue
+            groups.append(
+                {
+                    "targets": [target],
+                    "labels": {
+                        "job": "llmgw-engine",
+                        "model": r.model,
+                        "replica": rid,
+                        "shard": str(s.shard),
+                        "node": s.node,
+                        "gpu_class": r.gpu_class,
+                        "engine": engine,
+                        "phase": s.phase,
+                    },
+                }
+            )
+    groups.append({"targets": [control], "labels": {"job": "llmgw-control", "control": name}})
+    return groups
+
+
+def _host_port(url: str) -> str | None:
+    """`host:port` of an engine's `http://host:port[/...]` endpoint, or None if it has none."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("http", "https"):
+        return None
+    hostport = rest.split("/", 1)[0]
+    return hostport if hostport.rpartition(":")[2].isdigit() else None

@@ -387,6 +387,12 @@ async def test_the_admin_api_shows_nodes_replicas_models_explain_state_and_metri
             ):
                 assert line in metrics, line
             assert 'llmgw_fleet_gpus{gpu_class="' in metrics
+            status, groups = await get("/v1/sd/prometheus")
+            assert status == 200
+            engines = [g for g in groups if g["labels"]["job"] == "llmgw-engine"]
+            assert [g["labels"]["model"] for g in engines] == ["m1"]
+            assert engines[0]["targets"] == [replicas[0]["endpoint"].partition("://")[2]]
+            assert groups[-1]["targets"] == [svc.admin_url.partition("://")[2]]
     for agent in agents:
         await agent.close()
 

@@ -95,3 +95,34 @@ def test_any_folded_log_exports_consistent_figures(log: list[events.Event]) -> N
     assert sum(got["llmgw_fleet_replicas"].values()) == len(live)
     for key, serving in got["llmgw_fleet_model_replicas_serving"].items():
         assert serving <= got["llmgw_fleet_model_replicas_active"][key]
+
+
+def test_prometheus_targets_list_each_serving_engine_and_the_control_plane() -> None:
+    sim = settled()
+    groups = views.prometheus_targets(sim.state, "127.0.0.1:9090", "control-a")
+    engines = [g for g in groups if g["labels"]["job"] == "llmgw-engine"]
+    serving = [r for r in sim.state.replicas.values() if not r.retired]
+    assert len(engines) == sum(1 for r in serving for s in r.shards if s.endpoint)
+    assert len(engines) == 2
+    for g in engines:
+        (target,) = g["targets"]
+        host, _, port = target.rpartition(":")
+        assert host
+        assert port.isdigit()
+        replica = sim.state.replicas[g["labels"]["replica"]]
+        assert g["labels"]["model"] == replica.model == "m"
+        assert g["labels"]["node"] in sim.state.nodes
+        assert g["labels"]["engine"] == "vllm"
+        assert "api_key" not in str(g)
+    assert groups[-1] == {
+        "targets": ["127.0.0.1:9090"],
+        "labels": {"job": "llmgw-control", "control": "control-a"},
+    }
+
+
+@given(st.text(max_size=40))
+def test_an_endpoint_without_a_port_is_no_target(url: str) -> None:
+    got = views._host_port(url)
+    if got is not None:
+        assert got.rpartition(":")[2].isdigit()
+        assert "/" not in got

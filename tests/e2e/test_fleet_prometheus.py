@@ -1,0 +1,163 @@
+"""A real Prometheus finds and scrapes the whole fleet through the control plane's service
+discovery, and the dashboard's fleet queries answer.
+
+The fleet as real processes (tests/e2e/fleet_kit.py: agents running `llmgw sim` engines on
+ports the leader chose, the control plane, a router); Debian's `prometheus` (which
+.ci/run installs) scrapes with one `http_sd_configs` entry pointing at the control plane's
+`/v1/sd/prometheus`, and a static entry for the router. The test waits for every target
+to be up, then asks Prometheus what the fleet looks like, as a dashboard would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from llmgw import natsd
+from tests.e2e.fleet_kit import Fleet, sim_model
+from tests.harness import TestNatsServer, wait_for
+
+pytestmark = pytest.mark.slow
+
+Popen = subprocess.Popen[bytes]
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llmgw.json"
+
+
+def prometheus_binary() -> str:
+    found = shutil.which("prometheus")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus is not installed: .ci/run installs Debian's package")
+        pytest.skip("prometheus is not installed (apt-get install prometheus)")
+    return found
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.load(resp)
+
+
+def query(base: str, expr: str) -> list[dict[str, Any]]:
+    doc = get(f"{base}/api/v1/query?query={urllib.parse.quote(expr)}")
+    assert doc["status"] == "success", doc
+    result: list[dict[str, Any]] = doc["data"]["result"]
+    return result
+
+
+def start_prometheus(binary: str, tmp: Path, config: dict[str, Any], port: int) -> Popen:
+    """Check the config with promtool, then start Prometheus on 127.0.0.1:`port`."""
+    path = tmp / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    check = subprocess.run(
+        ["promtool", "check", "config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    with (tmp / "prometheus.log").open("wb") as out:
+        return subprocess.Popen(
+            [
+                binary,
+                f"--config.file={path}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def test_prometheus_scrapes_every_engine_found_through_the_control_plane(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    binary = prometheus_binary()
+    fleet = Fleet(nats_server, tmp_path, models=(sim_model("m1", replicas=2),))
+    prom: Popen | None = None
+    try:
+        await fleet.start()
+        port = natsd.free_port("127.0.0.1")
+        base = f"http://127.0.0.1:{port}"
+        router = urllib.parse.urlsplit(fleet.router_admin).netloc
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {
+                    "job_name": "llmgw",
+                    "http_sd_configs": [
+                        {"url": f"{fleet.control_admin}/v1/sd/prometheus", "refresh_interval": "1s"}
+                    ],
+                },
+                {"job_name": "llmgw-router", "static_configs": [{"targets": [router]}]},
+            ],
+        }
+        prom = await asyncio.to_thread(start_prometheus, binary, tmp_path, config, port)
+        replicas = {r["id"]: r for r in await fleet.replicas()}
+        wanted_jobs = {"llmgw-engine": 2, "llmgw-control": 1, "llmgw-router": 1}
+        targets: list[dict[str, Any]] = []
+
+        def all_up() -> bool:
+            nonlocal targets
+            try:
+                targets = get(f"{base}/api/v1/targets")["data"]["activeTargets"]
+            except OSError:
+                return False  # not listening yet
+            jobs: dict[str, int] = {}
+            for t in targets:
+                if t["health"] == "up":
+                    job = t["labels"]["job"]
+                    jobs[job] = jobs.get(job, 0) + 1
+            return jobs == wanted_jobs
+
+        await wait_for(all_up, 60, f"targets up: {wanted_jobs}", every_s=0.5)
+        engines = [t for t in targets if t["labels"]["job"] == "llmgw-engine"]
+        for t in engines:
+            replica = replicas[t["labels"]["replica"]]
+            assert t["labels"]["model"] == "m1"
+            assert t["labels"]["node"] == replica["shards"][0]["node"]
+            assert t["scrapeUrl"].startswith(replica["endpoint"])
+
+        # What the dashboard's fleet panels ask, answered from the scrapes.
+        def fleet_scraped() -> bool:
+            return bool(query(base, 'llmgw_fleet_model_replicas_serving{model="m1"}'))
+
+        await wait_for(fleet_scraped, 30, "the fleet's metrics scraped", every_s=0.5)
+        (serving,) = query(base, 'max by (model) (llmgw_fleet_model_replicas_serving{model="m1"})')
+        assert serving["value"][1] == "2"
+        ready = query(base, 'max by (liveness) (llmgw_fleet_nodes{liveness="ready"})')
+        assert ready[0]["value"][1] == "2"
+        # The engines' own (vLLM-named) metrics arrive labelled with model and node.
+        running = query(base, "vllm:num_requests_running")
+        assert {r["metric"]["node"] for r in running} == {"node-a", "node-b"}
+        dashboard = json.loads(DASHBOARD.read_text())
+        fleet_exprs = [
+            target["expr"]
+            for panel in dashboard["panels"]
+            if panel["title"].startswith("Fleet:")
+            for target in panel["targets"]
+            if "unplaceable" not in target["expr"]  # nothing unplaceable in this fleet
+        ]
+        assert fleet_exprs
+        empty = [e for e in fleet_exprs if not query(base, e)]
+        assert empty == [], empty
+    finally:
+        if prom is not None:
+            prom.terminate()
+            try:
+                prom.wait(15)
+            except subprocess.TimeoutExpired:
+                prom.kill()
+                prom.wait(5)
+        await fleet.stop()
