@@ -32,6 +32,19 @@ pytestmark = pytest.mark.slow
 Popen = subprocess.Popen[bytes]
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llmgw.json"
+RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "llmgw-alerts.yml"
+
+
+def rules_without_waits(tmp: Path) -> Path:
+    """The shipped alert rules with every `for:` at 0 s: the same expressions, judged at
+    once (promtool's unit tests cover the waits)."""
+    doc = yaml.safe_load(RULES.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule["for"] = "0s"
+    path = tmp / "llmgw-alerts.yml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
 
 
 def prometheus_binary() -> str:
@@ -93,6 +106,7 @@ async def test_prometheus_scrapes_every_engine_found_through_the_control_plane(
         router = urllib.parse.urlsplit(fleet.router_admin).netloc
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules_without_waits(tmp_path))],
             "scrape_configs": [
                 {
                     "job_name": "llmgw",
@@ -152,6 +166,27 @@ async def test_prometheus_scrapes_every_engine_found_through_the_control_plane(
         assert fleet_exprs
         empty = [e for e in fleet_exprs if not query(base, e)]
         assert empty == [], empty
+        firing: list[dict[str, Any]] = []
+
+        def alerts() -> list[dict[str, Any]]:
+            found: list[dict[str, Any]] = get(f"{base}/api/v1/alerts")["data"]["alerts"]
+            return [a for a in found if a["state"] == "firing"]
+
+        assert [a["labels"]["alertname"] for a in alerts()] == []  # a healthy fleet
+
+        # A node lost: its alert fires, naming it.
+        fleet.kill_node("node-b")
+
+        def lost_fires() -> bool:
+            nonlocal firing
+            firing = alerts()
+            return any(
+                a["labels"]["alertname"] == "LlmgwNodeLost" and a["labels"]["node"] == "node-b"
+                for a in firing
+            )
+
+        await wait_for(lost_fires, 60, "LlmgwNodeLost firing for node-b", every_s=0.5)
+        assert not any(a["labels"].get("node") == "node-a" for a in firing), firing
     finally:
         if prom is not None:
             prom.terminate()

@@ -9,10 +9,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from llmgw.control import metrics as control_metrics
-from llmgw.core import views
+from llmgw.core import fleet_metrics, state
 from llmgw.router import metrics as router_metrics
-
-from .scenarios import Sim, profile
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llmgw.json"
 SUFFIXES = ("_bucket", "_total", "_count", "_sum")
@@ -33,15 +31,10 @@ def _metrics() -> dict[str, set[str]]:
     # The control plane uses prometheus_client; the router its own lightweight metrics
     # (llmgw.router.metrics), whose objects carry their name and label names.
     control = control_metrics.Metrics()
-    # The fleet's families, from a small settled fleet with an unplaceable model, so that
-    # every family has samples to show its labels.
-    sim = Sim()
-    sim.register("node-a")
-    sim.declare(profile("m", tensor_parallel=2, replicas=1))
-    sim.declare(profile("huge", tensor_parallel=8, replicas=2))
-    sim.settle()
-    control.export_fleet(lambda: (sim.state, views.unplaceable_codes(sim.state, sim.now)))
     out = _exported(control.registry)
+    # The fleet's families (computed at each scrape), with their label names.
+    for family in fleet_metrics.families(state.ClusterState(), {}):
+        out[family.name] = set(family.labels)
     for metric in vars(control).values():
         names = getattr(metric, "_labelnames", None)
         name = getattr(metric, "_name", None)
