@@ -3,29 +3,19 @@ metric and label its expressions use is one llmgw exports."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.kit import tools
 from tests.unit.test_dashboard import SUFFIXES, _metrics
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "llmgw-alerts.yml"
 # Labels Prometheus adds at scrape time, and the histogram bucket label.
 SCRAPE_LABELS = {"instance", "job", "le"}
-
-
-def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed: .ci/run installs Debian's prometheus")
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
-    return found
 
 
 @pytest.mark.parametrize(
@@ -38,7 +28,7 @@ def promtool() -> str:
 )
 def test_promtool_checks_and_tests_the_rules(args: list[str]) -> None:
     out = subprocess.run(
-        [promtool(), *args],
+        [tools.required("promtool", "apt-get install prometheus"), *args],
         cwd=RULES.parent,
         capture_output=True,
         text=True,
