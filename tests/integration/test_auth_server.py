@@ -15,7 +15,7 @@ from llmgw import natsconf, natsd
 from llmgw.core import subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import KINDS, Identity
-from tests.harness import Connector, TestNatsServer, TestPki
+from tests.harness import Connector, TestNatsServer, TestPki, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,9 +196,18 @@ async def test_new_certificates_reload_the_server_while_clients_subscribe_and_it
     assert "panic" not in nats_server.log_tail(400)
     assert sorted(rounds) == ["c", "churn-node", "churn-router"], rounds
     assert all(n > 0 for n in rounds.values()), rounds
-    # The last identity issued connects and is answered.
+    # The last identity issued connects and is answered. Its account's service imports are
+    # wired by the second of its two reloads; on a loaded server a first request can still
+    # find no responders for a moment, so ask until answered (bounded).
     nc = await connect("node", "reloaded-5")
-    assert (await nc.request(f"{authorization.API}.INFO", b"", timeout=5)).data
+
+    async def answered() -> bool:
+        try:
+            return bool((await nc.request(f"{authorization.API}.INFO", b"", timeout=2)).data)
+        except nats.errors.NoRespondersError:
+            return False
+
+    await wait_for(answered, 20, "the newest identity answered", every_s=0.2)
 
 
 async def test_stopped_server_refuses_and_reports_clearly(nats_server: TestNatsServer) -> None:
