@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 import typer
 
-from llmgw import config, logs
+from llmgw import config, logs, sdnotify
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery
 from llmgw.agent.discovery import simulated
@@ -110,6 +110,7 @@ async def _serve(cfg: agent_config.AgentConfig, source: str = "") -> None:
     if svc.started.is_set():
         sys.stdout.write(f"llmgw agent {cfg.node_id} started\n")
         sys.stdout.flush()
+        sdnotify.ready()
     started.cancel()
     await run
 

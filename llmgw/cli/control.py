@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from llmgw import config, logs, tasks, wording
+from llmgw import config, logs, sdnotify, tasks, wording
 
 
 def command(
@@ -75,6 +75,7 @@ async def _serve(cfg: object) -> None:
     if svc.ready.is_set():
         sys.stdout.write(f"llmgw control {cfg.name} admin {svc.admin_url}\n")
         sys.stdout.flush()
+        sdnotify.ready()
     elif stop.is_set() and not run.done():
         # Still waiting for NATS (it reconnects forever): a signal must end that too.
         # nats-py's wait_for can swallow a cancel (Python 3.11): tasks.stop cancels again.

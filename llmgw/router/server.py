@@ -36,7 +36,7 @@ import msgspec
 import uvloop
 from aiohttp import web
 
-from llmgw import logs
+from llmgw import logs, sdnotify
 from llmgw.router.auth import SharedLimits
 from llmgw.router.config import Listener, RouterConfig
 from llmgw.router.metrics import METRICS_DIR_ENV
@@ -172,6 +172,7 @@ def _announce(host: str, port: int, admin_host: str, admin_port: int) -> None:
         f"llmgw router listening on http://{host}:{port} admin http://{admin_host}:{admin_port}\n"
     )
     sys.stdout.flush()
+    sdnotify.ready()
 
 
 def _worker_main(

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,7 +39,14 @@ ANNOUNCE = re.compile(r"llmgw control (\S+) admin (http://\S+)")
 
 
 class ControlProc:
-    def __init__(self, server: TestNatsServer, name: str, folder: Path, **over: Any) -> None:
+    def __init__(
+        self,
+        server: TestNatsServer,
+        name: str,
+        folder: Path,
+        env: dict[str, str] | None = None,
+        **over: Any,
+    ) -> None:
         cfg = control_config(server, name, models=(model("m1", replicas=2),), **over)
         path = write_config(cfg, folder / f"{name}.yaml")
         self.name = name
@@ -48,7 +56,7 @@ class ControlProc:
             [sys.executable, "-m", "llmgw", "control", "--config", str(path)],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.url = self._announced(20.0)
 
@@ -286,3 +294,21 @@ def test_sigterm_ends_a_control_plane_still_waiting_for_nats(
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+async def test_the_control_plane_tells_systemd_it_is_ready_once_it_serves(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    """`Type=notify` units: READY=1 on $NOTIFY_SOCKET when the announcement line is out (the
+    log folded, the admin API listening), as systemd's sd_notify protocol has it."""
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.settimeout(20)
+        plane = ControlProc(nats_server, "control-n", tmp_path, env={"NOTIFY_SOCKET": str(path)})
+        try:
+            message = await asyncio.to_thread(sock.recv, 4096)
+            assert message == b"READY=1"
+            assert (await plane.astate())["folded_seq"] >= 0
+        finally:
+            plane.stop()
