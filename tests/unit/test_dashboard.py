@@ -65,3 +65,28 @@ def test_every_query_names_an_exported_metric_and_its_labels() -> None:
                     )
                 checked += 1
     assert checked >= 20
+
+
+def test_every_variable_a_query_filters_on_is_declared_and_a_label_of_its_metric() -> None:
+    """`{model=~"$model"}`: the variable exists in the dashboard's templating, and the label
+    is one the metric it filters has."""
+    exported = _metrics()
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    filtered = 0
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name, label, var in re.findall(
+                r"\b(llmgw_[a-z_]+)\{([a-z_]+)=~\"\$([a-z_]+)\"\}", target["expr"]
+            ):
+                base = name
+                for suffix in SUFFIXES:
+                    base = base.removesuffix(suffix)
+                assert var in variables, f"{panel['title']}: ${var} is not a variable"
+                assert label in exported[base], f"{panel['title']}: {name} has no {label}"
+                filtered += 1
+    assert filtered >= 10
+    (model,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]
+    source = re.search(r"label_values\((llmgw_[a-z_]+), model\)", model["definition"])
+    assert source is not None
+    assert "model" in exported[source.group(1)]
