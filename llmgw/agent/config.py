@@ -50,6 +50,13 @@ class PortRange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     last: config.Port = placement.PORT_LIMIT - 1
 
 
+class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The agent's own /metrics and /health (llmgw.agent.metrics): 127.0.0.1 by default."""
+
+    host: str = "127.0.0.1"
+    port: config.Port = 9191
+
+
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     node_id: str = ""
     """Defaults to the short hostname; must be one NATS subject token."""
@@ -87,6 +94,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     launch: LaunchPolicy = LaunchPolicy()
     """What a StartShard may make this node run: engines, environment names, engine options
     and the directories options may read files from. Anything else is refused before launch."""
+    admin: AdminListener | None = None
+    """Where to serve the agent's metrics and health; none unless set."""
     log_level: str = "info"
 
 

@@ -42,15 +42,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
 from llmgw import __version__, bus, logs
 from llmgw import tasks as tasks_
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery, engines, ledger, refresh, reports
+from llmgw.agent import metrics as agent_metrics
 from llmgw.agent.applier import Applier
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.engines import policy
 from llmgw.agent.lease_bound import LeaseBound
+from llmgw.agent.metrics import AgentMetrics, Live
 from llmgw.agent.outbox import Outbox
 from llmgw.agent.ports import AgentPorts, CommandReader, connect_jetstream
 from llmgw.agent.shards import LIVE, ShardView, status_event
@@ -119,12 +122,16 @@ class AgentService:
         self._by_shard: dict[str, asyncio.Task[None]] = {}
         self._dispatched_seq = 0
         self._heartbeat_seq = 0
+        self.metrics = AgentMetrics(self._live)
+        self.admin_url = ""  # where its metrics and health listen (cfg.admin), once started
+        self._admin: web.AppRunner | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, stop: asyncio.Event) -> None:
         """Adopt, discover, connect, then deliver events, heartbeat and apply commands."""
         await self._prepare()
+        self._admin, self.admin_url = await agent_metrics.serve(self.metrics, self.cfg.admin)
         tasks: list[asyncio.Task[Any]] = []
         stopped = asyncio.create_task(stop.wait())
         try:
@@ -259,7 +266,14 @@ class AgentService:
             await bus.close(self.nc)
         if self.outbox is not None:
             self.outbox.close()
+        if self._admin is not None:
+            await self._admin.cleanup()
         log.info("stopped", node=self.node)
+
+    def _live(self) -> Live:
+        """What the agent's metrics read at a scrape."""
+        hb = self.heartbeats_sent
+        return agent_metrics.live(self.started, self.nc, self.outbox, self.supervisor, hb)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
         return asyncio.create_task(coro, name=f"agent-{self.node}-{what}")
@@ -292,6 +306,7 @@ class AgentService:
     async def _on_change(self, view: ShardView) -> None:
         """Every transition of every shard: into the outbox, and into the ledger if it ended."""
         self._status(view)
+        self.metrics.observe(view, self.clock())
         if view.phase not in LIVE:
             ledger.note_ended(
                 self.ledger, view.replica_id, view.shard, view.generation, self.clock()

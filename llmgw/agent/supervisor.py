@@ -23,6 +23,7 @@ on every transition (`status_event` turns it into a ShardStatus).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import secrets
@@ -117,6 +118,8 @@ class Supervisor:
         self.on_change = on_change
         self._shards: dict[tuple[str, int], _Shard] = {}
         self._prober = Prober()
+        self.probes: collections.Counter[str] = collections.Counter()
+        """Startup probes of engines so far, by result (the agent's metrics)."""
 
     # ------------------------------------------------------------------ queries
 
@@ -465,6 +468,7 @@ class Supervisor:
                 await self._set_phase(sh, "serving")
             return announced
         probe = await self._prober.probe(launch, self.settings.probe_timeout_s)
+        self.probes[probe] += 1
         if probe != "down" and startup.up_since is None:
             startup.up_since = time.monotonic()
         target: ShardPhase = sh.phase

@@ -23,14 +23,13 @@ the log (`llmgw ctl`). JSON via msgspec. Used by operators, `llmgw ctl status`,
 
 from __future__ import annotations
 
-import socket
 import ssl
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 
-from llmgw import logs
+from llmgw import listeners, logs
 from llmgw.core import placement, state, views
 
 if TYPE_CHECKING:
@@ -180,24 +179,13 @@ async def start(svc: ControlService) -> web.AppRunner:
     runner = web.AppRunner(build_app(svc), access_log=None)
     await runner.setup()
     cfg = svc.cfg.admin
-    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((cfg.host, cfg.port))
-    except OSError as exc:
-        sock.close()
+        sock = listeners.bind(cfg.host, cfg.port, setting="admin.port")
+    except OSError:
         await runner.cleanup()
-        raise OSError(
-            f"cannot listen on admin {cfg.host}:{cfg.port}: {exc.strerror}; set admin.port to "
-            "a free port (0 picks one)"
-        ) from None
-    sock.listen(128)
-    sock.setblocking(False)
+        raise
     tls = server_tls(cfg.cert_file, cfg.key_file, cfg.ca_file) if cfg.cert_file else None
     await web.SockSite(runner, sock, ssl_context=tls).start()
-    port = sock.getsockname()[1]
-    host = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
-    svc.admin_url = f"{'https' if tls else 'http'}://{host}:{port}"
+    svc.admin_url = listeners.url("https" if tls else "http", sock)
     log.info("admin_listening", url=svc.admin_url)
     return runner

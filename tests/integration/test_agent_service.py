@@ -28,6 +28,7 @@ from llmgw.agent.service import AgentService
 from llmgw.core import events, subjects
 from llmgw.natsd import free_port
 from tests.harness import Connector, TestNatsServer
+from tests.harness import wait_for as harness_wait_for
 from tests.integration import agent_kit as kit
 from tests.integration.agent_kit import Control, status
 
@@ -400,3 +401,57 @@ async def test_a_fabric_whose_ports_go_down_is_withdrawn_then_advertised_again(
     back = await kit.wait_for(admin, NODE, registered(("ib-pod-a",), 2), what="fabric back")
     assert back.id not in seen
     assert agent.svc.context.fabrics == agent.svc.inventory.fabrics != ()
+
+
+async def _get(url: str) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+        http.get(url) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+def _sample(text: str, line_start: str) -> float:
+    found = [ln for ln in text.splitlines() if ln.startswith(line_start + " ")]
+    assert len(found) == 1, (line_start, text[-2000:])
+    return float(found[0].rsplit(" ", 1)[1])
+
+
+async def test_the_agent_serves_its_own_metrics_and_health(
+    start_agent: Any, control: Control, admin: Any, nats_server: TestNatsServer
+) -> None:
+    agent = await start_agent(admin={"host": "127.0.0.1", "port": 0})
+    url = agent.svc.admin_url
+    assert url.startswith("http://127.0.0.1:")
+    await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
+    status_, body = await _get(f"{url}/health")
+    assert status_ == 200, body
+
+    port = free_port()
+    await control.start(NODE, "rep-1", kit.sim_spec(port, name="llama"))
+    await kit.wait_for(admin, NODE, status("rep-1", "serving"), what="serving")
+    _, text = await _get(f"{url}/metrics")
+    assert _sample(text, "llmgw_agent_nats_connected") == 1
+    assert _sample(text, 'llmgw_agent_shards{phase="serving"}') == 1
+    assert _sample(text, 'llmgw_agent_shard_transitions_total{phase="starting"}') == 1
+    assert _sample(text, 'llmgw_agent_shard_transitions_total{phase="serving"}') == 1
+    assert _sample(text, 'llmgw_agent_startup_probes{result="ready"}') >= 1
+    assert _sample(text, "llmgw_agent_outbox_events") >= 0
+
+    await control.stop(NODE, "rep-1", reason="test over")
+    await kit.wait_for(admin, NODE, status("rep-1", "stopped"), what="stopped")
+    _, text = await _get(f"{url}/metrics")
+    assert _sample(text, 'llmgw_agent_shard_phase_seconds_count{phase="serving"}') == 1
+    assert _sample(text, 'llmgw_agent_shard_phase_seconds_count{phase="starting"}') == 1
+
+    # NATS gone: health says what is missing, the metrics that it is disconnected.
+    await asyncio.to_thread(nats_server.stop)
+
+    async def unhealthy() -> bool:
+        code, body = await _get(f"{url}/health")
+        return code == 503 and "connected to NATS" in body
+
+    await harness_wait_for(unhealthy, 15, "health 503 without NATS", every_s=0.2)
+    _, text = await _get(f"{url}/metrics")
+    assert _sample(text, "llmgw_agent_nats_connected") == 0
+    await asyncio.to_thread(nats_server.start)

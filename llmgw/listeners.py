@@ -1,0 +1,35 @@
+"""TCP listeners for the services' HTTP APIs, bound before serving so that a taken port is a
+clear error naming the setting to change."""
+
+from __future__ import annotations
+
+import socket
+
+
+def bind(host: str, port: int, *, setting: str) -> socket.socket:
+    """A listening, non-blocking socket on `host:port` (0: a free port); an OSError saying
+    to change `setting` when it cannot bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port}: {exc.strerror}; set {setting} to a free port "
+            "(0 picks one)"
+        ) from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def url(scheme: str, sock: socket.socket) -> str:
+    """`scheme://host:port` of a bound socket (IPv6 hosts in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return (
+        f"{scheme}://[{host}]:{port}"
+        if sock.family == socket.AF_INET6
+        else f"{scheme}://{host}:{port}"
+    )
