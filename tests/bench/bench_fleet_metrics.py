@@ -9,9 +9,10 @@ Run from the repository root:
 It settles a fleet with the core's in-memory leader and agents (tests/unit/scenarios.py:
 `--nodes` nodes of 8 H100s, 10 models of 8-GPU replicas filling every GPU), then times,
 in this process, CPU only: the fleet families from the folded state
-(llmgw.core.fleet_metrics), a whole /metrics body as the leader renders it, and the
-follower's extra cost (one reconcile plan per scrape for the unplaceable verdicts). It
-prints the scrape's size. Figures are per scrape, the median of `--scrapes`.
+(llmgw.core.fleet_metrics), a whole /metrics body as the leader renders it, the
+follower's extra cost (one reconcile plan per scrape for the unplaceable verdicts), and
+the service discovery's target groups. It prints the scrape's size. Figures are per
+scrape, the median of `--scrapes`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main() -> None:
     body = metrics.render()
     fleet_lines = [ln for ln in body.decode().splitlines() if ln.startswith("llmgw_fleet_")]
     plans = max(3, args.scrapes // 4)
+    control = ("control-1:9190", "control-1")
     rows = [
         (
             "fleet families from the state",
@@ -74,6 +76,11 @@ def main() -> None:
         (
             "follower's extra: plan for unplaceable verdicts",
             f"{median_ms(lambda: views.unplaceable_codes(st, sim.now), plans):.1f} ms",
+        ),
+        (
+            "service discovery (/v1/sd/prometheus) target groups",
+            f"{median_ms(lambda: views.prometheus_targets(st, *control), args.scrapes):.1f} ms "
+            f"({len(views.prometheus_targets(st, *control)):,} groups)",
         ),
         ("scrape size", f"{len(body) / 1024:,.0f} KiB, {len(fleet_lines):,} fleet samples"),
     ]
