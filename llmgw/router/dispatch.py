@@ -25,7 +25,7 @@ from llmgw import logs
 from llmgw.core import breaker, routing
 from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import admission, auth, requests
+from llmgw.router import admission, auth, requests, tracecontext
 from llmgw.router import upstream as upstream_http
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
@@ -265,6 +265,8 @@ class Dispatcher:
         extra = [("X-Request-Id", state.rid)]
         if ep.api_key:
             extra.append(("Authorization", f"Bearer {ep.api_key}"))
+        if "traceparent" in state.request.headers:
+            extra += tracecontext.forwarded(state.request.headers)
         head = upstream_http.request_head(path, host_header, len(body), extra)
         upstream = await self._open(key, head, body, d, t0, total_at)
         try:

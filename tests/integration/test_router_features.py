@@ -103,6 +103,37 @@ def test_request_id_reaches_the_engine_and_comes_back(
         engine.stop()
 
 
+def test_a_clients_trace_context_reaches_the_engine_and_a_forged_one_does_not(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    """W3C traceparent / tracestate forwarded as received when valid (an engine that traces
+    continues the client's trace); an invalid one, and its tracestate, not at all."""
+    engine = RecordingEngine()
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    try:
+        router = Router.start(tmp_path, {"e": engine.url})
+        procs.append(router)
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        sent = [
+            {"traceparent": parent, "tracestate": "vendor=abc,other=1"},
+            {"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "tracestate": "x=1"},
+            {"traceparent": parent.upper()},
+            {},
+        ]
+        with httpx.Client(base_url=router.url) as h:
+            for headers in sent:
+                assert h.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
+        seen = [{k.lower(): v for k, v in hs.items()} for hs in engine.headers]
+        assert [(hs.get("traceparent"), hs.get("tracestate")) for hs in seen] == [
+            (parent, "vendor=abc,other=1"),
+            (None, None),
+            (None, None),
+            (None, None),
+        ]
+    finally:
+        engine.stop()
+
+
 async def test_a_failing_model_falls_back(tmp_path: Path, procs: list[Sim | Router]) -> None:
     big = Sim.start("big", "--eos-min-tokens", "3", "--eos-max-tokens", "3")
     small = Sim.start("small", "--eos-min-tokens", "3", "--eos-max-tokens", "3")

@@ -1,0 +1,45 @@
+"""W3C Trace Context validation at the router (llmgw.router.tracecontext), by property."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.router import tracecontext
+
+hexes = st.text(alphabet="0123456789abcdef", min_size=1, max_size=40)
+
+
+def hex_of(n: int) -> st.SearchStrategy[str]:
+    return st.text(alphabet="0123456789abcdef", min_size=n, max_size=n)
+
+
+@given(hex_of(32), hex_of(16), hex_of(2))
+def test_a_well_formed_version_00_header_is_valid_unless_an_id_is_zero(
+    trace: str, span: str, flags: str
+) -> None:
+    value = f"00-{trace}-{span}-{flags}"
+    expected = trace != "0" * 32 and span != "0" * 16
+    assert tracecontext.valid_traceparent(value) is expected
+    assert tracecontext.valid_traceparent(value.upper()) is (value == value.upper() and expected)
+    assert not tracecontext.valid_traceparent(value + "-extra")  # version 00 has four fields
+    assert not tracecontext.valid_traceparent("ff" + value[2:])
+
+
+@given(st.text(max_size=80), st.text(max_size=600))
+def test_what_is_forwarded_is_only_ever_valid_and_printable(parent: str, state: str) -> None:
+    out = dict(tracecontext.forwarded({"traceparent": parent, "tracestate": state}))
+    if out:
+        assert tracecontext.valid_traceparent(out["traceparent"])
+        assert out["traceparent"] == parent
+    for value in out.values():
+        assert "\r" not in value
+        assert "\n" not in value
+        assert len(value) <= tracecontext.MAX_TRACESTATE
+    if "tracestate" in out:
+        assert out["tracestate"] == state
+
+
+def test_no_traceparent_means_no_tracestate() -> None:
+    assert tracecontext.forwarded({"tracestate": "a=1"}) == []
+    assert tracecontext.forwarded({}) == []
