@@ -57,6 +57,15 @@ class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     port: config.Port = 9191
 
 
+class TracesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The fleet's OpenTelemetry collector, for engines that trace (vLLM, SGLang)."""
+
+    collector: str
+    """`host:port` of an OTLP/gRPC collector (4317 by convention)."""
+    insecure: bool = True
+    """Plain gRPC, as a collector inside the fleet's network usually listens."""
+
+
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     node_id: str = ""
     """Defaults to the short hostname; must be one NATS subject token."""
@@ -94,6 +103,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     launch: LaunchPolicy = LaunchPolicy()
     """What a StartShard may make this node run: engines, environment names, engine options
     and the directories options may read files from. Anything else is refused before launch."""
+    traces: TracesConfig | None = None
+    """Where vLLM and SGLang engines send their traces (they continue a request's W3C
+    trace context, which routers forward); none unless set."""
     admin: AdminListener | None = None
     """Where to serve the agent's metrics and health; none unless set."""
     log_level: str = "info"
@@ -221,6 +233,13 @@ def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
             "outbox_max_events must be >= 1 and outbox_max_bytes >= 4096: the outbox keeps the "
             "node's events while NATS is unreachable"
         )
+    if cfg.traces is not None:
+        host, sep, port = cfg.traces.collector.rpartition(":")
+        if not (sep and host and "/" not in host and port.isdigit() and 0 < int(port) < 65536):
+            raise config.ConfigError(
+                f"traces.collector {cfg.traces.collector!r} is not host:port: give the OTLP/gRPC "
+                "collector's address, e.g. otel-collector.example.internal:4317"
+            )
     errors = policy_errors(cfg.launch)
     if errors:
         raise config.ConfigError("; ".join(errors))
@@ -246,4 +265,6 @@ def launch_context(cfg: AgentConfig, inventory: Inventory) -> LaunchContext:
         fabrics=inventory.fabrics,
         port_range=(cfg.engine_ports.first, cfg.engine_ports.last),
         commands=dict(cfg.engine_commands),
+        traces=cfg.traces.collector if cfg.traces is not None else "",
+        traces_insecure=cfg.traces.insecure if cfg.traces is not None else True,
     )

@@ -8,7 +8,7 @@ import pytest
 
 from llmgw import config
 from llmgw.agent import config as agent_config
-from llmgw.core.inventory import Hca
+from llmgw.core.inventory import Hca, Inventory
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -139,3 +139,24 @@ def test_fabric_warnings_from_discovery() -> None:
         'fabric "ib-a" mixes InfiniBand and RoCE ports: NCCL cannot cross between them; list '
         "only adapters of one kind",
     ]
+
+
+@pytest.mark.parametrize(
+    "collector", ["otel", "otel:", ":4317", "otel:99999", "http://otel:4317/v1", "otel:port"]
+)
+def test_a_traces_collector_must_be_host_and_port(collector: str) -> None:
+    with pytest.raises(config.ConfigError, match=r"traces.collector .* is not host:port"):
+        agent_config.load(overrides={"traces": {"collector": collector}}, environ={}, hostname="n")
+
+
+def test_a_traces_collector_reaches_the_launch_context() -> None:
+    cfg = agent_config.load(
+        overrides={"traces": {"collector": "otel.example.internal:4317", "insecure": False}},
+        environ={},
+        hostname="gpu-01",
+    )
+    context = agent_config.launch_context(cfg, Inventory())
+    assert context.traces == "otel.example.internal:4317"
+    assert context.traces_insecure is False
+    plain = agent_config.load(environ={}, hostname="gpu-01")
+    assert agent_config.launch_context(plain, Inventory()).traces == ""

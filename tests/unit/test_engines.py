@@ -255,6 +255,41 @@ def test_the_agents_gpu_and_nccl_pinning_wins_over_the_spec() -> None:
     assert launch.env["NCCL_DEBUG"] == "INFO"
 
 
+TRACED = replace(CONTEXT, traces="otel.example.internal:4317")
+
+
+@pytest.mark.parametrize(
+    ("engine", "flags"),
+    [
+        ("vllm", ["--otlp-traces-endpoint", "grpc://otel.example.internal:4317"]),
+        ("sglang", ["--enable-trace", "--otlp-traces-endpoint", "otel.example.internal:4317"]),
+    ],
+)
+def test_a_fleet_collector_makes_tracing_engines_export_to_it(
+    engine: str, flags: list[str]
+) -> None:
+    launch = engines.plan(spec(engine), H100, TRACED)
+    joined = " ".join(launch.argv)
+    assert " ".join(flags) in joined
+    assert all(f in known_flags(engine) for f in flags if f.startswith("--"))
+    assert launch.env["OTEL_SERVICE_NAME"] == engine
+    assert launch.env["OTEL_EXPORTER_OTLP_TRACES_INSECURE"] == "true"
+    # Without a collector, none of it; a headless worker rank serves nothing to trace.
+    assert "--otlp-traces-endpoint" not in engines.plan(spec(engine), H100, CONTEXT).argv
+    assert "--otlp-traces-endpoint" not in engines.plan(multi_node(engine, 1), H100, TRACED).argv
+    secure = engines.plan(spec(engine), H100, replace(TRACED, traces_insecure=False))
+    assert "OTEL_EXPORTER_OTLP_TRACES_INSECURE" not in secure.env
+    named = engines.plan(replace(spec(engine), env={"OTEL_SERVICE_NAME": "m"}), H100, TRACED)
+    assert named.env["OTEL_SERVICE_NAME"] == "m"
+
+
+def test_engines_that_do_not_trace_get_no_tracing_settings() -> None:
+    for engine in ("llamacpp", "sim"):
+        launch = engines.plan(spec(engine), H100, TRACED)
+        assert "otel" not in " ".join(launch.argv)
+        assert not any(k.startswith("OTEL_") for k in launch.env)
+
+
 def test_engine_command_from_the_config() -> None:
     context = LaunchContext(commands={"vllm": ("/opt/vllm/bin/vllm", "serve")})
     assert engines.plan(spec(), H100, context).argv[:3] == (

@@ -87,6 +87,12 @@ def environment(spec: LaunchSpec, context: LaunchContext) -> dict[str, str]:
         # Leaving it open lets NCCL pick an adapter on a fabric where the peer is
         # unreachable, and the job hangs instead of failing.
         env["NCCL_IB_HCA"] = "=" + ",".join(fabric.hcas)
+    if context.traces and spec.engine in ("vllm", "sglang"):
+        # The OpenTelemetry SDK's own settings: a name to tell engines from routers in a
+        # trace (the spec may name it otherwise), and plain gRPC to an in-fleet collector.
+        env.setdefault("OTEL_SERVICE_NAME", spec.engine)
+        if context.traces_insecure:
+            env["OTEL_EXPORTER_OTLP_TRACES_INSECURE"] = "true"
     return env
 
 

@@ -28,6 +28,9 @@ class LaunchContext(msgspec.Struct, frozen=True, kw_only=True):
     port_range: tuple[int, int] = (1, 65535)
     commands: dict[Engine, tuple[str, ...]] = msgspec.field(default_factory=dict)
     """Overrides of DEFAULT_COMMANDS, e.g. {"vllm": ("/opt/vllm/bin/vllm", "serve")}."""
+    traces: str = ""
+    """`host:port` of the OTLP/gRPC collector engines that trace send to; empty: none."""
+    traces_insecure: bool = True
 
     def command(self, engine: Engine) -> tuple[str, ...]:
         return tuple(self.commands.get(engine, DEFAULT_COMMANDS[engine]))

@@ -28,6 +28,8 @@ def argv(spec: LaunchSpec, context: LaunchContext) -> tuple[str, ...]:
         args += ["--served-model-name", spec.served_name]
         # Without it SGLang has no /metrics, and routers score it blind.
         args.append("--enable-metrics")
+        if context.traces:
+            args += ["--enable-trace", "--otlp-traces-endpoint", context.traces]
     if spec.nnodes > 1:
         args += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank)]
         args += ["--dist-init-addr", f"{spec.head_address}:{spec.head_port}"]

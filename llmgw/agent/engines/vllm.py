@@ -18,6 +18,9 @@ def argv(spec: LaunchSpec, context: LaunchContext) -> tuple[str, ...]:
     if spec.node_rank == 0:
         args += ["--served-model-name", spec.served_name, *spec.aliases]
         args += ["--host", context.host, "--port", str(spec.port)]
+        if context.traces:
+            # vLLM continues a request's W3C trace context (routers forward it).
+            args += ["--otlp-traces-endpoint", f"grpc://{context.traces}"]
     args += ["--tensor-parallel-size", str(spec.tensor_parallel)]
     args += ["--pipeline-parallel-size", str(spec.pipeline_parallel)]
     if spec.dtype == "fp8":
