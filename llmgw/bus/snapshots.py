@@ -187,8 +187,8 @@ class SnapshotStore:
 
     async def _read(self, name: str) -> bytes:
         """An object's bytes, chunk by chunk with message gets, its digest checked."""
-        info = next((i for i in await self._infos() if i.name == name), None)
-        if info is None or not info.nuid:
+        info = await self._store.get_info(name)  # a last-message get of its metadata
+        if not info.nuid:
             raise nats.js.errors.NotFoundError
         subject = _CHUNKS + info.nuid
         data = bytearray()

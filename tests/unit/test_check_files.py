@@ -36,30 +36,51 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _control(tmp_path: Path, nats: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "control.yaml"
-    path.write_text(yaml.safe_dump({"name": "c1", "nats": nats}))
-    return _run("control", "--config", str(path), "--check")
+def _config(service: str, tmp_path: Path, nats: dict[str, str]) -> dict[str, object]:
+    if service == "control":
+        return {"name": "c1", "nats": nats}
+    return {"node_id": "n1", "state_dir": str(tmp_path / "state"), "nats": nats}
 
 
-def test_control_check_passes_with_real_files(pki: TestPki, tmp_path: Path) -> None:
-    done = _control(tmp_path, _files(pki, "control", "c1"))
+# Each service's command: the kind of identity it runs as and its name's prefix (c1, n1).
+SERVICES = {"control": ("control", "c"), "agent": ("node", "n")}
+
+
+def _check(service: str, tmp_path: Path, nats: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / f"{service}.yaml"
+    path.write_text(yaml.safe_dump(_config(service, tmp_path, nats)))
+    return _run(service, "--config", str(path), "--check")
+
+
+def _own(pki: TestPki, service: str, name: str = "1") -> dict[str, str]:
+    kind, prefix = SERVICES[service]
+    return _files(pki, kind, prefix + name)
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_check_passes_with_real_files(pki: TestPki, tmp_path: Path, service: str) -> None:
+    done = _check(service, tmp_path, _own(pki, service))
     assert done.returncode == 0, done.stderr
     assert "ok" in done.stdout
 
 
+@pytest.mark.parametrize("service", SERVICES)
 @pytest.mark.parametrize("field", ["ca_file", "cert_file", "key_file"])
-def test_control_check_refuses_a_missing_file(pki: TestPki, tmp_path: Path, field: str) -> None:
-    nats = {**_files(pki, "control", "c1"), field: str(tmp_path / "gone.pem")}
-    done = _control(tmp_path, nats)
+def test_check_refuses_a_missing_file(
+    pki: TestPki, tmp_path: Path, service: str, field: str
+) -> None:
+    done = _check(service, tmp_path, {**_own(pki, service), field: str(tmp_path / "gone.pem")})
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert f"nats.{field}: {tmp_path / 'gone.pem'} does not exist" in done.stderr
     assert "ok" not in done.stdout
 
 
-def test_control_check_refuses_a_key_of_another_certificate(pki: TestPki, tmp_path: Path) -> None:
-    nats = {**_files(pki, "control", "c1"), "key_file": _files(pki, "control", "c2")["key_file"]}
-    done = _control(tmp_path, nats)
+@pytest.mark.parametrize("service", SERVICES)
+def test_check_refuses_a_key_of_another_certificate(
+    pki: TestPki, tmp_path: Path, service: str
+) -> None:
+    nats = {**_own(pki, service), "key_file": _own(pki, service, "2")["key_file"]}
+    done = _check(service, tmp_path, nats)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "nats: cannot use" in done.stderr
 
@@ -93,31 +114,3 @@ def test_router_check_refuses_missing_log_files(pki: TestPki, tmp_path: Path) ->
     assert done.returncode == 2
     assert "log.cert_file" in done.stderr
     assert "does not exist" in done.stderr
-
-
-def _agent(tmp_path: Path, nats: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "agent.yaml"
-    cfg = {"node_id": "n1", "state_dir": str(tmp_path / "state"), "nats": nats}
-    path.write_text(yaml.safe_dump(cfg))
-    return _run("agent", "--config", str(path), "--check")
-
-
-def test_agent_check_passes_with_real_files(pki: TestPki, tmp_path: Path) -> None:
-    done = _agent(tmp_path, _files(pki, "node", "n1"))
-    assert done.returncode == 0, done.stderr
-    assert "ok" in done.stdout
-
-
-@pytest.mark.parametrize("field", ["ca_file", "cert_file", "key_file"])
-def test_agent_check_refuses_a_missing_file(pki: TestPki, tmp_path: Path, field: str) -> None:
-    done = _agent(tmp_path, {**_files(pki, "node", "n1"), field: str(tmp_path / "gone.pem")})
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert f"nats.{field}: {tmp_path / 'gone.pem'} does not exist" in done.stderr
-    assert "ok" not in done.stdout
-
-
-def test_agent_check_refuses_a_key_of_another_certificate(pki: TestPki, tmp_path: Path) -> None:
-    nats = {**_files(pki, "node", "n1"), "key_file": _files(pki, "node", "n2")["key_file"]}
-    done = _agent(tmp_path, nats)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert "nats: cannot use" in done.stderr
