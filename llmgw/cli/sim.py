@@ -7,6 +7,7 @@ of precedence (flags win). The agent's sim adapter and the tests use the flags.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, get_args
 
@@ -88,6 +89,12 @@ def command(
         help="Require `Authorization: Bearer KEY` on /v1 and /sim (not /health, /metrics);"
         " prefer the environment variable: a command line is visible in `ps`.",
     ),
+    kv_events_config: str | None = typer.Option(
+        None,
+        "--kv-events-config",
+        help="vLLM's KV event publishing JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'.',
+    ),
     config_path: Path | None = typer.Option(
         None, "--config", help="YAML file of settings (see schemas/sim-config.schema.json)."
     ),
@@ -100,6 +107,18 @@ def command(
             err=True,
         )
         raise typer.Exit(2)
+    kv_events: dict[str, Any] | None = None
+    if kv_events_config is not None:
+        try:
+            kv_events = json.loads(kv_events_config)
+        except ValueError as exc:
+            typer.echo(f"llmgw sim: --kv-events-config is not JSON: {exc}", err=True)
+            raise typer.Exit(2) from None
+        if not isinstance(kv_events, dict):
+            typer.echo("llmgw sim: --kv-events-config must be a JSON object", err=True)
+            raise typer.Exit(2)
+        if not kv_events.get("enable_kv_cache_events", False):
+            kv_events = None  # vLLM publishes nothing unless enabled
     flags: dict[str, Any] = {
         "host": host,
         "port": port,
@@ -115,6 +134,7 @@ def command(
         "shutdown_timeout_s": shutdown_timeout_s,
         "log_level": log_level,
         "api_key": api_key,
+        "kv_events_config": kv_events,
         "latency": {
             "decode_base_ms": decode_base_ms,
             "decode_per_seq_ms": decode_per_seq_ms,

@@ -85,6 +85,36 @@ class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         return None
 
 
+class KvEventsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's `--kv-events-config` (the same JSON): publish the KV cache's block events.
+
+    With `publisher: zmq` the sim binds a ZMQ PUB socket at `endpoint` and, given
+    `replay_endpoint`, a ROUTER socket that answers replay requests from the last
+    `buffer_steps` batches (llmgw.sim.kvevents). Fields of vLLM's that the sim does not
+    use are accepted and ignored, so one config line serves both.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def problem(self) -> str | None:
+        if self.publisher not in ("null", "zmq"):
+            return f"publisher {self.publisher!r} is not one the sim has: use zmq or null"
+        if min(self.buffer_steps, self.hwm, self.max_queue_size) < 1:
+            return "buffer_steps, hwm and max_queue_size must be >= 1"
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                return f"{name} {value!r} is not a ZMQ address (tcp://HOST:PORT, ipc://PATH)"
+        return None
+
+
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One simulated engine: where it listens, what it serves, and how it behaves."""
 
@@ -115,9 +145,19 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     shutdown_timeout_s: float = 2.0
     """On SIGTERM, how long requests in flight may finish before connections close."""
     log_level: str = "info"
+    kv_events_config: KvEventsConfig | None = None
+    """Publish KV block events as vLLM does (`--kv-events-config JSON`)."""
     api_key: str = ""
     """With a key, every /v1 route, /sim/* and /reset_prefix_cache answer 401 without
     `Authorization: Bearer <key>`; /health and /metrics stay open, as in vLLM."""
+
+    @property
+    def kv_events(self) -> KvEventsConfig | None:
+        """The KV event publishing in effect: enabled, with a real publisher; else None."""
+        kv = self.kv_events_config
+        if kv is None or not kv.enable_kv_cache_events or kv.publisher == "null":
+            return None
+        return kv
 
     def problems(self) -> list[str]:
         """Everything wrong with this configuration, each said with what to change."""
@@ -147,6 +187,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         lat = self.latency
         if min(lat.decode_base_ms, lat.decode_per_seq_ms, lat.prefill_per_token_ms) < 0:
             out.append("latency values must be >= 0 milliseconds")
+        kv = self.kv_events_config
+        kv_problem = kv.problem() if kv is not None else None
+        if kv_problem:
+            out.append(f"kv_events_config: {kv_problem}")
         fault = self.faults.problem()
         if fault:
             out.append(f"faults: {fault}")

@@ -123,7 +123,7 @@ class Engine:
         self.block_size = cfg.block_size
         self.max_num_seqs = cfg.max_num_seqs
         self.latency = cfg.latency
-        self.pool = BlockPool(cfg.num_blocks)
+        self.pool = BlockPool(cfg.num_blocks, record_events=cfg.kv_events is not None)
         self.stats = Stats(cfg.max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -213,8 +213,12 @@ class Engine:
             waiting.popleft()
             pool.touch(hits)
             r.blocks = hits + pool.allocate(need)
-            for j in range(len(hits), full):
-                pool.cache(r.blocks[j], r.hashes[j])
+            if pool.record_events:
+                for j in range(len(hits), full):
+                    pool.cache(r.blocks[j], r.hashes[j], *self._stored(r, j))
+            else:
+                for j in range(len(hits), full):
+                    pool.cache(r.blocks[j], r.hashes[j])
             hit_tokens = len(hits) * bs
             stats.prefix_cache_queries += n
             stats.prefix_cache_hits += hit_tokens
@@ -227,6 +231,11 @@ class Engine:
             r.state = RUNNING
             running.append(r)
         return prefill
+
+    def _stored(self, r: Request, j: int) -> tuple[int | None, list[int]]:
+        """Block `j` of `r` as its BlockStored event says it: parent hash, token ids."""
+        bs = self.block_size
+        return (r.hashes[j - 1] if j else None), tokens.token_ids(r.tokens[j * bs : (j + 1) * bs])
 
     def _tell_waiting(self) -> None:
         """Touch each request the first time a step leaves it waiting, so that the
@@ -258,7 +267,11 @@ class Engine:
             # A block just filled: make it findable, so a conversation's next turn
             # (which repeats this output in its prompt) hits the cache.
             tokens.block_hashes(toks, bs, len(r.hashes), r.hashes)
-            self.pool.cache(r.blocks[n // bs - 1], r.hashes[n // bs - 1])
+            j = n // bs - 1
+            if self.pool.record_events:
+                self.pool.cache(r.blocks[j], r.hashes[j], *self._stored(r, j))
+            else:
+                self.pool.cache(r.blocks[j], r.hashes[j])
         stats = self.stats
         stats.generation_tokens += 1
         if r.first_token_at is None:

@@ -12,6 +12,11 @@ beginning.
 Usage as vLLM reports it (`vllm:kv_cache_usage_perc`) counts only blocks with a
 reference: cached blocks that nobody holds are free memory.
 
+With `record_events=True` the pool also keeps, in `events`, what an engine publishes
+with `--kv-events-config` (llmgw.sim.kvevents): BlockStored when a block becomes
+findable (its parent's hash and its token ids with it), BlockRemoved when a cached block
+is evicted or forgotten, as tuples the publisher turns into vLLM's wire format.
+
 Used by `llmgw.sim.engine`. Purely computational; the accounting is exact, and
 `check()` verifies it (unit tests call it after every operation).
 """
@@ -33,10 +38,16 @@ class Block:
         return f"Block({self.id}, ref={self.ref}, hash={self.hash})"
 
 
+StoredEvent = tuple[str, list[int], int | None, list[int]]
+"""("stored", block hashes, parent hash, token ids of those blocks)."""
+RemovedEvent = tuple[str, list[int]]
+"""("removed", block hashes)."""
+
+
 class BlockPool:
     """All blocks, the free LRU queue and the prefix-cache index."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, record_events: bool = False) -> None:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks nobody references, least recently freed first; cached ones among them
@@ -44,6 +55,16 @@ class BlockPool:
         self.free: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
         self.evictions = 0
+        self.record_events = record_events
+        self.events: list[StoredEvent | RemovedEvent] = []
+        """Since the publisher last took them (only with `record_events`)."""
+
+    def _removed(self, block_hash: int) -> None:
+        events = self.events
+        if events and events[-1][0] == "removed":
+            events[-1][1].append(block_hash)
+        else:
+            events.append(("removed", [block_hash]))
 
     @property
     def num_free(self) -> int:
@@ -94,6 +115,8 @@ class BlockPool:
             if b.hash is not None:
                 if cached.get(b.hash) is b:
                     del cached[b.hash]
+                    if self.record_events:
+                        self._removed(b.hash)
                 b.hash = None
                 self.evictions += 1
             b.ref = 1
@@ -108,12 +131,34 @@ class BlockPool:
             if b.ref == 0:
                 free[b.id] = b
 
-    def cache(self, block: Block, block_hash: int) -> None:
+    def cache(
+        self,
+        block: Block,
+        block_hash: int,
+        parent: int | None = None,
+        token_ids: list[int] | None = None,
+    ) -> None:
         """Make a full block findable by its chained hash. If another block already
-        holds the same content, this one stays uncached (vLLM does the same)."""
+        holds the same content, this one stays uncached (vLLM does the same).
+        `parent` (the hash of the block before, None for a prompt's first) and the
+        block's `token_ids` are what its BlockStored event says."""
         if block.hash is None and block_hash not in self.cached:
             block.hash = block_hash
             self.cached[block_hash] = block
+            if self.record_events:
+                ids = token_ids or []
+                events = self.events
+                last = events[-1] if events else None
+                # A run of blocks of one prompt is one event, as vLLM sends it.
+                if last is not None and last[0] == "stored" and last[1][-1] == parent:
+                    last[1].append(block_hash)
+                    last[3].extend(ids)  # type: ignore[misc]
+                else:
+                    events.append(("stored", [block_hash], parent, list(ids)))
+
+    def take_events(self) -> list[StoredEvent | RemovedEvent]:
+        out, self.events = self.events, []
+        return out
 
     def reset_cache(self) -> int:
         """Forget every cached block nobody holds; returns how many were forgotten."""
@@ -121,6 +166,8 @@ class BlockPool:
         for b in self.free.values():
             if b.hash is not None:
                 del self.cached[b.hash]
+                if self.record_events:
+                    self._removed(b.hash)
                 b.hash = None
                 n += 1
         return n

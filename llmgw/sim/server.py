@@ -32,7 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import logs
-from llmgw.sim import api, faultplan, streaming, tokens
+from llmgw.sim import api, faultplan, kvevents, streaming, tokens
 from llmgw.sim.config import Faults, SimConfig
 from llmgw.sim.engine import Engine, Request
 from llmgw.sim.metrics import registry_for
@@ -77,6 +77,7 @@ class SimServer:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.log = logs.get("llmgw.sim")
+        self.kv_events: kvevents.Publisher | None = None
 
     # --- application -------------------------------------------------------------
 
@@ -125,6 +126,10 @@ class SimServer:
         return response
 
     async def _start_engine(self, _app: web.Application) -> None:
+        kv = self.cfg.kv_events
+        if kv is not None:
+            self.kv_events = kvevents.Publisher(kv, self.cfg.block_size)
+            self.log.info("kv_events", endpoint=kv.endpoint, replay=kv.replay_endpoint)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run_engine(), name="sim-engine")
 
@@ -133,6 +138,8 @@ class SimServer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # --- engine loop -------------------------------------------------------------
 
@@ -156,10 +163,12 @@ class SimServer:
                         if not engine.running:
                             break
                         budget -= len(engine.running)
+                    self._publish_kv()
                     self._deliver()
                     await asyncio.sleep(0)
                 else:
                     end = now + engine.step(now)
+                    self._publish_kv()
                     # The step's tokens exist at its end: deliver them then, not before.
                     await asyncio.sleep(max(0.0, end - loop.time()))
                     self._deliver()
@@ -168,6 +177,11 @@ class SimServer:
         except Exception:  # pragma: no cover - a bug; say so loudly rather than hang clients
             self.log.exception("engine_loop_failed")
             raise
+
+    def _publish_kv(self) -> None:
+        """The step's block events, as one batch (what vLLM sends per scheduler step)."""
+        if self.kv_events is not None and self.engine.pool.events:
+            self.kv_events.publish(self.engine.pool.take_events())
 
     def _deliver(self) -> None:
         for r in self.engine.drain_touched():
@@ -330,6 +344,7 @@ class SimServer:
     async def _reset_prefix_cache(self, _request: web.Request) -> web.Response:
         """vLLM's endpoint of the same name: forget every cached block nobody holds."""
         forgotten = self.engine.pool.reset_cache()
+        self._publish_kv()
         self.log.info("prefix_cache_reset", blocks=forgotten)
         return web.Response()
 

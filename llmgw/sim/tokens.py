@@ -52,6 +52,25 @@ def tokenize(text: str) -> list[str]:
     return _TOKEN.findall(text)
 
 
+_IDS: dict[str, int] = {}
+
+
+def token_id(piece: str) -> int:
+    """The id of one token: stable across processes (a CRC of its text, 31 bits), so that a
+    router tokenizing a prompt as the sim does computes the ids the sim's KV events carry."""
+    got = _IDS.get(piece)
+    if got is None:
+        got = zlib.crc32(piece.encode("utf-8", "surrogatepass")) & 0x7FFFFFFF
+        if len(_IDS) < 1_000_000:
+            _IDS[piece] = got
+    return got
+
+
+def token_ids(pieces: Iterable[str]) -> list[int]:
+    ids = _IDS
+    return [ids.get(p) or token_id(p) for p in pieces]
+
+
 def count(text: str) -> int:
     return len(_TOKEN.findall(text))
 

@@ -1,0 +1,314 @@
+"""Prompt blocks of the engines' KV caches, keyed the same way by engines' events and by routers.
+
+An engine with prefix caching keeps the KV of whole blocks of `block_size` tokens and
+finds a block again by a chained hash of its tokens and everything before it. Its own
+hash is internal (vLLM's is a salted SHA-256 or a Python hash, SGLang's its own), so
+llmgw keys blocks by what both sides can compute: `block_keys` chains a BLAKE2b of each
+block's token ids onto its parent's key. A router computes the keys of a request's prompt
+from the model's tokenizer; an agent computes the keys of what an engine stored from the
+token ids its `BlockStored` events carry (llmgw.agent.kvrelay). Equal keys mean equal
+whole prefixes.
+
+`EngineBlocks` folds one engine's events (vLLM's `BlockStored` / `BlockRemoved` /
+`AllBlocksCleared`, decoded by `decode_batch`, which reads both the array and the map
+encodings vLLM and SGLang have used) into the set of keys it holds. `KvUpdate` is what an
+agent relays onto NATS for one endpoint: the keys stored and removed since the last one,
+or the whole resident set (`full`), so a router that starts late is warm from the latest
+full update on. Purely computational.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+KEY_ROOT = 0
+"""The parent key of a prompt's first block."""
+MAX_TOKEN_ID = (1 << 64) - 1
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, *, parent: int = KEY_ROOT, limit: int = -1
+) -> list[int]:
+    """Chained keys of the whole blocks of `token_ids` (a trailing partial block has none),
+    at most `limit` of them (-1: all). Each key covers its block and every block before it.
+
+    Raises ValueError for a block size below 1 or a token id outside 0..2**64-1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, not {block_size}")
+    n = len(token_ids) // block_size
+    if 0 <= limit < n:
+        n = limit
+    if n == 0:
+        return []
+    try:
+        packed = struct.pack(f"<{n * block_size}Q", *token_ids[: n * block_size])
+    except struct.error:
+        raise ValueError("token ids must be integers in 0..2**64-1") from None
+    step = 8 * block_size
+    out: list[int] = []
+    blake = hashlib.blake2b
+    from_bytes = int.from_bytes
+    prev = parent.to_bytes(8, "little")
+    for i in range(0, n * step, step):
+        prev = blake(prev + packed[i : i + step], digest_size=8).digest()
+        out.append(from_bytes(prev, "little"))
+    return out
+
+
+# ------------------------------------------------------------------ engine events
+
+
+class BlockStored(msgspec.Struct, frozen=True):
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, frozen=True):
+    block_hashes: list[Any]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True):
+    pass
+
+
+EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, frozen=True):
+    ts: float
+    events: list[EngineEvent]
+    data_parallel_rank: int | None = None
+
+
+class BadBatch(ValueError):
+    """An engine's message that is not a KV event batch."""
+
+
+# Field order of vLLM's array encoding (msgspec `array_like`, the tag first).
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                  "medium", "lora_name", "extra_keys", "group_idx")  # fmt: skip
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, int | bytes | str) or value is None:
+        return value
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    raise BadBatch(f"a block hash must be an integer or bytes, not {type(value).__name__}")
+
+
+def _kind(raw: Any) -> str:
+    if isinstance(raw, dict):
+        return str(raw.get("type"))
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        return raw[0]
+    raise BadBatch("an event must be a tagged array or map")
+
+
+def _fields(raw: Any, names: Sequence[str]) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return raw
+    return dict(zip(names, raw[1:], strict=False))
+
+
+def _event(raw: Any) -> EngineEvent | None:
+    kind = _kind(raw)
+    if kind == "BlockStored":
+        f = _fields(raw, _STORED_FIELDS)
+        ids = f.get("token_ids")
+        hashes = f.get("block_hashes")
+        size = f.get("block_size")
+        if not isinstance(ids, list) or not isinstance(hashes, list) or type(size) is not int:
+            raise BadBatch("BlockStored needs block_hashes, token_ids and block_size")
+        if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
+            raise BadBatch("BlockStored token_ids must be integers in 0..2**64-1")
+        if size < 1 or len(ids) < size * len(hashes):
+            raise BadBatch(
+                f"BlockStored holds {len(ids)} token ids for {len(hashes)} blocks of {size}"
+            )
+        lora = f.get("lora_name")
+        medium = f.get("medium")
+        group = f.get("group_idx")
+        return BlockStored(
+            [_hashable(h) for h in hashes],
+            _hashable(f.get("parent_block_hash")),
+            ids,
+            size,
+            lora if isinstance(lora, str) else None,
+            medium if isinstance(medium, str) else None,
+            group if type(group) is int else None,
+        )
+    if kind == "BlockRemoved":
+        f = _fields(raw, _REMOVED_FIELDS)
+        hashes = f.get("block_hashes")
+        if not isinstance(hashes, list):
+            raise BadBatch("BlockRemoved needs block_hashes")
+        medium = f.get("medium")
+        group = f.get("group_idx")
+        return BlockRemoved(
+            [_hashable(h) for h in hashes],
+            medium if isinstance(medium, str) else None,
+            group if type(group) is int else None,
+        )
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None  # a kind of a newer engine: not ours to fold
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """An engine's KV event batch (msgpack), in either encoding; BadBatch if it is not one.
+    Events of kinds this version does not know are left out."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadBatch(f"not msgpack: {exc}") from None
+    if isinstance(raw, dict):
+        ts, items, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, items = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    else:
+        raise BadBatch("a batch must be an array or a map of ts, events")
+    if not isinstance(ts, int | float) or not isinstance(items, list):
+        raise BadBatch("a batch needs a numeric ts and a list of events")
+    out = [e for e in (_event(r) for r in items) if e is not None]
+    return EventBatch(float(ts), out, rank if type(rank) is int else None)
+
+
+def _gpu(medium: str | None, group: int | None) -> bool:
+    # Blocks offloaded to CPU or disk, and the second KV group of a hybrid model, do not
+    # make a prompt's prefill cheaper the way the GPU prefix cache does: not folded.
+    return (medium is None or medium.upper() == "GPU") and not group
+
+
+class EngineBlocks:
+    """The keys of the blocks one engine holds, folded from its events.
+
+    `apply` returns what changed: the keys newly held and the keys no longer held. A
+    BlockStored whose parent it never saw stored (it started listening late, or missed a
+    batch) cannot be keyed and is counted in `unkeyed`.
+    """
+
+    def __init__(self) -> None:
+        self.key_of: dict[Any, int] = {}
+        """Engine hash -> key."""
+        self.held: dict[int, int] = {}
+        """Key -> how many engine blocks hold it (two engine hashes may share content)."""
+        self.unkeyed = 0
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def apply(self, events: Iterable[EngineEvent]) -> tuple[list[int], list[int], bool]:
+        """Fold events; (keys now held, keys no longer held, whether everything was cleared
+        first). Keys are each reported once per call, in the order they changed."""
+        stored: dict[int, None] = {}
+        removed: dict[int, None] = {}
+        cleared = False
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if not _gpu(ev.medium, ev.group_idx):
+                    continue
+                parent = ev.parent_block_hash
+                key = KEY_ROOT if parent is None else self.key_of.get(parent)
+                if key is None:
+                    self.unkeyed += len(ev.block_hashes)
+                    continue
+                size = ev.block_size
+                keys = block_keys(ev.token_ids[: size * len(ev.block_hashes)], size, parent=key)
+                for h, k in zip(ev.block_hashes, keys, strict=True):
+                    if h in self.key_of:
+                        continue  # a repeated event (at-least-once delivery)
+                    self.key_of[h] = k
+                    n = self.held.get(k, 0)
+                    self.held[k] = n + 1
+                    if n == 0:
+                        removed.pop(k, None)
+                        stored[k] = None
+            elif isinstance(ev, BlockRemoved):
+                if not _gpu(ev.medium, ev.group_idx):
+                    continue
+                for h in ev.block_hashes:
+                    if h not in self.key_of:
+                        continue
+                    k = self.key_of.pop(h)
+                    n = self.held[k] - 1
+                    if n:
+                        self.held[k] = n
+                    else:
+                        del self.held[k]
+                        if k in stored:
+                            del stored[k]  # stored and gone within this call
+                        else:
+                            removed[k] = None
+            else:
+                self.key_of.clear()
+                self.held.clear()
+                stored.clear()
+                removed.clear()
+                cleared = True
+        return list(stored), list(removed), cleared
+
+
+# ------------------------------------------------------------------ the relayed form
+
+
+class KvUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """One endpoint's change of cache, as an agent relays it (msgpack on `llmgw.kv.<node>...`).
+
+    `instance` changes whenever the engine (re)starts: a router drops what it knew of an
+    older instance. `seq` counts the updates of one instance from 1, so a router notices one
+    it missed and waits for the next `full` update (sent every few seconds) rather than
+    trusting an index with a hole in it.
+    """
+
+    endpoint: str
+    model: str
+    block_size: int
+    instance: str
+    seq: int
+    full: bool = False
+    """`stored` is everything the engine holds; anything else known of it goes."""
+    stored: list[int] = []
+    removed: list[int] = []
+    ts: float = 0.0
+    """When the agent sent it (its clock, UNIX seconds)."""
+
+
+_UPDATE_ENCODER = msgspec.msgpack.Encoder()
+_UPDATE_DECODER = msgspec.msgpack.Decoder(KvUpdate)
+MAX_KEYS_PER_UPDATE = 50_000
+"""About 450 KB of msgpack: under NATS's default 1 MiB message limit with room to spare."""
+
+
+def encode_update(update: KvUpdate) -> bytes:
+    return _UPDATE_ENCODER.encode(update)
+
+
+def decode_update(payload: bytes) -> KvUpdate:
+    """A relayed update; ValueError with the reason if it is not a valid one."""
+    try:
+        u = _UPDATE_DECODER.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ValueError(f"not a KV update: {exc}") from None
+    if u.block_size < 1 or u.seq < 1:
+        raise ValueError("a KV update needs block_size >= 1 and seq >= 1")
+    if len(u.stored) + len(u.removed) > MAX_KEYS_PER_UPDATE:
+        raise ValueError(f"a KV update carries at most {MAX_KEYS_PER_UPDATE} keys")
+    if any(not 0 <= k < 1 << 64 for k in u.stored) or any(not 0 <= k < 1 << 64 for k in u.removed):
+        raise ValueError("KV keys are 64-bit unsigned integers")
+    return u
