@@ -100,6 +100,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     outbox_max_bytes: int = 64 * 1024 * 1024
     engine_poll_s: float = 0.5
     """How often the supervisor checks each engine's liveness and readiness."""
+    kv_events: bool = True
+    """Start vLLM, SGLang and sim engines publishing their KV-cache events, and relay them
+    for routers to route on (llmgw.agent.kvrelay); false: routers approximate instead."""
     launch: LaunchPolicy = LaunchPolicy()
     """What a StartShard may make this node run: engines, environment names, engine options
     and the directories options may read files from. Anything else is refused before launch."""

@@ -287,6 +287,22 @@ def load(state_dir: str | Path) -> Ledger:
     return ledger
 
 
+def load_or_set_aside(state_dir: str | Path, now: float) -> Ledger:
+    """`load`, or, for a ledger that does not decode, an empty one after moving the file
+    aside (`commands.json.corrupt-<now>`). Starting is better than refusing: re-reading
+    every command of the node is idempotent (generations, and the backlog's superseded
+    starts are skipped)."""
+    try:
+        return load(state_dir)
+    except LedgerUnreadable as exc:
+        path = path_in(state_dir)
+        aside = path.with_name(f"{path.name}.corrupt-{int(now)}")
+        with contextlib.suppress(OSError):
+            os.replace(path, aside)
+        log.error("ledger_unreadable", detail=str(exc), moved_to=str(aside))
+        return Ledger()
+
+
 def save(state_dir: str | Path, ledger: Ledger) -> None:
     path = path_in(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True)

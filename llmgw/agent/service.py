@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import ssl
 import time
 import uuid
@@ -52,6 +51,7 @@ from llmgw.agent import metrics as agent_metrics
 from llmgw.agent.applier import Applier
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.engines import policy
+from llmgw.agent.kvrelay import KvRelays
 from llmgw.agent.lease_bound import LeaseBound
 from llmgw.agent.metrics import AgentMetrics, Live
 from llmgw.agent.outbox import Outbox
@@ -122,6 +122,8 @@ class AgentService:
         self._by_shard: dict[str, asyncio.Task[None]] = {}
         self._dispatched_seq = 0
         self._heartbeat_seq = 0
+        self.kv = KvRelays()
+        """Relays the KV events of local engines that publish them (llmgw.agent.kvrelay)."""
         self.metrics = AgentMetrics(self._live)
         self.admin_url = ""  # where its metrics and health listen (cfg.admin), once started
         self._admin: web.AppRunner | None = None
@@ -164,7 +166,7 @@ class AgentService:
     async def _prepare(self) -> None:
         cfg = self.cfg
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.ledger = self._load_ledger()
+        self.ledger = ledger.load_or_set_aside(self.state_dir, self.clock())
         self.outbox = Outbox(
             self.state_dir / "outbox",
             max_events=cfg.outbox_max_events,
@@ -177,6 +179,7 @@ class AgentService:
                 stop_grace_s=cfg.stop_grace_s,
                 tail_lines=cfg.log_tail_lines,
                 poll_s=cfg.engine_poll_s,
+                kv_events=cfg.kv_events,
             ),
             self._on_change,
         )
@@ -197,6 +200,8 @@ class AgentService:
                     pid=result.pid,
                     reason=result.reason,
                 )
+        for view in self.supervisor.views():
+            await self.kv.observe(view)  # adopted engines go on publishing their KV events
         await self._discover_node()
         self.context = agent_config.launch_context(cfg, self.inventory)
         # Queued before any adopted shard's first status: the log shows the node first.
@@ -233,24 +238,12 @@ class AgentService:
         self.source = found.source
         self._hcas_simulated = found.hcas_simulated
 
-    def _load_ledger(self) -> ledger.Ledger:
-        try:
-            return ledger.load(self.state_dir)
-        except ledger.LedgerUnreadable as exc:
-            # Starting is better than refusing: re-reading every command of this node is
-            # idempotent (generations, and the backlog's superseded starts are skipped).
-            path = ledger.path_in(self.state_dir)
-            aside = path.with_name(f"{path.name}.corrupt-{int(self.clock())}")
-            with contextlib.suppress(OSError):
-                os.replace(path, aside)
-            log.error("ledger_unreadable", detail=str(exc), moved_to=str(aside))
-            return ledger.Ledger()
-
     async def _connect(self) -> None:
         if self.ports is None:
             nats_cfg = self.cfg.nats
             tls = self._tls or nats_cfg.tls_context()
             self.nc, self.ports = await connect_jetstream(self.node, nats_cfg, tls, self._backoff)
+        self.kv.bind(self.nc, self.node)
         self.connected_once.set()
         self._wake.set()
 
@@ -259,6 +252,7 @@ class AgentService:
         if self._reader is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._reader.close(), 3)
+        await self.kv.close()
         if self.supervisor is not None:
             # Engines keep running: serving survives the agent; the next run adopts them.
             await self.supervisor.close()
@@ -307,6 +301,7 @@ class AgentService:
         """Every transition of every shard: into the outbox, and into the ledger if it ended."""
         self._status(view)
         self.metrics.observe(view, self.clock())
+        await self.kv.observe(view)
         if view.phase not in LIVE:
             ledger.note_ended(
                 self.ledger, view.replica_id, view.shard, view.generation, self.clock()

@@ -31,6 +31,12 @@ class ShardView(msgspec.Struct, frozen=True, kw_only=True):
     adopted: bool = False
     api_key: str = ""
     """The engine's API key, reported only with its endpoint (serving, draining)."""
+    model: str = ""
+    """The model name the engine serves."""
+    kv_events: str = ""
+    """Where the engine publishes its KV events (node-local ZMQ), and its replay socket;
+    empty for an engine that publishes none. Not part of any event."""
+    kv_replay: str = ""
 
 
 OnChange = Callable[[ShardView], Awaitable[None]]

@@ -42,6 +42,7 @@ from llmgw.bus.connection import BusClient, backoff_delay, close, connect
 from llmgw.bus.deletion import Deleted, delete_messages
 from llmgw.bus.jetstream import JetStreamLog
 from llmgw.bus.keys import Keys
+from llmgw.bus.kvlog import KvPublisher, KvReader
 from llmgw.bus.lease import Holder, Lease, LeaseLost
 from llmgw.bus.ports import EventLog, LeasePort, LogReader, SnapshotPort
 from llmgw.bus.provisioning import (
@@ -67,6 +68,8 @@ __all__ = [
     "Holder",
     "JetStreamLog",
     "Keys",
+    "KvPublisher",
+    "KvReader",
     "Lease",
     "LeaseLost",
     "LeasePort",

@@ -154,6 +154,12 @@ class Intake:
             return
         if self._attester is not None and not heartbeat:
             self._attester.accepted(seq, digest)
+        self._accept(seq, name, data, len(data) + len(headers), ttl, when)
+
+    def _accept(
+        self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float
+    ) -> None:
+        """A trusted message: decode its event and keep its record, or skip it with why."""
         try:
             event = events.decode(data)
         except Exception as exc:  # DecodeError; anything else is a decoder bug, same treatment
@@ -171,7 +177,7 @@ class Intake:
                 self.ttl_refused.append(seq)
                 self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused")
             else:
-                self._buf.append(Record(seq, name, when, event, len(data) + len(headers)))
+                self._buf.append(Record(seq, name, when, event, size))
 
     def _check(
         self,

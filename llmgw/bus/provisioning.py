@@ -67,6 +67,36 @@ def stream_config(settings: StreamSettings) -> api.StreamConfig:
     )
 
 
+KV_MAX_AGE_S = 60.0
+"""How long the engines' KV updates stay in `llmgw-kv`: several of each engine's full
+updates (llmgw.agent.kvrelay sends one every few seconds), so a router that starts reads
+one for every engine, and nothing older is needed."""
+KV_MAX_BYTES = 512 * 1024 * 1024
+
+
+def kv_stream_config(settings: StreamSettings) -> api.StreamConfig:
+    """The configuration of `llmgw-kv`, the engines' KV blocks. Purely computational.
+
+    In memory and bounded by age and size: the content is derived (every engine's agent
+    sends its whole resident set again every few seconds), high-volume and worthless after
+    a minute, and a server restart that loses it costs routers a few seconds of warm-up."""
+    return api.StreamConfig(
+        name=subjects.KV_STREAM,
+        description="llmgw: engines' KV-cache blocks, relayed by their agents (derived data)",
+        subjects=list(subjects.KV_SUBJECTS),
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.MEMORY,
+        discard=api.DiscardPolicy.OLD,
+        num_replicas=settings.replicas,
+        duplicate_window=10.0,
+        max_age=KV_MAX_AGE_S,
+        max_msgs=-1,
+        max_bytes=KV_MAX_BYTES,
+        max_msg_size=1024 * 1024,
+        max_msgs_per_subject=-1,
+    )
+
+
 def _enum_value(value: Any) -> Any:
     return getattr(value, "value", value)
 
@@ -145,6 +175,33 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool
     return False
 
 
+async def _ensure_kv_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool:
+    """Create `llmgw-kv` if absent. One that exists is used as it is unless its subjects
+    differ: its limits only decide how long derived data stays."""
+    assert wanted.name is not None
+    try:
+        info = await js.stream_info(wanted.name)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(wanted)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != 10058:
+                raise ProvisionConflict(
+                    f"the server refused to create stream {wanted.name}: {exc.description} "
+                    f"(code {exc.err_code}); check the server's JetStream memory limit "
+                    "(max_memory_store) or provision without KV routing"
+                ) from None
+            return False
+        return True
+    if sorted(info.config.subjects or []) != sorted(wanted.subjects or []):
+        raise ProvisionConflict(
+            f"stream {wanted.name} exists with subjects {info.config.subjects} (llmgw needs "
+            f"exactly {wanted.subjects}): delete it (`nats stream rm {wanted.name}`; it holds "
+            "only derived data) and let llmgw create it again"
+        )
+    return False
+
+
 async def _ensure_lease_bucket(js: JetStreamContext, replicas: int) -> bool:
     stream = f"KV_{LEASE_BUCKET}"
     try:
@@ -190,8 +247,10 @@ async def provision(
     duplicate_window_s: float = 120.0,
     lease: bool = True,
     snapshots: bool = True,
+    kv: bool = True,
 ) -> Provisioned:
-    """Ensure the stream `llmgw-events` (and the lease bucket and snapshot store) exist.
+    """Ensure the stream `llmgw-events` (and `llmgw-kv`, the lease bucket and snapshot
+    store) exist.
 
     Idempotent; raises ProvisionConflict, saying what differs and what to do, when
     the stream exists with a configuration llmgw cannot use.
@@ -204,6 +263,8 @@ async def provision(
         (created if was_created else existing).append(name)
 
     note(subjects.STREAM, await _ensure_stream(js, stream_config(settings)))
+    if kv:
+        note(subjects.KV_STREAM, await _ensure_kv_stream(js, kv_stream_config(settings)))
     if lease:
         note(LEASE_BUCKET, await _ensure_lease_bucket(js, replicas))
     if snapshots:

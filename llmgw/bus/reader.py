@@ -100,6 +100,7 @@ class Reader(Intake):
         verifier: Verifier | None = None,
         attestations: attestation.Attestations | None = None,
         attester: attestation.Sink | None = None,
+        stream: str = subjects.STREAM,
     ) -> None:
         found = verifier if verifier is not None else verifier_of(nc)
         if found is None:
@@ -119,6 +120,7 @@ class Reader(Intake):
             attester=attester,
         )
         self._nc = nc
+        self._stream = stream
         self._since = since
         self._filters = list(subjects_filter)
         self.follow = follow
@@ -183,7 +185,9 @@ class Reader(Intake):
         single = self._single_filter()
         if single is not None:
             config["filter_subject"] = single
-        elif sorted(self._filters) != sorted(subjects.STREAM_SUBJECTS):
+        elif self._stream != subjects.STREAM or sorted(self._filters) != sorted(
+            subjects.STREAM_SUBJECTS
+        ):
             config["filter_subjects"] = self._filters
         return config
 
@@ -197,8 +201,8 @@ class Reader(Intake):
         # authorization allow a node to create consumers on its own commands only.
         single = self._single_filter()
         if single is not None:
-            return f"{_API}.CONSUMER.CREATE.{subjects.STREAM}.{name}.{single}"
-        return f"{_API}.CONSUMER.CREATE.{subjects.STREAM}.{name}"
+            return f"{_API}.CONSUMER.CREATE.{self._stream}.{name}.{single}"
+        return f"{_API}.CONSUMER.CREATE.{self._stream}.{name}"
 
     async def _api(self, subject: str, payload: bytes) -> dict[str, Any]:
         msg = await self._nc.request(subject, payload, timeout=5.0)
@@ -212,20 +216,20 @@ class Reader(Intake):
             await self._delete_fixed(name)
         config = self._consumer_config(name)
         request = json.dumps(
-            {"stream_name": subjects.STREAM, "config": config, "action": "create"}
+            {"stream_name": self._stream, "config": config, "action": "create"}
         ).encode()
         try:
             resp = await self._api(self._create_subject(name), request)
         except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
             raise ReaderError(
-                f"no answer creating a consumer on {subjects.STREAM}: check that the stream is "
+                f"no answer creating a consumer on {self._stream}: check that the stream is "
                 "provisioned and that this identity may create consumers on it "
                 f"(a permission violation is logged as bus.permission_violation): {exc!r}"
             ) from None
         if "error" in resp:
             err = resp["error"]
             raise ReaderError(
-                f"cannot read {subjects.STREAM}: {err.get('description')} "
+                f"cannot read {self._stream}: {err.get('description')} "
                 f"(code {err.get('err_code')}); provision the stream with `llmgw control` "
                 "or check the reader's subject filter"
             )
@@ -246,7 +250,7 @@ class Reader(Intake):
         """Remove a previous consumer of this fixed name: a create with another start
         point would be refused while it exists."""
         try:
-            resp = await self._api(f"{_API}.CONSUMER.DELETE.{subjects.STREAM}.{name}", b"")
+            resp = await self._api(f"{_API}.CONSUMER.DELETE.{self._stream}.{name}", b"")
         except (TimeoutError, nats.errors.Error):
             return  # the create below reports what is wrong
         err = resp.get("error") or {}
@@ -267,7 +271,7 @@ class Reader(Intake):
         if name and not self._nc.is_closed:
             # Best effort: the server removes it after inactive_threshold anyway.
             with contextlib.suppress(nats.errors.Error):
-                await self._nc.publish(f"{_API}.CONSUMER.DELETE.{subjects.STREAM}.{name}", b"")
+                await self._nc.publish(f"{_API}.CONSUMER.DELETE.{self._stream}.{name}", b"")
 
     async def _reset(self) -> None:
         """Start a new consumer after `last_seq`; retries until the server answers."""
@@ -299,7 +303,7 @@ class Reader(Intake):
         self._request_open = True
         self._ended_quietly = False
         await self._nc.publish(
-            f"{_API}.CONSUMER.MSG.NEXT.{subjects.STREAM}.{self._consumer}",
+            f"{_API}.CONSUMER.MSG.NEXT.{self._stream}.{self._consumer}",
             body,
             reply=self._sub.subject,
         )
@@ -308,7 +312,7 @@ class Reader(Intake):
 
     async def _pending_now(self) -> int | None:
         try:
-            resp = await self._api(f"{_API}.CONSUMER.INFO.{subjects.STREAM}.{self._consumer}", b"")
+            resp = await self._api(f"{_API}.CONSUMER.INFO.{self._stream}.{self._consumer}", b"")
         except (TimeoutError, nats.errors.Error):
             return None
         if "error" in resp:

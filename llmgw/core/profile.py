@@ -70,6 +70,10 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     load_timeout_s: SignedSeconds = 1800.0
     """/health until /v1/models lists the model: a 70B model legitimately takes minutes."""
     fallbacks: Names = ()
+    tokenizer: Text = ""
+    """Where routers find the model's tokenizer (a tokenizer.json, or a directory with it
+    and tokenizer_config.json) to key its KV cache's blocks; empty: the model's own
+    directory when `model` is a local path (sim models use the sim's tokenizer)."""
     deadlines: Deadlines = Deadlines()
 
     @property

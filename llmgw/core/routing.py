@@ -39,6 +39,8 @@ class EndpointState(msgspec.Struct, kw_only=True):
     """Served model names (canonical names, aliases resolved by the router first)."""
     api_key: str = ""
     """Sent to the engine as `Authorization: Bearer`; empty: no header."""
+    node: str = ""
+    """The node the engine runs on: the only one whose KV events are believed for it."""
     ready: bool = False
     draining: bool = False
     inflight: int = 0
@@ -53,6 +55,31 @@ class EndpointState(msgspec.Struct, kw_only=True):
     endpoint that waited longest, round robin when everything is idle."""
 
 
+class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the router weighs a prefix cache hit against load, in tokens of prefill.
+
+    Where the router knows a request's tokens, each candidate costs the prompt tokens it
+    would have to prefill (those its cache does not hold) plus what waiting behind its
+    load costs, expressed as prefill too: `running_tokens` per request it is running,
+    `waiting_tokens` per request queued in the engine. The cheapest wins; so a cached
+    prefix is followed until the load it brings outweighs the prefill it saves. Above
+    `max_imbalance` requests more than the least loaded candidate, a cache is not
+    followed at all, whatever it saves: one hot prefix must not pile onto one engine.
+    """
+
+    running_tokens: float = 64.0
+    waiting_tokens: float = 1024.0
+    max_imbalance: int = 32
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.running_tokens < 0 or self.waiting_tokens < 0:
+            out.append("cost: running_tokens and waiting_tokens must be >= 0")
+        if self.max_imbalance < 0:
+            out.append("cost: max_imbalance must be >= 0")
+        return out
+
+
 class Query(msgspec.Struct, frozen=True, kw_only=True):
     """One request as routing sees it, plus the moment it is routed."""
 
@@ -65,6 +92,11 @@ class Query(msgspec.Struct, frozen=True, kw_only=True):
     """Endpoint id -> leading blocks it is believed to hold (`PrefixIndex.match`)."""
     session_endpoint: str = ""
     """The endpoint this request's session went to last, if any."""
+    prompt_tokens: int = 0
+    """The prompt's length in tokens, where the router tokenized it: ranking by `cost`."""
+    cached_tokens: dict[str, int] = {}
+    """Endpoint id -> prompt tokens it holds in its KV cache (known or estimated)."""
+    cost: CostModel = CostModel()
 
 
 class Weights(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -224,6 +256,41 @@ def _active(weights: Weights) -> tuple[tuple[str, float, Scorer], ...]:
     return got[1]
 
 
+def load_of(ep: EndpointState) -> float:
+    """Requests an endpoint is running: this router's own in flight, or what the engine
+    last reported (all routers' together) when that is more."""
+    return max(float(ep.inflight), ep.running)
+
+
+def costs(survivors: Sequence[EndpointState], q: Query) -> list[tuple[float, int]]:
+    """(cost in tokens of prefill, cached tokens followed) of each survivor (`CostModel`)."""
+    c = q.cost
+    loads = [load_of(ep) for ep in survivors]
+    ceiling = min(loads) + c.max_imbalance
+    out = []
+    for ep, load in zip(survivors, loads, strict=True):
+        cached = q.cached_tokens.get(ep.id, 0) if load <= ceiling else 0
+        cached = min(max(cached, 0), q.prompt_tokens)
+        cost = (
+            (q.prompt_tokens - cached) + c.running_tokens * load + c.waiting_tokens * ep.queue_depth
+        )
+        out.append((cost, cached))
+    return out
+
+
+def _by_cost(survivors: list[EndpointState], q: Query, rand: float) -> list[EndpointState]:
+    """The survivors cheapest first; exact ties as `rank` breaks them."""
+    priced = costs(survivors, q)
+    best = min(cost for cost, _ in priced)
+    tied = [i for i, (cost, _) in enumerate(priced) if cost - best <= 1e-9]
+    if len(tied) > 1:
+        oldest = min(survivors[i].last_sent for i in tied)
+        tied = [i for i in tied if survivors[i].last_sent == oldest]
+    first = tied[min(int(rand * len(tied)), len(tied) - 1)]
+    rest = sorted((i for i in range(len(survivors)) if i != first), key=lambda i: priced[i][0])
+    return [survivors[first], *(survivors[i] for i in rest)]
+
+
 def rank(endpoints: Sequence[EndpointState], q: Query, weights: Weights, rand: float) -> Ranking:
     """Order the endpoints that may take `q`, best first.
 
@@ -236,6 +303,8 @@ def rank(endpoints: Sequence[EndpointState], q: Query, weights: Weights, rand: f
         return Ranking(order=[], drops=drops, winner_scores={})
     if len(survivors) == 1:
         return Ranking(order=survivors, drops=drops, winner_scores={})
+    if q.prompt_tokens > 0:
+        return Ranking(order=_by_cost(survivors, q, rand), drops=drops, winner_scores={})
     n = len(survivors)
     totals = [0.0] * n
     per_scorer: list[tuple[str, list[float]]] = []

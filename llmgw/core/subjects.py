@@ -15,6 +15,13 @@ EVENTS_ROOT = "llmgw.events"
 COMMANDS_ROOT = "llmgw.cmd"
 STREAM_SUBJECTS = (f"{EVENTS_ROOT}.>", f"{COMMANDS_ROOT}.>")
 
+# The engines' KV-cache blocks, relayed by their nodes' agents: high-volume, short-lived,
+# in a stream of their own so they never crowd the replayable history (docs/design.md,
+# "Routing to the cache").
+KV_STREAM = "llmgw-kv"
+KV_ROOT = "llmgw.kv"
+KV_SUBJECTS = (f"{KV_ROOT}.>",)
+
 NODE_EVENTS_ALL = f"{EVENTS_ROOT}.node.>"
 OPERATOR_EVENTS_ALL = f"{EVENTS_ROOT}.operator.>"
 CONTROL_EVENTS_ALL = f"{EVENTS_ROOT}.control.>"
@@ -113,6 +120,24 @@ def control_event(kind: str) -> str:
 def command(node: str) -> str:
     """`llmgw.cmd.<node>`: commands for one node, read only by that node's agent."""
     return f"{COMMANDS_ROOT}.{check_token(node, 'node id')}"
+
+
+def kv_updates(node: str, endpoint: str) -> str:
+    """`llmgw.kv.<node>.<endpoint>`: the KV blocks of one engine, written only by its node."""
+    return f"{KV_ROOT}.{check_token(node, 'node id')}.{check_token(endpoint, 'endpoint id')}"
+
+
+def kv_node(node: str) -> str:
+    """Every KV subject one node's agent may write: `llmgw.kv.<node>.*`."""
+    return f"{KV_ROOT}.{check_token(node, 'node id')}.*"
+
+
+def kv_owner(subject: str) -> tuple[str, str] | None:
+    """(node, endpoint) of a KV subject, or None for any other subject."""
+    parts = subject.split(".")
+    if len(parts) == 4 and parts[:2] == ["llmgw", "kv"] and all(parts[2:]):
+        return parts[2], parts[3]
+    return None
 
 
 def node_of(subject: str) -> str | None:

@@ -20,13 +20,14 @@ is a reload.
 
 **Permissions.** Inside its account each user may publish only what its role needs:
 
-- a **node** publishes only `llmgw.events.node.<its id>.>` and consumes only
+- a **node** publishes only `llmgw.events.node.<its id>.>` and its engines' KV blocks on
+  `llmgw.kv.<its id>.*`, and consumes only
   `llmgw.cmd.<its id>`, through one durable consumer named `cmd-<its id>` that it may create
   only with exactly that filter (the filtered create subject
   `$JS.API.CONSUMER.CREATE.<stream>.<consumer>.<filter>` lets the server check the filter);
   it may read its own last events and commands and the leader lease;
-- a **router** only reads: ephemeral/ordered consumers over the stream, direct gets, and
-  read-only access to the lease and snapshot buckets;
+- a **router** only reads: ephemeral/ordered consumers over the streams (the log and
+  `llmgw-kv`), direct gets, and read-only access to the lease and snapshot buckets;
 - an **operator** reads like a router and writes `llmgw.events.operator.<its name>.*`, so the
   author of every operator event is in its subject, enforced by the server;
 - the **control** plane manages the stream and the `llmgw-lease` / `llmgw-snapshots` buckets
@@ -49,6 +50,7 @@ from llmgw.core import subjects
 from llmgw.pki.identity import Identity
 
 STREAM = subjects.STREAM
+KV_STREAM = subjects.KV_STREAM
 LEASE_BUCKET = "llmgw-lease"
 SNAPSHOT_BUCKET = "llmgw-snapshots"
 API = "$JS.API"
@@ -156,6 +158,8 @@ def _node_publish(node: str) -> list[str]:
     consumer = command_consumer(node)
     return [
         subjects.node_events(node),
+        # The KV blocks of its own engines (llmgw.agent.kvrelay), into the stream llmgw-kv.
+        subjects.kv_node(node),
         # Only the filtered form: the server refuses it unless the consumer's
         # filter_subject is exactly llmgw.cmd.<node>.
         f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}.{subjects.command(node)}",
@@ -180,6 +184,8 @@ def _reader_publish(identity: Identity) -> list[str]:
     # `nats stream ls` (the operator's view of the log with the nats CLI).
     publish = [f"{API}.STREAM.LIST"]
     publish += _read_stream(STREAM)
+    # The engines' KV blocks: routers index them (llmgw.router.kvfeed).
+    publish += _read_stream(KV_STREAM)
     for bucket in _bucket_streams():
         publish += _read_stream(bucket)
     if identity.kind == "operator":
@@ -206,7 +212,7 @@ def _control_publish(name: str) -> list[str]:
     """The control plane's: managing the streams, its decisions and commands, its config
     file's models, the lease and the snapshots."""
     publish = [f"{API}.STREAM.LIST"]
-    for stream in [STREAM, *_bucket_streams()]:
+    for stream in [STREAM, KV_STREAM, *_bucket_streams()]:
         publish += _manage_stream(stream)
     publish += [
         subjects.CONTROL_EVENTS_ALL,

@@ -58,7 +58,7 @@ class SignatureRefused(ValueError):
 def owner_allows(subject: str, identity: Identity) -> bool:
     """True when `identity` may author a message stored on `subject`. Pure.
 
-    - `llmgw.events.node.<n>.<kind>`: node/<n>
+    - `llmgw.events.node.<n>.<kind>` and `llmgw.kv.<n>.<endpoint>`: node/<n>
     - `llmgw.events.control.<kind>` and `llmgw.cmd.<node>`: any control/*
     - `llmgw.events.operator.<name>.<kind>`: operator/<name>
     - `llmgw.events.operator.control.<name>.<kind>`: control/<name> (the models of a
@@ -71,6 +71,8 @@ def owner_allows(subject: str, identity: Identity) -> bool:
     if len(parts) < 3 or parts[0] != "llmgw" or any(not p for p in parts):
         return False
     kind, name = identity.kind, identity.name
+    if parts[1] == "kv":
+        return len(parts) == 4 and kind == "node" and parts[2] == name
     if parts[1] == "cmd":
         return len(parts) == 3 and kind == "control"
     if parts[1] != "events" or len(parts) < 4:

@@ -48,6 +48,7 @@ from llmgw.router.deadlines import Watchdog
 from llmgw.router.dispatch import Dispatcher
 from llmgw.router.errors import ClientGone, Refusal, error_response, refusal_response
 from llmgw.router.feed import LogFeed
+from llmgw.router.kvfeed import KvFeed
 from llmgw.router.metrics import Metrics, metrics_dir
 from llmgw.router.relay import ClientStream
 from llmgw.router.table import Catalog, EndpointTable, Prober
@@ -76,7 +77,7 @@ class Router:
         self.catalog = Catalog(cfg.models)
         self.table = EndpointTable()
         for ep in cfg.endpoints:
-            self.table.add(ep.id, ep.url, ep.models)
+            self.table.add(ep.id, ep.url, ep.models, node=ep.node)
         self.metrics = Metrics(worker=worker)
         self._snapshots: asyncio.Task[None] | None = None
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(8), "big")
@@ -89,6 +90,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.prober: Prober | None = None
         self.feed: LogFeed | None = None
+        self.kv_feed: KvFeed | None = None
         self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
         self.deadlines = Watchdog()
         self.dispatcher = Dispatcher(
@@ -98,7 +100,7 @@ class Router:
         self._access_log = log.is_enabled_for(logging.DEBUG)
         self._rid_prefix = f"{os.urandom(4).hex()}-"
         self._rid = 0
-        self._use_prefix = cfg.weights.prefix > 0
+        self._use_prefix = cfg.weights.prefix > 0 or cfg.cache.enabled
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -125,6 +127,9 @@ class Router:
                 static_endpoints=frozenset(ep.id for ep in self.cfg.endpoints),
             )
             self.feed.start()
+            if self.cfg.cache.enabled and self.cfg.cache.events:
+                self.kv_feed = KvFeed(self.cfg.log, self.dispatcher.kv.index)
+                self.kv_feed.start()
         folder = metrics_dir()
         if folder is not None:
             self._snapshots = asyncio.get_running_loop().create_task(self._write_snapshots(folder))
@@ -139,6 +144,8 @@ class Router:
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
+        if self.kv_feed is not None:
+            await self.kv_feed.close()
         if self.feed is not None:
             await self.feed.close()
         if self._snapshots is not None:

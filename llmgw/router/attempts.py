@@ -72,7 +72,7 @@ class Rules:
     are, how to rank them, the breaker policy, the attempt cap and the tie-breaking draw.
     Made once (the planner is made per request)."""
 
-    __slots__ = ("draw", "endpoints", "max_attempts", "policy", "weights")
+    __slots__ = ("cost", "draw", "endpoints", "max_attempts", "policy", "weights")
 
     def __init__(
         self,
@@ -82,6 +82,7 @@ class Rules:
         policy: breaker.BreakerPolicy,
         max_attempts: int,
         draw: Callable[[], float],
+        cost: routing.CostModel = routing.CostModel(),
     ) -> None:
         """`endpoints(model)` the table's endpoints of a model; `draw()` a number in [0, 1)
         for ties; at most `max_attempts` endpoints of each model are tried."""
@@ -90,14 +91,15 @@ class Rules:
         self.policy = policy
         self.max_attempts = max_attempts
         self.draw = draw
+        self.cost = cost
 
 
 class Planner:
     """One request's attempts, planned one at a time (see the module's docstring)."""
 
     __slots__ = (
-        "_chain", "_done", "_i", "_last", "_n", "_on_rank", "_order", "_prefix_blocks",
-        "_prefix_hits", "_rules", "_session", "_start", "_tried",
+        "_cache", "_chain", "_done", "_i", "_last", "_n", "_on_rank", "_order",
+        "_prefix_blocks", "_prefix_hits", "_rules", "_session", "_start", "_tried",
     )  # fmt: skip
 
     def __init__(
@@ -109,15 +111,18 @@ class Planner:
         prefix_hits: dict[str, int] | None = None,
         session_endpoint: str = "",
         on_rank: RankHook = _no_hook,
+        cache: tuple[str, int, dict[str, int]] | None = None,
     ) -> None:
         """`chain` from `fallback_chain`; `start` when the request began (the total deadline
-        runs from it, on the clock `now` is read from)."""
+        runs from it, on the clock `now` is read from); `cache` (model, prompt tokens,
+        endpoint -> cached tokens) ranks that model's endpoints by cost."""
         self._chain = chain
         self._rules = rules
         self._start = start
         self._prefix_blocks = prefix_blocks
         self._prefix_hits = prefix_hits if prefix_hits is not None else {}
         self._session = session_endpoint
+        self._cache = cache
         self._on_rank = on_rank
         self._n = -1
         self._order: list[routing.EndpointState] = []
@@ -158,14 +163,25 @@ class Planner:
     def _rank(self, now: float) -> None:
         prof = self._chain[self._n]
         rules = self._rules
-        q = routing.Query(
-            model=prof.name,
-            now=now,
-            policy=rules.policy,
-            prefix_blocks=self._prefix_blocks,
-            prefix_hits=self._prefix_hits,
-            session_endpoint=self._session,
-        )
+        cache = self._cache
+        if cache is not None and cache[0] == prof.name:
+            q = routing.Query(
+                model=prof.name,
+                now=now,
+                policy=rules.policy,
+                prompt_tokens=cache[1],
+                cached_tokens=cache[2],
+                cost=rules.cost,
+            )
+        else:
+            q = routing.Query(
+                model=prof.name,
+                now=now,
+                policy=rules.policy,
+                prefix_blocks=self._prefix_blocks,
+                prefix_hits=self._prefix_hits,
+                session_endpoint=self._session,
+            )
         ranking = routing.rank(rules.endpoints(prof.name), q, rules.weights, rules.draw())
         self._on_rank(self._n, prof, ranking)
         self._order = ranking.order[: rules.max_attempts]

@@ -19,7 +19,7 @@ from llmgw import config
 from llmgw.bus.settings import NatsConnection
 from llmgw.core.breaker import BreakerPolicy
 from llmgw.core.profile import ModelProfile
-from llmgw.core.routing import Weights
+from llmgw.core.routing import CostModel, Weights
 
 
 class Listener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -35,6 +35,9 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Base URL of the engine's OpenAI API, without /v1: `http://10.0.0.5:8000`."""
     models: tuple[str, ...]
     """Model names (declared under `models`) this engine serves."""
+    node: str = ""
+    """The node whose agent relays this engine's KV events (llmgw.agent.kvrelay): only
+    that node's updates are believed for it. Empty: no events are used for it."""
 
 
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -51,6 +54,25 @@ class PrefixConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prompt blocks hashed per request: bounds the work on very long prompts."""
     capacity: int = 200_000
     """Block hashes remembered (LRU)."""
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Routing to the engines' KV caches (llmgw.router.kvroute).
+
+    For models whose tokens the router can compute (sim models, and models with a
+    tokenizer: `tokenizer` in the model profile), requests are ranked by `cost`: the
+    prefill each endpoint would still have to do, from the fleet's KV events (read from
+    the log's server when `log` is set), plus its load. Other models are ranked by
+    `weights`."""
+
+    enabled: bool = True
+    events: bool = True
+    """Follow the engines' KV events on the log's server (needs `log`)."""
+    cost: CostModel = CostModel()
+    recent_s: float = 2.0
+    """How long this router's own routes count as cached before the engine reports them."""
+    stale_after_s: float = 15.0
+    """An endpoint whose KV updates stop this long is predicted nothing from its events."""
 
 
 class LogSource(NatsConnection, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -75,6 +97,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     weights: Weights = Weights()
     breaker: BreakerPolicy = BreakerPolicy()
     prefix: PrefixConfig = PrefixConfig()
+    cache: CacheConfig = CacheConfig()
     auth: AuthConfig = AuthConfig()
     session_header: str = "x-session-id"
     """Requests carrying the same value of this header prefer the same endpoint."""
@@ -217,6 +240,9 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
         problems.append("prefix: block_chars and capacity must be at least 1, max_blocks >= 0")
     if cfg.probe_interval_s <= 0:
         problems.append("probe_interval_s must be above 0")
+    problems += [f"cache.{p}" for p in cfg.cache.cost.problems()]
+    if cfg.cache.recent_s < 0 or cfg.cache.stale_after_s <= 0:
+        problems.append("cache: recent_s must be >= 0 and stale_after_s above 0")
     if cfg.breaker.failures_to_open < 1:
         problems.append("breaker.failures_to_open must be at least 1")
     if not cfg.auth.keys_file and not cfg.auth.allow_anonymous:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import random
 import time
 from collections import OrderedDict
@@ -23,14 +24,16 @@ from aiohttp import web
 
 from llmgw import logs
 from llmgw.core import breaker, routing
+from llmgw.core.kvindex import KvIndex
 from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import admission, auth, requests, tracecontext
+from llmgw.router import admission, requests, tracecontext
 from llmgw.router import upstream as upstream_http
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, refusal_response
+from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
 from llmgw.router.relay import ClientStream, EngineStream, relay
 from llmgw.router.table import Catalog, EndpointTable
@@ -66,6 +69,10 @@ class Dispatcher:
         self.watchdog = watchdog
         self.rng = rng
         self.prefix = PrefixIndex(capacity=cfg.prefix.capacity)
+        self.kv = KvRouting(
+            index=KvIndex(stale_after_s=cfg.cache.stale_after_s), recent_s=cfg.cache.recent_s
+        )
+        table.on_remove.append(self.kv.forget)
         # Three of the relay's hooks are the metrics' own methods: no forwarding call.
         self.first_token = metrics.first_token
         self.slow_client = metrics.slow_client
@@ -74,19 +81,21 @@ class Dispatcher:
         self._routed = 0
         self._bases: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
         self._session_header = cfg.session_header
+        self._debug = log.is_enabled_for(logging.DEBUG)
         self._rules = Rules(
             table.for_model,
             weights=cfg.weights,
             policy=cfg.breaker,
             max_attempts=cfg.max_attempts,
             draw=rng.random,
+            cost=cfg.cache.cost,
         )
 
     # ------------------------------------------------------------------ the loop
 
     def _planner(
         self, parsed: requests.Parsed, profile: ModelProfile, state: ClientStream,
-        hashes: list[bytes], session_ep: str,
+        hashes: list[bytes], session_ep: str, plan: CachePlan | None,
     ) -> Planner:  # fmt: skip
         if profile.fallbacks:
             principal, rid = state.principal, state.rid
@@ -110,6 +119,7 @@ class Dispatcher:
             self.prefix.match(hashes) if hashes else {},
             session_ep,
             on_rank,
+            (plan.model, plan.prompt_tokens, plan.cached) if plan is not None else None,
         )
 
     def _ranked(self, n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
@@ -153,7 +163,8 @@ class Dispatcher:
             # Keys are kept (100,000 of them): a long header must not cost its length each.
             session_key = hashlib.blake2b(session_key.encode(), digest_size=16).hexdigest()
         session_ep = self.sessions.get(session_key, "") if session_key else ""
-        planner = self._planner(parsed, profile, state, hashes, session_ep)
+        plan = self._cache_plan(parsed, profile, hashes)
+        planner = self._planner(parsed, profile, state, hashes, session_ep, plan)
         up_body, body_of = body, ""  # the body as the engine gets it, and for which model
         while True:
             step = planner.next(time.monotonic())
@@ -177,11 +188,42 @@ class Dispatcher:
             planner.answered()
             if hashes:
                 self.prefix.record(hashes, step.endpoint.id)
+            if plan is not None and step.profile.name == plan.model:
+                self._routed_on_cache(plan, step.endpoint, state)
             if session_key:
                 self._remember_session(session_key, step.endpoint.id)
             return resp
         assert isinstance(step, Refusal)
         return await self._refuse(step, profile, state)
+
+    def _cache_plan(
+        self, parsed: requests.Parsed, profile: ModelProfile, hashes: list[bytes]
+    ) -> CachePlan | None:
+        """What each endpoint of the model holds of the prompt (llmgw.router.kvroute)."""
+        if not self.cfg.cache.enabled or not parsed.text:
+            return None
+        return self.kv.plan(
+            parsed,
+            profile,
+            self.table.for_model(profile.name),
+            text_index=self.prefix,
+            text_hashes=hashes,
+            block_chars=self.cfg.prefix.block_chars,
+        )
+
+    def _routed_on_cache(
+        self, plan: CachePlan, ep: routing.EndpointState, state: ClientStream
+    ) -> None:
+        """Where a request ranked on the cache went: recent routes, the prediction's
+        metrics, and the access log's line."""
+        predicted = self.kv.routed(plan, ep, time.time())
+        state.cached_predicted = predicted
+        source = plan.by_endpoint[ep.id].source if ep.id in plan.by_endpoint else "none"
+        self.metrics.cache_predicted(plan.model, plan.prompt_tokens, predicted, source)
+        if self._debug:
+            log.debug("routed_on_cache", request_id=state.rid, model=plan.model, endpoint=ep.id,
+                      prompt_tokens=plan.prompt_tokens, predicted_cached=predicted,
+                      source=source, candidates=plan.cached)  # fmt: skip
 
     def _body_for(
         self, body: bytes, parsed: requests.Parsed, prof: ModelProfile, state: ClientStream
@@ -281,7 +323,7 @@ class Dispatcher:
             # or an engine's JSON answer to a stream request).
             data = await self._read_body(upstream, d, total_at)
             if upstream.status == 200:
-                self._account(prof, state.principal, data)
+                self._account(prof, state, data)
             self.metrics.first_token(prof.name, loop.time() - state.loop_start)
             if state.response is not None and state.started:
                 # Keep-alive comments went out as a 200 stream: pass the body as an event.
@@ -358,18 +400,22 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ relay hooks
 
-    def _account(self, prof: ModelProfile, principal: auth.Principal | None, data: bytes) -> None:
+    def _account(self, prof: ModelProfile, state: ClientStream, data: bytes) -> None:
         u = requests.usage_of(data)
         if u is None or u.usage is None:
             return
-        self.usage(prof, principal, u.usage)
+        self.usage(prof, state, u.usage)
 
-    def usage(
-        self, prof: ModelProfile, principal: auth.Principal | None, u: requests.Usage
-    ) -> None:
+    def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
         self.metrics.count_tokens(prof.name, u.prompt_tokens, u.completion_tokens)
+        principal = client.principal
         if principal is not None and principal.tokens is not None:
             principal.tokens.spend(time.monotonic(), u.prompt_tokens + u.completion_tokens)
+        details = u.prompt_tokens_details
+        if details is not None and details.cached_tokens is not None:
+            client.cached_delivered = details.cached_tokens
+            if client.cached_predicted >= 0:
+                self.metrics.cache_delivered(prof.name, details.cached_tokens)
 
 
 def _as_retry(exc: BaseException, d: Deadlines) -> BaseException:

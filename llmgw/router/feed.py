@@ -49,14 +49,14 @@ class Wanted(msgspec.Struct, frozen=True):
     """What the tables should hold according to the folded log. Purely computational."""
 
     models: dict[str, ModelProfile]
-    endpoints: dict[str, tuple[str, str, bool, str]]
-    """Endpoint id (the replica id) -> (url, model, draining, the engine's API key)."""
+    endpoints: dict[str, tuple[str, str, bool, str, str]]
+    """Endpoint id (the replica id) -> (url, model, draining, the engine's API key, node)."""
 
 
 def wanted(cluster: state.ClusterState) -> Wanted:
     """Models and endpoints a router should route to, from the folded state. Pure."""
     models = {name: m.profile for name, m in cluster.models.items()}
-    endpoints: dict[str, tuple[str, str, bool, str]] = {}
+    endpoints: dict[str, tuple[str, str, bool, str, str]] = {}
     for replica_id, ep in cluster.endpoints.items():
         replica = cluster.replicas.get(replica_id)
         draining = replica is None or replica.retired
@@ -67,7 +67,7 @@ def wanted(cluster: state.ClusterState) -> Wanted:
                     draining = True
                 if node is not None and node.draining:
                     draining = True
-        endpoints[replica_id] = (ep.url, ep.model, draining, ep.api_key)
+        endpoints[replica_id] = (ep.url, ep.model, draining, ep.api_key, ep.node)
     return Wanted(models=models, endpoints=endpoints)
 
 
@@ -101,8 +101,8 @@ class LogFeed:
         self.cluster = state.ClusterState()
         self.models: set[str] = set()
         """Models this feed put into the catalog."""
-        self.endpoints: dict[str, tuple[str, str, str]] = {}
-        """Endpoint ids this feed put into the table -> (url, model, API key)."""
+        self.endpoints: dict[str, tuple[str, str, str, str]] = {}
+        """Endpoint ids this feed put into the table -> (url, model, API key, node)."""
         self.applied = 0
         self.rejected = 0
         self.ready = asyncio.Event()
@@ -218,14 +218,14 @@ class LogFeed:
             self.catalog.remove(name)
             self.models.discard(name)
             log.info("model_removed", model=name)
-        for ep_id, (url, model, draining, api_key) in want.endpoints.items():
+        for ep_id, (url, model, draining, api_key, node) in want.endpoints.items():
             if ep_id in self._static_endpoints:
                 continue
-            if self.endpoints.get(ep_id) != (url, model, api_key):
+            if self.endpoints.get(ep_id) != (url, model, api_key, node):
                 # A new engine is reported up only once it serves: route to it at once;
                 # the prober keeps checking it like every other endpoint.
-                self.table.add(ep_id, url, [model], ready=True, api_key=api_key)
-                self.endpoints[ep_id] = (url, model, api_key)
+                self.table.add(ep_id, url, [model], ready=True, api_key=api_key, node=node)
+                self.endpoints[ep_id] = (url, model, api_key, node)
                 log.info("endpoint_up", endpoint=ep_id, url=url, model=model, keyed=bool(api_key))
             ep = self.table.by_id.get(ep_id)
             if ep is not None and ep.draining != draining:

@@ -103,7 +103,7 @@ Metric = Counter | Gauge | Histogram
 class Metrics:
     """Every metric of one router process."""
 
-    # long: one declaration per metric family (16 of them), each with its help text
+    # long: one declaration per metric family (18 of them), each with its help text
     def __init__(self, *, worker: int = 0) -> None:
         self.worker = worker
         p = PREFIX
@@ -175,10 +175,25 @@ class Metrics:
             p + "endpoint_inflight", "Requests this router has in flight per endpoint.",
             ("endpoint",), merge="sum",
         )  # fmt: skip
+        self.cache_tokens = Counter(
+            p + "cache_tokens",
+            "Requests routed on the KV cache: their prompt tokens (kind=prompt), the tokens"
+            " predicted cached on the endpoint chosen (predicted), and those the engine"
+            " reported cached (delivered, where its usage says).",
+            ("model", "kind"),
+        )
+        self.cache_sources = Counter(
+            p + "cache_predictions",
+            "Requests routed on the KV cache, by where the chosen endpoint's prediction came"
+            " from: events (the engines' KV events), recent (this router's routes),"
+            " approximate (prompt text), none.",
+            ("model", "source"),
+        )
         self.all: tuple[Metric, ...] = (
             self.requests, self.duration, self.ttft, self.itl, self.tokens, self.retries,
             self.fallbacks, self.slow_clients, self.sent, self.scores, self.drops, self.breaker,
-            self.ready, self.queue, self.kv, self.inflight,
+            self.ready, self.queue, self.kv, self.inflight, self.cache_tokens,
+            self.cache_sources,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the hot path
@@ -198,6 +213,16 @@ class Metrics:
             self.tokens.inc((model, "in"), prompt)
         if completion:
             self.tokens.inc((model, "out"), completion)
+
+    def cache_predicted(self, model: str, prompt: int, predicted: int, source: str) -> None:
+        self.cache_tokens.inc((model, "prompt"), prompt)
+        if predicted:
+            self.cache_tokens.inc((model, "predicted"), predicted)
+        self.cache_sources.inc((model, source))
+
+    def cache_delivered(self, model: str, cached: int) -> None:
+        if cached:
+            self.cache_tokens.inc((model, "delivered"), cached)
 
     def slow_client(self, model: str) -> None:
         self.slow_clients.inc((model,))

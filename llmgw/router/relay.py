@@ -49,10 +49,9 @@ OPENERS_HELD = 4096
 class Hooks(Protocol):
     """What a relayed stream tells the rest of the router."""
 
-    def usage(
-        self, prof: ModelProfile, principal: auth.Principal | None, u: requests.Usage
-    ) -> None:
-        """A usage chunk went by: count the tokens (metrics, the key's token bucket)."""
+    def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
+        """A usage chunk went by: count the tokens (metrics, the key's token bucket, the
+        cached tokens the engine reports)."""
 
     def first_token(self, model: str, after_s: float) -> None:
         """The first token reached the client, `after_s` after the request began."""
@@ -68,8 +67,9 @@ class ClientStream:
     """Per-request relay state shared across attempts (the client response, once started)."""
 
     __slots__ = (
-        "drop_usage", "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind",
-        "loop", "loop_start", "principal", "request", "response", "rid", "start", "stream",
+        "cached_delivered", "cached_predicted", "drop_usage", "failed_status", "keepalive",
+        "keepalive_s", "keepalive_task", "kind", "loop", "loop_start", "principal", "request",
+        "response", "rid", "start", "stream",
     )  # fmt: skip
 
     def __init__(
@@ -93,6 +93,10 @@ class ClientStream:
         self.drop_usage = drop_usage
         self.failed_status = 0
         """The status metrics record for a stream that ended with an error event."""
+        self.cached_predicted = -1
+        """Prompt tokens the router predicted the chosen engine had cached (-1: no
+        prediction), and what the engine reported in its usage (-1: not reported)."""
+        self.cached_delivered = -1
         self.loop = asyncio.get_running_loop()
         # Deadlines run on the loop's clock; start was taken on time.monotonic (the same clock
         # under asyncio's default and uvloop), so the phases line up with the request's start.
@@ -263,7 +267,7 @@ class EngineStream:
         if at >= 0:
             out, usages = sse.take_usage(out, at, drop=self.drop)
             for usage in usages:
-                self.hooks.usage(self.prof, self.client.principal, usage)
+                self.hooks.usage(self.prof, self.client, usage)
         if out:
             self.tail = out
         return out

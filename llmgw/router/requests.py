@@ -69,6 +69,9 @@ class Parsed(msgspec.Struct):
     """The body names stream_options (even as null): the fast rewrite would repeat the key."""
     text: str
     """Prompt text for prefix affinity ("" when not needed)."""
+    chat: tuple[tuple[str, str], ...] = ()
+    """A chat request's (role, text) messages, when the text is wanted: what a chat
+    template renders (llmgw.router.prompts)."""
 
 
 def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
@@ -99,28 +102,33 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         )
     wants_usage = req.stream_options is not None and req.stream_options.include_usage
     text = ""
+    chat: tuple[tuple[str, str], ...] = ()
     if want_text:
-        text = _chat_text(req.messages) if isinstance(req, ChatBody) else _prompt_text(req.prompt)
+        if isinstance(req, ChatBody):
+            chat = tuple((m.role, _content_text(m.content)) for m in req.messages)
+            text = _chat_text(chat)
+        else:
+            text = _prompt_text(req.prompt)
     return Parsed(
         model=req.model,
         stream=req.stream,
         wants_usage=wants_usage,
         has_options=req.stream_options is not None or b'"stream_options"' in body,
         text=text,
+        chat=chat,
     )
 
 
-def _chat_text(messages: list[Message]) -> str:
+def _content_text(c: str | list[Part] | None) -> str:
+    if isinstance(c, str):
+        return c
+    return "".join(p.text for p in c) if c else ""
+
+
+def _chat_text(messages: tuple[tuple[str, str], ...]) -> str:
     parts: list[str] = []
-    for m in messages:
-        parts.append(m.role)
-        parts.append("\n")
-        c = m.content
-        if isinstance(c, str):
-            parts.append(c)
-        elif c:
-            parts.extend(p.text for p in c)
-        parts.append("\n")
+    for role, content in messages:
+        parts += (role, "\n", content, "\n")
     return "".join(parts)
 
 
@@ -156,9 +164,16 @@ def rewrite(
     return msgspec.json.encode(data)
 
 
+class PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: PromptDetails | None = None
+    """`cached_tokens`: the prompt tokens the engine found in its prefix cache (vLLM, the
+    sim; SGLang with --enable-cache-report)."""
 
 
 class UsageOnly(msgspec.Struct):

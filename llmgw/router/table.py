@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import aiohttp
 
@@ -73,6 +73,8 @@ class EndpointTable:
     def __init__(self) -> None:
         self.by_id: dict[str, EndpointState] = {}
         self.by_model: dict[str, list[EndpointState]] = {}
+        self.on_remove: list[Callable[[str], None]] = []
+        """Told of every endpoint that goes (its caches go with it: llmgw.router.kvroute)."""
 
     def add(
         self,
@@ -82,6 +84,7 @@ class EndpointTable:
         *,
         ready: bool = False,
         api_key: str = "",
+        node: str = "",
     ) -> EndpointState:
         """Add an endpoint, or replace the one with this id (an engine restarted elsewhere).
 
@@ -89,7 +92,12 @@ class EndpointTable:
         """
         self.remove(id)
         ep = EndpointState(
-            id=id, url=url.rstrip("/"), models=frozenset(models), ready=ready, api_key=api_key
+            id=id,
+            url=url.rstrip("/"),
+            models=frozenset(models),
+            ready=ready,
+            api_key=api_key,
+            node=node,
         )
         self.by_id[id] = ep
         for m in ep.models:
@@ -103,6 +111,8 @@ class EndpointTable:
                 eps = self.by_model.get(m, [])
                 # Rebuild rather than mutate: a request may be iterating the old list.
                 self.by_model[m] = [e for e in eps if e is not ep]
+            for told in self.on_remove:
+                told(id)
         return ep
 
     def mark_draining(self, id: str, draining: bool = True) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from llmgw.sim import tokens
+from llmgw.core import simtokens as tokens
 from llmgw.sim.config import SimConfig
 
 _json = msgspec.json.encode

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from llmgw.sim import tokens
+from llmgw.core import simtokens as tokens
 from llmgw.sim.config import SimConfig
 from llmgw.sim.kvcache import Block, BlockPool
 from llmgw.sim.stats import Stats
@@ -213,12 +213,8 @@ class Engine:
             waiting.popleft()
             pool.touch(hits)
             r.blocks = hits + pool.allocate(need)
-            if pool.record_events:
-                for j in range(len(hits), full):
-                    pool.cache(r.blocks[j], r.hashes[j], *self._stored(r, j))
-            else:
-                for j in range(len(hits), full):
-                    pool.cache(r.blocks[j], r.hashes[j])
+            for j in range(len(hits), full):
+                self._cache_block(r, j)
             hit_tokens = len(hits) * bs
             stats.prefix_cache_queries += n
             stats.prefix_cache_hits += hit_tokens
@@ -232,10 +228,16 @@ class Engine:
             running.append(r)
         return prefill
 
-    def _stored(self, r: Request, j: int) -> tuple[int | None, list[int]]:
-        """Block `j` of `r` as its BlockStored event says it: parent hash, token ids."""
+    def _cache_block(self, r: Request, j: int) -> None:
+        """Make block `j` of `r` findable; with KV events, its BlockStored says its parent
+        hash and token ids."""
+        pool = self.pool
+        if not pool.record_events:
+            pool.cache(r.blocks[j], r.hashes[j])
+            return
         bs = self.block_size
-        return (r.hashes[j - 1] if j else None), tokens.token_ids(r.tokens[j * bs : (j + 1) * bs])
+        ids = tokens.token_ids(r.tokens[j * bs : (j + 1) * bs])
+        pool.cache(r.blocks[j], r.hashes[j], r.hashes[j - 1] if j else None, ids)
 
     def _tell_waiting(self) -> None:
         """Touch each request the first time a step leaves it waiting, so that the
@@ -267,11 +269,7 @@ class Engine:
             # A block just filled: make it findable, so a conversation's next turn
             # (which repeats this output in its prompt) hits the cache.
             tokens.block_hashes(toks, bs, len(r.hashes), r.hashes)
-            j = n // bs - 1
-            if self.pool.record_events:
-                self.pool.cache(r.blocks[j], r.hashes[j], *self._stored(r, j))
-            else:
-                self.pool.cache(r.blocks[j], r.hashes[j])
+            self._cache_block(r, n // bs - 1)
         stats = self.stats
         stats.generation_tokens += 1
         if r.first_token_at is None:

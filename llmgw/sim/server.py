@@ -32,7 +32,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import logs
-from llmgw.sim import api, faultplan, kvevents, streaming, tokens
+from llmgw.core import simtokens as tokens
+from llmgw.sim import api, faultplan, kvevents, streaming
 from llmgw.sim.config import Faults, SimConfig
 from llmgw.sim.engine import Engine, Request
 from llmgw.sim.metrics import registry_for

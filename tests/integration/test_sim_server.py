@@ -27,7 +27,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.sim import tokens
+from llmgw.core import simtokens as tokens
 from llmgw.sim.testing import SimProcess
 
 MODEL = "sim"

@@ -49,7 +49,7 @@ def test_the_serving_key_reaches_endpoint_up_and_the_routers_table() -> None:
     (up,) = ups(sim.leader())
     assert up.api_key == "key-g1"
     assert sim.state.endpoints[start.replica_id].api_key == "key-g1"
-    url, model, draining, key = wanted(sim.state).endpoints[start.replica_id]
+    url, model, draining, key, _node = wanted(sim.state).endpoints[start.replica_id]
     assert (model, draining, key) == ("m", False, "key-g1")
     assert url == up.url
     # Snapshots keep it: a router or control plane starting from one still knows it.

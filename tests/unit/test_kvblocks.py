@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.core import kvblocks
-from llmgw.sim import kvevents, tokens
+from llmgw.core import simtokens as tokens
+from llmgw.sim import kvevents
 from llmgw.sim.config import KvEventsConfig, SimConfig
 from llmgw.sim.engine import Engine, Request
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.sim import api, bodies, tokens
+from llmgw.core import simtokens as tokens
+from llmgw.sim import api, bodies
 from llmgw.sim.config import Faults, LatencyModel, SimConfig
 
 CFG = SimConfig(served_model_names=("m", "alias"), max_model_len=64, block_size=4, num_blocks=32)

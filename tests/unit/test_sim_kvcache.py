@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.sim import tokens
+from llmgw.core import simtokens as tokens
 from llmgw.sim.kvcache import BlockPool
 
 

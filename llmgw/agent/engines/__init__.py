@@ -29,6 +29,7 @@ __all__ = [
     "LaunchRefused",
     "environment",
     "keyed",
+    "kv_evented",
     "plan",
 ]
 
@@ -67,6 +68,40 @@ def keyed(spec: LaunchSpec, launch: Launch, api_key: str) -> Launch:
         )
     return msgspec.structs.replace(
         launch, argv=(*launch.argv, "--api-key", api_key), api_key=api_key
+    )
+
+
+KV_EVENT_ENGINES: frozenset[Engine] = frozenset({"vllm", "sglang", "sim"})
+"""Engines that publish their KV cache's block events (`--kv-events-config`); llama.cpp
+does not, and routers keep their own approximate index for it."""
+
+
+def kv_evented(spec: LaunchSpec, launch: Launch, socket_dir: str) -> Launch:
+    """`launch` with the engine publishing its KV events on ipc sockets in `socket_dir`.
+    Purely computational.
+
+    Only for the shard routers reach (rank 0, serving HTTP) of an engine that has them,
+    and not when the operator's engine arguments configure KV events themselves. ipc://
+    keeps the events on the node: the agent relays them onto NATS under its own name.
+    """
+    if spec.engine not in KV_EVENT_ENGINES or spec.node_rank != 0 or not launch.http:
+        return launch
+    if any(a == "--kv-events-config" or a.startswith("--kv-events-config=") for a in launch.argv):
+        return launch
+    base = f"ipc://{socket_dir.rstrip('/')}/{spec.port}"
+    events_addr, replay_addr = f"{base}.events", f"{base}.replay"
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events_addr,
+        "replay_endpoint": replay_addr,
+        "topic": "kv",
+    }
+    return msgspec.structs.replace(
+        launch,
+        argv=(*launch.argv, "--kv-events-config", msgspec.json.encode(config).decode()),
+        kv_events=events_addr,
+        kv_replay=replay_addr,
     )
 
 

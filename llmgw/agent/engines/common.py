@@ -53,3 +53,7 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str = ""
     """The key the engine requires on its API (`Authorization: Bearer`); empty: none.
     Set by `llmgw.agent.engines.keyed`; never logged."""
+    kv_events: str = ""
+    """The node-local ZMQ address the engine publishes its KV events on (empty: none), and
+    its replay socket: set by `llmgw.agent.engines.kv_evented`, read by the KV relay."""
+    kv_replay: str = ""

@@ -1,20 +1,24 @@
-"""The simulated engine's tokenizer, chat template and text generator.
+"""The simulated engine's tokenizer, chat template and text generator (`llmgw sim`).
+
+In the core because routers tokenize prompts for sim models exactly as the sim does
+(llmgw.router.prompts), to key their KV index with the token ids the sim's KV events
+carry.
 
 An approximation of a real tokenizer, not a copy of one: a token is a run of at
 most six word characters with at most one leading space, a single punctuation
 character with at most one leading space, or a run of other whitespace. That
 gives roughly the four characters per token of BPE tokenizers on English text,
 and it is lossless (the tokens join back into the text), which the prefix cache
-needs: equal text prefixes give equal token prefixes. Tokens are kept as their
-strings; nothing outside the sim ever sees a token id.
+needs: equal text prefixes give equal token prefixes. The sim keeps tokens as their
+strings; `token_id` gives each a stable id for its KV events.
 
 Generated text is drawn from a small vocabulary of short words, each of which is
 exactly one token, so `usage.completion_tokens`, the generation-token metrics and
 re-tokenizing the output all agree. The generator is a 64-bit LCG seeded per
 request: the same seed and prompt give the same text on every run.
 
-Used by `llmgw.sim.engine` (requests carry their prompt tokens) and
-`llmgw.sim.api` (prompts are rendered and counted). Purely computational.
+Used by `llmgw.sim.engine` (requests carry their prompt tokens), `llmgw.sim.api`
+(prompts are rendered and counted) and `llmgw.router.prompts`. Purely computational.
 """
 
 from __future__ import annotations

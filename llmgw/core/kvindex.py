@@ -1,0 +1,269 @@
+"""The fleet KV index: which endpoint holds which prompt blocks, folded from the engines' events.
+
+Every router builds one from the `KvUpdate`s agents relay (llmgw.core.kvblocks,
+llmgw.router.kvfeed). The same updates in the same order give the same index, so
+routers fed by one stream agree on where every prefix is.
+
+Per endpoint it keeps the engine instance its blocks belong to, the engine's block
+size, the set of keys and whether that set is known to be complete (`synced`): an
+update from a new instance, or with a sequence number that skips one, leaves the
+endpoint unsynced (nothing predicted there) until the next full update says what it
+holds. Per key it keeps a bit mask of the endpoints holding it, so matching a prompt
+walks its keys once whatever the number of endpoints.
+
+An endpoint's blocks are trusted only while its updates keep coming (the agent sends a
+full update every few seconds) and only from the node that published them: blocks are
+kept per (node, endpoint), and `match` reads, for each candidate, only what the node the
+router's endpoint table names for it said. A node cannot claim another node's engine's
+cache, nor drown what that node says.
+
+`RecentRoutes` is the router's own short memory of where it just sent which blocks,
+which covers the moment between a request and the engine's events about it.
+Purely computational: time is an argument.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from llmgw.core.kvblocks import KvUpdate
+
+MAX_ENDPOINTS = 4096
+"""Endpoints indexed at once: updates naming more are refused (a node inventing endpoint
+ids cannot grow a router's memory without bound)."""
+MAX_ENDPOINTS_PER_NODE = 256
+MAX_KEYS_PER_ENDPOINT = 4_000_000
+"""About 64 GB of KV at 16 tokens of 1 KiB each: more than any engine holds."""
+
+
+class EndpointBlocks:
+    """What the index knows of one endpoint's cache."""
+
+    __slots__ = ("bit", "block_size", "endpoint", "instance", "keys", "model", "node",
+                 "seq", "synced", "updated_at")  # fmt: skip
+
+    def __init__(self, endpoint: str, node: str, bit: int) -> None:
+        self.endpoint = endpoint
+        self.node = node
+        self.bit = bit
+        self.model = ""
+        self.instance = ""
+        self.block_size = 0
+        self.seq = 0
+        self.synced = False
+        self.updated_at = 0.0
+        self.keys: set[int] = set()
+
+
+class KvIndex:
+    """Endpoint -> keys held, key -> endpoints holding it."""
+
+    def __init__(self, *, stale_after_s: float = 15.0) -> None:
+        self.stale_after_s = stale_after_s
+        self.endpoints: dict[tuple[str, str], EndpointBlocks] = {}
+        """(node, endpoint id) -> what that node says the endpoint holds."""
+        self._per_node: dict[str, int] = {}
+        self.holders: dict[int, int] = {}
+        """Key -> bit mask of the endpoints (their `bit`) that hold it."""
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+        self.applied = 0
+        self.refused = 0
+        self.resyncs = 0
+
+    def __len__(self) -> int:
+        return len(self.holders)
+
+    # ------------------------------------------------------------------ folding
+
+    def apply(self, update: KvUpdate, node: str, now: float) -> str | None:
+        """Fold one update published by `node`; None, or why it was refused.
+
+        Blocks are kept per (node, endpoint): what a node says of an endpoint id is only
+        ever believed for that node (`usable`), so a node naming another node's engine
+        neither claims its cache nor disturbs what its real node says."""
+        key = (node, update.endpoint)
+        ep = self.endpoints.get(key)
+        if ep is None:
+            if len(self.endpoints) >= MAX_ENDPOINTS:
+                self.refused += 1
+                return f"the index holds {MAX_ENDPOINTS} endpoints already"
+            if self._per_node.get(node, 0) >= MAX_ENDPOINTS_PER_NODE:
+                self.refused += 1
+                return f"node {node} publishes for {MAX_ENDPOINTS_PER_NODE} endpoints already"
+            ep = self.endpoints[key] = EndpointBlocks(update.endpoint, node, self._take_bit())
+            self._per_node[node] = self._per_node.get(node, 0) + 1
+        ep.updated_at = now
+        if update.full:
+            self._clear(ep)
+            ep.instance, ep.block_size, ep.model = update.instance, update.block_size, update.model
+            ep.synced = True
+        elif update.instance != ep.instance or update.seq != ep.seq + 1:
+            # Another engine instance, or an update missed: nothing is certain until the
+            # next full update.
+            if ep.synced:
+                self.resyncs += 1
+            self._clear(ep)
+            ep.synced = False
+            ep.instance = update.instance
+        ep.seq = update.seq
+        if not ep.synced:
+            return None
+        bit = 1 << ep.bit
+        holders, keys = self.holders, ep.keys
+        for k in update.removed:
+            if k in keys:
+                keys.discard(k)
+                mask = holders[k] & ~bit
+                if mask:
+                    holders[k] = mask
+                else:
+                    del holders[k]
+        if len(keys) + len(update.stored) > MAX_KEYS_PER_ENDPOINT:
+            self.refused += 1
+            ep.synced = False
+            self._clear(ep)
+            return f"endpoint {update.endpoint} would hold over {MAX_KEYS_PER_ENDPOINT} blocks"
+        for k in update.stored:
+            if k not in keys:
+                keys.add(k)
+                holders[k] = holders.get(k, 0) | bit
+        self.applied += 1
+        return None
+
+    def forget(self, endpoint: str) -> None:
+        """Drop an endpoint and everything it held, whichever node spoke of it (it went
+        down, or its node was lost)."""
+        for key in [k for k in self.endpoints if k[1] == endpoint]:
+            ep = self.endpoints.pop(key)
+            self._clear(ep)
+            self._free_bits.append(ep.bit)
+            left = self._per_node[ep.node] - 1
+            if left:
+                self._per_node[ep.node] = left
+            else:
+                del self._per_node[ep.node]
+
+    def _clear(self, ep: EndpointBlocks) -> None:
+        bit = ~(1 << ep.bit)
+        holders = self.holders
+        for k in ep.keys:
+            mask = holders[k] & bit
+            if mask:
+                holders[k] = mask
+            else:
+                del holders[k]
+        ep.keys = set()
+
+    def _take_bit(self) -> int:
+        if self._free_bits:
+            return self._free_bits.pop()
+        self._next_bit += 1
+        return self._next_bit - 1
+
+    # ------------------------------------------------------------------ reading
+
+    def usable(self, endpoint: str, node: str, now: float) -> EndpointBlocks | None:
+        """The endpoint's blocks if they can be trusted now: synced, fresh, and published
+        by the node the router knows the endpoint on."""
+        ep = self.endpoints.get((node, endpoint))
+        if ep is None or not ep.synced:
+            return None
+        if now - ep.updated_at > self.stale_after_s:
+            return None
+        return ep
+
+    def match(
+        self,
+        keys_for: Callable[[int], Sequence[int]],
+        candidates: Sequence[tuple[str, str]],
+        now: float,
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """For each usable candidate (endpoint id, node), the leading blocks of the prompt
+        it holds, and its block size. `keys_for(block_size)` gives the prompt's keys for
+        one block size (endpoints of a model usually share one).
+
+        Returns (endpoint -> blocks held, endpoint -> block size) for the usable ones;
+        an endpoint holding none is present with 0.
+        """
+        depth: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        by_size: dict[int, list[EndpointBlocks]] = {}
+        for endpoint, node in candidates:
+            ep = self.usable(endpoint, node, now)
+            if ep is not None:
+                by_size.setdefault(ep.block_size, []).append(ep)
+                depth[endpoint] = 0
+                sizes[endpoint] = ep.block_size
+        holders = self.holders
+        for size, eps in by_size.items():
+            bits = {1 << ep.bit: ep.endpoint for ep in eps}
+            alive = 0
+            for b in bits:
+                alive |= b
+            keys = keys_for(size)
+            n = 0
+            for k in keys:
+                held = holders.get(k, 0) & alive
+                gone = alive & ~held
+                if gone:
+                    for b, name in bits.items():
+                        if gone & b:
+                            depth[name] = n
+                alive = held
+                if not alive:
+                    break
+                n += 1
+            for b, name in bits.items():
+                if alive & b:
+                    depth[name] = n
+        return depth, sizes
+
+    def holding(self, key: int) -> list[str]:
+        """The endpoints that hold `key` (for explanations)."""
+        mask = self.holders.get(key, 0)
+        return sorted(
+            f"{ep.endpoint}@{ep.node}" for ep in self.endpoints.values() if mask >> ep.bit & 1
+        )
+
+
+class RecentRoutes:
+    """Where this router sent which blocks in the last `window_s`: what engines hold but
+    have not reported yet (their events take a few tens of milliseconds to arrive)."""
+
+    def __init__(self, *, window_s: float = 2.0, capacity: int = 200_000) -> None:
+        self.window_s = window_s
+        self.capacity = capacity
+        self._by_key: OrderedDict[int, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def record(self, keys: Sequence[int], endpoint: str, now: float) -> None:
+        table = self._by_key
+        for k in keys:
+            table[k] = (endpoint, now)
+            table.move_to_end(k)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+    def match(self, keys: Sequence[int], now: float) -> tuple[str, int]:
+        """(endpoint, leading blocks) of the most recent route holding the prompt's first
+        block, within the window; ("", 0) when there is none."""
+        table = self._by_key
+        first = table.get(keys[0]) if keys else None
+        if first is None or now - first[1] > self.window_s:
+            return "", 0
+        endpoint = first[0]
+        n = 0
+        for k in keys:
+            got = table.get(k)
+            if got is None or got[0] != endpoint or now - got[1] > self.window_s:
+                break
+            n += 1
+        return endpoint, n
+
+    def forget(self, endpoint: str) -> None:
+        for k in [k for k, (ep, _) in self._by_key.items() if ep == endpoint]:
+            del self._by_key[k]

@@ -1,0 +1,112 @@
+"""The router's KV feed: the engines' KV updates from NATS into its fleet KV index.
+
+A `KvFeed` connects as the router's identity to the log's server, reads the stream
+`llmgw-kv` from a few seconds back (`bus.KvReader`: long enough to include every
+engine's latest full update, so a router that starts or restarts is warm at once,
+without waiting for engines to store anything again) and then follows it, folding every
+update into `llmgw.core.kvindex.KvIndex`. Which node published an update is its
+subject's, which the server enforces and the signature proves; the index keeps it and
+the router believes an endpoint's blocks only from the node its endpoint table has for
+it (llmgw.router.kvroute).
+
+It runs beside the LogFeed and never stops the router: while it cannot read, routing
+goes on from the router's own recent routes and approximate index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+
+from llmgw import bus, logs
+from llmgw import tasks as tasks_
+from llmgw.bus import kvlog
+from llmgw.bus.intake import Record
+from llmgw.core import subjects
+from llmgw.core.kvindex import KvIndex
+from llmgw.router import ports as ports_
+from llmgw.router.config import LogSource
+
+log = logs.get("llmgw.router.kv")
+
+
+class KvFeed:
+    """Keeps one router's KvIndex in step with the stream `llmgw-kv`."""
+
+    def __init__(
+        self, source: LogSource, index: KvIndex, *, tls: ssl.SSLContext | None = None
+    ) -> None:
+        self.source = source
+        self.index = index
+        self._tls = tls
+        self.applied = 0
+        self.refused = 0
+        self.ready = asyncio.Event()
+        """Set once the updates stored when the feed started are folded."""
+        self._reader: kvlog.KvReader | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="router-kv-feed")
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._reader.close(), 5)
+        if self._task is not None:
+            await tasks_.stop([self._task], who="router kv feed")
+
+    async def _run(self) -> None:
+        wait = 1.0
+        while not self._stop.is_set():
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # no stream yet, a refused consumer: try again later
+                log.warning("kv_feed_failed", error=str(exc) or type(exc).__name__,
+                            retry_in_s=wait)  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), wait)
+            wait = min(wait * 2, 30.0)
+
+    async def _follow(self) -> None:
+        tls = self._tls if self._tls is not None else self.source.tls_context()
+        nc = await ports_.connect(self.source, tls)
+        try:
+            reader = kvlog.KvReader(nc, name=f"router-kv-{self.source.name}")
+            self._reader = reader
+            async with reader:
+                marker = asyncio.get_running_loop().create_task(self._mark_ready(reader))
+                try:
+                    async for batch in reader.batches():
+                        self.apply(batch)
+                finally:
+                    marker.cancel()
+        finally:
+            self._reader = None
+            await bus.close(nc)
+
+    async def _mark_ready(self, reader: kvlog.KvReader) -> None:
+        await reader.caught_up.wait()
+        self.ready.set()
+        log.info("kv_feed_caught_up", endpoints=len(self.index.endpoints),
+                 blocks=len(self.index))  # fmt: skip
+
+    def apply(self, batch: list[Record]) -> None:
+        now = time.time()
+        for record in batch:
+            owner = subjects.kv_owner(record.subject)
+            if owner is None:
+                continue
+            refused = self.index.apply(kvlog.update_of(record), owner[0], now)
+            if refused is None:
+                self.applied += 1
+            else:
+                self.refused += 1
+                log.warning("kv_update_refused", seq=record.seq, subject=record.subject,
+                            reason=refused)  # fmt: skip

@@ -1,0 +1,131 @@
+"""Routing to the cache: what each candidate endpoint holds of a request's prompt.
+
+For a model whose tokens the router can compute (llmgw.router.prompts), `KvRouting.plan`
+turns the request into the engine's block keys (llmgw.core.kvblocks) and asks, per
+candidate endpoint, how many of the prompt's tokens its KV cache holds:
+
+1. the fleet KV index (llmgw.core.kvindex), built from the engines' own events, for
+   every endpoint whose updates are fresh and come from its own node: the truth;
+2. this router's recent routes, for what an engine received a moment ago and has not
+   reported yet;
+3. otherwise (an engine that publishes no events, such as llama.cpp, or whose events
+   stopped), the router's approximate index of prompt text (llmgw.core.prefix),
+   converted to tokens.
+
+The planner then ranks by `llmgw.core.routing.CostModel`. `routed` records where the
+request went (recent routes, the predicted cached tokens it will be compared with);
+`explain` answers an operator's "where would this prompt go, and why".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from llmgw.core import kvblocks, routing
+from llmgw.core.kvindex import KvIndex, RecentRoutes
+from llmgw.core.prefix import PrefixIndex
+from llmgw.core.profile import ModelProfile
+from llmgw.router import prompts
+from llmgw.router.requests import Parsed
+
+DEFAULT_BLOCK_SIZE = 16
+"""The block size keys are recorded with for engines whose size is not known yet (vLLM's
+and the sim's default)."""
+
+
+class Source(msgspec.Struct, frozen=True):
+    """Where one endpoint's predicted cached tokens came from."""
+
+    cached_tokens: int
+    source: str
+    """"events" (the fleet KV index), "recent" (this router's routes), "approximate"
+    (prompt text), or "none"."""
+
+
+class CachePlan(msgspec.Struct, kw_only=True):
+    """One request's prompt as the cache sees it, and each candidate's share of it."""
+
+    model: str
+    prompt_tokens: int
+    keys: dict[int, list[int]]
+    """Block size -> the prompt's keys for it."""
+    by_endpoint: dict[str, Source]
+    text_hits: int = 0
+
+    @property
+    def cached(self) -> dict[str, int]:
+        return {ep: s.cached_tokens for ep, s in self.by_endpoint.items()}
+
+
+class KvRouting:
+    """The fleet KV index and this router's recent routes, for every model it can tokenize."""
+
+    def __init__(self, *, index: KvIndex | None = None, recent_s: float = 2.0) -> None:
+        self.index = index if index is not None else KvIndex()
+        self.recent = RecentRoutes(window_s=recent_s)
+
+    def keys_of(self, plan: CachePlan, block_size: int, ids: Sequence[int]) -> list[int]:
+        keys = plan.keys.get(block_size)
+        if keys is None:
+            keys = plan.keys[block_size] = kvblocks.block_keys(ids, block_size)
+        return keys
+
+    def plan(
+        self,
+        parsed: Parsed,
+        profile: ModelProfile,
+        endpoints: Sequence[routing.EndpointState],
+        *,
+        text_index: PrefixIndex | None = None,
+        text_hashes: Sequence[bytes] = (),
+        block_chars: int = 256,
+        now: float | None = None,
+    ) -> CachePlan | None:
+        """The plan of a request, or None where its tokens cannot be known."""
+        tokenizer = prompts.for_profile(profile)
+        if tokenizer is None:
+            return None
+        try:
+            ids = tokenizer.ids(parsed)
+        except Exception:  # a tokenizer that fails on this input: route without a plan
+            return None
+        if not ids:
+            return None
+        now = time.time() if now is None else now
+        plan = CachePlan(model=profile.name, prompt_tokens=len(ids), keys={}, by_endpoint={})
+        depth, sizes = self.index.match(
+            lambda size: self.keys_of(plan, size, ids),
+            [(ep.id, ep.node) for ep in endpoints],
+            now,
+        )
+        default_keys = self.keys_of(plan, DEFAULT_BLOCK_SIZE, ids)
+        recent_ep, recent_blocks = self.recent.match(default_keys, now)
+        text = text_index.match(text_hashes) if text_index is not None and text_hashes else {}
+        chars = len(parsed.text) or 1
+        tokens_per_char = len(ids) / chars
+        for ep in endpoints:
+            n = 0
+            source = "none"
+            if ep.id in depth:
+                n, source = depth[ep.id] * sizes[ep.id], "events"
+            elif ep.id in text:
+                n = int(text[ep.id] * block_chars * tokens_per_char)
+                source = "approximate"
+            if ep.id == recent_ep and recent_blocks * DEFAULT_BLOCK_SIZE > n:
+                n, source = recent_blocks * DEFAULT_BLOCK_SIZE, "recent"
+            plan.by_endpoint[ep.id] = Source(min(n, len(ids)), source)
+        return plan
+
+    def routed(self, plan: CachePlan, endpoint: routing.EndpointState, now: float) -> int:
+        """The request went to `endpoint`: remember its blocks there; the cached tokens
+        predicted for it."""
+        self.recent.record(plan.keys[DEFAULT_BLOCK_SIZE], endpoint.id, now)
+        got = plan.by_endpoint.get(endpoint.id)
+        return got.cached_tokens if got is not None else 0
+
+    def forget(self, endpoint: str) -> None:
+        self.index.forget(endpoint)
+        self.recent.forget(endpoint)

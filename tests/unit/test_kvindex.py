@@ -1,0 +1,191 @@
+"""The fleet KV index (llmgw.core.kvindex) and cost ranking (llmgw.core.routing.CostModel)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.core import kvblocks, routing
+from llmgw.core.kvindex import KvIndex, RecentRoutes
+
+
+def upd(
+    endpoint: str,
+    seq: int,
+    *,
+    full: bool = False,
+    stored: list[int] | None = None,
+    removed: list[int] | None = None,
+    instance: str = "i1",
+    size: int = 4,
+) -> kvblocks.KvUpdate:
+    return kvblocks.KvUpdate(
+        endpoint=endpoint, model="m", block_size=size, instance=instance, seq=seq, full=full,
+        stored=stored or [], removed=removed or [],
+    )  # fmt: skip
+
+
+def depths(index: KvIndex, keys: list[int], cands: list[tuple[str, str]], now: float = 0.0):
+    return index.match(lambda _size: keys, cands, now)[0]
+
+
+def test_a_prompt_matches_the_leading_blocks_each_endpoint_holds() -> None:
+    index = KvIndex()
+    keys = kvblocks.block_keys(list(range(20)), 4)  # 5 blocks
+    assert index.apply(upd("a", 1, full=True, stored=keys[:3]), "n1", 0.0) is None
+    assert (
+        index.apply(upd("b", 1, full=True, stored=[keys[0], keys[2], keys[3]]), "n2", 0.0) is None
+    )
+    assert depths(index, keys, [("a", "n1"), ("b", "n2"), ("c", "n3")]) == {"a": 3, "b": 1}
+
+
+def test_a_node_speaks_only_for_its_own_endpoints() -> None:
+    index = KvIndex()
+    keys = kvblocks.block_keys(list(range(8)), 4)
+    index.apply(upd("a", 1, full=True, stored=keys[:1]), "n1", 0.0)
+    # n2 claims a's cache: kept apart, never believed for a, and n1's word stands.
+    index.apply(upd("a", 1, full=True, stored=keys), "n2", 0.0)
+    index.apply(upd("a", 2, stored=keys[1:]), "n2", 0.0)
+    assert depths(index, keys, [("a", "n1")]) == {"a": 1}
+    index.apply(upd("a", 2, stored=keys[1:2]), "n1", 0.0)
+    assert depths(index, keys, [("a", "n1")]) == {"a": 2}
+
+
+def test_a_missed_update_or_a_new_instance_predicts_nothing_until_a_full_one() -> None:
+    index = KvIndex()
+    keys = kvblocks.block_keys(list(range(16)), 4)
+    index.apply(upd("a", 1, full=True, stored=keys[:2]), "n", 0.0)
+    index.apply(upd("a", 3, stored=keys[2:3]), "n", 0.0)  # seq 2 was lost
+    assert depths(index, keys, [("a", "n")]) == {}
+    index.apply(upd("a", 4, full=True, stored=keys[:3]), "n", 0.0)
+    assert depths(index, keys, [("a", "n")]) == {"a": 3}
+    index.apply(upd("a", 1, stored=keys, instance="i2"), "n", 0.0)  # the engine restarted
+    assert depths(index, keys, [("a", "n")]) == {}
+    assert len(index) == 0
+
+
+def test_updates_that_stop_make_an_endpoint_unpredicted() -> None:
+    index = KvIndex(stale_after_s=5.0)
+    keys = kvblocks.block_keys(list(range(8)), 4)
+    index.apply(upd("a", 1, full=True, stored=keys), "n", 100.0)
+    assert depths(index, keys, [("a", "n")], now=104.0) == {"a": 2}
+    assert depths(index, keys, [("a", "n")], now=106.0) == {}
+
+
+def test_forget_drops_an_endpoint_from_every_node() -> None:
+    index = KvIndex()
+    keys = kvblocks.block_keys(list(range(8)), 4)
+    index.apply(upd("a", 1, full=True, stored=keys), "n1", 0.0)
+    index.apply(upd("a", 1, full=True, stored=keys), "n2", 0.0)
+    index.apply(upd("b", 1, full=True, stored=keys), "n1", 0.0)
+    index.forget("a")
+    assert depths(index, keys, [("a", "n1"), ("a", "n2"), ("b", "n1")]) == {"b": 2}
+    assert set(index.holders) == set(keys)
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b", "c"]),
+        st.sampled_from(["n1", "n2"]),
+        st.booleans(),
+        st.lists(st.integers(0, 30), max_size=8),
+        st.lists(st.integers(0, 30), max_size=8),
+        st.integers(0, 2),  # 0: next seq, 1: skip one, 2: new instance
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.lists(st.integers(0, 30), min_size=1, max_size=10, unique=True))
+def test_the_index_is_the_fold_of_its_updates_and_two_routers_agree(
+    plan: list[tuple[str, str, bool, list[int], list[int], int]], prompt: list[int]
+) -> None:
+    a, b = KvIndex(), KvIndex()
+    model: dict[tuple[str, str], set[int] | None] = {}  # None: not synced
+    seqs: dict[tuple[str, str], tuple[str, int]] = {}
+    for ep, node, full, stored, removed, mode in plan:
+        inst, seq = seqs.get((node, ep), ("i0", 0))
+        if mode == 1:
+            seq += 1
+        elif mode == 2:
+            inst = inst + "x"
+        seq += 1
+        seqs[(node, ep)] = (inst, seq)
+        u = upd(ep, seq, full=full, stored=stored, removed=removed, instance=inst)
+        for index in (a, b):
+            index.apply(u, node, 0.0)
+        have = model.get((node, ep))
+        if full:
+            model[(node, ep)] = set(stored)
+        elif (node, ep) not in model or mode != 0 or have is None:
+            model[(node, ep)] = None  # unknown base, a gap or a new instance: unsynced
+        else:
+            have -= set(removed)
+            have |= set(stored)
+    cands = [(ep, node) for ep in "abc" for node in ("n1", "n2")]
+    for ep, node in cands:
+        held = model.get((node, ep))
+        got = a.endpoints.get((node, ep))
+        if held is None:
+            assert got is None or not got.synced
+        else:
+            assert got is not None
+            assert got.keys == held
+    # Matching agrees with the model: consecutive leading keys held, per synced endpoint.
+    for (node, ep), held in model.items():
+        if held is None:
+            continue
+        n = 0
+        while n < len(prompt) and prompt[n] in held:
+            n += 1
+        got = a.match(lambda _s: prompt, [(ep, node)], 0.0)[0]
+        assert got == {ep: n}
+    assert a.holders == b.holders
+    assert {k: e.keys for k, e in a.endpoints.items()} == {
+        k: e.keys for k, e in b.endpoints.items()
+    }
+
+
+def test_recent_routes_cover_the_moment_before_the_events() -> None:
+    recent = RecentRoutes(window_s=2.0)
+    keys = [1, 2, 3]
+    recent.record(keys, "a", 10.0)
+    assert recent.match([1, 2, 9], 11.0) == ("a", 2)
+    assert recent.match(keys, 12.5) == ("", 0)
+    recent.forget("a")
+    assert recent.match(keys, 10.5) == ("", 0)
+
+
+def _ep(name: str, *, inflight: int = 0, queue: float = 0.0) -> routing.EndpointState:
+    return routing.EndpointState(id=name, url=f"http://{name}", models=frozenset({"m"}),
+                                 ready=True, inflight=inflight, queue_depth=queue)  # fmt: skip
+
+
+def _first(eps: list[routing.EndpointState], cached: dict[str, int], prompt: int = 1000,
+           cost: routing.CostModel = routing.CostModel()) -> str:  # fmt: skip
+    q = routing.Query(model="m", now=0.0, prompt_tokens=prompt, cached_tokens=cached, cost=cost)
+    return routing.rank(eps, q, routing.Weights(), 0.0).order[0].id
+
+
+def test_cost_ranking_follows_the_cache_until_load_outweighs_it() -> None:
+    eps = [_ep("a", inflight=4), _ep("b")]
+    assert _first(eps, {"a": 960}) == "a"  # 40 + 4*64 = 296 < 1000
+    assert _first([_ep("a", inflight=16), _ep("b")], {"a": 960}) == "b"  # 40 + 1024 > 1000
+    assert _first([_ep("a", queue=1), _ep("b")], {"a": 960}) == "b"  # a queued request
+    # Past max_imbalance no cache is followed, whatever it saves.
+    tight = routing.CostModel(running_tokens=1, max_imbalance=2)
+    assert _first([_ep("a", inflight=3), _ep("b")], {"a": 1000}, cost=tight) == "b"
+    assert _first([_ep("a", inflight=2), _ep("b")], {"a": 1000}, cost=tight) == "a"
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 3), st.integers(0, 2000)),
+                min_size=2, max_size=6), st.integers(1, 2000))  # fmt: skip
+def test_the_cheapest_endpoint_always_wins(spec: list[tuple[int, int, int]], prompt: int) -> None:
+    eps = [_ep(f"e{i}", inflight=f, queue=q) for i, (f, q, _) in enumerate(spec)]
+    cached = {f"e{i}": c for i, (_, _, c) in enumerate(spec)}
+    q = routing.Query(model="m", now=0.0, prompt_tokens=prompt, cached_tokens=cached)
+    priced = routing.costs(eps, q)
+    first = routing.rank(eps, q, routing.Weights(), 0.5).order[0]
+    assert priced[eps.index(first)][0] == min(c for c, _ in priced)
+    assert all(0 <= held <= prompt for _, held in priced)
