@@ -46,7 +46,7 @@ from aiohttp import web
 from llmgw import __version__, bus, logs
 from llmgw import tasks as tasks_
 from llmgw.agent import config as agent_config
-from llmgw.agent import discovery, engines, ledger, refresh, reports
+from llmgw.agent import discovery, engines, kvrelay, ledger, refresh, reports
 from llmgw.agent import metrics as agent_metrics
 from llmgw.agent.applier import Applier
 from llmgw.agent.config import AgentConfig
@@ -179,7 +179,6 @@ class AgentService:
                 stop_grace_s=cfg.stop_grace_s,
                 tail_lines=cfg.log_tail_lines,
                 poll_s=cfg.engine_poll_s,
-                kv_events=cfg.kv_events,
             ),
             self._on_change,
         )
@@ -492,4 +491,7 @@ class AgentService:
     def _plan(self, cmd: events.StartShard, busy: frozenset[int]) -> engines.Launch:
         # The operator's env and engine arguments, bounded by this node's own policy.
         policy.check_policy(cmd.launch, self.cfg.launch, source=self.config_source)
-        return engines.plan(cmd.launch, self.inventory, self.context, busy_gpus=busy)
+        launch = engines.plan(cmd.launch, self.inventory, self.context, busy_gpus=busy)
+        if not self.cfg.kv_events:
+            return launch
+        return engines.kv_evented(cmd.launch, launch, str(kvrelay.socket_dir(self.state_dir)))

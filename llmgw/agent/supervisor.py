@@ -33,7 +33,7 @@ from pathlib import Path
 import msgspec
 
 from llmgw import logs, pidfiles, processes
-from llmgw.agent import engines, kvrelay, logtail, stopping
+from llmgw.agent import engines, logtail, stopping
 from llmgw.agent.engines.common import Launch
 from llmgw.agent.probe import Prober, Startup
 from llmgw.agent.shards import LIVE, OnChange, ShardView
@@ -55,8 +55,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """A headless multi-node worker serves no HTTP: alive this long counts as serving."""
     max_log_bytes: int = 16 * 1024 * 1024
     keep_log_bytes: int = 1024 * 1024
-    kv_events: bool = True
-    """Start engines that have them with KV events on (llmgw.agent.engines.kv_evented)."""
 
 
 class AdoptionResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,8 +182,6 @@ class Supervisor:
             # Routers present it; no other node can read this node's events, so an engine
             # reachable on the node network still answers only the routers.
             launch = engines.keyed(spec, launch, secrets.token_urlsafe(32))
-        if self.settings.kv_events:
-            launch = engines.kv_evented(spec, launch, str(kvrelay.socket_dir(self.state_dir)))
         key = (replica_id, shard)
         existing = self._shards.get(key)
         if existing is not None and existing.phase in LIVE:

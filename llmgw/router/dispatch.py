@@ -177,6 +177,10 @@ class Dispatcher:
                     if body_of != parsed.model or state.drop_usage
                     else body
                 )
+            if plan is not None:
+                # Set before the attempt: the engine's usage, read during it, is compared.
+                got = plan.by_endpoint.get(step.endpoint.id)
+                state.cached_predicted = got.cached_tokens if got is not None else -1
             try:
                 resp = await self._attempt(step, up_body, state)
             except Retry as exc:
@@ -217,7 +221,6 @@ class Dispatcher:
         """Where a request ranked on the cache went: recent routes, the prediction's
         metrics, and the access log's line."""
         predicted = self.kv.routed(plan, ep, time.time())
-        state.cached_predicted = predicted
         source = plan.by_endpoint[ep.id].source if ep.id in plan.by_endpoint else "none"
         self.metrics.cache_predicted(plan.model, plan.prompt_tokens, predicted, source)
         if self._debug:

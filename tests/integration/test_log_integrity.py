@@ -23,7 +23,7 @@ import pytest
 from nats.aio.client import Client
 
 from llmgw import bus
-from llmgw.core import events, subjects
+from llmgw.core import events, kvblocks, subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import Identity
 from tests.harness import Connector
@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 STREAM = subjects.STREAM
 LEASE = f"KV_{authorization.LEASE_BUCKET}"
 SNAPS = f"OBJ_{authorization.SNAPSHOT_BUCKET}"
-STREAMS = (STREAM, LEASE, SNAPS)
+KV = subjects.KV_STREAM
+STREAMS = (STREAM, KV, LEASE, SNAPS)
 # The snapshot store may also be a KV bucket (older deployments): attacked though absent.
 ATTACKED_STREAMS = (*STREAMS, f"KV_{authorization.SNAPSHOT_BUCKET}")
 LEASE_KEY = f"$KV.{authorization.LEASE_BUCKET}.leader"
@@ -62,6 +63,8 @@ TARGETS = (
     subjects.operator_event("bob", "node_drain_requested"),
     subjects.control_operator_event("control-1", "model_declared"),
     "llmgw.events.operator.node_cordoned",
+    subjects.kv_updates(VICTIM, "e1"),
+    subjects.kv_updates("node-a", "e9"),
     LEASE_KEY,
     f"$O.{authorization.SNAPSHOT_BUCKET}.M.c3RhdGU",
     f"$O.{authorization.SNAPSHOT_BUCKET}.C.forged",
@@ -72,6 +75,8 @@ def owns(identity: Identity, subject: str) -> bool:
     """Who may write a subject, said independently of the permissions under test."""
     parts = subject.split(".")
     if identity.kind == "node":
+        if parts[:2] == ["llmgw", "kv"]:
+            return len(parts) == 4 and parts[2] == identity.name
         return parts[:4] == ["llmgw", "events", "node", identity.name]
     if identity.kind == "operator":
         return parts[:4] == ["llmgw", "events", "operator", identity.name] and len(parts) == 5
@@ -241,6 +246,18 @@ async def fleet(connect: Connector) -> Client:
     beat = events.Heartbeat(id="hb-1", ts=1.0, node="node-a", seq=1)
     # Raw, without a Nats-Msg-Id or signature: a copy of it is not a duplicate.
     await node.jetstream().publish(events.subject_of(beat), events.encode(beat))
+    # Something in the engines' KV stream too, to be copied if anything could copy it.
+    await bus.KvPublisher(node, "node-a").publish(
+        kvblocks.KvUpdate(
+            endpoint="e9",
+            model="m",
+            block_size=16,
+            instance="i",
+            seq=1,
+            full=True,
+            stored=[1, 2, 3],
+        )
+    )
     stop = events.StopShard(id="c-1", ts=1.0, node=VICTIM, replica_id="r", generation=1)
     await bus.Publisher(js).publish(stop)
     lease = await js.key_value(authorization.LEASE_BUCKET)

@@ -1,0 +1,275 @@
+"""The engines' KV events, end to end: a sim publishing them (vLLM's wire format), the
+agent's relay, a real nats-server with mutual TLS and the rendered authorization, and
+routers' KV feeds building the fleet KV index.
+
+What a router predicts an endpoint holds is compared with what the engine itself then
+reports (`usage.prompt_tokens_details.cached_tokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import pytest
+
+from llmgw import bus
+from llmgw.agent.kvrelay import EngineRelay
+from llmgw.core import kvblocks, routing, subjects
+from llmgw.core.kvindex import KvIndex
+from llmgw.core.profile import ModelProfile
+from llmgw.router.config import LogSource
+from llmgw.router.kvfeed import KvFeed
+from llmgw.router.kvroute import KvRouting
+from llmgw.router.requests import parse
+from llmgw.sim.testing import SimProcess
+from tests.harness import TestNatsServer, connect_as, signed_headers, wait_for
+
+PROFILE = ModelProfile(name="m", engine="sim")
+SYSTEM = "You are a careful assistant. " * 60  # about 300 tokens of shared prefix
+
+
+@pytest.fixture
+def sockets() -> Iterator[Path]:
+    # ipc:// paths are limited to ~107 bytes: pytest's tmp_path is too deep for them.
+    path = Path(tempfile.mkdtemp(prefix="kv-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def start_sim(sockets: Path, name: str, *extra: str) -> SimProcess:
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{sockets}/{name}.events",
+        "replay_endpoint": f"ipc://{sockets}/{name}.replay",
+    }
+    return SimProcess.start(
+        "--kv-events-config", json.dumps(config), "--num-blocks", "400", *extra, model="m"
+    )
+
+
+def chat(sim: SimProcess, question: str) -> dict[str, Any]:
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
+    req = urllib.request.Request(
+        sim.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        answer: dict[str, Any] = json.loads(r.read())
+    return answer
+
+
+def reset_prefix_cache(sim: SimProcess) -> None:
+    req = urllib.request.Request(sim.url + "/reset_prefix_cache", method="POST")
+    urllib.request.urlopen(req, timeout=10).close()
+
+
+def parsed(question: str) -> Any:
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
+    return parse("chat", json.dumps(body).encode(), want_text=True)
+
+
+def endpoint(name: str, node: str) -> routing.EndpointState:
+    return routing.EndpointState(
+        id=name, url="http://unused", models=frozenset({"m"}), ready=True, node=node
+    )
+
+
+def kv_feed(server: TestNatsServer, name: str) -> KvFeed:
+    source = LogSource(servers=(server.url,), name=name, ca_file=str(server.pki.certs.ca_cert))
+    return KvFeed(source, KvIndex(), tls=server.pki.client_tls("router", name))
+
+
+async def provisioned(server: TestNatsServer) -> None:
+    control = await connect_as(server, "control", "c1")
+    try:
+        await bus.provision(control.jetstream())
+    finally:
+        await control.close()
+
+
+class Relay:
+    """The agent's relay of one sim, publishing as `node`."""
+
+    def __init__(self, nc: bus.BusClient, node: str, ep: str, sockets: Path, sim: str) -> None:
+        self.publisher = bus.KvPublisher(nc, node)
+        self.relay = EngineRelay(
+            endpoint=ep,
+            model="m",
+            events_addr=f"ipc://{sockets}/{sim}.events",
+            replay_addr=f"ipc://{sockets}/{sim}.replay",
+            send=self.publisher.publish,
+            full_every_s=1.0,
+        )
+        self.relay.start()
+
+
+def predicted(feed: KvFeed, question: str, eps: list[routing.EndpointState]) -> dict[str, int]:
+    plan = KvRouting(index=feed.index).plan(parsed(question), PROFILE, eps)
+    assert plan is not None
+    return {ep: s.cached_tokens for ep, s in plan.by_endpoint.items() if s.source == "events"}
+
+
+async def test_routers_predict_what_the_engine_then_reports_cached(
+    nats_server: TestNatsServer, sockets: Path
+) -> None:
+    await provisioned(nats_server)
+    sim = start_sim(sockets, "s1")
+    node = await connect_as(nats_server, "node", "node-a")
+    feed = kv_feed(nats_server, "r1")
+    feed.start()
+    relay = Relay(node, "node-a", "e1", sockets, "s1")
+    try:
+        eps = [endpoint("e1", "node-a")]
+        first = await asyncio.to_thread(chat, sim, "What is one and one?")
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        await wait_for(
+            lambda: predicted(feed, "And two and two?", eps).get("e1", 0) > 0,
+            30,
+            "the router's index to hold the system prompt's blocks",
+        )
+        guess = predicted(feed, "And two and two?", eps)["e1"]
+        second = await asyncio.to_thread(chat, sim, "And two and two?")
+        # Exactly what the engine found: the prediction is the engine's own accounting.
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == guess
+        assert guess >= 16 * 15  # most of the ~300-token shared prefix
+        # A router started now is warm from the stream at once: no new request needed.
+        late = kv_feed(nats_server, "r2")
+        late.start()
+        try:
+            await asyncio.wait_for(late.ready.wait(), 30)
+            q = "And two and two?"
+            await wait_for(
+                lambda: predicted(late, q, eps) == predicted(feed, q, eps),
+                10,
+                "the late router to agree with the first",
+            )  # fmt: skip
+            # Two routers fed by the same stream agree block for block.
+            await wait_for(lambda: late.index.holders.keys() == feed.index.holders.keys(), 10,
+                           "the two indexes to hold the same keys")  # fmt: skip
+        finally:
+            await late.close()
+    finally:
+        await relay.relay.stop()
+        await feed.close()
+        await node.close()
+        sim.stop()
+
+
+async def test_a_stopped_engine_leaves_the_index_at_once(
+    nats_server: TestNatsServer, sockets: Path
+) -> None:
+    await provisioned(nats_server)
+    sim = start_sim(sockets, "s2")
+    node = await connect_as(nats_server, "node", "node-a")
+    feed = kv_feed(nats_server, "r1")
+    feed.start()
+    relay = Relay(node, "node-a", "e2", sockets, "s2")
+    eps = [endpoint("e2", "node-a")]
+    try:
+        await asyncio.to_thread(chat, sim, "Hello?")
+        await wait_for(lambda: predicted(feed, "Hi?", eps).get("e2", 0) > 0, 30, "blocks indexed")
+        await relay.relay.stop()  # the engine stopped: its relay says it holds nothing
+        await wait_for(lambda: predicted(feed, "Hi?", eps).get("e2", 0) == 0, 10,
+                       "the stopped engine's blocks to leave the index")  # fmt: skip
+    finally:
+        await feed.close()
+        await node.close()
+        sim.stop()
+
+
+async def test_a_reset_prefix_cache_removes_the_blocks(
+    nats_server: TestNatsServer, sockets: Path
+) -> None:
+    await provisioned(nats_server)
+    sim = start_sim(sockets, "s3")
+    node = await connect_as(nats_server, "node", "node-a")
+    feed = kv_feed(nats_server, "r1")
+    feed.start()
+    relay = Relay(node, "node-a", "e3", sockets, "s3")
+    eps = [endpoint("e3", "node-a")]
+    try:
+        await asyncio.to_thread(chat, sim, "Hello?")
+        await wait_for(lambda: predicted(feed, "Hi?", eps).get("e3", 0) > 0, 30, "blocks indexed")
+        await asyncio.to_thread(reset_prefix_cache, sim)
+        await wait_for(lambda: predicted(feed, "Hi?", eps).get("e3", 0) == 0, 10,
+                       "the forgotten blocks to leave the index")  # fmt: skip
+        again = await asyncio.to_thread(chat, sim, "Hi?")
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        await relay.relay.stop()
+        await feed.close()
+        await node.close()
+        sim.stop()
+
+
+async def test_a_nodes_forged_kv_update_for_another_nodes_engine_is_never_believed(
+    nats_server: TestNatsServer,
+) -> None:
+    await provisioned(nats_server)
+    feed = kv_feed(nats_server, "r1")
+    feed.start()
+    victim = await connect_as(nats_server, "node", "node-a")
+    attacker = await connect_as(nats_server, "node", "node-b")
+    keys = kvblocks.block_keys(list(range(64)), 16)
+    claim = kvblocks.KvUpdate(endpoint="e1", model="m", block_size=16, instance="x", seq=1,
+                              full=True, stored=keys)  # fmt: skip
+    try:
+        # 1. On the victim's subject: the server refuses it (nothing is stored).
+        payload = kvblocks.encode_update(claim)
+        subject = subjects.kv_updates("node-a", "e1")
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await attacker.jetstream().publish(
+                subject, payload, headers=signed_headers(attacker, subject, payload, "f1"),
+                timeout=1.0,
+            )  # fmt: skip
+        await wait_for(lambda: any("permissions violation" in v.lower() and "llmgw.kv.node-a" in v
+                                   for v in attacker.permission_violations), 10,
+                       "the server to report the refused publish")  # fmt: skip
+        # 2. Signed by the victim's key but published by the attacker (a replay of a
+        # captured update): still the victim's subject, still refused by the server; and
+        # the attacker's own subject with the victim's signature is refused by the reader.
+        stolen = signed_headers(victim, subjects.kv_updates("node-b", "e1"), payload, "f2")
+        await attacker.publish(subjects.kv_updates("node-b", "e1"), payload, headers=stolen)
+        # 3. On its own subject, naming the victim's endpoint: stored, signed correctly,
+        # and kept apart: never believed for e1 on node-a.
+        await bus.KvPublisher(attacker, "node-b").publish(claim)
+        await bus.KvPublisher(victim, "node-a").publish(
+            kvblocks.KvUpdate(
+                endpoint="e1",
+                model="m",
+                block_size=16,
+                instance="v",
+                seq=1,
+                full=True,
+                stored=keys[:1],
+            )
+        )
+        await wait_for(lambda: ("node-a", "e1") in feed.index.endpoints, 20, "the real update")
+        await wait_for(lambda: ("node-b", "e1") in feed.index.endpoints, 20, "the claim")
+        held, _ = feed.index.match(lambda _s: keys, [("e1", "node-a")], time.time())
+        assert held == {"e1": 1}
+        assert feed.index.endpoints[("node-b", "e1")].keys == set(keys)  # kept, not used
+        assert feed._reader is not None
+        assert feed._reader.refused >= 1  # the stolen signature
+    finally:
+        await feed.close()
+        await victim.close()
+        await attacker.close()
