@@ -231,6 +231,7 @@ class EngineRelay:
 
     def _update(self, *, full: bool, stored: list[int], removed: list[int]) -> kvblocks.KvUpdate:
         self.updates += 1
+        roots = self.blocks.roots
         return kvblocks.KvUpdate(
             endpoint=self.endpoint,
             model=self.model,
@@ -240,6 +241,7 @@ class EngineRelay:
             full=full,
             stored=stored,
             removed=removed,
+            roots=[k for k in stored if k in roots],
             ts=time.time(),
         )
 

@@ -208,6 +208,8 @@ class EngineBlocks:
         """Engine hash -> key."""
         self.held: dict[int, int] = {}
         """Key -> how many engine blocks hold it (two engine hashes may share content)."""
+        self.roots: set[int] = set()
+        """Held keys that begin a prompt (stored with no parent): one per prefix family."""
         self.unkeyed = 0
 
     def __len__(self) -> int:
@@ -230,6 +232,8 @@ class EngineBlocks:
                     continue
                 size = ev.block_size
                 keys = block_keys(ev.token_ids[: size * len(ev.block_hashes)], size, parent=key)
+                if parent is None and keys:
+                    self.roots.add(keys[0])
                 for h, k in zip(ev.block_hashes, keys, strict=True):
                     if h in self.key_of:
                         continue  # a repeated event (at-least-once delivery)
@@ -251,6 +255,7 @@ class EngineBlocks:
                         self.held[k] = n
                     else:
                         del self.held[k]
+                        self.roots.discard(k)
                         if k in stored:
                             del stored[k]  # stored and gone within this call
                         else:
@@ -258,6 +263,7 @@ class EngineBlocks:
             else:
                 self.key_of.clear()
                 self.held.clear()
+                self.roots.clear()
                 stored.clear()
                 removed.clear()
                 cleared = True
@@ -285,6 +291,9 @@ class KvUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """`stored` is everything the engine holds; anything else known of it goes."""
     stored: list[int] = []
     removed: list[int] = []
+    roots: list[int] = []
+    """Keys among those held that begin a prompt (one per prefix family): routers spread
+    new prefixes over the engines holding fewest."""
     ts: float = 0.0
     """When the agent sent it (its clock, UNIX seconds)."""
 
@@ -307,7 +316,7 @@ def decode_update(payload: bytes) -> KvUpdate:
         raise ValueError(f"not a KV update: {exc}") from None
     if u.block_size < 1 or u.seq < 1:
         raise ValueError("a KV update needs block_size >= 1 and seq >= 1")
-    if len(u.stored) + len(u.removed) > MAX_KEYS_PER_UPDATE:
+    if len(u.stored) + len(u.removed) + len(u.roots) > MAX_KEYS_PER_UPDATE:
         raise ValueError(f"a KV update carries at most {MAX_KEYS_PER_UPDATE} keys")
     if any(not 0 <= k < 1 << 64 for k in u.stored) or any(not 0 <= k < 1 << 64 for k in u.removed):
         raise ValueError("KV keys are 64-bit unsigned integers")

@@ -41,7 +41,7 @@ class EndpointBlocks:
     """What the index knows of one endpoint's cache."""
 
     __slots__ = ("bit", "block_size", "endpoint", "instance", "keys", "model", "node",
-                 "seq", "synced", "updated_at")  # fmt: skip
+                 "roots", "seq", "synced", "updated_at")  # fmt: skip
 
     def __init__(self, endpoint: str, node: str, bit: int) -> None:
         self.endpoint = endpoint
@@ -54,6 +54,8 @@ class EndpointBlocks:
         self.synced = False
         self.updated_at = 0.0
         self.keys: set[int] = set()
+        self.roots: set[int] = set()
+        """The keys among `keys` that begin a prompt: one per prefix family it holds."""
 
 
 class KvIndex:
@@ -112,7 +114,9 @@ class KvIndex:
             return None
         bit = 1 << ep.bit
         holders, keys = self.holders, ep.keys
+        roots = ep.roots
         for k in update.removed:
+            roots.discard(k)
             if k in keys:
                 keys.discard(k)
                 mask = holders[k] & ~bit
@@ -129,6 +133,7 @@ class KvIndex:
             if k not in keys:
                 keys.add(k)
                 holders[k] = holders.get(k, 0) | bit
+        roots.update(k for k in update.roots if k in keys)
         self.applied += 1
         return None
 
@@ -155,6 +160,7 @@ class KvIndex:
             else:
                 del holders[k]
         ep.keys = set()
+        ep.roots = set()
 
     def _take_bit(self) -> int:
         if self._free_bits:
@@ -173,6 +179,12 @@ class KvIndex:
         if now - ep.updated_at > self.stale_after_s:
             return None
         return ep
+
+    def roots(self, endpoint: str, node: str, now: float) -> set[int]:
+        """The prefix families (keys that begin a prompt) the endpoint holds; empty when its
+        blocks are not usable now."""
+        ep = self.usable(endpoint, node, now)
+        return set() if ep is None else ep.roots
 
     def match(
         self,
@@ -236,11 +248,17 @@ class RecentRoutes:
         self.window_s = window_s
         self.capacity = capacity
         self._by_key: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._roots: dict[str, dict[int, float]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
 
     def record(self, keys: Sequence[int], endpoint: str, now: float) -> None:
+        if keys:
+            roots = self._roots.setdefault(endpoint, {})
+            roots[keys[0]] = now
+            if len(roots) > 4096:
+                self._expire_roots(roots, now)
         table = self._by_key
         for k in keys:
             table[k] = (endpoint, now)
@@ -264,6 +282,19 @@ class RecentRoutes:
             n += 1
         return endpoint, n
 
+    def roots(self, endpoint: str, now: float) -> set[int]:
+        """The prompt starts sent to `endpoint` within the window."""
+        roots = self._roots.get(endpoint)
+        if not roots:
+            return set()
+        self._expire_roots(roots, now)
+        return set(roots)
+
+    def _expire_roots(self, roots: dict[int, float], now: float) -> None:
+        for k in [k for k, t in roots.items() if now - t > self.window_s]:
+            del roots[k]
+
     def forget(self, endpoint: str) -> None:
         for k in [k for k, (ep, _) in self._by_key.items() if ep == endpoint]:
             del self._by_key[k]
+        self._roots.pop(endpoint, None)

@@ -18,6 +18,7 @@ Used by `llmgw.router.dispatch`. Purely computational: time and randomness are a
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -65,16 +66,31 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     prefix is followed until the load it brings outweighs the prefill it saves. Above
     `max_imbalance` requests more than the least loaded candidate, a cache is not
     followed at all, whatever it saves: one hot prefix must not pile onto one engine.
+    And each candidate pays `family_tokens` per prefix family its cache holds. Near ties
+    (`agree_tokens`) go by rendezvous hashing of the prompt's first block, so routers
+    that know about the same place a prefix on the same engine.
     """
 
-    running_tokens: float = 64.0
-    waiting_tokens: float = 1024.0
+    running_tokens: float = 32.0
+    waiting_tokens: float = 256.0
     max_imbalance: int = 32
+    agree_tokens: float = 64.0
+    """Candidates within this many tokens of the cheapest count as equally good, and the
+    prompt's first block picks among them by rendezvous hashing (`Query.tie_key`): routers
+    whose views differ by a request or two still choose alike, and a prefix copied to two
+    engines is sent to one of them until the other copy is evicted."""
+    family_tokens: float = 256.0
+    """Per prefix family (distinct prompt start) the candidate's cache holds: a prefix
+    nobody holds goes where fewest families compete for the cache, so prefixes spread over
+    the caches instead of piling into one that then thrashes."""
 
     def problems(self) -> list[str]:
         out = []
-        if self.running_tokens < 0 or self.waiting_tokens < 0:
-            out.append("cost: running_tokens and waiting_tokens must be >= 0")
+        if min(self.running_tokens, self.waiting_tokens, self.family_tokens,
+               self.agree_tokens) < 0:  # fmt: skip
+            out.append(
+                "cost: running_tokens, waiting_tokens, family_tokens and agree_tokens must be >= 0"
+            )
         if self.max_imbalance < 0:
             out.append("cost: max_imbalance must be >= 0")
         return out
@@ -96,6 +112,11 @@ class Query(msgspec.Struct, frozen=True, kw_only=True):
     """The prompt's length in tokens, where the router tokenized it: ranking by `cost`."""
     cached_tokens: dict[str, int] = {}
     """Endpoint id -> prompt tokens it holds in its KV cache (known or estimated)."""
+    families: dict[str, int] = {}
+    """Endpoint id -> prefix families its cache holds."""
+    tie_key: int = 0
+    """The prompt's first block key: exact cost ties go to the endpoint it hashes highest
+    with (0: as `rank` breaks ties)."""
     cost: CostModel = CostModel()
 
 
@@ -272,17 +293,28 @@ def costs(survivors: Sequence[EndpointState], q: Query) -> list[tuple[float, int
         cached = q.cached_tokens.get(ep.id, 0) if load <= ceiling else 0
         cached = min(max(cached, 0), q.prompt_tokens)
         cost = (
-            (q.prompt_tokens - cached) + c.running_tokens * load + c.waiting_tokens * ep.queue_depth
+            (q.prompt_tokens - cached)
+            + c.running_tokens * load
+            + c.waiting_tokens * ep.queue_depth
+            + c.family_tokens * q.families.get(ep.id, 0)
         )
         out.append((cost, cached))
     return out
 
 
+def _rendezvous(key: int, endpoint: str) -> bytes:
+    return hashlib.blake2b(key.to_bytes(8, "little") + endpoint.encode(), digest_size=8).digest()
+
+
 def _by_cost(survivors: list[EndpointState], q: Query, rand: float) -> list[EndpointState]:
-    """The survivors cheapest first; exact ties as `rank` breaks them."""
+    """The survivors cheapest first. Near ties (`agree_tokens`) go by the prompt's tie key;
+    without one, exact ties as `rank` breaks them."""
     priced = costs(survivors, q)
     best = min(cost for cost, _ in priced)
-    tied = [i for i, (cost, _) in enumerate(priced) if cost - best <= 1e-9]
+    slack = q.cost.agree_tokens if q.tie_key else 0.0
+    tied = [i for i, (cost, _) in enumerate(priced) if cost - best <= slack + 1e-9]
+    if len(tied) > 1 and q.tie_key:
+        tied = [max(tied, key=lambda i: _rendezvous(q.tie_key, survivors[i].id))]
     if len(tied) > 1:
         oldest = min(survivors[i].last_sent for i in tied)
         tied = [i for i in tied if survivors[i].last_sent == oldest]

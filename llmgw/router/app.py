@@ -47,6 +47,7 @@ from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.dispatch import Dispatcher
 from llmgw.router.errors import ClientGone, Refusal, error_response, refusal_response
+from llmgw.router.explain import ExplainError, explain
 from llmgw.router.feed import LogFeed
 from llmgw.router.kvfeed import KvFeed
 from llmgw.router.metrics import Metrics, metrics_dir
@@ -372,7 +373,7 @@ def build_server(router: Router) -> web.Server:
 
 
 def build_admin_app(router: Router) -> web.Application:
-    """Metrics and health, on the admin listener."""
+    """Metrics, health and `POST /route` (where a prompt would go), on the admin listener."""
     app = web.Application()
 
     async def metrics(_: web.Request) -> web.Response:
@@ -383,6 +384,15 @@ def build_admin_app(router: Router) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def route(request: web.Request) -> web.Response:
+        """Where a request body would go, and why (llmgw.router.explain)."""
+        try:
+            answer = explain(await request.read(), router.catalog, router.dispatcher)
+        except ExplainError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response(answer)
+
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
+    app.router.add_post("/route", route)
     return app

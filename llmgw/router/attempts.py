@@ -111,11 +111,12 @@ class Planner:
         prefix_hits: dict[str, int] | None = None,
         session_endpoint: str = "",
         on_rank: RankHook = _no_hook,
-        cache: tuple[str, int, dict[str, int]] | None = None,
+        cache: tuple[str, int, dict[str, int], dict[str, int], int] | None = None,
     ) -> None:
         """`chain` from `fallback_chain`; `start` when the request began (the total deadline
         runs from it, on the clock `now` is read from); `cache` (model, prompt tokens,
-        endpoint -> cached tokens) ranks that model's endpoints by cost."""
+        endpoint -> cached tokens, endpoint -> prefix families, the tie key) ranks that
+        model's endpoints by cost."""
         self._chain = chain
         self._rules = rules
         self._start = start
@@ -171,6 +172,8 @@ class Planner:
                 policy=rules.policy,
                 prompt_tokens=cache[1],
                 cached_tokens=cache[2],
+                families=cache[3],
+                tie_key=cache[4],
                 cost=rules.cost,
             )
         else:

@@ -119,7 +119,9 @@ class Dispatcher:
             self.prefix.match(hashes) if hashes else {},
             session_ep,
             on_rank,
-            (plan.model, plan.prompt_tokens, plan.cached) if plan is not None else None,
+            (plan.model, plan.prompt_tokens, plan.cached, plan.families, plan.tie_key)
+            if plan is not None
+            else None,
         )
 
     def _ranked(self, n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
@@ -178,9 +180,7 @@ class Dispatcher:
                     else body
                 )
             if plan is not None:
-                # Set before the attempt: the engine's usage, read during it, is compared.
-                got = plan.by_endpoint.get(step.endpoint.id)
-                state.cached_predicted = got.cached_tokens if got is not None else -1
+                self._sending_on_cache(plan, step.endpoint, state)
             try:
                 resp = await self._attempt(step, up_body, state)
             except Retry as exc:
@@ -215,18 +215,31 @@ class Dispatcher:
             block_chars=self.cfg.prefix.block_chars,
         )
 
+    def _sending_on_cache(
+        self, plan: CachePlan, ep: routing.EndpointState, state: ClientStream
+    ) -> None:
+        """An attempt of a request ranked on the cache is about to go to `ep`: remember its
+        blocks there now (the next request with its prefix may come before it is answered,
+        and before the engine's events say so), and the prediction the engine's usage will
+        be compared with."""
+        state.cached_predicted = self.kv.routed(plan, ep, time.time())
+        state.cached_endpoint = ep.id
+
     def _routed_on_cache(
         self, plan: CachePlan, ep: routing.EndpointState, state: ClientStream
     ) -> None:
-        """Where a request ranked on the cache went: recent routes, the prediction's
-        metrics, and the access log's line."""
-        predicted = self.kv.routed(plan, ep, time.time())
+        """Where a request ranked on the cache went: the prediction's metrics and the
+        access log's line."""
+        predicted = max(state.cached_predicted, 0)
         source = plan.by_endpoint[ep.id].source if ep.id in plan.by_endpoint else "none"
         self.metrics.cache_predicted(plan.model, plan.prompt_tokens, predicted, source)
         if self._debug:
             log.debug("routed_on_cache", request_id=state.rid, model=plan.model, endpoint=ep.id,
                       prompt_tokens=plan.prompt_tokens, predicted_cached=predicted,
-                      source=source, candidates=plan.cached)  # fmt: skip
+                      source=source, candidates=plan.cached, families=plan.families,
+                      prefix=f"{plan.tie_key:016x}",
+                      loads={e.id: routing.load_of(e) for e in self.table.for_model(plan.model)},
+                      )  # fmt: skip
 
     def _body_for(
         self, body: bytes, parsed: requests.Parsed, prof: ModelProfile, state: ClientStream
@@ -419,6 +432,9 @@ class Dispatcher:
             client.cached_delivered = details.cached_tokens
             if client.cached_predicted >= 0:
                 self.metrics.cache_delivered(prof.name, details.cached_tokens)
+                self.kv.delivered(
+                    client.cached_endpoint, client.cached_predicted, details.cached_tokens
+                )
 
 
 def _as_retry(exc: BaseException, d: Deadlines) -> BaseException:

@@ -31,6 +31,8 @@ from llmgw.core.profile import ModelProfile
 from llmgw.router import prompts
 from llmgw.router.requests import Parsed
 
+RELIABILITY_WEIGHT = 0.1
+"""Of the last request, in the moving average of predictions that came true."""
 DEFAULT_BLOCK_SIZE = 16
 """The block size keys are recorded with for engines whose size is not known yet (vLLM's
 and the sim's default)."""
@@ -53,7 +55,15 @@ class CachePlan(msgspec.Struct, kw_only=True):
     keys: dict[int, list[int]]
     """Block size -> the prompt's keys for it."""
     by_endpoint: dict[str, Source]
-    text_hits: int = 0
+    families: dict[str, int] = {}
+    """Endpoint -> prefix families its cache holds (from the index, and those this router
+    sent there a moment ago)."""
+
+    @property
+    def tie_key(self) -> int:
+        """The prompt's first block key (the same at every router)."""
+        keys = self.keys.get(DEFAULT_BLOCK_SIZE)
+        return keys[0] if keys else 0
 
     @property
     def cached(self) -> dict[str, int]:
@@ -66,6 +76,9 @@ class KvRouting:
     def __init__(self, *, index: KvIndex | None = None, recent_s: float = 2.0) -> None:
         self.index = index if index is not None else KvIndex()
         self.recent = RecentRoutes(window_s=recent_s)
+        self.reliability: dict[str, float] = {}
+        """Endpoint -> how much of what was predicted cached there the engine then found
+        (a moving average): an engine whose cache thrashes gets less credit for it."""
 
     def keys_of(self, plan: CachePlan, block_size: int, ids: Sequence[int]) -> list[int]:
         keys = plan.keys.get(block_size)
@@ -116,16 +129,30 @@ class KvRouting:
                 source = "approximate"
             if ep.id == recent_ep and recent_blocks * DEFAULT_BLOCK_SIZE > n:
                 n, source = recent_blocks * DEFAULT_BLOCK_SIZE, "recent"
+            n = int(n * self.reliability.get(ep.id, 1.0))
             plan.by_endpoint[ep.id] = Source(min(n, len(ids)), source)
+            # Families it holds by its events, and those this router just sent there.
+            roots = self.index.roots(ep.id, ep.node, now) | self.recent.roots(ep.id, now)
+            plan.families[ep.id] = len(roots)
         return plan
 
     def routed(self, plan: CachePlan, endpoint: routing.EndpointState, now: float) -> int:
-        """The request went to `endpoint`: remember its blocks there; the cached tokens
+        """The request goes to `endpoint`: remember its blocks there; the cached tokens
         predicted for it."""
-        self.recent.record(plan.keys[DEFAULT_BLOCK_SIZE], endpoint.id, now)
+        keys = plan.keys[DEFAULT_BLOCK_SIZE]
+        self.recent.record(keys, endpoint.id, now)
         got = plan.by_endpoint.get(endpoint.id)
         return got.cached_tokens if got is not None else 0
+
+    def delivered(self, endpoint: str, predicted: int, cached: int) -> None:
+        """The engine reported `cached` tokens found where `predicted` were expected."""
+        if predicted <= 0:
+            return
+        found = min(cached, predicted) / predicted
+        old = self.reliability.get(endpoint, 1.0)
+        self.reliability[endpoint] = old + RELIABILITY_WEIGHT * (found - old)
 
     def forget(self, endpoint: str) -> None:
         self.index.forget(endpoint)
         self.recent.forget(endpoint)
+        self.reliability.pop(endpoint, None)

@@ -67,9 +67,9 @@ class ClientStream:
     """Per-request relay state shared across attempts (the client response, once started)."""
 
     __slots__ = (
-        "cached_delivered", "cached_predicted", "drop_usage", "failed_status", "keepalive",
-        "keepalive_s", "keepalive_task", "kind", "loop", "loop_start", "principal", "request",
-        "response", "rid", "start", "stream",
+        "cached_delivered", "cached_endpoint", "cached_predicted", "drop_usage",
+        "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind", "loop",
+        "loop_start", "principal", "request", "response", "rid", "start", "stream",
     )  # fmt: skip
 
     def __init__(
@@ -97,6 +97,7 @@ class ClientStream:
         """Prompt tokens the router predicted the chosen engine had cached (-1: no
         prediction), and what the engine reported in its usage (-1: not reported)."""
         self.cached_delivered = -1
+        self.cached_endpoint = ""
         self.loop = asyncio.get_running_loop()
         # Deadlines run on the loop's clock; start was taken on time.monotonic (the same clock
         # under asyncio's default and uvloop), so the phases line up with the request's start.

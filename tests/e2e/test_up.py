@@ -7,14 +7,18 @@ engines the agents launch, the router — through /proc after it stops.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from openai import OpenAI
@@ -302,13 +306,29 @@ def test_up_routes_on_the_engines_own_kv_events(tmp_path: Path, ups: list[Up]) -
     assert by_events >= 6, metrics
     # Each request went where its prefix was: the engines found what the router predicted.
     assert delivered >= 0.9 * predicted > 0, metrics
+    # An operator asks where the next such prompt would go, and why.
+    asked = {"model": "demo", "messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": "Q99?"}]}  # fmt: skip
+    why = post_json(admin + "/route", asked)
+    assert why["tokenized"] is True
+    best = next(row for row in why["endpoints"] if row["id"] == why["order"][0])
+    assert best["source"] == "events", why
+    assert best["cached_tokens"] >= 0.9 * why["prompt_tokens"] - 32, why
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post_json(admin + "/route", {"model": "nope", "messages": []})
+    assert "nope" in refused.value.read().decode()
     assert up.interrupt() == 0
     assert up.leftovers() == [], up.output()
 
 
-def router_metrics(admin: str) -> dict[str, float]:
-    import urllib.request
+def post_json(url: str, body: dict[str, object]) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        answer: dict[str, Any] = json.loads(r.read())
+    return answer
 
+
+def router_metrics(admin: str) -> dict[str, float]:
     with urllib.request.urlopen(admin + "/metrics", timeout=5) as r:
         text = r.read().decode()
     out: dict[str, float] = {}

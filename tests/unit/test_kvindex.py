@@ -162,21 +162,49 @@ def _ep(name: str, *, inflight: int = 0, queue: float = 0.0) -> routing.Endpoint
                                  ready=True, inflight=inflight, queue_depth=queue)  # fmt: skip
 
 
-def _first(eps: list[routing.EndpointState], cached: dict[str, int], prompt: int = 1000,
-           cost: routing.CostModel = routing.CostModel()) -> str:  # fmt: skip
-    q = routing.Query(model="m", now=0.0, prompt_tokens=prompt, cached_tokens=cached, cost=cost)
+PLAIN = routing.CostModel(running_tokens=64, waiting_tokens=1024, agree_tokens=0, family_tokens=0)
+
+
+def _first(
+    eps: list[routing.EndpointState],
+    cached: dict[str, int],
+    prompt: int = 1000,
+    cost: routing.CostModel = PLAIN,
+    **query: object,
+) -> str:
+    q = routing.Query(model="m", now=0.0, prompt_tokens=prompt, cached_tokens=cached, cost=cost,
+                      **query)  # type: ignore[arg-type]  # fmt: skip
     return routing.rank(eps, q, routing.Weights(), 0.0).order[0].id
 
 
 def test_cost_ranking_follows_the_cache_until_load_outweighs_it() -> None:
-    eps = [_ep("a", inflight=4), _ep("b")]
-    assert _first(eps, {"a": 960}) == "a"  # 40 + 4*64 = 296 < 1000
+    assert _first([_ep("a", inflight=4), _ep("b")], {"a": 960}) == "a"  # 40 + 256 < 1000
     assert _first([_ep("a", inflight=16), _ep("b")], {"a": 960}) == "b"  # 40 + 1024 > 1000
     assert _first([_ep("a", queue=1), _ep("b")], {"a": 960}) == "b"  # a queued request
     # Past max_imbalance no cache is followed, whatever it saves.
-    tight = routing.CostModel(running_tokens=1, max_imbalance=2)
+    tight = routing.CostModel(running_tokens=1, max_imbalance=2, agree_tokens=0, family_tokens=0)
     assert _first([_ep("a", inflight=3), _ep("b")], {"a": 1000}, cost=tight) == "b"
     assert _first([_ep("a", inflight=2), _ep("b")], {"a": 1000}, cost=tight) == "a"
+
+
+def test_a_new_prefix_goes_where_fewest_families_compete() -> None:
+    cost = routing.CostModel(running_tokens=32, family_tokens=256, agree_tokens=0)
+    eps = [_ep("a", inflight=1), _ep("b", inflight=3)]
+    # Nobody holds it: b is busier but holds fewer prefix families.
+    assert _first(eps, {}, cost=cost, families={"a": 4, "b": 2}) == "b"
+    # Cached on a, a stays the choice: the prefill saved outweighs the families.
+    assert _first(eps, {"a": 960}, cost=cost, families={"a": 4, "b": 2}) == "a"
+
+
+@given(st.integers(1, 2**63), st.integers(0, 1), st.integers(0, 1))
+def test_routers_whose_loads_differ_a_little_choose_alike(key: int, da: int, db: int) -> None:
+    # Two routers see the same caches, their own in-flight counts off by a request: within
+    # agree_tokens, the prompt's key decides, the same way for both.
+    cost = routing.CostModel(running_tokens=32, agree_tokens=64, family_tokens=0)
+    one = _first([_ep("a"), _ep("b"), _ep("c")], {}, cost=cost, tie_key=key)
+    other = _first([_ep("a", inflight=da), _ep("b", inflight=db), _ep("c")], {}, cost=cost,
+                   tie_key=key)  # fmt: skip
+    assert one == other
 
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 3), st.integers(0, 2000)),

@@ -1,0 +1,96 @@
+"""`POST /route` on the router's admin listener: where a prompt would go, and why.
+
+An operator sends the body of a chat or completions request, exactly as a client
+would:
+
+    curl -s localhost:9090/route -d '{"model": "m", "messages": [...]}'
+
+and gets, for the model's endpoints: the prompt's length in tokens as the engine
+counts them, what each endpoint holds of it (cached tokens and where that came from:
+the engines' KV events, this router's recent routes, its approximate text index),
+each one's load and cost (llmgw.core.routing.CostModel), which filters dropped whom,
+and the order the router would try them in now. Nothing is sent to any engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from llmgw.core import routing
+from llmgw.core.prefix import block_hashes
+from llmgw.router import admission, requests
+from llmgw.router.dispatch import Dispatcher
+from llmgw.router.errors import Refusal
+from llmgw.router.table import Catalog
+
+
+class ExplainError(ValueError):
+    """A body that cannot be explained; the message says what to send."""
+
+
+def explain(body: bytes, catalog: Catalog, dispatcher: Dispatcher) -> dict[str, Any]:
+    """The routing of `body` as it would be decided now. Raises ExplainError."""
+    try:
+        shape = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ExplainError(f"the body is not JSON: {exc}") from None
+    if not isinstance(shape, dict):
+        raise ExplainError("send a chat or completions request body (a JSON object)")
+    kind: requests.Kind = "chat" if "messages" in shape else "completions"
+    try:
+        parsed = requests.parse(kind, body, want_text=True)
+    except requests.BadRequest as exc:
+        raise ExplainError(str(exc)) from None
+    profile = admission.resolve(catalog, parsed.model)
+    if isinstance(profile, Refusal):
+        raise ExplainError(profile.message)
+    cfg = dispatcher.cfg
+    now = time.monotonic()
+    endpoints = dispatcher.table.for_model(profile.name)
+    hashes = block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks)
+    plan = dispatcher._cache_plan(parsed, profile, hashes)
+    survivors, drops = routing.apply_filters(endpoints, routing.Query(model=profile.name, now=now))
+    out: dict[str, Any] = {"model": profile.name, "filtered_out": drops}
+    if plan is None:
+        text_hits = dispatcher.prefix.match(hashes) if hashes else {}
+        out["tokenized"] = False
+        out["why"] = (
+            "the router cannot tokenize this model's prompts (no tokenizer: set `tokenizer` "
+            "in its profile): it ranks by weights, with its approximate prefix index"
+        )
+        q = routing.Query(model=profile.name, now=now, prefix_blocks=len(hashes),
+                          prefix_hits=text_hits)  # fmt: skip
+        ranking = routing.rank(endpoints, q, cfg.weights, 0.0)
+        out["endpoints"] = [
+            {"id": ep.id, "prefix_blocks_held": text_hits.get(ep.id, 0), "inflight": ep.inflight,
+             "queue": ep.queue_depth} for ep in endpoints
+        ]  # fmt: skip
+        out["order"] = [ep.id for ep in ranking.order]
+        return out
+    q = routing.Query(model=profile.name, now=now, prompt_tokens=plan.prompt_tokens,
+                      cached_tokens=plan.cached, families=plan.families, tie_key=plan.tie_key,
+                      cost=cfg.cache.cost)  # fmt: skip
+    priced = dict(zip((ep.id for ep in survivors), routing.costs(survivors, q), strict=True))
+    rows = []
+    for ep in endpoints:
+        source = plan.by_endpoint.get(ep.id)
+        row: dict[str, Any] = {
+            "id": ep.id,
+            "node": ep.node,
+            "cached_tokens": source.cached_tokens if source else 0,
+            "source": source.source if source else "none",
+            "load": routing.load_of(ep),
+            "prefix_families": plan.families.get(ep.id, 0),
+            "queue": ep.queue_depth,
+        }
+        if ep.id in priced:
+            row["cost_tokens"], row["cached_tokens_counted"] = priced[ep.id]
+        rows.append(row)
+    out["tokenized"] = True
+    out["prompt_tokens"] = plan.prompt_tokens
+    out["endpoints"] = rows
+    out["order"] = [ep.id for ep in routing.rank(endpoints, q, cfg.weights, 0.0).order]
+    return out
