@@ -39,13 +39,13 @@ import json
 import os
 import random
 import re
-import urllib.request
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ def shared_prefix(args: argparse.Namespace) -> list[tuple[int, list[dict[str, st
                 {"role": "system", "content": systems[g]},
                 {"role": "user", "content": text(rng, args.question_tokens)},
             ],
-        )  # fmt: skip
+        )
         for g in order
     ]
 
@@ -95,9 +95,9 @@ def conversations(args: argparse.Namespace) -> list[tuple[int, str, list[str]]]:
     return [
         (
             c,
-            f"Chat {c}." + text(rng, args.prefix_tokens),
+            f"Chat {c}." + text(rng, args.opening_tokens),
             [text(rng, args.question_tokens) for _ in range(args.turns)],
-        )  # fmt: skip
+        )
         for c in range(args.conversations)
     ]
 
@@ -317,6 +317,12 @@ class Fleet:
         self.server.close()
 
 
+COUNTER = re.compile(
+    r"llmgw_router_cache_(predictions|tokens)_total"
+    r'\{(?:kind|model)="([^"]+)",(?:model|source)="([^"]+)"\} (\S+)'
+)
+
+
 class LlmgwRouter:
     def __init__(self, tmp: Path, engines: Engines, fleet: Fleet | None, name: str,
                  cost: dict[str, float]) -> None:  # fmt: skip
@@ -327,7 +333,7 @@ class LlmgwRouter:
             "endpoints": [
                 {"id": engines.ids[i], "url": s.url, "models": [MODEL], "node": f"node-{i}"}
                 for i, s in enumerate(engines.sims)
-            ],  # fmt: skip
+            ],
             "auth": {"allow_anonymous": True},
             "cache": {"cost": cost},
             "log_level": "warning",
@@ -354,10 +360,7 @@ class LlmgwRouter:
             text = r.read().decode()
         counts: dict[str, float] = {}
         for line in text.splitlines():
-            m = re.match(
-                r'llmgw_router_cache_(predictions|tokens)_total\{(?:kind|model)="([^"]+)",(?:model|source)="([^"]+)"\} (\S+)',
-                line,
-            )
+            m = COUNTER.match(line)
             if m:
                 label = m.group(3) if m.group(1) == "predictions" else m.group(2)
                 counts[label] = counts.get(label, 0.0) + float(m.group(4))
@@ -507,9 +510,10 @@ def main() -> None:
                 if r is None:
                     print(f"  {name:<20} (not installed)", flush=True)
                     continue
+                errors = f"  ({r['errors']} errors)" if r["errors"] else ""
                 print(f"  {name:<20} {r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms "
-                      f"{r['total_p50'] * 1e3:8.0f}ms {r['rps']:7.1f} {r['hit_rate']:9.2f}"
-                      + (f"  ({r['errors']} errors)" if r["errors"] else ""), flush=True)  # fmt: skip
+                      f"{r['total_p50'] * 1e3:8.0f}ms {r['rps']:7.1f} {r['hit_rate']:9.2f}{errors}",
+                      flush=True)  # fmt: skip
                 for line in r.get("sources", []):
                     print(f"  {'':<20} {line}", flush=True)
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from functools import cache
@@ -429,3 +430,32 @@ def test_any_spec_is_refused_cleanly_or_pins_exactly_its_gpus(
     assert 1 <= port <= 65535
     if nnodes > 1:
         assert launch.env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1,mlx5_4,mlx5_5"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "sim"])
+def test_engines_with_kv_events_publish_them_on_node_local_sockets(engine: str) -> None:
+    launch = engines.kv_evented(spec(engine), engines.plan(spec(engine), H100, CONTEXT), "/run/kv")
+    at = launch.argv.index("--kv-events-config")
+    config = json.loads(launch.argv[at + 1])
+    assert config == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": launch.kv_events,
+        "replay_endpoint": launch.kv_replay,
+        "topic": "kv",
+    }
+    assert launch.kv_events.startswith("ipc:///run/kv/")  # never a TCP port off the node
+    assert launch.kv_replay.startswith("ipc:///run/kv/")
+    if engine != "sim":
+        assert "--kv-events-config" in known_flags(engine)
+
+
+def test_kv_events_are_left_to_the_operator_and_off_where_they_cannot_be_read() -> None:
+    # llama.cpp publishes none; a headless worker rank serves no requests; an operator who
+    # configured them in the engine arguments keeps their own.
+    for launch_spec in (spec("llamacpp"), multi_node("vllm", 1)):
+        launch = engines.plan(launch_spec, H100, CONTEXT)
+        assert engines.kv_evented(launch_spec, launch, "/run/kv") == launch
+    own = replace(spec("vllm"), engine_args=("--kv-events-config", '{"publisher": "null"}'))
+    launch = engines.plan(own, H100, CONTEXT)
+    assert engines.kv_evented(own, launch, "/run/kv") == launch
