@@ -2,7 +2,8 @@
 
 Everything that touches JetStream goes through this package; everything above it
 (control plane, agents, routers, `llmgw ctl`) deals in `llmgw.core.events` only.
-The stream is `llmgw-events` (`llmgw.core.subjects.STREAM`).
+The stream is `llmgw-events` (`llmgw.core.subjects.STREAM`); the engines' KV blocks go
+through `llmgw-kv` (`KvPublisher`, `KvReader`: llmgw.bus.kvlog), which is not part of it.
 
 How the control plane uses it (a sketch; `llmgw.control` owns the real loop):
 
@@ -31,7 +32,7 @@ NATS API subjects each role uses (the authorization must allow them; `<s>` is
   `reader-...`), or exactly `consumer_name` (a node reads its commands through
   `cmd-<node>` with the single filter `llmgw.cmd.<node>`);
 - the control plane also: `STREAM.INFO.*`, `STREAM.CREATE.*` (provisioning of
-  `llmgw-events`, `KV_llmgw-lease`, `OBJ_llmgw-snapshots`), `$KV.llmgw-lease.>`,
+  `llmgw-events`, `llmgw-kv`, `KV_llmgw-lease`, `OBJ_llmgw-snapshots`), `$KV.llmgw-lease.>`,
   `DIRECT.GET.KV_llmgw-lease.>` / `STREAM.MSG.GET.KV_llmgw-lease`, `$O.llmgw-snapshots.>`
   and the consumer API on `OBJ_llmgw-snapshots` (listing snapshots), and
   `STREAM.MSG.DELETE.llmgw-events` (`delete_messages`: what no fold uses).

@@ -36,11 +36,19 @@ class KvFeed:
     """Keeps one router's KvIndex in step with the stream `llmgw-kv`."""
 
     def __init__(
-        self, source: LogSource, index: KvIndex, *, tls: ssl.SSLContext | None = None
+        self,
+        source: LogSource,
+        index: KvIndex,
+        *,
+        tls: ssl.SSLContext | None = None,
+        window_s: float = kvlog.START_WINDOW_S,
     ) -> None:
+        """`window_s`: how far back to start reading; more than the agents' full-update
+        interval (llmgw.agent.kvrelay.FULL_EVERY_S), so every engine's is in it."""
         self.source = source
         self.index = index
         self._tls = tls
+        self.window_s = window_s
         self.applied = 0
         self.refused = 0
         self.ready = asyncio.Event()
@@ -78,7 +86,9 @@ class KvFeed:
         tls = self._tls if self._tls is not None else self.source.tls_context()
         nc = await ports_.connect(self.source, tls)
         try:
-            reader = kvlog.KvReader(nc, name=f"router-kv-{self.source.name}")
+            reader = kvlog.KvReader(
+                nc, since=time.time() - self.window_s, name=f"router-kv-{self.source.name}"
+            )
             self._reader = reader
             async with reader:
                 marker = asyncio.get_running_loop().create_task(self._mark_ready(reader))

@@ -410,6 +410,7 @@ def run_target(name: str, args: argparse.Namespace, workload: str, items: Any,
     cost = {k: v for k, v in (("running_tokens", args.running_tokens),
                               ("waiting_tokens", args.waiting_tokens),
                               ("family_tokens", args.family_tokens),
+                              ("agree_tokens", args.agree_tokens),
                               ("max_imbalance", args.max_imbalance)) if v is not None}  # fmt: skip
     try:
         pick = "rotate"
@@ -475,6 +476,7 @@ def main() -> None:
     ap.add_argument("--waiting-tokens", type=float, default=None, help="llmgw cost model")
     ap.add_argument("--max-imbalance", type=int, default=None, help="llmgw cost model")
     ap.add_argument("--family-tokens", type=float, default=None, help="llmgw cost model")
+    ap.add_argument("--agree-tokens", type=float, default=None, help="llmgw cost model")
     ap.add_argument("--only", default="", help="comma-separated targets, in order (default: all)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()

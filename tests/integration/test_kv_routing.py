@@ -92,9 +92,9 @@ def endpoint(name: str, node: str) -> routing.EndpointState:
     )
 
 
-def kv_feed(server: TestNatsServer, name: str) -> KvFeed:
+def kv_feed(server: TestNatsServer, name: str, window_s: float = 12.0) -> KvFeed:
     source = LogSource(servers=(server.url,), name=name, ca_file=str(server.pki.certs.ca_cert))
-    return KvFeed(source, KvIndex(), tls=server.pki.client_tls("router", name))
+    return KvFeed(source, KvIndex(), tls=server.pki.client_tls("router", name), window_s=window_s)
 
 
 async def provisioned(server: TestNatsServer) -> None:
@@ -108,7 +108,15 @@ async def provisioned(server: TestNatsServer) -> None:
 class Relay:
     """The agent's relay of one sim, publishing as `node`."""
 
-    def __init__(self, nc: bus.BusClient, node: str, ep: str, sockets: Path, sim: str) -> None:
+    def __init__(
+        self,
+        nc: bus.BusClient,
+        node: str,
+        ep: str,
+        sockets: Path,
+        sim: str,
+        full_every_s: float = 1.0,
+    ) -> None:
         self.publisher = bus.KvPublisher(nc, node)
         self.relay = EngineRelay(
             endpoint=ep,
@@ -116,7 +124,7 @@ class Relay:
             events_addr=f"ipc://{sockets}/{sim}.events",
             replay_addr=f"ipc://{sockets}/{sim}.replay",
             send=self.publisher.publish,
-            full_every_s=1.0,
+            full_every_s=full_every_s,
         )
         self.relay.start()
 
@@ -273,3 +281,61 @@ async def test_a_nodes_forged_kv_update_for_another_nodes_engine_is_never_believ
         await feed.close()
         await victim.close()
         await attacker.close()
+
+
+async def test_a_router_started_long_after_the_traffic_routes_each_prefix_to_its_engine(
+    nats_server: TestNatsServer, sockets: Path
+) -> None:
+    # Blocks stored long before the router's reading window starts (here 3 s, with full
+    # updates every second; in production 12 s and 5 s): the agents' full updates carry them.
+    await provisioned(nats_server)
+    sims = [start_sim(sockets, "a"), start_sim(sockets, "b")]
+    node = await connect_as(nats_server, "node", "node-a")
+    relays = [Relay(node, "node-a", f"e{n}", sockets, n) for n in ("a", "b")]
+    try:
+        await asyncio.to_thread(chat, sims[0], "For engine a?")
+        body_b = {"model": "m", "max_tokens": 4, "messages": [
+            {"role": "system", "content": "Other instructions entirely. " * 60},
+            {"role": "user", "content": "For engine b?"}]}  # fmt: skip
+        await asyncio.to_thread(post, sims[1], body_b)
+        await asyncio.sleep(8.0)  # past the late router's window: no block event is in it
+        late = kv_feed(nats_server, "late", window_s=3.0)
+        late.start()
+        try:
+            await asyncio.wait_for(late.ready.wait(), 30)
+            eps = [endpoint("ea", "node-a"), endpoint("eb", "node-a")]
+            routing_ = KvRouting(index=late.index)
+            await wait_for(lambda: len(late.index.endpoints) == 2, 10, "both engines indexed")
+            for question, expected in (("For engine a, again?", "ea"), (None, "eb")):
+                if question is None:
+                    body_b["messages"][1]["content"] = "For b, again?"
+                    p = parse("chat", json.dumps(body_b).encode(), want_text=True)
+                else:
+                    p = parsed(question)
+                plan = routing_.plan(p, PROFILE, eps)
+                assert plan is not None
+                q = routing.Query(model="m", now=0.0, prompt_tokens=plan.prompt_tokens,
+                                  cached_tokens=plan.cached, families=plan.families,
+                                  tie_key=plan.tie_key)  # fmt: skip
+                first = routing.rank(eps, q, routing.Weights(), 0.0).order[0]
+                assert first.id == expected, plan
+                assert plan.by_endpoint[expected].source == "events"
+        finally:
+            await late.close()
+    finally:
+        for r in relays:
+            await r.relay.stop()
+        await node.close()
+        for s in sims:
+            s.stop()
+
+
+def post(sim: SimProcess, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        sim.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        answer: dict[str, Any] = json.loads(r.read())
+    return answer
