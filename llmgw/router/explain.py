@@ -55,21 +55,7 @@ def explain(body: bytes, catalog: Catalog, dispatcher: Dispatcher) -> dict[str, 
     survivors, drops = routing.apply_filters(endpoints, routing.Query(model=profile.name, now=now))
     out: dict[str, Any] = {"model": profile.name, "filtered_out": drops}
     if plan is None:
-        text_hits = dispatcher.prefix.match(hashes) if hashes else {}
-        out["tokenized"] = False
-        out["why"] = (
-            "the router cannot tokenize this model's prompts (no tokenizer: set `tokenizer` "
-            "in its profile): it ranks by weights, with its approximate prefix index"
-        )
-        q = routing.Query(model=profile.name, now=now, prefix_blocks=len(hashes),
-                          prefix_hits=text_hits)  # fmt: skip
-        ranking = routing.rank(endpoints, q, cfg.weights, 0.0)
-        out["endpoints"] = [
-            {"id": ep.id, "prefix_blocks_held": text_hits.get(ep.id, 0), "inflight": ep.inflight,
-             "queue": ep.queue_depth} for ep in endpoints
-        ]  # fmt: skip
-        out["order"] = [ep.id for ep in ranking.order]
-        return out
+        return {**out, **_by_weights(dispatcher, profile.name, endpoints, hashes, now)}
     q = routing.Query(model=profile.name, now=now, prompt_tokens=plan.prompt_tokens,
                       cached_tokens=plan.cached, families=plan.families, tie_key=plan.tie_key,
                       cost=cfg.cache.cost)  # fmt: skip
@@ -94,3 +80,33 @@ def explain(body: bytes, catalog: Catalog, dispatcher: Dispatcher) -> dict[str, 
     out["endpoints"] = rows
     out["order"] = [ep.id for ep in routing.rank(endpoints, q, cfg.weights, 0.0).order]
     return out
+
+
+def _by_weights(
+    dispatcher: Dispatcher,
+    model: str,
+    endpoints: list[routing.EndpointState],
+    hashes: list[bytes],
+    now: float,
+) -> dict[str, Any]:
+    """A model whose prompts the router cannot tokenize: the weighted scorers' ranking."""
+    text_hits = dispatcher.prefix.match(hashes) if hashes else {}
+    q = routing.Query(model=model, now=now, prefix_blocks=len(hashes), prefix_hits=text_hits)
+    ranking = routing.rank(endpoints, q, dispatcher.cfg.weights, 0.0)
+    return {
+        "tokenized": False,
+        "why": (
+            "the router cannot tokenize this model's prompts (no tokenizer: set `tokenizer` "
+            "in its profile): it ranks by weights, with its approximate prefix index"
+        ),
+        "endpoints": [
+            {
+                "id": ep.id,
+                "prefix_blocks_held": text_hits.get(ep.id, 0),
+                "inflight": ep.inflight,
+                "queue": ep.queue_depth,
+            }
+            for ep in endpoints
+        ],
+        "order": [ep.id for ep in ranking.order],
+    }
