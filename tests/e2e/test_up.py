@@ -26,6 +26,7 @@ from openai import OpenAI
 from llmgw import processes
 from tests.e2e import up_kit
 from tests.e2e.up_kit import Up
+from tests.integration.router_kit import admin_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -299,7 +300,7 @@ def test_up_routes_on_the_engines_own_kv_events(tmp_path: Path, ups: list[Up]) -
             max_tokens=4,
         )
         time.sleep(0.3)  # the engines' events reach the router meanwhile
-    metrics = router_metrics(admin)
+    metrics = admin_metrics(admin)
     by_events = metrics.get('llmgw_router_cache_predictions_total{model="demo",source="events"}', 0)
     predicted = metrics.get('llmgw_router_cache_tokens_total{kind="predicted",model="demo"}', 0)
     delivered = metrics.get('llmgw_router_cache_tokens_total{kind="delivered",model="demo"}', 0)
@@ -326,14 +327,3 @@ def post_json(url: str, body: dict[str, object]) -> dict[str, Any]:
     with urllib.request.urlopen(req, timeout=5) as r:
         answer: dict[str, Any] = json.loads(r.read())
     return answer
-
-
-def router_metrics(admin: str) -> dict[str, float]:
-    with urllib.request.urlopen(admin + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out

@@ -66,6 +66,18 @@ class Sim(Proc):
         self.sim.faults()
 
 
+def admin_metrics(admin: str) -> dict[str, float]:
+    """A router's samples, keyed by their full line name with labels: `name{a="b"}` -> value."""
+    with urllib.request.urlopen(admin + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
 class Router(Proc):
     """One `llmgw router --config ...` with a generated config."""
 
@@ -142,15 +154,7 @@ class Router(Proc):
         raise RuntimeError("router never became ready")
 
     def metrics(self) -> dict[str, float]:
-        """Samples keyed by their full line name with labels: `name{a="b"}` -> value."""
-        with urllib.request.urlopen(self.admin + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return admin_metrics(self.admin)
 
     def endpoint_requests(self) -> dict[str, float]:
         out: dict[str, float] = {}

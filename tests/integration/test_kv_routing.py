@@ -9,12 +9,13 @@ reports (`usage.prompt_tokens_details.cached_tokens`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,17 +136,30 @@ def predicted(feed: KvFeed, question: str, eps: list[routing.EndpointState]) -> 
     return {ep: s.cached_tokens for ep, s in plan.by_endpoint.items() if s.source == "events"}
 
 
+@contextlib.asynccontextmanager
+async def one_engine(
+    server: TestNatsServer, sockets: Path, name: str
+) -> AsyncIterator[tuple[SimProcess, Relay, KvFeed, list[routing.EndpointState]]]:
+    """A sim on node-a relayed as endpoint `e<name>`, and a router's KV feed."""
+    await provisioned(server)
+    sim = start_sim(sockets, name)
+    node = await connect_as(server, "node", "node-a")
+    feed = kv_feed(server, "r1")
+    feed.start()
+    relay = Relay(node, "node-a", f"e{name}", sockets, name)
+    try:
+        yield sim, relay, feed, [endpoint(f"e{name}", "node-a")]
+    finally:
+        await relay.relay.stop()
+        await feed.close()
+        await node.close()
+        sim.stop()
+
+
 async def test_routers_predict_what_the_engine_then_reports_cached(
     nats_server: TestNatsServer, sockets: Path
 ) -> None:
-    await provisioned(nats_server)
-    sim = start_sim(sockets, "s1")
-    node = await connect_as(nats_server, "node", "node-a")
-    feed = kv_feed(nats_server, "r1")
-    feed.start()
-    relay = Relay(node, "node-a", "e1", sockets, "s1")
-    try:
-        eps = [endpoint("e1", "node-a")]
+    async with one_engine(nats_server, sockets, "1") as (sim, _relay, feed, eps):
         first = await asyncio.to_thread(chat, sim, "What is one and one?")
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         await wait_for(
@@ -168,52 +182,29 @@ async def test_routers_predict_what_the_engine_then_reports_cached(
                 lambda: predicted(late, q, eps) == predicted(feed, q, eps),
                 10,
                 "the late router to agree with the first",
-            )  # fmt: skip
+            )
             # Two routers fed by the same stream agree block for block.
             await wait_for(lambda: late.index.holders.keys() == feed.index.holders.keys(), 10,
                            "the two indexes to hold the same keys")  # fmt: skip
         finally:
             await late.close()
-    finally:
-        await relay.relay.stop()
-        await feed.close()
-        await node.close()
-        sim.stop()
 
 
 async def test_a_stopped_engine_leaves_the_index_at_once(
     nats_server: TestNatsServer, sockets: Path
 ) -> None:
-    await provisioned(nats_server)
-    sim = start_sim(sockets, "s2")
-    node = await connect_as(nats_server, "node", "node-a")
-    feed = kv_feed(nats_server, "r1")
-    feed.start()
-    relay = Relay(node, "node-a", "e2", sockets, "s2")
-    eps = [endpoint("e2", "node-a")]
-    try:
+    async with one_engine(nats_server, sockets, "2") as (sim, relay, feed, eps):
         await asyncio.to_thread(chat, sim, "Hello?")
         await wait_for(lambda: predicted(feed, "Hi?", eps).get("e2", 0) > 0, 30, "blocks indexed")
         await relay.relay.stop()  # the engine stopped: its relay says it holds nothing
         await wait_for(lambda: predicted(feed, "Hi?", eps).get("e2", 0) == 0, 10,
                        "the stopped engine's blocks to leave the index")  # fmt: skip
-    finally:
-        await feed.close()
-        await node.close()
-        sim.stop()
 
 
 async def test_a_reset_prefix_cache_removes_the_blocks(
     nats_server: TestNatsServer, sockets: Path
 ) -> None:
-    await provisioned(nats_server)
-    sim = start_sim(sockets, "s3")
-    node = await connect_as(nats_server, "node", "node-a")
-    feed = kv_feed(nats_server, "r1")
-    feed.start()
-    relay = Relay(node, "node-a", "e3", sockets, "s3")
-    eps = [endpoint("e3", "node-a")]
-    try:
+    async with one_engine(nats_server, sockets, "3") as (sim, _relay, feed, eps):
         await asyncio.to_thread(chat, sim, "Hello?")
         await wait_for(lambda: predicted(feed, "Hi?", eps).get("e3", 0) > 0, 30, "blocks indexed")
         await asyncio.to_thread(reset_prefix_cache, sim)
@@ -221,11 +212,6 @@ async def test_a_reset_prefix_cache_removes_the_blocks(
                        "the forgotten blocks to leave the index")  # fmt: skip
         again = await asyncio.to_thread(chat, sim, "Hi?")
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    finally:
-        await relay.relay.stop()
-        await feed.close()
-        await node.close()
-        sim.stop()
 
 
 async def test_a_nodes_forged_kv_update_for_another_nodes_engine_is_never_believed(
