@@ -59,19 +59,11 @@ def start_sim(sockets: Path, name: str, *extra: str) -> SimProcess:
 
 
 def chat(sim: SimProcess, question: str) -> dict[str, Any]:
-    body = {
+    return post(sim, {
         "model": "m",
         "max_tokens": 4,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-    }
-    req = urllib.request.Request(
-        sim.url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        answer: dict[str, Any] = json.loads(r.read())
-    return answer
+    })  # fmt: skip
 
 
 def reset_prefix_cache(sim: SimProcess) -> None:
