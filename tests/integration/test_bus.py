@@ -84,7 +84,12 @@ async def test_provisioning_twice_is_a_no_op(bus_connect: BusConnect) -> None:
     control = await bus_connect("control", "control-a")
     js = control.jetstream()
     first = await bus.provision(js)
-    assert set(first.created) == {subjects.STREAM, bus.LEASE_BUCKET, bus.SNAPSHOT_BUCKET}
+    assert set(first.created) == {
+        subjects.STREAM,
+        subjects.KV_STREAM,
+        bus.LEASE_BUCKET,
+        bus.SNAPSHOT_BUCKET,
+    }
     info = await js.stream_info(subjects.STREAM)
     second = await bus.provision(js)
     assert second.created == ()
@@ -95,6 +100,12 @@ async def test_provisioning_twice_is_a_no_op(bus_connect: BusConnect) -> None:
     assert again.config.allow_direct
     assert again.config.allow_msg_ttl
     assert again.config.duplicate_window == 120.0
+    # The engines' KV blocks: derived, short-lived, in memory, bounded.
+    kv = await js.stream_info(subjects.KV_STREAM)
+    assert kv.config.subjects == list(subjects.KV_SUBJECTS)
+    assert kv.config.storage == api.StorageType.MEMORY
+    assert 0 < (kv.config.max_age or 0) <= 300
+    assert 0 < (kv.config.max_bytes or 0)
 
 
 async def test_a_conflicting_stream_is_refused_with_what_differs(
