@@ -70,6 +70,8 @@ class BlockStored(msgspec.Struct, frozen=True):
     token_ids: list[int]
     block_size: int
     lora_name: str | None = None
+    """Set (or an integer `lora_id` in older engines) for a block computed with a LoRA
+    adapter: llmgw routes base models, so such blocks are not folded."""
     medium: str | None = None
     group_idx: int | None = None
 
@@ -141,6 +143,8 @@ def _event(raw: Any) -> EngineEvent | None:
                 f"BlockStored holds {len(ids)} token ids for {len(hashes)} blocks of {size}"
             )
         lora = f.get("lora_name")
+        if lora is None and type(f.get("lora_id")) is int:
+            lora = str(f["lora_id"])
         medium = f.get("medium")
         group = f.get("group_idx")
         return BlockStored(
@@ -223,7 +227,7 @@ class EngineBlocks:
         cleared = False
         for ev in events:
             if isinstance(ev, BlockStored):
-                if not _gpu(ev.medium, ev.group_idx):
+                if not _gpu(ev.medium, ev.group_idx) or ev.lora_name is not None:
                     continue
                 parent = ev.parent_block_hash
                 key = KEY_ROOT if parent is None else self.key_of.get(parent)

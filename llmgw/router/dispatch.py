@@ -180,7 +180,7 @@ class Dispatcher:
                     else body
                 )
             if plan is not None:
-                self._sending_on_cache(plan, step.endpoint, state)
+                self._sending_on_cache(plan, step, state)
             try:
                 resp = await self._attempt(step, up_body, state)
             except Retry as exc:
@@ -215,15 +215,16 @@ class Dispatcher:
             block_chars=self.cfg.prefix.block_chars,
         )
 
-    def _sending_on_cache(
-        self, plan: CachePlan, ep: routing.EndpointState, state: ClientStream
-    ) -> None:
-        """An attempt of a request ranked on the cache is about to go to `ep`: remember its
-        blocks there now (the next request with its prefix may come before it is answered,
-        and before the engine's events say so), and the prediction the engine's usage will
-        be compared with."""
-        state.cached_predicted = self.kv.routed(plan, ep, time.time())
-        state.cached_endpoint = ep.id
+    def _sending_on_cache(self, plan: CachePlan, step: Attempt, state: ClientStream) -> None:
+        """An attempt of a request ranked on the cache is about to go out: remember its
+        blocks at its endpoint now (the next request with its prefix may come before it is
+        answered, and before the engine's events say so), and the prediction the engine's
+        usage will be compared with. A fallback model's attempt was not ranked on it."""
+        if step.profile.name != plan.model:
+            state.cached_predicted = -1
+            return
+        state.cached_predicted = self.kv.routed(plan, step.endpoint, time.time())
+        state.cached_endpoint = step.endpoint.id
 
     def _routed_on_cache(
         self, plan: CachePlan, ep: routing.EndpointState, state: ClientStream
@@ -237,9 +238,7 @@ class Dispatcher:
             log.debug("routed_on_cache", request_id=state.rid, model=plan.model, endpoint=ep.id,
                       prompt_tokens=plan.prompt_tokens, predicted_cached=predicted,
                       source=source, candidates=plan.cached, families=plan.families,
-                      prefix=f"{plan.tie_key:016x}",
-                      loads={e.id: routing.load_of(e) for e in self.table.for_model(plan.model)},
-                      )  # fmt: skip
+                      prefix=f"{plan.tie_key:016x}")  # fmt: skip
 
     def _body_for(
         self, body: bytes, parsed: requests.Parsed, prof: ModelProfile, state: ClientStream
@@ -428,13 +427,10 @@ class Dispatcher:
         if principal is not None and principal.tokens is not None:
             principal.tokens.spend(time.monotonic(), u.prompt_tokens + u.completion_tokens)
         details = u.prompt_tokens_details
-        if details is not None and details.cached_tokens is not None:
-            client.cached_delivered = details.cached_tokens
-            if client.cached_predicted >= 0:
-                self.metrics.cache_delivered(prof.name, details.cached_tokens)
-                self.kv.delivered(
-                    client.cached_endpoint, client.cached_predicted, details.cached_tokens
-                )
+        cached = details.cached_tokens if details is not None else None
+        if cached is not None and client.cached_predicted >= 0:
+            self.metrics.cache_delivered(prof.name, cached)
+            self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)
 
 
 def _as_retry(exc: BaseException, d: Deadlines) -> BaseException:

@@ -9,7 +9,8 @@ and gets, for the model's endpoints: the prompt's length in tokens as the engine
 counts them, what each endpoint holds of it (cached tokens and where that came from:
 the engines' KV events, this router's recent routes, its approximate text index),
 each one's load and cost (llmgw.core.routing.CostModel), which filters dropped whom,
-and the order the router would try them in now. Nothing is sent to any engine.
+the order the router would try them in now, and how the fleet KV index stands (endpoints,
+blocks, updates folded and refused, resyncs after a missed update). Nothing is sent to any engine.
 """
 
 from __future__ import annotations
@@ -75,8 +76,12 @@ def explain(body: bytes, catalog: Catalog, dispatcher: Dispatcher) -> dict[str, 
         if ep.id in priced:
             row["cost_tokens"], row["cached_tokens_counted"] = priced[ep.id]
         rows.append(row)
+    index = dispatcher.kv.index
     out["tokenized"] = True
     out["prompt_tokens"] = plan.prompt_tokens
+    out["index"] = {"endpoints": len(index.endpoints), "blocks": len(index),
+                    "updates_applied": index.applied, "updates_refused": index.refused,
+                    "resyncs": index.resyncs}  # fmt: skip
     out["endpoints"] = rows
     out["order"] = [ep.id for ep in routing.rank(endpoints, q, cfg.weights, 0.0).order]
     return out

@@ -49,8 +49,6 @@ class KvFeed:
         self.index = index
         self._tls = tls
         self.window_s = window_s
-        self.applied = 0
-        self.refused = 0
         self.ready = asyncio.Event()
         """Set once the updates stored when the feed started are folded."""
         self._reader: kvlog.KvReader | None = None
@@ -71,6 +69,7 @@ class KvFeed:
     async def _run(self) -> None:
         wait = 1.0
         while not self._stop.is_set():
+            began = time.monotonic()
             try:
                 await self._follow()
             except asyncio.CancelledError:
@@ -78,6 +77,8 @@ class KvFeed:
             except Exception as exc:  # no stream yet, a refused consumer: try again later
                 log.warning("kv_feed_failed", error=str(exc) or type(exc).__name__,
                             retry_in_s=wait)  # fmt: skip
+            # Back off on failures in a row; a feed that had been following starts over.
+            wait = 1.0 if time.monotonic() - began > 60.0 else wait
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), wait)
             wait = min(wait * 2, 30.0)
@@ -114,9 +115,6 @@ class KvFeed:
             if owner is None:
                 continue
             refused = self.index.apply(kvlog.update_of(record), owner[0], now)
-            if refused is None:
-                self.applied += 1
-            else:
-                self.refused += 1
+            if refused is not None:
                 log.warning("kv_update_refused", seq=record.seq, subject=record.subject,
                             reason=refused)  # fmt: skip

@@ -12,9 +12,10 @@ candidate endpoint, how many of the prompt's tokens its KV cache holds:
    stopped), the router's approximate index of prompt text (llmgw.core.prefix),
    converted to tokens.
 
-The planner then ranks by `llmgw.core.routing.CostModel`. `routed` records where the
-request went (recent routes, the predicted cached tokens it will be compared with);
-`explain` answers an operator's "where would this prompt go, and why".
+The planner then ranks by `llmgw.core.routing.CostModel`. `routed` records where an
+attempt goes (recent routes, the predicted cached tokens it will be compared with), and
+`delivered` what the engine then reported; llmgw.router.explain shows a plan to an
+operator.
 """
 
 from __future__ import annotations

@@ -143,9 +143,12 @@ def for_profile(profile: ModelProfile) -> Prompts | None:
     where = profile.tokenizer or profile.engine_model
     if where in _LOADED:
         return _LOADED[where]
+    found: Prompts | None = None
     if not where or not Path(where).exists():
+        # Remembered, like a found one: this runs on every request of the model.
+        if len(_LOADED) < 10_000:
+            _LOADED[where] = None
         return None
-    found: Prompts | None
     try:
         found = HfPrompts.load(Path(where))
         log.info("tokenizer_loaded", model=profile.name, path=where)

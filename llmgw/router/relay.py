@@ -67,7 +67,7 @@ class ClientStream:
     """Per-request relay state shared across attempts (the client response, once started)."""
 
     __slots__ = (
-        "cached_delivered", "cached_endpoint", "cached_predicted", "drop_usage",
+        "cached_endpoint", "cached_predicted", "drop_usage",
         "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind", "loop",
         "loop_start", "principal", "request", "response", "rid", "start", "stream",
     )  # fmt: skip
@@ -94,9 +94,8 @@ class ClientStream:
         self.failed_status = 0
         """The status metrics record for a stream that ended with an error event."""
         self.cached_predicted = -1
-        """Prompt tokens the router predicted the chosen engine had cached (-1: no
-        prediction), and what the engine reported in its usage (-1: not reported)."""
-        self.cached_delivered = -1
+        """Prompt tokens the router predicted the attempt's engine had cached (-1: no
+        prediction), and that engine's id: its usage is compared with the prediction."""
         self.cached_endpoint = ""
         self.loop = asyncio.get_running_loop()
         # Deadlines run on the loop's clock; start was taken on time.monotonic (the same clock

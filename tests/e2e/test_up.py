@@ -312,6 +312,8 @@ def test_up_routes_on_the_engines_own_kv_events(tmp_path: Path, ups: list[Up]) -
                                            {"role": "user", "content": "Q99?"}]}  # fmt: skip
     why = post_json(admin + "/route", asked)
     assert why["tokenized"] is True
+    assert why["index"]["endpoints"] >= 1  # engines that stored something
+    assert why["index"]["updates_refused"] == 0
     best = next(row for row in why["endpoints"] if row["id"] == why["order"][0])
     assert best["source"] == "events", why
     assert best["cached_tokens"] >= 0.9 * why["prompt_tokens"] - 32, why

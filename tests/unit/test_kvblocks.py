@@ -191,3 +191,17 @@ def test_updates_round_trip_and_bad_ones_are_refused() -> None:
             kvblocks.decode_update(msgspec.msgpack.encode(bad))
     with pytest.raises(ValueError, match="not a KV update"):
         kvblocks.decode_update(b"\xc1")
+
+
+def test_blocks_of_a_lora_adapter_are_not_folded() -> None:
+    # The same tokens under an adapter are other KV: a base-model request gains nothing.
+    raw = [
+        ["BlockStored", [1], None, [1, 2, 3, 4], 4, None, "GPU", "my-adapter"],
+        ["BlockStored", [2], None, [1, 2, 3, 4], 4, 7, "GPU"],  # the older lora_id
+        ["BlockStored", [3], None, [5, 6, 7, 8], 4, None, "GPU", None],
+    ]
+    batch = kvblocks.decode_batch(msgspec.msgpack.encode([1.0, raw]))
+    fold = kvblocks.EngineBlocks()
+    stored, _, _ = fold.apply(batch.events)
+    assert stored == kvblocks.block_keys([5, 6, 7, 8], 4)
+    assert set(fold.key_of) == {3}
