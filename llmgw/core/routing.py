@@ -66,7 +66,9 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     prefix is followed until the load it brings outweighs the prefill it saves. Above
     `max_imbalance` requests more than the least loaded candidate, a cache is not
     followed at all, whatever it saves: one hot prefix must not pile onto one engine.
-    And each candidate pays `family_tokens` per prefix family its cache holds. Near ties
+    And each candidate pays `family_tokens` per prefix family its cache holds beyond the
+    least crowded candidate's, at most the prompt's own tokens (placing it evicts no more
+    than that of other prefixes, each re-prefilled once). Near ties
     (`agree_tokens`) go by rendezvous hashing of the prompt's first block, so routers
     that know about the same place a prefix on the same engine.
     """
@@ -80,9 +82,11 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     whose views differ by a request or two still choose alike, and a prefix copied to two
     engines is sent to one of them until the other copy is evicted."""
     family_tokens: float = 256.0
-    """Per prefix family (distinct prompt start) the candidate's cache holds: a prefix
-    nobody holds goes where fewest families compete for the cache, so prefixes spread over
-    the caches instead of piling into one that then thrashes."""
+    """Per prefix family (distinct prompt start) the candidate's cache holds beyond the
+    least crowded candidate's: a prefix nobody holds goes where fewest families compete for
+    the cache, so prefixes spread over the caches instead of piling into one that then
+    thrashes. Bounded by the prompt's tokens, so short unique prompts (each its own family)
+    are balanced by load and a fresh replica is not flooded for its empty cache."""
 
     def problems(self) -> list[str]:
         out = []
@@ -288,15 +292,17 @@ def costs(survivors: Sequence[EndpointState], q: Query) -> list[tuple[float, int
     c = q.cost
     loads = [load_of(ep) for ep in survivors]
     ceiling = min(loads) + c.max_imbalance
+    fewest = min(q.families.get(ep.id, 0) for ep in survivors)
     out = []
     for ep, load in zip(survivors, loads, strict=True):
+        crowding = c.family_tokens * (q.families.get(ep.id, 0) - fewest)
         cached = q.cached_tokens.get(ep.id, 0) if load <= ceiling else 0
         cached = min(max(cached, 0), q.prompt_tokens)
         cost = (
             (q.prompt_tokens - cached)
             + c.running_tokens * load
             + c.waiting_tokens * ep.queue_depth
-            + c.family_tokens * q.families.get(ep.id, 0)
+            + min(crowding, q.prompt_tokens)
         )
         out.append((cost, cached))
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -194,6 +196,30 @@ def test_a_new_prefix_goes_where_fewest_families_compete() -> None:
     assert _first(eps, {}, cost=cost, families={"a": 4, "b": 2}) == "b"
     # Cached on a, a stays the choice: the prefill saved outweighs the families.
     assert _first(eps, {"a": 960}, cost=cost, families={"a": 4, "b": 2}) == "a"
+
+
+def test_a_fresh_replica_is_not_flooded_for_its_empty_cache() -> None:
+    # Short unique prompts are each a family of their own: an old cache holds hundreds, a
+    # new replica none. Load still balances them: crowding costs at most the prompt.
+    cost = routing.CostModel(running_tokens=32, family_tokens=256, agree_tokens=0)
+    old, fresh = _ep("old"), _ep("fresh", inflight=1)
+    assert _first([old, fresh], {}, prompt=19, cost=cost, families={"old": 200}) == "old"
+    # A long prompt nobody holds still goes where fewer families compete.
+    assert _first([old, fresh], {}, prompt=1200, cost=cost, families={"old": 200}) == "fresh"
+
+
+@given(st.dictionaries(st.sampled_from("abcd"), st.integers(0, 10_000), min_size=1),
+       st.integers(1, 5000))  # fmt: skip
+def test_crowding_never_costs_more_than_the_prompt(families: dict[str, int], prompt: int) -> None:
+    cost = routing.CostModel(running_tokens=0, waiting_tokens=0, family_tokens=256)
+    eps = [_ep(name) for name in families]
+    q = routing.Query(model="m", now=0.0, prompt_tokens=prompt, families=families, cost=cost)
+    priced = [c for c, _ in routing.costs(eps, q)]
+    assert max(priced) - min(priced) <= prompt
+    # The least crowded pays nothing for crowding; more families never cost less.
+    assert min(priced) == prompt
+    by_families = sorted(zip(families.values(), priced, strict=True))
+    assert all(x[1] <= y[1] for x, y in itertools.pairwise(by_families))
 
 
 @given(st.integers(1, 2**63), st.integers(0, 1), st.integers(0, 1))
