@@ -39,27 +39,37 @@ class KvPublisher:
     """Signs and publishes one node's KV updates (fire and forget)."""
 
     def __init__(self, nc: Client, node: str, *, signer: Signer | None = None) -> None:
-        found = signer if signer is not None else signer_of(nc)
-        if found is None:
-            raise ValueError(
-                "a KvPublisher needs a Signer: connect with bus.connect(..., keys=...) "
-                "using this node's certificate and key, or pass signer="
-            )
         self._nc = nc
         self._node = subjects.check_token(node, "node id")
-        self.signer = found
+        self.signer = signer_for(nc, signer, "KV updates")
         self.sent = 0
         self.bytes = 0
 
     async def publish(self, update: kvblocks.KvUpdate) -> None:
         subject = subjects.kv_updates(self._node, update.endpoint)
         payload = kvblocks.encode_update(update)
-        msg_id = secrets.token_hex(12)
-        headers = {"Nats-Msg-Id": msg_id}
-        headers.update(self.signer.event_headers(subject, msg_id, payload))
-        await self._nc.publish(subject, payload, headers=headers)
+        await publish_signed(self._nc, self.signer, subject, payload)
         self.sent += 1
         self.bytes += len(payload)
+
+
+async def publish_signed(nc: Client, signer: Signer, subject: str, payload: bytes) -> None:
+    """Publish derived data (not the log) signed, without waiting for an acknowledgement."""
+    msg_id = secrets.token_hex(12)
+    headers = {"Nats-Msg-Id": msg_id}
+    headers.update(signer.event_headers(subject, msg_id, payload))
+    await nc.publish(subject, payload, headers=headers)
+
+
+def signer_for(nc: Client, signer: Signer | None, who: str) -> Signer:
+    """`signer`, or the one `bus.connect(..., keys=...)` attached to `nc`."""
+    found = signer if signer is not None else signer_of(nc)
+    if found is None:
+        raise ValueError(
+            f"a publisher of {who} needs a Signer: connect with bus.connect(..., keys=...) "
+            "using this identity's certificate and key, or pass signer="
+        )
+    return found
 
 
 class KvReader(Reader):

@@ -80,18 +80,57 @@ def kv_stream_config(settings: StreamSettings) -> api.StreamConfig:
     In memory and bounded by age and size: the content is derived (every engine's agent
     sends its whole resident set again every few seconds), high-volume and worthless after
     a minute, and a server restart that loses it costs routers a few seconds of warm-up."""
+    return _derived_stream_config(
+        settings,
+        subjects.KV_STREAM,
+        "llmgw: engines' KV-cache blocks, relayed by their agents (derived data)",
+        subjects.KV_SUBJECTS,
+        KV_MAX_AGE_S,
+        KV_MAX_BYTES,
+    )
+
+
+SIGNALS_MAX_AGE_S = 30.0
+"""How long the routers' load reports stay in `llmgw-signals`: a new leader reads the
+last seconds of them, and what a decision was made on is in the log beside it."""
+SIGNALS_MAX_BYTES = 64 * 1024 * 1024
+
+
+def signals_stream_config(settings: StreamSettings) -> api.StreamConfig:
+    """The configuration of `llmgw-signals`, the routers' load reports. Purely computational.
+
+    In memory and bounded like `llmgw-kv`: every router sends its report again every
+    second, and the autoscaler records in the log what it decided on."""
+    return _derived_stream_config(
+        settings,
+        subjects.SIGNALS_STREAM,
+        "llmgw: routers' load reports for the autoscaler (derived data)",
+        subjects.SIGNALS_SUBJECTS,
+        SIGNALS_MAX_AGE_S,
+        SIGNALS_MAX_BYTES,
+    )
+
+
+def _derived_stream_config(
+    settings: StreamSettings,
+    name: str,
+    description: str,
+    subject_list: tuple[str, ...],
+    max_age_s: float,
+    max_bytes: int,
+) -> api.StreamConfig:
     return api.StreamConfig(
-        name=subjects.KV_STREAM,
-        description="llmgw: engines' KV-cache blocks, relayed by their agents (derived data)",
-        subjects=list(subjects.KV_SUBJECTS),
+        name=name,
+        description=description,
+        subjects=list(subject_list),
         retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.MEMORY,
         discard=api.DiscardPolicy.OLD,
         num_replicas=settings.replicas,
         duplicate_window=10.0,
-        max_age=KV_MAX_AGE_S,
+        max_age=max_age_s,
         max_msgs=-1,
-        max_bytes=KV_MAX_BYTES,
+        max_bytes=max_bytes,
         max_msg_size=1024 * 1024,
         max_msgs_per_subject=-1,
     )
@@ -175,9 +214,9 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool
     return False
 
 
-async def _ensure_kv_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool:
-    """Create `llmgw-kv` if absent. One that exists is used as it is unless its subjects
-    differ: its limits only decide how long derived data stays."""
+async def _ensure_derived_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool:
+    """Create `llmgw-kv` or `llmgw-signals` if absent. One that exists is used as it is
+    unless its subjects differ: its limits only decide how long derived data stays."""
     assert wanted.name is not None
     try:
         info = await js.stream_info(wanted.name)
@@ -189,7 +228,7 @@ async def _ensure_kv_stream(js: JetStreamContext, wanted: api.StreamConfig) -> b
                 raise ProvisionConflict(
                     f"the server refused to create stream {wanted.name}: {exc.description} "
                     f"(code {exc.err_code}); check the server's JetStream memory limit "
-                    "(max_memory_store) or provision without KV routing"
+                    "(max_memory_store)"
                 ) from None
             return False
         return True
@@ -248,9 +287,10 @@ async def provision(
     lease: bool = True,
     snapshots: bool = True,
     kv: bool = True,
+    signals: bool = True,
 ) -> Provisioned:
-    """Ensure the stream `llmgw-events` (and `llmgw-kv`, the lease bucket and snapshot
-    store) exist.
+    """Ensure the stream `llmgw-events` (and `llmgw-kv`, `llmgw-signals`, the lease bucket
+    and snapshot store) exist.
 
     Idempotent; raises ProvisionConflict, saying what differs and what to do, when
     the stream exists with a configuration llmgw cannot use.
@@ -264,7 +304,10 @@ async def provision(
 
     note(subjects.STREAM, await _ensure_stream(js, stream_config(settings)))
     if kv:
-        note(subjects.KV_STREAM, await _ensure_kv_stream(js, kv_stream_config(settings)))
+        note(subjects.KV_STREAM, await _ensure_derived_stream(js, kv_stream_config(settings)))
+    if signals:
+        wanted = signals_stream_config(settings)
+        note(subjects.SIGNALS_STREAM, await _ensure_derived_stream(js, wanted))
     if lease:
         note(LEASE_BUCKET, await _ensure_lease_bucket(js, replicas))
     if snapshots:

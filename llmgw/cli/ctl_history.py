@@ -315,6 +315,7 @@ async def _verify(
         if isinstance(e, events.ControlEvent)
         and not isinstance(e, (events.LeaderElected, *reconcile.OBSERVATIONS))
     }
+    scalings = sum(1 for _, e in pairs if isinstance(e, events.ScaleDecided))
     timings = control_verify.recorded_timings(pairs)
     differences = control_verify.verify(pairs, config=fallback)
     source = str(fallback_from) if fallback_from is not None else "the defaults"
@@ -322,6 +323,7 @@ async def _verify(
         doc = {
             "events": len(pairs),
             "decision_batches": len(batches),
+            "scaling_decisions": scalings,
             "timings": {
                 "recorded_epochs": sorted(timings.by_epoch),
                 "unrecorded_epochs": list(timings.unrecorded),
@@ -332,16 +334,19 @@ async def _verify(
         }
         common.out(render.json_text(doc))
     else:
-        common.out(_verdict(len(pairs), len(batches), differences))
+        common.out(_verdict(len(pairs), len(batches), differences, scalings))
         for line in _timings_notes(timings, source, fallback_from):
             common.out(line)
     return 1 if differences else 0
 
 
-def _verdict(events_n: int, batches: int, differences: list[control_verify.Difference]) -> str:
+def _verdict(
+    events_n: int, batches: int, differences: list[control_verify.Difference], scalings: int = 0
+) -> str:
     if not differences:
+        scaled = f" and {wording.count(scalings, 'scaling decision')}" if scalings else ""
         return (
-            f"verified {batches} recorded decision batches over {events_n:,} events: "
+            f"verified {batches} recorded decision batches{scaled} over {events_n:,} events: "
             "today's reconciler makes every one of them the same way"
         )
     return "\n".join(

@@ -19,13 +19,14 @@ from llmgw.control import models as model_sync
 from llmgw.control.instance import log
 from llmgw.control.leadership import Leadership
 from llmgw.control.policing import Policing
+from llmgw.control.scaling import Scaling
 from llmgw.core import events, reconcile, subjects
 
 _MODEL_KINDS = ("model_declared", "model_changed", "model_removed")
 _MODEL_EVENTS = tuple(f for kind in _MODEL_KINDS for f in subjects.operator_event_kind(kind))
 
 
-class Deciding(Leadership, Policing):
+class Deciding(Leadership, Policing, Scaling):
     """The leader's decide loop and what it decides."""
 
     async def _decide_loop(self) -> None:
@@ -95,6 +96,8 @@ class Deciding(Leadership, Policing):
             self._sweep_task = self._spawn(self._sweep_quarantined(), "sweep")
         if await self._police_quota():
             return  # decide on once the fold has the quarantines
+        if await self._autoscale():
+            return  # plan on once the fold has the new counts
         # Attest only when nothing was just written: a write's fence is the control
         # sequence folded so far, which our own unfolded decisions would have moved.
         if await self.reconcile_once() == 0:

@@ -73,6 +73,14 @@ class Metrics:
             p + "snapshot_seq", "Sequence of the last snapshot saved or loaded.", registry=r
         )
 
+        self.autoscale_signal = Gauge(
+            p + "autoscale_signal",
+            "An autoscaled model's signals as the leader last aggregated them from the routers'"
+            " load reports (waiting, running, kv_usage, ttft_p90_s, itl_p90_s, requests), and"
+            " the replicas they recommend (recommended).",
+            ["model", "signal"],
+            registry=r,
+        )
         self.quarantine_ignored = Counter(
             p + "quarantine_ignored",
             "Events of quarantined nodes the fold ignored (registered and shard).",

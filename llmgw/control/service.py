@@ -76,6 +76,7 @@ class ControlService(Deciding, Snapshotting):
                 self._spawn(self._decide_loop(), "decide"),
                 self._spawn(self._tick(), "tick"),
                 self._spawn(self._delete_loop(), "delete"),
+                self._spawn(self._signals_loop(), "signals"),
             ]
             stopped = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -140,6 +140,8 @@ def _shape_problems(p: ModelProfile) -> list[str]:
         out.append(f"engine {p.engine!r} is not supported: use one of {', '.join(ENGINES)}")
     if p.replicas < 0:
         out.append(f"replicas is {p.replicas}: use 0 (declared but stopped) or more")
+    if p.autoscale is not None:
+        out.extend(p.autoscale.problems(p.replicas))
     for field, value in (
         ("tensor_parallel", p.tensor_parallel),
         ("pipeline_parallel", p.pipeline_parallel),
@@ -263,5 +265,6 @@ def parse(raw: Mapping[str, Any], others: Iterable[ModelProfile] = ()) -> ModelP
 
 def launch_relevant(a: ModelProfile, b: ModelProfile) -> bool:
     """True when replicas of `a` must be replaced to run as `b` (not only re-counted/routed)."""
-    strip = {"replicas": 0, "aliases": (), "fallbacks": (), "deadlines": a.deadlines}
+    strip = {"replicas": 0, "aliases": (), "fallbacks": (), "deadlines": a.deadlines,
+             "autoscale": None}  # fmt: skip
     return msgspec.structs.replace(a, **strip) != msgspec.structs.replace(b, **strip)

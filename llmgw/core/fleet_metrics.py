@@ -20,6 +20,7 @@ import msgspec
 from llmgw.core import state
 from llmgw.core.phases import PHASES, RANK
 from llmgw.core.state.model import Liveness
+from llmgw.core.state.scaling import target_replicas
 
 LIVENESS: tuple[str, ...] = get_args(Liveness)
 FLAGS = ("cordoned", "draining", "quarantined")
@@ -140,7 +141,7 @@ def _replicas(st: state.ClusterState) -> list[Family]:
     serving: Samples = []
     for name in models:
         live = st.active_replicas(name)
-        wanted.append(((name,), float(st.models[name].profile.replicas)))
+        wanted.append(((name,), float(target_replicas(st.models[name]))))
         active.append(((name,), float(len(live))))
         serving.append(((name,), float(sum(1 for r in live if r.id in st.endpoints))))
     known = sorted(set(models) | {m for m, _ in phases})

@@ -13,6 +13,7 @@ from typing import Literal
 
 import msgspec
 
+from llmgw.core.autoscale import Autoscale
 from llmgw.core.limits import (
     Args,
     Env,
@@ -75,6 +76,9 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     and tokenizer_config.json) to key its KV cache's blocks; empty: the model's own
     directory when `model` is a local path (sim models use the sim's tokenizer)."""
     deadlines: Deadlines = Deadlines()
+    autoscale: Autoscale | None = None
+    """Replicas that follow the load (llmgw.core.autoscale); `replicas` is then the count
+    it starts with. None: `replicas`, always."""
 
     @property
     def gpus_per_replica(self) -> int:

@@ -22,6 +22,12 @@ KV_STREAM = "llmgw-kv"
 KV_ROOT = "llmgw.kv"
 KV_SUBJECTS = (f"{KV_ROOT}.>",)
 
+# The routers' load reports, for the autoscaler: seconds-lived, in a stream of their own
+# (docs/design.md, "An elastic fleet").
+SIGNALS_STREAM = "llmgw-signals"
+SIGNALS_ROOT = "llmgw.signals"
+SIGNALS_SUBJECTS = (f"{SIGNALS_ROOT}.>",)
+
 NODE_EVENTS_ALL = f"{EVENTS_ROOT}.node.>"
 OPERATOR_EVENTS_ALL = f"{EVENTS_ROOT}.operator.>"
 CONTROL_EVENTS_ALL = f"{EVENTS_ROOT}.control.>"
@@ -137,6 +143,24 @@ def kv_owner(subject: str) -> tuple[str, str] | None:
     parts = subject.split(".")
     if len(parts) == 4 and parts[:2] == ["llmgw", "kv"] and all(parts[2:]):
         return parts[2], parts[3]
+    return None
+
+
+def router_signals(router: str, worker: int) -> str:
+    """`llmgw.signals.router.<router>.w<worker>`: one router process's load reports."""
+    return f"{SIGNALS_ROOT}.router.{check_token(router, 'router name')}.w{int(worker)}"
+
+
+def router_signals_all(router: str) -> str:
+    """Every load-report subject one router may write: `llmgw.signals.router.<router>.*`."""
+    return f"{SIGNALS_ROOT}.router.{check_token(router, 'router name')}.*"
+
+
+def signals_owner(subject: str) -> str | None:
+    """The router a load-report subject belongs to, or None for any other subject."""
+    parts = subject.split(".")
+    if len(parts) == 5 and parts[:3] == ["llmgw", "signals", "router"] and all(parts[3:]):
+        return parts[3]
     return None
 
 

@@ -16,6 +16,7 @@ import msgspec
 
 from llmgw.core import reconcile, state
 from llmgw.core.phases import RANK
+from llmgw.core.state.scaling import target_replicas
 
 
 def _phase_summary(replica: state.ReplicaState) -> str:
@@ -216,7 +217,8 @@ def model_rows(
                 "name": name,
                 "engine": p.engine,
                 "revision": m.revision,
-                "replicas_wanted": p.replicas,
+                "replicas_wanted": target_replicas(m),
+                "autoscale": _scaling_view(m),
                 "replicas_active": len(active),
                 "replicas_serving": sum(1 for r in active if r.id in st.endpoints),
                 "gpus_per_replica": p.gpus_per_replica,
@@ -279,3 +281,20 @@ def _host_port(url: str) -> str | None:
         return None
     hostport = rest.split("/", 1)[0]
     return hostport if hostport.rpartition(":")[2].isdigit() else None
+
+
+def _scaling_view(m: state.ModelState) -> dict[str, object] | None:
+    """An autoscaled model's bounds, pin and measured start-up time (None: not autoscaled)."""
+    scale = m.profile.autoscale
+    if scale is None:
+        return None
+    return {
+        "min": scale.min,
+        "max": scale.max,
+        "priority": scale.priority,
+        "desired": m.desired,
+        "pinned": m.pinned,
+        "pinned_by": m.pinned_by,
+        "scaled_ts": m.scaled_ts,
+        "startup_s": m.startup_s,
+    }

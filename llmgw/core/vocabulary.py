@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.core import events
-from llmgw.core.state import decisions, nodes
+from llmgw.core.state import decisions, nodes, scaling
 from llmgw.core.state.model import ClusterState
 
 Handler = Callable[[ClusterState, Any, int, float], None]
@@ -75,6 +75,8 @@ VOCABULARY: tuple[Entry, ...] = (
     Entry(events.NodeCordoned, decisions.on_cordoned, OP),
     Entry(events.NodeUncordoned, decisions.on_uncordoned, OP, routed=True),
     Entry(events.NodeDrainRequested, decisions.on_drain_requested, OP, routed=True),
+    Entry(events.ScalePinned, scaling.on_scale_pinned, OP),
+    Entry(events.ScaleReleased, scaling.on_scale_released, OP),
     Entry(events.ReplicaPlaced, decisions.on_replica_placed, D, reconciled=True),
     Entry(events.ReplicaRetired, decisions.on_replica_retired, D, routed=True, reconciled=True),
     Entry(events.NodeUnreachable, decisions.on_unreachable, OBS, reconciled=True),
@@ -84,6 +86,9 @@ VOCABULARY: tuple[Entry, ...] = (
     # The leader's measurements of log traffic (llmgw.control.quota), not planning:
     Entry(events.NodeQuarantined, decisions.on_quarantined, OBS),
     Entry(events.NodeReleased, decisions.on_released, OBS),
+    # The autoscaler's, with the observation it decided on (llmgw.core.autoscale): a
+    # replay recomputes it from that observation, not from the state alone.
+    Entry(events.ScaleDecided, scaling.on_scale_decided, OBS),
     Entry(events.EndpointUp, decisions.on_endpoint_up, D, routed=True, reconciled=True),
     Entry(events.EndpointDown, decisions.on_endpoint_down, D, routed=True, reconciled=True),
     Entry(events.LeaderElected, decisions.on_leader, L),

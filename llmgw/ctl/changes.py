@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from llmgw.core import state
+from llmgw.core.state.scaling import target_replicas
 
 
 class Change(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,7 +147,7 @@ def _models(out: list[Change], a: state.ClusterState, b: state.ClusterState) -> 
             field = "added" if ma is None else "removed"
             model = mb or ma
             assert model is not None
-            info = f"{model.profile.replicas} replicas, revision {model.revision}"
+            info = f"{target_replicas(model)} replicas, revision {model.revision}"
             out.append(
                 Change(
                     scope="model",

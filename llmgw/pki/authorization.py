@@ -26,8 +26,10 @@ is a reload.
   only with exactly that filter (the filtered create subject
   `$JS.API.CONSUMER.CREATE.<stream>.<consumer>.<filter>` lets the server check the filter);
   it may read its own last events and commands and the leader lease;
-- a **router** only reads: ephemeral/ordered consumers over the streams (the log and
-  `llmgw-kv`), direct gets, and read-only access to the lease and snapshot buckets;
+- a **router** reads: ephemeral/ordered consumers over the streams (the log and
+  `llmgw-kv`), direct gets, and read-only access to the lease and snapshot buckets; it
+  writes nothing of the log, only its load reports on `llmgw.signals.router.<its name>.*`
+  (the stream `llmgw-signals`, which the autoscaler reads);
 - an **operator** reads like a router and writes `llmgw.events.operator.<its name>.*`, so the
   author of every operator event is in its subject, enforced by the server;
 - the **control** plane manages the stream and the `llmgw-lease` / `llmgw-snapshots` buckets
@@ -51,6 +53,7 @@ from llmgw.pki.identity import Identity
 
 STREAM = subjects.STREAM
 KV_STREAM = subjects.KV_STREAM
+SIGNALS_STREAM = subjects.SIGNALS_STREAM
 LEASE_BUCKET = "llmgw-lease"
 SNAPSHOT_BUCKET = "llmgw-snapshots"
 API = "$JS.API"
@@ -144,6 +147,8 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
         case "router" | "operator":
             publish += _reader_publish(identity)
             deny += _others_commands(nodes)
+            if identity.kind == "router":
+                publish.append(subjects.router_signals_all(identity.name))
         case "control":
             publish += _control_publish(identity.name)
     return Permissions(
@@ -189,6 +194,8 @@ def _reader_publish(identity: Identity) -> list[str]:
     for bucket in _bucket_streams():
         publish += _read_stream(bucket)
     if identity.kind == "operator":
+        # The routers' load reports: `llmgw ctl explain-scaling` shows the signals now.
+        publish += _read_stream(SIGNALS_STREAM)
         publish.append(subjects.operator_events(identity.name))
     return publish
 
@@ -212,7 +219,7 @@ def _control_publish(name: str) -> list[str]:
     """The control plane's: managing the streams, its decisions and commands, its config
     file's models, the lease and the snapshots."""
     publish = [f"{API}.STREAM.LIST"]
-    for stream in [STREAM, KV_STREAM, *_bucket_streams()]:
+    for stream in [STREAM, KV_STREAM, SIGNALS_STREAM, *_bucket_streams()]:
         publish += _manage_stream(stream)
     publish += [
         subjects.CONTROL_EVENTS_ALL,

@@ -59,13 +59,14 @@ def owner_allows(subject: str, identity: Identity) -> bool:
     """True when `identity` may author a message stored on `subject`. Pure.
 
     - `llmgw.events.node.<n>.<kind>` and `llmgw.kv.<n>.<endpoint>`: node/<n>
+    - `llmgw.signals.router.<r>.<worker>`: router/<r> (its load reports)
     - `llmgw.events.control.<kind>` and `llmgw.cmd.<node>`: any control/*
     - `llmgw.events.operator.<name>.<kind>`: operator/<name>
     - `llmgw.events.operator.control.<name>.<kind>`: control/<name> (the models of a
       control plane's config file)
     - `llmgw.events.operator.<kind>` (the older, shared operator subject): any operator
       or control
-    Anything else: nobody (routers own no subject).
+    Anything else: nobody (routers own no subject of the log).
     """
     parts = subject.split(".")
     if len(parts) < 3 or parts[0] != "llmgw" or any(not p for p in parts):
@@ -75,6 +76,8 @@ def owner_allows(subject: str, identity: Identity) -> bool:
         return len(parts) == 4 and kind == "node" and parts[2] == name
     if parts[1] == "cmd":
         return len(parts) == 3 and kind == "control"
+    if parts[1] == "signals":
+        return len(parts) == 5 and parts[2] == "router" and kind == "router" and parts[3] == name
     if parts[1] != "events" or len(parts) < 4:
         return False
     area = parts[2]

@@ -52,6 +52,7 @@ from llmgw.router.feed import LogFeed
 from llmgw.router.kvfeed import KvFeed
 from llmgw.router.metrics import Metrics, metrics_dir
 from llmgw.router.relay import ClientStream
+from llmgw.router.signals import LoadTracker, SignalsFeed
 from llmgw.router.table import Catalog, EndpointTable, Prober
 
 log = logs.get("llmgw.router")
@@ -92,6 +93,8 @@ class Router:
         self.prober: Prober | None = None
         self.feed: LogFeed | None = None
         self.kv_feed: KvFeed | None = None
+        self.signals: SignalsFeed | None = None
+        self.worker = worker
         self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
         self.deadlines = Watchdog()
         self.dispatcher = Dispatcher(
@@ -131,6 +134,12 @@ class Router:
             if self.cfg.cache.enabled and self.cfg.cache.events:
                 self.kv_feed = KvFeed(self.cfg.log, self.dispatcher.kv.index)
                 self.kv_feed.start()
+            # The load reports the autoscaler decides on (llmgw.router.signals).
+            d = self.dispatcher
+            tracker = LoadTracker(d.received, self.metrics.ttft, self.metrics.itl, d.holds)
+            self.signals = SignalsFeed(self.cfg.log, tracker, self.table.by_id,
+                                       worker=self.worker)  # fmt: skip
+            self.signals.start()
         folder = metrics_dir()
         if folder is not None:
             self._snapshots = asyncio.get_running_loop().create_task(self._write_snapshots(folder))
@@ -145,6 +154,8 @@ class Router:
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
+        if self.signals is not None:
+            await self.signals.close()
         if self.kv_feed is not None:
             await self.kv_feed.close()
         if self.feed is not None:

@@ -33,6 +33,7 @@ from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, refusal_response
+from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
 from llmgw.router.relay import ClientStream, EngineStream, relay
@@ -73,6 +74,9 @@ class Dispatcher:
             index=KvIndex(stale_after_s=cfg.cache.stale_after_s), recent_s=cfg.cache.recent_s
         )
         table.on_remove.append(self.kv.forget)
+        self.holds = Holds(table.for_model)
+        self.received: dict[str, int] = {}
+        """Model -> requests dispatched (the load reports' request counts)."""
         # Three of the relay's hooks are the metrics' own methods: no forwarding call.
         self.first_token = metrics.first_token
         self.slow_client = metrics.slow_client
@@ -155,6 +159,11 @@ class Dispatcher:
         state: ClientStream,
     ) -> web.StreamResponse:
         cfg = self.cfg
+        self.received[profile.name] = self.received.get(profile.name, 0) + 1
+        if profile.autoscale is not None and self.holds.needed(profile):
+            held = await self.holds.wait(profile)  # at zero replicas, until one serves
+            if held is not None:
+                return await self._refuse(held, profile, state)
         hashes = (
             block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks)
             if parsed.text

@@ -49,6 +49,8 @@ class Refusal:
     code: str | None = None
     close: bool = False
     """The connection cannot be reused (the rest of a late body may still arrive)."""
+    retry_after: int = 0
+    """Seconds for a `Retry-After` header (0: none)."""
 
     def body(self) -> bytes:
         return requests.error_body(self.message, self.type, self.code)
@@ -74,6 +76,8 @@ def error_response(
 
 def refusal_response(refusal: Refusal, rid: str = "") -> web.Response:
     resp = error_response(refusal.status, refusal.message, refusal.type, refusal.code, rid)
+    if refusal.retry_after:
+        resp.headers["Retry-After"] = str(refusal.retry_after)
     if refusal.close:
         resp.force_close()
     return resp

@@ -25,6 +25,7 @@ from typing import Annotated, TypeAlias
 import msgspec
 
 from llmgw.core.attestation import DIGEST_BYTES, MAX_PER_ATTESTATION
+from llmgw.core.autoscale import MAX_REPLICAS, Observation
 from llmgw.core.inventory import Fabric, Gpu, Hca
 from llmgw.core.limits import (
     MAX_GPUS,
@@ -201,6 +202,20 @@ class NodeDrainRequested(
     reason: Text = ""
 
 
+class ScalePinned(OperatorEvent, tag="operator.scale_pinned", kw_only=True, frozen=True):
+    """Hold an autoscaled model at `replicas` until a ScaleReleased (the autoscaler waits)."""
+
+    model: Name
+    replicas: Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]
+    reason: Text = ""
+
+
+class ScaleReleased(OperatorEvent, tag="operator.scale_released", kw_only=True, frozen=True):
+    """Give a pinned model back to its autoscaler."""
+
+    model: Name
+
+
 # --------------------------------------------------------------------------- control decisions
 
 
@@ -277,6 +292,17 @@ class NodeReleased(ControlEvent, tag="control.node_released", kw_only=True, froz
 
     node: Name
     reason: Text = ""
+
+
+class ScaleDecided(ControlEvent, tag="control.scale_decided", kw_only=True, frozen=True):
+    """The autoscaler moved a model's replica count, on what it observed (recorded here, so a
+    replay decides the same: llmgw.core.autoscale.verify_decision)."""
+
+    model: Name
+    from_replicas: Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]
+    to_replicas: Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]
+    reason: Text = ""
+    observation: Observation
 
 
 class EndpointUp(ControlEvent, tag="control.endpoint_up", kw_only=True, frozen=True):
@@ -362,6 +388,8 @@ AnyEvent: TypeAlias = (
     | NodeCordoned
     | NodeUncordoned
     | NodeDrainRequested
+    | ScalePinned
+    | ScaleReleased
     | ReplicaPlaced
     | ReplicaRetired
     | NodeUnreachable
@@ -370,6 +398,7 @@ AnyEvent: TypeAlias = (
     | GpuHealthChanged
     | NodeQuarantined
     | NodeReleased
+    | ScaleDecided
     | EndpointUp
     | EndpointDown
     | LeaderElected

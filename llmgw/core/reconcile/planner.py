@@ -9,7 +9,15 @@ from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile.batch import Batch, IdFactory, Outcome, ReconcileConfig
 from llmgw.core.reconcile.launch import launch_spec
 from llmgw.core.refusals import Reason
-from llmgw.core.state import TERMINAL, ClusterState, ReplicaState, ShardState, misplaced
+from llmgw.core.state import (
+    TERMINAL,
+    ClusterState,
+    ModelState,
+    ReplicaState,
+    ShardState,
+    misplaced,
+)
+from llmgw.core.state.scaling import target_replicas
 
 
 def backoff(failures: int, config: ReconcileConfig) -> float:
@@ -39,6 +47,11 @@ def plan(
     return Outcome(
         decisions=p.b.out, unplaceable=p.unplaceable, unplaceable_codes=p.unplaceable_codes
     )
+
+
+def _priority(model: ModelState) -> int:
+    scale = model.profile.autoscale
+    return scale.priority if scale is not None else 0
 
 
 def _fully_serving(replica: ReplicaState) -> bool:
@@ -88,7 +101,8 @@ class _Planner:
                 self._finish_retired(replica)
             else:
                 self._active(replica)
-        for name in sorted(state.models):
+        # Higher priority first: short of GPUs, it takes them before a lower one can.
+        for name in sorted(state.models, key=lambda m: (-_priority(state.models[m]), m)):
             self._count(name)
         for name in sorted(state.nodes):
             node = state.nodes[name]
@@ -179,10 +193,9 @@ class _Planner:
         if any(n.liveness == "unreachable" for n in nodes):
             return  # its agent cannot hear a restart; lost or recovered decides
         model = state.models[r.model]
-        if len(self._counted(r.model)) > model.profile.replicas:
-            self._retire(
-                r, f"failed, and surplus: {r.model} wants {model.profile.replicas}", graceful=False
-            )
+        wanted = target_replicas(model)
+        if len(self._counted(r.model)) > wanted:
+            self._retire(r, f"failed, and surplus: {r.model} wants {wanted}", graceful=False)
             return
         if r.revision < model.revision:
             self._retire(
@@ -243,10 +256,10 @@ class _Planner:
             deadline = changed_ts + self.cfg.change_grace_s
             why = f"model {r.model} changed"
         replacement = self.replacement_of.get(r.id)
-        profile = state.models[r.model].profile
-        if replacement is None and len(self._counted(r.model)) > profile.replicas:
+        wanted = target_replicas(state.models[r.model])
+        if replacement is None and len(self._counted(r.model)) > wanted:
             # Surplus anyway: replacing it would only make another surplus replica.
-            self._retire(r, f"{why}; surplus: {r.model} wants {profile.replicas}", graceful=True)
+            self._retire(r, f"{why}; surplus: {r.model} wants {wanted}", graceful=True)
             return True
         if replacement is None and self.now < deadline:
             placed = self._place(r.model, replaces=r.id, reason=f"replaces {r.id}: {why}")
@@ -339,8 +352,9 @@ class _Planner:
     def _count(self, name: str) -> None:
         state = self.state
         profile = state.models[name].profile
+        wanted = target_replicas(state.models[name])
         counted = self._counted(name)
-        missing = profile.replicas - len(counted)
+        missing = wanted - len(counted)
         if missing > 0:
             queue = self.to_replace.get(name, [])
             results = placement.place_many(state, profile, missing, capacity=self.capacity)
@@ -350,9 +364,7 @@ class _Planner:
                     self.unplaceable_codes[name] = result.code
                     break
                 replaces_id = queue[i] if i < len(queue) else ""
-                why = (
-                    f"replaces {replaces_id}" if replaces_id else f"{name} wants {profile.replicas}"
-                )
+                why = f"replaces {replaces_id}" if replaces_id else f"{name} wants {wanted}"
                 self._emit_placement(profile, result, replaces_id, why)
         elif missing < 0:
             existing = [
@@ -363,7 +375,7 @@ class _Planner:
             # Retire what serves least first, the newest first among equals.
             existing.sort(key=lambda r: (_fully_serving(r), -r.placed_seq, r.id))
             for r in existing[:-missing]:
-                self._retire(r, f"surplus: {name} wants {profile.replicas}", graceful=True)
+                self._retire(r, f"surplus: {name} wants {wanted}", graceful=True)
 
     def _place(self, model: str, *, replaces: str, reason: str) -> bool:
         profile = self.state.models[model].profile

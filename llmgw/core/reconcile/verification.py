@@ -7,10 +7,11 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from llmgw.core import events
+from llmgw.core import autoscale, events
 from llmgw.core.reconcile.batch import OBSERVATIONS, Decision, ReconcileConfig
 from llmgw.core.reconcile.planner import plan
 from llmgw.core.state import ClusterState, apply
+from llmgw.core.state.scaling import target_replicas
 
 
 class VerifyReport(msgspec.Struct, kw_only=True):
@@ -19,6 +20,8 @@ class VerifyReport(msgspec.Struct, kw_only=True):
     matched: int = 0
     observations: int = 0
     """Recorded observations (heartbeat-driven: facts, not recomputable)."""
+    scalings: int = 0
+    """Scaling decisions recomputed from the observation recorded with each."""
     mismatches: list[str] = []
     rejected: list[tuple[int, str]] = []
     """(seq, reason) of events the fold refused while replaying."""
@@ -68,6 +71,8 @@ def verify(
         while i < len(pending) and pending[i][1] < seq:
             _check(st, pending[i], batches[pending[i]], timings.get(pending[i][0], cfg), report)
             i += 1
+        if isinstance(event, events.ScaleDecided):
+            _check_scaling(st, seq, event, report)
         reason = apply(st, event, seq)
         if reason is not None:
             report.rejected.append((seq, reason))
@@ -75,6 +80,25 @@ def verify(
         _check(st, pending[i], batches[pending[i]], timings.get(pending[i][0], cfg), report)
         i += 1
     return report
+
+
+def _check_scaling(
+    state: ClusterState, seq: int, event: events.ScaleDecided, report: VerifyReport
+) -> None:
+    """Decide again on the observation recorded with a scaling decision."""
+    model = state.models.get(event.model)
+    spec = model.profile.autoscale if model is not None else None
+    if model is None or spec is None:
+        return  # the fold refuses it; replay reports that
+    report.scalings += 1
+    again = autoscale.verify_decision(spec, target_replicas(model), event.observation)
+    recorded = (event.to_replicas, event.reason)
+    if isinstance(again, str) or again != recorded:
+        report.mismatches.append(
+            f"scale decision at seq {seq} ({event.model}): recorded {recorded[0]} replicas "
+            f"({recorded[1]!r}) but its observation gives "
+            + (again if isinstance(again, str) else repr(again))
+        )
 
 
 def _check(

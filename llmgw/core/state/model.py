@@ -70,6 +70,15 @@ class ModelState(msgspec.Struct, kw_only=True, gc=False):
     revision: int = 1
     """Bumped when a change needs new engines (not for replicas/aliases/deadlines)."""
     changed_ts: float = 0.0
+    desired: int | None = None
+    """An autoscaled model's count, as its last ScaleDecided set it (None: `replicas`)."""
+    pinned: int | None = None
+    """An operator's ScalePinned count, until ScaleReleased: the autoscaler waits."""
+    pinned_by: str = ""
+    scaled_ts: float = 0.0
+    """When the autoscaler last moved it."""
+    startup_s: float = 0.0
+    """Its replicas' start-up time (placed to serving), a moving average over the log."""
 
 
 class OrphanShard(msgspec.Struct, kw_only=True, gc=False):

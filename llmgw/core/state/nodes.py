@@ -5,6 +5,7 @@ from __future__ import annotations
 from llmgw.core import events
 from llmgw.core.inventory import Gpu
 from llmgw.core.phases import RUNNING, TERMINAL
+from llmgw.core.state import scaling
 from llmgw.core.state.model import (
     ClusterState,
     NodeState,
@@ -235,6 +236,7 @@ def on_shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: f
         replica.failures = 0
         shard.error = ""
         shard.log_tail = ()
+        scaling.note_serving(state, replica, float(ev.ts))
     elif ev.error:
         shard.error = ev.error
     if ev.phase in TERMINAL:

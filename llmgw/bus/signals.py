@@ -1,0 +1,76 @@
+"""The routers' load reports on NATS: routers publish `LoadReport`s, the leader reads them.
+
+Each router process publishes a signed `llmgw.core.loadreport.LoadReport` every second
+on `llmgw.signals.router.<its name>.w<worker>`, which only that router may publish
+(llmgw.pki.authorization); the memory stream `llmgw-signals` keeps them for half a
+minute (llmgw.bus.provisioning). Fire and forget, as the KV updates: a report lost is
+replaced by the next one a second later.
+
+`SignalsReader` is a `Reader` over that stream, with the same consumer, order and
+signature checks; its records carry a `LoadReport` in `event`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+from nats.aio.client import Client
+
+from llmgw.bus.intake import Record
+from llmgw.bus.kvlog import publish_signed, signer_for
+from llmgw.bus.reader import Reader
+from llmgw.core import loadreport, subjects
+from llmgw.pki.signing import Signer
+
+START_WINDOW_S = 5.0
+"""How far back a SignalsReader starts: a few of every router's reports."""
+
+
+class SignalsPublisher:
+    """Signs and publishes one router process's load reports."""
+
+    def __init__(
+        self, nc: Client, router: str, worker: int = 0, *, signer: Signer | None = None
+    ) -> None:
+        self._nc = nc
+        self.subject = subjects.router_signals(router, worker)
+        self.signer = signer_for(nc, signer, "load reports")
+        self.sent = 0
+
+    async def publish(self, report: loadreport.LoadReport) -> None:
+        await publish_signed(self._nc, self.signer, self.subject, loadreport.encode(report))
+        self.sent += 1
+
+
+class SignalsReader(Reader):
+    """Reads `llmgw-signals` from `START_WINDOW_S` ago (or `since`), then follows it."""
+
+    def __init__(self, nc: Client, *, since: float | None = None, **options: Any) -> None:
+        options.setdefault("name", "signals")
+        super().__init__(
+            nc,
+            since=time.time() - START_WINDOW_S if since is None else since,
+            subjects_filter=subjects.SIGNALS_SUBJECTS,
+            stream=subjects.SIGNALS_STREAM,
+            **options,
+        )
+
+    def _accept(
+        self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float
+    ) -> None:
+        if subjects.signals_owner(name) is None:
+            self._skip(seq, name, when, f"{name} is not a router's load-report subject")
+            return
+        try:
+            report = loadreport.decode(data)
+        except ValueError as exc:
+            self._skip(seq, name, when, str(exc))
+            return
+        # Records of this stream carry a LoadReport where the log's carry an event.
+        self._buf.append(Record(seq, name, when, cast(Any, report), size))
+
+
+def report_of(record: Record) -> loadreport.LoadReport:
+    """The LoadReport a SignalsReader's record carries."""
+    return cast(loadreport.LoadReport, record.event)

@@ -1,0 +1,174 @@
+"""The leader's autoscaler: the routers' latest load reports, each model's recommendations
+over its windows, and the ScaleDecided events they lead to.
+
+It holds what the log does not: the latest report of every router process (read from
+`llmgw-signals` by `llmgw.control.scaling`) and each model's recent recommendations. A
+new leader starts both afresh; `Recommendations` then waits a whole down window before
+it scales anything in. Every decision carries the observation it was made on
+(llmgw.core.autoscale), so the log alone explains and reproduces it.
+
+Short of GPUs: when a model cannot be placed for want of free GPUs, the autoscaled model
+of lowest priority below it with replicas above its `min` gives one up (a ScaleDecided
+naming the model it makes room for), one at a time: none while a retired replica still
+holds GPUs, since those are already on their way. A model of lower priority than one
+that is short does not scale out meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from llmgw.core import autoscale, events, loadreport
+from llmgw.core.state import ClusterState, ModelState
+from llmgw.core.state.scaling import target_replicas
+
+REPORT_MAX_AGE_S = 5.0
+"""A router's report older than this no longer counts (a router that stopped)."""
+SHORT_CODES = frozenset({"too few free GPUs", "no GPUs"})
+"""Why a model cannot be placed that taking GPUs from another model can cure."""
+
+
+def _priority(model: ModelState) -> int:
+    spec = model.profile.autoscale
+    return spec.priority if spec is not None else 0
+
+
+class Scaler:
+    def __init__(self, started: float, *, max_age_s: float = REPORT_MAX_AGE_S) -> None:
+        self.started = started
+        self.max_age_s = max_age_s
+        self.reports: dict[str, loadreport.LoadReport] = {}
+        """Subject (one router process) -> its latest report."""
+        self.history: dict[str, autoscale.Recommendations] = {}
+        self.last: dict[str, tuple[autoscale.Observation, str]] = {}
+        """Model -> its latest observation and recommendation reason (for explain)."""
+
+    def restart(self, now: float) -> None:
+        """A new epoch: its windows start now (the reports received so far still count)."""
+        self.started = now
+        self.history.clear()
+
+    def note(self, subject: str, report: loadreport.LoadReport) -> None:
+        held = self.reports.get(subject)
+        if held is None or report.ts >= held.ts:
+            self.reports[subject] = report
+
+    def signals(self, state: ClusterState, now: float) -> dict[str, autoscale.Signals]:
+        for subject in [s for s, r in self.reports.items() if now - r.ts > 60.0]:
+            del self.reports[subject]  # a router long gone
+        serving = {rid: ep.model for rid, ep in state.endpoints.items()}
+        scaled = [n for n, m in state.models.items() if m.profile.autoscale is not None]
+        return loadreport.aggregate(self.reports.values(), serving, now, self.max_age_s, scaled)
+
+    def decide(
+        self,
+        state: ClusterState,
+        now: float,
+        *,
+        epoch: int,
+        basis_seq: int,
+        unplaceable: Mapping[str, str],
+        ids: Callable[[str], str],
+    ) -> list[events.ScaleDecided]:
+        """At most one decision per model this pass (one preemption at most)."""
+        signals = self.signals(state, now)
+        short = self._short(state, unplaceable)
+        out: list[events.ScaleDecided] = []
+        for name in sorted(signals):
+            model = state.models[name]
+            spec = model.profile.autoscale
+            if spec is None or model.pinned is not None:
+                continue
+            history = self.history.get(name)
+            if history is None:
+                history = self.history[name] = autoscale.Recommendations(self.started)
+            current = target_replicas(model)
+            obs, reason = autoscale.observe(
+                spec, current, signals[name], history, now, startup_s=model.startup_s
+            )
+            self.last[name] = (obs, reason)
+            outranked = short is not None and _priority(model) < short[1]
+            decided = autoscale.decide(spec, current, obs, reason)
+            if decided is None or (outranked and decided[0] > current):
+                continue
+            out.append(self._event(name, current, decided, obs, now, epoch, basis_seq, ids, out))
+        for name in sorted(self.history):
+            if name not in signals:
+                del self.history[name]
+        if short is not None and not out:
+            victim = self._victim(state, short[1])
+            if victim is not None:
+                out.extend(self._preempt(state, victim, short, now, epoch, basis_seq, ids))
+        return out
+
+    def _event(
+        self,
+        name: str,
+        current: int,
+        decided: tuple[int, str],
+        obs: autoscale.Observation,
+        now: float,
+        epoch: int,
+        basis_seq: int,
+        ids: Callable[[str], str],
+        out: list[events.ScaleDecided],
+    ) -> events.ScaleDecided:
+        base = f"scale-{epoch}-{basis_seq}-{len(out)}"
+        return events.ScaleDecided(
+            id=ids(base), ts=now, epoch=epoch, basis_seq=basis_seq, model=name,
+            from_replicas=current, to_replicas=decided[0], reason=decided[1][:2000],
+            observation=obs,
+        )  # fmt: skip
+
+    def _short(self, state: ClusterState, unplaceable: Mapping[str, str]) -> tuple[str, int] | None:
+        """The model of highest priority that waits for GPUs, and its priority."""
+        waiting = [
+            (_priority(state.models[m]), m)
+            for m, code in unplaceable.items()
+            if code in SHORT_CODES and m in state.models
+        ]
+        if not waiting:
+            return None
+        priority, model = max(waiting)
+        return model, priority
+
+    def _victim(self, state: ClusterState, above: int) -> str | None:
+        """The autoscaled model of lowest priority under `above` that can give a replica."""
+        if any(r.retired and not all(s.released for s in r.shards)
+               for r in state.replicas.values()):  # fmt: skip
+            return None  # GPUs are already on their way back
+        candidates = []
+        for name, model in state.models.items():
+            spec = model.profile.autoscale
+            if spec is None or model.pinned is not None or spec.priority >= above:
+                continue
+            if target_replicas(model) > spec.min:
+                candidates.append((spec.priority, name))
+        return min(candidates)[1] if candidates else None
+
+    def _preempt(
+        self,
+        state: ClusterState,
+        victim: str,
+        short: tuple[str, int],
+        now: float,
+        epoch: int,
+        basis_seq: int,
+        ids: Callable[[str], str],
+    ) -> list[events.ScaleDecided]:
+        model = state.models[victim]
+        spec = model.profile.autoscale
+        assert spec is not None
+        current = target_replicas(model)
+        seen = self.last.get(victim)
+        if seen is None:
+            return []
+        obs = autoscale.Observation(
+            signals=seen[0].signals, recommended=seen[0].recommended,
+            up_floor=seen[0].up_floor, down_ceiling=seen[0].down_ceiling,
+            startup_s=seen[0].startup_s, short_of=short[0], short_priority=short[1],
+        )  # fmt: skip
+        decided = autoscale.decide(spec, current, obs, seen[1])
+        if decided is None:
+            return []
+        return [self._event(victim, current, decided, obs, now, epoch, basis_seq, ids, [])]

@@ -1,0 +1,318 @@
+"""The autoscaler's core: rules, recommendations, windows, decisions, load reports, the
+fold of its events and the replay check (llmgw.core.autoscale, llmgw.core.loadreport,
+llmgw.core.state.scaling, llmgw.control.scaler)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.control.scaler import Scaler
+from llmgw.core import autoscale, catalog, events, loadreport, reconcile
+from llmgw.core.autoscale import Autoscale, Observation, Recommendations, Signals
+from llmgw.core.profile import ModelProfile
+from llmgw.core.state import ClusterState, apply
+from llmgw.core.state.scaling import target_replicas
+
+SPEC = Autoscale(min=1, max=4, waiting_per_replica=2.0, ttft_p90_s=0.5, up_window_s=10.0,
+                 down_window_s=60.0, max_step=2)  # fmt: skip
+
+
+def obs(s: Signals, rec: int, floor: int | None = None, ceiling: int | None = None) -> Observation:
+    return Observation(signals=s, recommended=rec, up_floor=rec if floor is None else floor,
+                       down_ceiling=rec if ceiling is None else ceiling)  # fmt: skip
+
+
+def test_rules_say_what_is_wrong_and_what_to_change() -> None:
+    bad = ModelProfile(name="m", engine="sim", replicas=5,
+                       autoscale=Autoscale(min=3, max=2))  # fmt: skip
+    found = " | ".join(catalog.problems(bad))
+    assert "autoscale.min (3) is above autoscale.max (2)" in found
+    assert "replicas (5) is the count the model starts with" in found
+    assert "autoscale has no signal: set one or more of" in found
+    assert "kv_usage is 1.5: a fraction" in " ".join(Autoscale(kv_usage=1.5).problems(1))
+    assert catalog.problems(ModelProfile(name="m", engine="sim", autoscale=SPEC)) == []
+    # A profile with unknown autoscale fields is refused when decoded, naming the field.
+    with pytest.raises(msgspec.ValidationError, match="surge"):
+        msgspec.convert({"name": "m", "autoscale": {"surge": 2}}, ModelProfile)
+
+
+def test_waiting_requests_recommend_enough_replicas_and_say_why() -> None:
+    count, why = autoscale.recommend(SPEC, 1, Signals(serving=1, waiting=7, requests=40), 0.0)
+    assert count == 4
+    assert "7 waiting, target 2 per replica" in why
+    # A slow-starting model aims lower: 300 s to start aims at 3/4 of... the target halves
+    # at STARTUP_HORIZON_S; 300 s is a quarter off.
+    slow, _ = autoscale.recommend(SPEC, 1, Signals(serving=1, waiting=7, requests=40), 300.0)
+    assert slow == math.ceil(7 / (2.0 * 0.5)) == 7
+    # Latency over the SLO asks for at least one more; well under it holds nothing up.
+    over, why = autoscale.recommend(SPEC, 2, Signals(serving=2, ttft_p90_s=2.0, requests=9), 0)
+    assert over == 8
+    assert "TTFT p90 2000 ms over its SLO 500 ms" in why
+    idle, why = autoscale.recommend(SPEC, 2, Signals(serving=2), 0.0)
+    assert (idle, why) == (0, "idle: no requests")
+    # Any request at all keeps one replica, whatever the targets say.
+    assert autoscale.recommend(SPEC, 2, Signals(serving=2, requests=1), 0.0)[0] == 1
+
+
+def test_decisions_respect_bounds_step_and_zero() -> None:
+    s = Signals(serving=1, waiting=20, requests=50)
+    assert autoscale.decide(SPEC, 1, obs(s, 10), "r") == (3, "out: r")  # max_step 2
+    assert autoscale.decide(SPEC, 3, obs(s, 10), "r") == (4, "out: r")  # max 4
+    assert autoscale.decide(SPEC, 4, obs(s, 10), "r") is None
+    # In, bounded by the step and min.
+    quiet = Signals(serving=4)
+    decided = autoscale.decide(SPEC, 4, obs(quiet, 0), "idle")
+    assert decided is not None
+    assert decided[0] == 2
+    assert autoscale.decide(SPEC, 1, obs(quiet, 0), "idle") is None
+    # From zero no window applies.
+    zero = Autoscale(min=0, max=3, waiting_per_replica=1.0, up_window_s=60.0)
+    held = Signals(waiting=1)
+    assert autoscale.decide(zero, 0, obs(held, 1, floor=0), "r") == (1, "from zero: r")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 6), st.integers(1, 8), st.integers(1, 3), st.integers(0, 12),
+    st.integers(0, 12), st.integers(0, 12),
+)  # fmt: skip
+def test_a_decision_stays_within_min_max_and_step(
+    lo: int, span: int, step: int, current: int, floor: int, ceiling: int
+) -> None:
+    spec = Autoscale(min=lo, max=lo + span, max_step=step, running_per_replica=1.0)
+    hi = lo + span
+    decided = autoscale.decide(spec, current, obs(Signals(), floor, floor, ceiling), "r")
+    if decided is None:
+        return
+    to, _ = decided
+    assert lo <= to <= hi
+    if lo <= current <= hi and current > 0:
+        assert abs(to - current) <= step
+
+
+def test_windows_give_the_trough_and_the_crest() -> None:
+    h = Recommendations(started=0.0)
+    for t, c in [(0, 1), (5, 4), (10, 2), (12, 3)]:
+        h.add(t, c, keep_s=60)
+    assert h.floor(12, 5) == 2  # 10 s and 12 s
+    assert h.floor(12, 0) == 3  # the newest alone
+    assert h.ceiling(12, 60, current=1) == 4  # a whole window not seen yet: at least current
+    assert h.ceiling(70, 60, current=9) == 3  # once seen: the window's highest (10-70 s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 10))
+def test_a_square_wave_faster_than_the_windows_does_not_flap(half_period: int, amp: int) -> None:
+    # Load alternates between high and low every `half_period` seconds, faster than both
+    # windows: after any first move, the count never goes back.
+    spec = Autoscale(min=1, max=8, waiting_per_replica=1.0, up_window_s=20.0,
+                     down_window_s=40.0, max_step=8)  # fmt: skip
+    history = Recommendations(started=0.0)
+    current, moves = 1, []
+    for t in range(600):
+        high = (t // half_period) % 2 == 0
+        s = Signals(serving=current, waiting=float(amp if high else 0), requests=5)
+        o, why = autoscale.observe(spec, current, s, history, float(t))
+        decided = autoscale.decide(spec, current, o, why)
+        if decided is not None:
+            moves.append(decided[0])
+            current = decided[0]
+    assert all(b >= a for a, b in itertools.pairwise(moves)), moves
+    assert len(moves) <= 1, moves
+
+
+def test_quantile_follows_prometheus() -> None:
+    bounds = (0.1, 0.5, 1.0)
+    assert loadreport.quantile(0.9, bounds, [0, 0, 0, 0]) == 0.0
+    assert loadreport.quantile(0.5, bounds, [10, 0, 0, 0]) == pytest.approx(0.05)
+    assert loadreport.quantile(0.9, bounds, [5, 5, 0, 0]) == pytest.approx(0.1 + 0.4 * 0.8)
+    assert loadreport.quantile(0.99, bounds, [0, 0, 0, 3]) == 1.0  # +Inf: the top bound
+
+
+@given(st.lists(st.floats(0.0, 100.0), min_size=1, max_size=30), st.floats(0.01, 0.99))
+def test_quantile_is_within_the_buckets(values: list[float], q: float) -> None:
+    bounds = (0.5, 1, 5, 10, 50)
+    counts = [0.0] * (len(bounds) + 1)
+    for v in values:
+        counts[next((i for i, b in enumerate(bounds) if v <= b), len(bounds))] += 1
+    got = loadreport.quantile(q, bounds, counts)
+    assert 0.0 <= got <= 50
+    exact = sorted(values)[max(math.ceil(q * len(values)) - 1, 0)]
+    i = next((i for i, b in enumerate(bounds) if exact <= b), len(bounds))
+    lower = bounds[i - 1] if 0 < i <= len(bounds) else 0.0
+    upper = bounds[i] if i < len(bounds) else 50
+    assert lower - 1e-9 <= got <= upper + 1e-9
+
+
+def test_aggregate_adds_routers_and_believes_only_the_logs_endpoints() -> None:
+    a = loadreport.LoadReport(ts=100.0, models=(
+        loadreport.ModelTraffic(model="m", requests=10, waiting=2, ttft_p90_s=0.2, samples=10),
+    ), endpoints=(
+        loadreport.EndpointLoad(endpoint="r1", model="m", queue=3, running=4, kv_usage=0.5),
+        loadreport.EndpointLoad(endpoint="fake", model="m", queue=99, running=99),
+    ))  # fmt: skip
+    b = loadreport.LoadReport(ts=101.0, models=(
+        loadreport.ModelTraffic(model="m", requests=30, ttft_p90_s=0.6, samples=30),
+        loadreport.ModelTraffic(model="other", requests=1000),
+    ), endpoints=(
+        loadreport.EndpointLoad(endpoint="r1", model="m", queue=1, running=2, kv_usage=0.3),
+    ))  # fmt: skip
+    stale = loadreport.LoadReport(ts=10.0, models=(
+        loadreport.ModelTraffic(model="m", requests=10_000),
+    ))  # fmt: skip
+    got = loadreport.aggregate([a, b, stale], {"r1": "m"}, 102.0, 5.0, models=["z"])
+    assert set(got) == {"m", "z"}
+    m = got["m"]
+    assert (m.requests, m.routers, m.serving) == (40, 2, 1)
+    assert m.waiting == 2 + 1
+    assert m.running == 2
+    assert m.kv_usage == 0.3
+    assert m.ttft_p90_s == pytest.approx((0.2 * 10 + 0.6 * 30) / 40)
+    assert got["z"] == Signals()
+
+
+@given(st.binary(max_size=200))
+def test_a_bad_report_is_refused_with_a_reason(data: bytes) -> None:
+    result: loadreport.LoadReport | str
+    try:
+        result = loadreport.decode(data)
+    except ValueError as exc:
+        result = str(exc)
+    assert isinstance(result, loadreport.LoadReport) or result.startswith("not a load report")
+
+
+def test_a_report_with_out_of_range_values_is_refused() -> None:
+    good = loadreport.LoadReport(ts=1.0, endpoints=(
+        loadreport.EndpointLoad(endpoint="e", model="m", kv_usage=0.5),))  # fmt: skip
+    raw = msgspec.msgpack.decode(loadreport.encode(good))
+    raw["endpoints"][0][4] = 7.0  # KV usage 700 %
+    with pytest.raises(ValueError, match="not a load report"):
+        loadreport.decode(msgspec.msgpack.encode(raw))
+    raw["endpoints"] = [["e", "m", 0, 0, 0]] * (loadreport.MAX_ENDPOINTS + 1)
+    with pytest.raises(ValueError, match="not a load report"):
+        loadreport.decode(msgspec.msgpack.encode(raw))
+
+
+# --------------------------------------------------------------------------- the fold
+
+
+def _declared(spec: Autoscale | None = SPEC, replicas: int = 1) -> ClusterState:
+    st = ClusterState()
+    profile = ModelProfile(name="m", engine="sim", replicas=replicas, autoscale=spec)
+    assert apply(st, events.ModelDeclared(id="d", ts=1.0, operator="alice", profile=profile),
+                 1) is None  # fmt: skip
+    return st
+
+
+def _scaled(st: ClusterState, frm: int, to: int, seq: int, epoch: int = 0) -> str | None:
+    o = obs(Signals(serving=frm, waiting=9, requests=9), to)
+    ev = events.ScaleDecided(
+        id=f"s{seq}", ts=float(seq), epoch=epoch, model="m", from_replicas=frm,
+        to_replicas=to, reason="out", observation=o,
+    )  # fmt: skip
+    return apply(st, ev, seq)
+
+
+def test_the_fold_follows_decisions_and_pins() -> None:
+    st = _declared()
+    assert target_replicas(st.models["m"]) == 1
+    assert _scaled(st, 1, 3, 2) is None
+    assert target_replicas(st.models["m"]) == 3
+    # A decision from a count the model does not have is refused (a stale or replayed one).
+    assert "from 1 replicas, but it has 3" in (_scaled(st, 1, 2, 3) or "")
+    pin = events.ScalePinned(id="p", ts=4.0, operator="bob", model="m", replicas=2)
+    assert apply(st, pin, 4) is None
+    assert target_replicas(st.models["m"]) == 2
+    assert "pinned at 2 by an operator" in (_scaled(st, 2, 4, 5) or "")
+    assert "above its autoscale.max 4" in (apply(st, msgspec.structs.replace(
+        pin, id="p2", replicas=9), 6) or "")  # fmt: skip
+    assert apply(st, events.ScaleReleased(id="r", ts=7.0, operator="bob", model="m"), 7) is None
+    assert target_replicas(st.models["m"]) == 2
+    assert st.models["m"].pinned is None
+    # A model without autoscale cannot be pinned: the refusal says what to do instead.
+    fixed = _declared(spec=None, replicas=2)
+    assert "change its replicas instead" in (apply(fixed, pin, 2) or "")
+
+
+def test_a_deposed_leaders_decision_is_refused() -> None:
+    st = _declared()
+    st.epoch = 5
+    assert "a deposed leader's decision" in (_scaled(st, 1, 2, 2, epoch=4) or "")
+
+
+# --------------------------------------------------------------------------- leader + replay
+
+
+def _report(ts: float, waiting: int) -> loadreport.LoadReport:
+    return loadreport.LoadReport(ts=ts, models=(
+        loadreport.ModelTraffic(model="m", requests=20, waiting=waiting),))  # fmt: skip
+
+
+def test_scaler_decisions_replay_exactly_and_a_forged_one_does_not() -> None:
+    st = _declared()
+    scaler = Scaler(started=0.0)
+    log: list[tuple[int, events.Event]] = [(1, events.ModelDeclared(
+        id="d", ts=1.0, operator="alice", profile=st.models["m"].profile))]  # fmt: skip
+    seq = 1
+    for t in range(0, 200, 2):
+        scaler.note("llmgw.signals.router.r.w0", _report(float(t), 8 if t < 60 else 0))
+        for d in scaler.decide(st, float(t), epoch=0, basis_seq=seq, unplaceable={},
+                               ids=lambda b: b):  # fmt: skip
+            seq += 1
+            assert apply(st, d, seq) is None
+            log.append((seq, d))
+    counts = [e.to_replicas for _, e in log if isinstance(e, events.ScaleDecided)]
+    assert counts[0] > 1, counts  # out under load,
+    assert counts[-1] == 1, counts  # back in after it
+    report = reconcile.verify(log)
+    assert report.ok, report.mismatches
+    assert report.scalings == len(counts)
+    # Change what one decision says it saw: the replay no longer reproduces it.
+    i = next(i for i, (_, e) in enumerate(log) if isinstance(e, events.ScaleDecided))
+    seq_i, first = log[i]
+    assert isinstance(first, events.ScaleDecided)
+    forged = msgspec.structs.replace(first, observation=msgspec.structs.replace(
+        first.observation, signals=Signals(serving=1, requests=20)))  # fmt: skip
+    log[i] = (seq_i, forged)
+    bad = reconcile.verify(log)
+    assert not bad.ok
+    assert "its signals recommend" in bad.mismatches[0]
+
+
+def test_short_of_gpus_a_lower_priority_model_gives_a_replica_never_below_min() -> None:
+    st = ClusterState()
+    hi = ModelProfile(name="hi", engine="sim", autoscale=Autoscale(
+        min=1, max=4, running_per_replica=1, priority=10))  # fmt: skip
+    lo = ModelProfile(name="lo", engine="sim", replicas=2, autoscale=Autoscale(
+        min=1, max=4, running_per_replica=1, priority=0))  # fmt: skip
+    for i, p in enumerate([hi, lo], 1):
+        assert apply(st, events.ModelDeclared(id=f"d{i}", ts=1.0, operator="a", profile=p),
+                     i) is None  # fmt: skip
+    scaler = Scaler(started=0.0)
+    busy = loadreport.LoadReport(ts=10.0, models=(
+        loadreport.ModelTraffic(model="lo", requests=50),
+        loadreport.ModelTraffic(model="hi", requests=50),
+    ))  # fmt: skip
+    scaler.note("llmgw.signals.router.r.w0", busy)
+    short = {"hi": "too few free GPUs"}
+    (d,) = scaler.decide(st, 10.0, epoch=0, basis_seq=2, unplaceable=short, ids=lambda b: b)
+    assert (d.model, d.from_replicas, d.to_replicas) == ("lo", 2, 1)
+    assert "preempted: hi (priority 10)" in d.reason
+    assert apply(st, d, 3) is None
+    assert reconcile.verify([(3, d)], state=_copy(st, undo=d)).ok
+    # At its min it gives nothing more.
+    assert scaler.decide(st, 11.0, epoch=0, basis_seq=3, unplaceable=short, ids=lambda b: b) == []
+
+
+def _copy(st: ClusterState, undo: events.ScaleDecided) -> ClusterState:
+    """`st` as it was before `undo` (for the replay check of one decision)."""
+    before = msgspec.msgpack.decode(msgspec.msgpack.encode(st), type=ClusterState)
+    before.models[undo.model].desired = None
+    before.last_seq = 2
+    return before
