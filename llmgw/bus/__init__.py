@@ -3,7 +3,9 @@
 Everything that touches JetStream goes through this package; everything above it
 (control plane, agents, routers, `llmgw ctl`) deals in `llmgw.core.events` only.
 The stream is `llmgw-events` (`llmgw.core.subjects.STREAM`); the engines' KV blocks go
-through `llmgw-kv` (`KvPublisher`, `KvReader`: llmgw.bus.kvlog), which is not part of it.
+through `llmgw-kv` (`KvPublisher`, `KvReader`: llmgw.bus.kvlog) and the routers' load reports
+through `llmgw-signals` (`SignalsPublisher`, `SignalsReader`: llmgw.bus.signals); neither is
+part of it.
 
 How the control plane uses it (a sketch; `llmgw.control` owns the real loop):
 
@@ -56,6 +58,7 @@ from llmgw.bus.provisioning import (
 )
 from llmgw.bus.publisher import Fence, FenceRefused, Published, Publisher, PublishError
 from llmgw.bus.reader import Reader, ReaderError, Record, Skipped
+from llmgw.bus.signals import SignalsPublisher, SignalsReader
 from llmgw.bus.snapshots import Snapshot, SnapshotStore
 
 __all__ = [
@@ -83,6 +86,8 @@ __all__ = [
     "Reader",
     "ReaderError",
     "Record",
+    "SignalsPublisher",
+    "SignalsReader",
     "Skipped",
     "Snapshot",
     "SnapshotPort",

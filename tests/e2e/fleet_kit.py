@@ -67,11 +67,11 @@ Server = TestNatsServer | TestNatsCluster
 
 
 def sim_model(name: str = "m1", replicas: int = 2, **fields: Any) -> ModelProfile:
+    fields.setdefault("engine_args", SIM_ARGS)
     return ModelProfile(
         name=name,
         engine="sim",
         replicas=replicas,
-        engine_args=SIM_ARGS,
         start_timeout_s=30.0,
         load_timeout_s=30.0,
         **fields,

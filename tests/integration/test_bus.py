@@ -87,6 +87,7 @@ async def test_provisioning_twice_is_a_no_op(bus_connect: BusConnect) -> None:
     assert set(first.created) == {
         subjects.STREAM,
         subjects.KV_STREAM,
+        subjects.SIGNALS_STREAM,
         bus.LEASE_BUCKET,
         bus.SNAPSHOT_BUCKET,
     }
@@ -106,6 +107,12 @@ async def test_provisioning_twice_is_a_no_op(bus_connect: BusConnect) -> None:
     assert kv.config.storage == api.StorageType.MEMORY
     assert 0 < (kv.config.max_age or 0) <= 300
     assert (kv.config.max_bytes or 0) > 0
+    # The routers' load reports likewise, for seconds.
+    sig = await js.stream_info(subjects.SIGNALS_STREAM)
+    assert sig.config.subjects == list(subjects.SIGNALS_SUBJECTS)
+    assert sig.config.storage == api.StorageType.MEMORY
+    assert 0 < (sig.config.max_age or 0) <= 60
+    assert (sig.config.max_bytes or 0) > 0
 
 
 async def test_a_conflicting_stream_is_refused_with_what_differs(

@@ -23,7 +23,7 @@ import pytest
 from nats.aio.client import Client
 
 from llmgw import bus
-from llmgw.core import events, kvblocks, subjects
+from llmgw.core import events, kvblocks, loadreport, subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import Identity
 from tests.harness import Connector
@@ -35,7 +35,8 @@ STREAM = subjects.STREAM
 LEASE = f"KV_{authorization.LEASE_BUCKET}"
 SNAPS = f"OBJ_{authorization.SNAPSHOT_BUCKET}"
 KV = subjects.KV_STREAM
-STREAMS = (STREAM, KV, LEASE, SNAPS)
+SIGNALS = subjects.SIGNALS_STREAM
+STREAMS = (STREAM, KV, SIGNALS, LEASE, SNAPS)
 # The snapshot store may also be a KV bucket (older deployments): attacked though absent.
 ATTACKED_STREAMS = (*STREAMS, f"KV_{authorization.SNAPSHOT_BUCKET}")
 LEASE_KEY = f"$KV.{authorization.LEASE_BUCKET}.leader"
@@ -65,6 +66,8 @@ TARGETS = (
     "llmgw.events.operator.node_cordoned",
     subjects.kv_updates(VICTIM, "e1"),
     subjects.kv_updates("node-a", "e9"),
+    subjects.router_signals("router-2", 0),
+    subjects.router_signals("router-1", 3),
     LEASE_KEY,
     f"$O.{authorization.SNAPSHOT_BUCKET}.M.c3RhdGU",
     f"$O.{authorization.SNAPSHOT_BUCKET}.C.forged",
@@ -78,6 +81,8 @@ def owns(identity: Identity, subject: str) -> bool:
         if parts[:2] == ["llmgw", "kv"]:
             return len(parts) == 4 and parts[2] == identity.name
         return parts[:4] == ["llmgw", "events", "node", identity.name]
+    if identity.kind == "router":
+        return parts[:4] == ["llmgw", "signals", "router", identity.name] and len(parts) == 5
     if identity.kind == "operator":
         return parts[:4] == ["llmgw", "events", "operator", identity.name] and len(parts) == 5
     if identity.kind == "control":
@@ -184,11 +189,12 @@ def _bodies(endpoint: str, stream: str, target: str, consumer: str) -> list[dict
 def attempts(identity: Identity) -> Iterator[Attempt]:
     """Every request `identity` can form, aimed at every target it does not own."""
     targets = [t for t in TARGETS if not owns(identity, t)]
-    own = (
-        subjects.node_event(identity.name, "heartbeat")
-        if identity.kind == "node"
-        else subjects.operator_event(identity.name, "node_cordoned")
-    )
+    if identity.kind == "node":
+        own = subjects.node_event(identity.name, "heartbeat")
+    elif identity.kind == "router":
+        own = subjects.router_signals(identity.name, 0)
+    else:
+        own = subjects.operator_event(identity.name, "node_cordoned")
     filters = (subjects.command(VICTIM), ">", own, subjects.command(identity.name))
     consumers = (
         authorization.command_consumer(VICTIM),
@@ -258,6 +264,9 @@ async def fleet(connect: Connector) -> Client:
             stored=[1, 2, 3],
         )
     )
+    # And a router's load report in llmgw-signals.
+    router = await connect("router", "router-1")
+    await bus.SignalsPublisher(router, "router-1").publish(loadreport.LoadReport(ts=1.0))
     stop = events.StopShard(id="c-1", ts=1.0, node=VICTIM, replica_id="r", generation=1)
     await bus.Publisher(js).publish(stop)
     lease = await js.key_value(authorization.LEASE_BUCKET)

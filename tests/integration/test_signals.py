@@ -1,0 +1,89 @@
+"""The routers' load reports on a real nats-server with mutual TLS (llmgw.bus.signals): a
+router speaks only for itself, and the leader believes only what its owner signed.
+
+Tried as an attacker holding one router's (or one node's) certificate would: publishing on
+another router's subject, replaying another router's signature on its own subject,
+publishing garbage, and publishing as a node at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import pytest
+
+from llmgw import bus
+from llmgw.core import loadreport, subjects
+from tests.harness import TestNatsServer, connect_as, signed_headers, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def report(ts: float, waiting: int) -> loadreport.LoadReport:
+    return loadreport.LoadReport(ts=ts, models=(
+        loadreport.ModelTraffic(model="m", requests=5, waiting=waiting),))  # fmt: skip
+
+
+async def read(server: TestNatsServer) -> tuple[list[bus.Record], bus.SignalsReader]:
+    control = await connect_as(server, "control", "c1")
+    try:
+        reader = bus.SignalsReader(control, since=0.0, follow=False, name="t")
+        out: list[bus.Record] = []
+        async with reader:
+            async for batch in reader.batches():
+                out.extend(batch)
+        return out, reader
+    finally:
+        await control.close()
+
+
+async def test_a_router_reports_only_for_itself(nats_server: TestNatsServer) -> None:
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    await control.close()
+    honest = await connect_as(nats_server, "router", "router-1")
+    attacker = await connect_as(nats_server, "router", "router-2")
+    node = await connect_as(nats_server, "node", "node-a")
+    try:
+        await bus.SignalsPublisher(honest, "router-1").publish(report(1.0, 1))
+        forged = loadreport.encode(report(2.0, 999))
+        # 1. On the honest router's subject: the server refuses it.
+        victim = subjects.router_signals("router-1", 0)
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await attacker.jetstream().publish(
+                victim, forged, headers=signed_headers(attacker, victim, forged, "f1"),
+                timeout=1.0,
+            )  # fmt: skip
+        await wait_for(lambda: any("llmgw.signals.router.router-1" in v
+                                   for v in attacker.permission_violations), 10,
+                       "the server to report the refused publish")  # fmt: skip
+        # 2. Its own subject with the honest router's signature (a replayed report): stored,
+        # and refused by every reader.
+        own = subjects.router_signals("router-2", 0)
+        await attacker.publish(own, forged, headers=signed_headers(honest, own, forged, "f2"))
+        # 3. Garbage, signed: stored, skipped with a reason.
+        await bus.SignalsPublisher(attacker, "router-2").publish(report(3.0, 2))
+        junk = b"\x81\xa2ts\xa3now"
+        await attacker.publish(own, junk, headers=signed_headers(attacker, own, junk, "f3"))
+        # 4. A node publishes no load report at all.
+        await node.publish(subjects.router_signals("node-a", 0), forged)
+        await asyncio.gather(honest.flush(), attacker.flush(), node.flush())
+        await wait_for(lambda: any("llmgw.signals" in v for v in node.permission_violations),
+                       10, "the server to refuse the node's report")  # fmt: skip
+
+        async def settled() -> bool:
+            got, _ = await read(nats_server)
+            return len(got) >= 2
+
+        await wait_for(settled, 10, "the two genuine reports stored")
+        got, reader = await read(nats_server)
+        assert [(r.subject, bus.signals.report_of(r).models[0].waiting) for r in got] == [
+            (subjects.router_signals("router-1", 0), 1),
+            (own, 2),
+        ]
+        assert reader.refused == 1  # the replayed signature
+        assert any("not a load report" in s.error for s in reader.skipped)
+    finally:
+        for nc in (honest, attacker, node):
+            await nc.close()
