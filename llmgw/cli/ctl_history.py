@@ -195,7 +195,9 @@ def replay(
         None, "--at", help="Rebuild as of this time (ISO, 03:12 UTC, @UNIX, 10m)."
     ),
     timeline: str | None = typer.Option(
-        None, "--timeline", help="Every event that touched this node or replica."
+        None,
+        "--timeline",
+        help="Every event that touched this node, replica or model (its scaling included).",
     ),
     diff: tuple[str, str] | None = typer.Option(
         None, "--diff", help="What changed between two points (sequences or times)."
@@ -264,12 +266,13 @@ async def _show_state(
 
 async def _timeline(s: Session, target: str, json_out: bool, colour: bool) -> int:
     found: list[bus.Record] = []
+    timeline = eventlines.Timeline(target)
     async for batch in history.records(s.nc):
-        found.extend(r for r in batch if eventlines.touches(r.event, target, r.subject))
+        found.extend(r for r in batch if timeline.touches(r.event, r.subject))
     if not found:
         raise BadInput(
-            f"no node or replica {target!r} in the log: see `llmgw ctl nodes` and "
-            "`llmgw ctl replicas` for names"
+            f"no node, replica or model {target!r} in the log: see `llmgw ctl nodes`, "
+            "`llmgw ctl replicas` and `llmgw ctl models` for names"
         )
     if json_out:
         common.out(render.json_text([_event_json(r) for r in found]))

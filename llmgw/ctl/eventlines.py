@@ -79,6 +79,11 @@ def _operator_summary(event: events.Event) -> str | None:
         case events.NodeDrainRequested():
             why = f" ({event.reason})" if event.reason else ""
             return f"{event.node} drain by {event.operator}, grace {event.grace_s:g} s{why}"
+        case events.ScalePinned():
+            why = f" ({event.reason})" if event.reason else ""
+            return f"{event.model} pinned at {event.replicas} by {event.operator}{why}"
+        case events.ScaleReleased():
+            return f"{event.model} released to its autoscaler by {event.operator}"
     return None
 
 
@@ -107,6 +112,10 @@ def _control_summary(event: events.Event) -> str | None:
                 + (" remap-pending" if h.remap_pending else "")
                 + (" remap-failed" if h.remap_failed else "")
                 for h in event.gpus
+            )
+        case events.ScaleDecided():
+            return (
+                f"{event.model} scaled {event.from_replicas} -> {event.to_replicas}: {event.reason}"
             )
         case events.EndpointUp():
             return f"{event.replica_id} ({event.model}) up at {event.url}"
@@ -167,8 +176,35 @@ def replicas_of(event: events.Event) -> set[str]:
     return found
 
 
+def model_of(event: events.Event) -> str:
+    """The model the event is about, if it names one."""
+    model = getattr(event, "model", None)
+    if isinstance(model, str):
+        return model
+    profile = getattr(event, "profile", None)
+    if profile is not None:
+        return str(profile.name)
+    return event.name if isinstance(event, events.ModelRemoved) else ""
+
+
 def touches(event: events.Event, target: str, subject: str = "") -> bool:
     return target in nodes_of(event, subject) or target in replicas_of(event)
+
+
+class Timeline:
+    """Which events of a log touch a node, a replica or a model (a model's replicas too,
+    known from their placements as the log is read in order)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.replicas: set[str] = set()
+
+    def touches(self, event: events.Event, subject: str = "") -> bool:
+        if model_of(event) == self.target:
+            if isinstance(event, events.ReplicaPlaced):
+                self.replicas.add(event.replica_id)
+            return True
+        return touches(event, self.target, subject) or bool(replicas_of(event) & self.replicas)
 
 
 def matches(event: events.Event, type_filter: str) -> bool:

@@ -84,6 +84,14 @@ async def test_a_step_of_load_scales_out_then_back_in_and_no_request_fails(
     verified = await ctl.subprocess("replay", "--verify")
     assert verified.code == 0, verified
     assert "scaling decision" in verified.stdout, verified
+    # The decisions in the model's timeline, beside its replicas' placements and drains.
+    timeline = await ctl.subprocess("replay", "--timeline", "m1")
+    assert timeline.code == 0, timeline
+    assert "m1 scaled 1 -> " in timeline.stdout, timeline
+    assert "retired: surplus: m1 wants" in timeline.stdout, timeline
+    listed = await ctl.subprocess("events", "--type", "scale_decided")
+    assert listed.code == 0, listed
+    assert listed.stdout.count(" scaled ") == len(decided), listed
 
 
 async def _one_left(fleet: Fleet) -> bool:

@@ -206,7 +206,7 @@ async def test_bad_input_exits_2_with_a_line_that_says_what_to_do(
         (("uncordon", "node-zz"), "unknown node 'node-zz'", "llmgw ctl nodes"),
         (("explain-placement", "nope"), "unknown model 'nope'", "llmgw ctl models"),
         (("replicas", "--model", "nope"), "unknown model 'nope'", "llmgw ctl models"),
-        (("replay", "--timeline", "nothing"), "no node or replica 'nothing'", "ctl nodes"),
+        (("replay", "--timeline", "nothing"), "no node, replica or model 'nothing'", "ctl nodes"),
         (("replay", "--at", "2001-01-01T00:00:00Z"), "before the log begins", "later time"),
         (("replay", "--at", "yesterday-ish"), "cannot read 'yesterday-ish' as a time", "ISO"),
         (("replay", "--to", "999999"), "beyond the end of the log", "smaller"),
