@@ -18,16 +18,17 @@ from llmgw.ctl.session import Session
 
 
 async def _reports(s: Session) -> list[loadreport.LoadReport]:
-    """The routers' load reports of the last seconds (none where the stream is absent)."""
-    out: list[loadreport.LoadReport] = []
+    """Each router process's latest load report of the last seconds, as the leader holds
+    them (none where the stream is absent)."""
+    latest: dict[str, loadreport.LoadReport] = {}
     try:
         reader = signals_.SignalsReader(s.nc, follow=False, name="ctl-signals")
         async with reader:
             async for batch in reader.batches():
-                out.extend(signals_.report_of(r) for r in batch)
+                latest.update((r.subject, signals_.report_of(r)) for r in batch)
     except bus.ReaderError:
         return []
-    return out
+    return list(latest.values())
 
 
 async def _decisions(s: Session, model: str) -> list[events.ScaleDecided]:

@@ -81,7 +81,9 @@ class Scaler:
                 continue
             history = self.history.get(name)
             if history is None:
-                history = self.history[name] = autoscale.Recommendations(self.started)
+                # Its windows start when it is first seen: a model just declared is not scaled
+                # in before a whole down window of its own.
+                history = self.history[name] = autoscale.Recommendations(now)
             current = target_replicas(model)
             obs, reason = autoscale.observe(
                 spec, current, signals[name], history, now, startup_s=model.startup_s

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from llmgw import wording
 from llmgw.core import autoscale, events, loadreport
 from llmgw.core.state import ClusterState
 from llmgw.core.state.scaling import target_replicas
@@ -90,7 +91,12 @@ def _next(
         return f"nothing: pinned at {pinned} by {pinned_by} (`llmgw ctl scale {model} --release`)"
     nxt = autoscale.decide(spec, current, steady, reason)
     if nxt is None:
-        return f"stay at {current}: {reason}"
+        bound = ""
+        if steady.recommended > current >= spec.max:
+            bound = ", its autoscale.max"
+        elif steady.recommended < current <= spec.min:
+            bound = ", its autoscale.min"
+        return f"stay at {current}{bound}: {reason}"
     window = spec.up_window_s if nxt[0] > current else spec.down_window_s
     return f"go to {nxt[0]} if this lasts {window:g} s ({nxt[1]})"
 
@@ -116,7 +122,8 @@ def render(doc: dict[str, Any]) -> str:
         + ")",
         f"  start-up time {doc['startup_s']:.1f} s (measured; lowers the targets aimed at)",
         "  targets: " + ", ".join(f"{k} {v:g}" for k, v in doc["targets"].items()),
-        f"  signals from {s['routers']} routers: {s['requests']} requests in their window, "
+        f"  signals from {wording.count(s['routers'], 'router')}: {s['requests']} requests in "
+        "their window, "
         f"{s['waiting']:g} waiting, {s['running']:g} running, KV {s['kv_usage']:.0%}, "
         f"TTFT p90 {s['ttft_p90_s'] * 1000:.0f} ms, ITL p90 {s['itl_p90_s'] * 1000:.0f} ms",
         f"  recommended now: {doc['recommended']}",

@@ -316,3 +316,16 @@ def _copy(st: ClusterState, undo: events.ScaleDecided) -> ClusterState:
     before.models[undo.model].desired = None
     before.last_seq = 2
     return before
+
+
+def test_a_model_declared_later_waits_its_own_down_window_before_scaling_in() -> None:
+    spec = Autoscale(min=0, max=2, running_per_replica=2.0, down_window_s=30.0)
+    st = _declared(spec=spec)
+    scaler = Scaler(started=0.0)  # a leader long in place
+    decided = []
+    for t in range(1000, 1040):
+        for d in scaler.decide(st, float(t), epoch=0, basis_seq=t, unplaceable={},
+                               ids=lambda b: b):  # fmt: skip
+            assert apply(st, d, t) is None
+            decided.append(d)
+    assert [(d.ts, d.to_replicas) for d in decided] == [(1030.0, 0)]
