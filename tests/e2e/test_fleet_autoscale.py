@@ -161,3 +161,65 @@ async def _chat(http: aiohttp.ClientSession, url: str, i: int) -> tuple[int, str
     body = {"model": "m1", "max_tokens": 8, "messages": [{"role": "user", "content": f"q{i}"}]}
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
         return resp.status, resp.headers.get("Retry-After", ""), await resp.text()
+
+
+async def test_short_of_gpus_the_higher_priority_model_gets_them_and_the_other_keeps_its_min(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    # Two GPUs in all. `low` holds both; `high` is declared with them taken.
+    low = sim_model("low", replicas=2, autoscale=Autoscale(
+        min=1, max=2, running_per_replica=4.0, down_window_s=600.0, priority=0))  # fmt: skip
+    high = sim_model("high", replicas=1, autoscale=Autoscale(
+        min=1, max=2, running_per_replica=4.0, down_window_s=600.0, priority=10))  # fmt: skip
+    fleet = Fleet(nats_server, tmp_path, models=(low,), gpus="1xh100-80g")
+    try:
+        await fleet.start(serving=2)
+        declared = events.ModelDeclared(id="declare-high", ts=time.time(), operator="alice",
+                                        profile=high)  # fmt: skip
+        await fleet.publish(declared)
+
+        async def settled() -> bool:
+            live = await _live(fleet)
+            by_model = {m: [r for r in live if r["model"] == m and serving(r)]
+                        for m in ("low", "high")}  # fmt: skip
+            return len(by_model["high"]) == 1 and len(by_model["low"]) == 1 and len(live) == 2
+
+        await wait_for(settled, 90, "high placed on the GPU low gave up; low at its min")
+        decided = await _scale_log(fleet)
+        assert [(d.model, d.from_replicas, d.to_replicas) for d in decided] == [("low", 2, 1)]
+        assert decided[0].reason.startswith("preempted: high (priority 10)"), decided
+        assert decided[0].observation.short_of == "high"
+        # low is at its min: nothing more is taken from it, however long high would want more.
+        await asyncio.sleep(3)
+        assert len(await _scale_log(fleet)) == 1
+        verified = await Ctl(nats_server).subprocess("replay", "--verify")
+        assert verified.code == 0, verified
+    finally:
+        await fleet.stop()
+
+
+async def test_a_control_plane_killed_mid_scale_out_starts_no_replica_twice(
+    nats_server: TestNatsServer, elastic: Fleet
+) -> None:
+    fleet = elastic
+    await fleet.start()
+    assert fleet.control is not None
+    async with Load(fleet.router_url, clients=8, max_tokens=32) as load:
+        await wait_for(lambda: _scale_log_nonempty(fleet), 60, "the first scale-out decided")
+        await asyncio.to_thread(fleet.control.kill9)
+        await asyncio.to_thread(fleet.start_control)
+        await fleet.wait_routable(3, within_s=90)
+        await load.wait_ok(10)
+    assert load.failures == [], load.summary()
+    records = await fleet.read_log()
+    placed = [r.event for r in records if isinstance(r.event, events.ReplicaPlaced)]
+    starts = [(r.event.replica_id, r.event.generation, r.event.shard) for r in records
+              if isinstance(r.event, events.StartShard)]  # fmt: skip
+    assert len(starts) == len(set(starts)), starts
+    assert len({p.replica_id for p in placed}) == 3, placed  # 1 + the two added, no more
+    verified = await Ctl(nats_server).subprocess("replay", "--verify")
+    assert verified.code == 0, verified
+
+
+async def _scale_log_nonempty(fleet: Fleet) -> bool:
+    return bool(await _scale_log(fleet))
