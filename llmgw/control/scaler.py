@@ -71,6 +71,11 @@ class Scaler:
         ids: Callable[[str], str],
     ) -> list[events.ScaleDecided]:
         """At most one decision per model this pass (one preemption at most)."""
+        if not any(now - r.ts <= self.max_age_s for r in self.reports.values()):
+            # No router reports (none runs, or none reaches NATS, while they may well be
+            # serving on what they last knew): hold every count rather than read silence
+            # as idleness.
+            return []
         signals = self.signals(state, now)
         short = self._short(state, unplaceable)
         out: list[events.ScaleDecided] = []

@@ -146,14 +146,20 @@ def _ratio_count(current: int, value: float, target: float) -> int:
 
 def recommend(spec: Autoscale, current: int, s: Signals, startup_s: float) -> tuple[int, str]:
     """The replica count at which every signal would meet its target, and which signal
-    asked for the most (a reason for the log). Unclamped: `decide` bounds it."""
+    asked for the most (a reason for the log). Unclamped: `decide` bounds it.
+
+    Running requests and KV usage grow with the load, so they say how many replicas it
+    needs (as Kubernetes' HPA does with utilisation). Waiting requests and latency only
+    say that more are needed: under their targets they show that the current count
+    suffices, not that fewer would. So they ask for more above their targets, and below
+    them hold the count while there is traffic unless a signal of the first kind is set,
+    which then decides how far to scale in. Any traffic keeps one replica."""
     h = headroom(startup_s)
     base = max(current, 1)
+    busy = bool(s.requests or s.waiting)
+    sized = bool(spec.running_per_replica or spec.kv_usage)
+    hold = [] if sized or not busy else [(current, "")]
     wants: list[tuple[int, str]] = []
-    if spec.waiting_per_replica:
-        t = spec.waiting_per_replica * h
-        wants.append((math.ceil(round(s.waiting / t, 6)),
-                      f"{s.waiting:g} waiting, target {t:.3g} per replica"))  # fmt: skip
     if spec.running_per_replica:
         t = spec.running_per_replica * h
         wants.append((math.ceil(round(s.running / t, 6)),
@@ -162,18 +168,26 @@ def recommend(spec: Autoscale, current: int, s: Signals, startup_s: float) -> tu
         t = spec.kv_usage * h
         wants.append((_ratio_count(base, s.kv_usage, t),
                       f"KV cache {s.kv_usage:.0%} used, target {t:.0%}"))  # fmt: skip
+    if spec.waiting_per_replica:
+        t = spec.waiting_per_replica * h
+        why = f"{s.waiting:g} waiting, target {t:.3g} per replica"
+        if s.waiting > t * base * (1 + TOLERANCE):
+            wants.append((max(math.ceil(round(s.waiting / t, 6)), current + 1), why))
+        else:
+            wants += [(n, why) for n, _ in hold]
     for name, value, slo in (("TTFT", s.ttft_p90_s, spec.ttft_p90_s),
                              ("ITL", s.itl_p90_s, spec.itl_p90_s)):  # fmt: skip
-        if slo and value:
-            # Latency does not fall in proportion to replicas: above the SLO it asks for
-            # more, near it for no fewer; well under it, it does not hold the count up.
-            t = slo * h
-            if value > t * (1 + TOLERANCE):
-                why = f"{name} p90 {value * 1000:.0f} ms over its SLO {t * 1000:.0f} ms"
-                wants.append((max(_ratio_count(base, value, t), current + 1), why))
-            elif value > t * 0.8:
-                wants.append((current, f"{name} p90 {value * 1000:.0f} ms near its SLO"))
-    if s.requests or s.waiting:
+        if not slo:
+            continue
+        t = slo * h
+        if value > t * (1 + TOLERANCE):
+            why = f"{name} p90 {value * 1000:.0f} ms over its SLO {t * 1000:.0f} ms"
+            wants.append((max(_ratio_count(base, value, t), current + 1), why))
+        elif value > t * 0.8:
+            wants.append((current, f"{name} p90 {value * 1000:.0f} ms near its SLO"))
+        else:
+            wants += [(n, f"{name} p90 {value * 1000:.0f} ms within its SLO") for n, _ in hold]
+    if busy:
         wants.append((1, f"{s.requests} requests, {s.waiting:g} waiting"))
     best = max(wants, key=lambda w: w[0], default=(0, ""))
     return best if best[0] > 0 else (0, "idle: no requests")

@@ -31,10 +31,13 @@ class Holds:
         """Model -> requests waiting now."""
 
     def needed(self, profile: ModelProfile) -> bool:
-        """True when requests for `profile` must wait: autoscaled, and no endpoint ready."""
-        if profile.autoscale is None:
-            return False
-        return not any(ep.ready for ep in self._endpoints(profile.name))
+        """True when requests for `profile` must wait: autoscaled, with no endpoint at all
+        (at zero, or its first replica starting). A model whose endpoints are there but
+        failing is answered as before: holding would only delay the error."""
+        return profile.autoscale is not None and not self._endpoints(profile.name)
+
+    def _ready(self, profile: ModelProfile) -> bool:
+        return any(ep.ready for ep in self._endpoints(profile.name))
 
     async def wait(self, profile: ModelProfile) -> Refusal | None:
         """Until an endpoint of the model is ready (None), or a 503 to answer with."""
@@ -51,7 +54,7 @@ class Holds:
         self.waiting[name] = self.waiting.get(name, 0) + 1
         deadline = time.monotonic() + spec.hold_s
         try:
-            while self.needed(profile):
+            while not self._ready(profile):
                 if time.monotonic() >= deadline:
                     return Refusal(
                         503,

@@ -56,8 +56,15 @@ def test_waiting_requests_recommend_enough_replicas_and_say_why() -> None:
     assert "TTFT p90 2000 ms over its SLO 500 ms" in why
     idle, why = autoscale.recommend(SPEC, 2, Signals(serving=2), 0.0)
     assert (idle, why) == (0, "idle: no requests")
+    # Waiting and latency under their targets show the count suffices, not that fewer
+    # would: with traffic they hold it, unless a signal that grows with load sizes it.
+    assert autoscale.recommend(SPEC, 2, Signals(serving=2, requests=1), 0.0) == (
+        2, "0 waiting, target 2 per replica")  # fmt: skip
+    sized = msgspec.structs.replace(SPEC, running_per_replica=4.0)
+    assert autoscale.recommend(sized, 3, Signals(serving=3, running=5, requests=9), 0.0) == (
+        2, "5 running, target 4 per replica")  # fmt: skip
     # Any request at all keeps one replica, whatever the targets say.
-    assert autoscale.recommend(SPEC, 2, Signals(serving=2, requests=1), 0.0)[0] == 1
+    assert autoscale.recommend(sized, 2, Signals(serving=2, requests=1), 0.0)[0] == 1
 
 
 def test_decisions_respect_bounds_step_and_zero() -> None:
@@ -250,8 +257,10 @@ def test_a_deposed_leaders_decision_is_refused() -> None:
 
 
 def _report(ts: float, waiting: int) -> loadreport.LoadReport:
+    """A router's report: `waiting` held, traffic while any are (idle after)."""
     return loadreport.LoadReport(ts=ts, models=(
-        loadreport.ModelTraffic(model="m", requests=20, waiting=waiting),))  # fmt: skip
+        loadreport.ModelTraffic(model="m", requests=20 if waiting else 0, waiting=waiting),
+    ))  # fmt: skip
 
 
 def test_scaler_decisions_replay_exactly_and_a_forged_one_does_not() -> None:
@@ -324,8 +333,47 @@ def test_a_model_declared_later_waits_its_own_down_window_before_scaling_in() ->
     scaler = Scaler(started=0.0)  # a leader long in place
     decided = []
     for t in range(1000, 1040):
+        scaler.note("llmgw.signals.router.r.w0", loadreport.LoadReport(ts=float(t)))  # idle
         for d in scaler.decide(st, float(t), epoch=0, basis_seq=t, unplaceable={},
                                ids=lambda b: b):  # fmt: skip
             assert apply(st, d, t) is None
             decided.append(d)
     assert [(d.ts, d.to_replicas) for d in decided] == [(1030.0, 0)]
+
+
+def test_without_any_router_report_every_count_holds() -> None:
+    # Routers cut off from NATS may be serving on what they last knew: silence is not idle.
+    spec = Autoscale(min=0, max=2, running_per_replica=2.0, down_window_s=5.0)
+    st = _declared(spec=spec)
+    scaler = Scaler(started=0.0)
+    scaler.note("llmgw.signals.router.r.w0", loadreport.LoadReport(ts=100.0))
+    assert all(scaler.decide(st, float(t), epoch=0, basis_seq=1, unplaceable={},
+                             ids=lambda b: b) == [] for t in range(106, 200))  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 8), st.floats(0, 50), st.floats(0, 5), st.integers(0, 100),
+       st.floats(0, 600))  # fmt: skip
+def test_pressure_signals_never_scale_a_busy_model_in(
+    current: int, waiting: float, ttft: float, requests: int, startup: float
+) -> None:
+    # Waiting and latency alone: under their targets they hold, over them they add.
+    spec = Autoscale(min=0, max=10, waiting_per_replica=2.0, ttft_p90_s=0.5)
+    s = Signals(serving=current, waiting=waiting, ttft_p90_s=ttft, requests=requests)
+    count, _ = autoscale.recommend(spec, current, s, startup)
+    if requests or waiting:
+        assert count >= max(current, 1)
+    elif ttft == 0:
+        assert count == 0  # idle: nothing holds it up
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 8), st.floats(0, 200), st.floats(0, 200))
+def test_more_running_never_recommends_fewer(current: int, a: float, b: float) -> None:
+    spec = Autoscale(min=0, max=50, running_per_replica=4.0)
+    lo, hi = sorted((a, b))
+    count = [autoscale.recommend(spec, current, Signals(serving=current, running=r,
+                                                        requests=1), 0.0)[0]
+             for r in (lo, hi)]  # fmt: skip
+    assert count[0] <= count[1]
+    assert count[1] == max(math.ceil(round(hi / 4.0, 6)), 1)
