@@ -100,17 +100,25 @@ async def _one_left(fleet: Fleet) -> bool:
 
 
 async def test_a_pinned_model_holds_its_count_until_released(
-    nats_server: TestNatsServer, elastic: Fleet
+    nats_server: TestNatsServer, tmp_path: Path
 ) -> None:
-    fleet = elastic
+    spec = Autoscale(min=1, max=3, running_per_replica=2.0, down_window_s=2.0)
+    fleet = Fleet(nats_server, tmp_path, models=(sim_model("m1", replicas=1, autoscale=spec),))
+    try:
+        await _pinned_then_released(nats_server, fleet)
+    finally:
+        await fleet.stop()
+
+
+async def _pinned_then_released(nats_server: TestNatsServer, fleet: Fleet) -> None:
     await fleet.start()
     ctl = Ctl(nats_server)
     pinned = await ctl.subprocess("scale", "m1", "--replicas", "2", "--reason", "test")
     assert pinned.code == 0, pinned
     assert "pinned at 2 replicas" in pinned.stdout, pinned
     await fleet.wait_routable(2, within_s=60)
-    # Idle, yet pinned: the autoscaler waits (a whole down window and more).
-    await asyncio.sleep(10)
+    # Idle, yet pinned: the autoscaler waits (two down windows and more).
+    await asyncio.sleep(5)
     assert len(await _live(fleet)) == 2
     assert await _scale_log(fleet) == []
     released = await ctl.subprocess("scale", "m1", "--release")

@@ -155,3 +155,14 @@ def test_the_real_engine_command_needs_no_import_and_an_empty_model_file_is_expl
     assert "not a GGUF file" in empty.stderr
     assert "the command that was to print it failed" in empty.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_the_autoscale_example_is_a_valid_catalog() -> None:
+    from llmgw.ctl import catalogfile
+
+    blocks = re.findall(r"```\n(.*?)```", README, re.S)
+    (block,) = [b for b in blocks if b.startswith("models:") and "autoscale:" in b]
+    (profile,) = catalogfile.parse(block, "README")
+    assert profile.autoscale is not None
+    assert profile.autoscale.min == 0
+    assert profile.autoscale.hold_requests == 100
