@@ -13,7 +13,7 @@ sequence: a fifth concurrent stream waits), and `llmgw router`. The load is clos
 streaming clients: `--clients` for `--base-s`, four times as many for `--step-s`, then
 `--clients` again for `--after-s`. Targets:
 
-- `autoscaled`: `min 1, max 4`, three running requests per replica, a TTFT p90 SLO of
+- `autoscaled`: `min 1, max 4`, four running requests per replica, a TTFT p90 SLO of
   `--slo-ms` and one waiting request per replica, `up_window_s 3`, `down_window_s 20`;
 - `static min`: one replica throughout; `static max`: four;
 - `square wave`: the autoscaled model under a load that switches between `--clients` and
@@ -24,14 +24,16 @@ Printed per target: TTFT p90 before, during and after the step, the time from th
 until the TTFT p90 of the last 5 s is back under the SLO (and stays there to the step's
 end), the GPU-seconds used (live replicas, starting ones included, sampled every 0.5 s),
 the requests that failed, and the replica count at the end. For the autoscaled target also
-the GPU-seconds of an oracle that knew the load in advance: the counts the autoscaler
-settled on in each phase, from the phase's first second, started instantly.
+the GPU-seconds of an oracle that knew the load in advance: in each phase, from its first
+second, the fewest replicas that run its streams without queueing (a sim runs 4 at once),
+started instantly.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import shutil
 import sys
 import tempfile
@@ -146,7 +148,7 @@ async def ttfts(url: str, clients: int, seconds: float, max_tokens: int) -> tupl
 async def run_target(name: str, args: argparse.Namespace, root: Path, pki: TestPki) -> dict:
     slo = args.slo_ms / 1000
     if name in ("autoscaled", "square wave"):
-        spec = Autoscale(min=1, max=4, running_per_replica=3.0, ttft_p90_s=slo,
+        spec = Autoscale(min=1, max=4, running_per_replica=4.0, ttft_p90_s=slo,
                          waiting_per_replica=1.0,
                          up_window_s=3.0, down_window_s=20.0, max_step=2)  # fmt: skip
         model = sim_model("m1", replicas=1, autoscale=spec, engine_args=SATURATING)
@@ -191,13 +193,16 @@ async def run_target(name: str, args: argparse.Namespace, root: Path, pki: TestP
             ):
                 recovered = when - step_at
                 break
-        phases = [(t0, step_at), (step_at, step_end), (step_end, t_end)]
+        spans = [(t0, step_at), (step_at, step_end), (step_end, t_end)]
         return {
             "name": name,
             "ttft": [p90([v for _, v in seen]) for seen in results],
             "recovered_s": recovered,
             "gpu_s": sampler.gpu_seconds(t0, t_end),
-            "oracle_gpu_s": sum((b - a) * sampler.count_at(b - 0.5) for a, b in phases),
+            "oracle_gpu_s": sum(
+                (b - a) * math.ceil(clients / 4)
+                for (a, b), (clients, _) in zip(spans, phases, strict=True)
+            ),
             "failed": failed,
             "requests": sum(len(s) for s in results),
             "replicas_end": sampler.count_at(t_end),
