@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import msgspec
+
 from llmgw.core import autoscale, events, loadreport
 from llmgw.core.state import ClusterState, ModelState
 from llmgw.core.state.scaling import target_replicas
@@ -170,11 +172,7 @@ class Scaler:
         seen = self.last.get(victim)
         if seen is None:
             return []
-        obs = autoscale.Observation(
-            signals=seen[0].signals, recommended=seen[0].recommended,
-            up_floor=seen[0].up_floor, down_ceiling=seen[0].down_ceiling,
-            startup_s=seen[0].startup_s, short_of=short[0], short_priority=short[1],
-        )  # fmt: skip
+        obs = msgspec.structs.replace(seen[0], short_of=short[0], short_priority=short[1])
         decided = autoscale.decide(spec, current, obs, seen[1])
         if decided is None:
             return []

@@ -31,6 +31,8 @@ import msgspec
 
 from llmgw.core.limits import Name
 
+SLO_MEMORY_S = 3600.0
+"""How long a count that broke the latency SLO at some load is not returned to at that load."""
 STARTUP_HORIZON_S = 600.0
 """A model that takes this long (or longer) to start aims at half its targets."""
 TOLERANCE = 0.1
@@ -129,6 +131,9 @@ class Observation(msgspec.Struct, frozen=True, kw_only=True):
     short_of: Name = ""
     """A model of higher priority that could not be placed: this one gives up a replica."""
     short_priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] = 0
+    slo_floor: Count = 0
+    """The fewest replicas the latency SLO allows at this load: one more than a count that
+    broke it at as many running requests or more, lately (`Recommendations.slo_floor`)."""
 
 
 def headroom(startup_s: float) -> float:
@@ -193,6 +198,22 @@ def recommend(spec: Autoscale, current: int, s: Signals, startup_s: float) -> tu
     return best if best[0] > 0 else (0, "idle: no requests")
 
 
+def latency_broken(spec: Autoscale, s: Signals, startup_s: float) -> bool:
+    """True when a latency signal is over its SLO (as `recommend` aims at it)."""
+    h = headroom(startup_s)
+    return any(
+        slo and value > slo * h * (1 + TOLERANCE)
+        for value, slo in ((s.ttft_p90_s, spec.ttft_p90_s), (s.itl_p90_s, spec.itl_p90_s))
+    )
+
+
+def floored(count: int, reason: str, slo_floor: int) -> tuple[int, str]:
+    """`recommend`'s count raised to the latency SLO's floor, with the reason why."""
+    if slo_floor > count:
+        return slo_floor, f"{slo_floor - 1} replicas broke the latency SLO at this load"
+    return count, reason
+
+
 def decide(spec: Autoscale, current: int, obs: Observation, reason: str) -> tuple[int, str] | None:
     """The count to scale to and why, or None to stay. `reason` is `recommend`'s."""
     lo, hi = spec.min, max(spec.max, spec.min)
@@ -228,6 +249,21 @@ class Recommendations:
     def __init__(self, started: float) -> None:
         self.started = started
         self._recent: deque[tuple[float, int]] = deque()
+        self._broke: deque[tuple[float, int, float]] = deque(maxlen=64)
+        """(when, replicas, running requests) at which the latency SLO was broken."""
+
+    def broke(self, now: float, count: int, running: float) -> None:
+        """`count` replicas missed the latency SLO with `running` requests."""
+        self._broke.append((now, count, running))
+
+    def slo_floor(self, now: float, running: float) -> int:
+        """One more than the largest count that broke the SLO, lately, at no more load than
+        now: running and sizing signals may say fewer suffice, latency showed they do not.
+        (Without it, a model sized on running requests at its engines' saturation scales
+        in, misses its SLO, scales out, and so on, once a down window.)"""
+        return max((n + 1 for t, n, r in self._broke
+                    if now - t <= SLO_MEMORY_S and running >= r * (1 - TOLERANCE)),
+                   default=0)  # fmt: skip
 
     def add(self, now: float, count: int, keep_s: float) -> None:
         self._recent.append((now, count))
@@ -257,6 +293,10 @@ def observe(
     """Record this moment's recommendation in `history` and return the observation a
     decision is made on, with `recommend`'s reason."""
     count, reason = recommend(spec, current, signals, startup_s)
+    if current > 0 and signals.running > 0 and latency_broken(spec, signals, startup_s):
+        history.broke(now, current, signals.running)
+    floor = history.slo_floor(now, signals.running)
+    count, reason = floored(count, reason, floor)
     history.add(now, count, max(spec.up_window_s, spec.down_window_s))
     obs = Observation(
         signals=signals,
@@ -264,6 +304,7 @@ def observe(
         up_floor=history.floor(now, spec.up_window_s),
         down_ceiling=history.ceiling(now, spec.down_window_s, current),
         startup_s=round(startup_s, 3),
+        slo_floor=floor,
     )
     return obs, reason
 
@@ -274,6 +315,7 @@ def verify_decision(
     """`decide` again on a recorded observation, as a replay checks it; a string where the
     observation's own recommendation does not follow from its signals."""
     count, reason = recommend(spec, current, obs.signals, obs.startup_s)
+    count, reason = floored(count, reason, obs.slo_floor)
     if not obs.short_of and count != obs.recommended:
         return f"its signals recommend {count} replicas, not the {obs.recommended} recorded"
     return decide(spec, current, obs, reason)

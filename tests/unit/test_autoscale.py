@@ -377,3 +377,33 @@ def test_more_running_never_recommends_fewer(current: int, a: float, b: float) -
              for r in (lo, hi)]  # fmt: skip
     assert count[0] <= count[1]
     assert count[1] == max(math.ceil(round(hi / 4.0, 6)), 1)
+
+
+def test_a_count_that_broke_the_slo_is_not_returned_to_at_that_load() -> None:
+    # Sized on running requests at the engines' saturation: at 3 replicas and 12 running,
+    # TTFT breaks its SLO; at 4 it holds. A square wave must not take it back to 3.
+    spec = Autoscale(min=1, max=4, running_per_replica=4.0, ttft_p90_s=0.4, up_window_s=2.0,
+                     down_window_s=10.0, max_step=2)  # fmt: skip
+    history = Recommendations(started=0.0)
+    current, moves = 3, []
+    for t in range(200):
+        high = (t // 5) % 2 == 0
+        running = 12.0 if high else 3.0
+        ttft = 1.2 if high and current < 4 else 0.05
+        s = Signals(serving=current, running=running, ttft_p90_s=ttft, requests=50)
+        o, why = autoscale.observe(spec, current, s, history, float(t))
+        assert autoscale.verify_decision(spec, current, o) == autoscale.decide(spec, current,
+                                                                               o, why)  # fmt: skip
+        decided = autoscale.decide(spec, current, o, why)
+        if decided is not None:
+            moves.append(decided[0])
+            current = decided[0]
+    assert moves == [4], moves
+    # Once the load is lower than when 3 broke the SLO, 3 (and fewer) are fine again.
+    for t in range(200, 230):
+        s = Signals(serving=current, running=3.0, ttft_p90_s=0.05, requests=50)
+        o, why = autoscale.observe(spec, current, s, history, float(t))
+        decided = autoscale.decide(spec, current, o, why)
+        if decided is not None:
+            current = decided[0]
+    assert current == 1
