@@ -155,7 +155,7 @@ def _replicas(st: state.ClusterState) -> list[Family]:
         ),
         Family(
             "llmgw_fleet_model_replicas_desired",
-            "Replicas each declared model wants.",
+            "Replicas each declared model wants: its replicas, its autoscaler's count, or its pin.",
             ("model",),
             wanted,
         ),
