@@ -51,8 +51,8 @@ from llmgw.agent import metrics as agent_metrics
 from llmgw.agent.applier import Applier
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.engines import policy
-from llmgw.agent.kvrelay import KvRelays
 from llmgw.agent.lease_bound import LeaseBound
+from llmgw.agent.loads import EngineFeeds
 from llmgw.agent.metrics import AgentMetrics, Live
 from llmgw.agent.outbox import Outbox
 from llmgw.agent.ports import AgentPorts, CommandReader, connect_jetstream
@@ -122,8 +122,8 @@ class AgentService:
         self._by_shard: dict[str, asyncio.Task[None]] = {}
         self._dispatched_seq = 0
         self._heartbeat_seq = 0
-        self.kv = KvRelays()
-        """Relays the KV events of local engines that publish them (llmgw.agent.kvrelay)."""
+        self.feeds = EngineFeeds()
+        """Relays local engines' KV events and load (llmgw.agent.kvrelay, .loads)."""
         self.metrics = AgentMetrics(self._live)
         self.admin_url = ""  # where its metrics and health listen (cfg.admin), once started
         self._admin: web.AppRunner | None = None
@@ -200,7 +200,7 @@ class AgentService:
                     reason=result.reason,
                 )
         for view in self.supervisor.views():
-            await self.kv.observe(view)  # adopted engines go on publishing their KV events
+            await self.feeds.observe(view)  # adopted engines go on publishing their KV events
         await self._discover_node()
         self.context = agent_config.launch_context(cfg, self.inventory)
         # Queued before any adopted shard's first status: the log shows the node first.
@@ -242,7 +242,7 @@ class AgentService:
             nats_cfg = self.cfg.nats
             tls = self._tls or nats_cfg.tls_context()
             self.nc, self.ports = await connect_jetstream(self.node, nats_cfg, tls, self._backoff)
-        self.kv.bind(self.nc, self.node)
+        self.feeds.bind(self.nc, self.node)
         self.connected_once.set()
         self._wake.set()
 
@@ -251,7 +251,7 @@ class AgentService:
         if self._reader is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._reader.close(), 3)
-        await self.kv.close()
+        await self.feeds.close()
         if self.supervisor is not None:
             # Engines keep running: serving survives the agent; the next run adopts them.
             await self.supervisor.close()
@@ -300,7 +300,7 @@ class AgentService:
         """Every transition of every shard: into the outbox, and into the ledger if it ended."""
         self._status(view)
         self.metrics.observe(view, self.clock())
-        await self.kv.observe(view)
+        await self.feeds.observe(view)
         if view.phase not in LIVE:
             ledger.note_ended(
                 self.ledger, view.replica_id, view.shard, view.generation, self.clock()

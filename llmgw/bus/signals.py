@@ -1,7 +1,8 @@
 """The routers' load reports on NATS: routers publish `LoadReport`s, the leader reads them.
 
 Each router process publishes a signed `llmgw.core.loadreport.LoadReport` every second
-on `llmgw.signals.router.<its name>.w<worker>`, which only that router may publish
+on `llmgw.signals.router.<its name>.w<worker>`, and each agent one of its engines' load on
+`llmgw.signals.node.<its id>`, which only that router or node may publish
 (llmgw.pki.authorization); the memory stream `llmgw-signals` keeps them for half a
 minute (llmgw.bus.provisioning). Fire and forget, as the KV updates: a report lost is
 replaced by the next one a second later.
@@ -28,13 +29,22 @@ START_WINDOW_S = 5.0
 
 
 class SignalsPublisher:
-    """Signs and publishes one router process's load reports."""
+    """Signs and publishes one router process's load reports (or, with `node`, one agent's
+    report of its engines' load)."""
 
     def __init__(
-        self, nc: Client, router: str, worker: int = 0, *, signer: Signer | None = None
+        self,
+        nc: Client,
+        router: str = "",
+        worker: int = 0,
+        *,
+        node: str = "",
+        signer: Signer | None = None,
     ) -> None:
         self._nc = nc
-        self.subject = subjects.router_signals(router, worker)
+        self.subject = (
+            subjects.node_signals(node) if node else subjects.router_signals(router, worker)
+        )
         self.signer = signer_for(nc, signer, "load reports")
         self.sent = 0
 
@@ -60,7 +70,7 @@ class SignalsReader(Reader):
         self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float
     ) -> None:
         if subjects.signals_owner(name) is None:
-            self._skip(seq, name, when, f"{name} is not a router's load-report subject")
+            self._skip(seq, name, when, f"{name} is not a load-report subject")
             return
         try:
             report = loadreport.decode(data)

@@ -1,8 +1,9 @@
 """The leader's autoscaler: the routers' latest load reports, each model's recommendations
 over its windows, and the ScaleDecided events they lead to.
 
-It holds what the log does not: the latest report of every router process (read from
-`llmgw-signals` by `llmgw.control.scaling`) and each model's recent recommendations. A
+It holds what the log does not: the latest report of every router process and of every
+node's agent (read from `llmgw-signals` by `llmgw.control.scaling`; a node's figures count
+only for the endpoints the log has on that node) and each model's recent recommendations. A
 new leader starts both afresh; `Recommendations` then waits a whole down window before
 it scales anything in. Every decision carries the observation it was made on
 (llmgw.core.autoscale), so the log alone explains and reproduces it.
@@ -20,10 +21,11 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
-from llmgw.core import autoscale, events, loadreport
+from llmgw.core import autoscale, events, loadreport, subjects
 from llmgw.core.state import ClusterState, ModelState
 from llmgw.core.state.scaling import target_replicas
 
+ROUTER_PREFIX = subjects.SIGNALS_ROOT + ".router."
 REPORT_MAX_AGE_S = 5.0
 """A router's report older than this no longer counts (a router that stopped)."""
 SHORT_CODES = frozenset({"too few free GPUs", "no GPUs"})
@@ -60,7 +62,23 @@ class Scaler:
             del self.reports[subject]  # a router long gone
         serving = {rid: ep.model for rid, ep in state.endpoints.items()}
         scaled = [n for n, m in state.models.items() if m.profile.autoscale is not None]
-        return loadreport.aggregate(self.reports.values(), serving, now, self.max_age_s, scaled)
+        reports = [self._believed(state, subject, r) for subject, r in self.reports.items()]
+        return loadreport.aggregate(reports, serving, now, self.max_age_s, scaled)
+
+    @staticmethod
+    def _believed(
+        state: ClusterState, subject: str, report: loadreport.LoadReport
+    ) -> loadreport.LoadReport:
+        """A node's report speaks only of the endpoints the log has on that node."""
+        owner = subjects.signals_owner(subject)
+        if owner is None or owner[0] != "node":
+            return report
+        node = owner[1]
+        own = tuple(
+            e for e in report.endpoints
+            if (ep := state.endpoints.get(e.endpoint)) is not None and ep.node == node
+        )  # fmt: skip
+        return msgspec.structs.replace(report, models=(), endpoints=own)
 
     def decide(
         self,
@@ -73,7 +91,8 @@ class Scaler:
         ids: Callable[[str], str],
     ) -> list[events.ScaleDecided]:
         """At most one decision per model this pass (one preemption at most)."""
-        if not any(now - r.ts <= self.max_age_s for r in self.reports.values()):
+        routers = [r for s, r in self.reports.items() if s.startswith(ROUTER_PREFIX)]
+        if not any(now - r.ts <= self.max_age_s for r in routers):
             # No router reports (none runs, or none reaches NATS, while they may well be
             # serving on what they last knew): hold every count rather than read silence
             # as idleness.

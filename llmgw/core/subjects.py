@@ -156,11 +156,20 @@ def router_signals_all(router: str) -> str:
     return f"{SIGNALS_ROOT}.router.{check_token(router, 'router name')}.*"
 
 
-def signals_owner(subject: str) -> str | None:
-    """The router a load-report subject belongs to, or None for any other subject."""
+def node_signals(node: str) -> str:
+    """`llmgw.signals.node.<node>`: the load of one node's engines, as its agent reads it."""
+    return f"{SIGNALS_ROOT}.node.{check_token(node, 'node id')}"
+
+
+def signals_owner(subject: str) -> tuple[str, str] | None:
+    """(`router` or `node`, its name) of a load-report subject, or None for any other."""
     parts = subject.split(".")
-    if len(parts) == 5 and parts[:3] == ["llmgw", "signals", "router"] and all(parts[3:]):
-        return parts[3]
+    if parts[:2] != ["llmgw", "signals"] or not all(parts[2:]):
+        return None
+    if len(parts) == 5 and parts[2] == "router":
+        return "router", parts[3]
+    if len(parts) == 4 and parts[2] == "node":
+        return "node", parts[3]
     return None
 
 

@@ -20,8 +20,8 @@ is a reload.
 
 **Permissions.** Inside its account each user may publish only what its role needs:
 
-- a **node** publishes only `llmgw.events.node.<its id>.>` and its engines' KV blocks on
-  `llmgw.kv.<its id>.*`, and consumes only
+- a **node** publishes only `llmgw.events.node.<its id>.>`, its engines' KV blocks on
+  `llmgw.kv.<its id>.*` and their load on `llmgw.signals.node.<its id>`, and consumes only
   `llmgw.cmd.<its id>`, through one durable consumer named `cmd-<its id>` that it may create
   only with exactly that filter (the filtered create subject
   `$JS.API.CONSUMER.CREATE.<stream>.<consumer>.<filter>` lets the server check the filter);
@@ -165,6 +165,8 @@ def _node_publish(node: str) -> list[str]:
         subjects.node_events(node),
         # The KV blocks of its own engines (llmgw.agent.kvrelay), into the stream llmgw-kv.
         subjects.kv_node(node),
+        # Its engines' load (llmgw.agent.loads), into the stream llmgw-signals.
+        subjects.node_signals(node),
         # Only the filtered form: the server refuses it unless the consumer's
         # filter_subject is exactly llmgw.cmd.<node>.
         f"{API}.CONSUMER.CREATE.{STREAM}.{consumer}.{subjects.command(node)}",

@@ -59,7 +59,8 @@ def owner_allows(subject: str, identity: Identity) -> bool:
     """True when `identity` may author a message stored on `subject`. Pure.
 
     - `llmgw.events.node.<n>.<kind>` and `llmgw.kv.<n>.<endpoint>`: node/<n>
-    - `llmgw.signals.router.<r>.<worker>`: router/<r> (its load reports)
+    - `llmgw.signals.router.<r>.<worker>`: router/<r>; `llmgw.signals.node.<n>`: node/<n>
+      (load reports)
     - `llmgw.events.control.<kind>` and `llmgw.cmd.<node>`: any control/*
     - `llmgw.events.operator.<name>.<kind>`: operator/<name>
     - `llmgw.events.operator.control.<name>.<kind>`: control/<name> (the models of a
@@ -77,7 +78,9 @@ def owner_allows(subject: str, identity: Identity) -> bool:
     if parts[1] == "cmd":
         return len(parts) == 3 and kind == "control"
     if parts[1] == "signals":
-        return len(parts) == 5 and parts[2] == "router" and kind == "router" and parts[3] == name
+        if len(parts) == 5 and parts[2] == "router":
+            return kind == "router" and parts[3] == name
+        return len(parts) == 4 and parts[2] == "node" and kind == "node" and parts[3] == name
     if parts[1] != "events" or len(parts) < 4:
         return False
     area = parts[2]

@@ -67,6 +67,7 @@ TARGETS = (
     subjects.kv_updates(VICTIM, "e1"),
     subjects.kv_updates("node-a", "e9"),
     subjects.router_signals("router-2", 0),
+    subjects.node_signals(VICTIM),
     subjects.router_signals("router-1", 3),
     LEASE_KEY,
     f"$O.{authorization.SNAPSHOT_BUCKET}.M.c3RhdGU",
@@ -80,6 +81,8 @@ def owns(identity: Identity, subject: str) -> bool:
     if identity.kind == "node":
         if parts[:2] == ["llmgw", "kv"]:
             return len(parts) == 4 and parts[2] == identity.name
+        if parts[:3] == ["llmgw", "signals", "node"]:
+            return len(parts) == 4 and parts[3] == identity.name
         return parts[:4] == ["llmgw", "events", "node", identity.name]
     if identity.kind == "router":
         return parts[:4] == ["llmgw", "signals", "router", identity.name] and len(parts) == 5

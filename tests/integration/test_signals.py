@@ -9,12 +9,18 @@ publishing garbage, and publishing as a node at all.
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 
+import msgspec
 import nats.errors
 import pytest
 
 from llmgw import bus
+from llmgw.agent.loads import EngineLoads
+from llmgw.agent.shards import ShardView
 from llmgw.core import loadreport, subjects
+from llmgw.sim.testing import SimProcess
 from tests.harness import TestNatsServer, connect_as, signed_headers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -87,3 +93,55 @@ async def test_a_router_reports_only_for_itself(nats_server: TestNatsServer) -> 
     finally:
         for nc in (honest, attacker, node):
             await nc.close()
+
+
+async def test_an_agent_reports_its_serving_engines_load_on_its_own_subject(
+    nats_server: TestNatsServer,
+) -> None:
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    await control.close()
+    sim = await asyncio.to_thread(SimProcess.start, "--decode-base-ms", "50", model="m")
+    node = await connect_as(nats_server, "node", "node-a")
+    loads = EngineLoads()
+    try:
+        loads.bind(node, "node-a")
+        view = ShardView(replica_id="r1", generation=1, shard=0, phase="serving",
+                         endpoint=sim.url, model="m")  # fmt: skip
+        loads.observe(view)
+        loads.observe(ShardView(replica_id="r2", generation=1, shard=0, phase="starting"))
+        # Two streams running in the engine while the agent reads it.
+        streams = [asyncio.to_thread(_stream, sim.url) for _ in range(2)]
+        running = asyncio.gather(*streams)
+        await wait_for(lambda: _running_at_least(loads, 2), 20, "the engine's running requests")
+        await running
+        got, _ = await read(nats_server)
+        mine = [r for r in got if r.subject == subjects.node_signals("node-a")]
+        assert mine, got
+        assert {e.endpoint for r in mine for e in bus.signals.report_of(r).endpoints} == {"r1"}
+        # A shard that stops serving is no longer read.
+        loads.observe(msgspec.structs.replace(view, phase="draining"))
+        assert loads.engines == {}
+        # And a node cannot publish another node's load.
+        await node.publish(subjects.node_signals("node-b"), b"x")
+        await wait_for(lambda: any("llmgw.signals.node.node-b" in v
+                                   for v in node.permission_violations), 10,
+                       "the server to refuse it")  # fmt: skip
+    finally:
+        await loads.close()
+        await node.close()
+        sim.stop()
+
+
+async def _running_at_least(loads: EngineLoads, n: float) -> bool:
+    report = await loads.report_once()
+    return report is not None and sum(e.running for e in report.endpoints) >= n
+
+
+def _stream(url: str) -> None:
+    body = json.dumps({"model": "m", "max_tokens": 60, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()  # fmt: skip
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()

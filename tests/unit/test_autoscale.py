@@ -16,7 +16,7 @@ from llmgw.control.scaler import Scaler
 from llmgw.core import autoscale, catalog, events, loadreport, reconcile
 from llmgw.core.autoscale import Autoscale, Observation, Recommendations, Signals
 from llmgw.core.profile import ModelProfile
-from llmgw.core.state import ClusterState, apply
+from llmgw.core.state import ClusterState, Endpoint, apply
 from llmgw.core.state.scaling import target_replicas
 
 SPEC = Autoscale(min=1, max=4, waiting_per_replica=2.0, ttft_p90_s=0.5, up_window_s=10.0,
@@ -407,3 +407,20 @@ def test_a_count_that_broke_the_slo_is_not_returned_to_at_that_load() -> None:
         if decided is not None:
             current = decided[0]
     assert current == 1
+
+
+def test_a_nodes_report_counts_only_for_its_own_endpoints() -> None:
+    st = _declared(spec=Autoscale(min=1, max=4, running_per_replica=2.0))
+    st.endpoints["r1"] = Endpoint(replica_id="r1", model="m", url="http://a:1", node="node-a")
+    st.endpoints["r2"] = Endpoint(replica_id="r2", model="m", url="http://b:1", node="node-b")
+    scaler = Scaler(started=0.0)
+    own = loadreport.EndpointLoad(endpoint="r1", model="m", running=3.0)
+    other = loadreport.EndpointLoad(endpoint="r2", model="m", running=50.0)
+    scaler.note("llmgw.signals.node.node-a", loadreport.LoadReport(ts=10.0, endpoints=(own, other)))
+    # Node reports alone carry no traffic: without a router's report every count holds.
+    assert scaler.decide(st, 10.0, epoch=0, basis_seq=1, unplaceable={}, ids=lambda b: b) == []
+    scaler.note("llmgw.signals.router.r.w0", loadreport.LoadReport(ts=10.0, models=(
+        loadreport.ModelTraffic(model="m", requests=9),)))  # fmt: skip
+    signals = scaler.signals(st, 10.0)["m"]
+    assert signals.running == 3.0  # node-a's word for r1; not for node-b's r2
+    assert signals.routers == 1

@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw import config
+from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.core.profile import ModelProfile
 from llmgw.router import aiohttp_direct, auth, requests
-from llmgw.router.table import Catalog, EndpointTable, parse_engine_metrics
+from llmgw.router.table import Catalog, EndpointTable
 
 
 def test_keys_file_lookup_models_and_buckets(tmp_path: Path) -> None:
