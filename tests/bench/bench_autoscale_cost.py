@@ -12,7 +12,9 @@ once a second (llmgw.core.loadreport). Each model's load is a random walk (seede
 report and decides once a second, as `llmgw control` does; each decision is folded, as the
 log would. Printed: the CPU of one decision pass (median and p99), of decoding one report,
 a report's size (what `llmgw-signals` carries per router per second, outside the log), and
-the scaling decisions per second the log gains, over the whole run.
+the scaling decisions per second the log gains, over the whole run; and what checking the
+signatures costs the leader: each router's report and each node's agent's (one every 5 s
+per node, its engines' load) verified as `llmgw.bus.signals.SignalsReader` does.
 """
 
 from __future__ import annotations
@@ -88,6 +90,34 @@ def reports(
     return out
 
 
+def signature_cost(routers: int, nodes: int, report: bytes, node_report: bytes) -> str:
+    """CPU per second of checking every report's signature (a real CA and certificates)."""
+    import tempfile
+
+    from tests.harness import TestPki
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pki = TestPki(Path(tmp))
+        costs = []
+        for kind, name, subject, payload in (
+            ("router", "router-0", "llmgw.signals.router.router-0.w0", report),
+            ("node", "node-0", "llmgw.signals.node.node-0", node_report),
+        ):
+            signer = pki.signer(kind, name)
+            verifier = pki.verifier()
+            headers = signer.event_headers(subject, "id-1", payload)
+            sig, cert = (v.encode() for v in headers.values())
+            began = time.process_time()
+            for _ in range(200):
+                assert verifier.event_refusal(subject, b"id-1", payload, sig, cert, seq=1,
+                                              when=time.time()) is None  # fmt: skip
+            costs.append((time.process_time() - began) / 200)
+    per_s = routers * costs[0] + nodes / 5 * costs[1]
+    return (f"  signatures: {costs[0] * 1e6:.0f} µs per router report, {costs[1] * 1e6:.0f} µs "
+            f"per node report; {routers} routers every second and {nodes} nodes every 5 s: "
+            f"{per_s * 100:.1f} % of a core")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=1000)
@@ -132,6 +162,11 @@ def main() -> None:
     decode_ms = statistics.median(decodes) * 1000
     print(f"  one report: {size:.0f} KiB, decoded in {decode_ms:.2f} ms; llmgw-signals "
           f"carries {args.routers * size:.0f} KiB/s, none of it in the log")  # fmt: skip
+    node_report = loadreport.encode(loadreport.LoadReport(ts=1.0, endpoints=(
+        loadreport.EndpointLoad(endpoint="r1", model="model-1", queue=1, running=8,
+                                kv_usage=0.5),)))  # fmt: skip
+    print(signature_cost(args.routers, args.nodes, reports(st, args.routers, load, 1.0, rng)[0][1],
+                         node_report))  # fmt: skip
     print(f"  scaling decisions: {decided} in {args.seconds} s = "
           f"{decided / args.seconds:.2f} events/s added to the log")  # fmt: skip
 
