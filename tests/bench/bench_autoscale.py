@@ -14,7 +14,8 @@ streaming clients: `--clients` for `--base-s`, four times as many for `--step-s`
 `--clients` again for `--after-s`. Targets:
 
 - `autoscaled`: `min 1, max 4`, four running requests per replica, a TTFT p90 SLO of
-  `--slo-ms` and one waiting request per replica, `up_window_s 3`, `down_window_s 20`;
+  `--slo-ms` and one waiting request per replica, `--up-window-s` (3), `--down-window-s`
+  (20);
 - `static min`: one replica throughout; `static max`: four;
 - `square wave`: the autoscaled model under a load that switches between `--clients` and
   four times as many every `--square-s` seconds, for `--step-s`: faster than the down
@@ -149,8 +150,8 @@ async def run_target(name: str, args: argparse.Namespace, root: Path, pki: TestP
     slo = args.slo_ms / 1000
     if name in ("autoscaled", "square wave"):
         spec = Autoscale(min=1, max=4, running_per_replica=4.0, ttft_p90_s=slo,
-                         waiting_per_replica=1.0,
-                         up_window_s=3.0, down_window_s=20.0, max_step=2)  # fmt: skip
+                         waiting_per_replica=1.0, up_window_s=args.up_window_s,
+                         down_window_s=args.down_window_s, max_step=2)  # fmt: skip
         model = sim_model("m1", replicas=1, autoscale=spec, engine_args=SATURATING)
     else:
         model = sim_model("m1", replicas=1 if name == "static min" else 4,
@@ -222,6 +223,8 @@ async def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--slo-ms", type=float, default=400.0)
     ap.add_argument("--square-s", type=float, default=5.0)
+    ap.add_argument("--up-window-s", type=float, default=3.0)
+    ap.add_argument("--down-window-s", type=float, default=20.0)
     ap.add_argument("--only", default="autoscaled,static min,static max,square wave")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="llmgw-bench-autoscale-"))
