@@ -9,7 +9,8 @@ it scales anything in. Every decision carries the observation it was made on
 (llmgw.core.autoscale), so the log alone explains and reproduces it.
 
 Short of GPUs: when a model cannot be placed for want of free GPUs, the autoscaled model
-of lowest priority below it with replicas above its `min` gives one up (a ScaleDecided
+of lowest priority below it with replicas above its `min`, on GPUs of a class the waiting
+model accepts, gives one up (a ScaleDecided
 naming the model it makes room for), one at a time: none while a retired replica still
 holds GPUs, since those are already on their way. A model of lower priority than one
 that is short does not scale out meanwhile.
@@ -124,7 +125,7 @@ class Scaler:
             if name not in signals:
                 del self.history[name]
         if short is not None and not out:
-            victim = self._victim(state, short[1])
+            victim = self._victim(state, short)
             if victim is not None:
                 out.extend(self._preempt(state, victim, short, now, epoch, basis_seq, ids))
         return out
@@ -160,17 +161,24 @@ class Scaler:
         priority, model = max(waiting)
         return model, priority
 
-    def _victim(self, state: ClusterState, above: int) -> str | None:
-        """The autoscaled model of lowest priority under `above` that can give a replica."""
+    def _victim(self, state: ClusterState, short: tuple[str, int]) -> str | None:
+        """The autoscaled model of lowest priority under the short model's that can give a
+        replica on GPUs of a class the short model accepts."""
         if any(r.retired and not all(s.released for s in r.shards)
                for r in state.replicas.values()):  # fmt: skip
             return None  # GPUs are already on their way back
+        wanted = state.models[short[0]].profile.gpu_class
+        classes: dict[str, set[str]] = {}
+        for r in state.replicas.values():
+            if not r.retired:
+                classes.setdefault(r.model, set()).add(r.gpu_class)
         candidates = []
         for name, model in state.models.items():
             spec = model.profile.autoscale
-            if spec is None or model.pinned is not None or spec.priority >= above:
+            if spec is None or model.pinned is not None or spec.priority >= short[1]:
                 continue
-            if target_replicas(model) > spec.min:
+            suits = not wanted or wanted in classes.get(name, set())
+            if suits and target_replicas(model) > spec.min:
                 candidates.append((spec.priority, name))
         return min(candidates)[1] if candidates else None
 

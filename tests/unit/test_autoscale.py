@@ -16,7 +16,7 @@ from llmgw.control.scaler import Scaler
 from llmgw.core import autoscale, catalog, events, loadreport, reconcile
 from llmgw.core.autoscale import Autoscale, Observation, Recommendations, Signals
 from llmgw.core.profile import ModelProfile
-from llmgw.core.state import ClusterState, Endpoint, apply
+from llmgw.core.state import ClusterState, Endpoint, ReplicaState, apply
 from llmgw.core.state.scaling import target_replicas
 
 SPEC = Autoscale(min=1, max=4, waiting_per_replica=2.0, ttft_p90_s=0.5, up_window_s=10.0,
@@ -424,3 +424,25 @@ def test_a_nodes_report_counts_only_for_its_own_endpoints() -> None:
     signals = scaler.signals(st, 10.0)["m"]
     assert signals.running == 3.0  # node-a's word for r1; not for node-b's r2
     assert signals.routers == 1
+
+
+def test_no_replica_is_taken_on_gpus_the_waiting_model_cannot_use() -> None:
+    st = ClusterState()
+    hi = ModelProfile(name="hi", engine="sim", gpu_class="h100-80g", autoscale=Autoscale(
+        min=1, max=4, running_per_replica=1, priority=10))  # fmt: skip
+    lo = ModelProfile(name="lo", engine="sim", replicas=2, autoscale=Autoscale(
+        min=1, max=4, running_per_replica=1, priority=0))  # fmt: skip
+    for i, p in enumerate([hi, lo], 1):
+        assert apply(st, events.ModelDeclared(id=f"d{i}", ts=1.0, operator="a", profile=p),
+                     i) is None  # fmt: skip
+    # lo's replicas run on A100s: giving one up frees nothing hi can use.
+    st.replicas["r1"] = ReplicaState(id="r1", model="lo", generation=1, shards=[],
+                                     gpu_class="a100-80g")  # fmt: skip
+    scaler = Scaler(started=0.0)
+    scaler.note("llmgw.signals.router.r.w0", loadreport.LoadReport(ts=10.0, models=(
+        loadreport.ModelTraffic(model="lo", requests=50),)))  # fmt: skip
+    short = {"hi": "too few free GPUs"}
+    assert scaler.decide(st, 10.0, epoch=0, basis_seq=2, unplaceable=short, ids=lambda b: b) == []
+    st.replicas["r1"].gpu_class = "h100-80g"
+    (d,) = scaler.decide(st, 11.0, epoch=0, basis_seq=2, unplaceable=short, ids=lambda b: b)
+    assert (d.model, d.to_replicas) == ("lo", 1)
