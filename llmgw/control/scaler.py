@@ -112,9 +112,15 @@ class Scaler:
                 # in before a whole down window of its own.
                 history = self.history[name] = autoscale.Recommendations(now)
             current = target_replicas(model)
-            obs, reason = autoscale.observe(
-                spec, current, signals[name], history, now, startup_s=model.startup_s
+            # The routers' p90s cover their last window: they speak for this count only
+            # once all of it has served that long.
+            settled = signals[name].serving >= current and (
+                now - model.scaled_ts >= model.startup_s + loadreport.WINDOW_S
             )
+            obs, reason = autoscale.observe(
+                spec, current, signals[name], history, now, startup_s=model.startup_s,
+                settled=settled,
+            )  # fmt: skip
             self.last[name] = (obs, reason)
             outranked = short is not None and _priority(model) < short[1]
             decided = autoscale.decide(spec, current, obs, reason)

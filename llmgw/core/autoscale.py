@@ -134,6 +134,9 @@ class Observation(msgspec.Struct, frozen=True, kw_only=True):
     slo_floor: Count = 0
     """The fewest replicas the latency SLO allows at this load: one more than a count that
     broke it at as many running requests or more, lately (`Recommendations.slo_floor`)."""
+    settled: bool = True
+    """Every replica of the current count served for a whole latency window: only then do
+    the routers' p90s speak for this count (before, they still hold the queue of the last)."""
 
 
 def headroom(startup_s: float) -> float:
@@ -149,7 +152,9 @@ def _ratio_count(current: int, value: float, target: float) -> int:
     return math.ceil(round(current * ratio, 6))
 
 
-def recommend(spec: Autoscale, current: int, s: Signals, startup_s: float) -> tuple[int, str]:
+def recommend(
+    spec: Autoscale, current: int, s: Signals, startup_s: float, settled: bool = True
+) -> tuple[int, str]:
     """The replica count at which every signal would meet its target, and which signal
     asked for the most (a reason for the log). Unclamped: `decide` bounds it.
 
@@ -158,7 +163,8 @@ def recommend(spec: Autoscale, current: int, s: Signals, startup_s: float) -> tu
     say that more are needed: under their targets they show that the current count
     suffices, not that fewer would. So they ask for more above their targets, and below
     them hold the count while there is traffic unless a signal of the first kind is set,
-    which then decides how far to scale in. Any traffic keeps one replica."""
+    which then decides how far to scale in. Any traffic keeps one replica. Latency counts
+    only once the count is `settled`."""
     h = headroom(startup_s)
     base = max(current, 1)
     busy = bool(s.requests or s.waiting)
@@ -182,7 +188,7 @@ def recommend(spec: Autoscale, current: int, s: Signals, startup_s: float) -> tu
             wants += [(n, why) for n, _ in hold]
     for name, value, slo in (("TTFT", s.ttft_p90_s, spec.ttft_p90_s),
                              ("ITL", s.itl_p90_s, spec.itl_p90_s)):  # fmt: skip
-        if not slo:
+        if not slo or not settled:
             continue
         t = slo * h
         if value > t * (1 + TOLERANCE):
@@ -289,11 +295,13 @@ def observe(
     now: float,
     *,
     startup_s: float = 0.0,
+    settled: bool = True,
 ) -> tuple[Observation, str]:
     """Record this moment's recommendation in `history` and return the observation a
     decision is made on, with `recommend`'s reason."""
-    count, reason = recommend(spec, current, signals, startup_s)
-    if current > 0 and signals.running > 0 and latency_broken(spec, signals, startup_s):
+    count, reason = recommend(spec, current, signals, startup_s, settled)
+    broken = settled and latency_broken(spec, signals, startup_s)
+    if current > 0 and signals.running > 0 and broken:
         history.broke(now, current, signals.running)
     floor = history.slo_floor(now, signals.running)
     count, reason = floored(count, reason, floor)
@@ -305,6 +313,7 @@ def observe(
         down_ceiling=history.ceiling(now, spec.down_window_s, current),
         startup_s=round(startup_s, 3),
         slo_floor=floor,
+        settled=settled,
     )
     return obs, reason
 
@@ -314,7 +323,7 @@ def verify_decision(
 ) -> tuple[int, str] | str | None:
     """`decide` again on a recorded observation, as a replay checks it; a string where the
     observation's own recommendation does not follow from its signals."""
-    count, reason = recommend(spec, current, obs.signals, obs.startup_s)
+    count, reason = recommend(spec, current, obs.signals, obs.startup_s, obs.settled)
     count, reason = floored(count, reason, obs.slo_floor)
     if not obs.short_of and count != obs.recommended:
         return f"its signals recommend {count} replicas, not the {obs.recommended} recorded"

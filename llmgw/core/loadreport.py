@@ -25,6 +25,8 @@ import msgspec
 from llmgw.core.autoscale import Signals
 from llmgw.core.limits import Name
 
+WINDOW_S = 10.0
+"""The window a router's report covers (its requests, held requests and p90s)."""
 MAX_MODELS = 2_000
 MAX_ENDPOINTS = 20_000
 Amount = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]

@@ -30,7 +30,7 @@ from llmgw.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, Histogram
 log = logs.get("llmgw.router.signals")
 
 EVERY_S = 1.0
-WINDOW_S = 10.0
+WINDOW_S = loadreport.WINDOW_S
 
 _Counts = dict[str, list[float]]
 

@@ -446,3 +446,17 @@ def test_no_replica_is_taken_on_gpus_the_waiting_model_cannot_use() -> None:
     st.replicas["r1"].gpu_class = "h100-80g"
     (d,) = scaler.decide(st, 11.0, epoch=0, basis_seq=2, unplaceable=short, ids=lambda b: b)
     assert (d.model, d.to_replicas) == ("lo", 1)
+
+
+def test_latency_speaks_for_a_count_only_once_it_settled() -> None:
+    # Just scaled from 1 to 3: the routers' p90 still holds the queue of the one replica.
+    spec = Autoscale(min=1, max=4, running_per_replica=4.0, ttft_p90_s=0.4)
+    history = Recommendations(started=0.0)
+    late = Signals(serving=3, running=12.0, ttft_p90_s=2.0, requests=50)
+    o, why = autoscale.observe(spec, 3, late, history, 100.0, settled=False)
+    assert (o.recommended, o.slo_floor, o.settled) == (3, 0, False)
+    assert autoscale.verify_decision(spec, 3, o) is None
+    # Once settled, the same p90 would be this count's: more, and remembered.
+    o, why = autoscale.observe(spec, 3, late, history, 101.0)
+    assert (o.recommended, o.slo_floor) == (15, 4)  # 3 x 2000/400; 3 broke it
+    assert "TTFT p90 2000 ms over its SLO" in why
