@@ -16,7 +16,7 @@ streaming clients: `--clients` for `--base-s`, four times as many for `--step-s`
 - `autoscaled`: `min 1, max 4`, four running requests per replica, a TTFT p90 SLO of
   `--slo-ms` and one waiting request per replica, `--up-window-s` (3), `--down-window-s`
   (20);
-- `static min`: one replica throughout; `static max`: four;
+- `static min`: one replica throughout; `static max`: four; `static N` (with `--only`): N;
 - `square wave`: the autoscaled model under a load that switches between `--clients` and
   four times as many every `--square-s` seconds, for `--step-s`: faster than the down
   window, so it must scale out once and not flap.
@@ -154,8 +154,8 @@ async def run_target(name: str, args: argparse.Namespace, root: Path, pki: TestP
                          down_window_s=args.down_window_s, max_step=2)  # fmt: skip
         model = sim_model("m1", replicas=1, autoscale=spec, engine_args=SATURATING)
     else:
-        model = sim_model("m1", replicas=1 if name == "static min" else 4,
-                          engine_args=SATURATING)  # fmt: skip
+        count = {"static min": 1, "static max": 4}.get(name) or int(name.split()[-1])
+        model = sim_model("m1", replicas=count, engine_args=SATURATING)
     server = TestNatsServer(pki, root / name.replace(" ", "-") / "nats")
     server.root.mkdir(parents=True)
     server.start()
