@@ -11,8 +11,12 @@ them here with a bound, so a stuck task is logged instead of keeping a process a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 from llmgw import logs
 
@@ -33,3 +37,34 @@ async def stop(tasks: Iterable[asyncio.Task[Any]], *, timeout_s: float = 5.0, wh
     for task in tasks:
         if task.done() and not task.cancelled():
             task.exception()  # retrieved: its failure was handled where it happened
+
+
+async def retrying(
+    attempt: Callable[[], Awaitable[None]],
+    *,
+    stopped: Callable[[], bool],
+    wake: asyncio.Event | None,
+    what: str,
+    logger: FilteringBoundLogger,
+) -> None:
+    """Run `attempt` again and again until `stopped()`: a background feed that must outlive
+    its failures (no server yet, no stream yet, a lost connection). After each attempt it
+    waits 1 s, doubling after failures in a row up to 30 s; an attempt that ran a minute
+    starts the wait over. `wake`, when set, cuts a wait short (the feed is closing)."""
+    wait = 1.0
+    while not stopped():
+        began = time.monotonic()
+        try:
+            await attempt()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning(f"{what}_failed", error=str(exc) or type(exc).__name__,
+                           retry_in_s=wait)  # fmt: skip
+        wait = 1.0 if time.monotonic() - began > 60.0 else wait
+        if wake is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), wait)
+        else:
+            await asyncio.sleep(wait)
+        wait = min(wait * 2, 30.0)

@@ -25,6 +25,7 @@ from llmgw.control.config import ControlConfig
 from llmgw.control.folding import CONTROL_PREFIX, Folded
 from llmgw.control.metrics import Metrics
 from llmgw.control.ports import ControlPorts
+from llmgw.control.scaler import Scaler
 from llmgw.core import events, state, subjects, views
 from llmgw.core.state import ClusterState
 from llmgw.pki.identity import Identity
@@ -78,10 +79,9 @@ class Instance:
         self._sweep_epoch = 0
         """The epoch in which this instance last swept quarantined nodes' messages."""
         self._stopping = False
-        self._awaiting = 0
-        self._announced = 0
-        self._models_synced_epoch = 0
+        self._awaiting = self._announced = self._models_synced_epoch = 0
         self._decision_ids = ids_.DecisionIds()
+        self.scaler = Scaler()
         self._leader_ids: dict[int, str] = {}
         """Epoch -> the id of our LeaderElected: the same on a retried announcement."""
         self._last_snapshot = time.monotonic()

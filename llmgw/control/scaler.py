@@ -39,18 +39,22 @@ def _priority(model: ModelState) -> int:
 
 
 class Scaler:
-    def __init__(self, started: float, *, max_age_s: float = REPORT_MAX_AGE_S) -> None:
-        self.started = started
+    def __init__(self, *, max_age_s: float = REPORT_MAX_AGE_S) -> None:
         self.max_age_s = max_age_s
+        self.epoch = 0
+        """The leader epoch its windows belong to (`restart` on a new one)."""
+        self.decided_at = 0.0
+        """When it last decided (the leader decides at most once a second)."""
         self.reports: dict[str, loadreport.LoadReport] = {}
         """Subject (one router process) -> its latest report."""
         self.history: dict[str, autoscale.Recommendations] = {}
         self.last: dict[str, tuple[autoscale.Observation, str]] = {}
         """Model -> its latest observation and recommendation reason (for explain)."""
 
-    def restart(self, now: float) -> None:
-        """A new epoch: its windows start now (the reports received so far still count)."""
-        self.started = now
+    def restart(self, epoch: int) -> None:
+        """A new epoch: each model's windows start when next seen (the reports received so
+        far still count)."""
+        self.epoch = epoch
         self.history.clear()
 
     def note(self, subject: str, report: loadreport.LoadReport) -> None:

@@ -67,21 +67,9 @@ class KvFeed:
             await tasks_.stop([self._task], who="router kv feed")
 
     async def _run(self) -> None:
-        wait = 1.0
-        while not self._stop.is_set():
-            began = time.monotonic()
-            try:
-                await self._follow()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # no stream yet, a refused consumer: try again later
-                log.warning("kv_feed_failed", error=str(exc) or type(exc).__name__,
-                            retry_in_s=wait)  # fmt: skip
-            # Back off on failures in a row; a feed that had been following starts over.
-            wait = 1.0 if time.monotonic() - began > 60.0 else wait
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), wait)
-            wait = min(wait * 2, 30.0)
+        # No stream yet, a refused consumer: try again later, backing off.
+        await tasks_.retrying(self._follow, stopped=self._stop.is_set, wake=self._stop,
+                              what="kv_feed", logger=log)  # fmt: skip
 
     async def _follow(self) -> None:
         tls = self._tls if self._tls is not None else self.source.tls_context()

@@ -133,19 +133,9 @@ class SignalsFeed:
             await tasks_.stop([self._task], who="router signals")
 
     async def _run(self) -> None:
-        wait = 1.0
-        while not self._stop.is_set():
-            began = time.monotonic()
-            try:
-                await self._publish_until_stopped()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # no server yet, no stream yet: try again later
-                log.warning("signals_publish_failed", error=str(exc) or type(exc).__name__,
-                            retry_in_s=wait)  # fmt: skip
-            wait = 1.0 if time.monotonic() - began > 60.0 else min(wait * 2, 30.0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), wait)
+        # No server yet, no stream yet: try again later, backing off.
+        await tasks_.retrying(self._publish_until_stopped, stopped=self._stop.is_set,
+                              wake=self._stop, what="signals_publish", logger=log)  # fmt: skip
 
     async def _publish_until_stopped(self) -> None:
         nc = await ports_.connect(self.source, self.source.tls_context())

@@ -129,7 +129,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     st = fleet(args.nodes, args.models)
     load = {m: rng.uniform(5, 100) for m in st.models}
-    scaler = Scaler(started=0.0)
+    scaler = Scaler()
     passes: list[float] = []
     decodes: list[float] = []
     sizes: list[int] = []

@@ -265,7 +265,7 @@ def _report(ts: float, waiting: int) -> loadreport.LoadReport:
 
 def test_scaler_decisions_replay_exactly_and_a_forged_one_does_not() -> None:
     st = _declared()
-    scaler = Scaler(started=0.0)
+    scaler = Scaler()
     log: list[tuple[int, events.Event]] = [(1, events.ModelDeclared(
         id="d", ts=1.0, operator="alice", profile=st.models["m"].profile))]  # fmt: skip
     seq = 1
@@ -303,7 +303,7 @@ def test_short_of_gpus_a_lower_priority_model_gives_a_replica_never_below_min() 
     for i, p in enumerate([hi, lo], 1):
         assert apply(st, events.ModelDeclared(id=f"d{i}", ts=1.0, operator="a", profile=p),
                      i) is None  # fmt: skip
-    scaler = Scaler(started=0.0)
+    scaler = Scaler()
     busy = loadreport.LoadReport(ts=10.0, models=(
         loadreport.ModelTraffic(model="lo", requests=50),
         loadreport.ModelTraffic(model="hi", requests=50),
@@ -330,7 +330,7 @@ def _copy(st: ClusterState, undo: events.ScaleDecided) -> ClusterState:
 def test_a_model_declared_later_waits_its_own_down_window_before_scaling_in() -> None:
     spec = Autoscale(min=0, max=2, running_per_replica=2.0, down_window_s=30.0)
     st = _declared(spec=spec)
-    scaler = Scaler(started=0.0)  # a leader long in place
+    scaler = Scaler()  # a leader long in place
     decided = []
     for t in range(1000, 1040):
         scaler.note("llmgw.signals.router.r.w0", loadreport.LoadReport(ts=float(t)))  # idle
@@ -345,7 +345,7 @@ def test_without_any_router_report_every_count_holds() -> None:
     # Routers cut off from NATS may be serving on what they last knew: silence is not idle.
     spec = Autoscale(min=0, max=2, running_per_replica=2.0, down_window_s=5.0)
     st = _declared(spec=spec)
-    scaler = Scaler(started=0.0)
+    scaler = Scaler()
     scaler.note("llmgw.signals.router.r.w0", loadreport.LoadReport(ts=100.0))
     assert all(scaler.decide(st, float(t), epoch=0, basis_seq=1, unplaceable={},
                              ids=lambda b: b) == [] for t in range(106, 200))  # fmt: skip
@@ -413,7 +413,7 @@ def test_a_nodes_report_counts_only_for_its_own_endpoints() -> None:
     st = _declared(spec=Autoscale(min=1, max=4, running_per_replica=2.0))
     st.endpoints["r1"] = Endpoint(replica_id="r1", model="m", url="http://a:1", node="node-a")
     st.endpoints["r2"] = Endpoint(replica_id="r2", model="m", url="http://b:1", node="node-b")
-    scaler = Scaler(started=0.0)
+    scaler = Scaler()
     own = loadreport.EndpointLoad(endpoint="r1", model="m", running=3.0)
     other = loadreport.EndpointLoad(endpoint="r2", model="m", running=50.0)
     scaler.note("llmgw.signals.node.node-a", loadreport.LoadReport(ts=10.0, endpoints=(own, other)))
@@ -438,7 +438,7 @@ def test_no_replica_is_taken_on_gpus_the_waiting_model_cannot_use() -> None:
     # lo's replicas run on A100s: giving one up frees nothing hi can use.
     st.replicas["r1"] = ReplicaState(id="r1", model="lo", generation=1, shards=[],
                                      gpu_class="a100-80g")  # fmt: skip
-    scaler = Scaler(started=0.0)
+    scaler = Scaler()
     scaler.note("llmgw.signals.router.r.w0", loadreport.LoadReport(ts=10.0, models=(
         loadreport.ModelTraffic(model="lo", requests=50),)))  # fmt: skip
     short = {"hi": "too few free GPUs"}
