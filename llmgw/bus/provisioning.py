@@ -111,6 +111,54 @@ def signals_stream_config(settings: StreamSettings) -> api.StreamConfig:
     )
 
 
+LIMITS_MAX_AGE_S = 600.0
+"""How long a key's rate-window counters stay in `llmgw-limits`: windows last a second
+(requests) or a minute (tokens); older ones are only history."""
+LIMITS_MAX_BYTES = 256 * 1024 * 1024
+USAGE_MAX_AGE_S = 400 * 86_400.0
+"""How long `llmgw-usage` keeps a key's hourly usage: a year and a month, for `ctl usage`."""
+USAGE_MAX_BYTES = 8 * 1024**3
+
+
+def limits_stream_config(settings: StreamSettings) -> api.StreamConfig:
+    """`llmgw-limits`: JetStream counters of each key's requests and tokens per window, in
+    memory (a restart that loses them forgives the current window, nothing more)."""
+    cfg = _derived_stream_config(
+        settings,
+        subjects.LIMITS_STREAM,
+        "llmgw: tenants' fleet-wide rate counters (derived data)",
+        subjects.LIMITS_SUBJECTS,
+        LIMITS_MAX_AGE_S,
+        LIMITS_MAX_BYTES,
+    )
+    return _counters(cfg)
+
+
+def usage_stream_config(settings: StreamSettings) -> api.StreamConfig:
+    """`llmgw-usage`: JetStream counters of each key's tokens and requests per hour and per
+    budget period, on file (budgets and `ctl usage` outlive a server restart)."""
+    cfg = _derived_stream_config(
+        settings,
+        subjects.USAGE_STREAM,
+        "llmgw: tenants' usage by hour and budget period (counters)",
+        subjects.USAGE_SUBJECTS,
+        USAGE_MAX_AGE_S,
+        USAGE_MAX_BYTES,
+    )
+    cfg.storage = api.StorageType.FILE
+    return _counters(cfg)
+
+
+def _counters(cfg: api.StreamConfig) -> api.StreamConfig:
+    # Each message holds its subject's total (the server adds `Nats-Incr` to the last one),
+    # so only the last per subject is kept; direct gets read a total in one request.
+    cfg.allow_msg_counter = True
+    cfg.allow_direct = True
+    cfg.max_msgs_per_subject = 1
+    cfg.max_msg_size = 1024
+    return cfg
+
+
 def _derived_stream_config(
     settings: StreamSettings,
     name: str,
@@ -215,8 +263,9 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool
 
 
 async def _ensure_derived_stream(js: JetStreamContext, wanted: api.StreamConfig) -> bool:
-    """Create `llmgw-kv` or `llmgw-signals` if absent. One that exists is used as it is
-    unless its subjects differ: its limits only decide how long derived data stays."""
+    """Create a stream of derived data (`llmgw-kv`, `llmgw-signals`, the counters) if
+    absent. One that exists is used as it is unless its subjects differ (or it lacks the
+    counters llmgw needs): its limits only decide how long derived data stays."""
     assert wanted.name is not None
     try:
         info = await js.stream_info(wanted.name)
@@ -237,6 +286,11 @@ async def _ensure_derived_stream(js: JetStreamContext, wanted: api.StreamConfig)
             f"stream {wanted.name} exists with subjects {info.config.subjects} (llmgw needs "
             f"exactly {wanted.subjects}): delete it (`nats stream rm {wanted.name}`; it holds "
             "only derived data) and let llmgw create it again"
+        )
+    if wanted.allow_msg_counter and not info.config.allow_msg_counter:
+        raise ProvisionConflict(
+            f"stream {wanted.name} exists without counters (allow_msg_counter), which llmgw "
+            f"needs: delete it (`nats stream rm {wanted.name}`) and let llmgw create it again"
         )
     return False
 
@@ -288,9 +342,10 @@ async def provision(
     snapshots: bool = True,
     kv: bool = True,
     signals: bool = True,
+    tenancy: bool = True,
 ) -> Provisioned:
-    """Ensure the stream `llmgw-events` (and `llmgw-kv`, `llmgw-signals`, the lease bucket
-    and snapshot store) exist.
+    """Ensure the stream `llmgw-events` (and `llmgw-kv`, `llmgw-signals`, the tenants'
+    counters `llmgw-limits` and `llmgw-usage`, the lease bucket and snapshot store) exist.
 
     Idempotent; raises ProvisionConflict, saying what differs and what to do, when
     the stream exists with a configuration llmgw cannot use.
@@ -308,6 +363,11 @@ async def provision(
     if signals:
         wanted = signals_stream_config(settings)
         note(subjects.SIGNALS_STREAM, await _ensure_derived_stream(js, wanted))
+    if tenancy:
+        note(
+            subjects.LIMITS_STREAM, await _ensure_derived_stream(js, limits_stream_config(settings))
+        )
+        note(subjects.USAGE_STREAM, await _ensure_derived_stream(js, usage_stream_config(settings)))
     if lease:
         note(LEASE_BUCKET, await _ensure_lease_bucket(js, replicas))
     if snapshots:

@@ -28,6 +28,17 @@ SIGNALS_STREAM = "llmgw-signals"
 SIGNALS_ROOT = "llmgw.signals"
 SIGNALS_SUBJECTS = (f"{SIGNALS_ROOT}.>",)
 
+# Tenants' fleet-wide counters, kept by the server (JetStream counters, `Nats-Incr`): the
+# requests and tokens of each key's current rate windows (seconds-lived), and its usage by
+# hour and by budget period (kept for months). Outside the log: they grow with traffic
+# (docs/design.md, "The front door").
+LIMITS_STREAM = "llmgw-limits"
+LIMITS_ROOT = "llmgw.limits"
+LIMITS_SUBJECTS = (f"{LIMITS_ROOT}.>",)
+USAGE_STREAM = "llmgw-usage"
+USAGE_ROOT = "llmgw.usage"
+USAGE_SUBJECTS = (f"{USAGE_ROOT}.>",)
+
 NODE_EVENTS_ALL = f"{EVENTS_ROOT}.node.>"
 OPERATOR_EVENTS_ALL = f"{EVENTS_ROOT}.operator.>"
 CONTROL_EVENTS_ALL = f"{EVENTS_ROOT}.control.>"
@@ -181,3 +192,63 @@ def node_of(subject: str) -> str | None:
     if len(parts) == 3 and parts[:2] == ["llmgw", "cmd"]:
         return parts[2]
     return None
+
+
+def limit_counter(key: str, kind: str, window: int) -> str:
+    """`llmgw.limits.<key>.<r|t>.<window>`: a key's requests (r) or tokens (t) in one window."""
+    return f"{LIMITS_ROOT}.{check_token(key, 'key name')}.{kind}.{int(window)}"
+
+
+def usage_counter(key: str, hour: int, model: str, what: str) -> str:
+    """`llmgw.usage.<key>.h.<hour>.<model>.<in|out|req>`: a key's usage of one model in one
+    hour (UNIX hours); the model's name escaped to one token (`escape`)."""
+    return f"{USAGE_ROOT}.{check_token(key, 'key name')}.h.{int(hour)}.{escape(model)}.{what}"
+
+
+def budget_counter(key: str, period: str) -> str:
+    """`llmgw.usage.<key>.b.<period>`: the tokens a key used in one budget period."""
+    return f"{USAGE_ROOT}.{check_token(key, 'key name')}.b.{check_token(period, 'period')}"
+
+
+def usage_parts(subject: str) -> tuple[str, int, str, str] | None:
+    """(key, hour, model, in|out|req) of an hourly usage subject, or None."""
+    parts = subject.split(".")
+    if len(parts) != 7 or parts[:2] != ["llmgw", "usage"] or parts[3] != "h":
+        return None
+    if not parts[4].isdigit() or parts[6] not in ("in", "out", "req"):
+        return None
+    return parts[2], int(parts[4]), unescape(parts[5]), parts[6]
+
+
+_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def escape(name: str) -> str:
+    """Any name as one subject token: letters, digits, '_' and '-' as they are, every other
+    byte of its UTF-8 as `%XX` (`meta-llama/Llama-3.1` -> `meta-llama%2FLlama-3%2E1`)."""
+    if name and all(c in _SAFE for c in name):
+        return name
+    out = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in name)
+    return out or "%"
+
+
+def unescape(token: str) -> str:
+    """Inverse of `escape`."""
+    if "%" not in token:
+        return token
+    if token == "%":
+        return ""
+    raw = bytearray()
+    i = 0
+    while i < len(token):
+        if token[i] == "%" and _hex(token[i + 1 : i + 3]):
+            raw.append(int(token[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw += token[i].encode()
+            i += 1
+    return raw.decode("utf-8", "replace")
+
+
+def _hex(pair: str) -> bool:
+    return len(pair) == 2 and all(c in "0123456789ABCDEFabcdef" for c in pair)

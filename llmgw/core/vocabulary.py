@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.core import events
-from llmgw.core.state import decisions, nodes, scaling
+from llmgw.core.state import decisions, keys, nodes, scaling
 from llmgw.core.state.model import ClusterState
 
 Handler = Callable[[ClusterState, Any, int, float], None]
@@ -77,6 +77,11 @@ VOCABULARY: tuple[Entry, ...] = (
     Entry(events.NodeDrainRequested, decisions.on_drain_requested, OP, routed=True),
     Entry(events.ScalePinned, scaling.on_scale_pinned, OP),
     Entry(events.ScaleReleased, scaling.on_scale_released, OP),
+    # Tenants' keys (llmgw.core.tenancy): routers admit by them.
+    Entry(events.KeyCreated, keys.on_key_created, OP, routed=True),
+    Entry(events.KeyChanged, keys.on_key_changed, OP, routed=True),
+    Entry(events.KeyRotated, keys.on_key_rotated, OP, routed=True),
+    Entry(events.KeyRevoked, keys.on_key_revoked, OP, routed=True),
     Entry(events.ReplicaPlaced, decisions.on_replica_placed, D, reconciled=True),
     Entry(events.ReplicaRetired, decisions.on_replica_retired, D, routed=True, reconciled=True),
     Entry(events.NodeUnreachable, decisions.on_unreachable, OBS, reconciled=True),

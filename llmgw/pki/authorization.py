@@ -54,6 +54,8 @@ from llmgw.pki.identity import Identity
 STREAM = subjects.STREAM
 KV_STREAM = subjects.KV_STREAM
 SIGNALS_STREAM = subjects.SIGNALS_STREAM
+LIMITS_STREAM = subjects.LIMITS_STREAM
+USAGE_STREAM = subjects.USAGE_STREAM
 LEASE_BUCKET = "llmgw-lease"
 SNAPSHOT_BUCKET = "llmgw-snapshots"
 API = "$JS.API"
@@ -149,6 +151,8 @@ def permissions(identity: Identity, nodes: Sequence[str] = ()) -> Permissions:
             deny += _others_commands(nodes)
             if identity.kind == "router":
                 publish.append(subjects.router_signals_all(identity.name))
+                # Tenants' counters: every router adds to the same key's (llmgw.core.quota).
+                publish += [f"{subjects.LIMITS_ROOT}.>", f"{subjects.USAGE_ROOT}.>"]
         case "control":
             publish += _control_publish(identity.name)
     return Permissions(
@@ -198,6 +202,9 @@ def _reader_publish(identity: Identity) -> list[str]:
     if identity.kind == "operator":
         # The routers' load reports: `llmgw ctl explain-scaling` shows the signals now.
         publish += _read_stream(SIGNALS_STREAM)
+        # Tenants' usage and rate windows: `llmgw ctl usage`.
+        publish += _read_stream(USAGE_STREAM)
+        publish += _read_stream(LIMITS_STREAM)
         publish.append(subjects.operator_events(identity.name))
     return publish
 
@@ -221,7 +228,14 @@ def _control_publish(name: str) -> list[str]:
     """The control plane's: managing the streams, its decisions and commands, its config
     file's models, the lease and the snapshots."""
     publish = [f"{API}.STREAM.LIST"]
-    for stream in [STREAM, KV_STREAM, SIGNALS_STREAM, *_bucket_streams()]:
+    for stream in [
+        STREAM,
+        KV_STREAM,
+        SIGNALS_STREAM,
+        LIMITS_STREAM,
+        USAGE_STREAM,
+        *_bucket_streams(),
+    ]:
         publish += _manage_stream(stream)
     publish += [
         subjects.CONTROL_EVENTS_ALL,

@@ -8,6 +8,7 @@ the order a client fixes them in: a key, then a model it may use, then its rate.
 
 from __future__ import annotations
 
+from llmgw.core import quota
 from llmgw.core.profile import ModelProfile
 from llmgw.router import auth
 from llmgw.router.errors import Refusal
@@ -27,15 +28,26 @@ BAD_KEY = Refusal(
 )
 
 
-def authenticate(keys: auth.Keys | None, header: str | None) -> auth.Principal | Refusal | None:
-    """The caller's principal; None when the router takes anonymous requests."""
+def authenticate(
+    keys: auth.Keys | None, header: str | None, wall: float
+) -> auth.Principal | Refusal | None:
+    """The caller's principal; None when the router takes anonymous requests. `wall` is
+    the wall clock (keys expire, and rotated secrets' overlaps end, at UNIX times)."""
     if keys is None:
         return None
     if not header:
         return NO_KEY
-    principal = keys.lookup(header)
+    principal = keys.lookup(header, wall)
     if principal is None:
         return BAD_KEY
+    if principal.expired(wall):
+        return Refusal(
+            401,
+            f"this API key ({principal.name}) expired: ask the router's operator for a new"
+            " one (llmgw ctl key update --expires)",
+            "invalid_request_error",
+            "expired_api_key",
+        )
     return principal
 
 
@@ -82,34 +94,54 @@ def resolve(catalog: Catalog, asked: str) -> ModelProfile | Refusal:
     return profile
 
 
-def admit(
-    principal: auth.Principal | None, asked: str, profile: ModelProfile, now: float
-) -> Refusal | None:
-    """None when the key may use the model and is within its limits (a request is taken
-    from its request bucket); else why not."""
-    if principal is None:
+def admit(principal: auth.Principal | None, asked: str, profile: ModelProfile) -> Refusal | None:
+    """None when the key may use the model; else why not. Its limits are the quotas' to
+    check (llmgw.router.quotas: fleet-wide, or this router's buckets)."""
+    if principal is None or may_use(principal, asked, profile):
         return None
-    if not may_use(principal, asked, profile):
-        return Refusal(
-            403,
-            f"this API key may not use the model {asked!r}",
-            "permission_error",
-            "model_not_allowed",
-        )
-    if principal.requests is not None and not principal.requests.take(now):
-        return Refusal(
-            429,
-            f"this API key is over its limit of {principal.entry.requests_per_s}"
-            " requests/s: retry later",
-            "rate_limit_error",
-            "rate_limit_exceeded",
-        )
-    if principal.tokens is not None and not principal.tokens.has_credit(now):
-        return Refusal(
-            429,
-            f"this API key is over its limit of {principal.entry.tokens_per_min}"
-            " tokens/min: retry later",
-            "rate_limit_error",
-            "tokens_exceeded",
-        )
-    return None
+    return Refusal(
+        403,
+        f"this API key may not use the model {asked!r}",
+        "permission_error",
+        "model_not_allowed",
+    )
+
+
+def over_requests(principal: auth.Principal, remaining: float, reset_s: float) -> Refusal:
+    limit = principal.settings.requests_per_s or 0.0
+    return Refusal(
+        429,
+        f"this API key ({principal.name}) is over its limit of {limit:g} requests/s:"
+        f" retry in {quota.reset_text(reset_s)}",
+        "rate_limit_error",
+        "rate_limit_exceeded",
+        retry_after=quota.retry_after(reset_s),
+        headers=quota.rate_headers("requests", limit, remaining, reset_s),
+    )
+
+
+def over_tokens(principal: auth.Principal, remaining: float, reset_s: float) -> Refusal:
+    limit = principal.settings.tokens_per_min or 0.0
+    return Refusal(
+        429,
+        f"this API key ({principal.name}) is over its limit of {limit:g} tokens/min:"
+        f" retry in {quota.reset_text(reset_s)}",
+        "rate_limit_error",
+        "tokens_exceeded",
+        retry_after=quota.retry_after(reset_s),
+        headers=quota.rate_headers("tokens", limit, remaining, reset_s),
+    )
+
+
+def over_budget(principal: auth.Principal, used: int, reset_s: float) -> Refusal:
+    s = principal.settings
+    return Refusal(
+        429,
+        f"this API key ({principal.name}) has used its budget of {s.budget_tokens} tokens"
+        f" per {s.budget_period} ({used} used); it renews in {quota.reset_text(reset_s)}"
+        " (at 00:00 UTC), or ask the operator to raise it (llmgw ctl key update"
+        " --budget-tokens)",
+        "rate_limit_error",
+        "budget_exceeded",
+        retry_after=quota.retry_after(reset_s),
+    )

@@ -31,7 +31,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -39,7 +39,7 @@ from aiohttp import web
 
 from llmgw import logs
 from llmgw.config import ConfigError
-from llmgw.core import routing
+from llmgw.core import routing, state
 from llmgw.router import admission, aiohttp_direct, auth, protocol, requests
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
@@ -84,11 +84,15 @@ class Router:
         self._snapshots: asyncio.Task[None] | None = None
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(8), "big")
         self.rng = random.Random(seed + worker)
-        self.keys: auth.Keys | None = None
+        # None: anonymous. Else the keys file's and, with a log, the log's (auth.merged).
+        self.keys: auth.Keys | None = None if cfg.auth.allow_anonymous else auth.Keys()
+        self.file_keys: auth.Keys | None = None
         # With several workers, keys' limits are shared by all of them (see auth).
         self.limits = limits
         if cfg.auth.keys_file:
-            self.keys = auth.load_keys(cfg.auth.keys_file, time.monotonic(), limits)
+            self.keys = self.file_keys = auth.load_keys(
+                cfg.auth.keys_file, time.monotonic(), limits
+            )
         self.session: aiohttp.ClientSession | None = None
         self.prober: Prober | None = None
         self.feed: LogFeed | None = None
@@ -105,6 +109,7 @@ class Router:
         self._rid_prefix = f"{os.urandom(4).hex()}-"
         self._rid = 0
         self._use_prefix = cfg.weights.prefix > 0 or cfg.cache.enabled
+        self._log_keys: dict[str, state.KeyState] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -120,6 +125,8 @@ class Router:
         await self.prober.probe_all()
         self.prober.start()
         if self.cfg.log is not None:
+            # Keys' fleet-wide limits and usage, on the log's server (llmgw.router.quotas).
+            self.dispatcher.quotas.start(self.cfg.log)
             # The production wiring: the feed connects in the background (a router
             # started before NATS serves on its static config meanwhile).
             self.feed = LogFeed(
@@ -129,6 +136,7 @@ class Router:
                 ports=feed_ports.jetstream(self.cfg.log),
                 static_models=frozenset(m.name for m in self.cfg.models),
                 static_endpoints=frozenset(ep.id for ep in self.cfg.endpoints),
+                on_keys=None if self.keys is None else self.set_log_keys,
             )
             self.feed.start()
             if self.cfg.cache.enabled and self.cfg.cache.events:
@@ -154,6 +162,7 @@ class Router:
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
+        await self.dispatcher.quotas.close()
         if self.signals is not None:
             await self.signals.close()
         if self.kv_feed is not None:
@@ -171,6 +180,13 @@ class Router:
         self.pool.close()
         self.deadlines.close()
 
+    def set_log_keys(self, log_keys: Mapping[str, state.KeyState]) -> None:
+        """The log's keys changed (llmgw.router.feed): in force from the next request."""
+        self._log_keys = dict(log_keys)
+        self.keys = auth.merged(
+            self.file_keys, self._log_keys, time.monotonic(), self.limits, old=self.keys
+        )
+
     def reload_keys(self) -> None:
         """Re-read the keys file; a broken file keeps the keys in force (and says why)."""
         if not self.cfg.auth.keys_file:
@@ -181,13 +197,14 @@ class Router:
             log.error("keys_reload_failed", error=str(exc), kept=len(self.keys.by_digest) if
                       self.keys else 0)  # fmt: skip
             return
-        if self.keys is not None:
+        if self.file_keys is not None:
             # Keep the buckets of keys that stay, so a reload does not reset their limits.
             for digest, principal in keys.by_digest.items():
-                old = self.keys.by_digest.get(digest)
-                if old is not None and old.entry == principal.entry:
+                old = self.file_keys.by_digest.get(digest)
+                if old is not None and old.settings == principal.settings:
                     keys.by_digest[digest] = old
-        self.keys = keys
+        self.file_keys = keys
+        self.keys = auth.merged(keys, self._log_keys, time.monotonic(), self.limits, self.keys)
         log.info("keys_reloaded", keys=len(keys.by_digest))
 
     # ------------------------------------------------------------------ handlers
@@ -202,7 +219,9 @@ class Router:
 
     async def handle_models(self, request: web.BaseRequest) -> web.Response:
         rid = self._request_id(request)
-        principal = admission.authenticate(self.keys, request.headers.get("Authorization"))
+        principal = admission.authenticate(
+            self.keys, request.headers.get("Authorization"), time.time()
+        )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
         data = []
@@ -289,8 +308,14 @@ class Router:
             took = time.monotonic() - start
             asked, status = outcome.model, outcome.status or 500
             self.metrics.request_done(asked, status, took)
+            p = outcome.principal
+            if p is not None:
+                self.metrics.key_request(p.name, p.settings.team, asked, status)
+                if status < 400:
+                    self.dispatcher.quotas.request_done(p, asked)
             if self._access_log:
-                log.debug("request", request_id=rid, model=asked, status=status, duration_s=took)
+                log.debug("request", request_id=rid, model=asked, status=status, duration_s=took,
+                          key=p.name if p is not None else None)  # fmt: skip
 
     async def _serve(
         self, request: web.BaseRequest, kind: requests.Kind, rid: str, start: float,
@@ -298,7 +323,9 @@ class Router:
     ) -> web.StreamResponse:  # fmt: skip
         """Admission, then dispatch; `outcome` gets the model's name once it is known, and
         the status when it is not the response's own."""
-        principal = admission.authenticate(self.keys, request.headers.get("Authorization"))
+        principal = admission.authenticate(
+            self.keys, request.headers.get("Authorization"), time.time()
+        )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
         body = await self._read_body(request)
@@ -312,7 +339,10 @@ class Router:
         if isinstance(profile, Refusal):
             return refusal_response(profile, rid)
         outcome.model = profile.name
-        refused = admission.admit(principal, parsed.model, profile, time.monotonic())
+        refused = admission.admit(principal, parsed.model, profile)
+        if refused is None and principal is not None:
+            outcome.principal = principal
+            refused = await self.dispatcher.quotas.admit(principal, time.time(), time.monotonic())
         if refused is not None:
             return refusal_response(refused, rid)
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
@@ -335,11 +365,13 @@ class _Outcome:
     """What a request's metrics record: the model (once known) and the status, when it
     is not the response's own (0: the response's)."""
 
-    __slots__ = ("model", "status")
+    __slots__ = ("model", "principal", "status")
 
     def __init__(self) -> None:
         self.model = "unknown"
         self.status = 0
+        self.principal: auth.Principal | None = None
+        """The key, once admitted to a model (its name labels the key metrics)."""
 
 
 def build_server(router: Router) -> web.Server:

@@ -16,6 +16,11 @@ Keys file (YAML):
         requests_per_s: 20           # optional
         tokens_per_min: 200000       # optional, counted from the engines' usage
 
+Keys also come from the log: `llmgw ctl key create` records a key's digest and settings
+(llmgw.core.tenancy) and every router that follows the log folds them (`merged`), so a new,
+changed, rotated or revoked key is in force on every router within the feed's delay; the
+keys file stays as the bootstrap of router-only deployments.
+
 Limits are token buckets per key for the router as a whole: with `--workers N`
 the buckets live in a file every worker maps (`SharedLimits`), changed under one
 lock, so a client whose one keep-alive connection lands on one worker gets its
@@ -29,12 +34,15 @@ import hashlib
 import mmap
 import os
 import secrets
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 
 from llmgw import config
+from llmgw.core.state import KeyState
+from llmgw.core.tenancy import KeySettings
 
 KEY_PREFIX = "llmgw-"
 
@@ -204,20 +212,36 @@ class SharedBucket:
 class Principal:
     """One key's permissions and its live buckets."""
 
-    __slots__ = ("all_models", "entry", "models", "requests", "tokens")
+    __slots__ = (
+        "all_models", "fleet", "limited", "models", "name", "requests", "settings", "sha256",
+        "tokens",
+    )  # fmt: skip
 
-    def __init__(self, entry: KeyEntry, now: float, shared: SharedLimits | None = None) -> None:
-        self.entry = entry
-        self.all_models = "*" in entry.models
-        self.models = frozenset(entry.models)
+    def __init__(
+        self,
+        settings: KeySettings,
+        sha256: str,
+        now: float,
+        shared: SharedLimits | None = None,
+    ) -> None:
+        self.settings = settings
+        self.sha256 = sha256
+        self.name = settings.name
+        self.fleet = False
+        """A key of the log: its limits hold fleet-wide (llmgw.router.quotas)."""
+        self.limited = bool(
+            settings.requests_per_s or settings.tokens_per_min or settings.budget_tokens
+        )
+        self.all_models = "*" in settings.models
+        self.models = frozenset(settings.models)
         # A burst of one second's requests, or of a whole minute's tokens.
-        rps, tpm = entry.requests_per_s, entry.tokens_per_min
+        rps, tpm = settings.requests_per_s, settings.tokens_per_min
         r_burst = max(rps, 1.0) if rps else 0.0
         t_burst = max(tpm, 1.0) if tpm else 0.0
         self.requests: Limiter | None = None
         self.tokens: Limiter | None = None
         if shared is not None and (rps or tpm):
-            at = shared.claim(entry.sha256.lower(), now, (r_burst, t_burst))
+            at = shared.claim(sha256, now, (r_burst, t_burst))
             if rps:
                 self.requests = shared.bucket(at + 1, rps, r_burst)
             if tpm:
@@ -231,15 +255,24 @@ class Principal:
     def may_use(self, model: str) -> bool:
         return self.all_models or model in self.models
 
+    def expired(self, wall: float) -> bool:
+        at = self.settings.expires_at
+        return at is not None and wall >= at
+
 
 class Keys:
-    """The loaded keys file: digest -> principal."""
+    """The keys in force: digest -> principal, and the secrets valid only until a time (a
+    rotated key's old secret, during its overlap)."""
 
-    def __init__(self, keys: KeysFile, now: float, shared: SharedLimits | None = None) -> None:
-        self.by_digest = {e.sha256.lower(): Principal(e, now, shared) for e in keys.keys}
+    def __init__(
+        self, principals: Iterable[Principal] = (), until: dict[str, float] | None = None
+    ) -> None:
+        self.by_digest: dict[str, Principal] = {p.sha256: p for p in principals}
+        self.until: dict[str, float] = until or {}
 
-    def lookup(self, authorization: str | None) -> Principal | None:
-        """The principal of an `Authorization` header value, None when missing or unknown."""
+    def lookup(self, authorization: str | None, wall: float = 0.0) -> Principal | None:
+        """The principal of an `Authorization` header value, None when missing or unknown
+        (or a rotated-out secret past its overlap, at wall-clock time `wall`)."""
         if not authorization:
             return None
         # The scheme is case-insensitive (RFC 9110, 11.1): `bearer` is as good as `Bearer`.
@@ -249,7 +282,55 @@ class Keys:
         key = key.strip()
         if not key:
             return None
-        return self.by_digest.get(digest(key))
+        d = digest(key)
+        principal = self.by_digest.get(d)
+        if principal is not None and self.until and d in self.until and wall >= self.until[d]:
+            return None
+        return principal
+
+
+def _reused(old: Keys | None, digest_hex: str, settings: KeySettings) -> Principal | None:
+    """The principal `old` holds for the same secret and settings: its buckets stay."""
+    p = old.by_digest.get(digest_hex) if old is not None else None
+    return p if p is not None and p.settings == settings else None
+
+
+def merged(
+    file_keys: Keys | None,
+    log_keys: Mapping[str, KeyState],
+    now: float,
+    shared: SharedLimits | None = None,
+    old: Keys | None = None,
+) -> Keys:
+    """The keys file's keys and the log's (llmgw ctl key) as one set. A secret both hold is
+    the file's: the bootstrap a router-only deployment starts from stays as written."""
+    out = Keys()
+    for name in sorted(log_keys):
+        key = log_keys[name]
+        for digest_hex, until in ((key.sha256, 0.0), (key.previous_sha256, key.previous_until)):
+            if not digest_hex:
+                continue
+            p = _reused(old, digest_hex, key.settings)
+            if p is None:
+                p = Principal(key.settings, digest_hex, now, shared)
+                p.fleet = True
+            out.by_digest[digest_hex] = p
+            if until:
+                out.until[digest_hex] = until
+    if file_keys is not None:
+        for digest_hex, p in file_keys.by_digest.items():
+            out.by_digest[digest_hex] = p
+            out.until.pop(digest_hex, None)
+    return out
+
+
+def file_settings(entry: KeyEntry) -> KeySettings:
+    return KeySettings(
+        name=entry.name,
+        models=entry.models,
+        requests_per_s=entry.requests_per_s,
+        tokens_per_min=entry.tokens_per_min,
+    )
 
 
 def load_keys(path: str | Path, now: float, shared: SharedLimits | None = None) -> Keys:
@@ -279,4 +360,4 @@ def load_keys(path: str | Path, now: float, shared: SharedLimits | None = None) 
                     f"keys file {path}: keys[{i}] ({e.name}): {field} must be above 0,"
                     " or left out for no limit"
                 )
-    return Keys(kf, now, shared)
+    return Keys(Principal(file_settings(e), e.sha256.lower(), now, shared) for e in kf.keys)

@@ -41,6 +41,9 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who may call. A router with a `log` admits the log's keys (`llmgw ctl key`), and the
+    keys file's beside them; one without admits the keys file's."""
+
     keys_file: str = ""
     """YAML file of hashed API keys (see `llmgw router hash-key`)."""
     allow_anonymous: bool = False
@@ -245,10 +248,11 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
         problems.append("cache: recent_s must be >= 0 and stale_after_s above 0")
     if cfg.breaker.failures_to_open < 1:
         problems.append("breaker.failures_to_open must be at least 1")
-    if not cfg.auth.keys_file and not cfg.auth.allow_anonymous:
+    if not cfg.auth.keys_file and not cfg.auth.allow_anonymous and cfg.log is None:
         problems.append(
-            "no API keys: set auth.keys_file to a keys file (make entries with"
-            " `llmgw router hash-key`), or set auth.allow_anonymous: true to serve without keys"
+            "no API keys: set log (the fleet's keys, made with `llmgw ctl key create`), or"
+            " auth.keys_file to a keys file (entries from `llmgw router hash-key`), or"
+            " auth.allow_anonymous: true to serve without keys"
         )
     if cfg.auth.keys_file and cfg.auth.allow_anonymous:
         problems.append("auth.keys_file and auth.allow_anonymous are both set: choose one")

@@ -36,6 +36,7 @@ from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, refusal_respo
 from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
+from llmgw.router.quotas import Quotas
 from llmgw.router.relay import ClientStream, EngineStream, relay
 from llmgw.router.table import Catalog, EndpointTable
 
@@ -75,6 +76,8 @@ class Dispatcher:
         )
         table.on_remove.append(self.kv.forget)
         self.holds = Holds(table.for_model)
+        self.quotas = Quotas()
+        """Keys' limits and usage (llmgw.router.quotas); the Router starts its flusher."""
         self.received: dict[str, int] = {}
         """Model -> requests dispatched (the load reports' request counts)."""
         # Three of the relay's hooks are the metrics' own methods: no forwarding call.
@@ -433,8 +436,10 @@ class Dispatcher:
     def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
         self.metrics.count_tokens(prof.name, u.prompt_tokens, u.completion_tokens)
         principal = client.principal
-        if principal is not None and principal.tokens is not None:
-            principal.tokens.spend(time.monotonic(), u.prompt_tokens + u.completion_tokens)
+        if principal is not None:
+            self.metrics.key_usage(principal.name, principal.settings.team, prof.name,
+                                   u.prompt_tokens, u.completion_tokens)  # fmt: skip
+            self.quotas.used(principal, prof.name, u.prompt_tokens, u.completion_tokens)
         details = u.prompt_tokens_details
         cached = details.cached_tokens if details is not None else None
         if cached is not None and client.cached_predicted >= 0:

@@ -51,6 +51,8 @@ class Refusal:
     """The connection cannot be reused (the rest of a late body may still arrive)."""
     retry_after: int = 0
     """Seconds for a `Retry-After` header (0: none)."""
+    headers: tuple[tuple[str, str], ...] = ()
+    """More headers (a rate limit's `x-ratelimit-*`)."""
 
     def body(self) -> bytes:
         return requests.error_body(self.message, self.type, self.code)
@@ -78,6 +80,8 @@ def refusal_response(refusal: Refusal, rid: str = "") -> web.Response:
     resp = error_response(refusal.status, refusal.message, refusal.type, refusal.code, rid)
     if refusal.retry_after:
         resp.headers["Retry-After"] = str(refusal.retry_after)
+    for name, value in refusal.headers:
+        resp.headers[name] = value
     if refusal.close:
         resp.force_close()
     return resp

@@ -26,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+from collections.abc import Callable, Mapping
 
 import msgspec
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
-from llmgw.core import state, vocabulary
+from llmgw.core import events, state, vocabulary
 from llmgw.core.profile import ModelProfile
 from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
@@ -43,6 +44,7 @@ log = logs.get("llmgw.router.feed")
 # Events after which the catalog or the endpoint table may need to change. The rest
 # (heartbeats above all) are folded without looking at the tables.
 _RELEVANT = vocabulary.ROUTED
+_KEY_EVENTS = (events.KeyCreated, events.KeyChanged, events.KeyRotated, events.KeyRevoked)
 
 
 class Wanted(msgspec.Struct, frozen=True):
@@ -84,10 +86,12 @@ class LogFeed:
         tls: ssl.SSLContext | None = None,
         static_models: frozenset[str] = frozenset(),
         static_endpoints: frozenset[str] = frozenset(),
+        on_keys: Callable[[Mapping[str, state.KeyState]], None] | None = None,
     ) -> None:
         """`ports` (llmgw.router.ports) are the log and snapshots to fold, or an opener of
         them; without, the feed connects to `source` itself (`tls` ready-made, or from
-        the source's files) as the production wiring does."""
+        the source's files) as the production wiring does. `on_keys` is told the log's
+        tenant keys whenever they change (and once caught up)."""
         self.source = source
         self.catalog = catalog
         self.table = table
@@ -98,6 +102,7 @@ class LogFeed:
         self._open: PortsOpener = ports
         self._static_models = static_models
         self._static_endpoints = static_endpoints
+        self._on_keys = on_keys
         self.cluster = state.ClusterState()
         self.models: set[str] = set()
         """Models this feed put into the catalog."""
@@ -192,7 +197,7 @@ class LogFeed:
 
     def apply(self, batch: list[bus.Record]) -> None:
         """Fold a batch of records; sync the tables once if any of them matters."""
-        dirty = False
+        dirty = keys = False
         for record in batch:
             reason = state.apply(self.cluster, record.event, record.seq, record.time)
             if reason is not None:
@@ -201,11 +206,15 @@ class LogFeed:
             self.applied += 1
             if isinstance(record.event, _RELEVANT):
                 dirty = True
+                keys = keys or isinstance(record.event, _KEY_EVENTS)
         if dirty:
-            self.sync()
+            self.sync(keys=keys)
 
-    def sync(self) -> None:
-        """Make the catalog and the table hold what the folded log says."""
+    def sync(self, *, keys: bool = True) -> None:
+        """Make the catalog and the table (and, when `keys`, the router's keys) hold what
+        the folded log says."""
+        if keys and self._on_keys is not None:
+            self._on_keys(self.cluster.keys)
         want = wanted(self.cluster)
         for name, profile in want.models.items():
             if name in self._static_models:

@@ -103,7 +103,7 @@ Metric = Counter | Gauge | Histogram
 class Metrics:
     """Every metric of one router process."""
 
-    # long: one declaration per metric family (18 of them), each with its help text
+    # long: one declaration per metric family (20 of them), each with its help text
     def __init__(self, *, worker: int = 0) -> None:
         self.worker = worker
         p = PREFIX
@@ -189,11 +189,19 @@ class Metrics:
             " approximate (prompt text), none.",
             ("model", "source"),
         )
+        self.key_requests = Counter(
+            p + "key_requests", "Requests answered per API key (its name, never the secret),"
+            " team, model and HTTP status.", ("key", "team", "model", "status"),
+        )  # fmt: skip
+        self.key_tokens = Counter(
+            p + "key_tokens", "Tokens per API key, team and model, from the engines' usage,"
+            " by direction (in, out).", ("key", "team", "model", "direction"),
+        )  # fmt: skip
         self.all: tuple[Metric, ...] = (
             self.requests, self.duration, self.ttft, self.itl, self.tokens, self.retries,
             self.fallbacks, self.slow_clients, self.sent, self.scores, self.drops, self.breaker,
             self.ready, self.queue, self.kv, self.inflight, self.cache_tokens,
-            self.cache_sources,
+            self.cache_sources, self.key_requests, self.key_tokens,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the hot path
@@ -201,6 +209,15 @@ class Metrics:
     def request_done(self, model: str, status: int, duration: float) -> None:
         self.requests.inc((model, str(status)))
         self.duration.observe((model,), duration)
+
+    def key_request(self, key: str, team: str, model: str, status: int) -> None:
+        self.key_requests.inc((key, team, model, str(status)))
+
+    def key_usage(self, key: str, team: str, model: str, prompt: int, completion: int) -> None:
+        if prompt:
+            self.key_tokens.inc((key, team, model, "in"), prompt)
+        if completion:
+            self.key_tokens.inc((key, team, model, "out"), completion)
 
     def first_token(self, model: str, ttft: float) -> None:
         self.ttft.observe((model,), ttft)

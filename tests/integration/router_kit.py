@@ -95,10 +95,12 @@ class Router(Proc):
         workers: int = 1,
         log: Path | None = None,
         env: dict[str, str] | None = None,
+        feed: dict[str, Any] | None = None,
         **settings: Any,
     ) -> Router:
         """`sims` maps endpoint id -> sim (or URL); every endpoint serves model `m`
-        unless `endpoint_models` says otherwise."""
+        unless `endpoint_models` says otherwise. `feed`: the config's `log` section (the
+        NATS server it follows; `log` is this process's log file)."""
         cfg: dict[str, Any] = {
             "listen": {"host": "127.0.0.1", "port": 0},
             "admin": {"host": "127.0.0.1", "port": 0},
@@ -116,6 +118,8 @@ class Router(Proc):
             "seed": 7,
             "log_level": "info",
         }
+        if feed is not None:
+            cfg["log"] = feed
         cfg.setdefault("auth", {"allow_anonymous": True})
         for key, value in settings.items():
             cfg[key] = value

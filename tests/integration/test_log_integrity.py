@@ -23,6 +23,7 @@ import pytest
 from nats.aio.client import Client
 
 from llmgw import bus
+from llmgw.bus import counters
 from llmgw.core import events, kvblocks, loadreport, subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import Identity
@@ -36,7 +37,14 @@ LEASE = f"KV_{authorization.LEASE_BUCKET}"
 SNAPS = f"OBJ_{authorization.SNAPSHOT_BUCKET}"
 KV = subjects.KV_STREAM
 SIGNALS = subjects.SIGNALS_STREAM
-STREAMS = (STREAM, KV, SIGNALS, LEASE, SNAPS)
+# The tenants' counters hold one message per subject whose total is what matters, so their
+# totals are compared, not counts. (A direct get's answer copied onto one is refused by the
+# server in any account: it has a payload, which no increment may have.)
+COUNTERS = (subjects.LIMITS_STREAM, subjects.USAGE_STREAM)
+STREAMS = (STREAM, KV, SIGNALS, LEASE, SNAPS, *COUNTERS)
+VICTIM_KEY = "victim-key"
+VICTIM_RATE = subjects.limit_counter(VICTIM_KEY, "r", 1)
+VICTIM_BUDGET = subjects.budget_counter(VICTIM_KEY, "d20261202")
 # The snapshot store may also be a KV bucket (older deployments): attacked though absent.
 ATTACKED_STREAMS = (*STREAMS, f"KV_{authorization.SNAPSHOT_BUCKET}")
 LEASE_KEY = f"$KV.{authorization.LEASE_BUCKET}.leader"
@@ -69,6 +77,9 @@ TARGETS = (
     subjects.router_signals("router-2", 0),
     subjects.node_signals(VICTIM),
     subjects.router_signals("router-1", 3),
+    VICTIM_RATE,
+    VICTIM_BUDGET,
+    subjects.usage_counter(VICTIM_KEY, 1, "m", "in"),
     LEASE_KEY,
     f"$O.{authorization.SNAPSHOT_BUCKET}.M.c3RhdGU",
     f"$O.{authorization.SNAPSHOT_BUCKET}.C.forged",
@@ -85,6 +96,8 @@ def owns(identity: Identity, subject: str) -> bool:
             return len(parts) == 4 and parts[3] == identity.name
         return parts[:4] == ["llmgw", "events", "node", identity.name]
     if identity.kind == "router":
+        if parts[:2] in (["llmgw", "limits"], ["llmgw", "usage"]):
+            return True  # every router adds to every key's counters
         return parts[:4] == ["llmgw", "signals", "router", identity.name] and len(parts) == 5
     if identity.kind == "operator":
         return parts[:4] == ["llmgw", "events", "operator", identity.name] and len(parts) == 5
@@ -170,6 +183,7 @@ def _bodies(endpoint: str, stream: str, target: str, consumer: str) -> list[dict
             {"seq": 2},
             {"last_by_subj": subjects.node_event("node-a", "heartbeat")},
             {"last_by_subj": LEASE_KEY},
+            {"last_by_subj": VICTIM_RATE},
             {"seq": 1, "batch": 20},
             {"multi_last": [">"], "batch": 20},
         ]
@@ -227,21 +241,26 @@ def attempts(identity: Identity) -> Iterator[Attempt]:
 
 
 async def stored_subjects(admin: Client) -> dict[str, dict[str, int]]:
-    """Per stream, how many messages each subject holds."""
+    """Per stream, how many messages each subject holds (of a counter stream: its total)."""
     js = admin.jetstream()
     out = {}
     for stream in STREAMS:
+        if stream in COUNTERS:
+            out[stream] = await counters.totals(admin, stream, ">")
+            continue
         info = await js.stream_info(stream, subjects_filter=">")
         out[stream] = dict(info.state.subjects or {})
     return out
 
 
 def grown(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> set[str]:
+    """Subjects with more messages than before, or a counter whose total moved at all."""
     return {
         subject
         for stream, counts in after.items()
         for subject, n in counts.items()
         if n > before.get(stream, {}).get(subject, 0)
+        or (stream in COUNTERS and n != before.get(stream, {}).get(subject, 0))
     }
 
 
@@ -270,6 +289,9 @@ async def fleet(connect: Connector) -> Client:
     # And a router's load report in llmgw-signals.
     router = await connect("router", "router-1")
     await bus.SignalsPublisher(router, "router-1").publish(loadreport.LoadReport(ts=1.0))
+    # And a key's counters, which a copy would add to.
+    for subject in (VICTIM_RATE, VICTIM_BUDGET):
+        assert await counters.Counters(router, timeout_s=5).add(subject, 5) == 5
     stop = events.StopShard(id="c-1", ts=1.0, node=VICTIM, replica_id="r", generation=1)
     await bus.Publisher(js).publish(stop)
     lease = await js.key_value(authorization.LEASE_BUCKET)

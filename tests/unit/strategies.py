@@ -25,10 +25,15 @@ def from_type_info(t: Any) -> st.SearchStrategy[Any]:
         return st.integers(lo, hi)
     if isinstance(t, ti.FloatType):
         return st.floats(
-            min_value=t.ge if t.ge is not None else -1e12,
+            min_value=t.ge if t.ge is not None else t.gt if t.gt is not None else -1e12,
             max_value=t.le if t.le is not None else 1e12,
+            exclude_min=t.ge is None and t.gt is not None,
             allow_nan=False,
             allow_infinity=False,
+        )
+    if isinstance(t, ti.StrType) and t.pattern:
+        return st.from_regex(t.pattern.strip("^$"), fullmatch=True).filter(
+            lambda s: len(s) <= (t.max_length or 10**9)
         )
     if isinstance(t, ti.StrType):
         return st.text(max_size=min(t.max_length or 20, 20))

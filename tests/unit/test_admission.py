@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from llmgw.core.profile import ModelProfile
-from llmgw.router import admission, aiohttp_direct, auth
+from llmgw.router import admission, aiohttp_direct, auth, quotas
 from llmgw.router.errors import Refusal, refusal_response
 from llmgw.router.table import Catalog
 
@@ -27,14 +27,14 @@ def _error(r: Refusal) -> dict[str, str]:
 def test_no_key_and_a_wrong_key_are_401s_in_openai_shape(tmp_path: Path) -> None:
     key = auth.new_key()
     keys = _keys(tmp_path, key, ("*",))
-    assert admission.authenticate(None, None) is None  # anonymous router
-    missing = admission.authenticate(keys, None)
-    wrong = admission.authenticate(keys, "Bearer nope")
+    assert admission.authenticate(None, None, 0.0) is None  # anonymous router
+    missing = admission.authenticate(keys, None, 0.0)
+    wrong = admission.authenticate(keys, "Bearer nope", 0.0)
     assert isinstance(missing, Refusal)
     assert isinstance(wrong, Refusal)
     assert (missing.status, _error(missing)["code"]) == (401, "missing_api_key")
     assert (wrong.status, _error(wrong)["code"]) == (401, "invalid_api_key")
-    assert isinstance(admission.authenticate(keys, f"Bearer {key}"), auth.Principal)
+    assert isinstance(admission.authenticate(keys, f"Bearer {key}", 0.0), auth.Principal)
 
 
 def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:
@@ -48,20 +48,24 @@ def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:
     assert _error(unknown)["code"] == "model_not_found"
     other = admission.resolve(catalog, "other")
     assert isinstance(other, ModelProfile)
-    refused = admission.admit(principal, "other", other, 0.0)
+    refused = admission.admit(principal, "other", other)
     assert refused is not None
     assert (refused.status, refused.type, refused.code) == (
         403, "permission_error", "model_not_allowed"
     )  # fmt: skip
     m = admission.resolve(catalog, "best")  # by alias: the canonical name is allowed
     assert isinstance(m, ModelProfile)
-    assert admission.admit(principal, "best", m, 0.0) is None
-    over = admission.admit(principal, "m", m, 0.0)  # one request per second, taken
+    assert admission.admit(principal, "best", m) is None
+    # A keys-file key's limits are this router's buckets (llmgw.router.quotas).
+    assert quotas.local_limits(principal, 0.0) is None
+    over = quotas.local_limits(principal, 0.0)  # one request per second, taken
     assert over is not None
     assert (over.status, over.code) == (429, "rate_limit_exceeded")
+    assert dict(over.headers)["x-ratelimit-limit-requests"] == "1"
+    assert refusal_response(over).headers["Retry-After"] == "1"
     assert principal.tokens is not None
     principal.tokens.spend(1.0, 1000)
-    spent = admission.admit(principal, "m", m, 1.0)
+    spent = quotas.local_limits(principal, 1.0)
     assert spent is not None
     assert (spent.status, spent.code) == (429, "tokens_exceeded")
     assert spent.type == "rate_limit_error"

@@ -48,6 +48,7 @@ from llmgw.core.limits import (
 from llmgw.core.phases import SHARD_PHASES as SHARD_PHASES
 from llmgw.core.phases import ShardPhase as ShardPhase
 from llmgw.core.profile import LaunchSpec, ModelProfile
+from llmgw.core.tenancy import MAX_OVERLAP_S, Digest, KeySettings
 
 # Base64 of MAX_PER_ATTESTATION digests of DIGEST_BYTES, with room for padding.
 _MAX_DIGESTS_B64 = (MAX_PER_ATTESTATION * DIGEST_BYTES + 2) // 3 * 4 + 4
@@ -214,6 +215,34 @@ class ScaleReleased(OperatorEvent, tag="operator.scale_released", kw_only=True, 
     """Give a pinned model back to its autoscaler."""
 
     model: Name
+
+
+class KeyCreated(OperatorEvent, tag="operator.key_created", kw_only=True, frozen=True):
+    """A tenant's API key: its settings and the SHA-256 of its secret (never the secret)."""
+
+    key: KeySettings
+    sha256: Digest
+
+
+class KeyChanged(OperatorEvent, tag="operator.key_changed", kw_only=True, frozen=True):
+    """A key's new settings (the whole of them); its secret stays."""
+
+    key: KeySettings
+
+
+class KeyRotated(OperatorEvent, tag="operator.key_rotated", kw_only=True, frozen=True):
+    """A key's new secret; the old one stays valid `overlap_s` after `ts`, then not."""
+
+    name: Name
+    sha256: Digest
+    overlap_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_OVERLAP_S)] = 0.0
+
+
+class KeyRevoked(OperatorEvent, tag="operator.key_revoked", kw_only=True, frozen=True):
+    """The key is refused from now on, on every router."""
+
+    name: Name
+    reason: Text = ""
 
 
 # --------------------------------------------------------------------------- control decisions
@@ -390,6 +419,10 @@ AnyEvent: TypeAlias = (
     | NodeDrainRequested
     | ScalePinned
     | ScaleReleased
+    | KeyCreated
+    | KeyChanged
+    | KeyRotated
+    | KeyRevoked
     | ReplicaPlaced
     | ReplicaRetired
     | NodeUnreachable

@@ -39,6 +39,7 @@ from llmgw.core.state.fold import QUARANTINABLE, apply, fold_records, ignored_by
 from llmgw.core.state.model import (
     ClusterState,
     Endpoint,
+    KeyState,
     Liveness,
     ModelState,
     NodeState,
@@ -59,6 +60,7 @@ __all__ = [
     "TERMINAL",
     "ClusterState",
     "Endpoint",
+    "KeyState",
     "Liveness",
     "ModelState",
     "NodeState",

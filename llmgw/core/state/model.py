@@ -14,6 +14,7 @@ from llmgw.core import events
 from llmgw.core.inventory import Fabric, Gpu, Hca
 from llmgw.core.phases import Phase
 from llmgw.core.profile import ModelProfile
+from llmgw.core.tenancy import KeySettings
 
 Liveness = Literal["ready", "unreachable", "lost"]
 # The state's Structs are declared gc=False: they never form reference cycles,
@@ -146,6 +147,20 @@ class Quarantine(msgspec.Struct, kw_only=True, gc=False):
     ts: float = 0.0
 
 
+class KeyState(msgspec.Struct, kw_only=True, gc=False):
+    """A tenant's API key as the log holds it: settings and digests, never the secret."""
+
+    settings: KeySettings
+    sha256: str
+    previous_sha256: str = ""
+    """The secret before the last rotation, valid until `previous_until`."""
+    previous_until: float = 0.0
+    created_ts: float = 0.0
+    created_by: str = ""
+    changed_ts: float = 0.0
+    changed_by: str = ""
+
+
 class ClusterState(msgspec.Struct, kw_only=True):
     nodes: dict[str, NodeState] = {}
     models: dict[str, ModelState] = {}
@@ -155,6 +170,8 @@ class ClusterState(msgspec.Struct, kw_only=True):
     leader: str = ""
     quarantined: dict[str, Quarantine] = {}
     """Node -> its quarantine; a node may be quarantined before it ever registered."""
+    keys: dict[str, KeyState] = {}
+    """Tenants' API keys by name (llmgw.core.tenancy): what every router admits by."""
     # Not part of the digest:
     last_seq: int = 0
     seen: dict[str, Seen] = {}

@@ -52,6 +52,8 @@ def digest(state: ClusterState) -> str:
     if state.quarantined:
         # Only when there is one: the digest of every log without quarantines is unchanged.
         durable.append([(k, state.quarantined[k]) for k in sorted(state.quarantined)])
+    if state.keys:
+        durable.append([(k, state.keys[k]) for k in sorted(state.keys)])
     return hashlib.sha256(_digest_encoder.encode(durable)).hexdigest()
 
 

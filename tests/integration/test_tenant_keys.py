@@ -1,0 +1,202 @@
+"""Tenants' keys as operator events, on real processes: `llmgw ctl key` against a real
+nats-server with mutual TLS, real routers following the log, a real `llmgw sim`, and the
+`openai` SDK as the client.
+
+What an operator relies on: a key made with ctl works on every router at once, a revoked
+one is refused on every router within a second, a rotated one's old secret works for its
+overlap and not after, its name (never its secret) is in the metrics and the usage, and
+its limits hold for the fleet whatever the number of routers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from llmgw import bus
+from llmgw.bus import counters
+from llmgw.core import subjects
+from llmgw.pki.identity import Identity
+from tests.harness import TestNatsServer, connect_as, wait_for
+from tests.integration.ctl_kit import Ctl
+from tests.integration.router_kit import Router, Sim
+
+pytestmark = pytest.mark.slow
+
+
+def feed(server: TestNatsServer, name: str) -> dict[str, Any]:
+    identity = Identity("router", name)
+    server.pki.client_tls("router", name)
+    certs = server.pki.certs
+    return {
+        "servers": [server.url],
+        "name": name,
+        "ca_file": str(certs.ca_cert),
+        "cert_file": str(certs.cert(identity)),
+        "key_file": str(certs.key(identity)),
+    }
+
+
+@pytest.fixture
+def sim() -> Iterator[Sim]:
+    s = Sim.start("m", "--decode-base-ms", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+async def fleet(
+    nats_server: TestNatsServer, sim: Sim, tmp_path: Path
+) -> AsyncIterator[tuple[Ctl, list[Router]]]:
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    await control.close()
+    ctl = Ctl(nats_server)
+    names = ["r1", "r2", "r3"]
+    for n in names:  # every certificate first: each one reloads the server
+        feed(nats_server, n)
+    routers = [
+        Router.start(tmp_path, {"e1": sim}, feed=feed(nats_server, n), auth={}) for n in names
+    ]
+    try:
+        yield ctl, routers
+    finally:
+        for r in routers:
+            r.stop()
+
+
+def client(router: Router, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0)
+
+
+async def chat(router: Router, key: str, **kw: Any) -> Any:
+    return await client(router, key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **kw
+    )
+
+
+async def accepted(router: Router, key: str) -> bool:
+    try:
+        await chat(router, key)
+    except openai.AuthenticationError:
+        return False
+    return True
+
+
+async def test_a_key_made_with_ctl_works_on_every_router_and_revoked_is_refused_within_a_second(
+    fleet: tuple[Ctl, list[Router]],
+) -> None:
+    ctl, routers = fleet
+    r1, r2, _ = routers
+    # No key at all: a router following the log refuses, it does not serve anonymously.
+    with pytest.raises(openai.AuthenticationError):
+        await chat(r1, "llmgw-nothing")
+    made = (await ctl("key", "create", "--name", "team-a", "--team", "research", "--json")).json()
+    secret = made["key"]
+    for r in (r1, r2):
+        await wait_for(lambda r=r: accepted(r, secret), 10, f"the new key on {r.url}")
+    reply = await chat(r1, secret)
+    assert reply.choices[0].message.content
+    await chat(r2, secret)
+    # The log holds its digest, never the secret; list and show say so.
+    listed = (await ctl("key", "list", "--json")).json()
+    assert [k["name"] for k in listed] == ["team-a"]
+    assert secret not in str(listed)
+    shown = await ctl("key", "show", "team-a")
+    assert shown.code == 0 and "team research" in shown.stdout and secret not in shown.stdout
+    # Its name (not its secret) labels both routers' metrics.
+    for r in (r1, r2):
+        m = await asyncio.to_thread(r.metrics)
+        mine = [k for k in m if k.startswith("llmgw_router_key_requests_total{") and
+                'key="team-a"' in k and 'team="research"' in k and 'status="200"' in k]  # fmt: skip
+        assert mine, sorted(k for k in m if "key_" in k)
+        assert not any(secret in k for k in m)
+    # Revoked: refused on both, measured from the moment ctl has it in the log.
+    assert (await ctl("key", "revoke", "team-a", "--reason", "leaked")).code == 0
+    began = time.monotonic()
+    took = [
+        await wait_for(lambda r=r: _refused(r, secret), 5, "revocation", every_s=0.02)
+        for r in (r1, r2)
+    ]
+    assert time.monotonic() - began < 1.0, took
+    assert (await ctl("key", "show", "team-a")).code == 2
+
+
+async def _refused(router: Router, key: str) -> bool:
+    return not await accepted(router, key)
+
+
+async def test_a_rotated_keys_old_secret_works_for_its_overlap_only(
+    fleet: tuple[Ctl, list[Router]],
+) -> None:
+    ctl, routers = fleet
+    r1 = routers[0]
+    old = (await ctl("key", "create", "--name", "svc", "--json")).json()["key"]
+    await wait_for(lambda: accepted(r1, old), 10, "the key")
+    new = (await ctl("key", "rotate", "svc", "--overlap", "3s", "--json")).json()["key"]
+    assert new != old
+    await wait_for(lambda: accepted(r1, new), 10, "the new secret")
+    assert await accepted(r1, old), "the old secret stops before its overlap ends"
+    await wait_for(lambda: _refused(r1, old), 10, "the old secret after its overlap")
+    assert await accepted(r1, new)
+    # A second rotation without overlap: the last secret stops at once.
+    newest = (await ctl("key", "rotate", "svc", "--overlap", "0", "--json")).json()["key"]
+    await wait_for(lambda: accepted(r1, newest), 10, "the newest secret")
+    assert not await accepted(r1, new)
+
+
+async def test_a_key_limited_to_20_per_s_gets_20_per_s_through_three_routers(
+    fleet: tuple[Ctl, list[Router]], nats_server: TestNatsServer
+) -> None:
+    ctl, routers = fleet
+    key = (await ctl("key", "create", "--name", "busy", "--rps", "20", "--json")).json()["key"]
+    for r in routers:
+        await wait_for(lambda r=r: accepted(r, key), 10, "the key on every router")
+    await asyncio.sleep(1.1)  # the warm-up requests' window is over
+    ok: dict[int, int] = {}
+    refusals: list[aiohttp.ClientResponse] = []
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    seconds = 4
+    start = int(time.time()) + 1
+    end = start + seconds
+
+    async def hammer(session: aiohttp.ClientSession, router: Router) -> None:
+        while time.time() < end:
+            async with session.post(router.url + "/v1/chat/completions", json=body,
+                                    headers=headers) as resp:  # fmt: skip
+                await resp.read()
+                # Counted by when the answer came: a window's requests are admitted at its
+                # start (the key is over its limit the rest of it), so an answer is
+                # never counted in the window after its admission's.
+                done = time.time()
+                if resp.status == 200 and start <= done < end:
+                    ok[int(done)] = ok.get(int(done), 0) + 1
+                elif resp.status == 429 and len(refusals) < 5:
+                    refusals.append(resp)
+    while time.time() < start - 0.5:
+        await asyncio.sleep(0.05)
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(hammer(session, r) for r in routers for _ in range(4)))
+    total = sum(ok.values())
+    assert 20 * seconds * 0.9 <= total <= 20 * seconds * 1.1, ok
+    assert refusals, "the key was never refused: the limit did not hold"
+    h = refusals[0].headers
+    assert int(h["Retry-After"]) >= 1
+    assert h["x-ratelimit-limit-requests"] == "20"
+    assert h["x-ratelimit-remaining-requests"] == "0"
+    assert h["x-ratelimit-reset-requests"].endswith(("ms", "s"))
+    # The fleet's counter saw every router's requests, in the same windows.
+    nc = await connect_as(nats_server, "operator", "alice")
+    try:
+        totals = await counters.totals(nc, subjects.LIMITS_STREAM, "llmgw.limits.busy.r.>")
+    finally:
+        await nc.close()
+    assert any(v >= 20 for v in totals.values()), totals
