@@ -12,10 +12,12 @@ from pathlib import Path
 
 import typer
 
+from llmgw.bus import counters
 from llmgw.cli import ctl_common as common
-from llmgw.core import events
+from llmgw.core import events, subjects
 from llmgw.ctl import keys as keys_view
 from llmgw.ctl import render
+from llmgw.ctl import usage as usage_view
 from llmgw.ctl.errors import BadInput, Failed
 from llmgw.ctl.session import Session
 from llmgw.router import auth
@@ -272,5 +274,57 @@ def show(
     common.run(common.Conn(config, server, ca, cert, key), body)
 
 
+def usage(
+    key_name: str | None = typer.Option(None, "--key", help="Only this key."),
+    since: str = typer.Option("1d", "--since", help="How far back: 1h, 12h, 1d, 30d."),
+    json_out: bool = common.JSON,
+    config: Path | None = common.CONFIG,
+    server: list[str] | None = common.SERVER,
+    ca: str | None = common.CA,
+    cert: str | None = common.CERT,
+    key: str | None = typer.Option(
+        None, "--cert-key", help="Your certificate's key (--key names the API key here)."
+    ),
+) -> None:
+    """Requests and tokens per key and model over the whole fleet, from the routers' usage
+    counters (by the hour), and each budget's use of its current period."""
+    try:
+        span_s = keys_view.duration(since, "--since", most_s=400 * 86_400.0)
+        if key_name is not None:
+            subjects.check_token(key_name, "key name")
+    except (BadInput, subjects.SubjectTokenError) as exc:
+        raise _bad(BadInput(str(exc))) from None
+
+    async def body(s: Session) -> None:
+        r = await common.current(s, progress=False)
+        now = s.now()
+        which = key_name or "*"
+        try:
+            hourly = await counters.totals(s.nc, subjects.USAGE_STREAM,
+                                           f"{subjects.USAGE_ROOT}.{which}.h.>")  # fmt: skip
+            budgeted = await counters.totals(s.nc, subjects.USAGE_STREAM,
+                                             f"{subjects.USAGE_ROOT}.{which}.b.*")  # fmt: skip
+        except counters.CounterError as exc:
+            raise Failed(f"{exc}; the control plane provisions the stream at start") from None
+        keys = r.state.keys if key_name is None else {
+            k: v for k, v in r.state.keys.items() if k == key_name}  # fmt: skip
+        rows = usage_view.rows(hourly, keys, int((now - span_s) // 3600))
+        budgets = usage_view.budgets(budgeted, keys, now)
+        if json_out:
+            common.out(render.json_text({"since_s": span_s, "usage": rows, "budgets": budgets}))
+            return
+        common.out(render.table(
+            ("KEY", "TEAM", "MODEL", "REQUESTS", "TOKENS IN", "TOKENS OUT"),
+            [[u["key"], u["team"] or "-", u["model"], str(u["requests"]), str(u["tokens_in"]),
+              str(u["tokens_out"])] for u in rows],
+        ))  # fmt: skip
+        for b in budgets:
+            common.out(f"budget {b['key']}: {b['used']} of {b['budget']} tokens used in"
+                       f" {b['period']} ({b['left']} left)")  # fmt: skip
+
+    common.run(common.Conn(config, server, ca, cert, key), body)
+
+
 def register(parent: typer.Typer) -> None:
     parent.add_typer(app, name="key")
+    parent.command("usage")(usage)

@@ -32,8 +32,8 @@ class Flags(msgspec.Struct, frozen=True, kw_only=True):
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
 
 
-def duration(text: str, what: str) -> float:
-    """`90s`, `30m`, `1h`, `2d` (or plain seconds) -> seconds."""
+def duration(text: str, what: str, most_s: float = tenancy.MAX_OVERLAP_S) -> float:
+    """`90s`, `30m`, `1h`, `2d` (or plain seconds) -> seconds, at most `most_s`."""
     raw = text.strip()
     unit = raw[-1:] if raw[-1:] in _UNITS else "s"
     number = raw[:-1] if raw[-1:] in _UNITS else raw
@@ -41,8 +41,8 @@ def duration(text: str, what: str) -> float:
         value = float(number) * _UNITS[unit]
     except ValueError:
         raise BadInput(f"{what} {text!r}: a duration such as 90s, 30m, 1h or 2d") from None
-    if not 0 <= value <= tenancy.MAX_OVERLAP_S:
-        raise BadInput(f"{what} {text!r}: between 0 and 30 days")
+    if not 0 <= value <= most_s:
+        raise BadInput(f"{what} {text!r}: between 0 and {most_s / 86_400:g} days")
     return value
 
 

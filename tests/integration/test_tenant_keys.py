@@ -110,7 +110,9 @@ async def test_a_key_made_with_ctl_works_on_every_router_and_revoked_is_refused_
     assert [k["name"] for k in listed] == ["team-a"]
     assert secret not in str(listed)
     shown = await ctl("key", "show", "team-a")
-    assert shown.code == 0 and "team research" in shown.stdout and secret not in shown.stdout
+    assert shown.code == 0
+    assert "team research" in shown.stdout
+    assert secret not in shown.stdout
     # Its name (not its secret) labels both routers' metrics.
     for r in (r1, r2):
         m = await asyncio.to_thread(r.metrics)
@@ -118,6 +120,15 @@ async def test_a_key_made_with_ctl_works_on_every_router_and_revoked_is_refused_
                 'key="team-a"' in k and 'team="research"' in k and 'status="200"' in k]  # fmt: skip
         assert mine, sorted(k for k in m if "key_" in k)
         assert not any(secret in k for k in m)
+
+    # Its usage, summed over the fleet's routers (they send it every few seconds).
+    async def in_usage() -> bool:
+        rows = (await ctl("usage", "--key", "team-a", "--json")).json()["usage"]
+        return bool(rows) and rows[0]["requests"] >= 4 and rows[0]["tokens_out"] > 0
+
+    await wait_for(in_usage, 30, "the key's usage in ctl usage", every_s=1.0)
+    (row,) = (await ctl("usage", "--json")).json()["usage"]
+    assert (row["key"], row["team"], row["model"]) == ("team-a", "research", "m")
     # Revoked: refused on both, measured from the moment ctl has it in the log.
     assert (await ctl("key", "revoke", "team-a", "--reason", "leaked")).code == 0
     began = time.monotonic()
@@ -181,8 +192,8 @@ async def test_a_key_limited_to_20_per_s_gets_20_per_s_through_three_routers(
                     ok[int(done)] = ok.get(int(done), 0) + 1
                 elif resp.status == 429 and len(refusals) < 5:
                     refusals.append(resp)
-    while time.time() < start - 0.5:
-        await asyncio.sleep(0.05)
+
+    await asyncio.sleep(max(0.0, start - 0.5 - time.time()))
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(hammer(session, r) for r in routers for _ in range(4)))
     total = sum(ok.values())
@@ -200,3 +211,38 @@ async def test_a_key_limited_to_20_per_s_gets_20_per_s_through_three_routers(
     finally:
         await nc.close()
     assert any(v >= 20 for v in totals.values()), totals
+
+
+async def test_a_budget_spent_mid_stream_lets_the_stream_finish_then_refuses_on_every_router(
+    fleet: tuple[Ctl, list[Router]],
+) -> None:
+    ctl, routers = fleet
+    r1, r2, _ = routers
+    made = await ctl("key", "create", "--name", "small", "--budget-tokens", "40/day", "--json")
+    key = made.json()["key"]
+    await wait_for(lambda: accepted(r2, key), 10, "the key")  # a few tokens of the budget
+    stream = await client(r1, key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=64,
+        stream=True,
+    )  # fmt: skip
+    chunks = [c.choices[0] async for c in stream if c.choices]
+    assert sum(1 for c in chunks if c.delta.content) == 64, "the stream over the budget was cut"
+    assert chunks[-1].finish_reason == "length"
+    with pytest.raises(openai.RateLimitError) as refused:
+        await chat(r1, key)
+    assert refused.value.code == "budget_exceeded"
+    assert "budget of 40 tokens per day" in refused.value.message
+    assert int(refused.value.response.headers["Retry-After"]) >= 1
+
+    async def r2_refuses() -> bool:
+        try:
+            await chat(r2, key)
+        except openai.RateLimitError as exc:
+            return exc.code == "budget_exceeded"
+        return False
+
+    # The other router learns the fleet's total within its read interval.
+    await wait_for(r2_refuses, 10, "the second router to refuse the spent key")
+    budgets = (await ctl("usage", "--key", "small", "--json")).json()["budgets"]
+    assert budgets[0]["used"] >= 64
+    assert budgets[0]["left"] == 0
