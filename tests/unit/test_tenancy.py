@@ -152,7 +152,7 @@ def test_any_ctl_key_flags_make_usable_settings_or_say_what_to_change(
         made = keys_view.settings(name, flags, now=1.8e9)
     except BadInput as exc:
         problem = str(exc)
-        assert problem, "a refusal that says nothing"  # noqa: PT017
+        assert problem, "a refusal that says nothing"
         return
     # What ctl would publish decodes in every reader and folds.
     ev = events.KeyCreated(id="x", ts=1.8e9, operator="alice", key=made, sha256="a" * 64)
