@@ -191,6 +191,7 @@ def _limit_problems(p: ModelProfile) -> list[str]:
         value = getattr(d, field)
         if not value > 0:
             out.append(f"deadlines.{field} is {value}: use a positive number of seconds")
+    out.extend(p.queue.problems())
     return out
 
 
@@ -266,5 +267,5 @@ def parse(raw: Mapping[str, Any], others: Iterable[ModelProfile] = ()) -> ModelP
 def launch_relevant(a: ModelProfile, b: ModelProfile) -> bool:
     """True when replicas of `a` must be replaced to run as `b` (not only re-counted/routed)."""
     strip = {"replicas": 0, "aliases": (), "fallbacks": (), "deadlines": a.deadlines,
-             "autoscale": None}  # fmt: skip
+             "autoscale": None, "queue": a.queue}  # fmt: skip
     return msgspec.structs.replace(a, **strip) != msgspec.structs.replace(b, **strip)

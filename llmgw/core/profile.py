@@ -46,6 +46,36 @@ class Deadlines(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     total_s: SignedSeconds = 600.0
 
 
+class Queueing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """When a router holds a model's requests back, and how many it lets wait.
+
+    An endpoint is full while this router has `max_inflight_per_endpoint` requests in
+    flight on it, or while its engine reports `max_engine_waiting` requests waiting (its
+    /metrics, as the probes read it); 0 turns either bound off. While every ready endpoint
+    of the model is full, its requests wait in the router's fair queue (priority classes,
+    then the keys of a class in turn: llmgw.core.fairqueue) for at most `max_wait_s` and
+    the model's total deadline; at most `max_queued` of them per router process, beyond
+    which the answer is 503 with Retry-After."""
+
+    max_inflight_per_endpoint: Replicas = 0
+    max_engine_waiting: Replicas = 0
+    max_queued: Replicas = 256
+    max_wait_s: SignedSeconds = 30.0
+
+    @property
+    def capped(self) -> bool:
+        return self.max_inflight_per_endpoint > 0 or self.max_engine_waiting > 0
+
+    def problems(self) -> list[str]:
+        out = []
+        for field in ("max_inflight_per_endpoint", "max_engine_waiting", "max_queued"):
+            if getattr(self, field) < 0:
+                out.append(f"queue.{field} is {getattr(self, field)}: use 0 or more")
+        if not self.max_wait_s > 0:
+            out.append(f"queue.max_wait_s is {self.max_wait_s}: use a positive number of seconds")
+        return out
+
+
 class ModelProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One model as the fleet serves it: where it may run, how to start it, how to route it."""
 
@@ -79,6 +109,8 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     autoscale: Autoscale | None = None
     """Replicas that follow the load (llmgw.core.autoscale); `replicas` is then the count
     it starts with. None: `replicas`, always."""
+    queue: Queueing = Queueing()
+    """When routers queue its requests rather than send them (no bound by default)."""
 
     @property
     def gpus_per_replica(self) -> int:

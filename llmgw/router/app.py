@@ -144,7 +144,8 @@ class Router:
                 self.kv_feed.start()
             # The load reports the autoscaler decides on (llmgw.router.signals).
             d = self.dispatcher
-            tracker = LoadTracker(d.received, self.metrics.ttft, self.metrics.itl, d.holds)
+            tracker = LoadTracker(d.received, self.metrics.ttft, self.metrics.itl, d.holds,
+                                  queued=d.queues.waiting)  # fmt: skip
             self.signals = SignalsFeed(self.cfg.log, tracker, self.table.by_id,
                                        worker=self.worker)  # fmt: skip
             self.signals.start()

@@ -15,6 +15,8 @@ Keys file (YAML):
         models: ["llama-3-8b"]       # "*" allows every model
         requests_per_s: 20           # optional
         tokens_per_min: 200000       # optional, counted from the engines' usage
+        team: research               # optional: labels its metrics
+        priority: high               # optional: high, normal (default) or low, when queued
 
 Keys also come from the log: `llmgw ctl key create` records a key's digest and settings
 (llmgw.core.tenancy) and every router that follows the log folds them (`merged`), so a new,
@@ -42,7 +44,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.core.state import KeyState
-from llmgw.core.tenancy import KeySettings
+from llmgw.core.tenancy import KeySettings, Priority
 
 KEY_PREFIX = "llmgw-"
 
@@ -53,6 +55,8 @@ class KeyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     models: tuple[str, ...] = ("*",)
     requests_per_s: float | None = None
     tokens_per_min: float | None = None
+    team: str = ""
+    priority: Priority = "normal"
 
 
 class KeysFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -330,6 +334,8 @@ def file_settings(entry: KeyEntry) -> KeySettings:
         models=entry.models,
         requests_per_s=entry.requests_per_s,
         tokens_per_min=entry.tokens_per_min,
+        team=entry.team,
+        priority=entry.priority,
     )
 
 

@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
@@ -36,6 +36,7 @@ from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, refusal_respo
 from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
+from llmgw.router.queueing import Queues
 from llmgw.router.quotas import Quotas
 from llmgw.router.relay import ClientStream, EngineStream, relay
 from llmgw.router.table import Catalog, EndpointTable
@@ -76,6 +77,7 @@ class Dispatcher:
         )
         table.on_remove.append(self.kv.forget)
         self.holds = Holds(table.for_model)
+        self.queues = Queues(table.for_model, metrics)
         self.quotas = Quotas()
         """Keys' limits and usage (llmgw.router.quotas); the Router starts its flusher."""
         self.received: dict[str, int] = {}
@@ -90,7 +92,7 @@ class Dispatcher:
         self._session_header = cfg.session_header
         self._debug = log.is_enabled_for(logging.DEBUG)
         self._rules = Rules(
-            table.for_model,
+            self._routable,
             weights=cfg.weights,
             policy=cfg.breaker,
             max_attempts=cfg.max_attempts,
@@ -99,6 +101,13 @@ class Dispatcher:
         )
 
     # ------------------------------------------------------------------ the loop
+
+    def _routable(self, model: str) -> Sequence[routing.EndpointState]:
+        """The endpoints of `model` ranking may choose: those with room, for a model whose
+        profile bounds them (llmgw.router.queueing)."""
+        eps = self.table.for_model(model)
+        profile = self.catalog.profiles.get(model)
+        return eps if profile is None else self.queues.with_room(profile, eps)
 
     def _planner(
         self, parsed: requests.Parsed, profile: ModelProfile, state: ClientStream,
@@ -163,10 +172,9 @@ class Dispatcher:
     ) -> web.StreamResponse:
         cfg = self.cfg
         self.received[profile.name] = self.received.get(profile.name, 0) + 1
-        if profile.autoscale is not None and self.holds.needed(profile):
-            held = await self.holds.wait(profile)  # at zero replicas, until one serves
-            if held is not None:
-                return await self._refuse(held, profile, state)
+        waited = await self._wait_for_room(profile, state)
+        if waited is not None:
+            return await self._refuse(waited, profile, state)
         hashes = (
             block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks)
             if parsed.text
@@ -211,6 +219,18 @@ class Dispatcher:
             return resp
         assert isinstance(step, Refusal)
         return await self._refuse(step, profile, state)
+
+    async def _wait_for_room(self, profile: ModelProfile, state: ClientStream) -> Refusal | None:
+        """Hold a request while its model is at zero replicas (until one serves), queue it
+        while every endpoint is full (llmgw.router.queueing); the refusal when it gives up."""
+        if profile.autoscale is not None and self.holds.needed(profile):
+            held = await self.holds.wait(profile)
+            if held is not None:
+                return held
+        if self.queues.needed(profile):
+            deadline = state.start + profile.deadlines.total_s
+            return await self.queues.wait(profile, state.principal, deadline)
+        return None
 
     def _cache_plan(
         self, parsed: requests.Parsed, profile: ModelProfile, hashes: list[bytes]
@@ -308,6 +328,7 @@ class Dispatcher:
             return state.response
         finally:
             ep.inflight -= 1
+            self.queues.release(at.profile.name)
             before = ep.breaker.state
             if verdict is True:
                 ep.breaker = breaker.on_success(ep.breaker)

@@ -103,7 +103,7 @@ Metric = Counter | Gauge | Histogram
 class Metrics:
     """Every metric of one router process."""
 
-    # long: one declaration per metric family (20 of them), each with its help text
+    # long: one declaration per metric family (22 of them), each with its help text
     def __init__(self, *, worker: int = 0) -> None:
         self.worker = worker
         p = PREFIX
@@ -197,11 +197,20 @@ class Metrics:
             p + "key_tokens", "Tokens per API key, team and model, from the engines' usage,"
             " by direction (in, out).", ("key", "team", "model", "direction"),
         )  # fmt: skip
+        self.queue_depth = Gauge(
+            p + "queue_depth", "Requests waiting in this router for a free endpoint, per"
+            " model (its profile's queue bounds).", ("model",), merge="sum",
+        )  # fmt: skip
+        self.queue_wait = Histogram(
+            p + "queue_wait_seconds", "Time requests waited in the queue, by how it ended"
+            " (sent, deadline, full, gone).", ("model", "outcome"), LATENCY_BUCKETS,
+        )  # fmt: skip
         self.all: tuple[Metric, ...] = (
             self.requests, self.duration, self.ttft, self.itl, self.tokens, self.retries,
             self.fallbacks, self.slow_clients, self.sent, self.scores, self.drops, self.breaker,
             self.ready, self.queue, self.kv, self.inflight, self.cache_tokens,
-            self.cache_sources, self.key_requests, self.key_tokens,
+            self.cache_sources, self.key_requests, self.key_tokens, self.queue_depth,
+            self.queue_wait,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the hot path
@@ -209,6 +218,12 @@ class Metrics:
     def request_done(self, model: str, status: int, duration: float) -> None:
         self.requests.inc((model, str(status)))
         self.duration.observe((model,), duration)
+
+    def queued(self, model: str, depth: int) -> None:
+        self.queue_depth.set((model,), float(depth))
+
+    def queue_waited(self, model: str, seconds: float, outcome: str) -> None:
+        self.queue_wait.observe((model, outcome), seconds)
 
     def key_request(self, key: str, team: str, model: str, status: int) -> None:
         self.key_requests.inc((key, team, model, str(status)))

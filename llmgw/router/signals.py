@@ -66,11 +66,15 @@ class LoadTracker:
         itl: Histogram,
         holds: Holds,
         window_s: float = WINDOW_S,
+        queued: dict[str, int] | None = None,
     ) -> None:
+        """`queued`: model -> requests waiting in the fair queue (llmgw.router.queueing),
+        reported with the held ones as the model's waiting requests."""
         self.received = received
         self.ttft = ttft
         self.itl = itl
         self.holds = holds
+        self.queued = queued if queued is not None else {}
         self.window_s = window_s
         self._past: deque[tuple[float, dict[str, int], _Counts, _Counts]] = deque()
 
@@ -84,13 +88,15 @@ class LoadTracker:
             self._past.popleft()
         start, received, ttft, itl = self._past[0]
         window = max(mono - start, EVERY_S)
-        models = sorted(set(current[1]) | set(self.holds.waiting) | set(current[2]))
+        models = sorted(
+            set(current[1]) | set(self.holds.waiting) | set(self.queued) | set(current[2])
+        )
         traffic = []
         for model in models:
             requests = current[1].get(model, 0) - received.get(model, 0)
             first = _delta(current[2][model], ttft.get(model)) if model in current[2] else []
             gaps = _delta(current[3][model], itl.get(model)) if model in current[3] else []
-            waiting = self.holds.waiting.get(model, 0)
+            waiting = self.holds.waiting.get(model, 0) + self.queued.get(model, 0)
             if not (requests or waiting or any(first)):
                 continue
             traffic.append(loadreport.ModelTraffic(
