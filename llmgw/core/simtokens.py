@@ -75,6 +75,11 @@ def token_ids(pieces: Iterable[str]) -> list[int]:
     return [ids.get(p) or token_id(p) for p in pieces]
 
 
+def vocabulary() -> tuple[str, ...]:
+    """The generator's words (each one token)."""
+    return _VOCAB
+
+
 def count(text: str) -> int:
     return len(_TOKEN.findall(text))
 

@@ -80,18 +80,20 @@ def may_use(principal: auth.Principal | None, asked: str, profile: ModelProfile)
     return principal is None or principal.may_use(asked) or principal.may_use(profile.name)
 
 
+def no_model(asked: str) -> Refusal:
+    return Refusal(
+        404,
+        f"the model {asked!r} does not exist here: GET /v1/models lists"
+        " the models this router serves",
+        "invalid_request_error",
+        "model_not_found",
+    )
+
+
 def resolve(catalog: Catalog, asked: str) -> ModelProfile | Refusal:
     """The profile of the model asked for, by name or alias."""
     profile = catalog.resolve(asked)
-    if profile is None:
-        return Refusal(
-            404,
-            f"the model {asked!r} does not exist here: GET /v1/models lists"
-            " the models this router serves",
-            "invalid_request_error",
-            "model_not_found",
-        )
-    return profile
+    return no_model(asked) if profile is None else profile
 
 
 def admit(principal: auth.Principal | None, asked: str, profile: ModelProfile) -> Refusal | None:

@@ -40,7 +40,7 @@ from aiohttp import web
 from llmgw import logs
 from llmgw.config import ConfigError
 from llmgw.core import routing, state
-from llmgw.router import admission, aiohttp_direct, auth, protocol, requests
+from llmgw.router import admission, aiohttp_direct, apis, auth, protocol, requests
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
@@ -57,12 +57,9 @@ from llmgw.router.table import Catalog, EndpointTable, Prober
 
 log = logs.get("llmgw.router")
 
-PATHS: dict[str, requests.Kind] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-}
+PATHS = apis.PATHS
 KNOWN_GET = ("/v1/models", "/health", "/ready")
+MODEL_PATH = "/v1/models/"
 
 
 class Router:
@@ -233,6 +230,22 @@ class Router:
                          "root": profile.name})  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
+    async def handle_model(self, request: web.BaseRequest) -> web.Response:
+        """`GET /v1/models/{id}`: one model (by name or alias) this key may use; else 404."""
+        rid = self._request_id(request)
+        principal = admission.authenticate(
+            self.keys, request.headers.get("Authorization"), time.time()
+        )
+        if isinstance(principal, Refusal):
+            return refusal_response(principal, rid)
+        name = request.path[len(MODEL_PATH) :]
+        profile = admission.resolve(self.catalog, name)
+        if isinstance(profile, Refusal) or not admission.may_use(principal, name, profile):
+            # The same 404 whether it does not exist or this key may not see it.
+            return refusal_response(admission.no_model(name), rid)
+        return web.json_response({"id": name, "object": "model", "created": 0,
+                                  "owned_by": "llmgw", "root": profile.name})  # fmt: skip
+
     async def handle_health(self, request: web.BaseRequest) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -260,8 +273,8 @@ class Router:
             return resp
         return error_response(
             404,
-            f"unknown path {path}: this router serves /v1/chat/completions, /v1/completions,"
-            " /v1/embeddings and /v1/models",
+            f"unknown path {path}: this router serves {', '.join(sorted(PATHS))} (POST),"
+            " /v1/models and /v1/models/{id} (GET)",
             "invalid_request_error",
             "unknown_url",
         )
@@ -340,7 +353,9 @@ class Router:
         if isinstance(profile, Refusal):
             return refusal_response(profile, rid)
         outcome.model = profile.name
-        refused = admission.admit(principal, parsed.model, profile)
+        refused = apis.unsupported(kind, profile, request.path) or admission.admit(
+            principal, parsed.model, profile
+        )
         if refused is None and principal is not None:
             outcome.principal = principal
             refused = await self.dispatcher.quotas.admit(principal, time.time(), time.monotonic())
@@ -395,6 +410,8 @@ def build_server(router: Router) -> web.Server:
         table = posts if request.method == "POST" else gets if request.method == "GET" else None
         h = table.get(request.path) if table is not None else None
         if h is None:
+            if table is gets and request.path.startswith(MODEL_PATH):
+                return router.handle_model(request)
             return router.handle_fallthrough(request)
         return h(request)
 

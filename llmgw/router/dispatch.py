@@ -27,7 +27,7 @@ from llmgw.core import breaker, routing
 from llmgw.core.kvindex import KvIndex
 from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import admission, requests, tracecontext
+from llmgw.router import admission, apis, requests, tracecontext
 from llmgw.router import upstream as upstream_http
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
@@ -351,7 +351,7 @@ class Dispatcher:
             base = self._bases[ep.url] = upstream_http.parse_base(ep.url)
         key, host_header, prefix = base
         kind = state.kind
-        path = prefix + ("/v1/chat/completions" if kind == "chat" else f"/v1/{kind}")
+        path = prefix + apis.UPSTREAM[kind]
         extra = [("X-Request-Id", state.rid)]
         if ep.api_key:
             extra.append(("Authorization", f"Bearer {ep.api_key}"))
@@ -372,6 +372,8 @@ class Dispatcher:
             data = await self._read_body(upstream, d, total_at)
             if upstream.status == 200:
                 self._account(prof, state, data)
+            elif upstream.status >= 400:
+                data = apis.openai_error(upstream.status, data)
             self.metrics.first_token(prof.name, loop.time() - state.loop_start)
             if state.response is not None and state.started:
                 # Keep-alive comments went out as a 200 stream: pass the body as an event.
@@ -382,7 +384,7 @@ class Dispatcher:
             return web.Response(
                 status=upstream.status,
                 body=data,
-                content_type=(upstream.content_type or JSON),
+                content_type=(upstream.content_type or JSON) if upstream.status < 400 else JSON,
                 headers={"X-Request-Id": state.rid},
             )
         finally:

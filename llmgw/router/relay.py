@@ -447,7 +447,7 @@ async def relay(
         stream.hooks.inter_token(
             stream.prof.name, (stream.t_last - stream.t_first) / (stream.chunks - 1)
         )
-    if problem is None and not stream.tail.endswith(DONE):
+    if problem is None and not sse.complete(stream.tail, client.kind):
         problem = ("engine_disconnected", "the engine ended the stream before it was complete")
     if problem is not None:
         log.warning("stream_cut", request_id=client.rid, endpoint=stream.endpoint,

@@ -14,7 +14,12 @@ from typing import Any, Literal
 
 import msgspec
 
-Kind = Literal["chat", "completions", "embeddings"]
+Kind = Literal[
+    "chat", "completions", "embeddings", "responses", "messages", "tokenize", "detokenize",
+    "rerank", "score",
+]  # fmt: skip
+STREAMED_USAGE: frozenset[Kind] = frozenset({"responses", "messages"})
+"""APIs whose streams always carry their usage (no stream_options to ask for it)."""
 
 
 class Part(msgspec.Struct):
@@ -50,7 +55,16 @@ class EmbeddingBody(msgspec.Struct):
     input: str | list[Any]
 
 
-_DECODERS: dict[Kind, msgspec.json.Decoder[Any]] = {
+class OtherBody(msgspec.Struct):
+    """The Responses and Messages APIs, tokenize, rerank, score: the model and whether it
+    streams is all the router reads of them."""
+
+    model: str
+    stream: bool = False
+
+
+_OTHER = msgspec.json.Decoder(OtherBody)
+_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     "chat": msgspec.json.Decoder(ChatBody),
     "completions": msgspec.json.Decoder(CompletionBody),
     "embeddings": msgspec.json.Decoder(EmbeddingBody),
@@ -79,7 +93,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     if not body:
         raise BadRequest("the request body is empty: send a JSON object")
     try:
-        req = _DECODERS[kind].decode(body)
+        req = _DECODERS.get(kind, _OTHER).decode(body)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -91,6 +105,10 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         ) from None
     if not req.model:
         raise BadRequest("`model` is empty: name the model to use")
+    if isinstance(req, OtherBody):
+        streams = req.stream and kind in STREAMED_USAGE
+        return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
+                      text="")  # fmt: skip
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
@@ -174,22 +192,46 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptDetails | None = None
     """`cached_tokens`: the prompt tokens the engine found in its prefix cache (vLLM, the
     sim; SGLang with --enable-cache-report)."""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    """The Responses and Messages APIs' names for prompt and completion tokens."""
+
+
+class _Nested(msgspec.Struct):
+    usage: Usage | None = None
 
 
 class UsageOnly(msgspec.Struct):
     usage: Usage | None = None
     choices: list[msgspec.Raw] | None = None
+    response: _Nested | None = None
+    """A Responses stream's `response.completed` event holds the usage in its response."""
+    message: _Nested | None = None
+    """A Messages stream's `message_start` holds the prompt's tokens in its message."""
 
 
 _usage_decoder = msgspec.json.Decoder(UsageOnly)
 
 
 def usage_of(data: bytes) -> UsageOnly | None:
-    """The usage (and whether choices is empty) of one JSON body or SSE data payload."""
+    """The usage (and whether choices is empty) of one JSON body or SSE data payload, in
+    OpenAI's names whatever the API (Responses: input/output tokens, maybe nested in the
+    response; Messages: the prompt's in `message_start`, the completion's in
+    `message_delta`)."""
     try:
-        return _usage_decoder.decode(data)
+        u = _usage_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
+    found = u.usage
+    if found is None:
+        nested = u.response or u.message
+        found = nested.usage if nested is not None else None
+        if found is not None and u.message is not None:
+            found.output_tokens = 0  # counted from message_delta
+    if found is not None and not (found.prompt_tokens or found.completion_tokens):
+        found.prompt_tokens, found.completion_tokens = found.input_tokens, found.output_tokens
+    u.usage = found
+    return u
 
 
 def error_body(

@@ -14,6 +14,26 @@ from __future__ import annotations
 from llmgw.router import requests
 
 USAGE_KEY = b'"usage"'
+DONE = b"data: [DONE]\n\n"
+# The last event of a whole stream, per API: OpenAI's chat and completions end with
+# [DONE]; the Responses API with its response's final state; Anthropic's with message_stop.
+_ENDS: dict[str, tuple[bytes, ...]] = {
+    "responses": (b'"type":"response.completed"', b'"type":"response.incomplete"',
+                  b'"type":"response.failed"'),
+    "messages": (b"event: message_stop",),
+}  # fmt: skip
+
+
+def complete(tail: bytes, kind: str) -> bool:
+    """Whether `tail` (the last bytes relayed) ends a whole stream of API `kind`."""
+    ends = _ENDS.get(kind)
+    if ends is None:
+        return tail.endswith(DONE)
+    last = tail.rstrip(b"\n").rfind(b"\n\n")
+    final = tail[last + 2 :] if last >= 0 else tail
+    return any(e in final for e in ends)
+
+
 _BLANK = b" \t\r\n"
 
 
@@ -65,8 +85,10 @@ def take_usage(out: bytes, at: int, *, drop: bool) -> tuple[bytes, list[requests
         end = len(out) if end < 0 else end + 2
         if _usage_is_object(out, at):
             event = out[start:end].rstrip(b"\n")
-            if event.startswith(b"data: {"):
-                u = requests.usage_of(event[6:])
+            # The data line, after an `event:` line where the API names its events.
+            line = event.find(b"data: {")
+            if line == 0 or (line > 0 and event[line - 1 : line] == b"\n"):
+                u = requests.usage_of(event[line + 6 :])
                 if u is not None and u.usage is not None:
                     found.append(u.usage)
                     if drop and not u.choices:

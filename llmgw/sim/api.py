@@ -172,8 +172,11 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {
 def _decode(body: bytes, tp: type[Any]) -> Any:
     if not body.strip():
         raise ApiError(400, "the request body is empty: send a JSON object", code="invalid_json")
+    decoder = _decoders.get(tp)
+    if decoder is None:
+        decoder = _decoders[tp] = msgspec.json.Decoder(tp)
     try:
-        return _decoders[tp].decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
         param = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else None

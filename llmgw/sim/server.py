@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import logs
 from llmgw.core import simtokens as tokens
-from llmgw.sim import api, faultplan, kvevents, streaming
+from llmgw.sim import api, apis, faultplan, kvevents, streaming
 from llmgw.sim.config import Faults, SimConfig
 from llmgw.sim.engine import Engine, Request
 from llmgw.sim.metrics import registry_for
@@ -49,6 +49,15 @@ _OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Open even with a key: probes and Prometheus carry none, in vLLM too."""
 _KNOWN_PATHS = {
     "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/tokenize",
+    "/detokenize",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/score",
+    "/score",
     "/v1/completions",
     "/v1/embeddings",
     "/v1/models",
@@ -91,6 +100,14 @@ class SimServer:
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/embeddings", self._embeddings)
+        r.add_post("/v1/responses", self._responses)
+        r.add_post("/v1/messages", self._messages)
+        r.add_post("/tokenize", self._tokenize)
+        r.add_post("/detokenize", self._detokenize)
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            r.add_post(path, self._rerank)
+        for path in ("/v1/score", "/score"):
+            r.add_post(path, self._score)
         r.add_get("/v1/models", self._models)
         r.add_get("/v1/models/{model:.+}", self._model)
         r.add_get("/health", self._health)
@@ -217,6 +234,45 @@ class SimServer:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generation(request, api.prepare_completion, "cmpl-")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, apis.prepare_responses, "")
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, apis.prepare_messages, "")
+
+    async def _at_once(
+        self, request: web.Request, answer: Callable[[bytes], bytes | tuple[bytes, int]]
+    ) -> web.Response:
+        """An API answered without the engine loop (tokens, scores): its body, its prompt
+        tokens counted."""
+        try:
+            out = answer(await request.read())
+        except api.ApiError as exc:
+            return _error(exc)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(api.ApiError(413, "the request body is too large (limit 64 MiB)"))
+        body, n = out if isinstance(out, tuple) else (out, 0)
+        self.engine.stats.prompt_tokens += n
+        return web.Response(body=body, content_type=_JSON)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        return await self._at_once(request, lambda b: apis.tokenize(b, self.cfg))
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        return await self._at_once(request, lambda b: apis.detokenize(b, self.cfg))
+
+    def _rid(self) -> str:
+        self._n += 1
+        return f"{self._id_prefix}{self._n:x}"
+
+    async def _rerank(self, request: web.Request) -> web.Response:
+        return await self._at_once(request, lambda b: apis.rerank(b, self.cfg, self._rid()))
+
+    async def _score(self, request: web.Request) -> web.Response:
+        return await self._at_once(
+            request, lambda b: apis.score(b, self.cfg, self._rid(), self._created)
+        )
 
     async def _generation(
         self,

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw.sim import api, bodies
+from llmgw.sim import api, apis, bodies
 from llmgw.sim.config import Faults
 from llmgw.sim.engine import Request
 
@@ -45,8 +45,23 @@ async def wait(req: Request) -> None:
         req.waiter = None
 
 
-def usage(req: Request) -> dict[str, Any]:
-    return bodies.usage(req.num_prompt, req.num_generated, req.cached_tokens or 0)
+def usage(req: Request, kind: str = "chat") -> dict[str, Any]:
+    """The request's usage in the shape of its API."""
+    counts = (req.num_prompt, req.num_generated, req.cached_tokens or 0)
+    if kind == "responses":
+        return apis.responses_usage(*counts)
+    if kind == "messages":
+        return apis.messages_usage(*counts)
+    return bodies.usage(*counts)
+
+
+def _format(p: api.Prepared, req: Request) -> Any:
+    """The SSE framing of `p`'s API."""
+    if p.kind == "responses":
+        return apis.ResponsesFormat(p, req.rid, int(time.time()))
+    if p.kind == "messages":
+        return apis.MessagesFormat(p, req.rid, int(time.time()), req.num_prompt)
+    return bodies.StreamFormat(p, req.rid, int(time.time()))
 
 
 async def complete(
@@ -59,14 +74,12 @@ async def complete(
             await asyncio.sleep(fault.stall_s)
         if fault.die_mid_stream:
             await die(request)
-    body = bodies.full_response(
-        p,
-        req.rid,
-        int(time.time()),
-        "".join(req.pieces),
-        req.finish_reason or "stop",
-        usage(req),
-    )
+    text, finish = "".join(req.pieces), req.finish_reason or "stop"
+    if p.kind in ("responses", "messages"):
+        counts = (req.num_prompt, req.num_generated, req.cached_tokens or 0)
+        body = apis.full_body(p, req.rid, int(time.time()), text, finish, counts)
+    else:
+        body = bodies.full_response(p, req.rid, int(time.time()), text, finish, usage(req))
     return web.Response(body=body, content_type=_JSON)
 
 
@@ -103,7 +116,7 @@ async def _stream_to(
     if not zero:
         await resp.write(b"")
         flushed = True
-    fmt = bodies.StreamFormat(p, req.rid, int(time.time()))
+    fmt = _format(p, req)
     # The chat role chunk goes out with the first token, as vLLM sends it.
     opening = fmt.opening()
     pending = b""
@@ -131,7 +144,7 @@ async def _stream_to(
             pending += fmt.pieces(req.pieces[sent:emit])
             sent = emit
         if req.finished:
-            use = usage(req) if p.include_usage else None
+            use = usage(req, p.kind) if p.include_usage else None
             closing = fmt.closing(req.finish_reason or "stop", use)
             await resp.write_eof(opening + pending + closing)
             return

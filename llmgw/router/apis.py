@@ -1,0 +1,108 @@
+"""The APIs the router relays, which engines serve each, and engines' errors in OpenAI's shape.
+
+A client's path names an API (`Kind`); the router relays it to the same API of an engine of
+the model, and refuses it (400, OpenAI's shape, naming the engines that do serve it) when
+the model's engine does not: relaying would only return the engine's own 404 after a
+round trip, and a retry elsewhere could never help. What each engine serves:
+
+- vLLM (and `llmgw sim`, which serves every API as vLLM does): everything here;
+- SGLang: chat, completions, embeddings, rerank;
+- llama.cpp's llama-server: chat, completions, embeddings, tokenize, detokenize, rerank.
+
+An engine's 4xx reaches the client with its status, in OpenAI's error shape whatever the
+engine wrote (vLLM's `{"object": "error", ...}`, FastAPI's `{"detail": ...}`, Anthropic's
+`{"type": "error", ...}`, plain text): `openai_error`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw.core.profile import ModelProfile
+from llmgw.router import requests
+from llmgw.router.errors import Refusal
+from llmgw.router.requests import Kind
+
+PATHS: dict[str, Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/v1/score": "score",
+    "/score": "score",
+}
+"""Client path -> API."""
+
+UPSTREAM: dict[Kind, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+    "rerank": "/v1/rerank",
+    "score": "/v1/score",
+}
+"""API -> the engine's path for it."""
+
+_ALL: frozenset[Kind] = frozenset(UPSTREAM)
+SERVED: dict[str, frozenset[Kind]] = {
+    "vllm": _ALL,
+    "sim": _ALL,
+    "sglang": frozenset({"chat", "completions", "embeddings", "rerank"}),
+    "llamacpp": frozenset(
+        {"chat", "completions", "embeddings", "tokenize", "detokenize", "rerank"}
+    ),
+}
+
+
+def unsupported(kind: Kind, profile: ModelProfile, path: str) -> Refusal | None:
+    """None when the model's engine serves `kind`; else the 400 that says who does."""
+    if kind in SERVED.get(profile.engine, _ALL):
+        return None
+    serving = ", ".join(sorted(e for e, kinds in SERVED.items() if kind in kinds))
+    return Refusal(
+        400,
+        f"the model {profile.name!r} runs on {profile.engine}, which does not serve {path}:"
+        f" models on {serving} do",
+        "invalid_request_error",
+        "unsupported_api",
+    )
+
+
+def openai_error(status: int, data: bytes) -> bytes:
+    """An engine's error body in OpenAI's shape (`{"error": {message, type, param, code}}`)."""
+    try:
+        doc = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        doc = None
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            if doc.get("type") != "error":  # OpenAI's own shape: as it is
+                return data
+            return requests.error_body(err["message"], _type(status), err.get("type"))
+        message = doc.get("message") or doc.get("detail") or doc.get("error")
+        if message is not None and not isinstance(message, str):
+            message = msgspec.json.encode(message).decode()
+        if isinstance(message, str) and message:
+            return requests.error_body(message, _type(status))
+    text = data.decode("utf-8", "replace").strip()[:2000]
+    return requests.error_body(text or f"the engine answered {status}", _type(status))
+
+
+def _type(status: int) -> str:
+    if status in (401, 403):
+        return "permission_error" if status == 403 else "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
