@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 import anthropic
 import openai
@@ -31,14 +31,14 @@ pytestmark = pytest.mark.slow
 class _OddEngine(BaseHTTPRequestHandler):
     """An engine that answers every POST with an error in a shape of its own."""
 
-    shapes = {
+    shapes: ClassVar[dict[str, tuple[int, bytes]]] = {
         "/v1/rerank": (422, b'{"detail":[{"loc":["body","query"],"msg":"field required"}]}'),
         "/tokenize": (400, b'{"object":"error","message":"bad prompt","type":"BadRequest"}'),
         "/v1/messages": (
             400,
             b'{"type":"error","error":{"type":"invalid_request_error",'
             b'"message":"max_tokens: required"}}',
-        ),  # fmt: skip
+        ),
         "/v1/score": (400, b"plain text failure"),
     }
 
@@ -101,8 +101,13 @@ async def test_the_openai_sdk_retrieves_models_and_uses_the_responses_api(fleet:
     assert r.output_text
     assert r.usage is not None
     assert r.usage.output_tokens == 8
-    stream = await client.responses.create(model="m-latest", input=[{"role": "user",
-                                           "content": "hi"}], max_output_tokens=5, stream=True)  # fmt: skip
+    hi = [{"role": "user", "content": "hi"}]
+    stream = await client.responses.create(
+        model="m-latest",
+        input=hi,
+        max_output_tokens=5,
+        stream=True,  # type: ignore[arg-type]
+    )
     types = [event.type async for event in stream]
     assert types[0] == "response.created"
     assert types[-1] == "response.completed"
@@ -121,8 +126,13 @@ async def test_the_anthropic_sdk_creates_and_streams_messages(fleet: Router) -> 
     assert m.content[0].text
     assert m.usage.output_tokens == 6
     assert m.stop_reason == "max_tokens"
-    async with client.messages.stream(model="m", max_tokens=7, system="be brief",
-                                      messages=[{"role": "user", "content": "hi"}]) as s:  # fmt: skip
+    hi = [{"role": "user", "content": "hi"}]
+    async with client.messages.stream(
+        model="m",
+        max_tokens=7,
+        system="be brief",
+        messages=hi,  # type: ignore[arg-type]
+    ) as s:
         text = "".join([t async for t in s.text_stream])
         final = await s.get_final_message()
     assert text
@@ -136,8 +146,8 @@ def test_tokenize_detokenize_rerank_and_score_are_relayed(fleet: Router) -> None
     assert tok["count"] == 2
     status, back = post(fleet, "/detokenize", {"model": "m", "tokens": tok["tokens"]})
     assert (status, back["prompt"]) == (200, "hello world")
-    status, ranked = post(fleet, "/v1/rerank", {"model": "m", "query": "q",
-                                                "documents": ["a", "b", "c"], "top_n": 2})  # fmt: skip
+    ask = {"model": "m", "query": "q", "documents": ["a", "b", "c"], "top_n": 2}
+    status, ranked = post(fleet, "/v1/rerank", ask)
     assert status == 200
     assert len(ranked["results"]) == 2
     scores = [r["relevance_score"] for r in ranked["results"]]
@@ -150,8 +160,8 @@ def test_tokenize_detokenize_rerank_and_score_are_relayed(fleet: Router) -> None
 def test_an_api_the_models_engine_does_not_serve_is_refused_naming_those_that_do(
     fleet: Router,
 ) -> None:
-    status, body = post(fleet, "/v1/messages", {"model": "sg", "max_tokens": 4,
-                                                "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+    ask = {"model": "sg", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    status, body = post(fleet, "/v1/messages", ask)
     assert status == 400
     assert body["error"]["code"] == "unsupported_api"
     assert "sglang" in body["error"]["message"]
