@@ -29,17 +29,18 @@ BAD_KEY = Refusal(
 
 
 def authenticate(
-    keys: auth.Keys | None, header: str | None, wall: float
+    keys: auth.Keys | None, header: str | None, wall: float, anonymous: bool = False
 ) -> auth.Principal | Refusal | None:
-    """The caller's principal; None when the router takes anonymous requests. `wall` is
-    the wall clock (keys expire, and rotated secrets' overlaps end, at UNIX times)."""
+    """The caller's principal; None for an anonymous request (`anonymous`: the router
+    takes them; a request with a known key is still that key's). `wall` is the wall
+    clock (keys expire, and rotated secrets' overlaps end, at UNIX times)."""
     if keys is None:
         return None
     if not header:
-        return NO_KEY
+        return None if anonymous else NO_KEY
     principal = keys.lookup(header, wall)
     if principal is None:
-        return BAD_KEY
+        return None if anonymous else BAD_KEY
     if principal.expired(wall):
         return Refusal(
             401,

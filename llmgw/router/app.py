@@ -81,8 +81,10 @@ class Router:
         self._snapshots: asyncio.Task[None] | None = None
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(8), "big")
         self.rng = random.Random(seed + worker)
-        # None: anonymous. Else the keys file's and, with a log, the log's (auth.merged).
-        self.keys: auth.Keys | None = None if cfg.auth.allow_anonymous else auth.Keys()
+        # The keys file's and, with a log, the log's (auth.merged). An anonymous router
+        # still knows them: a request with one is its key's (limits, usage, metrics).
+        self.keys = auth.Keys()
+        self.anonymous = cfg.auth.allow_anonymous
         self.file_keys: auth.Keys | None = None
         # With several workers, keys' limits are shared by all of them (see auth).
         self.limits = limits
@@ -133,7 +135,7 @@ class Router:
                 ports=feed_ports.jetstream(self.cfg.log),
                 static_models=frozenset(m.name for m in self.cfg.models),
                 static_endpoints=frozenset(ep.id for ep in self.cfg.endpoints),
-                on_keys=None if self.keys is None else self.set_log_keys,
+                on_keys=self.set_log_keys,
             )
             self.feed.start()
             if self.cfg.cache.enabled and self.cfg.cache.events:
@@ -192,8 +194,7 @@ class Router:
         try:
             keys = auth.load_keys(self.cfg.auth.keys_file, time.monotonic(), self.limits)
         except ConfigError as exc:
-            log.error("keys_reload_failed", error=str(exc), kept=len(self.keys.by_digest) if
-                      self.keys else 0)  # fmt: skip
+            log.error("keys_reload_failed", error=str(exc), kept=len(self.keys.by_digest))
             return
         if self.file_keys is not None:
             # Keep the buckets of keys that stay, so a reload does not reset their limits.
@@ -218,7 +219,7 @@ class Router:
     async def handle_models(self, request: web.BaseRequest) -> web.Response:
         rid = self._request_id(request)
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time()
+            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
@@ -234,7 +235,7 @@ class Router:
         """`GET /v1/models/{id}`: one model (by name or alias) this key may use; else 404."""
         rid = self._request_id(request)
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time()
+            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
@@ -338,7 +339,7 @@ class Router:
         """Admission, then dispatch; `outcome` gets the model's name once it is known, and
         the status when it is not the response's own."""
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time()
+            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)

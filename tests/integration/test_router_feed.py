@@ -180,9 +180,12 @@ async def test_a_router_starts_from_the_newest_snapshot_then_the_tail(
 
 def test_a_router_identity_cannot_write_the_log() -> None:
     # What a router may do is rendered from its identity; it has no subject of the log to
-    # publish, only its own load reports (outside the log, in llmgw-signals).
+    # publish, only its own load reports (outside the log, in llmgw-signals) and the
+    # tenants' counters (llmgw-limits, llmgw-usage).
     from llmgw.pki.authorization import permissions
 
     allowed = permissions(Identity("router", "r1")).publish
-    assert [p for p in allowed if p.startswith("llmgw.")] == ["llmgw.signals.router.r1.*"]
+    assert [p for p in allowed if p.startswith("llmgw.")] == [
+        "llmgw.signals.router.r1.*", "llmgw.limits.>", "llmgw.usage.>"
+    ]  # fmt: skip
     assert not any(p.startswith(("$JS.API.STREAM.CREATE", "$KV.", "$O.")) for p in allowed)
