@@ -112,27 +112,25 @@ def admit(principal: auth.Principal | None, asked: str, profile: ModelProfile) -
 
 def over_requests(principal: auth.Principal, remaining: float, reset_s: float) -> Refusal:
     limit = principal.settings.requests_per_s or 0.0
-    return Refusal(
-        429,
-        f"this API key ({principal.name}) is over its limit of {limit:g} requests/s:"
-        f" retry in {quota.reset_text(reset_s)}",
-        "rate_limit_error",
-        "rate_limit_exceeded",
-        retry_after=quota.retry_after(reset_s),
-        headers=quota.rate_headers("requests", limit, remaining, reset_s),
-    )
+    return _over(principal, "requests", "requests/s", limit, remaining, reset_s)
 
 
 def over_tokens(principal: auth.Principal, remaining: float, reset_s: float) -> Refusal:
     limit = principal.settings.tokens_per_min or 0.0
+    return _over(principal, "tokens", "tokens/min", limit, remaining, reset_s)
+
+
+def _over(
+    p: auth.Principal, kind: str, unit: str, limit: float, remaining: float, reset_s: float
+) -> Refusal:
     return Refusal(
         429,
-        f"this API key ({principal.name}) is over its limit of {limit:g} tokens/min:"
+        f"this API key ({p.name}) is over its limit of {limit:g} {unit}:"
         f" retry in {quota.reset_text(reset_s)}",
         "rate_limit_error",
-        "tokens_exceeded",
+        "rate_limit_exceeded" if kind == "requests" else "tokens_exceeded",
         retry_after=quota.retry_after(reset_s),
-        headers=quota.rate_headers("tokens", limit, remaining, reset_s),
+        headers=quota.rate_headers(kind, limit, remaining, reset_s),
     )
 
 

@@ -210,3 +210,32 @@ def test_the_keys_settings_schema_refuses_what_the_fold_must_never_meet() -> Non
     ):
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(bad, tenancy.KeySettings)
+
+
+FLAG = st.text(alphabet=string.printable + "é", max_size=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    command=st.sampled_from(["create", "update", "rotate", "revoke", "show"]),
+    name=FLAG,
+    flags=st.dictionaries(st.sampled_from(["--rps", "--tpm", "--budget-tokens", "--expires",
+                                           "--priority", "--team", "--model", "--overlap"]),
+                          FLAG, max_size=4),
+)  # fmt: skip
+def test_any_ctl_key_command_line_exits_0_1_or_2_never_a_traceback(
+    command: str, name: str, flags: dict[str, str]
+) -> None:
+    args = ["ctl", "key", command]
+    args += ["--name", name] if command == "create" else [name]
+    allowed = {"create": None, "update": None, "rotate": {"--overlap"}, "revoke": set(),
+               "show": set()}[command]  # fmt: skip
+    for flag, value in flags.items():
+        if (allowed is None and flag != "--overlap") or (allowed and flag in allowed):
+            args += [flag, value]
+    # No certificate at these paths: a command whose flags are fine stops at the connection.
+    result = CliRunner().invoke(
+        app, [*args, "--server", "nats://127.0.0.1:1", "--cert", "/nonexistent/op.pem"]
+    )
+    assert result.exit_code in (1, 2), (args, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output

@@ -1,0 +1,282 @@
+"""The front door's costs and accuracy, measured side by side on one machine in one run:
+
+    .venv/bin/python -m tests.bench.bench_front_door            # ~2 minutes
+    .venv/bin/python -m tests.bench.bench_front_door --quick    # a smoke run
+
+1. **Keys' cost.** A real nats-server (mTLS) whose log holds `--keys` (10,000) tenant keys,
+   three `llmgw sim` engines (zero latency, 16 tokens per answer), and three routers
+   following the log: anonymous requests (keys off), a key without limits, and a key with a
+   requests/s limit high enough never to refuse (its fleet-wide counter is still taken per
+   lease). Each takes the same streamed chat load, in interleaved rounds; the figures are
+   the router process's CPU time per request (from /proc) and TTFT p50.
+2. **Limit accuracy** across 1, 2 and 4 routers: a key limited to `--rps` requests/s,
+   hammered through all of them at once for `--seconds`; requests answered per second
+   (min / mean / max) against the limit.
+3. **Revocation latency**: a key is created, used on every router, revoked; the time from
+   ctl's write to each router's first refusal, over `--revocations` keys (p50, p99, max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from llmgw import bus  # noqa: E402
+from llmgw.core import events, tenancy  # noqa: E402
+from llmgw.pki.identity import Identity  # noqa: E402
+from llmgw.router import auth  # noqa: E402
+from tests.harness import TestNatsServer, TestPki, connect_as  # noqa: E402
+from tests.integration.router_kit import Router, Sim  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def feed(server: TestNatsServer, name: str) -> dict[str, Any]:
+    server.pki.client_tls("router", name)
+    identity = Identity("router", name)
+    c = server.pki.certs
+    return {"servers": [server.url], "name": name, "ca_file": str(c.ca_cert),
+            "cert_file": str(c.cert(identity)), "key_file": str(c.key(identity))}  # fmt: skip
+
+
+async def publish_keys(server: TestNatsServer, n: int, special: dict[str, Any]) -> dict[str, str]:
+    """`n` filler keys and the named ones of `special` (name -> settings): their secrets."""
+    op = await connect_as(server, "operator", "bench")
+    secrets: dict[str, str] = {}
+    try:
+        pub = bus.Publisher(op.jetstream(), timeout_s=10.0)
+        now = time.time()
+        items = [(f"filler-{i}", {"requests_per_s": 100.0} if i % 2 else {}) for i in range(n)]
+        items += list(special.items())
+        for i in range(0, len(items), 500):
+            batch = []
+            for name, extra in items[i : i + 500]:
+                secret = secrets[name] = auth.new_key()
+                batch.append(events.KeyCreated(
+                    id=f"k-{name}", ts=now, operator="bench",
+                    key=tenancy.KeySettings(name=name, **extra), sha256=auth.digest(secret),
+                ))  # fmt: skip
+            await asyncio.gather(*(pub.publish(e) for e in batch))
+    finally:
+        await op.close()
+    return secrets
+
+
+async def until(check: Any, within_s: float) -> float:
+    t0 = time.monotonic()
+    while not await check():
+        if time.monotonic() - t0 > within_s:
+            raise RuntimeError("not within the time allowed")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True,
+        "max_tokens": 16}  # fmt: skip
+
+
+async def status(http: aiohttp.ClientSession, router: Router, key: str | None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with http.post(router.url + "/v1/chat/completions", json=BODY, headers=headers) as r:
+        await r.read()
+        return r.status
+
+
+async def load(
+    http: aiohttp.ClientSession, router: Router, key: str | None, n: int, concurrency: int
+) -> tuple[float, float]:
+    """(router CPU seconds per request, TTFT p50) over `n` streamed requests."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    ttfts: list[float] = []
+    left = n
+
+    async def one() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            t0 = time.perf_counter()
+            async with http.post(router.url + "/v1/chat/completions", json=BODY,
+                                 headers=headers) as r:  # fmt: skip
+                assert r.status == 200, r.status
+                await r.content.readany()
+                ttfts.append(time.perf_counter() - t0)
+                await r.read()
+
+    before = cpu_s(router.proc.pid)
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    return (cpu_s(router.proc.pid) - before) / n, statistics.median(ttfts)
+
+
+async def keys_cost(args: argparse.Namespace, server: TestNatsServer, sims: list[Sim],
+                    tmp: Path) -> None:  # fmt: skip
+    print(f"publishing {args.keys} keys ...", flush=True)
+    secrets = await publish_keys(server, args.keys, {
+        "plain": {}, "limited": {"requests_per_s": 1e6}})  # fmt: skip
+    eps = {f"e{i}": s for i, s in enumerate(sims)}
+    targets = {
+        "keys off (anonymous)": (Router.start(tmp, eps, feed=feed(server, "off"),
+                                              auth={"allow_anonymous": True}), None),
+        "a key, 10k in the log": (Router.start(tmp, eps, feed=feed(server, "on"), auth={}),
+                                  secrets["plain"]),
+        "a key with a fleet limit": (Router.start(tmp, eps, feed=feed(server, "lim"), auth={}),
+                                     secrets["limited"]),
+    }  # fmt: skip
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            for name, (router, key) in targets.items():
+                await until(lambda r=router, k=key: _ok(http, r, k), 30)
+                await load(http, router, key, 200, args.concurrency)  # warm-up
+            for rnd in range(args.rounds):
+                order = list(targets.items())
+                order = order[rnd % len(order):] + order[: rnd % len(order)]
+                for name, (router, key) in order:
+                    results[name].append(await load(http, router, key, args.requests,
+                                                    args.concurrency))  # fmt: skip
+    finally:
+        for router, _ in targets.values():
+            router.stop()
+    base = statistics.median(c for c, _ in results["keys off (anonymous)"])
+    print(f"\n1. keys' cost: {args.requests} streamed requests x {args.rounds} rounds at "
+          f"{args.concurrency} concurrent, {args.keys} keys in the log (medians)")  # fmt: skip
+    print(f"  {'target':<26} {'CPU/request':>12} {'vs off':>8} {'TTFT p50':>10}")
+    for name, rows in results.items():
+        c = statistics.median(x for x, _ in rows)
+        t = statistics.median(y for _, y in rows)
+        print(f"  {name:<26} {c * 1e6:>9.0f} us {100 * (c / base - 1):>+7.1f}% {t * 1e3:>7.2f} ms")
+
+
+async def _ok(http: aiohttp.ClientSession, router: Router, key: str | None) -> bool:
+    try:
+        return await status(http, router, key) == 200
+    except aiohttp.ClientError:
+        return False
+
+
+async def accuracy(args: argparse.Namespace, server: TestNatsServer, sims: list[Sim],
+                   tmp: Path) -> None:  # fmt: skip
+    eps = {f"e{i}": s for i, s in enumerate(sims)}
+    print(f"\n2. a key limited to {args.rps:g}/s, hammered through N routers for "
+          f"{args.seconds} s (answered per second)")  # fmt: skip
+    print(f"  {'routers':>7} {'min':>6} {'mean':>7} {'max':>6} {'refused':>8}")
+    for n in (1, 2, 4):
+        secret = (await publish_keys(server, 0, {f"acc{n}": {"requests_per_s": args.rps}}))[
+            f"acc{n}"]  # fmt: skip
+        routers = [Router.start(tmp, eps, feed=feed(server, f"a{n}-{i}"), auth={})
+                   for i in range(n)]  # fmt: skip
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+                for r in routers:
+                    await until(lambda r=r: _ok(http, r, secret), 30)
+                ok: dict[int, int] = {}
+                refused = 0
+                start = int(time.time()) + 2
+                end = start + args.seconds
+
+                async def hammer(r: Router) -> None:
+                    nonlocal refused
+                    while time.time() < end:
+                        s = await status(http, r, secret)
+                        done = time.time()
+                        if s == 200 and start <= done < end:
+                            ok[int(done)] = ok.get(int(done), 0) + 1
+                        elif s == 429:
+                            refused += 1
+
+                await asyncio.gather(*(hammer(r) for r in routers for _ in range(8)))
+            per_s = [ok.get(s, 0) for s in range(start, end)]
+            print(f"  {n:>7} {min(per_s):>6} {statistics.mean(per_s):>7.1f} {max(per_s):>6} "
+                  f"{refused:>8}")  # fmt: skip
+        finally:
+            for r in routers:
+                r.stop()
+
+
+async def revocation(args: argparse.Namespace, server: TestNatsServer, sims: list[Sim],
+                     tmp: Path) -> None:  # fmt: skip
+    eps = {f"e{i}": s for i, s in enumerate(sims)}
+    routers = [Router.start(tmp, eps, feed=feed(server, f"rv{i}"), auth={}) for i in range(3)]
+    op = await connect_as(server, "operator", "bench")
+    took: list[float] = []
+    try:
+        pub = bus.Publisher(op.jetstream(), timeout_s=10.0)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            for i in range(args.revocations):
+                name = f"rev{i}"
+                secret = (await publish_keys(server, 0, {name: {}}))[name]
+                for r in routers:
+                    await until(lambda r=r: _ok(http, r, secret), 30)
+                await pub.publish(events.KeyRevoked(id=f"rv-{name}", ts=time.time(),
+                                                    operator="bench", name=name))  # fmt: skip
+                t0 = time.monotonic()
+
+                async def refused(r: Router) -> float:
+                    while await status(http, r, secret) == 200:
+                        await asyncio.sleep(0.005)
+                    return time.monotonic() - t0
+
+                took += await asyncio.gather(*(refused(r) for r in routers))
+    finally:
+        await op.close()
+        for r in routers:
+            r.stop()
+    took.sort()
+    p99 = took[min(len(took) - 1, int(0.99 * len(took)))]
+    print(f"\n3. revocation: {args.revocations} keys x 3 routers, from the write to each "
+          f"router's first refusal: p50 {statistics.median(took) * 1e3:.0f} ms, p99 "
+          f"{p99 * 1e3:.0f} ms, max {took[-1] * 1e3:.0f} ms")  # fmt: skip
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keys", type=int, default=10_000)
+    ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rps", type=float, default=50.0)
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--revocations", type=int, default=20)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="cost,accuracy,revocation")
+    args = ap.parse_args()
+    if args.quick:
+        args.keys, args.requests, args.rounds, args.seconds, args.revocations = 500, 300, 1, 3, 3
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-front-door-"))
+    sims = [Sim.start("m") for _ in range(3)]
+    server = TestNatsServer(TestPki(tmp / "pki"), tmp / "nats")
+    server.root.mkdir(parents=True)
+    try:
+        server.start()
+        control = await connect_as(server, "control", "c1")
+        await bus.provision(control.jetstream())
+        await control.close()
+        for part in args.only.split(","):
+            await {"cost": keys_cost, "accuracy": accuracy, "revocation": revocation}[part](
+                args, server, sims, tmp)  # fmt: skip
+    finally:
+        server.close()
+        for s in sims:
+            s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
