@@ -330,7 +330,8 @@ class Router:
                     self.dispatcher.quotas.request_done(p, asked)
             if self._access_log:
                 log.debug("request", request_id=rid, model=asked, status=status, duration_s=took,
-                          key=p.name if p is not None else None)  # fmt: skip
+                          key=p.name if p is not None else None, tokens_in=outcome.tokens[0],
+                          tokens_out=outcome.tokens[1])  # fmt: skip
 
     async def _serve(
         self, request: web.BaseRequest, kind: requests.Kind, rid: str, start: float,
@@ -359,7 +360,10 @@ class Router:
         )
         if refused is None and principal is not None:
             outcome.principal = principal
-            refused = await self.dispatcher.quotas.admit(principal, time.time(), time.monotonic())
+            if principal.limited:  # no coroutine to await for a key without limits
+                refused = await self.dispatcher.quotas.admit(
+                    principal, time.time(), time.monotonic()
+                )
         if refused is not None:
             return refusal_response(refused, rid)
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
@@ -375,6 +379,7 @@ class Router:
         finally:
             state.stop_keepalive()
         outcome.status = state.failed_status
+        outcome.tokens = state.tokens
         return resp
 
 
@@ -382,11 +387,12 @@ class _Outcome:
     """What a request's metrics record: the model (once known) and the status, when it
     is not the response's own (0: the response's)."""
 
-    __slots__ = ("model", "principal", "status")
+    __slots__ = ("model", "principal", "status", "tokens")
 
     def __init__(self) -> None:
         self.model = "unknown"
         self.status = 0
+        self.tokens = (0, 0)
         self.principal: auth.Principal | None = None
         """The key, once admitted to a model (its name labels the key metrics)."""
 

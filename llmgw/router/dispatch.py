@@ -458,6 +458,7 @@ class Dispatcher:
 
     def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
         self.metrics.count_tokens(prof.name, u.prompt_tokens, u.completion_tokens)
+        client.tokens = (u.prompt_tokens, u.completion_tokens)
         principal = client.principal
         if principal is not None:
             self.metrics.key_usage(principal.name, principal.settings.team, prof.name,

@@ -69,7 +69,7 @@ class ClientStream:
     __slots__ = (
         "cached_endpoint", "cached_predicted", "drop_usage",
         "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind", "loop",
-        "loop_start", "principal", "request", "response", "rid", "start", "stream",
+        "loop_start", "principal", "request", "response", "rid", "start", "stream", "tokens",
     )  # fmt: skip
 
     def __init__(
@@ -88,6 +88,8 @@ class ClientStream:
         self.start = start
         self.kind = kind
         self.principal = principal
+        self.tokens = (0, 0)
+        """Prompt and completion tokens of the answer, as the engine's usage said."""
         self.response: web.StreamResponse | None = None
         self.stream = stream
         self.drop_usage = drop_usage

@@ -131,33 +131,33 @@ async def keys_cost(args: argparse.Namespace, server: TestNatsServer, sims: list
     secrets = await publish_keys(server, args.keys, {
         "plain": {}, "limited": {"requests_per_s": 1e6}})  # fmt: skip
     eps = {f"e{i}": s for i, s in enumerate(sims)}
-    feeds = {name: feed(server, name) for name in ("off", "on", "lim")}
-    targets = {
-        "keys off (anonymous)": (Router.start(tmp, eps, feed=feeds["off"],
-                                              auth={"allow_anonymous": True}), None),
-        "a key, 10k in the log": (Router.start(tmp, eps, feed=feeds["on"], auth={}),
-                                  secrets["plain"]),
-        "a key with a fleet limit": (Router.start(tmp, eps, feed=feeds["lim"], auth={}),
-                                     secrets["limited"]),
-    }  # fmt: skip
+    targets: dict[str, tuple[dict[str, Any], str | None]] = {
+        "keys off (anonymous)": ({"allow_anonymous": True}, None),
+        "a key, 10k in the log": ({}, secrets["plain"]),
+        "a key with a fleet limit": ({}, secrets["limited"]),
+    }
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
-    try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            for name, (router, key) in targets.items():
-                await until(lambda r=router, k=key: _ok(http, r, k), 30)
-                await load(http, router, key, 200, args.concurrency)  # warm-up
-            for rnd in range(args.rounds):
-                order = list(targets.items())
-                order = order[rnd % len(order) :] + order[: rnd % len(order)]
-                for name, (router, key) in order:
-                    results[name].append(await load(http, router, key, args.requests,
-                                                    args.concurrency))  # fmt: skip
-    finally:
-        for router, _ in targets.values():
-            router.stop()
+    # A fresh router process per target and round: two processes of the same router differ
+    # by a few per cent in CPU per request, so the medians are over several of each.
+    feeds = [feed(server, f"cost-{i}") for i in range(args.rounds * len(targets))]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        for rnd in range(args.rounds):
+            order = list(targets.items())
+            order = order[rnd % len(order) :] + order[: rnd % len(order)]
+            for name, (auth_cfg, key) in order:
+                router = Router.start(tmp, eps, feed=feeds.pop(), auth=auth_cfg)
+                try:
+                    await until(lambda r=router, k=key: _ok(http, r, k), 60)
+                    await load(http, router, key, 300, args.concurrency)  # warm-up
+                    results[name].append(
+                        await load(http, router, key, args.requests, args.concurrency)
+                    )
+                finally:
+                    router.stop()
     base = statistics.median(c for c, _ in results["keys off (anonymous)"])
-    print(f"\n1. keys' cost: {args.requests} streamed requests x {args.rounds} rounds at "
-          f"{args.concurrency} concurrent, {args.keys} keys in the log (medians)")  # fmt: skip
+    print(f"\n1. keys' cost: {args.requests} streamed requests at {args.concurrency} "
+          f"concurrent, {args.rounds} rounds of fresh routers, {args.keys} keys in the log "
+          "(medians)")  # fmt: skip
     print(f"  {'target':<26} {'CPU/request':>12} {'vs off':>8} {'TTFT p50':>10}")
     for name, rows in results.items():
         c = statistics.median(x for x, _ in rows)
@@ -175,6 +175,32 @@ async def _ok(http: aiohttp.ClientSession, router: Router, key: str | None) -> b
     return got == 200
 
 
+class Tally:
+    """Requests answered per second of [start, end), and those refused."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.ok: dict[int, int] = {}
+        self.refused = 0
+
+    async def hammer(self, http: aiohttp.ClientSession, r: Router, key: str) -> None:
+        while time.time() < self.end:
+            s = await status(http, r, key)
+            done = time.time()
+            if s == 200 and self.start <= done < self.end:
+                self.ok[int(done)] = self.ok.get(int(done), 0) + 1
+            elif s == 429:
+                self.refused += 1
+
+
+async def _refused(http: aiohttp.ClientSession, r: Router, key: str, t0: float) -> float:
+    """Seconds from `t0` until `r` refuses `key`."""
+    while True:
+        if await status(http, r, key) != 200:
+            return time.monotonic() - t0
+        await asyncio.sleep(0.005)
+
+
 async def accuracy(args: argparse.Namespace, server: TestNatsServer, sims: list[Sim],
                    tmp: Path) -> None:  # fmt: skip
     eps = {f"e{i}": s for i, s in enumerate(sims)}
@@ -190,26 +216,14 @@ async def accuracy(args: argparse.Namespace, server: TestNatsServer, sims: list[
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
                 for r in routers:
-                    await until(lambda r=r: _ok(http, r, secret), 30)
-                ok: dict[int, int] = {}
-                refused = 0
+                    await until(lambda r=r, k=secret: _ok(http, r, k), 30)
                 start = int(time.time()) + 2
-                end = start + args.seconds
-
-                async def hammer(r: Router) -> None:
-                    nonlocal refused
-                    while time.time() < end:
-                        s = await status(http, r, secret)
-                        done = time.time()
-                        if s == 200 and start <= done < end:
-                            ok[int(done)] = ok.get(int(done), 0) + 1
-                        elif s == 429:
-                            refused += 1
-
-                await asyncio.gather(*(hammer(r) for r in routers for _ in range(8)))
-            per_s = [ok.get(s, 0) for s in range(start, end)]
+                tally = Tally(start, start + args.seconds)
+                await asyncio.gather(*(tally.hammer(http, r, secret) for r in routers
+                                       for _ in range(8)))  # fmt: skip
+            per_s = [tally.ok.get(s, 0) for s in range(tally.start, tally.end)]
             print(f"  {n:>7} {min(per_s):>6} {statistics.mean(per_s):>7.1f} {max(per_s):>6} "
-                  f"{refused:>8}")  # fmt: skip
+                  f"{tally.refused:>8}")  # fmt: skip
         finally:
             for r in routers:
                 r.stop()
@@ -229,17 +243,11 @@ async def revocation(args: argparse.Namespace, server: TestNatsServer, sims: lis
                 name = f"rev{i}"
                 secret = (await publish_keys(server, 0, {name: {}}))[name]
                 for r in routers:
-                    await until(lambda r=r: _ok(http, r, secret), 30)
+                    await until(lambda r=r, k=secret: _ok(http, r, k), 30)
                 await pub.publish(events.KeyRevoked(id=f"rv-{name}", ts=time.time(),
                                                     operator="bench", name=name))  # fmt: skip
                 t0 = time.monotonic()
-
-                async def refused(r: Router) -> float:
-                    while await status(http, r, secret) == 200:
-                        await asyncio.sleep(0.005)
-                    return time.monotonic() - t0
-
-                took += await asyncio.gather(*(refused(r) for r in routers))
+                took += await asyncio.gather(*(_refused(http, r, secret, t0) for r in routers))
     finally:
         await op.close()
         for r in routers:
@@ -256,7 +264,7 @@ async def main() -> None:
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--requests", type=int, default=1500)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rps", type=float, default=50.0)
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--revocations", type=int, default=20)
