@@ -360,10 +360,10 @@ class Router:
         )
         if refused is None and principal is not None:
             outcome.principal = principal
-            if principal.limited:  # no coroutine to await for a key without limits
-                refused = await self.dispatcher.quotas.admit(
-                    principal, time.time(), time.monotonic()
-                )
+            q, wall, mono = self.dispatcher.quotas, time.time(), time.monotonic()
+            # No coroutine to await for a key without limits, or within what it holds.
+            if principal.limited and not q.admit_now(principal, wall, mono):
+                refused = await q.admit(principal, wall, mono)
         if refused is not None:
             return refusal_response(refused, rid)
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage

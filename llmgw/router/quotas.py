@@ -93,6 +93,35 @@ class Quotas:
 
     # ------------------------------------------------------------------ admission
 
+    def admit_now(self, p: auth.Principal, wall: float, mono: float) -> bool:
+        """True when a fleet key's request is within its limits by what this router knows
+        now (a lease with requests left in this window, totals read within FRESH_S): one
+        request is taken, no round trip. False: `admit` decides (it may need the counters)."""
+        if not p.fleet or self.counters is None:
+            return False
+        s = p.settings
+        if s.budget_tokens:
+            t = self._budgets.get(p.name)
+            if t is None or mono - t.read_at > FRESH_S or t.total + t.pending >= s.budget_tokens:
+                return False
+            period = tenancy.period_of(wall, s.budget_period)
+            if t.subject != subjects.budget_counter(p.name, period):
+                return False
+        if s.tokens_per_min:
+            t = self._tokens.get(p.name)
+            w = quota.window(wall, quota.TOKENS_WINDOW_S)
+            if t is None or mono - t.read_at > FRESH_S or t.total + t.pending >= s.tokens_per_min:
+                return False
+            if t.subject != subjects.limit_counter(p.name, "t", w):
+                return False
+        if s.requests_per_s:
+            lease = self._leases.get(p.name)
+            w = quota.window(wall, quota.rate_window_s(s.requests_per_s))
+            if lease is None or lease.window != w or lease.left <= 0:
+                return False
+            lease.left -= 1
+        return True
+
     async def admit(self, principal: auth.Principal, wall: float, mono: float) -> Refusal | None:
         """None when the key is within its limits (one request is taken), else the 429."""
         if not principal.limited:

@@ -1,0 +1,91 @@
+"""A router's share of the fleet's counters (llmgw.router.quotas) over an in-memory counter
+store that adds as the server does: several routers' Quotas on one store never admit more
+than a key's limit in a window, admit all of it between them, fall back to their own
+buckets when the counters fail, and refuse a spent budget saying so."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.bus.counters import CounterError
+from llmgw.core import tenancy
+from llmgw.router import auth
+from llmgw.router.quotas import Quotas
+
+
+class Store:
+    """Counters as the server keeps them: one total per subject, increments in order."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+        self.down = False
+
+    async def add(self, subject: str, amount: int) -> int:
+        if self.down:
+            raise CounterError("down")
+        await asyncio.sleep(0)  # another router may go in between
+        self.totals[subject] = self.totals.get(subject, 0) + amount
+        return self.totals[subject]
+
+
+def key(**settings_: object) -> auth.Principal:
+    p = auth.Principal(tenancy.KeySettings(name="k", **settings_), "a" * 64, 0.0)  # type: ignore[arg-type]
+    p.fleet = True
+    return p
+
+
+async def admitted(q: Quotas, p: auth.Principal, wall: float) -> bool:
+    if q.admit_now(p, wall, 0.0):
+        return True
+    return await q.admit(p, wall, 0.0) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 5), st.integers(1, 800))
+def test_routers_together_admit_exactly_the_limit_in_a_window(
+    limit: int, routers: int, requests: int
+) -> None:
+    async def run() -> int:
+        store = Store()
+        quotas = [Quotas(store) for _ in range(routers)]  # type: ignore[arg-type]
+        keys = [key(requests_per_s=float(limit)) for _ in range(routers)]
+        got = await asyncio.gather(*(admitted(quotas[i % routers], keys[i % routers], 100.5)
+                                     for i in range(requests)))  # fmt: skip
+        return sum(got)
+
+    n = asyncio.run(run())
+    assert n <= limit
+    # Unused leases are the only waste: at most a lease (2 % of the limit) per router.
+    assert n >= min(requests, limit) - routers * max(1, limit // 50)
+
+
+def test_without_counters_a_router_limits_by_its_own_buckets() -> None:
+    async def run() -> list[bool]:
+        store = Store()
+        store.down = True
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(requests_per_s=2.0)
+        return [await admitted(q, p, 100.0) for _ in range(4)]
+
+    assert asyncio.run(run()) == [True, True, False, False]
+
+
+def test_a_spent_budget_is_refused_by_every_router_once_it_reads_the_total() -> None:
+    async def run() -> tuple[object, object]:
+        store = Store()
+        a, b = Quotas(store), Quotas(store)  # type: ignore[arg-type]
+        p = key(budget_tokens=100)
+        assert await a.admit(p, 1e9, 0.0) is None
+        a.used(p, "m", 60, 50)  # over the budget mid-stream: the stream is not cut
+        for t in list(a._budgets.values()):
+            await a._send(t)  # the flusher
+        return await a.admit(p, 1e9, 0.1), await b.admit(p, 1e9, 0.0)
+
+    mine, other = asyncio.run(run())
+    for refusal in (mine, other):
+        assert refusal is not None
+        assert refusal.code == "budget_exceeded"  # type: ignore[attr-defined]
+        assert "110 used" in refusal.message  # type: ignore[attr-defined]
