@@ -99,9 +99,10 @@ async def test_two_hundred_requests_of_three_keys_all_complete_and_interleave_fa
         assert last["b"] < 150, last
         assert last["c"] < 150, last
         assert last["noisy"] > 180, last
-        # Last to arrive, and behind about 180 waiting: among the next few dozen done
-        # (its requests reach the router among a crowd of connections on a busy machine).
-        assert last["vip"] < vip_sent + 50, (last, vip_sent)
+        # Last to arrive, behind about 180 waiting, and done among the next few: its eight,
+        # the four in flight, and a margin for requests reaching the router late among a
+        # crowd of connections on a busy machine (measured: 11 after).
+        assert last["vip"] < vip_sent + 30, (last, vip_sent)
         metrics = await asyncio.to_thread(router.metrics)
         waits = "llmgw_router_queue_wait_seconds_count"
         sent = [v for k, v in metrics.items() if k.startswith(waits) and "sent" in k]
