@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import nats.errors
 import openai
 import pytest
 
 from llmgw import bus
 from llmgw.bus import counters
-from llmgw.core import subjects
+from llmgw.core import events, subjects, tenancy
 from llmgw.pki.identity import Identity
-from tests.harness import TestNatsServer, connect_as, wait_for
+from llmgw.router import auth
+from tests.harness import TestNatsServer, connect_as, signed_headers, wait_for
 from tests.integration.ctl_kit import Ctl
 from tests.integration.router_kit import Router, Sim
 
@@ -246,3 +248,35 @@ async def test_a_budget_spent_mid_stream_lets_the_stream_finish_then_refuses_on_
     budgets = (await ctl("usage", "--key", "small", "--json")).json()["budgets"]
     assert budgets[0]["used"] >= 64
     assert budgets[0]["left"] == 0
+
+
+async def test_only_an_operator_under_its_own_name_makes_a_key_that_routers_admit(
+    fleet: tuple[Ctl, list[Router]], nats_server: TestNatsServer
+) -> None:
+    """Tried as an attacker would: a node, a router and another operator each try to make
+    a key with a secret they know; no router admits it, and an honest key still works."""
+    ctl, routers = fleet
+    r1 = routers[0]
+    secret = auth.new_key()
+    forged = events.KeyCreated(id="forged-1", ts=1.0, operator="alice", sha256=auth.digest(secret),
+                               key=tenancy.KeySettings(name="backdoor"))  # fmt: skip
+    payload = events.encode(forged)
+    # A node, on its own subject (the server lets it write there), signed by itself.
+    node = await connect_as(nats_server, "node", "node-a")
+    own = subjects.node_event("node-a", "registered")
+    await node.jetstream().publish(own, payload, headers=signed_headers(node, own, payload, "f1"))
+    # An operator, on its own subject, naming another operator as the author.
+    bob = await connect_as(nats_server, "operator", "bob")
+    bobs = subjects.operator_event("bob", "key_created")
+    await bob.jetstream().publish(bobs, payload, headers=signed_headers(bob, bobs, payload, "f2"))
+    # A router, on the operator subject: the server refuses it.
+    router = await connect_as(nats_server, "router", "r1")
+    alices = subjects.operator_event("alice", "key_created")
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+        await router.jetstream().publish(alices, payload, timeout=1.0)
+    for nc in (node, bob, router):
+        await nc.close()
+    honest = (await ctl("key", "create", "--name", "honest", "--json")).json()["key"]
+    await wait_for(lambda: accepted(r1, honest), 10, "the honest key")  # the log was folded
+    assert not await accepted(r1, secret)
+    assert [k["name"] for k in (await ctl("key", "list", "--json")).json()] == ["honest"]
