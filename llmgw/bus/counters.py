@@ -39,7 +39,7 @@ class Counters:
             )
         except nats.errors.NoRespondersError:
             raise CounterError(f"no counter stream holds {subject}: is it provisioned?") from None
-        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as exc:
+        except nats.errors.Error as exc:  # a timeout, a closed or reconnecting connection
             raise CounterError(f"no answer for {subject}: {type(exc).__name__}") from None
         return total_of(msg.data, subject)
 

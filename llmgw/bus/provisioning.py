@@ -364,10 +364,15 @@ async def provision(
         wanted = signals_stream_config(settings)
         note(subjects.SIGNALS_STREAM, await _ensure_derived_stream(js, wanted))
     if tenancy:
-        note(
-            subjects.LIMITS_STREAM, await _ensure_derived_stream(js, limits_stream_config(settings))
-        )
-        note(subjects.USAGE_STREAM, await _ensure_derived_stream(js, usage_stream_config(settings)))
+        for wanted in (limits_stream_config(settings), usage_stream_config(settings)):
+            assert wanted.name is not None
+            try:
+                note(wanted.name, await _ensure_derived_stream(js, wanted))
+            except ProvisionConflict as exc:
+                # Routers then limit keys each by itself (llmgw.router.quotas): a fleet
+                # without fleet-wide limits still runs (nats-server before 2.12 has no
+                # counters).
+                log.warning("tenancy_stream_unavailable", stream=wanted.name, error=str(exc))
     if lease:
         note(LEASE_BUCKET, await _ensure_lease_bucket(js, replicas))
     if snapshots:

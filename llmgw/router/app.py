@@ -182,10 +182,13 @@ class Router:
 
     def set_log_keys(self, log_keys: Mapping[str, state.KeyState]) -> None:
         """The log's keys changed (llmgw.router.feed): in force from the next request."""
+        try:
+            keys = auth.merged(self.file_keys, log_keys, time.monotonic(), self.limits, self.keys)
+        except ConfigError as exc:  # more limited keys than the workers' shared file holds
+            log.error("keys_not_applied", error=str(exc), kept=len(self.keys.by_digest))
+            return
         self._log_keys = dict(log_keys)
-        self.keys = auth.merged(
-            self.file_keys, self._log_keys, time.monotonic(), self.limits, old=self.keys
-        )
+        self.keys = keys
 
     def reload_keys(self) -> None:
         """Re-read the keys file; a broken file keeps the keys in force (and says why)."""

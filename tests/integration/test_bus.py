@@ -636,3 +636,18 @@ async def test_closing_a_client_while_it_reconnects_returns_promptly(
 
 async def _async(value: bool) -> bool:
     return value
+
+
+async def test_a_counter_stream_llmgw_cannot_use_leaves_the_fleet_running(
+    bus_connect: BusConnect,
+) -> None:
+    """An `llmgw-limits` made without counters (by hand, or a server before 2.12): the
+    control plane provisions the rest and says why; routers then limit keys each by itself."""
+    control = await bus_connect("control", "control-a")
+    js = control.jetstream()
+    await js.add_stream(name=subjects.LIMITS_STREAM, subjects=list(subjects.LIMITS_SUBJECTS),
+                        storage=api.StorageType.MEMORY)  # fmt: skip
+    done = await bus.provision(js)
+    assert subjects.LIMITS_STREAM not in done.created + done.existing
+    assert subjects.USAGE_STREAM in done.created
+    assert subjects.STREAM in done.created
