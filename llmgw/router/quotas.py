@@ -167,9 +167,11 @@ class Quotas:
             size = quota.lease_size(allowed)
             total = await self.counters.add(subjects.limit_counter(p.name, "r", w), size)
             got = quota.granted(total, size, allowed)
-            if lease.window == w:
-                lease.left += got
-                lease.exhausted = got < size
+            if lease.window != w:
+                # The window turned during the round trip: that lease was for the last one.
+                return await self._take(p, per_s, max(wall, time.time()))
+            lease.left += got
+            lease.exhausted = got < size
         if lease.left <= 0:
             return admission.over_requests(p, 0, quota.reset_in(wall, span))
         lease.left -= 1
