@@ -11,6 +11,7 @@ recomputes every scaling decision from the observation recorded with it.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -64,7 +65,9 @@ async def test_a_step_of_load_scales_out_then_back_in_and_no_request_fails(
         assert decided, fleet.logs()
         assert decided[0].from_replicas == 1, decided
         assert decided[0].to_replicas > 1, decided
-        assert "running, target 2 per replica" in decided[0].reason, decided
+        # The target aims a little below 2 by the start-up time the fold measured (a second
+        # or more of 600 s: 1.99 on a loaded machine).
+        assert re.search(r"running, target (2|1\.9\d) per replica", decided[0].reason), decided
         assert decided[0].observation.signals.running > 2, decided
         explained = await ctl.subprocess("explain-scaling", "m1")
         assert explained.code == 0, explained
