@@ -18,9 +18,9 @@ import msgspec
 
 from llmgw.core.limits import MAX_LIST, MAX_NAME, Name, Time
 
-KEY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
+_KEY_NAME = r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}"
+KEY_NAME = re.compile(_KEY_NAME)
 """A key's name is a token of NATS subjects (its fleet-wide counters are named by it)."""
-DIGEST = re.compile(r"[0-9a-f]{64}")
 
 Period: TypeAlias = Literal["day", "month"]
 Priority: TypeAlias = Literal["high", "normal", "low"]
@@ -38,7 +38,7 @@ MAX_OVERLAP_S = 30 * 86_400.0
 class KeySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What one key may do. Absent limits are no limits."""
 
-    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")]
+    name: Annotated[str, msgspec.Meta(pattern=f"^{_KEY_NAME}$")]
     team: Name = ""
     models: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_LIST)] = ("*",)
     """Model names or aliases it may use; "*" is every model."""

@@ -85,29 +85,31 @@ class Queues:
         eps = self._endpoints(m.profile.name)
         return sum(min(slots(ep, q), BIG) for ep in eps) - m.reserved
 
+    def _model(self, profile: ModelProfile) -> _Model:
+        m = self._models.get(profile.name)
+        if m is None:
+            m = self._models[profile.name] = _Model(profile)
+        m.profile = profile  # a changed profile's bounds apply from now
+        return m
+
     def needed(self, profile: ModelProfile) -> bool:
         """True when a request of `profile` must wait: others wait, or no endpoint has room
         (while it has ready endpoints: with none, the attempt planner answers)."""
         if not profile.queue.capped:
             return False
-        m = self._models.get(profile.name)
-        if m is not None and len(m.queue):
+        m = self._model(profile)
+        if len(m.queue):
             return True
-        eps = self._endpoints(profile.name)
-        if not any(ep.ready for ep in eps):
+        if not any(ep.ready for ep in self._endpoints(profile.name)):
             return False
-        free = sum(min(slots(ep, profile.queue), BIG) for ep in eps)
-        return free - (m.reserved if m is not None else 0) <= 0
+        return self._free(m) <= 0
 
     async def wait(
         self, profile: ModelProfile, principal: Principal | None, deadline: float
     ) -> Refusal | None:
         """Wait for room (None, with a slot reserved until `sent`), or the refusal."""
         q = profile.queue
-        m = self._models.get(profile.name)
-        if m is None:
-            m = self._models[profile.name] = _Model(profile)
-        m.profile = profile
+        m = self._model(profile)
         name = profile.name
         if len(m.queue) >= q.max_queued:
             self._told(name, 0.0, "full")

@@ -211,9 +211,7 @@ class Quotas:
                 self._tokens[principal.name].pending += n
             if principal.settings.budget_tokens and principal.name in self._budgets:
                 self._budgets[principal.name].pending += n
-            row = self._usage.get((principal.name, model))
-            if row is None:
-                row = self._usage[(principal.name, model)] = [0, 0, 0]
+            row = self._row(principal.name, model)
             row[0] += prompt
             row[1] += completion
         elif principal.tokens is not None:
@@ -221,10 +219,14 @@ class Quotas:
 
     def request_done(self, principal: auth.Principal, model: str) -> None:
         if principal.fleet:
-            row = self._usage.get((principal.name, model))
-            if row is None:
-                row = self._usage[(principal.name, model)] = [0, 0, 0]
-            row[2] += 1
+            self._row(principal.name, model)[2] += 1
+
+    def _row(self, name: str, model: str) -> list[int]:
+        """(key, model)'s tokens in, out and requests since the last usage flush."""
+        row = self._usage.get((name, model))
+        if row is None:
+            row = self._usage[(name, model)] = [0, 0, 0]
+        return row
 
     # ------------------------------------------------------------------ the flusher
 

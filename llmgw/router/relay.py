@@ -34,7 +34,7 @@ from llmgw.router.errors import ClientGone, EngineFault, Retry
 log = logs.get("llmgw.router")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-DONE = b"data: [DONE]\n\n"
+DONE = sse.DONE
 KEEPALIVE = b": keep-alive\n\n"
 MAX_EVENT_BYTES = 4 * 1024 * 1024
 """An upstream 'event' this long without a blank line is relayed as is rather than buffered."""
