@@ -14,6 +14,7 @@ import json
 import nats.errors
 from nats.aio.client import Client
 from nats.js import api
+from nats.js.client import JetStreamContext
 
 from llmgw import logs
 
@@ -74,22 +75,28 @@ async def totals(
         inactive_threshold=30.0,
         mem_storage=True,
     )
-    out: dict[str, int] = {}
-    sub = await js.pull_subscribe(subject, stream=stream, config=config)
     try:
-        while True:
+        sub = await js.pull_subscribe(subject, stream=stream, config=config)
+        try:
+            return await _read_all(sub, batch, timeout_s)
+        finally:
+            await sub.unsubscribe()
+    except (nats.errors.Error, TimeoutError) as exc:  # nats-py raises its own and asyncio's
+        raise CounterError(f"cannot read {stream}: {type(exc).__name__}") from None
+
+
+async def _read_all(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float
+                    ) -> dict[str, int]:  # fmt: skip
+    """Read until the consumer says nothing is left for it, so a slow server gives an error,
+    never a partial total."""
+    out: dict[str, int] = {}
+    pending = (await sub.consumer_info()).num_pending
+    while pending:
+        msgs = await sub.fetch(min(batch, pending), timeout=timeout_s)
+        for m in msgs:
             try:
-                msgs = await sub.fetch(batch, timeout=min(timeout_s, 1.0))
-            except nats.errors.TimeoutError:
-                break
-            for m in msgs:
-                try:
-                    out[m.subject] = total_of(m.data, m.subject)
-                except CounterError as exc:
-                    log.warning("counter_unreadable", error=str(exc))
-            pending = msgs[-1].metadata.num_pending if msgs else 0
-            if not msgs or pending == 0:
-                break
-    finally:
-        await sub.unsubscribe()
+                out[m.subject] = total_of(m.data, m.subject)
+            except CounterError as exc:
+                log.warning("counter_unreadable", error=str(exc))
+        pending = msgs[-1].metadata.num_pending if msgs else pending
     return out

@@ -305,7 +305,8 @@ def usage(
             budgeted = await counters.totals(s.nc, subjects.USAGE_STREAM,
                                              f"{subjects.USAGE_ROOT}.{which}.b.*")  # fmt: skip
         except counters.CounterError as exc:
-            raise Failed(f"{exc}; the control plane provisions the stream at start") from None
+            hint = "the control plane provisions it at start: check NATS and it, then retry"
+            raise Failed(f"{exc}; {hint}") from None
         keys = r.state.keys if key_name is None else {
             k: v for k, v in r.state.keys.items() if k == key_name}  # fmt: skip
         rows = usage_view.rows(hourly, keys, int((now - span_s) // 3600))

@@ -17,6 +17,7 @@ from nats.js import api
 from structlog.testing import capture_logs
 
 from llmgw import bus
+from llmgw.bus import counters
 from llmgw.core import events, subjects
 from llmgw.pki.identity import Identity
 from tests.harness import Connector, TestNatsServer
@@ -93,8 +94,8 @@ async def test_provisioning_twice_is_a_no_op(bus_connect: BusConnect) -> None:
         bus.LEASE_BUCKET,
         bus.SNAPSHOT_BUCKET,
     }
-    for counters in (subjects.LIMITS_STREAM, subjects.USAGE_STREAM):
-        cfg = (await js.stream_info(counters)).config
+    for counted in (subjects.LIMITS_STREAM, subjects.USAGE_STREAM):
+        cfg = (await js.stream_info(counted)).config
         assert cfg.allow_msg_counter
         assert cfg.max_msgs_per_subject == 1
     info = await js.stream_info(subjects.STREAM)
@@ -651,3 +652,23 @@ async def test_a_counter_stream_llmgw_cannot_use_leaves_the_fleet_running(
     assert subjects.LIMITS_STREAM not in done.created + done.existing
     assert subjects.USAGE_STREAM in done.created
     assert subjects.STREAM in done.created
+
+
+async def test_counter_totals_read_every_subject_across_batches_and_only_the_filtered(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """`ctl usage` reads hundreds of counters: every one, whatever the batch, and its own
+    filter's only; a counter added to twice reads as its sum."""
+    router = await bus_connect("router", "r1")
+    adder = counters.Counters(router, timeout_s=10.0)
+    for i in range(25):
+        await adder.add(subjects.usage_counter(f"k{i % 5}", 100 + i, "m", "req"), 1)
+    await adder.add(subjects.usage_counter("k0", 100, "m", "req"), 2)
+    operator = await bus_connect("operator", "alice")
+    got = await counters.totals(operator, subjects.USAGE_STREAM, "llmgw.usage.>", batch=4)
+    assert len(got) == 25
+    assert got[subjects.usage_counter("k0", 100, "m", "req")] == 3
+    assert sum(got.values()) == 27
+    only = await counters.totals(operator, subjects.USAGE_STREAM, "llmgw.usage.k1.h.>", batch=2)
+    assert sorted(only) == sorted(subjects.usage_counter("k1", 100 + i, "m", "req")
+                                  for i in range(1, 25, 5))  # fmt: skip
