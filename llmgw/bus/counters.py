@@ -63,12 +63,6 @@ async def totals(
     through an ephemeral pull consumer (push consumers deliver nothing across llmgw's
     accounts)."""
     js = nc.jetstream(timeout=timeout_s)
-    try:
-        info = await js.stream_info(stream)
-    except nats.errors.Error as exc:
-        raise CounterError(f"cannot read {stream}: {exc}") from None
-    if not info.state.messages:
-        return {}
     config = api.ConsumerConfig(
         deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
         ack_policy=api.AckPolicy.NONE,
@@ -76,27 +70,32 @@ async def totals(
         mem_storage=True,
     )
     try:
+        if not (await js.stream_info(stream)).state.messages:
+            return {}
         sub = await js.pull_subscribe(subject, stream=stream, config=config)
         try:
             return await _read_all(sub, batch, timeout_s)
         finally:
             await sub.unsubscribe()
     except (nats.errors.Error, TimeoutError) as exc:  # nats-py raises its own and asyncio's
-        raise CounterError(f"cannot read {stream}: {type(exc).__name__}") from None
+        raise CounterError(f"cannot read {stream}: {exc or type(exc).__name__}") from None
 
 
-async def _read_all(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float
-                    ) -> dict[str, int]:  # fmt: skip
+async def _read_all(
+    sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float
+) -> dict[str, int]:
     """Read until the consumer says nothing is left for it, so a slow server gives an error,
     never a partial total."""
     out: dict[str, int] = {}
     pending = (await sub.consumer_info()).num_pending
     while pending:
         msgs = await sub.fetch(min(batch, pending), timeout=timeout_s)
+        if not msgs:  # fetch raises rather than answer nothing; never spin on an empty one
+            raise TimeoutError
         for m in msgs:
             try:
                 out[m.subject] = total_of(m.data, m.subject)
             except CounterError as exc:
                 log.warning("counter_unreadable", error=str(exc))
-        pending = msgs[-1].metadata.num_pending if msgs else pending
+        pending = msgs[-1].metadata.num_pending
     return out

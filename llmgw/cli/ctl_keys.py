@@ -305,7 +305,7 @@ def usage(
             budgeted = await counters.totals(s.nc, subjects.USAGE_STREAM,
                                              f"{subjects.USAGE_ROOT}.{which}.b.*")  # fmt: skip
         except counters.CounterError as exc:
-            hint = "the control plane provisions it at start: check NATS and it, then retry"
+            hint = "check that NATS is up and the control plane has started (it makes the stream)"
             raise Failed(f"{exc}; {hint}") from None
         keys = r.state.keys if key_name is None else {
             k: v for k, v in r.state.keys.items() if k == key_name}  # fmt: skip

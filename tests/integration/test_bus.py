@@ -672,3 +672,17 @@ async def test_counter_totals_read_every_subject_across_batches_and_only_the_fil
     only = await counters.totals(operator, subjects.USAGE_STREAM, "llmgw.usage.k1.h.>", batch=2)
     assert sorted(only) == sorted(subjects.usage_counter("k1", 100 + i, "m", "req")
                                   for i in range(1, 25, 5))  # fmt: skip
+
+
+async def test_counter_totals_too_slow_to_read_are_an_error_never_a_partial_answer(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """A server slower than the timeout gives CounterError (what the CLI prints), never a
+    bare TimeoutError nor whatever part of the totals arrived in time."""
+    router = await bus_connect("router", "r1")
+    await counters.Counters(router, timeout_s=10.0).add(
+        subjects.usage_counter("k", 1, "m", "req"), 1
+    )
+    operator = await bus_connect("operator", "alice")
+    with pytest.raises(counters.CounterError, match="cannot read llmgw-usage"):
+        await counters.totals(operator, subjects.USAGE_STREAM, "llmgw.usage.>", timeout_s=1e-6)
