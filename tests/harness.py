@@ -422,7 +422,7 @@ class TestNatsCluster:
                         await nc.jetstream(timeout=1).account_info()
                         break
                     finally:
-                        await nc.close()
+                        await bus.close(nc)
                 except Exception:  # not ready yet: JetStream unavailable
                     if time.monotonic() > deadline:
                         raise

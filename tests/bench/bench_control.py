@@ -150,7 +150,7 @@ async def publish(server: TestNatsServer, start: int, count: int) -> float:
             progress(f"published {first - start:,} of {count:,}")
         await pub.publish_all(make_events(first, min(chunk, start + count - first)))
     took = time.perf_counter() - began
-    await nc.close()
+    await bus.close(nc)
     return took
 
 
@@ -257,7 +257,7 @@ async def cpu_under_heartbeats(pki: TestPki, folder: Path, seconds: float) -> tu
         cpu0, t0, sent0 = proc_cpu_s(proc.pid), time.monotonic(), sent
         await beat(time.monotonic() + seconds)
         cpu1, t1 = proc_cpu_s(proc.pid), time.monotonic()
-        await nc.close()
+        await bus.close(nc)
         return 100.0 * (cpu1 - cpu0) / (t1 - t0), int((sent - sent0) / (t1 - t0))
     finally:
         if proc is not None and proc.poll() is None:

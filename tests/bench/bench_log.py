@@ -214,7 +214,7 @@ async def replay_ordered(server: TestNatsServer, n: int) -> tuple[float, float]:
     await done.wait()
     rate = clock.rates(count)
     await sub.unsubscribe()
-    await nc.close()
+    await bus.close(nc)
     return rate
 
 
@@ -236,7 +236,7 @@ async def replay_fetch(server: TestNatsServer, n: int) -> tuple[float, float]:
             fold(state, events.decode(m.data))
         count += len(msgs)
     rate = clock.rates(count)
-    await nc.close()
+    await bus.close(nc)
     return rate
 
 

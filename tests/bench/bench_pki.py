@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nats
 
-from llmgw import natsconf, natsd
+from llmgw import bus, natsconf, natsd
 from llmgw.pki.ca import CertificateAuthority
 from llmgw.pki.identity import Identity
 from llmgw.pki.store import CertDir, utcnow
@@ -96,7 +96,7 @@ async def connects(url: str, certs: CertDir, identity: Identity, n: int) -> None
         nc = await nats.connect(url, tls=ctx, inbox_prefix=identity.inbox_prefix)
         await nc.flush()
         times.append(time.perf_counter() - t)
-        await nc.close()
+        await bus.close(nc)
     times.sort()
     print(
         f"connect: mTLS + verify_and_map + first PONG, median {statistics.median(times) * 1000:.1f}"

@@ -296,10 +296,12 @@ class Fleet:
         self._run(self._unrelay())
 
     async def _unrelay(self) -> None:
+        from llmgw import bus
+
         for relay in self.relays:
             await relay.stop()
         for nc in self.conns:
-            await nc.close()
+            await bus.close(nc)
         self.relays, self.conns = [], []
 
     def source(self, name: str) -> dict[str, str | list[str]]:

@@ -24,6 +24,7 @@ import pytest
 from openai import OpenAI
 
 from llmgw import processes
+from llmgw.up.running import PLAIN_STATUS_EVERY_S
 from tests.e2e import up_kit
 from tests.e2e.up_kit import Up
 from tests.integration.router_kit import admin_metrics
@@ -215,7 +216,7 @@ def test_the_first_request_after_ready_is_served(tmp_path: Path, ups: list[Up]) 
     # "ready" is what a user acts on at once: no retry here, unlike stream_chat.
     up = up_kit.start_up(tmp_path, "--nodes", "1")
     ups.append(up)
-    up.wait_for(r"^llmgw up: ready in [0-9.]+ s", 60.0)
+    ready_in_s = float(up.wait_for(r"^llmgw up: ready in ([0-9.]+) s", 60.0).group(1))
     client = OpenAI(base_url=up.base_url, api_key="none", max_retries=0, timeout=10.0)
     assert "demo" in [m.id for m in client.models.list().data]
     answer = client.chat.completions.create(
@@ -226,8 +227,11 @@ def test_the_first_request_after_ready_is_served(tmp_path: Path, ups: list[Up]) 
     assert "(pip install openai)" in up.output()  # what its python -c example needs
     # The control plane's config, whose settings a check of its decisions may need.
     assert f"config {up.state_dir.resolve() / 'control' / 'control.yaml'}" in up.output()
-    # The banner is the first thing printed: no status from before it above it.
-    assert up.output().lstrip().startswith("llmgw up: state in"), up.output()
+    # The banner is the first thing printed: no status from before it above it, unless
+    # starting took long enough (a busy machine) for a log to want progress lines.
+    # ("ready in" is rounded to 0.1 s.)
+    if ready_in_s < PLAIN_STATUS_EVERY_S - 0.1:
+        assert up.output().lstrip().startswith("llmgw up: state in"), up.output()
     assert up.interrupt() == 0
     assert up.leftovers() == [], up.output()
 

@@ -263,7 +263,7 @@ async def cannot_connect(nats_server: TestNatsServer, tls: object, reason: str) 
     except Exception:
         pass
     else:
-        await nc.close()
+        await bus.close(nc)
         raise AssertionError("the server accepted a client it should have refused")
     for _ in range(200):
         if nats_server.log_path.read_text().count(reason) > before:

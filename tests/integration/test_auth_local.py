@@ -8,7 +8,7 @@ from pathlib import Path
 
 import nats
 
-from llmgw import natsd
+from llmgw import bus, natsd
 from llmgw.core import subjects
 from llmgw.pki.identity import Identity
 
@@ -46,7 +46,7 @@ async def test_local_nats_runs_admits_new_identities_and_keeps_its_state(tmp_pat
         ack = await extra.jetstream().publish(subjects.node_event("sim-2", "heartbeat"), b"{}")
         assert ack.seq == 2
         for nc in (control, node, extra):
-            await nc.close()
+            await bus.close(nc)
     finally:
         local.stop()
 

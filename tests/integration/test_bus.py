@@ -548,7 +548,7 @@ async def test_the_first_connection_waits_for_a_server_that_starts_later(
         failures = [e for e in logs if e["event"] == "connect_failed"]
         assert len(failures) >= 2
     finally:
-        await nc.close()
+        await bus.close(nc)
 
 
 async def test_an_unreadable_snapshot_falls_back_to_the_older_one(

@@ -16,7 +16,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from llmgw import natsconf, natsd
+from llmgw import bus, natsconf, natsd
 from llmgw.core import events, subjects
 from llmgw.pki.identity import Identity
 from llmgw.pki.store import CertDir
@@ -142,7 +142,7 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
                 allow_reconnect=False,
                 max_reconnect_attempts=1,
             )
-            await nc.close()
+            await bus.close(nc)
 
         with pytest.raises(Exception, match=r"(?i)hostname|certificate"):
             await dial_as("nats.internal")

@@ -125,7 +125,7 @@ async def test_heartbeats_stop_unreachable_lost_replaced_then_recovered(
             await wait_for(lambda: node.liveness == "ready", 5, f"{first} recovered")
             nc = await connect_as(nats_server, "router", "r1")
             log = await settle(svc, nc)
-            await nc.close()
+            await bus.close(nc)
         kinds = [
             type(r.event).__name__ for r in log if r.subject.startswith("llmgw.events.control")
         ]
@@ -427,7 +427,7 @@ async def test_a_cold_start_loads_the_newest_snapshot_and_replays_only_the_tail(
         log = await settle(second, nc)
         scratch, _ = state.fold_records([(r.seq, r.event) for r in log])
         assert state.digest(second.state) == state.digest(scratch)
-    await nc.close()
+    await bus.close(nc)
     for agent in agents:
         await agent.close()
 

@@ -166,7 +166,7 @@ async def test_one_leads_and_the_follower_takes_over_within_the_ttl_without_dupl
         await asyncio.sleep(1.0)  # a few reconcile passes of the new leader
         nc = await connect_as(nats_server, "router", "r1")
         log = await read_log(nc)
-        await nc.close()
+        await bus.close(nc)
         placed = [r.event for r in log if isinstance(r.event, events.ReplicaPlaced)]
         assert len(placed) == 2, [p.replica_id for p in placed]
         assert len({(s.node, g) for p in placed for s in p.shards for g in s.gpus}) == 2
@@ -219,7 +219,7 @@ async def test_a_deposed_leaders_writes_are_refused_by_the_server(
         await wait_for(stepped_down, 10, "the old leader a follower", every_s=0.1)
         await asyncio.sleep(1.0)
         log = await read_log(nc)
-        await nc.close()
+        await bus.close(nc)
         elected_at = next(
             r.seq
             for r in log

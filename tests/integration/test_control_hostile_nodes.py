@@ -103,7 +103,7 @@ async def test_an_orphan_generation_is_stopped_once_then_with_backoff(
             try:
                 log = await read_log(nc)
             finally:
-                await nc.close()
+                await bus.close(nc)
             stops = [
                 r
                 for r in log

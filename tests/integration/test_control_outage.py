@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from llmgw import bus
 from llmgw.control.service import ControlService
 from llmgw.core import events
 from tests.harness import TestNatsServer, connect_as, wait_for
@@ -61,7 +62,7 @@ async def test_an_outage_longer_than_lost_after_loses_no_node(nats_server: TestN
         try:
             records = await read_log(nc)
         finally:
-            await nc.close()
+            await bus.close(nc)
         judged = [
             r.event
             for r in records

@@ -77,7 +77,7 @@ async def settled(f: Fleet) -> int:
         await wait_for(folded_all, 10, "the control plane folding the whole log", every_s=0.2)
         return last
     finally:
-        await nc.close()
+        await bus.close(nc)
 
 
 async def test_views_drain_and_replay_across_it(

@@ -54,7 +54,7 @@ async def log(nats_server: TestNatsServer) -> AsyncIterator[bus.BusClient]:
         yield reader
     finally:
         for nc in (control, node, reader):
-            await nc.close()
+            await bus.close(nc)
 
 
 async def test_a_cordon_carries_the_certificates_identity_and_a_router_cannot_cordon(

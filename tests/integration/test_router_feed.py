@@ -40,7 +40,7 @@ async def operator_publish(server: TestNatsServer, event: events.Event) -> None:
     try:
         await bus.Publisher(nc.jetstream()).publish(event)
     finally:
-        await nc.close()
+        await bus.close(nc)
 
 
 async def test_two_routers_follow_models_endpoints_and_a_rolling_drain(
@@ -156,7 +156,7 @@ async def test_a_router_starts_from_the_newest_snapshot_then_the_tail(
 
             snap_seq = svc.state.last_seq
             await store.save(state.encode_snapshot(svc.state), snap_seq)
-            await nc.close()
+            await bus.close(nc)
             await operator_publish(
                 nats_server,
                 events.ModelDeclared(

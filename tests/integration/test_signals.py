@@ -92,7 +92,7 @@ async def test_a_router_reports_only_for_itself(nats_server: TestNatsServer) -> 
         assert any("not a load report" in s.error for s in reader.skipped)
     finally:
         for nc in (honest, attacker, node):
-            await nc.close()
+            await bus.close(nc)
 
 
 async def test_an_agent_reports_its_serving_engines_load_on_its_own_subject(

@@ -259,7 +259,7 @@ async def test_a_forged_snapshot_is_passed_over_for_the_log(
             lambda: second.state.last_seq >= log[-1].seq, 10, "second folded the whole log"
         )
         assert state.digest(second.state) == state.digest(scratch)
-        await nc.close()
+        await bus.close(nc)
     for agent in agents:
         await agent.close()
 

@@ -211,7 +211,7 @@ async def test_a_key_limited_to_20_per_s_gets_20_per_s_through_three_routers(
     try:
         totals = await counters.totals(nc, subjects.LIMITS_STREAM, "llmgw.limits.busy.r.>")
     finally:
-        await nc.close()
+        await bus.close(nc)
     assert any(v >= 20 for v in totals.values()), totals
 
 
@@ -275,7 +275,7 @@ async def test_only_an_operator_under_its_own_name_makes_a_key_that_routers_admi
     with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
         await router.jetstream().publish(alices, payload, timeout=1.0)
     for nc in (node, bob, router):
-        await nc.close()
+        await bus.close(nc)
     honest = (await ctl("key", "create", "--name", "honest", "--json")).json()["key"]
     await wait_for(lambda: accepted(r1, honest), 10, "the honest key")  # the log was folded
     assert not await accepted(r1, secret)
