@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -69,3 +70,13 @@ async def connect(nats_server: TestNatsServer) -> AsyncIterator[Connector]:
         yield connector
     finally:
         await connector.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    """Processes a test started (each with `.stop()`), stopped last-first at teardown even
+    when the test fails."""
+    started: list[Any] = []
+    yield started
+    for p in reversed(started):
+        p.stop()

@@ -95,6 +95,12 @@ def command(
         help="vLLM's KV event publishing JSON, e.g. '{\"enable_kv_cache_events\": true, "
         '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'.',
     ),
+    otlp_traces_endpoint: str | None = typer.Option(
+        None,
+        "--otlp-traces-endpoint",
+        help="Export each request's span, continuing its traceparent as vLLM does, to this"
+        " OTLP/HTTP collector (http://host:4318).",
+    ),
     config_path: Path | None = typer.Option(
         None, "--config", help="YAML file of settings (see schemas/sim-config.schema.json)."
     ),
@@ -135,6 +141,7 @@ def command(
         "log_level": log_level,
         "api_key": api_key,
         "kv_events_config": kv_events,
+        "otlp_traces_endpoint": otlp_traces_endpoint,
         "latency": {
             "decode_base_ms": decode_base_ms,
             "decode_per_seq_ms": decode_per_seq_ms,

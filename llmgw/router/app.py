@@ -40,7 +40,7 @@ from aiohttp import web
 from llmgw import logs
 from llmgw.config import ConfigError
 from llmgw.core import routing, state
-from llmgw.router import admission, aiohttp_direct, apis, auth, protocol, requests
+from llmgw.router import admission, aiohttp_direct, apis, auth, protocol, requests, tracing
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
 from llmgw.router.config import RouterConfig
@@ -54,6 +54,7 @@ from llmgw.router.metrics import Metrics, metrics_dir
 from llmgw.router.relay import ClientStream
 from llmgw.router.signals import LoadTracker, SignalsFeed
 from llmgw.router.table import Catalog, EndpointTable, Prober
+from llmgw.router.tracing import RequestTrace, Tracer
 
 log = logs.get("llmgw.router")
 
@@ -109,6 +110,7 @@ class Router:
         self._rid = 0
         self._use_prefix = cfg.weights.prefix > 0 or cfg.cache.enabled
         self._log_keys: dict[str, state.KeyState] = {}
+        self.tracer = Tracer(cfg.traces) if cfg.traces is not None else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -123,6 +125,8 @@ class Router:
         self.prober = Prober(self.table, self.session, self.metrics, self.cfg.probe_interval_s)
         await self.prober.probe_all()
         self.prober.start()
+        if self.tracer is not None:
+            self.tracer.start()
         if self.cfg.log is not None:
             # Keys' fleet-wide limits and usage, on the log's server (llmgw.router.quotas).
             self.dispatcher.quotas.start(self.cfg.log)
@@ -177,6 +181,8 @@ class Router:
             await self.prober.stop()
         if self.session is not None:
             await self.session.close()
+        if self.tracer is not None:
+            await self.tracer.close()
         self.pool.close()
         self.deadlines.close()
 
@@ -307,6 +313,10 @@ class Router:
         start = time.monotonic()
         rid = self._request_id(request)
         outcome = _Outcome()
+        trace = outcome.trace = (
+            self.tracer.begin(request.headers, rid, start) if self.tracer is not None else None
+        )
+        bound = tracing.bind_logs(trace, request.headers)
         try:
             resp = await self._serve(request, kind, rid, start, outcome)
             outcome.status = outcome.status or resp.status
@@ -335,6 +345,13 @@ class Router:
                 log.debug("request", request_id=rid, model=asked, status=status, duration_s=took,
                           key=p.name if p is not None else None, tokens_in=outcome.tokens[0],
                           tokens_out=outcome.tokens[1])  # fmt: skip
+            if trace is not None:
+                assert self.tracer is not None
+                t_in, t_out = outcome.tokens
+                self.tracer.finish(trace, start + took, kind=kind, model=asked, status=status,
+                                   tokens_in=t_in, tokens_out=t_out)  # fmt: skip
+            if bound:
+                tracing.unbind_logs(bound)
 
     async def _serve(
         self, request: web.BaseRequest, kind: requests.Kind, rid: str, start: float,
@@ -369,9 +386,12 @@ class Router:
                 refused = await q.admit(principal, wall, mono)
         if refused is not None:
             return refusal_response(refused, rid)
+        if outcome.trace is not None:
+            outcome.trace.admitted = time.monotonic()
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
         state = ClientStream(request, rid, start, kind=kind, stream=parsed.stream,
-                             drop_usage=inject_usage, principal=principal)  # fmt: skip
+                             drop_usage=inject_usage, principal=principal,
+                             trace=outcome.trace)  # fmt: skip
         if parsed.stream and self.cfg.keepalive_s > 0:
             state.start_keepalive(self.cfg.keepalive_s)
         try:
@@ -390,9 +410,10 @@ class _Outcome:
     """What a request's metrics record: the model (once known) and the status, when it
     is not the response's own (0: the response's)."""
 
-    __slots__ = ("model", "principal", "status", "tokens")
+    __slots__ = ("model", "principal", "status", "tokens", "trace")
 
     def __init__(self) -> None:
+        self.trace: RequestTrace | None = None
         self.model = "unknown"
         self.status = 0
         self.tokens = (0, 0)

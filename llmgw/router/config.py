@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from llmgw import config
+from llmgw import config, otlp
 from llmgw.bus.settings import NatsConnection
 from llmgw.core.breaker import BreakerPolicy
 from llmgw.core.profile import ModelProfile
@@ -86,6 +86,17 @@ class LogSource(NatsConnection, frozen=True, kw_only=True, forbid_unknown_fields
     """The router's identity: the CN of its certificate."""
 
 
+class TracesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where the router sends its spans (OTLP/HTTP), and how many requests it records."""
+
+    endpoint: str
+    """The collector's OTLP/HTTP address, `http://host:4318` (spans go to /v1/traces)."""
+    sample_ratio: float = 1.0
+    """Share of requests without a client's trace context that are recorded; a request
+    with one follows the client's sampled flag."""
+    service_name: str = "llmgw-router"
+
+
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     listen: Listener = Listener(port=8080)
     admin: Listener = Listener(port=9090)
@@ -125,6 +136,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     seed: int | None = None
     """Seed of the tie-breaking random generator; None draws one at start."""
     log_level: str = "info"
+    traces: TracesConfig | None = None
+    """Record requests' spans and export them (llmgw.router.tracing); none when unset."""
 
 
 def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
@@ -231,6 +244,14 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
         )
     if cfg.workers < 1:
         problems.append("workers must be at least 1")
+    if cfg.traces is not None:
+        bad = otlp.endpoint_problem(cfg.traces.endpoint)
+        if bad is not None:
+            problems.append(f"traces.endpoint {bad}")
+        if not 0.0 <= cfg.traces.sample_ratio <= 1.0:
+            problems.append("traces.sample_ratio must be between 0 and 1 (1: every request)")
+        if not cfg.traces.service_name:
+            problems.append("traces.service_name must not be empty")
     if cfg.max_attempts < 1:
         problems.append("max_attempts must be at least 1")
     if cfg.max_body_bytes < 1024:

@@ -223,14 +223,18 @@ class Dispatcher:
     async def _wait_for_room(self, profile: ModelProfile, state: ClientStream) -> Refusal | None:
         """Hold a request while its model is at zero replicas (until one serves), queue it
         while every endpoint is full (llmgw.router.queueing); the refusal when it gives up."""
+        t0 = time.monotonic()
+        refused: Refusal | None = None
         if profile.autoscale is not None and self.holds.needed(profile):
-            held = await self.holds.wait(profile)
-            if held is not None:
-                return held
-        if self.queues.needed(profile):
+            refused = await self.holds.wait(profile)
+        if refused is None and self.queues.needed(profile):
             deadline = state.start + profile.deadlines.total_s
-            return await self.queues.wait(profile, state.principal, deadline)
-        return None
+            refused = await self.queues.wait(profile, state.principal, deadline)
+        elif refused is None:
+            return None  # no wait: the common path
+        if state.trace is not None:
+            state.trace.queue = (t0, time.monotonic())
+        return refused
 
     def _cache_plan(
         self, parsed: requests.Parsed, profile: ModelProfile, hashes: list[bytes]
@@ -314,19 +318,25 @@ class Dispatcher:
         ep.inflight += 1
         ep.last_sent = time.monotonic()
         self.metrics.attempt(ep.id)
+        trace = state.trace
+        if trace is not None:
+            trace.attempt_begin(ep.id, ep.url, at.profile.name, ep.last_sent)
         verdict: bool | None = None  # True success, False fault, None no verdict
+        error = "cancelled"  # what the attempt's span says went wrong ("" nothing)
         try:
             resp = await self._exchange(at, body, state)
-            verdict = True
+            verdict, error = True, ""
             return resp
         except Retry as exc:
-            verdict = False if exc.fault else None
+            verdict, error = False if exc.fault else None, exc.reason
             raise
         except EngineFault:
-            verdict = False
+            verdict, error = False, "engine_fault"
             assert state.response is not None
             return state.response
         finally:
+            if trace is not None:
+                trace.attempt_end(error, time.monotonic())
             ep.inflight -= 1
             self.queues.release(at.profile.name)
             before = ep.breaker.state
@@ -355,7 +365,9 @@ class Dispatcher:
         extra = [("X-Request-Id", state.rid)]
         if ep.api_key:
             extra.append(("Authorization", f"Bearer {ep.api_key}"))
-        if "traceparent" in state.request.headers:
+        if state.trace is not None:
+            extra += state.trace.headers()  # this attempt's span: the engine's parent
+        elif "traceparent" in state.request.headers:
             extra += tracecontext.forwarded(state.request.headers)
         head = upstream_http.request_head(path, host_header, len(body), extra)
         upstream = await self._open(key, head, body, d, t0, total_at)
@@ -375,6 +387,8 @@ class Dispatcher:
             elif upstream.status >= 400:
                 data = apis.openai_error(upstream.status, data)
             self.metrics.first_token(prof.name, loop.time() - state.loop_start)
+            if state.trace is not None:
+                state.trace.first_token = time.monotonic()
             if state.response is not None and state.started:
                 # Keep-alive comments went out as a 200 stream: pass the body as an event.
                 state.stop_keepalive()

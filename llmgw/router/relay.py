@@ -30,6 +30,7 @@ from llmgw.router import aiohttp_direct, auth, requests, sse
 from llmgw.router import upstream as upstream_http
 from llmgw.router.deadlines import Deadline, Watchdog
 from llmgw.router.errors import ClientGone, EngineFault, Retry
+from llmgw.router.tracing import RequestTrace
 
 log = logs.get("llmgw.router")
 
@@ -70,6 +71,7 @@ class ClientStream:
         "cached_endpoint", "cached_predicted", "drop_usage",
         "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind", "loop",
         "loop_start", "principal", "request", "response", "rid", "start", "stream", "tokens",
+        "trace",
     )  # fmt: skip
 
     def __init__(
@@ -82,8 +84,11 @@ class ClientStream:
         stream: bool,
         drop_usage: bool,
         principal: auth.Principal | None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.request = request
+        self.trace = trace
+        """The request's spans, when its trace is recorded (llmgw.router.tracing)."""
         self.rid = rid
         self.start = start
         self.kind = kind
@@ -300,6 +305,8 @@ class EngineStream:
         d.reschedule(min(now + self.idle, self.total_at))  # from here: the idle gap
         self.client.stop_keepalive()
         self.hooks.first_token(self.prof.name, now - self.client.loop_start)
+        if self.client.trace is not None:
+            self.client.trace.first_token = now  # the loop's clock is time.monotonic's
         return first
 
     def feed(self, data: bytes, now: float) -> bytes:

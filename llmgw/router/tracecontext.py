@@ -2,33 +2,34 @@
 reaches the engine unchanged, so an engine that traces (vLLM and SGLang with
 `--otlp-traces-endpoint`) continues the client's trace.
 
-The router does not trace itself yet, so it forwards the context as a non-participating
-intermediary does (W3C Trace Context, section 2.3): as received, when valid, and nothing
-when not. Validation is the specification's: version 00 (or a later one, read as its first
-four fields), lower-case hex, neither id all zeros, version ff refused; `tracestate` only
-beside a valid `traceparent`, at most 512 characters of printable ASCII. Pure.
+A router that does not record a request's trace (no `traces` in its config, or the
+request not sampled) forwards the context as a non-participating intermediary does (W3C
+Trace Context, section 2.3): as received, when valid (llmgw.core.tracing), and nothing
+when not; `tracestate` only beside a valid `traceparent`, at most 512 characters of
+printable ASCII. A router that records it names its own attempt span as the engine's
+parent instead (llmgw.router.tracing). Pure.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
-_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
-_ZERO_TRACE = "0" * 32
-_ZERO_SPAN = "0" * 16
+from llmgw.core.tracing import parse_traceparent
+
 MAX_TRACESTATE = 512
 
 
 def valid_traceparent(value: str) -> bool:
     """Whether `value` is a traceparent header a participant may continue."""
-    found = _TRACEPARENT.fullmatch(value)
-    if found is None:
-        return False
-    version, trace_id, parent_id, _flags, rest = found.groups()
-    if version == "ff" or (version == "00" and rest is not None):
-        return False
-    return trace_id != _ZERO_TRACE and parent_id != _ZERO_SPAN
+    return parse_traceparent(value) is not None
+
+
+def tracestate(headers: Mapping[str, str]) -> str:
+    """The client's `tracestate`, when one may be passed on ("" when not)."""
+    state = headers.get("tracestate")
+    if state and len(state) <= MAX_TRACESTATE and state.isascii() and state.isprintable():
+        return state
+    return ""
 
 
 def forwarded(headers: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -37,7 +38,7 @@ def forwarded(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     if parent is None or not valid_traceparent(parent):
         return []
     out = [("traceparent", parent)]
-    state = headers.get("tracestate")
-    if state and len(state) <= MAX_TRACESTATE and state.isascii() and state.isprintable():
+    state = tracestate(headers)
+    if state:
         out.append(("tracestate", state))
     return out

@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from llmgw import otlp
 from llmgw.config import Port
 
 StallAt = Literal["headers", "first_token", "mid_stream"]
@@ -147,6 +148,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     log_level: str = "info"
     kv_events_config: KvEventsConfig | None = None
     """Publish KV block events as vLLM does (`--kv-events-config JSON`)."""
+    otlp_traces_endpoint: str = ""
+    """Export each request's span (`llm_request`, continuing its `traceparent`, as vLLM
+    does) to this OTLP/HTTP collector, `http://host:4318`; none when empty."""
     api_key: str = ""
     """With a key, every /v1 route, /sim/* and /reset_prefix_cache answer 401 without
     `Authorization: Bearer <key>`; /health and /metrics stay open, as in vLLM."""
@@ -191,6 +195,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         kv_problem = kv.problem() if kv is not None else None
         if kv_problem:
             out.append(f"kv_events_config: {kv_problem}")
+        if self.otlp_traces_endpoint:
+            bad = otlp.endpoint_problem(self.otlp_traces_endpoint)
+            if bad is not None:
+                out.append(f"otlp_traces_endpoint {bad} (the sim does not speak OTLP/gRPC)")
         fault = self.faults.problem()
         if fault:
             out.append(f"faults: {fault}")

@@ -31,9 +31,10 @@ import uvloop
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmgw import logs
+from llmgw import logs, otlp
 from llmgw.core import simtokens as tokens
 from llmgw.sim import api, apis, faultplan, kvevents, streaming
+from llmgw.sim import tracing as sim_tracing
 from llmgw.sim.config import Faults, SimConfig
 from llmgw.sim.engine import Engine, Request
 from llmgw.sim.metrics import registry_for
@@ -88,6 +89,7 @@ class SimServer:
         self._task: asyncio.Task[None] | None = None
         self.log = logs.get("llmgw.sim")
         self.kv_events: kvevents.Publisher | None = None
+        self.traces: otlp.Exporter | None = None
 
     # --- application -------------------------------------------------------------
 
@@ -148,6 +150,9 @@ class SimServer:
         if kv is not None:
             self.kv_events = kvevents.Publisher(kv, self.cfg.block_size)
             self.log.info("kv_events", endpoint=kv.endpoint, replay=kv.replay_endpoint)
+        if self.cfg.otlp_traces_endpoint:
+            self.traces = otlp.Exporter(self.cfg.otlp_traces_endpoint, "llmgw-sim")
+            self.traces.start()
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run_engine(), name="sim-engine")
 
@@ -158,6 +163,8 @@ class SimServer:
                 await self._task
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.traces is not None:
+            await self.traces.close()
 
     # --- engine loop -------------------------------------------------------------
 
@@ -322,6 +329,9 @@ class SimServer:
         finally:
             if not req.finished:
                 self.engine.abort(req, loop.time())
+            if self.traces is not None:
+                self.traces.add([sim_tracing.request_span(request.headers, req, p.model,
+                                                          loop.time())])  # fmt: skip
 
     async def _early_fault(
         self, request: web.Request, fault: Faults, stream: bool

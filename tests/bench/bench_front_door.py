@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from tests.integration.router_kit import Router, Sim  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 FAILED: dict[int, int] = {}
+Headers = Callable[[int], dict[str, str]]
 """Statuses other than 200 under load, by status (printed with the figures)."""
 
 
@@ -102,21 +104,29 @@ async def status(http: aiohttp.ClientSession, router: Router, key: str | None) -
         return r.status
 
 
-async def load(
-    http: aiohttp.ClientSession, router: Router, key: str | None, n: int, concurrency: int
-) -> tuple[float, float]:
-    """(router CPU seconds per request, TTFT p50) over `n` streamed requests."""
+def bearer(key: str | None) -> Headers:
+    """The headers for request i: the same key on every request."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return lambda _: headers
+
+
+async def load(
+    http: aiohttp.ClientSession, router: Router, key: str | Headers | None, n: int,
+    concurrency: int,
+) -> tuple[float, float]:  # fmt: skip
+    """(router CPU seconds per request, TTFT p50) over `n` streamed requests.
+    `key` is one API key for all of them, or a function giving request i's headers."""
+    headers = key if callable(key) else bearer(key)
     ttfts: list[float] = []
-    left = n
+    sent = 0
 
     async def one() -> None:
-        nonlocal left
-        while left > 0:
-            left -= 1
+        nonlocal sent
+        while sent < n:
+            i, sent = sent, sent + 1
             t0 = time.perf_counter()
             async with http.post(router.url + "/v1/chat/completions", json=BODY,
-                                 headers=headers) as r:  # fmt: skip
+                                 headers=headers(i)) as r:  # fmt: skip
                 if r.status != 200:
                     FAILED[r.status] = FAILED.get(r.status, 0) + 1
                     print(f"  (a request answered {r.status}: {(await r.read())[:200]!r})")

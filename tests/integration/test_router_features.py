@@ -8,7 +8,6 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2 as httpx
@@ -20,14 +19,6 @@ from tests.integration.router_kit import Router, Sim
 from tests.integration.test_router_sim import client, stream_text
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Sim | Router]]:
-    started: list[Sim | Router] = []
-    yield started
-    for p in reversed(started):
-        p.stop()
 
 
 class RecordingEngine:

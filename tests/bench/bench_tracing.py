@@ -1,0 +1,142 @@
+"""What tracing costs the router, measured side by side on one machine in one run:
+
+    .venv/bin/python -m tests.bench.bench_tracing              # ~2 minutes
+    .venv/bin/python -m tests.bench.bench_tracing --quick      # a smoke run
+
+Three `llmgw sim` engines (zero latency, 16 tokens per answer) and an OTLP/HTTP receiver
+in this process that decodes every export. Each round starts two routers: one without
+`traces` (tracing off) and one with `traces: {sample_ratio: 0}`, on which the client's
+`traceparent` decides (parent-based sampling): requests without one (configured, none
+sampled), 1 % of requests sampled by the client, and every request sampled. The four
+loads take turns, in a rotating order; the figures are the router process's CPU time per
+streamed request (from /proc) and TTFT p50, medians over the rounds. Then, in process:
+what a recorded request's spans cost to note, build and encode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.bench.bench_front_door import FAILED, Headers, load  # noqa: E402
+from tests.integration.otlp_kit import Receiver  # noqa: E402
+from tests.integration.router_kit import Router, Sim  # noqa: E402
+
+
+def none(_: int) -> dict[str, str]:
+    return {}
+
+
+def sampled(i: int) -> dict[str, str]:
+    return {"traceparent": f"00-{i + 1:032x}-00f067aa0ba902b7-01"}
+
+
+def one_in_100(i: int) -> dict[str, str]:
+    return sampled(i) if i % 100 == 0 else {}
+
+
+async def rounds(args: argparse.Namespace, sims: list[Sim], receiver: Receiver,
+                 tmp: Path) -> None:  # fmt: skip
+    eps = {f"e{i}": s for i, s in enumerate(sims)}
+    targets: dict[str, tuple[str, Headers]] = {
+        "tracing off": ("off", none),
+        "configured, none sampled": ("on", none),
+        "1 % sampled": ("on", one_in_100),
+        "every request sampled": ("on", sampled),
+    }
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
+    traces = {"endpoint": receiver.url, "sample_ratio": 0.0}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        for rnd in range(args.rounds):
+            routers = {"off": Router.start(tmp, eps), "on": Router.start(tmp, eps, traces=traces)}
+            try:
+                for r in routers.values():
+                    await load(http, r, sampled, 300, args.concurrency)  # warm-up
+                order = list(targets.items())
+                order = order[rnd % len(order) :] + order[: rnd % len(order)]
+                for name, (which, headers) in order:
+                    results[name].append(
+                        await load(http, routers[which], headers, args.requests, args.concurrency)
+                    )
+            finally:
+                for r in routers.values():
+                    r.stop()
+    print(f"\n1. router CPU per streamed request, {args.requests} requests at "
+          f"{args.concurrency} concurrent, {args.rounds} rounds (medians; ranges)")  # fmt: skip
+    base = statistics.median(c for c, _ in results["tracing off"])
+    print(f"  {'target':<26} {'CPU/request':>12} {'vs off':>8} {'TTFT p50':>10}")
+    for name, rows in results.items():
+        c = statistics.median(x for x, _ in rows)
+        t = statistics.median(y for _, y in rows)
+        spread = f"({min(x for x, _ in rows) * 1e6:.0f}-{max(x for x, _ in rows) * 1e6:.0f})"
+        print(f"  {name:<26} {c * 1e6:>9.0f} us {100 * (c / base - 1):>+7.1f}% {t * 1e3:>7.2f} ms"
+              f"  {spread}")  # fmt: skip
+    if FAILED:
+        print(f"  failed requests by status: {FAILED}")
+    got = [s for s in receiver.spans if s.service == "llmgw-router"]
+    print(f"  the receiver decoded {len(got)} router spans in {receiver.bodies} exports")
+
+
+def in_process(n: int = 20_000) -> None:
+    """A recorded request's share of the work, in microseconds: begin, the clock notes of
+    one attempt, the spans built at the end, and their OTLP encoding."""
+    from llmgw import otlp
+    from llmgw.router.config import TracesConfig
+    from llmgw.router.tracing import Tracer
+
+    tracer = Tracer(TracesConfig(endpoint="http://127.0.0.1:9"))
+    headers = sampled(0)
+    t0 = time.perf_counter()
+    built = []
+    for i in range(n):
+        t = tracer.begin(headers, "rid", 1.0)
+        assert t is not None
+        t.admitted = 1.001
+        t.attempt_begin("e0", "http://e0", "m", 1.002)
+        t.first_token = 1.01
+        t.attempt_end("", 1.02)
+        built = t.spans(1.03, kind="chat", model="m", status=200, tokens_in=5, tokens_out=16)
+        if i == 0:
+            first = built
+    note = (time.perf_counter() - t0) / n * 1e6
+    t0 = time.perf_counter()
+    for _ in range(n // 10):
+        otlp.encode(first, "llmgw-router")
+    encode = (time.perf_counter() - t0) / (n // 10) * 1e6
+    print(f"\n2. in process, per recorded request ({len(built)} spans): noting and building "
+          f"{note:.1f} us, OTLP encoding {encode:.1f} us (in the exporter's task)")  # fmt: skip
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.rounds = 300, 1
+    receiver = Receiver()
+    sims = [Sim.start("m", "--eos-min-tokens", "16", "--eos-max-tokens", "16") for _ in range(3)]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            await rounds(args, sims, receiver, Path(tmp))
+        in_process()
+    finally:
+        for s in sims:
+            s.stop()
+        receiver.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

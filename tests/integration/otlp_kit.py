@@ -1,0 +1,119 @@
+"""An OTLP/HTTP trace receiver in the test process: what a collector would be handed.
+
+It serves `POST /v1/traces` on its own thread and loop, decodes each body with
+opentelemetry-proto (as a real collector does) and keeps every span as a `Got`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+
+@dataclass(frozen=True)
+class Got:
+    service: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    name: str
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error: str
+
+
+def _value(v: Any) -> Any:
+    field = v.WhichOneof("value")
+    return getattr(v, field) if field else None
+
+
+def decode(body: bytes) -> list[Got]:
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    req.ParseFromString(body)
+    out: list[Got] = []
+    for rs in req.resource_spans:
+        res = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
+        for ss in rs.scope_spans:
+            for s in ss.spans:
+                out.append(
+                    Got(
+                        service=str(res.get("service.name", "")),
+                        trace_id=s.trace_id.hex(),
+                        span_id=s.span_id.hex(),
+                        parent_id=s.parent_span_id.hex(),
+                        name=s.name,
+                        kind=s.kind,
+                        start_ns=s.start_time_unix_nano,
+                        end_ns=s.end_time_unix_nano,
+                        attributes={kv.key: _value(kv.value) for kv in s.attributes},
+                        error=s.status.message if s.status.code == 2 else "",
+                    )
+                )
+    return out
+
+
+class Receiver:
+    """A collector's OTLP/HTTP endpoint at `url`; `spans` is everything it was sent."""
+
+    def __init__(self) -> None:
+        self.spans: list[Got] = []
+        self.bodies = 0
+        self.content_types: set[str] = set()
+        self.url = ""
+        self._lock = threading.Lock()
+        started = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        if not started.wait(30):
+            raise RuntimeError("the OTLP receiver did not start")
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def traces(request: web.Request) -> web.Response:
+            got = decode(await request.read())
+            with self._lock:
+                self.bodies += 1
+                self.content_types.add(request.content_type)
+                self.spans += got
+            return web.Response(body=b"", content_type="application/x-protobuf")
+
+        app = web.Application()
+        app.router.add_post("/v1/traces", traces)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        started.set()
+        self.loop.run_forever()
+
+    def of_trace(self, trace_id: str) -> list[Got]:
+        with self._lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+    def wait_for(self, trace_id: str, *, router: int, sim: int, timeout: float = 60.0) -> list[Got]:
+        """The trace's spans once `router` of the router's and `sim` of the sim's are in."""
+        deadline = time.monotonic() + timeout
+        while True:
+            spans = self.of_trace(trace_id)
+            by = [s.service for s in spans]
+            if by.count("llmgw-router") >= router and by.count("llmgw-sim") >= sim:
+                return spans
+            if time.monotonic() > deadline:
+                raise AssertionError(f"trace {trace_id}: only {by} within {timeout} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

@@ -1,0 +1,195 @@
+"""Traces: W3C trace context, sampling, a request's spans, their OTLP encoding and the
+exporter's bound. The router and sim paths over real processes are in
+tests/integration/test_tracing.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw import otlp
+from llmgw.core import tracing
+from llmgw.core.tracing import SPAN_CLIENT, SPAN_SERVER, Span
+from llmgw.router import config as router_config
+from llmgw.router.config import RouterConfig, TracesConfig
+from llmgw.router.tracing import RequestTrace, Tracer
+from tests.integration.otlp_kit import decode
+
+hex_ids = st.integers(min_value=1, max_value=(1 << 128) - 1).map(lambda n: f"{n:032x}")
+span_ids = st.integers(min_value=1, max_value=(1 << 64) - 1).map(lambda n: f"{n:016x}")
+
+
+@given(hex_ids, span_ids, st.booleans())
+def test_a_traceparent_names_its_trace_span_and_flag(trace: str, span: str, on: bool) -> None:
+    parent = tracing.parse_traceparent(tracing.traceparent(trace, span, on))
+    assert parent == tracing.Parent(trace, span, on)
+
+
+@given(st.text(max_size=80))
+def test_no_text_parses_to_a_parent_the_spec_refuses(value: str) -> None:
+    parent = tracing.parse_traceparent(value)
+    if parent is not None:
+        assert value[2] == "-"
+        assert value[:2] != "ff"
+        assert parent.trace_id != "0" * 32
+        assert parent.span_id != "0" * 16
+        assert value[3:35] == parent.trace_id
+
+
+@given(hex_ids, st.floats(0, 1), st.floats(0, 1))
+def test_a_trace_sampled_at_one_ratio_is_sampled_at_every_higher_one(
+    trace: str, a: float, b: float
+) -> None:
+    lo, hi = sorted((a, b))
+    if tracing.ratio_sampled(trace, lo):
+        assert tracing.ratio_sampled(trace, hi)
+    assert tracing.ratio_sampled(trace, 1.0)
+    assert not tracing.ratio_sampled(trace, 0.0)
+
+
+def test_the_ratio_samples_its_share_of_random_traces() -> None:
+    rng = random.Random(3)
+    ids = [tracing.trace_id_of(rng.getrandbits(128)) for _ in range(20_000)]
+    for ratio in (0.01, 0.25, 0.5):
+        share = sum(tracing.ratio_sampled(t, ratio) for t in ids) / len(ids)
+        assert abs(share - ratio) < 0.01 + ratio * 0.1
+
+
+@given(hex_ids, span_ids, st.booleans(), st.floats(0, 1))
+def test_a_clients_decision_is_followed_whatever_the_ratio(
+    trace: str, span: str, on: bool, ratio: float
+) -> None:
+    assert tracing.sampled(tracing.Parent(trace, span, on), trace, ratio) is on
+
+
+def test_ids_are_never_all_zeros() -> None:
+    assert tracing.trace_id_of(0) != "0" * 32
+    assert tracing.span_id_of(1 << 64) != "0" * 16
+
+
+def _trace(attempts: list[tuple[float, float, str]], first_token: float) -> RequestTrace:
+    t = RequestTrace("ab" * 16, "cd" * 8, "ef" * 8, "rid-1", 100.0, "", random.Random(1))
+    t.admitted = 100.001
+    t.queue = (100.001, 100.002)
+    for i, (start, end, error) in enumerate(attempts):
+        t.attempt_begin(f"e{i}", f"http://e{i}", "m", start)
+        t.attempt_end(error, end)
+    t.first_token = first_token
+    return t
+
+
+attempt_lists = st.lists(st.sampled_from(["", "status_503", "connect"]), min_size=0, max_size=4)
+
+
+@given(attempt_lists, st.integers(0, 500), st.integers(0, 500))
+def test_every_span_is_in_the_trace_under_its_root_and_inside_it(
+    errors: list[str], tokens_in: int, tokens_out: int
+) -> None:
+    attempts = [(100.002 + i * 0.01, 100.009 + i * 0.01, e) for i, e in enumerate(errors)]
+    t = _trace(attempts, 100.05)
+    spans = t.spans(100.1, kind="chat", model="m", status=200, tokens_in=tokens_in,
+                    tokens_out=tokens_out)  # fmt: skip
+    root = spans[0]
+    assert (root.kind, root.parent_id, root.span_id) == (SPAN_SERVER, "cd" * 8, "ef" * 8)
+    assert len({s.span_id for s in spans}) == len(spans)
+    for s in spans[1:]:
+        assert s.trace_id == root.trace_id
+        assert s.parent_id == root.span_id
+        assert root.start_ns <= s.start_ns <= s.end_ns <= root.end_ns
+    tried = [s for s in spans if s.name == "attempt"]
+    assert [s.kind for s in tried] == [SPAN_CLIENT] * len(errors)
+    assert [s.error for s in tried] == errors
+    answered = "" in errors
+    assert ("gen_ai.response.model" in root.attributes) is answered
+    assert any(s.name == "first_token" for s in spans) is answered
+    if tokens_in or tokens_out:
+        assert root.attributes["gen_ai.usage.output_tokens"] == tokens_out
+
+
+def test_an_attempts_headers_name_its_own_span_and_keep_the_clients_state() -> None:
+    t = RequestTrace("ab" * 16, "cd" * 8, "ef" * 8, "r", 1.0, "vendor=x", random.Random(2))
+    t.attempt_begin("e", "http://e", "m", 1.0)
+    parent, state = t.headers()
+    assert parent == ("traceparent", f"00-{'ab' * 16}-{t.attempts[0].span_id}-01")
+    assert state == ("tracestate", "vendor=x")
+
+
+attributes = st.dictionaries(
+    st.text(min_size=1, max_size=20),
+    st.one_of(
+        st.text(max_size=30),
+        st.integers(-(2**63), 2**63 - 1),
+        st.booleans(),
+        st.floats(allow_nan=False),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=50)
+@given(st.lists(st.tuples(hex_ids, span_ids, attributes, st.text(max_size=20)), max_size=5))
+def test_spans_survive_otlps_encoding(items: list[tuple[str, str, dict, str]]) -> None:  # type: ignore[type-arg]
+    spans = [
+        Span(t, s, "", f"n{i}", SPAN_SERVER, i, i + 5, dict(a), err)
+        for i, (t, s, a, err) in enumerate(items)
+    ]
+    got = decode(otlp.encode(spans, "svc"))
+    assert [(g.trace_id, g.span_id, g.name, g.start_ns, g.end_ns, g.error) for g in got] == [
+        (s.trace_id, s.span_id, s.name, s.start_ns, s.end_ns, s.error) for s in spans
+    ]
+    assert [g.attributes for g in got] == [s.attributes for s in spans]
+    assert {g.service for g in got} <= {"svc"}
+
+
+async def test_the_exporter_holds_at_most_its_bound_and_a_dead_collector_costs_spans() -> None:
+    ex = otlp.Exporter("http://127.0.0.1:9", "svc", max_spans=10, batch=4, timeout_s=2)
+    span = Span("ab" * 16, "cd" * 8, "", "x", SPAN_SERVER, 0, 1)
+    ex.add([span] * 25)
+    assert len(ex.buffer) == 10
+    assert ex.dropped == 15
+    await ex.flush()  # connection refused: the batch is dropped, nothing raises
+    assert ex.exported == 0
+    assert ex.dropped == 19
+    assert len(ex.buffer) == 6
+    await asyncio.wait_for(ex.close(), 10)
+
+
+def test_the_tracer_records_only_what_it_samples() -> None:
+    never = Tracer(TracesConfig(endpoint="http://c:4318", sample_ratio=0.0))
+    always = Tracer(TracesConfig(endpoint="http://c:4318"))
+    sampled = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01", "tracestate": "v=1"}
+    assert never.begin({}, "r", 0.0) is None
+    assert never.begin({"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-00"}, "r", 0.0) is None
+    t = never.begin(sampled, "r", 0.0)
+    assert t is not None
+    assert (t.trace_id, t.parent_id, t.tracestate) == ("ab" * 16, "cd" * 8, "v=1")
+    fresh = always.begin({"traceparent": "garbage"}, "r", 0.0)
+    assert fresh is not None
+    assert fresh.parent_id == ""
+    assert fresh.trace_id != "ab" * 16
+
+
+@pytest.mark.parametrize(
+    ("traces", "says"),
+    [
+        ({"endpoint": "collector:4317"}, "OTLP/HTTP"),
+        ({"endpoint": "grpc://collector:4317"}, "OTLP/HTTP"),
+        ({"endpoint": "http://c:4318", "sample_ratio": 1.5}, "sample_ratio"),
+        ({"endpoint": "http://c:4318", "service_name": ""}, "service_name"),
+    ],
+)
+def test_a_bad_traces_section_says_what_to_change(traces: dict, says: str) -> None:  # type: ignore[type-arg]
+    cfg = msgspec.convert({"traces": traces, "auth": {"allow_anonymous": True}}, RouterConfig)
+    problems = router_config.validate(cfg)
+    assert len(problems) == 1
+    assert says in problems[0]
+
+
+def test_traces_urls_are_the_sdks() -> None:
+    assert otlp.traces_url("http://c:4318") == "http://c:4318/v1/traces"
+    assert otlp.traces_url("http://c:4318/v1/traces/") == "http://c:4318/v1/traces"
