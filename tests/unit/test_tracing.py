@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from llmgw import otlp
 from llmgw.core import tracing
-from llmgw.core.tracing import SPAN_CLIENT, SPAN_SERVER, Span
+from llmgw.core.tracing import SPAN_CLIENT, SPAN_INTERNAL, SPAN_SERVER, Span
 from llmgw.router import config as router_config
 from llmgw.router.config import RouterConfig, TracesConfig
 from llmgw.router.tracing import RequestTrace, Tracer
@@ -132,15 +132,35 @@ attributes = st.dictionaries(
 
 
 @settings(max_examples=50)
-@given(st.lists(st.tuples(hex_ids, span_ids, attributes, st.text(max_size=20)), max_size=5))
-def test_spans_survive_otlps_encoding(items: list[tuple[str, str, dict, str]]) -> None:  # type: ignore[type-arg]
+@given(
+    st.lists(
+        st.tuples(
+            hex_ids,
+            span_ids,
+            st.one_of(st.just(""), span_ids),
+            st.sampled_from([SPAN_INTERNAL, SPAN_SERVER, SPAN_CLIENT]),
+            st.integers(0, 2**64 - 6),
+            attributes,
+            st.text(max_size=20),
+        ),
+        max_size=5,
+    )
+)
+def test_spans_survive_otlps_encoding(
+    items: list[tuple[str, str, str, int, int, dict, str]],
+) -> None:  # type: ignore[type-arg]
     spans = [
-        Span(t, s, "", f"n{i}", SPAN_SERVER, i, i + 5, dict(a), err)
-        for i, (t, s, a, err) in enumerate(items)
+        Span(t, s, parent, f"n{i}", kind, at, at + 5, dict(a), err)
+        for i, (t, s, parent, kind, at, a, err) in enumerate(items)
     ]
     got = decode(otlp.encode(spans, "svc"))
-    assert [(g.trace_id, g.span_id, g.name, g.start_ns, g.end_ns, g.error) for g in got] == [
-        (s.trace_id, s.span_id, s.name, s.start_ns, s.end_ns, s.error) for s in spans
+    fields = [
+        (g.trace_id, g.span_id, g.parent_id, g.kind, g.name, g.start_ns, g.end_ns, g.error)
+        for g in got
+    ]
+    assert fields == [
+        (s.trace_id, s.span_id, s.parent_id, s.kind, s.name, s.start_ns, s.end_ns, s.error)
+        for s in spans
     ]
     assert [g.attributes for g in got] == [s.attributes for s in spans]
     assert {g.service for g in got} <= {"svc"}
@@ -193,3 +213,10 @@ def test_a_bad_traces_section_says_what_to_change(traces: dict, says: str) -> No
 def test_traces_urls_are_the_sdks() -> None:
     assert otlp.traces_url("http://c:4318") == "http://c:4318/v1/traces"
     assert otlp.traces_url("http://c:4318/v1/traces/") == "http://c:4318/v1/traces"
+
+
+def test_a_lone_surrogate_from_a_json_body_still_encodes_as_valid_utf8() -> None:
+    span = Span("ab" * 16, "cd" * 8, "", "chat \ud800m", SPAN_SERVER, 0, 1, {"k": "é\udfff"})
+    (got,) = decode(otlp.encode([span], "svc"))  # the official decoder refuses bad UTF-8
+    assert got.name == "chat ?m"
+    assert got.attributes == {"k": "é?"}
