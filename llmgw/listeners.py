@@ -4,6 +4,7 @@ clear error naming the setting to change."""
 from __future__ import annotations
 
 import socket
+import urllib.parse
 
 
 def bind(host: str, port: int, *, setting: str) -> socket.socket:
@@ -33,3 +34,18 @@ def url(scheme: str, sock: socket.socket) -> str:
         if sock.family == socket.AF_INET6
         else f"{scheme}://{host}:{port}"
     )
+
+
+WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+
+
+def scrape_target(url: str, reachable_as: str) -> str:
+    """The `host:port` Prometheus scrapes the listener at `url` (`http://host:port`) at, ""
+    for no URL: a wildcard bind is reached at `reachable_as` (the machine's name or
+    address)."""
+    if not url:
+        return ""
+    where = urllib.parse.urlsplit(url)
+    host = where.hostname or ""
+    host = reachable_as if host in WILDCARDS else host
+    return f"[{host}]:{where.port}" if ":" in host else f"{host}:{where.port}"

@@ -30,6 +30,7 @@ def registered(
     agent_version: str,
     event_id: str,
     ts: float,
+    metrics: str = "",
 ) -> events.NodeRegistered:
     """The node as it is now; only live shards are listed (stopped and failed ones are history)."""
     return events.NodeRegistered(
@@ -42,6 +43,7 @@ def registered(
         hcas=inventory.hcas,
         shards=tuple(running_shard(v) for v in shards if v.phase in LIVE),
         agent_version=agent_version,
+        metrics=metrics,
     )
 
 

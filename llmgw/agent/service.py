@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from llmgw import __version__, bus, logs
+from llmgw import __version__, bus, listeners, logs
 from llmgw import tasks as tasks_
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery, engines, kvrelay, ledger, refresh, reports
@@ -132,11 +132,11 @@ class AgentService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Adopt, discover, connect, then deliver events, heartbeat and apply commands."""
-        await self._prepare()
         self._admin, self.admin_url = await agent_metrics.serve(self.metrics, self.cfg.admin)
         tasks: list[asyncio.Task[Any]] = []
         stopped = asyncio.create_task(stop.wait())
         try:
+            await self._prepare()  # after the listener: the registration names it
             connecting = asyncio.create_task(self._connect())
             await asyncio.wait([stopped, connecting], return_when=asyncio.FIRST_COMPLETED)
             if not connecting.done():
@@ -290,6 +290,7 @@ class AgentService:
                 agent_version=__version__,
                 event_id=self.new_id(),
                 ts=self.clock(),
+                metrics=listeners.scrape_target(self.admin_url, self.cfg.address),
             )
         )
 

@@ -108,7 +108,8 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _prometheus_targets(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     control = svc.admin_url.partition("://")[2]
-    return _json(views.prometheus_targets(svc.state, control, svc.name))
+    routers = svc.scaler.router_targets(svc.clock())
+    return _json(views.prometheus_targets(svc.state, control, svc.name, routers))
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -166,7 +166,9 @@ class Deciding(Leadership, Policing, Scaling):
             observing_since=self.observing_since,
             ids=self._decision_ids,
         )
-        self.metrics.reconcile_seconds.set(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        self.metrics.reconcile_seconds.set(took)
+        self.metrics.reconcile_duration.observe(took)
         self._note_unplaceable(outcome.unplaceable, outcome.unplaceable_codes)
         if not outcome.decisions:
             return 0

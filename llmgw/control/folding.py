@@ -50,6 +50,10 @@ class Folded:
         self.since_snapshot = 0
         self._undecodable_seen = 0
         self._skipped_control: list[int] = []
+        self.live = False
+        """Caught up with the log: a replica that begins serving now is a placement that
+        just completed, timed into `placement_seconds` (a replay's are history, not
+        observed again at every restart)."""
 
     def fold(self, batch: list[bus.Record], *, epoch: int = 0) -> bool:
         """Fold records into the state; True when one could change a decision.
@@ -75,7 +79,10 @@ class Folded:
                     )
             else:
                 interesting = True
+            waiting = self.live and type(event) is events.ShardStatus and _not_serving(st, event)
             reason = state.apply(st, event, rec.seq, rec.time)
+            if waiting and reason is None:
+                self._placed(event)  # type: ignore[arg-type]  # a ShardStatus, checked above
             if rec.subject.startswith(CONTROL_PREFIX):
                 control = rec.seq
             if reason is None:
@@ -126,6 +133,12 @@ class Folded:
             m.fold_lag.set(max(0.0, self.clock() - batch[-1].time))
             m.epoch.set(st.epoch)
 
+    def _placed(self, event: events.ShardStatus) -> None:
+        """A replica was not serving before `event`: time its placement if it is now."""
+        r = self.state.replicas.get(event.replica_id)
+        if r is not None and all(s.phase == "serving" for s in r.shards):
+            self.metrics.placement_seconds.observe(max(0.0, float(event.ts) - r.placed_ts))
+
     @property
     def undecodable(self) -> int:
         """Messages the Reader could not decode (or refused by subject) so far."""
@@ -165,3 +178,11 @@ def _health_changed(node: state.NodeState, hb: events.Heartbeat) -> bool:
         if h.differs_from(gpu):
             return True
     return False
+
+
+def _not_serving(st: state.ClusterState, event: events.ShardStatus) -> bool:
+    """`event` reports a shard serving while its replica is not yet wholly serving."""
+    if event.phase != "serving":
+        return False
+    r = st.replicas.get(event.replica_id)
+    return r is not None and not all(s.phase == "serving" for s in r.shards)

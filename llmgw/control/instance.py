@@ -127,6 +127,7 @@ class Instance:
     def _mark_caught_up(self) -> None:
         if not self.caught_up.is_set():
             self.caught_up.set()
+            self.folded.live = True
             log.info("caught_up", name=self.name, folded_seq=self.state.last_seq)
 
     def _log_was_unavailable(self, why: str, *, quiet: bool = False) -> None:

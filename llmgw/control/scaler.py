@@ -29,6 +29,9 @@ from llmgw.core.state.scaling import target_replicas
 ROUTER_PREFIX = subjects.SIGNALS_ROOT + ".router."
 REPORT_MAX_AGE_S = 5.0
 """A router's report older than this no longer counts (a router that stopped)."""
+REPORT_FORGET_S = 60.0
+"""A report older than this is forgotten (the router is gone), and its router is no
+longer a Prometheus target."""
 SHORT_CODES = frozenset({"too few free GPUs", "no GPUs"})
 """Why a model cannot be placed that taking GPUs from another model can cure."""
 
@@ -62,8 +65,17 @@ class Scaler:
         if held is None or report.ts >= held.ts:
             self.reports[subject] = report
 
+    def router_targets(self, now: float) -> dict[str, str]:
+        """Router name -> `host:port` of its /metrics, from reports of the last minute (its
+        workers share one admin port: any of them names it)."""
+        out: dict[str, str] = {}
+        for subject, r in self.reports.items():
+            if subject.startswith(ROUTER_PREFIX) and r.metrics and now - r.ts <= REPORT_FORGET_S:
+                out[subject[len(ROUTER_PREFIX) :].rpartition(".")[0]] = r.metrics
+        return out
+
     def signals(self, state: ClusterState, now: float) -> dict[str, autoscale.Signals]:
-        for subject in [s for s, r in self.reports.items() if now - r.ts > 60.0]:
+        for subject in [s for s, r in self.reports.items() if now - r.ts > REPORT_FORGET_S]:
             del self.reports[subject]  # a router long gone
         serving = {rid: ep.model for rid, ep in state.endpoints.items()}
         scaled = [n for n, m in state.models.items() if m.profile.autoscale is not None]

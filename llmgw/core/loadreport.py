@@ -58,6 +58,9 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     window_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 10.0
     models: Annotated[tuple[ModelTraffic, ...], msgspec.Meta(max_length=MAX_MODELS)] = ()
     endpoints: Annotated[tuple[EndpointLoad, ...], msgspec.Meta(max_length=MAX_ENDPOINTS)] = ()
+    metrics: Name = ""
+    """`host:port` of the reporter's /metrics (a router's admin listener), for the control
+    plane's Prometheus service discovery; empty when it has none."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -10,6 +10,8 @@ Purely computational: `now` is an argument (the replay's target time for the pas
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -239,11 +241,16 @@ def endpoint_rows(st: state.ClusterState) -> list[dict[str, Any]]:
     ]
 
 
-def prometheus_targets(st: state.ClusterState, control: str, name: str) -> list[dict[str, Any]]:
+def prometheus_targets(
+    st: state.ClusterState, control: str, name: str, routers: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
     """Prometheus `http_sd_configs` target groups: every engine with an endpoint (one group
     per shard that serves HTTP, on the dynamic port the leader chose), labelled with its
-    model, replica, shard, node, GPU class and engine; and this control plane (`control`,
-    its admin `host:port`, named `name`). Engines' keys are never listed."""
+    model, replica, shard, node, GPU class and engine; every agent that serves /metrics,
+    labelled with its node; every router in `routers` (name -> `host:port`, from their
+    load reports); and this control plane (`control`, its admin `host:port`, named
+    `name`). Engines' keys are never listed. An address that is not `host:port` (a node
+    writes its own) is left out rather than handed to Prometheus."""
     groups: list[dict[str, Any]] = []
     for rid in sorted(st.replicas):
         r = st.replicas[rid]
@@ -270,6 +277,15 @@ def prometheus_targets(st: state.ClusterState, control: str, name: str) -> list[
                     },
                 }
             )
+    for node in sorted(st.nodes):
+        n = st.nodes[node]
+        if _is_host_port(n.metrics):
+            labels = {"job": "llmgw-agent", "node": node, "liveness": n.liveness}
+            groups.append({"targets": [n.metrics], "labels": labels})
+    for router in sorted(routers or {}):
+        where = (routers or {})[router]
+        if _is_host_port(where):
+            groups.append({"targets": [where], "labels": {"job": "llmgw-router", "router": router}})
     groups.append({"targets": [control], "labels": {"job": "llmgw-control", "control": name}})
     return groups
 
@@ -280,7 +296,18 @@ def _host_port(url: str) -> str | None:
     if not sep or scheme not in ("http", "https"):
         return None
     hostport = rest.split("/", 1)[0]
-    return hostport if hostport.rpartition(":")[2].isdigit() else None
+    return hostport if _is_host_port(hostport) else None
+
+
+_HOST_PORT = re.compile(
+    r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?):[0-9]{1,5}"
+)
+
+
+def _is_host_port(text: str) -> bool:
+    """Whether `text` is `host:port` (a DNS name, IPv4 or bracketed IPv6; port 1-65535)."""
+    found = _HOST_PORT.fullmatch(text)
+    return found is not None and 0 < int(text.rpartition(":")[2]) < 65536
 
 
 def _scaling_view(m: state.ModelState) -> dict[str, object] | None:

@@ -32,6 +32,7 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from socket import gethostname
 from typing import Any
 
 import aiohttp
@@ -40,6 +41,7 @@ from aiohttp import web
 from llmgw import logs
 from llmgw.config import ConfigError
 from llmgw.core import routing, state
+from llmgw.listeners import scrape_target
 from llmgw.router import admission, aiohttp_direct, apis, auth, protocol, requests, tracing
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
@@ -99,6 +101,7 @@ class Router:
         self.kv_feed: KvFeed | None = None
         self.signals: SignalsFeed | None = None
         self.worker = worker
+        self.admin_url = ""  # its admin listener's URL, set by the server once bound
         self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
         self.deadlines = Watchdog()
         self.dispatcher = Dispatcher(
@@ -149,8 +152,9 @@ class Router:
             d = self.dispatcher
             tracker = LoadTracker(d.received, self.metrics.ttft, self.metrics.itl, d.holds,
                                   queued=d.queues.waiting)  # fmt: skip
+            scraped_at = scrape_target(self.admin_url, gethostname())
             self.signals = SignalsFeed(self.cfg.log, tracker, self.table.by_id,
-                                       worker=self.worker)  # fmt: skip
+                                       worker=self.worker, metrics=scraped_at)  # fmt: skip
             self.signals.start()
         folder = metrics_dir()
         if folder is not None:

@@ -36,7 +36,7 @@ import msgspec
 import uvloop
 from aiohttp import web
 
-from llmgw import logs, sdnotify
+from llmgw import listeners, logs, sdnotify
 from llmgw.router.auth import SharedLimits
 from llmgw.router.config import Listener, RouterConfig
 from llmgw.router.metrics import METRICS_DIR_ENV
@@ -133,6 +133,7 @@ async def serve(
     from llmgw.router.app import Router, build_admin_app, build_server
 
     router = Router(cfg, worker=worker, limits=limits)
+    router.admin_url = listeners.url("http", admin_sock)  # its load reports name it
     await router.start()
     runner = web.ServerRunner(build_server(router))
     admin_runner = web.AppRunner(build_admin_app(router), access_log=None)

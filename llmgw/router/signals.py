@@ -17,6 +17,8 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+import msgspec
+
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
 from llmgw.bus import signals as signals_
@@ -121,8 +123,11 @@ class SignalsFeed:
         endpoints: dict[str, EndpointState],
         *,
         worker: int = 0,
+        metrics: str = "",
     ) -> None:
         self.source = source
+        self.metrics = metrics
+        """`host:port` of the router's /metrics, in every report (service discovery)."""
         self.tracker = tracker
         self.endpoints = endpoints
         self.worker = worker
@@ -151,7 +156,7 @@ class SignalsFeed:
                 report = self.tracker.report(
                     list(self.endpoints.values()), time.time(), time.monotonic()
                 )
-                await publisher.publish(report)
+                await publisher.publish(msgspec.structs.replace(report, metrics=self.metrics))
                 self.sent += 1
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), EVERY_S)

@@ -221,6 +221,7 @@ class Fleet:
             "state_dir": str(self.state_dir(node)),
             "sim_gpus": self.gpus,
             "engine_host": address,
+            "admin": {"host": address, "port": 0},
             "heartbeat_s": HEARTBEAT_S,
             "heartbeat_ttl_s": 60,
             "engine_poll_s": 0.2,

@@ -4,8 +4,9 @@ discovery, and the dashboard's fleet queries answer.
 The fleet as real processes (tests/e2e/fleet_kit.py: agents running `llmgw sim` engines on
 ports the leader chose, the control plane, a router); Debian's `prometheus` (which
 .ci/run installs) scrapes with one `http_sd_configs` entry pointing at the control plane's
-`/v1/sd/prometheus`, and a static entry for the router. The test waits for every target
-to be up, then asks Prometheus what the fleet looks like, as a dashboard would.
+`/v1/sd/prometheus`, which names the engines, the agents, the router and the control
+plane. The test waits for every target to be up, then asks Prometheus what the fleet
+looks like, as a dashboard would.
 """
 
 from __future__ import annotations
@@ -104,12 +105,11 @@ async def test_prometheus_scrapes_every_engine_found_through_the_control_plane(
                         {"url": f"{fleet.control_admin}/v1/sd/prometheus", "refresh_interval": "1s"}
                     ],
                 },
-                {"job_name": "llmgw-router", "static_configs": [{"targets": [router]}]},
             ],
         }
         prom = await asyncio.to_thread(start_prometheus, binary, tmp_path, config, port)
         replicas = {r["id"]: r for r in await fleet.replicas()}
-        wanted_jobs = {"llmgw-engine": 2, "llmgw-control": 1, "llmgw-router": 1}
+        wanted_jobs = {"llmgw-engine": 2, "llmgw-agent": 2, "llmgw-control": 1, "llmgw-router": 1}
         targets: list[dict[str, Any]] = []
 
         def all_up() -> bool:
@@ -125,13 +125,27 @@ async def test_prometheus_scrapes_every_engine_found_through_the_control_plane(
                     jobs[job] = jobs.get(job, 0) + 1
             return jobs == wanted_jobs
 
-        await wait_for(all_up, 60, f"targets up: {wanted_jobs}", every_s=0.5)
+        def seen() -> str:
+            return json.dumps([(t["labels"], t["health"], t.get("lastError")) for t in targets])
+
+        await wait_for(all_up, 60, f"targets up: {wanted_jobs}", every_s=0.5, detail=seen)
         engines = [t for t in targets if t["labels"]["job"] == "llmgw-engine"]
         for t in engines:
             replica = replicas[t["labels"]["replica"]]
             assert t["labels"]["model"] == "m1"
             assert t["labels"]["node"] == replica["shards"][0]["node"]
             assert t["scrapeUrl"].startswith(replica["endpoint"])
+        # The router and the agents, found through the same discovery: the router by its
+        # load reports, each agent by its registration (its admin listener's own address).
+        (found,) = [t for t in targets if t["labels"]["job"] == "llmgw-router"]
+        assert found["labels"]["router"] == fleet.router_name
+        assert found["discoveredLabels"]["__address__"] == router
+        agents = {
+            t["labels"]["node"]: t["discoveredLabels"]["__address__"].rpartition(":")[0]
+            for t in targets
+            if t["labels"]["job"] == "llmgw-agent"
+        }
+        assert agents == fleet.addresses
 
         # What the dashboard's fleet panels ask, answered from the scrapes.
         def fleet_scraped() -> bool:

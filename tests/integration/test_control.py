@@ -387,6 +387,16 @@ async def test_the_admin_api_shows_nodes_replicas_models_explain_state_and_metri
             ):
                 assert line in metrics, line
             assert 'llmgw_fleet_gpus{gpu_class="' in metrics
+            # Latencies as histograms: every reconcile pass, and m1's one placement (placed,
+            # then serving within the test's 15 s).
+            passes = _sample(metrics, "llmgw_control_reconcile_duration_seconds_count")
+            assert passes >= 1
+            assert (
+                _sample(metrics, 'llmgw_control_reconcile_duration_seconds_bucket{le="+Inf"}')
+                == passes
+            )
+            assert _sample(metrics, "llmgw_control_placement_seconds_count") == 1
+            assert 0 < _sample(metrics, "llmgw_control_placement_seconds_sum") < 15
             status, groups = await get("/v1/sd/prometheus")
             assert status == 200
             engines = [g for g in groups if g["labels"]["job"] == "llmgw-engine"]
@@ -424,6 +434,10 @@ async def test_a_cold_start_loads_the_newest_snapshot_and_replays_only_the_tail(
     ) as second:
         await wait_for(lambda: second.caught_up.is_set(), 10, "caught up")
         assert second.snapshot_seq == saved  # loaded, not folded from 0
+        # The placements it replayed are history: not timed again at each restart.
+        assert (
+            _sample(second.metrics.render().decode(), "llmgw_control_placement_seconds_count") == 0
+        )
         log = await settle(second, nc)
         scratch, _ = state.fold_records([(r.seq, r.event) for r in log])
         assert state.digest(second.state) == state.digest(scratch)
@@ -499,3 +513,12 @@ async def test_the_control_plane_survives_a_nats_server_restart(
         assert svc.leading
     for agent in agents:
         await agent.close()
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the sample `name` (with its labels, if any) in a /metrics page."""
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key == name:
+            return float(value)
+    raise AssertionError(f"no sample {name} in /metrics")

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.core import events, fleet_metrics, state, views
+from llmgw import listeners
+from llmgw.control.scaler import REPORT_FORGET_S, Scaler
+from llmgw.core import events, fleet_metrics, loadreport, state, subjects, views
 
+from . import scenarios
 from .scenarios import Sim, profile
 from .strategies import any_event
 
@@ -134,3 +139,101 @@ def test_an_endpoint_without_a_port_is_no_target(url: str) -> None:
     if got is not None:
         assert got.rpartition(":")[2].isdigit()
         assert "/" not in got
+
+
+def register_with_metrics(sim: Sim, node: str, metrics: str) -> None:
+    ev = scenarios.registered(node, ts=sim.now)
+    sim.append(msgspec.structs.replace(ev, id=sim.eid("reg"), metrics=metrics))
+
+
+def test_agents_and_routers_are_targets_with_their_names() -> None:
+    sim = settled()
+    register_with_metrics(sim, "node-a", "node-a.internal:9101")
+    register_with_metrics(sim, "node-b", "[fd00::2]:9101")
+    groups = views.prometheus_targets(
+        sim.state, "127.0.0.1:9090", "control-a", {"router-1": "10.0.0.5:9090"}
+    )
+    agents = [g for g in groups if g["labels"]["job"] == "llmgw-agent"]
+    assert [(g["targets"], g["labels"]) for g in agents] == [
+        (["node-a.internal:9101"], {"job": "llmgw-agent", "node": "node-a", "liveness": "ready"}),
+        (["[fd00::2]:9101"], {"job": "llmgw-agent", "node": "node-b", "liveness": "ready"}),
+    ]
+    routers = [g for g in groups if g["labels"]["job"] == "llmgw-router"]
+    assert routers == [
+        {"targets": ["10.0.0.5:9090"], "labels": {"job": "llmgw-router", "router": "router-1"}}
+    ]
+    # A node without an admin listener (node-c) is no agent target; a re-registration
+    # without one takes its target away.
+    register_with_metrics(sim, "node-a", "")
+    groups = views.prometheus_targets(sim.state, "127.0.0.1:9090", "control-a")
+    assert [g["labels"]["node"] for g in groups if g["labels"]["job"] == "llmgw-agent"] == [
+        "node-b"
+    ]
+
+
+HOSTILE = [
+    "http://evil:80",  # a URL, not host:port
+    "evil:80/metrics?x=1",  # a path smuggled in
+    "evil",  # no port
+    "evil:0",
+    "evil:65536",
+    "evil:99999",
+    "ev il:80",
+    "evil:80\nother:80",
+    "evil:80,other:80",
+    ":80",
+    "-evil:80",
+    "[::1:80",
+    "evil:8o",
+    "évil:80",
+]
+
+
+@given(st.one_of(st.sampled_from(HOSTILE), st.text(max_size=60)))
+def test_a_target_a_node_or_router_writes_is_host_port_or_nothing(where: str) -> None:
+    """Nodes write their own registration and routers their reports: whatever they put
+    there, the discovery hands Prometheus only a plain host:port."""
+    sim = settled()
+    register_with_metrics(sim, "node-a", where)
+    groups = views.prometheus_targets(sim.state, "c:1", "c", {"router-1": where})
+    listed = [
+        t
+        for g in groups
+        if g["labels"]["job"] in ("llmgw-agent", "llmgw-router")
+        for t in g["targets"]
+    ]
+    for target in listed:
+        host, _, port = target.rpartition(":")
+        assert host
+        assert port.isdigit()
+        assert 0 < int(port) < 65536
+        assert not set(target) & set("/?#@,; \t\r\n")
+        assert target == where
+    if where in HOSTILE:
+        assert listed == []
+
+
+def test_the_routers_named_are_those_that_reported_in_the_last_minute() -> None:
+    scaler = Scaler()
+    report = loadreport.LoadReport(ts=1000.0, metrics="10.0.0.5:9090")
+    scaler.note(subjects.router_signals("router-1", 0), report)
+    scaler.note(subjects.router_signals("router-1", 1), report)
+    scaler.note(subjects.router_signals("router-2", 0), msgspec.structs.replace(report, ts=900.0))
+    scaler.note(subjects.router_signals("router-3", 0), msgspec.structs.replace(report, metrics=""))
+    scaler.note(subjects.node_signals("node-a"), report)  # an agent's: not a router
+    assert scaler.router_targets(1001.0) == {"router-1": "10.0.0.5:9090"}
+    assert scaler.router_targets(1000.0 + REPORT_FORGET_S + 1) == {}
+
+
+@pytest.mark.parametrize(
+    ("url", "reachable_as", "want"),
+    [
+        ("", "node-a", ""),
+        ("http://127.0.0.1:9101", "node-a", "127.0.0.1:9101"),
+        ("http://0.0.0.0:9101", "node-a.internal", "node-a.internal:9101"),
+        ("http://[::]:9101", "fd00::2", "[fd00::2]:9101"),
+        ("http://[fd00::3]:9101", "node-a", "[fd00::3]:9101"),
+    ],
+)
+def test_a_listeners_scrape_target(url: str, reachable_as: str, want: str) -> None:
+    assert listeners.scrape_target(url, reachable_as) == want

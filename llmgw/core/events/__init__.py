@@ -136,6 +136,9 @@ class NodeRegistered(NodeEvent, tag="node.registered", kw_only=True, frozen=True
     hcas: Annotated[tuple[Hca, ...], msgspec.Meta(max_length=MAX_LIST)] = ()
     shards: Annotated[tuple[RunningShard, ...], msgspec.Meta(max_length=MAX_SHARDS)] = ()
     agent_version: Name = ""
+    metrics: Name = ""
+    """`host:port` of the agent's own /metrics (its admin listener), for the control
+    plane's Prometheus service discovery; empty when the agent serves none."""
 
 
 class Heartbeat(NodeEvent, tag="node.heartbeat", kw_only=True, frozen=True):

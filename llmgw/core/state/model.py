@@ -103,6 +103,8 @@ class NodeState(msgspec.Struct, kw_only=True, gc=False):
     fabrics: tuple[Fabric, ...] = ()
     hcas: tuple[Hca, ...] = ()
     agent_version: str = ""
+    metrics: str = ""
+    """`host:port` of the agent's /metrics, as its last registration said."""
     registered_ts: float = 0.0
     liveness: Liveness = "ready"
     liveness_seq: int = 0

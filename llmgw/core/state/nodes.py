@@ -40,6 +40,7 @@ def on_registered(state: ClusterState, ev: events.NodeRegistered, seq: int, at: 
     node.fabrics = ev.fabrics
     node.hcas = ev.hcas
     node.agent_version = ev.agent_version
+    node.metrics = ev.metrics
     node.registered_ts = float(ev.ts)
     node.liveness = "ready"
     node.liveness_seq = seq
