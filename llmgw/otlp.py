@@ -72,7 +72,8 @@ def _tag(field: int, wire: int) -> bytes:
 
 def _bytes(tag: bytes, data: bytes) -> bytes:
     """A length-delimited field; `tag` is its `_tag(field, _LEN)`."""
-    return tag + _varint(len(data)) + data
+    n = len(data)
+    return tag + (_ONE_BYTE[n] if n < 128 else _varint(n)) + data
 
 
 def _utf8(text: str) -> bytes:
@@ -84,24 +85,48 @@ _T1, _T2, _T4, _T5, _T9, _T15 = (_tag(f, _LEN) for f in (1, 2, 4, 5, 9, 15))
 _KIND, _START, _END = _tag(6, _VARINT), _tag(7, _I64), _tag(8, _I64)
 _BOOL, _INT, _DOUBLE = _tag(2, _VARINT), _tag(3, _VARINT), _tag(4, _I64)
 _ERROR = _tag(3, _VARINT) + _varint(2)  # Status.code STATUS_CODE_ERROR
+_U64, _F64 = struct.Struct("<Q"), struct.Struct("<d")
 
 
 def _any_value(v: Attribute) -> bytes:
     """An AnyValue: string_value 1, bool_value 2, int_value 3, double_value 4."""
     if isinstance(v, str):
-        return _bytes(_T1, _utf8(v))
+        return _bytes(_T1, v.encode("utf-8", "replace"))  # see _utf8
     if isinstance(v, bool):
         return _BOOL + _ONE_BYTE[v]
     if isinstance(v, int):
         return _INT + _varint(v)
-    return _DOUBLE + struct.pack("<d", v)
+    return _DOUBLE + _F64.pack(v)
+
+
+_KEYS: dict[str, bytes] = {}
+"""Attribute keys as KeyValue's encoded `key` field: the same dozen names on every span."""
+
+
+def _key(k: str) -> bytes:
+    found = _KEYS.get(k)
+    if found is None:
+        found = _bytes(_T1, _utf8(k))
+        if len(_KEYS) < 1024:  # keys are the code's own names; bounded all the same
+            _KEYS[k] = found
+    return found
 
 
 def _key_values(tag: bytes, items: Iterable[tuple[str, Attribute]]) -> bytes:
     """Repeated KeyValue{key 1, value 2}."""
-    return b"".join(
-        _bytes(tag, _bytes(_T1, _utf8(k)) + _bytes(_T2, _any_value(v))) for k, v in items
-    )
+    return b"".join(_bytes(tag, _key(k) + _bytes(_T2, _any_value(v))) for k, v in items)
+
+
+_TRACE_ID = _T1 + _ONE_BYTE[16]
+_SPAN_ID = _T2 + _ONE_BYTE[8]
+_PARENT_ID = _T4 + _ONE_BYTE[8]
+
+
+def _id(prefix: bytes, size: int, hex_id: str) -> bytes:
+    """A fixed-size id field (its length byte in `prefix`); any other size is encoded as
+    it is, for the collector to refuse, rather than misframing the message."""
+    raw = bytes.fromhex(hex_id)
+    return prefix + raw if len(raw) == size else _bytes(prefix[:1], raw)
 
 
 def _span(s: Span) -> bytes:
@@ -109,14 +134,14 @@ def _span(s: Span) -> bytes:
     attributes 9, status 15 (Status{message 2, code 3}; code 2 is ERROR)."""
     return b"".join(
         (
-            _bytes(_T1, bytes.fromhex(s.trace_id)),
-            _bytes(_T2, bytes.fromhex(s.span_id)),
-            _bytes(_T4, bytes.fromhex(s.parent_id)) if s.parent_id else b"",
+            _id(_TRACE_ID, 16, s.trace_id),
+            _id(_SPAN_ID, 8, s.span_id),
+            _id(_PARENT_ID, 8, s.parent_id) if s.parent_id else b"",
             _bytes(_T5, _utf8(s.name)),
             _KIND + _varint(s.kind),
-            _START + struct.pack("<Q", s.start_ns),
-            _END + struct.pack("<Q", s.end_ns),
-            _key_values(_T9, s.attributes.items()),
+            _START + _U64.pack(s.start_ns),
+            _END + _U64.pack(s.end_ns),
+            _key_values(_T9, s.attributes.items()) if s.attributes else b"",
             _bytes(_T15, _bytes(_T2, _utf8(s.error)) + _ERROR) if s.error else b"",
         )
     )

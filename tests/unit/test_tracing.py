@@ -220,3 +220,15 @@ def test_a_lone_surrogate_from_a_json_body_still_encodes_as_valid_utf8() -> None
     (got,) = decode(otlp.encode([span], "svc"))  # the official decoder refuses bad UTF-8
     assert got.name == "chat ?m"
     assert got.attributes == {"k": "é?"}
+
+
+def test_an_id_of_the_wrong_size_is_framed_as_it_is_not_misframed() -> None:
+    """Ids are fixed-size in OTLP; a malformed one must not corrupt the spans after it."""
+    odd = Span("abcd", "cd" * 8, "ef", "odd", SPAN_SERVER, 0, 1)
+    good = Span("ab" * 16, "cd" * 8, "", "good", SPAN_SERVER, 0, 1, {"k": 1})
+    got = decode(otlp.encode([odd, good], "svc"))
+    assert [(g.trace_id, g.parent_id, g.name) for g in got] == [
+        ("abcd", "ef", "odd"),
+        ("ab" * 16, "", "good"),
+    ]
+    assert got[1].attributes == {"k": 1}
