@@ -27,8 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import msgspec  # noqa: E402
+
 from llmgw.control.metrics import Metrics  # noqa: E402
 from llmgw.core import fleet_metrics, views  # noqa: E402
+from tests.unit import scenarios  # noqa: E402
 from tests.unit.scenarios import Sim, profile  # noqa: E402
 
 
@@ -49,7 +52,10 @@ def main() -> None:
     started = time.perf_counter()
     sim = Sim()
     for i in range(args.nodes):
-        sim.register(f"node-{i:04d}")
+        # Every agent serves its own /metrics, so discovery lists it beside its engines.
+        node = f"node-{i:04d}"
+        reg = scenarios.registered(node, ts=sim.now)
+        sim.append(msgspec.structs.replace(reg, id=sim.eid("reg"), metrics=f"{node}:9191"))
     models = 10
     for m in range(models):
         sim.declare(profile(f"model-{m}", tensor_parallel=8, replicas=args.nodes // models))
@@ -66,7 +72,8 @@ def main() -> None:
     body = metrics.render()
     fleet_lines = [ln for ln in body.decode().splitlines() if ln.startswith("llmgw_fleet_")]
     plans = max(3, args.scrapes // 4)
-    control = ("control-1:9190", "control-1")
+    routers = {f"router-{i}": f"router-{i}:9090" for i in range(8)}
+    control = ("control-1:9190", "control-1", routers)
     rows = [
         (
             "fleet families from the state",
