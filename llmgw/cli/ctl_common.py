@@ -14,7 +14,6 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import nats.errors
@@ -22,9 +21,10 @@ import structlog
 import typer
 
 from llmgw import bus
-from llmgw.core import events, state
-from llmgw.ctl import history, render, settings
-from llmgw.ctl.errors import BadInput, CtlError, Failed
+from llmgw.core import state
+from llmgw.ctl import history, operations, render, settings
+from llmgw.ctl import session as session_
+from llmgw.ctl.errors import BadInput, CtlError
 from llmgw.ctl.session import Session
 
 CONFIG = typer.Option(
@@ -133,10 +133,7 @@ async def current(s: Session, *, progress: bool = True) -> history.Rebuilt:
             bar.close()
 
 
-def require_node(st: state.ClusterState, node: str) -> None:
-    if node not in st.nodes:
-        known = ", ".join(sorted(st.nodes)[:8]) or "none registered yet"
-        raise BadInput(f"unknown node {node!r} (known: {known}): see `llmgw ctl nodes`")
+require_node = operations.require_node  # shared with the console
 
 
 def require_model(st: state.ClusterState, model: str) -> None:
@@ -148,32 +145,4 @@ def require_model(st: state.ClusterState, model: str) -> None:
         )
 
 
-async def publish_checked(
-    s: Session, st: state.ClusterState, items: list[events.Event]
-) -> list[dict[str, Any]]:
-    """Publish operator events, then fold up to them: the fold's refusal is an error too."""
-    results = []
-    for event in items:
-        published = await s.publish(event)
-        results.append(
-            {
-                "seq": published.seq,
-                "type": events.tag_of(type(event)),
-                "operator": s.identity.name,
-                "event": msgspec.to_builtins(event),
-            }
-        )
-    last = max((r["seq"] for r in results), default=0)
-    refused: dict[int, str] = {}
-    async for batch in history.records(s.nc, after_seq=st.last_seq, to_seq=last):
-        for rec in batch:
-            reason = state.apply(st, rec.event, rec.seq, rec.time)
-            if reason is not None:
-                refused[rec.seq] = reason
-    for r in results:
-        if r["seq"] in refused:
-            raise Failed(
-                f"{r['type']} was written at seq {r['seq']} but the fold refused it: "
-                f"{refused[r['seq']]}"
-            )
-    return results
+publish_checked = session_.publish_checked  # shared with the console

@@ -9,6 +9,7 @@ import typer
 
 from llmgw import __version__, schemas
 from llmgw.cli import agent as agent_cli
+from llmgw.cli import console as console_cli
 from llmgw.cli import control as control_cli
 from llmgw.cli import ctl as ctl_cli
 from llmgw.cli import router as router_cli
@@ -74,6 +75,7 @@ app.add_typer(ctl_cli.app, name="ctl")
 app.command("sim")(sim_cli.command)
 app.command("control")(control_cli.command)
 app.command("up")(up_cli.command)
+app.command("console")(console_cli.command)
 
 
 def main() -> None:

@@ -23,13 +23,12 @@ the log (`llmgw ctl`). JSON via msgspec. Used by operators, `llmgw ctl status`,
 
 from __future__ import annotations
 
-import ssl
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 
-from llmgw import listeners, logs
+from llmgw import listeners, logs, operator_https
 from llmgw.core import placement, state, views
 
 if TYPE_CHECKING:
@@ -125,44 +124,8 @@ async def _health(request: web.Request) -> web.Response:
     )
 
 
-def server_tls(cert_file: str, key_file: str, ca_file: str) -> ssl.SSLContext:
-    """HTTPS that requires a client certificate issued by the fleet's CA."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca_file)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert_file, key_file)
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
-def _units(peercert: Any) -> set[str]:
-    """The OU values of a peer certificate as ssl.getpeercert() returns it. Pure."""
-    out: set[str] = set()
-    for rdn in (peercert or {}).get("subject", ()):
-        for key, value in rdn:
-            if key == "organizationalUnitName":
-                out.add(value)
-    return out
-
-
-@web.middleware
-async def _operators_only(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Over HTTPS, only operator certificates: a node's or router's certificate is from
-    the same CA, but reading the whole fleet's state is an operator's business."""
-    transport = request.transport
-    if transport is not None and transport.get_extra_info("sslcontext") is not None:
-        units = _units(transport.get_extra_info("peercert"))
-        if "operator" not in units:
-            return _json(
-                {"error": "this API admits operator certificates only (OU=operator): issue one "
-                 "with `llmgw ctl cert issue operator <name>`"},
-                403,
-            )  # fmt: skip
-    response: web.StreamResponse = await handler(request)
-    return response
-
-
 def build_app(svc: ControlService) -> web.Application:
-    app = web.Application(middlewares=[_operators_only])
+    app = web.Application(middlewares=[operator_https.operators_only])
     app[SERVICE] = svc
     app.router.add_get("/v1/nodes", _nodes)
     app.router.add_get("/v1/replicas", _replicas)
@@ -185,7 +148,11 @@ async def start(svc: ControlService) -> web.AppRunner:
     except OSError:
         await runner.cleanup()
         raise
-    tls = server_tls(cfg.cert_file, cfg.key_file, cfg.ca_file) if cfg.cert_file else None
+    tls = (
+        operator_https.server_tls(cfg.cert_file, cfg.key_file, cfg.ca_file)
+        if cfg.cert_file
+        else None
+    )
     await web.SockSite(runner, sock, ssl_context=tls).start()
     svc.admin_url = listeners.url("https" if tls else "http", sock)
     log.info("admin_listening", url=svc.admin_url)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.core import placement, state
+from llmgw.ctl.errors import BadInput
 
 
 class Move(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,3 +138,10 @@ def drain_progress(
         done=done,
         lines=tuple(lines),
     )
+
+
+def require_node(st: state.ClusterState, node: str) -> None:
+    """BadInput naming the known nodes unless `node` is registered."""
+    if node not in st.nodes:
+        known = ", ".join(sorted(st.nodes)[:8]) or "none registered yet"
+        raise BadInput(f"unknown node {node!r} (known: {known}): see `llmgw ctl nodes`")

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Any
 
+import msgspec
 import nats.errors
 
 from llmgw import bus
-from llmgw.core import events
+from llmgw.core import events, state
+from llmgw.ctl import history
 from llmgw.ctl.errors import BadInput, Failed
 from llmgw.ctl.settings import CtlConfig, identity_of
 from llmgw.pki import tls
@@ -32,7 +35,9 @@ class Session:
         self.js = nc.jetstream()
 
     @classmethod
-    async def open(cls, cfg: CtlConfig) -> Session:
+    async def open(cls, cfg: CtlConfig, *, reconnect_forever: bool = False) -> Session:
+        """Connect as `cfg`'s certificate; a long-running reader (the console) passes
+        `reconnect_forever` to outlive a NATS restart, a command gives up after two tries."""
         identity = identity_of(cfg.cert_file)
         try:
             ctx = tls.client_context(
@@ -61,7 +66,7 @@ class Session:
                     identity=identity,
                     name=f"ctl-{identity.name}",
                     connect_timeout=max(1, int(cfg.connect_timeout_s)),
-                    max_reconnect_attempts=2,
+                    max_reconnect_attempts=-1 if reconnect_forever else 2,
                     keys=keys,
                 ),
                 timeout=2 * cfg.connect_timeout_s,
@@ -98,3 +103,34 @@ class Session:
                     "(`llmgw ctl cert issue operator NAME`)"
                 ) from None
             raise Failed(str(exc)) from None
+
+
+async def publish_checked(
+    s: Session, st: state.ClusterState, items: list[events.Event]
+) -> list[dict[str, Any]]:
+    """Publish operator events, then fold up to them: the fold's refusal is an error too."""
+    results = []
+    for event in items:
+        published = await s.publish(event)
+        results.append(
+            {
+                "seq": published.seq,
+                "type": events.tag_of(type(event)),
+                "operator": s.identity.name,
+                "event": msgspec.to_builtins(event),
+            }
+        )
+    last = max((r["seq"] for r in results), default=0)
+    refused: dict[int, str] = {}
+    async for batch in history.records(s.nc, after_seq=st.last_seq, to_seq=last):
+        for rec in batch:
+            reason = state.apply(st, rec.event, rec.seq, rec.time)
+            if reason is not None:
+                refused[rec.seq] = reason
+    for r in results:
+        if r["seq"] in refused:
+            raise Failed(
+                f"{r['type']} was written at seq {r['seq']} but the fold refused it: "
+                f"{refused[r['seq']]}"
+            )
+    return results

@@ -1,0 +1,115 @@
+"""`llmgw console`: serve the fleet and its history to a browser (llmgw.console).
+
+It connects to the log as `llmgw ctl` does (the same config file and flags; an operator
+certificate, whose identity the page's cordon, uncordon and drain carry), and listens
+on 127.0.0.1 by default. Listening on any other address needs `--tls-cert/--tls-key`:
+HTTPS that admits only operator client certificates of the fleet's CA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import signal
+from pathlib import Path
+
+import typer
+from aiohttp import web
+
+from llmgw import listeners, logs, operator_https
+from llmgw.cli import ctl_common as common
+from llmgw.console.live import LiveFleet
+from llmgw.console.server import build_app
+from llmgw.ctl.errors import BadInput, CtlError
+from llmgw.ctl.session import Session
+
+DEFAULT_PORT = 8300
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _hosts(host: str, port: int) -> set[str]:
+    """The `Host` values a browser sends to this listener."""
+    names = {host, "localhost", "127.0.0.1", "[::1]"} if _loopback(host) else {host}
+    return {f"{n}:{port}" for n in names} | ({f"[{host}]:{port}"} if ":" in host else set())
+
+
+def command(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(DEFAULT_PORT, "--port", help="Port to listen on (0: a free one)."),
+    tls_cert: str | None = typer.Option(
+        None, "--tls-cert", help="Server certificate for HTTPS (needed beyond 127.0.0.1)."
+    ),
+    tls_key: str | None = typer.Option(None, "--tls-key", help="Its key."),
+    config: Path | None = common.CONFIG,
+    server: list[str] | None = common.SERVER,
+    ca: str | None = common.CA,
+    cert: str | None = common.CERT,
+    key: str | None = common.KEY,
+) -> None:
+    """The fleet and its whole history in a browser: the GPUs of every node, live events,
+    a time slider over the log, and cordon / uncordon / drain."""
+    if (tls_cert is None) != (tls_key is None):
+        typer.echo("error: give --tls-cert and --tls-key together", err=True)
+        raise typer.Exit(2)
+    if not _loopback(host) and tls_cert is None:
+        typer.echo(
+            f"error: listening on {host} would show the fleet to anyone who reaches it: give "
+            "--tls-cert and --tls-key (browsers then need an operator certificate of the "
+            "fleet's CA), or keep --host 127.0.0.1 and reach it through an SSH tunnel",
+            err=True,
+        )
+        raise typer.Exit(2)
+    logs.setup("info")
+    conn = common.Conn(config, server, ca, cert, key)
+    try:
+        asyncio.run(_serve(conn, host, port, tls_cert, tls_key))
+    except CtlError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+async def _serve(
+    conn: common.Conn, host: str, port: int, tls_cert: str | None, tls_key: str | None
+) -> None:
+    cfg = conn.load()
+    try:
+        sock = listeners.bind(host, port, setting="--port")
+    except OSError as exc:
+        raise BadInput(str(exc)) from None
+    tls = None
+    if tls_cert is not None and tls_key is not None:
+        try:
+            tls = operator_https.server_tls(tls_cert, tls_key, cfg.ca_file)
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"cannot load {tls_cert} with key {tls_key}: {exc}") from None
+    session = await Session.open(cfg, reconnect_forever=True)
+    live = LiveFleet(session)
+    live.start()
+    bound = sock.getsockname()[1]
+    runner = web.AppRunner(build_app(live, _hosts(host, bound)), access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock, ssl_context=tls).start()
+    url = listeners.url("https" if tls else "http", sock)
+    print(f"llmgw console at {url} as {session.identity}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runner.cleanup(), 5)
+        await live.close()
+        await session.close()

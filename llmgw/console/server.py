@@ -1,0 +1,259 @@
+"""The console's HTTP side: one page and the JSON API it reads (docs/design.md, "The
+console").
+
+- `GET /`: the page (llmgw/console/page.html: plain HTML and JavaScript, no build step);
+- `GET /api/fleet[?at=POINT]`: the fleet now (the live fold), or at POINT (a sequence,
+  or a time as `llmgw ctl replay --at` reads it), rebuilt from the newest snapshot at
+  or before it plus the tail;
+- `GET /api/diff?from=POINT&to=POINT`: what changed between two points;
+- `GET /api/events?node=&model=&replica=&type=&limit=`: the recent events, filtered;
+- `GET /api/timeline?target=NAME`: every event of the whole log that touched a node,
+  replica or model;
+- `GET /api/explain/MODEL[?at=POINT]`: where a replica of MODEL could go, and why not;
+- `GET /api/stream`: server-sent events, one `events` message per batch folded;
+- `POST /api/nodes/NODE/{cordon,uncordon,drain}` (JSON: `reason`, `grace_s`,
+  `dry_run`): the operator events `llmgw ctl` publishes, as the console's identity.
+
+Bad input is a 400 with `{"error": ...}` saying what to do; anything unexpected a 500
+with one line, never a stack trace. A write must carry the header
+`X-Llmgw-Console: 1` with a JSON body (a page of another site cannot send either without
+the browser asking first, which the console never allows), and every request must name
+the console's own address in `Host` (a DNS name an attacker controls, rebound to
+127.0.0.1, does not).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from llmgw import logs, operator_https
+from llmgw.console import views
+from llmgw.console.live import LiveFleet
+from llmgw.core import events, placement
+from llmgw.ctl import changes, eventlines, history, operations
+from llmgw.ctl import session as session_
+from llmgw.ctl.errors import BadInput, CtlError
+
+log = logs.get("llmgw.console")
+
+LIVE: web.AppKey[LiveFleet] = web.AppKey("live")
+HOSTS: web.AppKey[set[str]] = web.AppKey("hosts")
+WRITE_HEADER = "X-Llmgw-Console"
+MAX_GRACE_S = 7 * 86400.0
+_encoder = msgspec.json.Encoder()
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(data), status=status, content_type="application/json")
+
+
+def _error(message: str, status: int) -> web.Response:
+    return _json({"error": message}, status)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Host and write checks first; errors as one JSON line, never a trace."""
+    hosts = request.app[HOSTS]
+    if hosts and request.host not in hosts:
+        return _error(
+            f"this console answers as {', '.join(sorted(hosts))}, not {request.host!r}: open it"
+            " at the address `llmgw console` printed",
+            421,
+        )
+    if request.method not in ("GET", "HEAD") and (
+        request.headers.get(WRITE_HEADER) != "1" or request.content_type != "application/json"
+    ):
+        return _error(f"a change needs the header {WRITE_HEADER}: 1 and a JSON body", 403)
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(
+            f"{exc.reason}: {request.method} {request.path} is not part of the console", exc.status
+        )
+    except CtlError as exc:
+        return _error(str(exc), 400 if isinstance(exc, BadInput) else 502)
+    except (OSError, TimeoutError) as exc:
+        return _error(f"the log cannot be read now ({exc or type(exc).__name__}): retry", 503)
+    except Exception as exc:
+        log.exception("console_request_failed", path=request.path)
+        return _error(f"the console failed on {request.path}: {type(exc).__name__}", 500)
+
+
+def _point(request: web.Request, name: str) -> history.Point | None:
+    text = request.query.get(name, "").strip()
+    if not text:
+        return None
+    return history.parse_point(text, time.time())
+
+
+async def _rebuild(live: LiveFleet, point: history.Point) -> history.Rebuilt:
+    return await history.rebuild(live.session.nc, to_seq=point.seq, at=point.time)
+
+
+async def _page(_: web.Request) -> web.Response:
+    body = resources.files("llmgw.console").joinpath("page.html").read_bytes()
+    return web.Response(body=body, content_type="text/html", charset="utf-8")
+
+
+async def _fleet(request: web.Request) -> web.Response:
+    live = request.app[LIVE]
+    point = _point(request, "at")
+    now = time.time()
+    if point is None:
+        if not live.ready.is_set():
+            return _error("still reading the log: retry in a moment", 503)
+        view = views.fleet(live.state, now, at=live.last_time, live=True, why=None)
+    else:
+        r = await _rebuild(live, point)
+        view = views.fleet(r.state, r.at or now, at=r.at, live=False, why=None)
+        view["rebuilt"] = {"snapshot_seq": r.snapshot_seq, "folded": r.folded,
+                           "elapsed_s": round(r.elapsed_s, 4)}  # fmt: skip
+    try:
+        live.bounds = await history.bounds(live.session.nc)
+    except (CtlError, OSError, TimeoutError):
+        if point is not None or live.bounds is None:
+            raise
+        # NATS is away: the live view is what was folded, the slider what was known.
+    view["bounds"] = views.bounds(live.bounds)
+    view["following"] = live.following
+    return _json(view)
+
+
+async def _diff(request: web.Request) -> web.Response:
+    live = request.app[LIVE]
+    a, b = _point(request, "from"), _point(request, "to")
+    if a is None or b is None:
+        raise BadInput("give both points: /api/diff?from=SEQ-OR-TIME&to=SEQ-OR-TIME")
+    ra, rb = await _rebuild(live, a), await _rebuild(live, b)
+    return _json(views.diff(ra, rb, changes.diff(ra.state, rb.state)))
+
+
+async def _events(request: web.Request) -> web.Response:
+    q = request.query
+    try:
+        limit = max(1, min(int(q.get("limit", "200")), 5000))
+    except ValueError:
+        raise BadInput(f"limit {q.get('limit')!r} is not a number: give 1 to 5000") from None
+    rows = views.matching(
+        request.app[LIVE].recent, node=q.get("node", ""), model=q.get("model", ""),
+        replica=q.get("replica", ""), type_filter=q.get("type", ""),
+    )  # fmt: skip
+    return _json(rows[-limit:])
+
+
+async def _timeline(request: web.Request) -> web.Response:
+    target = request.query.get("target", "").strip()
+    if not target:
+        raise BadInput("name a node, replica or model: /api/timeline?target=NAME")
+    timeline = eventlines.Timeline(target)
+    found: list[dict[str, Any]] = []
+    async for batch in history.records(request.app[LIVE].session.nc):
+        found += [views.event_row(r) for r in batch if timeline.touches(r.event, r.subject)]
+    if not found:
+        raise BadInput(f"no node, replica or model {target!r} in the log")
+    return _json(found)
+
+
+async def _explain(request: web.Request) -> web.Response:
+    live = request.app[LIVE]
+    model = request.match_info["model"]
+    point = _point(request, "at")
+    st = live.state if point is None else (await _rebuild(live, point)).state
+    if model not in st.models:
+        known = ", ".join(sorted(st.models)[:8]) or "none declared"
+        raise BadInput(f"unknown model {model!r} (declared: {known})")
+    e = placement.explain(st, model, time.time())
+    return _json({"model": e.model, "verdict": e.verdict, "text": e.render()})
+
+
+async def _stream(request: web.Request) -> web.StreamResponse:
+    live = request.app[LIVE]
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})  # fmt: skip
+    await response.prepare(request)
+    await response.write(
+        f"event: hello\ndata: {json.dumps({'seq': live.state.last_seq})}\n\n".encode()
+    )
+    async for rows in live.watch():
+        await response.write(b"event: events\ndata: " + _encoder.encode(rows) + b"\n\n")
+    return response
+
+
+async def _node_action(request: web.Request) -> web.Response:
+    live = request.app[LIVE]
+    node, action = request.match_info["node"], request.match_info["action"]
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadInput('the body is not JSON: send {} or {"reason": "..."}') from None
+    if not isinstance(body, dict):
+        raise BadInput("the body must be a JSON object")
+    reason, grace, dry_run = _action_fields(body)
+    s = live.session
+    st = history.copy_state(live.state)
+    operations.require_node(st, node)
+    if action == "drain":
+        moves = views.drain_moves(st, node, time.time())
+        if dry_run:
+            return _json({"node": node, "moves": moves, "published": None})
+    else:
+        moves = []
+    ev = _event(action, s, node, reason, grace)
+    (published,) = await session_.publish_checked(s, st, [ev])
+    log.info("console_action", action=action, node=node, operator=s.identity.name,
+             seq=published["seq"])  # fmt: skip
+    return _json({"node": node, "moves": moves, "published": published})
+
+
+def _action_fields(body: dict[str, Any]) -> tuple[str, float, bool]:
+    reason = body.get("reason", "")
+    grace = body.get("grace_s", 600.0)
+    dry_run = body.get("dry_run", False)
+    if not isinstance(reason, str) or len(reason) > 500:
+        raise BadInput("reason must be text of at most 500 characters")
+    if (
+        isinstance(grace, bool)
+        or not isinstance(grace, (int, float))
+        or not 0 <= grace <= MAX_GRACE_S
+    ):
+        raise BadInput(f"grace_s must be seconds from 0 to {MAX_GRACE_S:.0f}")
+    if not isinstance(dry_run, bool):
+        raise BadInput("dry_run must be true or false")
+    return reason, float(grace), dry_run
+
+
+def _event(action: str, s: session_.Session, node: str, reason: str, grace: float) -> events.Event:
+    ident, ts, who = s.new_id(), s.now(), s.identity.name
+    if action == "cordon":
+        return events.NodeCordoned(id=ident, ts=ts, operator=who, node=node, reason=reason)
+    if action == "uncordon":
+        return events.NodeUncordoned(id=ident, ts=ts, operator=who, node=node)
+    return events.NodeDrainRequested(
+        id=ident, ts=ts, operator=who, node=node, grace_s=grace, reason=reason
+    )
+
+
+def build_app(live: LiveFleet, hosts: set[str]) -> web.Application:
+    app = web.Application(middlewares=[operator_https.operators_only, _guard],
+                          client_max_size=64 * 1024)  # fmt: skip
+    app[LIVE] = live
+    app[HOSTS] = hosts
+    app.router.add_get("/", _page)
+    app.router.add_get("/api/fleet", _fleet)
+    app.router.add_get("/api/diff", _diff)
+    app.router.add_get("/api/events", _events)
+    app.router.add_get("/api/timeline", _timeline)
+    app.router.add_get("/api/explain/{model}", _explain)
+    app.router.add_get("/api/stream", _stream)
+    app.router.add_post("/api/nodes/{node}/{action:cordon|uncordon|drain}", _node_action)
+    return app
