@@ -37,6 +37,7 @@ class LiveFleet:
         self.session = session
         self.state = state.ClusterState()
         self.last_time: float | None = None
+        self.keep = recent
         self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
         self.ready = asyncio.Event()
         self.following = False
@@ -61,10 +62,14 @@ class LiveFleet:
     async def _follow(self) -> None:
         nc = self.session.nc
         if not self.ready.is_set():
-            rebuilt = await history.rebuild(nc)
-            self.state, self.last_time = rebuilt.state, rebuilt.at
+            # Rebuilt to `recent` events before the end, so that the reader folds the last
+            # ones as rows: the page's list starts full, not empty.
+            end = (await history.bounds(nc)).last_seq
+            if end > self.keep:
+                rebuilt = await history.rebuild(nc, to_seq=end - self.keep)
+                self.state, self.last_time = rebuilt.state, rebuilt.at
             self.ready.set()
-            log.info("console_caught_up", seq=self.state.last_seq)
+            log.info("console_rebuilt", seq=self.state.last_seq, end=end)
         attested = await bus.load_attestations(nc, after_seq=self.state.last_seq)
         reader = bus.Reader(nc, after_seq=self.state.last_seq, name="ctl", attestations=attested)
         self.following = True
