@@ -277,10 +277,21 @@ class Lease:
         if self._revision == 0:
             return
         revision, self._revision, self._valid_until = self._revision, 0, 0.0
+        epoch = self.epoch
         try:
             await self._kv.delete(KEY, last=revision)
         except nats.js.errors.APIError as exc:
-            # Someone else holds it already: nothing of ours to release.
-            log.info("lease_release_skipped", holder=self.name, detail=str(exc))
-        else:
-            log.info("lease_released", holder=self.name, epoch=self.epoch)
+            # A renewal cancelled by the shutdown may have been stored after all, its ack
+            # lost: the lease is still ours at a later revision. Someone else's: leave it.
+            found = await self._entry() if exc.err_code == WRONG_LAST_SEQUENCE else None
+            ours = (
+                found is not None
+                and not isinstance(found[1], str)
+                and found[1].holder == self.name
+                and (found[1].epoch or found[0]) == epoch
+            )
+            if found is None or not ours:
+                log.info("lease_release_skipped", holder=self.name, detail=str(exc))
+                return
+            await self._kv.delete(KEY, last=found[0])
+        log.info("lease_released", holder=self.name, epoch=epoch)

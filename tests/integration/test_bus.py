@@ -430,6 +430,30 @@ async def test_two_lease_contenders_one_holds_and_the_other_takes_over(
     assert a.epoch > b.epoch
 
 
+async def test_a_release_after_a_renewal_whose_ack_was_lost_still_frees_the_lease(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """A shutdown can cancel a renewal after the server stored it: the holder then knows
+    an older revision than the stored one. Its release must still free the lease (else a
+    standby waits out the TTL), and must never free one someone else holds."""
+    other = await bus_connect("control", "control-b")
+    a = await bus.Lease.open(provisioned.jetstream(), "control-a", ttl_s=30)
+    b = await bus.Lease.open(other.jetstream(), "control-b", ttl_s=30)
+    assert await a.acquire()
+    known = a._revision
+    await a.renew()  # stored; pretend its ack never arrived
+    a._revision = known
+    await a.release()
+    assert await b.holder() is None
+    assert await b.acquire()
+    # A stale holder releasing does not take the lease from its new holder.
+    a._revision = known
+    await a.release()
+    holder = await a.holder()
+    assert holder is not None
+    assert holder.holder == "control-b"
+
+
 # --------------------------------------------------------------------------- snapshots
 
 
