@@ -41,6 +41,8 @@ class LiveFleet:
         self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
         self.ready = asyncio.Event()
         self.following = False
+        self._end: int | None = None
+        """The log's last sequence when the console started; None before it looked."""
         self.bounds: history.Bounds | None = None
         """What the stream held when last asked (the page's slider while NATS is away)."""
         self._watchers: set[asyncio.Queue[list[dict[str, Any]]]] = set()
@@ -61,24 +63,34 @@ class LiveFleet:
 
     async def _follow(self) -> None:
         nc = self.session.nc
-        if not self.ready.is_set():
+        if self._end is None:
             # Rebuilt to `recent` events before the end, so that the reader folds the last
             # ones as rows: the page's list starts full, not empty.
             end = (await history.bounds(nc)).last_seq
             if end > self.keep:
                 rebuilt = await history.rebuild(nc, to_seq=end - self.keep)
                 self.state, self.last_time = rebuilt.state, rebuilt.at
-            self.ready.set()
+            self._end = end
             log.info("console_rebuilt", seq=self.state.last_seq, end=end)
         attested = await bus.load_attestations(nc, after_seq=self.state.last_seq)
         reader = bus.Reader(nc, after_seq=self.state.last_seq, name="ctl", attestations=attested)
         self.following = True
+        # Ready (the live view served) once the fold reached the end the rebuild saw, or
+        # the reader found nothing more to read (the last records may have expired).
+        waiter = asyncio.create_task(self._ready_when(reader.caught_up))
         try:
             async with reader:
                 async for batch in reader.batches():
                     self._fold(batch)
+                    if self.state.last_seq >= self._end:
+                        self.ready.set()
         finally:
             self.following = False
+            waiter.cancel()
+
+    async def _ready_when(self, caught_up: asyncio.Event) -> None:
+        await caught_up.wait()
+        self.ready.set()
 
     def _fold(self, batch: list[bus.Record]) -> None:
         rows = []

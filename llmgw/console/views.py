@@ -39,10 +39,33 @@ def bounds(b: history.Bounds) -> dict[str, Any]:
     return msgspec.to_builtins(b)  # type: ignore[no-any-return]
 
 
+_PHASES: dict[type[events.Event], str] = {
+    events.NodeRegistered: "registered",
+    events.NodeUnreachable: "unreachable",
+    events.NodeLost: "lost",
+    events.NodeCordoned: "cordoned",
+    events.NodeUncordoned: "uncordoned",
+    events.NodeDrainRequested: "draining",
+    events.ReplicaPlaced: "placed",
+    events.ReplicaRetired: "retired",
+    events.EndpointUp: "up",
+    events.EndpointDown: "down",
+}
+"""The phase a timeline strip shows for an event that changes a node or replica."""
+
+
+def phase_of(ev: events.Event) -> str:
+    """A shard's phase, a node's or replica's lifecycle step, or "" for other events."""
+    if isinstance(ev, events.ShardStatus):
+        return ev.phase
+    return _PHASES.get(type(ev), "")
+
+
 def event_row(rec: bus.Record) -> dict[str, Any]:
     """One record of the log as the event list shows it."""
     ev = rec.event
     return {
+        "phase": phase_of(ev),
         "seq": rec.seq,
         "time": rec.time,
         "type": events.tag_of(type(ev)),

@@ -112,7 +112,7 @@ def bearer(key: str | None) -> Headers:
 
 async def load(
     http: aiohttp.ClientSession, router: Router, key: str | Headers | None, n: int,
-    concurrency: int,
+    concurrency: int, body: dict[str, Any] | None = None,
 ) -> tuple[float, float]:  # fmt: skip
     """(router CPU seconds per request, TTFT p50) over `n` streamed requests.
     `key` is one API key for all of them, or a function giving request i's headers."""
@@ -125,7 +125,7 @@ async def load(
         while sent < n:
             i, sent = sent, sent + 1
             t0 = time.perf_counter()
-            async with http.post(router.url + "/v1/chat/completions", json=BODY,
+            async with http.post(router.url + "/v1/chat/completions", json=body or BODY,
                                  headers=headers(i)) as r:  # fmt: skip
                 if r.status != 200:
                     FAILED[r.status] = FAILED.get(r.status, 0) + 1

@@ -48,6 +48,8 @@ def one_in_100(i: int) -> dict[str, str]:
 async def rounds(args: argparse.Namespace, sims: list[Sim], receiver: Receiver,
                  tmp: Path) -> None:  # fmt: skip
     eps = {f"e{i}": s for i, s in enumerate(sims)}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True,
+            "max_tokens": args.tokens}  # fmt: skip
     targets: dict[str, tuple[str, Headers]] = {
         "tracing off": ("off", none),
         "configured, none sampled": ("on", none),
@@ -61,18 +63,19 @@ async def rounds(args: argparse.Namespace, sims: list[Sim], receiver: Receiver,
             routers = {"off": Router.start(tmp, eps), "on": Router.start(tmp, eps, traces=traces)}
             try:
                 for r in routers.values():
-                    await load(http, r, sampled, 300, args.concurrency)  # warm-up
+                    await load(http, r, sampled, 300, args.concurrency, body=body)  # warm-up
                 order = list(targets.items())
                 order = order[rnd % len(order) :] + order[: rnd % len(order)]
                 for name, (which, headers) in order:
                     results[name].append(
-                        await load(http, routers[which], headers, args.requests, args.concurrency)
-                    )
+                        await load(http, routers[which], headers, args.requests, args.concurrency,
+                                   body=body)
+                    )  # fmt: skip
             finally:
                 for r in routers.values():
                     r.stop()
-    print(f"\n1. router CPU per streamed request, {args.requests} requests at "
-          f"{args.concurrency} concurrent, {args.rounds} rounds (medians; ranges)")  # fmt: skip
+    shape = f"{args.requests} requests at {args.concurrency} concurrent, {args.rounds} rounds"
+    print(f"\n1. router CPU per streamed request of {args.tokens} tokens, {shape} (medians)")
     base = statistics.median(c for c, _ in results["tracing off"])
     print(f"  {'target':<26} {'CPU/request':>12} {'vs off':>8} {'TTFT p50':>10}")
     for name, rows in results.items():
@@ -122,12 +125,14 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per answer (16: the worst case)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.rounds = 300, 1
     receiver = Receiver()
-    sims = [Sim.start("m", "--eos-min-tokens", "16", "--eos-max-tokens", "16") for _ in range(3)]
+    n = str(args.tokens)
+    sims = [Sim.start("m", "--eos-min-tokens", n, "--eos-max-tokens", n) for _ in range(3)]
     try:
         with tempfile.TemporaryDirectory() as tmp:
             await rounds(args, sims, receiver, Path(tmp))

@@ -154,6 +154,13 @@ async def test_a_drain_from_the_page_the_live_grid_the_slider_and_the_diff(
         assert old_node in diff
         assert new_node in diff
 
+        # The drained node's timeline: a strip of its steps, the drain among them.
+        _click(d, f'.node[data-node="{old_node}"] a.ref')
+        await _until(d, lambda: "draining" in _texts(d, "#timeline .step"), 30,
+                     f"{old_node}'s timeline strip")  # fmt: skip
+        steps = _texts(d, "#timeline .step")
+        assert steps[0] == "registered"
+
         # A point beyond the log: a message on the page, the grid unchanged.
         goto.clear()
         goto.send_keys(str(after + 100_000))

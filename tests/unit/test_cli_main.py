@@ -41,7 +41,7 @@ def test_bash_completion_completes_commands() -> None:
         timeout=60,
         check=False,
     )
-    assert set(out.stdout.split()) == {"ctl", "control"}, (out.stdout, out.stderr)
+    assert set(out.stdout.split()) == {"console", "ctl", "control"}, (out.stdout, out.stderr)
 
 
 def test_show_completion_prints_a_script_for_the_shell() -> None:
