@@ -30,6 +30,17 @@ def peer_units(peercert: Any) -> set[str]:
     return out
 
 
+def peer_name(request: web.Request) -> str:
+    """The CN of the request's client certificate ("" without one: plain HTTP)."""
+    transport = request.transport
+    cert = transport.get_extra_info("peercert") if transport is not None else None
+    for rdn in (cert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return ""
+
+
 @web.middleware
 async def operators_only(request: web.Request, handler: Any) -> web.StreamResponse:
     """Over HTTPS, only operator certificates: a node's or router's certificate is from

@@ -19,8 +19,9 @@ from typing import Any
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
+from llmgw.bus import attestations as bus_attestations
 from llmgw.console import views
-from llmgw.core import state
+from llmgw.core import attestation, state
 from llmgw.ctl import history
 from llmgw.ctl.session import Session
 
@@ -41,6 +42,8 @@ class LiveFleet:
         self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
         self.ready = asyncio.Event()
         self.following = False
+        self.attested: attestation.Attestations | None = None
+        """The log's attestations (the leader's digests): a point is checked by them."""
         self._end: int | None = None
         """The log's last sequence when the console started; None before it looked."""
         self.bounds: history.Bounds | None = None
@@ -72,8 +75,12 @@ class LiveFleet:
                 self.state, self.last_time = rebuilt.state, rebuilt.at
             self._end = end
             log.info("console_rebuilt", seq=self.state.last_seq, end=end)
-        attested = await bus.load_attestations(nc, after_seq=self.state.last_seq)
-        reader = bus.Reader(nc, after_seq=self.state.last_seq, name="ctl", attestations=attested)
+        if self.attested is None:
+            # Kept for every point the page asks for (each would read them all again),
+            # and extended with those the leader writes from now on.
+            self.attested = await bus.load_attestations(nc)
+        reader = bus.Reader(nc, after_seq=self.state.last_seq, name="ctl",
+                            attestations=self.attested)  # fmt: skip
         self.following = True
         # Ready (the live view served) once the fold reached the end the rebuild saw, or
         # the reader found nothing more to read (the last records may have expired).
@@ -102,6 +109,8 @@ class LiveFleet:
             rows.append(views.event_row(rec))
         if not rows:
             return
+        if self.attested is not None:
+            bus_attestations.add(self.attested, batch, after_seq=0)
         self.recent.extend(rows)
         for q in self._watchers:
             if q.full():

@@ -97,7 +97,8 @@ def _point(request: web.Request, name: str) -> history.Point | None:
 
 
 async def _rebuild(live: LiveFleet, point: history.Point) -> history.Rebuilt:
-    return await history.rebuild(live.session.nc, to_seq=point.seq, at=point.time)
+    return await history.rebuild(live.session.nc, to_seq=point.seq, at=point.time,
+                                 attested=live.attested)  # fmt: skip
 
 
 async def _page(_: web.Request) -> web.Response:
@@ -200,6 +201,11 @@ async def _node_action(request: web.Request) -> web.Response:
         raise BadInput("the body must be a JSON object")
     reason, grace, dry_run = _action_fields(body)
     s = live.session
+    user = operator_https.peer_name(request)
+    if user and user != s.identity.name:
+        # The event carries the console's identity (NATS allows it no other); the person
+        # whose certificate asked is recorded in the log with it.
+        reason = f"{reason} (by {user} through the console)".strip()
     st = history.copy_state(live.state)
     operations.require_node(st, node)
     if action == "drain":
@@ -211,7 +217,7 @@ async def _node_action(request: web.Request) -> web.Response:
     ev = _event(action, s, node, reason, grace)
     (published,) = await session_.publish_checked(s, st, [ev])
     log.info("console_action", action=action, node=node, operator=s.identity.name,
-             seq=published["seq"])  # fmt: skip
+             user=user, seq=published["seq"])  # fmt: skip
     return _json({"node": node, "moves": moves, "published": published})
 
 

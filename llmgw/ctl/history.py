@@ -26,7 +26,7 @@ import nats.errors
 import nats.js.errors
 
 from llmgw import bus
-from llmgw.core import state, subjects
+from llmgw.core import attestation, state, subjects
 from llmgw.ctl.errors import BadInput, Failed
 
 _API = "$JS.API"
@@ -313,8 +313,11 @@ async def rebuild(
     at: float | None = None,
     use_snapshots: bool = True,
     progress: Progress | None = None,
+    attested: attestation.Attestations | None = None,
 ) -> Rebuilt:
-    """The cluster state at `to_seq`, at time `at`, or now; BadInput for a point outside the log."""
+    """The cluster state at `to_seq`, at time `at`, or now; BadInput for a point outside the log.
+    `attested`: the log's attestations, when the caller keeps them (the console): read
+    from the log otherwise, every time."""
     started = time.perf_counter()
     b = await bounds(nc)
     if to_seq is not None and at is not None:
@@ -327,7 +330,7 @@ async def rebuild(
             start_seq, st = snap
     tail = _Tail()
     if target > start_seq:
-        await _fold_tail(nc, st, tail, start_seq, target, at, progress)
+        await _fold_tail(nc, st, tail, start_seq, target, at, progress, attested)
     return Rebuilt(
         state=st,
         target_seq=st.last_seq,
@@ -382,12 +385,14 @@ async def _fold_tail(
     target: int,
     at: float | None,
     progress: Progress | None,
+    attested: attestation.Attestations | None = None,
 ) -> None:
     """Fold into `st` the records after `start_seq` up to `target` (and time `at`)."""
     total = max(0, target - start_seq)
     apply = state.apply
     # What the leader attested is checked by digest, the rest by signature.
-    attested = await bus.load_attestations(nc, after_seq=start_seq)
+    if attested is None:
+        attested = await bus.load_attestations(nc, after_seq=start_seq)
     reader = bus.Reader(
         nc,
         after_seq=start_seq,
