@@ -1,4 +1,4 @@
-"""`llmgw console`: serve the fleet and its history to a browser (llmgw.console).
+"""`llmgw console`: serve the fleet and its history to a browser (llmgw.ctl.console).
 
 It connects to the log as `llmgw ctl` does (the same config file and flags; an operator
 certificate, whose identity the page's cordon, uncordon and drain carry), and listens
@@ -19,8 +19,8 @@ from aiohttp import web
 
 from llmgw import listeners, logs, operator_https
 from llmgw.cli import ctl_common as common
-from llmgw.console.live import LiveFleet
-from llmgw.console.server import build_app
+from llmgw.ctl.console.live import LiveFleet
+from llmgw.ctl.console.server import build_app
 from llmgw.ctl.errors import BadInput, CtlError
 from llmgw.ctl.session import Session
 

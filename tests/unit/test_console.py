@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.console import server, views
+from llmgw.ctl.console import server, views
 from llmgw.ctl.errors import BadInput
 
 names = st.sampled_from(["node-a", "node-b", "r1", "r2", "m1", "m2", ""])

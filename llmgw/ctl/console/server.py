@@ -1,7 +1,7 @@
 """The console's HTTP side: one page and the JSON API it reads (docs/design.md, "The
 console").
 
-- `GET /`: the page (llmgw/console/page.html: plain HTML and JavaScript, no build step);
+- `GET /`: the page (llmgw/ctl/console/page.html: plain HTML and JavaScript, no build step);
 - `GET /api/fleet[?at=POINT]`: the fleet now (the live fold), or at POINT (a sequence,
   or a time as `llmgw ctl replay --at` reads it), rebuilt from the newest snapshot at
   or before it plus the tail;
@@ -33,14 +33,14 @@ import msgspec
 from aiohttp import web
 
 from llmgw import logs, operator_https
-from llmgw.console import views
-from llmgw.console.live import LiveFleet
 from llmgw.core import events, placement
 from llmgw.ctl import changes, eventlines, history, operations
 from llmgw.ctl import session as session_
+from llmgw.ctl.console import views
+from llmgw.ctl.console.live import LiveFleet
 from llmgw.ctl.errors import BadInput, CtlError
 
-log = logs.get("llmgw.console")
+log = logs.get("llmgw.ctl.console")
 
 LIVE: web.AppKey[LiveFleet] = web.AppKey("live")
 HOSTS: web.AppKey[set[str]] = web.AppKey("hosts")
@@ -102,7 +102,7 @@ async def _rebuild(live: LiveFleet, point: history.Point) -> history.Rebuilt:
 
 
 async def _page(_: web.Request) -> web.Response:
-    body = resources.files("llmgw.console").joinpath("page.html").read_bytes()
+    body = resources.files("llmgw.ctl.console").joinpath("page.html").read_bytes()
     return web.Response(body=body, content_type="text/html", charset="utf-8")
 
 

@@ -20,12 +20,12 @@ from typing import Any
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
 from llmgw.bus import attestations as bus_attestations
-from llmgw.console import views
 from llmgw.core import attestation, state
 from llmgw.ctl import history
+from llmgw.ctl.console import views
 from llmgw.ctl.session import Session
 
-log = logs.get("llmgw.console")
+log = logs.get("llmgw.ctl.console")
 
 RECENT = 5_000
 """Event rows kept for the page's list (older ones: the slider and the timeline)."""
