@@ -223,17 +223,17 @@ class Dispatcher:
     async def _wait_for_room(self, profile: ModelProfile, state: ClientStream) -> Refusal | None:
         """Hold a request while its model is at zero replicas (until one serves), queue it
         while every endpoint is full (llmgw.router.queueing); the refusal when it gives up."""
-        t0 = time.monotonic()
+        waited = 0.0  # when the wait began; the common path reads no clock
         refused: Refusal | None = None
         if profile.autoscale is not None and self.holds.needed(profile):
+            waited = time.monotonic()
             refused = await self.holds.wait(profile)
         if refused is None and self.queues.needed(profile):
+            waited = waited or time.monotonic()
             deadline = state.start + profile.deadlines.total_s
             refused = await self.queues.wait(profile, state.principal, deadline)
-        elif refused is None:
-            return None  # no wait: the common path
-        if state.trace is not None:
-            state.trace.queue = (t0, time.monotonic())
+        if waited and state.trace is not None:
+            state.trace.queue = (waited, time.monotonic())
         return refused
 
     def _cache_plan(

@@ -107,8 +107,7 @@ def diff(a: history.Rebuilt, b: history.Rebuilt, found: list[Change]) -> dict[st
 
 
 def drain_moves(st: state.ClusterState, node: str, now: float) -> list[dict[str, Any]]:
-    """What a drain of `node` would move where (`llmgw ctl drain --dry-run`)."""
-    operations.require_node(st, node)
+    """What a drain of `node` (a registered node) would move where (`drain --dry-run`)."""
     return [
         {**msgspec.to_builtins(m), "text": m.render()} for m in operations.drain_plan(st, node, now)
     ]
