@@ -173,7 +173,8 @@ async def test_a_key_limited_to_20_per_s_gets_20_per_s_through_three_routers(
     for r in routers:
         await wait_for(lambda r=r: accepted(r, key), 10, "the key on every router")
     await asyncio.sleep(1.1)  # the warm-up requests' window is over
-    ok: dict[int, int] = {}
+    answered: dict[int, int] = {}  # by the second the answer came
+    spans: list[tuple[float, float]] = []  # each admitted request: sent, answered
     refusals: list[aiohttp.ClientResponse] = []
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
@@ -183,23 +184,34 @@ async def test_a_key_limited_to_20_per_s_gets_20_per_s_through_three_routers(
 
     async def hammer(session: aiohttp.ClientSession, router: Router) -> None:
         while time.time() < end:
+            sent = time.time()
             async with session.post(router.url + "/v1/chat/completions", json=body,
                                     headers=headers) as resp:  # fmt: skip
                 await resp.read()
-                # Counted by when the answer came: a window's requests are admitted at its
-                # start (the key is over its limit the rest of it), so an answer is
-                # never counted in the window after its admission's.
                 done = time.time()
-                if resp.status == 200 and start <= done < end:
-                    ok[int(done)] = ok.get(int(done), 0) + 1
+                if resp.status == 200:
+                    spans.append((sent, done))
+                    if start <= done < end:
+                        answered[int(done)] = answered.get(int(done), 0) + 1
                 elif resp.status == 429 and len(refusals) < 5:
                     refusals.append(resp)
 
     await asyncio.sleep(max(0.0, start - 0.5 - time.time()))
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(hammer(session, r) for r in routers for _ in range(4)))
-    total = sum(ok.values())
-    assert 20 * seconds * 0.9 <= total <= 20 * seconds * 1.1, ok
+    # A request was admitted somewhere between its sending and its answer, so only what
+    # those bound is certain on a loaded machine: the requests sent and answered inside one
+    # window were admitted in it, and never more than the limit.
+    inside: dict[int, int] = {}
+    for sent, done in spans:
+        if start <= sent and done < end and int(sent) == int(done):
+            inside[int(sent)] = inside.get(int(sent), 0) + 1
+    assert all(n <= 20 for n in inside.values()), (inside, answered)
+    within = sum(1 for sent, done in spans if start <= sent and done < end)
+    assert within <= 20 * seconds, (within, answered)
+    # Every window admitted its 20: the limit is not a refusal of more than it says.
+    total = sum(answered.values())
+    assert total >= 20 * seconds * 0.9, answered
     assert refusals, "the key was never refused: the limit did not hold"
     h = refusals[0].headers
     assert int(h["Retry-After"]) >= 1
