@@ -15,6 +15,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import aiohttp
 
@@ -85,7 +86,7 @@ _T1, _T2, _T4, _T5, _T9, _T15 = (_tag(f, _LEN) for f in (1, 2, 4, 5, 9, 15))
 _KIND, _START, _END = _tag(6, _VARINT), _tag(7, _I64), _tag(8, _I64)
 _BOOL, _INT, _DOUBLE = _tag(2, _VARINT), _tag(3, _VARINT), _tag(4, _I64)
 _ERROR = _tag(3, _VARINT) + _varint(2)  # Status.code STATUS_CODE_ERROR
-_U64, _F64 = struct.Struct("<Q"), struct.Struct("<d")
+_F64 = struct.Struct("<d")
 
 
 def _any_value(v: Attribute) -> bytes:
@@ -101,14 +102,54 @@ def _any_value(v: Attribute) -> bytes:
 
 _KEYS: dict[str, bytes] = {}
 """Attribute keys as KeyValue's encoded `key` field: the same dozen names on every span."""
+_CACHE_BOUND = 4096
+"""How many repeated fields (keys, names, attributes) are kept encoded: their values
+come from the code and from requests (a model's name), so the memory is bounded and an
+unusual value is simply encoded again."""
 
 
 def _key(k: str) -> bytes:
     found = _KEYS.get(k)
     if found is None:
         found = _bytes(_T1, _utf8(k))
-        if len(_KEYS) < 1024:  # keys are the code's own names; bounded all the same
+        if len(_KEYS) < _CACHE_BOUND:
             _KEYS[k] = found
+    return found
+
+
+def attribute(key: str, value: Attribute) -> bytes:
+    """One KeyValue{key 1, value 2} as a field of Span.attributes (9)."""
+    return _bytes(_T9, _key(key) + _bytes(_T2, _any_value(value)))
+
+
+_ATTRIBUTES: dict[tuple[str, type, Attribute], bytes] = {}
+
+
+def repeated_attribute(key: str, value: Attribute) -> bytes:
+    """`attribute`, kept encoded: for values many spans share (a model, an endpoint, a
+    status code)."""
+    cached = (key, type(value), value)  # True == 1 == 1.0, but each encodes apart
+    found = _ATTRIBUTES.get(cached)
+    if found is None:
+        found = attribute(key, value)
+        if len(_ATTRIBUTES) < _CACHE_BOUND:
+            _ATTRIBUTES[cached] = found
+    return found
+
+
+_BLOCKS: dict[tuple[tuple[str, Attribute], ...], bytes] = {}
+
+
+def repeated_attributes(items: tuple[tuple[str, Attribute], ...]) -> bytes:
+    """`attribute`s of values that recur together (a request's model, operation and status;
+    an attempt's endpoint), kept encoded as one block."""
+    found = _BLOCKS.get(items)
+    if found is None:
+        found = b"".join(repeated_attribute(k, v) for k, v in items)
+        # Keyed by value, and True == 1: only blocks of str and int values (never bool
+        # or float) are kept, so one never stands for another.
+        if len(_BLOCKS) < _CACHE_BOUND and all(type(v) in (str, int) for _, v in items):
+            _BLOCKS[items] = found
     return found
 
 
@@ -129,36 +170,124 @@ def _id(prefix: bytes, size: int, hex_id: str) -> bytes:
     return prefix + raw if len(raw) == size else _bytes(prefix[:1], raw)
 
 
-def _span(s: Span) -> bytes:
-    """A Span: trace_id 1, span_id 2, parent_span_id 4, name 5, kind 6, start 7, end 8,
-    attributes 9, status 15 (Status{message 2, code 3}; code 2 is ERROR)."""
-    return b"".join(
+def trace_id_field(hex_id: str) -> bytes:
+    return _id(_TRACE_ID, 16, hex_id)
+
+
+def span_id_field(hex_id: str) -> bytes:
+    return _id(_SPAN_ID, 8, hex_id)
+
+
+def parent_id_field(hex_id: str) -> bytes:
+    """The parent_span_id field, absent (empty) for a root."""
+    return _id(_PARENT_ID, 8, hex_id) if hex_id else b""
+
+
+_NAMED: dict[tuple[str, int], bytes] = {}
+
+
+def named(name: str, kind: int) -> bytes:
+    """A span's name (5) and kind (6) fields, kept encoded for names that repeat."""
+    found = _NAMED.get((name, kind))
+    if found is None:
+        found = _bytes(_T5, _utf8(name)) + _KIND + _varint(kind)
+        if len(_NAMED) < _CACHE_BOUND:
+            _NAMED[(name, kind)] = found
+    return found
+
+
+_TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano 7 and end 8, fixed64 each
+_START_TAG, _END_TAG = _START[0], _END[0]
+
+
+def span_field(
+    ids: bytes, name_kind: bytes, start_ns: int, end_ns: int, attributes: bytes = b"",
+    error: str = "",
+) -> bytes:  # fmt: skip
+    """One Span as a field of ScopeSpans.spans (2), from its parts already encoded: `ids`
+    (its trace_id 1, span_id 2 and parent_span_id 4 fields, in any order: a parser takes
+    fields in any order, so what a request's spans share is encoded once by the caller),
+    `named` (name 5, kind 6), then start 7, end 8, `attribute`s (9) and the status 15
+    (Status{message 2, code 3}; code 2 is ERROR)."""
+    body = b"".join(
         (
-            _id(_TRACE_ID, 16, s.trace_id),
-            _id(_SPAN_ID, 8, s.span_id),
-            _id(_PARENT_ID, 8, s.parent_id) if s.parent_id else b"",
-            _bytes(_T5, _utf8(s.name)),
-            _KIND + _varint(s.kind),
-            _START + _U64.pack(s.start_ns),
-            _END + _U64.pack(s.end_ns),
-            _key_values(_T9, s.attributes.items()) if s.attributes else b"",
-            _bytes(_T15, _bytes(_T2, _utf8(s.error)) + _ERROR) if s.error else b"",
+            ids,
+            name_kind,
+            _TIMES.pack(_START_TAG, start_ns, _END_TAG, end_ns),
+            attributes,
+            _bytes(_T15, _bytes(_T2, _utf8(error)) + _ERROR) if error else b"",
         )
+    )
+    return _bytes(_T2, body)
+
+
+_ID_TIMES = struct.Struct("<BB8sBQBQ")  # span_id 2 (8 bytes), start 7, end 8
+
+
+class PlainSpans:
+    """Spans of one name and kind without attributes or status, many of them: only their
+    span id and times differ once a trace's shared fields are encoded."""
+
+    __slots__ = ("fixed", "name_kind")
+
+    def __init__(self, name: str, kind: int) -> None:
+        self.name_kind = named(name, kind)
+        self.fixed = len(self.name_kind) + _ID_TIMES.size
+
+    def field(self, shared: bytes, span_id: bytes, start_ns: int, end_ns: int) -> bytes:
+        """The span of 8 raw bytes `span_id` (the caller's, never all zeros); `shared` is
+        its trace_id and parent_span_id fields."""
+        n = len(shared) + self.fixed
+        return b"".join(
+            (
+                _T2,
+                _ONE_BYTE[n] if n < 128 else _varint(n),
+                shared,
+                self.name_kind,
+                _ID_TIMES.pack(_SPAN_ID[0], 8, span_id, _START_TAG, start_ns, _END_TAG, end_ns),
+            )
+        )
+
+
+def _span(s: Span) -> bytes:
+    return span_field(
+        trace_id_field(s.trace_id) + span_id_field(s.span_id) + parent_id_field(s.parent_id),
+        _bytes(_T5, _utf8(s.name)) + _KIND + _varint(s.kind),
+        s.start_ns,
+        s.end_ns,
+        _key_values(_T9, s.attributes.items()) if s.attributes else b"",
+        s.error,
     )
 
 
 def encode(spans: Sequence[Span], service_name: str) -> bytes:
-    """An ExportTraceServiceRequest holding `spans` of one service, serialized:
+    """An ExportTraceServiceRequest holding `spans` of one service, serialized."""
+    return encode_fields(b"".join(_span(s) for s in spans), service_name)
+
+
+def encode_fields(spans: bytes, service_name: str) -> bytes:
+    """An ExportTraceServiceRequest around spans already encoded (`span_field`s):
     resource_spans 1 → ResourceSpans{resource 1 (Resource{attributes 1}), scope_spans 2}
     → ScopeSpans{scope 1 (InstrumentationScope{name 1, version 2}), spans 2}."""
     resource = _key_values(_T1, [("service.name", service_name)])
     scope = _bytes(_T1, _utf8(SCOPE)) + _bytes(_T2, _utf8(__version__))
-    scope_spans = _bytes(_T1, scope) + b"".join(_bytes(_T2, _span(s)) for s in spans)
+    scope_spans = _bytes(_T1, scope) + spans
     return _bytes(_T1, _bytes(_T1, resource) + _bytes(_T2, scope_spans))
 
 
+class Later(Protocol):
+    """Spans the exporter's task encodes (a router's request, from its clock readings): the
+    request's path only notes them, and a batch is encoded in one go, where the encoder's
+    code and data stay in the processor's caches."""
+
+    def encode_spans(self, offset_ns: int) -> bytes:
+        """The spans as `span_field`s; `offset_ns` is the Unix time of time.monotonic's
+        zero, in nanoseconds."""
+        ...
+
+
 class Exporter:
-    """A bounded buffer of finished spans and the task that posts them."""
+    """A bounded buffer of finished spans, kept encoded, and the task that posts them."""
 
     def __init__(
         self,
@@ -166,7 +295,7 @@ class Exporter:
         service_name: str,
         *,
         max_spans: int = 8192,
-        batch: int = 512,
+        batch: int = 2048,
         interval_s: float = 1.0,
         timeout_s: float = 5.0,
     ) -> None:
@@ -176,22 +305,30 @@ class Exporter:
         self.batch = batch
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.buffer: deque[Span] = deque()
+        self.buffer: deque[tuple[bytes | Later, int]] = deque()
+        """Spans (encoded `span_field`s, or to encode) and how many, a request's (or one
+        call's) at a time."""
+        self.buffered = 0
+        """Spans in the buffer."""
         self.exported = 0
         self.dropped = 0
         self._said_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    def add(self, spans: Iterable[Span]) -> None:
-        """Queue `spans` for export; beyond the buffer's bound they are dropped (counted)."""
-        room = self.max_spans - len(self.buffer)
-        for s in spans:
-            if room <= 0:
-                self.dropped += 1
-                continue
-            self.buffer.append(s)
-            room -= 1
+    def add(self, spans: Sequence[Span]) -> None:
+        """Queue `spans` for export (see `add_encoded`)."""
+        self.put(b"".join(_span(s) for s in spans), len(spans))
+
+    def put(self, spans: bytes | Later, count: int) -> None:
+        """Queue `count` spans, encoded as `span_field`s or to encode, all or none: beyond
+        the buffer's bound they are dropped (counted), so a trace is never exported in
+        part."""
+        if self.buffered + count > self.max_spans:
+            self.dropped += count
+            return
+        self.buffer.append((spans, count))
+        self.buffered += count
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -204,9 +341,20 @@ class Exporter:
     async def flush(self) -> None:
         """Post everything buffered now, a batch at a time; a failed batch is dropped."""
         while self.buffer:
-            n = min(self.batch, len(self.buffer))
-            batch = [self.buffer.popleft() for _ in range(n)]
-            problem = await self._post(encode(batch, self.service_name))
+            parts, n = [], 0
+            offset_ns = time.time_ns() - time.monotonic_ns()
+            while self.buffer and n < self.batch:
+                spans, count = self.buffer.popleft()
+                self.buffered -= count
+                encoded = spans if isinstance(spans, bytes) else self._encoded(spans, offset_ns)
+                if encoded is None:
+                    self.dropped += count
+                    continue
+                parts.append(encoded)
+                n += count
+            if not parts:
+                continue
+            problem = await self._post(encode_fields(b"".join(parts), self.service_name))
             if problem is None:
                 self.exported += n
                 continue
@@ -217,6 +365,13 @@ class Exporter:
                 log.warning("traces_not_exported", url=self.url, error=problem,
                             dropped=self.dropped)  # fmt: skip
             return  # the collector is failing: try again at the next interval
+
+    def _encoded(self, spans: Later, offset_ns: int) -> bytes | None:
+        try:
+            return spans.encode_spans(offset_ns)
+        except Exception:  # a bug in one request's spans must not end the export of all
+            log.exception("spans_not_encoded")
+            return None
 
     async def _post(self, body: bytes) -> str | None:
         if self._session is None:

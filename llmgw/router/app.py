@@ -354,7 +354,7 @@ class Router:
                 t_in, t_out = outcome.tokens
                 self.tracer.finish(trace, start + took, kind=kind, model=asked, status=status,
                                    tokens_in=t_in, tokens_out=t_out)  # fmt: skip
-            if bound:
+            if bound is not None:
                 tracing.unbind_logs(bound)
 
     async def _serve(

@@ -14,24 +14,20 @@ The root carries OpenTelemetry's GenAI attributes (`gen_ai.operation.name`,
 `gen_ai.request.model`, `gen_ai.response.model`, `gen_ai.usage.input_tokens`,
 `gen_ai.usage.output_tokens`) beside `http.response.status_code` and
 `llmgw.request_id`. The request path only notes monotonic clock readings in a
-`RequestTrace`; the spans are built once, when the request is done, and handed to the
-exporter (llmgw.otlp), which posts them in the background. A router without `traces`
-has no Tracer, and each request pays one `is None` check.
+`RequestTrace`; the spans are encoded once, straight from them, when the request is
+done, and handed to the exporter (llmgw.otlp), which posts them in the background. A
+router without `traces` has no Tracer, and each request pays one `is None` check.
 """
 
 from __future__ import annotations
 
 import contextvars
 import random
-import time
 from collections.abc import Mapping
-from typing import Any
 
-import structlog
-
-from llmgw import otlp
+from llmgw import logs, otlp
 from llmgw.core import tracing
-from llmgw.core.tracing import SPAN_CLIENT, SPAN_INTERNAL, SPAN_SERVER, Span
+from llmgw.core.tracing import SPAN_CLIENT, SPAN_INTERNAL, SPAN_SERVER
 from llmgw.router import tracecontext
 from llmgw.router.config import TracesConfig
 
@@ -56,51 +52,52 @@ class Tracer:
         value = headers.get("traceparent")
         parent = tracing.parse_traceparent(value) if value is not None else None
         bits = self._rng.getrandbits
-        trace_id = parent.trace_id if parent is not None else tracing.trace_id_of(bits(128))
-        if not tracing.sampled(parent, trace_id, self.ratio):
+        if parent is None:
+            # The ratio decides: the id is written out only for a trace that is recorded.
+            if self.ratio <= 0.0:
+                return None
+            draw = bits(128)
+            if not tracing.draw_sampled(draw, self.ratio):
+                return None
+            trace_id, parent_id, state = tracing.trace_id_of(draw), "", ""
+        elif not parent.sampled:
             return None
-        state = tracecontext.tracestate(headers) if parent is not None else ""
-        return RequestTrace(
-            trace_id,
-            parent.span_id if parent is not None else "",
-            tracing.span_id_of(bits(64)),
-            rid,
-            start,
-            state,
-            self._rng,
-        )
+        else:
+            trace_id, parent_id = parent.trace_id, parent.span_id
+            state = tracecontext.tracestate(headers)
+        span_id = tracing.span_id_of(bits(64))
+        return RequestTrace(trace_id, parent_id, span_id, rid, start, state, self._rng)
 
     def finish(
         self, trace: RequestTrace, end: float, *, kind: str, model: str, status: int,
         tokens_in: int, tokens_out: int,
     ) -> None:  # fmt: skip
         """The request ended at `end`: its spans go to the exporter."""
-        self.exporter.add(trace.spans(end, kind=kind, model=model, status=status,
-                                      tokens_in=tokens_in, tokens_out=tokens_out))  # fmt: skip
+        count = trace.ended(end, kind=kind, model=model, status=status, tokens_in=tokens_in,
+                            tokens_out=tokens_out)  # fmt: skip
+        self.exporter.put(trace, count)
 
 
 def bind_logs(
     trace: RequestTrace | None, headers: Mapping[str, str]
-) -> Mapping[str, contextvars.Token[Any]]:
-    """Put the request's trace id (and span) in every log line it makes (llmgw.logs merges
-    the context's variables); a client's valid trace id too when the router does not
-    record the trace. The tokens to unbind with, empty when nothing was bound."""
+) -> contextvars.Token[tuple[str, str]] | None:
+    """Put the request's trace id (and span) in every log line it makes (llmgw.logs.TRACE);
+    a client's valid trace id too when the router does not record the trace. The token to
+    unbind with, None when nothing was bound."""
     if trace is not None:
-        return structlog.contextvars.bind_contextvars(
-            trace_id=trace.trace_id, span_id=trace.root_id
-        )
+        return logs.TRACE.set((trace.trace_id, trace.root_id))
     value = headers.get("traceparent")
     if value is None:
-        return {}
+        return None
     parent = tracing.parse_traceparent(value)
     if parent is None:
-        return {}
-    return structlog.contextvars.bind_contextvars(trace_id=parent.trace_id)
+        return None
+    return logs.TRACE.set((parent.trace_id, ""))
 
 
-def unbind_logs(tokens: Mapping[str, contextvars.Token[Any]]) -> None:
+def unbind_logs(token: contextvars.Token[tuple[str, str]]) -> None:
     """Undo `bind_logs`: the connection's next request starts without them."""
-    structlog.contextvars.reset_contextvars(**tokens)
+    logs.TRACE.reset(token)
 
 
 class _Attempt:
@@ -117,11 +114,13 @@ class _Attempt:
 
 
 class RequestTrace:
-    """A recorded request's clock readings (time.monotonic), turned into spans at its end."""
+    """A recorded request's clock readings (time.monotonic), turned into spans after its
+    end, by the exporter's task (`encode_spans`)."""
 
     __slots__ = (
-        "admitted", "attempts", "first_token", "offset_ns", "parent_id", "queue", "rid",
-        "rng", "root_id", "start", "trace_id", "tracestate",
+        "admitted", "answered", "attempts", "end", "first_token", "kind", "model",
+        "parent_id", "queue", "rid", "rng", "root_id", "start", "status", "tokens", "trace_id",
+        "tracestate",
     )  # fmt: skip
 
     def __init__(
@@ -135,12 +134,16 @@ class RequestTrace:
         self.start = start
         self.tracestate = tracestate
         self.rng = rng
-        # Unix time of a monotonic reading: spans are exported in wall-clock nanoseconds.
-        self.offset_ns = time.time_ns() - time.monotonic_ns()
         self.admitted = 0.0
         self.queue: tuple[float, float] | None = None
         self.attempts: list[_Attempt] = []
         self.first_token = 0.0
+        self.end = 0.0
+        self.kind = self.model = ""
+        self.status = 0
+        self.tokens = (0, 0)
+        self.answered: _Attempt | None = None
+        """The attempt that answered, once the request ended."""
 
     def attempt_begin(self, endpoint: str, url: str, model: str, now: float) -> None:
         span = tracing.span_id_of(self.rng.getrandbits(64))
@@ -157,49 +160,89 @@ class RequestTrace:
             out.append(("tracestate", self.tracestate))
         return out
 
-    def _ns(self, t: float) -> int:
-        return int(t * 1e9) + self.offset_ns
-
-    def _child(self, name: str, kind: int, start: float, end: float, span_id: str = "") -> Span:
-        sid = span_id or tracing.span_id_of(self.rng.getrandbits(64))
-        return Span(self.trace_id, sid, self.root_id, name, kind, self._ns(start), self._ns(end))
-
-    def spans(
+    def ended(
         self, end: float, *, kind: str, model: str, status: int, tokens_in: int = 0,
         tokens_out: int = 0,
-    ) -> list[Span]:  # fmt: skip
-        """The request's spans, now that it ended at `end`."""
-        op = tracing.operation(kind)
-        answered = next((a for a in reversed(self.attempts) if not a.error), None)
-        root = Span(self.trace_id, self.root_id, self.parent_id, f"{op} {model}", SPAN_SERVER,
-                    self._ns(self.start), self._ns(end))  # fmt: skip
-        attrs = root.attributes
-        attrs["gen_ai.operation.name"] = op
-        attrs["gen_ai.request.model"] = model
-        attrs["http.response.status_code"] = status
-        attrs["llmgw.request_id"] = self.rid
-        if answered is not None:
-            attrs["gen_ai.response.model"] = answered.model
-        if tokens_in or tokens_out:
-            attrs["gen_ai.usage.input_tokens"] = tokens_in
-            attrs["gen_ai.usage.output_tokens"] = tokens_out
-        if status >= 500:
-            root.error = f"HTTP {status}"
-        out = [root]
-        admitted = self.admitted or end
-        out.append(self._child("admission", SPAN_INTERNAL, self.start, admitted))
+    ) -> int:  # fmt: skip
+        """The request ended at `end`, answered with `status`: how many spans it makes."""
+        self.end, self.kind, self.model, self.status = end, kind, model, status
+        self.tokens = (tokens_in, tokens_out)
+        self.answered = next((a for a in reversed(self.attempts) if not a.error), None)
+        timed = self.answered is not None and self.first_token
+        return 2 + (self.queue is not None) + len(self.attempts) + (2 if timed else 0)
+
+    def encode_spans(self, offset_ns: int) -> bytes:
+        """The ended request's spans, encoded for export (OTLP's span fields); `offset_ns`
+        is the Unix time, in nanoseconds, of the monotonic clock's zero. The exporter's
+        task encodes a batch of requests in one go, off the requests' path
+        (tests/bench/bench_tracing.py measures both)."""
+        ns, off = 1e9, offset_ns
+        start, end = int(self.start * ns) + off, int(self.end * ns) + off
+        trace = otlp.trace_id_field(self.trace_id)
+        shared = trace + otlp.parent_id_field(self.root_id)
+        ids = self.rng.randbytes(32)  # the children's span ids: four at most
+        a, b, c, d = ids[:8], ids[8:16], ids[16:24], ids[24:]
+        out = [
+            self._root(trace, start, end),
+            _ADMISSION.field(shared, a if a != _ZERO else _ONE, start,
+                             int(self.admitted * ns) + off if self.admitted else end),
+        ]  # fmt: skip
         if self.queue is not None:
-            out.append(self._child("queue", SPAN_INTERNAL, *self.queue))
-        for i, a in enumerate(self.attempts):
-            span = self._child("attempt", SPAN_CLIENT, a.start, a.end or end, a.span_id)
-            span.attributes.update(
-                {"llmgw.endpoint": a.endpoint, "url.full": a.url, "gen_ai.request.model": a.model,
-                 "llmgw.attempt": i + 1}
-            )  # fmt: skip
-            if a.error:
-                span.error = span.attributes["error.type"] = a.error
-            out.append(span)
+            q0, q1 = self.queue
+            out.append(_QUEUE.field(shared, b if b != _ZERO else _ONE, int(q0 * ns) + off,
+                                    int(q1 * ns) + off))  # fmt: skip
+        answered = self.answered
         if answered is not None and self.first_token:
-            out.append(self._child("first_token", SPAN_INTERNAL, answered.start, self.first_token))
-            out.append(self._child("completion", SPAN_INTERNAL, self.first_token, end))
-        return out
+            first = int(self.first_token * ns) + off
+            out.append(_FIRST_TOKEN.field(shared, c if c != _ZERO else _ONE,
+                                          int(answered.start * ns) + off, first))  # fmt: skip
+            out.append(_COMPLETION.field(shared, d if d != _ZERO else _ONE, first, end))
+        for i, at in enumerate(self.attempts, 1):
+            out.append(
+                otlp.span_field(
+                    shared + otlp.span_id_field(at.span_id), _ATTEMPT, int(at.start * ns) + off,
+                    int(at.end * ns) + off if at.end else end, _attempt_attributes(at, i),
+                    at.error,
+                )
+            )  # fmt: skip
+        return b"".join(out)
+
+    def _root(self, trace: bytes, start: int, end: int) -> bytes:
+        """The SERVER span, with the GenAI attributes."""
+        op = tracing.operation(self.kind)
+        model, status = self.model, self.status
+        shared: tuple[tuple[str, str | int], ...] = (
+            ("gen_ai.operation.name", op), ("gen_ai.request.model", model),
+            ("http.response.status_code", status),
+        )  # fmt: skip
+        if self.answered is not None:
+            shared += (("gen_ai.response.model", self.answered.model),)
+        attrs = otlp.repeated_attributes(shared) + otlp.attribute("llmgw.request_id", self.rid)
+        if self.tokens != (0, 0):
+            attrs += otlp.attribute("gen_ai.usage.input_tokens", self.tokens[0])
+            attrs += otlp.attribute("gen_ai.usage.output_tokens", self.tokens[1])
+        return otlp.span_field(
+            trace + otlp.span_id_field(self.root_id) + otlp.parent_id_field(self.parent_id),
+            otlp.named(f"{op} {model}", SPAN_SERVER), start, end, attrs,
+            f"HTTP {status}" if status >= 500 else "",
+        )  # fmt: skip
+
+
+def _attempt_attributes(a: _Attempt, number: int) -> bytes:
+    shared: tuple[tuple[str, str | int], ...] = (
+        ("llmgw.endpoint", a.endpoint), ("url.full", a.url), ("gen_ai.request.model", a.model),
+        ("llmgw.attempt", number),
+    )  # fmt: skip
+    if a.error:
+        shared += (("error.type", a.error),)
+    return otlp.repeated_attributes(shared)
+
+
+_ADMISSION = otlp.PlainSpans("admission", SPAN_INTERNAL)
+_QUEUE = otlp.PlainSpans("queue", SPAN_INTERNAL)
+_FIRST_TOKEN = otlp.PlainSpans("first_token", SPAN_INTERNAL)
+_COMPLETION = otlp.PlainSpans("completion", SPAN_INTERNAL)
+_ATTEMPT = otlp.named("attempt", SPAN_CLIENT)
+_ZERO = bytes(8)
+_ONE = bytes(7) + b"\x01"
+"""The span id given for a random draw of zeros, which the spec forbids."""

@@ -52,6 +52,13 @@ def test_a_trace_sampled_at_one_ratio_is_sampled_at_every_higher_one(
     assert not tracing.ratio_sampled(trace, 0.0)
 
 
+@given(st.integers(0, (1 << 129)), st.floats(0, 1))
+def test_a_draw_is_sampled_as_the_trace_id_made_of_it(draw: int, ratio: float) -> None:
+    assert tracing.draw_sampled(draw, ratio) == tracing.ratio_sampled(
+        tracing.trace_id_of(draw), ratio
+    )
+
+
 def test_the_ratio_samples_its_share_of_random_traces() -> None:
     rng = random.Random(3)
     ids = [tracing.trace_id_of(rng.getrandbits(128)) for _ in range(20_000)]
@@ -86,15 +93,23 @@ def _trace(attempts: list[tuple[float, float, str]], first_token: float) -> Requ
 attempt_lists = st.lists(st.sampled_from(["", "status_503", "connect"]), min_size=0, max_size=4)
 
 
-@given(attempt_lists, st.integers(0, 500), st.integers(0, 500))
+@given(attempt_lists, st.integers(0, 500), st.integers(0, 500), st.booleans())
 def test_every_span_is_in_the_trace_under_its_root_and_inside_it(
-    errors: list[str], tokens_in: int, tokens_out: int
+    errors: list[str], tokens_in: int, tokens_out: int, first_token: bool
 ) -> None:
     attempts = [(100.002 + i * 0.01, 100.009 + i * 0.01, e) for i, e in enumerate(errors)]
-    t = _trace(attempts, 100.05)
-    spans = t.spans(100.1, kind="chat", model="m", status=200, tokens_in=tokens_in,
+    t = _trace(attempts, 100.05 if first_token else 0.0)
+    count = t.ended(100.1, kind="chat", model="m", status=200, tokens_in=tokens_in,
                     tokens_out=tokens_out)  # fmt: skip
-    root = spans[0]
+    offset = 1_700_000_000 * 10**9
+    spans = decode(otlp.encode_fields(t.encode_spans(offset), "svc"))  # the official decoder
+    assert len(spans) == count
+    (root,) = [s for s in spans if s.kind == SPAN_SERVER]
+    assert spans[0] is root
+    assert root.name == "chat m"
+    assert root.attributes["llmgw.request_id"] == "rid-1"
+    assert root.attributes["http.response.status_code"] == 200
+    assert (root.start_ns, root.end_ns) == (100 * 10**9 + offset, 100_100_000_000 + offset)
     assert (root.kind, root.parent_id, root.span_id) == (SPAN_SERVER, "cd" * 8, "ef" * 8)
     assert len({s.span_id for s in spans}) == len(spans)
     for s in spans[1:]:
@@ -104,9 +119,13 @@ def test_every_span_is_in_the_trace_under_its_root_and_inside_it(
     tried = [s for s in spans if s.name == "attempt"]
     assert [s.kind for s in tried] == [SPAN_CLIENT] * len(errors)
     assert [s.error for s in tried] == errors
+    assert [s.span_id for s in tried] == [a.span_id for a in t.attempts]
+    assert [s.attributes["llmgw.attempt"] for s in tried] == list(range(1, len(errors) + 1))
+    assert [s.attributes.get("error.type", "") for s in tried] == errors
     answered = "" in errors
     assert ("gen_ai.response.model" in root.attributes) is answered
-    assert any(s.name == "first_token" for s in spans) is answered
+    assert any(s.name == "first_token" for s in spans) is (answered and first_token)
+    assert any(s.name == "completion" for s in spans) is (answered and first_token)
     if tokens_in or tokens_out:
         assert root.attributes["gen_ai.usage.output_tokens"] == tokens_out
 
@@ -166,17 +185,49 @@ def test_spans_survive_otlps_encoding(
     assert {g.service for g in got} <= {"svc"}
 
 
+@given(attributes)
+def test_attributes_kept_encoded_read_as_those_encoded_afresh(attrs: dict) -> None:  # type: ignore[type-arg]
+    """The cache of repeated attributes never gives one value's encoding for another's
+    (True, 1 and 1.0 are equal keys in Python)."""
+    for k, v in attrs.items():
+        for value in (v, True, 1, 1.0):
+            assert otlp.repeated_attribute(k, value) == otlp.attribute(k, value)
+
+
 async def test_the_exporter_holds_at_most_its_bound_and_a_dead_collector_costs_spans() -> None:
     ex = otlp.Exporter("http://127.0.0.1:9", "svc", max_spans=10, batch=4, timeout_s=2)
     span = Span("ab" * 16, "cd" * 8, "", "x", SPAN_SERVER, 0, 1)
-    ex.add([span] * 25)
-    assert len(ex.buffer) == 10
-    assert ex.dropped == 15
+    for _ in range(25):
+        ex.add([span])
+    ex.add([span, span])  # a request's spans go in whole or not at all
+    assert ex.buffered == len(ex.buffer) == 10
+    assert ex.dropped == 17
     await ex.flush()  # connection refused: the batch is dropped, nothing raises
     assert ex.exported == 0
-    assert ex.dropped == 19
-    assert len(ex.buffer) == 6
+    assert ex.dropped == 21
+    assert ex.buffered == len(ex.buffer) == 6
     await asyncio.wait_for(ex.close(), 10)
+
+
+class _Broken:
+    def encode_spans(self, offset_ns: int) -> bytes:
+        raise ValueError("a bug")
+
+
+async def test_spans_that_fail_to_encode_are_dropped_and_the_rest_still_go() -> None:
+    from tests.integration.otlp_kit import Receiver
+
+    receiver = Receiver()
+    try:
+        ex = otlp.Exporter(receiver.url, "svc", timeout_s=5)
+        ex.put(_Broken(), 3)
+        ex.add([Span("ab" * 16, "cd" * 8, "", "fine", SPAN_SERVER, 0, 1)])
+        await ex.flush()
+        assert (ex.dropped, ex.exported, ex.buffered) == (3, 1, 0)
+        assert [s.name for s in receiver.spans] == ["fine"]
+        await asyncio.wait_for(ex.close(), 10)
+    finally:
+        receiver.stop()
 
 
 def test_the_tracer_records_only_what_it_samples() -> None:
