@@ -61,20 +61,26 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     Where the router knows a request's tokens, each candidate costs the prompt tokens it
     would have to prefill (those its cache does not hold) plus what waiting behind its
-    load costs, expressed as prefill too: `running_tokens` per request it is running,
-    `waiting_tokens` per request queued in the engine. The cheapest wins; so a cached
+    load costs, expressed as prefill too: `running_tokens` per request it has (`load_of`:
+    running or queued), and `waiting_tokens` more per request queued in the engine (none
+    by default). The cheapest wins; so a cached
     prefix is followed until the load it brings outweighs the prefill it saves. Above
     `max_imbalance` requests more than the least loaded candidate, a cache is not
     followed at all, whatever it saves: one hot prefix must not pile onto one engine.
     And each candidate pays `family_tokens` per prefix family its cache holds beyond the
-    least crowded candidate's, at most the prompt's own tokens (placing it evicts no more
-    than that of other prefixes, each re-prefilled once). Near ties
+    least crowded candidate's (not counting the prompt's own family, where it is already
+    held), at most the prompt tokens the candidate does not hold (placing the prompt evicts
+    no more than what it adds of other prefixes, each re-prefilled once). Near ties
     (`agree_tokens`) go by rendezvous hashing of the prompt's first block, so routers
     that know about the same place a prefix on the same engine.
     """
 
     running_tokens: float = 32.0
-    waiting_tokens: float = 256.0
+    waiting_tokens: float = 0.0
+    """Beyond its load, per request queued in the engine (its /metrics, as of the last
+    probe). Off by default: a queued request already counts as load, and a heavier
+    penalty for a figure up to a probe old moved conversations off their caches in bursts
+    (docs/design.md, "Routing to the cache")."""
     max_imbalance: int = 32
     agree_tokens: float = 64.0
     """Candidates within this many tokens of the cheapest count as equally good, and the
@@ -282,9 +288,9 @@ def _active(weights: Weights) -> tuple[tuple[str, float, Scorer], ...]:
 
 
 def load_of(ep: EndpointState) -> float:
-    """Requests an endpoint is running: this router's own in flight, or what the engine
-    last reported (all routers' together) when that is more."""
-    return max(float(ep.inflight), ep.running)
+    """Requests an endpoint has: this router's own in flight, or what the engine last
+    reported running and waiting (all routers' together) when that is more."""
+    return max(float(ep.inflight), ep.running + ep.queue_depth)
 
 
 def costs(survivors: Sequence[EndpointState], q: Query) -> list[tuple[float, int]]:
@@ -292,17 +298,22 @@ def costs(survivors: Sequence[EndpointState], q: Query) -> list[tuple[float, int
     c = q.cost
     loads = [load_of(ep) for ep in survivors]
     ceiling = min(loads) + c.max_imbalance
-    fewest = min(q.families.get(ep.id, 0) for ep in survivors)
+    # The families other than the prompt's own: a cache that already holds the prompt's
+    # start gains no family by taking it.
+    others = [q.families.get(ep.id, 0) - (q.cached_tokens.get(ep.id, 0) > 0) for ep in survivors]
+    fewest = min(others)
     out = []
-    for ep, load in zip(survivors, loads, strict=True):
-        crowding = c.family_tokens * (q.families.get(ep.id, 0) - fewest)
+    for ep, load, families in zip(survivors, loads, others, strict=True):
+        crowding = c.family_tokens * (families - fewest)
         cached = q.cached_tokens.get(ep.id, 0) if load <= ceiling else 0
         cached = min(max(cached, 0), q.prompt_tokens)
+        uncached = q.prompt_tokens - cached
+        # Placing the prompt evicts at most what it adds to that cache: its uncached tokens.
         cost = (
-            (q.prompt_tokens - cached)
+            uncached
             + c.running_tokens * load
             + c.waiting_tokens * ep.queue_depth
-            + min(crowding, q.prompt_tokens)
+            + min(crowding, uncached)
         )
         out.append((cost, cached))
     return out

@@ -208,6 +208,44 @@ def test_a_fresh_replica_is_not_flooded_for_its_empty_cache() -> None:
     assert _first([old, fresh], {}, prompt=1200, cost=cost, families={"old": 200}) == "fresh"
 
 
+def test_a_conversations_next_turn_stays_with_its_cache_in_a_crowded_cache() -> None:
+    # a holds this conversation's first turns (352 of 435 tokens) and more prefix families
+    # than b. Placing the turn on a adds 83 tokens and no family: it stays.
+    cost = routing.CostModel(running_tokens=32, family_tokens=256, agree_tokens=0)
+    eps = [_ep("a"), _ep("b")]
+    assert _first(eps, {"a": 352}, prompt=435, cost=cost, families={"a": 16, "b": 14}) == "a"
+    # Nobody holds it: the less crowded cache takes it.
+    assert _first(eps, {}, prompt=435, cost=cost, families={"a": 16, "b": 14}) == "b"
+
+
+def test_the_engines_queue_counts_as_load_of_every_router() -> None:
+    # Requests other routers sent wait in a's engine (its /metrics); this router sent none.
+    cost = routing.CostModel()
+    assert _first([_ep("a", queue=20), _ep("b")], {}, cost=cost) == "b"
+    assert _first([_ep("a", queue=20), _ep("b")], {"a": 960}, cost=cost) == "a"  # 40 + 640
+    assert _first([_ep("a", queue=40), _ep("b")], {"a": 960}, cost=cost) == "b"  # 40 + 1280
+
+
+@given(
+    st.dictionaries(st.sampled_from("abcd"), st.tuples(st.integers(0, 10_000),
+                                                       st.integers(0, 5000)), min_size=1),
+    st.integers(1, 5000),
+)  # fmt: skip
+def test_crowding_never_costs_more_than_what_the_prompt_adds(
+    held: dict[str, tuple[int, int]], prompt: int
+) -> None:
+    cost = routing.CostModel(running_tokens=0, waiting_tokens=0, family_tokens=256)
+    families = {name: f for name, (f, _) in held.items()}
+    cached = {name: c for name, (_, c) in held.items()}
+    eps = [_ep(name) for name in held]
+    q = routing.Query(model="m", now=0.0, prompt_tokens=prompt, families=families,
+                      cached_tokens=cached, cost=cost)  # fmt: skip
+    for (price, followed), name in zip(routing.costs(eps, q), held, strict=True):
+        uncached = prompt - min(cached[name], prompt)
+        assert followed == prompt - uncached
+        assert uncached <= price <= 2 * uncached
+
+
 @given(st.dictionaries(st.sampled_from("abcd"), st.integers(0, 10_000), min_size=1),
        st.integers(1, 5000))  # fmt: skip
 def test_crowding_never_costs_more_than_the_prompt(families: dict[str, int], prompt: int) -> None:
