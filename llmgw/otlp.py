@@ -138,17 +138,20 @@ def repeated_attribute(key: str, value: Attribute) -> bytes:
 
 
 _BLOCKS: dict[tuple[tuple[str, Attribute], ...], bytes] = {}
+_BLOCK_TYPES = (str, int)
 
 
 def repeated_attributes(items: tuple[tuple[str, Attribute], ...]) -> bytes:
     """`attribute`s of values that recur together (a request's model, operation and status;
     an attempt's endpoint), kept encoded as one block."""
+    # Keyed by value, and True == 1 == 1.0: only blocks of str and int values are kept or
+    # looked up, so one never stands for another.
+    if not all(type(v) in _BLOCK_TYPES for _, v in items):
+        return b"".join(repeated_attribute(k, v) for k, v in items)
     found = _BLOCKS.get(items)
     if found is None:
         found = b"".join(repeated_attribute(k, v) for k, v in items)
-        # Keyed by value, and True == 1: only blocks of str and int values (never bool
-        # or float) are kept, so one never stands for another.
-        if len(_BLOCKS) < _CACHE_BOUND and all(type(v) in (str, int) for _, v in items):
+        if len(_BLOCKS) < _CACHE_BOUND:
             _BLOCKS[items] = found
     return found
 

@@ -14,9 +14,10 @@ The root carries OpenTelemetry's GenAI attributes (`gen_ai.operation.name`,
 `gen_ai.request.model`, `gen_ai.response.model`, `gen_ai.usage.input_tokens`,
 `gen_ai.usage.output_tokens`) beside `http.response.status_code` and
 `llmgw.request_id`. The request path only notes monotonic clock readings in a
-`RequestTrace`; the spans are encoded once, straight from them, when the request is
-done, and handed to the exporter (llmgw.otlp), which posts them in the background. A
-router without `traces` has no Tracer, and each request pays one `is None` check.
+`RequestTrace`; when the request is done it goes to the exporter (llmgw.otlp), whose
+task encodes the spans straight from those readings, in batches, and posts them in the
+background. A router without `traces` has no Tracer, and each request pays one `is None`
+check.
 """
 
 from __future__ import annotations

@@ -192,6 +192,8 @@ def test_attributes_kept_encoded_read_as_those_encoded_afresh(attrs: dict) -> No
     for k, v in attrs.items():
         for value in (v, True, 1, 1.0):
             assert otlp.repeated_attribute(k, value) == otlp.attribute(k, value)
+            block = otlp.repeated_attributes((("n", 2), (k, value)))
+            assert block == otlp.attribute("n", 2) + otlp.attribute(k, value)
 
 
 async def test_the_exporter_holds_at_most_its_bound_and_a_dead_collector_costs_spans() -> None:
