@@ -78,6 +78,9 @@ def command(
     shutdown_timeout_s: float | None = typer.Option(
         None, "--shutdown-timeout-s", help="On SIGTERM, grace for requests in flight, s [2]."
     ),
+    load_s: float | None = typer.Option(
+        None, "--load-s", help="Seconds before it listens, as weights loading take [0]."
+    ),
     log_level: str | None = typer.Option(
         None, "--log-level", help="debug, info or warning (default: info)."
     ),
@@ -138,6 +141,7 @@ def command(
         "eos_max_tokens": eos_max_tokens,
         "embedding_dim": embedding_dim,
         "shutdown_timeout_s": shutdown_timeout_s,
+        "load_s": load_s,
         "log_level": log_level,
         "api_key": api_key,
         "kv_events_config": kv_events,

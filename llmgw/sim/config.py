@@ -145,6 +145,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     faults: Faults = Faults()
     shutdown_timeout_s: float = 2.0
     """On SIGTERM, how long requests in flight may finish before connections close."""
+    load_s: float = 0.0
+    """Seconds before the sim listens, as an engine loading its weights does (vLLM's
+    server opens its port only once the model is loaded): until then connections are
+    refused and a supervisor sees it starting."""
     log_level: str = "info"
     kv_events_config: KvEventsConfig | None = None
     """Publish KV block events as vLLM does (`--kv-events-config JSON`)."""
@@ -188,6 +192,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 f"need 1 <= eos_min_tokens ({self.eos_min_tokens}) <= eos_max_tokens "
                 f"({self.eos_max_tokens})"
             )
+        if not 0 <= self.load_s <= 3600:
+            out.append(f"load_s must be 0-3600 seconds, not {self.load_s}")
         lat = self.latency
         if min(lat.decode_base_ms, lat.decode_per_seq_ms, lat.prefill_per_token_ms) < 0:
             out.append("latency values must be >= 0 milliseconds")

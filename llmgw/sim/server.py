@@ -429,6 +429,9 @@ async def serve(cfg: SimConfig, *, announce: Callable[[str], None] = print) -> N
     """Serve until SIGTERM or SIGINT; `announce` gets the start-up line once the
     socket accepts connections."""
     server = SimServer(cfg)
+    if cfg.load_s:
+        server.log.info("loading", seconds=cfg.load_s)
+        await asyncio.sleep(cfg.load_s)
     runner = web.AppRunner(
         server.app(),
         handler_cancellation=True,

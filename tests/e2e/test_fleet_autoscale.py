@@ -21,7 +21,7 @@ import pytest
 
 from llmgw.core import events
 from llmgw.core.autoscale import Autoscale
-from tests.e2e.fleet_kit import Fleet, Load, serving, sim_model, wait_for
+from tests.e2e.fleet_kit import SIM_ARGS, Fleet, Load, serving, sim_model, wait_for
 from tests.harness import TestNatsServer
 from tests.integration.ctl_kit import Ctl
 
@@ -138,10 +138,15 @@ async def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(
 ) -> None:
     spec = Autoscale(min=0, max=1, running_per_replica=4.0, down_window_s=4.0,
                      hold_requests=2, hold_s=90.0)  # fmt: skip
-    fleet = Fleet(nats_server, tmp_path, models=(sim_model("m1", replicas=1, autoscale=spec),))
+    # The engine takes 3 s to load, as a real one takes longer: the model stays at zero
+    # endpoints until every one of the four requests below has reached the router, however
+    # late a busy machine sends one of them.
+    model = sim_model("m1", replicas=1, autoscale=spec, engine_args=(*SIM_ARGS, "--load-s", "3"))
+    fleet = Fleet(nats_server, tmp_path, models=(model,))
     try:
-        await fleet.start()
-        await wait_for(lambda: _none_left(fleet), 90, "idle: scaled to zero")
+        # Idle from the start: its first replica may be scaled away before it serves.
+        await fleet.start(serving=0)
+        await wait_for(lambda: _scaled_to_zero(fleet), 90, "idle: scaled to zero")
         assert not any(serving(r) for r in await fleet.replicas())
         # Four requests at zero: two are held until a replica serves them, two beyond the
         # hold's bound get 503 with Retry-After at once.
@@ -166,6 +171,15 @@ async def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(
 
 async def _none_left(fleet: Fleet) -> bool:
     return await _live(fleet) == []
+
+
+async def _scaled_to_zero(fleet: Fleet) -> bool:
+    """The autoscaler decided zero, nothing is left, and the router knows the model."""
+    decided = [(d.from_replicas, d.to_replicas) for d in await _scale_log(fleet)]
+    if decided[-1:] != [(1, 0)] or not await _none_left(fleet):
+        return False
+    async with aiohttp.ClientSession() as http, http.get(f"{fleet.router_url}/v1/models") as r:
+        return r.status == 200 and "m1" in {m["id"] for m in (await r.json())["data"]}
 
 
 async def _chat(http: aiohttp.ClientSession, url: str, i: int) -> tuple[int, str, str]:

@@ -534,13 +534,30 @@ async def test_sigterm_ends_cleanly_even_with_a_stream_in_flight() -> None:
     assert "stopped" in s.stderr_text() or rc == 0
 
 
+def _refused(*flags: str) -> str:
+    """What `llmgw sim` with these flags says on stderr; it must exit 2."""
+    out = subprocess.run([sys.executable, "-m", "llmgw", "sim", *flags], capture_output=True,
+                         text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 2, out
+    return out.stderr
+
+
 def test_cli_refuses_a_cache_too_small_for_max_model_len_and_says_what_to_do() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "llmgw", "sim", "--num-blocks", "4", "--max-model-len", "4096"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert out.returncode == 2
-    assert "raise --num-blocks or lower --max-model-len" in out.stderr
+    said = _refused("--num-blocks", "4", "--max-model-len", "4096")
+    assert "raise --num-blocks or lower --max-model-len" in said
+
+
+def test_a_loading_sim_listens_only_after_its_load_time_and_a_bad_one_is_refused() -> None:
+    began = time.monotonic()
+    s = SimProcess.start("--load-s", "1.5", timeout=60)
+    try:
+        # The start-up line comes once the socket accepts connections (a lower bound only:
+        # a busy machine adds to it).
+        assert time.monotonic() - began >= 1.5
+        assert s.get_json("/v1/models")["data"]
+    finally:
+        s.stop()
+    assert "load_s must be 0-3600 seconds" in _refused("--load-s", "-1")
 
 
 def test_every_contract_flag_exists() -> None:
@@ -586,12 +603,7 @@ def test_yaml_config_file_with_nested_latency_and_faults(tmp_path: Path) -> None
 
 
 def test_bad_flags_are_refused_with_what_to_use() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "llmgw", "sim", "--stall-at", "never"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert out.returncode == 2
-    assert "headers, first_token, mid_stream" in out.stderr
+    assert "headers, first_token, mid_stream" in _refused("--stall-at", "never")
 
 
 def test_environment_overrides_and_flags_win_over_them() -> None:

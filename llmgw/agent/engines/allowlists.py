@@ -251,6 +251,7 @@ _SIM_ARGS = (
     "--fault-count",
     "--count",
     "--shutdown-timeout-s",
+    "--load-s",
     "--log-level",
 )
 
