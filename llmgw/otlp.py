@@ -15,7 +15,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -108,13 +108,15 @@ come from the code and from requests (a model's name), so the memory is bounded 
 unusual value is simply encoded again."""
 
 
+def _kept(cache: dict[Any, bytes], key: Any, encoded: bytes) -> bytes:
+    """`encoded`, kept in `cache` under `key` while the cache is under its bound."""
+    if len(cache) < _CACHE_BOUND:
+        cache[key] = encoded
+    return encoded
+
+
 def _key(k: str) -> bytes:
-    found = _KEYS.get(k)
-    if found is None:
-        found = _bytes(_T1, _utf8(k))
-        if len(_KEYS) < _CACHE_BOUND:
-            _KEYS[k] = found
-    return found
+    return _KEYS.get(k) or _kept(_KEYS, k, _bytes(_T1, _utf8(k)))
 
 
 def attribute(key: str, value: Attribute) -> bytes:
@@ -129,12 +131,7 @@ def repeated_attribute(key: str, value: Attribute) -> bytes:
     """`attribute`, kept encoded: for values many spans share (a model, an endpoint, a
     status code)."""
     cached = (key, type(value), value)  # True == 1 == 1.0, but each encodes apart
-    found = _ATTRIBUTES.get(cached)
-    if found is None:
-        found = attribute(key, value)
-        if len(_ATTRIBUTES) < _CACHE_BOUND:
-            _ATTRIBUTES[cached] = found
-    return found
+    return _ATTRIBUTES.get(cached) or _kept(_ATTRIBUTES, cached, attribute(key, value))
 
 
 _BLOCKS: dict[tuple[tuple[str, Attribute], ...], bytes] = {}
@@ -150,9 +147,7 @@ def repeated_attributes(items: tuple[tuple[str, Attribute], ...]) -> bytes:
         return b"".join(repeated_attribute(k, v) for k, v in items)
     found = _BLOCKS.get(items)
     if found is None:
-        found = b"".join(repeated_attribute(k, v) for k, v in items)
-        if len(_BLOCKS) < _CACHE_BOUND:
-            _BLOCKS[items] = found
+        found = _kept(_BLOCKS, items, b"".join(repeated_attribute(k, v) for k, v in items))
     return found
 
 
@@ -191,12 +186,9 @@ _NAMED: dict[tuple[str, int], bytes] = {}
 
 def named(name: str, kind: int) -> bytes:
     """A span's name (5) and kind (6) fields, kept encoded for names that repeat."""
-    found = _NAMED.get((name, kind))
-    if found is None:
-        found = _bytes(_T5, _utf8(name)) + _KIND + _varint(kind)
-        if len(_NAMED) < _CACHE_BOUND:
-            _NAMED[(name, kind)] = found
-    return found
+    return _NAMED.get((name, kind)) or _kept(
+        _NAMED, (name, kind), _bytes(_T5, _utf8(name)) + _KIND + _varint(kind)
+    )
 
 
 _TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano 7 and end 8, fixed64 each
@@ -279,9 +271,8 @@ def encode_fields(spans: bytes, service_name: str) -> bytes:
 
 
 class Later(Protocol):
-    """Spans the exporter's task encodes (a router's request, from its clock readings): the
-    request's path only notes them, and a batch is encoded in one go, where the encoder's
-    code and data stay in the processor's caches."""
+    """Spans the exporter's task encodes (a router's request, from its clock readings), so
+    that the request's path only notes them."""
 
     def encode_spans(self, offset_ns: int) -> bytes:
         """The spans as `span_field`s; `offset_ns` is the Unix time of time.monotonic's
@@ -320,7 +311,7 @@ class Exporter:
         self._session: aiohttp.ClientSession | None = None
 
     def add(self, spans: Sequence[Span]) -> None:
-        """Queue `spans` for export (see `add_encoded`)."""
+        """Queue `spans` for export (see `put`)."""
         self.put(b"".join(_span(s) for s in spans), len(spans))
 
     def put(self, spans: bytes | Later, count: int) -> None:

@@ -73,11 +73,12 @@ def draw_sampled(draw: int, ratio: float) -> bool:
     return ((draw % (1 << 128)) or 1) % _LOW_64 < int(ratio * _LOW_64)
 
 
-def sampled(parent: Parent | None, trace_id: str, ratio: float) -> bool:
-    """ParentBased(TraceIdRatioBased(ratio)): the parent's decision, else the ratio's."""
+def sampled(parent: Parent | None, draw: int, ratio: float) -> bool:
+    """ParentBased(TraceIdRatioBased(ratio)): the parent's decision, else the ratio's on
+    the trace id `trace_id_of(draw)` a new trace would get (`draw_sampled`)."""
     if parent is not None:
         return parent.sampled
-    return ratio_sampled(trace_id, ratio)
+    return draw_sampled(draw, ratio)
 
 
 def trace_id_of(bits: int) -> str:

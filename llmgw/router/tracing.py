@@ -53,16 +53,13 @@ class Tracer:
         value = headers.get("traceparent")
         parent = tracing.parse_traceparent(value) if value is not None else None
         bits = self._rng.getrandbits
-        if parent is None:
-            # The ratio decides: the id is written out only for a trace that is recorded.
-            if self.ratio <= 0.0:
-                return None
-            draw = bits(128)
-            if not tracing.draw_sampled(draw, self.ratio):
-                return None
-            trace_id, parent_id, state = tracing.trace_id_of(draw), "", ""
-        elif not parent.sampled:
+        if parent is None and self.ratio <= 0.0:
+            return None  # nothing to draw: only a client's sampled flag records a trace
+        draw = bits(128) if parent is None else 0
+        if not tracing.sampled(parent, draw, self.ratio):
             return None
+        if parent is None:  # the id is written out only for a trace that is recorded
+            trace_id, parent_id, state = tracing.trace_id_of(draw), "", ""
         else:
             trace_id, parent_id = parent.trace_id, parent.span_id
             state = tracecontext.tracestate(headers)

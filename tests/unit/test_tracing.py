@@ -54,9 +54,9 @@ def test_a_trace_sampled_at_one_ratio_is_sampled_at_every_higher_one(
 
 @given(st.integers(0, (1 << 129)), st.floats(0, 1))
 def test_a_draw_is_sampled_as_the_trace_id_made_of_it(draw: int, ratio: float) -> None:
-    assert tracing.draw_sampled(draw, ratio) == tracing.ratio_sampled(
-        tracing.trace_id_of(draw), ratio
-    )
+    by_id = tracing.ratio_sampled(tracing.trace_id_of(draw), ratio)
+    assert tracing.draw_sampled(draw, ratio) == by_id
+    assert tracing.sampled(None, draw, ratio) == by_id
 
 
 def test_the_ratio_samples_its_share_of_random_traces() -> None:
@@ -71,7 +71,7 @@ def test_the_ratio_samples_its_share_of_random_traces() -> None:
 def test_a_clients_decision_is_followed_whatever_the_ratio(
     trace: str, span: str, on: bool, ratio: float
 ) -> None:
-    assert tracing.sampled(tracing.Parent(trace, span, on), trace, ratio) is on
+    assert tracing.sampled(tracing.Parent(trace, span, on), int(trace, 16), ratio) is on
 
 
 def test_ids_are_never_all_zeros() -> None:
