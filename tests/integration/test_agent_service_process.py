@@ -15,7 +15,7 @@ import pytest
 from llmgw import processes
 from llmgw.core import events
 from llmgw.natsd import free_port
-from tests.harness import Connector, TestNatsServer
+from tests.harness import Connector, TestNatsServer, wait_for
 from tests.integration import agent_kit as kit
 from tests.integration.agent_kit import AgentProcess, Control, status
 
@@ -220,7 +220,15 @@ async def test_events_queued_when_the_agent_is_killed_are_published_by_the_next_
     failed = await kit.wait_for(admin, NODE, status("rep-x", "failed"), within=30)
     assert isinstance(failed, events.ShardStatus)
     assert "exited with code -9" in failed.error
-    logged = kit.without_heartbeats(await kit.node_records(admin, NODE))
+    logged: list[events.AnyEvent] = []
+
+    async def registered_again() -> bool:
+        # The outbox's `failed` goes out first, the new run's registration a moment after.
+        nonlocal logged
+        logged = kit.without_heartbeats(await kit.node_records(admin, NODE))
+        return isinstance(logged[-1], events.NodeRegistered)
+
+    await wait_for(registered_again, 30, "the new run's registration after the failed status")
     ids = [e.id for e in logged]
     assert len(ids) == len(set(ids))
     assert kit.statuses(logged, "rep-x")[-1] == (1, "failed")
