@@ -81,7 +81,7 @@ class Intake:
         """Set once everything stored when reading began has been handed out."""
         self._buf: list[Record] = []
         # Subjects repeat (one per node and kind): decode each once.
-        self._subject_names: dict[bytes, str] = {}
+        self._subjects: dict[bytes, tuple[str, bool]] = {}
         self._ttl_verdicts: dict[tuple[str, bytes | None], str | None] = {}
         self._wakeup = asyncio.Event()
         # Where the consumer's delivery stands; the reader resets these with a new one.
@@ -128,58 +128,74 @@ class Intake:
             self.caught_up.set()
 
     def _admit(self, seq: int, subject: bytes, data: bytes, headers: bytes, when: float) -> None:
-        """Check the message at `seq`, decode it and keep its record, or skip it."""
-        name = self._subject_names.get(subject)
-        if name is None:
-            name = subject.decode(errors="replace")
-            if len(self._subject_names) < 100_000:
-                self._subject_names[subject] = name
+        """Check the message at `seq`, decode it and keep its record, or skip it.
+
+        Once per message of a replay: the common path (trusted, decoded, on its owner's
+        subject, no TTL to refuse) runs here without further calls of the reader's own."""
+        known = self._subjects.get(subject)
+        if known is None:
+            known = self._learn_subject(subject)
+        name, heartbeat = known
         found = message_headers(headers)
-        digest = b""
-        ttl: bytes | None = None
-        # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
-        heartbeat = name.endswith(".heartbeat")
         if found is None:
-            refusal: str | None = "signature headers appear twice"
-        else:
-            msg_id, sig, cert, ttl = found
-            if not heartbeat and (self._attested is not None or self._attester is not None):
-                digest = attestation.digest(subject, msg_id or b"", data, sig or b"")
-            refusal = self._check(seq, name, data, msg_id, sig, cert, digest, when)
-        if refusal is not None:
-            self.refused += 1
-            self._skip(seq, name, when, f"signature refused: {refusal}", "bus.signature_refused")
-            if self._attester is not None:
-                self._attester.refused(seq)
+            self._refuse(seq, name, when, "signature headers appear twice")
             return
+        msg_id, sig, cert, ttl = found
+        attested = self._attested
+        # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
+        digest = b""
+        if not heartbeat and (attested is not None or self._attester is not None):
+            digest = attestation.digest(subject, msg_id or b"", data, sig or b"")
+        verdict: str | None = attestation.NOT_COVERED
+        if attested is not None and seq <= attested.last_seq:
+            verdict = attested.check(seq, digest)
+        if verdict is None:
+            self.confirmed += 1
+        else:
+            if verdict == attestation.NOT_COVERED:
+                verdict = self._signature_refusal(seq, name, data, msg_id, sig, cert, when)
+            if verdict is not None:
+                self._refuse(seq, name, when, verdict)
+                return
         if self._attester is not None and not heartbeat:
             self._attester.accepted(seq, digest)
-        self._accept(seq, name, data, len(data) + len(headers), ttl, when)
-
-    def _accept(
-        self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float
-    ) -> None:
-        """A trusted message: decode its event and keep its record, or skip it with why."""
         try:
             event = events.decode(data)
         except Exception as exc:  # DecodeError; anything else is a decoder bug, same treatment
             self._skip(seq, name, when, str(exc) or type(exc).__name__)
-        else:
-            if not events.published_where_owned(event, name):
-                self._skip(
-                    seq,
-                    name,
-                    when,
-                    f"{events.tag_of(type(event))} event refused: it does not belong on {name} "
-                    "(only its owner's subject is trusted; see events.published_where_owned)",
-                )
-            elif (problem := self._ttl_problem(name, ttl)) is not None:
-                self.ttl_refused.append(seq)
-                self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused")
-            else:
-                self._buf.append(Record(seq, name, when, event, size))
+            return
+        if not events.published_where_owned(event, name):
+            self._skip(
+                seq,
+                name,
+                when,
+                f"{events.tag_of(type(event))} event refused: it does not belong on {name} "
+                "(only its owner's subject is trusted; see events.published_where_owned)",
+            )
+            return
+        # Only a TTL, or a heartbeat without one, can be refused (llmgw.core.retention).
+        if (ttl is not None or heartbeat) and (problem := self._ttl_problem(name, ttl)) is not None:
+            self.ttl_refused.append(seq)
+            self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused")
+            return
+        self._buf.append(Record(seq, name, when, event, len(data) + len(headers)))
 
-    def _check(
+    def _learn_subject(self, subject: bytes) -> tuple[str, bool]:
+        """A subject's name, and whether it is a heartbeat's; kept, as subjects repeat (one
+        per node and kind)."""
+        name = subject.decode(errors="replace")
+        known = (name, name.endswith(".heartbeat"))
+        if len(self._subjects) < 100_000:
+            self._subjects[subject] = known
+        return known
+
+    def _refuse(self, seq: int, name: str, when: float, why: str) -> None:
+        self.refused += 1
+        self._skip(seq, name, when, f"signature refused: {why}", "bus.signature_refused")
+        if self._attester is not None:
+            self._attester.refused(seq)
+
+    def _signature_refusal(
         self,
         seq: int,
         name: str,
@@ -187,18 +203,9 @@ class Intake:
         msg_id: bytes | None,
         sig: bytes | None,
         cert: bytes | None,
-        digest: bytes,
         when: float,
     ) -> str | None:
-        """Why the message at `seq` is not trusted, or None: on an attestation's word where
-        one covers it, else by its signature."""
-        if self._attested is not None and seq <= self._attested.last_seq:
-            verdict = self._attested.check(seq, digest)
-            if verdict is None:
-                self.confirmed += 1
-                return None
-            if verdict != attestation.NOT_COVERED:
-                return verdict
+        """Why the message at `seq` is not trusted by its signature, or None."""
         try:
             return self.verifier.event_refusal(name, msg_id, data, sig, cert, seq=seq, when=when)
         except Exception as exc:  # a verifier bug: refused, never a lost message

@@ -401,18 +401,24 @@ async def _fold_tail(
         batch=20_000,
         attestations=attested,
     )
+    # No time bound is the same as one beyond every record: one comparison per record.
+    until = float("inf") if at is None else at
+    rejected = tail.rejected
     async with reader:
         done = False
         async for batch in reader.batches():
+            folded = 0
             for rec in batch:
-                if rec.seq > target or (at is not None and rec.time > at):
+                if rec.seq > target or rec.time > until:
                     done = True
                     break
                 reason = apply(st, rec.event, rec.seq, rec.time)
                 if reason is not None:
-                    tail.rejected.append((rec.seq, reason))
-                tail.last_time = rec.time
-                tail.folded += 1
+                    rejected.append((rec.seq, reason))
+                folded += 1
+            if folded:
+                tail.folded += folded
+                tail.last_time = batch[folded - 1].time
             if progress is not None:
                 progress(min(batch[-1].seq, target) - start_seq, total)
             if done or batch[-1].seq >= target:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmgw.core import attestation, events
@@ -51,6 +51,53 @@ def test_confirmed_exactly_when_accepted_and_unchanged(
     # Outside every range: not covered, so the signature is checked instead.
     assert book.check(first + len(msgs), b"\0" * 16) == NOT_COVERED
     assert book.check(first - 1, b"\0" * 16) == NOT_COVERED
+
+
+@given(
+    spans=st.lists(
+        st.tuples(
+            st.integers(1, 40),
+            st.integers(0, 30),
+            st.lists(st.booleans(), min_size=31, max_size=31),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    queries=st.lists(st.tuples(st.integers(0, 80), st.booleans()), max_size=120),
+    in_order=st.booleans(),
+)
+@example(  # a later attestation refuses what an earlier one accepted: the later decides
+    spans=[(1, 9, [True] * 31), (5, 9, [False] * 31)],
+    queries=[(s, False) for s in range(1, 15)],
+    in_order=True,
+)
+@settings(max_examples=300)
+def test_a_book_checked_many_times_answers_as_a_fresh_one(
+    spans: list[tuple[int, int, list[bool]]],
+    queries: list[tuple[int, bool]],
+    in_order: bool,
+) -> None:
+    """What one book remembers between checks (the stretch a run decides) never changes a
+    verdict: overlapping attestations, holes, refusals, tampered digests, any order."""
+    message = {s: (b"s", str(s).encode(), b"p", b"g") for s in range(1, 81)}
+    items = []
+    for first, length, mask in spans:
+        log = {s: message[s] for s in range(first, first + length + 1)}
+        accepted = {s for i, s in enumerate(log) if mask[i]}
+        items.append(attest(first, log, accepted))
+    book = Attestations()
+    for item in items:
+        book.add(item)
+    if in_order:
+        queries = sorted(queries)
+    for seq, tampered in queries:
+        digest = attestation.digest(*message.get(seq, (b"", b"", b"", b"")))
+        if tampered:
+            digest = bytes([digest[0] ^ 1]) + digest[1:]
+        fresh = Attestations()
+        for item in items:
+            fresh.add(item)
+        assert book.check(seq, digest) == fresh.check(seq, digest), seq
 
 
 def test_fields_are_length_prefixed() -> None:
