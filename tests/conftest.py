@@ -9,8 +9,16 @@ from typing import Any
 
 import pytest
 import structlog
+from hypothesis import HealthCheck, settings
 
 from tests.harness import Connector, TestNatsCluster, TestNatsServer, TestPki
+
+# Property tests judge what the code returns, never how fast: on a busy machine (CI's two
+# cores shared with nats-servers and engines) an example can take longer than Hypothesis's
+# default 200 ms deadline, which it reports as a failure. Tests that set their own settings
+# keep them.
+settings.register_profile("llmgw", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("llmgw")
 
 
 @pytest.fixture(autouse=True)
