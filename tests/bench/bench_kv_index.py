@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 
 from llmgw.core import kvblocks, routing  # noqa: E402
 from llmgw.core.kvindex import KvIndex  # noqa: E402
+from llmgw.core.prefix import ChatHashes, block_hashes  # noqa: E402
 from llmgw.core.profile import ModelProfile  # noqa: E402
 from llmgw.router import prompts  # noqa: E402
 from llmgw.router.kvroute import KvRouting  # noqa: E402
@@ -82,7 +83,7 @@ def main() -> None:
             parse("chat", json.dumps({"model": "m", "messages": [messages[0], {
                 "role": "user", "content": "".join(" " + rng.choice(words) for _ in range(40))
             }]}).encode(), want_text=True)
-            for _ in range(2000)
+            for _ in range(4000)
         ]
     )  # fmt: skip
     rows: list[tuple[str, str]] = []
@@ -142,6 +143,17 @@ def main() -> None:
                  "nothing seen before", f"{per_call_us(cold_plan, 200):,.0f} µs"))  # fmt: skip
     seen = per_call_us(lambda: kv.plan(next(asked), profile, eps), 200)
     rows.append(("whole plan, 3 endpoints, system prompt seen, new question", f"{seen:,.0f} µs"))
+    # The text index's hashes (llmgw.core.prefix), which the router computes too.
+    text_cold = per_call_us(lambda: block_hashes(parsed.text, 256, 128), 500)
+    rows.append(("text index hashes (256-char blocks), from scratch", f"{text_cold:,.0f} µs"))
+    chat_hashes = ChatHashes()
+
+    def text_seen() -> object:
+        p = next(asked)
+        return chat_hashes.hashes(p.chat, p.text, 256, 128)
+
+    text_warm = per_call_us(text_seen, 200)
+    rows.append(("text index hashes, system prompt seen, new question", f"{text_warm:,.0f} µs"))
 
     # Memory: 1,000,000 resident blocks over 100 endpoints, half of them shared by two.
     tracemalloc.start()

@@ -1,10 +1,12 @@
 """Reusing the tokens and block keys of prompts seen before (llmgw.core.promptkeys) gives
 exactly what tokenizing and keying from scratch gives: the sim's chat parts tokenize
 independently, the cache's answers equal the slow path's for any sequence of prompts
-sharing prefixes (and through evictions), and so do the router's plans."""
+sharing prefixes (and through evictions), and so do the router's plans. Likewise the
+text index's hashes of chat prompts (llmgw.core.prefix.ChatHashes)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from unittest import mock
 
@@ -12,11 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.core import kvblocks, routing, simtokens
+from llmgw.core.prefix import ChatHashes, block_hashes
 from llmgw.core.profile import ModelProfile
 from llmgw.core.promptkeys import PromptTokens, SegmentCache
 from llmgw.router import prompts
 from llmgw.router.kvroute import KvRouting
-from llmgw.router.requests import Parsed
+from llmgw.router.requests import Parsed, parse
 
 # Characters the tokenizer's patterns treat differently, and any others.
 TEXT = st.text(
@@ -164,3 +167,39 @@ def test_plans_are_those_of_tokenizing_every_prompt_from_scratch(
             # Where each goes, so the recent routes of both stay alike.
             ep = eps[t % 3]
             assert fast.routed(a, ep, 1.0 + t) == slow.routed(b, ep, 1.0 + t)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pool=st.lists(st.tuples(ROLE, st.text(max_size=40)), min_size=1, max_size=5),
+    chats=st.lists(st.lists(st.integers(0, 4), max_size=6), min_size=1, max_size=10),
+    block_chars=st.sampled_from([1, 4, 16]),
+    max_blocks=st.sampled_from([0, 2, 8, 128]),
+    capacity=st.integers(1, 6),
+)
+def test_chat_text_hashes_are_those_of_hashing_the_text_from_scratch(
+    pool: list[tuple[str, str]],
+    chats: list[list[int]],
+    block_chars: int,
+    max_blocks: int,
+    capacity: int,
+) -> None:
+    cache = ChatHashes(capacity=capacity, max_chars=200)
+    for chat in chats:
+        messages = tuple(pool[i % len(pool)] for i in chat)
+        parsed = parse(
+            "chat",
+            json.dumps({"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]})
+            .encode(),
+            want_text=True,
+        )  # fmt: skip
+        assert parsed.chat == messages
+        got = cache.hashes(parsed.chat, parsed.text, block_chars, max_blocks)
+        assert got == block_hashes(parsed.text, block_chars, max_blocks)
+        got.append(b"x")  # a caller's list: the cache's own are untouched
+        assert len(cache) <= capacity
+    # Another block size, with the same messages: nothing of the first applies.
+    messages = tuple(pool[i % len(pool)] for i in chats[0])
+    parsed = parse("chat", json.dumps({"model": "m", "messages": [
+        {"role": r, "content": c} for r, c in messages]}).encode(), want_text=True)  # fmt: skip
+    assert cache.hashes(parsed.chat, parsed.text, 3, 5) == block_hashes(parsed.text, 3, 5)
