@@ -3,10 +3,13 @@
     .venv/bin/python tests/bench/bench_kv_index.py
 
 Per request (a chat request with a 1,200-token system prompt and a 40-token question):
-tokenizing it as the sim does and with a Hugging Face BPE tokenizer (trained here,
-in-process, with a chat template), keying its blocks (llmgw.core.kvblocks.block_keys),
-and matching the keys against the index (llmgw.core.kvindex) with 3, 100 and 1,000
-endpoints holding blocks; the whole plan (llmgw.router.kvroute) for 3 endpoints. Then
+tokenizing it as the sim does, from scratch and with the system prompt seen before (a new
+question each call, as on the shared-prefix workload; llmgw.core.promptkeys), and with a
+Hugging Face BPE tokenizer (trained here, in-process, with a chat template), keying its
+blocks (llmgw.core.kvblocks.block_keys), and matching the keys against the index
+(llmgw.core.kvindex) with 3, 100 and 1,000 endpoints holding blocks; the whole plan
+(llmgw.router.kvroute) for 3 endpoints, from scratch and with the system prompt seen; the
+text index's hashes (llmgw.core.prefix), likewise. Then
 the index's memory per million resident blocks (tracemalloc), and the cost of folding one
 agent's update.
 """
