@@ -118,7 +118,7 @@ class ChatHashes:
     messages depend on those messages alone.
     """
 
-    def __init__(self, *, capacity: int = 4096, max_chars: int = 16_000_000) -> None:
+    def __init__(self, *, capacity: int = 4096, max_chars: int = 4_000_000) -> None:
         self.capacity = capacity
         self.max_chars = max_chars
         self._table: OrderedDict[tuple[int, str, str], tuple[int, list[bytes]]] = OrderedDict()
@@ -132,6 +132,8 @@ class ChatHashes:
     def hashes(
         self, chat: Sequence[tuple[str, str]], text: str, block_chars: int, max_blocks: int
     ) -> list[bytes]:
+        """`block_hashes(text, block_chars, max_blocks)`; `chat` the messages `text` is made
+        of, or empty (a prompt that is no chat: nothing is remembered)."""
         if self._shape != (block_chars, max_blocks):
             self._table.clear()  # other blocks: nothing remembered applies
             self._chars = 0

@@ -97,14 +97,15 @@ class SegmentCache:
         tokenize: Callable[[str], list[int]],
         *,
         max_segments: int = 8192,
-        max_chars: int = 16_000_000,
+        max_chars: int = 4_000_000,
     ) -> None:
         if max_segments < 1 or max_chars < 1:
             raise ValueError("a segment cache holds at least one segment and one character")
         self._tokenize = tokenize
         self.max_segments = max_segments
         self.max_chars = max_chars
-        """Bounds the text held (and so the token ids, a few characters each)."""
+        """Bounds the text held, and so the token ids (a token is a few characters): about
+        a million tokens, a few tens of MB, hundreds of system prompts."""
         self._table: OrderedDict[tuple[int, str], Segment] = OrderedDict()
         self._chars = 0
         self._serial = 0

@@ -25,7 +25,7 @@ from aiohttp import web
 from llmgw import logs
 from llmgw.core import breaker, routing
 from llmgw.core.kvindex import KvIndex
-from llmgw.core.prefix import ChatHashes, PrefixIndex, block_hashes
+from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import admission, apis, requests, tracecontext
 from llmgw.router import upstream as upstream_http
@@ -177,14 +177,9 @@ class Dispatcher:
         waited = await self._wait_for_room(profile, state)
         if waited is not None:
             return await self._refuse(waited, profile, state)
-        if parsed.chat:
-            hashes = self.chat_hashes.hashes(
-                parsed.chat, parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks
-            )
-        elif parsed.text:
-            hashes = block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks)
-        else:
-            hashes = []
+        hashes = self.chat_hashes.hashes(
+            parsed.chat, parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks
+        )
         session_key = request.headers.get(self._session_header, "")
         if len(session_key) > 128:
             # Keys are kept (100,000 of them): a long header must not cost its length each.

@@ -203,3 +203,6 @@ def test_chat_text_hashes_are_those_of_hashing_the_text_from_scratch(
     parsed = parse("chat", json.dumps({"model": "m", "messages": [
         {"role": r, "content": c} for r, c in messages]}).encode(), want_text=True)  # fmt: skip
     assert cache.hashes(parsed.chat, parsed.text, 3, 5) == block_hashes(parsed.text, 3, 5)
+    # A prompt that is no chat: its text hashed whole.
+    assert cache.hashes((), parsed.text, 3, 5) == block_hashes(parsed.text, 3, 5)
+    assert cache.hashes((), "", 3, 5) == []
