@@ -23,16 +23,21 @@ ENDPOINTS_PER_BLOCK = 4
 """Endpoints remembered per block hash: replicas of a hot prefix beyond this are forgotten."""
 
 
-def block_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
+def block_hashes(
+    text: str, block_chars: int, max_blocks: int, *, known: Sequence[bytes] = ()
+) -> list[bytes]:
     """Chained hashes of the whole `block_chars`-sized blocks of `text`, at most `max_blocks`.
 
     A trailing partial block is left out: engines cache whole blocks only, and a
     partial block would make two prompts that differ only in their tail look different.
+    `known`: the hashes of the first blocks of `text`, computed before (of a text it begins
+    with); they begin the result and are not computed again.
     """
     n = min(len(text) // block_chars, max_blocks)
-    out: list[bytes] = []
-    prev = b""
-    for i in range(n):
+    start = min(len(known), n)
+    out: list[bytes] = list(known[:start])
+    prev = out[-1] if out else b""
+    for i in range(start, n):
         chunk = text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass")
         prev = hashlib.blake2b(prev + chunk, digest_size=8).digest()
         out.append(prev)
@@ -101,3 +106,60 @@ class PrefixIndex:
                     empty.append(h)
         for h in empty:
             del self._blocks[h]
+
+
+class ChatHashes:
+    """`block_hashes` of chat prompts' text, reusing those of leading messages seen before (a
+    system prompt, a conversation's earlier turns): a bounded LRU keyed by the exact role
+    and content of a message and the entry of the messages before it.
+
+    The text must be the chat's messages as `role`, a newline, `content`, a newline, one
+    after another (llmgw.router.requests); the hashes of the blocks wholly within its first
+    messages depend on those messages alone.
+    """
+
+    def __init__(self, *, capacity: int = 4096, max_chars: int = 4_000_000) -> None:
+        self.capacity = capacity
+        self.max_chars = max_chars
+        self._table: OrderedDict[tuple[int, str, str], tuple[int, list[bytes]]] = OrderedDict()
+        self._chars = 0
+        self._serial = 0
+        self._shape = (0, 0)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def hashes(
+        self, chat: Sequence[tuple[str, str]], text: str, block_chars: int, max_blocks: int
+    ) -> list[bytes]:
+        """`block_hashes(text, block_chars, max_blocks)`; `chat` the messages `text` is made
+        of, or empty (a prompt that is no chat: nothing is remembered)."""
+        if self._shape != (block_chars, max_blocks):
+            self._table.clear()  # other blocks: nothing remembered applies
+            self._chars = 0
+            self._shape = (block_chars, max_blocks)
+        table = self._table
+        known: list[bytes] = []
+        parent = 0
+        end = 0
+        for role, content in chat:
+            end += len(role) + len(content) + 2
+            n = min(end // block_chars, max_blocks)
+            key = (parent, role, content)
+            got = table.get(key)
+            if got is None:
+                # The blocks of this message's prefix of the text, from those known.
+                known = block_hashes(text[: n * block_chars], block_chars, n, known=known)
+                self._serial += 1
+                table[key] = got = (self._serial, known)  # never changed: results are copies
+                self._chars += len(role) + len(content)
+            else:
+                table.move_to_end(key)
+                known = got[1]
+            parent = got[0]
+            if n >= max_blocks:
+                break
+        while table and (len(table) > self.capacity or self._chars > self.max_chars):
+            (_, role, content), _ = table.popitem(last=False)
+            self._chars -= len(role) + len(content)
+        return block_hashes(text, block_chars, max_blocks, known=known)

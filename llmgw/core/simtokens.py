@@ -84,12 +84,29 @@ def count(text: str) -> int:
     return len(_TOKEN.findall(text))
 
 
+GENERATION_PROMPT = "<|assistant|>\n"
+"""What follows a chat's messages: the assistant's turn opened."""
+
+
+def chat_parts(messages: Iterable[tuple[str, str]]) -> list[str]:
+    """Each (role, content) framed as `render_chat` frames it, one string a message.
+
+    `tokenize` of the rendered chat is the concatenation of `tokenize` of each part and of
+    `GENERATION_PROMPT`: every part ends with a newline and the next begins with "<". A
+    token never spans that boundary (a newline is only ever part of a whitespace run, which
+    stops before "<", and only a space can lead another token), and where a token begins
+    depends only on the text from there on (no pattern looks behind or at the end), so the
+    tokens after a boundary are those of the text after it alone. The router reuses the
+    tokens of messages it has seen on that account (llmgw.router.prompts)."""
+    return [f"<|{role}|>\n{content}\n" for role, content in messages]
+
+
 def render_chat(messages: Iterable[tuple[str, str]]) -> str:
     """The prompt a chat model would see: each (role, content) framed, then the
     assistant's turn opened. Every message therefore costs a few tokens of framing,
     as with real chat templates."""
-    parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
-    parts.append("<|assistant|>\n")
+    parts = chat_parts(messages)
+    parts.append(GENERATION_PROMPT)
     return "".join(parts)
 
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from llmgw import logs
 from llmgw.core import breaker, routing
 from llmgw.core.kvindex import KvIndex
-from llmgw.core.prefix import PrefixIndex, block_hashes
+from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import admission, apis, requests, tracecontext
 from llmgw.router import upstream as upstream_http
@@ -72,6 +72,8 @@ class Dispatcher:
         self.watchdog = watchdog
         self.rng = rng
         self.prefix = PrefixIndex(capacity=cfg.prefix.capacity)
+        self.chat_hashes = ChatHashes()
+        """The text index's hashes of chat prompts, by their leading messages."""
         self.kv = KvRouting(
             index=KvIndex(stale_after_s=cfg.cache.stale_after_s), recent_s=cfg.cache.recent_s
         )
@@ -175,10 +177,8 @@ class Dispatcher:
         waited = await self._wait_for_room(profile, state)
         if waited is not None:
             return await self._refuse(waited, profile, state)
-        hashes = (
-            block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks)
-            if parsed.text
-            else []
+        hashes = self.chat_hashes.hashes(
+            parsed.chat, parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks
         )
         session_key = request.headers.get(self._session_header, "")
         if len(session_key) > 128:

@@ -25,10 +25,11 @@ from collections.abc import Sequence
 
 import msgspec
 
-from llmgw.core import kvblocks, routing
+from llmgw.core import routing
 from llmgw.core.kvindex import KvIndex, RecentRoutes
 from llmgw.core.prefix import PrefixIndex
 from llmgw.core.profile import ModelProfile
+from llmgw.core.promptkeys import PromptTokens
 from llmgw.router import prompts
 from llmgw.router.requests import Parsed
 
@@ -81,10 +82,10 @@ class KvRouting:
         """Endpoint -> how much of what was predicted cached there the engine then found
         (a moving average): an engine whose cache thrashes gets less credit for it."""
 
-    def keys_of(self, plan: CachePlan, block_size: int, ids: Sequence[int]) -> list[int]:
+    def keys_of(self, plan: CachePlan, block_size: int, tokens: PromptTokens) -> list[int]:
         keys = plan.keys.get(block_size)
         if keys is None:
-            keys = plan.keys[block_size] = kvblocks.block_keys(ids, block_size)
+            keys = plan.keys[block_size] = tokens.keys(block_size)
         return keys
 
     def plan(
@@ -103,19 +104,20 @@ class KvRouting:
         if tokenizer is None:
             return None
         try:
-            ids = tokenizer.ids(parsed)
+            tokens = tokenizer.tokens(parsed)
         except Exception:  # a tokenizer that fails on this input: route without a plan
             return None
-        if not ids:
+        if tokens is None or not tokens.ids:
             return None
+        ids = tokens.ids
         now = time.time() if now is None else now
         plan = CachePlan(model=profile.name, prompt_tokens=len(ids), keys={}, by_endpoint={})
         depth, sizes = self.index.match(
-            lambda size: self.keys_of(plan, size, ids),
+            lambda size: self.keys_of(plan, size, tokens),
             [(ep.id, ep.node) for ep in endpoints],
             now,
         )
-        default_keys = self.keys_of(plan, DEFAULT_BLOCK_SIZE, ids)
+        default_keys = self.keys_of(plan, DEFAULT_BLOCK_SIZE, tokens)
         recent_ep, recent_blocks = self.recent.match(default_keys, now)
         text = text_index.match(text_hashes) if text_index is not None and text_hashes else {}
         chars = len(parsed.text) or 1

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from llmgw import logs
 from llmgw.core import simtokens as sim_tokens
 from llmgw.core.profile import ModelProfile
+from llmgw.core.promptkeys import PromptTokens, SegmentCache
 from llmgw.router.requests import Parsed
 
 log = logs.get("llmgw.router")
@@ -35,18 +36,37 @@ class Prompts(Protocol):
 
     def ids(self, parsed: Parsed) -> Sequence[int] | None: ...
 
+    def tokens(self, parsed: Parsed) -> PromptTokens | None:
+        """The ids and, per block size, the block keys of the prompt."""
+        ...
+
+
+def _sim_ids(text: str) -> list[int]:
+    return sim_tokens.token_ids(sim_tokens.tokenize(text))
+
 
 class SimPrompts:
-    """`llmgw sim`'s tokenizer and chat framing."""
+    """`llmgw sim`'s tokenizer and chat framing.
+
+    A chat's messages are tokenized and keyed once per prefix of messages (a system prompt,
+    a conversation's earlier turns), which the sim's tokenizer allows exactly
+    (`simtokens.chat_parts`); this is most of a router's work per request otherwise."""
+
+    def __init__(self) -> None:
+        self.cache = SegmentCache(_sim_ids)
+
+    def tokens(self, parsed: Parsed) -> PromptTokens | None:
+        if parsed.chat:
+            return self.cache.tokens(
+                sim_tokens.chat_parts(parsed.chat), sim_tokens.GENERATION_PROMPT
+            )
+        if parsed.text:
+            return PromptTokens.of(_sim_ids(parsed.text))
+        return None
 
     def ids(self, parsed: Parsed) -> Sequence[int] | None:
-        if parsed.chat:
-            text = sim_tokens.render_chat(parsed.chat)
-        elif parsed.text:
-            text = parsed.text
-        else:
-            return None
-        return sim_tokens.token_ids(sim_tokens.tokenize(text))
+        got = self.tokens(parsed)
+        return None if got is None else got.ids
 
 
 class TokenizerFilesError(ValueError):
@@ -105,6 +125,14 @@ class HfPrompts:
                 if isinstance(value, str):
                     specials[name] = value
         return cls(tokenizer_file, template, specials)
+
+    def tokens(self, parsed: Parsed) -> PromptTokens | None:
+        # No segments are reused: a BPE tokenizer's tokens of a concatenation are not in
+        # general its tokens of the parts (a pre-tokenizer marking a text's start, added
+        # tokens that strip the spaces beside them), nor does a chat template say where
+        # each message's text lies in what it renders.
+        ids = self.ids(parsed)
+        return None if ids is None else PromptTokens.of(list(ids))
 
     def ids(self, parsed: Parsed) -> Sequence[int] | None:
         if parsed.chat:

@@ -85,7 +85,8 @@ class Parsed(msgspec.Struct):
     """Prompt text for prefix affinity ("" when not needed)."""
     chat: tuple[tuple[str, str], ...] = ()
     """A chat request's (role, text) messages, when the text is wanted: what a chat
-    template renders (llmgw.router.prompts)."""
+    template renders (llmgw.router.prompts). `text` is then each role, a newline, its
+    content and a newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
 
 
 def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:

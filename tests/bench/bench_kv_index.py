@@ -3,10 +3,13 @@
     .venv/bin/python tests/bench/bench_kv_index.py
 
 Per request (a chat request with a 1,200-token system prompt and a 40-token question):
-tokenizing it as the sim does and with a Hugging Face BPE tokenizer (trained here,
-in-process, with a chat template), keying its blocks (llmgw.core.kvblocks.block_keys),
-and matching the keys against the index (llmgw.core.kvindex) with 3, 100 and 1,000
-endpoints holding blocks; the whole plan (llmgw.router.kvroute) for 3 endpoints. Then
+tokenizing it as the sim does, from scratch and with the system prompt seen before (a new
+question each call, as on the shared-prefix workload; llmgw.core.promptkeys), and with a
+Hugging Face BPE tokenizer (trained here, in-process, with a chat template), keying its
+blocks (llmgw.core.kvblocks.block_keys), and matching the keys against the index
+(llmgw.core.kvindex) with 3, 100 and 1,000 endpoints holding blocks; the whole plan
+(llmgw.router.kvroute) for 3 endpoints, from scratch and with the system prompt seen; the
+text index's hashes (llmgw.core.prefix), likewise. Then
 the index's memory per million resident blocks (tracemalloc), and the cost of folding one
 agent's update.
 """
@@ -28,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from llmgw.core import kvblocks, routing  # noqa: E402
 from llmgw.core.kvindex import KvIndex  # noqa: E402
+from llmgw.core.prefix import ChatHashes, block_hashes  # noqa: E402
 from llmgw.core.profile import ModelProfile  # noqa: E402
 from llmgw.router import prompts  # noqa: E402
 from llmgw.router.kvroute import KvRouting  # noqa: E402
@@ -75,15 +79,36 @@ def main() -> None:
     assert sim is not None
     ids = list(sim.ids(parsed) or [])
     print(f"request: {len(ids)} tokens (sim tokenizer), {len(body):,} bytes of JSON")
+    # The same system prompt with a new question each call, as on the shared-prefix
+    # workload: what the router has seen before is the system prompt, not the request.
+    asked = iter(
+        [
+            parse("chat", json.dumps({"model": "m", "messages": [messages[0], {
+                "role": "user", "content": "".join(" " + rng.choice(words) for _ in range(40))
+            }]}).encode(), want_text=True)
+            for _ in range(4000)
+        ]
+    )  # fmt: skip
     rows: list[tuple[str, str]] = []
-    rows.append(("tokenize, sim tokenizer", f"{per_call_us(lambda: sim.ids(parsed), 200):,.0f} µs"))
+    cold = per_call_us(lambda: prompts.SimPrompts().ids(parsed), 200)
+    rows.append(("tokenize, sim tokenizer, nothing seen before", f"{cold:,.0f} µs"))
+    seen = per_call_us(lambda: sim.ids(next(asked)), 200)
+    rows.append(("tokenize, sim tokenizer, system prompt seen, new question", f"{seen:,.0f} µs"))
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_tokenizer(Path(tmp), [system, question] * 20)
         hf_ids = hf.ids(parsed) or []
         rows.append((f"tokenize, BPE + chat template ({len(hf_ids)} tokens)",
                      f"{per_call_us(lambda: hf.ids(parsed), 200):,.0f} µs"))  # fmt: skip
-    rows.append(("block keys, 16-token blocks",
+    rows.append(("block keys, 16-token blocks, nothing keyed before",
                  f"{per_call_us(lambda: kvblocks.block_keys(ids, 16), 500):,.0f} µs"))  # fmt: skip
+
+    def seen_keys() -> object:
+        got = sim.tokens(next(asked))
+        assert got is not None
+        return got.keys(16)
+
+    rows.append(("tokenize and key, system prompt seen and keyed, new question",
+                 f"{per_call_us(seen_keys, 200):,.0f} µs"))  # fmt: skip
     keys = kvblocks.block_keys(ids, 16)
     for n_eps in (3, 100, 1000):
         index = KvIndex()
@@ -110,8 +135,28 @@ def main() -> None:
         )
         kv.index.apply(full, f"n{i}", time.time())
     profile = ModelProfile(name="m", engine="sim")
-    rows.append(("whole plan (tokenize, key, match, recent, families), 3 endpoints",
-                 f"{per_call_us(lambda: kv.plan(parsed, profile, eps), 200):,.0f} µs"))  # fmt: skip
+
+    assert isinstance(sim, prompts.SimPrompts)
+
+    def cold_plan() -> object:
+        sim.cache = prompts.SimPrompts().cache  # forget every prompt seen
+        return kv.plan(parsed, profile, eps)
+
+    rows.append(("whole plan (tokenize, key, match, recent, families), 3 endpoints, "
+                 "nothing seen before", f"{per_call_us(cold_plan, 200):,.0f} µs"))  # fmt: skip
+    seen = per_call_us(lambda: kv.plan(next(asked), profile, eps), 200)
+    rows.append(("whole plan, 3 endpoints, system prompt seen, new question", f"{seen:,.0f} µs"))
+    # The text index's hashes (llmgw.core.prefix), which the router computes too.
+    text_cold = per_call_us(lambda: block_hashes(parsed.text, 256, 128), 500)
+    rows.append(("text index hashes (256-char blocks), from scratch", f"{text_cold:,.0f} µs"))
+    chat_hashes = ChatHashes()
+
+    def text_seen() -> object:
+        p = next(asked)
+        return chat_hashes.hashes(p.chat, p.text, 256, 128)
+
+    text_warm = per_call_us(text_seen, 200)
+    rows.append(("text index hashes, system prompt seen, new question", f"{text_warm:,.0f} µs"))
 
     # Memory: 1,000,000 resident blocks over 100 endpoints, half of them shared by two.
     tracemalloc.start()
