@@ -108,7 +108,7 @@ come from the code and from requests (a model's name), so the memory is bounded 
 unusual value is simply encoded again."""
 
 
-def _kept(cache: dict[Any, bytes], key: Any, encoded: bytes) -> bytes:
+def keep(cache: dict[Any, bytes], key: Any, encoded: bytes) -> bytes:
     """`encoded`, kept in `cache` under `key` while the cache is under its bound."""
     if len(cache) < _CACHE_BOUND:
         cache[key] = encoded
@@ -116,7 +116,7 @@ def _kept(cache: dict[Any, bytes], key: Any, encoded: bytes) -> bytes:
 
 
 def _key(k: str) -> bytes:
-    return _KEYS.get(k) or _kept(_KEYS, k, _bytes(_T1, _utf8(k)))
+    return _KEYS.get(k) or keep(_KEYS, k, _bytes(_T1, _utf8(k)))
 
 
 def attribute(key: str, value: Attribute) -> bytes:
@@ -131,7 +131,7 @@ def repeated_attribute(key: str, value: Attribute) -> bytes:
     """`attribute`, kept encoded: for values many spans share (a model, an endpoint, a
     status code)."""
     cached = (key, type(value), value)  # True == 1 == 1.0, but each encodes apart
-    return _ATTRIBUTES.get(cached) or _kept(_ATTRIBUTES, cached, attribute(key, value))
+    return _ATTRIBUTES.get(cached) or keep(_ATTRIBUTES, cached, attribute(key, value))
 
 
 _BLOCKS: dict[tuple[tuple[str, Attribute], ...], bytes] = {}
@@ -147,8 +147,34 @@ def repeated_attributes(items: tuple[tuple[str, Attribute], ...]) -> bytes:
         return b"".join(repeated_attribute(k, v) for k, v in items)
     found = _BLOCKS.get(items)
     if found is None:
-        found = _kept(_BLOCKS, items, b"".join(repeated_attribute(k, v) for k, v in items))
+        found = keep(_BLOCKS, items, b"".join(repeated_attribute(k, v) for k, v in items))
     return found
+
+
+_PREFIXES: dict[tuple[str, int, int], bytes] = {}
+
+
+def string_attribute(key: str, value: str) -> bytes:
+    """`attribute(key, value)` for a string that differs from span to span (a request id):
+    all but the value's own bytes depends only on its length, kept encoded per length."""
+    raw = value.encode("utf-8", "replace")  # see _utf8
+    n = len(raw)
+    prefix = _PREFIXES.get((key, 1, n))
+    if prefix is None:
+        prefix = keep(_PREFIXES, (key, 1, n), attribute(key, "x" * n)[:-n] if n else
+                       attribute(key, ""))  # fmt: skip
+    return prefix + raw
+
+
+def int_attribute(key: str, value: int) -> bytes:
+    """`attribute(key, value)` for an int that differs from span to span (a count of
+    tokens): all but the value's varint depends only on the varint's length."""
+    v = _varint(value)
+    n = len(v)
+    prefix = _PREFIXES.get((key, 3, n))
+    if prefix is None:
+        prefix = keep(_PREFIXES, (key, 3, n), attribute(key, value)[:-n])
+    return prefix + v
 
 
 def _key_values(tag: bytes, items: Iterable[tuple[str, Attribute]]) -> bytes:
@@ -186,13 +212,24 @@ _NAMED: dict[tuple[str, int], bytes] = {}
 
 def named(name: str, kind: int) -> bytes:
     """A span's name (5) and kind (6) fields, kept encoded for names that repeat."""
-    return _NAMED.get((name, kind)) or _kept(
+    return _NAMED.get((name, kind)) or keep(
         _NAMED, (name, kind), _bytes(_T5, _utf8(name)) + _KIND + _varint(kind)
     )
 
 
-_TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano 7 and end 8, fixed64 each
-_START_TAG, _END_TAG = _START[0], _END[0]
+TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano 7 and end 8, fixed64 each
+START_TAG, END_TAG = _START[0], _END[0]
+
+
+def status_error(message: str) -> bytes:
+    """A span's status field (15): Status{message 2, code 3} with code ERROR (2)."""
+    return _bytes(_T15, _bytes(_T2, _utf8(message)) + _ERROR)
+
+
+def length_delimited_span(body: bytes) -> bytes:
+    """The tag and length that make `body` (a Span's fields) one of ScopeSpans.spans (2)."""
+    n = len(body)
+    return _T2 + (_ONE_BYTE[n] if n < 128 else _varint(n))
 
 
 def span_field(
@@ -208,9 +245,9 @@ def span_field(
         (
             ids,
             name_kind,
-            _TIMES.pack(_START_TAG, start_ns, _END_TAG, end_ns),
+            TIMES.pack(START_TAG, start_ns, END_TAG, end_ns),
             attributes,
-            _bytes(_T15, _bytes(_T2, _utf8(error)) + _ERROR) if error else b"",
+            status_error(error) if error else b"",
         )
     )
     return _bytes(_T2, body)
@@ -239,7 +276,7 @@ class PlainSpans:
                 _ONE_BYTE[n] if n < 128 else _varint(n),
                 shared,
                 self.name_kind,
-                _ID_TIMES.pack(_SPAN_ID[0], 8, span_id, _START_TAG, start_ns, _END_TAG, end_ns),
+                _ID_TIMES.pack(_SPAN_ID[0], 8, span_id, START_TAG, start_ns, END_TAG, end_ns),
             )
         )
 

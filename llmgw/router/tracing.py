@@ -173,67 +173,89 @@ class RequestTrace:
         """The ended request's spans, encoded for export (OTLP's span fields); `offset_ns`
         is the Unix time, in nanoseconds, of the monotonic clock's zero. The exporter's
         task encodes a batch of requests in one go, off the requests' path
-        (tests/bench/bench_tracing.py measures both)."""
+        (tests/bench/bench_tracing.py measures both). What a request's spans share with
+        other requests' (names, kinds, the model, the endpoint, the status) is looked up
+        already encoded; only ids, times, the request id and the token counts are written
+        per request."""
         ns, off = 1e9, offset_ns
         start, end = int(self.start * ns) + off, int(self.end * ns) + off
         trace = otlp.trace_id_field(self.trace_id)
-        shared = trace + otlp.parent_id_field(self.root_id)
+        root = otlp.span_id_field(self.root_id)
+        shared = trace + otlp.parent_id_field(self.root_id)  # the children's ids but their own
         ids = self.rng.randbytes(32)  # the children's span ids: four at most
         a, b, c, d = ids[:8], ids[8:16], ids[16:24], ids[24:]
-        out = [
-            self._root(trace, start, end),
-            _ADMISSION.field(shared, a if a != _ZERO else _ONE, start,
-                             int(self.admitted * ns) + off if self.admitted else end),
-        ]  # fmt: skip
+        answered = self.answered
+        kind, model, status = self.kind, self.model, self.status
+        fixed = _ROOTS.get((kind, model, status, answered.model if answered else None))
+        if fixed is None:
+            fixed = _root_fixed(kind, model, status, answered)
+        root_body = [trace, root, otlp.parent_id_field(self.parent_id), fixed,
+                     _TIMES.pack(_START_TAG, start, _END_TAG, end),
+                     otlp.string_attribute("llmgw.request_id", self.rid)]  # fmt: skip
+        t_in, t_out = self.tokens
+        if t_in or t_out:
+            root_body.append(otlp.int_attribute("gen_ai.usage.input_tokens", t_in))
+            root_body.append(otlp.int_attribute("gen_ai.usage.output_tokens", t_out))
+        body = b"".join(root_body)
+        admitted = int(self.admitted * ns) + off if self.admitted else end
+        out = [otlp.length_delimited_span(body), body,
+               _ADMISSION.field(shared, a if a != _ZERO else _ONE, start, admitted)]  # fmt: skip
         if self.queue is not None:
             q0, q1 = self.queue
             out.append(_QUEUE.field(shared, b if b != _ZERO else _ONE, int(q0 * ns) + off,
                                     int(q1 * ns) + off))  # fmt: skip
-        answered = self.answered
         if answered is not None and self.first_token:
             first = int(self.first_token * ns) + off
             out.append(_FIRST_TOKEN.field(shared, c if c != _ZERO else _ONE,
                                           int(answered.start * ns) + off, first))  # fmt: skip
             out.append(_COMPLETION.field(shared, d if d != _ZERO else _ONE, first, end))
         for i, at in enumerate(self.attempts, 1):
-            out.append(
-                otlp.span_field(
-                    shared + otlp.span_id_field(at.span_id), _ATTEMPT, int(at.start * ns) + off,
-                    int(at.end * ns) + off if at.end else end, _attempt_attributes(at, i),
-                    at.error,
-                )
-            )  # fmt: skip
+            key = (at.endpoint, at.url, at.model, i, at.error)
+            fixed = _ATTEMPTS.get(key) or _attempt_fixed(key)
+            body = b"".join((
+                shared, otlp.span_id_field(at.span_id), fixed,
+                _TIMES.pack(_START_TAG, int(at.start * ns) + off, _END_TAG,
+                            int(at.end * ns) + off if at.end else end),
+            ))  # fmt: skip
+            out.append(otlp.length_delimited_span(body))
+            out.append(body)
         return b"".join(out)
 
-    def _root(self, trace: bytes, start: int, end: int) -> bytes:
-        """The SERVER span, with the GenAI attributes."""
-        op = tracing.operation(self.kind)
-        model, status = self.model, self.status
-        shared: tuple[tuple[str, str | int], ...] = (
-            ("gen_ai.operation.name", op), ("gen_ai.request.model", model),
-            ("http.response.status_code", status),
-        )  # fmt: skip
-        if self.answered is not None:
-            shared += (("gen_ai.response.model", self.answered.model),)
-        attrs = otlp.repeated_attributes(shared) + otlp.attribute("llmgw.request_id", self.rid)
-        if self.tokens != (0, 0):
-            attrs += otlp.attribute("gen_ai.usage.input_tokens", self.tokens[0])
-            attrs += otlp.attribute("gen_ai.usage.output_tokens", self.tokens[1])
-        return otlp.span_field(
-            trace + otlp.span_id_field(self.root_id) + otlp.parent_id_field(self.parent_id),
-            otlp.named(f"{op} {model}", SPAN_SERVER), start, end, attrs,
-            f"HTTP {status}" if status >= 500 else "",
-        )  # fmt: skip
+
+_ROOTS: dict[tuple[str, str, int, str | None], bytes] = {}
+_ATTEMPTS: dict[tuple[str, str, str, int, str], bytes] = {}
 
 
-def _attempt_attributes(a: _Attempt, number: int) -> bytes:
-    shared: tuple[tuple[str, str | int], ...] = (
-        ("llmgw.endpoint", a.endpoint), ("url.full", a.url), ("gen_ai.request.model", a.model),
+def _root_fixed(kind: str, model: str, status: int, answered: _Attempt | None) -> bytes:
+    """The SERVER span's name, kind, GenAI attributes and status, shared by every request
+    of one kind, model and status answered by one model."""
+    op = tracing.operation(kind)
+    attrs: tuple[tuple[str, str | int], ...] = (
+        ("gen_ai.operation.name", op), ("gen_ai.request.model", model),
+        ("http.response.status_code", status),
+    )  # fmt: skip
+    if answered is not None:
+        attrs += (("gen_ai.response.model", answered.model),)
+    fixed = otlp.named(f"{op} {model}", SPAN_SERVER) + otlp.repeated_attributes(attrs)
+    if status >= 500:
+        fixed += otlp.status_error(f"HTTP {status}")
+    return otlp.keep(_ROOTS, (kind, model, status, answered.model if answered else None), fixed)
+
+
+def _attempt_fixed(key: tuple[str, str, str, int, str]) -> bytes:
+    """An attempt span's name, kind, attributes and status, shared by every attempt of its
+    number on one endpoint for one model that ended the same way."""
+    endpoint, url, model, number, error = key
+    attrs: tuple[tuple[str, str | int], ...] = (
+        ("llmgw.endpoint", endpoint), ("url.full", url), ("gen_ai.request.model", model),
         ("llmgw.attempt", number),
     )  # fmt: skip
-    if a.error:
-        shared += (("error.type", a.error),)
-    return otlp.repeated_attributes(shared)
+    if error:
+        attrs += (("error.type", error),)
+    fixed = _ATTEMPT + otlp.repeated_attributes(attrs)
+    if error:
+        fixed += otlp.status_error(error)
+    return otlp.keep(_ATTEMPTS, key, fixed)
 
 
 _ADMISSION = otlp.PlainSpans("admission", SPAN_INTERNAL)
@@ -241,6 +263,8 @@ _QUEUE = otlp.PlainSpans("queue", SPAN_INTERNAL)
 _FIRST_TOKEN = otlp.PlainSpans("first_token", SPAN_INTERNAL)
 _COMPLETION = otlp.PlainSpans("completion", SPAN_INTERNAL)
 _ATTEMPT = otlp.named("attempt", SPAN_CLIENT)
+_TIMES = otlp.TIMES
+_START_TAG, _END_TAG = otlp.START_TAG, otlp.END_TAG
 _ZERO = bytes(8)
 _ONE = bytes(7) + b"\x01"
 """The span id given for a random draw of zeros, which the spec forbids."""

@@ -196,6 +196,15 @@ def test_attributes_kept_encoded_read_as_those_encoded_afresh(attrs: dict) -> No
             assert block == otlp.attribute("n", 2) + otlp.attribute(k, value)
 
 
+@given(st.text(min_size=1, max_size=20), st.text(max_size=300), st.integers(-(2**63), 2**63 - 1))
+def test_per_span_attributes_read_as_those_encoded_afresh(key: str, text: str, n: int) -> None:
+    """A request id or a token count is written after a prefix kept per length: the same
+    bytes as the attribute encoded whole, whatever its length (twice: kept, then reused)."""
+    for _ in range(2):
+        assert otlp.string_attribute(key, text) == otlp.attribute(key, text)
+        assert otlp.int_attribute(key, n) == otlp.attribute(key, n)
+
+
 async def test_the_exporter_holds_at_most_its_bound_and_a_dead_collector_costs_spans() -> None:
     ex = otlp.Exporter("http://127.0.0.1:9", "svc", max_spans=10, batch=4, timeout_s=2)
     span = Span("ab" * 16, "cd" * 8, "", "x", SPAN_SERVER, 0, 1)
