@@ -14,10 +14,9 @@ The root carries OpenTelemetry's GenAI attributes (`gen_ai.operation.name`,
 `gen_ai.request.model`, `gen_ai.response.model`, `gen_ai.usage.input_tokens`,
 `gen_ai.usage.output_tokens`) beside `http.response.status_code` and
 `llmgw.request_id`. The request path only notes monotonic clock readings in a
-`RequestTrace`; when the request is done it goes to the exporter (llmgw.otlp), whose
-task encodes the spans straight from those readings, in batches, and posts them in the
-background. A router without `traces` has no Tracer, and each request pays one `is None`
-check.
+`RequestTrace`; when the request is done the exporter (llmgw.otlp) encodes the spans
+straight from those readings, and its task posts them in batches in the background. A
+router without `traces` has no Tracer, and each request pays one `is None` check.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ class Tracer:
         else:
             trace_id, parent_id = parent.trace_id, parent.span_id
             state = tracecontext.tracestate(headers)
-        span_id = tracing.span_id_of(bits(64))
+        span_id = _span_id(self._rng)
         return RequestTrace(trace_id, parent_id, span_id, rid, start, state, self._rng)
 
     def finish(
@@ -113,7 +112,7 @@ class _Attempt:
 
 class RequestTrace:
     """A recorded request's clock readings (time.monotonic), turned into spans after its
-    end, by the exporter's task (`encode_spans`)."""
+    end (`encode_spans`)."""
 
     __slots__ = (
         "admitted", "answered", "attempts", "end", "first_token", "kind", "model",
@@ -144,8 +143,7 @@ class RequestTrace:
         """The attempt that answered, once the request ended."""
 
     def attempt_begin(self, endpoint: str, url: str, model: str, now: float) -> None:
-        span = tracing.span_id_of(self.rng.getrandbits(64))
-        self.attempts.append(_Attempt(span, endpoint, url, model, now))
+        self.attempts.append(_Attempt(_span_id(self.rng), endpoint, url, model, now))
 
     def attempt_end(self, error: str, now: float) -> None:
         at = self.attempts[-1]
@@ -165,18 +163,23 @@ class RequestTrace:
         """The request ended at `end`, answered with `status`: how many spans it makes."""
         self.end, self.kind, self.model, self.status = end, kind, model, status
         self.tokens = (tokens_in, tokens_out)
-        self.answered = next((a for a in reversed(self.attempts) if not a.error), None)
-        timed = self.answered is not None and self.first_token
-        return 2 + (self.queue is not None) + len(self.attempts) + (2 if timed else 0)
+        attempts = self.attempts
+        answered = None
+        for at in reversed(attempts):  # the last that did not fail (a loop: no generator)
+            if not at.error:
+                answered = at
+                break
+        self.answered = answered
+        timed = answered is not None and self.first_token
+        return 2 + (self.queue is not None) + len(attempts) + (2 if timed else 0)
 
     def encode_spans(self, offset_ns: int) -> bytes:
         """The ended request's spans, encoded for export (OTLP's span fields); `offset_ns`
-        is the Unix time, in nanoseconds, of the monotonic clock's zero. The exporter's
-        task encodes a batch of requests in one go, off the requests' path
-        (tests/bench/bench_tracing.py measures both). What a request's spans share with
-        other requests' (names, kinds, the model, the endpoint, the status) is looked up
-        already encoded; only ids, times, the request id and the token counts are written
-        per request."""
+        is the Unix time, in nanoseconds, of the monotonic clock's zero. Called as the
+        request ends (tests/bench/bench_tracing.py measures it). What a request's spans
+        share with other requests' (names, kinds, the model, the endpoint, the status) is
+        looked up already encoded; only ids, times, the request id and the token counts
+        are written per request."""
         ns, off = 1e9, offset_ns
         start, end = int(self.start * ns) + off, int(self.end * ns) + off
         trace = otlp.trace_id_field(self.trace_id)
@@ -220,6 +223,12 @@ class RequestTrace:
             out.append(otlp.length_delimited_span(body))
             out.append(body)
         return b"".join(out)
+
+
+def _span_id(rng: random.Random) -> str:
+    """A random span id (never all zeros), as hex."""
+    raw = rng.randbytes(8)
+    return raw.hex() if raw != _ZERO else _ONE.hex()
 
 
 _ROOTS: dict[tuple[str, str, int, str | None], bytes] = {}
