@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import random
+import struct
 from collections.abc import Mapping
 
 from llmgw import logs, otlp
@@ -185,8 +186,6 @@ class RequestTrace:
         trace = otlp.trace_id_field(self.trace_id)
         root = otlp.span_id_field(self.root_id)
         shared = trace + otlp.parent_id_field(self.root_id)  # the children's ids but their own
-        ids = self.rng.randbytes(32)  # the children's span ids: four at most
-        a, b, c, d = ids[:8], ids[8:16], ids[16:24], ids[24:]
         answered = self.answered
         kind, model, status = self.kind, self.model, self.status
         fixed = _ROOTS.get((kind, model, status, answered.model if answered else None))
@@ -200,6 +199,29 @@ class RequestTrace:
             root_body.append(otlp.int_attribute("gen_ai.usage.input_tokens", t_in))
             root_body.append(otlp.int_attribute("gen_ai.usage.output_tokens", t_out))
         body = b"".join(root_body)
+        attempts = self.attempts
+        if len(attempts) == 1 and answered is not None and self.first_token and not self.queue:
+            # The shape of nearly every request: its four other spans in one struct.
+            at = attempts[0]
+            key = (at.endpoint, at.url, at.model, 1, "")
+            head, fixed = _OK_ATTEMPTS.get(key) or _ok_attempt(key)
+            first = int(self.first_token * ns) + off
+            ids = self.rng.randbytes(24)  # the children's span ids
+            a, c, d = ids[:8], ids[8:16], ids[16:]
+            admitted = int(self.admitted * ns) + off if self.admitted else end
+            return b"".join((otlp.length_delimited_span(body), body, _children(len(fixed)).pack(
+                _ADMISSION_HEAD, shared, _ADMISSION_NAMED, a if a != _ZERO else _ONE,
+                _START_TAG, start, _END_TAG, admitted,
+                _FIRST_TOKEN_HEAD, shared, _FIRST_TOKEN_NAMED, c if c != _ZERO else _ONE,
+                _START_TAG, int(at.start * ns) + off, _END_TAG, first,
+                _COMPLETION_HEAD, shared, _COMPLETION_NAMED, d if d != _ZERO else _ONE,
+                _START_TAG, first, _END_TAG, end,
+                head, shared, otlp.span_id_field(at.span_id), fixed,
+                _START_TAG, int(at.start * ns) + off, _END_TAG,
+                int(at.end * ns) + off if at.end else end,
+            )))  # fmt: skip
+        ids = self.rng.randbytes(32)  # the children's span ids: four at most
+        a, b, c, d = ids[:8], ids[8:16], ids[16:24], ids[24:]
         admitted = int(self.admitted * ns) + off if self.admitted else end
         out = [otlp.length_delimited_span(body), body,
                _ADMISSION.field(shared, a if a != _ZERO else _ONE, start, admitted)]  # fmt: skip
@@ -212,7 +234,7 @@ class RequestTrace:
             out.append(_FIRST_TOKEN.field(shared, c if c != _ZERO else _ONE,
                                           int(answered.start * ns) + off, first))  # fmt: skip
             out.append(_COMPLETION.field(shared, d if d != _ZERO else _ONE, first, end))
-        for i, at in enumerate(self.attempts, 1):
+        for i, at in enumerate(attempts, 1):
             key = (at.endpoint, at.url, at.model, i, at.error)
             fixed = _ATTEMPTS.get(key) or _attempt_fixed(key)
             body = b"".join((
@@ -229,6 +251,41 @@ def _span_id(rng: random.Random) -> str:
     """A random span id (never all zeros), as hex."""
     raw = rng.randbytes(8)
     return raw.hex() if raw != _ZERO else _ONE.hex()
+
+
+_SHARED = 28
+"""The length of the fields a request's children share: trace_id (2 + 16 bytes) and
+parent_span_id (2 + 8), the ids being the router's own or a validated client's."""
+_OK_ATTEMPTS: dict[tuple[str, str, str, int, str], tuple[bytes, bytes]] = {}
+_CHILDREN: dict[int, struct.Struct] = {}
+
+
+def _ok_attempt(key: tuple[str, str, str, int, str]) -> tuple[bytes, bytes]:
+    """A first attempt that answered: its span's tag and length, and its fixed fields."""
+    fixed = _ATTEMPTS.get(key) or _attempt_fixed(key)
+    found = (otlp.length_delimited_span(bytes(_SHARED + 10 + len(fixed) + otlp.TIMES.size)), fixed)
+    if len(_OK_ATTEMPTS) < 4096:
+        _OK_ATTEMPTS[key] = found
+    return found
+
+
+def _children(fixed: int) -> struct.Struct:
+    """The struct of a one-attempt request's admission, first_token, completion and
+    attempt spans, the attempt's fixed fields `fixed` bytes long."""
+    found = _CHILDREN.get(fixed)
+    if found is None:
+        plain = "".join(
+            f"{len(head)}s{_SHARED}s{len(named)}s8sBQBQ"
+            for head, named in (
+                (_ADMISSION_HEAD, _ADMISSION_NAMED), (_FIRST_TOKEN_HEAD, _FIRST_TOKEN_NAMED),
+                (_COMPLETION_HEAD, _COMPLETION_NAMED),
+            )
+        )  # fmt: skip
+        head = len(otlp.length_delimited_span(bytes(_SHARED + 10 + fixed + otlp.TIMES.size)))
+        found = struct.Struct(f"<{plain}{head}s{_SHARED}s10s{fixed}sBQBQ")
+        if len(_CHILDREN) < 64:
+            _CHILDREN[fixed] = found
+    return found
 
 
 _ROOTS: dict[tuple[str, str, int, str | None], bytes] = {}
@@ -272,6 +329,18 @@ _QUEUE = otlp.PlainSpans("queue", SPAN_INTERNAL)
 _FIRST_TOKEN = otlp.PlainSpans("first_token", SPAN_INTERNAL)
 _COMPLETION = otlp.PlainSpans("completion", SPAN_INTERNAL)
 _ATTEMPT = otlp.named("attempt", SPAN_CLIENT)
+
+
+def _plain(spans: otlp.PlainSpans) -> tuple[bytes, bytes]:
+    """A child's tag and length, and its name and kind with its span_id's tag and length
+    (the raw id follows), for `_children`."""
+    head = otlp.length_delimited_span(bytes(_SHARED + spans.fixed))
+    return head, spans.name_kind + otlp.span_id_field("01" * 8)[:2]
+
+
+_ADMISSION_HEAD, _ADMISSION_NAMED = _plain(_ADMISSION)
+_FIRST_TOKEN_HEAD, _FIRST_TOKEN_NAMED = _plain(_FIRST_TOKEN)
+_COMPLETION_HEAD, _COMPLETION_NAMED = _plain(_COMPLETION)
 _TIMES = otlp.TIMES
 _START_TAG, _END_TAG = otlp.START_TAG, otlp.END_TAG
 _ZERO = bytes(8)

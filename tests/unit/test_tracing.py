@@ -79,10 +79,13 @@ def test_ids_are_never_all_zeros() -> None:
     assert tracing.span_id_of(1 << 64) != "0" * 16
 
 
-def _trace(attempts: list[tuple[float, float, str]], first_token: float) -> RequestTrace:
+def _trace(
+    attempts: list[tuple[float, float, str]], first_token: float, queued: bool = True
+) -> RequestTrace:
     t = RequestTrace("ab" * 16, "cd" * 8, "ef" * 8, "rid-1", 100.0, "", random.Random(1))
     t.admitted = 100.001
-    t.queue = (100.001, 100.002)
+    if queued:
+        t.queue = (100.001, 100.002)
     for i, (start, end, error) in enumerate(attempts):
         t.attempt_begin(f"e{i}", f"http://e{i}", "m", start)
         t.attempt_end(error, end)
@@ -93,12 +96,14 @@ def _trace(attempts: list[tuple[float, float, str]], first_token: float) -> Requ
 attempt_lists = st.lists(st.sampled_from(["", "status_503", "connect"]), min_size=0, max_size=4)
 
 
-@given(attempt_lists, st.integers(0, 500), st.integers(0, 500), st.booleans())
+@given(attempt_lists, st.integers(0, 500), st.integers(0, 500), st.booleans(), st.booleans())
 def test_every_span_is_in_the_trace_under_its_root_and_inside_it(
-    errors: list[str], tokens_in: int, tokens_out: int, first_token: bool
+    errors: list[str], tokens_in: int, tokens_out: int, first_token: bool, queued: bool
 ) -> None:
+    """Whatever the request's shape (one answered attempt without a queue has a path of
+    its own in the encoder)."""
     attempts = [(100.002 + i * 0.01, 100.009 + i * 0.01, e) for i, e in enumerate(errors)]
-    t = _trace(attempts, 100.05 if first_token else 0.0)
+    t = _trace(attempts, 100.05 if first_token else 0.0, queued)
     count = t.ended(100.1, kind="chat", model="m", status=200, tokens_in=tokens_in,
                     tokens_out=tokens_out)  # fmt: skip
     offset = 1_700_000_000 * 10**9
