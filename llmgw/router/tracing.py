@@ -183,10 +183,14 @@ class RequestTrace:
         are written per request."""
         ns, off = 1e9, offset_ns
         start, end = int(self.start * ns) + off, int(self.end * ns) + off
+        answered, attempts = self.answered, self.attempts
+        if len(attempts) == 1 and answered is not None and self.first_token and not self.queue:
+            spans = self._one_attempt(answered, start, end, off)
+            if spans is not None:
+                return spans
         trace = otlp.trace_id_field(self.trace_id)
         root = otlp.span_id_field(self.root_id)
         shared = trace + otlp.parent_id_field(self.root_id)  # the children's ids but their own
-        answered = self.answered
         kind, model, status = self.kind, self.model, self.status
         fixed = _ROOTS.get((kind, model, status, answered.model if answered else None))
         if fixed is None:
@@ -199,27 +203,6 @@ class RequestTrace:
             root_body.append(otlp.int_attribute("gen_ai.usage.input_tokens", t_in))
             root_body.append(otlp.int_attribute("gen_ai.usage.output_tokens", t_out))
         body = b"".join(root_body)
-        attempts = self.attempts
-        if len(attempts) == 1 and answered is not None and self.first_token and not self.queue:
-            # The shape of nearly every request: its four other spans in one struct.
-            at = attempts[0]
-            key = (at.endpoint, at.url, at.model, 1, "")
-            head, fixed = _OK_ATTEMPTS.get(key) or _ok_attempt(key)
-            first = int(self.first_token * ns) + off
-            ids = self.rng.randbytes(24)  # the children's span ids
-            a, c, d = ids[:8], ids[8:16], ids[16:]
-            admitted = int(self.admitted * ns) + off if self.admitted else end
-            return b"".join((otlp.length_delimited_span(body), body, _children(len(fixed)).pack(
-                _ADMISSION_HEAD, shared, _ADMISSION_NAMED, a if a != _ZERO else _ONE,
-                _START_TAG, start, _END_TAG, admitted,
-                _FIRST_TOKEN_HEAD, shared, _FIRST_TOKEN_NAMED, c if c != _ZERO else _ONE,
-                _START_TAG, int(at.start * ns) + off, _END_TAG, first,
-                _COMPLETION_HEAD, shared, _COMPLETION_NAMED, d if d != _ZERO else _ONE,
-                _START_TAG, first, _END_TAG, end,
-                head, shared, otlp.span_id_field(at.span_id), fixed,
-                _START_TAG, int(at.start * ns) + off, _END_TAG,
-                int(at.end * ns) + off if at.end else end,
-            )))  # fmt: skip
         ids = self.rng.randbytes(32)  # the children's span ids: four at most
         a, b, c, d = ids[:8], ids[8:16], ids[16:24], ids[24:]
         admitted = int(self.admitted * ns) + off if self.admitted else end
@@ -246,6 +229,53 @@ class RequestTrace:
             out.append(body)
         return b"".join(out)
 
+    def _one_attempt(self, at: _Attempt, start: int, end: int, off: int) -> bytes | None:
+        """`encode_spans` for the shape of nearly every request: one attempt, which
+        answered, a first token, no queue. Written in one function from parts kept per
+        shape (`_Shape`), since in a busy router this code runs cold, between requests'
+        other work, and each call and object it touches costs more there than in a loop;
+        None for ids of another size (not the router's own), left to the general path."""
+        trace, root = bytes.fromhex(self.trace_id), bytes.fromhex(self.root_id)
+        parent = bytes.fromhex(self.parent_id) if self.parent_id else b""
+        if len(trace) != 16 or len(root) != 8 or len(parent) not in (0, 8):
+            return None
+        key = (self.kind, self.model, self.status, at.endpoint, at.url, at.model, bool(parent))
+        shape = _SHAPES.get(key) or _shape(key, at)
+        rid = self.rid.encode("utf-8", "replace")  # see otlp._utf8
+        rid_prefix = _RID_PREFIXES.get(len(rid)) or _rid_prefix(len(rid))
+        t_in, t_out = self.tokens
+        if not (t_in or t_out):
+            tokens = b""
+        elif 0 <= t_in < 128 and 0 <= t_out < 128:
+            tokens = _TOKENS_IN[t_in] + _TOKENS_OUT[t_out]
+        else:
+            tokens = otlp.int_attribute(_IN, t_in) + otlp.int_attribute(_OUT, t_out)
+        n = shape.root_len + len(rid_prefix) + len(rid) + len(tokens)
+        if n >= 1 << 14:
+            return None  # a client's request id of kilobytes: its length takes 3 bytes
+        ns = 1e9
+        first = int(self.first_token * ns) + off
+        sent = int(at.start * ns) + off
+        ids = self.rng.randbytes(24)  # the children's span ids
+        a, c, d = ids[:8], ids[8:16], ids[16:]
+        shared = _TRACE_ID + trace + _PARENT_ID + root
+        return b"".join((
+            _T2 + bytes((n,)) if n < 128 else _T2 + bytes((n & 127 | 128, n >> 7)),
+            _TRACE_ID, trace, _SPAN_ID, root, _PARENT_ID + parent if parent else b"",
+            _TIMES.pack(_START_TAG, start, _END_TAG, end), shape.root, rid_prefix, rid, tokens,
+            shape.children.pack(
+                _ADMISSION_HEAD, shared, _ADMISSION_NAMED, a if a != _ZERO else _ONE,
+                _START_TAG, start, _END_TAG,
+                int(self.admitted * ns) + off if self.admitted else end,
+                _FIRST_TOKEN_HEAD, shared, _FIRST_TOKEN_NAMED, c if c != _ZERO else _ONE,
+                _START_TAG, sent, _END_TAG, first,
+                _COMPLETION_HEAD, shared, _COMPLETION_NAMED, d if d != _ZERO else _ONE,
+                _START_TAG, first, _END_TAG, end,
+                shape.attempt_head, shared, _SPAN_ID + bytes.fromhex(at.span_id), shape.attempt,
+                _START_TAG, sent, _END_TAG, int(at.end * ns) + off if at.end else end,
+            ),
+        ))  # fmt: skip
+
 
 def _span_id(rng: random.Random) -> str:
     """A random span id (never all zeros), as hex."""
@@ -257,6 +287,51 @@ _SHARED = 28
 """The length of the fields a request's children share: trace_id (2 + 16 bytes) and
 parent_span_id (2 + 8), the ids being the router's own or a validated client's."""
 _OK_ATTEMPTS: dict[tuple[str, str, str, int, str], tuple[bytes, bytes]] = {}
+_SHAPES: dict[tuple[str, str, int, str, str, str, bool], _Shape] = {}
+_RID_PREFIXES: dict[int, bytes] = {}
+_IN, _OUT = "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"
+_TOKENS_IN = [otlp.attribute(_IN, n) for n in range(128)]
+_TOKENS_OUT = [otlp.attribute(_OUT, n) for n in range(128)]
+"""Token counts under 128 (one byte's varint), encoded: most answers' output, many
+prompts."""
+
+
+class _Shape:
+    """What every one-attempt request of one kind, model, status, endpoint (and with or
+    without a client's parent) shares, encoded: the root's name, kind, attributes and
+    status and its length without the request id and tokens, the attempt's span head and
+    fields, and the struct of the four children."""
+
+    __slots__ = ("attempt", "attempt_head", "children", "root", "root_len")
+
+    def __init__(self, root: bytes, parent: bool, attempt_head: bytes, attempt: bytes) -> None:
+        self.root = root
+        self.root_len = 18 + 10 + (10 if parent else 0) + _TIMES.size + len(root)
+        self.attempt_head, self.attempt = attempt_head, attempt
+        self.children = _children(len(attempt))
+
+
+def _shape(key: tuple[str, str, int, str, str, str, bool], at: _Attempt) -> _Shape:
+    kind, model, status, endpoint, url, at_model, parent = key
+    root = _ROOTS.get((kind, model, status, at.model)) or _root_fixed(kind, model, status, at)
+    head, fixed = _OK_ATTEMPTS.get((endpoint, url, at_model, 1, "")) or _ok_attempt(
+        (endpoint, url, at_model, 1, "")
+    )
+    shape = _Shape(root, parent, head, fixed)
+    if len(_SHAPES) < 4096:
+        _SHAPES[key] = shape
+    return shape
+
+
+def _rid_prefix(n: int) -> bytes:
+    """The request id attribute's bytes before an id of `n` bytes."""
+    whole = otlp.attribute("llmgw.request_id", "x" * n)
+    prefix = whole[: len(whole) - n]
+    if len(_RID_PREFIXES) < 4096:
+        _RID_PREFIXES[n] = prefix
+    return prefix
+
+
 _CHILDREN: dict[int, struct.Struct] = {}
 
 
@@ -343,6 +418,10 @@ _FIRST_TOKEN_HEAD, _FIRST_TOKEN_NAMED = _plain(_FIRST_TOKEN)
 _COMPLETION_HEAD, _COMPLETION_NAMED = _plain(_COMPLETION)
 _TIMES = otlp.TIMES
 _START_TAG, _END_TAG = otlp.START_TAG, otlp.END_TAG
+_T2 = otlp.length_delimited_span(b"")[:1]
+_TRACE_ID = otlp.trace_id_field("01" * 16)[:2]
+_SPAN_ID = otlp.span_id_field("01" * 8)[:2]
+_PARENT_ID = otlp.parent_id_field("01" * 8)[:2]
 _ZERO = bytes(8)
 _ONE = bytes(7) + b"\x01"
 """The span id given for a random draw of zeros, which the spec forbids."""

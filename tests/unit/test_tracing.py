@@ -135,6 +135,34 @@ def test_every_span_is_in_the_trace_under_its_root_and_inside_it(
         assert root.attributes["gen_ai.usage.output_tokens"] == tokens_out
 
 
+@pytest.mark.parametrize("rid", ["", "r", "é" * 40, "x" * 300, "y" * 20_000])
+@pytest.mark.parametrize("tokens", [(0, 0), (3, 5), (3, 300), (200, 1)])
+@pytest.mark.parametrize("parent", ["", "cd" * 8])
+def test_a_one_attempt_request_encodes_whatever_its_ids_length_and_counts(
+    rid: str, tokens: tuple[int, int], parent: str
+) -> None:
+    """The common shape's own path (one answered attempt, no queue): request ids of any
+    length (the longest take the general path), token counts of one and two bytes, a
+    root with and without a client's parent, an error status."""
+    t = _trace([(100.002, 100.009, "")], 100.05, queued=False)
+    t.rid, t.parent_id = rid, parent
+    t.ended(100.1, kind="chat", model="m", status=503, tokens_in=tokens[0], tokens_out=tokens[1])
+    spans = decode(otlp.encode_fields(t.encode_spans(0), "svc"))
+    root = spans[0]
+    assert (root.name, root.parent_id, root.error) == ("chat m", parent, "HTTP 503")
+    assert root.attributes["llmgw.request_id"] == rid
+    if tokens != (0, 0):
+        got = (root.attributes["gen_ai.usage.input_tokens"],
+               root.attributes["gen_ai.usage.output_tokens"])  # fmt: skip
+        assert got == tokens
+    assert sorted(s.name for s in spans[1:]) == ["admission", "attempt", "completion",
+                                                  "first_token"]  # fmt: skip
+    assert all(s.parent_id == root.span_id and s.trace_id == "ab" * 16 for s in spans[1:])
+    (attempt,) = [s for s in spans if s.name == "attempt"]
+    assert attempt.span_id == t.attempts[0].span_id
+    assert (attempt.start_ns, attempt.end_ns) == (100_002_000_000, 100_009_000_000)
+
+
 def test_an_attempts_headers_name_its_own_span_and_keep_the_clients_state() -> None:
     t = RequestTrace("ab" * 16, "cd" * 8, "ef" * 8, "r", 1.0, "vendor=x", random.Random(2))
     t.attempt_begin("e", "http://e", "m", 1.0)
