@@ -14,9 +14,10 @@ The root carries OpenTelemetry's GenAI attributes (`gen_ai.operation.name`,
 `gen_ai.request.model`, `gen_ai.response.model`, `gen_ai.usage.input_tokens`,
 `gen_ai.usage.output_tokens`) beside `http.response.status_code` and
 `llmgw.request_id`. The request path only notes monotonic clock readings in a
-`RequestTrace`; when the request is done the exporter (llmgw.otlp) encodes the spans
-straight from those readings, and its task posts them in batches in the background. A
-router without `traces` has no Tracer, and each request pays one `is None` check.
+`RequestTrace`; when the request is done it goes to the exporter (llmgw.otlp), whose
+task encodes the spans straight from those readings, in batches, and posts them in the
+background. A router without `traces` has no Tracer, and each request pays one `is None`
+check.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class _Attempt:
 
 class RequestTrace:
     """A recorded request's clock readings (time.monotonic), turned into spans after its
-    end (`encode_spans`)."""
+    end, by the exporter's task (`encode_spans`)."""
 
     __slots__ = (
         "admitted", "answered", "attempts", "end", "first_token", "kind", "model",
@@ -176,11 +177,12 @@ class RequestTrace:
 
     def encode_spans(self, offset_ns: int) -> bytes:
         """The ended request's spans, encoded for export (OTLP's span fields); `offset_ns`
-        is the Unix time, in nanoseconds, of the monotonic clock's zero. Called as the
-        request ends (tests/bench/bench_tracing.py measures it). What a request's spans
-        share with other requests' (names, kinds, the model, the endpoint, the status) is
-        looked up already encoded; only ids, times, the request id and the token counts
-        are written per request."""
+        is the Unix time, in nanoseconds, of the monotonic clock's zero. The exporter's
+        task encodes a batch of requests in one go, off the requests' path
+        (tests/bench/bench_tracing.py measures both). What a request's spans share with
+        other requests' (names, kinds, the model, the endpoint, the status) is looked up
+        already encoded; only ids, times, the request id and the token counts are written
+        per request."""
         ns, off = 1e9, offset_ns
         start, end = int(self.start * ns) + off, int(self.end * ns) + off
         answered, attempts = self.answered, self.attempts
@@ -232,8 +234,8 @@ class RequestTrace:
     def _one_attempt(self, at: _Attempt, start: int, end: int, off: int) -> bytes | None:
         """`encode_spans` for the shape of nearly every request: one attempt, which
         answered, a first token, no queue. Written in one function from parts kept per
-        shape (`_Shape`), since in a busy router this code runs cold, between requests'
-        other work, and each call and object it touches costs more there than in a loop;
+        shape (`_Shape`): each call and object it touches costs more in a busy router than
+        in a loop (measured with the thread's CPU clock under load);
         None for ids of another size (not the router's own), left to the general path."""
         trace, root = bytes.fromhex(self.trace_id), bytes.fromhex(self.root_id)
         parent = bytes.fromhex(self.parent_id) if self.parent_id else b""
