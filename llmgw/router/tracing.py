@@ -137,12 +137,16 @@ class RequestTrace:
         self.queue: tuple[float, float] | None = None
         self.attempts: list[_Attempt] = []
         self.first_token = 0.0
-        self.end = 0.0
-        self.kind = self.model = ""
-        self.status = 0
-        self.tokens = (0, 0)
-        self.answered: _Attempt | None = None
-        """The attempt that answered, once the request ended."""
+        # end, kind, model, status, tokens and answered are set by `ended`, which always
+        # comes before `encode_spans`: a traced request writes six fields fewer.
+
+    end: float
+    kind: str
+    model: str
+    status: int
+    tokens: tuple[int, int]
+    answered: _Attempt | None
+    """The attempt that answered, once the request ended."""
 
     def attempt_begin(self, endpoint: str, url: str, model: str, now: float) -> None:
         self.attempts.append(_Attempt(_span_id(self.rng), endpoint, url, model, now))
