@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import random
+import struct
 from collections.abc import Mapping
 
 from llmgw import logs, otlp
@@ -63,7 +64,7 @@ class Tracer:
         else:
             trace_id, parent_id = parent.trace_id, parent.span_id
             state = tracecontext.tracestate(headers)
-        span_id = tracing.span_id_of(bits(64))
+        span_id = _span_id(self._rng)
         return RequestTrace(trace_id, parent_id, span_id, rid, start, state, self._rng)
 
     def finish(
@@ -136,16 +137,19 @@ class RequestTrace:
         self.queue: tuple[float, float] | None = None
         self.attempts: list[_Attempt] = []
         self.first_token = 0.0
-        self.end = 0.0
-        self.kind = self.model = ""
-        self.status = 0
-        self.tokens = (0, 0)
-        self.answered: _Attempt | None = None
-        """The attempt that answered, once the request ended."""
+        # end, kind, model, status, tokens and answered are set by `ended`, which always
+        # comes before `encode_spans`: a traced request writes six fields fewer.
+
+    end: float
+    kind: str
+    model: str
+    status: int
+    tokens: tuple[int, int]
+    answered: _Attempt | None
+    """The attempt that answered, once the request ended."""
 
     def attempt_begin(self, endpoint: str, url: str, model: str, now: float) -> None:
-        span = tracing.span_id_of(self.rng.getrandbits(64))
-        self.attempts.append(_Attempt(span, endpoint, url, model, now))
+        self.attempts.append(_Attempt(_span_id(self.rng), endpoint, url, model, now))
 
     def attempt_end(self, error: str, now: float) -> None:
         at = self.attempts[-1]
@@ -165,75 +169,240 @@ class RequestTrace:
         """The request ended at `end`, answered with `status`: how many spans it makes."""
         self.end, self.kind, self.model, self.status = end, kind, model, status
         self.tokens = (tokens_in, tokens_out)
-        self.answered = next((a for a in reversed(self.attempts) if not a.error), None)
-        timed = self.answered is not None and self.first_token
-        return 2 + (self.queue is not None) + len(self.attempts) + (2 if timed else 0)
+        attempts = self.attempts
+        answered = None
+        for at in reversed(attempts):  # the last that did not fail (a loop: no generator)
+            if not at.error:
+                answered = at
+                break
+        self.answered = answered
+        timed = answered is not None and self.first_token
+        return 2 + (self.queue is not None) + len(attempts) + (2 if timed else 0)
 
     def encode_spans(self, offset_ns: int) -> bytes:
         """The ended request's spans, encoded for export (OTLP's span fields); `offset_ns`
         is the Unix time, in nanoseconds, of the monotonic clock's zero. The exporter's
         task encodes a batch of requests in one go, off the requests' path
-        (tests/bench/bench_tracing.py measures both)."""
+        (tests/bench/bench_tracing.py measures both). What a request's spans share with
+        other requests' (names, kinds, the model, the endpoint, the status) is looked up
+        already encoded; only ids, times, the request id and the token counts are written
+        per request."""
         ns, off = 1e9, offset_ns
         start, end = int(self.start * ns) + off, int(self.end * ns) + off
+        answered, attempts = self.answered, self.attempts
+        if len(attempts) == 1 and answered is not None and self.first_token and not self.queue:
+            spans = self._one_attempt(answered, start, end, off)
+            if spans is not None:
+                return spans
         trace = otlp.trace_id_field(self.trace_id)
-        shared = trace + otlp.parent_id_field(self.root_id)
+        root = otlp.span_id_field(self.root_id)
+        shared = trace + otlp.parent_id_field(self.root_id)  # the children's ids but their own
+        kind, model, status = self.kind, self.model, self.status
+        fixed = _ROOTS.get((kind, model, status, answered.model if answered else None))
+        if fixed is None:
+            fixed = _root_fixed(kind, model, status, answered)
+        root_body = [trace, root, otlp.parent_id_field(self.parent_id), fixed,
+                     _TIMES.pack(_START_TAG, start, _END_TAG, end),
+                     otlp.string_attribute("llmgw.request_id", self.rid)]  # fmt: skip
+        t_in, t_out = self.tokens
+        if t_in or t_out:
+            root_body.append(otlp.int_attribute("gen_ai.usage.input_tokens", t_in))
+            root_body.append(otlp.int_attribute("gen_ai.usage.output_tokens", t_out))
+        body = b"".join(root_body)
         ids = self.rng.randbytes(32)  # the children's span ids: four at most
         a, b, c, d = ids[:8], ids[8:16], ids[16:24], ids[24:]
-        out = [
-            self._root(trace, start, end),
-            _ADMISSION.field(shared, a if a != _ZERO else _ONE, start,
-                             int(self.admitted * ns) + off if self.admitted else end),
-        ]  # fmt: skip
+        admitted = int(self.admitted * ns) + off if self.admitted else end
+        out = [otlp.length_delimited_span(body), body,
+               _ADMISSION.field(shared, a if a != _ZERO else _ONE, start, admitted)]  # fmt: skip
         if self.queue is not None:
             q0, q1 = self.queue
             out.append(_QUEUE.field(shared, b if b != _ZERO else _ONE, int(q0 * ns) + off,
                                     int(q1 * ns) + off))  # fmt: skip
-        answered = self.answered
         if answered is not None and self.first_token:
             first = int(self.first_token * ns) + off
             out.append(_FIRST_TOKEN.field(shared, c if c != _ZERO else _ONE,
                                           int(answered.start * ns) + off, first))  # fmt: skip
             out.append(_COMPLETION.field(shared, d if d != _ZERO else _ONE, first, end))
-        for i, at in enumerate(self.attempts, 1):
-            out.append(
-                otlp.span_field(
-                    shared + otlp.span_id_field(at.span_id), _ATTEMPT, int(at.start * ns) + off,
-                    int(at.end * ns) + off if at.end else end, _attempt_attributes(at, i),
-                    at.error,
-                )
-            )  # fmt: skip
+        for i, at in enumerate(attempts, 1):
+            key = (at.endpoint, at.url, at.model, i, at.error)
+            fixed = _ATTEMPTS.get(key) or _attempt_fixed(key)
+            body = b"".join((
+                shared, otlp.span_id_field(at.span_id), fixed,
+                _TIMES.pack(_START_TAG, int(at.start * ns) + off, _END_TAG,
+                            int(at.end * ns) + off if at.end else end),
+            ))  # fmt: skip
+            out.append(otlp.length_delimited_span(body))
+            out.append(body)
         return b"".join(out)
 
-    def _root(self, trace: bytes, start: int, end: int) -> bytes:
-        """The SERVER span, with the GenAI attributes."""
-        op = tracing.operation(self.kind)
-        model, status = self.model, self.status
-        shared: tuple[tuple[str, str | int], ...] = (
-            ("gen_ai.operation.name", op), ("gen_ai.request.model", model),
-            ("http.response.status_code", status),
-        )  # fmt: skip
-        if self.answered is not None:
-            shared += (("gen_ai.response.model", self.answered.model),)
-        attrs = otlp.repeated_attributes(shared) + otlp.attribute("llmgw.request_id", self.rid)
-        if self.tokens != (0, 0):
-            attrs += otlp.attribute("gen_ai.usage.input_tokens", self.tokens[0])
-            attrs += otlp.attribute("gen_ai.usage.output_tokens", self.tokens[1])
-        return otlp.span_field(
-            trace + otlp.span_id_field(self.root_id) + otlp.parent_id_field(self.parent_id),
-            otlp.named(f"{op} {model}", SPAN_SERVER), start, end, attrs,
-            f"HTTP {status}" if status >= 500 else "",
-        )  # fmt: skip
+    def _one_attempt(self, at: _Attempt, start: int, end: int, off: int) -> bytes | None:
+        """`encode_spans` for the shape of nearly every request: one attempt, which
+        answered, a first token, no queue. Written in one function from parts kept per
+        shape (`_Shape`): each call and object it touches costs more in a busy router than
+        in a loop (measured with the thread's CPU clock under load);
+        None for ids of another size (not the router's own), left to the general path."""
+        trace, root = bytes.fromhex(self.trace_id), bytes.fromhex(self.root_id)
+        parent = bytes.fromhex(self.parent_id) if self.parent_id else b""
+        if len(trace) != 16 or len(root) != 8 or len(parent) not in (0, 8):
+            return None
+        key = (self.kind, self.model, self.status, at.endpoint, at.url, at.model, bool(parent))
+        shape = _SHAPES.get(key) or _shape(key, at)
+        rid = self.rid.encode("utf-8", "replace")  # see otlp._utf8
+        rid_prefix = _RID_PREFIXES.get(len(rid)) or _rid_prefix(len(rid))
+        t_in, t_out = self.tokens
+        if not (t_in or t_out):
+            tokens = b""
+        elif 0 <= t_in < 128 and 0 <= t_out < 128:
+            tokens = _TOKENS_IN[t_in] + _TOKENS_OUT[t_out]
+        else:
+            tokens = otlp.int_attribute(_IN, t_in) + otlp.int_attribute(_OUT, t_out)
+        n = shape.root_len + len(rid_prefix) + len(rid) + len(tokens)
+        if n >= 1 << 14:
+            return None  # a client's request id of kilobytes: its length takes 3 bytes
+        ns = 1e9
+        first = int(self.first_token * ns) + off
+        sent = int(at.start * ns) + off
+        ids = self.rng.randbytes(24)  # the children's span ids
+        a, c, d = ids[:8], ids[8:16], ids[16:]
+        shared = _TRACE_ID + trace + _PARENT_ID + root
+        return b"".join((
+            _T2 + bytes((n,)) if n < 128 else _T2 + bytes((n & 127 | 128, n >> 7)),
+            _TRACE_ID, trace, _SPAN_ID, root, _PARENT_ID + parent if parent else b"",
+            _TIMES.pack(_START_TAG, start, _END_TAG, end), shape.root, rid_prefix, rid, tokens,
+            shape.children.pack(
+                _ADMISSION_HEAD, shared, _ADMISSION_NAMED, a if a != _ZERO else _ONE,
+                _START_TAG, start, _END_TAG,
+                int(self.admitted * ns) + off if self.admitted else end,
+                _FIRST_TOKEN_HEAD, shared, _FIRST_TOKEN_NAMED, c if c != _ZERO else _ONE,
+                _START_TAG, sent, _END_TAG, first,
+                _COMPLETION_HEAD, shared, _COMPLETION_NAMED, d if d != _ZERO else _ONE,
+                _START_TAG, first, _END_TAG, end,
+                shape.attempt_head, shared, _SPAN_ID + bytes.fromhex(at.span_id), shape.attempt,
+                _START_TAG, sent, _END_TAG, int(at.end * ns) + off if at.end else end,
+            ),
+        ))  # fmt: skip
 
 
-def _attempt_attributes(a: _Attempt, number: int) -> bytes:
-    shared: tuple[tuple[str, str | int], ...] = (
-        ("llmgw.endpoint", a.endpoint), ("url.full", a.url), ("gen_ai.request.model", a.model),
+def _span_id(rng: random.Random) -> str:
+    """A random span id (never all zeros), as hex."""
+    raw = rng.randbytes(8)
+    return raw.hex() if raw != _ZERO else _ONE.hex()
+
+
+_SHARED = 28
+"""The length of the fields a request's children share: trace_id (2 + 16 bytes) and
+parent_span_id (2 + 8), the ids being the router's own or a validated client's."""
+_OK_ATTEMPTS: dict[tuple[str, str, str, int, str], tuple[bytes, bytes]] = {}
+_SHAPES: dict[tuple[str, str, int, str, str, str, bool], _Shape] = {}
+_RID_PREFIXES: dict[int, bytes] = {}
+_IN, _OUT = "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"
+_TOKENS_IN = [otlp.attribute(_IN, n) for n in range(128)]
+_TOKENS_OUT = [otlp.attribute(_OUT, n) for n in range(128)]
+"""Token counts under 128 (one byte's varint), encoded: most answers' output, many
+prompts."""
+
+
+class _Shape:
+    """What every one-attempt request of one kind, model, status, endpoint (and with or
+    without a client's parent) shares, encoded: the root's name, kind, attributes and
+    status and its length without the request id and tokens, the attempt's span head and
+    fields, and the struct of the four children."""
+
+    __slots__ = ("attempt", "attempt_head", "children", "root", "root_len")
+
+    def __init__(self, root: bytes, parent: bool, attempt_head: bytes, attempt: bytes) -> None:
+        self.root = root
+        self.root_len = 18 + 10 + (10 if parent else 0) + _TIMES.size + len(root)
+        self.attempt_head, self.attempt = attempt_head, attempt
+        self.children = _children(len(attempt))
+
+
+def _shape(key: tuple[str, str, int, str, str, str, bool], at: _Attempt) -> _Shape:
+    kind, model, status, endpoint, url, at_model, parent = key
+    root = _ROOTS.get((kind, model, status, at.model)) or _root_fixed(kind, model, status, at)
+    head, fixed = _OK_ATTEMPTS.get((endpoint, url, at_model, 1, "")) or _ok_attempt(
+        (endpoint, url, at_model, 1, "")
+    )
+    shape = _Shape(root, parent, head, fixed)
+    if len(_SHAPES) < 4096:
+        _SHAPES[key] = shape
+    return shape
+
+
+def _rid_prefix(n: int) -> bytes:
+    """The request id attribute's bytes before an id of `n` bytes."""
+    whole = otlp.attribute("llmgw.request_id", "x" * n)
+    prefix = whole[: len(whole) - n]
+    if len(_RID_PREFIXES) < 4096:
+        _RID_PREFIXES[n] = prefix
+    return prefix
+
+
+_CHILDREN: dict[int, struct.Struct] = {}
+
+
+def _ok_attempt(key: tuple[str, str, str, int, str]) -> tuple[bytes, bytes]:
+    """A first attempt that answered: its span's tag and length, and its fixed fields."""
+    fixed = _ATTEMPTS.get(key) or _attempt_fixed(key)
+    found = (otlp.length_delimited_span(bytes(_SHARED + 10 + len(fixed) + otlp.TIMES.size)), fixed)
+    if len(_OK_ATTEMPTS) < 4096:
+        _OK_ATTEMPTS[key] = found
+    return found
+
+
+def _children(fixed: int) -> struct.Struct:
+    """The struct of a one-attempt request's admission, first_token, completion and
+    attempt spans, the attempt's fixed fields `fixed` bytes long."""
+    found = _CHILDREN.get(fixed)
+    if found is None:
+        plain = "".join(
+            f"{len(head)}s{_SHARED}s{len(named)}s8sBQBQ"
+            for head, named in (
+                (_ADMISSION_HEAD, _ADMISSION_NAMED), (_FIRST_TOKEN_HEAD, _FIRST_TOKEN_NAMED),
+                (_COMPLETION_HEAD, _COMPLETION_NAMED),
+            )
+        )  # fmt: skip
+        head = len(otlp.length_delimited_span(bytes(_SHARED + 10 + fixed + otlp.TIMES.size)))
+        found = struct.Struct(f"<{plain}{head}s{_SHARED}s10s{fixed}sBQBQ")
+        if len(_CHILDREN) < 64:
+            _CHILDREN[fixed] = found
+    return found
+
+
+_ROOTS: dict[tuple[str, str, int, str | None], bytes] = {}
+_ATTEMPTS: dict[tuple[str, str, str, int, str], bytes] = {}
+
+
+def _root_fixed(kind: str, model: str, status: int, answered: _Attempt | None) -> bytes:
+    """The SERVER span's name, kind, GenAI attributes and status, shared by every request
+    of one kind, model and status answered by one model."""
+    op = tracing.operation(kind)
+    attrs: tuple[tuple[str, str | int], ...] = (
+        ("gen_ai.operation.name", op), ("gen_ai.request.model", model),
+        ("http.response.status_code", status),
+    )  # fmt: skip
+    if answered is not None:
+        attrs += (("gen_ai.response.model", answered.model),)
+    fixed = otlp.named(f"{op} {model}", SPAN_SERVER) + otlp.repeated_attributes(attrs)
+    if status >= 500:
+        fixed += otlp.status_error(f"HTTP {status}")
+    return otlp.keep(_ROOTS, (kind, model, status, answered.model if answered else None), fixed)
+
+
+def _attempt_fixed(key: tuple[str, str, str, int, str]) -> bytes:
+    """An attempt span's name, kind, attributes and status, shared by every attempt of its
+    number on one endpoint for one model that ended the same way."""
+    endpoint, url, model, number, error = key
+    attrs: tuple[tuple[str, str | int], ...] = (
+        ("llmgw.endpoint", endpoint), ("url.full", url), ("gen_ai.request.model", model),
         ("llmgw.attempt", number),
     )  # fmt: skip
-    if a.error:
-        shared += (("error.type", a.error),)
-    return otlp.repeated_attributes(shared)
+    if error:
+        attrs += (("error.type", error),)
+    fixed = _ATTEMPT + otlp.repeated_attributes(attrs)
+    if error:
+        fixed += otlp.status_error(error)
+    return otlp.keep(_ATTEMPTS, key, fixed)
 
 
 _ADMISSION = otlp.PlainSpans("admission", SPAN_INTERNAL)
@@ -241,6 +410,24 @@ _QUEUE = otlp.PlainSpans("queue", SPAN_INTERNAL)
 _FIRST_TOKEN = otlp.PlainSpans("first_token", SPAN_INTERNAL)
 _COMPLETION = otlp.PlainSpans("completion", SPAN_INTERNAL)
 _ATTEMPT = otlp.named("attempt", SPAN_CLIENT)
+
+
+def _plain(spans: otlp.PlainSpans) -> tuple[bytes, bytes]:
+    """A child's tag and length, and its name and kind with its span_id's tag and length
+    (the raw id follows), for `_children`."""
+    head = otlp.length_delimited_span(bytes(_SHARED + spans.fixed))
+    return head, spans.name_kind + otlp.span_id_field("01" * 8)[:2]
+
+
+_ADMISSION_HEAD, _ADMISSION_NAMED = _plain(_ADMISSION)
+_FIRST_TOKEN_HEAD, _FIRST_TOKEN_NAMED = _plain(_FIRST_TOKEN)
+_COMPLETION_HEAD, _COMPLETION_NAMED = _plain(_COMPLETION)
+_TIMES = otlp.TIMES
+_START_TAG, _END_TAG = otlp.START_TAG, otlp.END_TAG
+_T2 = otlp.length_delimited_span(b"")[:1]
+_TRACE_ID = otlp.trace_id_field("01" * 16)[:2]
+_SPAN_ID = otlp.span_id_field("01" * 8)[:2]
+_PARENT_ID = otlp.parent_id_field("01" * 8)[:2]
 _ZERO = bytes(8)
 _ONE = bytes(7) + b"\x01"
 """The span id given for a random draw of zeros, which the spec forbids."""

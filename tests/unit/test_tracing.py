@@ -79,10 +79,13 @@ def test_ids_are_never_all_zeros() -> None:
     assert tracing.span_id_of(1 << 64) != "0" * 16
 
 
-def _trace(attempts: list[tuple[float, float, str]], first_token: float) -> RequestTrace:
+def _trace(
+    attempts: list[tuple[float, float, str]], first_token: float, queued: bool = True
+) -> RequestTrace:
     t = RequestTrace("ab" * 16, "cd" * 8, "ef" * 8, "rid-1", 100.0, "", random.Random(1))
     t.admitted = 100.001
-    t.queue = (100.001, 100.002)
+    if queued:
+        t.queue = (100.001, 100.002)
     for i, (start, end, error) in enumerate(attempts):
         t.attempt_begin(f"e{i}", f"http://e{i}", "m", start)
         t.attempt_end(error, end)
@@ -93,12 +96,14 @@ def _trace(attempts: list[tuple[float, float, str]], first_token: float) -> Requ
 attempt_lists = st.lists(st.sampled_from(["", "status_503", "connect"]), min_size=0, max_size=4)
 
 
-@given(attempt_lists, st.integers(0, 500), st.integers(0, 500), st.booleans())
+@given(attempt_lists, st.integers(0, 500), st.integers(0, 500), st.booleans(), st.booleans())
 def test_every_span_is_in_the_trace_under_its_root_and_inside_it(
-    errors: list[str], tokens_in: int, tokens_out: int, first_token: bool
+    errors: list[str], tokens_in: int, tokens_out: int, first_token: bool, queued: bool
 ) -> None:
+    """Whatever the request's shape (one answered attempt without a queue has a path of
+    its own in the encoder)."""
     attempts = [(100.002 + i * 0.01, 100.009 + i * 0.01, e) for i, e in enumerate(errors)]
-    t = _trace(attempts, 100.05 if first_token else 0.0)
+    t = _trace(attempts, 100.05 if first_token else 0.0, queued)
     count = t.ended(100.1, kind="chat", model="m", status=200, tokens_in=tokens_in,
                     tokens_out=tokens_out)  # fmt: skip
     offset = 1_700_000_000 * 10**9
@@ -128,6 +133,34 @@ def test_every_span_is_in_the_trace_under_its_root_and_inside_it(
     assert any(s.name == "completion" for s in spans) is (answered and first_token)
     if tokens_in or tokens_out:
         assert root.attributes["gen_ai.usage.output_tokens"] == tokens_out
+
+
+@pytest.mark.parametrize("rid", ["", "r", "é" * 40, "x" * 300, "y" * 20_000])
+@pytest.mark.parametrize("tokens", [(0, 0), (3, 5), (3, 300), (200, 1)])
+@pytest.mark.parametrize("parent", ["", "cd" * 8])
+def test_a_one_attempt_request_encodes_whatever_its_ids_length_and_counts(
+    rid: str, tokens: tuple[int, int], parent: str
+) -> None:
+    """The common shape's own path (one answered attempt, no queue): request ids of any
+    length (the longest take the general path), token counts of one and two bytes, a
+    root with and without a client's parent, an error status."""
+    t = _trace([(100.002, 100.009, "")], 100.05, queued=False)
+    t.rid, t.parent_id = rid, parent
+    t.ended(100.1, kind="chat", model="m", status=503, tokens_in=tokens[0], tokens_out=tokens[1])
+    spans = decode(otlp.encode_fields(t.encode_spans(0), "svc"))
+    root = spans[0]
+    assert (root.name, root.parent_id, root.error) == ("chat m", parent, "HTTP 503")
+    assert root.attributes["llmgw.request_id"] == rid
+    if tokens != (0, 0):
+        got = (root.attributes["gen_ai.usage.input_tokens"],
+               root.attributes["gen_ai.usage.output_tokens"])  # fmt: skip
+        assert got == tokens
+    assert sorted(s.name for s in spans[1:]) == ["admission", "attempt", "completion",
+                                                  "first_token"]  # fmt: skip
+    assert all(s.parent_id == root.span_id and s.trace_id == "ab" * 16 for s in spans[1:])
+    (attempt,) = [s for s in spans if s.name == "attempt"]
+    assert attempt.span_id == t.attempts[0].span_id
+    assert (attempt.start_ns, attempt.end_ns) == (100_002_000_000, 100_009_000_000)
 
 
 def test_an_attempts_headers_name_its_own_span_and_keep_the_clients_state() -> None:
@@ -194,6 +227,15 @@ def test_attributes_kept_encoded_read_as_those_encoded_afresh(attrs: dict) -> No
             assert otlp.repeated_attribute(k, value) == otlp.attribute(k, value)
             block = otlp.repeated_attributes((("n", 2), (k, value)))
             assert block == otlp.attribute("n", 2) + otlp.attribute(k, value)
+
+
+@given(st.text(min_size=1, max_size=20), st.text(max_size=300), st.integers(-(2**63), 2**63 - 1))
+def test_per_span_attributes_read_as_those_encoded_afresh(key: str, text: str, n: int) -> None:
+    """A request id or a token count is written after a prefix kept per length: the same
+    bytes as the attribute encoded whole, whatever its length (twice: kept, then reused)."""
+    for _ in range(2):
+        assert otlp.string_attribute(key, text) == otlp.attribute(key, text)
+        assert otlp.int_attribute(key, n) == otlp.attribute(key, n)
 
 
 async def test_the_exporter_holds_at_most_its_bound_and_a_dead_collector_costs_spans() -> None:
