@@ -36,17 +36,20 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+# `stream: null` is the default, as OpenAI's API and vLLM read it: no stream.
+
+
 class ChatBody(msgspec.Struct):
     model: str
     messages: list[Message]
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
 
 
 class CompletionBody(msgspec.Struct):
     model: str
     prompt: str | list[Any]
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
 
 
@@ -60,7 +63,7 @@ class OtherBody(msgspec.Struct):
     streams is all the router reads of them."""
 
     model: str
-    stream: bool = False
+    stream: bool | None = False
 
 
 _OTHER = msgspec.json.Decoder(OtherBody)
@@ -107,7 +110,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     if not req.model:
         raise BadRequest("`model` is empty: name the model to use")
     if isinstance(req, OtherBody):
-        streams = req.stream and kind in STREAMED_USAGE
+        streams = bool(req.stream) and kind in STREAMED_USAGE
         return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
                       text="")  # fmt: skip
     if isinstance(req, EmbeddingBody):
@@ -130,7 +133,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
             text = _prompt_text(req.prompt)
     return Parsed(
         model=req.model,
-        stream=req.stream,
+        stream=bool(req.stream),
         wants_usage=wants_usage,
         has_options=req.stream_options is not None or b'"stream_options"' in body,
         text=text,

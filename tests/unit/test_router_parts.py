@@ -294,3 +294,19 @@ def test_run_now_refuses_a_coroutine_that_would_wait_and_closes_it() -> None:
         assert steps == ["started", "closed"]
     finally:
         loop.close()
+
+
+def test_stream_null_is_no_stream_as_openai_reads_it() -> None:
+    for kind, body in (
+        ("completions", b'{"model":"m","prompt":"p","stream":null}'),
+        ("chat", b'{"model":"m","messages":[],"stream":null}'),
+        ("responses", b'{"model":"m","input":"p","stream":null}'),
+    ):
+        assert requests.parse(kind, body, want_text=False).stream is False
+    refused = b'{"model":"m","prompt":"p","stream":"yes"}'
+    try:
+        requests.parse("completions", refused, want_text=False)
+    except requests.BadRequest:
+        pass
+    else:
+        raise AssertionError("a stream that is not a boolean must be refused")
