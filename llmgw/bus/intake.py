@@ -130,8 +130,8 @@ class Intake:
     def _admit(self, seq: int, subject: bytes, data: bytes, headers: bytes, when: float) -> None:
         """Check the message at `seq`, decode it and keep its record, or skip it.
 
-        Once per message of a replay: the common path (trusted, decoded, on its owner's
-        subject, no TTL to refuse) runs here without further calls of the reader's own."""
+        Once per message of a replay: the checks (order, attestation, signature) run here
+        without further calls of the reader's own; `_accept` decodes what they let through."""
         known = self._subjects.get(subject)
         if known is None:
             known = self._learn_subject(subject)
@@ -159,6 +159,15 @@ class Intake:
                 return
         if self._attester is not None and not heartbeat:
             self._attester.accepted(seq, digest)
+        self._accept(seq, name, data, len(data) + len(headers), ttl, when)
+
+    def _accept(
+        self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float
+    ) -> None:
+        """A trusted message: decode its event and keep its record, or skip it with why.
+
+        The log's decoding; the readers of the other streams (load reports, KV updates)
+        override it with their own, behind the same order and signature checks."""
         try:
             event = events.decode(data)
         except Exception as exc:  # DecodeError; anything else is a decoder bug, same treatment
@@ -174,11 +183,13 @@ class Intake:
             )
             return
         # Only a TTL, or a heartbeat without one, can be refused (llmgw.core.retention).
-        if (ttl is not None or heartbeat) and (problem := self._ttl_problem(name, ttl)) is not None:
+        if (ttl is not None or name.endswith(".heartbeat")) and (
+            problem := self._ttl_problem(name, ttl)
+        ) is not None:
             self.ttl_refused.append(seq)
             self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused")
             return
-        self._buf.append(Record(seq, name, when, event, len(data) + len(headers)))
+        self._buf.append(Record(seq, name, when, event, size))
 
     def _learn_subject(self, subject: bytes) -> tuple[str, bool]:
         """A subject's name, and whether it is a heartbeat's; kept, as subjects repeat (one
