@@ -1,16 +1,20 @@
 """What tracing costs the router, measured side by side on one machine in one run:
 
-    .venv/bin/python -m tests.bench.bench_tracing              # ~1 minute on 2 cores
+    .venv/bin/python -m tests.bench.bench_tracing              # ~5 minutes on 2 cores
     .venv/bin/python -m tests.bench.bench_tracing --quick      # a smoke run
 
 Three `llmgw sim` engines (zero latency, 16 tokens per answer) and an OTLP/HTTP receiver
-in this process that decodes every export. Each round starts two routers: one without
-`traces` (tracing off) and one with `traces: {sample_ratio: 0}`, on which the client's
-`traceparent` decides (parent-based sampling): requests without one (configured, none
-sampled), 1 % of requests sampled by the client, and every request sampled. The four
-loads take turns, in a rotating order; the figures are the router process's CPU time per
-streamed request (from /proc) and TTFT p50, medians over the rounds, and the median of
-each round's ratio to tracing off. And in process (measured first, printed last): what a
+in this process that decodes every export. Each round starts three routers: one without
+`traces` (tracing off); one with `traces: {sample_ratio: 0}`, on which the client's
+`traceparent` decides (parent-based sampling); and one with `sample_ratio: 1`, which
+records every request itself. The loads: tracing off, with and without the client sending
+a sampled `traceparent` (which a router that does not trace still forwards to the engine);
+the client-decided router with requests carrying none (configured, none sampled), 1 % of
+them sampled by the client, and all of them; and the router that samples every request,
+under the same traffic as tracing off. They take turns, in a rotating order; the figures
+are the router process's CPU time per streamed request (from /proc) and TTFT p50, medians
+over the rounds, and the median of each round's ratio to tracing off, and to tracing off
+under the same client headers. And in process (measured first, printed last): what a
 recorded request costs on its path and what its spans cost to encode in the exporter's
 batches.
 """
@@ -34,6 +38,10 @@ from tests.bench.bench_front_door import FAILED, Headers, load  # noqa: E402
 from tests.integration.otlp_kit import Receiver  # noqa: E402
 from tests.integration.router_kit import Router, Sim  # noqa: E402
 
+OFF = "tracing off"
+OFF_HEADERS = "tracing off, client headers"
+"""Tracing off, the client sending every request a sampled `traceparent` (forwarded)."""
+
 
 def none(_: int) -> dict[str, str]:
     return {}
@@ -52,23 +60,31 @@ async def rounds(args: argparse.Namespace, sims: list[Sim], receiver: Receiver,
     eps = {f"e{i}": s for i, s in enumerate(sims)}
     body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True,
             "max_tokens": args.tokens}  # fmt: skip
-    targets: dict[str, tuple[str, Headers]] = {
-        "tracing off": ("off", none),
-        "configured, none sampled": ("on", none),
-        "1 % sampled": ("on", one_in_100),
-        "every request sampled": ("on", sampled),
+    # Each target and the target with tracing off that the client's traffic is the same as.
+    targets: dict[str, tuple[str, Headers, str]] = {
+        OFF: ("off", none, OFF),
+        OFF_HEADERS: ("off", sampled, OFF_HEADERS),
+        "configured, none sampled": ("on", none, OFF),
+        "1 % sampled by the client": ("on", one_in_100, OFF),
+        "every request, by the client": ("on", sampled, OFF_HEADERS),
+        "every request, by the router": ("all", none, OFF),
     }
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
     traces = {"endpoint": receiver.url, "sample_ratio": 0.0}
+    every = {"endpoint": receiver.url, "sample_ratio": 1.0}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         for rnd in range(args.rounds):
-            routers = {"off": Router.start(tmp, eps), "on": Router.start(tmp, eps, traces=traces)}
+            routers = {
+                "off": Router.start(tmp, eps),
+                "on": Router.start(tmp, eps, traces=traces),
+                "all": Router.start(tmp, eps, traces=every),
+            }
             try:
                 for r in routers.values():
                     await load(http, r, sampled, 300, args.concurrency, body=body)  # warm-up
                 order = list(targets.items())
                 order = order[rnd % len(order) :] + order[: rnd % len(order)]
-                for name, (which, headers) in order:
+                for name, (which, headers, _) in order:
                     results[name].append(
                         await load(http, routers[which], headers, args.requests, args.concurrency,
                                    body=body)
@@ -79,16 +95,24 @@ async def rounds(args: argparse.Namespace, sims: list[Sim], receiver: Receiver,
     shape = f"{args.requests} requests at {args.concurrency} concurrent, {args.rounds} rounds"
     print(f"\n1. router CPU per streamed request of {args.tokens} tokens, {shape} (medians)")
     print("  (vs off: the median over rounds of each round's ratio to tracing off in that")
-    print("  round: loads are compared minutes apart on a machine whose speed drifts)")
-    off = [c for c, _ in results["tracing off"]]
-    print(f"  {'target':<26} {'CPU/request':>12} {'vs off':>8} {'rounds':>16} {'TTFT p50':>10}")
+    print("  round, loads being compared minutes apart on a machine whose speed drifts; same")
+    print("  traffic: to tracing off under the same client headers, so that what the client's")
+    print("  `traceparent` costs a router that only forwards it is not counted as tracing's)")
+    print(f"  {'target':<30} {'CPU/request':>12} {'vs off':>8} {'rounds':>11} "
+          f"{'same traffic':>13} {'rounds':>11} {'TTFT p50':>9}")  # fmt: skip
     for name, rows in results.items():
         c = statistics.median(x for x, _ in rows)
         t = statistics.median(y for _, y in rows)
-        ratios = sorted(x / o - 1 for (x, _), o in zip(rows, off, strict=True))
-        spread = f"{100 * ratios[0]:+.0f}..{100 * ratios[-1]:+.0f}%"
-        print(f"  {name:<26} {c * 1e6:>9.0f} us {100 * statistics.median(ratios):>+7.1f}% "
-              f"{spread:>16} {t * 1e3:>7.2f} ms")  # fmt: skip
+        columns = ""
+        for base in (OFF, targets[name][2]):
+            off = [x for x, _ in results[base]]
+            ratios = sorted(x / o - 1 for (x, _), o in zip(rows, off, strict=True))
+            spread = f"{100 * ratios[0]:+.0f}..{100 * ratios[-1]:+.0f}%"
+            columns += f" {100 * statistics.median(ratios):>+7.1f}% {spread:>11}"
+            if base == targets[name][2] == OFF:
+                columns += f" {'':>13} {'':>11}"
+                break
+        print(f"  {name:<30} {c * 1e6:>9.0f} us{columns} {t * 1e3:>6.2f} ms")
     if FAILED:
         print(f"  failed requests by status: {FAILED}")
     got = [s for s in receiver.spans if s.service == "llmgw-router"]
