@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmgw.bus import reader
+from llmgw.bus import kvlog, reader, signals
 from llmgw.control.attesting import Attester
-from llmgw.core import attestation, events, subjects
+from llmgw.core import attestation, events, kvblocks, loadreport, subjects
 from llmgw.pki import signing
 from llmgw.pki.identity import Identity
 from tests.unit.test_signing import SIGNERS, VERIFIER, _NoClient, ack, block
@@ -121,3 +121,39 @@ def test_a_reader_without_an_attester_or_attestations_hashes_nothing(monkeypatch
     feed(r, [signed(shard(1))])
     assert [rec.seq for rec in r._buf] == [1]
     assert signing  # the real signing module signed these messages
+
+
+def signed_as(identity: Identity, subject: str, payload: bytes) -> tuple[bytes, bytes, bytes]:
+    headers = {"Nats-Msg-Id": "m-1", **SIGNERS[identity].event_headers(subject, "m-1", payload)}
+    return subject.encode(), payload, block(headers)
+
+
+def test_the_other_streams_readers_decode_their_own_records_behind_the_same_checks() -> None:
+    # The load-report and KV-update readers share the log reader's order and signature
+    # checks and decode with their own `_accept`: a genuine message of theirs is kept as
+    # their record, a forged one (another identity's subject) is refused before decoding.
+    report = loadreport.LoadReport(ts=1.0)
+    subject = subjects.router_signals("a", 0)
+    loads = signals.SignalsReader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
+    feed(
+        loads,
+        [
+            signed_as(Identity("router", "a"), subject, loadreport.encode(report)),
+            signed_as(Identity("router", "b"), subject, loadreport.encode(report)),
+        ],
+    )
+    assert [signals.report_of(rec) for rec in loads._buf] == [report]
+    assert (loads.refused, loads.undecodable) == (1, 1)
+
+    update = kvblocks.KvUpdate(endpoint="e1", model="m", block_size=16, instance="i", seq=1)
+    subject = subjects.kv_updates("a", "e1")
+    kv = kvlog.KvReader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
+    feed(
+        kv,
+        [
+            signed_as(Identity("node", "a"), subject, kvblocks.encode_update(update)),
+            signed_as(Identity("node", "b"), subject, kvblocks.encode_update(update)),
+        ],
+    )
+    assert [kvlog.update_of(rec) for rec in kv._buf] == [update]
+    assert (kv.refused, kv.undecodable) == (1, 1)
