@@ -1,5 +1,6 @@
-"""What a Reader accepts of the raw messages it is handed: the TTL rule, and attestations in
-place of signature checks (with the real signing code, no network)."""
+"""What a Reader accepts of the raw messages it is handed: the TTL rule, attestations in
+place of signature checks, the other streams' readers' own records (with the real signing
+code, no network)."""
 
 from __future__ import annotations
 
