@@ -399,7 +399,12 @@ class Exporter:
             finally:
                 timer.cancel()
                 self._wake = None
-            if not await self.flush(least):
+            try:
+                posted = await self.flush(least)
+            except Exception:  # a bug here must not end the export for the process's life
+                log.exception("export_failed")
+                posted = False
+            if not posted:
                 await asyncio.sleep(self.interval_s)  # a failing collector: no early wake
 
     async def flush(self, least: int = 1) -> bool:
@@ -451,9 +456,12 @@ class Exporter:
         try:
             headers = {"Content-Type": "application/x-protobuf"}
             async with self._session.post(self.url, data=body, headers=headers) as resp:
+                # The collector's reply is its own: read bounded, in whatever encoding; what
+                # is left unread closes the connection rather than being kept alive.
                 if resp.status >= 300:
-                    return f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                await resp.read()
+                    said = (await resp.content.read(200)).decode("utf-8", "replace")
+                    return f"HTTP {resp.status}: {said}"
+                await resp.content.read(65_536)  # OTLP's reply: partial success, if anything
                 return None
         except (aiohttp.ClientError, TimeoutError) as exc:
             return f"{type(exc).__name__}: {exc}"
@@ -465,8 +473,12 @@ class Exporter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        with contextlib.suppress(TimeoutError):
+        try:
             await asyncio.wait_for(self.flush(), self.timeout_s)
+        except TimeoutError:
+            pass
+        except Exception:  # the last spans are lost, the router's stop goes on
+            log.exception("export_failed")
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -18,16 +18,18 @@ MAX_HEARTBEAT_TTL_S = 3600.0
 """An hour: far beyond any lost-node timeout, far below "forever"."""
 
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", re.ASCII)
+"""A Go duration's parts, ASCII digits only, as the server reads them."""
 
 
 def parse_ttl(value: str) -> float | None:
     """Seconds of a `Nats-TTL` value: whole seconds (`60`), or a Go duration (`60s`,
-    `1h30m`); `never` is infinity. None for anything else."""
+    `1h30m`); `never` is infinity. None for anything else, never an exception: a
+    writer controls the value."""
     text = value.strip()
     if text.lower() == "never":
         return float("inf")
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # "²" is a digit to str.isdigit, not to float
         return float(text)
     if not text or _PART.sub("", text):
         return None

@@ -4,10 +4,12 @@ reaches the engine unchanged, so an engine that traces (vLLM and SGLang with
 
 A router that does not record a request's trace (no `traces` in its config, or the
 request not sampled) forwards the context as a non-participating intermediary does (W3C
-Trace Context, section 2.3): as received, when valid (llmgw.core.tracing), and nothing
-when not; `tracestate` only beside a valid `traceparent`, at most 512 characters of
-printable ASCII. A router that records it names its own attempt span as the engine's
-parent instead (llmgw.router.tracing). Pure.
+Trace Context, section 2.3): as received, when valid (llmgw.core.tracing) and at most
+512 characters of printable ASCII (a later version's header may carry more fields, which
+are forwarded, never anything the engine's request could not carry), and nothing when
+not; `tracestate` only beside a valid `traceparent`, under the same bound. A router that
+records it names its own attempt span as the engine's parent instead
+(llmgw.router.tracing). Pure.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from llmgw.core.tracing import parse_traceparent
 
 MAX_TRACESTATE = 512
+MAX_TRACEPARENT = 512
 
 
 def valid_traceparent(value: str) -> bool:
@@ -27,15 +30,21 @@ def valid_traceparent(value: str) -> bool:
 def tracestate(headers: Mapping[str, str]) -> str:
     """The client's `tracestate`, when one may be passed on ("" when not)."""
     state = headers.get("tracestate")
-    if state and len(state) <= MAX_TRACESTATE and state.isascii() and state.isprintable():
+    if state and _printable(state, MAX_TRACESTATE):
         return state
     return ""
+
+
+def _printable(value: str, most: int) -> bool:
+    """Whether `value` is at most `most` characters of printable ASCII: what an upstream
+    request's header block carries as sent."""
+    return len(value) <= most and value.isascii() and value.isprintable()
 
 
 def forwarded(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """The trace-context headers to send upstream for a request with `headers`."""
     parent = headers.get("traceparent")
-    if parent is None or not valid_traceparent(parent):
+    if parent is None or not _printable(parent, MAX_TRACEPARENT) or not valid_traceparent(parent):
         return []
     out = [("traceparent", parent)]
     state = tracestate(headers)

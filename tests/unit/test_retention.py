@@ -17,8 +17,14 @@ def test_parse_ttl_reads_what_nats_accepts() -> None:
     assert retention.parse_ttl("1500ms") == 1.5
     assert retention.parse_ttl("never") == float("inf")
     assert retention.parse_ttl("NEVER") == float("inf")
-    for bad in ("", "s", "-5s", "5 s", "1d", "5x", "abc", "1h-2m"):
+    for bad in ("", "s", "-5s", "5 s", "1d", "5x", "abc", "1h-2m", "²", "٣s", "1h²"):
         assert retention.parse_ttl(bad) is None, bad
+
+
+@given(value=st.text(max_size=12) | st.from_regex(r"[0-9²٣.]{1,4}(ns|us|µs|ms|s|m|h)?"))
+def test_parse_ttl_never_raises_on_what_a_writer_sends(value: str) -> None:
+    found = retention.parse_ttl(value)
+    assert found is None or found >= 0
 
 
 @given(node=names, seconds=st.integers(1, int(retention.MAX_HEARTBEAT_TTL_S)))
