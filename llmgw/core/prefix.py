@@ -115,12 +115,18 @@ class ChatHashes:
 
     The text must be the chat's messages as `role`, a newline, `content`, a newline, one
     after another (llmgw.router.requests); the hashes of the blocks wholly within its first
-    messages depend on those messages alone.
+    messages depend on those messages alone. Only a chat's first `max_messages` messages are
+    looked up and remembered (the rest are hashed with the text's remainder), so that one
+    request of thousands of tiny messages neither holds the loop for their lookups nor evicts
+    what every other request shares.
     """
 
-    def __init__(self, *, capacity: int = 4096, max_chars: int = 4_000_000) -> None:
+    def __init__(
+        self, *, capacity: int = 4096, max_chars: int = 4_000_000, max_messages: int = 64
+    ) -> None:
         self.capacity = capacity
         self.max_chars = max_chars
+        self.max_messages = max_messages
         self._table: OrderedDict[tuple[int, str, str], tuple[int, list[bytes]]] = OrderedDict()
         self._chars = 0
         self._serial = 0
@@ -142,14 +148,14 @@ class ChatHashes:
         known: list[bytes] = []
         parent = 0
         end = 0
-        for role, content in chat:
+        for role, content in chat[: self.max_messages]:
             end += len(role) + len(content) + 2
             n = min(end // block_chars, max_blocks)
             key = (parent, role, content)
             got = table.get(key)
             if got is None:
                 # The blocks of this message's prefix of the text, from those known.
-                known = block_hashes(text[: n * block_chars], block_chars, n, known=known)
+                known = block_hashes(text, block_chars, n, known=known)
                 self._serial += 1
                 table[key] = got = (self._serial, known)  # never changed: results are copies
                 self._chars += len(role) + len(content)

@@ -23,14 +23,21 @@ from collections.abc import Callable, Sequence
 
 from llmgw.core.kvblocks import KEY_ROOT, block_keys
 
+KEY_WEIGHT = 4
+"""What a remembered block key counts against `SegmentCache.max_chars`, in characters: about
+the memory of a token's text and id, as a key of block size 1 stands for one token."""
+SIZES_KEPT = 2
+"""Block sizes a remembered segment keeps keys for (a fleet's engines use one or two); keys
+for others are computed for the prompt at hand and not kept."""
+
 
 class Segment:
     """One segment of a prompt: its token ids, and the keys of the blocks that end within
     it (per block size, computed when first asked for)."""
 
-    __slots__ = ("end", "ids", "keys", "serial")
+    __slots__ = ("end", "ids", "keys", "serial", "weight")
 
-    def __init__(self, ids: list[int], end: int, serial: int) -> None:
+    def __init__(self, ids: list[int], end: int, serial: int, weight: int = 0) -> None:
         self.ids = ids
         self.end = end
         """The prompt's tokens up to the end of this segment."""
@@ -38,17 +45,21 @@ class Segment:
         """Block size -> keys of the blocks ending after the previous segment's end and at or
         before this one's."""
         self.serial = serial
-        """Names the segment and its whole prefix in the cache (0: not remembered)."""
+        """Names the segment and its whole prefix in the cache (0: not remembered, or no
+        longer)."""
+        self.weight = weight
+        """What it counts against the cache's bound: its text's length, and its keys'."""
 
 
 class PromptTokens:
     """A prompt's token ids (`ids`) and, per block size, its block keys (`keys`), as
     `block_keys(ids, size)` gives them."""
 
-    __slots__ = ("_keys", "_segments", "ids")
+    __slots__ = ("_cache", "_keys", "_segments", "ids")
 
-    def __init__(self, segments: Sequence[Segment]) -> None:
+    def __init__(self, segments: Sequence[Segment], cache: SegmentCache | None = None) -> None:
         self._segments = segments
+        self._cache = cache
         ids: list[int] = []
         for seg in segments:
             ids.extend(seg.ids)  # a copy: the cache's lists are never handed out
@@ -78,7 +89,9 @@ class PromptTokens:
                 stop = seg.end // block_size * block_size
                 parent = out[-1] if out else KEY_ROOT
                 delta = block_keys(ids[start:stop], block_size, parent=parent)
-                seg.keys[block_size] = delta
+                if seg.serial and len(seg.keys) < SIZES_KEPT and self._cache is not None:
+                    seg.keys[block_size] = delta
+                    self._cache.grew(seg, len(delta) * KEY_WEIGHT)
             out.extend(delta)
         self._keys[block_size] = out
         return out
@@ -90,6 +103,11 @@ class SegmentCache:
 
     `tokenize` must give, for any segments a caller passes in one prompt, the tokens of their
     concatenation as the concatenation of each one's tokens.
+
+    What one prompt does to the cache is bounded too: only its first `max_parts` parts are
+    looked up and remembered, the rest tokenized with the tail in one piece (exact, by the
+    requirement above), so a chat of thousands of empty messages neither holds the router's
+    loop for thousands of lookups nor evicts every other tenant's system prompts.
     """
 
     def __init__(
@@ -98,16 +116,22 @@ class SegmentCache:
         *,
         max_segments: int = 8192,
         max_chars: int = 4_000_000,
+        max_parts: int = 64,
     ) -> None:
-        if max_segments < 1 or max_chars < 1:
-            raise ValueError("a segment cache holds at least one segment and one character")
+        if max_segments < 1 or max_chars < 1 or max_parts < 1:
+            raise ValueError(
+                "a segment cache holds at least one segment and one character, of a prompt's "
+                "first part at least"
+            )
         self._tokenize = tokenize
         self.max_segments = max_segments
         self.max_chars = max_chars
-        """Bounds the text held, and so the token ids (a token is a few characters): about
-        a million tokens, a few tens of MB, hundreds of system prompts."""
+        """Bounds the text held, and so the token ids (a token is a few characters), with
+        the block keys kept counted as `KEY_WEIGHT` characters each: about a million tokens,
+        a few tens of MB, hundreds of system prompts."""
+        self.max_parts = max_parts
         self._table: OrderedDict[tuple[int, str], Segment] = OrderedDict()
-        self._chars = 0
+        self._weight = 0
         self._serial = 0
         self.hits = 0
         self.misses = 0
@@ -118,6 +142,9 @@ class SegmentCache:
     def tokens(self, parts: Sequence[str], tail: str = "") -> PromptTokens:
         """The tokens of `"".join(parts) + tail`: `parts` remembered under their prefixes,
         `tail` (what follows the last part, such as a chat's generation prompt) not."""
+        if len(parts) > self.max_parts:
+            tail = "".join(parts[self.max_parts :]) + tail
+            parts = parts[: self.max_parts]
         table = self._table
         segments: list[Segment] = []
         parent = 0
@@ -132,9 +159,9 @@ class SegmentCache:
                 self.misses += 1
                 ids = self._tokenize(part)
                 self._serial += 1
-                seg = Segment(ids, end + len(ids), self._serial)
+                seg = Segment(ids, end + len(ids), self._serial, len(part))
                 table[key] = seg
-                self._chars += len(part)
+                self._weight += len(part)
             else:
                 self.hits += 1
                 table.move_to_end(key)
@@ -144,9 +171,16 @@ class SegmentCache:
         if tail:
             ids = self._tokenize(tail)
             segments.append(Segment(ids, end + len(ids), 0))
-        while table and (len(table) > self.max_segments or self._chars > self.max_chars):
-            (_, text), _seg = table.popitem(last=False)
-            self._chars -= len(text)
+        while table and (len(table) > self.max_segments or self._weight > self.max_chars):
+            _, gone = table.popitem(last=False)
+            self._weight -= gone.weight
+            gone.serial = 0  # a prompt still holding it keeps no more keys in it
         if not segments:
             return PromptTokens.of([])
-        return PromptTokens(segments)
+        return PromptTokens(segments, self)
+
+    def grew(self, seg: Segment, weight: int) -> None:
+        """`seg`, remembered, now keeps keys weighing `weight` more (evicted at the next
+        prompt if the cache is over its bound)."""
+        seg.weight += weight
+        self._weight += weight

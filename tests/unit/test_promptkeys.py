@@ -13,7 +13,7 @@ from unittest import mock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.core import kvblocks, routing, simtokens
+from llmgw.core import kvblocks, promptkeys, routing, simtokens
 from llmgw.core.prefix import ChatHashes, block_hashes
 from llmgw.core.profile import ModelProfile
 from llmgw.core.promptkeys import PromptTokens, SegmentCache
@@ -48,11 +48,12 @@ def test_the_rendered_chat_tokenizes_as_its_parts_one_after_another(
     )
 
 
-def sim_cache(max_segments: int, max_chars: int) -> SegmentCache:
+def sim_cache(max_segments: int, max_chars: int, max_parts: int = 64) -> SegmentCache:
     return SegmentCache(
         lambda s: simtokens.token_ids(simtokens.tokenize(s)),
         max_segments=max_segments,
         max_chars=max_chars,
+        max_parts=max_parts,
     )
 
 
@@ -63,6 +64,7 @@ def sim_cache(max_segments: int, max_chars: int) -> SegmentCache:
     sizes=st.lists(st.sampled_from([1, 2, 3, 5, 16]), min_size=1, max_size=3),
     max_segments=st.integers(1, 8),
     max_chars=st.integers(1, 400),
+    max_parts=st.integers(1, 6),
 )
 def test_the_cache_gives_the_ids_and_keys_of_tokenizing_from_scratch(
     pool: list[tuple[str, str]],
@@ -70,10 +72,12 @@ def test_the_cache_gives_the_ids_and_keys_of_tokenizing_from_scratch(
     sizes: list[int],
     max_segments: int,
     max_chars: int,
+    max_parts: int,
 ) -> None:
     # Chats drawn from a few messages share prefixes, so later ones hit the cache; its small
-    # bounds evict entries between them.
-    cache = sim_cache(max_segments, max_chars)
+    # bounds evict entries between them, and a chat longer than `max_parts` is remembered in
+    # part.
+    cache = sim_cache(max_segments, max_chars, max_parts)
     for chat in chats:
         messages = [pool[i % len(pool)] for i in chat]
         got = cache.tokens(simtokens.chat_parts(messages), simtokens.GENERATION_PROMPT)
@@ -83,7 +87,36 @@ def test_the_cache_gives_the_ids_and_keys_of_tokenizing_from_scratch(
             assert got.keys(size) == kvblocks.block_keys(ids, size)
         got.ids.append(7)  # a caller's list: the cache's own are untouched
         assert len(cache) <= max_segments
-    assert cache.hits + cache.misses == sum(len(c) for c in chats)
+    assert cache.hits + cache.misses == sum(min(len(c), max_parts) for c in chats)
+
+
+def test_one_prompt_of_many_parts_neither_floods_the_cache_nor_evicts_what_others_share() -> None:
+    cache = sim_cache(max_segments=100, max_chars=1_000_000)
+    system = ("system", "You are brief. " * 40)
+    cache.tokens(simtokens.chat_parts([system, ("user", "a?")]))
+    flood = [system, *[("user", "")] * 20_000]
+    got = cache.tokens(simtokens.chat_parts(flood), simtokens.GENERATION_PROMPT)
+    assert got.ids == slow_ids(flood)
+    assert got.keys(16) == kvblocks.block_keys(got.ids, 16)
+    assert len(cache) <= 2 + cache.max_parts
+    hits = cache.hits
+    cache.tokens(simtokens.chat_parts([system, ("user", "b?")]))
+    assert cache.hits == hits + 1  # the system prompt is still remembered
+
+
+def test_keys_kept_for_any_block_sizes_count_against_the_bound() -> None:
+    # Block sizes come from what engines report: a cache asked for many keeps keys for a
+    # few, and what it keeps is weighed, so its memory stays bounded whatever they are.
+    cache = sim_cache(max_segments=10_000, max_chars=20_000)
+    for i in range(200):
+        got = cache.tokens(simtokens.chat_parts([("user", f"question {i} " * 30)]))
+        for size in (1, 2, 3, 5):
+            assert got.keys(size) == kvblocks.block_keys(got.ids, size)
+    remembered = list(cache._table.values())
+    assert all(len(seg.keys) <= promptkeys.SIZES_KEPT for seg in remembered)
+    assert cache._weight == sum(seg.weight for seg in remembered)
+    one_prompt = max(seg.weight for seg in remembered)
+    assert cache._weight <= cache.max_chars + one_prompt
 
 
 def test_a_seen_prefix_is_neither_tokenized_nor_keyed_again() -> None:
@@ -206,3 +239,16 @@ def test_chat_text_hashes_are_those_of_hashing_the_text_from_scratch(
     # A prompt that is no chat: its text hashed whole.
     assert cache.hashes((), parsed.text, 3, 5) == block_hashes(parsed.text, 3, 5)
     assert cache.hashes((), "", 3, 5) == []
+
+
+def test_a_chat_of_many_tiny_messages_is_hashed_exactly_and_remembered_in_part() -> None:
+    cache = ChatHashes()
+    system = ("system", "You are brief. " * 40)
+    flood = (system, *[("user", "")] * 20_000)
+    text = "".join(f"{r}\n{c}\n" for r, c in flood)
+    assert cache.hashes(flood, text, 16, 100_000) == block_hashes(text, 16, 100_000)
+    assert len(cache) == cache.max_messages
+    again = (system, ("user", "b?"))
+    text = "".join(f"{r}\n{c}\n" for r, c in again)
+    assert cache.hashes(again, text, 16, 100_000) == block_hashes(text, 16, 100_000)
+    assert len(cache) == cache.max_messages + 1  # the system prompt's entry was reused
