@@ -73,11 +73,12 @@ def draw_sampled(draw: int, ratio: float) -> bool:
     return ((draw % (1 << 128)) or 1) % _LOW_64 < int(ratio * _LOW_64)
 
 
-def sampled(parent: Parent | None, draw: int, ratio: float) -> bool:
+def sampled(parent: Parent | None, draw: int, ratio: float, obey_parent: bool = True) -> bool:
     """ParentBased(TraceIdRatioBased(ratio)): the parent's decision, else the ratio's on
-    the trace id `trace_id_of(draw)` a new trace would get (`draw_sampled`)."""
+    the trace id `trace_id_of(draw)` a new trace would get (`draw_sampled`). Without
+    `obey_parent`, TraceIdRatioBased(ratio) alone: the ratio's on the parent's trace id."""
     if parent is not None:
-        return parent.sampled
+        return parent.sampled if obey_parent else ratio_sampled(parent.trace_id, ratio)
     return draw_sampled(draw, ratio)
 
 

@@ -93,7 +93,12 @@ class TracesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The collector's OTLP/HTTP address, `http://host:4318` (spans go to /v1/traces)."""
     sample_ratio: float = 1.0
     """Share of requests without a client's trace context that are recorded; a request
-    with one follows the client's sampled flag."""
+    with one follows the client's sampled flag (see `client_sampling`)."""
+    client_sampling: bool = True
+    """Whether a client's sampled flag decides for its request (OpenTelemetry's
+    ParentBased sampler, the default). False: the ratio decides for every request, on the
+    client's trace id where it sent one (the trace is still continued), so that clients
+    cannot make the router record, and fill its export buffer with, all they send."""
     service_name: str = "llmgw-router"
 
 

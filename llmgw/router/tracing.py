@@ -39,6 +39,7 @@ class Tracer:
 
     def __init__(self, cfg: TracesConfig, exporter: otlp.Exporter | None = None) -> None:
         self.ratio = cfg.sample_ratio
+        self.obey_parent = cfg.client_sampling
         self.exporter = exporter or otlp.Exporter(cfg.endpoint, cfg.service_name)
         self._bits = random.SystemRandom().getrandbits(64)
         self._rng = random.Random(self._bits)
@@ -54,10 +55,10 @@ class Tracer:
         value = headers.get("traceparent")
         parent = tracing.parse_traceparent(value) if value is not None else None
         bits = self._rng.getrandbits
-        if parent is None and self.ratio <= 0.0:
+        if self.ratio <= 0.0 and (parent is None or not self.obey_parent):
             return None  # nothing to draw: only a client's sampled flag records a trace
         draw = bits(128) if parent is None else 0
-        if not tracing.sampled(parent, draw, self.ratio):
+        if not tracing.sampled(parent, draw, self.ratio, self.obey_parent):
             return None
         if parent is None:  # the id is written out only for a trace that is recorded
             trace_id, parent_id, state = tracing.trace_id_of(draw), "", ""

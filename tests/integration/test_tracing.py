@@ -33,8 +33,10 @@ def _sim(receiver: Receiver, *args: str) -> Sim:
     return Sim.start("m", "--otlp-traces-endpoint", receiver.url, *args)
 
 
-def _router(tmp: Path, receiver: Receiver, sims: dict[str, Sim | str], ratio: float) -> Router:
-    traces = {"endpoint": receiver.url, "sample_ratio": ratio}
+def _router(
+    tmp: Path, receiver: Receiver, sims: dict[str, Sim | str], ratio: float, **traces: object
+) -> Router:
+    traces = {"endpoint": receiver.url, "sample_ratio": ratio, **traces}
     return Router.start(tmp, sims, traces=traces, max_attempts=3)
 
 
@@ -122,6 +124,28 @@ def test_sampling_follows_the_clients_flag_and_otherwise_the_ratio(
     unsampled_engine = [s for s in theirs if s.trace_id == unsampled]
     assert len(unsampled_engine) == 1
     assert unsampled_engine[0].parent_id == CLIENT_SPAN
+
+
+def test_without_client_sampling_a_clients_flag_records_nothing_the_ratio_would_not(
+    tmp_path: Path, receiver: Receiver, procs: list[Sim | Router]
+) -> None:
+    """`client_sampling: false` at ratio 0: a client's sampled requests are not recorded
+    by the router, and their context still reaches the engine as the client sent it."""
+    sim = _sim(receiver)
+    procs.append(sim)
+    router = _router(tmp_path, receiver, {"e": sim}, 0.0, client_sampling=False)
+    procs.append(router)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    sampled = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+    with httpx.Client(base_url=router.url, timeout=30) as h:
+        for _ in range(3):
+            r = h.post("/v1/chat/completions", json=body, headers={"traceparent": sampled})
+            assert r.status_code == 200
+    spans = receiver.wait_for(CLIENT_TRACE, router=0, sim=3)
+    assert {s.service for s in spans} == {"llmgw-sim"}
+    # The engine's parent is the client's span, forwarded as received: had the router
+    # recorded the request, it would be the router's attempt span.
+    assert {s.parent_id for s in spans} == {CLIENT_SPAN}
 
 
 def test_a_retried_request_has_an_attempt_span_per_try_and_its_logs_carry_the_trace(

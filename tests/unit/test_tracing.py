@@ -75,6 +75,22 @@ def test_a_clients_decision_is_followed_whatever_the_ratio(
     assert tracing.sampled(tracing.Parent(trace, span, on), int(trace, 16), ratio) is on
 
 
+@given(hex_ids, span_ids, st.booleans(), st.floats(0, 1))
+def test_without_client_sampling_the_ratio_decides_on_the_clients_trace_id(
+    trace: str, span: str, on: bool, ratio: float
+) -> None:
+    parent = tracing.Parent(trace, span, on)
+    assert tracing.sampled(parent, 0, ratio, obey_parent=False) is tracing.ratio_sampled(
+        trace, ratio
+    )
+    tracer = Tracer(TracesConfig(endpoint="http://c:4318", sample_ratio=ratio,
+                                 client_sampling=False))  # fmt: skip
+    got = tracer.begin({"traceparent": f"00-{trace}-{span}-{'01' if on else '00'}"}, "r", 0.0)
+    assert (got is not None) is tracing.ratio_sampled(trace, ratio)
+    if got is not None:
+        assert (got.trace_id, got.parent_id) == (trace, span)  # still the client's trace
+
+
 def test_ids_are_never_all_zeros() -> None:
     assert tracing.trace_id_of(0) != "0" * 32
     assert tracing.span_id_of(1 << 64) != "0" * 16
