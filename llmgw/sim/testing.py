@@ -32,8 +32,12 @@ def wait_for_line(
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     seen = b""
+    # poll, not select: a test process holding a thousand client connections has
+    # descriptors beyond select's limit of 1024.
+    poller = select.poll()
+    poller.register(proc.stdout, select.POLLIN)
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        ready = poller.poll(100)
         if ready:
             line = proc.stdout.readline()
             if not line:
