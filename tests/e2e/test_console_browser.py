@@ -62,6 +62,21 @@ def _click(driver: Any, selector: str) -> None:
     driver.execute_script("document.querySelector(arguments[0]).click()", selector)
 
 
+def _press(driver: Any, selector: str, tries: int = 20) -> None:
+    """Click the element at `selector` as a user does (a real click, not a script's). The
+    live grid re-renders as events arrive, so the element found may be replaced before the
+    click lands: it is found again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(tries - 1):
+        try:
+            driver.find_element("css selector", selector).click()
+            return
+        except StaleElementReferenceException:
+            continue
+    driver.find_element("css selector", selector).click()
+
+
 def _shot(driver: Any, name: str) -> None:
     folder = os.environ.get("LLMGW_SCREENSHOTS")
     if folder:
@@ -112,9 +127,7 @@ async def test_a_drain_from_the_page_the_live_grid_the_slider_and_the_diff(
         _shot(d, "console-fleet.png")
 
         # Drain from the page: the confirmation lists the move, then the grid follows.
-        d.find_element(
-            By.CSS_SELECTOR, f'.node[data-node="{old_node}"] button[data-action="drain"]'
-        ).click()
+        _press(d, f'.node[data-node="{old_node}"] button[data-action="drain"]')
         await _until(d, lambda: d.find_element(By.ID, "confirm").get_attribute("open") is not None,
                      15, "the drain's confirmation")  # fmt: skip
         assert new_node in d.find_element(By.ID, "confirm-moves").text
