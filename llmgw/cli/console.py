@@ -97,7 +97,10 @@ async def _serve(
     live = LiveFleet(session)
     live.start()
     bound = sock.getsockname()[1]
-    runner = web.AppRunner(build_app(live, _hosts(host, bound)), access_log=None)
+    # A client that leaves ends its request: a scan of the log stops with it.
+    runner = web.AppRunner(
+        build_app(live, _hosts(host, bound)), access_log=None, handler_cancellation=True
+    )
     await runner.setup()
     await web.SockSite(runner, sock, ssl_context=tls).start()
     url = listeners.url("https" if tls else "http", sock)

@@ -63,14 +63,29 @@ class Rebuilt(msgspec.Struct, kw_only=True):
 # --------------------------------------------------------------------------- points
 
 
-_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d)(?:\s*ago)?")
-_TIME_OF_DAY = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)(?::([0-5]\d(?:\.\d+)?))?Z?")
+_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d)(?:\s*ago)?", re.ASCII)
+_TIME_OF_DAY = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)(?::([0-5]\d(?:\.\d+)?))?Z?", re.ASCII)
+_LAST_TIME = 253402300799.0
+"""9999-12-31T23:59:59Z: the last time a point may name (and `format_time` can print)."""
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_time(text: str, now: float) -> float:
     """UNIX seconds from `2026-11-29T03:12:00Z`, `@1764386000`, `10m` / `2h ago`, or a time
-    of day `03:12` (UTC, as ctl prints times: the latest 03:12 at or before `now`). Pure."""
+    of day `03:12` (UTC, as ctl prints times: the latest 03:12 at or before `now`), between
+    1970 and the year 9999; BadInput for anything else (a caller's text: never another
+    exception). Pure."""
+    when = _parsed_time(text, now)
+    if when is None or not 0.0 <= when <= _LAST_TIME:  # NaN fails both comparisons
+        raise BadInput(
+            f"cannot read {text[:40]!r} as a time: use ISO 8601 (2026-11-29T03:12:00Z), a time of "
+            "day in UTC (03:12, the latest one), @UNIX-SECONDS, or an age such as 10m or 2h, "
+            "between 1970 and the year 9999"
+        )
+    return when
+
+
+def _parsed_time(text: str, now: float) -> float | None:
     raw = text.strip()
     if raw.startswith("@"):
         try:
@@ -98,10 +113,7 @@ def parse_time(text: str, now: float) -> float:
             if when.tzinfo is None:
                 when = when.replace(tzinfo=dt.UTC)
             return when.timestamp()
-    raise BadInput(
-        f"cannot read {text!r} as a time: use ISO 8601 (2026-11-29T03:12:00Z), a time of "
-        "day in UTC (03:12, the latest one), @UNIX-SECONDS, or an age such as 10m or 2h"
-    )
+    return None
 
 
 class Point(msgspec.Struct, frozen=True):
@@ -120,7 +132,9 @@ class Point(msgspec.Struct, frozen=True):
 def parse_point(text: str, now: float) -> Point:
     """`1234` (a sequence) or anything `parse_time` reads. Pure."""
     raw = text.strip()
-    if raw.isdigit():
+    if raw.isascii() and raw.isdigit():  # "²" is a digit to str.isdigit, not to int
+        if len(raw) > 20:
+            raise BadInput(f"{raw[:24]}... is no sequence: a stream's are at most 20 digits")
         return Point(seq=int(raw))
     return Point(time=parse_time(raw, now))
 

@@ -38,6 +38,8 @@ def explain(body: bytes, catalog: Catalog, dispatcher: Dispatcher) -> dict[str, 
         shape = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise ExplainError(f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise ExplainError("the body nests too deeply to be a request") from None
     if not isinstance(shape, dict):
         raise ExplainError("send a chat or completions request body (a JSON object)")
     kind: requests.Kind = "chat" if "messages" in shape else "completions"

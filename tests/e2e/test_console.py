@@ -126,6 +126,12 @@ async def _bad_input(base: str, last: int) -> None:
         ("/api/events?limit=lots", "not a number"),
         ("/api/timeline?target=nobody", "no node, replica or model"),
         ("/api/explain/nope", "unknown model"),
+        ("/api/fleet?at=@inf", "cannot read"),
+        ("/api/fleet?at=@nan", "cannot read"),
+        ("/api/fleet?at=%C2%B2", "cannot read"),
+        ("/api/fleet?at=99999999999999d", "cannot read"),
+        (f"/api/fleet?at={'9' * 4400}", "no sequence"),
+        ("/api/diff?from=@-1e300&to=1", "cannot read"),
     ]
     for path, said in cases:
         status, body = await asyncio.to_thread(call, base + path)
@@ -152,6 +158,14 @@ async def _bad_input(base: str, last: int) -> None:
     resp = conn.getresponse()
     assert resp.status == 400
     assert "not JSON" in json.loads(resp.read())["error"]
+    # A charset that does not exist, and a body nested past the decoder's depth: the same.
+    for body, content_type in ((b"{}", "application/json; charset=no-such-charset"),
+                               (b"[" * 30_000, "application/json")):  # fmt: skip
+        conn.request("POST", "/api/nodes/node-a/cordon", body=body,
+                     headers={"Content-Type": content_type, "X-Llmgw-Console": "1"})  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 400, content_type
+        assert "not JSON" in json.loads(resp.read())["error"]
     conn.close()
     status, _ = await asyncio.to_thread(call, base + "/api/nodes/node-a/reboot", body={})
     assert status in (404, 405)

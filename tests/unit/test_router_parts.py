@@ -310,3 +310,16 @@ def test_stream_null_is_no_stream_as_openai_reads_it() -> None:
         pass
     else:
         raise AssertionError("a stream that is not a boolean must be refused")
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [(b"[" * 60_000, "nests too deeply"), (b"{not json", "not JSON"), (b"[1]", "JSON object")],
+)
+def test_the_admin_route_explainer_refuses_what_is_no_request_with_why(
+    body: bytes, says: str
+) -> None:
+    from llmgw.router.explain import ExplainError, explain
+
+    with pytest.raises(ExplainError, match=says):
+        explain(body, None, None)  # type: ignore[arg-type]  # refused before either is used

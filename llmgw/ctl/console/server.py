@@ -24,8 +24,11 @@ the console's own address in `Host` (a DNS name an attacker controls, rebound to
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
@@ -44,6 +47,7 @@ log = logs.get("llmgw.ctl.console")
 
 LIVE: web.AppKey[LiveFleet] = web.AppKey("live")
 HOSTS: web.AppKey[set[str]] = web.AppKey("hosts")
+SCANS: web.AppKey[asyncio.Semaphore] = web.AppKey("scans")
 WRITE_HEADER = "X-Llmgw-Console"
 MAX_GRACE_S = 7 * 86400.0
 _encoder = msgspec.json.Encoder()
@@ -82,6 +86,11 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
         )
     except CtlError as exc:
         return _error(str(exc), 400 if isinstance(exc, BadInput) else 502)
+    except _Busy:
+        return _error(
+            f"the console is reading the log for {MAX_SCANS} other requests: retry in a moment",
+            429,
+        )
     except (OSError, TimeoutError) as exc:
         return _error(f"the log cannot be read now ({exc or type(exc).__name__}): retry", 503)
     except Exception as exc:
@@ -96,9 +105,30 @@ def _point(request: web.Request, name: str) -> history.Point | None:
     return history.parse_point(text, time.time())
 
 
-async def _rebuild(live: LiveFleet, point: history.Point) -> history.Rebuilt:
-    return await history.rebuild(live.session.nc, to_seq=point.seq, at=point.time,
-                                 attested=live.attested)  # fmt: skip
+MAX_SCANS = 2
+"""Requests reading the log at once (a point in the past, a diff, a timeline): each may
+fold the whole log on the console's one loop, so more wait their turn in the client, not
+here (429), and the live view keeps moving."""
+
+
+class _Busy(Exception):
+    """Every scan slot is taken."""
+
+
+@contextlib.asynccontextmanager
+async def _scanning(request: web.Request) -> AsyncIterator[None]:
+    scans = request.app[SCANS]
+    if scans.locked():
+        raise _Busy
+    async with scans:
+        yield
+
+
+async def _rebuild(request: web.Request, point: history.Point) -> history.Rebuilt:
+    live = request.app[LIVE]
+    async with _scanning(request):
+        return await history.rebuild(live.session.nc, to_seq=point.seq, at=point.time,
+                                     attested=live.attested)  # fmt: skip
 
 
 async def _page(_: web.Request) -> web.Response:
@@ -115,7 +145,7 @@ async def _fleet(request: web.Request) -> web.Response:
             return _error("still reading the log: retry in a moment", 503)
         view = views.fleet(live.state, now, at=live.last_time, live=True, why=None)
     else:
-        r = await _rebuild(live, point)
+        r = await _rebuild(request, point)
         view = views.fleet(r.state, r.at or now, at=r.at, live=False, why=None)
         view["rebuilt"] = {"snapshot_seq": r.snapshot_seq, "folded": r.folded,
                            "elapsed_s": round(r.elapsed_s, 4)}  # fmt: skip
@@ -131,11 +161,10 @@ async def _fleet(request: web.Request) -> web.Response:
 
 
 async def _diff(request: web.Request) -> web.Response:
-    live = request.app[LIVE]
     a, b = _point(request, "from"), _point(request, "to")
     if a is None or b is None:
         raise BadInput("give both points: /api/diff?from=SEQ-OR-TIME&to=SEQ-OR-TIME")
-    ra, rb = await _rebuild(live, a), await _rebuild(live, b)
+    ra, rb = await _rebuild(request, a), await _rebuild(request, b)
     return _json(views.diff(ra, rb, changes.diff(ra.state, rb.state)))
 
 
@@ -158,8 +187,9 @@ async def _timeline(request: web.Request) -> web.Response:
         raise BadInput("name a node, replica or model: /api/timeline?target=NAME")
     timeline = eventlines.Timeline(target)
     found: list[dict[str, Any]] = []
-    async for batch in history.records(request.app[LIVE].session.nc):
-        found += [views.event_row(r) for r in batch if timeline.touches(r.event, r.subject)]
+    async with _scanning(request):
+        async for batch in history.records(request.app[LIVE].session.nc):
+            found += [views.event_row(r) for r in batch if timeline.touches(r.event, r.subject)]
     if not found:
         raise BadInput(f"no node, replica or model {target!r} in the log")
     return _json(found)
@@ -169,7 +199,7 @@ async def _explain(request: web.Request) -> web.Response:
     live = request.app[LIVE]
     model = request.match_info["model"]
     point = _point(request, "at")
-    st = live.state if point is None else (await _rebuild(live, point)).state
+    st = live.state if point is None else (await _rebuild(request, point)).state
     if model not in st.models:
         known = ", ".join(sorted(st.models)[:8]) or "none declared"
         raise BadInput(f"unknown model {model!r} (declared: {known})")
@@ -195,7 +225,7 @@ async def _node_action(request: web.Request) -> web.Response:
     node, action = request.match_info["node"], request.match_info["action"]
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, LookupError, RecursionError):  # not JSON, an unknown charset, too deep
         raise BadInput('the body is not JSON: send {} or {"reason": "..."}') from None
     if not isinstance(body, dict):
         raise BadInput("the body must be a JSON object")
@@ -254,6 +284,7 @@ def build_app(live: LiveFleet, hosts: set[str]) -> web.Application:
                           client_max_size=64 * 1024)  # fmt: skip
     app[LIVE] = live
     app[HOSTS] = hosts
+    app[SCANS] = asyncio.Semaphore(MAX_SCANS)
     app.router.add_get("/", _page)
     app.router.add_get("/api/fleet", _fleet)
     app.router.add_get("/api/diff", _diff)
