@@ -2,8 +2,10 @@
 
 It connects to the log as `llmgw ctl` does (the same config file and flags; an operator
 certificate, whose identity the page's cordon, uncordon and drain carry), and listens
-on 127.0.0.1 by default. Listening on any other address needs `--tls-cert/--tls-key`:
-HTTPS that admits only operator client certificates of the fleet's CA.
+on 127.0.0.1 by default, where every request must carry the token it prints in the address
+to open (another user of the machine reaches 127.0.0.1 too). Listening on any other
+address needs `--tls-cert/--tls-key`: HTTPS that admits only operator client certificates
+of the fleet's CA.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import secrets
 import signal
 from pathlib import Path
 
@@ -98,13 +101,16 @@ async def _serve(
     live.start()
     bound = sock.getsockname()[1]
     # A client that leaves ends its request: a scan of the log stops with it.
+    # Without HTTPS no certificate says who asks: a token this process made does.
+    token = "" if tls else secrets.token_urlsafe(24)
     runner = web.AppRunner(
-        build_app(live, _hosts(host, bound)), access_log=None, handler_cancellation=True
+        build_app(live, _hosts(host, bound), token), access_log=None, handler_cancellation=True
     )
     await runner.setup()
     await web.SockSite(runner, sock, ssl_context=tls).start()
     url = listeners.url("https" if tls else "http", sock)
-    print(f"llmgw console at {url} as {session.identity}", flush=True)
+    opening = f": open {url}/?token={token}" if token else ""
+    print(f"llmgw console at {url} as {session.identity}{opening}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -48,13 +48,15 @@ import structlog  # noqa: E402
 from llmgw import bus  # noqa: E402
 from llmgw.core import events, state  # noqa: E402
 from tests.bench import bench_replay  # noqa: E402
-from tests.e2e.console_kit import start_console  # noqa: E402
+from tests.e2e.console_kit import bearer, start_console  # noqa: E402
 from tests.harness import TestNatsServer, TestPki, connect_as  # noqa: E402
 
 
 def fetch(url: str) -> tuple[float, bytes]:
     started = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=120) as resp:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=bearer(url)), timeout=120
+    ) as resp:
         body = resp.read()
         assert resp.status == 200, body[:300]
     return time.perf_counter() - started, body

@@ -40,8 +40,13 @@ def fleet(server: TestNatsServer, tmp: Path) -> Fleet:
                  gpus=str(faulty_inventory(tmp)))  # fmt: skip
 
 
+TOKENS: dict[str, str] = {}
+"""Each started console's token, by its URL: `call` presents it."""
+
+
 def start_console(server: TestNatsServer, tmp: Path, name: str = "alice") -> tuple[Service, str]:
-    """`llmgw console` on a free port as operator `name`: the service and its URL."""
+    """`llmgw console` on a free port as operator `name`: the service and its URL (its
+    token in `TOKENS`; `opening(url)` is the address a browser opens)."""
     server.pki.client_tls("operator", name)
     certs = server.pki.certs
     console = Service(
@@ -49,16 +54,32 @@ def start_console(server: TestNatsServer, tmp: Path, name: str = "alice") -> tup
         [PY, "-m", "llmgw", "console", "--port", "0", "--server", server.url,
          "--ca", str(certs.ca_cert), "--cert", str(certs.cert(Identity("operator", name)))],
         tmp / "console.log",
-        r"llmgw console at (http://\S+)",
+        r"llmgw console at (http://\S+) as \S+: open \S+\?token=(\S+)",
     )  # fmt: skip
-    return console, console.start().group(1)
+    found = console.start()
+    TOKENS[found.group(1)] = found.group(2)
+    return console, found.group(1)
+
+
+def opening(url: str) -> str:
+    """The address `llmgw console` prints for a browser to open: the token becomes its
+    cookie there."""
+    return f"{url}/?token={TOKENS[url]}"
+
+
+def bearer(url: str) -> dict[str, str]:
+    """The header a script presents to the console whose address begins `url`."""
+    for base, token in TOKENS.items():
+        if url.startswith(base):
+            return {"Authorization": f"Bearer {token}"}
+    return {}
 
 
 def call(url: str, *, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """GET (or POST `body` as JSON with the console's write header): status and JSON."""
     data = None if body is None else json.dumps(body).encode()
     hdrs = {"Content-Type": "application/json", "X-Llmgw-Console": "1"} if body is not None else {}
-    req = urllib.request.Request(url, data=data, headers={**hdrs, **(headers or {})})
+    req = urllib.request.Request(url, data=data, headers={**bearer(url), **hdrs, **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.load(resp)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.console_kit import call, fleet, holder, start_console
+from tests.e2e.console_kit import bearer, call, fleet, holder, start_console
 from tests.harness import TestNatsServer, wait_for
 
 pytestmark = pytest.mark.slow
@@ -109,6 +109,7 @@ async def test_the_console_shows_drives_and_rewinds_a_fleet(
         assert strip[0]["type"] == "node.registered"
 
         await _bad_input(base, after)
+        await asyncio.to_thread(_only_with_its_token, base)
         await _survives_a_nats_restart(nats_server, base, after)
     finally:
         if console is not None:
@@ -154,7 +155,8 @@ async def _bad_input(base: str, last: int) -> None:
     host = urllib.parse.urlsplit(base).netloc
     conn = http.client.HTTPConnection(host, timeout=10)
     conn.request("POST", "/api/nodes/node-a/cordon", body=b"{not json",
-                 headers={"Content-Type": "application/json", "X-Llmgw-Console": "1"})  # fmt: skip
+                 headers={"Content-Type": "application/json", "X-Llmgw-Console": "1",
+                          **bearer(base)})  # fmt: skip
     resp = conn.getresponse()
     assert resp.status == 400
     assert "not JSON" in json.loads(resp.read())["error"]
@@ -162,13 +164,51 @@ async def _bad_input(base: str, last: int) -> None:
     for body, content_type in ((b"{}", "application/json; charset=no-such-charset"),
                                (b"[" * 30_000, "application/json")):  # fmt: skip
         conn.request("POST", "/api/nodes/node-a/cordon", body=body,
-                     headers={"Content-Type": content_type, "X-Llmgw-Console": "1"})  # fmt: skip
+                     headers={"Content-Type": content_type, "X-Llmgw-Console": "1",
+                              **bearer(base)})  # fmt: skip
         resp = conn.getresponse()
         assert resp.status == 400, content_type
         assert "not JSON" in json.loads(resp.read())["error"]
     conn.close()
     status, _ = await asyncio.to_thread(call, base + "/api/nodes/node-a/reboot", body={})
     assert status in (404, 405)
+
+
+def _only_with_its_token(base: str) -> None:
+    """Another user of the machine reaches 127.0.0.1 too: without the printed token the
+    console shows nothing and writes nothing; the printed address sets the cookie a
+    browser then presents."""
+    host = urllib.parse.urlsplit(base).netloc
+    token = bearer(base)["Authorization"].removeprefix("Bearer ")
+    conn = http.client.HTTPConnection(host, timeout=30)
+
+    def ask(method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> Any:
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        return resp
+
+    write = {"Content-Type": "application/json", "X-Llmgw-Console": "1"}
+    for method, path, headers, body in [
+        ("GET", "/api/fleet", {}, None),
+        ("GET", "/api/stream", {}, None),
+        ("GET", "/", {}, None),
+        ("POST", "/api/nodes/node-a/cordon", write, b"{}"),
+        ("POST", "/api/nodes/node-a/cordon", {**write, "Authorization": "Bearer x" + token}, b"{}"),
+        ("GET", "/api/fleet", {"Cookie": f"llmgw_console={token[:-1]}"}, None),
+        ("GET", f"/?token={token[:-1]}", {}, None),
+    ]:
+        assert ask(method, path, headers, body).status == 401, (method, path, headers)
+    opened = ask("GET", f"/?token={token}", {})
+    assert opened.status == 302
+    assert opened.getheader("Location") == "/"
+    cookie = opened.getheader("Set-Cookie")
+    assert cookie.startswith(f"llmgw_console={token};")
+    assert "HttpOnly" in cookie
+    assert "SameSite=Strict" in cookie
+    assert ask("GET", "/api/fleet", {"Cookie": f"llmgw_console={token}"}).status == 200
+    assert ask("GET", "/", {"Cookie": f"llmgw_console={token}"}).status == 200
+    conn.close()
 
 
 async def _survives_a_nats_restart(server: TestNatsServer, base: str, last: int) -> None:

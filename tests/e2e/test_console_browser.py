@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.console_kit import call, fleet, holder, start_console
+from tests.e2e.console_kit import call, fleet, holder, opening, start_console
 from tests.harness import TestNatsServer, wait_for
 from tests.kit import tools
 
@@ -111,7 +111,7 @@ async def test_a_drain_from_the_page_the_live_grid_the_slider_and_the_diff(
         new_node = "node-b" if old_node == "node-a" else "node-a"
         before = view["seq"]
         d = browser
-        await asyncio.to_thread(d.get, base + "/")
+        await asyncio.to_thread(d.get, opening(base))  # the token becomes the page's cookie
 
         def grid_shows_m1_on(node: str) -> bool:
             return any("m1" in t and "serving" in t for t in _gpu_texts(d, node))

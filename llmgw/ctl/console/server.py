@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -48,6 +49,8 @@ log = logs.get("llmgw.ctl.console")
 LIVE: web.AppKey[LiveFleet] = web.AppKey("live")
 HOSTS: web.AppKey[set[str]] = web.AppKey("hosts")
 SCANS: web.AppKey[asyncio.Semaphore] = web.AppKey("scans")
+TOKEN: web.AppKey[str] = web.AppKey("token")
+COOKIE = "llmgw_console"
 WRITE_HEADER = "X-Llmgw-Console"
 MAX_GRACE_S = 7 * 86400.0
 _encoder = msgspec.json.Encoder()
@@ -59,6 +62,39 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _error(message: str, status: int) -> web.Response:
     return _json({"error": message}, status)
+
+
+@web.middleware
+async def _token_only(request: web.Request, handler: Any) -> web.StreamResponse:
+    """On loopback, where no certificate says who is asking, every request carries the
+    token `llmgw console` printed: as the cookie that opening its address sets, or as
+    `Authorization: Bearer TOKEN` (a script). Another user of the same machine reaches
+    127.0.0.1 too and must not read the fleet or act as this console's operator."""
+    token = request.app[TOKEN]
+    if not token:
+        return await _handled(request, handler)  # HTTPS: operator certificates decide
+    offered = request.query.get("token", "")
+    if request.path == "/" and offered:
+        if not hmac.compare_digest(offered, token):
+            return _error("this token is not the console's: open the address it printed", 401)
+        # Into the cookie and out of the address bar (and of the browser's history).
+        response = web.Response(status=302, headers={"Location": "/"})
+        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/")
+        return response
+    bearer = request.headers.get("Authorization", "")
+    given = request.cookies.get(COOKIE, "") or bearer.removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        return _error(
+            "open the address `llmgw console` printed (it carries the console's token), "
+            "or send Authorization: Bearer TOKEN",
+            401,
+        )
+    return await _handled(request, handler)
+
+
+async def _handled(request: web.Request, handler: Any) -> web.StreamResponse:
+    response: web.StreamResponse = await handler(request)
+    return response
 
 
 @web.middleware
@@ -279,9 +315,12 @@ def _event(action: str, s: session_.Session, node: str, reason: str, grace: floa
     )
 
 
-def build_app(live: LiveFleet, hosts: set[str]) -> web.Application:
-    app = web.Application(middlewares=[operator_https.operators_only, _guard],
+def build_app(live: LiveFleet, hosts: set[str], token: str = "") -> web.Application:
+    """The console's app; `token`, when not empty, is required of every request
+    (`_token_only`: the loopback listener, where no certificate says who asks)."""
+    app = web.Application(middlewares=[operator_https.operators_only, _guard, _token_only],
                           client_max_size=64 * 1024)  # fmt: skip
+    app[TOKEN] = token
     app[LIVE] = live
     app[HOSTS] = hosts
     app[SCANS] = asyncio.Semaphore(MAX_SCANS)
