@@ -189,6 +189,10 @@ class EngineRelay:
             self.bad_batches += 1
             log.warning("kv_bad_batch", endpoint=self.endpoint, seq=seq, error=str(exc))
             return
+        except Exception as exc:  # a decoder bug on an engine's bytes: that batch, not the relay
+            self.bad_batches += 1
+            log.warning("kv_bad_batch", endpoint=self.endpoint, seq=seq, error=repr(exc))
+            return
         self.batches += 1
         for ev in batch.events:
             if isinstance(ev, kvblocks.BlockStored):

@@ -59,7 +59,9 @@ FAMILY_CAPABILITY: dict[str, tuple[int, int]] = {
 }
 
 _CLASS = re.compile(r"[a-z0-9]+-\d+g")
-_NAME = re.compile(r"[^\s]{1,256}")
+_NAME = re.compile(r"[^\s@-][^\s]{0,255}")
+"""A model's name or alias: no whitespace, and no leading - or @ (engines read those on
+their command line as an option or a file of arguments)."""
 
 # Settings the control plane decides per shard; a profile that sets them would
 # fight the placement (a fixed port collides with the next replica on the node,
@@ -135,11 +137,20 @@ def _shape_problems(p: ModelProfile) -> list[str]:
     """The engine, the parallelism and the GPUs it asks for."""
     out: list[str] = []
     if not _NAME.fullmatch(p.name):
-        out.append("name must be 1-256 characters without whitespace, e.g. llama-3.1-8b")
+        out.append(
+            "name must be 1-256 characters without whitespace, not beginning with - or @, "
+            "e.g. llama-3.1-8b"
+        )
     if p.engine not in ENGINES:
         out.append(f"engine {p.engine!r} is not supported: use one of {', '.join(ENGINES)}")
     if p.replicas < 0:
         out.append(f"replicas is {p.replicas}: use 0 (declared but stopped) or more")
+    for field, text in (("model", p.model), ("tokenizer", p.tokenizer)):
+        if text[:1] in ("-", "@"):
+            out.append(
+                f"{field} {text[:80]!r} begins with {text[0]!r}, which an engine reads as an "
+                "option: give a path or a Hugging Face id"
+            )
     if p.autoscale is not None:
         out.extend(p.autoscale.problems(p.replicas))
     for field, value in (
@@ -218,7 +229,10 @@ def _name_problems(p: ModelProfile, others: Iterable[ModelProfile]) -> list[str]
         elif alias in seen:
             out.append(f"alias {alias!r} is listed twice: remove one")
         elif not _NAME.fullmatch(alias):
-            out.append(f"alias {alias!r} must be 1-256 characters without whitespace")
+            out.append(
+                f"alias {alias!r} must be 1-256 characters without whitespace, not beginning "
+                "with - or @"
+            )
         seen.add(alias)
     if p.name in p.fallbacks:
         out.append("fallbacks lists the model itself: remove it")

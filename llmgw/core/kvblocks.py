@@ -105,11 +105,15 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
-def _hashable(value: Any) -> Any:
+def _hashable(value: Any, depth: int = 0) -> Any:
+    """A block hash as a dict key: an integer, bytes or a short tuple of them (nested a
+    level or two at most: an engine's batch must not recurse the relay to its limit)."""
     if isinstance(value, int | bytes | str) or value is None:
         return value
     if isinstance(value, list):
-        return tuple(_hashable(v) for v in value)
+        if depth >= 2:
+            raise BadBatch("a block hash nests lists more than two deep")
+        return tuple(_hashable(v, depth + 1) for v in value)
     raise BadBatch(f"a block hash must be an integer or bytes, not {type(value).__name__}")
 
 

@@ -148,3 +148,19 @@ def test_problems_never_raise_on_any_profile(
 ) -> None:
     found = catalog.problems(profile, others)
     assert all(isinstance(p, str) and p for p in found)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"name": "-m"}, "not beginning with - or @"),
+        ({"aliases": ("--trust-remote-code",)}, "not beginning with - or @"),
+        ({"aliases": ("@args",)}, "not beginning with - or @"),
+        ({"model": "--trust-remote-code"}, "model '--trust-remote-code' begins with '-'"),
+        ({"tokenizer": "@/etc/x"}, "tokenizer '@/etc/x' begins with '@'"),
+    ],
+)
+def test_names_and_paths_an_engine_would_read_as_options_are_refused(
+    fields: dict[str, Any], says: str
+) -> None:
+    assert any(says in p for p in catalog.problems(mk(**fields))), catalog.problems(mk(**fields))

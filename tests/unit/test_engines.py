@@ -459,3 +459,23 @@ def test_kv_events_are_left_to_the_operator_and_off_where_they_cannot_be_read() 
     own = replace(spec("vllm"), engine_args=("--kv-events-config", '{"publisher": "null"}'))
     launch = engines.plan(own, H100, CONTEXT)
     assert engines.kv_evented(own, launch, "/run/kv") == launch
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "sim"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"aliases": ("m2", "--trust-remote-code")},
+        {"aliases": ("--allowed-local-media-path=/",)},
+        {"model": "--trust-remote-code"},
+        {"model": "@/etc/args"},
+        {"served_name": "-m"},
+    ],
+)
+def test_a_name_or_model_an_engine_would_read_as_an_option_is_refused(
+    engine: str, fields: dict[str, object]
+) -> None:
+    # Names and the model go on the command line as values, past the node's launch policy
+    # (which checks env and engine_args): a leading - or @ would make them options.
+    message = refused(spec(engine, **fields))
+    assert "which the engine would read as an option" in message

@@ -82,6 +82,11 @@ def test_ld_preload_is_refused_with_the_setting_to_change() -> None:
         "HF_MODULES_CACHE",
         "HF_HUB_TRUST_REMOTE_CODE",
         "LLAMA_ARG_CHAT_TEMPLATE_FILE",
+        "HF_ENDPOINT",  # would take the node's Hugging Face token to another host
+        "HF_HUB_ETAG_TIMEOUT_URL",
+        "HTTPS_PROXY",
+        "CUDA_MPS_PIPE_DIRECTORY",
+        "VLLM_TUNED_CONFIG_FOLDER",
     ],
 )
 def test_code_or_file_loading_names_are_refused_by_default(name: str) -> None:

@@ -44,11 +44,18 @@ _CODE_OR_FILE_PARTS = (
     "EXTENSION",
     "DEV_MODE",
     "RUNTIME_LORA",
+    # Where a library sends what it holds (HF_ENDPOINT would take the node's Hugging Face
+    # token to another host) or reads files from.
+    "ENDPOINT",
+    "_URL",
+    "PROXY",
 )
 _CODE_OR_FILE_SUFFIXES = (
     "_PATH",
     "_FILE",
     "_DIR",
+    "_DIRECTORY",
+    "_FOLDER",
     "_ROOT",
     "_HOME",
     "_CACHE",

@@ -161,6 +161,21 @@ def _api_key(spec: LaunchSpec) -> list[str]:
     return problems
 
 
+def _not_options(spec: LaunchSpec) -> list[str]:
+    """The model and its names go on the engine's command line as values: one that begins
+    with `-` would be read as an option (`--trust-remote-code` as an alias turns it on past
+    this node's launch policy), one with `@` as a file of arguments."""
+    out = []
+    for what, value in (("model", spec.model), ("served name", spec.served_name),
+                        *(("alias", a) for a in spec.aliases)):  # fmt: skip
+        if value[:1] in ("-", "@"):
+            out.append(
+                f"the {what} {value[:80]!r} begins with {value[0]!r}, which the engine would "
+                "read as an option: name models and aliases without a leading - or @"
+            )
+    return out
+
+
 def check(
     spec: LaunchSpec,
     inventory: Inventory,
@@ -174,6 +189,7 @@ def check(
         problems.append("the shard names no model to load")
     if not spec.served_name.strip():
         problems.append("the shard has no served model name")
+    problems += _not_options(spec)
     first, last = context.port_range
     if not first <= spec.port <= last:
         problems.append(f"port {spec.port} is outside this agent's engine ports {first}-{last}")
