@@ -135,6 +135,12 @@ def _event(raw: Any) -> EngineEvent | None:
     kind = _kind(raw)
     if kind == "BlockStored":
         f = _fields(raw, _STORED_FIELDS)
+        medium, group = f.get("medium"), f.get("group_idx")
+        if not _gpu(medium if isinstance(medium, str) else None,
+                    group if type(group) is int else None):  # fmt: skip
+            # Not folded (`_gpu`), so not checked either: vLLM's offloading connector sends
+            # CPU placeholders (no token ids, block size 0) in the same batch as GPU stores.
+            return None
         ids = f.get("token_ids")
         hashes = f.get("block_hashes")
         size = f.get("block_size")
@@ -149,8 +155,6 @@ def _event(raw: Any) -> EngineEvent | None:
         lora = f.get("lora_name")
         if lora is None and type(f.get("lora_id")) is int:
             lora = str(f["lora_id"])
-        medium = f.get("medium")
-        group = f.get("group_idx")
         return BlockStored(
             [_hashable(h) for h in hashes],
             _hashable(f.get("parent_block_hash")),

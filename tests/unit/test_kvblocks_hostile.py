@@ -36,3 +36,15 @@ def test_a_hash_of_two_levels_still_reads() -> None:
     batch = kvblocks.decode_batch(payload)
     assert len(batch.events) == 1
     assert kvblocks.decode_batch(removed_with_hash_nested(2)).events
+
+
+def test_an_offloading_placeholder_beside_a_gpu_store_costs_nothing() -> None:
+    # vLLM's offloading connector sends CPU placeholders (no token ids, block size 0) in the
+    # same batch as the GPU's stores: they are not folded, and the GPU store still is.
+    cpu = ["BlockStored", [7], None, [], 0, None, "CPU", None, None, None]
+    gpu = ["BlockStored", [8], None, list(range(16)), 16, None, "GPU", None, None, None]
+    batch = kvblocks.decode_batch(msgspec.msgpack.encode([0.0, [cpu, gpu]]))
+    assert [(type(e).__name__, e.block_size) for e in batch.events] == [("BlockStored", 16)]
+    blocks = kvblocks.EngineBlocks()
+    stored, _, _ = blocks.apply(batch.events)
+    assert len(stored) == 1
