@@ -85,6 +85,11 @@ class SimProcess:
             tail = err.read().decode(errors="replace")[-2000:]
             err.close()
             raise RuntimeError(f"{exc} stderr={tail}") from None
+        except BaseException:  # anything else while waiting (an interrupt): no sim left behind
+            proc.kill()
+            proc.wait()
+            err.close()
+            raise
         return cls(proc, m.group(1), err)
 
     @property

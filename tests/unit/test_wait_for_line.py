@@ -8,6 +8,7 @@ import re
 import resource
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -48,3 +49,27 @@ def test_a_child_that_exits_silently_is_said_to_have_exited() -> None:
         wait_for_line(proc, re.compile("never"), "the child", 60)
     assert proc.stdout is not None
     proc.stdout.close()
+
+
+def test_a_sim_whose_wait_fails_otherwise_is_not_left_running(monkeypatch: Any) -> None:
+    from llmgw.sim import testing
+
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        return proc
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("the wait itself failed")
+
+    monkeypatch.setattr(testing.subprocess, "Popen", popen)
+    monkeypatch.setattr(testing, "wait_for_line", broken)
+    with pytest.raises(ValueError, match="the wait itself failed"):
+        testing.SimProcess.start()
+    assert len(started) == 1
+    assert started[0].poll() is not None  # killed and reaped
+    assert started[0].stdout is not None
+    started[0].stdout.close()
