@@ -100,8 +100,8 @@ async def _serve(
     live = LiveFleet(session)
     live.start()
     bound = sock.getsockname()[1]
-    # A client that leaves ends its request: a scan of the log stops with it.
-    # Without HTTPS no certificate says who asks: a token this process made does.
+    # Without HTTPS no certificate says who asks: a token this process made does. A client
+    # that leaves ends its request (handler_cancellation): a scan of the log stops with it.
     token = "" if tls else secrets.token_urlsafe(24)
     runner = web.AppRunner(
         build_app(live, _hosts(host, bound), token), access_log=None, handler_cancellation=True

@@ -135,9 +135,10 @@ def _event(raw: Any) -> EngineEvent | None:
     kind = _kind(raw)
     if kind == "BlockStored":
         f = _fields(raw, _STORED_FIELDS)
-        medium, group = f.get("medium"), f.get("group_idx")
-        if not _gpu(medium if isinstance(medium, str) else None,
-                    group if type(group) is int else None):  # fmt: skip
+        raw_medium, raw_group = f.get("medium"), f.get("group_idx")
+        medium = raw_medium if isinstance(raw_medium, str) else None
+        group = raw_group if type(raw_group) is int else None
+        if not _gpu(medium, group):
             # Not folded (`_gpu`), so not checked either: vLLM's offloading connector sends
             # CPU placeholders (no token ids, block size 0) in the same batch as GPU stores.
             return None
@@ -161,8 +162,8 @@ def _event(raw: Any) -> EngineEvent | None:
             ids,
             size,
             lora if isinstance(lora, str) else None,
-            medium if isinstance(medium, str) else None,
-            group if type(group) is int else None,
+            medium,
+            group,
         )
     if kind == "BlockRemoved":
         f = _fields(raw, _REMOVED_FIELDS)

@@ -78,17 +78,14 @@ class SimProcess:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
         try:
             m = wait_for_line(proc, _LINE, "llmgw sim", timeout)
-        except RuntimeError as exc:
+        except BaseException as exc:  # whatever ended the wait (an interrupt too): no sim left
             proc.kill()
             proc.wait()
             err.seek(0)
             tail = err.read().decode(errors="replace")[-2000:]
             err.close()
-            raise RuntimeError(f"{exc} stderr={tail}") from None
-        except BaseException:  # anything else while waiting (an interrupt): no sim left behind
-            proc.kill()
-            proc.wait()
-            err.close()
+            if isinstance(exc, RuntimeError):
+                raise RuntimeError(f"{exc} stderr={tail}") from None
             raise
         return cls(proc, m.group(1), err)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from llmgw.bus import kvlog, reader, signals
 from llmgw.control.attesting import Attester
 from llmgw.core import attestation, events, kvblocks, loadreport, subjects
@@ -129,32 +131,27 @@ def signed_as(identity: Identity, subject: str, payload: bytes) -> tuple[bytes, 
     return subject.encode(), payload, block(headers)
 
 
-def test_the_other_streams_readers_decode_their_own_records_behind_the_same_checks() -> None:
+REPORT = loadreport.LoadReport(ts=1.0)
+UPDATE = kvblocks.KvUpdate(endpoint="e1", model="m", block_size=16, instance="i", seq=1)
+
+
+@pytest.mark.parametrize(
+    ("make", "subject", "owner", "payload", "record"),
+    [
+        (signals.SignalsReader, subjects.router_signals("a", 0), Identity("router", "a"),
+         loadreport.encode(REPORT), REPORT),
+        (kvlog.KvReader, subjects.kv_updates("a", "e1"), Identity("node", "a"),
+         kvblocks.encode_update(UPDATE), UPDATE),
+    ],
+)  # fmt: skip
+def test_the_other_streams_readers_decode_their_own_records_behind_the_same_checks(
+    make: Any, subject: str, owner: Identity, payload: bytes, record: object
+) -> None:
     # The load-report and KV-update readers share the log reader's order and signature
     # checks and decode with their own `_accept`: a genuine message of theirs is kept as
     # their record, a forged one (another identity's subject) is refused before decoding.
-    report = loadreport.LoadReport(ts=1.0)
-    subject = subjects.router_signals("a", 0)
-    loads = signals.SignalsReader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
-    feed(
-        loads,
-        [
-            signed_as(Identity("router", "a"), subject, loadreport.encode(report)),
-            signed_as(Identity("router", "b"), subject, loadreport.encode(report)),
-        ],
-    )
-    assert [signals.report_of(rec) for rec in loads._buf] == [report]
-    assert (loads.refused, loads.undecodable) == (1, 1)
-
-    update = kvblocks.KvUpdate(endpoint="e1", model="m", block_size=16, instance="i", seq=1)
-    subject = subjects.kv_updates("a", "e1")
-    kv = kvlog.KvReader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
-    feed(
-        kv,
-        [
-            signed_as(Identity("node", "a"), subject, kvblocks.encode_update(update)),
-            signed_as(Identity("node", "b"), subject, kvblocks.encode_update(update)),
-        ],
-    )
-    assert [kvlog.update_of(rec) for rec in kv._buf] == [update]
-    assert (kv.refused, kv.undecodable) == (1, 1)
+    r = make(_NoClient(), verifier=VERIFIER)
+    stranger = Identity(owner.kind, "b")
+    feed(r, [signed_as(owner, subject, payload), signed_as(stranger, subject, payload)])
+    assert [rec.event for rec in r._buf] == [record]
+    assert (r.refused, r.undecodable) == (1, 1)

@@ -70,12 +70,21 @@ async def _token_only(request: web.Request, handler: Any) -> web.StreamResponse:
     token `llmgw console` printed: as the cookie that opening its address sets, or as
     `Authorization: Bearer TOKEN` (a script). Another user of the same machine reaches
     127.0.0.1 too and must not read the fleet or act as this console's operator."""
-    token = request.app[TOKEN]
-    if not token:
-        return await _handled(request, handler)  # HTTPS: operator certificates decide
+    token = request.app[TOKEN]  # empty over HTTPS: operator certificates decide there
+    if token:
+        answer = _without_token(request, token)
+        if answer is not None:
+            return answer
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+def _without_token(request: web.Request, token: str) -> web.Response | None:
+    """The answer to a request that does not carry `token` (or opens the printed address),
+    None for one that does."""
     offered = request.query.get("token", "")
     if request.path == "/" and offered:
-        if not hmac.compare_digest(offered, token):
+        if not hmac.compare_digest(offered.encode(), token.encode()):
             return _error("this token is not the console's: open the address it printed", 401)
         # Into the cookie and out of the address bar (and of the browser's history).
         response = web.Response(status=302, headers={"Location": "/"})
@@ -83,18 +92,13 @@ async def _token_only(request: web.Request, handler: Any) -> web.StreamResponse:
         return response
     bearer = request.headers.get("Authorization", "")
     given = request.cookies.get(COOKIE, "") or bearer.removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        return _error(
-            "open the address `llmgw console` printed (it carries the console's token), "
-            "or send Authorization: Bearer TOKEN",
-            401,
-        )
-    return await _handled(request, handler)
-
-
-async def _handled(request: web.Request, handler: Any) -> web.StreamResponse:
-    response: web.StreamResponse = await handler(request)
-    return response
+    if hmac.compare_digest(given.encode(), token.encode()):
+        return None
+    return _error(
+        "open the address `llmgw console` printed (it carries the console's token), "
+        "or send Authorization: Bearer TOKEN",
+        401,
+    )
 
 
 @web.middleware
