@@ -412,22 +412,23 @@ class Exporter:
         POST has a cost of its own beside its bytes', about a third of a full batch's, so
         a busy router's are full batches); a failed batch is dropped, and the rest waits
         (False)."""
-        while self.buffer and self.buffered >= least:
-            parts, n, size = [], 0, 0
+        buffer = self.buffer
+        while buffer and self.buffered >= least:
             offset_ns = time.time_ns() - time.monotonic_ns()
-            while self.buffer and n < self.batch:
-                spans, count = self.buffer.popleft()
-                self.buffered -= count
-                encoded = spans if isinstance(spans, bytes) else self._encoded(spans, offset_ns)
-                if encoded is None:
-                    self.dropped += count
-                    continue
-                parts.append(encoded)
-                n += count
-                size += len(encoded)
+            taken: list[tuple[bytes | Later, int]] = []
+            n = 0
+            while buffer and n < self.batch:
+                item = buffer.popleft()
+                taken.append(item)
+                n += item[1]
+            self.buffered -= n
+            try:  # a batch in one go; one that fails is encoded again one by one
+                parts = [s if type(s) is bytes else s.encode_spans(offset_ns) for s, _ in taken]  # type: ignore[union-attr]
+            except Exception:
+                parts, n = self._encoded_apart(taken, offset_ns)
             if not parts:
                 continue
-            body = b"".join(encode_parts(parts, size, self.service_name))
+            body = b"".join(encode_parts(parts, sum(map(len, parts)), self.service_name))
             problem = await self._post(body)
             if problem is None:
                 self.exported += n
@@ -441,12 +442,20 @@ class Exporter:
             return False  # the collector is failing: try again at the next interval
         return True
 
-    def _encoded(self, spans: Later, offset_ns: int) -> bytes | None:
-        try:
-            return spans.encode_spans(offset_ns)
-        except Exception:  # a bug in one request's spans must not end the export of all
-            log.exception("spans_not_encoded")
-            return None
+    def _encoded_apart(
+        self, taken: list[tuple[bytes | Later, int]], offset_ns: int
+    ) -> tuple[list[bytes], int]:
+        """A batch's spans encoded one request at a time, and how many: a bug in one
+        request's spans costs those spans (dropped, counted), never the others'."""
+        parts, n = [], 0
+        for spans, count in taken:
+            try:
+                parts.append(spans if isinstance(spans, bytes) else spans.encode_spans(offset_ns))
+                n += count
+            except Exception:
+                log.exception("spans_not_encoded")
+                self.dropped += count
+        return parts, n
 
     async def _post(self, body: bytes) -> str | None:
         if self._session is None:

@@ -43,6 +43,8 @@ class Tracer:
         self.exporter = exporter or otlp.Exporter(cfg.endpoint, cfg.service_name)
         self._bits = random.SystemRandom().getrandbits(64)
         self._rng = random.Random(self._bits)
+        self._raw, self._hex = b"", ""
+        self._at = _POOL_BYTES  # drawn at the first recorded request
 
     def start(self) -> None:
         self.exporter.start()
@@ -51,22 +53,49 @@ class Tracer:
         await self.exporter.close()
 
     def begin(self, headers: Mapping[str, str], rid: str, start: float) -> RequestTrace | None:
-        """The trace of a request that began at `start` (time.monotonic), if it is sampled."""
+        """The trace of a request that began at `start` (time.monotonic), if it is sampled.
+
+        A recorded request takes its ids (its trace's, when it starts one, its root span's,
+        its first attempt's and its children's) from a pool drawn for many requests at a
+        time (`_refill`), already written out in hex: each call and object on a request's
+        path costs several times more in a busy router than in a loop
+        (tests/bench/bench_tracing.py)."""
         value = headers.get("traceparent")
         parent = tracing.parse_traceparent(value) if value is not None else None
-        bits = self._rng.getrandbits
-        if self.ratio <= 0.0 and (parent is None or not self.obey_parent):
-            return None  # nothing to draw: only a client's sampled flag records a trace
-        draw = bits(128) if parent is None else 0
-        if not tracing.sampled(parent, draw, self.ratio, self.obey_parent):
+        if parent is None:
+            ratio = self.ratio
+            if ratio <= 0.0:
+                return None  # nothing to draw: only a client's sampled flag records a trace
+            if ratio < 1.0:
+                draw = self._rng.getrandbits(128)
+                if not tracing.draw_sampled(draw, ratio):
+                    return None
+        elif not (
+            parent.sampled
+            if self.obey_parent
+            else tracing.ratio_sampled(parent.trace_id, self.ratio)
+        ):
             return None
-        if parent is None:  # the id is written out only for a trace that is recorded
-            trace_id, parent_id, state = tracing.trace_id_of(draw), "", ""
-        else:
-            trace_id, parent_id = parent.trace_id, parent.span_id
-            state = tracecontext.tracestate(headers)
-        span_id = _span_id(self._rng)
-        return RequestTrace(trace_id, parent_id, span_id, rid, start, state, self._rng)
+        at = self._at
+        if at >= _POOL_BYTES:
+            self._refill()
+            at = 0
+        self._at = at + _IDS
+        hexed, h = self._hex, 2 * at
+        if parent is None:
+            trace_id = hexed[h : h + 32] if ratio >= 1.0 else tracing.trace_id_of(draw)
+            return RequestTrace(trace_id, "", hexed[h + 32 : h + 48], rid, start, "", self._rng,
+                                self._raw, at, hexed[h + 48 : h + 64])  # fmt: skip
+        return RequestTrace(parent.trace_id, parent.span_id, hexed[h + 32 : h + 48], rid, start,
+                            tracecontext.tracestate(headers), self._rng, self._raw, at,
+                            hexed[h + 48 : h + 64])  # fmt: skip
+
+    def _refill(self) -> None:
+        """Draw the next `_POOL` requests' ids, none of them all zeros."""
+        raw = self._rng.randbytes(_POOL_BYTES)
+        if _ZERO in raw:
+            raw = _nonzero(raw)
+        self._raw, self._hex = raw, raw.hex()
 
     def finish(
         self, trace: RequestTrace, end: float, *, kind: str, model: str, status: int,
@@ -118,15 +147,22 @@ class RequestTrace:
     end, by the exporter's task (`encode_spans`)."""
 
     __slots__ = (
-        "admitted", "answered", "attempts", "end", "first_token", "kind", "model",
-        "parent_id", "queue", "rid", "rng", "root_id", "start", "status", "tokens", "trace_id",
-        "tracestate",
+        "admitted", "answered", "attempts", "end", "first_attempt", "first_token", "kind",
+        "model", "parent_id", "pool", "pool_at", "queue", "rid", "rng", "root_id", "start",
+        "status", "tokens", "trace_id", "tracestate",
     )  # fmt: skip
 
     def __init__(
         self, trace_id: str, parent_id: str, root_id: str, rid: str, start: float,
-        tracestate: str, rng: random.Random,
+        tracestate: str, rng: random.Random, pool: bytes = b"", at: int = 0,
+        first_attempt: str = "",
     ) -> None:  # fmt: skip
+        self.pool, self.pool_at = pool, at
+        """The tracer's pool of ids and where this request's are in it (`_IDS` bytes: the
+        trace id, the root's and first attempt's span ids, those given here in hex, and the
+        three children's that every answered request has); without a pool, each is drawn
+        from `rng` as it is needed."""
+        self.first_attempt = first_attempt
         self.trace_id = trace_id
         self.parent_id = parent_id
         self.root_id = root_id
@@ -150,18 +186,21 @@ class RequestTrace:
     """The attempt that answered, once the request ended."""
 
     def attempt_begin(self, endpoint: str, url: str, model: str, now: float) -> None:
-        self.attempts.append(_Attempt(_span_id(self.rng), endpoint, url, model, now))
+        attempts = self.attempts
+        span_id = _span_id(self.rng) if attempts or not self.first_attempt else self.first_attempt
+        attempts.append(_Attempt(span_id, endpoint, url, model, now))
 
     def attempt_end(self, error: str, now: float) -> None:
         at = self.attempts[-1]
         at.end, at.error = now, error
 
     def headers(self) -> list[tuple[str, str]]:
-        """The trace context the current attempt sends: its own span as the engine's parent."""
-        out = [("traceparent", tracing.traceparent(self.trace_id, self.attempts[-1].span_id))]
+        """The trace context the current attempt sends: its own span as the engine's parent
+        (W3C's `traceparent`, version 00, sampled: as llmgw.core.tracing.traceparent)."""
+        parent = ("traceparent", f"00-{self.trace_id}-{self.attempts[-1].span_id}-01")
         if self.tracestate:
-            out.append(("tracestate", self.tracestate))
-        return out
+            return [parent, ("tracestate", self.tracestate)]
+        return [parent]
 
     def ended(
         self, end: float, *, kind: str, model: str, status: int, tokens_in: int = 0,
@@ -210,7 +249,11 @@ class RequestTrace:
             root_body.append(otlp.int_attribute("gen_ai.usage.input_tokens", t_in))
             root_body.append(otlp.int_attribute("gen_ai.usage.output_tokens", t_out))
         body = b"".join(root_body)
-        ids = self.rng.randbytes(32)  # the children's span ids: four at most
+        # the children's span ids: four at most (the queue's drawn only here)
+        if self.pool:
+            ids = self.pool[self.pool_at + 32 : self.pool_at + _IDS] + self.rng.randbytes(8)
+        else:
+            ids = self.rng.randbytes(32)
         a, b, c, d = ids[:8], ids[8:16], ids[16:24], ids[24:]
         admitted = int(self.admitted * ns) + off if self.admitted else end
         out = [otlp.length_delimited_span(body), body,
@@ -263,25 +306,43 @@ class RequestTrace:
         ns = 1e9
         first = int(self.first_token * ns) + off
         sent = int(at.start * ns) + off
-        ids = self.rng.randbytes(24)  # the children's span ids
-        a, c, d = ids[:8], ids[8:16], ids[16:]
-        shared = _TRACE_ID + trace + _PARENT_ID + root
+        if self.pool:  # the attempt's and the children's ids, drawn in the tracer's pool
+            ids = self.pool[self.pool_at + 24 : self.pool_at + _IDS]
+        else:
+            ids = bytes.fromhex(at.span_id) + self.rng.randbytes(24)
+            if _ZERO in ids:
+                ids = _nonzero(ids)
+        shared = _TRACE_ID + trace + _PARENT_ID + root + _START_BYTE
         return b"".join((
             _T2 + bytes((n,)) if n < 128 else _T2 + bytes((n & 127 | 128, n >> 7)),
             _TRACE_ID, trace, _SPAN_ID, root, _PARENT_ID + parent if parent else b"",
             _TIMES.pack(_START_TAG, start, _END_TAG, end), shape.root, rid_prefix, rid, tokens,
             shape.children.pack(
-                _ADMISSION_HEAD, shared, _ADMISSION_NAMED, a if a != _ZERO else _ONE,
-                _START_TAG, start, _END_TAG,
+                _ADMISSION_LEAD, ids[8:16], shared, start, _END_TAG,
                 int(self.admitted * ns) + off if self.admitted else end,
-                _FIRST_TOKEN_HEAD, shared, _FIRST_TOKEN_NAMED, c if c != _ZERO else _ONE,
-                _START_TAG, sent, _END_TAG, first,
-                _COMPLETION_HEAD, shared, _COMPLETION_NAMED, d if d != _ZERO else _ONE,
-                _START_TAG, first, _END_TAG, end,
-                shape.attempt_head, shared, _SPAN_ID + bytes.fromhex(at.span_id), shape.attempt,
-                _START_TAG, sent, _END_TAG, int(at.end * ns) + off if at.end else end,
+                _FIRST_TOKEN_LEAD, ids[16:24], shared, sent, _END_TAG, first,
+                _COMPLETION_LEAD, ids[24:], shared, first, _END_TAG, end,
+                shape.attempt_lead, ids[:8], shared, sent, _END_TAG,
+                int(at.end * ns) + off if at.end else end,
             ),
         ))  # fmt: skip
+
+
+_IDS = 56
+"""Bytes of a recorded request's ids in the pool: a trace id (16; unused for a client's
+trace) and five span ids (8 each): the root's, the first attempt's and three children's
+(admission, first_token, completion)."""
+_POOL = 256
+"""Requests whose ids are drawn at once."""
+_POOL_BYTES = _POOL * _IDS
+
+
+def _nonzero(ids: bytes) -> bytes:
+    """`ids` with every 8 bytes of zeros (a span id or half a trace id the spec forbids
+    as all zeros: a draw of 1 in 2**64) made one."""
+    return b"".join(
+        _ONE if ids[i : i + 8] == _ZERO else ids[i : i + 8] for i in range(0, len(ids), 8)
+    )
 
 
 def _span_id(rng: random.Random) -> str:
@@ -309,13 +370,13 @@ class _Shape:
     status and its length without the request id and tokens, the attempt's span head and
     fields, and the struct of the four children."""
 
-    __slots__ = ("attempt", "attempt_head", "children", "root", "root_len")
+    __slots__ = ("attempt_lead", "children", "root", "root_len")
 
     def __init__(self, root: bytes, parent: bool, attempt_head: bytes, attempt: bytes) -> None:
         self.root = root
         self.root_len = 18 + 10 + (10 if parent else 0) + _TIMES.size + len(root)
-        self.attempt_head, self.attempt = attempt_head, attempt
-        self.children = _children(len(attempt))
+        self.attempt_lead = attempt_head + attempt + _SPAN_ID
+        self.children = _children(len(self.attempt_lead))
 
 
 def _shape(key: tuple[str, str, int, str, str, str, bool], at: _Attempt) -> _Shape:
@@ -351,22 +412,21 @@ def _ok_attempt(key: tuple[str, str, str, int, str]) -> tuple[bytes, bytes]:
     return found
 
 
-def _children(fixed: int) -> struct.Struct:
+def _children(attempt_lead: int) -> struct.Struct:
     """The struct of a one-attempt request's admission, first_token, completion and
-    attempt spans, the attempt's fixed fields `fixed` bytes long."""
-    found = _CHILDREN.get(fixed)
+    attempt spans, the attempt's fields before its id `attempt_lead` bytes long. Each
+    span is written as what its kind of span always has (its tag and length, name, kind,
+    the attempt's attributes, and the span id's tag), its id, the fields it shares with
+    the request's other children (trace and parent ids, start time's tag) and its times:
+    a protobuf message's fields may come in any order, and this one has the fewest parts
+    to pack."""
+    found = _CHILDREN.get(attempt_lead)
     if found is None:
-        plain = "".join(
-            f"{len(head)}s{_SHARED}s{len(named)}s8sBQBQ"
-            for head, named in (
-                (_ADMISSION_HEAD, _ADMISSION_NAMED), (_FIRST_TOKEN_HEAD, _FIRST_TOKEN_NAMED),
-                (_COMPLETION_HEAD, _COMPLETION_NAMED),
-            )
-        )  # fmt: skip
-        head = len(otlp.length_delimited_span(bytes(_SHARED + 10 + fixed + otlp.TIMES.size)))
-        found = struct.Struct(f"<{plain}{head}s{_SHARED}s10s{fixed}sBQBQ")
+        spans = [len(lead) for lead in (_ADMISSION_LEAD, _FIRST_TOKEN_LEAD, _COMPLETION_LEAD)]
+        spans.append(attempt_lead)
+        found = struct.Struct("<" + "".join(f"{n}s8s{_SHARED + 1}sQBQ" for n in spans))
         if len(_CHILDREN) < 64:
-            _CHILDREN[fixed] = found
+            _CHILDREN[attempt_lead] = found
     return found
 
 
@@ -413,21 +473,22 @@ _COMPLETION = otlp.PlainSpans("completion", SPAN_INTERNAL)
 _ATTEMPT = otlp.named("attempt", SPAN_CLIENT)
 
 
-def _plain(spans: otlp.PlainSpans) -> tuple[bytes, bytes]:
-    """A child's tag and length, and its name and kind with its span_id's tag and length
-    (the raw id follows), for `_children`."""
+def _plain(spans: otlp.PlainSpans) -> bytes:
+    """A child's tag and length, its name and kind, and its span_id's tag and length (the
+    raw id follows), for `_children`."""
     head = otlp.length_delimited_span(bytes(_SHARED + spans.fixed))
-    return head, spans.name_kind + otlp.span_id_field("01" * 8)[:2]
+    return head + spans.name_kind + otlp.span_id_field("01" * 8)[:2]
 
 
-_ADMISSION_HEAD, _ADMISSION_NAMED = _plain(_ADMISSION)
-_FIRST_TOKEN_HEAD, _FIRST_TOKEN_NAMED = _plain(_FIRST_TOKEN)
-_COMPLETION_HEAD, _COMPLETION_NAMED = _plain(_COMPLETION)
+_ADMISSION_LEAD = _plain(_ADMISSION)
+_FIRST_TOKEN_LEAD = _plain(_FIRST_TOKEN)
+_COMPLETION_LEAD = _plain(_COMPLETION)
 _TIMES = otlp.TIMES
 _START_TAG, _END_TAG = otlp.START_TAG, otlp.END_TAG
 _T2 = otlp.length_delimited_span(b"")[:1]
 _TRACE_ID = otlp.trace_id_field("01" * 16)[:2]
 _SPAN_ID = otlp.span_id_field("01" * 8)[:2]
+_START_BYTE = bytes((_START_TAG,))
 _PARENT_ID = otlp.parent_id_field("01" * 8)[:2]
 _ZERO = bytes(8)
 _ONE = bytes(7) + b"\x01"

@@ -180,6 +180,81 @@ def test_a_one_attempt_request_encodes_whatever_its_ids_length_and_counts(
     assert (attempt.start_ns, attempt.end_ns) == (100_002_000_000, 100_009_000_000)
 
 
+@settings(max_examples=60)
+@given(st.sampled_from(["router", "ratio", "client"]), attempt_lists, st.booleans(),
+       st.integers(0, 2**32))  # fmt: skip
+def test_a_begun_traces_spans_carry_the_ids_its_attempts_sent(
+    who: str, errors: list[str], queued: bool, seed: int
+) -> None:
+    """A trace the tracer begins draws its ids at once (the trace's, the root's, the first
+    attempt's, the children's): whatever the request's shape, its spans are one trace
+    under the root it logged, each attempt's span is the parent the engine was sent, and
+    no id is repeated or all zeros."""
+    ratio = 0.5 if who == "ratio" else 1.0
+    tracer = Tracer(TracesConfig(endpoint="http://c:4318", sample_ratio=ratio))
+    tracer._rng = random.Random(seed)
+    client = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"} if who == "client" else {}
+    t = tracer.begin(client, "rid-1", 100.0)
+    if t is None:
+        assert who == "ratio"
+        return
+    assert tracing.ratio_sampled(t.trace_id, ratio)
+    t.admitted = 100.001
+    if queued:
+        t.queue = (100.001, 100.002)
+    sent = []
+    for i, error in enumerate(errors):
+        t.attempt_begin(f"e{i}", f"http://e{i}", "m", 100.002 + i * 0.01)
+        sent.append(dict(t.headers())["traceparent"])
+        t.attempt_end(error, 100.009 + i * 0.01)
+    t.first_token = 100.05
+    count = t.ended(100.1, kind="chat", model="m", status=200, tokens_in=3, tokens_out=5)
+    spans = decode(otlp.encode_fields(t.encode_spans(0), "svc"))
+    assert len(spans) == count
+    root = spans[0]
+    assert (root.trace_id, root.span_id) == (t.trace_id, t.root_id)
+    assert root.parent_id == ("cd" * 8 if who == "client" else "")
+    assert t.trace_id == "ab" * 16 if who == "client" else t.trace_id != "ab" * 16
+    assert all(s.trace_id == t.trace_id for s in spans)
+    assert all(s.parent_id == t.root_id for s in spans[1:])
+    ids = [s.span_id for s in spans]
+    assert len(set(ids)) == len(ids)
+    assert "0" * 16 not in ids
+    tried = [s.span_id for s in spans if s.name == "attempt"]
+    assert [f"00-{t.trace_id}-{span}-01" for span in tried] == sent
+
+
+class _Zeros(random.Random):
+    """Draws that are all zeros: the one draw in 2**64 the spec's ids must survive."""
+
+    def randbytes(self, n: int) -> bytes:
+        return bytes(n)
+
+    def getrandbits(self, k: int) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("ratio", "client"),
+    [(1.0, {}), (0.5, {}), (0.0, {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"})],
+)
+def test_a_draw_of_zeros_still_gives_ids_the_spec_allows(
+    ratio: float, client: dict[str, str]
+) -> None:
+    tracer = Tracer(TracesConfig(endpoint="http://c:4318", sample_ratio=ratio))
+    tracer._rng = _Zeros()
+    t = tracer.begin(client, "r", 1.0)
+    assert t is not None
+    t.attempt_begin("e", "http://e", "m", 1.0)
+    t.attempt_end("", 1.5)
+    t.first_token = 1.2
+    t.ended(2.0, kind="chat", model="m", status=200)
+    spans = decode(otlp.encode_fields(t.encode_spans(0), "svc"))
+    assert t.trace_id != "0" * 32
+    assert "0" * 16 not in [s.span_id for s in spans] + [t.root_id]
+    assert dict(t.headers())["traceparent"] == f"00-{t.trace_id}-{t.attempts[0].span_id}-01"
+
+
 def test_an_attempts_headers_name_its_own_span_and_keep_the_clients_state() -> None:
     t = RequestTrace("ab" * 16, "cd" * 8, "ef" * 8, "r", 1.0, "vendor=x", random.Random(2))
     t.attempt_begin("e", "http://e", "m", 1.0)
