@@ -102,9 +102,7 @@ class Tracer:
         tokens_in: int, tokens_out: int,
     ) -> None:  # fmt: skip
         """The request ended at `end`: its spans go to the exporter."""
-        count = trace.ended(end, kind=kind, model=model, status=status, tokens_in=tokens_in,
-                            tokens_out=tokens_out)  # fmt: skip
-        self.exporter.put(trace, count)
+        self.exporter.put(trace, trace.ended(end, kind, model, status, tokens_in, tokens_out))
 
 
 def bind_logs(
@@ -203,7 +201,7 @@ class RequestTrace:
         return [parent]
 
     def ended(
-        self, end: float, *, kind: str, model: str, status: int, tokens_in: int = 0,
+        self, end: float, kind: str, model: str, status: int, tokens_in: int = 0,
         tokens_out: int = 0,
     ) -> int:  # fmt: skip
         """The request ended at `end`, answered with `status`: how many spans it makes."""
@@ -211,10 +209,14 @@ class RequestTrace:
         self.tokens = (tokens_in, tokens_out)
         attempts = self.attempts
         answered = None
-        for at in reversed(attempts):  # the last that did not fail (a loop: no generator)
-            if not at.error:
-                answered = at
-                break
+        if len(attempts) == 1:  # nearly every request
+            if not attempts[0].error:
+                answered = attempts[0]
+        else:
+            for at in reversed(attempts):  # the last that did not fail
+                if not at.error:
+                    answered = at
+                    break
         self.answered = answered
         timed = answered is not None and self.first_token
         return 2 + (self.queue is not None) + len(attempts) + (2 if timed else 0)
