@@ -481,11 +481,17 @@ def build_admin_app(router: Router) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def route(request: web.Request) -> web.Response:
-        """Where a request body would go, and why (llmgw.router.explain)."""
+        """Where a request body would go, and why (llmgw.router.explain), for a caller the
+        front door would serve."""
+        principal = admission.authenticate(
+            router.keys, request.headers.get("Authorization"), time.time(), router.anonymous
+        )
+        if isinstance(principal, Refusal):
+            return web.json_response({"error": principal.message}, status=principal.status)
         try:
-            answer = explain(await request.read(), router.catalog, router.dispatcher)
+            answer = explain(await request.read(), router.catalog, router.dispatcher, principal)
         except ExplainError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+            return web.json_response({"error": str(exc)}, status=exc.status)
         return web.json_response(answer)
 
     app.router.add_get("/metrics", metrics)

@@ -11,6 +11,10 @@ the engines' KV events, this router's recent routes, its approximate text index)
 each one's load and cost (llmgw.core.routing.CostModel), which filters dropped whom,
 the order the router would try them in now, and how the fleet KV index stands (endpoints,
 blocks, updates folded and refused, resyncs after a missed update). Nothing is sent to any engine.
+
+It asks what the front door asks: an API key (`Authorization: Bearer ...`) that may use
+the model, unless the router takes anonymous requests. Which prompts an engine holds is
+a tenant's secret; with a key, /route tells no more than sending the prompt would.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import msgspec
 from llmgw.core import routing
 from llmgw.core.prefix import block_hashes
 from llmgw.router import admission, requests
+from llmgw.router.auth import Principal
 from llmgw.router.dispatch import Dispatcher
 from llmgw.router.errors import Refusal
 from llmgw.router.table import Catalog
@@ -31,9 +36,18 @@ from llmgw.router.table import Catalog
 class ExplainError(ValueError):
     """A body that cannot be explained; the message says what to send."""
 
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
-def explain(body: bytes, catalog: Catalog, dispatcher: Dispatcher) -> dict[str, Any]:
-    """The routing of `body` as it would be decided now. Raises ExplainError."""
+
+def explain(
+    body: bytes, catalog: Catalog, dispatcher: Dispatcher, principal: Principal | None = None
+) -> dict[str, Any]:
+    """The routing of `body` as it would be decided now, for the caller `principal` (None:
+    anonymous, on a router that takes anonymous requests). Raises ExplainError, also for a
+    model the caller's key may not use: what the engines hold for a prompt is no more to
+    be learnt here than by sending it."""
     try:
         shape = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -50,6 +64,9 @@ def explain(body: bytes, catalog: Catalog, dispatcher: Dispatcher) -> dict[str, 
     profile = admission.resolve(catalog, parsed.model)
     if isinstance(profile, Refusal):
         raise ExplainError(profile.message)
+    refused = admission.admit(principal, parsed.model, profile)
+    if refused is not None:
+        raise ExplainError(refused.message, refused.status)
     cfg = dispatcher.cfg
     now = time.monotonic()
     endpoints = dispatcher.table.for_model(profile.name)

@@ -267,3 +267,51 @@ def test_the_bearer_scheme_is_case_insensitive(keyed: Keyed) -> None:
     for scheme in ("Bearer", "bearer", "BEARER"):
         assert _models(router.url, f"{scheme} {key}") == 200, scheme
     assert _models(router.url, f"Basic {key}") == 401
+
+
+def _route(admin: str, body: bytes, authorization: str | None) -> tuple[int, dict[str, object]]:
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    req = urllib.request.Request(admin + "/route", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_route_asks_for_a_key_that_may_use_the_model(tmp_path: Path, sim: Sim) -> None:
+    """Which prompts an engine holds is a tenant's secret: the admin listener's /route,
+    which Prometheus's network may reach, answers only a caller the front door would serve
+    (a key that may use the model), never for a missing, unknown or other model's key,
+    whatever the body; on a router that takes anonymous requests it stays open."""
+    ok, elsewhere = auth.new_key(), auth.new_key()
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n" + auth.entry_yaml("ok", ok) + auth.entry_yaml("elsewhere",
+                    elsewhere, ("other",)))  # fmt: skip
+    r = Router.start(tmp_path, {"s": sim}, auth={"keys_file": str(keys)})
+    try:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        asked = body.encode()
+        for authorization in (None, "", "Bearer", "Bearer sk-not-a-key", f"Basic {ok}",
+                              f"Bearer {ok}x"):  # fmt: skip
+            status, answer = _route(r.admin, asked, authorization)
+            assert status == 401, (authorization, answer)
+            assert "endpoints" not in answer
+        status, answer = _route(r.admin, asked, f"Bearer {elsewhere}")
+        assert status == 403, answer
+        assert "endpoints" not in answer
+        # A model the router does not serve is a 400, as at the front door.
+        status, answer = _route(r.admin, b'{"model": "other", "prompt": "hi"}', f"Bearer {ok}")
+        assert status == 400, answer
+        status, answer = _route(r.admin, asked, f"Bearer {ok}")
+        assert status == 200, answer
+        assert answer["model"] == "m"
+        assert [row["id"] for row in answer["endpoints"]] == ["s"]  # type: ignore[union-attr]
+    finally:
+        r.stop()
+    anonymous = Router.start(tmp_path, {"s": sim}, auth={"allow_anonymous": True})
+    try:
+        status, answer = _route(anonymous.admin, asked, None)
+        assert (status, answer["model"]) == (200, "m")
+    finally:
+        anonymous.stop()
