@@ -49,6 +49,10 @@ Send = Callable[[kvblocks.KvUpdate], Awaitable[None]]
 
 COALESCE_S = 0.05
 FULL_EVERY_S = 5.0
+SEQ_BEHIND = 100_000
+"""How far below the last batch number folded a batch may come and still be one already
+folded (a replay's overlap with the live stream: within the engine's replay buffer, 10,000
+steps by default in vLLM); further below, the numbering is not the one folded so far."""
 _END = -1
 
 
@@ -94,6 +98,8 @@ class EngineRelay:
         self.batches = 0
         self.bad_batches = 0
         self.gaps = 0
+        self.renumbered = 0
+        """Times a batch came far below the last number folded (`SEQ_BEHIND`)."""
         self.updates = 0
         self._stored: dict[int, None] = {}
         self._removed: dict[int, None] = {}
@@ -162,7 +168,15 @@ class EngineRelay:
             # The engine counts from 0 again: a new process behind the same socket.
             self._restarted()
         elif seq <= self.last_engine_seq:
-            return  # already folded (from the replay)
+            if self.last_engine_seq - seq <= SEQ_BEHIND:
+                return  # already folded (from the replay)
+            # Far behind the last number folded: that number was not this engine's count
+            # (a corrupt or foreign batch), and holding to it would pass over every real
+            # batch until the engine restarts. Start over from this batch, as on a restart.
+            log.warning("kv_events_renumbered", endpoint=self.endpoint, seq=seq,
+                        last=self.last_engine_seq)  # fmt: skip
+            self.renumbered += 1
+            self._restarted()
         if seq > self.last_engine_seq + 1:
             await self._replay(self.last_engine_seq + 1)
             if seq <= self.last_engine_seq:
