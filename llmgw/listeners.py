@@ -3,6 +3,7 @@ clear error naming the setting to change."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import urllib.parse
 
@@ -49,3 +50,14 @@ def scrape_target(url: str, reachable_as: str) -> str:
     host = where.hostname or ""
     host = reachable_as if host in WILDCARDS else host
     return f"[{host}]:{where.port}" if ":" in host else f"{host}:{where.port}"
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) stays on this machine: a loopback address, or
+    "localhost". Pure; a name other than localhost is not resolved and counts as exposed."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

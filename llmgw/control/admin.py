@@ -156,4 +156,10 @@ async def start(svc: ControlService) -> web.AppRunner:
     await web.SockSite(runner, sock, ssl_context=tls).start()
     svc.admin_url = listeners.url("https" if tls else "http", sock)
     log.info("admin_listening", url=svc.admin_url)
+    if tls is None and not listeners.loopback(cfg.host):
+        # Allowed (a Prometheus elsewhere may need /metrics and /v1/sd/prometheus), but
+        # every node, replica and model of the fleet is then readable by whoever reaches it.
+        log.warning("admin_exposed", url=svc.admin_url,
+                    action="set admin.cert_file, key_file and ca_file for HTTPS that admits "
+                    "only operator certificates, or keep admin.host on 127.0.0.1")  # fmt: skip
     return runner

@@ -1,0 +1,31 @@
+"""Which listener addresses stay on the machine (llmgw.listeners.loopback): the control
+plane warns when its plain-HTTP admin API, the whole fleet's state, listens elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw import listeners
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost", "LOCALHOST", "localhost."]
+)
+def test_loopback_hosts(host: str) -> None:
+    assert listeners.loopback(host)
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["0.0.0.0", "::", "10.0.0.5", "192.168.1.1", "control-1.internal",
+     "localhost.evil.example", "127.0.0.1.nip.io", "", " 127.0.0.1"],
+)  # fmt: skip
+def test_anything_else_counts_as_exposed(host: str) -> None:
+    assert not listeners.loopback(host)
+
+
+@given(st.text(max_size=60))
+def test_any_text_is_answered_never_raises(host: str) -> None:
+    assert listeners.loopback(host) in (True, False)
