@@ -26,6 +26,7 @@ import msgspec
 
 from llmgw.core import routing
 from llmgw.core.prefix import block_hashes
+from llmgw.core.profile import ModelProfile
 from llmgw.router import admission, requests
 from llmgw.router.auth import Principal
 from llmgw.router.dispatch import Dispatcher
@@ -41,13 +42,11 @@ class ExplainError(ValueError):
         self.status = status
 
 
-def explain(
-    body: bytes, catalog: Catalog, dispatcher: Dispatcher, principal: Principal | None = None
-) -> dict[str, Any]:
-    """The routing of `body` as it would be decided now, for the caller `principal` (None:
-    anonymous, on a router that takes anonymous requests). Raises ExplainError, also for a
-    model the caller's key may not use: what the engines hold for a prompt is no more to
-    be learnt here than by sending it."""
+def _admitted(
+    body: bytes, catalog: Catalog, principal: Principal | None
+) -> tuple[requests.Parsed, ModelProfile]:
+    """The request `body` and its model's profile, as the front door would admit them for
+    `principal`; ExplainError with the front door's status when it would not."""
     try:
         shape = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -67,6 +66,17 @@ def explain(
     refused = admission.admit(principal, parsed.model, profile)
     if refused is not None:
         raise ExplainError(refused.message, refused.status)
+    return parsed, profile
+
+
+def explain(
+    body: bytes, catalog: Catalog, dispatcher: Dispatcher, principal: Principal | None = None
+) -> dict[str, Any]:
+    """The routing of `body` as it would be decided now, for the caller `principal` (None:
+    anonymous, on a router that takes anonymous requests). Raises ExplainError, also for a
+    model the caller's key may not use: what the engines hold for a prompt is no more to
+    be learnt here than by sending it."""
+    parsed, profile = _admitted(body, catalog, principal)
     cfg = dispatcher.cfg
     now = time.monotonic()
     endpoints = dispatcher.table.for_model(profile.name)

@@ -68,7 +68,9 @@ async def test_a_step_of_load_scales_out_then_back_in_and_no_request_fails(
         # The target aims a little below 2 by the start-up time the fold measured (a second
         # or more of 600 s: 1.99 on a loaded machine).
         assert re.search(r"running, target (2|1\.9\d) per replica", decided[0].reason), decided
-        assert decided[0].observation.signals.running > 2, decided
+        # It saw the step: more running than one replica's target (the first decision may
+        # come while most of the eight still wait, so no more than that is certain).
+        assert decided[0].observation.signals.running > 1.9, decided
         explained = await ctl.subprocess("explain-scaling", "m1")
         assert explained.code == 0, explained
         assert "last decisions:" in explained.stdout, explained
