@@ -49,6 +49,9 @@ Send = Callable[[kvblocks.KvUpdate], Awaitable[None]]
 
 COALESCE_S = 0.05
 FULL_EVERY_S = 5.0
+FOLD_SLICE = 4096
+"""Events of one batch read and folded between two turns of the agent's loop (tens of
+milliseconds)."""
 SEQ_BEHIND = 100_000
 """How far below the last batch number folded a batch may come and still be one already
 folded (a replay's overlap with the live stream: within the engine's replay buffer, 10,000
@@ -185,7 +188,7 @@ class EngineRelay:
                 self.gaps += 1
                 log.warning("kv_events_gap", endpoint=self.endpoint,
                             missing=seq - self.last_engine_seq - 1)  # fmt: skip
-        self._fold(seq, frames[2])
+        await self._fold(seq, frames[2])
 
     def _restarted(self) -> None:
         self.blocks = kvblocks.EngineBlocks()
@@ -195,10 +198,18 @@ class EngineRelay:
         self._removed.clear()
         self._full_due = True
 
-    def _fold(self, seq: int, payload: bytes) -> None:
+    async def _fold(self, seq: int, payload: bytes) -> None:
+        """Fold the engine's batch `seq`. A batch of many events (a long prompt's blocks) is
+        read and folded `FOLD_SLICE` events at a time, letting the agent's other work run in
+        between: one of 200,000 blocks takes seconds, which heartbeats must not wait for."""
         self.last_engine_seq = seq
         try:
-            batch = kvblocks.decode_batch(payload)
+            _, items, _ = kvblocks.read_batch(payload)
+            events: list[kvblocks.EngineEvent] = []
+            for i in range(0, len(items), FOLD_SLICE):
+                if i:
+                    await asyncio.sleep(0)
+                events += kvblocks.events_of(items[i : i + FOLD_SLICE])
         except kvblocks.BadBatch as exc:
             self.bad_batches += 1
             log.warning("kv_bad_batch", endpoint=self.endpoint, seq=seq, error=str(exc))
@@ -208,11 +219,19 @@ class EngineRelay:
             log.warning("kv_bad_batch", endpoint=self.endpoint, seq=seq, error=repr(exc))
             return
         self.batches += 1
-        for ev in batch.events:
+        for ev in events:
             if isinstance(ev, kvblocks.BlockStored):
                 self.block_size = ev.block_size
                 break
-        stored, removed, cleared = self.blocks.apply(batch.events)
+        for i in range(0, len(events), FOLD_SLICE):
+            if i:
+                await asyncio.sleep(0)
+            self._apply(events[i : i + FOLD_SLICE])
+
+    def _apply(self, events: list[kvblocks.EngineEvent]) -> None:
+        """Fold `events` and note what changed for the next update (the changes of
+        consecutive slices add up to those of the whole batch)."""
+        stored, removed, cleared = self.blocks.apply(events)
         if cleared:
             self._stored.clear()
             self._removed.clear()
@@ -241,7 +260,7 @@ class EngineRelay:
                 if seq == _END:
                     break
                 if seq > self.last_engine_seq:
-                    self._fold(seq, frames[2])
+                    await self._fold(seq, frames[2])
         finally:
             dealer.close(0)
 

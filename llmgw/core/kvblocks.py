@@ -182,24 +182,68 @@ def _event(raw: Any) -> EngineEvent | None:
     return None  # a kind of a newer engine: not ours to fold
 
 
+_MAP_FIRST = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
+_ARRAY_FIRST = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
+_FRAME_MAP = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_FRAME_ARRAY = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_ANY = msgspec.msgpack.Decoder()
+_SHAPE = "a batch must be an array or a map of ts, events"
+_FIELDS = "a batch needs a numeric ts and a list of events"
+
+
+def read_batch(payload: bytes) -> tuple[float, list[msgspec.Raw], int | None]:
+    """An engine's KV event batch (msgpack, either encoding): its ts, its events still
+    encoded, and its data-parallel rank; BadBatch if it is not one. Only the batch's frame
+    is read: `events_of` reads the events, as many at a time as its caller likes, so that
+    a batch of a million-token prompt's blocks need not be read in one go."""
+    first = payload[0] if payload else None
+    try:
+        if first in _MAP_FIRST:
+            frame = _FRAME_MAP.decode(payload)
+            ts_raw, items_raw = frame.get("ts"), frame.get("events")
+            rank_raw = frame.get("data_parallel_rank")
+        elif first in _ARRAY_FIRST:
+            parts = _FRAME_ARRAY.decode(payload)
+            if len(parts) < 2:
+                raise BadBatch(_SHAPE)
+            ts_raw, items_raw = parts[0], parts[1]
+            rank_raw = parts[2] if len(parts) > 2 else None
+        else:
+            _ANY.decode(payload)  # what it is not, said as msgpack's own error if it is none
+            raise BadBatch(_SHAPE)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadBatch(f"not msgpack: {exc}") from None
+    try:
+        ts = None if ts_raw is None else _ANY.decode(ts_raw)
+        items = None if items_raw is None else _FRAME_ARRAY.decode(items_raw)
+        rank = None if rank_raw is None else _ANY.decode(rank_raw)
+    except (msgspec.DecodeError, RecursionError):
+        raise BadBatch(_FIELDS) from None
+    if not isinstance(ts, int | float) or items is None:
+        raise BadBatch(_FIELDS)
+    return float(ts), items, rank if type(rank) is int else None
+
+
+def events_of(items: Sequence[msgspec.Raw]) -> list[EngineEvent]:
+    """The events of `items` (a batch's, from `read_batch`); BadBatch for one that is not
+    an event. Kinds this version does not know, and stores it does not fold, are left out."""
+    out = []
+    for raw in items:
+        try:
+            value = _ANY.decode(raw)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise BadBatch(f"not msgpack: {exc}") from None
+        event = _event(value)
+        if event is not None:
+            out.append(event)
+    return out
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """An engine's KV event batch (msgpack), in either encoding; BadBatch if it is not one.
     Events of kinds this version does not know are left out."""
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise BadBatch(f"not msgpack: {exc}") from None
-    if isinstance(raw, dict):
-        ts, items, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
-    elif isinstance(raw, list) and len(raw) >= 2:
-        ts, items = raw[0], raw[1]
-        rank = raw[2] if len(raw) > 2 else None
-    else:
-        raise BadBatch("a batch must be an array or a map of ts, events")
-    if not isinstance(ts, int | float) or not isinstance(items, list):
-        raise BadBatch("a batch needs a numeric ts and a list of events")
-    out = [e for e in (_event(r) for r in items) if e is not None]
-    return EventBatch(float(ts), out, rank if type(rank) is int else None)
+    ts, items, rank = read_batch(payload)
+    return EventBatch(ts, events_of(items), rank)
 
 
 def _gpu(medium: str | None, group: int | None) -> bool:
