@@ -193,9 +193,8 @@ class RequestTrace:
         at.end, at.error = now, error
 
     def headers(self) -> list[tuple[str, str]]:
-        """The trace context the current attempt sends: its own span as the engine's parent
-        (W3C's `traceparent`, version 00, sampled: as llmgw.core.tracing.traceparent)."""
-        parent = ("traceparent", f"00-{self.trace_id}-{self.attempts[-1].span_id}-01")
+        """The trace context the current attempt sends: its own span as the engine's parent."""
+        parent = ("traceparent", tracing.traceparent(self.trace_id, self.attempts[-1].span_id))
         if self.tracestate:
             return [parent, ("tracestate", self.tracestate)]
         return [parent]

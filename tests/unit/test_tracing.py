@@ -221,7 +221,9 @@ def test_a_begun_traces_spans_carry_the_ids_its_attempts_sent(
     assert len(set(ids)) == len(ids)
     assert "0" * 16 not in ids
     tried = [s.span_id for s in spans if s.name == "attempt"]
-    assert [f"00-{t.trace_id}-{span}-01" for span in tried] == sent
+    assert [tracing.parse_traceparent(header) for header in sent] == [
+        tracing.Parent(t.trace_id, span, True) for span in tried
+    ]
 
 
 class _Zeros(random.Random):
