@@ -423,7 +423,7 @@ class Exporter:
                 n += item[1]
             self.buffered -= n
             try:  # a batch in one go; one that fails is encoded again one by one
-                parts = [s if type(s) is bytes else s.encode_spans(offset_ns) for s, _ in taken]  # type: ignore[union-attr]
+                parts = [s if isinstance(s, bytes) else s.encode_spans(offset_ns) for s, _ in taken]
             except Exception:
                 parts, n = self._encoded_apart(taken, offset_ns)
             if not parts:

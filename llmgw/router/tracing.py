@@ -70,11 +70,7 @@ class Tracer:
                 draw = self._rng.getrandbits(128)
                 if not tracing.draw_sampled(draw, ratio):
                     return None
-        elif not (
-            parent.sampled
-            if self.obey_parent
-            else tracing.ratio_sampled(parent.trace_id, self.ratio)
-        ):
+        elif not tracing.sampled(parent, 0, self.ratio, self.obey_parent):
             return None
         at = self._at
         if at >= _POOL_BYTES:

@@ -73,8 +73,21 @@ def test_batches_within_the_replay_window_are_folded_once_in_order(order: list[i
     assert set(folded) <= {0, *order}
 
 
-def test_the_window_covers_vllms_replay_buffer() -> None:
-    assert SEQ_BEHIND >= 10_000  # vLLM's default `buffer_steps`
+def test_a_replay_as_far_back_as_vllms_buffer_is_an_overlap_not_a_renumbering() -> None:
+    """vLLM replays up to 10,000 steps back by default (`buffer_steps`): batches that far
+    below the last folded are already folded, not a sign of another count."""
+
+    async def run() -> EngineRelay:
+        relay = _relay()
+        await relay._on_frames(_frames(0, 1))
+        await relay._on_frames(_frames(20_000, 2))  # a gap: counted, folded
+        await relay._on_frames(_frames(10_000, 3))  # the replay's overlap
+        return relay
+
+    relay = asyncio.run(run())
+    assert (relay.renumbered, relay.last_engine_seq, relay.gaps) == (0, 20_000, 1)
+    assert len(relay.blocks) == 2
+    assert SEQ_BEHIND > 10_000
 
 
 def _many(seq: int, n: int, removed: int = 0) -> list[bytes]:
