@@ -55,7 +55,7 @@ class PromptTokens:
     """A prompt's token ids (`ids`) and, per block size, its block keys (`keys`), as
     `block_keys(ids, size)` gives them."""
 
-    __slots__ = ("_cache", "_keys", "_segments", "ids")
+    __slots__ = ("_cache", "_keys", "_segments", "estimate", "ids")
 
     def __init__(self, segments: Sequence[Segment], cache: SegmentCache | None = None) -> None:
         self._segments = segments
@@ -64,6 +64,9 @@ class PromptTokens:
         for seg in segments:
             ids.extend(seg.ids)  # a copy: the cache's lists are never handed out
         self.ids = ids
+        self.estimate = len(ids)
+        """The whole prompt's tokens: `len(ids)`, or more where only the prompt's beginning
+        was tokenized (llmgw.router.prompts), estimated."""
         self._keys: dict[int, list[int]] = {}
 
     @classmethod
@@ -139,9 +142,11 @@ class SegmentCache:
     def __len__(self) -> int:
         return len(self._table)
 
-    def tokens(self, parts: Sequence[str], tail: str = "") -> PromptTokens:
+    def tokens(self, parts: Sequence[str], tail: str = "", *, cut: bool = False) -> PromptTokens:
         """The tokens of `"".join(parts) + tail`: `parts` remembered under their prefixes,
-        `tail` (what follows the last part, such as a chat's generation prompt) not."""
+        `tail` (what follows the last part, such as a chat's generation prompt) not. `cut`:
+        the text is a longer prompt's beginning, cut within `tail`, whose last token is
+        then left out (a word or a run of spaces cut short is another token)."""
         if len(parts) > self.max_parts:
             tail = "".join(parts[self.max_parts :]) + tail
             parts = parts[: self.max_parts]
@@ -170,6 +175,8 @@ class SegmentCache:
             end = seg.end
         if tail:
             ids = self._tokenize(tail)
+            if cut:
+                del ids[-1:]
             segments.append(Segment(ids, end + len(ids), 0))
         while table and (len(table) > self.max_segments or self._weight > self.max_chars):
             _, gone = table.popitem(last=False)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 _TOKEN = re.compile(r" ?\w{1,6}| ?[^\w\s]|\s+")
 
@@ -98,7 +98,13 @@ def chat_parts(messages: Iterable[tuple[str, str]]) -> list[str]:
     depends only on the text from there on (no pattern looks behind or at the end), so the
     tokens after a boundary are those of the text after it alone. The router reuses the
     tokens of messages it has seen on that account (llmgw.router.prompts)."""
-    return [f"<|{role}|>\n{content}\n" for role, content in messages]
+    return list(framed(messages))
+
+
+def framed(messages: Iterable[tuple[str, str]]) -> Iterator[str]:
+    """`chat_parts`, one at a time: a caller that stops early frames no more."""
+    for role, content in messages:
+        yield f"<|{role}|>\n{content}\n"
 
 
 def render_chat(messages: Iterable[tuple[str, str]]) -> str:

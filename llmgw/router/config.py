@@ -76,6 +76,11 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """How long this router's own routes count as cached before the engine reports them."""
     stale_after_s: float = 15.0
     """An endpoint whose KV updates stop this long is predicted nothing from its events."""
+    max_prompt_chars: int = 32_768
+    """Characters of a prompt the router tokenizes and keys, from its beginning (about 8,000
+    tokens of English; the text index's reach too): tokenizing takes about a microsecond a
+    token on the router's loop, so a body of megabytes would hold every other request for
+    seconds. A longer prompt's cache is predicted on that beginning, its length estimated."""
 
 
 class LogSource(NatsConnection, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -272,6 +277,11 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
     problems += [f"cache.{p}" for p in cfg.cache.cost.problems()]
     if cfg.cache.recent_s < 0 or cfg.cache.stale_after_s <= 0:
         problems.append("cache: recent_s must be >= 0 and stale_after_s above 0")
+    if cfg.cache.max_prompt_chars < 1024:
+        problems.append(
+            "cache.max_prompt_chars must be at least 1024 (a prompt's first characters are "
+            "what its cache is predicted on)"
+        )
     if cfg.breaker.failures_to_open < 1:
         problems.append("breaker.failures_to_open must be at least 1")
     if not cfg.auth.keys_file and not cfg.auth.allow_anonymous and cfg.log is None:

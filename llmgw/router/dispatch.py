@@ -24,7 +24,6 @@ from aiohttp import web
 
 from llmgw import logs
 from llmgw.core import breaker, routing
-from llmgw.core.kvindex import KvIndex
 from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import admission, apis, requests, tracecontext
@@ -74,9 +73,7 @@ class Dispatcher:
         self.prefix = PrefixIndex(capacity=cfg.prefix.capacity)
         self.chat_hashes = ChatHashes()
         """The text index's hashes of chat prompts, by their leading messages."""
-        self.kv = KvRouting(
-            index=KvIndex(stale_after_s=cfg.cache.stale_after_s), recent_s=cfg.cache.recent_s
-        )
+        self.kv = KvRouting.configured(cfg.cache)
         table.on_remove.append(self.kv.forget)
         self.holds = Holds(table.for_model)
         self.queues = Queues(table.for_model, metrics)

@@ -108,6 +108,7 @@ def explain(
     index = dispatcher.kv.index
     out["tokenized"] = True
     out["prompt_tokens"] = plan.prompt_tokens
+    out["prompt_tokens_keyed"] = plan.keyed_tokens
     out["index"] = {"endpoints": len(index.endpoints), "blocks": len(index),
                     "updates_applied": index.applied, "updates_refused": index.refused,
                     "resyncs": index.resyncs}  # fmt: skip

@@ -31,6 +31,7 @@ from llmgw.core.prefix import PrefixIndex
 from llmgw.core.profile import ModelProfile
 from llmgw.core.promptkeys import PromptTokens
 from llmgw.router import prompts
+from llmgw.router.config import CacheConfig
 from llmgw.router.requests import Parsed
 
 RELIABILITY_WEIGHT = 0.1
@@ -54,6 +55,9 @@ class CachePlan(msgspec.Struct, kw_only=True):
 
     model: str
     prompt_tokens: int
+    """The prompt's tokens (estimated beyond `keyed_tokens`)."""
+    keyed_tokens: int = 0
+    """Those of them tokenized and keyed: the prompt's first (`cache.max_prompt_chars`)."""
     keys: dict[int, list[int]]
     """Block size -> the prompt's keys for it."""
     by_endpoint: dict[str, Source]
@@ -75,12 +79,29 @@ class CachePlan(msgspec.Struct, kw_only=True):
 class KvRouting:
     """The fleet KV index and this router's recent routes, for every model it can tokenize."""
 
-    def __init__(self, *, index: KvIndex | None = None, recent_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        index: KvIndex | None = None,
+        recent_s: float = 2.0,
+        max_prompt_chars: int = prompts.MAX_CHARS,
+    ) -> None:
+        self.max_prompt_chars = max_prompt_chars
+        """How much of a prompt is tokenized (llmgw.router.prompts)."""
         self.index = index if index is not None else KvIndex()
         self.recent = RecentRoutes(window_s=recent_s)
         self.reliability: dict[str, float] = {}
         """Endpoint -> how much of what was predicted cached there the engine then found
         (a moving average): an engine whose cache thrashes gets less credit for it."""
+
+    @classmethod
+    def configured(cls, cfg: CacheConfig) -> KvRouting:
+        """As a router's `cache` section says."""
+        return cls(
+            index=KvIndex(stale_after_s=cfg.stale_after_s),
+            recent_s=cfg.recent_s,
+            max_prompt_chars=cfg.max_prompt_chars,
+        )
 
     def keys_of(self, plan: CachePlan, block_size: int, tokens: PromptTokens) -> list[int]:
         keys = plan.keys.get(block_size)
@@ -104,14 +125,15 @@ class KvRouting:
         if tokenizer is None:
             return None
         try:
-            tokens = tokenizer.tokens(parsed)
+            tokens = tokenizer.tokens(parsed, self.max_prompt_chars)
         except Exception:  # a tokenizer that fails on this input: route without a plan
             return None
         if tokens is None or not tokens.ids:
             return None
-        ids = tokens.ids
+        whole = tokens.estimate
         now = time.time() if now is None else now
-        plan = CachePlan(model=profile.name, prompt_tokens=len(ids), keys={}, by_endpoint={})
+        plan = CachePlan(model=profile.name, prompt_tokens=whole, keyed_tokens=len(tokens.ids),
+                         keys={}, by_endpoint={})  # fmt: skip
         depth, sizes = self.index.match(
             lambda size: self.keys_of(plan, size, tokens),
             [(ep.id, ep.node) for ep in endpoints],
@@ -121,7 +143,7 @@ class KvRouting:
         recent_ep, recent_blocks = self.recent.match(default_keys, now)
         text = text_index.match(text_hashes) if text_index is not None and text_hashes else {}
         chars = len(parsed.text) or 1
-        tokens_per_char = len(ids) / chars
+        tokens_per_char = whole / chars
         for ep in endpoints:
             n = 0
             source = "none"
@@ -133,7 +155,7 @@ class KvRouting:
             if ep.id == recent_ep and recent_blocks * DEFAULT_BLOCK_SIZE > n:
                 n, source = recent_blocks * DEFAULT_BLOCK_SIZE, "recent"
             n = int(n * self.reliability.get(ep.id, 1.0))
-            plan.by_endpoint[ep.id] = Source(min(n, len(ids)), source)
+            plan.by_endpoint[ep.id] = Source(min(n, whole), source)
             # Families it holds by its events, and those this router just sent there.
             roots = self.index.roots(ep.id, ep.node, now) | self.recent.roots(ep.id, now)
             plan.families[ep.id] = len(roots)

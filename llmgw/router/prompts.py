@@ -31,12 +31,30 @@ from llmgw.router.requests import Parsed
 log = logs.get("llmgw.router")
 
 
+MAX_CHARS = 32_768
+"""The default of how much of a prompt is tokenized (`cache.max_prompt_chars`): the text
+index's reach too (`prefix`: 128 blocks of 256 characters)."""
+MAX_MESSAGES = 512
+"""A chat's messages rendered through a model's template at most: a template renders per
+message, and a body of hundreds of thousands of tiny messages renders for tens of
+milliseconds."""
+MARGIN = 256
+"""Characters at the end of a cut prompt whose tokens are left out: a tokenizer's last
+tokens of a cut text need not be its tokens of the whole (a word, a run of spaces or a
+template's closing marker cut short), and a template closes what it rendered last."""
+
+
 class Prompts(Protocol):
-    """Token ids of a parsed request's prompt, or None when they cannot be known."""
+    """Token ids of a parsed request's prompt, or None when they cannot be known.
 
-    def ids(self, parsed: Parsed) -> Sequence[int] | None: ...
+    Only the first `max_chars` characters of a prompt are tokenized: tokenizing runs on
+    the router's loop, about a microsecond a token, and a body of megabytes would hold
+    every other request for seconds. A longer prompt is predicted on its beginning (the
+    part that prefix caches share), its length estimated (`PromptTokens.estimate`)."""
 
-    def tokens(self, parsed: Parsed) -> PromptTokens | None:
+    def ids(self, parsed: Parsed, max_chars: int = MAX_CHARS) -> Sequence[int] | None: ...
+
+    def tokens(self, parsed: Parsed, max_chars: int = MAX_CHARS) -> PromptTokens | None:
         """The ids and, per block size, the block keys of the prompt."""
         ...
 
@@ -55,18 +73,36 @@ class SimPrompts:
     def __init__(self) -> None:
         self.cache = SegmentCache(_sim_ids)
 
-    def tokens(self, parsed: Parsed) -> PromptTokens | None:
+    def tokens(self, parsed: Parsed, max_chars: int = MAX_CHARS) -> PromptTokens | None:
         if parsed.chat:
-            return self.cache.tokens(
-                sim_tokens.chat_parts(parsed.chat), sim_tokens.GENERATION_PROMPT
-            )
+            parts: list[str] = []
+            room = max_chars
+            for part in sim_tokens.framed(parsed.chat):
+                if len(part) > room:
+                    # The sim's tokens of a cut text are the whole text's but the last
+                    # (a word, a space or a run of them cut short): left out.
+                    got = self.cache.tokens(parts, part[:room], cut=room > 0)
+                    return _estimated(got, parsed, max_chars)
+                parts.append(part)
+                room -= len(part)
+            return self.cache.tokens(parts, sim_tokens.GENERATION_PROMPT)
         if parsed.text:
-            return PromptTokens.of(_sim_ids(parsed.text))
+            if len(parsed.text) <= max_chars:
+                return PromptTokens.of(_sim_ids(parsed.text))
+            got = PromptTokens.of(_sim_ids(parsed.text[:max_chars])[:-1])
+            return _estimated(got, parsed, max_chars)
         return None
 
-    def ids(self, parsed: Parsed) -> Sequence[int] | None:
-        got = self.tokens(parsed)
+    def ids(self, parsed: Parsed, max_chars: int = MAX_CHARS) -> Sequence[int] | None:
+        got = self.tokens(parsed, max_chars)
         return None if got is None else got.ids
+
+
+def _estimated(got: PromptTokens, parsed: Parsed, chars: int) -> PromptTokens:
+    """`got`, the tokens of a prompt's first `chars` characters, with the whole prompt's
+    count estimated at the same tokens per character."""
+    got.estimate = max(len(got.ids), round(len(got.ids) * len(parsed.text) / max(chars, 1)))
+    return got
 
 
 class TokenizerFilesError(ValueError):
@@ -126,34 +162,76 @@ class HfPrompts:
                     specials[name] = value
         return cls(tokenizer_file, template, specials)
 
-    def tokens(self, parsed: Parsed) -> PromptTokens | None:
+    def tokens(self, parsed: Parsed, max_chars: int = MAX_CHARS) -> PromptTokens | None:
         # No segments are reused: a BPE tokenizer's tokens of a concatenation are not in
         # general its tokens of the parts (a pre-tokenizer marking a text's start, added
         # tokens that strip the spaces beside them), nor does a chat template say where
         # each message's text lies in what it renders.
-        ids = self.ids(parsed)
-        return None if ids is None else PromptTokens.of(list(ids))
+        found = self._ids(parsed, max_chars)
+        if found is None:
+            return None
+        ids, cut = found
+        got = PromptTokens.of(ids)
+        return _estimated(got, parsed, cut) if cut else got
 
-    def ids(self, parsed: Parsed) -> Sequence[int] | None:
+    def ids(self, parsed: Parsed, max_chars: int = MAX_CHARS) -> Sequence[int] | None:
+        found = self._ids(parsed, max_chars)
+        return None if found is None else found[0]
+
+    def _ids(self, parsed: Parsed, max_chars: int) -> tuple[list[int], int] | None:
+        """The ids of the prompt's first `max_chars` characters (those of the whole, when
+        it is no longer), and the characters of the prompt's text they stand for (0: the
+        whole)."""
         if parsed.chat:
             if self._template is None:
                 return None
+            messages: list[dict[str, str]] = []
+            room, cut = max_chars, False
+            for role, content in parsed.chat:
+                if len(messages) == MAX_MESSAGES or room <= 0:
+                    cut = True
+                    break
+                if len(content) > room:
+                    messages.append({"role": role, "content": content[:room]})
+                    room, cut = 0, True
+                    break
+                messages.append({"role": role, "content": content})
+                room -= len(content)
             try:
+                # A cut chat's turn is not the assistant's yet: its end is left out anyway.
                 text = self._template.render(
-                    messages=[{"role": r, "content": c} for r, c in parsed.chat],
-                    add_generation_prompt=True,
-                    **self._specials,
+                    messages=messages, add_generation_prompt=not cut, **self._specials
                 )
             except Exception as exc:  # a template that refuses these messages: no prediction
                 log.debug("chat_template_failed", error=str(exc))
                 return None
-            # The rendered template carries its special tokens itself.
-            ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
-            return ids
+            # The rendered template carries its special tokens itself. What it renders of
+            # the kept messages is bounded by them: no further cut.
+            return self._encode(text, False, cut, max_chars - room)
         if parsed.text:
-            plain: list[int] = self._tok.encode(parsed.text, add_special_tokens=True).ids
-            return plain
+            text = parsed.text
+            if len(text) <= max_chars:
+                return self._encode(text, True, False, 0)
+            return self._encode(text[:max_chars], True, True, max_chars)
         return None
+
+    def _encode(
+        self, text: str, specials: bool, cut: bool, stands_for: int
+    ) -> tuple[list[int], int]:
+        """`text`'s ids, and the prompt's characters they stand for (0: all of it); of a
+        cut text, only those of tokens ending before its last `MARGIN` characters."""
+        encoding = self._tok.encode(text, add_special_tokens=specials)
+        ids: list[int] = encoding.ids
+        if not cut:
+            return ids, 0
+        keep = len(text) - MARGIN
+        n = len(ids)
+        offsets = encoding.offsets
+        while n and offsets[n - 1][1] > keep:
+            n -= 1
+        # The prompt's characters the kept tokens stand for, in proportion to the text's.
+        covered = offsets[n - 1][1] if n else 0
+        return ids[:n], max(round(stands_for * covered / max(len(text), 1)), 1)
 
 
 def _raise(message: str) -> None:

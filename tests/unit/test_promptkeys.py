@@ -18,7 +18,7 @@ from llmgw.core.prefix import ChatHashes, block_hashes
 from llmgw.core.profile import ModelProfile
 from llmgw.core.promptkeys import PromptTokens, SegmentCache
 from llmgw.router import prompts
-from llmgw.router.kvroute import KvRouting
+from llmgw.router.kvroute import KvRouting, Source
 from llmgw.router.requests import Parsed, parse
 
 # Characters the tokenizer's patterns treat differently, and any others.
@@ -146,11 +146,11 @@ def test_tokens_without_segments_key_as_block_keys_does() -> None:
 class SlowSim:
     """The sim's tokenization, from scratch every time (as the router did before)."""
 
-    def ids(self, parsed: Parsed) -> list[int] | None:
+    def ids(self, parsed: Parsed, max_chars: int = prompts.MAX_CHARS) -> list[int] | None:
         return slow_ids(parsed.chat) if parsed.chat else None
 
-    def tokens(self, parsed: Parsed) -> PromptTokens | None:
-        ids = self.ids(parsed)
+    def tokens(self, parsed: Parsed, max_chars: int = prompts.MAX_CHARS) -> PromptTokens | None:
+        ids = self.ids(parsed, max_chars)
         return None if ids is None else PromptTokens.of(ids)
 
 
@@ -252,3 +252,28 @@ def test_a_chat_of_many_tiny_messages_is_hashed_exactly_and_remembered_in_part()
     text = "".join(f"{r}\n{c}\n" for r, c in again)
     assert cache.hashes(again, text, 16, 100_000) == block_hashes(text, 16, 100_000)
     assert len(cache) == cache.max_messages + 1  # the system prompt's entry was reused
+
+
+def test_a_long_prompts_plan_keys_its_beginning_and_estimates_its_length() -> None:
+    """The router keys a prompt's first `max_prompt_chars` characters; the plan's
+    `prompt_tokens` (what the cost model prices as prefill) is the whole prompt's,
+    estimated, and an endpoint holding the beginning is predicted to hold it."""
+    profile = ModelProfile(name="m", engine="sim")
+    ep = routing.EndpointState(id="e0", url="u", models=frozenset({"m"}), ready=True, node="n0")
+    text = " what is two and two?" * 10_000
+    messages = [("user", text)]
+    whole = slow_ids(messages)
+    kv = KvRouting(max_prompt_chars=2048)
+    stored = kvblocks.block_keys(whole, 16)
+    kv.index.apply(kvblocks.KvUpdate(endpoint="e0", model="m", block_size=16, instance="i",
+                                     seq=1, full=True, stored=stored, roots=stored[:1]),
+                   "n0", 0.0)  # fmt: skip
+    parsed = Parsed(model="m", stream=False, wants_usage=False, has_options=False,
+                    text=simtokens.render_chat(messages), chat=tuple(messages))  # fmt: skip
+    with mock.patch.object(prompts, "for_profile", return_value=prompts.SimPrompts()):
+        plan = kv.plan(parsed, profile, [ep], now=1.0)
+    assert plan is not None
+    assert plan.keyed_tokens < 2048 < len(whole)
+    assert plan.keys[16] == stored[: plan.keyed_tokens // 16]
+    assert 0.95 * len(whole) <= plan.prompt_tokens <= 1.05 * len(whole)
+    assert plan.by_endpoint["e0"] == Source(plan.keyed_tokens // 16 * 16, "events")

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from llmgw.core import kvblocks, simtokens
 from llmgw.core.profile import ModelProfile
 from llmgw.router import prompts
-from llmgw.router.requests import parse
+from llmgw.router.requests import Parsed, parse
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
@@ -99,3 +102,160 @@ def test_sim_models_are_tokenized_as_the_sim_does() -> None:
     )
     assert found is not None
     assert list(found.ids(parsed) or []) == expected
+
+
+# --------------------------------------------------------------- long prompts, bounded work
+
+WORDS = st.sampled_from(
+    ["You", " are", " a", " careful", " assistant", " two", " and", "?", " ", "\n", "é", "."]
+)
+SIM_TEXT = st.text(alphabet=st.sampled_from("ab1 \n\t?.é-_"), max_size=600)
+MESSAGES = st.lists(
+    st.tuples(
+        st.sampled_from(["system", "user", "assistant"]), st.lists(WORDS, max_size=300).map("".join)
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+def whole_ids(found: prompts.Prompts, parsed: Parsed) -> list[int]:
+    return list(found.ids(parsed, 10**9) or [])
+
+
+def chat_parsed(messages: list[tuple[str, str]]) -> Parsed:
+    return parse("chat", chat_body(*messages), want_text=True)
+
+
+def completion_parsed(text: str) -> Parsed:
+    return parse("completions", json.dumps({"model": "m", "prompt": text}).encode(), want_text=True)
+
+
+def both_shapes(messages: list[tuple[str, str]]) -> tuple[Parsed, Parsed]:
+    """The messages as a chat, and their text as a completion's prompt."""
+    return chat_parsed(messages), completion_parsed("".join(c for _, c in messages))
+
+
+def check_beginning(found: prompts.Prompts, parsed: Parsed, max_chars: int) -> bool:
+    """Whether `found`'s tokens of `parsed` cut at `max_chars` begin its tokens of the
+    whole prompt (or there are none to make: an empty prompt); True if they were all."""
+    whole = whole_ids(type(found)() if isinstance(found, prompts.SimPrompts) else found, parsed)
+    got = found.tokens(parsed, max_chars)
+    if got is None:
+        assert not parsed.text
+        assert not whole
+        return True
+    assert got.ids == whole[: len(got.ids)]
+    assert got.estimate >= len(got.ids)
+    return got.ids == whole
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(messages=MESSAGES, max_chars=st.integers(1, 2500))
+def test_a_cut_prompts_tokens_are_the_whole_prompts_first_tokens(
+    tokenizer_dir: Path, messages: list[tuple[str, str]], max_chars: int
+) -> None:
+    """What the router keys of a prompt longer than `max_chars` is the beginning of what
+    the engine's tokenizer makes of the whole prompt: a cache match predicted on it is one
+    the engine can have. Not cut, it is the whole."""
+    found = prompts.HfPrompts.load(tokenizer_dir)
+    fits = sum(len(c) for _, c in messages) <= max_chars
+    for parsed in both_shapes(messages):
+        assert check_beginning(found, parsed, max_chars) or not fits
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    messages=st.lists(st.tuples(st.sampled_from(["system", "user"]), SIM_TEXT), min_size=1,
+                      max_size=5),
+    max_chars=st.integers(1, 2000),
+)  # fmt: skip
+def test_a_cut_sim_prompts_tokens_are_the_whole_prompts_first_tokens(
+    messages: list[tuple[str, str]], max_chars: int
+) -> None:
+    """The same for the sim's tokenizer, on any text: its tokens of a cut text are the
+    whole text's but the last, so nothing more is left out."""
+    found = prompts.SimPrompts()
+    chat, completion = both_shapes(messages)
+    framed = simtokens.render_chat(messages)
+    for parsed, text in ((chat, framed), (completion, completion.text)):
+        whole = check_beginning(found, parsed, max_chars)
+        got = found.ids(parsed, max_chars)
+        assert len(got or []) >= len(simtokens.tokenize(text[:max_chars])) - 1
+        if len(text) - (len(simtokens.GENERATION_PROMPT) if parsed.chat else 0) <= max_chars:
+            assert whole
+
+
+class _Counting:
+    """A tokenizer (or template) that records how much it was given."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.chars: list[int] = []
+        self.messages: list[int] = []
+
+    def encode(self, text: str, **kw: Any) -> Any:
+        self.chars.append(len(text))
+        return self.inner.encode(text, **kw)
+
+    def render(self, messages: list[dict[str, str]], **kw: Any) -> str:
+        self.messages.append(len(messages))
+        return str(self.inner.render(messages=messages, **kw))
+
+
+SENTENCE = " You are a careful assistant. What is two and two?"
+HUGE = SENTENCE * (2_000_000 // len(SENTENCE))
+"""2 MB of prompt: the router takes bodies of up to 8 MiB."""
+
+
+def test_a_prompt_of_megabytes_is_tokenized_on_its_beginning_only(tokenizer_dir: Path) -> None:
+    """A body of megabytes was tokenized whole on the router's loop (3.3 s for 6 MB, every
+    other request waiting). Only `max_chars` characters reach the tokenizer, and a chat's
+    first `MAX_MESSAGES` messages its template; the prompt's length is estimated."""
+    found = prompts.HfPrompts.load(tokenizer_dir)
+    tok, template = _Counting(found._tok), _Counting(found._template)
+    found._tok, found._template = tok, template
+    got = found.tokens(completion_parsed(HUGE), 4096)
+    assert got is not None
+    assert tok.chars == [4096]
+    whole = len(Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(HUGE).ids)
+    assert 0.95 * whole <= got.estimate <= 1.05 * whole
+    # One message of megabytes, 200,000 short ones, and as many empty ones.
+    for messages, rendered in (
+        ([("user", HUGE)], 1),
+        ([("user", SENTENCE)] * 200_000, 4096 // len(SENTENCE) + 1),
+        ([("user", "")] * 200_000, prompts.MAX_MESSAGES),
+    ):
+        tok.chars.clear()
+        template.messages.clear()
+        got = found.tokens(chat_parsed(messages), 4096)
+        assert got is not None
+        assert got.ids
+        assert template.messages == [rendered]
+        assert tok.chars[0] <= 4096 + prompts.MAX_MESSAGES * len("<|assistant|></s>")
+
+
+def test_the_sims_tokenizer_sees_a_long_prompts_beginning_only() -> None:
+    sim = prompts.SimPrompts()
+    counted: list[int] = []
+    inner = sim.cache._tokenize
+
+    def counting(text: str) -> list[int]:
+        counted.append(len(text))
+        return inner(text)
+
+    sim.cache._tokenize = counting
+    completion = completion_parsed(HUGE)
+    for parsed in (completion, chat_parsed([("user", HUGE)]),
+                   chat_parsed([("user", SENTENCE)] * 200_000)):  # fmt: skip
+        counted.clear()
+        got = sim.tokens(parsed, 4096)
+        assert got is not None
+        assert got.ids
+        assert sum(counted) <= 4096
+    got = sim.tokens(completion, 4096)
+    assert got is not None
+    whole = len(simtokens.tokenize(HUGE))
+    assert 0.95 * whole <= got.estimate <= 1.05 * whole
