@@ -10,7 +10,7 @@ become 400s in OpenAI's error shape, never a 500. Used by `llmgw.router.app` and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -186,18 +186,25 @@ def rewrite(
     return msgspec.json.encode(data)
 
 
+MAX_TOKENS = 1 << 32
+"""The most tokens an engine's usage may report in one field: no context comes near it, so
+more (or fewer than none) is a broken engine, and its usage is not counted rather than
+taken off a key's usage or overflowing the metrics."""
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+
+
 class PromptDetails(msgspec.Struct):
-    cached_tokens: int | None = None
+    cached_tokens: Tokens | None = None
 
 
 class Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    prompt_tokens: Tokens = 0
+    completion_tokens: Tokens = 0
     prompt_tokens_details: PromptDetails | None = None
     """`cached_tokens`: the prompt tokens the engine found in its prefix cache (vLLM, the
     sim; SGLang with --enable-cache-report)."""
-    input_tokens: int = 0
-    output_tokens: int = 0
+    input_tokens: Tokens = 0
+    output_tokens: Tokens = 0
     """The Responses and Messages APIs' names for prompt and completion tokens."""
 
 
