@@ -231,7 +231,9 @@ def usage_of(data: bytes) -> UsageOnly | None:
     `message_delta`)."""
     try:
         u = _usage_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        # Not a usage the router can count (RecursionError: an engine's answer nested past
+        # what msgspec decodes); the answer itself is relayed as it is.
         return None
     found = u.usage
     if found is None:

@@ -123,3 +123,17 @@ def test_absurd_usage_is_not_counted_and_the_answer_still_arrives(
     else:
         assert r.json()["choices"][0]["message"]["content"] == "ok"
     assert tokens_counted(router) == before
+
+
+def test_an_answer_nested_too_deeply_to_decode_is_still_relayed(
+    engine: CannedEngine, router: Router
+) -> None:
+    """The router reads only the usage of an engine's answer; a field nested past what
+    its decoder takes is the client's to deal with, not a crash of the request."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    engine.sse = False
+    engine.body = answer('{"prompt_tokens":3,"completion_tokens":2}')[:-1] + b',"x":' + deep + b"}"
+    with httpx.Client(base_url=router.url, timeout=10) as h:
+        r = h.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text[:300]
+    assert r.content == engine.body
