@@ -78,6 +78,9 @@ class BadRequest(ValueError):
     """A body the router cannot route; the message is shown to the client."""
 
 
+TOO_DEEP = "the request body is nested too deeply: keep it to a few hundred levels"
+
+
 class Parsed(msgspec.Struct):
     model: str
     stream: bool
@@ -104,9 +107,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         # msgspec refuses JSON nested deeper than the interpreter's recursion limit.
-        raise BadRequest(
-            "the request body is nested too deeply: keep it to a few hundred levels"
-        ) from None
+        raise BadRequest(TOO_DEEP) from None
     if not req.model:
         raise BadRequest("`model` is empty: name the model to use")
     if isinstance(req, OtherBody):
@@ -168,7 +169,8 @@ USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
 def rewrite(
     body: bytes, *, model: str | None, include_usage: bool, has_options: bool = True
 ) -> bytes:
-    """The body with another model name and/or a usage chunk requested.
+    """The body with another model name and/or a usage chunk requested; BadRequest when
+    it nests too deeply to decode.
 
     The common case — only the usage chunk, no stream_options in the body — appends the
     member to the top-level object's bytes instead of decoding and re-encoding the body.
@@ -177,7 +179,12 @@ def rewrite(
         trimmed = body.rstrip()
         if trimmed.endswith(b"}"):
             return trimmed[:-1] + USAGE_OPTION
-    data = msgspec.json.decode(body)
+    try:
+        data = msgspec.json.decode(body)
+    except RecursionError:
+        # `parse` took it, a few frames higher up the stack: a body nested just under
+        # msgspec's limit there can be over it here.
+        raise BadRequest(TOO_DEEP) from None
     if model is not None:
         data["model"] = model
     if include_usage:
