@@ -340,7 +340,9 @@ class EngineStream:
             out = self.feed(data, self.loop.time())
             if not out:
                 return
-            if out.endswith(DONE):
+            # (An engine that ends every read with [DONE] is not held past END_NOW_MAX:
+            # its whole stream would wait here, copied again with each read.)
+            if out.endswith(DONE) and len(out) <= END_NOW_MAX:
                 client = aiohttp_direct.client_transport(self.client.request)
                 if (
                     self.upstream.at_eof()

@@ -58,3 +58,49 @@ def test_an_event_past_the_limit_is_relayed_as_it_is() -> None:
     assert s.take(big) == b""
     assert s.take(b"y") == big + big + b"y"
     assert s.take(b"z\n\n") == b"z\n\n"
+
+
+class Transport:
+    """The client's transport, as the direct path writes to it."""
+
+    def __init__(self) -> None:
+        self.sent = bytearray()
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def write(self, data: bytes) -> None:
+        self.sent += data
+
+
+class Upstream:
+    def at_eof(self) -> bool:
+        return False
+
+    def relay_to(self, _: object) -> None:
+        pass
+
+
+def test_an_engine_that_ends_every_read_with_done_does_not_have_its_stream_held() -> None:
+    """The events of a read that ends with [DONE] are held to leave with the end of the
+    body; an engine that sends [DONE] after every event must not have the whole stream
+    held (and copied again with each read) until it ends."""
+    s = engine_stream()
+    client = Transport()
+    s.client.request = type("Request", (), {"transport": client})()  # type: ignore[assignment]
+    s.upstream, s.transport, s.t_first = Upstream(), client, 1.0  # type: ignore[assignment]
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"token"}}]}\n\n' + relay.DONE
+    for _ in range(2000):
+        s.sink(event)
+    assert not s.failed
+    assert len(s.held) <= relay.END_NOW_MAX
+    sent, pos = bytearray(), 0
+    while pos < len(client.sent):  # the chunk frames the direct path wrote
+        line = client.sent.index(b"\r\n", pos)
+        size = int(client.sent[pos:line], 16)
+        sent += client.sent[line + 2 : line + 2 + size]
+        pos = line + 4 + size
+    assert sent + s.held == event * 2000
