@@ -239,9 +239,8 @@ class EngineStream:
         self.first = b""
         """Role-only opening events, held until the first token comes."""
         self.buf: list[bytes] = []
-        """The reads of an event not yet complete (none holds a blank line), `buffered`
-        bytes: kept apart and joined once, when it completes (appending each read to the
-        others would copy them all again for every read of an event that trickles in)."""
+        """The reads (`buffered` bytes) of an event not yet complete, joined once it is: not
+        copied again with each read of an event that trickles in."""
         self.buffered = 0
         self.tail = b""
         """The last bytes relayed: a complete stream ends with [DONE]."""
@@ -340,8 +339,7 @@ class EngineStream:
             out = self.feed(data, self.loop.time())
             if not out:
                 return
-            # (An engine that ends every read with [DONE] is not held past END_NOW_MAX:
-            # its whole stream would wait here, copied again with each read.)
+            # Held up to END_NOW_MAX: an engine ending every read with [DONE] is not held.
             if out.endswith(DONE) and len(out) <= END_NOW_MAX:
                 client = aiohttp_direct.client_transport(self.client.request)
                 if (
