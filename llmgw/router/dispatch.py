@@ -191,11 +191,14 @@ class Dispatcher:
                 break
             if body_of != step.profile.name:
                 body_of = step.profile.name
-                up_body = (
-                    self._body_for(body, parsed, step.profile, state)
-                    if body_of != parsed.model or state.drop_usage
-                    else body
-                )
+                try:
+                    up_body = (
+                        self._body_for(body, parsed, step.profile, state)
+                        if body_of != parsed.model or state.drop_usage
+                        else body
+                    )
+                except requests.BadRequest as exc:
+                    return await self._refuse(admission.bad_body(str(exc)), profile, state)
             if plan is not None:
                 self._sending_on_cache(plan, step, state)
             try:

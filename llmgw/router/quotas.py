@@ -274,16 +274,23 @@ class Quotas:
             return
         hour = int(time.time() // 3600)
         rows, self._usage = self._usage, {}
-        for (name, model), counts in rows.items():
-            for what, n in zip(("in", "out", "req"), counts, strict=True):
-                if n:
-                    try:
-                        await self.counters.add(subjects.usage_counter(name, hour, model, what), n)
-                    except CounterError:
-                        # Kept for the next flush rather than lost.
-                        row = self._usage.setdefault((name, model), [0, 0, 0])
-                        row[("in", "out", "req").index(what)] += n
-                        raise
+        try:
+            for (name, model), counts in rows.items():
+                for i, what in enumerate(("in", "out", "req")):
+                    if counts[i]:
+                        await self.counters.add(
+                            subjects.usage_counter(name, hour, model, what), counts[i]
+                        )
+                        counts[i] = 0
+        except CounterError:
+            # Every count not sent yet (the failed one, the rows after it) is kept for the
+            # next flush rather than lost.
+            for (name, model), counts in rows.items():
+                if any(counts):
+                    row = self._row(name, model)
+                    for i, n in enumerate(counts):
+                        row[i] += n
+            raise
 
     def _fell_back(self, exc: Exception) -> None:
         self.fleet_errors += 1

@@ -215,7 +215,7 @@ class EngineStream:
     callback (`sink`) on the direct path."""
 
     __slots__ = (
-        "buf", "chunked", "chunks", "client", "deadline", "drop", "endpoint", "failed",
+        "buf", "buffered", "chunked", "chunks", "client", "deadline", "drop", "endpoint", "failed",
         "first", "gone", "held", "hooks", "idle", "loop", "prof", "t_first", "t_last", "tail",
         "total_at", "transport", "upstream",
     )  # fmt: skip
@@ -238,7 +238,10 @@ class EngineStream:
         self.loop = client.loop
         self.first = b""
         """Role-only opening events, held until the first token comes."""
-        self.buf = b""
+        self.buf: list[bytes] = []
+        """The reads (`buffered` bytes) of an event not yet complete, joined once it is: not
+        copied again with each read of an event that trickles in."""
+        self.buffered = 0
         self.tail = b""
         """The last bytes relayed: a complete stream ends with [DONE]."""
         self.held = b""
@@ -260,16 +263,21 @@ class EngineStream:
 
     def take(self, data: bytes) -> bytes:
         """The whole events now complete (usage counted, a requested usage chunk dropped)."""
-        buf = self.buf + data if self.buf else data
-        cut = buf.rfind(b"\n\n")
-        if cut < 0 and len(buf) <= MAX_EVENT_BYTES:
-            self.buf = buf
+        if not data:
             return b""
-        end = cut + 2 if cut >= 0 else len(buf)
-        if end < len(buf):
-            out, self.buf = buf[:end], buf[end:]
-        else:
-            out, self.buf = buf, b""
+        end = _events_end(self.buf[-1][-1:] if self.buf else b"", data)
+        if end < 0 and self.buffered + len(data) <= MAX_EVENT_BYTES:
+            self.buf.append(data)
+            self.buffered += len(data)
+            return b""
+        if end < 0:
+            end = len(data)  # no blank line for too long: relayed as it is
+        head = data[:end] if end < len(data) else data
+        out = b"".join((*self.buf, head)) if self.buf else head
+        if end < len(data):
+            self.buf, self.buffered = [data[end:]], len(data) - end
+        elif self.buf:
+            self.buf, self.buffered = [], 0
         at = out.find(sse.USAGE_KEY)
         if at >= 0:
             out, usages = sse.take_usage(out, at, drop=self.drop)
@@ -331,7 +339,8 @@ class EngineStream:
             out = self.feed(data, self.loop.time())
             if not out:
                 return
-            if out.endswith(DONE):
+            # Held up to END_NOW_MAX: an engine ending every read with [DONE] is not held.
+            if out.endswith(DONE) and len(out) <= END_NOW_MAX:
                 client = aiohttp_direct.client_transport(self.client.request)
                 if (
                     self.upstream.at_eof()
@@ -370,6 +379,15 @@ class EngineStream:
             log.exception("relay_failed")
             self.failed = True
             self.upstream.relay_to(None)
+
+
+def _events_end(before: bytes, data: bytes) -> int:
+    """Where the whole events in `data` end (after its last blank line, which may begin
+    with `before`, the last byte of what came before it); -1 when there is none."""
+    cut = data.rfind(b"\n\n")
+    if cut >= 0:
+        return cut + 2
+    return 1 if before == b"\n" and data[:1] == b"\n" else -1
 
 
 async def _direct(stream: EngineStream) -> tuple[str, str] | None:

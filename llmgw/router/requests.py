@@ -10,7 +10,7 @@ become 400s in OpenAI's error shape, never a 500. Used by `llmgw.router.app` and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -78,6 +78,9 @@ class BadRequest(ValueError):
     """A body the router cannot route; the message is shown to the client."""
 
 
+TOO_DEEP = "the request body is nested too deeply: keep it to a few hundred levels"
+
+
 class Parsed(msgspec.Struct):
     model: str
     stream: bool
@@ -104,9 +107,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         # msgspec refuses JSON nested deeper than the interpreter's recursion limit.
-        raise BadRequest(
-            "the request body is nested too deeply: keep it to a few hundred levels"
-        ) from None
+        raise BadRequest(TOO_DEEP) from None
     if not req.model:
         raise BadRequest("`model` is empty: name the model to use")
     if isinstance(req, OtherBody):
@@ -168,7 +169,8 @@ USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
 def rewrite(
     body: bytes, *, model: str | None, include_usage: bool, has_options: bool = True
 ) -> bytes:
-    """The body with another model name and/or a usage chunk requested.
+    """The body with another model name and/or a usage chunk requested; BadRequest when
+    it nests too deeply to decode.
 
     The common case — only the usage chunk, no stream_options in the body — appends the
     member to the top-level object's bytes instead of decoding and re-encoding the body.
@@ -177,7 +179,12 @@ def rewrite(
         trimmed = body.rstrip()
         if trimmed.endswith(b"}"):
             return trimmed[:-1] + USAGE_OPTION
-    data = msgspec.json.decode(body)
+    try:
+        data = msgspec.json.decode(body)
+    except RecursionError:
+        # `parse` took it, a few frames higher up the stack: a body nested just under
+        # msgspec's limit there can be over it here.
+        raise BadRequest(TOO_DEEP) from None
     if model is not None:
         data["model"] = model
     if include_usage:
@@ -186,18 +193,25 @@ def rewrite(
     return msgspec.json.encode(data)
 
 
+MAX_TOKENS = 1 << 32
+"""The most tokens an engine's usage may report in one field: no context comes near it, so
+more (or fewer than none) is a broken engine, and its usage is not counted rather than
+taken off a key's usage or overflowing the metrics."""
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+
+
 class PromptDetails(msgspec.Struct):
-    cached_tokens: int | None = None
+    cached_tokens: Tokens | None = None
 
 
 class Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    prompt_tokens: Tokens = 0
+    completion_tokens: Tokens = 0
     prompt_tokens_details: PromptDetails | None = None
     """`cached_tokens`: the prompt tokens the engine found in its prefix cache (vLLM, the
     sim; SGLang with --enable-cache-report)."""
-    input_tokens: int = 0
-    output_tokens: int = 0
+    input_tokens: Tokens = 0
+    output_tokens: Tokens = 0
     """The Responses and Messages APIs' names for prompt and completion tokens."""
 
 
@@ -224,7 +238,9 @@ def usage_of(data: bytes) -> UsageOnly | None:
     `message_delta`)."""
     try:
         u = _usage_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        # Not a usage the router can count (RecursionError: an engine's answer nested past
+        # what msgspec decodes); the answer itself is relayed as it is.
         return None
     found = u.usage
     if found is None:

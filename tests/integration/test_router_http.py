@@ -173,6 +173,29 @@ def test_a_body_sent_in_pieces_within_the_timeout_is_served(router: Router) -> N
     assert b'"choices"' in answer
 
 
+def test_a_body_nested_to_the_decoders_limit_gets_an_answer_not_a_500(
+    http: httpx.Client,
+) -> None:
+    """A stream request whose body the router must rewrite (`stream_options` given, so the
+    usage chunk is asked for by decoding the body), with a field nested about as deep as
+    the decoder takes: whether the depth is taken or not, the client gets an answer or a
+    400 that says so, never a 500 (the rewrite decodes deeper in the stack than the
+    first parse)."""
+    statuses = set()
+    for depth in range(900, 1000):
+        nested = "[" * depth + "]" * depth
+        body = (
+            '{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2,'
+            f'"stream":true,"stream_options":null,"x":{nested}}}'
+        )
+        r = http.post("/v1/chat/completions", content=body)
+        statuses.add(r.status_code)
+        assert r.status_code in (200, 400), (depth, r.status_code, r.text[:300])
+        if r.status_code == 400:
+            assert "nested too deeply" in r.json()["error"]["message"]
+    assert statuses == {200, 400}  # the sweep went past the limit
+
+
 def test_router_survived(http: httpx.Client) -> None:
     """Runs last in this module: after all the garbage above the router still serves."""
     r = http.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,37 @@ def test_a_spent_budget_is_refused_by_every_router_once_it_reads_the_total() -> 
         assert refusal is not None
         assert refusal.code == "budget_exceeded"  # type: ignore[attr-defined]
         assert "110 used" in refusal.message  # type: ignore[attr-defined]
+
+
+def test_a_usage_flush_that_fails_keeps_every_row_it_did_not_send() -> None:
+    """The counters fail on the second add of a flush: what was sent stays sent, the rest
+    (other models' rows, the failed row's other counts) waits for the next flush."""
+
+    class FailsOnce(Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.adds = 0
+
+        async def add(self, subject: str, amount: int) -> int:
+            self.adds += 1
+            if self.adds == 2:
+                raise CounterError("timeout")
+            return await super().add(subject, amount)
+
+    async def run() -> dict[str, int]:
+        store = FailsOnce()
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key()
+        for model in ("a", "b", "c"):
+            q.used(p, model, 10, 5)
+            q.request_done(p, model)
+        with pytest.raises(CounterError):
+            await q._flush_usage()
+        await q._flush_usage()
+        return store.totals
+
+    totals = asyncio.run(run())
+    by_what = {"in": 0, "out": 0, "req": 0}
+    for subject, n in totals.items():
+        by_what[subject.rsplit(".", 1)[-1]] += n
+    assert by_what == {"in": 30, "out": 15, "req": 3}

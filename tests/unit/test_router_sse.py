@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -114,3 +115,34 @@ def test_take_usage_finds_every_usage_and_drops_exactly_the_usage_only_events(
         kept.append(p)
     assert [(u.prompt_tokens, u.completion_tokens) for u in found] == expected_usage
     assert out == b"".join(p + b"\n\n" for p in kept)
+
+
+class Copied(bytes):
+    """Bytes that count what is copied out of them (slices, concatenations), and stay
+    `Copied` through both."""
+
+    total = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        got = super().__getitem__(key)
+        if not isinstance(key, slice):
+            return got
+        Copied.total += len(got)
+        return Copied(got)
+
+    def __add__(self, other: bytes) -> Copied:  # type: ignore[override]
+        joined = super().__add__(other)
+        Copied.total += len(joined)
+        return Copied(joined)
+
+
+def test_dropping_many_usage_chunks_copies_the_bytes_a_few_times_not_once_per_chunk() -> None:
+    """An engine may send a read's worth of usage-only events (a megabyte of them when the
+    client reads slowly): each dropped one must not copy the rest of the read again."""
+    usage = usage_event(1, 1, choices=False, spaced=False) + b"\n\n"
+    stream = Copied(b"".join([TOKEN + b"\n\n", usage * 2000, DONE + b"\n\n"]))
+    Copied.total = 0
+    out, found = sse.take_usage(stream, stream.find(sse.USAGE_KEY), drop=True)
+    assert len(found) == 2000
+    assert out == TOKEN + b"\n\n" + DONE + b"\n\n"
+    assert Copied.total <= 4 * len(stream)

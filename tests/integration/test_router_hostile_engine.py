@@ -1,0 +1,139 @@
+"""What a broken or compromised engine sends never crashes a request in the router, nor
+skews what it counts: usage with absurd or negative numbers, answers nested too deeply to
+decode. A canned engine (aiohttp, on its own thread) behind a real router."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+
+import httpx2 as httpx
+import pytest
+from aiohttp import web
+
+from tests.integration.router_kit import Router
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+class CannedEngine:
+    """An engine that answers every chat request with `body` (JSON, or SSE when `sse`)."""
+
+    def __init__(self) -> None:
+        self.body = b"{}"
+        self.sse = False
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def chat(request: web.Request) -> web.Response:
+            await request.read()
+            kind = "text/event-stream" if self.sse else "application/json"
+            return web.Response(body=self.body, headers={"Content-Type": kind})
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        started.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[CannedEngine]:
+    e = CannedEngine()
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def router(engine: CannedEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    r = Router.start(tmp_path_factory.mktemp("hostile-engine"), {"e": engine.url})
+    yield r
+    r.stop()
+
+
+def answer(usage: str) -> bytes:
+    """A chat completion whose usage object is `usage` (JSON text, as the engine wrote it)."""
+    message = {"role": "assistant", "content": "ok"}
+    choices = json.dumps([{"index": 0, "finish_reason": "stop", "message": message}])
+    return f'{{"id":"x","object":"chat.completion","choices":{choices},"usage":{usage}}}'.encode()
+
+
+def tokens_counted(router: Router) -> tuple[float, float]:
+    m = router.metrics()
+    return (
+        m.get('llmgw_router_tokens_total{direction="in",model="m"}', 0.0),
+        m.get('llmgw_router_tokens_total{direction="out",model="m"}', 0.0),
+    )
+
+
+def test_an_engines_usage_is_counted(engine: CannedEngine, router: Router) -> None:
+    engine.sse, engine.body = False, answer('{"prompt_tokens":3,"completion_tokens":2}')
+    before = tokens_counted(router)
+    with httpx.Client(base_url=router.url, timeout=10) as h:
+        assert h.post("/v1/chat/completions", json=CHAT).status_code == 200
+    after = tokens_counted(router)
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 2)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        '{"prompt_tokens":1' + "0" * 400 + ',"completion_tokens":1}',  # past a float
+        '{"prompt_tokens":-1000000,"completion_tokens":-5}',
+        '{"prompt_tokens":1,"completion_tokens":18446744073709551615}',
+        '{"prompt_tokens":1,"prompt_tokens_details":{"cached_tokens":-7}}',
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_absurd_usage_is_not_counted_and_the_answer_still_arrives(
+    engine: CannedEngine, router: Router, usage: str, stream: bool
+) -> None:
+    body = answer(usage)
+    engine.sse = stream
+    engine.body = b"data: " + body + b"\n\ndata: [DONE]\n\n" if stream else body
+    before = tokens_counted(router)
+    with httpx.Client(base_url=router.url, timeout=10) as h:
+        r = h.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        assert r.text.endswith("data: [DONE]\n\n"), r.text
+    else:
+        assert r.json()["choices"][0]["message"]["content"] == "ok"
+    assert tokens_counted(router) == before
+
+
+def test_an_answer_nested_too_deeply_to_decode_is_still_relayed(
+    engine: CannedEngine, router: Router
+) -> None:
+    """The router reads only the usage of an engine's answer; a field nested past what
+    its decoder takes is the client's to deal with, not a crash of the request."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    engine.sse = False
+    engine.body = answer('{"prompt_tokens":3,"completion_tokens":2}')[:-1] + b',"x":' + deep + b"}"
+    with httpx.Client(base_url=router.url, timeout=10) as h:
+        r = h.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text[:300]
+    assert r.content == engine.body
