@@ -188,7 +188,7 @@ class HfPrompts:
             messages: list[dict[str, str]] = []
             room, cut = max_chars, False
             for role, content in parsed.chat:
-                if len(messages) == MAX_MESSAGES or room <= 0:
+                if len(messages) == MAX_MESSAGES:
                     cut = True
                     break
                 if len(content) > room:

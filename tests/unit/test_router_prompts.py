@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -154,6 +154,7 @@ def check_beginning(found: prompts.Prompts, parsed: Parsed, max_chars: int) -> b
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(messages=MESSAGES, max_chars=st.integers(1, 2500))
+@example(messages=[("system", "?"), ("system", "")], max_chars=1)  # an empty one after the cut
 def test_a_cut_prompts_tokens_are_the_whole_prompts_first_tokens(
     tokenizer_dir: Path, messages: list[tuple[str, str]], max_chars: int
 ) -> None:
