@@ -61,6 +61,8 @@ class Scaler:
         self.history.clear()
 
     def note(self, subject: str, report: loadreport.LoadReport) -> None:
+        if subjects.signals_owner(subject) is None:
+            return  # not one router process's or node's: see subjects.MAX_ROUTER_WORKERS
         held = self.reports.get(subject)
         if held is None or report.ts >= held.ts:
             self.reports[subject] = report

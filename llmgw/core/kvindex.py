@@ -35,6 +35,10 @@ ids cannot grow a router's memory without bound)."""
 MAX_ENDPOINTS_PER_NODE = 256
 MAX_KEYS_PER_ENDPOINT = 4_000_000
 """About 64 GB of KV at 16 tokens of 1 KiB each: more than any engine holds."""
+MAX_KEYS_PER_NODE = 2 * MAX_KEYS_PER_ENDPOINT
+"""All of one node's endpoints together (sixteen engines of half a million blocks, a small
+model's KV filling 80 GB): without it a node naming its 256 endpoints could make every
+router hold 256 times the endpoint bound, a billion keys at about 110 bytes each."""
 
 
 class EndpointBlocks:
@@ -66,6 +70,8 @@ class KvIndex:
         self.endpoints: dict[tuple[str, str], EndpointBlocks] = {}
         """(node, endpoint id) -> what that node says the endpoint holds."""
         self._per_node: dict[str, int] = {}
+        self._node_keys: dict[str, int] = {}
+        """Node -> keys its endpoints hold, against MAX_KEYS_PER_NODE."""
         self.holders: dict[int, int] = {}
         """Key -> bit mask of the endpoints (their `bit`) that hold it."""
         self._free_bits: list[int] = []
@@ -112,10 +118,30 @@ class KvIndex:
         ep.seq = update.seq
         if not ep.synced:
             return None
+        self._remove(ep, update.removed)
+        refused = self._too_many(ep, len(update.stored))
+        if refused is not None:
+            self.refused += 1
+            ep.synced = False
+            self._clear(ep)
+            return refused
         bit = 1 << ep.bit
         holders, keys = self.holders, ep.keys
-        roots = ep.roots
-        for k in update.removed:
+        before = len(keys)
+        for k in update.stored:
+            if k not in keys:
+                keys.add(k)
+                holders[k] = holders.get(k, 0) | bit
+        self._node_keys[node] = self._node_keys.get(node, 0) + len(keys) - before
+        ep.roots.update(k for k in update.roots if k in keys)
+        self.applied += 1
+        return None
+
+    def _remove(self, ep: EndpointBlocks, removed: Sequence[int]) -> None:
+        bit = 1 << ep.bit
+        holders, keys, roots = self.holders, ep.keys, ep.roots
+        before = len(keys)
+        for k in removed:
             roots.discard(k)
             if k in keys:
                 keys.discard(k)
@@ -124,17 +150,15 @@ class KvIndex:
                     holders[k] = mask
                 else:
                     del holders[k]
-        if len(keys) + len(update.stored) > MAX_KEYS_PER_ENDPOINT:
-            self.refused += 1
-            ep.synced = False
-            self._clear(ep)
-            return f"endpoint {update.endpoint} would hold over {MAX_KEYS_PER_ENDPOINT} blocks"
-        for k in update.stored:
-            if k not in keys:
-                keys.add(k)
-                holders[k] = holders.get(k, 0) | bit
-        roots.update(k for k in update.roots if k in keys)
-        self.applied += 1
+        self._node_keys[ep.node] = self._node_keys.get(ep.node, 0) - (before - len(keys))
+
+    def _too_many(self, ep: EndpointBlocks, stored: int) -> str | None:
+        """Why storing `stored` more keys could exceed the endpoint's or its node's bound
+        (each counted as new, as the endpoint's own bound always was); None if it cannot."""
+        if len(ep.keys) + stored > MAX_KEYS_PER_ENDPOINT:
+            return f"endpoint {ep.endpoint} would hold over {MAX_KEYS_PER_ENDPOINT} blocks"
+        if self._node_keys.get(ep.node, 0) + stored > MAX_KEYS_PER_NODE:
+            return f"node {ep.node} would hold over {MAX_KEYS_PER_NODE} blocks"
         return None
 
     def forget(self, endpoint: str) -> None:
@@ -149,10 +173,12 @@ class KvIndex:
                 self._per_node[ep.node] = left
             else:
                 del self._per_node[ep.node]
+                del self._node_keys[ep.node]
 
     def _clear(self, ep: EndpointBlocks) -> None:
         bit = ~(1 << ep.bit)
         holders = self.holders
+        self._node_keys[ep.node] = self._node_keys.get(ep.node, 0) - len(ep.keys)
         for k in ep.keys:
             mask = holders[k] & bit
             if mask:

@@ -27,6 +27,11 @@ KV_SUBJECTS = (f"{KV_ROOT}.>",)
 SIGNALS_STREAM = "llmgw-signals"
 SIGNALS_ROOT = "llmgw.signals"
 SIGNALS_SUBJECTS = (f"{SIGNALS_ROOT}.>",)
+MAX_ROUTER_WORKERS = 1024
+"""Worker processes of one router: its load reports are read from `w0`..`w1023` only,
+since its certificate lets it write any token there and the leader keeps one report per
+subject (a new token per message would grow that with the router's message rate)."""
+_WORKER = re.compile(r"w(0|[1-9][0-9]{0,3})")
 
 # Tenants' fleet-wide counters, kept by the server (JetStream counters, `Nats-Incr`): the
 # requests and tokens of each key's current rate windows (seconds-lived), and its usage by
@@ -178,6 +183,9 @@ def signals_owner(subject: str) -> tuple[str, str] | None:
     if parts[:2] != ["llmgw", "signals"] or not all(parts[2:]):
         return None
     if len(parts) == 5 and parts[2] == "router":
+        worker = _WORKER.fullmatch(parts[4])
+        if worker is None or int(worker[1]) >= MAX_ROUTER_WORKERS:
+            return None
         return "router", parts[3]
     if len(parts) == 4 and parts[2] == "node":
         return "node", parts[3]

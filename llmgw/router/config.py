@@ -17,6 +17,7 @@ import msgspec
 
 from llmgw import config, otlp
 from llmgw.bus.settings import NatsConnection
+from llmgw.core import subjects
 from llmgw.core.breaker import BreakerPolicy
 from llmgw.core.profile import ModelProfile
 from llmgw.core.routing import CostModel, Weights
@@ -112,7 +113,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     admin: Listener = Listener(port=9090)
     """Prometheus /metrics and /health, on its own port so it can stay private."""
     workers: int = 1
-    """Processes sharing the listen port (SO_REUSEPORT)."""
+    """Processes sharing the listen port (SO_REUSEPORT), at most 1024
+    (llmgw.core.subjects.MAX_ROUTER_WORKERS)."""
     models: tuple[ModelProfile, ...] = ()
     endpoints: tuple[EndpointConfig, ...] = ()
     log: LogSource | None = None
@@ -252,8 +254,8 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
             "point it at the router's files from "
             "`llmgw ctl cert issue router NAME` (and the fleet's ca.pem)",
         )
-    if cfg.workers < 1:
-        problems.append("workers must be at least 1")
+    if not 1 <= cfg.workers <= subjects.MAX_ROUTER_WORKERS:
+        problems.append(f"workers must be between 1 and {subjects.MAX_ROUTER_WORKERS}")
     if cfg.traces is not None:
         bad = otlp.endpoint_problem(cfg.traces.endpoint)
         if bad is not None:

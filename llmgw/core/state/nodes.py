@@ -183,12 +183,7 @@ def on_heartbeat(state: ClusterState, ev: events.Heartbeat, seq: int, at: float)
     node = state.nodes.get(ev.node)
     if node is None:
         raise Reject(f"heartbeat from node {ev.node!r}, which never registered")
-    health = ev.gpus
-    if health and any(h.index not in node.gpus for h in health):
-        # Still proof of life: refusing it would let a GPU that fell off the bus
-        # since registration turn the whole node unreachable. The agent's next
-        # registration brings the inventory up to date.
-        health = tuple(h for h in health if h.index in node.gpus)
+    health = _known_once(ev.gpus, node)
     seen = state.seen.get(ev.node)
     if seen is None:
         state.seen[ev.node] = Seen(last_seen=float(at), seq=seq, health=health or None)
@@ -197,6 +192,23 @@ def on_heartbeat(state: ClusterState, ev: events.Heartbeat, seq: int, at: float)
         seen.seq = seq
         if health:
             seen.health = health
+
+
+def _known_once(
+    health: tuple[events.GpuHealth, ...], node: NodeState
+) -> tuple[events.GpuHealth, ...]:
+    """The heartbeat's report of each GPU the node registered, the first one of each."""
+    if all(h.index in node.gpus for h in health) and len({h.index for h in health}) == len(health):
+        return health
+    # A GPU the inventory lacks (fallen off the bus since registration) is dropped, not
+    # refused: the heartbeat still proves life, and the next registration updates the
+    # inventory. A GPU listed twice, two ways, is kept once: the leader would otherwise
+    # record each report in turn as a change, at every pass, for ever.
+    out: dict[int, events.GpuHealth] = {}
+    for h in health:
+        if h.index in node.gpus:
+            out.setdefault(h.index, h)
+    return tuple(out.values())
 
 
 def on_shard_status(state: ClusterState, ev: events.ShardStatus, seq: int, at: float) -> None:
