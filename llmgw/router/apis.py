@@ -77,6 +77,15 @@ def unsupported(kind: Kind, profile: ModelProfile, path: str) -> Refusal | None:
     )
 
 
+def too_large(most: int) -> tuple[int, bytes]:
+    """The 502 of an engine's answer over `max_answer_bytes`, of which no more was read."""
+    message = (
+        f"the engine's answer is over the router's max_answer_bytes ({most} bytes), so it "
+        "was not read: if the model's answers are that large, raise max_answer_bytes"
+    )
+    return 502, requests.error_body(message, "api_error", "answer_too_large")
+
+
 def openai_error(status: int, data: bytes) -> bytes:
     """An engine's error body in OpenAI's shape (`{"error": {message, type, param, code}}`)."""
     try:

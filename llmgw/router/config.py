@@ -130,6 +130,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_attempts: int = 3
     """Endpoints tried per model before falling back or giving up (only before the first byte)."""
     max_body_bytes: int = 8 * 1024 * 1024
+    max_answer_bytes: int = 256 * 1024 * 1024
+    """The most of an engine's whole (not streamed) answer the router reads; more is a 502.
+    It holds such an answer to count its usage, so an engine sending without end would
+    fill its memory; 256 MiB holds 2,048 embeddings of 4,096 dimensions as JSON."""
     body_timeout_s: float = 30.0
     """Longest wait for a request's whole body once its headers are in; a client that
     sends it slower (or stops half-way) gets 408 and its connection is closed."""
@@ -268,6 +272,8 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
         problems.append("max_attempts must be at least 1")
     if cfg.max_body_bytes < 1024:
         problems.append("max_body_bytes must be at least 1024")
+    if cfg.max_answer_bytes < 1024:
+        problems.append("max_answer_bytes must be at least 1024")
     if cfg.body_timeout_s <= 0:
         problems.append("body_timeout_s must be above 0")
     if cfg.header_timeout_s <= 0:

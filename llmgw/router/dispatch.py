@@ -191,12 +191,9 @@ class Dispatcher:
                 break
             if body_of != step.profile.name:
                 body_of = step.profile.name
+                rewrite = body_of != parsed.model or state.drop_usage
                 try:
-                    up_body = (
-                        self._body_for(body, parsed, step.profile, state)
-                        if body_of != parsed.model or state.drop_usage
-                        else body
-                    )
+                    up_body = self._body_for(body, parsed, step.profile, state) if rewrite else body
                 except requests.BadRequest as exc:
                     return await self._refuse(admission.bad_body(str(exc)), profile, state)
             if plan is not None:
@@ -381,11 +378,11 @@ class Dispatcher:
                 return await relay(stream, self.watchdog, d, t0)
             # A whole body: a non-streamed answer, or one the client must see as is (a 4xx,
             # or an engine's JSON answer to a stream request).
-            data = await self._read_body(upstream, d, total_at)
-            if upstream.status == 200:
+            status, data = await self._read_body(upstream, d, total_at)
+            if status == 200:
                 self._account(prof, state, data)
-            elif upstream.status >= 400:
-                data = apis.openai_error(upstream.status, data)
+            elif status >= 400:
+                data = apis.openai_error(status, data)
             self.metrics.first_token(prof.name, loop.time() - state.loop_start)
             if state.trace is not None:
                 state.trace.first_token = time.monotonic()
@@ -396,9 +393,9 @@ class Dispatcher:
                 await state.response.write_eof()
                 return state.response
             return web.Response(
-                status=upstream.status,
+                status=status,
                 body=data,
-                content_type=(upstream.content_type or JSON) if upstream.status < 400 else JSON,
+                content_type=(upstream.content_type or JSON) if status < 400 else JSON,
                 headers={"X-Request-Id": state.rid},
             )
         finally:
@@ -451,10 +448,13 @@ class Dispatcher:
 
     async def _read_body(
         self, upstream: upstream_http.Response, d: Deadlines, total_at: float
-    ) -> bytes:
+    ) -> tuple[int, bytes]:
+        """The answer's status and body: a 502 past `max_answer_bytes` (no more is read)."""
+        most = self.cfg.max_answer_bytes
         try:
             async with self.watchdog.at(total_at):
-                return await upstream.read()
+                data = await upstream.read(most + 1)
+            return (upstream.status, data) if len(data) <= most else apis.too_large(most)
         except TimeoutError:
             raise Retry(
                 "total_timeout", 504, f"engine did not finish within {d.total_s} s"

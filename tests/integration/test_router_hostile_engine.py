@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -26,6 +27,10 @@ class CannedEngine:
     def __init__(self) -> None:
         self.body = b"{}"
         self.sse = False
+        self.endless = 0
+        """When set, the answer is this many bytes (or until the router hangs up), sent in
+        64 KiB writes: an engine that does not stop."""
+        self.written = 0
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
@@ -35,10 +40,25 @@ class CannedEngine:
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
 
-        async def chat(request: web.Request) -> web.Response:
+        async def chat(request: web.Request) -> web.StreamResponse:
             await request.read()
+            if self.endless:
+                return await endless(request)
             kind = "text/event-stream" if self.sse else "application/json"
             return web.Response(body=self.body, headers={"Content-Type": kind})
+
+        async def endless(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            self.written = 0
+            try:
+                while self.written < self.endless:
+                    await resp.write(b" " * 65_536)
+                    self.written += 65_536
+                await resp.write_eof()
+            except (ConnectionError, RuntimeError):
+                pass  # the router hung up
+            return resp
 
         async def health(_: web.Request) -> web.Response:
             return web.json_response({})
@@ -137,3 +157,25 @@ def test_an_answer_nested_too_deeply_to_decode_is_still_relayed(
         r = h.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200, r.text[:300]
     assert r.content == engine.body
+
+
+def test_an_answer_past_max_answer_bytes_is_a_502_and_no_more_of_it_is_read(
+    engine: CannedEngine, tmp_path: Path
+) -> None:
+    """The router holds a whole answer to count its usage: one from an engine that sends
+    without end filled its memory. Past `max_answer_bytes` it is a 502 that says what to
+    raise, the engine's connection is dropped, and the next request is answered."""
+    r = Router.start(tmp_path, {"e": engine.url}, max_answer_bytes=1 << 20)
+    try:
+        engine.sse, engine.endless = False, 64 << 20
+        with httpx.Client(base_url=r.url, timeout=30) as h:
+            got = h.post("/v1/chat/completions", json=CHAT)
+            assert got.status_code == 502, got.text[:200]
+            assert got.json()["error"]["code"] == "answer_too_large"
+            assert "max_answer_bytes" in got.json()["error"]["message"]
+            assert engine.written < 64 << 20
+            engine.endless, engine.body = 0, answer('{"prompt_tokens":3,"completion_tokens":2}')
+            assert h.post("/v1/chat/completions", json=CHAT).status_code == 200
+    finally:
+        engine.endless = 0
+        r.stop()

@@ -59,6 +59,7 @@ def test_a_good_config_loads_with_env_overrides(
         (lambda d: d["models"][0]["deadlines"].update(idle_s=0), "deadlines.idle_s"),
         (lambda d: d.update(body_timeout_s=0), "body_timeout_s must be above 0"),
         (lambda d: d.update(cache={"max_prompt_chars": 10}), "max_prompt_chars must be at least"),
+        (lambda d: d.update(max_answer_bytes=10), "max_answer_bytes must be at least 1024"),
         (lambda d: d.update(log={"servers": []}), "log.servers is empty"),
         (lambda d: d.update(log={"ca_file": "ca.pem"}), "log.cert_file is not set"),
     ],
