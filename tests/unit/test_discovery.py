@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.agent import discovery
 from llmgw.agent.discovery import infiniband, simulated, smi
+from llmgw.core.inventory import Gpu
 
 HW = Path(__file__).resolve().parents[1] / "fixtures" / "hw"
 SMI = HW / "nvidia-smi"
@@ -147,6 +149,64 @@ def test_garbage_never_crashes_the_parsers(text: str) -> None:
         smi.parse_apps(text)
     with contextlib.suppress(smi.SmiError):
         smi.gpus_from_smi(text)
+
+
+_HEADER = (
+    "index, uuid, name, memory.total [MiB], memory.used [MiB], "
+    "ecc.errors.uncorrected.volatile.total\n"
+)
+
+
+def _within_log_bounds(gpus: tuple[Gpu, ...]) -> None:
+    """Every reader decodes NodeRegistered with these bounds: one GPU out of them hides the node."""
+    for gpu in gpus:
+        msgspec.convert(msgspec.to_builtins(gpu), Gpu)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        "0, GPU-0, NVIDIA H100, " + "9" * 400 + ", 10, 0",  # before: OverflowError
+        "0, GPU-0, NVIDIA H100, 81559, 10, " + "9" * 400,  # before: OverflowError
+        "300, GPU-0, NVIDIA H100, 81559, 10, 0",  # before: GPU index 300 in the inventory
+        "0, GPU-0, NVIDIA H100, 99999999999, 10, 0",  # before: 95 PiB of memory
+        "0, GPU-0, " + "H" * 300 + ", 81559, 10, 0",  # before: a 300-character name
+    ],
+)
+def test_out_of_range_row_is_an_smi_error_not_a_crash_or_an_unreadable_node(row: str) -> None:
+    """An exception other than SmiError escaped the heartbeat's health refresh and ended
+    the agent; a GPU outside the log's bounds made every reader refuse the registration."""
+    with pytest.raises(smi.SmiError, match="row 0"):
+        smi.gpus_from_smi(_HEADER + row + "\n")
+
+
+def test_topology_with_a_gpu_number_of_thousands_of_digits_is_not_a_crash() -> None:
+    # Before: ValueError, int() refuses 4,300 digits and more.
+    assert smi.parse_topology("\tGPU0\tGPU" + "1" * 5000 + "\nGPU0\tX\tNV1\n") == {0: None}
+
+
+def test_process_row_with_an_absurd_pid_is_skipped() -> None:
+    apps = "gpu_uuid, pid, used_gpu_memory [MiB]\nGPU-0, " + "9" * 400 + ", 10\nGPU-0, 7, 5\n"
+    assert smi.parse_apps(apps) == {"GPU-0": [(7, 5)]}  # before: OverflowError
+
+
+@given(
+    st.lists(
+        st.tuples(
+            *[st.one_of(st.from_regex(r"-?\d{1,30}(\.\d{1,3})?", fullmatch=True), st.text())] * 2,
+            st.text(min_size=1),
+            *[st.one_of(st.from_regex(r"-?\d{1,30}(\.\d{1,3})?", fullmatch=True), st.text())] * 3,
+        ),
+        max_size=4,
+    )
+)
+def test_parsed_gpus_are_within_the_log_bounds_or_refused(rows: list[tuple[str, ...]]) -> None:
+    text = _HEADER + "".join(",".join(f'"{c}"' for c in r).replace("\n", " ") + "\n" for r in rows)
+    try:
+        gpus = smi.gpus_from_smi(text)
+    except smi.SmiError:
+        return
+    _within_log_bounds(gpus)
 
 
 def test_row_without_memory_says_what_to_check() -> None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import re
 import subprocess
 from collections.abc import Iterable, Mapping
+
+import msgspec
 
 from llmgw.agent.discovery.memory import foreign_mib
 from llmgw.core.inventory import Gpu, gpu_class
@@ -46,6 +49,8 @@ TOPOLOGY = ("nvidia-smi", "topo", "-m")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _UNIT = re.compile(r"\s*\[[^\]]*\]$")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?")
+# A GPU's column: ASCII digits, few enough for int() (it refuses 4,300 digits and more).
+_GPU_CELL = re.compile(r"GPU([0-9]{1,3})")
 _NOT_AVAILABLE = {"", "[n/a]", "n/a", "[not supported]", "not supported", "[unknown error]"}
 
 
@@ -91,11 +96,11 @@ def parse_topology(text: str) -> dict[int, int | None]:
     header = next((line.split() for line in lines if re.search(r"\bGPU\d+\b", line)), None)
     if header is None:
         return {}
-    columns = [int(cell[3:]) for cell in header if re.fullmatch(r"GPU\d+", cell)]
+    columns = [int(cell[3:]) for cell in header if _GPU_CELL.fullmatch(cell)]
     links: dict[int, set[int]] = {gpu: set() for gpu in columns}
     for line in lines:
         cells = line.split()
-        if not cells or not re.fullmatch(r"GPU\d+", cells[0]) or cells == header:
+        if not cells or not _GPU_CELL.fullmatch(cells[0]) or cells == header:
             continue
         row = int(cells[0][3:])
         if row not in links:
@@ -137,9 +142,11 @@ def parse_apps(text: str) -> dict[str, list[tuple[int, int]]]:
         uuid, pid = row.get("gpu_uuid"), _number(row.get("pid"))
         # Asked for as `used_memory`, printed in the header as `used_gpu_memory [MiB]`.
         used = row.get("used_gpu_memory", row.get("used_memory"))
-        if not uuid or pid is None:
+        mib = _number(used) or 0
+        # 400 digits read as infinity, which int() refuses: a row of garbage, not a process.
+        if not uuid or pid is None or not math.isfinite(pid + mib):
             continue
-        out.setdefault(uuid, []).append((int(pid), int(_number(used) or 0)))
+        out.setdefault(uuid, []).append((int(pid), int(mib)))
     return out
 
 
@@ -165,40 +172,65 @@ def gpus_from_smi(
     for position, row in enumerate(parse_csv(query)):
         if _mig_enabled(row):
             continue
-        name = row.get("name", "").strip()
-        memory = _number(row.get("memory.total"))
-        if not name or memory is None:
+        try:
+            gpu = _row_gpu(position, row, domains, by_uuid, own_pids, own_gpus)
+            gpus.append(_within_bounds(gpu))
+        except (OverflowError, msgspec.ValidationError) as exc:
+            # Not a crash of the agent (its health refresh expects SmiError) nor a GPU
+            # that makes every reader refuse the node's registration.
             raise SmiError(
-                f"nvidia-smi row {position} has no name or memory.total ({row!r}): "
-                "check that the driver is loaded (`nvidia-smi` alone should list the GPUs)"
-            )
-        index_value = _number(row.get("index"))
-        index = int(index_value) if index_value is not None else position
-        uuid = row.get("uuid", "") or f"GPU-index-{index}"
-        ecc = _number(row.get("ecc.errors.uncorrected.volatile.total"))
-        cap = _number(row.get("compute_cap"))
-        foreign = foreign_mib(
-            used_mib=_number(row.get("memory.used")),
-            processes=by_uuid.get(uuid, ()),
-            own_pids=own_pids,
-            ours=index in own_gpus,
-        )
-        gpus.append(
-            Gpu(
-                index=index,
-                uuid=uuid,
-                name=name,
-                gpu_class=gpu_class(name, memory),
-                memory_mib=int(memory),
-                compute_capability=row.get("compute_cap", "") if cap is not None else "",
-                nvlink_domain=domains.get(index),
-                ecc_uncorrected=int(ecc or 0),
-                foreign_memory_mib=foreign,
-                remap_pending=_yes(row.get("remapped_rows.pending")),
-                remap_failed=_yes(row.get("remapped_rows.failure")),
-            )
-        )
+                f"nvidia-smi row {position} is out of range ({exc}): check its output "
+                "(`nvidia-smi --query-gpu=index,name,memory.total --format=csv`)"
+            ) from None
     return tuple(sorted(gpus, key=lambda g: g.index))
+
+
+def _within_bounds(gpu: Gpu) -> Gpu:
+    """`gpu` if it fits the log's bounds (llmgw.core.limits), else msgspec.ValidationError:
+    every reader refuses a NodeRegistered with one GPU out of them."""
+    return msgspec.convert(msgspec.to_builtins(gpu), Gpu)
+
+
+def _row_gpu(
+    position: int,
+    row: dict[str, str],
+    domains: Mapping[int, int | None],
+    by_uuid: Mapping[str, list[tuple[int, int]]],
+    own_pids: frozenset[int],
+    own_gpus: frozenset[int],
+) -> Gpu:
+    """One `--query-gpu` row as a Gpu (not yet checked against the log's bounds)."""
+    name = row.get("name", "").strip()
+    memory = _number(row.get("memory.total"))
+    if not name or memory is None:
+        raise SmiError(
+            f"nvidia-smi row {position} has no name or memory.total ({row!r}): "
+            "check that the driver is loaded (`nvidia-smi` alone should list the GPUs)"
+        )
+    index_value = _number(row.get("index"))
+    index = int(index_value) if index_value is not None else position
+    uuid = row.get("uuid", "") or f"GPU-index-{index}"
+    ecc = _number(row.get("ecc.errors.uncorrected.volatile.total"))
+    cap = _number(row.get("compute_cap"))
+    foreign = foreign_mib(
+        used_mib=_number(row.get("memory.used")),
+        processes=by_uuid.get(uuid, ()),
+        own_pids=own_pids,
+        ours=index in own_gpus,
+    )
+    return Gpu(
+        index=index,
+        uuid=uuid,
+        name=name,
+        gpu_class=gpu_class(name, memory),
+        memory_mib=int(memory),
+        compute_capability=row.get("compute_cap", "") if cap is not None else "",
+        nvlink_domain=domains.get(index),
+        ecc_uncorrected=int(ecc or 0),
+        foreign_memory_mib=foreign,
+        remap_pending=_yes(row.get("remapped_rows.pending")),
+        remap_failed=_yes(row.get("remapped_rows.failure")),
+    )
 
 
 def _mig_enabled(row: dict[str, str]) -> bool:
