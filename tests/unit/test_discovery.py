@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from llmgw.agent import discovery
 from llmgw.agent.discovery import infiniband, simulated, smi
-from llmgw.core.inventory import Gpu
+from llmgw.core.inventory import Gpu, Hca
 
 HW = Path(__file__).resolve().parents[1] / "fixtures" / "hw"
 SMI = HW / "nvidia-smi"
@@ -260,6 +260,28 @@ def test_recorded_sysfs_trees() -> None:
     assert all(h.state == "ACTIVE" and h.kind == "infiniband" for h in hcas)
     exporter = infiniband.read_hcas(HW / "sysfs/prometheus-node-exporter/sys/class/infiniband")
     assert {h.name for h in exporter} == {"i40iw0", "mlx4_0"}
+
+
+def _port(root: Path, device: str, port: str, **files: str) -> None:
+    folder = root / device / "ports" / port
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def test_garbage_in_sysfs_gives_adapters_within_the_log_bounds(tmp_path: Path) -> None:
+    """Before: a 5,000-character state or an absurd rate made every reader refuse the
+    node's registration (Hca out of its bounds), and a port folder named with a
+    superscript digit raised ValueError out of the heartbeat's fabric refresh."""
+    _port(tmp_path, "mlx5_0", "1", state="4: " + "X" * 5000, rate="99999999999 Gb/sec (4X)")
+    _port(tmp_path, "mlx5_1", "1", state="4: ACTIVE", link_layer="\x00" * 5000)
+    _port(tmp_path, "mlx5_2", "\u00b2", state="4: ACTIVE")
+    _port(tmp_path, "mlx5_3", "9999", state="4: ACTIVE")
+    hcas = infiniband.read_hcas(tmp_path)
+    for hca in hcas:
+        msgspec.convert(msgspec.to_builtins(hca), Hca)
+    assert {h.name for h in hcas} == {"mlx5_0", "mlx5_1"}
+    assert [h.rate_gbps for h in hcas] == [0.0, 0.0]
 
 
 def test_node_without_infiniband_is_an_island(tmp_path: Path) -> None:
