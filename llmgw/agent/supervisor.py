@@ -72,8 +72,13 @@ def _remove(path: str) -> None:
             os.unlink(path)
 
 
-async def _spawn(launch: Launch, output: int) -> asyncio.subprocess.Process:
-    """Start the engine in its own process group, its output going to the file `output`."""
+async def _spawn(launch: Launch, output: int, cwd: Path) -> asyncio.subprocess.Process:
+    """Start the engine in its own process group, its output going to the file `output`.
+
+    In `cwd`, a folder of the agent's own: the launch policy admits `org/name` as a Hugging
+    Face id, which an engine opens as a file if it exists relative to its working folder,
+    and the agent's is `/` under systemd (launch.file_dirs would not bound what it reads).
+    """
     return await asyncio.create_subprocess_exec(
         *launch.argv,
         stdin=asyncio.subprocess.DEVNULL,
@@ -81,6 +86,7 @@ async def _spawn(launch: Launch, output: int) -> asyncio.subprocess.Process:
         stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, **launch.env},
         start_new_session=True,
+        cwd=cwd,
     )
 
 
@@ -190,7 +196,7 @@ class Supervisor:
             await self.stop(replica_id, shard, reason=f"superseded by generation {generation}")
         log_path, fd = self._open_log(replica_id, shard, generation)
         try:
-            proc = await _spawn(launch, fd)
+            proc = await _spawn(launch, fd, self.state_dir / "engines")
         except OSError as exc:
             return await self._refuse_spawn(replica_id, generation, shard, spec, launch, exc)
         finally:
@@ -231,6 +237,7 @@ class Supervisor:
         """A new generation's output file, opened; earlier generations' files are deleted."""
         log_path = pidfiles.log_path_for(self.state_dir, replica_id, shard, generation)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "engines").mkdir(exist_ok=True)  # their working folder (_spawn)
         # Earlier generations' output is history once a new one starts: keep disk bounded.
         stem = pidfiles.path_for(self.state_dir, replica_id, shard).stem
         for old_log in log_path.parent.glob(f"{stem}.g*.log"):

@@ -1,8 +1,10 @@
-"""A pid file edited by hand (or left by a state folder that moved) must not make the agent
-signal, trim or delete what is not its engine's: adoption checks more than the fingerprint."""
+"""What the supervisor must not trust: a pid file edited by hand (or left by a state folder
+that moved) must not make the agent signal, trim or delete what is not its engine's, and an
+engine's relative file names must not resolve against the agent's own working folder."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmgw import pidfiles, processes
-from llmgw.agent.engines import Launch
+from llmgw.agent.engines import Launch, policy
 from llmgw.agent.supervisor import Settings, Supervisor
 from llmgw.core.profile import LaunchSpec
 
@@ -82,3 +84,28 @@ async def test_an_adopted_engine_never_trims_or_deletes_a_file_outside_its_logs(
     finally:
         await supervisor.close()
     assert precious.read_text() == "not an engine's output\n"
+
+
+async def test_an_engine_does_not_resolve_hugging_face_ids_against_the_agents_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch policy admits `org/name` as a Hugging Face id, but an engine opens it as a
+    file when it exists relative to its working folder. Before, that was the agent's (`/`
+    under systemd): `--chat-template etc/x.jinja` read a file outside launch.file_dirs."""
+    agent_cwd = tmp_path / "agent-cwd"
+    (agent_cwd / "org").mkdir(parents=True)
+    (agent_cwd / "org" / "template.jinja").write_text("{{ secret }}")
+    monkeypatch.chdir(agent_cwd)
+    assert not policy.args_problems(
+        policy.LaunchPolicy(), "sglang", ["--chat-template", "org/template.jinja"]
+    )
+    supervisor = Supervisor(Settings(state_dir=str(tmp_path / "state"), poll_s=0.1))
+    try:
+        launch = Launch(argv=("sleep", "300"), env={}, port=1, http=False)
+        view = await supervisor.start("rep", 1, 0, SPEC, launch)
+        assert view.pid is not None
+        engine_cwd = Path(os.readlink(f"/proc/{view.pid}/cwd"))
+        assert not (engine_cwd / "org" / "template.jinja").exists()
+    finally:
+        await supervisor.stop_all(grace_s=1)
+        await supervisor.close()
