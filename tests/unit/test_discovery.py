@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 import msgspec
@@ -207,6 +208,22 @@ def test_parsed_gpus_are_within_the_log_bounds_or_refused(rows: list[tuple[str, 
     except smi.SmiError:
         return
     _within_log_bounds(gpus)
+
+
+def test_an_nvidia_smi_printing_without_end_is_cut_off() -> None:
+    """Before: all of it was read into memory (64 MiB here; a broken driver, any amount)."""
+    flood = (sys.executable, "-c", "import sys; sys.stdout.write('x' * (64 << 20))")
+    with pytest.raises(smi.SmiError, match="printed more than"):
+        smi.run(flood, timeout_s=600)
+
+
+def test_nvidia_smi_runs_report_output_exit_and_hang() -> None:
+    script = "import sys; print('a,b'); print('no GPU found', file=sys.stderr); sys.exit({})"
+    assert smi.run((sys.executable, "-c", script.format(0))) == "a,b\n"
+    with pytest.raises(smi.SmiError, match="exited with 3: no GPU found"):
+        smi.run((sys.executable, "-c", script.format(3)))
+    with pytest.raises(smi.SmiError, match="did not answer"):
+        smi.run(("sleep", "600"), timeout_s=0.2)
 
 
 def test_row_without_memory_says_what_to_check() -> None:

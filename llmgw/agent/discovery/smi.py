@@ -12,8 +12,11 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import re
+import selectors
 import subprocess
+import time
 from collections.abc import Iterable, Mapping
 
 import msgspec
@@ -249,24 +252,69 @@ def mig_warnings(query: str) -> list[str]:
     ]
 
 
-def run(argv: tuple[str, ...], *, timeout_s: float = 15.0) -> str:
+MAX_OUTPUT_BYTES = 4 * 1024 * 1024
+"""The most nvidia-smi may print on one stream: the largest node's CSV is some KiB, and a
+broken driver or wrapper printing without end must not fill the agent's memory."""
+
+
+def run(
+    argv: tuple[str, ...], *, timeout_s: float = 15.0, max_bytes: int = MAX_OUTPUT_BYTES
+) -> str:
     """Run one nvidia-smi command and return its stdout, or raise SmiError saying why."""
+    what = " ".join(argv)
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except FileNotFoundError:
         raise SmiError(
             f"{argv[0]} is not on PATH: install the NVIDIA driver utilities, "
             "or run with --sim-gpus on a machine without GPUs"
         ) from None
-    except subprocess.TimeoutExpired:
-        raise SmiError(
-            f"{' '.join(argv)} did not answer in {timeout_s:.0f} s: the driver may hang"
-        ) from None
-    if done.returncode != 0:
-        lines = (done.stderr or done.stdout).strip().splitlines()
+    with proc:
+        try:
+            stdout, stderr = _bounded_output(proc, time.monotonic() + timeout_s, max_bytes)
+        except subprocess.TimeoutExpired:
+            raise SmiError(
+                f"{what} did not answer in {timeout_s:.0f} s: the driver may hang"
+            ) from None
+        except OverflowError:
+            raise SmiError(
+                f"{what} printed more than {max_bytes} bytes: check the driver"
+            ) from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    if proc.returncode != 0:
+        lines = (stderr or stdout).strip().splitlines()
         detail = lines[-1] if lines else "no output"
-        raise SmiError(f"{' '.join(argv)} exited with {done.returncode}: {detail}")
-    return done.stdout
+        raise SmiError(f"{what} exited with {proc.returncode}: {detail}")
+    return stdout
+
+
+def _bounded_output(
+    proc: subprocess.Popen[bytes], deadline: float, max_bytes: int
+) -> tuple[str, str]:
+    """`proc`'s stdout and stderr once it exits; TimeoutExpired past `deadline`,
+    OverflowError as soon as one stream passes `max_bytes` (unlike communicate())."""
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    got = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    with selectors.DefaultSelector() as streams:
+        for fd in got:
+            streams.register(fd, selectors.EVENT_READ)
+        while streams.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, 0)
+            for key, _ in streams.select(left):
+                chunk = os.read(key.fd, 64 * 1024)
+                if not chunk:
+                    streams.unregister(key.fd)
+                got[key.fd] += chunk
+                if len(got[key.fd]) > max_bytes:
+                    raise OverflowError
+    proc.wait(max(deadline - time.monotonic(), 0.0))
+    out, err = (bytes(b).decode(errors="replace") for b in got.values())
+    return out, err
 
 
 def discover(
