@@ -45,6 +45,32 @@ def path_for(state_dir: Path, replica_id: str, shard: int) -> Path:
     return state_dir / "shards" / f"{safe}.{shard}.json"
 
 
+def log_path_for(state_dir: Path, replica_id: str, shard: int, generation: int) -> Path:
+    """Where a shard's engine writes its output: `<state_dir>/logs/`, one file per generation."""
+    return path_for(state_dir / "logs", replica_id, shard).with_suffix(f".g{generation}.log")
+
+
+def foreign_group(record: ShardRecord) -> str:
+    """Why `record` names a process group that is not its engine's; empty when it does.
+
+    Engines lead their own group (started in a new session), so the group is the engine's
+    pid. A file edited by hand may name another: stopping the engine would signal it."""
+    if record.pgid == record.process.pid:
+        return ""
+    return (
+        f"the pid file names process group {record.pgid}, not the engine's "
+        f"({record.process.pid}): it was edited; stop the engine by hand if it still runs"
+    )
+
+
+def with_own_log(state_dir: Path, record: ShardRecord) -> ShardRecord:
+    """`record` with the output file this agent would have given it: the agent trims and
+    deletes that file, so a path edited by hand (or from a state folder that moved) must
+    not name another."""
+    own = str(log_path_for(state_dir, record.replica_id, record.shard, record.generation))
+    return record if record.log_path == own else msgspec.structs.replace(record, log_path=own)
+
+
 def save(state_dir: Path, record: ShardRecord) -> Path:
     path = path_for(state_dir, record.replica_id, record.shard)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,12 +23,17 @@ from nats.aio.client import Client
 from llmgw import logs
 from llmgw import tasks as tasks_
 from llmgw.agent.kvrelay import KvRelays
+from llmgw.agent.probe import bounded_body
 from llmgw.agent.shards import ShardView
 from llmgw.bus.signals import SignalsPublisher
 from llmgw.core import loadreport
 from llmgw.core.engine_metrics import parse_engine_metrics
 
 log = logs.get("llmgw.agent")
+
+MAX_METRICS_BYTES = 8 * 1024 * 1024
+"""The most of an engine's Prometheus page read (vLLM's, histograms and all, is some
+hundred KiB): a larger one is left out of the report rather than held in memory."""
 
 EVERY_S = 5.0
 """Every five seconds: a fleet of 1,000 nodes adds 200 signed messages a second to
@@ -108,7 +113,10 @@ class EngineLoads:
             async with self._http.get(view.endpoint + "/metrics", headers=headers) as resp:
                 if resp.status != 200:
                     return None
-                queue, running, kv = parse_engine_metrics(await resp.text())
+                page = await bounded_body(resp, MAX_METRICS_BYTES)
+                if page is None:
+                    return None
+                queue, running, kv = parse_engine_metrics(page.decode())
         except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
             return None
         return loadreport.EndpointLoad(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Literal
 
 import aiohttp
@@ -17,6 +18,23 @@ from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
 
 Probe = Literal["down", "up", "ready"]
+
+MAX_MODELS_BYTES = 1024 * 1024
+"""The most of a `/v1/models` body a probe reads: an engine lists a few names (a few
+hundred LoRA adapters at most), and the agent must not hold whatever a port answers."""
+
+
+async def bounded_body(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body of `resp` if it is at most `limit` bytes; None (the rest unread) if larger.
+    An engine, or whatever took its port, decides how much it sends; not how much we hold."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
 
 
 class Prober:
@@ -51,7 +69,8 @@ class Prober:
             async with self._http.get(f"{base}/v1/models", headers=headers) as resp:
                 if resp.status != 200:
                     return "up"
-                body = await resp.json(content_type=None)
+                raw = await bounded_body(resp, MAX_MODELS_BYTES)
+            body = json.loads(raw) if raw is not None else None
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return "up"
         return "ready" if launch.served_name in listed_models(body) else "up"

@@ -72,8 +72,13 @@ def _remove(path: str) -> None:
             os.unlink(path)
 
 
-async def _spawn(launch: Launch, output: int) -> asyncio.subprocess.Process:
-    """Start the engine in its own process group, its output going to the file `output`."""
+async def _spawn(launch: Launch, output: int, cwd: Path) -> asyncio.subprocess.Process:
+    """Start the engine in its own process group, its output going to the file `output`.
+
+    In `cwd`, a folder of the agent's own: the launch policy admits `org/name` as a Hugging
+    Face id, which an engine opens as a file if it exists relative to its working folder,
+    and the agent's is `/` under systemd (launch.file_dirs would not bound what it reads).
+    """
     return await asyncio.create_subprocess_exec(
         *launch.argv,
         stdin=asyncio.subprocess.DEVNULL,
@@ -81,6 +86,7 @@ async def _spawn(launch: Launch, output: int) -> asyncio.subprocess.Process:
         stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, **launch.env},
         start_new_session=True,
+        cwd=cwd,
     )
 
 
@@ -190,7 +196,7 @@ class Supervisor:
             await self.stop(replica_id, shard, reason=f"superseded by generation {generation}")
         log_path, fd = self._open_log(replica_id, shard, generation)
         try:
-            proc = await _spawn(launch, fd)
+            proc = await _spawn(launch, fd, self.state_dir / "engines")
         except OSError as exc:
             return await self._refuse_spawn(replica_id, generation, shard, spec, launch, exc)
         finally:
@@ -229,14 +235,13 @@ class Supervisor:
 
     def _open_log(self, replica_id: str, shard: int, generation: int) -> tuple[Path, int]:
         """A new generation's output file, opened; earlier generations' files are deleted."""
-        logs_dir = self.state_dir / "logs"
-        logs_dir.mkdir(parents=True, exist_ok=True)
-        base = pidfiles.path_for(logs_dir, replica_id, shard)
-        base.parent.mkdir(parents=True, exist_ok=True)
+        log_path = pidfiles.log_path_for(self.state_dir, replica_id, shard, generation)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "engines").mkdir(exist_ok=True)  # their working folder (_spawn)
         # Earlier generations' output is history once a new one starts: keep disk bounded.
-        for old_log in base.parent.glob(f"{base.stem}.g*.log"):
+        stem = pidfiles.path_for(self.state_dir, replica_id, shard).stem
+        for old_log in log_path.parent.glob(f"{stem}.g*.log"):
             old_log.unlink(missing_ok=True)
-        log_path = base.with_suffix(f".g{generation}.log")
         # O_APPEND: the engine always writes at the end, so trimming the file stays safe.
         # 0600: an engine may print its arguments, and SGLang's include its API key.
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -336,7 +341,8 @@ class Supervisor:
     def _adopt(self, path: Path, record: pidfiles.ShardRecord) -> AdoptionResult:
         """Watch the engine a pid file names, or delete the file if its process is another."""
         # The reason may quote a command line, and SGLang's carries its key.
-        (why,) = logtail.redact((processes.mismatch(record.process),), record.launch.api_key)
+        lie = processes.mismatch(record.process) or pidfiles.foreign_group(record)
+        (why,) = logtail.redact((lie,), record.launch.api_key)
         result = AdoptionResult(
             replica_id=record.replica_id,
             shard=record.shard,
@@ -350,7 +356,7 @@ class Supervisor:
             path.unlink(missing_ok=True)
             log.warning("not_adopted", replica_id=record.replica_id, reason=why)
             return result
-        sh = _Shard(record, adopted=True)
+        sh = _Shard(pidfiles.with_own_log(self.state_dir, record), adopted=True)
         self._shards[sh.key] = sh
         sh.task = asyncio.create_task(self._watch(sh), name=f"adopted-{record.replica_id}")
         log.info("engine_adopted", replica_id=record.replica_id, pid=record.process.pid)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.agent import discovery
 from llmgw.agent.discovery import infiniband, simulated, smi
+from llmgw.core.inventory import Gpu, Hca
 
 HW = Path(__file__).resolve().parents[1] / "fixtures" / "hw"
 SMI = HW / "nvidia-smi"
@@ -149,6 +152,80 @@ def test_garbage_never_crashes_the_parsers(text: str) -> None:
         smi.gpus_from_smi(text)
 
 
+_HEADER = (
+    "index, uuid, name, memory.total [MiB], memory.used [MiB], "
+    "ecc.errors.uncorrected.volatile.total\n"
+)
+
+
+def _within_log_bounds(gpus: tuple[Gpu, ...]) -> None:
+    """Every reader decodes NodeRegistered with these bounds: one GPU out of them hides the node."""
+    for gpu in gpus:
+        msgspec.convert(msgspec.to_builtins(gpu), Gpu)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        "0, GPU-0, NVIDIA H100, " + "9" * 400 + ", 10, 0",  # before: OverflowError
+        "0, GPU-0, NVIDIA H100, 81559, 10, " + "9" * 400,  # before: OverflowError
+        "300, GPU-0, NVIDIA H100, 81559, 10, 0",  # before: GPU index 300 in the inventory
+        "0, GPU-0, NVIDIA H100, 99999999999, 10, 0",  # before: 95 PiB of memory
+        "0, GPU-0, " + "H" * 300 + ", 81559, 10, 0",  # before: a 300-character name
+    ],
+)
+def test_out_of_range_row_is_an_smi_error_not_a_crash_or_an_unreadable_node(row: str) -> None:
+    """An exception other than SmiError escaped the heartbeat's health refresh and ended
+    the agent; a GPU outside the log's bounds made every reader refuse the registration."""
+    with pytest.raises(smi.SmiError, match="row 0"):
+        smi.gpus_from_smi(_HEADER + row + "\n")
+
+
+def test_topology_with_a_gpu_number_of_thousands_of_digits_is_not_a_crash() -> None:
+    # Before: ValueError, int() refuses 4,300 digits and more.
+    assert smi.parse_topology("\tGPU0\tGPU" + "1" * 5000 + "\nGPU0\tX\tNV1\n") == {0: None}
+
+
+def test_process_row_with_an_absurd_pid_is_skipped() -> None:
+    apps = "gpu_uuid, pid, used_gpu_memory [MiB]\nGPU-0, " + "9" * 400 + ", 10\nGPU-0, 7, 5\n"
+    assert smi.parse_apps(apps) == {"GPU-0": [(7, 5)]}  # before: OverflowError
+
+
+@given(
+    st.lists(
+        st.tuples(
+            *[st.one_of(st.from_regex(r"-?\d{1,30}(\.\d{1,3})?", fullmatch=True), st.text())] * 2,
+            st.text(min_size=1),
+            *[st.one_of(st.from_regex(r"-?\d{1,30}(\.\d{1,3})?", fullmatch=True), st.text())] * 3,
+        ),
+        max_size=4,
+    )
+)
+def test_parsed_gpus_are_within_the_log_bounds_or_refused(rows: list[tuple[str, ...]]) -> None:
+    text = _HEADER + "".join(",".join(f'"{c}"' for c in r).replace("\n", " ") + "\n" for r in rows)
+    try:
+        gpus = smi.gpus_from_smi(text)
+    except smi.SmiError:
+        return
+    _within_log_bounds(gpus)
+
+
+def test_an_nvidia_smi_printing_without_end_is_cut_off() -> None:
+    """Before: all of it was read into memory (64 MiB here; a broken driver, any amount)."""
+    flood = (sys.executable, "-c", "import sys; sys.stdout.write('x' * (64 << 20))")
+    with pytest.raises(smi.SmiError, match="printed more than"):
+        smi.run(flood, timeout_s=600)
+
+
+def test_nvidia_smi_runs_report_output_exit_and_hang() -> None:
+    script = "import sys; print('a,b'); print('no GPU found', file=sys.stderr); sys.exit({})"
+    assert smi.run((sys.executable, "-c", script.format(0))) == "a,b\n"
+    with pytest.raises(smi.SmiError, match="exited with 3: no GPU found"):
+        smi.run((sys.executable, "-c", script.format(3)))
+    with pytest.raises(smi.SmiError, match="did not answer"):
+        smi.run(("sleep", "600"), timeout_s=0.2)
+
+
 def test_row_without_memory_says_what_to_check() -> None:
     with pytest.raises(smi.SmiError, match="driver is loaded"):
         smi.gpus_from_smi("index, name\n0, NVIDIA H100\n")
@@ -200,6 +277,28 @@ def test_recorded_sysfs_trees() -> None:
     assert all(h.state == "ACTIVE" and h.kind == "infiniband" for h in hcas)
     exporter = infiniband.read_hcas(HW / "sysfs/prometheus-node-exporter/sys/class/infiniband")
     assert {h.name for h in exporter} == {"i40iw0", "mlx4_0"}
+
+
+def _port(root: Path, device: str, port: str, **files: str) -> None:
+    folder = root / device / "ports" / port
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def test_garbage_in_sysfs_gives_adapters_within_the_log_bounds(tmp_path: Path) -> None:
+    """Before: a 5,000-character state or an absurd rate made every reader refuse the
+    node's registration (Hca out of its bounds), and a port folder named with a
+    superscript digit raised ValueError out of the heartbeat's fabric refresh."""
+    _port(tmp_path, "mlx5_0", "1", state="4: " + "X" * 5000, rate="99999999999 Gb/sec (4X)")
+    _port(tmp_path, "mlx5_1", "1", state="4: ACTIVE", link_layer="\x00" * 5000)
+    _port(tmp_path, "mlx5_2", "\u00b2", state="4: ACTIVE")
+    _port(tmp_path, "mlx5_3", "9999", state="4: ACTIVE")
+    hcas = infiniband.read_hcas(tmp_path)
+    for hca in hcas:
+        msgspec.convert(msgspec.to_builtins(hca), Hca)
+    assert {h.name for h in hcas} == {"mlx5_0", "mlx5_1"}
+    assert [h.rate_gbps for h in hcas] == [0.0, 0.0]
 
 
 def test_node_without_infiniband_is_an_island(tmp_path: Path) -> None:

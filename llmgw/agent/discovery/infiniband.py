@@ -11,16 +11,22 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from llmgw.core import limits
 from llmgw.core.inventory import Hca
 
 DEFAULT_ROOT = Path("/sys/class/infiniband")
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec")
+_PORT = re.compile(r"[0-9]{1,3}")
+MAX_RATE_GBPS = 10.0**7
+"""The log's bound on a link rate (llmgw.core.limits.Rate)."""
 
 
 def _read(path: Path) -> str:
+    """The file's text, cut to the log's bound on a name: a file of garbage must not make
+    every reader refuse the node's registration (they decode it with those bounds)."""
     try:
-        return path.read_text(errors="replace").strip()
+        return path.read_text(errors="replace").strip()[: limits.MAX_NAME]
     except OSError:
         return ""
 
@@ -33,7 +39,8 @@ def parse_state(text: str) -> str:
 def parse_rate(text: str) -> float:
     """'100 Gb/sec (4X EDR)' -> 100.0; unreadable -> 0.0."""
     match = _RATE.match(text)
-    return float(match.group(1)) if match else 0.0
+    rate = float(match.group(1)) if match else 0.0
+    return rate if rate <= MAX_RATE_GBPS else 0.0
 
 
 def read_hcas(root: str | Path = DEFAULT_ROOT) -> tuple[Hca, ...]:
@@ -47,7 +54,9 @@ def read_hcas(root: str | Path = DEFAULT_ROOT) -> tuple[Hca, ...]:
         if not ports.is_dir():
             continue
         for port in sorted(ports.iterdir(), key=lambda p: (len(p.name), p.name)):
-            if not port.name.isdigit():
+            # ASCII digits, and a number the log carries: str.isdigit() admits "²",
+            # which int() refuses, and the refresh runs in the heartbeat loop.
+            if not _PORT.fullmatch(port.name) or int(port.name) > limits.MAX_LIST:
                 continue
             hcas.append(
                 Hca(

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import csv
 import io
+import math
+import os
 import re
+import selectors
 import subprocess
+import time
 from collections.abc import Iterable, Mapping
+
+import msgspec
 
 from llmgw.agent.discovery.memory import foreign_mib
 from llmgw.core.inventory import Gpu, gpu_class
@@ -46,6 +52,8 @@ TOPOLOGY = ("nvidia-smi", "topo", "-m")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _UNIT = re.compile(r"\s*\[[^\]]*\]$")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?")
+# A GPU's column: ASCII digits, few enough for int() (it refuses 4,300 digits and more).
+_GPU_CELL = re.compile(r"GPU([0-9]{1,3})")
 _NOT_AVAILABLE = {"", "[n/a]", "n/a", "[not supported]", "not supported", "[unknown error]"}
 
 
@@ -91,11 +99,11 @@ def parse_topology(text: str) -> dict[int, int | None]:
     header = next((line.split() for line in lines if re.search(r"\bGPU\d+\b", line)), None)
     if header is None:
         return {}
-    columns = [int(cell[3:]) for cell in header if re.fullmatch(r"GPU\d+", cell)]
+    columns = [int(cell[3:]) for cell in header if _GPU_CELL.fullmatch(cell)]
     links: dict[int, set[int]] = {gpu: set() for gpu in columns}
     for line in lines:
         cells = line.split()
-        if not cells or not re.fullmatch(r"GPU\d+", cells[0]) or cells == header:
+        if not cells or not _GPU_CELL.fullmatch(cells[0]) or cells == header:
             continue
         row = int(cells[0][3:])
         if row not in links:
@@ -137,9 +145,11 @@ def parse_apps(text: str) -> dict[str, list[tuple[int, int]]]:
         uuid, pid = row.get("gpu_uuid"), _number(row.get("pid"))
         # Asked for as `used_memory`, printed in the header as `used_gpu_memory [MiB]`.
         used = row.get("used_gpu_memory", row.get("used_memory"))
-        if not uuid or pid is None:
+        mib = _number(used) or 0
+        # 400 digits read as infinity, which int() refuses: a row of garbage, not a process.
+        if not uuid or pid is None or not math.isfinite(pid + mib):
             continue
-        out.setdefault(uuid, []).append((int(pid), int(_number(used) or 0)))
+        out.setdefault(uuid, []).append((int(pid), int(mib)))
     return out
 
 
@@ -165,40 +175,65 @@ def gpus_from_smi(
     for position, row in enumerate(parse_csv(query)):
         if _mig_enabled(row):
             continue
-        name = row.get("name", "").strip()
-        memory = _number(row.get("memory.total"))
-        if not name or memory is None:
+        try:
+            gpu = _row_gpu(position, row, domains, by_uuid, own_pids, own_gpus)
+            gpus.append(_within_bounds(gpu))
+        except (OverflowError, msgspec.ValidationError) as exc:
+            # Not a crash of the agent (its health refresh expects SmiError) nor a GPU
+            # that makes every reader refuse the node's registration.
             raise SmiError(
-                f"nvidia-smi row {position} has no name or memory.total ({row!r}): "
-                "check that the driver is loaded (`nvidia-smi` alone should list the GPUs)"
-            )
-        index_value = _number(row.get("index"))
-        index = int(index_value) if index_value is not None else position
-        uuid = row.get("uuid", "") or f"GPU-index-{index}"
-        ecc = _number(row.get("ecc.errors.uncorrected.volatile.total"))
-        cap = _number(row.get("compute_cap"))
-        foreign = foreign_mib(
-            used_mib=_number(row.get("memory.used")),
-            processes=by_uuid.get(uuid, ()),
-            own_pids=own_pids,
-            ours=index in own_gpus,
-        )
-        gpus.append(
-            Gpu(
-                index=index,
-                uuid=uuid,
-                name=name,
-                gpu_class=gpu_class(name, memory),
-                memory_mib=int(memory),
-                compute_capability=row.get("compute_cap", "") if cap is not None else "",
-                nvlink_domain=domains.get(index),
-                ecc_uncorrected=int(ecc or 0),
-                foreign_memory_mib=foreign,
-                remap_pending=_yes(row.get("remapped_rows.pending")),
-                remap_failed=_yes(row.get("remapped_rows.failure")),
-            )
-        )
+                f"nvidia-smi row {position} is out of range ({exc}): check its output "
+                "(`nvidia-smi --query-gpu=index,name,memory.total --format=csv`)"
+            ) from None
     return tuple(sorted(gpus, key=lambda g: g.index))
+
+
+def _within_bounds(gpu: Gpu) -> Gpu:
+    """`gpu` if it fits the log's bounds (llmgw.core.limits), else msgspec.ValidationError:
+    every reader refuses a NodeRegistered with one GPU out of them."""
+    return msgspec.convert(msgspec.to_builtins(gpu), Gpu)
+
+
+def _row_gpu(
+    position: int,
+    row: dict[str, str],
+    domains: Mapping[int, int | None],
+    by_uuid: Mapping[str, list[tuple[int, int]]],
+    own_pids: frozenset[int],
+    own_gpus: frozenset[int],
+) -> Gpu:
+    """One `--query-gpu` row as a Gpu (not yet checked against the log's bounds)."""
+    name = row.get("name", "").strip()
+    memory = _number(row.get("memory.total"))
+    if not name or memory is None:
+        raise SmiError(
+            f"nvidia-smi row {position} has no name or memory.total ({row!r}): "
+            "check that the driver is loaded (`nvidia-smi` alone should list the GPUs)"
+        )
+    index_value = _number(row.get("index"))
+    index = int(index_value) if index_value is not None else position
+    uuid = row.get("uuid", "") or f"GPU-index-{index}"
+    ecc = _number(row.get("ecc.errors.uncorrected.volatile.total"))
+    cap = _number(row.get("compute_cap"))
+    foreign = foreign_mib(
+        used_mib=_number(row.get("memory.used")),
+        processes=by_uuid.get(uuid, ()),
+        own_pids=own_pids,
+        ours=index in own_gpus,
+    )
+    return Gpu(
+        index=index,
+        uuid=uuid,
+        name=name,
+        gpu_class=gpu_class(name, memory),
+        memory_mib=int(memory),
+        compute_capability=row.get("compute_cap", "") if cap is not None else "",
+        nvlink_domain=domains.get(index),
+        ecc_uncorrected=int(ecc or 0),
+        foreign_memory_mib=foreign,
+        remap_pending=_yes(row.get("remapped_rows.pending")),
+        remap_failed=_yes(row.get("remapped_rows.failure")),
+    )
 
 
 def _mig_enabled(row: dict[str, str]) -> bool:
@@ -217,24 +252,69 @@ def mig_warnings(query: str) -> list[str]:
     ]
 
 
-def run(argv: tuple[str, ...], *, timeout_s: float = 15.0) -> str:
+MAX_OUTPUT_BYTES = 4 * 1024 * 1024
+"""The most nvidia-smi may print on one stream: the largest node's CSV is some KiB, and a
+broken driver or wrapper printing without end must not fill the agent's memory."""
+
+
+def run(
+    argv: tuple[str, ...], *, timeout_s: float = 15.0, max_bytes: int = MAX_OUTPUT_BYTES
+) -> str:
     """Run one nvidia-smi command and return its stdout, or raise SmiError saying why."""
+    what = " ".join(argv)
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except FileNotFoundError:
         raise SmiError(
             f"{argv[0]} is not on PATH: install the NVIDIA driver utilities, "
             "or run with --sim-gpus on a machine without GPUs"
         ) from None
-    except subprocess.TimeoutExpired:
-        raise SmiError(
-            f"{' '.join(argv)} did not answer in {timeout_s:.0f} s: the driver may hang"
-        ) from None
-    if done.returncode != 0:
-        lines = (done.stderr or done.stdout).strip().splitlines()
+    with proc:
+        try:
+            stdout, stderr = _bounded_output(proc, time.monotonic() + timeout_s, max_bytes)
+        except subprocess.TimeoutExpired:
+            raise SmiError(
+                f"{what} did not answer in {timeout_s:.0f} s: the driver may hang"
+            ) from None
+        except OverflowError:
+            raise SmiError(
+                f"{what} printed more than {max_bytes} bytes: check the driver"
+            ) from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    if proc.returncode != 0:
+        lines = (stderr or stdout).strip().splitlines()
         detail = lines[-1] if lines else "no output"
-        raise SmiError(f"{' '.join(argv)} exited with {done.returncode}: {detail}")
-    return done.stdout
+        raise SmiError(f"{what} exited with {proc.returncode}: {detail}")
+    return stdout
+
+
+def _bounded_output(
+    proc: subprocess.Popen[bytes], deadline: float, max_bytes: int
+) -> tuple[str, str]:
+    """`proc`'s stdout and stderr once it exits; TimeoutExpired past `deadline`,
+    OverflowError as soon as one stream passes `max_bytes` (unlike communicate())."""
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    got = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    with selectors.DefaultSelector() as streams:
+        for fd in got:
+            streams.register(fd, selectors.EVENT_READ)
+        while streams.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, 0)
+            for key, _ in streams.select(left):
+                chunk = os.read(key.fd, 64 * 1024)
+                if not chunk:
+                    streams.unregister(key.fd)
+                got[key.fd] += chunk
+                if len(got[key.fd]) > max_bytes:
+                    raise OverflowError
+    proc.wait(max(deadline - time.monotonic(), 0.0))
+    out, err = (bytes(b).decode(errors="replace") for b in got.values())
+    return out, err
 
 
 def discover(

@@ -1,0 +1,81 @@
+"""What the agent reads from its engines over HTTP (the startup probe, the load scrape) is
+bounded: an engine, or whatever took its port, that answers with a huge body costs the
+agent a bounded amount of memory, not the body."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from llmgw.agent import probe
+from llmgw.agent.engines.common import Launch
+from llmgw.agent.loads import EngineLoads
+from llmgw.agent.shards import ShardView
+
+HUGE = 16 * 1024 * 1024
+
+
+def _padded(text: str) -> bytes:
+    """`text` followed by HUGE bytes of blank lines: valid JSON and a valid metrics page."""
+    return text.encode() + b"\n" * HUGE
+
+
+async def _models(_: web.Request) -> web.Response:
+    return web.Response(body=_padded('{"data": [{"id": "m"}]}'))
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.Response()
+
+
+async def _metrics(_: web.Request) -> web.Response:
+    return web.Response(body=_padded("vllm:num_requests_waiting 3\nvllm:num_requests_running 2"))
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[TestServer]:
+    app = web.Application()
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/metrics", _metrics)
+    async with TestServer(app, host="127.0.0.1") as server:
+        yield server
+
+
+async def test_a_models_list_beyond_the_bound_is_not_read(engine: TestServer) -> None:
+    """Before: the whole 16 MiB body was read and parsed ("ready")."""
+    assert engine.port is not None
+    launch = Launch(argv=("x",), env={}, port=engine.port, served_name="m")
+    prober = probe.Prober()
+    try:
+        assert await prober.probe(launch, timeout_s=60.0) == "up"
+    finally:
+        await prober.close()
+
+
+async def test_a_metrics_page_beyond_the_bound_is_left_out(engine: TestServer) -> None:
+    """Before: the whole 16 MiB page was read into one string and parsed."""
+    view = ShardView(
+        replica_id="r",
+        generation=1,
+        shard=0,
+        phase="serving",
+        endpoint=str(engine.make_url("")).rstrip("/"),
+    )
+    loads = EngineLoads(every_s=60.0)
+    try:
+        assert await loads._read(view) is None
+    finally:
+        await loads.close()
+
+
+async def test_bounded_body_reads_what_fits(engine: TestServer) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(engine.make_url("/metrics")) as resp:
+            assert await probe.bounded_body(resp, HUGE + 100) is not None
+        async with http.get(engine.make_url("/metrics")) as resp:
+            assert await probe.bounded_body(resp, HUGE) is None
