@@ -23,17 +23,13 @@ from nats.aio.client import Client
 from llmgw import logs
 from llmgw import tasks as tasks_
 from llmgw.agent.kvrelay import KvRelays
-from llmgw.agent.probe import bounded_body
 from llmgw.agent.shards import ShardView
 from llmgw.bus.signals import SignalsPublisher
 from llmgw.core import loadreport
 from llmgw.core.engine_metrics import parse_engine_metrics
+from llmgw.engine_http import MAX_METRICS_BYTES, bounded_body
 
 log = logs.get("llmgw.agent")
-
-MAX_METRICS_BYTES = 8 * 1024 * 1024
-"""The most of an engine's Prometheus page read (vLLM's, histograms and all, is some
-hundred KiB): a larger one is left out of the report rather than held in memory."""
 
 EVERY_S = 5.0
 """Every five seconds: a fleet of 1,000 nodes adds 200 signed messages a second to

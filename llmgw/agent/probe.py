@@ -16,25 +16,13 @@ import aiohttp
 from llmgw.agent.engines.common import Launch
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
+from llmgw.engine_http import bounded_body
 
 Probe = Literal["down", "up", "ready"]
 
 MAX_MODELS_BYTES = 1024 * 1024
 """The most of a `/v1/models` body a probe reads: an engine lists a few names (a few
 hundred LoRA adapters at most), and the agent must not hold whatever a port answers."""
-
-
-async def bounded_body(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
-    """The body of `resp` if it is at most `limit` bytes; None (the rest unread) if larger.
-    An engine, or whatever took its port, decides how much it sends; not how much we hold."""
-    if resp.content_length is not None and resp.content_length > limit:
-        return None
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(64 * 1024):
-        body += chunk
-        if len(body) > limit:
-            return None
-    return bytes(body)
 
 
 class Prober:

@@ -21,12 +21,15 @@ from llmgw import logs
 from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.core.profile import ModelProfile
 from llmgw.core.routing import EndpointState
+from llmgw.engine_http import MAX_METRICS_BYTES, bounded_body
 from llmgw.router.metrics import Metrics
 
 log = logs.get("llmgw.router")
 
 TIMEOUTS_TO_UNREADY = 3
 """Consecutive health-probe timeouts that take an endpoint out of rotation."""
+MAX_HEALTH_BYTES = 64 * 1024
+"""The most of a /health answer read (engines send none): more is not a healthy engine."""
 
 
 class Catalog:
@@ -164,8 +167,7 @@ class Prober:
         headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
         try:
             async with self.session.get(ep.url + "/health", timeout=timeout) as r:
-                await r.read()
-                ok = r.status == 200
+                ok = r.status == 200 and await bounded_body(r, MAX_HEALTH_BYTES) is not None
             self._slow.pop(ep.id, None)
         except TimeoutError:
             # A busy engine (or a busy router) answers health checks late; only a run of
@@ -183,8 +185,9 @@ class Prober:
                 async with self.session.get(
                     ep.url + "/metrics", timeout=timeout, headers=headers
                 ) as r:
-                    if r.status == 200:
-                        queue, running, kv = parse_engine_metrics(await r.text())
+                    page = await bounded_body(r, MAX_METRICS_BYTES) if r.status == 200 else None
+                    if page is not None:  # a page past the bound is left unread: idle
+                        queue, running, kv = parse_engine_metrics(page.decode())
                         ep.queue_depth = queue or 0.0
                         ep.running = running or 0.0
                         ep.kv_usage = kv or 0.0

@@ -15,6 +15,9 @@ from llmgw.agent import probe
 from llmgw.agent.engines.common import Launch
 from llmgw.agent.loads import EngineLoads
 from llmgw.agent.shards import ShardView
+from llmgw.router.metrics import Metrics
+from llmgw.router.table import EndpointTable
+from llmgw.router.table import Prober as RouterProber
 
 HUGE = 16 * 1024 * 1024
 
@@ -28,8 +31,12 @@ async def _models(_: web.Request) -> web.Response:
     return web.Response(body=_padded('{"data": [{"id": "m"}]}'))
 
 
+PADDED_HEALTH: list[bool] = []
+"""Non-empty: /health answers HUGE bytes too."""
+
+
 async def _health(_: web.Request) -> web.Response:
-    return web.Response()
+    return web.Response(body=b"\n" * HUGE if PADDED_HEALTH else b"")
 
 
 async def _metrics(_: web.Request) -> web.Response:
@@ -79,3 +86,23 @@ async def test_bounded_body_reads_what_fits(engine: TestServer) -> None:
             assert await probe.bounded_body(resp, HUGE + 100) is not None
         async with http.get(engine.make_url("/metrics")) as resp:
             assert await probe.bounded_body(resp, HUGE) is None
+
+
+async def test_the_routers_prober_reads_a_bounded_page_too(engine: TestServer) -> None:
+    """The router's prober read an engine's /metrics whole (and /health): 16 MiB here, as
+    much as an engine sends within the probe's timeout. A page past the bound is left
+    unread and the endpoint scored as idle; a /health of megabytes is not a healthy one."""
+    table = EndpointTable()
+    table.add("e", str(engine.make_url("")).rstrip("/"), ["m"])
+    async with aiohttp.ClientSession() as http:
+        prober = RouterProber(table, http, Metrics(), interval=60.0)
+        await prober.probe_all()
+        ep = table.by_id["e"]
+        assert ep.ready
+        assert (ep.queue_depth, ep.running) == (0.0, 0.0)  # the page was not read
+        PADDED_HEALTH.append(True)
+        try:
+            await prober.probe_all()
+        finally:
+            PADDED_HEALTH.clear()
+        assert not ep.ready
