@@ -180,6 +180,25 @@ def test_a_malformed_authorization_header_is_never_echoed(
     assert "Traceback" not in log
 
 
+def _unfinished_head(url: str) -> bytes:
+    """Send a request head without its end, all at once, then wait: what the server
+    answers before it closes the connection."""
+    host, _ = _addr(url)
+    with socket.create_connection(_addr(url), timeout=120) as sock:
+        sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nX-Slow: 1\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):  # until the server closes: the head never ends
+            answer += chunk
+    return answer
+
+
+def test_a_request_head_sent_at_once_and_never_finished_gets_408(keyed: Keyed) -> None:
+    """The head's bytes arrive with the connection (before aiohttp's handler first waits
+    for a request): the deadline runs from them all the same."""
+    answer = _unfinished_head(keyed.router.url)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+
+
 # Control characters other than CR and LF (which end the header line) and HTAB (allowed).
 CONTROL = st.sampled_from([bytes([c]) for c in (*range(9), *range(11, 13), *range(14, 32), 127)])
 
