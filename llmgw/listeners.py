@@ -61,3 +61,14 @@ def loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def loopback_host_header(value: str) -> bool:
+    """Whether a `Host` header (`name[:port]`) names a loopback host, as a browser sends
+    for 127.0.0.1, [::1] or localhost; a DNS name rebound to 127.0.0.1 keeps its own name.
+    Pure; False for anything that is not a host."""
+    try:
+        name = urllib.parse.urlsplit("//" + value).hostname or ""
+    except ValueError:
+        return False
+    return loopback(name)

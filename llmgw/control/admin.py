@@ -13,8 +13,10 @@
   endpoint (labelled with model, replica, shard, node, GPU class, engine, phase) and this
   control plane, so one scrape config follows the fleet as replicas move.
 
-Plain HTTP on 127.0.0.1 by default; with `admin.cert_file` set, HTTPS that requires
-a client certificate from the fleet's CA and answers 403 unless it is an operator's.
+Plain HTTP on 127.0.0.1 by default, answering only requests whose `Host` names a
+loopback address or localhost (421 otherwise: DNS rebinding); with `admin.cert_file`
+set, HTTPS that requires a client certificate from the fleet's CA and answers 403
+unless it is an operator's.
 Everything is read from the folded state (llmgw.control.service), shown with the same
 rows as `llmgw ctl` (llmgw.core.views), and nothing is written: mutations go through
 the log (`llmgw ctl`). JSON via msgspec. Used by operators, `llmgw ctl status`,
@@ -124,8 +126,24 @@ async def _health(request: web.Request) -> web.Response:
     )
 
 
+@web.middleware
+async def _loopback_names_only(request: web.Request, handler: Any) -> web.StreamResponse:
+    """On a plain-HTTP loopback listener: a page of another site whose DNS name was rebound
+    to 127.0.0.1 reaches it from the operator's browser, with its own name in `Host`, and
+    would read the whole fleet. A client without `Host` is no browser."""
+    given = request.headers.get("Host")
+    if given is not None and not listeners.loopback_host_header(given):
+        return _json({"error": f"this admin API answers as 127.0.0.1, [::1] or localhost, not "
+                      f"{given!r}: reach it by that address (admin.host)"}, 421)  # fmt: skip
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
 def build_app(svc: ControlService) -> web.Application:
-    app = web.Application(middlewares=[operator_https.operators_only])
+    cfg = svc.cfg.admin
+    local = not cfg.cert_file and listeners.loopback(cfg.host)
+    guards = [operator_https.operators_only] + ([_loopback_names_only] if local else [])
+    app = web.Application(middlewares=guards)
     app[SERVICE] = svc
     app.router.add_get("/v1/nodes", _nodes)
     app.router.add_get("/v1/replicas", _replicas)

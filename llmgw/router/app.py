@@ -49,7 +49,6 @@ from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.dispatch import Dispatcher
 from llmgw.router.errors import ClientGone, Refusal, error_response, refusal_response
-from llmgw.router.explain import ExplainError, explain
 from llmgw.router.feed import LogFeed
 from llmgw.router.kvfeed import KvFeed
 from llmgw.router.metrics import Metrics, metrics_dir
@@ -299,7 +298,8 @@ class Router:
         # A partial, not a wrapping coroutine: one frame less to resume at every await.
         return functools.partial(self.handle_openai, kind=kind)
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes | Refusal:
+    async def read_body(self, request: web.BaseRequest) -> bytes | Refusal:
+        """The whole body within `body_timeout_s` and `max_body_bytes`, or the refusal."""
         try:
             if request.content.is_eof():
                 return await request.read()  # all here already: no timer needed
@@ -368,7 +368,7 @@ class Router:
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
-        body = await self._read_body(request)
+        body = await self.read_body(request)
         if isinstance(body, Refusal):
             return refusal_response(body, rid)
         try:
@@ -466,35 +466,3 @@ def build_server(router: Router) -> web.Server:
         access_log=None,
         head_timeout_s=router.cfg.header_timeout_s,
     )
-
-
-def build_admin_app(router: Router) -> web.Application:
-    """Metrics, health and `POST /route` (where a prompt would go), on the admin listener."""
-    app = web.Application()
-
-    async def metrics(_: web.Request) -> web.Response:
-        # On the loop, not in a thread: the hot path mutates the same dicts without locks.
-        body = router.metrics.exposition()
-        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
-
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def route(request: web.Request) -> web.Response:
-        """Where a request body would go, and why (llmgw.router.explain), for a caller the
-        front door would serve."""
-        principal = admission.authenticate(
-            router.keys, request.headers.get("Authorization"), time.time(), router.anonymous
-        )
-        if isinstance(principal, Refusal):
-            return web.json_response({"error": principal.message}, status=principal.status)
-        try:
-            answer = explain(await request.read(), router.catalog, router.dispatcher, principal)
-        except ExplainError as exc:
-            return web.json_response({"error": str(exc)}, status=exc.status)
-        return web.json_response(answer)
-
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", health)
-    app.router.add_post("/route", route)
-    return app

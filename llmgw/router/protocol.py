@@ -82,23 +82,32 @@ _LINGER_S = 2.0
 class Handler(RequestHandler):
     """One client connection."""
 
-    __slots__ = ("_draining_late", "_head_timeout_s", "_head_timer")
+    __slots__ = ("_draining_late", "_head_timeout_s", "_head_timer", "_no_head_yet")
 
     def __init__(self, manager: Any, *, head_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
         self._draining_late = False
+        self._no_head_yet = True
+        """No complete head has arrived on this connection yet."""
 
     def _awaiting_head(self) -> bool:
         # start() waits on _waiter exactly while no complete request head is queued.
         waiter = self._waiter
-        return waiter is not None and not waiter.done()
+        if waiter is None:
+            # Bytes that come with the connection (uvloop reads them at accept) arrive
+            # before start() first waits: they can only be the first head's. Without
+            # this, a partial head sent at once, then silence, had no deadline.
+            return self._no_head_yet and not self._messages
+        return not waiter.done()
 
     def data_received(self, data: bytes) -> None:
         if self._draining_late:
             return  # answered with a 408: what still arrives is dropped
         super().data_received(data)
+        if self._messages:
+            self._no_head_yet = False  # what follows a head may be its body
         if self._awaiting_head():
             # Part of a head: the deadline runs from its first byte, not from each piece.
             if self._head_timer is None and data:

@@ -130,13 +130,14 @@ async def serve(
     limits: SharedLimits | None = None,
 ) -> None:
     """Serve until `stop` is set (or SIGTERM / SIGINT when `stop` is None)."""
-    from llmgw.router.app import Router, build_admin_app, build_server
+    from llmgw.router.admin import build_admin_server
+    from llmgw.router.app import Router, build_server
 
     router = Router(cfg, worker=worker, limits=limits)
     router.admin_url = listeners.url("http", admin_sock)  # its load reports name it
     await router.start()
     runner = web.ServerRunner(build_server(router))
-    admin_runner = web.AppRunner(build_admin_app(router), access_log=None)
+    admin_runner = web.ServerRunner(build_admin_server(router))
     await runner.setup()
     await admin_runner.setup()
     await web.SockSite(runner, sock).start()

@@ -2,8 +2,9 @@
 
 A second router on a taken port fails to start instead of sharing it; malformed
 requests get a 400 that quotes nothing they sent, and a log line without a
-traceback; deeply nested JSON is a 400; a request head that trickles in is cut
-with a 408; the `Bearer` scheme is case-insensitive.
+traceback; deeply nested JSON is a 400; a request head that trickles in, or is
+sent at once and never finished, is cut with a 408, on the admin listener too (and
+a `/route` body that never ends); the `Bearer` scheme is case-insensitive.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.integration.router_kit import Router, Sim
 pytestmark = pytest.mark.slow
 
 HEAD_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
 SECRET = "sk-hygiene-secret-7f3a9c"
 
 
@@ -57,6 +59,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, sim: Sim) -> Iterator[Keyed]
         {"s": sim},
         auth={"keys_file": str(keys)},
         header_timeout_s=HEAD_TIMEOUT_S,
+        body_timeout_s=BODY_TIMEOUT_S,
         log=tmp / "router.log",
     )
     yield Keyed(r, key, tmp / "router.log")
@@ -178,6 +181,71 @@ def test_a_malformed_authorization_header_is_never_echoed(
         log = keyed.log.read_text(errors="replace")
     assert SECRET not in log
     assert "Traceback" not in log
+
+
+def test_the_admin_listener_neither_echoes_nor_logs_a_malformed_key(keyed: Keyed) -> None:
+    """`POST /route` takes a tenant's key too, and Prometheus's network reaches the admin
+    listener: a malformed header there is answered and logged like the front door's."""
+    router = keyed.router
+    host, _ = _addr(router.admin)
+    raw = (
+        f"POST /route HTTP/1.1\r\nHost: {host}\r\nContent-Length: 2\r\n"
+        f"Authorization: Bearer {SECRET}\x01tail\r\n\r\n{{}}"
+    ).encode("latin-1")
+    logged_before = keyed.log.read_text(errors="replace").count("invalid_header")
+    answer = _exchange(router.admin, raw)
+    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")), answer[:300]
+    assert SECRET.encode() not in answer
+    # The log line may be written just after the answer: wait for it.
+    deadline = time.monotonic() + 20
+    log = keyed.log.read_text(errors="replace")
+    while log.count("invalid_header") <= logged_before:
+        assert time.monotonic() < deadline, log[-2000:]
+        time.sleep(0.05)
+        log = keyed.log.read_text(errors="replace")
+    assert SECRET not in log
+    assert "Traceback" not in log
+
+
+def _unfinished_head(url: str) -> bytes:
+    """Send a request head without its end, all at once, then wait: what the server
+    answers before it closes the connection."""
+    host, _ = _addr(url)
+    with socket.create_connection(_addr(url), timeout=120) as sock:
+        sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nX-Slow: 1\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):  # until the server closes: the head never ends
+            answer += chunk
+    return answer
+
+
+def test_a_request_head_sent_at_once_and_never_finished_gets_408(keyed: Keyed) -> None:
+    """The head's bytes arrive with the connection (before aiohttp's handler first waits
+    for a request): the deadline runs from them all the same."""
+    answer = _unfinished_head(keyed.router.url)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+
+
+def test_the_admin_listener_cuts_an_unfinished_head_with_408(keyed: Keyed) -> None:
+    """Reachable wherever Prometheus scrapes: a head that never ends must not hold a
+    connection of the router's process for aiohttp's hour-long keep-alive."""
+    answer = _unfinished_head(keyed.router.admin)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+
+
+def test_the_admin_listener_cuts_an_unfinished_route_body_with_408(keyed: Keyed) -> None:
+    """A head sent whole, then a body that never ends: cut as the front door cuts one."""
+    router = keyed.router
+    host, _ = _addr(router.admin)
+    with socket.create_connection(_addr(router.admin), timeout=120) as sock:
+        sock.sendall(
+            f"POST /route HTTP/1.1\r\nHost: {host}\r\nContent-Length: 100\r\n"
+            f'Authorization: Bearer {keyed.key}\r\n\r\n{{"model"'.encode()
+        )
+        answer = b""
+        while chunk := sock.recv(65536):  # until the router closes: the body never ends
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
 
 
 # Control characters other than CR and LF (which end the header line) and HTAB (allowed).

@@ -29,3 +29,17 @@ def test_anything_else_counts_as_exposed(host: str) -> None:
 @given(st.text(max_size=60))
 def test_any_text_is_answered_never_raises(host: str) -> None:
     assert listeners.loopback(host) in (True, False)
+
+
+@pytest.mark.parametrize(
+    ("value", "local"),
+    [("127.0.0.1:9190", True), ("[::1]:9190", True), ("localhost", True), ("[::1]", True),
+     ("rebound.example:9190", False), ("127.0.0.1.nip.io", False), ("[::1", False), ("", False)],
+)  # fmt: skip
+def test_host_headers_that_name_loopback(value: str, local: bool) -> None:
+    assert listeners.loopback_host_header(value) is local
+
+
+@given(st.text(max_size=60))
+def test_any_host_header_is_answered_never_raises(value: str) -> None:
+    assert listeners.loopback_host_header(value) in (True, False)

@@ -84,7 +84,7 @@ def _without_token(request: web.Request, token: str) -> web.Response | None:
     None for one that does."""
     offered = request.query.get("token", "")
     if request.path == "/" and offered:
-        if not hmac.compare_digest(offered.encode(), token.encode()):
+        if not _is_token(offered, token):
             return _error("this token is not the console's: open the address it printed", 401)
         # Into the cookie and out of the address bar (and of the browser's history).
         response = web.Response(status=302, headers={"Location": "/"})
@@ -92,13 +92,20 @@ def _without_token(request: web.Request, token: str) -> web.Response | None:
         return response
     bearer = request.headers.get("Authorization", "")
     given = request.cookies.get(COOKIE, "") or bearer.removeprefix("Bearer ").strip()
-    if hmac.compare_digest(given.encode(), token.encode()):
+    if _is_token(given, token):
         return None
     return _error(
         "open the address `llmgw console` printed (it carries the console's token), "
         "or send Authorization: Bearer TOKEN",
         401,
     )
+
+
+def _is_token(given: str, token: str) -> bool:
+    """Whether `given` is `token`, in constant time. aiohttp hands a header's bytes that are
+    not UTF-8 over as surrogates, which a strict encode refuses (a 500 for anyone who
+    sends them): they are encoded as they are, and compare unequal."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode())
 
 
 @web.middleware

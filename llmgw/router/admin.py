@@ -1,0 +1,95 @@
+"""The router's admin listener: `GET /metrics`, `GET /health` and `POST /route` (where a
+prompt would go: llmgw.router.explain).
+
+It is reachable wherever Prometheus scrapes, and `/route` takes a tenant's key as the
+front door does, so it is served by the front door's connection handling
+(llmgw.router.protocol): a request head must arrive within `header_timeout_s` and a
+body within `body_timeout_s` (or the connection is answered 408 and closed), and a
+malformed head gets a 400 that quotes nothing it sent (aiohttp's own answer, and its log
+line, quote the offending header: an `Authorization` header with the key in it). Three
+fixed paths: a dict lookup, as the front door's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.router import admission, protocol
+from llmgw.router.app import Router
+from llmgw.router.errors import Refusal
+from llmgw.router.explain import ExplainError, explain
+
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+def _handlers(router: Router) -> dict[tuple[str, str], Handler]:
+    async def metrics(_: web.BaseRequest) -> web.Response:
+        # On the loop, not in a thread: the hot path mutates the same dicts without locks.
+        body = router.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def health(_: web.BaseRequest) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def route(request: web.BaseRequest) -> web.Response:
+        """Where a request body would go, and why (llmgw.router.explain), for a caller the
+        front door would serve."""
+        principal = admission.authenticate(
+            router.keys, request.headers.get("Authorization"), time.time(), router.anonymous
+        )
+        if isinstance(principal, Refusal):
+            return web.json_response({"error": principal.message}, status=principal.status)
+        body = await router.read_body(request)
+        if isinstance(body, Refusal):  # late (the connection closes) or too large
+            refused = web.json_response({"error": body.message}, status=body.status)
+            if body.close:
+                refused.force_close()
+            return refused
+        try:
+            answer = explain(body, router.catalog, router.dispatcher, principal)
+        except ExplainError as exc:
+            return web.json_response({"error": str(exc)}, status=exc.status)
+        return web.json_response(answer)
+
+    return {
+        ("GET", "/metrics"): metrics,
+        ("HEAD", "/metrics"): metrics,
+        ("GET", "/health"): health,
+        ("HEAD", "/health"): health,
+        ("POST", "/route"): route,
+    }
+
+
+def build_admin_server(router: Router) -> web.Server:
+    """The admin listener's low-level server (head deadline, quiet 400s)."""
+    handlers = _handlers(router)
+    paths = {path for _, path in handlers}
+
+    async def unknown(request: web.BaseRequest) -> web.Response:
+        if request.path in paths:
+            return web.json_response(
+                {"error": f"{request.path} does not take {request.method}"}, status=405
+            )
+        return web.json_response(
+            {"error": f"{request.path} is not on the admin listener: /metrics, /health, /route"},
+            status=404,
+        )
+
+    def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+        return handlers.get((request.method, request.path), unknown)(request)
+
+    loop = asyncio.get_running_loop()
+    max_size = router.cfg.max_body_bytes  # /route takes the body a client would send
+
+    def make_request(
+        message: Any, payload: Any, conn: Any, writer: Any, task: Any
+    ) -> web.BaseRequest:
+        return web.BaseRequest(message, payload, conn, writer, task, loop, client_max_size=max_size)
+
+    return protocol.server(handle, request_factory=make_request, access_log=None,
+                           head_timeout_s=router.cfg.header_timeout_s)  # fmt: skip
