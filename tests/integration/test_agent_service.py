@@ -248,6 +248,20 @@ async def test_a_pid_file_the_disk_refuses_never_loses_an_engine(
     assert not agent.task.done()
 
 
+async def test_a_ledger_the_disk_refuses_never_fails_a_running_engine(
+    start_agent: Any, control: Control, admin: Any
+) -> None:
+    """Before: on a full disk the ledger's save raised after the spawn, and the agent then
+    reported the shard failed while its engine ran (and raised again in the callback
+    that records the command sequence)."""
+    agent = await start_agent()
+    refuse_writes(agent.svc.state_dir / "commands.json")
+    await serve_and_stop(control, admin, "rep-full")
+    assert not agent.task.done()
+    book = agent.svc.ledger.shards["rep-full/0"]  # kept in memory
+    assert (book.started, book.ended) == (1, 1)
+
+
 async def test_commands_apply_once_by_generation_and_epoch(
     start_agent: Any, control: Control, admin: Any
 ) -> None:
