@@ -116,6 +116,23 @@ def remove(state_dir: Path, replica_id: str, shard: int) -> None:
         path_for(state_dir, replica_id, shard).unlink()
 
 
+def set_aside(path: Path) -> None:
+    """Move a pid file that does not decode out of the way (`<name>.unreadable`), saying so.
+
+    Not deleted: it is the only record of the engine it names (pid, process group),
+    which no agent can adopt now and which may still run and hold its GPUs."""
+    aside = path.with_name(path.name + ".unreadable")
+    with contextlib.suppress(OSError):
+        os.replace(path, aside)
+    log.warning(
+        "pid_file_unreadable",
+        path=str(path),
+        moved_to=str(aside),
+        detail="the agent cannot adopt the engine it names: if that engine still runs, "
+        "stop it by hand (the file holds its pid and process group), then delete the file",
+    )
+
+
 def load_all(state_dir: Path) -> list[tuple[Path, ShardRecord | None]]:
     """Every pid file, decoded; None for one that does not decode (it is reported, not fatal)."""
     folder = state_dir / "shards"

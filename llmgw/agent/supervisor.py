@@ -328,8 +328,7 @@ class Supervisor:
         results = []
         for path, record in pidfiles.load_all(self.state_dir):
             if record is None:
-                path.unlink(missing_ok=True)
-                log.warning("pid_file_unreadable_removed", path=str(path))
+                pidfiles.set_aside(path)
                 unreadable = AdoptionResult(
                     replica_id=path.stem, shard=-1, adopted=False, reason="unreadable"
                 )
