@@ -16,10 +16,13 @@ from pathlib import Path
 
 import msgspec
 
+from llmgw import logs
 from llmgw.agent.engines.common import Launch
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
 from llmgw.processes import Fingerprint
+
+log = logs.get("llmgw.pidfiles")
 
 
 class ShardRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,18 +78,59 @@ def save(state_dir: Path, record: ShardRecord) -> Path:
     path = path_for(state_dir, record.replica_id, record.shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    # Created 0600 rather than chmod-ed after: the key is never readable by others.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        os.fchmod(out.fileno(), 0o600)  # a leftover temporary file keeps its old mode
-        out.write(msgspec.json.encode(record))
-    os.replace(tmp, path)
+    try:
+        # Created 0600 rather than chmod-ed after: the key is never readable by others.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), 0o600)  # a leftover temporary file keeps its old mode
+            out.write(msgspec.json.encode(record))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a partial copy (with the engine's key) is of no use to anyone
+        raise
     return path
+
+
+def keep(state_dir: Path, record: ShardRecord) -> bool:
+    """`save`, or False (said in the log) when the disk refuses: the engine runs already,
+    and an error here would leave it unsupervised (its exit never reported, never stopped).
+    The next phase change writes the record again."""
+    try:
+        save(state_dir, record)
+    except OSError as exc:
+        log.error(
+            "pidfile_not_saved",
+            replica_id=record.replica_id,
+            pid=record.process.pid,
+            error=str(exc),
+            detail="the engine runs and is supervised, but an agent restarted now would "
+            f"not adopt it; free space in {state_dir}",
+        )
+        return False
+    return True
 
 
 def remove(state_dir: Path, replica_id: str, shard: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         path_for(state_dir, replica_id, shard).unlink()
+
+
+def set_aside(path: Path) -> None:
+    """Move a pid file that does not decode out of the way (`<name>.unreadable`), saying so.
+
+    Not deleted: it is the only record of the engine it names (pid, process group),
+    which no agent can adopt now and which may still run and hold its GPUs."""
+    aside = path.with_name(path.name + ".unreadable")
+    with contextlib.suppress(OSError):
+        os.replace(path, aside)
+    log.warning(
+        "pid_file_unreadable",
+        path=str(path),
+        moved_to=str(aside),
+        detail="the agent cannot adopt the engine it names: if that engine still runs, "
+        "stop it by hand (the file holds its pid and process group), then delete the file",
+    )
 
 
 def load_all(state_dir: Path) -> list[tuple[Path, ShardRecord | None]]:

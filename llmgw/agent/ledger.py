@@ -303,11 +303,30 @@ def load_or_set_aside(state_dir: str | Path, now: float) -> Ledger:
         return Ledger()
 
 
-def save(state_dir: str | Path, ledger: Ledger) -> None:
+def save(state_dir: str | Path, ledger: Ledger) -> bool:
+    """Write the ledger atomically; False (said in the log) when the disk refuses.
+
+    Never raises for the disk: the save follows an action already taken (an engine
+    spawned, a status queued), and raising there reported a running engine as failed.
+    The ledger in memory stays right; only a restart before a later save succeeds
+    re-reads commands from the older sequence on disk.
+    """
     path = path_in(state_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(msgspec.json.encode(ledger))
-    os.replace(tmp, path)
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(msgspec.json.encode(ledger))
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a partial copy would only take what room is left
+        log.error(
+            "ledger_not_saved",
+            path=str(path),
+            error=str(exc),
+            detail="the agent goes on from the ledger in memory; free space (or fix the "
+            "folder's permissions) before the agent restarts, else it re-reads commands "
+            f"after the sequence last saved instead of {ledger.last_seq}",
+        )
+        return False
+    return True

@@ -30,6 +30,13 @@ server acknowledged and lose what the agent had not yet sent. The cursor is
 not fsynced: a cursor that goes back only re-publishes acknowledged entries,
 which keep their ids.
 
+A disk that refuses a write (full, or a file size limit) never loses an event nor stops
+the agent: the entry stays in memory and is published, the outbox says
+`outbox_not_durable` (what to free), and it writes nothing more to a file that may now
+end in a torn line; every later put tries to rewrite the file whole, which makes it
+durable again once there is room (`outbox_durable_again`). An agent started on a full
+disk keeps the file as it is (its readable entries) instead of failing its first rewrite.
+
 Synchronous file I/O of small records; an fsync costs a disk flush (about a
 millisecond on an SSD), paid per transition, which come seconds apart. The
 service calls it from its event loop.
@@ -38,6 +45,7 @@ service calls it from its event loop.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -54,6 +62,14 @@ log = logs.get("llmgw.agent.outbox")
 def _sync_file(fd: int) -> None:
     # fdatasync covers the data and the size an append changed, without the mtime flush.
     (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+
+
+def _write_all(file: io.FileIO, data: bytes) -> None:
+    """Write all of `data`: an unbuffered write may write part of it (a nearly full disk)
+    and say so only by its return value; the next write then raises the disk's error."""
+    view = memoryview(data)
+    while view:
+        view = view[file.write(view) :]
 
 
 def _sync_dir(folder: Path) -> None:
@@ -107,6 +123,10 @@ class Outbox:
         self._next = 1
         self._cursor = 0
         self._over_warned = False
+        self._behind = False
+        """A write failed: the file may lack entries, or end in a torn line. Nothing is
+        appended to it until a rewrite from memory succeeds."""
+        self._cursor_failed = False
         self.folder.mkdir(parents=True, exist_ok=True)
         _sync_dir(self.folder.parent)
         self._path = self.folder / "pending.jsonl"
@@ -153,11 +173,10 @@ class Outbox:
             added.append(Entry(n=n, event=event, ttl_s=ttl_s, size=len(data)))
         if not added:
             return added
-        self._file.write(b"".join(chunks))
-        _sync_file(self._file.fileno())
         for entry in added:
             self._entries.append(entry)
             self._bytes += entry.size
+        self._persist(b"".join(chunks))
         self._enforce_bounds()
         return added
 
@@ -173,8 +192,14 @@ class Outbox:
         self._write_cursor()
         if not self._entries:
             # Everything is published: start the file over instead of letting it grow.
-            self._file.truncate(0)
-            self._dead_bytes = 0
+            # An empty file holds exactly what is pending, even after a failed write.
+            try:
+                self._file.truncate(0)
+            except OSError as exc:
+                self._disk_failed(exc)
+            else:
+                self._dead_bytes = 0
+                self._disk_ok()
         elif self._dead_bytes > max(1024 * 1024, self._bytes):
             self._compact()
 
@@ -207,28 +232,74 @@ class Outbox:
                 self._bytes += size
         self._next = highest + 1
         # Rewrite what is pending: drops published entries and any torn last line, so
-        # the next append starts on a line of its own.
-        self._rewrite()
+        # the next append starts on a line of its own. On a full disk the file stays as
+        # it is (published entries are skipped by the cursor, a torn line on reading).
+        try:
+            self._rewrite()
+        except OSError as exc:
+            self._disk_failed(exc)
         if self._entries:
             log.info("outbox_loaded", pending=len(self._entries), bytes=self._bytes)
 
     def _rewrite(self) -> None:
         tmp = self._path.with_suffix(".tmp")
-        with open(tmp, "wb") as out:
-            for entry in self._entries:
-                out.write(self._line(entry))
-            out.flush()
-            # Before the rename: else a power loss can leave the new name on an empty file.
-            _sync_file(out.fileno())
+        try:
+            with open(tmp, "wb", buffering=0) as out:
+                for entry in self._entries:
+                    _write_all(out, self._line(entry))
+                # Before the rename: else a power loss can leave the new name on an empty file.
+                _sync_file(out.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # a partial copy would only take what room is left
+            raise
         os.replace(tmp, self._path)
         # After it: else the old file may come back, without what is appended from now on.
         _sync_dir(self.folder)
 
+    def _persist(self, data: bytes) -> None:
+        """Append `data` (whole lines) durably; after a failed write, rewrite the file whole."""
+        if self._behind:
+            self._compact()
+            return
+        try:
+            _write_all(self._file, data)
+            _sync_file(self._file.fileno())
+        except OSError as exc:
+            self._disk_failed(exc)
+
     def _compact(self) -> None:
+        """Rewrite the file from memory; when the disk refuses, the outbox is behind it."""
         self._file.close()
-        self._rewrite()
-        self._file = open(self._path, "ab", buffering=0)  # noqa: SIM115
-        self._dead_bytes = 0
+        try:
+            self._rewrite()
+        except OSError as exc:
+            self._disk_failed(exc)
+        else:
+            self._dead_bytes = 0
+            self._disk_ok()
+        finally:
+            self._file = open(self._path, "ab", buffering=0)  # noqa: SIM115
+
+    def _disk_failed(self, exc: OSError) -> None:
+        # Raising would lose the entry (the supervisor's callback only logs) and, at
+        # start, stop the agent on every restart: keep it in memory and say so.
+        if not self._behind:
+            log.error(
+                "outbox_not_durable",
+                folder=str(self.folder),
+                error=str(exc),
+                pending=len(self._entries),
+                detail="the disk refused a write: events are kept in memory and still "
+                "published, but those not yet published are lost if the agent stops "
+                "before the disk takes writes again; free space there",
+            )
+        self._behind = True
+
+    def _disk_ok(self) -> None:
+        if self._behind:
+            log.info("outbox_durable_again", folder=str(self.folder), pending=len(self._entries))
+        self._behind = False
 
     @staticmethod
     def _line(entry: Entry) -> bytes:
@@ -237,8 +308,16 @@ class Outbox:
 
     def _write_cursor(self) -> None:
         tmp = self._cursor_path.with_suffix(".tmp")
-        tmp.write_text(str(self._cursor))
-        os.replace(tmp, self._cursor_path)
+        try:
+            tmp.write_text(str(self._cursor))
+            os.replace(tmp, self._cursor_path)
+        except OSError as exc:
+            # A cursor behind only re-publishes acknowledged entries, under their own ids.
+            if not self._cursor_failed:
+                log.warning("outbox_cursor_not_saved", folder=str(self.folder), error=str(exc))
+            self._cursor_failed = True
+        else:
+            self._cursor_failed = False
 
     def _over(self) -> bool:
         return len(self._entries) > self.max_events or self._bytes > self.max_bytes

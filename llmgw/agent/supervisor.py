@@ -216,7 +216,7 @@ class Supervisor:
             log_path=str(log_path),
             started_at=time.time(),
         )
-        pidfiles.save(self.state_dir, record)
+        pidfiles.keep(self.state_dir, record)
         sh = _Shard(record, adopted=False)
         sh.proc = proc
         sh.spawned_perf = spawned - began
@@ -328,8 +328,7 @@ class Supervisor:
         results = []
         for path, record in pidfiles.load_all(self.state_dir):
             if record is None:
-                path.unlink(missing_ok=True)
-                log.warning("pid_file_unreadable_removed", path=str(path))
+                pidfiles.set_aside(path)
                 unreadable = AdoptionResult(
                     replica_id=path.stem, shard=-1, adopted=False, reason="unreadable"
                 )
@@ -392,7 +391,7 @@ class Supervisor:
         if current is not None and current.start_time == process.start_time:
             process = current
         sh.record = msgspec.structs.replace(sh.record, phase=phase, process=process)
-        pidfiles.save(self.state_dir, sh.record)
+        pidfiles.keep(self.state_dir, sh.record)
         log.info("shard_phase", replica_id=sh.record.replica_id, shard=sh.record.shard, phase=phase)
         await self._emit(sh)
 

@@ -215,6 +215,53 @@ async def test_bad_commands_fail_the_shard_never_the_agent(
     assert agent.svc._reader.undecodable == 2
 
 
+def refuse_writes(path: Path) -> None:
+    """What a full disk does to a save (temporary file, then rename): the write fails.
+    A folder in the temporary file's place fails it the same way (EISDIR for ENOSPC)."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # the agent runs in this process
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+
+
+async def serve_and_stop(control: Control, admin: Any, replica_id: str) -> None:
+    """Start a shard and stop it: it serves, stops, and leaves no engine behind."""
+    await control.start(NODE, replica_id, kit.sim_spec(free_port()))
+    serving = await kit.wait_for(admin, NODE, status(replica_id, "serving"), what="serving")
+    assert isinstance(serving, events.ShardStatus)
+    assert serving.pid is not None
+    await control.stop(NODE, replica_id, reason="test over")
+    await kit.wait_for(admin, NODE, status(replica_id, "stopped"), what="stopped")
+    assert not kit.pid_alive(serving.pid)
+    evs = kit.without_heartbeats(await kit.node_records(admin, NODE))
+    assert kit.phases(evs, replica_id) == [(1, "starting"), (1, "serving"), (1, "stopped")]
+
+
+async def test_a_pid_file_the_disk_refuses_never_loses_an_engine(
+    start_agent: Any, control: Control, admin: Any
+) -> None:
+    """Before: on a full disk the pid file's save raised after the spawn, so the engine ran
+    on unsupervised (never stopped, its exit never reported: an orphan holding its GPUs)
+    while the agent reported the shard failed."""
+    agent = await start_agent()
+    refuse_writes(agent.svc.state_dir / "shards" / "rep-full.0.json")
+    await serve_and_stop(control, admin, "rep-full")
+    assert not agent.task.done()
+
+
+async def test_a_ledger_the_disk_refuses_never_fails_a_running_engine(
+    start_agent: Any, control: Control, admin: Any
+) -> None:
+    """Before: on a full disk the ledger's save raised after the spawn, and the agent then
+    reported the shard failed while its engine ran (and raised again in the callback
+    that records the command sequence)."""
+    agent = await start_agent()
+    refuse_writes(agent.svc.state_dir / "commands.json")
+    await serve_and_stop(control, admin, "rep-full")
+    assert not agent.task.done()
+    book = agent.svc.ledger.shards["rep-full/0"]  # kept in memory
+    assert (book.started, book.ended) == (1, 1)
+
+
 async def test_commands_apply_once_by_generation_and_epoch(
     start_agent: Any, control: Control, admin: Any
 ) -> None:

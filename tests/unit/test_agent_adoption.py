@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from llmgw import pidfiles, processes
 from llmgw.agent.engines import Launch, policy
@@ -109,3 +110,26 @@ async def test_an_engine_does_not_resolve_hugging_face_ids_against_the_agents_fo
     finally:
         await supervisor.stop_all(grace_s=1)
         await supervisor.close()
+
+
+async def test_an_unreadable_pid_file_is_set_aside_not_deleted(
+    tmp_path: Path, sleepers: tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]
+) -> None:
+    """Before: a pid file that did not decode (a hand edit's typo, a newer agent's fields)
+    was deleted, and with it the only record of the engine it names, which runs on
+    unsupervised; the warning did not say so. Now it is kept aside and the log says what
+    to do."""
+    engine, _ = sleepers
+    state = tmp_path / "state"
+    path = pidfiles.save(state, _record(engine.pid, pgid=engine.pid, log_path=tmp_path / "x"))
+    damaged = path.read_bytes()[:-1]  # one character lost to an editor
+    path.write_bytes(damaged)
+    with structlog.testing.capture_logs() as logged:
+        (result,) = await Supervisor(Settings(state_dir=str(state))).adopt()
+    assert (result.adopted, result.reason) == (False, "unreadable")
+    assert not path.exists()  # the next start does not report it again
+    aside = path.with_name(path.name + ".unreadable")
+    assert aside.read_bytes() == damaged
+    (warning,) = [e for e in logged if e["event"] == "pid_file_unreadable"]
+    assert warning["moved_to"] == str(aside)
+    assert "stop it by hand" in warning["detail"]

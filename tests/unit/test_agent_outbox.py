@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -264,3 +267,74 @@ def test_put_stays_fast_with_fsync(tmp_path: Path) -> None:
     box.put_many([(status(i), None) for i in range(1000)])
     assert time.perf_counter() - started < 5.0
     assert len(box) == 1000
+
+
+# A full disk, for real: RLIMIT_FSIZE makes the kernel refuse to grow any file past a size
+# (a short write, then EFBIG), as a full disk does (ENOSPC). In a child process, so that
+# nothing else the test run writes meets the limit.
+FULL_DISK = """
+import json, resource, signal, sys
+from llmgw.agent.outbox import Outbox
+from llmgw.core import events
+
+def status(i):
+    return events.ShardStatus(
+        id=f"s{i}", ts=float(i), node="n", replica_id=f"r{i}", generation=1, phase="serving"
+    )
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills instead of refusing
+folder, limit, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+box = Outbox(folder)
+for i in range(first, last):
+    box.put(status(i))
+print(json.dumps({"full": [e.event.id for e in box]}), flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+box.put(status(last))  # the disk takes writes again: the whole file is rewritten
+print(json.dumps({"freed": [e.event.id for e in box]}), flush=True)
+"""
+
+
+def on_full_disk(folder: Path, limit: int, first: int, last: int) -> tuple[list[str], str]:
+    """Put statuses s<first>..s<last - 1> with files limited to `limit` bytes, then one
+    more once the limit is gone; the ids in memory at each step, and the output."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(folder), str(limit), str(first), str(last)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [i for step in found for i in step.get("full", [])], done.stdout + done.stderr
+
+
+def test_a_full_disk_loses_no_event_and_says_so(tmp_path: Path) -> None:
+    """Before: the put that met the full disk half-wrote its line and returned as if it
+    were durable (the next start dropped it as torn), and the next one raised, so the
+    shard's transition was lost (the supervisor's callback only logs)."""
+    kept, out = on_full_disk(tmp_path, 1500, 0, 20)
+    assert kept == [f"s{i}" for i in range(20)]
+    assert "outbox_not_durable" in out
+    assert "free space" in out
+    assert "outbox_durable_again" in out
+    again = Outbox(tmp_path)
+    assert ids(again) == [f"s{i}" for i in range(21)]
+    assert again.unreadable == 0
+
+
+def test_an_agent_starts_on_a_full_disk(tmp_path: Path) -> None:
+    """Before: opening rewrote the file first, failed on the full disk, and so stopped the
+    agent at every restart."""
+    box = Outbox(tmp_path)
+    box.put_many([(status(i), None) for i in range(20)])
+    box.close()
+    with open(tmp_path / "pending.jsonl", "ab") as f:
+        f.write(b'{"n":99,"event":{"ty')  # and a torn last line, from a crash mid-write
+    size = (tmp_path / "pending.jsonl").stat().st_size
+    kept, out = on_full_disk(tmp_path, size - 100, 20, 22)
+    assert kept == [f"s{i}" for i in range(22)]
+    assert "outbox_not_durable" in out
+    assert ids(Outbox(tmp_path)) == [f"s{i}" for i in range(23)]
