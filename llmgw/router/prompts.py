@@ -26,7 +26,7 @@ from llmgw import logs
 from llmgw.core import simtokens as sim_tokens
 from llmgw.core.profile import ModelProfile
 from llmgw.core.promptkeys import PromptTokens, SegmentCache
-from llmgw.router.requests import Parsed
+from llmgw.router.requests import Parsed, chat_text_length
 
 log = logs.get("llmgw.router")
 
@@ -76,15 +76,18 @@ class SimPrompts:
     def tokens(self, parsed: Parsed, max_chars: int = MAX_CHARS) -> PromptTokens | None:
         if parsed.chat:
             parts: list[str] = []
-            room = max_chars
-            for part in sim_tokens.framed(parsed.chat):
+            room, covered = max_chars, 0  # covered: of the chat's `text`, for the estimate
+            framed = sim_tokens.framed(parsed.chat)
+            for (role, content), part in zip(parsed.chat, framed, strict=True):
+                own = chat_text_length(role, content)
                 if len(part) > room:
                     # The sim's tokens of a cut text are the whole text's but the last
                     # (a word, a space or a run of them cut short): left out.
                     got = self.cache.tokens(parts, part[:room], cut=room > 0)
-                    return _estimated(got, parsed, max_chars)
+                    return _estimated(got, parsed, covered + own * room // len(part))
                 parts.append(part)
                 room -= len(part)
+                covered += own
             return self.cache.tokens(parts, sim_tokens.GENERATION_PROMPT)
         if parsed.text:
             if len(parsed.text) <= max_chars:
@@ -186,17 +189,19 @@ class HfPrompts:
             if self._template is None:
                 return None
             messages: list[dict[str, str]] = []
-            room, cut = max_chars, False
+            room, cut, covered = max_chars, False, 0  # covered: of the chat's `text`
             for role, content in parsed.chat:
                 if len(messages) == MAX_MESSAGES:
                     cut = True
                     break
                 if len(content) > room:
                     messages.append({"role": role, "content": content[:room]})
+                    covered += chat_text_length(role, content[:room]) - 1
                     room, cut = 0, True
                     break
                 messages.append({"role": role, "content": content})
                 room -= len(content)
+                covered += chat_text_length(role, content)
             try:
                 # A cut chat's turn is not the assistant's yet: its end is left out anyway.
                 text = self._template.render(
@@ -207,7 +212,7 @@ class HfPrompts:
                 return None
             # The rendered template carries its special tokens itself. What it renders of
             # the kept messages is bounded by them: no further cut.
-            return self._encode(text, False, cut, max_chars - room)
+            return self._encode(text, False, cut, covered)
         if parsed.text:
             text = parsed.text
             if len(text) <= max_chars:

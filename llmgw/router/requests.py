@@ -155,6 +155,11 @@ def _chat_text(messages: tuple[tuple[str, str], ...]) -> str:
     return "".join(parts)
 
 
+def chat_text_length(role: str, content: str) -> int:
+    """What one message adds to a chat's `text` (`_chat_text`)."""
+    return len(role) + len(content) + 2
+
+
 def _prompt_text(prompt: str | list[Any]) -> str:
     if isinstance(prompt, str):
         return prompt

@@ -186,7 +186,7 @@ class Prober:
                     ep.url + "/metrics", timeout=timeout, headers=headers
                 ) as r:
                     page = await bounded_body(r, MAX_METRICS_BYTES) if r.status == 200 else None
-                    if page is not None:  # a page past the bound is left unread: idle
+                    if page is not None:  # past the bound it is left unread, as a failed read
                         queue, running, kv = parse_engine_metrics(page.decode())
                         ep.queue_depth = queue or 0.0
                         ep.running = running or 0.0

@@ -260,3 +260,39 @@ def test_the_sims_tokenizer_sees_a_long_prompts_beginning_only() -> None:
     assert got is not None
     whole = len(simtokens.tokenize(HUGE))
     assert 0.95 * whole <= got.estimate <= 1.05 * whole
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [("user", "")] * 600,
+        [("user", "What?")] * 2000,
+        [("user", "ok")] * 600,
+        [("system", SENTENCE * 40), ("user", SENTENCE * 200)],
+    ],
+)
+def test_a_cut_chats_length_is_estimated_in_the_units_of_its_text(
+    tokenizer_dir: Path, messages: list[tuple[str, str]]
+) -> None:
+    """The estimate scales the kept tokens by the chat's text (roles, contents, newlines)
+    over the part of it they stand for: counting only the kept contents took 600 empty
+    messages for 15,908,400 tokens (5,410), 2,000 x "What?" for 52,821 (24,010)."""
+    parsed = chat_parsed(messages)
+    hf = prompts.HfPrompts.load(tokenizer_dir)
+    rendered = hf._template.render(
+        messages=[{"role": r, "content": c} for r, c in messages],
+        add_generation_prompt=True,
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    wholes = {
+        "hf": len(tok.encode(rendered, add_special_tokens=False).ids),
+        "sim": len(simtokens.tokenize(simtokens.render_chat(messages))),
+    }
+    for name, found in (("hf", hf), ("sim", prompts.SimPrompts())):
+        whole = wholes[name]
+        got = found.tokens(parsed, 1024)
+        assert got is not None
+        assert len(got.ids) < whole
+        assert whole / 1.5 <= got.estimate <= whole * 1.5, (name, whole)
