@@ -33,9 +33,10 @@ which keep their ids.
 A disk that refuses a write (full, or a file size limit) never loses an event nor stops
 the agent: the entry stays in memory and is published, the outbox says
 `outbox_not_durable` (what to free), and it writes nothing more to a file that may now
-end in a torn line; every later put tries to rewrite the file whole, which makes it
-durable again once there is room (`outbox_durable_again`). An agent started on a full
-disk keeps the file as it is (its readable entries) instead of failing its first rewrite.
+end in a torn line; every later put or acknowledgement tries to rewrite the file whole,
+which makes it durable again once there is room (`outbox_durable_again`). An agent
+started on a full disk keeps the file as it is (its readable entries) instead of failing
+its first rewrite.
 
 Synchronous file I/O of small records; an fsync costs a disk flush (about a
 millisecond on an SSD), paid per transition, which come seconds apart. The
@@ -200,7 +201,9 @@ class Outbox:
             else:
                 self._dead_bytes = 0
                 self._disk_ok()
-        elif self._dead_bytes > max(1024 * 1024, self._bytes):
+        elif self._behind or self._dead_bytes > max(1024 * 1024, self._bytes):
+            # Behind: the file lacks entries a full disk refused; every acknowledgement
+            # tries to rewrite it whole, not only the next put (which may be long off).
             self._compact()
 
     def close(self) -> None:

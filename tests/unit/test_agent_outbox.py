@@ -284,23 +284,30 @@ def status(i):
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills instead of refusing
 folder, limit, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+then = sys.argv[5]
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 box = Outbox(folder)
 for i in range(first, last):
     box.put(status(i))
 print(json.dumps({"full": [e.event.id for e in box]}), flush=True)
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-box.put(status(last))  # the disk takes writes again: the whole file is rewritten
+if then == "put":
+    box.put(status(last))  # the disk takes writes again: the whole file is rewritten
+else:
+    box.delivered(box.peek().n)  # or the next acknowledgement rewrites it
 print(json.dumps({"freed": [e.event.id for e in box]}), flush=True)
 """
 
 
-def on_full_disk(folder: Path, limit: int, first: int, last: int) -> tuple[list[str], str]:
+def on_full_disk(
+    folder: Path, limit: int, first: int, last: int, then: str = "put"
+) -> tuple[list[str], str]:
     """Put statuses s<first>..s<last - 1> with files limited to `limit` bytes, then one
-    more once the limit is gone; the ids in memory at each step, and the output."""
+    more (or, `then="deliver"`, acknowledge the head) once the limit is gone; the ids in
+    memory at each step, and the output."""
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "-c", FULL_DISK, str(folder), str(limit), str(first), str(last)],
+        [sys.executable, "-c", FULL_DISK, str(folder), str(limit), str(first), str(last), then],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(root)},
@@ -338,3 +345,14 @@ def test_an_agent_starts_on_a_full_disk(tmp_path: Path) -> None:
     assert kept == [f"s{i}" for i in range(22)]
     assert "outbox_not_durable" in out
     assert ids(Outbox(tmp_path)) == [f"s{i}" for i in range(23)]
+
+
+def test_an_acknowledgement_after_the_disk_frees_makes_the_outbox_durable_again(
+    tmp_path: Path,
+) -> None:
+    """Before: only the next put rewrote the file; acknowledgements left it without the
+    entries the full disk refused, so a stop before the next transition lost them."""
+    kept, out = on_full_disk(tmp_path, 1500, 0, 20, then="deliver")
+    assert kept == [f"s{i}" for i in range(20)]
+    assert "outbox_durable_again" in out
+    assert ids(Outbox(tmp_path)) == [f"s{i}" for i in range(1, 20)]
