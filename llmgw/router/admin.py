@@ -12,10 +12,8 @@ fixed paths: a dict lookup, as the front door's.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
@@ -83,13 +81,6 @@ def build_admin_server(router: Router) -> web.Server:
     def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         return handlers.get((request.method, request.path), unknown)(request)
 
-    loop = asyncio.get_running_loop()
-    max_size = router.cfg.max_body_bytes  # /route takes the body a client would send
-
-    def make_request(
-        message: Any, payload: Any, conn: Any, writer: Any, task: Any
-    ) -> web.BaseRequest:
-        return web.BaseRequest(message, payload, conn, writer, task, loop, client_max_size=max_size)
-
-    return protocol.server(handle, request_factory=make_request, access_log=None,
-                           head_timeout_s=router.cfg.header_timeout_s)  # fmt: skip
+    # /route takes the body a client would send.
+    return protocol.server(handle, access_log=None, head_timeout_s=router.cfg.header_timeout_s,
+                           client_max_size=router.cfg.max_body_bytes)  # fmt: skip

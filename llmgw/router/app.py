@@ -33,7 +33,6 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from socket import gethostname
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -437,8 +436,6 @@ def build_server(router: Router) -> web.Server:
         "/health": router.handle_health,
         "/ready": router.handle_ready,
     }
-    max_size = router.cfg.max_body_bytes
-    loop = asyncio.get_running_loop()
 
     def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         # Returns the handler's coroutine for aiohttp to await: no frame of its own.
@@ -450,19 +447,12 @@ def build_server(router: Router) -> web.Server:
             return router.handle_fallthrough(request)
         return h(request)
 
-    def make_request(
-        message: Any, payload: Any, protocol: Any, writer: Any, task: Any
-    ) -> web.BaseRequest:
-        return web.BaseRequest(
-            message, payload, protocol, writer, task, loop, client_max_size=max_size
-        )
-
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream connection, so the engine stops generating and frees the KV blocks.
     return protocol.server(
         handle,
-        request_factory=make_request,
         handler_cancellation=True,
         access_log=None,
         head_timeout_s=router.cfg.header_timeout_s,
+        client_max_size=router.cfg.max_body_bytes,
     )

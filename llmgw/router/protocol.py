@@ -175,9 +175,22 @@ SUPPORTED = aiohttp_direct.supported(aiohttp.__version__)
 """Whether `Handler`'s reading of aiohttp's internals was written for this aiohttp."""
 
 
-def server(handler: Any, *, head_timeout_s: float, **kwargs: Any) -> web.Server:
+def server(
+    handler: Any, *, head_timeout_s: float, client_max_size: int, **kwargs: Any
+) -> web.Server:
     """The router's low-level server: `Server` (head deadline, quiet 400s) on the aiohttp
-    versions it was written for, aiohttp's own `web.Server` on any other."""
+    versions it was written for, aiohttp's own `web.Server` on any other; requests take
+    bodies of up to `client_max_size` bytes."""
+    loop = asyncio.get_running_loop()
+
+    def make_request(
+        message: Any, payload: Any, conn: Any, writer: Any, task: Any
+    ) -> web.BaseRequest:
+        return web.BaseRequest(
+            message, payload, conn, writer, task, loop, client_max_size=client_max_size
+        )
+
+    kwargs["request_factory"] = make_request
     if SUPPORTED:
         return Server(handler, head_timeout_s=head_timeout_s, **kwargs)
     log.warning(

@@ -6,7 +6,6 @@ opentelemetry-proto (as a real collector does) and keeps every span as a `Got`.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from dataclasses import dataclass
@@ -14,6 +13,8 @@ from typing import Any
 
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+from tests.kit.threaded_http import ThreadedApp
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def decode(body: bytes) -> list[Got]:
     return out
 
 
-class Receiver:
+class Receiver(ThreadedApp):
     """A collector's OTLP/HTTP endpoint at `url`; `spans` is everything it was sent.
     Bodies are kept as sent and decoded when read (a benchmark's receiver, beside the
     router on the same cores, does no more work per export than a real collector's
@@ -71,35 +72,18 @@ class Receiver:
         self._decoded: list[Got] = []
         self.bodies = 0
         self.content_types: set[str] = set()
-        self.url = ""
         self._lock = threading.Lock()
-        started = threading.Event()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
-        self.thread.start()
-        if not started.wait(30):
-            raise RuntimeError("the OTLP receiver did not start")
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def traces(request: web.Request) -> web.Response:
-            body = await request.read()
-            with self._lock:
-                self.bodies += 1
-                self.content_types.add(request.content_type)
-                self._raw.append(body)
-            return web.Response(body=b"", content_type="application/x-protobuf")
-
         app = web.Application()
-        app.router.add_post("/v1/traces", traces)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        started.set()
-        self.loop.run_forever()
+        app.router.add_post("/v1/traces", self._traces)
+        super().__init__(app)
+
+    async def _traces(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        with self._lock:
+            self.bodies += 1
+            self.content_types.add(request.content_type)
+            self._raw.append(body)
+        return web.Response(body=b"", content_type="application/x-protobuf")
 
     @property
     def spans(self) -> list[Got]:
@@ -123,8 +107,3 @@ class Receiver:
             if time.monotonic() > deadline:
                 raise AssertionError(f"trace {trace_id}: only {by} within {timeout} s")
             time.sleep(0.05)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)

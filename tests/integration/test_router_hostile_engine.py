@@ -4,9 +4,7 @@ decode. A canned engine (aiohttp, on its own thread) behind a real router."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,13 +13,14 @@ import pytest
 from aiohttp import web
 
 from tests.integration.router_kit import Router
+from tests.kit.threaded_http import ThreadedApp, engine_app
 
 pytestmark = pytest.mark.slow
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 
 
-class CannedEngine:
+class CannedEngine(ThreadedApp):
     """An engine that answers every chat request with `body` (JSON, or SSE when `sse`)."""
 
     def __init__(self) -> None:
@@ -31,53 +30,27 @@ class CannedEngine:
         """When set, the answer is this many bytes (or until the router hangs up), sent in
         64 KiB writes: an engine that does not stop."""
         self.written = 0
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
-        self.thread.start()
-        assert started.wait(10)
+        super().__init__(engine_app(self._chat))
 
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if self.endless:
+            return await self._endless(request)
+        kind = "text/event-stream" if self.sse else "application/json"
+        return web.Response(body=self.body, headers={"Content-Type": kind})
 
-        async def chat(request: web.Request) -> web.StreamResponse:
-            await request.read()
-            if self.endless:
-                return await endless(request)
-            kind = "text/event-stream" if self.sse else "application/json"
-            return web.Response(body=self.body, headers={"Content-Type": kind})
-
-        async def endless(request: web.Request) -> web.StreamResponse:
-            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-            await resp.prepare(request)
-            self.written = 0
-            try:
-                while self.written < self.endless:
-                    await resp.write(b" " * 65_536)
-                    self.written += 65_536
-                await resp.write_eof()
-            except (ConnectionError, RuntimeError):
-                pass  # the router hung up
-            return resp
-
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({})
-
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        app.router.add_get("/health", health)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        started.set()
-        self.loop.run_forever()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+    async def _endless(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        self.written = 0
+        try:
+            while self.written < self.endless:
+                await resp.write(b" " * 65_536)
+                self.written += 65_536
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the router hung up
+        return resp
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from tests.integration.router_kit import Router, Sim
+from tests.kit.threaded_http import ThreadedApp, engine_app
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +154,7 @@ def test_an_http_1_0_client_gets_an_unchunked_stream(tmp_path: Path) -> None:
     check_complete(events(body), 30)
 
 
-class BurstEngine:
+class BurstEngine(ThreadedApp):
     """An engine (aiohttp, on its own thread) that stays silent past the router's keep-alive
     interval, then sends its tokens back to back, one write each."""
 
@@ -168,55 +168,31 @@ class BurstEngine:
         self.opener = opener
         """Open with a role-only chunk; with no tokens, end the body right after it."""
         self.requests = 0
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(10)
+        super().__init__(engine_app(self._chat))
 
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def chat(request: web.Request) -> web.StreamResponse:
-            await request.read()
-            self.requests += 1
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            if self.opener:
-                opener = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-                chunk = {"id": "b", "object": "chat.completion.chunk", "choices": [opener]}
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                if not self.tokens:
-                    await resp.write_eof()  # a broken engine: the stream ends with no token
-                    return resp
-            await asyncio.sleep(self.silence_s)
-            for i in range(self.tokens):
-                choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
-                chunk = {"id": "b", "object": "chat.completion.chunk", "choices": [choice]}
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            if self.hang_s:
-                await asyncio.sleep(0.05)  # [DONE] comes on its own, on the direct path
-            await resp.write(b"data: [DONE]\n\n")
-            await asyncio.sleep(self.hang_s)
-            await resp.write_eof()
-            return resp
-
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({})
-
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        app.router.add_get("/health", health)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        ready.set()
-        self.loop.run_forever()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.requests += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if self.opener:
+            opener = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            chunk = {"id": "b", "object": "chat.completion.chunk", "choices": [opener]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if not self.tokens:
+                await resp.write_eof()  # a broken engine: the stream ends with no token
+                return resp
+        await asyncio.sleep(self.silence_s)
+        for i in range(self.tokens):
+            choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
+            chunk = {"id": "b", "object": "chat.completion.chunk", "choices": [choice]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if self.hang_s:
+            await asyncio.sleep(0.05)  # [DONE] comes on its own, on the direct path
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(self.hang_s)
+        await resp.write_eof()
+        return resp
 
 
 def test_tokens_that_come_after_keepalive_comments_follow_them_in_order(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ async def _handler(request: web.BaseRequest) -> web.StreamResponse:
 
 async def test_the_installed_aiohttp_gets_the_routers_handler() -> None:
     assert protocol.SUPPORTED, "pyproject pins aiohttp to the versions the handler knows"
-    srv = protocol.server(_handler, head_timeout_s=5.0)
+    srv = protocol.server(_handler, head_timeout_s=5.0, client_max_size=1024)
     assert isinstance(srv, protocol.Server)
     assert isinstance(srv(), protocol.Handler)
 
@@ -25,7 +25,7 @@ async def test_another_aiohttp_gets_its_own_server_and_the_log_says_why(
 ) -> None:
     monkeypatch.setattr(protocol, "SUPPORTED", False)
     with structlog.testing.capture_logs() as logged:
-        srv = protocol.server(_handler, head_timeout_s=5.0)
+        srv = protocol.server(_handler, head_timeout_s=5.0, client_max_size=1024)
     assert type(srv) is web.Server
     assert not isinstance(srv(), protocol.Handler)
     (line,) = [e for e in logged if e["event"] == "request_handler_stock"]
