@@ -49,11 +49,26 @@ def tail(path: Path, lines: int) -> tuple[str, ...]:
             data = f.read()
     except OSError:
         return ()
-    text = data.decode(errors="replace")
-    parts = [line.rstrip("\r") for line in text.split("\n")]
-    if start > 0 and parts:
+    parts = [shown(line) for line in data.decode(errors="replace").split("\n")]
+    if start > 0 and len(parts) > 1:
         parts = parts[1:]  # the first line is cut in the middle
+    elif start > 0:
+        # One line longer than what was read (a progress bar that never ends its line):
+        # its end is what the engine said last, so it is kept, marked as cut.
+        parts = ["…" + parts[0][-(MAX_LINE_CHARS - 1) :]]
     return bounded(tuple(line for line in parts if line.strip())[-lines:])
+
+
+def shown(line: str) -> str:
+    """What a terminal shows of `line`: progress bars (tqdm's, as vLLM and SGLang print
+    while loading weights) rewrite one line with carriage returns, and only the last
+    rewrite that says something is on the screen."""
+    if "\r" not in line:
+        return line
+    for segment in reversed(line.split("\r")):
+        if segment.strip():
+            return segment
+    return ""
 
 
 def trim(path: Path, max_bytes: int, keep_bytes: int) -> bool:

@@ -120,3 +120,31 @@ def test_a_corrupt_pid_file_is_reported_not_fatal(data: bytes) -> None:
 
 def test_pid_file_names_are_safe(tmp_path: Path) -> None:
     assert pidfiles.path_for(tmp_path, "../../etc/x", 1).parent == tmp_path / "shards"
+
+
+def test_a_tail_without_a_line_end_in_reach_keeps_the_end_of_that_line(tmp_path: Path) -> None:
+    # An engine that printed one line longer than what the tail reads (here 200 KB
+    # without a newline) and then died: its last words were reported as nothing.
+    path = tmp_path / "engine.log"
+    path.write_text("started\n" + "x" * 200_000 + "CUDA error: out of memory")
+    (line,) = logtail.tail(path, 20)
+    assert line.startswith("…")
+    assert line.endswith("CUDA error: out of memory")
+    assert len(line) <= logtail.MAX_LINE_CHARS
+
+
+def test_a_tail_shows_a_progress_bar_as_a_terminal_would(tmp_path: Path) -> None:
+    # tqdm (vLLM's and SGLang's weight loading) rewrites one line with carriage returns.
+    path = tmp_path / "engine.log"
+    bar = "".join(f"\rLoading safetensors: {p}%" for p in range(0, 101, 5))
+    path.write_text(f"start\n{bar}\rLoading safetensors: 100%\r   \nTraceback: boom\n")
+    assert logtail.tail(path, 5) == ("start", "Loading safetensors: 100%", "Traceback: boom")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=300))
+def test_shown_is_one_rewrite_of_the_line(line: str) -> None:
+    got = logtail.shown(line)
+    assert "\r" not in got
+    assert got in line.split("\r") or not got
+    assert bool(got.strip()) == bool(line.replace("\r", "").strip())
