@@ -89,6 +89,15 @@ def quiet_logs() -> None:
     logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 
+class StdoutClosed(Exception):
+    """stdout's reader went away. Told apart from an EPIPE of the NATS connection, which
+    `run` reports as the connection's failure."""
+
+    def __init__(self, pipe: BrokenPipeError) -> None:
+        super().__init__(str(pipe))
+        self.pipe = pipe
+
+
 def run(conn: Conn, body: Callable[[Session], Awaitable[int | None]]) -> None:
     """Connect, run `body`, close; CtlError -> one line on stderr and its exit code."""
     quiet_logs()
@@ -102,6 +111,10 @@ def run(conn: Conn, body: Callable[[Session], Awaitable[int | None]]) -> None:
 
     try:
         code = asyncio.run(main())
+    except StdoutClosed as exc:
+        # Whoever read the output stopped (`llmgw ctl events | head`): neither the log nor
+        # the connection failed. typer's main ends a command on a closed pipe quietly.
+        raise exc.pipe from None
     except CtlError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(exc.exit_code) from None
@@ -117,7 +130,10 @@ def run(conn: Conn, body: Callable[[Session], Awaitable[int | None]]) -> None:
 
 
 def out(text: str) -> None:
-    typer.echo(text)
+    try:
+        typer.echo(text)
+    except BrokenPipeError as exc:
+        raise StdoutClosed(exc) from exc
 
 
 def colour() -> bool:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import io
+import sys
 from pathlib import Path
 
 import pytest
@@ -401,3 +403,40 @@ def test_only_ages_from_before_the_heartbeat_horizon_are_unset(
             }
         ]
     )
+
+
+# --------------------------------------------------------------------------- output
+
+
+class _ClosedPipe(io.StringIO):
+    """stdout whose reader has gone (`head` after its lines): every write is EPIPE."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+def test_a_reader_that_stops_reading_is_not_a_nats_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`llmgw ctl events | head -7`, as README shows it: the write after head exits finds
+    the pipe closed. That ends the command as click ends any on a closed pipe (quietly),
+    not with "check that NATS is up" and the exit status of a failed command."""
+    from llmgw.cli import ctl_common
+
+    class Session:
+        async def close(self) -> None:
+            pass
+
+    async def open_session(_cfg: object) -> Session:
+        return Session()
+
+    async def body(_session: object) -> int:
+        ctl_common.out("first line")
+        return 0
+
+    monkeypatch.setattr(ctl_common.Session, "open", staticmethod(open_session))
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    conn = ctl_common.Conn(config=None, servers=None, ca=None, cert=None, key=None)
+    with pytest.raises(BrokenPipeError):  # typer's main turns it into a quiet exit
+        ctl_common.run(conn, body)
+    assert capsys.readouterr().err == ""
