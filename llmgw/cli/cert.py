@@ -74,9 +74,12 @@ def _render_and_reload(certs: CertDir, authorization: Path | None, pid_file: Pat
     if pid is not None:
         typer.echo(f"reloaded nats-server (pid {pid}): the change applies now")
     else:
+        # Twice, as reload_from_pid_file does: an account that a reload adds answers
+        # requests only after the next one.
         typer.echo(
             "no running nats-server found through the pid file: a server started later reads "
-            "it; a running one applies it after `nats-server --signal reload=<pid>`"
+            "it; a running one applies it after two reloads, a second apart "
+            "(`nats-server --signal reload=<pid>`, twice, or `systemctl reload llmgw-nats`)"
         )
 
 

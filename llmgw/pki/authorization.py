@@ -363,7 +363,8 @@ def render(
         + (f" in {source}" if source else "")
         + ": do not edit.",
         "# Issue or remove a certificate with `llmgw ctl cert`, which renders this file again;",
-        "# then apply it without a restart: nats-server --signal reload=<pid> (or SIGHUP).",
+        "# then apply it without a restart by reloading twice, a second apart (a new identity's",
+        "# account answers only after the second): nats-server --signal reload=<pid> (SIGHUP).",
         "# The streams live in the account LOG, which no client of the fleet joins; each",
         "# identity has its own account importing only what it may publish (docs/security.md).",
         "accounts {",

@@ -183,6 +183,10 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
     stale = llmgw(root, "ctl", "cert", "render")
     assert stale.returncode == 0, stale.stderr
     assert "no running nats-server found" in stale.stdout
+    # Applied by hand as llmgw applies it: a new identity's account answers only after the
+    # second reload.
+    assert natsd.RELOAD_ROUNDS == 2
+    assert "after two reloads" in stale.stdout
 
 
 def test_issue_without_a_ca_says_to_run_init(tmp_path: Path) -> None:

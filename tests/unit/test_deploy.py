@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from llmgw import natsconf
+from llmgw import natsconf, natsd
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "systemd"
@@ -157,3 +157,19 @@ def test_the_deployed_nats_config_is_rendered() -> None:
         "deploy/nats/llmgw.conf drifted from llmgw.natsconf.SYSTEMD_CONFIG: regenerate it with "
         "render_config(SYSTEMD_CONFIG, SYSTEMD_HEADER)"
     )
+
+
+def test_reloading_the_nats_unit_admits_a_new_identity() -> None:
+    """`systemctl reload llmgw-nats` after `llmgw ctl cert issue`: an account that a reload
+    adds answers requests only after the next reload (llmgw.natsd.RELOAD_ROUNDS), so the
+    unit signals as often as llmgw does, pausing between signals (one that arrives while
+    a reload is applied is merged into it). Before: one SIGHUP, and the new identity's
+    JetStream requests found no responders."""
+    reload = service_section(DEPLOY / "llmgw-nats.service")["ExecReload"]
+    signals = [c for c in reload if c.split()[1:] == ["-HUP", "$MAINPID"]]
+    assert len(signals) == natsd.RELOAD_ROUNDS, reload
+    pauses = [c.split() for c in reload if PurePosixPath(c.split()[0]).name == "sleep"]
+    assert len(pauses) == natsd.RELOAD_ROUNDS - 1, reload
+    assert all(float(p[1]) >= natsd.RELOAD_GAP_S for p in pauses), reload
+    order = [PurePosixPath(c.split()[0]).name for c in reload]
+    assert order == ["kill"] + ["sleep", "kill"] * (natsd.RELOAD_ROUNDS - 1), reload
