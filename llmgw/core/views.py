@@ -68,7 +68,7 @@ def _node_row(st: state.ClusterState, name: str, now: float) -> dict[str, Any]:
         "quarantined": quarantine is not None,
         "quarantine_reason": quarantine.reason if quarantine is not None else "",
         "quarantined_seq": quarantine.seq if quarantine is not None else None,
-        "drain_since": n.drain_since or None,
+        "drain_since": n.drain_since if n.draining else None,
         "drain_grace_s": n.drain_grace_s if n.draining else None,
         "heartbeat_age_s": _heartbeat_age(n, seen, now),
         "last_seen": seen.last_seen if seen is not None else None,

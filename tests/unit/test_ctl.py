@@ -155,6 +155,19 @@ def test_node_rows_count_gpus_by_class_and_say_why_excluded() -> None:
     assert "GPU 3: uncorrected ECC errors" in table
 
 
+def test_an_uncordoned_node_shows_no_drain() -> None:
+    # `ctl nodes --json` showed when a drain began after the node was uncordoned, beside
+    # draining: false (the fold keeps the time; the view shows it only while it applies).
+    sim = scenarios.Sim()
+    sim.register("node-a", count=2)
+    sim.drain("node-a", grace_s=100)
+    (row,) = views.node_rows(sim.state, sim.now)
+    assert (row["draining"], row["drain_since"], row["drain_grace_s"]) == (True, sim.now, 100)
+    sim.append(events.NodeUncordoned(id=sim.eid("op"), ts=sim.now, operator="alice", node="node-a"))
+    (row,) = views.node_rows(sim.state, sim.now)
+    assert (row["draining"], row["drain_since"], row["drain_grace_s"]) == (False, None, None)
+
+
 def test_drain_plan_progress_and_diff_across_it() -> None:
     sim = scenarios.Sim()
     for n in ("node-a", "node-b"):
