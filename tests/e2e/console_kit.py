@@ -44,18 +44,24 @@ TOKENS: dict[str, str] = {}
 """Each started console's token, by its URL: `call` presents it."""
 
 
+def console_argv(server: TestNatsServer, *extra: str, name: str = "alice") -> list[str]:
+    """`llmgw console` on a free port as operator `name` (issued if need be), with `extra`."""
+    server.pki.client_tls("operator", name)
+    certs = server.pki.certs
+    return [PY, "-m", "llmgw", "console", "--port", "0", "--server", server.url,
+            "--ca", str(certs.ca_cert), "--cert", str(certs.cert(Identity("operator", name))),
+            *extra]  # fmt: skip
+
+
 def start_console(server: TestNatsServer, tmp: Path, name: str = "alice") -> tuple[Service, str]:
     """`llmgw console` on a free port as operator `name`: the service and its URL (its
     token in `TOKENS`; `opening(url)` is the address a browser opens)."""
-    server.pki.client_tls("operator", name)
-    certs = server.pki.certs
     console = Service(
         "console",
-        [PY, "-m", "llmgw", "console", "--port", "0", "--server", server.url,
-         "--ca", str(certs.ca_cert), "--cert", str(certs.cert(Identity("operator", name)))],
+        console_argv(server, name=name),
         tmp / "console.log",
         r"llmgw console at (http://\S+) as \S+: open \S+\?token=(\S+)",
-    )  # fmt: skip
+    )
     found = console.start()
     TOKENS[found.group(1)] = found.group(2)
     return console, found.group(1)

@@ -7,27 +7,17 @@ from __future__ import annotations
 import asyncio
 import ssl
 import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from llmgw import bus
-from llmgw.pki.identity import Identity
+from tests.e2e.console_kit import console_argv
 from tests.e2e.fleet_kit import Service
 from tests.harness import TestNatsServer, connect_as
 
 pytestmark = pytest.mark.slow
-
-PY = sys.executable
-
-
-def console_argv(server: TestNatsServer, *extra: str) -> list[str]:
-    certs = server.pki.certs
-    return [PY, "-m", "llmgw", "console", "--port", "0", "--server", server.url,
-            "--ca", str(certs.ca_cert), "--cert", str(certs.cert(Identity("operator", "alice"))),
-            *extra]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,8 @@ a `/route` body that never ends); the `Bearer` scheme is case-insensitive.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,12 +24,19 @@ from hypothesis import strategies as st
 
 from llmgw.router import auth
 from tests.integration.router_kit import Router, Sim
+from tests.kit.raw_http import (
+    SECRET,
+    addr,
+    exchange,
+    logged_without_the_key,
+    trickle,
+    unfinished_head,
+)
 
 pytestmark = pytest.mark.slow
 
 HEAD_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
-SECRET = "sk-hygiene-secret-7f3a9c"
 
 
 @pytest.fixture(scope="module")
@@ -66,23 +71,6 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, sim: Sim) -> Iterator[Keyed]
     r.stop()
 
 
-def _addr(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
-
-
-def _exchange(url: str, raw: bytes, *, timeout: float = 20.0) -> bytes:
-    """Send `raw`, return everything the server answers until it closes the connection."""
-    with socket.create_connection(_addr(url), timeout=timeout) as sock:
-        sock.sendall(raw)
-        answer = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                return answer
-            answer += chunk
-
-
 def _models(url: str, authorization: str) -> int:
     req = urllib.request.Request(url + "/v1/models", headers={"Authorization": authorization})
     try:
@@ -115,8 +103,8 @@ def test_a_second_router_on_a_taken_port_fails_and_the_first_keeps_all_traffic(
     keys.write_text("keys:\n" + auth.entry_yaml("k", key))
     first = Router.start(tmp_path, {"s": sim}, workers=first_workers, auth={"keys_file": str(keys)})
     try:
-        host, port = _addr(first.url)
-        _, admin_port = _addr(first.admin)
+        host, port = addr(first.url)
+        _, admin_port = addr(first.admin)
         base: dict[str, object] = {
             "models": [{"name": "m"}],
             "endpoints": [{"id": "s", "url": sim.url, "models": ["m"]}],
@@ -161,11 +149,11 @@ def test_a_malformed_authorization_header_is_never_echoed(
     keyed: Keyed, value: str, problem: str
 ) -> None:
     router = keyed.router
-    host, _ = _addr(router.url)
+    host, _ = addr(router.url)
     raw = (f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nAuthorization: {value}\r\n\r\n").encode(
         "latin-1"
     )
-    answer = _exchange(router.url, raw)
+    answer = exchange(router.url, raw)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")), answer[:300]
     assert SECRET.encode() not in answer
@@ -179,63 +167,45 @@ def test_the_admin_listener_neither_echoes_nor_logs_a_malformed_key(keyed: Keyed
     """`POST /route` takes a tenant's key too, and Prometheus's network reaches the admin
     listener: a malformed header there is answered and logged like the front door's."""
     router = keyed.router
-    host, _ = _addr(router.admin)
+    host, _ = addr(router.admin)
     raw = (
         f"POST /route HTTP/1.1\r\nHost: {host}\r\nContent-Length: 2\r\n"
         f"Authorization: Bearer {SECRET}\x01tail\r\n\r\n{{}}"
     ).encode("latin-1")
     logged_before = keyed.log.read_text(errors="replace").count("invalid_header")
-    answer = _exchange(router.admin, raw)
+    answer = exchange(router.admin, raw)
     assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")), answer[:300]
     assert SECRET.encode() not in answer
     _logged_without_the_key(keyed, "invalid_header", logged_before)
 
 
 def _logged_without_the_key(keyed: Keyed, problem: str, before: int) -> None:
-    """Wait for the router's log to name `problem` more than `before` times (the line may
-    be written just after the answer), then check it holds neither the key nor a
-    traceback."""
-    deadline = time.monotonic() + 20
-    log = keyed.log.read_text(errors="replace")
-    while log.count(problem) <= before:
-        assert time.monotonic() < deadline, log[-2000:]
-        time.sleep(0.05)
-        log = keyed.log.read_text(errors="replace")
-    assert SECRET not in log
-    assert "Traceback" not in log
-
-
-def _unfinished_head(url: str) -> bytes:
-    """Send a request head without its end, all at once, then wait: what the server
-    answers before it closes the connection (the head never ends)."""
-    host, _ = _addr(url)
-    return _exchange(url, f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nX-Slow: 1\r\n".encode(),
-                     timeout=120)  # fmt: skip
+    logged_without_the_key(lambda: keyed.log.read_text(errors="replace"), problem, before)
 
 
 def test_a_request_head_sent_at_once_and_never_finished_gets_408(keyed: Keyed) -> None:
     """The head's bytes arrive with the connection (before aiohttp's handler first waits
     for a request): the deadline runs from them all the same."""
-    answer = _unfinished_head(keyed.router.url)
+    answer = unfinished_head(keyed.router.url)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
 
 
 def test_the_admin_listener_cuts_an_unfinished_head_with_408(keyed: Keyed) -> None:
     """Reachable wherever Prometheus scrapes: a head that never ends must not hold a
     connection of the router's process for aiohttp's hour-long keep-alive."""
-    answer = _unfinished_head(keyed.router.admin)
+    answer = unfinished_head(keyed.router.admin)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
 
 
 def test_the_admin_listener_cuts_an_unfinished_route_body_with_408(keyed: Keyed) -> None:
     """A head sent whole, then a body that never ends: cut as the front door cuts one."""
     router = keyed.router
-    host, _ = _addr(router.admin)
+    host, _ = addr(router.admin)
     raw = (
         f"POST /route HTTP/1.1\r\nHost: {host}\r\nContent-Length: 100\r\n"
         f'Authorization: Bearer {keyed.key}\r\n\r\n{{"model"'
     ).encode()
-    answer = _exchange(router.admin, raw, timeout=120)  # until the router closes
+    answer = exchange(router.admin, raw, timeout=120)  # until the router closes
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
 
 
@@ -259,7 +229,7 @@ def test_no_header_value_is_ever_echoed(
     router = keyed.router
     value = b"Bearer " + SECRET.encode() + before + control + after
     raw = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\n\r\n"
-    answer = _exchange(router.url, raw)
+    answer = exchange(router.url, raw)
     assert answer.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")), answer[:300]
     assert SECRET.encode() not in answer
     assert value not in answer
@@ -292,28 +262,11 @@ def test_deeply_nested_json_is_a_400_from_the_router_and_the_sim(keyed: Keyed, s
 
 def test_a_request_head_that_trickles_in_gets_408(keyed: Keyed) -> None:
     router, key = keyed.router, keyed.key
-    host, _ = _addr(router.url)
-    with socket.create_connection(_addr(router.url), timeout=30) as sock:
-        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n".encode())
-        t0 = time.monotonic()
-        answer = b""
-        sock.settimeout(0.25)
-        # One header line every 0.25 s, for far longer than the deadline.
-        for i in range(200):
-            try:
-                sock.sendall(f"X-Slow-{i}: {i}\r\n".encode())
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                continue
-            except ConnectionResetError:
-                break  # the answer must have come before: the router lingers after it
-            if not chunk:
-                break
-            answer += chunk
-        took = time.monotonic() - t0
+    host, _ = addr(router.url)
+    start = f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n".encode()
+    # One header line every 0.25 s, for far longer than the deadline.
+    lines = (f"X-Slow-{i}: {i}\r\n".encode() for i in range(200))
+    answer, took = trickle(router.url, start, lines, every_s=0.25)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
     assert b'"code":"request_timeout"' in answer
     assert HEAD_TIMEOUT_S <= took < HEAD_TIMEOUT_S + 20

@@ -97,6 +97,14 @@ def test_bad_port_range() -> None:
         )
 
 
+def test_the_admin_listener_needs_a_head_deadline() -> None:
+    cfg = agent_config.load(overrides={"admin": {"port": 0}}, environ={}, hostname="n")
+    assert cfg.admin is not None
+    assert cfg.admin.header_timeout_s == 10.0
+    with pytest.raises(config.ConfigError, match=r"admin.header_timeout_s must be above 0"):
+        agent_config.load(overrides={"admin": {"header_timeout_s": -1}}, environ={}, hostname="n")
+
+
 def test_hca_that_discovery_does_not_see_is_a_warning() -> None:
     cfg = agent_config.load(
         overrides={"fabrics": [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_9"]}]},

@@ -48,3 +48,9 @@ def test_show_completion_prints_a_script_for_the_shell() -> None:
     result = CliRunner().invoke(app, ["--show-completion", "bash"])
     assert result.exit_code == 0, result.output
     assert "_llmgw_completion" in result.output
+
+
+def test_the_console_needs_a_head_deadline() -> None:
+    result = CliRunner().invoke(app, ["console", "--header-timeout-s", "0"])
+    assert result.exit_code == 2, result.output
+    assert "--header-timeout-s must be above 0" in result.output

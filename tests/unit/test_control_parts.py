@@ -62,6 +62,7 @@ def test_environment_overrides_and_the_default_name(
         ({"snapshot": {"keep": 0}}, "snapshot.keep"),
         ({"lease_ttl": 3}, "unknown field"),
         ({"admin": {"cert_file": "admin.pem"}}, "set all of cert_file, key_file and ca_file"),
+        ({"admin": {"header_timeout_s": 0}}, r"admin.header_timeout_s must be above 0"),
     ],
 )
 def test_bad_configs_are_refused_with_what_to_change(
