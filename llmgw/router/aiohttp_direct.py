@@ -13,11 +13,12 @@ chunk. That takes four things aiohttp does not promise:
   transport, past aiohttp's writer, once the response has started;
 - the relay reads the request's transport to see whether the client keeps up.
 
-They were written against aiohttp 3.12 to 3.14 (the range pyproject pins).
-`DIRECT` is True only on those versions; on any other, or when the operator
-sets LLMGW_AIOHTTP_DIRECT=0, the relay uses plain awaited writes from the
-handler's task instead: slower (a task wake-up and a send per chunk), never
-wrong. `explain` logs why, once.
+They were written against aiohttp 3.12 to 3.14 (the range pyproject pins:
+`llmgw.http_server.KNOWN`, which guards every listener's connection handler too).
+`DIRECT` is True only on those versions; on any other, or when the operator sets
+LLMGW_AIOHTTP_DIRECT=0, the relay uses plain awaited writes from the handler's task
+instead: slower (a task wake-up and a send per chunk), never wrong. `explain` logs
+why, once.
 """
 
 from __future__ import annotations
@@ -32,22 +33,11 @@ from aiohttp import web
 from aiohttp.http import StreamWriter
 
 from llmgw import logs
+from llmgw.http_server import KNOWN, supported
 
 log = logs.get("llmgw.router")
 
-KNOWN = ((3, 12), (3, 15))
-"""aiohttp versions the shortcuts were written for: from the first, up to (not
-including) the second."""
 ENV = "LLMGW_AIOHTTP_DIRECT"
-
-
-def supported(version: str) -> bool:
-    """Whether an aiohttp version string lies in `KNOWN`."""
-    try:
-        major, minor = (int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return False
-    return KNOWN[0] <= (major, minor) < KNOWN[1]
 
 
 def _why_not(version: str, env: str) -> str:

@@ -1,202 +1,33 @@
-"""The router's HTTP/1.1 connection handling: a deadline on request heads, quiet 400s.
+"""The router's connection handling: llmgw.http_server's (a deadline on request heads,
+quiet 400s), answering in OpenAI's error shape.
 
-aiohttp's server has no limit on how long a request's head (request line and
-headers) may take to arrive: a client sending one header line a second holds a
-connection, and its buffers, until the keep-alive timeout. Here the head must
-be complete within `header_timeout_s` of its first byte, or the client gets a
-408 and the connection is closed.
-
-aiohttp answers a request that is not valid HTTP with its parser's message,
-which quotes the offending line (an `Authorization` header with its key
-included), and logs it with a traceback. Here the answer is an OpenAI-shaped
-400 naming only the kind of problem, and the log line names the client and the
-kind, never the bytes. Used by `llmgw.router.app.build_server`.
-
-`Handler` subclasses aiohttp's request handler and reads three of its private attributes
-(`_waiter`, `_loop`, and the server's `_kwargs`): `server` builds it only on the aiohttp
-versions `llmgw.router.aiohttp_direct` knows, and aiohttp's own server on any other, which
-serves the same requests without the head deadline and with aiohttp's 400s (logged once).
+A request head must be complete within `header_timeout_s` of its first byte, or the client
+gets a 408 (`request_timeout`) and the connection is closed; a request that is not valid
+HTTP gets a 400 (`bad_http_request`) naming only the kind of problem, never the bytes sent
+(an `Authorization` header with its key). Used by `llmgw.router.app.build_server` and the
+admin listener (llmgw.router.admin).
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-import aiohttp
-from aiohttp import http_exceptions, web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp import web
 
-from llmgw import logs
-from llmgw.router import aiohttp_direct
+from llmgw import http_server, logs
 from llmgw.router.requests import error_body
 
 log = logs.get("llmgw.router")
 
 
-def head_timeout_answer(timeout_s: float) -> bytes:
-    """The whole 408 response sent when a request's head is late."""
-    body = error_body(
-        f"the request headers did not arrive within {timeout_s:g} s: send them at once",
-        "invalid_request_error",
-        "request_timeout",
-    )
-    return (
-        b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
-    )
-
-
-def _parser_reason(exc: http_exceptions.BadHttpMessage) -> str:
-    """The parser's fixed reason ("Invalid header value char"), without the bytes that
-    its message quotes after it; "" when there is none."""
-    head, sep, _ = str(exc.message).partition(":\n\n")
-    reason = head.rsplit("\n", 1)[-1].strip()
-    if not sep or len(reason) > 80 or not reason.isascii() or not reason.isprintable():
-        return ""
-    return reason
-
-
-def bad_http_message(exc: http_exceptions.BadHttpMessage) -> tuple[str, str]:
-    """(what the client is told, the problem's kind for the log), quoting nothing sent."""
-    if isinstance(exc, http_exceptions.LineTooLong):
-        return (
-            "a request line or header is too long (the limit is 8190 bytes): send shorter headers",
-            "line_too_long",
-        )
-    reason = _parser_reason(exc)
-    if isinstance(exc, http_exceptions.InvalidHeader) or "header" in reason.lower():
-        return (
-            "a request header is malformed or holds a character HTTP does not allow"
-            " (a control character, a bare CR or LF): fix the header",
-            "invalid_header",
-        )
-    said = f" ({reason})" if reason else ""
-    return (f"the request is not valid HTTP/1.1{said}: fix the client", "not_http")
-
-
-_LINGER_S = 2.0
-"""How long a connection answered with a 408 still reads (and drops) before it closes."""
-
-
-class Handler(RequestHandler):
-    """One client connection."""
-
-    __slots__ = ("_draining_late", "_head_timeout_s", "_head_timer", "_no_head_yet")
-
-    def __init__(self, manager: Any, *, head_timeout_s: float, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self._head_timeout_s = head_timeout_s
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._draining_late = False
-        self._no_head_yet = True
-        """No complete head has arrived on this connection yet."""
-
-    def _awaiting_head(self) -> bool:
-        # start() waits on _waiter exactly while no complete request head is queued.
-        waiter = self._waiter
-        if waiter is None:
-            # Bytes that come with the connection (uvloop reads them at accept) arrive
-            # before start() first waits: they can only be the first head's. Without
-            # this, a partial head sent at once, then silence, had no deadline.
-            return self._no_head_yet and not self._messages
-        return not waiter.done()
-
-    def data_received(self, data: bytes) -> None:
-        if self._draining_late:
-            return  # answered with a 408: what still arrives is dropped
-        super().data_received(data)
-        if self._messages:
-            self._no_head_yet = False  # what follows a head may be its body
-        if self._awaiting_head():
-            # Part of a head: the deadline runs from its first byte, not from each piece.
-            if self._head_timer is None and data:
-                self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_late)
-        elif self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_late(self) -> None:
-        self._head_timer = None
-        if not self._awaiting_head() or self.transport is None:
-            return
-        peer = self.transport.get_extra_info("peername")
-        log.info("request_head_timeout", peer=str(peer), timeout_s=self._head_timeout_s)
-        self.transport.write(head_timeout_answer(self._head_timeout_s))
-        if not self.transport.can_write_eof():
-            self.force_close()  # close() sends what is buffered, then closes
-            return
-        # A lingering close: closing while the client's next header lines sit unread would
-        # make the kernel answer with a reset, which can discard the 408 before the client
-        # reads it. So: send the answer and end our side, read and drop what still comes
-        # for a moment, then close.
-        self._draining_late = True
-        self.transport.write_eof()
-        self._loop.call_later(_LINGER_S, self.force_close)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-        super().connection_lost(exc)
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if not isinstance(exc, http_exceptions.BadHttpMessage):
-            return super().handle_error(request, status, exc, message)
-        said, kind = bad_http_message(exc)
-        log.info("bad_http_request", peer=str(request.remote), problem=kind)
-        resp = web.Response(
-            status=400,
-            body=error_body(said, "invalid_request_error", "bad_http_request"),
-            content_type="application/json",
-        )
-        resp.force_close()
-        return resp
-
-
-class Server(web.Server):
-    """aiohttp's low-level server, making `Handler`s."""
-
-    def __init__(self, *args: Any, head_timeout_s: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._head_timeout_s = head_timeout_s
-
-    def __call__(self) -> RequestHandler:
-        return Handler(self, loop=self._loop, head_timeout_s=self._head_timeout_s, **self._kwargs)
-
-
-SUPPORTED = aiohttp_direct.supported(aiohttp.__version__)
-"""Whether `Handler`'s reading of aiohttp's internals was written for this aiohttp."""
+def _openai_error(message: str, code: str) -> bytes:
+    return error_body(message, "invalid_request_error", code)
 
 
 def server(
     handler: Any, *, head_timeout_s: float, client_max_size: int, **kwargs: Any
 ) -> web.Server:
-    """The router's low-level server: `Server` (head deadline, quiet 400s) on the aiohttp
-    versions it was written for, aiohttp's own `web.Server` on any other; requests take
-    bodies of up to `client_max_size` bytes."""
-    loop = asyncio.get_running_loop()
-
-    def make_request(
-        message: Any, payload: Any, conn: Any, writer: Any, task: Any
-    ) -> web.BaseRequest:
-        return web.BaseRequest(
-            message, payload, conn, writer, task, loop, client_max_size=client_max_size
-        )
-
-    kwargs["request_factory"] = make_request
-    if SUPPORTED:
-        return Server(handler, head_timeout_s=head_timeout_s, **kwargs)
-    log.warning(
-        "request_handler_stock",
-        aiohttp=aiohttp.__version__,
-        reason="an aiohttp version the router's request handler was not written for: "
-        "no deadline on request heads, and aiohttp's own answers to malformed requests",
-    )
-    return web.Server(handler, **kwargs)
+    """The router's low-level server (llmgw.http_server.server) with its answers; requests
+    take bodies of up to `client_max_size` bytes."""
+    rules = http_server.Rules(head_timeout_s, log, _openai_error)
+    return http_server.server(handler, rules=rules, client_max_size=client_max_size, **kwargs)

@@ -1,0 +1,276 @@
+"""HTTP/1.1 connection handling for every listener llmgw runs: a deadline on request heads,
+quiet 400s.
+
+aiohttp's server has no limit on how long a request's head (request line and headers) may
+take to arrive: a client sending one header byte every few seconds holds a connection, and
+its buffers, for as long as it likes. Here the head must be complete within the listener's
+head timeout of its first byte, or the client gets a 408 and the connection is closed.
+
+aiohttp answers a request that is not valid HTTP with its parser's message, which quotes
+the offending line (an `Authorization` header with its key included), and logs it with a
+traceback. Here the answer is a JSON 400 naming only the kind of problem, and the log line
+names the client and the kind, never the bytes.
+
+Every listener is served so, plain HTTP or HTTPS (TLS hands the handler the decrypted
+bytes; the deadline runs from the first of them, and the handshake is bounded by asyncio's
+own timeout): the router's front door and admin listener (`server`, aiohttp's low-level
+server, through llmgw.router.protocol, which answers in OpenAI's error shape), the control
+plane's admin API (llmgw.control.admin), the agent's admin listener (llmgw.agent.metrics)
+and `llmgw console` (`app_runner`, for an aiohttp Application). Each listener's `Rules`
+give its head timeout, its logger and how its error bodies look.
+
+`Handler` subclasses aiohttp's request handler and reads its private attributes (`_waiter`,
+`_messages`, `_loop`, the server's `_loop` and `_kwargs`), and `app_runner` overrides the
+runner's `_make_server`: they are used only on the aiohttp versions in `KNOWN`, and
+aiohttp's own server on any other, which serves the same requests without the head
+deadline and with aiohttp's 400s (logged once per listener).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import http_exceptions, web
+from aiohttp.web_protocol import RequestHandler
+
+KNOWN = ((3, 12), (3, 15))
+"""aiohttp versions llmgw's readings of aiohttp's internals were written for (here and in
+llmgw.router.aiohttp_direct): from the first, up to (not including) the second."""
+
+
+def supported(version: str) -> bool:
+    """Whether an aiohttp version string lies in `KNOWN`."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return KNOWN[0] <= (major, minor) < KNOWN[1]
+
+
+SUPPORTED = supported(aiohttp.__version__)
+"""Whether `Handler`'s reading of aiohttp's internals was written for this aiohttp."""
+
+ErrorBody = Callable[[str, str], bytes]
+"""A listener's JSON error body from what the client is told and a code
+(`request_timeout`, `bad_http_request`)."""
+
+
+def plain_error(message: str, code: str) -> bytes:
+    """`{"error": message}`, as the admin listeners and the console answer errors."""
+    return msgspec.json.encode({"error": message})
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """How one listener holds its connections."""
+
+    head_timeout_s: float
+    """A request head must be complete this long after its first byte, or 408."""
+    log: structlog.typing.FilteringBoundLogger
+    """The listener's logger: the late heads and malformed requests are its lines."""
+    error_body: ErrorBody = plain_error
+
+
+def head_timeout_answer(rules: Rules) -> bytes:
+    """The whole 408 response sent when a request's head is late."""
+    body = rules.error_body(
+        f"the request headers did not arrive within {rules.head_timeout_s:g} s: send them at once",
+        "request_timeout",
+    )
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    )
+
+
+def _parser_reason(exc: http_exceptions.BadHttpMessage) -> str:
+    """The parser's fixed reason ("Invalid header value char"), without the bytes that
+    its message quotes after it; "" when there is none."""
+    head, sep, _ = str(exc.message).partition(":\n\n")
+    reason = head.rsplit("\n", 1)[-1].strip()
+    if not sep or len(reason) > 80 or not reason.isascii() or not reason.isprintable():
+        return ""
+    return reason
+
+
+def bad_http_message(exc: http_exceptions.BadHttpMessage) -> tuple[str, str]:
+    """(what the client is told, the problem's kind for the log), quoting nothing sent."""
+    if isinstance(exc, http_exceptions.LineTooLong):
+        return (
+            "a request line or header is too long (the limit is 8190 bytes): send shorter headers",
+            "line_too_long",
+        )
+    reason = _parser_reason(exc)
+    if isinstance(exc, http_exceptions.InvalidHeader) or "header" in reason.lower():
+        return (
+            "a request header is malformed or holds a character HTTP does not allow"
+            " (a control character, a bare CR or LF): fix the header",
+            "invalid_header",
+        )
+    said = f" ({reason})" if reason else ""
+    return (f"the request is not valid HTTP/1.1{said}: fix the client", "not_http")
+
+
+_LINGER_S = 2.0
+"""How long a connection answered with a 408 still reads (and drops) before it closes."""
+
+
+class Handler(RequestHandler):
+    """One client connection."""
+
+    __slots__ = ("_draining_late", "_head_timer", "_no_head_yet", "_rules")
+
+    def __init__(self, manager: Any, *, rules: Rules, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._rules = rules
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._draining_late = False
+        self._no_head_yet = True
+        """No complete head has arrived on this connection yet."""
+
+    def _awaiting_head(self) -> bool:
+        # start() waits on _waiter exactly while no complete request head is queued.
+        waiter = self._waiter
+        if waiter is None:
+            # Bytes that come with the connection (uvloop reads them at accept) arrive
+            # before start() first waits: they can only be the first head's. Without
+            # this, a partial head sent at once, then silence, had no deadline.
+            return self._no_head_yet and not self._messages
+        return not waiter.done()
+
+    def data_received(self, data: bytes) -> None:
+        if self._draining_late:
+            return  # answered with a 408: what still arrives is dropped
+        super().data_received(data)
+        if self._messages:
+            self._no_head_yet = False  # what follows a head may be its body
+        if self._awaiting_head():
+            # Part of a head: the deadline runs from its first byte, not from each piece.
+            if self._head_timer is None and data:
+                timeout_s = self._rules.head_timeout_s
+                self._head_timer = self._loop.call_later(timeout_s, self._head_late)
+        elif self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if not self._awaiting_head() or self.transport is None:
+            return
+        peer = self.transport.get_extra_info("peername")
+        self._rules.log.info(
+            "request_head_timeout", peer=str(peer), timeout_s=self._rules.head_timeout_s
+        )
+        self.transport.write(head_timeout_answer(self._rules))
+        # A lingering close: closing while the client's next header lines sit unread would
+        # make the kernel answer with a reset, which can discard the 408 before the client
+        # reads it. So: send the answer (and end our side, where the transport can: TLS's
+        # cannot), read and drop what still comes for a moment, then close.
+        self._draining_late = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._loop.call_later(_LINGER_S, self.force_close)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, http_exceptions.BadHttpMessage):
+            return super().handle_error(request, status, exc, message)
+        said, kind = bad_http_message(exc)
+        self._rules.log.info("bad_http_request", peer=str(request.remote), problem=kind)
+        resp = web.Response(
+            status=400,
+            body=self._rules.error_body(said, "bad_http_request"),
+            content_type="application/json",
+        )
+        resp.force_close()
+        return resp
+
+
+class Server(web.Server):
+    """aiohttp's low-level server, making `Handler`s."""
+
+    def __init__(self, *args: Any, rules: Rules, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rules = rules
+
+    def __call__(self) -> RequestHandler:
+        return Handler(self, loop=self._loop, rules=self._rules, **self._kwargs)
+
+
+def _stock(rules: Rules) -> None:
+    rules.log.warning(
+        "request_handler_stock",
+        aiohttp=aiohttp.__version__,
+        reason="an aiohttp version llmgw's request handler was not written for: "
+        "no deadline on request heads, and aiohttp's own answers to malformed requests",
+    )
+
+
+def server(handler: Any, *, rules: Rules, client_max_size: int, **kwargs: Any) -> web.Server:
+    """A low-level server (no Application): `Server` (head deadline, quiet 400s) on the
+    aiohttp versions it was written for, aiohttp's own `web.Server` on any other; requests
+    take bodies of up to `client_max_size` bytes."""
+    loop = asyncio.get_running_loop()
+
+    def make_request(
+        message: Any, payload: Any, conn: Any, writer: Any, task: Any
+    ) -> web.BaseRequest:
+        return web.BaseRequest(
+            message, payload, conn, writer, task, loop, client_max_size=client_max_size
+        )
+
+    kwargs["request_factory"] = make_request
+    if SUPPORTED:
+        return Server(handler, rules=rules, **kwargs)
+    _stock(rules)
+    return web.Server(handler, **kwargs)
+
+
+class _AppRunner(web.AppRunner):
+    """aiohttp's runner for an Application, serving it through `Server`."""
+
+    __slots__ = ("_rules",)
+
+    def __init__(self, app: web.Application, *, rules: Rules, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._rules = rules
+
+    async def _make_server(self) -> web.Server:
+        # aiohttp's own (the app started and frozen, its request factory and handler
+        # arguments), remade as a `Server` with the same parts.
+        stock = await super()._make_server()
+        return Server(
+            stock.request_handler,
+            request_factory=stock.request_factory,
+            handler_cancellation=stock.handler_cancellation,
+            loop=stock._loop,
+            rules=self._rules,
+            **stock._kwargs,
+        )
+
+
+def app_runner(app: web.Application, *, rules: Rules, **kwargs: Any) -> web.AppRunner:
+    """A runner for `app` (`kwargs` as aiohttp's `AppRunner` takes them) whose connections
+    follow `rules` on the aiohttp versions `Server` was written for; aiohttp's own on any
+    other."""
+    if SUPPORTED:
+        return _AppRunner(app, rules=rules, **kwargs)
+    _stock(rules)
+    return web.AppRunner(app, **kwargs)
