@@ -55,6 +55,9 @@ class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     host: str = "127.0.0.1"
     port: config.Port = 9191
+    header_timeout_s: float = 10.0
+    """Longest wait for a request's line and headers once their first byte is in; a client
+    that sends them slower gets 408 and its connection is closed (llmgw.http_server)."""
 
 
 class TracesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -243,6 +246,8 @@ def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
                 f"traces.collector {cfg.traces.collector!r} is not host:port: give the OTLP/gRPC "
                 "collector's address, e.g. otel-collector.example.internal:4317"
             )
+    if cfg.admin is not None and not cfg.admin.header_timeout_s > 0:
+        raise config.ConfigError("admin.header_timeout_s must be above 0 (10 is the default)")
     errors = policy_errors(cfg.launch)
     if errors:
         raise config.ConfigError("; ".join(errors))

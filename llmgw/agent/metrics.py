@@ -11,6 +11,10 @@ service when Prometheus scrapes.
 - `GET /metrics`: Prometheus text;
 - `GET /health`: 200 `{"ok": true}` once started and connected to NATS, else 503 saying
   which is missing.
+
+A request head must arrive within `admin.header_timeout_s` of its first byte, or the
+client gets a 408 and the connection closes; a malformed request gets a 400 that quotes
+nothing it sent (llmgw.http_server).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from llmgw import listeners, logs
+from llmgw import http_server, listeners, logs
 from llmgw.agent.config import AdminListener
 from llmgw.agent.outbox import Outbox
 from llmgw.agent.shards import ShardView
@@ -188,7 +192,8 @@ async def serve(
     if where is None:
         return None, ""
     host, port = where.host, where.port
-    runner = web.AppRunner(build_app(metrics), access_log=None)
+    rules = http_server.Rules(where.header_timeout_s, log)
+    runner = http_server.app_runner(build_app(metrics), rules=rules, access_log=None)
     await runner.setup()
     try:
         sock = listeners.bind(host, port, setting="admin.port")

@@ -5,7 +5,9 @@ certificate, whose identity the page's cordon, uncordon and drain carry), and li
 on 127.0.0.1 by default, where every request must carry the token it prints in the address
 to open (another user of the machine reaches 127.0.0.1 too). Listening on any other
 address needs `--tls-cert/--tls-key`: HTTPS that admits only operator client certificates
-of the fleet's CA.
+of the fleet's CA. Either way a request head must arrive within `--header-timeout-s` of
+its first byte (or 408, and the connection closes), and a malformed request gets a 400 that
+quotes nothing it sent (llmgw.http_server).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from pathlib import Path
 import typer
 from aiohttp import web
 
-from llmgw import listeners, logs, operator_https
+from llmgw import http_server, listeners, logs, operator_https
 from llmgw.cli import ctl_common as common
 from llmgw.ctl.console.live import LiveFleet
-from llmgw.ctl.console.server import build_app
+from llmgw.ctl.console.server import build_app, log
 from llmgw.ctl.errors import BadInput, CtlError
 from llmgw.ctl.session import Session
 
@@ -52,6 +54,12 @@ def command(
         None, "--tls-cert", help="Server certificate for HTTPS (needed beyond 127.0.0.1)."
     ),
     tls_key: str | None = typer.Option(None, "--tls-key", help="Its key."),
+    header_timeout_s: float = typer.Option(
+        10.0,
+        "--header-timeout-s",
+        help="Longest wait for a request's line and headers once their first byte is in "
+        "(slower: 408, and the connection closes).",
+    ),
     config: Path | None = common.CONFIG,
     server: list[str] | None = common.SERVER,
     ca: str | None = common.CA,
@@ -71,10 +79,13 @@ def command(
             err=True,
         )
         raise typer.Exit(2)
+    if not header_timeout_s > 0:
+        typer.echo("error: --header-timeout-s must be above 0 (10 is the default)", err=True)
+        raise typer.Exit(2)
     logs.setup("info")
     conn = common.Conn(config, server, ca, cert, key)
     try:
-        asyncio.run(_serve(conn, host, port, tls_cert, tls_key))
+        asyncio.run(_serve(conn, host, port, tls_cert, tls_key, header_timeout_s))
     except CtlError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(exc.exit_code) from None
@@ -83,7 +94,12 @@ def command(
 
 
 async def _serve(
-    conn: common.Conn, host: str, port: int, tls_cert: str | None, tls_key: str | None
+    conn: common.Conn,
+    host: str,
+    port: int,
+    tls_cert: str | None,
+    tls_key: str | None,
+    header_timeout_s: float,
 ) -> None:
     cfg = conn.load()
     try:
@@ -103,8 +119,11 @@ async def _serve(
     # Without HTTPS no certificate says who asks: a token this process made does. A client
     # that leaves ends its request (handler_cancellation): a scan of the log stops with it.
     token = "" if tls else secrets.token_urlsafe(24)
-    runner = web.AppRunner(
-        build_app(live, _hosts(host, bound), token), access_log=None, handler_cancellation=True
+    runner = http_server.app_runner(
+        build_app(live, _hosts(host, bound), token),
+        rules=http_server.Rules(header_timeout_s, log),
+        access_log=None,
+        handler_cancellation=True,
     )
     await runner.setup()
     await web.SockSite(runner, sock, ssl_context=tls).start()

@@ -16,7 +16,10 @@
 Plain HTTP on 127.0.0.1 by default, answering only requests whose `Host` names a
 loopback address or localhost (421 otherwise: DNS rebinding); with `admin.cert_file`
 set, HTTPS that requires a client certificate from the fleet's CA and answers 403
-unless it is an operator's.
+unless it is an operator's. Either way (a Prometheus elsewhere may reach it) a request
+head must arrive within `admin.header_timeout_s` of its first byte, or the client gets a
+408 and the connection closes, and a malformed request gets a 400 that quotes nothing it
+sent (llmgw.http_server).
 Everything is read from the folded state (llmgw.control.service), shown with the same
 rows as `llmgw ctl` (llmgw.core.views), and nothing is written: mutations go through
 the log (`llmgw ctl`). JSON via msgspec. Used by operators, `llmgw ctl status`,
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from llmgw import listeners, logs, operator_https
+from llmgw import http_server, listeners, logs, operator_https
 from llmgw.core import placement, state, views
 
 if TYPE_CHECKING:
@@ -158,9 +161,10 @@ def build_app(svc: ControlService) -> web.Application:
 
 async def start(svc: ControlService) -> web.AppRunner:
     """Listen on the configured admin address; sets `svc.admin_url` (port 0 picks a free one)."""
-    runner = web.AppRunner(build_app(svc), access_log=None)
-    await runner.setup()
     cfg = svc.cfg.admin
+    rules = http_server.Rules(cfg.header_timeout_s, log)
+    runner = http_server.app_runner(build_app(svc), rules=rules, access_log=None)
+    await runner.setup()
     try:
         sock = listeners.bind(cfg.host, cfg.port, setting="admin.port")
     except OSError:

@@ -42,6 +42,9 @@ class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     key_file: str = ""
     ca_file: str = ""
     """The fleet's CA: clients must present a certificate it issued with OU=operator."""
+    header_timeout_s: float = 10.0
+    """Longest wait for a request's line and headers once their first byte is in; a client
+    that sends them slower gets 408 and its connection is closed (llmgw.http_server)."""
 
 
 class SnapshotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -124,6 +127,8 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
             "admin: set all of cert_file, key_file and ca_file for HTTPS with operator "
             "certificates, or none of them for plain HTTP (then keep host 127.0.0.1)"
         )
+    if not a.header_timeout_s > 0:
+        problems.append("admin.header_timeout_s must be above 0 (10 is the default)")
     seen: list[ModelProfile] = []
     names: set[str] = set()
     for i, profile in enumerate(cfg.models):
