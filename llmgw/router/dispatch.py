@@ -387,9 +387,13 @@ class Dispatcher:
             if state.trace is not None:
                 state.trace.first_token = time.monotonic()
             if state.response is not None and state.started:
-                # Keep-alive comments went out as a 200 stream: pass the body as an event.
+                # Keep-alive comments went out as a 200 stream: pass the body as an event
+                # (an error as the API's error event).
                 state.stop_keepalive()
-                await state.write(b"data: " + data + b"\n\n")
+                if status >= 400:
+                    await state.write(requests.error_event(kind, data))
+                else:
+                    await state.write(b"data: " + data + b"\n\n")
                 await state.response.write_eof()
                 return state.response
             return web.Response(

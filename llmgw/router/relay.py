@@ -206,7 +206,8 @@ class ClientStream:
         self.failed_status = status
         resp = await self.prepare()
         with contextlib.suppress(ConnectionResetError):
-            await resp.write_eof(requests.error_event(message, type_, code))
+            body = requests.error_body(message, type_, code)
+            await resp.write_eof(requests.error_event(self.kind, body))
 
 
 class EngineStream:

@@ -268,6 +268,11 @@ def error_body(
     )
 
 
-def error_event(message: str, type_: str, code: str) -> bytes:
-    """An SSE event carrying an OpenAI error: the SDKs raise it as an APIError."""
-    return b"data: " + error_body(message, type_, code) + b"\n\n"
+def error_event(kind: Kind, body: bytes) -> bytes:
+    """An SSE event carrying the error `body`, which ends a stream of API `kind` that
+    already began: the openai SDK raises any `data:` holding an `error` as an APIError; the
+    anthropic SDK reads only an event named `error` (a bare `data:` it skips, and a cut
+    stream would look like a whole message without its stop_reason)."""
+    if kind == "messages":
+        return b"event: error\ndata: " + body + b"\n\n"
+    return b"data: " + body + b"\n\n"

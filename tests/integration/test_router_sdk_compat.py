@@ -1,0 +1,79 @@
+"""What users of the `openai` and `anthropic` SDKs send through a real router to real
+`llmgw sim` engines, and what each SDK makes of the answer when something goes wrong: a
+stream cut by its engine, an error that comes after keep-alive comments began the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import anthropic
+import pytest
+
+from tests.integration.router_kit import Router, Sim
+
+pytestmark = pytest.mark.slow
+
+HI = [{"role": "user", "content": "hi"}]
+KEEPALIVE_S = 0.2
+
+
+class Fleet(NamedTuple):
+    router: Router
+    sim: Sim
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One sim behind one router that sends keep-alive comments every KEEPALIVE_S; its
+    breaker never opens (the tests fail the engine on purpose)."""
+    tmp: Path = tmp_path_factory.mktemp("sdk-compat")
+    sim = Sim.start("m", "--eos-min-tokens", "4", "--eos-max-tokens", "8")
+    router = Router.start(
+        tmp, {"e1": sim}, keepalive_s=KEEPALIVE_S, breaker={"failures_to_open": 1000}
+    )
+    try:
+        yield Fleet(router, sim)
+    finally:
+        router.stop()
+        sim.stop()
+
+
+@pytest.fixture
+def claude(fleet: Fleet) -> Iterator[anthropic.Anthropic]:
+    client = anthropic.Anthropic(base_url=fleet.router.url, api_key="none", max_retries=0)
+    yield client
+    fleet.sim.clear_faults()
+    client.close()
+
+
+def test_a_messages_stream_cut_by_its_engine_raises_in_the_anthropic_sdk(
+    fleet: Fleet, claude: anthropic.Anthropic
+) -> None:
+    # The anthropic SDK reads only events named `error` as errors: a bare `data:` error
+    # it skips, and the cut stream looked like a whole message with no stop_reason.
+    fleet.sim.faults(die_mid_stream=True, after_tokens=3, count=1)
+    with (
+        pytest.raises(anthropic.APIStatusError, match="broke off"),
+        claude.messages.stream(model="m", max_tokens=20, messages=HI) as stream,  # type: ignore[arg-type]
+    ):
+        for _ in stream.text_stream:
+            pass
+    fleet.sim.faults(die_mid_stream=True, after_tokens=3, count=1)
+    events = claude.messages.create(model="m", max_tokens=20, messages=HI, stream=True)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.APIStatusError, match="broke off"):
+        for _ in events:
+            pass
+
+
+def test_an_engine_error_after_keepalives_raises_in_the_anthropic_sdk(
+    fleet: Fleet, claude: anthropic.Anthropic
+) -> None:
+    # Keep-alive comments began the stream as a 200: the engine's 400 can only be an event.
+    fleet.sim.faults(stall_at="headers", stall_s=4 * KEEPALIVE_S, fail_status=400, count=1)
+    events = claude.messages.create(model="m", max_tokens=5, messages=HI, stream=True)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.APIStatusError, match="injected failure"):
+        for _ in events:
+            pass
