@@ -294,7 +294,7 @@ class Dispatcher:
             # Keep-alive comments already went out as a 200: the status can no longer change.
             await state.finish_with_error(refusal.message, "server_error", code, refusal.status)
             return state.response
-        return refusal_response(refusal, state.rid)
+        return refusal_response(refusal, state.rid, state.kind)
 
     def _remember_session(self, key: str, ep_id: str) -> None:
         s = self.sessions
@@ -382,7 +382,7 @@ class Dispatcher:
             if status == 200:
                 self._account(prof, state, data)
             elif status >= 400:
-                data = apis.openai_error(status, data)
+                data = apis.engine_error(kind, status, data)
             self.metrics.first_token(prof.name, loop.time() - state.loop_start)
             if state.trace is not None:
                 state.trace.first_token = time.monotonic()

@@ -65,19 +65,25 @@ def retry_refusal(last: Retry) -> Refusal:
 
 
 def error_response(
-    status: int, message: str, type_: str, code: str | None = None, rid: str = ""
+    status: int,
+    message: str,
+    type_: str,
+    code: str | None = None,
+    rid: str = "",
+    kind: requests.Kind = "chat",
 ) -> web.Response:
+    """The error in the shape of API `kind` (`requests.api_error_body`)."""
     headers = {"X-Request-Id": rid} if rid else None
     return web.Response(
         status=status,
-        body=requests.error_body(message, type_, code),
+        body=requests.api_error_body(kind, status, message, type_, code),
         content_type=JSON,
         headers=headers,
     )
 
 
-def refusal_response(refusal: Refusal, rid: str = "") -> web.Response:
-    resp = error_response(refusal.status, refusal.message, refusal.type, refusal.code, rid)
+def refusal_response(refusal: Refusal, rid: str = "", kind: requests.Kind = "chat") -> web.Response:
+    resp = error_response(refusal.status, refusal.message, refusal.type, refusal.code, rid, kind)
     if refusal.retry_after:
         resp.headers["Retry-After"] = str(refusal.retry_after)
     for name, value in refusal.headers:

@@ -206,7 +206,7 @@ class ClientStream:
         self.failed_status = status
         resp = await self.prepare()
         with contextlib.suppress(ConnectionResetError):
-            body = requests.error_body(message, type_, code)
+            body = requests.api_error_body(self.kind, status, message, type_, code)
             await resp.write_eof(requests.error_event(self.kind, body))
 
 

@@ -77,3 +77,29 @@ def test_an_engine_error_after_keepalives_raises_in_the_anthropic_sdk(
     with pytest.raises(anthropic.APIStatusError, match="injected failure"):
         for _ in events:
             pass
+
+
+def test_messages_errors_come_in_anthropics_shape_with_its_types(
+    fleet: Fleet, claude: anthropic.Anthropic
+) -> None:
+    # Anthropic's clients branch on `error.type` (the SDK's `APIStatusError.type`), in
+    # Anthropic's words: a 404 is `not_found_error`, not OpenAI's `invalid_request_error`.
+    with pytest.raises(anthropic.NotFoundError) as nf:  # the router's own refusal
+        claude.messages.create(model="nope", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert nf.value.type == "not_found_error"
+    assert isinstance(nf.value.body, dict)
+    assert nf.value.body["type"] == "error"
+    assert "does not exist" in nf.value.body["error"]["message"]
+    assert nf.value.body["error"]["code"] == "model_not_found"  # OpenAI's field, kept
+    with pytest.raises(anthropic.BadRequestError) as bad:  # the engine's, in OpenAI's shape
+        claude.messages.create(model="m", max_tokens=5, messages=[])
+    assert bad.value.type == "invalid_request_error"
+    assert isinstance(bad.value.body, dict)
+    assert bad.value.body["type"] == "error"
+    assert "at least one message" in bad.value.body["error"]["message"]
+    fleet.sim.faults(die_mid_stream=True, after_tokens=2, count=1)
+    events = claude.messages.create(model="m", max_tokens=20, messages=HI, stream=True)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.APIStatusError) as cut:  # the error event of a cut stream
+        for _ in events:
+            pass
+    assert cut.value.type == "api_error"
