@@ -475,15 +475,24 @@ class Dispatcher:
         self.usage(prof, state, u.usage)
 
     def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
-        self.metrics.count_tokens(prof.name, u.prompt_tokens, u.completion_tokens)
-        client.tokens = (u.prompt_tokens, u.completion_tokens)
+        # A stream may carry its usage more than once, each time the totals so far (vLLM's
+        # continuous_usage_stats: every chunk; the Messages API: the prompt's tokens in
+        # message_start, again in message_delta's totals): what is counted is what the
+        # request's totals grew by, so no token is counted twice.
+        was_in, was_out = client.tokens
+        now_in, now_out = max(was_in, u.prompt_tokens), max(was_out, u.completion_tokens)
+        more_in, more_out = now_in - was_in, now_out - was_out
+        if not (more_in or more_out):
+            return
+        client.tokens = (now_in, now_out)
+        self.metrics.count_tokens(prof.name, more_in, more_out)
         principal = client.principal
         if principal is not None:
             self.metrics.key_usage(principal.name, principal.settings.team, prof.name,
-                                   u.prompt_tokens, u.completion_tokens)  # fmt: skip
-            self.quotas.used(principal, prof.name, u.prompt_tokens, u.completion_tokens)
+                                   more_in, more_out)  # fmt: skip
+            self.quotas.used(principal, prof.name, more_in, more_out)
         details = u.prompt_tokens_details
-        cached = details.cached_tokens if details is not None else None
+        cached = details.cached_tokens if details is not None and more_in else None
         if cached is not None and client.cached_predicted >= 0:
             self.metrics.cache_delivered(prof.name, cached)
             self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)

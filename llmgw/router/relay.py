@@ -51,8 +51,8 @@ class Hooks(Protocol):
     """What a relayed stream tells the rest of the router."""
 
     def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
-        """A usage chunk went by: count the tokens (metrics, the key's token bucket, the
-        cached tokens the engine reports)."""
+        """A usage chunk went by: count the tokens it adds to the request's totals (metrics,
+        the key's token bucket, the cached tokens the engine reports)."""
 
     def first_token(self, model: str, after_s: float) -> None:
         """The first token reached the client, `after_s` after the request began."""
@@ -94,7 +94,8 @@ class ClientStream:
         self.kind = kind
         self.principal = principal
         self.tokens = (0, 0)
-        """Prompt and completion tokens of the answer, as the engine's usage said."""
+        """Prompt and completion tokens of the answer, as the engine's usage said: the
+        totals so far, the most any of its usages said."""
         self.response: web.StreamResponse | None = None
         self.stream = stream
         self.drop_usage = drop_usage

@@ -1,18 +1,23 @@
 """What users of the `openai` and `anthropic` SDKs send through a real router to real
 `llmgw sim` engines, and what each SDK makes of the answer when something goes wrong: a
-stream cut by its engine, an error that comes after keep-alive comments began the stream.
+stream cut by its engine, an error that comes after keep-alive comments began the stream;
+and what the router counts of a stream's usage, which each API repeats in its own way.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import anthropic
+import openai
 import pytest
+from aiohttp import web
 
 from tests.integration.router_kit import Router, Sim
+from tests.kit.threaded_http import ThreadedApp, engine_app
 
 pytestmark = pytest.mark.slow
 
@@ -103,3 +108,60 @@ def test_messages_errors_come_in_anthropics_shape_with_its_types(
         for _ in events:
             pass
     assert cut.value.type == "api_error"
+
+
+def tokens(router: Router) -> tuple[float, float]:
+    """The router's counted prompt and completion tokens of model m."""
+    m = router.metrics()
+    return (m.get('llmgw_router_tokens_total{direction="in",model="m"}', 0.0),
+            m.get('llmgw_router_tokens_total{direction="out",model="m"}', 0.0))  # fmt: skip
+
+
+def test_a_messages_streams_tokens_are_counted_once(
+    fleet: Fleet, claude: anthropic.Anthropic
+) -> None:
+    # message_start holds the prompt's tokens; message_delta the totals, the prompt's again
+    # (vLLM's, and Anthropic's own since 2025): counting both counted the prompt twice.
+    before = tokens(fleet.router)
+    with claude.messages.stream(model="m", max_tokens=6, messages=HI) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert final.usage.input_tokens > 0
+    after = tokens(fleet.router)
+    assert (after[0] - before[0], after[1] - before[1]) == (
+        final.usage.input_tokens, final.usage.output_tokens)  # fmt: skip
+
+
+def _chunk(doc: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+async def _continuous(request: web.Request) -> web.StreamResponse:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
+    body = await request.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    head = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+    for n in range(1, 4):
+        choice = {"index": 0, "delta": {"content": f" t{n}"}, "finish_reason": None}
+        usage = {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": 10 + n}
+        await resp.write(_chunk({**head, "choices": [choice], "usage": usage}))
+    usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    await resp.write(_chunk({**head, "choices": [], "usage": usage}) + b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def test_a_stream_with_usage_in_every_chunk_is_counted_once(tmp_path: Path) -> None:
+    engine = ThreadedApp(engine_app(_continuous))
+    router = Router.start(tmp_path, {"e": engine.url})
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        chunks = list(client.chat.completions.create(
+            model="m", messages=HI, stream=True, stream_options=options))  # type: ignore[arg-type,call-overload]  # fmt: skip
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 3
+        assert tokens(router) == (10.0, 3.0)  # was (40, 9): each chunk's totals added up
+    finally:
+        router.stop()
+        engine.stop()
