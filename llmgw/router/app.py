@@ -230,7 +230,7 @@ class Router:
     async def handle_models(self, request: web.BaseRequest) -> web.Response:
         rid = self._request_id(request)
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
+            self.keys, admission.credential(request.headers), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
@@ -246,7 +246,7 @@ class Router:
         """`GET /v1/models/{id}`: one model (by name or alias) this key may use; else 404."""
         rid = self._request_id(request)
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
+            self.keys, admission.credential(request.headers), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
@@ -363,7 +363,7 @@ class Router:
         """Admission, then dispatch; `outcome` gets the model's name once it is known, and
         the status when it is not the response's own."""
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
+            self.keys, admission.credential(request.headers), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid, kind)

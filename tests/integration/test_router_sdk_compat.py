@@ -16,6 +16,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from llmgw.router import auth
 from tests.integration.router_kit import Router, Sim
 from tests.kit.threaded_http import ThreadedApp, engine_app
 
@@ -165,3 +166,29 @@ def test_a_stream_with_usage_in_every_chunk_is_counted_once(tmp_path: Path) -> N
     finally:
         router.stop()
         engine.stop()
+
+
+def test_a_key_sent_as_anthropics_x_api_key_header_is_taken(
+    fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Anthropic's API takes its key as `x-api-key`, and its clients (Claude Code, the SDKs
+    # before they sent Bearer too, curl from Anthropic's docs) send it so.
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    key = auth.new_key()
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n" + auth.entry_yaml("k", key))
+    router = Router.start(tmp_path, {"e1": fleet.sim}, auth={"keys_file": str(keys)})
+    try:
+        client = anthropic.Anthropic(base_url=router.url, api_key=None, max_retries=0,
+                                     default_headers={"x-api-key": key})  # fmt: skip
+        m = client.messages.create(model="m", max_tokens=3, messages=HI)  # type: ignore[arg-type]
+        assert m.usage.output_tokens > 0
+        wrong = client.with_options(default_headers={"x-api-key": "wrong"})
+        with pytest.raises(anthropic.AuthenticationError):
+            wrong.messages.create(model="m", max_tokens=3, messages=HI)  # type: ignore[arg-type]
+        models = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                               default_headers={"Authorization": "", "x-api-key": key})  # fmt: skip
+        assert [m.id for m in models.models.list()] == ["m"]
+    finally:
+        router.stop()
