@@ -43,8 +43,9 @@ DIRECT_HIGH_WATER = 64 * 1024
 """Bytes waiting in the client's transport that take a stream off the direct path."""
 END_NOW_MAX = 16 * 1024
 """The most bytes a stream's end is written with from the data callback (`EngineStream.sink`)."""
-OPENERS_HELD = 4096
-"""Role-only opening events held back for the first token, at most this many bytes."""
+OPENERS_HELD = 64 * 1024
+"""Opening events held back for the first token, at most this many bytes (a Responses
+stream's response.created repeats the request's instructions and tools)."""
 
 
 class Hooks(Protocol):
@@ -239,7 +240,7 @@ class EngineStream:
         self.drop = client.drop_usage
         self.loop = client.loop
         self.first = b""
-        """Role-only opening events, held until the first token comes."""
+        """Opening events (`sse.only_openers`), held until the first token comes."""
         self.buf: list[bytes] = []
         """The reads (`buffered` bytes) of an event not yet complete, joined once it is: not
         copied again with each read of an event that trickles in."""
@@ -302,8 +303,9 @@ class EngineStream:
         first = self.first + data if self.first else data
         if len(first) < OPENERS_HELD and sse.only_openers(first):
             # A chat stream opens with a role-only chunk before any token (vLLM sends it
-            # with the first token, others at once): held back, so the first-token
-            # deadline still covers the wait and the request can still move elsewhere.
+            # with the first token, others at once), a Messages or Responses stream with
+            # its opening events: held back, so the first-token deadline still covers the
+            # wait and the request can still move elsewhere.
             self.first = first
             return None
         d = self.deadline

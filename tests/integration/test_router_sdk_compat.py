@@ -192,3 +192,46 @@ def test_a_key_sent_as_anthropics_x_api_key_header_is_taken(
         assert [m.id for m in models.models.list()] == ["m"]
     finally:
         router.stop()
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_a_stream_that_opened_but_sent_no_token_moves_to_another_engine(
+    tmp_path: Path, api: str
+) -> None:
+    # Messages and Responses streams open with events that hold no token yet (message_start,
+    # content_block_start; response.created, ...), as the chat stream opens with its role
+    # chunk: held back like it, so the first-token deadline still covers the wait and a
+    # stalled engine's request moves on. Counted as the first token, they pinned the request
+    # to the stalled engine until idle_s, 30 s, and the client got nothing.
+    sims = {f"s{i}": Sim.start("m", "--eos-min-tokens", "4", "--eos-max-tokens", "8")
+            for i in range(2)}  # fmt: skip
+    router = Router.start(
+        tmp_path, dict(sims), weights={"prefix": 0, "session": 5},
+        models=[{"name": "m", "deadlines": {"first_token_s": 1.0, "idle_s": 30.0}}],
+    )  # fmt: skip
+    try:
+        session = {"X-Session-Id": f"conversation-{api}"}
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0,
+                               default_headers=session, timeout=10.0)  # fmt: skip
+        client.chat.completions.create(model="m", messages=HI, max_tokens=2)  # type: ignore[arg-type]
+        sent = router.endpoint_requests()
+        pinned = max(sent, key=lambda ep: sent[ep])  # the session's engine, from here on
+        sims[pinned].faults(stall_at="first_token", stall_s=5, count=1)
+        if api == "messages":
+            claude = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0,
+                                         default_headers=session, timeout=10.0)  # fmt: skip
+            with claude.messages.stream(model="m", max_tokens=5, messages=HI) as stream:  # type: ignore[arg-type]
+                text = "".join(stream.text_stream)
+                done = stream.get_final_message().stop_reason
+        else:
+            events = list(client.responses.create(model="m", input="hi", max_output_tokens=5,
+                                                  stream=True))  # fmt: skip
+            text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            done = events[-1].type
+        assert text
+        assert done in ("max_tokens", "end_turn", "response.completed")
+        assert sorted(router.endpoint_requests().values()) == [1.0, 2.0]  # moved once
+    finally:
+        router.stop()
+        for sim in sims.values():
+            sim.stop()
