@@ -31,7 +31,7 @@ from llmgw.router import upstream as upstream_http
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
-from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, refusal_response
+from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, as_retry, refusal_response
 from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
@@ -448,7 +448,7 @@ class Dispatcher:
         except BaseException as exc:
             if upstream is not None:
                 upstream.close()
-            raise _as_retry(exc, d) from None
+            raise as_retry(exc, d) from None
 
     async def _read_body(
         self, upstream: upstream_http.Response, d: Deadlines, total_at: float
@@ -496,18 +496,3 @@ class Dispatcher:
         if cached is not None and client.cached_predicted >= 0:
             self.metrics.cache_delivered(prof.name, cached)
             self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)
-
-
-def _as_retry(exc: BaseException, d: Deadlines) -> BaseException:
-    """What a failure to get a response head becomes: a Retry, or itself (a Retry
-    already, a cancellation, a bug)."""
-    if isinstance(exc, TimeoutError):
-        return Retry("headers_timeout", 504, f"engine sent no response headers within"
-                     f" {d.headers_s} s")  # fmt: skip
-    if isinstance(exc, upstream_http.ConnectTimeout):
-        return Retry("connect_timeout", 504, str(exc))
-    if isinstance(exc, upstream_http.ConnectError):
-        return Retry("connect_error", 502, str(exc))
-    if isinstance(exc, upstream_http.UpstreamError | OSError):
-        return Retry("upstream_error", 502, f"engine connection failed: {exc}")
-    return exc

@@ -43,17 +43,15 @@ DIRECT_HIGH_WATER = 64 * 1024
 """Bytes waiting in the client's transport that take a stream off the direct path."""
 END_NOW_MAX = 16 * 1024
 """The most bytes a stream's end is written with from the data callback (`EngineStream.sink`)."""
-OPENERS_HELD = 64 * 1024
-"""Opening events held back for the first token, at most this many bytes (a Responses
-stream's response.created repeats the request's instructions and tools)."""
+OPENERS_HELD = 64 * 1024  # a Responses stream's response.created repeats the request's tools
+"""Opening events held back for the first token, at most this many bytes."""
 
 
 class Hooks(Protocol):
     """What a relayed stream tells the rest of the router."""
 
     def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
-        """A usage chunk went by: count the tokens it adds to the request's totals (metrics,
-        the key's token bucket, the cached tokens the engine reports)."""
+        """A usage went by: count what it adds to the totals (metrics, key buckets, cache)."""
 
     def first_token(self, model: str, after_s: float) -> None:
         """The first token reached the client, `after_s` after the request began."""
@@ -95,8 +93,7 @@ class ClientStream:
         self.kind = kind
         self.principal = principal
         self.tokens = (0, 0)
-        """Prompt and completion tokens of the answer, as the engine's usage said: the
-        totals so far, the most any of its usages said."""
+        """Prompt and completion tokens of the answer: the most the engine's usages said."""
         self.response: web.StreamResponse | None = None
         self.stream = stream
         self.drop_usage = drop_usage
@@ -302,10 +299,9 @@ class EngineStream:
         """The bytes to relay once the first token is in (None: not yet, or too late)."""
         first = self.first + data if self.first else data
         if len(first) < OPENERS_HELD and sse.only_openers(first):
-            # A chat stream opens with a role-only chunk before any token (vLLM sends it
-            # with the first token, others at once), a Messages or Responses stream with
-            # its opening events: held back, so the first-token deadline still covers the
-            # wait and the request can still move elsewhere.
+            # A chat stream opens with a role-only chunk (vLLM sends it with the first
+            # token, others at once), the other APIs with opening events: held back, so the
+            # first-token deadline still covers the wait and the request can still move.
             self.first = first
             return None
         d = self.deadline
