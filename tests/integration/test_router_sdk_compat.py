@@ -1,7 +1,9 @@
 """What users of the `openai` and `anthropic` SDKs send through a real router to real
 `llmgw sim` engines, and what each SDK makes of the answer when something goes wrong: a
-stream cut by its engine, an error that comes after keep-alive comments began the stream;
-and what the router counts of a stream's usage, which each API repeats in its own way.
+stream cut by its engine, an error that comes after keep-alive comments began the stream,
+an error in Anthropic's words, an engine that stalls after a stream's opening events; what
+the router counts of a stream's usage, which each API repeats in its own way; and a key in
+Anthropic's `x-api-key` header.
 """
 
 from __future__ import annotations
