@@ -38,7 +38,7 @@ def _handlers(router: Router) -> dict[tuple[str, str], Handler]:
         """Where a request body would go, and why (llmgw.router.explain), for a caller the
         front door would serve."""
         principal = admission.authenticate(
-            router.keys, request.headers.get("Authorization"), time.time(), router.anonymous
+            router.keys, admission.credential(request.headers), time.time(), router.anonymous
         )
         if isinstance(principal, Refusal):
             return web.json_response({"error": principal.message}, status=principal.status)

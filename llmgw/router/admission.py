@@ -8,6 +8,8 @@ the order a client fixes them in: a key, then a model it may use, then its rate.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from llmgw.core import quota
 from llmgw.core.profile import ModelProfile
 from llmgw.router import auth
@@ -16,7 +18,7 @@ from llmgw.router.table import Catalog
 
 NO_KEY = Refusal(
     401,
-    "no API key: send it as `Authorization: Bearer <key>`",
+    "no API key: send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
     "invalid_request_error",
     "missing_api_key",
 )
@@ -26,6 +28,16 @@ BAD_KEY = Refusal(
     "invalid_request_error",
     "invalid_api_key",
 )
+
+
+def credential(headers: Mapping[str, str]) -> str | None:
+    """The `Authorization` value a request's key comes in: that header's, else its
+    `x-api-key` as a bearer token, the header Anthropic's API takes and its clients send."""
+    authorization = headers.get("Authorization")
+    if authorization:
+        return authorization
+    key = headers.get("x-api-key")
+    return f"Bearer {key}" if key else None
 
 
 def authenticate(

@@ -1,4 +1,4 @@
-"""The APIs the router relays, which engines serve each, and engines' errors in OpenAI's shape.
+"""The APIs the router relays, which engines serve each, and engines' errors in their shape.
 
 A client's path names an API (`Kind`); the router relays it to the same API of an engine of
 the model, and refuses it (400, OpenAI's shape, naming the engines that do serve it) when
@@ -9,9 +9,10 @@ round trip, and a retry elsewhere could never help. What each engine serves:
 - SGLang: chat, completions, embeddings, rerank;
 - llama.cpp's llama-server: chat, completions, embeddings, tokenize, detokenize, rerank.
 
-An engine's 4xx reaches the client with its status, in OpenAI's error shape whatever the
+An engine's 4xx reaches the client with its status, in the API's error shape whatever the
 engine wrote (vLLM's `{"object": "error", ...}`, FastAPI's `{"detail": ...}`, Anthropic's
-`{"type": "error", ...}`, plain text): `openai_error`.
+`{"type": "error", ...}`, plain text): Anthropic's for the Messages API, whose clients read
+its error types, OpenAI's for the rest (`engine_error`).
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def too_large(most: int) -> tuple[int, bytes]:
     return 502, requests.error_body(message, "api_error", "answer_too_large")
 
 
-def openai_error(status: int, data: bytes) -> bytes:
-    """An engine's error body in OpenAI's shape (`{"error": {message, type, param, code}}`)."""
+def engine_error(kind: Kind, status: int, data: bytes) -> bytes:
+    """An engine's error body in the shape of API `kind` (`requests.api_error_body`):
+    OpenAI's `{"error": {message, type, param, code}}`, Anthropic's for the Messages API."""
     try:
         doc = msgspec.json.decode(data)
     except (msgspec.DecodeError, RecursionError):
@@ -95,16 +97,21 @@ def openai_error(status: int, data: bytes) -> bytes:
     if isinstance(doc, dict):
         err = doc.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            if doc.get("type") != "error":  # OpenAI's own shape: as it is
+            anthropic = doc.get("type") == "error"
+            if not anthropic and kind != "messages":  # OpenAI's own shape: as it is
                 return data
-            return requests.error_body(err["message"], _type(status), err.get("type"))
+            # (Anthropic's is written again: vLLM's Messages errors carry OpenAI's types.)
+            code = err.get("type") if anthropic else err.get("code")
+            code = code if isinstance(code, str) else None
+            return requests.api_error_body(kind, status, err["message"], _type(status), code)
         message = doc.get("message") or doc.get("detail") or doc.get("error")
         if message is not None and not isinstance(message, str):
             message = msgspec.json.encode(message).decode()
         if isinstance(message, str) and message:
-            return requests.error_body(message, _type(status))
+            return requests.api_error_body(kind, status, message, _type(status))
     text = data.decode("utf-8", "replace").strip()[:2000]
-    return requests.error_body(text or f"the engine answered {status}", _type(status))
+    return requests.api_error_body(kind, status, text or f"the engine answered {status}",
+                                   _type(status))  # fmt: skip
 
 
 def _type(status: int) -> str:

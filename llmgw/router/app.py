@@ -230,7 +230,7 @@ class Router:
     async def handle_models(self, request: web.BaseRequest) -> web.Response:
         rid = self._request_id(request)
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
+            self.keys, admission.credential(request.headers), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
@@ -246,7 +246,7 @@ class Router:
         """`GET /v1/models/{id}`: one model (by name or alias) this key may use; else 404."""
         rid = self._request_id(request)
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
+            self.keys, admission.credential(request.headers), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
@@ -328,12 +328,12 @@ class Router:
             outcome.status = 499  # client closed the request (nginx's convention)
             raise
         except Exception:
-            # A bug, not bad input: say so in OpenAI's shape, keep serving.
+            # A bug, not bad input: say so in the API's error shape, keep serving.
             log.exception("request_crashed", request_id=rid)
             outcome.status = 500
             return error_response(
                 500, "the router failed on this request (a bug): see its log", "server_error",
-                "internal_error", rid,
+                "internal_error", rid, kind,
             )  # fmt: skip
         finally:
             took = time.monotonic() - start
@@ -363,20 +363,20 @@ class Router:
         """Admission, then dispatch; `outcome` gets the model's name once it is known, and
         the status when it is not the response's own."""
         principal = admission.authenticate(
-            self.keys, request.headers.get("Authorization"), time.time(), self.anonymous
+            self.keys, admission.credential(request.headers), time.time(), self.anonymous
         )
         if isinstance(principal, Refusal):
-            return refusal_response(principal, rid)
+            return refusal_response(principal, rid, kind)
         body = await self.read_body(request)
         if isinstance(body, Refusal):
-            return refusal_response(body, rid)
+            return refusal_response(body, rid, kind)
         try:
             parsed = requests.parse(kind, body, want_text=self._use_prefix)
         except requests.BadRequest as exc:
-            return refusal_response(admission.bad_body(str(exc)), rid)
+            return refusal_response(admission.bad_body(str(exc)), rid, kind)
         profile = admission.resolve(self.catalog, parsed.model)
         if isinstance(profile, Refusal):
-            return refusal_response(profile, rid)
+            return refusal_response(profile, rid, kind)
         outcome.model = profile.name
         refused = apis.unsupported(kind, profile, request.path) or admission.admit(
             principal, parsed.model, profile
@@ -388,7 +388,7 @@ class Router:
             if principal.limited and not q.admit_now(principal, wall, mono):
                 refused = await q.admit(principal, wall, mono)
         if refused is not None:
-            return refusal_response(refused, rid)
+            return refusal_response(refused, rid, kind)
         if outcome.trace is not None:
             outcome.trace.admitted = time.monotonic()
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage

@@ -31,7 +31,7 @@ from llmgw.router import upstream as upstream_http
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
-from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, refusal_response
+from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, as_retry, refusal_response
 from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
@@ -294,7 +294,7 @@ class Dispatcher:
             # Keep-alive comments already went out as a 200: the status can no longer change.
             await state.finish_with_error(refusal.message, "server_error", code, refusal.status)
             return state.response
-        return refusal_response(refusal, state.rid)
+        return refusal_response(refusal, state.rid, state.kind)
 
     def _remember_session(self, key: str, ep_id: str) -> None:
         s = self.sessions
@@ -382,14 +382,18 @@ class Dispatcher:
             if status == 200:
                 self._account(prof, state, data)
             elif status >= 400:
-                data = apis.openai_error(status, data)
+                data = apis.engine_error(kind, status, data)
             self.metrics.first_token(prof.name, loop.time() - state.loop_start)
             if state.trace is not None:
                 state.trace.first_token = time.monotonic()
             if state.response is not None and state.started:
-                # Keep-alive comments went out as a 200 stream: pass the body as an event.
+                # Keep-alive comments went out as a 200 stream: pass the body as an event
+                # (an error as the API's error event).
                 state.stop_keepalive()
-                await state.write(b"data: " + data + b"\n\n")
+                if status >= 400:
+                    await state.write(requests.error_event(kind, data))
+                else:
+                    await state.write(b"data: " + data + b"\n\n")
                 await state.response.write_eof()
                 return state.response
             return web.Response(
@@ -444,7 +448,7 @@ class Dispatcher:
         except BaseException as exc:
             if upstream is not None:
                 upstream.close()
-            raise _as_retry(exc, d) from None
+            raise as_retry(exc, d) from None
 
     async def _read_body(
         self, upstream: upstream_http.Response, d: Deadlines, total_at: float
@@ -471,30 +475,24 @@ class Dispatcher:
         self.usage(prof, state, u.usage)
 
     def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
-        self.metrics.count_tokens(prof.name, u.prompt_tokens, u.completion_tokens)
-        client.tokens = (u.prompt_tokens, u.completion_tokens)
+        # A stream may carry its usage more than once, each time the totals so far (vLLM's
+        # continuous_usage_stats: every chunk; the Messages API: the prompt's tokens in
+        # message_start, again in message_delta's totals): what is counted is what the
+        # request's totals grew by, so no token is counted twice.
+        was_in, was_out = client.tokens
+        now_in, now_out = max(was_in, u.prompt_tokens), max(was_out, u.completion_tokens)
+        more_in, more_out = now_in - was_in, now_out - was_out
+        if not (more_in or more_out):
+            return
+        client.tokens = (now_in, now_out)
+        self.metrics.count_tokens(prof.name, more_in, more_out)
         principal = client.principal
         if principal is not None:
             self.metrics.key_usage(principal.name, principal.settings.team, prof.name,
-                                   u.prompt_tokens, u.completion_tokens)  # fmt: skip
-            self.quotas.used(principal, prof.name, u.prompt_tokens, u.completion_tokens)
+                                   more_in, more_out)  # fmt: skip
+            self.quotas.used(principal, prof.name, more_in, more_out)
         details = u.prompt_tokens_details
-        cached = details.cached_tokens if details is not None else None
+        cached = details.cached_tokens if details is not None and more_in else None
         if cached is not None and client.cached_predicted >= 0:
             self.metrics.cache_delivered(prof.name, cached)
             self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)
-
-
-def _as_retry(exc: BaseException, d: Deadlines) -> BaseException:
-    """What a failure to get a response head becomes: a Retry, or itself (a Retry
-    already, a cancellation, a bug)."""
-    if isinstance(exc, TimeoutError):
-        return Retry("headers_timeout", 504, f"engine sent no response headers within"
-                     f" {d.headers_s} s")  # fmt: skip
-    if isinstance(exc, upstream_http.ConnectTimeout):
-        return Retry("connect_timeout", 504, str(exc))
-    if isinstance(exc, upstream_http.ConnectError):
-        return Retry("connect_error", 502, str(exc))
-    if isinstance(exc, upstream_http.UpstreamError | OSError):
-        return Retry("upstream_error", 502, f"engine connection failed: {exc}")
-    return exc

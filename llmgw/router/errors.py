@@ -1,7 +1,8 @@
 """The router's failures in one place: what an attempt raises, what a client is told.
 
 `Retry` is an attempt that failed before anything reached the client (another
-endpoint may take the request); `EngineFault` and `ClientGone` end a request
+endpoint may take the request; `as_retry` makes one of an engine's connection failing);
+`EngineFault` and `ClientGone` end a request
 whose stream has started. `Refusal` is an answer as data (status, message and
 OpenAI's error type and code): admission and the attempt planner return one,
 and only `refusal_response` turns it into an aiohttp response.
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from llmgw.core.profile import Deadlines
 from llmgw.router import requests
+from llmgw.router import upstream as upstream_http
 
 JSON = "application/json"
 
@@ -64,20 +67,41 @@ def retry_refusal(last: Retry) -> Refusal:
     return Refusal(last.status, last.message, type_, last.reason)
 
 
+def as_retry(exc: BaseException, d: Deadlines) -> BaseException:
+    """What a failure to get a response head becomes: a Retry, or itself (a Retry
+    already, a cancellation, a bug)."""
+    if isinstance(exc, TimeoutError):
+        return Retry("headers_timeout", 504, f"engine sent no response headers within"
+                     f" {d.headers_s} s")  # fmt: skip
+    if isinstance(exc, upstream_http.ConnectTimeout):
+        return Retry("connect_timeout", 504, str(exc))
+    if isinstance(exc, upstream_http.ConnectError):
+        return Retry("connect_error", 502, str(exc))
+    if isinstance(exc, upstream_http.UpstreamError | OSError):
+        return Retry("upstream_error", 502, f"engine connection failed: {exc}")
+    return exc
+
+
 def error_response(
-    status: int, message: str, type_: str, code: str | None = None, rid: str = ""
+    status: int,
+    message: str,
+    type_: str,
+    code: str | None = None,
+    rid: str = "",
+    kind: requests.Kind = "chat",
 ) -> web.Response:
+    """The error in the shape of API `kind` (`requests.api_error_body`)."""
     headers = {"X-Request-Id": rid} if rid else None
     return web.Response(
         status=status,
-        body=requests.error_body(message, type_, code),
+        body=requests.api_error_body(kind, status, message, type_, code),
         content_type=JSON,
         headers=headers,
     )
 
 
-def refusal_response(refusal: Refusal, rid: str = "") -> web.Response:
-    resp = error_response(refusal.status, refusal.message, refusal.type, refusal.code, rid)
+def refusal_response(refusal: Refusal, rid: str = "", kind: requests.Kind = "chat") -> web.Response:
+    resp = error_response(refusal.status, refusal.message, refusal.type, refusal.code, rid, kind)
     if refusal.retry_after:
         resp.headers["Retry-After"] = str(refusal.retry_after)
     for name, value in refusal.headers:

@@ -43,16 +43,15 @@ DIRECT_HIGH_WATER = 64 * 1024
 """Bytes waiting in the client's transport that take a stream off the direct path."""
 END_NOW_MAX = 16 * 1024
 """The most bytes a stream's end is written with from the data callback (`EngineStream.sink`)."""
-OPENERS_HELD = 4096
-"""Role-only opening events held back for the first token, at most this many bytes."""
+OPENERS_HELD = 64 * 1024  # a Responses stream's response.created repeats the request's tools
+"""Opening events held back for the first token, at most this many bytes."""
 
 
 class Hooks(Protocol):
     """What a relayed stream tells the rest of the router."""
 
     def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
-        """A usage chunk went by: count the tokens (metrics, the key's token bucket, the
-        cached tokens the engine reports)."""
+        """A usage went by: count what it adds to the totals (metrics, key buckets, cache)."""
 
     def first_token(self, model: str, after_s: float) -> None:
         """The first token reached the client, `after_s` after the request began."""
@@ -94,7 +93,7 @@ class ClientStream:
         self.kind = kind
         self.principal = principal
         self.tokens = (0, 0)
-        """Prompt and completion tokens of the answer, as the engine's usage said."""
+        """Prompt and completion tokens of the answer: the most the engine's usages said."""
         self.response: web.StreamResponse | None = None
         self.stream = stream
         self.drop_usage = drop_usage
@@ -206,7 +205,8 @@ class ClientStream:
         self.failed_status = status
         resp = await self.prepare()
         with contextlib.suppress(ConnectionResetError):
-            await resp.write_eof(requests.error_event(message, type_, code))
+            body = requests.api_error_body(self.kind, status, message, type_, code)
+            await resp.write_eof(requests.error_event(self.kind, body))
 
 
 class EngineStream:
@@ -237,7 +237,7 @@ class EngineStream:
         self.drop = client.drop_usage
         self.loop = client.loop
         self.first = b""
-        """Role-only opening events, held until the first token comes."""
+        """Opening events (`sse.only_openers`), held until the first token comes."""
         self.buf: list[bytes] = []
         """The reads (`buffered` bytes) of an event not yet complete, joined once it is: not
         copied again with each read of an event that trickles in."""
@@ -299,9 +299,9 @@ class EngineStream:
         """The bytes to relay once the first token is in (None: not yet, or too late)."""
         first = self.first + data if self.first else data
         if len(first) < OPENERS_HELD and sse.only_openers(first):
-            # A chat stream opens with a role-only chunk before any token (vLLM sends it
-            # with the first token, others at once): held back, so the first-token
-            # deadline still covers the wait and the request can still move elsewhere.
+            # A chat stream opens with a role-only chunk (vLLM sends it with the first
+            # token, others at once), the other APIs with opening events: held back, so the
+            # first-token deadline still covers the wait and the request can still move.
             self.first = first
             return None
         d = self.deadline

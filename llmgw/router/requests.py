@@ -4,8 +4,8 @@ The router decodes only the fields it routes on (model, stream, the prompt
 text for prefix affinity) into small msgspec Structs, and relays the body
 untouched unless it must change it (an alias or fallback renames the model; a
 stream gets a usage chunk requested for token accounting). Decoding errors
-become 400s in OpenAI's error shape, never a 500. Used by `llmgw.router.app` and
-`llmgw.router.dispatch`.
+become 400s in OpenAI's error shape (Anthropic's for the Messages API), never a 500.
+Used by `llmgw.router.app` and `llmgw.router.dispatch`.
 """
 
 from __future__ import annotations
@@ -268,6 +268,37 @@ def error_body(
     )
 
 
-def error_event(message: str, type_: str, code: str) -> bytes:
-    """An SSE event carrying an OpenAI error: the SDKs raise it as an APIError."""
-    return b"data: " + error_body(message, type_, code) + b"\n\n"
+_ANTHROPIC_TYPES = {
+    401: "authentication_error", 402: "billing_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error",
+}  # fmt: skip
+"""Anthropic's error type per status (https://docs.anthropic.com/en/api/errors); other
+4xx are `invalid_request_error`, other 5xx `api_error`."""
+
+
+def api_error_body(
+    kind: Kind, status: int, message: str, type_: str, code: str | None = None
+) -> bytes:
+    """An error in the shape of API `kind`'s own: OpenAI's, but for the Messages API
+    Anthropic's (`{"type": "error", "error": {"type", "message"}}`, the type in its words
+    for the status), whose clients branch on `error.type`. Anthropic's shape keeps OpenAI's
+    `param` and `code` too, so a reader of either finds its fields."""
+    if kind != "messages":
+        return error_body(message, type_, code)
+    atype = _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else
+                                             "invalid_request_error")  # fmt: skip
+    return msgspec.json.encode(
+        {"type": "error",
+         "error": {"type": atype, "message": message, "param": None, "code": code}}
+    )  # fmt: skip
+
+
+def error_event(kind: Kind, body: bytes) -> bytes:
+    """An SSE event carrying the error `body`, which ends a stream of API `kind` that
+    already began: the openai SDK raises any `data:` holding an `error` as an APIError; the
+    anthropic SDK reads only an event named `error` (a bare `data:` it skips, and a cut
+    stream would look like a whole message without its stop_reason)."""
+    if kind == "messages":
+        return b"event: error\ndata: " + body + b"\n\n"
+    return b"data: " + body + b"\n\n"

@@ -1,12 +1,12 @@
 """What the relay looks at in an engine's SSE bytes, as pure functions over bytes.
 
 The router relays a stream as raw bytes, whole events at a time. It looks into
-them for two things only: whether the first bytes are nothing but the chat
-stream's role-only opening chunk (held back, so the first-token deadline still
-covers the wait), and the usage chunk, counted for metrics and token limits and
-dropped when the router asked for it on the client's behalf. Both look at as few
-bytes as they can: a fast engine's first read holds the whole answer.
-Used by `llmgw.router.relay`.
+them for two things only: whether the first bytes are nothing but the stream's
+opening (the chat stream's role-only chunk, the Messages and Responses APIs' opening
+events: held back, so the first-token deadline still covers the wait), and the usage
+chunk, counted for metrics and token limits and dropped when the router asked for it
+on the client's behalf. Both look at as few bytes as they can: a fast engine's first
+read holds the whole answer. Used by `llmgw.router.relay`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,19 @@ def complete(tail: bytes, kind: str) -> bool:
 
 
 _BLANK = b" \t\r\n"
+OPENING_EVENTS = frozenset({
+    b"message_start", b"content_block_start", b"ping",
+    b"response.created", b"response.in_progress", b"response.output_item.added",
+    b"response.content_part.added",
+})  # fmt: skip
+"""The named events that open a Messages or Responses stream before any token: the
+message or response begun, a content block or part about to fill, Anthropic's ping."""
 
 
 def only_openers(data: bytes) -> bool:
-    """Whether `data` is whole SSE events that each only announce the assistant's role.
+    """Whether `data` is whole SSE events that each only open the answer: a chat chunk that
+    only announces the assistant's role, or an opening event of the Messages or Responses
+    API (`OPENING_EVENTS`).
 
     Stops at the first event that is not one.
     """
@@ -51,16 +60,27 @@ def only_openers(data: bytes) -> bool:
         if end < 0:  # "\n\n\n": the last "\n\n" overlapped; the rest is one event
             end = n
         if end > pos and not (
-            data.find(b'"role"', pos, end) >= 0
-            and (
-                data.find(b'"content":""', pos, end) >= 0
-                or data.find(b'"content": ""', pos, end) >= 0  # Python's json.dumps
-                or data.find(b'"content"', pos, end) < 0
+            (
+                data.find(b'"role"', pos, end) >= 0
+                and (
+                    data.find(b'"content":""', pos, end) >= 0
+                    or data.find(b'"content": ""', pos, end) >= 0  # Python's json.dumps
+                    or data.find(b'"content"', pos, end) < 0
+                )
             )
+            or _opening_event(data, pos, end)
         ):
             return False
         pos = end + 2
     return True
+
+
+def _opening_event(data: bytes, pos: int, end: int) -> bool:
+    """Whether the event at data[pos:end] is named one of `OPENING_EVENTS`."""
+    if not data.startswith(b"event:", pos):
+        return False
+    line = data.find(b"\n", pos, end)
+    return data[pos + 6 : line if line >= 0 else end].strip() in OPENING_EVENTS
 
 
 def _usage_is_object(data: bytes, at: int) -> bool:

@@ -268,11 +268,13 @@ class MessagesFormat:
 
     def closing(self, finish: str, use: dict[str, Any] | None) -> bytes:
         out = (use or {}).get("output_tokens", 0)
+        # The totals, the prompt's tokens again, as vLLM (and Anthropic) send them.
+        totals = {"input_tokens": self.prompt_tokens, "output_tokens": out}
         return b"".join([
             _event("content_block_stop", {"type": "content_block_stop", "index": 0}),
             _event("message_delta", {"type": "message_delta", "delta": {
                 "stop_reason": _stop_reason(finish), "stop_sequence": None},
-                "usage": {"output_tokens": out}}),
+                "usage": totals}),
             _event("message_stop", {"type": "message_stop"}),
         ])  # fmt: skip
 

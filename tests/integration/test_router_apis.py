@@ -2,7 +2,7 @@
 `openai` and `anthropic` SDKs: models.retrieve, the Responses API (streamed and not),
 Anthropic's Messages API (messages.create and messages.stream), tokenize and detokenize,
 rerank and score. An API the model's engine does not serve is refused saying which do; an
-engine's error reaches the client in OpenAI's shape whatever the engine wrote; and no bad
+engine's error reaches the client in its API's shape whatever the engine wrote; and no bad
 body to any of them is ever a 500.
 """
 
@@ -174,13 +174,16 @@ def test_an_api_the_models_engine_does_not_serve_is_refused_naming_those_that_do
 
 
 @pytest.mark.parametrize("path", sorted(_OddEngine.shapes))
-def test_an_engines_error_reaches_the_client_in_openais_shape(fleet: Router, path: str) -> None:
+def test_an_engines_error_reaches_the_client_in_its_apis_shape(fleet: Router, path: str) -> None:
     status, body = post(fleet, path, {"model": "odd", "max_tokens": 1, "messages": []})
     assert status == _OddEngine.shapes[path][0]
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str)
     assert err["message"]
+    if path == "/v1/messages":  # Anthropic's, with OpenAI's fields besides
+        assert body["type"] == "error"
+        assert err["type"] == "invalid_request_error"
 
 
 ANY_JSON = st.recursive(

@@ -37,6 +37,15 @@ def test_no_key_and_a_wrong_key_are_401s_in_openai_shape(tmp_path: Path) -> None
     assert isinstance(admission.authenticate(keys, f"Bearer {key}", 0.0), auth.Principal)
 
 
+def test_a_key_comes_as_a_bearer_token_or_as_x_api_key() -> None:
+    assert admission.credential({"Authorization": "Bearer a"}) == "Bearer a"
+    assert admission.credential({"x-api-key": "b"}) == "Bearer b"
+    both = {"Authorization": "Bearer a", "x-api-key": "b"}
+    assert admission.credential(both) == "Bearer a"  # Authorization wins
+    assert admission.credential({"x-api-key": ""}) is None
+    assert admission.credential({}) is None
+
+
 def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:
     key = auth.new_key()
     keys = _keys(tmp_path, key, ("m",), "    requests_per_s: 1\n    tokens_per_min: 60\n")

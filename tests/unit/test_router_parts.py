@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from llmgw import config
 from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.core.profile import ModelProfile
-from llmgw.router import aiohttp_direct, auth, requests
+from llmgw.router import aiohttp_direct, apis, auth, requests
 from llmgw.router.table import Catalog, EndpointTable
 
 
@@ -313,6 +313,27 @@ def test_stream_null_is_no_stream_as_openai_reads_it() -> None:
         pass
     else:
         raise AssertionError("a stream that is not a boolean must be refused")
+
+
+def test_engine_errors_take_the_shape_of_the_api_asked() -> None:
+    # vLLM's Messages errors are Anthropic's shape with OpenAI's types in it.
+    vllm = b'{"type":"error","error":{"type":"BadRequestError","message":"no"}}'
+    doc = msgspec.json.decode(apis.engine_error("messages", 400, vllm))
+    err = {"type": "invalid_request_error", "message": "no", "param": None,
+           "code": "BadRequestError"}  # fmt: skip
+    assert doc == {"type": "error", "error": err}
+    doc = msgspec.json.decode(apis.engine_error("chat", 400, vllm))
+    assert doc["error"]["type"] == "invalid_request_error"
+    assert "type" not in doc
+    openai = b'{"error":{"message":"gone","type":"NotFoundError","param":null,"code":"x"}}'
+    assert apis.engine_error("chat", 404, openai) == openai  # OpenAI's own: as it is
+    doc = msgspec.json.decode(apis.engine_error("messages", 404, openai))
+    assert (doc["type"], doc["error"]["type"], doc["error"]["code"]) == (
+        "error", "not_found_error", "x")  # fmt: skip
+    for status, atype in ((413, "request_too_large"), (429, "rate_limit_error"),
+                          (502, "api_error"), (504, "timeout_error")):  # fmt: skip
+        doc = msgspec.json.decode(apis.engine_error("messages", status, b"plain"))
+        assert doc["error"]["type"] == atype
 
 
 @pytest.mark.parametrize(

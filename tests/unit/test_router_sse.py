@@ -16,6 +16,13 @@ OPENER_SPACED = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant",
 TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}'
 TOKEN_NULL_USAGE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null}'
 DONE = b"data: [DONE]"
+MESSAGE_START = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"role":"assistant",'
+    b'"content":[]}}'
+)
+BLOCK_START = b'event: content_block_start\ndata: {"type":"content_block_start","index":0}'
+RESPONSE_CREATED = b'event:response.created\ndata: {"type":"response.created"}'
+TEXT_DELTA = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0}'
 
 
 def usage_event(prompt: int, completion: int, *, choices: bool, spaced: bool) -> bytes:
@@ -28,7 +35,8 @@ def usage_event(prompt: int, completion: int, *, choices: bool, spaced: bool) ->
 
 
 def reference_only_openers(data: bytes) -> bool:
-    """The plain definition: split into events, every non-empty one only sets the role."""
+    """The plain definition: split into events, every non-empty one only sets the role or
+    is named as an opening event."""
     if not data.endswith(b"\n\n"):
         return False
     return all(
@@ -37,13 +45,15 @@ def reference_only_openers(data: bytes) -> bool:
             b'"role"' in event
             and (b'"content":""' in event or b'"content": ""' in event or b'"content"' not in event)
         )
+        or (event.startswith(b"event:") and event.split(b"\n")[0][6:].strip() in sse.OPENING_EVENTS)
         for event in data.split(b"\n\n")
     )
 
 
 events = st.sampled_from(
-    [OPENER, OPENER_BARE, OPENER_SPACED, TOKEN, TOKEN_NULL_USAGE, DONE, b"", b": ping"]
-)
+    [OPENER, OPENER_BARE, OPENER_SPACED, TOKEN, TOKEN_NULL_USAGE, DONE, b"", b": ping",
+     MESSAGE_START, BLOCK_START, RESPONSE_CREATED, TEXT_DELTA, b"event: ping"]
+)  # fmt: skip
 
 
 @given(st.lists(events, max_size=8), st.sampled_from([b"\n\n", b"\n", b""]))
@@ -59,6 +69,10 @@ def test_only_openers_cases() -> None:
     assert not sse.only_openers(OPENER + b"\n\n" + TOKEN + b"\n\n")
     assert not sse.only_openers(OPENER)  # not a whole event yet
     assert not sse.only_openers(TOKEN + b"\n\n")
+    # The Messages and Responses APIs' opening events, by name.
+    assert sse.only_openers(MESSAGE_START + b"\n\n" + BLOCK_START + b"\n\n")
+    assert sse.only_openers(RESPONSE_CREATED + b"\n\n")
+    assert not sse.only_openers(MESSAGE_START + b"\n\n" + TEXT_DELTA + b"\n\n")
 
 
 def test_usage_is_counted_and_the_requested_chunk_dropped() -> None:
