@@ -31,15 +31,41 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message says what to change."""
 
 
+MAX_FILE_BYTES = 16 * 1024 * 1024
+"""The largest file read as configuration. The largest real one, a keys file of 50,000
+keys, is about 10 MiB; a path to a disk image or a log would otherwise be read whole (and
+decoded, a second copy) before YAML refused its first line."""
+
+
+def read_text(path: str | Path, what: str = "config file") -> str:
+    """The UTF-8 text of `path`, at most MAX_FILE_BYTES; ConfigError saying what to do."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {p} does not exist: check the path") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {p}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(
+            f"{what} {p} is larger than {MAX_FILE_BYTES >> 20} MiB, which no configuration is:"
+            " check the path"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{what} {p} is not UTF-8 text (byte {data[exc.start]:#04x} on line {line}):"
+            " save it as UTF-8"
+        ) from None
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping from `path`; an empty file is an empty mapping."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {p} does not exist: check the path") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    text = read_text(p)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -173,12 +173,7 @@ def _wanted_models(file: Path, *, prune: bool, allow_empty: bool) -> list[ModelP
     """The models a models.yaml lists; exit 2 for a file that is unreadable, invalid, or
     empty where applying it would remove every declared model."""
     try:
-        text = file.read_text()
-    except OSError as exc:
-        typer.echo(f"error: cannot read {file}: {exc.strerror}; check the path", err=True)
-        raise typer.Exit(2) from None
-    try:
-        wanted = catalogfile.parse(text, str(file))
+        wanted = catalogfile.read(file)
     except BadInput as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

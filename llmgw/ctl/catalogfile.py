@@ -7,17 +7,19 @@ in it and not in the log is declared, one whose profile differs is changed, and
 validated with `llmgw.core.catalog` before anything is written, so a malformed
 file is refused as a whole with a message naming the entry and what to change.
 
-Purely computational (the caller reads the file and publishes the events).
+Computational but for `read`, which reads the file (the caller publishes the events).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 import yaml
 
+from llmgw import config
 from llmgw.core import catalog
 from llmgw.core.profile import ModelProfile
 from llmgw.core.state import ModelState
@@ -47,6 +49,15 @@ class ModelOp(msgspec.Struct, frozen=True, kw_only=True):
         lines = [f"~ change {self.name}"]
         lines += [f"    {c}" for c in self.changes]
         return "\n".join(lines)
+
+
+def read(path: Path) -> list[ModelProfile]:
+    """The profiles in the models.yaml at `path`; BadInput when unreadable or malformed."""
+    try:
+        text = config.read_text(path, "models file")
+    except config.ConfigError as exc:
+        raise BadInput(str(exc)) from None
+    return parse(text, str(path))
 
 
 def parse(text: str, where: str) -> list[ModelProfile]:
