@@ -20,6 +20,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import msgspec.inspect as mi
 import yaml
+from yaml.composer import ComposerError
+from yaml.nodes import MappingNode, Node, SequenceNode
 
 T = TypeVar("T")
 
@@ -35,6 +37,16 @@ MAX_FILE_BYTES = 16 * 1024 * 1024
 """The largest file read as configuration. The largest real one, a keys file of 50,000
 keys, is about 10 MiB; a path to a disk image or a log would otherwise be read whole (and
 decoded, a second copy) before YAML refused its first line."""
+
+MAX_DEPTH = 64
+"""Collections nested deeper than this are refused: PyYAML composes recursively, so
+`[[[[...` a few thousand deep ended in a RecursionError (a traceback) instead of an error."""
+
+MAX_VALUES = 1_000_000
+"""Values a YAML document may hold once its aliases are expanded. PyYAML shares an anchor's
+value among its aliases, but everything that walks the result (msgspec, an error message's
+repr) visits it once per alias: ten anchors of nine aliases each ("billion laughs") are
+9**10 values from a kilobyte. Merge keys and a few shared sections stay far below."""
 
 
 def read_text(path: str | Path, what: str = "config file") -> str:
@@ -62,12 +74,74 @@ def read_text(path: str | Path, what: str = "config file") -> str:
         ) from None
 
 
+class _Refused(ComposerError):
+    """What `_Loader` refuses in text that is otherwise valid YAML."""
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with the limits above. Each refusal is a YAML error with the
+    line, so every caller reports it as it reports a syntax error."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, int] = {}
+
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _Refused(
+                    None, None, f"values are nested more than {MAX_DEPTH} levels deep, which no"
+                    " setting is: check the brackets", self.get_mark()
+                )  # fmt: skip
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        # An alias gives back its anchor's node, already checked and counted.
+        if isinstance(node, (MappingNode, SequenceNode)) and id(node) not in self._sizes:
+            if node.end_mark is None:  # an alias of a collection that is still being composed
+                raise _Refused(
+                    None, None, "found an alias inside its own anchor (the anchor is here): a"
+                    " value cannot contain itself; write it out", node.start_mark
+                )  # fmt: skip
+            self._count(node)
+        return node
+
+    def _count(self, node: MappingNode | SequenceNode) -> None:
+        """Count the values `node` expands to (an alias's once per use), memoised per node."""
+        children = (
+            [c for pair in node.value for c in pair]
+            if isinstance(node, MappingNode)
+            else list(node.value)
+        )
+        size = 1 + sum(self._sizes.get(id(c), 1) for c in children)
+        if size > MAX_VALUES:
+            raise _Refused(
+                None, None, f"this value expands to more than {MAX_VALUES:,} values through"
+                " its aliases (*name): write it out, or use fewer aliases", node.start_mark
+            )  # fmt: skip
+        self._sizes[id(node)] = size
+
+
+def parse_yaml(text: str) -> Any:
+    """`yaml.safe_load` with the limits of `_Loader`; raises yaml.YAMLError."""
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping from `path`; an empty file is an empty mapping."""
     p = Path(path)
     text = read_text(p)
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
+    except _Refused as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark is not None else "?"
+        raise ConfigError(f"{p}, line {line}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p} is not valid YAML: {exc}") from None
     if data is None:
@@ -202,7 +276,9 @@ def _yaml_value(name: str, raw: str) -> Any:
     if raw == "":
         return ""
     try:
-        return yaml.safe_load(raw)
+        return parse_yaml(raw)
+    except _Refused as exc:
+        raise ConfigError(f"{name}={raw!r}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0] if str(exc) else "unreadable"
         raise ConfigError(

@@ -63,7 +63,7 @@ def read(path: Path) -> list[ModelProfile]:
 def parse(text: str, where: str) -> list[ModelProfile]:
     """The profiles in a models.yaml text; BadInput (one line, what to change) when malformed."""
     try:
-        data = yaml.safe_load(text)
+        data = config.parse_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""

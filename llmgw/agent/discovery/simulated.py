@@ -81,7 +81,7 @@ def load(source: str) -> Inventory:
     if not (path.suffix.lower() in {".yaml", ".yml", ".json"} or path.is_file()):
         return Inventory(gpus=parse_spec(source))
     try:
-        data = yaml.safe_load(config.read_text(path, "simulated inventory"))
+        data = config.parse_yaml(config.read_text(path, "simulated inventory"))
     except config.ConfigError as exc:
         raise SimSpecError(str(exc)) from None
     except yaml.YAMLError as exc:
