@@ -11,6 +11,7 @@ Errors say which file, key or variable is wrong and what to do about it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 from yaml.composer import ComposerError
-from yaml.nodes import MappingNode, Node, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 T = TypeVar("T")
 
@@ -79,8 +80,10 @@ class _Refused(ComposerError):
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with the limits above. Each refusal is a YAML error with the
-    line, so every caller reports it as it reports a syntax error."""
+    """PyYAML's safe loader with the limits above, and refusing what it would otherwise
+    take silently: a key given twice (the last one won) and numbers that are not finite
+    (`.nan` passed every `<= 0` check of a duration). Each refusal is a YAML error with
+    the line, so every caller reports it as it reports a syntax error."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -105,6 +108,8 @@ class _Loader(yaml.SafeLoader):
                     None, None, "found an alias inside its own anchor (the anchor is here): a"
                     " value cannot contain itself; write it out", node.start_mark
                 )  # fmt: skip
+            if isinstance(node, MappingNode):
+                _check_keys(node)
             self._count(node)
         return node
 
@@ -122,6 +127,32 @@ class _Loader(yaml.SafeLoader):
                 " its aliases (*name): write it out, or use fewer aliases", node.start_mark
             )  # fmt: skip
         self._sizes[id(node)] = size
+
+    def construct_yaml_float(self, node: ScalarNode) -> float:
+        value = super().construct_yaml_float(node)
+        if not math.isfinite(value):
+            raise _Refused(
+                None, None, f"found {node.value}, not a finite number: write a number",
+                node.start_mark
+            )  # fmt: skip
+        return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
+
+
+def _check_keys(node: MappingNode) -> None:
+    """Refuse a key given twice in one mapping (a merge key's keys may be given again)."""
+    seen: dict[tuple[str, str], Node] = {}
+    for key, _ in node.value:
+        if not isinstance(key, ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        first = seen.setdefault((key.tag, key.value), key)
+        if first is not key:
+            raise _Refused(
+                None, None, f"found key {key.value!r} again (first on line"
+                f" {first.start_mark.line + 1}): keep one of them", key.start_mark
+            )  # fmt: skip
 
 
 def parse_yaml(text: str) -> Any:
@@ -247,9 +278,13 @@ def _typed_value(name: str, raw: str, t: mi.Type) -> Any:
             pass
     if any(isinstance(m, mi.FloatType) for m in members):
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
             pass
+        else:
+            if not math.isfinite(number):  # `nan` passes every `<= 0` check of a duration
+                raise ConfigError(f"{name}={raw!r} is not a finite number: set one, or unset it")
+            return number
     if all(isinstance(m, (mi.BoolType, mi.IntType, mi.FloatType, mi.NoneType)) for m in members):
         wanted = " or ".join(_describe(m) for m in members)
         raise ConfigError(f"{name}={raw!r} is not {wanted}: set it to one, or unset it")
@@ -303,6 +338,16 @@ def _blame(exc: msgspec.ValidationError, where: str, paths: _EnvPaths) -> str:
     return f"{where}: {exc}"
 
 
+def _check_finite(value: Any, at: str) -> None:
+    """Refuse a NaN or an infinity among the overrides (command-line flags), as the file's
+    and the variables' are refused."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{at} is {value} on the command line: give a finite number")
+    if isinstance(value, Mapping):
+        for key, child in value.items():
+            _check_finite(child, f"{at}.{key}" if at else str(key))
+
+
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """Deep merge: mappings merge key by key, anything else replaces."""
     out = dict(base)
@@ -327,6 +372,7 @@ def load(
     env, env_paths = _env_entries(section, environ, cls)
     data = merge(data, env)
     if overrides:
+        _check_finite(overrides, "")
         data = merge(data, overrides)
     where = str(path) if path is not None else "configuration"
     try:

@@ -138,6 +138,48 @@ def test_anchors_and_merge_keys_within_bounds_still_work(tmp_path: Path) -> None
     assert cfg.models[1].deadlines.connect_s == 1
 
 
+def test_a_key_given_twice_is_refused_naming_both_lines(loader: str, tmp_path: Path) -> None:
+    # Last-one-wins would silently drop the first `models:` list of a long file.
+    path = tmp_path / "settings.yaml"
+    path.write_text("log_level: info\nmodels: []\n\nlog_level: debug\n")
+    text = _refused(loader, path)
+    assert "log_level" in text
+    assert "line 1" in text
+    assert "line 4" in text
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", ".NaN", "+.Inf"])
+def test_a_number_that_is_not_finite_is_refused(loader: str, tmp_path: Path, value: str) -> None:
+    # `probe_interval_s: .nan` passed every `<= 0` check and made the router probe its
+    # engines in a busy loop (asyncio.sleep(nan) returns at once).
+    path = tmp_path / "settings.yaml"
+    path.write_text(f"probe_interval_s: {value}\n")
+    text = _refused(loader, path)
+    assert "probe_interval_s" in text or "line 1" in text
+    assert "finite" in text
+
+
+def test_a_non_finite_number_from_a_variable_or_a_flag_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(config.ConfigError) as info:
+        config.load(
+            router_config.RouterConfig,
+            section="ROUTER",
+            environ={"LLMGW_ROUTER__PROBE_INTERVAL_S": "nan"},
+        )
+    assert str(info.value).startswith("LLMGW_ROUTER__PROBE_INTERVAL_S='nan'")
+    with pytest.raises(config.ConfigError) as info:
+        config.load(
+            router_config.RouterConfig,
+            section="ROUTER",
+            environ={"LLMGW_ROUTER__WEIGHTS": "{queue: .inf}"},
+        )
+    assert "LLMGW_ROUTER__WEIGHTS" in str(info.value)
+    result = runner.invoke(app, ["sim", "--port", "0", "--decode-base-ms", "inf"], env={})
+    assert result.exit_code == 2, result.output
+    assert "decode_base_ms" in result.output
+    assert "finite" in result.output
+
+
 @pytest.mark.parametrize(
     "argv",
     [
