@@ -20,7 +20,7 @@ import typer
 
 from llmgw import bus, wording
 from llmgw.cli import ctl_common as common
-from llmgw.core import events, placement, state, views
+from llmgw.core import events, limits, placement, state, views
 from llmgw.core.profile import ModelProfile
 from llmgw.ctl import catalogfile, operations, render
 from llmgw.ctl.errors import BadInput, Failed
@@ -340,8 +340,11 @@ def drain(
     key: str | None = common.KEY,
 ) -> None:
     """Move every replica off NODE (rolling: replacement serving first), then keep it empty."""
-    if not grace >= 0:
-        typer.echo("error: --grace must be 0 or more seconds", err=True)
+    if not 0 <= grace <= limits.MAX_SECONDS:  # NaN too
+        typer.echo(
+            f"error: --grace must be 0 to {limits.MAX_SECONDS:.0f} seconds (about 115 days)",
+            err=True,
+        )
         raise typer.Exit(2)
 
     async def body(s: Session) -> int:

@@ -90,7 +90,17 @@ class Session:
         return time.time()
 
     async def publish(self, event: events.Event) -> bus.Published:
-        """Publish one operator event; Failed with the reason (and what to do) when refused."""
+        """Publish one operator event; Failed with the reason (and what to do) when refused,
+        BadInput (nothing written) for an event the log's readers would not decode."""
+        try:
+            events.decode(events.encode(event))
+        except events.DecodeError as exc:
+            # Readers skip an event outside llmgw.core.limits (a 20,000-character reason, a
+            # grace of 1e308 s): written, it would be reported done and never take effect.
+            raise BadInput(
+                f"{exc}: the log's readers would refuse it, so nothing was written;"
+                " give a shorter or smaller value"
+            ) from None
         before = len(self.nc.permission_violations)
         try:
             return await bus.Publisher(self.js, timeout_s=2.0, attempts=2).publish(event)

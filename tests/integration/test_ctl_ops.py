@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from llmgw import bus
-from llmgw.core import events
+from llmgw.core import events, subjects
 from tests.harness import TestNatsServer, connect_as, wait_for
 from tests.integration.control_kit import read_log, sim_gpus
 from tests.integration.ctl_kit import ROOT, Ctl
@@ -227,6 +227,28 @@ async def test_bad_input_exits_2_with_a_line_that_says_what_to_do(
     real = await ctl.subprocess("cordon", "node-zz")
     assert real.code == 2
     assert real.stderr.startswith("error: unknown node 'node-zz'")
+
+
+async def test_an_event_the_logs_readers_would_refuse_is_not_written(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    # ctl printed "node-a cordoned (seq 2)" for a 20,000-character reason and "drain
+    # requested" for --grace 1e308 or inf, but every reader skips an event outside the
+    # bounds of llmgw.core.limits: the operator's cordon or drain silently did nothing.
+    ctl = Ctl(nats_server)
+    cases = [
+        (("cordon", "node-a", "--reason", "x" * 20_000), "reason"),
+        (("drain", "node-a", "--grace", "1e308"), "--grace"),
+        (("drain", "node-a", "--grace", "inf"), "--grace"),
+    ]
+    for args, what in cases:
+        result = await ctl(*args)
+        assert result.code == 2, (args[:3], result)
+        line = result.stderr.strip()
+        assert len(line.splitlines()) == 1, line
+        assert what in line, line
+        assert "nothing was written" in line or "seconds" in line, line
+    assert (await log.jetstream().stream_info(subjects.STREAM)).state.messages == 1
 
 
 async def test_unreachable_nats_is_an_operational_failure(
