@@ -346,6 +346,12 @@ def drain(
             err=True,
         )
         raise typer.Exit(2)
+    if timeout is not None and not 0 < timeout <= limits.MAX_SECONDS:  # NaN too: it spun
+        typer.echo(
+            f"error: --timeout must be above 0 and at most {limits.MAX_SECONDS:.0f} seconds",
+            err=True,
+        )
+        raise typer.Exit(2)
 
     async def body(s: Session) -> int:
         r = await common.current(s, progress=False)

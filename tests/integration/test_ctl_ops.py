@@ -211,6 +211,11 @@ async def test_bad_input_exits_2_with_a_line_that_says_what_to_do(
         (("replay", "--at", "yesterday-ish"), "cannot read 'yesterday-ish' as a time", "ISO"),
         (("replay", "--to", "999999"), "beyond the end of the log", "smaller"),
         (("events", "--type", "bogus"), "no event type matches 'bogus'", "use one of"),
+        # The server's refusal of a sequence beyond 64 bits was reported as a stream to
+        # provision; a NaN timeout made the wait for the drain spin (asyncio.wait(nan)).
+        (("events", "--seq", "9" * 21), "--seq 999999999999999999999", "at most"),
+        (("drain", "node-a", "--wait", "--timeout", "nan"), "--timeout", "above 0"),
+        (("drain", "node-a", "--wait", "--timeout", "0"), "--timeout", "above 0"),
     ]
     for args, what, todo in cases:
         result = await ctl(*args)
