@@ -406,7 +406,13 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     lock: int | None = None
     try:
-        layout.make()
+        try:
+            layout.make()
+        except OSError as exc:  # a file in the way, a folder it may not write
+            raise UpError(
+                f"--state-dir {layout.root}: cannot make {exc.filename}: {exc.strerror}; give a"
+                " folder llmgw up may create and write"
+            ) from None
         lock = _claim(layout)
         fleet.clean_up_previous()
         check_port_free(plan.host, plan.port)
