@@ -177,9 +177,14 @@ def _serve(flags: dict[str, Any], config_path: Path | None) -> None:
         raise typer.Exit(2)
     logs.setup(cfg.log_level)
     # Imported here: the server pulls in aiohttp and uvloop, which `llmgw --help` need not pay for.
+    from llmgw import listeners
     from llmgw.sim import server
 
-    server.run(cfg)
+    try:
+        server.run(cfg)
+    except listeners.ListenError as exc:
+        typer.echo(f"llmgw sim: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _given(flags: dict[str, Any]) -> dict[str, Any]:
