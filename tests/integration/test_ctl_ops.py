@@ -23,7 +23,7 @@ import pytest
 
 from llmgw import bus
 from llmgw.core import events, subjects
-from tests.harness import TestNatsServer, connect_as, wait_for
+from tests.harness import TestNatsServer, TestPki, connect_as, wait_for
 from tests.integration.control_kit import read_log, sim_gpus
 from tests.integration.ctl_kit import ROOT, Ctl
 
@@ -265,6 +265,27 @@ async def test_unreachable_nats_is_an_operational_failure(
     result = await ctl("nodes")
     assert result.code == 1
     assert "cannot connect to NATS" in result.stderr
+
+
+async def test_a_certificate_that_cannot_connect_says_why(
+    nats_server: TestNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An expired certificate, or a --ca that did not sign the server's, was reported after
+    # the whole connect timeout as "cannot connect to NATS ...: TimeoutError".
+    monkeypatch.setenv("LLMGW_CTL__CONNECT_TIMEOUT_S", "1")
+    ctl = Ctl(nats_server, name="old")
+    nats_server.pki.expired_tls("operator", "old")
+    result = await ctl("nodes")
+    assert result.code == 2, result
+    assert "expired on" in result.stderr
+    assert "llmgw ctl cert issue operator old" in result.stderr
+    ctl = Ctl(nats_server)
+    ctl.flags[3] = str(TestPki(tmp_path / "other").certs.ca_cert)
+    result = await ctl("nodes")
+    assert result.code == 1, result
+    assert "TimeoutError" not in result.stderr
+    assert "unable to get local issuer certificate" in result.stderr
+    assert "--ca" in result.stderr
 
 
 async def test_events_filters_and_follow_in_a_real_process(
