@@ -113,6 +113,15 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
         )
     if cfg.snapshot.keep < 1:
         problems.append("snapshot.keep must be at least 1")
+    if not 1 <= cfg.nats.stream_replicas <= 5:
+        problems.append(
+            f"nats.stream_replicas is {cfg.nats.stream_replicas}: JetStream keeps 1 to 5 replicas"
+            " (1 on a single server, 3 or 5 on a cluster)"
+        )
+    if not cfg.nats.duplicate_window_s > 0:
+        # The server reads 0 as its default of 2 minutes: the stream is made, and every
+        # later start finds its window differing from the configured one.
+        problems.append("nats.duplicate_window_s must be above 0 seconds (120 is the default)")
     problems += cfg.nats.problems(
         "nats",
         "the control plane connects with mutual TLS; "
