@@ -158,7 +158,9 @@ def inventory(
         None, "--sim-gpus", help="Simulated GPUs, e.g. 8xh100-80g, or a YAML/JSON file."
     ),
     infiniband_root: Path | None = typer.Option(
-        None, "--infiniband-root", help="Where to read RDMA adapters [/sys/class/infiniband]."
+        None,
+        "--infiniband-root",
+        help="Where to read RDMA adapters (default: /sys/class/infiniband).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:

@@ -35,7 +35,7 @@ DIR_OPTION = typer.Option(
 AUTH_OPTION = typer.Option(
     None,
     "--authorization",
-    help="Where to render the NATS authorization [default: beside --dir, authorization.conf].",
+    help="Where to render the NATS authorization (default: authorization.conf beside --dir).",
 )
 PID_OPTION = typer.Option(
     natsconf.DEFAULT_CONFIG.pid_file,
