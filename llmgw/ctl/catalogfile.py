@@ -94,7 +94,9 @@ def parse(text: str, where: str) -> list[ModelProfile]:
         if not isinstance(raw.get("name"), str) or not raw.get("name"):
             raise BadInput(f"{where}: entry {i} has no `name`: give every model its served name")
         if any(p.name == raw["name"] for p in profiles):
-            raise BadInput(f"{where}: model {raw['name']!r} is listed twice: merge the entries")
+            raise BadInput(
+                f"{where}: model {raw['name'][:80]!r} is listed twice: merge the entries"
+            )
         try:
             profiles.append(catalog.parse(raw, profiles))
         except catalog.CatalogError as exc:

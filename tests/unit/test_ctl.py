@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,18 @@ def test_malformed_models_yaml(text: str, expected: str) -> None:
         catalogfile.parse(text, "models.yaml")
     assert expected in str(info.value)
     assert str(info.value).startswith("models.yaml")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["name", "engine", "dtype"])
+def test_a_refusal_quotes_a_huge_value_shortened(field: str) -> None:
+    # `engine: <a megabyte>` came back whole in the one-line error (and a list of a
+    # million values through aliases as its repr): megabytes on the operator's terminal.
+    big = "x" * 1_000_000
+    entry = {"name": "a", "engine": "sim", field: big}
+    with pytest.raises(BadInput) as info:
+        catalogfile.parse(json.dumps([entry]), "models.yaml")
+    assert len(str(info.value)) < 1000
     assert "\n" not in str(info.value)
 
 
