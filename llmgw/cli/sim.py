@@ -120,7 +120,7 @@ def command(
     if kv_events_config is not None:
         try:
             kv_events = json.loads(kv_events_config)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
             typer.echo(f"llmgw sim: --kv-events-config is not JSON: {exc}", err=True)
             raise typer.Exit(2) from None
         if not isinstance(kv_events, dict):

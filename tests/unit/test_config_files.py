@@ -263,3 +263,12 @@ def test_any_bytes_are_read_or_refused_with_a_config_error(tmp_path: Path, data:
     path = tmp_path / "settings.yaml"
     path.write_bytes(data)
     _loaded_or_refused_everywhere(path)
+
+
+def test_a_json_setting_nested_deep_is_refused_in_one_line() -> None:
+    # `llmgw sim --kv-events-config '[[[...'` (an engine argument a model profile may carry)
+    # ended in a RecursionError traceback from json.loads.
+    result = runner.invoke(app, ["sim", "--port", "0", "--kv-events-config", "[" * 100_000])
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 2
+    assert "--kv-events-config" in result.output
