@@ -182,3 +182,17 @@ def test_a_state_dir_that_cannot_be_a_folder_is_refused_in_one_line(
     assert f"--state-dir {state_dir}" in line
     assert "give a folder" in line
     assert blocker.read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("host", ["nonexistent.invalid", "a" * 300])
+def test_a_host_that_is_no_address_here_is_blamed_not_the_port(tmp_path: Path, host: str) -> None:
+    # `llmgw up --host` naming no address of this machine said to stop what listens on the
+    # port, or pick another --port.
+    result = CliRunner().invoke(
+        app, ["up", "--state-dir", str(tmp_path / "fleet"), "--host", host, "--port", "18089"]
+    )
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1, line
+    assert "set --host to an address of this machine" in line
