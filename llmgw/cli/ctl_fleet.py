@@ -340,18 +340,7 @@ def drain(
     key: str | None = common.KEY,
 ) -> None:
     """Move every replica off NODE (rolling: replacement serving first), then keep it empty."""
-    if not 0 <= grace <= limits.MAX_SECONDS:  # NaN too
-        typer.echo(
-            f"error: --grace must be 0 to {limits.MAX_SECONDS:.0f} seconds (about 115 days)",
-            err=True,
-        )
-        raise typer.Exit(2)
-    if timeout is not None and not 0 < timeout <= limits.MAX_SECONDS:  # NaN too: it spun
-        typer.echo(
-            f"error: --timeout must be above 0 and at most {limits.MAX_SECONDS:.0f} seconds",
-            err=True,
-        )
-        raise typer.Exit(2)
+    _check_drain_flags(grace, timeout)
 
     async def body(s: Session) -> int:
         r = await common.current(s, progress=False)
@@ -382,6 +371,19 @@ def drain(
         return 0
 
     common.run(common.Conn(config, server, ca, cert, key), body)
+
+
+def _check_drain_flags(grace: float, timeout: float | None) -> None:
+    """Exit 2, before connecting, for a grace or timeout out of range (NaN too: a NaN
+    timeout made the wait spin)."""
+    if not 0 <= grace <= limits.MAX_SECONDS:
+        problem = f"--grace must be 0 to {limits.MAX_SECONDS:.0f} seconds (about 115 days)"
+    elif timeout is not None and not 0 < timeout <= limits.MAX_SECONDS:
+        problem = f"--timeout must be above 0 and at most {limits.MAX_SECONDS:.0f} seconds"
+    else:
+        return
+    typer.echo(f"error: {problem}", err=True)
+    raise typer.Exit(2)
 
 
 async def _request_drain(
