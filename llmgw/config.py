@@ -11,6 +11,7 @@ Errors say which file, key or variable is wrong and what to do about it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -20,6 +21,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import msgspec.inspect as mi
 import yaml
+from yaml.composer import ComposerError
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 T = TypeVar("T")
 
@@ -31,17 +34,145 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message says what to change."""
 
 
+MAX_FILE_BYTES = 16 * 1024 * 1024
+"""The largest file read as configuration. The largest real one, a keys file of 50,000
+keys, is about 10 MiB; a path to a disk image or a log would otherwise be read whole (and
+decoded, a second copy) before YAML refused its first line."""
+
+MAX_DEPTH = 64
+"""Collections nested deeper than this are refused: PyYAML composes recursively, so
+`[[[[...` a few thousand deep ended in a RecursionError (a traceback) instead of an error."""
+
+MAX_VALUES = 1_000_000
+"""Values a YAML document may hold once its aliases are expanded. PyYAML shares an anchor's
+value among its aliases, but everything that walks the result (msgspec, an error message's
+repr) visits it once per alias: ten anchors of nine aliases each ("billion laughs") are
+9**10 values from a kilobyte. Merge keys and a few shared sections stay far below."""
+
+
+def read_text(path: str | Path, what: str = "config file") -> str:
+    """The UTF-8 text of `path`, at most MAX_FILE_BYTES; ConfigError saying what to do."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {p} does not exist: check the path") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {p}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(
+            f"{what} {p} is larger than {MAX_FILE_BYTES >> 20} MiB, which no configuration is:"
+            " check the path"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{what} {p} is not UTF-8 text (byte {data[exc.start]:#04x} on line {line}):"
+            " save it as UTF-8"
+        ) from None
+
+
+class _Refused(ComposerError):
+    """What `_Loader` refuses in text that is otherwise valid YAML."""
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with the limits above, and refusing what it would otherwise
+    take silently: a key given twice (the last one won) and numbers that are not finite
+    (`.nan` passed every `<= 0` check of a duration). Each refusal is a YAML error with
+    the line, so every caller reports it as it reports a syntax error."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, int] = {}
+
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _Refused(
+                    None, None, f"values are nested more than {MAX_DEPTH} levels deep, which no"
+                    " setting is: check the brackets", self.get_mark()
+                )  # fmt: skip
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        # An alias gives back its anchor's node, already checked and counted.
+        if isinstance(node, (MappingNode, SequenceNode)) and id(node) not in self._sizes:
+            if node.end_mark is None:  # an alias of a collection that is still being composed
+                raise _Refused(
+                    None, None, "found an alias inside its own anchor (the anchor is here): a"
+                    " value cannot contain itself; write it out", node.start_mark
+                )  # fmt: skip
+            if isinstance(node, MappingNode):
+                _check_keys(node)
+            self._count(node)
+        return node
+
+    def _count(self, node: MappingNode | SequenceNode) -> None:
+        """Count the values `node` expands to (an alias's once per use), memoised per node."""
+        children = (
+            [c for pair in node.value for c in pair]
+            if isinstance(node, MappingNode)
+            else list(node.value)
+        )
+        size = 1 + sum(self._sizes.get(id(c), 1) for c in children)
+        if size > MAX_VALUES:
+            raise _Refused(
+                None, None, f"this value expands to more than {MAX_VALUES:,} values through"
+                " its aliases (*name): write it out, or use fewer aliases", node.start_mark
+            )  # fmt: skip
+        self._sizes[id(node)] = size
+
+    def construct_yaml_float(self, node: ScalarNode) -> float:
+        value = super().construct_yaml_float(node)
+        if not math.isfinite(value):
+            raise _Refused(
+                None, None, f"found {node.value}, not a finite number: write a number",
+                node.start_mark
+            )  # fmt: skip
+        return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
+
+
+def _check_keys(node: MappingNode) -> None:
+    """Refuse a key given twice in one mapping (a merge key's keys may be given again)."""
+    seen: dict[tuple[str, str], Node] = {}
+    for key, _ in node.value:
+        if not isinstance(key, ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        first = seen.setdefault((key.tag, key.value), key)
+        if first is not key:
+            raise _Refused(
+                None, None, f"found key {key.value!r} again (first on line"
+                f" {first.start_mark.line + 1}): keep one of them", key.start_mark
+            )  # fmt: skip
+
+
+def parse_yaml(text: str) -> Any:
+    """`yaml.safe_load` with the limits of `_Loader`; raises yaml.YAMLError."""
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping from `path`; an empty file is an empty mapping."""
     p = Path(path)
+    text = read_text(p)
     try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {p} does not exist: check the path") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
+    except _Refused as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark is not None else "?"
+        raise ConfigError(f"{p}, line {line}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p} is not valid YAML: {exc}") from None
     if data is None:
@@ -147,9 +278,13 @@ def _typed_value(name: str, raw: str, t: mi.Type) -> Any:
             pass
     if any(isinstance(m, mi.FloatType) for m in members):
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
             pass
+        else:
+            if not math.isfinite(number):  # `nan` passes every `<= 0` check of a duration
+                raise ConfigError(f"{name}={raw!r} is not a finite number: set one, or unset it")
+            return number
     if all(isinstance(m, (mi.BoolType, mi.IntType, mi.FloatType, mi.NoneType)) for m in members):
         wanted = " or ".join(_describe(m) for m in members)
         raise ConfigError(f"{name}={raw!r} is not {wanted}: set it to one, or unset it")
@@ -176,7 +311,9 @@ def _yaml_value(name: str, raw: str) -> Any:
     if raw == "":
         return ""
     try:
-        return yaml.safe_load(raw)
+        return parse_yaml(raw)
+    except _Refused as exc:
+        raise ConfigError(f"{name}={raw!r}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0] if str(exc) else "unreadable"
         raise ConfigError(
@@ -199,6 +336,16 @@ def _blame(exc: msgspec.ValidationError, where: str, paths: _EnvPaths) -> str:
         if at == p or at.startswith((p + ".", p + "[")):
             return f"{name}={raw!r}: {m.group('what')}: change the variable or unset it"
     return f"{where}: {exc}"
+
+
+def _check_finite(value: Any, at: str) -> None:
+    """Refuse a NaN or an infinity among the overrides (command-line flags), as the file's
+    and the variables' are refused."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{at} is {value} on the command line: give a finite number")
+    if isinstance(value, Mapping):
+        for key, child in value.items():
+            _check_finite(child, f"{at}.{key}" if at else str(key))
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -225,6 +372,7 @@ def load(
     env, env_paths = _env_entries(section, environ, cls)
     data = merge(data, env)
     if overrides:
+        _check_finite(overrides, "")
         data = merge(data, overrides)
     where = str(path) if path is not None else "configuration"
     try:

@@ -3,28 +3,54 @@ clear error naming the setting to change."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import urllib.parse
 
+BIND_ERRORS = (OSError, OverflowError, ValueError, TypeError)
+"""What binding raises for a bad address besides OSError (a taken port, an address or a name
+not of this machine): OverflowError for a port outside 0-65535, UnicodeError (a ValueError)
+for a name IDNA cannot encode (a label of 64 characters), TypeError for a name with a NUL."""
+
+_PORT_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES})
+
+
+class ListenError(OSError):
+    """An address that cannot be listened on; the message names the setting to change."""
+
 
 def bind(host: str, port: int, *, setting: str) -> socket.socket:
     """A listening, non-blocking socket on `host:port` (0: a free port); an OSError saying
-    to change `setting` when it cannot bind."""
+    to change `setting` (the port's) or the host's setting when it cannot bind."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:
+    except BIND_ERRORS as exc:
         sock.close()
-        raise OSError(
-            f"cannot listen on {host}:{port}: {exc.strerror}; set {setting} to a free port "
-            "(0 picks one)"
-        ) from None
+        raise bind_error(exc, host, port, setting) from None
     sock.listen(128)
     sock.setblocking(False)
     return sock
+
+
+def bind_error(exc: BaseException, host: str, port: int, setting: str) -> ListenError:
+    """Why `host:port` cannot be listened on, naming the setting to change: `setting` for
+    the port, the same name with `host` for the host (`admin.port` -> `admin.host`)."""
+    where = f"{host[:64]}:{port}"
+    if isinstance(exc, OverflowError):
+        return ListenError(f"cannot listen on {where}: a port is 0 to 65535; set {setting} to one")
+    if isinstance(exc, OSError) and exc.errno in _PORT_ERRNOS:
+        return ListenError(
+            f"cannot listen on {where}: {exc.strerror}; set {setting} to a free port (0 picks one)"
+        )
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return ListenError(
+        f"cannot listen on {where}: {why}; set {setting.replace('port', 'host')} to an"
+        " address of this machine (an IP, or a name it resolves)"
+    )
 
 
 def url(scheme: str, sock: socket.socket) -> str:

@@ -9,7 +9,6 @@ Pure; `llmgw.natsd` runs the server.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +158,19 @@ def render_cluster_member(index: int, size: int = CLUSTER_SIZE) -> str:
 
 
 def _q(value: object) -> str:
-    return json.dumps(str(value))
+    r"""A quoted string of nats-server's configuration. Its escapes are \\, \", \t, \n, \r
+    and \xXX (a byte) only: JSON's \u00e9 made a state directory named fleet-é unreadable.
+    Printable characters stay as they are; anything else, and a file name's undecodable
+    bytes (surrogate escapes), is written as its UTF-8 bytes."""
+    out = []
+    for c in str(value):
+        if c in '"\\':
+            out.append("\\" + c)
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out += (f"\\x{b:02x}" for b in c.encode("utf-8", "surrogateescape"))
+    return '"' + "".join(out) + '"'
 
 
 def render_config(cfg: ServerConfig, header: tuple[str, ...] = ()) -> str:

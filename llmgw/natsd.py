@@ -229,7 +229,7 @@ def reload_from_pid_file(pid_file: Path) -> int | None:
     """
     try:
         pid = int(pid_file.read_text().strip())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # none, a folder, unreadable, not a number
         return None
     # nats-server leaves its pid file behind when it exits, and the pid may since belong to
     # another process, which a SIGHUP would likely kill: check what runs there (Linux).

@@ -11,6 +11,7 @@ Used by `llmgw agent` and `llmgw agent inventory`.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -252,6 +253,21 @@ def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
     if errors:
         raise config.ConfigError("; ".join(errors))
     return msgspec.structs.replace(cfg, node_id=node_id, address=cfg.address or node_id)
+
+
+def state_dir_problems(cfg: AgentConfig) -> list[str]:
+    """What stops the agent from making and writing `state_dir`, naming it: for `--check`,
+    and before starting (where mkdir ended in a traceback)."""
+    path = Path(cfg.state_dir)
+    there = next((p for p in (path, *path.parents) if p.exists()), None)
+    if there is None:
+        return []
+    if not there.is_dir():
+        where = "is a file" if there == path else f"lies under {there}, a file"
+        return [f"state_dir: {path} {where}: give a folder (it is made when missing)"]
+    if not os.access(there, os.W_OK | os.X_OK):
+        return [f"state_dir: {path}: this user may not write {there}: check its owner and mode"]
+    return []
 
 
 def load(

@@ -63,13 +63,15 @@ def agent(
     except config.ConfigError as exc:
         typer.echo(f"llmgw agent: {exc}", err=True)
         raise typer.Exit(2) from None
+    problems = agent_config.state_dir_problems(cfg)
     if check:
         # The certificate files, too: --check must not say ok about an agent that could
         # not connect.
-        problems = cfg.nats.file_problems("nats")
-        if problems:
-            typer.echo("\n".join(f"{config_path}: {p}" for p in problems), err=True)
-            raise typer.Exit(2)
+        problems += cfg.nats.file_problems("nats")
+    if problems:
+        typer.echo("\n".join(f"{config_path}: {p}" for p in problems), err=True)
+        raise typer.Exit(2)
+    if check:
         typer.echo(f"{config_path}: node {cfg.node_id!r}, state in {cfg.state_dir}: ok")
         typer.echo(_launch_summary(cfg.launch))
         return
@@ -158,7 +160,9 @@ def inventory(
         None, "--sim-gpus", help="Simulated GPUs, e.g. 8xh100-80g, or a YAML/JSON file."
     ),
     infiniband_root: Path | None = typer.Option(
-        None, "--infiniband-root", help="Where to read RDMA adapters [/sys/class/infiniband]."
+        None,
+        "--infiniband-root",
+        help="Where to read RDMA adapters (default: /sys/class/infiniband).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:

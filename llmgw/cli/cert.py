@@ -18,7 +18,7 @@ import typer
 
 from llmgw import natsconf, natsd
 from llmgw.core.subjects import check_token
-from llmgw.pki.ca import CertificateAuthority, PkiError, PkiInputError
+from llmgw.pki.ca import CA_VALIDITY, CertificateAuthority, PkiError, PkiInputError
 from llmgw.pki.identity import KINDS, Identity
 from llmgw.pki.store import CertDir, expires, utcnow, write_private, write_public
 
@@ -35,13 +35,18 @@ DIR_OPTION = typer.Option(
 AUTH_OPTION = typer.Option(
     None,
     "--authorization",
-    help="Where to render the NATS authorization [default: beside --dir, authorization.conf].",
+    help="Where to render the NATS authorization (default: authorization.conf beside --dir).",
 )
 PID_OPTION = typer.Option(
     natsconf.DEFAULT_CONFIG.pid_file,
     "--pid-file",
     help="pid file of a running nats-server to reload after a change (from nats/llmgw.conf).",
 )
+
+
+MAX_DAYS = CA_VALIDITY.days
+"""A client certificate outliving the CA that signed it verifies no longer than the CA; days
+beyond the year 9999 ended in an OverflowError."""
 
 
 def default_hosts() -> list[str]:
@@ -56,6 +61,8 @@ def default_hosts() -> list[str]:
 def _fail(exc: Exception) -> typer.Exit:
     """Exit 2 when the command was asked wrongly (the message says how to ask), 1 when a
     certificate operation failed (as `llmgw ctl` does)."""
+    if isinstance(exc, OSError):  # --dir under a file, a folder it may not write
+        exc = PkiInputError(f"cannot use {exc.filename}: {exc.strerror}; check --dir")
     typer.echo(f"error: {exc}", err=True)
     return typer.Exit(2 if isinstance(exc, PkiInputError) else 1)
 
@@ -68,7 +75,16 @@ def _identity(kind: str, name: str) -> Identity:
 
 
 def _render_and_reload(certs: CertDir, authorization: Path | None, pid_file: Path | None) -> None:
-    path = certs.write_authorization(authorization)
+    try:
+        path = certs.write_authorization(authorization)
+    except OSError as exc:
+        raise _fail(
+            PkiInputError(
+                f"cannot write the NATS authorization to {exc.filename}: {exc.strerror}; give"
+                " --authorization a file in a folder you may write, then run"
+                " `llmgw ctl cert render` with it"
+            )
+        ) from None
     typer.echo(f"rendered {path} ({len(certs.identities())} identities)")
     pid = natsd.reload_from_pid_file(pid_file) if pid_file is not None else None
     if pid is not None:
@@ -94,7 +110,9 @@ def init(
     ),
     control: str = typer.Option("control", "--control", help="Name of the first control plane."),
     operator: str = typer.Option("admin", "--operator", help="Name of the first operator."),
-    days: int = typer.Option(365, "--days", min=1, help="Validity of the client certificates."),
+    days: int = typer.Option(
+        365, "--days", min=1, max=MAX_DAYS, help="Validity of the client certificates."
+    ),
     force: bool = typer.Option(
         False,
         "--force",
@@ -126,7 +144,7 @@ def init(
             issued = ca.issue_client(identity, now=now, validity=dt.timedelta(days=days))
             certs.save_client(identity, issued, force=force)
             typer.echo(f"{identity.kind:<13} {certs.cert(identity)}")
-    except PkiError as exc:
+    except (PkiError, OSError) as exc:
         raise _fail(exc) from None
     _render_and_reload(certs, authorization, None)
     typer.echo("next: nats-server -c nats/llmgw.conf")
@@ -137,7 +155,9 @@ def issue(
     kind: str = typer.Argument(..., help=f"One of {', '.join(KINDS)}."),
     name: str = typer.Argument(..., help="The identity's name; for a node, its node id."),
     dir: Path = DIR_OPTION,
-    days: int = typer.Option(365, "--days", min=1, help="Validity of the certificate."),
+    days: int = typer.Option(
+        365, "--days", min=1, max=MAX_DAYS, help="Validity of the certificate."
+    ),
     force: bool = typer.Option(False, "--force", help="Replace an existing key for this identity."),
     authorization: Path | None = AUTH_OPTION,
     pid_file: Path = PID_OPTION,
@@ -149,7 +169,7 @@ def issue(
         ca = certs.load_ca()
         issued = ca.issue_client(identity, now=utcnow(), validity=dt.timedelta(days=days))
         certs.save_client(identity, issued, force=force)
-    except PkiError as exc:
+    except (PkiError, OSError) as exc:
         raise _fail(exc) from None
     typer.echo(f"certificate   {certs.cert(identity)}")
     typer.echo(f"key           {certs.key(identity)}  (mode 0600: copy it to the host only)")
@@ -175,7 +195,7 @@ def server(
     try:
         issued = certs.load_ca().issue_server(hosts, now=utcnow())
         certs.save_server(issued, force=force)
-    except PkiError as exc:
+    except (PkiError, OSError) as exc:
         raise _fail(exc) from None
     typer.echo(f"server        {certs.server_cert}  (hosts: {', '.join(hosts)})")
     pid = natsd.reload_from_pid_file(pid_file)
@@ -205,7 +225,7 @@ def route(
         cert, key = certs.root / "route" / f"{name}.pem", certs.root / "route" / f"{name}-key.pem"
         write_private(key, issued.key_pem, force=force)
         write_public(cert, issued.cert_pem)
-    except PkiError as exc:
+    except (PkiError, OSError) as exc:
         raise _fail(exc) from None
     typer.echo(f"route         {cert}  (hosts: {', '.join(host)})")
 
@@ -218,7 +238,12 @@ def list_(dir: Path = DIR_OPTION) -> None:
         raise _fail(PkiInputError(f"no CA in {dir}: run `llmgw ctl cert init` first"))
     now = utcnow()
     for identity in certs.identities():
-        until = expires(certs.cert(identity))
+        try:
+            until = expires(certs.cert(identity))
+        except (OSError, ValueError) as exc:  # one broken file must not hide the others
+            why = exc.strerror if isinstance(exc, OSError) else "not a PEM certificate"
+            typer.echo(f"{identity.kind:<9} {identity.name:<24} unreadable ({why}): issue it again")
+            continue
         state = "EXPIRED" if until <= now else f"{(until - now).days} days left"
         typer.echo(f"{identity.kind:<9} {identity.name:<24} until {until:%Y-%m-%d}  {state}")
 

@@ -49,7 +49,9 @@ def _hosts(host: str, port: int) -> set[str]:
 
 def command(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    port: int = typer.Option(DEFAULT_PORT, "--port", help="Port to listen on (0: a free one)."),
+    port: int = typer.Option(
+        DEFAULT_PORT, "--port", min=0, max=65535, help="Port to listen on (0: a free one)."
+    ),
     tls_cert: str | None = typer.Option(
         None, "--tls-cert", help="Server certificate for HTTPS (needed beyond 127.0.0.1)."
     ),

@@ -20,7 +20,7 @@ import typer
 
 from llmgw import bus, wording
 from llmgw.cli import ctl_common as common
-from llmgw.core import events, placement, state, views
+from llmgw.core import events, limits, placement, state, views
 from llmgw.core.profile import ModelProfile
 from llmgw.ctl import catalogfile, operations, render
 from llmgw.ctl.errors import BadInput, Failed
@@ -173,12 +173,7 @@ def _wanted_models(file: Path, *, prune: bool, allow_empty: bool) -> list[ModelP
     """The models a models.yaml lists; exit 2 for a file that is unreadable, invalid, or
     empty where applying it would remove every declared model."""
     try:
-        text = file.read_text()
-    except OSError as exc:
-        typer.echo(f"error: cannot read {file}: {exc.strerror}; check the path", err=True)
-        raise typer.Exit(2) from None
-    try:
-        wanted = catalogfile.parse(text, str(file))
+        wanted = catalogfile.read(file)
     except BadInput as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -345,9 +340,7 @@ def drain(
     key: str | None = common.KEY,
 ) -> None:
     """Move every replica off NODE (rolling: replacement serving first), then keep it empty."""
-    if not grace >= 0:
-        typer.echo("error: --grace must be 0 or more seconds", err=True)
-        raise typer.Exit(2)
+    _check_drain_flags(grace, timeout)
 
     async def body(s: Session) -> int:
         r = await common.current(s, progress=False)
@@ -378,6 +371,19 @@ def drain(
         return 0
 
     common.run(common.Conn(config, server, ca, cert, key), body)
+
+
+def _check_drain_flags(grace: float, timeout: float | None) -> None:
+    """Exit 2, before connecting, for a grace or timeout out of range (NaN too: a NaN
+    timeout made the wait spin)."""
+    if not 0 <= grace <= limits.MAX_SECONDS:
+        problem = f"--grace must be 0 to {limits.MAX_SECONDS:.0f} seconds (about 115 days)"
+    elif timeout is not None and not 0 < timeout <= limits.MAX_SECONDS:
+        problem = f"--timeout must be above 0 and at most {limits.MAX_SECONDS:.0f} seconds"
+    else:
+        return
+    typer.echo(f"error: {problem}", err=True)
+    raise typer.Exit(2)
 
 
 async def _request_drain(

@@ -48,6 +48,10 @@ def _event_line(rec: bus.Record, colour: bool) -> str:
     )
 
 
+_MAX_SEQ = 2**64 - 1
+"""A JetStream stream's sequences are 64-bit."""
+
+
 def events_cmd(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events."),
     since: str | None = typer.Option(
@@ -71,6 +75,11 @@ def events_cmd(
         raise typer.Exit(2)
     if seq is not None and seq < 1:
         typer.echo("error: --seq counts from 1", err=True)
+        raise typer.Exit(2)
+    if seq is not None and seq > _MAX_SEQ:
+        # The server refuses it as JSON it cannot read, which ctl reported as a stream to
+        # provision.
+        typer.echo(f"error: --seq {seq} is beyond any log: it is at most {_MAX_SEQ}", err=True)
         raise typer.Exit(2)
     if type_ is not None and not any(eventlines.matches_tag(t, type_) for t in events.BY_TAG):
         tags = ", ".join(sorted(events.BY_TAG))

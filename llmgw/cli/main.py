@@ -56,7 +56,12 @@ def schemas_cmd(
 ) -> None:
     """Check (or with --write regenerate) the JSON Schema of events and configs in schemas/."""
     if write:
-        for path in schemas.write(folder):
+        try:
+            written = schemas.write(folder)
+        except OSError as exc:  # a path under a file, a folder it may not write
+            typer.echo(f"cannot write {exc.filename}: {exc.strerror}; check --dir", err=True)
+            raise typer.Exit(2) from None
+        for path in written:
             typer.echo(f"wrote {path}")
         return
     problems = schemas.drift(folder)

@@ -120,7 +120,7 @@ def command(
     if kv_events_config is not None:
         try:
             kv_events = json.loads(kv_events_config)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
             typer.echo(f"llmgw sim: --kv-events-config is not JSON: {exc}", err=True)
             raise typer.Exit(2) from None
         if not isinstance(kv_events, dict):
@@ -177,9 +177,14 @@ def _serve(flags: dict[str, Any], config_path: Path | None) -> None:
         raise typer.Exit(2)
     logs.setup(cfg.log_level)
     # Imported here: the server pulls in aiohttp and uvloop, which `llmgw --help` need not pay for.
+    from llmgw import listeners
     from llmgw.sim import server
 
-    server.run(cfg)
+    try:
+        server.run(cfg)
+    except listeners.ListenError as exc:
+        typer.echo(f"llmgw sim: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _given(flags: dict[str, Any]) -> dict[str, Any]:

@@ -116,11 +116,7 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
         )
     if cfg.snapshot.keep < 1:
         problems.append("snapshot.keep must be at least 1")
-    problems += cfg.nats.problems(
-        "nats",
-        "the control plane connects with mutual TLS; "
-        "issue its certificate with `llmgw ctl cert issue control <name>`",
-    )
+    problems += _nats_problems(cfg.nats)
     a = cfg.admin
     if any((a.cert_file, a.key_file, a.ca_file)) and not all((a.cert_file, a.key_file, a.ca_file)):
         problems.append(
@@ -140,6 +136,24 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
             problems.append(f"models[{i}] ({profile.name!r}): {problem}")
         seen.append(profile)
     return [f"{where}: {p}" for p in problems]
+
+
+def _nats_problems(nats: NatsConfig) -> list[str]:
+    problems = nats.problems(
+        "nats",
+        "the control plane connects with mutual TLS; "
+        "issue its certificate with `llmgw ctl cert issue control <name>`",
+    )
+    if not 1 <= nats.stream_replicas <= 5:
+        problems.append(
+            f"nats.stream_replicas is {nats.stream_replicas}: JetStream keeps 1 to 5 replicas"
+            " (1 on a single server, 3 or 5 on a cluster)"
+        )
+    if not nats.duplicate_window_s > 0:
+        # The server reads 0 as its default of 2 minutes: the stream is made, and every
+        # later start finds its window differing from the configured one.
+        problems.append("nats.duplicate_window_s must be above 0 seconds (120 is the default)")
+    return problems
 
 
 def file_problems(cfg: ControlConfig) -> list[str]:

@@ -13,6 +13,7 @@ Purely computational: no I/O.
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any, get_args
 
@@ -93,7 +94,7 @@ class CatalogError(ValueError):
 
     def __init__(self, name: str, problems: list[str]) -> None:
         self.problems = problems
-        super().__init__(f"model {name!r}: " + "; ".join(problems))
+        super().__init__(f"model {name[:80]!r}: " + "; ".join(problems))
 
 
 def capability(value: str) -> tuple[int, int] | None:
@@ -263,14 +264,18 @@ def parse(raw: Mapping[str, Any], others: Iterable[ModelProfile] = ()) -> ModelP
     msgspec's own messages name the field; this adds what to do about the common ones.
     """
     name = str(raw.get("name", "?"))
+    # reprlib: a file's value may be a megabyte of text, or a long list; quoted, shortened.
     engine = raw.get("engine")
     if engine is not None and engine not in ENGINES:
         raise CatalogError(
-            name, [f"engine {engine!r} is not supported: use one of {', '.join(ENGINES)}"]
+            name,
+            [f"engine {reprlib.repr(engine)} is not supported: use one of {', '.join(ENGINES)}"],
         )
     dtype = raw.get("dtype")
     if dtype is not None and dtype not in DTYPES:
-        raise CatalogError(name, [f"dtype {dtype!r} is not supported: use one of {DTYPES}"])
+        raise CatalogError(
+            name, [f"dtype {reprlib.repr(dtype)} is not supported: use one of {DTYPES}"]
+        )
     try:
         profile = msgspec.convert(raw, ModelProfile)
     except msgspec.ValidationError as exc:

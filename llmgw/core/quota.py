@@ -23,10 +23,16 @@ LEASE_FRACTION = 0.02
 TOKENS_WINDOW_S = 60.0
 
 
+MAX_RATE_WINDOW_S = 10.0**7
+"""The longest window (about 115 days): a limit under one request in it is counted as one.
+A keys file's `requests_per_s: 1e-320` is above 0, but 1 / 1e-320 is inf, and every request
+of that key ended in an OverflowError."""
+
+
 def rate_window_s(per_s: float) -> float:
     """The window a requests/s limit is counted in: a second, or long enough to hold one
-    request when the limit is under 1/s (0.2/s: 5 s)."""
-    return 1.0 if per_s >= 1.0 else 1.0 / per_s
+    request when the limit is under 1/s (0.2/s: 5 s), at most MAX_RATE_WINDOW_S."""
+    return 1.0 if per_s >= 1.0 else min(1.0 / per_s, MAX_RATE_WINDOW_S)
 
 
 def allowance(per_s: float) -> int:

@@ -7,17 +7,19 @@ in it and not in the log is declared, one whose profile differs is changed, and
 validated with `llmgw.core.catalog` before anything is written, so a malformed
 file is refused as a whole with a message naming the entry and what to change.
 
-Purely computational (the caller reads the file and publishes the events).
+Computational but for `read`, which reads the file (the caller publishes the events).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 import yaml
 
+from llmgw import config
 from llmgw.core import catalog
 from llmgw.core.profile import ModelProfile
 from llmgw.core.state import ModelState
@@ -49,10 +51,19 @@ class ModelOp(msgspec.Struct, frozen=True, kw_only=True):
         return "\n".join(lines)
 
 
+def read(path: Path) -> list[ModelProfile]:
+    """The profiles in the models.yaml at `path`; BadInput when unreadable or malformed."""
+    try:
+        text = config.read_text(path, "models file")
+    except config.ConfigError as exc:
+        raise BadInput(str(exc)) from None
+    return parse(text, str(path))
+
+
 def parse(text: str, where: str) -> list[ModelProfile]:
     """The profiles in a models.yaml text; BadInput (one line, what to change) when malformed."""
     try:
-        data = yaml.safe_load(text)
+        data = config.parse_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -83,7 +94,9 @@ def parse(text: str, where: str) -> list[ModelProfile]:
         if not isinstance(raw.get("name"), str) or not raw.get("name"):
             raise BadInput(f"{where}: entry {i} has no `name`: give every model its served name")
         if any(p.name == raw["name"] for p in profiles):
-            raise BadInput(f"{where}: model {raw['name']!r} is listed twice: merge the entries")
+            raise BadInput(
+                f"{where}: model {raw['name'][:80]!r} is listed twice: merge the entries"
+            )
         try:
             profiles.append(catalog.parse(raw, profiles))
         except catalog.CatalogError as exc:

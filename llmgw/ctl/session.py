@@ -9,6 +9,7 @@ a write the server refuses because this certificate may not make it.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 import uuid
 from typing import Any
@@ -56,6 +57,11 @@ class Session:
                 f"cannot load {cfg.cert_file} with key {cfg.key_path}: {exc}; pass the matching "
                 "--key"
             ) from None
+        errors: list[Exception] = []
+
+        async def remember(exc: Exception) -> None:
+            errors.append(exc)
+
         try:
             # Bounded from outside as well: bus.BusClient's reconnect loop does not count
             # attempts, so max_reconnect_attempts alone would retry a dead server forever.
@@ -67,16 +73,14 @@ class Session:
                     name=f"ctl-{identity.name}",
                     connect_timeout=max(1, int(cfg.connect_timeout_s)),
                     max_reconnect_attempts=-1 if reconnect_forever else 2,
+                    error_cb=remember,
                     keys=keys,
                 ),
                 timeout=2 * cfg.connect_timeout_s,
             )
         except (nats.errors.Error, OSError, TimeoutError) as exc:
-            raise Failed(
-                f"cannot connect to NATS at {', '.join(cfg.servers)} as {identity}: "
-                f"{str(exc) or type(exc).__name__}; check --server, that nats-server runs, and "
-                "that this certificate was issued by the fleet's CA"
-            ) from None
+            # The timeout says nothing: the last error of the tries says what went wrong.
+            raise Failed(_connect_failure(cfg, identity, errors[-1] if errors else exc)) from None
         return cls(cfg, identity, nc)
 
     async def close(self) -> None:
@@ -90,7 +94,17 @@ class Session:
         return time.time()
 
     async def publish(self, event: events.Event) -> bus.Published:
-        """Publish one operator event; Failed with the reason (and what to do) when refused."""
+        """Publish one operator event; Failed with the reason (and what to do) when refused,
+        BadInput (nothing written) for an event the log's readers would not decode."""
+        try:
+            events.decode(events.encode(event))
+        except events.DecodeError as exc:
+            # Readers skip an event outside llmgw.core.limits (a 20,000-character reason, a
+            # grace of 1e308 s): written, it would be reported done and never take effect.
+            raise BadInput(
+                f"{exc}: the log's readers would refuse it, so nothing was written;"
+                " give a shorter or smaller value"
+            ) from None
         before = len(self.nc.permission_violations)
         try:
             return await bus.Publisher(self.js, timeout_s=2.0, attempts=2).publish(event)
@@ -103,6 +117,25 @@ class Session:
                     "(`llmgw ctl cert issue operator NAME`)"
                 ) from None
             raise Failed(str(exc)) from None
+
+
+def _connect_failure(cfg: CtlConfig, identity: Identity, exc: Exception) -> str:
+    where = f"cannot connect to NATS at {', '.join(cfg.servers)} as {identity}"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            f"{where}: the server's certificate does not verify with {cfg.ca_file}"
+            f" ({exc.verify_message}): pass the fleet's ca.pem with --ca, and a --server"
+            " name its certificate lists"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return (
+            f"{where}: the TLS handshake failed ({exc.reason or exc}): use a certificate of"
+            " the fleet's CA that the server admits (`llmgw ctl cert list`)"
+        )
+    return (
+        f"{where}: {str(exc) or type(exc).__name__}; check --server, that nats-server runs,"
+        " and that this certificate was issued by the fleet's CA"
+    )
 
 
 async def publish_checked(

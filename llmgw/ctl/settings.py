@@ -14,6 +14,7 @@ recorded in an operator event is the one the server admitted.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,20 @@ def identity_of(cert_file: str | Path) -> Identity:
             "use a certificate from `llmgw ctl cert issue operator NAME`"
         )
     try:
-        return Identity(ou, cn)
+        identity = Identity(ou, cn)
     except ValueError as exc:
         raise BadInput(f"{path}: {exc}") from None
+    # The server refuses it in the TLS handshake, and nats-py retries that until the connect
+    # timeout, which said only "TimeoutError".
+    now = dt.datetime.now(dt.UTC)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        when = (
+            f"expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+            if now > cert.not_valid_after_utc
+            else f"is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+        )
+        raise BadInput(
+            f"certificate {path} ({identity}) {when}: issue a new one with `llmgw ctl cert issue"
+            f" {identity.kind} {identity.name}` (or check this machine's clock)"
+        )
+    return identity

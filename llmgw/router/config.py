@@ -292,6 +292,14 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
         )
     if cfg.breaker.failures_to_open < 1:
         problems.append("breaker.failures_to_open must be at least 1")
+    if cfg.breaker.open_s < 0:
+        problems.append("breaker.open_s must be 0 or more seconds")
+    for field in msgspec.structs.fields(cfg.weights):
+        # A negative weight does not turn a scorer off: it prefers what the scorer avoids.
+        if getattr(cfg.weights, field.name) < 0:
+            problems.append(f"weights.{field.name} must be 0 or more (0 turns that scorer off)")
+    if cfg.upstream_connections < 0:
+        problems.append("upstream_connections must be 0 or more (idle connections kept)")
     if not cfg.auth.keys_file and not cfg.auth.allow_anonymous and cfg.log is None:
         problems.append(
             "no API keys: set log (the fleet's keys, made with `llmgw ctl key create`), or"

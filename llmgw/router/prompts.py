@@ -135,7 +135,7 @@ class HfPrompts:
             env.globals["raise_exception"] = _raise
             try:
                 self._template = env.from_string(template)
-            except jinja2.TemplateError as exc:
+            except (jinja2.TemplateError, RecursionError) as exc:  # Recursion: nested deep
                 raise TokenizerFilesError(f"the chat template does not parse: {exc}") from None
 
     @classmethod
@@ -151,11 +151,23 @@ class HfPrompts:
         if config_file.is_file():
             try:
                 config = json.loads(config_file.read_text())
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RecursionError) as exc:  # Recursion: nested deep
                 raise TokenizerFilesError(f"{config_file} is not JSON: {exc}") from None
+            # Anything else escaped for_profile, which then tried again on every request.
+            if not isinstance(config, dict):
+                raise TokenizerFilesError(
+                    f"{config_file} holds a {type(config).__name__}, not a JSON object"
+                )
             raw = config.get("chat_template")
             if isinstance(raw, list):  # named templates: the default one
-                raw = next((t.get("template") for t in raw if t.get("name") == "default"), None)
+                raw = next(
+                    (
+                        t.get("template")
+                        for t in raw
+                        if isinstance(t, dict) and t.get("name") == "default"
+                    ),
+                    None,
+                )
             template = raw if isinstance(raw, str) else None
             for name in ("bos_token", "eos_token"):
                 value = config.get(name)

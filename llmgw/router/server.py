@@ -91,18 +91,15 @@ def listening_sockets(
         for s in socks:
             s.listen(backlog)
             s.setblocking(False)
-    except OSError as exc:
+    except listeners.BIND_ERRORS as exc:
         for s in socks:
             s.close()
-        where = f"{lst.host}:{lst.port}"
-        if exc.errno == errno.EADDRINUSE:
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
             raise PortTaken(
-                f"{where} ({setting}) is taken by another process: stop that process,"
-                f" or set {setting} to a free port",
+                f"{lst.host}:{lst.port} ({setting}) is taken by another process: stop that"
+                f" process, or set {setting} to a free port",
             ) from None
-        raise OSError(
-            f"cannot listen on {where} ({setting}): {exc.strerror}: fix {setting} or the host"
-        ) from None
+        raise listeners.bind_error(exc, lst.host, lst.port, setting) from None
     return socks
 
 

@@ -31,7 +31,7 @@ import uvloop
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmgw import logs, otlp
+from llmgw import listeners, logs, otlp
 from llmgw.core import simtokens as tokens
 from llmgw.sim import api, apis, faultplan, kvevents, streaming
 from llmgw.sim import tracing as sim_tracing
@@ -439,7 +439,12 @@ async def serve(cfg: SimConfig, *, announce: Callable[[str], None] = print) -> N
         shutdown_timeout=cfg.shutdown_timeout_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048)
+    try:
+        sock = listeners.bind(cfg.host, cfg.port, setting="--port")
+    except listeners.ListenError:
+        await runner.cleanup()
+        raise
+    site = web.SockSite(runner, sock, backlog=2048)
     await site.start()
     port = runner.addresses[0][1]
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host

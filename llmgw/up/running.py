@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import os
 import signal
@@ -28,7 +29,7 @@ from typing import Any, TextIO
 import msgspec
 import yaml
 
-from llmgw import natsd, processes, wording
+from llmgw import listeners, natsd, processes, wording
 from llmgw.up import children, render, status
 from llmgw.up.children import Child, UpError
 from llmgw.up.layout import Layout
@@ -58,11 +59,14 @@ def check_port_free(host: str, port: int) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError as exc:
-            raise UpError(
-                f"port {port} on {host} is not available ({exc.strerror}): stop what listens "
-                f"there (`ss -ltnp 'sport = :{port}'` shows it) or pick another with --port"
-            ) from None
+        except listeners.BIND_ERRORS as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+                raise UpError(
+                    f"port {port} on {host} is not available ({exc.strerror}): stop what listens"
+                    f" there (`ss -ltnp 'sport = :{port}'` shows it) or pick another with --port"
+                ) from None
+            # A host that is no address of this machine is not the port's fault.
+            raise UpError(str(listeners.bind_error(exc, host, port, "--port"))) from None
 
 
 def _wait_nats(child: Child, host: str, port: int, timeout_s: float) -> None:
@@ -406,7 +410,13 @@ def run(plan: Plan, *, out: TextIO | None = None, tty: bool | None = None) -> in
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     lock: int | None = None
     try:
-        layout.make()
+        try:
+            layout.make()
+        except OSError as exc:  # a file in the way, a folder it may not write
+            raise UpError(
+                f"--state-dir {layout.root}: cannot make {exc.filename}: {exc.strerror}; give a"
+                " folder llmgw up may create and write"
+            ) from None
         lock = _claim(layout)
         fleet.clean_up_previous()
         check_port_free(plan.host, plan.port)

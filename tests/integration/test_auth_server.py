@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from llmgw import natsconf, natsd
 from llmgw.core import subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import KINDS, Identity
+from llmgw.pki.store import CertDir
 from tests.harness import Connector, TestNatsServer, TestPki, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,6 +27,7 @@ def check(config: Path) -> subprocess.CompletedProcess[str]:
         [natsd.binary(), "-t", "-c", str(config)],
         capture_output=True,
         text=True,
+        errors="replace",  # a path's undecodable bytes, quoted in the server's words
         timeout=30,
         check=False,
     )
@@ -42,6 +45,24 @@ def test_checked_in_config_is_what_llmgw_renders() -> None:
     assert "verify_and_map: true" in rendered
 
 
+def assert_server_reads(folder: Path, certs: CertDir) -> None:
+    """Render a server config in `folder` (beside its authorization.conf) with the server
+    files of `certs`, and check that nats-server reads it."""
+    cfg = natsconf.ServerConfig(
+        store_dir=folder / "js",
+        cert_file=certs.server_cert,
+        key_file=certs.server_key,
+        ca_file=certs.ca_cert,
+        authorization_file=Path("authorization.conf"),
+        port=natsd.free_port(),
+        http_port=None,
+    )
+    (folder / "nats.conf").write_text(natsconf.render_config(cfg))
+    result = check(folder / "nats.conf")
+    assert result.returncode == 0, result.stderr
+    assert "is valid" in result.stdout + result.stderr
+
+
 def test_rendered_authorization_for_many_identities_is_accepted(
     pki: TestPki, tmp_path: Path
 ) -> None:
@@ -49,19 +70,23 @@ def test_rendered_authorization_for_many_identities_is_accepted(
     (tmp_path / "authorization.conf").write_text(
         authorization.render(ids, superusers=["CN=admin,OU=test,O=llmgw-test"])
     )
-    cfg = natsconf.ServerConfig(
-        store_dir=tmp_path / "js",
-        cert_file=pki.certs.server_cert,
-        key_file=pki.certs.server_key,
-        ca_file=pki.certs.ca_cert,
-        authorization_file=Path("authorization.conf"),
-        port=natsd.free_port(),
-        http_port=None,
-    )
-    (tmp_path / "nats.conf").write_text(natsconf.render_config(cfg))
-    result = check(tmp_path / "nats.conf")
-    assert result.returncode == 0, result.stderr
-    assert "is valid" in result.stdout + result.stderr
+    assert_server_reads(tmp_path, pki.certs)
+
+
+@pytest.mark.parametrize(
+    "folder", ["fleet-é", 'josé\'s "fleet"', "tab\tand\\back", "ctl\x01", "bytes-\udcff"]
+)
+def test_any_state_directory_renders_a_config_the_server_reads(
+    pki: TestPki, tmp_path: Path, folder: str
+) -> None:
+    # Paths were quoted as JSON, whose \u00e9 nats-server refuses ("Invalid escape
+    # character 'u'"): `llmgw up --state-dir ~/fleet-é` could not start its server.
+    root = tmp_path / folder
+    root.mkdir()
+    for source in (pki.certs.server_cert, pki.certs.server_key, pki.certs.ca_cert):
+        shutil.copy(source, root / source.name)
+    (root / "authorization.conf").write_text(authorization.render([]))
+    assert_server_reads(root, CertDir(root))
 
 
 def test_an_absolute_include_path_is_refused_with_the_reason(pki: TestPki) -> None:

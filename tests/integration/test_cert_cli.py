@@ -206,6 +206,11 @@ def test_issue_without_a_ca_says_to_run_init(tmp_path: Path) -> None:
         (("route", "nats.1", "--host", "10.0.0.5"), "cluster member name"),
         (("server", "--host", "a b", "--force"), "neither an IP address nor a host name"),
         (("init",), "a CA already exists"),
+        # Tracebacks before: OverflowError (a date past 9999), NotADirectoryError (a path
+        # under a file), for --days, --dir and --authorization.
+        (("issue", "node", "n1", "--days", "99999999"), "3650"),
+        (("init", "--dir", "nats/certs/ca.pem/x"), "nats/certs/ca.pem/x"),
+        (("issue", "node", "n2", "--authorization", "nats/certs/ca.pem/a.conf"), "render"),
     ],
 )
 def test_bad_input_exits_2_saying_what_to_do(
@@ -216,6 +221,21 @@ def test_bad_input_exits_2_saying_what_to_do(
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert says in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_broken_certificate_or_pid_file_does_not_end_the_command(tmp_path: Path) -> None:
+    # `cert list` ended in a ValueError traceback at the first file that was not a
+    # certificate; a --pid-file naming a folder in an IsADirectoryError one, after issuing.
+    assert llmgw(tmp_path, "ctl", "cert", "init", "--host", "127.0.0.1").returncode == 0
+    (tmp_path / "nats" / "certs" / "operator" / "admin.pem").write_text("not a certificate\n")
+    out = llmgw(tmp_path, "ctl", "cert", "list")
+    assert out.returncode == 0, out.stderr
+    assert "admin" in out.stdout
+    assert "unreadable" in out.stdout
+    assert "control" in out.stdout
+    out = llmgw(tmp_path, "ctl", "cert", "issue", "node", "n1", "--pid-file", "nats")
+    assert out.returncode == 0, out.stderr
+    assert "no running nats-server found" in out.stdout
 
 
 def test_llmgw_ctl_is_listed_in_help(tmp_path: Path) -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from llmgw import bus
-from llmgw.core import events
-from tests.harness import TestNatsServer, connect_as, wait_for
+from llmgw.core import events, subjects
+from tests.harness import TestNatsServer, TestPki, connect_as, wait_for
 from tests.integration.control_kit import read_log, sim_gpus
 from tests.integration.ctl_kit import ROOT, Ctl
 
@@ -211,6 +211,11 @@ async def test_bad_input_exits_2_with_a_line_that_says_what_to_do(
         (("replay", "--at", "yesterday-ish"), "cannot read 'yesterday-ish' as a time", "ISO"),
         (("replay", "--to", "999999"), "beyond the end of the log", "smaller"),
         (("events", "--type", "bogus"), "no event type matches 'bogus'", "use one of"),
+        # The server's refusal of a sequence beyond 64 bits was reported as a stream to
+        # provision; a NaN timeout made the wait for the drain spin (asyncio.wait(nan)).
+        (("events", "--seq", "9" * 21), "--seq 999999999999999999999", "at most"),
+        (("drain", "node-a", "--wait", "--timeout", "nan"), "--timeout", "above 0"),
+        (("drain", "node-a", "--wait", "--timeout", "0"), "--timeout", "above 0"),
     ]
     for args, what, todo in cases:
         result = await ctl(*args)
@@ -229,6 +234,28 @@ async def test_bad_input_exits_2_with_a_line_that_says_what_to_do(
     assert real.stderr.startswith("error: unknown node 'node-zz'")
 
 
+async def test_an_event_the_logs_readers_would_refuse_is_not_written(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    # ctl printed "node-a cordoned (seq 2)" for a 20,000-character reason and "drain
+    # requested" for --grace 1e308 or inf, but every reader skips an event outside the
+    # bounds of llmgw.core.limits: the operator's cordon or drain silently did nothing.
+    ctl = Ctl(nats_server)
+    cases = [
+        (("cordon", "node-a", "--reason", "x" * 20_000), "reason"),
+        (("drain", "node-a", "--grace", "1e308"), "--grace"),
+        (("drain", "node-a", "--grace", "inf"), "--grace"),
+    ]
+    for args, what in cases:
+        result = await ctl(*args)
+        assert result.code == 2, (args[:3], result)
+        line = result.stderr.strip()
+        assert len(line.splitlines()) == 1, line
+        assert what in line, line
+        assert "nothing was written" in line or "seconds" in line, line
+    assert (await log.jetstream().stream_info(subjects.STREAM)).state.messages == 1
+
+
 async def test_unreachable_nats_is_an_operational_failure(
     nats_server: TestNatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -238,6 +265,27 @@ async def test_unreachable_nats_is_an_operational_failure(
     result = await ctl("nodes")
     assert result.code == 1
     assert "cannot connect to NATS" in result.stderr
+
+
+async def test_a_certificate_that_cannot_connect_says_why(
+    nats_server: TestNatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An expired certificate, or a --ca that did not sign the server's, was reported after
+    # the whole connect timeout as "cannot connect to NATS ...: TimeoutError".
+    monkeypatch.setenv("LLMGW_CTL__CONNECT_TIMEOUT_S", "1")
+    ctl = Ctl(nats_server, name="old")
+    nats_server.pki.expired_tls("operator", "old")
+    result = await ctl("nodes")
+    assert result.code == 2, result
+    assert "expired on" in result.stderr
+    assert "llmgw ctl cert issue operator old" in result.stderr
+    ctl = Ctl(nats_server)
+    ctl.flags[3] = str(TestPki(tmp_path / "other").certs.ca_cert)
+    result = await ctl("nodes")
+    assert result.code == 1, result
+    assert "TimeoutError" not in result.stderr
+    assert "unable to get local issuer certificate" in result.stderr
+    assert "--ca" in result.stderr
 
 
 async def test_events_filters_and_follow_in_a_real_process(

@@ -114,3 +114,24 @@ def test_router_check_refuses_missing_log_files(pki: TestPki, tmp_path: Path) ->
     assert done.returncode == 2
     assert "log.cert_file" in done.stderr
     assert "does not exist" in done.stderr
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_agent_refuses_a_state_dir_it_cannot_make(
+    pki: TestPki, tmp_path: Path, under: bool
+) -> None:
+    # `--check` said ok for a state_dir naming a file (or a path under one), and the agent
+    # then ended in a FileExistsError / NotADirectoryError traceback from mkdir.
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file\n")
+    state = blocker / "agent" if under else blocker
+    path = tmp_path / "agent.yaml"
+    cfg = {"node_id": "n1", "state_dir": str(state), "sim_gpus": "1xh100-80g",
+           "nats": {**_own(pki, "agent"), "servers": ["tls://127.0.0.1:1"]}}  # fmt: skip
+    path.write_text(yaml.safe_dump(cfg))
+    for args in (["--check"], []):
+        done = _run("agent", "--config", str(path), *args)
+        assert done.returncode == 2, (args, done.stderr[-2000:])
+        assert f"state_dir: {state}" in done.stderr
+        assert "Traceback" not in done.stderr
+    assert blocker.read_text() == "a file\n"

@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
+import typer
+import typer.rich_utils
 from typer.testing import CliRunner
 
 from llmgw import __version__
@@ -54,3 +58,27 @@ def test_the_console_needs_a_head_deadline() -> None:
     result = CliRunner().invoke(app, ["console", "--header-timeout-s", "0"])
     assert result.exit_code == 2, result.output
     assert "--header-timeout-s must be above 0" in result.output
+
+
+def _commands(group: Any, path: list[str]) -> list[tuple[list[str], Any]]:
+    """Every command under `group` (typer's own click), with the words that name it."""
+    out: list[tuple[list[str], Any]] = []
+    for name, command in getattr(group, "commands", {}).items():
+        out += [([*path, name], command), *_commands(command, [*path, name])]
+    return out
+
+
+def test_every_commands_help_shows_every_options_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Typer renders help with rich markup: `[/sys/class/infiniband]` in a help text made
+    # `llmgw agent inventory --help` a MarkupError traceback, and `[default: beside --dir,
+    # authorization.conf]` vanished from `llmgw ctl cert issue --help`.
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", 1000)  # no wrapping, no "…"
+    runner = CliRunner()
+    for path, command in _commands(typer.main.get_command(app), []):
+        result = runner.invoke(app, [*path, "--help"])
+        assert result.exit_code == 0, (path, result.exception)
+        shown = " ".join(result.output.replace("│", " ").split())  # the panels' borders
+        for param in command.params:
+            text = getattr(param, "help", None)
+            if text:
+                assert " ".join(text.split()) in shown, (path, param.name, text)

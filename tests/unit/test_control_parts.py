@@ -60,6 +60,12 @@ def test_environment_overrides_and_the_default_name(
         ({"nats": {"ca_file": ""}}, "llmgw ctl cert issue control"),
         ({"nats": {"servers": []}}, "nats.servers is empty"),
         ({"snapshot": {"keep": 0}}, "snapshot.keep"),
+        # --check said ok; the server refused these at start, or (a window of 0, which it
+        # reads as 2 minutes) at every start after the first.
+        ({"nats": {"stream_replicas": 7}}, "nats.stream_replicas is 7: JetStream keeps 1 to 5"),
+        ({"nats": {"stream_replicas": -1}}, "nats.stream_replicas is -1"),
+        ({"nats": {"duplicate_window_s": 0}}, "nats.duplicate_window_s must be above 0"),
+        ({"nats": {"duplicate_window_s": -5}}, "nats.duplicate_window_s must be above 0"),
         ({"lease_ttl": 3}, "unknown field"),
         ({"admin": {"cert_file": "admin.pem"}}, "set all of cert_file, key_file and ca_file"),
         ({"admin": {"header_timeout_s": 0}}, r"admin.header_timeout_s must be above 0"),

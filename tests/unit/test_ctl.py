@@ -8,6 +8,7 @@ import contextlib
 import datetime as dt
 import errno
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -100,6 +101,18 @@ def test_malformed_models_yaml(text: str, expected: str) -> None:
         catalogfile.parse(text, "models.yaml")
     assert expected in str(info.value)
     assert str(info.value).startswith("models.yaml")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["name", "engine", "dtype"])
+def test_a_refusal_quotes_a_huge_value_shortened(field: str) -> None:
+    # `engine: <a megabyte>` came back whole in the one-line error (and a list of a
+    # million values through aliases as its repr): megabytes on the operator's terminal.
+    big = "x" * 1_000_000
+    entry = {"name": "a", "engine": "sim", field: big}
+    with pytest.raises(BadInput) as info:
+        catalogfile.parse(json.dumps([entry]), "models.yaml")
+    assert len(str(info.value)) < 1000
     assert "\n" not in str(info.value)
 
 

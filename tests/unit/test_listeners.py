@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 from llmgw import listeners
+from llmgw.cli.main import app
 
 
 @pytest.mark.parametrize(
@@ -43,3 +45,33 @@ def test_host_headers_that_name_loopback(value: str, local: bool) -> None:
 @given(st.text(max_size=60))
 def test_any_host_header_is_answered_never_raises(value: str) -> None:
     assert listeners.loopback_host_header(value) in (True, False)
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "change"),
+    [("127.0.0.1", 99999, "admin.port"), ("127.0.0.1", -1, "admin.port"),
+     ("a" * 300, 0, "admin.host"), ("a..b", 0, "admin.host"), ("nonexistent.invalid", 0,
+     "admin.host"), ("\x00", 0, "admin.host"), ("[::1]", 0, "admin.host")],
+)  # fmt: skip
+def test_an_address_that_cannot_be_bound_is_an_oserror_naming_the_setting(
+    host: str, port: int, change: str
+) -> None:
+    # A port beyond 65535 was an OverflowError, a host with a NUL a TypeError, a label
+    # longer than 63 characters a UnicodeError (tracebacks); a name that does not resolve
+    # said to pick another port.
+    with pytest.raises(OSError, match=f"set {change} ") as info:
+        listeners.bind(host, port, setting="admin.port")
+    assert len(str(info.value)) < 300
+
+
+@pytest.mark.parametrize(
+    ("argv", "change"),
+    [(["console", "--port", "99999"], "--port"),
+     (["sim", "--host", "nonexistent.invalid", "--port", "0"], "--host"),
+     (["sim", "--host", "a" * 300, "--port", "0"], "--host")],
+)  # fmt: skip
+def test_commands_refuse_an_address_in_one_line(argv: list[str], change: str) -> None:
+    result = CliRunner().invoke(app, argv, env={})
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 2, result.output
+    assert change in result.output

@@ -124,3 +124,20 @@ def test_a_usage_flush_that_fails_keeps_every_row_it_did_not_send() -> None:
     for subject, n in totals.items():
         by_what[subject.rsplit(".", 1)[-1]] += n
     assert by_what == {"in": 30, "out": 15, "req": 3}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(min_value=0.0, exclude_min=True, max_value=1e308) | st.sampled_from([5e-324]))
+def test_any_positive_rate_is_admitted_or_refused_never_an_error(per_s: float) -> None:
+    # A keys file's `requests_per_s: 1e-320` passed its `> 0` check, and then every request
+    # of that key ended in an OverflowError: 1 / 1e-320 is inf, a window no integer counts.
+    async def run() -> None:
+        for down in (False, True):
+            store = Store()
+            store.down = down
+            q = Quotas(store)  # type: ignore[arg-type]
+            p = key(requests_per_s=per_s)
+            for wall in (100.5, 100.6, 1.8e9):
+                await admitted(q, p, wall)
+
+    asyncio.run(run())

@@ -62,6 +62,11 @@ def test_a_good_config_loads_with_env_overrides(
         (lambda d: d.update(max_answer_bytes=10), "max_answer_bytes must be at least 1024"),
         (lambda d: d.update(log={"servers": []}), "log.servers is empty"),
         (lambda d: d.update(log={"ca_file": "ca.pem"}), "log.cert_file is not set"),
+        # Taken silently before: a negative weight prefers the endpoints it should avoid,
+        # a negative open_s opens a breaker for no time at all.
+        (lambda d: d.update(weights={"queue": -1}), "weights.queue must be 0 or more"),
+        (lambda d: d.update(breaker={"open_s": -5}), "breaker.open_s must be 0 or more"),
+        (lambda d: d.update(upstream_connections=-1), "upstream_connections must be 0 or more"),
     ],
 )
 def test_validation_refuses_and_says_what_to_change(

@@ -83,6 +83,27 @@ def test_no_usable_tokenizer_means_no_prediction(tmp_path: Path) -> None:
         prompts.HfPrompts.load(tmp_path / "missing")
 
 
+@pytest.mark.parametrize(
+    "config",
+    ["[]", '"text"', '{"chat_template": [1]}', '{"bos_token": ["a"], "chat_template": [{}]}',
+     '{"chat_template": [{"name": "default", "template": 5}]}', "[" * 100_000, "\udcff",
+     json.dumps({"chat_template": "{{" + "(" * 5000 + "1" + ")" * 5000 + "}}"})],
+)  # fmt: skip
+def test_a_tokenizer_config_of_any_shape_is_loaded_or_refused(
+    tmp_path: Path, tokenizer_dir: Path, config: str
+) -> None:
+    # Valid JSON that is no mapping ended HfPrompts.load in an AttributeError (JSON nested
+    # thousands deep in a RecursionError), which for_profile let through on every request
+    # of the model, since only a TokenizerFilesError is remembered.
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_bytes(config.encode("utf-8", "surrogateescape"))
+    try:
+        found = prompts.HfPrompts.load(tmp_path)
+    except prompts.TokenizerFilesError:
+        return
+    assert found.ids(parse("chat", chat_body(("user", "u")), want_text=True)) is None
+
+
 def test_a_template_that_refuses_the_messages_predicts_nothing(
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:

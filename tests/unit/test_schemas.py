@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
 from llmgw import schemas
+from llmgw.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,3 +34,14 @@ def test_event_schema_is_a_tagged_union_of_every_type() -> None:
     from llmgw.core import events
 
     assert set(mapping) == set(events.BY_TAG)
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_a_dir_that_cannot_hold_the_schemas_is_one_line(tmp_path: Path, write: bool) -> None:
+    # `llmgw schemas --write --dir` under a file ended in a NotADirectoryError traceback.
+    (tmp_path / "notes").write_text("a file\n")
+    args = ["schemas", "--dir", str(tmp_path / "notes" / "schemas"), *(["--write"] * write)]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 2 if write else result.exit_code == 1
+    assert "notes" in result.output

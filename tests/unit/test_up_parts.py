@@ -12,8 +12,10 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 from llmgw.agent import config as agent_config
+from llmgw.cli.main import app
 from llmgw.control import config as control_config
 from llmgw.core import catalog
 from llmgw.ctl import catalogfile
@@ -162,3 +164,35 @@ def test_a_pid_file_of_a_reused_pid_is_not_signalled(tmp_path: Path) -> None:
     # Had it been signalled, SIGTERM would have ended this very test process.
     assert children.stop_recorded(path) is None
     assert children.recorded(path) is None
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_state_dir_that_cannot_be_a_folder_is_refused_in_one_line(
+    tmp_path: Path, where: str
+) -> None:
+    # `--state-dir` naming a file ended in a FileExistsError traceback from mkdir.
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("not a folder\n")
+    state_dir = blocker if where == "a file" else blocker / "fleet"
+    result = CliRunner().invoke(app, ["up", "--state-dir", str(state_dir)])
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1, line
+    assert f"--state-dir {state_dir}" in line
+    assert "give a folder" in line
+    assert blocker.read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("host", ["nonexistent.invalid", "a" * 300])
+def test_a_host_that_is_no_address_here_is_blamed_not_the_port(tmp_path: Path, host: str) -> None:
+    # `llmgw up --host` naming no address of this machine said to stop what listens on the
+    # port, or pick another --port.
+    result = CliRunner().invoke(
+        app, ["up", "--state-dir", str(tmp_path / "fleet"), "--host", host, "--port", "18089"]
+    )
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1, line
+    assert "set --host to an address of this machine" in line

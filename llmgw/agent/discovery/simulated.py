@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import yaml
 
+from llmgw import config
 from llmgw.core.inventory import Gpu, Inventory, gpu_class
 
 _GROUP = re.compile(r"^(\d+)\s*x\s*([a-z0-9]+)-(\d+)g$")
@@ -80,9 +81,9 @@ def load(source: str) -> Inventory:
     if not (path.suffix.lower() in {".yaml", ".yml", ".json"} or path.is_file()):
         return Inventory(gpus=parse_spec(source))
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise SimSpecError(f"simulated inventory {path}: {exc.strerror}") from None
+        data = config.parse_yaml(config.read_text(path, "simulated inventory"))
+    except config.ConfigError as exc:
+        raise SimSpecError(str(exc)) from None
     except yaml.YAMLError as exc:
         raise SimSpecError(f"simulated inventory {path} is not YAML/JSON: {exc}") from None
     try:
