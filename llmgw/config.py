@@ -27,6 +27,14 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 T = TypeVar("T")
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+LogLevel = Annotated[
+    str,
+    msgspec.Meta(
+        pattern="^(debug|info|warning|error|critical|DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
+        description="debug, info, warning, error or critical",
+    ),
+]
+"""A service's `log_level`: a misspelt level is refused rather than read as info."""
 """A TCP port: 0 (pick a free one) to 65535."""
 
 

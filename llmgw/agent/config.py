@@ -115,7 +115,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     trace context, which routers forward); none unless set."""
     admin: AdminListener | None = None
     """Where to serve the agent's metrics and health; none unless set."""
-    log_level: str = "info"
+    log_level: config.LogLevel = "info"
 
 
 def short_hostname() -> str:

@@ -82,7 +82,7 @@ def command(
         None, "--load-s", help="Seconds before it listens, as weights loading take [0]."
     ),
     log_level: str | None = typer.Option(
-        None, "--log-level", help="debug, info or warning (default: info)."
+        None, "--log-level", help="debug, info, warning, error or critical (default: info)."
     ),
     api_key: str | None = typer.Option(
         None,

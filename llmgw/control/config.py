@@ -77,7 +77,7 @@ class ControlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     sync_models: bool = True
     """Set false to leave the catalog entirely to `llmgw ctl`."""
     admin: AdminListener = AdminListener()
-    log_level: str = "info"
+    log_level: config.LogLevel = "info"
 
 
 def _short_hostname() -> str:

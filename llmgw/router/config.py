@@ -151,7 +151,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     upstream_connections: int = 4096
     seed: int | None = None
     """Seed of the tie-breaking random generator; None draws one at start."""
-    log_level: str = "info"
+    log_level: config.LogLevel = "info"
     traces: TracesConfig | None = None
     """Record requests' spans and export them (llmgw.router.tracing); none when unset."""
 

@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 
 from llmgw import otlp
-from llmgw.config import Port
+from llmgw.config import LogLevel, Port
 
 StallAt = Literal["headers", "first_token", "mid_stream"]
 
@@ -149,7 +149,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Seconds before the sim listens, as an engine loading its weights does (vLLM's
     server opens its port only once the model is loaded): until then connections are
     refused and a supervisor sees it starting."""
-    log_level: str = "info"
+    log_level: LogLevel = "info"
     kv_events_config: KvEventsConfig | None = None
     """Publish KV block events as vLLM does (`--kv-events-config JSON`)."""
     otlp_traces_endpoint: str = ""

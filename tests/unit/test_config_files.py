@@ -5,6 +5,7 @@ memory."""
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from collections.abc import Callable
 from pathlib import Path
@@ -272,3 +273,22 @@ def test_a_json_setting_nested_deep_is_refused_in_one_line() -> None:
     assert isinstance(result.exception, SystemExit), result.exception
     assert result.exit_code == 2
     assert "--kv-events-config" in result.output
+
+
+@pytest.mark.parametrize("service", ["router", "control", "agent", "sim"])
+def test_a_misspelt_log_level_is_refused_naming_the_levels(service: str, tmp_path: Path) -> None:
+    # `log_level: degub` was read as info: an operator asking for debug lines got none
+    # and no word of why.
+    path = tmp_path / "settings.yaml"
+    path.write_text("log_level: degub\n")
+    said = _refused(service, path)
+    assert "log_level" in said
+    assert "debug|info|warning|error|critical" in said
+    for level in ("debug", "WARNING", "error"):
+        path.write_text(f"log_level: {level}\n")
+        # A file of only a level lacks what some services need: any refusal is for that.
+        said = ""
+        with contextlib.suppress(*REFUSALS):
+            LOADERS[service](path)
+            said = "loaded"
+        assert said == "loaded" or "log_level" not in _refused(service, path)
