@@ -173,7 +173,9 @@ def issue(
         raise _fail(exc) from None
     typer.echo(f"certificate   {certs.cert(identity)}")
     typer.echo(f"key           {certs.key(identity)}  (mode 0600: copy it to the host only)")
-    typer.echo(f"subject       {identity.dn}, valid {days} days")
+    until = issued.cert.not_valid_after_utc
+    capped = " (the CA's own end)" if until == ca.cert.not_valid_after_utc else ""
+    typer.echo(f"subject       {identity.dn}, valid until {until:%Y-%m-%d %H:%M} UTC{capped}")
     _render_and_reload(certs, authorization, pid_file)
 
 

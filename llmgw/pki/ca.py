@@ -268,6 +268,9 @@ class CertificateAuthority:
         not_before: dt.datetime,
         not_after: dt.datetime,
     ) -> Issued:
+        # A certificate is valid only while its issuer is: one dated past the CA's end
+        # would fail then, whatever it says, so it says when it really ends.
+        not_after = min(not_after, self.cert.not_valid_after_utc)
         if not_after <= not_before:
             # Allowed only so tests can build expired certificates; keep the order valid.
             not_before = not_after - dt.timedelta(minutes=1)

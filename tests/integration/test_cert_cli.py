@@ -99,6 +99,7 @@ async def test_init_then_nats_server_from_the_repository_root(root: Path) -> Non
         issued = llmgw(root, "ctl", "cert", "issue", "node", "gpu-1")
         assert issued.returncode == 0, issued.stderr
         assert f"reloaded nats-server (pid {server.pid})" in issued.stdout
+        assert "valid until 20" in issued.stdout  # the date it ends, the CA's end at most
         await wait_reloads(log, 1)
         errors: list[Exception] = []
 

@@ -104,6 +104,19 @@ def test_an_expired_certificate_can_be_made_for_tests(ca: CertificateAuthority) 
     assert cert.not_valid_before_utc < cert.not_valid_after_utc
 
 
+def test_no_certificate_outlives_the_ca_that_signs_it() -> None:
+    # A client certificate of a year from a CA with a month left said it was valid for a
+    # year; every server refuses it once the CA has expired.
+    short = CertificateAuthority.create(now=NOW, validity=dt.timedelta(days=30))
+    ca_end = short.cert.not_valid_after_utc
+    client = short.issue_client(Identity("node", "n1"), now=NOW).cert
+    server = short.issue_server(["127.0.0.1"], now=NOW).cert
+    assert client.not_valid_after_utc == ca_end
+    assert server.not_valid_after_utc == ca_end
+    brief = short.issue_client(Identity("node", "n2"), now=NOW, validity=dt.timedelta(days=1))
+    assert brief.cert.not_valid_after_utc == NOW + dt.timedelta(days=1)
+
+
 def test_keys_are_ec_p256_and_match_their_certificates(ca: CertificateAuthority) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
