@@ -23,10 +23,12 @@ LEASE_FRACTION = 0.02
 TOKENS_WINDOW_S = 60.0
 
 
-MAX_RATE_WINDOW_S = 10.0**7
-"""The longest window (about 115 days): a limit under one request in it is counted as one.
-A keys file's `requests_per_s: 1e-320` is above 0, but 1 / 1e-320 is inf, and every request
-of that key ended in an OverflowError."""
+MAX_RATE_WINDOW_S = 60.0
+"""The longest window, that of the slowest rate a key may have (llmgw.core.tenancy's
+MIN_RATE): a limit under one request in it is counted as one. The windows' counters live
+ten minutes (llmgw.bus.provisioning's LIMITS_MAX_AGE_S): a longer window would be forgotten
+before it ends. And a rate of 1e-320 is above 0, but 1 / 1e-320 is inf, a window no
+integer counts."""
 
 
 def rate_window_s(per_s: float) -> float:

@@ -44,7 +44,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.core.state import KeyState
-from llmgw.core.tenancy import KeySettings, Priority
+from llmgw.core.tenancy import MIN_RATE, KeySettings, Priority
 
 KEY_PREFIX = "llmgw-"
 
@@ -366,4 +366,11 @@ def load_keys(path: str | Path, now: float, shared: SharedLimits | None = None) 
                     f"keys file {path}: keys[{i}] ({e.name}): {field} must be above 0,"
                     " or left out for no limit"
                 )
+        # As for the fleet's keys (llmgw.core.tenancy): a slower rate's window would
+        # outlive the counters that hold it, which would forget it mid-window.
+        if e.requests_per_s is not None and 0 < e.requests_per_s < MIN_RATE:
+            raise config.ConfigError(
+                f"keys file {path}: keys[{i}] ({e.name}): requests_per_s must be at least"
+                f" 1/60 ({MIN_RATE:.4g}, one request a minute), or left out for no limit"
+            )
     return Keys(Principal(file_settings(e), e.sha256.lower(), now, shared) for e in kf.keys)

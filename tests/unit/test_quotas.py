@@ -6,13 +6,16 @@ buckets when the counters fail, and refuse a spent budget saying so."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw import config
+from llmgw.bus import provisioning
 from llmgw.bus.counters import CounterError
-from llmgw.core import tenancy
+from llmgw.core import quota, tenancy
 from llmgw.router import auth
 from llmgw.router.quotas import Quotas
 
@@ -124,6 +127,26 @@ def test_a_usage_flush_that_fails_keeps_every_row_it_did_not_send() -> None:
     for subject, n in totals.items():
         by_what[subject.rsplit(".", 1)[-1]] += n
     assert by_what == {"in": 30, "out": 15, "req": 3}
+
+
+@given(st.floats(min_value=0.0, exclude_min=True, max_value=1e308) | st.sampled_from([5e-324]))
+def test_no_rate_window_outlives_the_counters_that_hold_it(per_s: float) -> None:
+    # The limits' counters live LIMITS_MAX_AGE_S: a window of 1,000 s (0.001 req/s) was
+    # forgotten after 600 and its key admitted again within it.
+    span = quota.rate_window_s(per_s)
+    assert 1.0 <= span <= provisioning.LIMITS_MAX_AGE_S
+    assert span <= 1 / tenancy.MIN_RATE
+    assert quota.allowance(per_s) >= 1
+
+
+def test_a_keys_file_rate_slower_than_the_fleets_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    entry = auth.entry_yaml("team", auth.new_key(), ("*",))
+    path.write_text("keys:\n" + entry + "    requests_per_s: 0.001\n")
+    with pytest.raises(config.ConfigError, match=r"requests_per_s must be at least 1/60"):
+        auth.load_keys(path, now=0.0)
+    path.write_text("keys:\n" + entry + f"    requests_per_s: {tenancy.MIN_RATE}\n")
+    assert auth.load_keys(path, now=0.0) is not None
 
 
 @settings(max_examples=100, deadline=None)
