@@ -31,11 +31,13 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 LogLevel = Annotated[
     str,
     msgspec.Meta(
-        pattern="^(debug|info|warning|error|critical|DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
+        pattern="^(debug|info|warning|error|critical|Debug|Info|Warning|Error|Critical"
+        "|DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
         description="debug, info, warning, error or critical",
     ),
 ]
-"""A service's `log_level`: a misspelt level is refused rather than read as info."""
+"""A service's `log_level`: a misspelt level is refused rather than read as info. Each is
+taken lower case, capitalised or upper case (`info`, `Info`, `INFO`), as logging reads it."""
 """A TCP port: 0 (pick a free one) to 65535."""
 
 

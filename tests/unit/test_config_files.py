@@ -299,7 +299,9 @@ def test_a_misspelt_log_level_is_refused_naming_the_levels(service: str, tmp_pat
     said = _refused(service, path)
     assert "log_level" in said
     assert "debug|info|warning|error|critical" in said
-    for level in ("debug", "WARNING", "error"):
+    # "Info" and "Warning" name a level as logging reads it (in any case): they were
+    # honoured before the check, and refused by it.
+    for level in ("debug", "WARNING", "error", "Info", "Warning"):
         path.write_text(f"log_level: {level}\n")
         # A file of only a level lacks what some services need: any refusal is for that.
         said = ""
