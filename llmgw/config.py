@@ -28,6 +28,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 T = TypeVar("T")
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+"""A TCP port: 0 (pick a free one) to 65535."""
 LogLevel = Annotated[
     str,
     msgspec.Meta(
@@ -38,7 +39,6 @@ LogLevel = Annotated[
 ]
 """A service's `log_level`: a misspelt level is refused rather than read as info. Each is
 taken lower case, capitalised or upper case (`info`, `Info`, `INFO`), as logging reads it."""
-"""A TCP port: 0 (pick a free one) to 65535."""
 
 
 class ConfigError(ValueError):
