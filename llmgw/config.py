@@ -22,20 +22,23 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 from yaml.composer import ComposerError
+from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 T = TypeVar("T")
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+"""A TCP port: 0 (pick a free one) to 65535."""
 LogLevel = Annotated[
     str,
     msgspec.Meta(
-        pattern="^(debug|info|warning|error|critical|DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
+        pattern="^(debug|info|warning|error|critical|Debug|Info|Warning|Error|Critical"
+        "|DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
         description="debug, info, warning, error or critical",
     ),
 ]
-"""A service's `log_level`: a misspelt level is refused rather than read as info."""
-"""A TCP port: 0 (pick a free one) to 65535."""
+"""A service's `log_level`: a misspelt level is refused rather than read as info. Each is
+taken lower case, capitalised or upper case (`info`, `Info`, `INFO`), as logging reads it."""
 
 
 class ConfigError(ValueError):
@@ -52,10 +55,12 @@ MAX_DEPTH = 64
 `[[[[...` a few thousand deep ended in a RecursionError (a traceback) instead of an error."""
 
 MAX_VALUES = 1_000_000
-"""Values a YAML document may hold once its aliases are expanded. PyYAML shares an anchor's
-value among its aliases, but everything that walks the result (msgspec, an error message's
-repr) visits it once per alias: ten anchors of nine aliases each ("billion laughs") are
-9**10 values from a kilobyte. Merge keys and a few shared sections stay far below."""
+"""Values a YAML document's aliases may add once expanded, beyond the values it writes out.
+PyYAML shares an anchor's value among its aliases, but everything that walks the result
+(msgspec, an error message's repr) visits it once per alias: ten anchors of nine aliases
+each ("billion laughs") are 9**10 values from a kilobyte. Merge keys and a few shared
+sections stay far below. (The values written out are bounded by MAX_FILE_BYTES: a keys file
+of 60,000 keys writes a million.)"""
 
 
 def read_text(path: str | Path, what: str = "config file") -> str:
@@ -97,8 +102,12 @@ class _Loader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
         self._sizes: dict[int, int] = {}
+        self._written = 0
+        """Nodes written out so far (an alias is not one): no size up to this is expansion."""
 
     def compose_node(self, parent: Node | None, index: int) -> Node | None:
+        if not self.check_event(AliasEvent):
+            self._written += 1
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
@@ -129,7 +138,7 @@ class _Loader(yaml.SafeLoader):
             else list(node.value)
         )
         size = 1 + sum(self._sizes.get(id(c), 1) for c in children)
-        if size > MAX_VALUES:
+        if size > MAX_VALUES + self._written:
             raise _Refused(
                 None, None, f"this value expands to more than {MAX_VALUES:,} values through"
                 " its aliases (*name): write it out, or use fewer aliases", node.start_mark

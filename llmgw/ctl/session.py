@@ -60,7 +60,9 @@ class Session:
         errors: list[Exception] = []
 
         async def remember(exc: Exception) -> None:
-            errors.append(exc)
+            # The last only: the console's session lives for days, and this is called for
+            # every error of its connection (each try of an outage, each slow-consumer drop).
+            errors[:] = [exc]
 
         try:
             # Bounded from outside as well: bus.BusClient's reconnect loop does not count

@@ -479,6 +479,13 @@ class Dispatcher:
         # continuous_usage_stats: every chunk; the Messages API: the prompt's tokens in
         # message_start, again in message_delta's totals): what is counted is what the
         # request's totals grew by, so no token is counted twice.
+        details = u.prompt_tokens_details
+        cached = details.cached_tokens if details is not None else None
+        # Once, tokens added or not: continuous_usage_stats' cached tokens come in the last.
+        if cached is not None and client.cached_predicted >= 0 and not client.cache_reported:
+            client.cache_reported = True
+            self.metrics.cache_delivered(prof.name, cached)
+            self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)
         was_in, was_out = client.tokens
         now_in, now_out = max(was_in, u.prompt_tokens), max(was_out, u.completion_tokens)
         more_in, more_out = now_in - was_in, now_out - was_out
@@ -491,8 +498,3 @@ class Dispatcher:
             self.metrics.key_usage(principal.name, principal.settings.team, prof.name,
                                    more_in, more_out)  # fmt: skip
             self.quotas.used(principal, prof.name, more_in, more_out)
-        details = u.prompt_tokens_details
-        cached = details.cached_tokens if details is not None and more_in else None
-        if cached is not None and client.cached_predicted >= 0:
-            self.metrics.cache_delivered(prof.name, cached)
-            self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)

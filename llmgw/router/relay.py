@@ -67,7 +67,7 @@ class ClientStream:
     """Per-request relay state shared across attempts (the client response, once started)."""
 
     __slots__ = (
-        "cached_endpoint", "cached_predicted", "drop_usage",
+        "cache_reported", "cached_endpoint", "cached_predicted", "drop_usage",
         "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind", "loop",
         "loop_start", "principal", "request", "response", "rid", "start", "stream", "tokens",
         "trace",
@@ -101,8 +101,8 @@ class ClientStream:
         """The status metrics record for a stream that ended with an error event."""
         self.cached_predicted = -1
         """Prompt tokens the router predicted the attempt's engine had cached (-1: no
-        prediction), and that engine's id: its usage is compared with the prediction."""
-        self.cached_endpoint = ""
+        prediction), that engine's id, and whether its usage was compared with it (once)."""
+        self.cached_endpoint, self.cache_reported = "", False
         self.loop = asyncio.get_running_loop()
         # Deadlines run on the loop's clock; start was taken on time.monotonic (the same clock
         # under asyncio's default and uvloop), so the phases line up with the request's start.

@@ -26,9 +26,13 @@ _ENDS: dict[str, tuple[bytes, ...]] = {
 
 def complete(tail: bytes, kind: str) -> bool:
     """Whether `tail` (the last bytes relayed) ends a whole stream of API `kind`."""
+    if tail.endswith(DONE):
+        # The chat stream's end ends any: vLLM sends it after a Messages stream's
+        # message_stop (and after the error event of one that failed).
+        return True
     ends = _ENDS.get(kind)
     if ends is None:
-        return tail.endswith(DONE)
+        return False
     last = tail.rstrip(b"\n").rfind(b"\n\n")
     final = tail[last + 2 :] if last >= 0 else tail
     return any(e in final for e in ends)

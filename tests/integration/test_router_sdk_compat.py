@@ -2,8 +2,8 @@
 `llmgw sim` engines, and what each SDK makes of the answer when something goes wrong: a
 stream cut by its engine, an error that comes after keep-alive comments began the stream,
 an error in Anthropic's words, an engine that stalls after a stream's opening events; what
-the router counts of a stream's usage, which each API repeats in its own way; and a key in
-Anthropic's `x-api-key` header.
+the router counts of a stream's usage, which each API repeats in its own way; a key in
+Anthropic's `x-api-key` header; and a Messages stream that ends as vLLM's does, with [DONE].
 """
 
 from __future__ import annotations
@@ -237,3 +237,64 @@ def test_a_stream_that_opened_but_sent_no_token_moves_to_another_engine(
         router.stop()
         for sim in sims.values():
             sim.stop()
+
+
+def _event(name: str, doc: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(doc)}\n\n".encode()
+
+
+async def _vllm_messages(request: web.Request) -> web.StreamResponse:
+    """A Messages stream as vLLM's converter writes it (vllm/entrypoints/anthropic/
+    serving.py): an event per write, and the chat stream's `data: [DONE]` after
+    message_stop."""
+    body = await request.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    usage = {"input_tokens": 9, "output_tokens": 0}
+    message = {
+        "id": "chatcmpl-1",
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": body["model"],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("message_start", {"message": message}),
+        ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+        ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello"}}),
+        ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": " there"}}),
+        ("content_block_stop", {"index": 0}),
+        (
+            "message_delta",
+            {"delta": {"stop_reason": "end_turn"}, "usage": {**usage, "output_tokens": 2}},
+        ),
+        ("message_stop", {}),
+    ]
+    for name, doc in events:
+        await resp.write(_event(name, {"type": name, **doc}))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def test_a_vllm_messages_stream_that_ends_with_done_is_whole(tmp_path: Path) -> None:
+    # vLLM ends a Messages stream with [DONE] after message_stop: the router took it for a
+    # stream cut short (its last event is not message_stop) and ended it with an error
+    # event, which the anthropic SDK raises, after the whole message.
+    app = engine_app(_continuous)
+    app.router.add_post("/v1/messages", _vllm_messages)
+    engine = ThreadedApp(app)
+    router = Router.start(tmp_path, {"e": engine.url})
+    try:
+        claude = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0)
+        with claude.messages.stream(model="m", max_tokens=5, messages=HI) as stream:  # type: ignore[arg-type]
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert text == "Hello there"
+        assert final.stop_reason == "end_turn"
+    finally:
+        router.stop()
+        engine.stop()

@@ -139,6 +139,21 @@ def test_anchors_and_merge_keys_within_bounds_still_work(tmp_path: Path) -> None
     assert cfg.models[1].deadlines.connect_s == 1
 
 
+def test_a_large_file_without_aliases_is_not_refused_as_expanding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The values a file writes out counted against the aliases' limit too: a keys file of
+    # 60,000 keys (13 MiB, under the size limit, not one alias) was refused as a value
+    # that "expands to more than 1,000,000 values through its aliases". The same here with
+    # a limit of 1,000 and 200 keys of 8 values each.
+    monkeypatch.setattr(config, "MAX_VALUES", 1000)
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n" + "".join(auth.entry_yaml(f"k{i}", f"s{i}") for i in range(200)))
+    assert len(auth.load_keys(path, 0.0).by_digest) == 200
+    path.write_text(f"keys: {_billion_laughs()}\n")  # what the limit is for still is
+    assert "through its aliases" in _refused("keys", path)
+
+
 def test_a_key_given_twice_is_refused_naming_both_lines(loader: str, tmp_path: Path) -> None:
     # Last-one-wins would silently drop the first `models:` list of a long file.
     path = tmp_path / "settings.yaml"
@@ -284,7 +299,9 @@ def test_a_misspelt_log_level_is_refused_naming_the_levels(service: str, tmp_pat
     said = _refused(service, path)
     assert "log_level" in said
     assert "debug|info|warning|error|critical" in said
-    for level in ("debug", "WARNING", "error"):
+    # "Info" and "Warning" name a level as logging reads it (in any case): they were
+    # honoured before the check, and refused by it.
+    for level in ("debug", "WARNING", "error", "Info", "Warning"):
         path.write_text(f"log_level: {level}\n")
         # A file of only a level lacks what some services need: any refusal is for that.
         said = ""

@@ -7,22 +7,28 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
+import gc
 import io
 import json
 import sys
+import weakref
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw import bus
 from llmgw.core import events, state, views
 from llmgw.ctl import catalogfile, changes, eventlines, history, operations, render
 from llmgw.ctl.errors import BadInput
-from llmgw.ctl.settings import identity_of, load
+from llmgw.ctl.session import Session
+from llmgw.ctl.settings import CtlConfig, identity_of, load
 from llmgw.pki.ca import CertificateAuthority, subject_name
 from llmgw.pki.identity import Identity
 from llmgw.pki.store import utcnow
+from tests.harness import TestPki
 from tests.unit import scenarios, strategies
 
 NOW = 1_800_000_000.0
@@ -282,6 +288,37 @@ def test_timeline_membership() -> None:
 
 
 # --------------------------------------------------------------------------- settings
+
+
+class TriedAgain(OSError):
+    """A reconnect try that failed (a class of its own: OSError takes no weak reference)."""
+
+
+async def test_a_long_session_keeps_no_error_of_its_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session.open keeps the connection's errors to say why a connect failed; the console's
+    session, connected for days, kept every one after it too (each reconnect try of an
+    outage, each slow-consumer drop, with its subscription) for as long as it ran."""
+    pki = TestPki(tmp_path)
+    operator = pki.issue(Identity("operator", "carol"), reload=False)
+    cfg = CtlConfig(ca_file=str(pki.certs.ca_cert), cert_file=str(pki.certs.cert(operator)))
+    callbacks: list[Callable[[Exception], Awaitable[None]]] = []
+
+    async def connect(*_: object, error_cb: Callable[[Exception], Awaitable[None]],
+                      **__: object) -> object:  # fmt: skip
+        callbacks.append(error_cb)
+        return type("Client", (), {"jetstream": lambda self: None})()
+
+    monkeypatch.setattr(bus, "connect", connect)
+    await Session.open(cfg, reconnect_forever=True)
+    errors = [TriedAgain(f"try {i}") for i in range(100)]
+    kept = [weakref.ref(e) for e in errors]
+    for e in errors:
+        await callbacks[0](e)
+    del errors, e
+    gc.collect()
+    assert sum(ref() is not None for ref in kept) <= 1
 
 
 def test_identity_comes_from_the_certificate(tmp_path: Path) -> None:

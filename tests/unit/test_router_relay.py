@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from llmgw.core.profile import ModelProfile
 from llmgw.router import relay
+from llmgw.router.dispatch import Dispatcher
 from llmgw.router.relay import ClientStream, EngineStream
 from tests.unit.test_router_sse import Copied
 
@@ -19,11 +20,11 @@ class NoHooks:
         pass
 
 
-def engine_stream() -> EngineStream:
+def engine_stream(hooks: Any = None) -> EngineStream:
     async def made() -> EngineStream:
         client = ClientStream(None, "r", 0.0, kind="chat", stream=True, drop_usage=False,  # type: ignore[arg-type]
                               principal=None)  # fmt: skip
-        return EngineStream(client, None, ModelProfile(name="m"), NoHooks(), 0.0, "e")  # type: ignore[arg-type]
+        return EngineStream(client, None, ModelProfile(name="m"), hooks or NoHooks(), 0.0, "e")  # type: ignore[arg-type]
 
     return asyncio.run(made())
 
@@ -104,3 +105,48 @@ def test_an_engine_that_ends_every_read_with_done_does_not_have_its_stream_held(
         sent += client.sent[line + 2 : line + 2 + size]
         pos = line + 4 + size
     assert sent + s.held == event * 2000
+
+
+class Counting:
+    """The dispatcher's usage hook as it is (`Dispatcher.usage`), its metrics, quotas and
+    KV routing recorded."""
+
+    usage = Dispatcher.usage
+
+    def __init__(self) -> None:
+        self.metrics = self.kv = self
+        self.tokens = [0, 0]
+        self.cache: list[int] = []
+        self.compared: list[tuple[str, int, int]] = []
+
+    def count_tokens(self, _: str, prompt: int, completion: int) -> None:
+        self.tokens[0] += prompt
+        self.tokens[1] += completion
+
+    def cache_delivered(self, _: str, cached: int) -> None:
+        self.cache.append(cached)
+
+    def delivered(self, endpoint: str, predicted: int, cached: int) -> None:
+        self.compared.append((endpoint, predicted, cached))
+
+
+def test_the_cached_tokens_of_a_stream_repeating_its_usage_are_counted_once() -> None:
+    """vLLM with `stream_options.continuous_usage_stats`: every chunk carries the usage so
+    far, and only the last, usage-only one the prompt's cached tokens. That one adds no
+    token, and its cached tokens went uncounted with it (the metric, and the KV routing's
+    comparison with its prediction)."""
+    hooks = Counting()
+    s = engine_stream(hooks)
+    s.client.cached_predicted, s.client.cached_endpoint = 8, "e"
+    head = b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"m",'
+    for n in range(1, 4):
+        s.take(head + b'"choices":[{"index":0,"delta":{"content":"t"},"finish_reason":null}],'
+               b'"usage":{"prompt_tokens":10,"completion_tokens":%d}}\n\n' % n)  # fmt: skip
+    last = head + (b'"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":3,'
+                   b'"prompt_tokens_details":{"cached_tokens":8}}}\n\n')  # fmt: skip
+    s.take(last)
+    assert hooks.tokens == [10, 3]
+    assert hooks.cache == [8]
+    assert hooks.compared == [("e", 8, 8)]
+    s.take(last)  # the same usage again (an engine that repeats it): counted once
+    assert (hooks.tokens, hooks.cache, hooks.compared) == ([10, 3], [8], [("e", 8, 8)])

@@ -160,3 +160,16 @@ def test_dropping_many_usage_chunks_copies_the_bytes_a_few_times_not_once_per_ch
     assert len(found) == 2000
     assert out == TOKEN + b"\n\n" + DONE + b"\n\n"
     assert Copied.total <= 4 * len(stream)
+
+
+def test_a_stream_is_complete_when_it_ends_as_its_api_or_with_done() -> None:
+    stop = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    assert sse.complete(stop, "messages")
+    assert not sse.complete(TEXT_DELTA + b"\n\n", "messages")
+    assert not sse.complete(TOKEN + b"\n\n", "chat")
+    assert sse.complete(TOKEN + b"\n\n" + DONE + b"\n\n", "chat")
+    # vLLM ends its Messages stream with [DONE] after message_stop, in the same read or the
+    # next: taken for a stream cut short, it was ended with an error event the anthropic
+    # SDK raises after the whole message.
+    assert sse.complete(stop + DONE + b"\n\n", "messages")
+    assert sse.complete(DONE + b"\n\n", "messages")
