@@ -50,10 +50,10 @@ def tail(path: Path, lines: int) -> tuple[str, ...]:
     except OSError:
         return ()
     parts = [shown(line) for line in data.decode(errors="replace").split("\n")]
-    if start > 0 and len(parts) > 1:
+    if start > 0 and any(line.strip() for line in parts[1:]):
         parts = parts[1:]  # the first line is cut in the middle
     elif start > 0:
-        # One line longer than what was read (a progress bar that never ends its line):
+        # One line longer than what was read (a progress bar, a dump without line ends):
         # its end is what the engine said last, so it is kept, marked as cut.
         parts = ["…" + parts[0][-(MAX_LINE_CHARS - 1) :]]
     return bounded(tuple(line for line in parts if line.strip())[-lines:])

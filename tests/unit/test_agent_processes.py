@@ -126,11 +126,12 @@ def test_a_tail_without_a_line_end_in_reach_keeps_the_end_of_that_line(tmp_path:
     # An engine that printed one line longer than what the tail reads (here 200 KB
     # without a newline) and then died: its last words were reported as nothing.
     path = tmp_path / "engine.log"
-    path.write_text("started\n" + "x" * 200_000 + "CUDA error: out of memory")
-    (line,) = logtail.tail(path, 20)
-    assert line.startswith("…")
-    assert line.endswith("CUDA error: out of memory")
-    assert len(line) <= logtail.MAX_LINE_CHARS
+    for end in ("", "\n", "\r\n\n"):
+        path.write_text("started\n" + "x" * 200_000 + "CUDA error: out of memory" + end)
+        (line,) = logtail.tail(path, 20)
+        assert line.startswith("…")
+        assert line.endswith("CUDA error: out of memory")
+        assert len(line) <= logtail.MAX_LINE_CHARS
 
 
 def test_a_tail_shows_a_progress_bar_as_a_terminal_would(tmp_path: Path) -> None:
