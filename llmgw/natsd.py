@@ -10,8 +10,10 @@ test; `llmgw up` runs one for the embedded default.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -60,12 +62,70 @@ def binary() -> str:
     return found
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LINUX_EPHEMERAL = (32768, 60999)
+LOWEST_PICKED = 10_000
+"""Below this lie the usual ports of other services (databases, proxies, exporters)."""
+
+
+_GIVEN: collections.deque[int] = collections.deque(maxlen=1024)
+"""The ports this process was given last."""
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (and a bind to port 0)."""
+    try:
+        lo, hi = (int(part) for part in _EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return _LINUX_EPHEMERAL
+    return (lo, hi) if 0 < lo <= hi <= 65535 else _LINUX_EPHEMERAL
+
+
+def pick_port(draw: float, ephemeral: tuple[int, int]) -> int | None:
+    """The port that `draw` (uniform in [0, 1)) names among those from LOWEST_PICKED to
+    65535 outside `ephemeral`; None when there are none. Pure."""
+    lo, hi = ephemeral
+    spans = [(LOWEST_PICKED, min(lo, 65536)), (max(hi + 1, LOWEST_PICKED), 65536)]
+    spans = [(a, b) for a, b in spans if a < b]
+    total = sum(b - a for a, b in spans)
+    if not total:
+        return None
+    at = min(int(draw * total), total - 1)
+    for a, b in spans:
+        if at < b - a:
+            return a + at
+        at -= b - a
+    return None  # not reached: `at` is below the spans' total
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the caller retries if it is taken since)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that was free a moment ago (the caller retries if it is taken since).
+
+    Chosen outside the kernel's ephemeral range where it can be: a port from that range
+    (what a bind to port 0 gives) is also what any outgoing connection on the machine may
+    take as its local port between this check and the caller's own bind, which on a busy
+    machine happened (a router that `llmgw up` started found its port taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    ephemeral = ephemeral_range()
+    for _ in range(64):
+        port = pick_port(random.random(), ephemeral)
+        if port is None:
+            break
+        if port in _GIVEN:
+            continue  # given out lately, its server perhaps not listening yet
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            # As the servers bind (nats-server and llmgw's listeners reuse addresses).
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            _GIVEN.append(port)
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        found: int = s.getsockname()[1]
+        return found
 
 
 class NatsServer:
