@@ -39,8 +39,14 @@ TOLERANCE = 0.1
 """A signal within 10% of its target recommends the current count (as Kubernetes' HPA)."""
 MAX_REPLICAS = 10_000
 
+MAX_AMOUNT = 1e9
+MAX_REQUESTS = 10**15
+"""Bounds of what `Signals` records: sums over every router's reports can pass any one
+report's bounds, so `aggregate` caps them here (a decision whose observation broke its own
+bounds would be one no reader of the log could decode)."""
+
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]
-Amount = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+Amount = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_AMOUNT)]
 Window = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
 
 
@@ -111,8 +117,9 @@ class Signals(msgspec.Struct, frozen=True, kw_only=True):
     kv_usage: Amount = 0.0
     ttft_p90_s: Amount = 0.0
     itl_p90_s: Amount = 0.0
-    requests: Count = 0
-    """Requests the routers received in their last window."""
+    requests: Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUESTS)] = 0
+    """Requests the routers received in their last window (a busy model's exceed
+    `MAX_REPLICAS`)."""
     routers: Count = 0
 
 
@@ -201,7 +208,9 @@ def recommend(
     if busy:
         wants.append((1, f"{s.requests} requests, {s.waiting:g} waiting"))
     best = max(wants, key=lambda w: w[0], default=(0, ""))
-    return best if best[0] > 0 else (0, "idle: no requests")
+    # Capped: a router's figures can ask for any count, and `Observation.recommended` is
+    # bounded (`decide` clamps to `max` anyway, which is within it).
+    return (min(best[0], MAX_REPLICAS), best[1]) if best[0] > 0 else (0, "idle: no requests")
 
 
 def latency_broken(spec: Autoscale, s: Signals, startup_s: float) -> bool:
@@ -267,9 +276,10 @@ class Recommendations:
         now: running and sizing signals may say fewer suffice, latency showed they do not.
         (Without it, a model sized on running requests at its engines' saturation scales
         in, misses its SLO, scales out, and so on, once a down window.)"""
-        return max((n + 1 for t, n, r in self._broke
-                    if now - t <= SLO_MEMORY_S and running >= r * (1 - TOLERANCE)),
-                   default=0)  # fmt: skip
+        return min(MAX_REPLICAS, max((n + 1 for t, n, r in self._broke
+                                      if now - t <= SLO_MEMORY_S
+                                      and running >= r * (1 - TOLERANCE)),
+                                     default=0))  # fmt: skip
 
     def add(self, now: float, count: int, keep_s: float) -> None:
         self._recent.append((now, count))

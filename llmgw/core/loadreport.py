@@ -22,7 +22,7 @@ from typing import Annotated
 
 import msgspec
 
-from llmgw.core.autoscale import Signals
+from llmgw.core.autoscale import MAX_AMOUNT, MAX_REPLICAS, MAX_REQUESTS, Signals
 from llmgw.core.limits import Name
 
 WINDOW_S = 10.0
@@ -101,6 +101,10 @@ def quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> floa
     return float(bounds[-1]) if bounds else 0.0
 
 
+def _capped(value: float, digits: int) -> float:
+    return min(round(value, digits), MAX_AMOUNT)
+
+
 def aggregate(
     reports: Iterable[LoadReport],
     serving: Mapping[str, str],
@@ -113,7 +117,8 @@ def aggregate(
     older than `max_age_s`. Routers' requests and held requests add up; an endpoint's
     engine load is the freshest any router read; the p90s are the routers' averaged by
     their samples. Reports about endpoints or models the
-    log does not have are left out: a router can speak only for what it was told."""
+    log does not have are left out: a router can speak only for what it was told. Sums are
+    capped at `Signals`' bounds (many reports at their own bounds add up past them)."""
     fresh = sorted((r for r in reports if now - r.ts <= max_age_s), key=lambda r: r.ts)
     models = set(serving.values()) | set(models)
     engines: dict[str, EndpointLoad] = {}
@@ -132,18 +137,16 @@ def aggregate(
         eps = [e for e in engines.values() if e.model == model]
         seen = traffic[model]
         weight = sum(t.samples for t in seen)
+        ttft = sum(t.ttft_p90_s * t.samples for t in seen)
+        itl = sum(t.itl_p90_s * t.samples for t in seen)
         out[model] = Signals(
-            serving=sum(1 for m in serving.values() if m == model),
-            waiting=round(sum(t.waiting for t in seen) + sum(e.queue for e in eps), 3),
-            running=round(sum(e.running for e in eps), 3),
+            serving=min(sum(1 for m in serving.values() if m == model), MAX_REPLICAS),
+            waiting=_capped(sum(t.waiting for t in seen) + sum(e.queue for e in eps), 3),
+            running=_capped(sum(e.running for e in eps), 3),
             kv_usage=round(sum(e.kv_usage for e in eps) / len(eps), 4) if eps else 0.0,
-            ttft_p90_s=round(sum(t.ttft_p90_s * t.samples for t in seen) / weight, 4)
-            if weight
-            else 0.0,
-            itl_p90_s=round(sum(t.itl_p90_s * t.samples for t in seen) / weight, 4)
-            if weight
-            else 0.0,
-            requests=sum(t.requests for t in seen),
-            routers=routers[model],
+            ttft_p90_s=_capped(ttft / weight, 4) if weight else 0.0,
+            itl_p90_s=_capped(itl / weight, 4) if weight else 0.0,
+            requests=min(sum(t.requests for t in seen), MAX_REQUESTS),
+            routers=min(routers[model], MAX_REPLICAS),
         )
     return out

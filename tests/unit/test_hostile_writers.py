@@ -10,7 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.control.scaler import Scaler
-from llmgw.core import events, kvblocks, kvindex, loadreport, subjects
+from llmgw.core import autoscale, events, kvblocks, kvindex, loadreport, subjects
+from llmgw.core.autoscale import Autoscale
+from llmgw.core.events import codec
+from llmgw.core.profile import ModelProfile
+from llmgw.core.state import ClusterState, Endpoint, apply
 from llmgw.router.config import RouterConfig, validate
 
 from .scenarios import Sim
@@ -104,3 +108,34 @@ def test_each_nodes_key_count_is_what_its_endpoints_hold(steps: list[object]) ->
             held[n] = held.get(n, 0) + len(blocks.keys)
         assert {n: index._node_keys[n] for n in held} == held
         assert set(index._node_keys) == {n for n, _ in index.endpoints}
+
+
+def _one_model(spec_max: int = 4) -> tuple[Scaler, ClusterState]:
+    st = ClusterState()
+    profile = ModelProfile(name="m", engine="sim", autoscale=Autoscale(
+        min=1, max=spec_max, waiting_per_replica=2.0, running_per_replica=1.0))  # fmt: skip
+    assert apply(st, events.ModelDeclared(id="d", ts=1.0, operator="a", profile=profile),
+                 1) is None  # fmt: skip
+    return Scaler(), st
+
+
+def test_a_router_reporting_huge_figures_gets_decisions_the_log_can_read() -> None:
+    # Each report's figures are within bounds, but their sum over a router's workers (or
+    # the count they recommend) was not: the leader published ScaleDecided events whose
+    # observation failed the event's own validation, so no reader folded them, the model
+    # never scaled, and the leader wrote another every second.
+    scaler, st = _one_model()
+    st.endpoints["e1"] = Endpoint(replica_id="e1", model="m", url="http://a:1")
+    huge = loadreport.LoadReport(ts=10.0, models=(
+        loadreport.ModelTraffic(model="m", requests=10**9, waiting=10**9),
+    ), endpoints=(
+        loadreport.EndpointLoad(endpoint="e1", model="m", queue=1e9, running=1e9),
+    ))  # fmt: skip
+    for w in range(3):
+        scaler.note(subjects.router_signals("r1", w), huge)
+    (d,) = scaler.decide(st, 10.0, epoch=0, basis_seq=1, unplaceable={}, ids=lambda b: b)
+    assert (d.from_replicas, d.to_replicas) == (1, 3)
+    back = codec.decode(codec.encode(d))
+    assert back == d
+    assert autoscale.verify_decision(st.models["m"].profile.autoscale, 1,  # type: ignore[arg-type]
+                                     d.observation) == (3, d.reason)  # fmt: skip
