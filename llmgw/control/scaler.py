@@ -76,9 +76,17 @@ class Scaler:
                 out[subject[len(ROUTER_PREFIX) :].rpartition(".")[0]] = r.metrics
         return out
 
+    def _forget(self, now: float) -> None:
+        """Drop reports of routers long gone, and any dated ahead of the freshness limit:
+        kept, such a report would refuse its subject's next reports (`note` keeps the
+        latest by date) until the clock caught up with it."""
+        gone = [s for s, r in self.reports.items()
+                if now - r.ts > REPORT_FORGET_S or r.ts - now > self.max_age_s]  # fmt: skip
+        for subject in gone:
+            del self.reports[subject]
+
     def signals(self, state: ClusterState, now: float) -> dict[str, autoscale.Signals]:
-        for subject in [s for s, r in self.reports.items() if now - r.ts > REPORT_FORGET_S]:
-            del self.reports[subject]  # a router long gone
+        self._forget(now)
         serving = {rid: ep.model for rid, ep in state.endpoints.items()}
         scaled = [n for n, m in state.models.items() if m.profile.autoscale is not None]
         reports = [self._believed(state, subject, r) for subject, r in self.reports.items()]
@@ -110,8 +118,9 @@ class Scaler:
         ids: Callable[[str], str],
     ) -> list[events.ScaleDecided]:
         """At most one decision per model this pass (one preemption at most)."""
+        self._forget(now)
         routers = [r for s, r in self.reports.items() if s.startswith(ROUTER_PREFIX)]
-        if not any(now - r.ts <= self.max_age_s for r in routers):
+        if not any(loadreport.is_fresh(r, now, self.max_age_s) for r in routers):
             # No router reports (none runs, or none reaches NATS, while they may well be
             # serving on what they last knew): hold every count rather than read silence
             # as idleness.

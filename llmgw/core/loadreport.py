@@ -101,6 +101,13 @@ def quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> floa
     return float(bounds[-1]) if bounds else 0.0
 
 
+def is_fresh(report: LoadReport, now: float, max_age_s: float) -> bool:
+    """Whether a report counts at `now`: no older than `max_age_s`, and no further ahead
+    either (a report dated ahead would otherwise count for ever, whatever its router
+    reports after it)."""
+    return abs(now - report.ts) <= max_age_s
+
+
 def _capped(value: float, digits: int) -> float:
     return min(round(value, digits), MAX_AMOUNT)
 
@@ -119,7 +126,7 @@ def aggregate(
     their samples. Reports about endpoints or models the
     log does not have are left out: a router can speak only for what it was told. Sums are
     capped at `Signals`' bounds (many reports at their own bounds add up past them)."""
-    fresh = sorted((r for r in reports if now - r.ts <= max_age_s), key=lambda r: r.ts)
+    fresh = sorted((r for r in reports if is_fresh(r, now, max_age_s)), key=lambda r: r.ts)
     models = set(serving.values()) | set(models)
     engines: dict[str, EndpointLoad] = {}
     traffic: dict[str, list[ModelTraffic]] = {m: [] for m in models}

@@ -139,3 +139,27 @@ def test_a_router_reporting_huge_figures_gets_decisions_the_log_can_read() -> No
     assert back == d
     assert autoscale.verify_decision(st.models["m"].profile.autoscale, 1,  # type: ignore[arg-type]
                                      d.observation) == (3, d.reason)  # fmt: skip
+
+
+def test_a_report_dated_in_the_future_neither_lasts_nor_blocks_the_routers_next() -> None:
+    # The leader kept a report while `now - ts` was within the freshness limit, which a
+    # report dated ahead always is: one report from a router (or one whose clock jumped)
+    # counted for ever, was never forgotten, and its subject refused every later report
+    # with an earlier date.
+    scaler, st = _one_model()
+    subject = subjects.router_signals("r1", 0)
+    scaler.note(subject, loadreport.LoadReport(ts=1e9, models=(
+        loadreport.ModelTraffic(model="m", requests=100, waiting=1000),)))  # fmt: skip
+    assert scaler.signals(st, 100.0)["m"].waiting == 0
+    scaler.note(subject, loadreport.LoadReport(ts=101.0, models=(
+        loadreport.ModelTraffic(model="m", requests=1),)))  # fmt: skip
+    assert scaler.signals(st, 101.0)["m"].requests == 1
+    # Alone, it does not count as a router reporting either.
+    alone = Scaler()
+    alone.note(subject, loadreport.LoadReport(ts=1e9, models=(
+        loadreport.ModelTraffic(model="m", requests=100, waiting=1000),)))  # fmt: skip
+    assert alone.decide(st, 100.0, epoch=0, basis_seq=1, unplaceable={}, ids=lambda b: b) == []
+    # A clock a little ahead (within the freshness limit) still counts.
+    scaler.note(subject, loadreport.LoadReport(ts=103.0, models=(
+        loadreport.ModelTraffic(model="m", requests=7),)))  # fmt: skip
+    assert scaler.signals(st, 101.0)["m"].requests == 7
