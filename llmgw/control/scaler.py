@@ -60,12 +60,30 @@ class Scaler:
         self.epoch = epoch
         self.history.clear()
 
-    def note(self, subject: str, report: loadreport.LoadReport) -> None:
+    def note(
+        self, subject: str, report: loadreport.LoadReport, *, state: ClusterState | None = None
+    ) -> None:
+        """Keep `report` as its subject's latest; with `state`, only its entries about the
+        log's models and endpoints (the only ones `aggregate` counts): a report may name
+        thousands of others, and a router writes a thousand worker subjects, so keeping
+        them whole let one router's certificate hold gigabytes in every control-plane
+        instance. An endpoint that comes up counts from its routers' next reports."""
         if subjects.signals_owner(subject) is None:
             return  # not one router process's or node's: see subjects.MAX_ROUTER_WORKERS
         held = self.reports.get(subject)
-        if held is None or report.ts >= held.ts:
-            self.reports[subject] = report
+        if held is not None and report.ts < held.ts:
+            return
+        if state is not None:
+            known = state.endpoints
+            report = msgspec.structs.replace(
+                report,
+                models=tuple(t for t in report.models if t.model in state.models),
+                endpoints=tuple(
+                    e for e in report.endpoints
+                    if (ep := known.get(e.endpoint)) is not None and ep.model == e.model
+                ),
+            )  # fmt: skip
+        self.reports[subject] = report
 
     def router_targets(self, now: float) -> dict[str, str]:
         """Router name -> `host:port` of its /metrics, from reports of the last minute (its

@@ -37,7 +37,7 @@ class Scaling(Instance):
         async with reader:
             async for batch in reader.batches():
                 for record in batch:
-                    self.scaler.note(record.subject, signals_.report_of(record))
+                    self.scaler.note(record.subject, signals_.report_of(record), state=self.state)
 
     async def _autoscale(self) -> bool:
         """Decide and publish scaling; True when something was published."""

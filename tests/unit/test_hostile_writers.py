@@ -163,3 +163,26 @@ def test_a_report_dated_in_the_future_neither_lasts_nor_blocks_the_routers_next(
     scaler.note(subject, loadreport.LoadReport(ts=103.0, models=(
         loadreport.ModelTraffic(model="m", requests=7),)))  # fmt: skip
     assert scaler.signals(st, 101.0)["m"].requests == 7
+
+
+def test_a_router_naming_endless_unknown_models_and_endpoints_holds_only_the_logs() -> None:
+    # A report may name 2,000 models and 20,000 endpoints (850 KB, under NATS' payload
+    # limit), and a router writes 1,024 worker subjects: the leader (and every standby)
+    # held them all for a minute, about 5 GB of reports from one router's certificate,
+    # though only entries naming the log's models and endpoints ever count.
+    scaler, st = _one_model()
+    st.endpoints["e1"] = Endpoint(replica_id="e1", model="m", url="http://a:1")
+    models = [loadreport.ModelTraffic(model=f"x{i}", waiting=5)
+              for i in range(loadreport.MAX_MODELS - 1)]  # fmt: skip
+    models.append(loadreport.ModelTraffic(model="m", requests=3))
+    eps = [loadreport.EndpointLoad(endpoint=f"e{i}", model="m", queue=1) for i in range(2, 500)]
+    eps.append(loadreport.EndpointLoad(endpoint="e1", model="m", running=2.0))
+    eps.append(loadreport.EndpointLoad(endpoint="e1", model="other", running=9.0))
+    junk = loadreport.LoadReport(ts=10.0, models=tuple(models), endpoints=tuple(eps))
+    subject = subjects.router_signals("r1", 0)
+    scaler.note(subject, junk, state=st)
+    held = scaler.reports[subject]
+    assert [t.model for t in held.models] == ["m"]
+    assert [(e.endpoint, e.model) for e in held.endpoints] == [("e1", "m")]
+    got = scaler.signals(st, 10.0)["m"]
+    assert (got.requests, got.running, got.waiting) == (3, 2.0, 0)
