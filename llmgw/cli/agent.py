@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 import typer
 
-from llmgw import config, logs, sdnotify
+from llmgw import config, logs, openfiles, sdnotify
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery
 from llmgw.agent.discovery import simulated
@@ -76,6 +76,7 @@ def agent(
         typer.echo(_launch_summary(cfg.launch))
         return
     logs.setup(cfg.log_level)
+    openfiles.at_start()
     try:
         import uvloop
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from llmgw import config, logs, sdnotify, tasks, wording
+from llmgw import config, logs, openfiles, sdnotify, tasks, wording
 
 
 def command(
@@ -45,6 +45,7 @@ def command(
         )
         return
     logs.setup(cfg.log_level)
+    openfiles.at_start()
     import uvloop
 
     from llmgw import bus

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import typer
 
-from llmgw import config, logs, wording
+from llmgw import config, logs, openfiles, wording
 from llmgw.router import config as router_config
 from llmgw.router.config import RouterConfig
 
@@ -53,6 +53,7 @@ def run(
 
     cfg = _load(config_path, workers)
     logs.setup(cfg.log_level)
+    openfiles.at_start()
     if cfg.auth.keys_file:
         # Fail here, once, with the keys file's own message, rather than in every worker.
         from llmgw.router import auth
