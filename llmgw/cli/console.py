@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import secrets
 import signal
 from pathlib import Path
@@ -32,18 +31,9 @@ from llmgw.ctl.session import Session
 DEFAULT_PORT = 8300
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _hosts(host: str, port: int) -> set[str]:
     """The `Host` values a browser sends to this listener."""
-    names = {host, "localhost", "127.0.0.1", "[::1]"} if _loopback(host) else {host}
+    names = {host, "localhost", "127.0.0.1", "[::1]"} if listeners.loopback(host) else {host}
     return {f"{n}:{port}" for n in names} | ({f"[{host}]:{port}"} if ":" in host else set())
 
 
@@ -73,7 +63,7 @@ def command(
     if (tls_cert is None) != (tls_key is None):
         typer.echo("error: give --tls-cert and --tls-key together", err=True)
         raise typer.Exit(2)
-    if not _loopback(host) and tls_cert is None:
+    if not listeners.loopback(host) and tls_cert is None:
         typer.echo(
             f"error: listening on {host} would show the fleet to anyone who reaches it: give "
             "--tls-cert and --tls-key (browsers then need an operator certificate of the "
