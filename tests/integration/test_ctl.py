@@ -217,9 +217,10 @@ async def test_replay_starts_from_the_newest_snapshot_before_the_target(fleet: F
     last = await settled(fleet)
     fast = (await ctl("replay", "--json")).json()
     assert fast["snapshot_seq"] == snap_seq
-    assert fast["seq"] == last
-    assert fast["folded"] == last - snap_seq
-    full = (await ctl("replay", "--no-snapshots", "--json")).json()
+    # The fleet keeps writing (the leader's attestations): compared at ctl's own end.
+    assert fast["seq"] >= last
+    assert fast["folded"] == fast["seq"] - snap_seq
+    full = (await ctl("replay", "--no-snapshots", "--to", str(fast["seq"]), "--json")).json()
     assert full["snapshot_seq"] == 0
     assert full["digest"] == fast["digest"]
     before = (await ctl("replay", "--to", str(snap_seq - 1), "--json")).json()
