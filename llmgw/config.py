@@ -219,17 +219,11 @@ _EnvPaths = dict[tuple[str, ...], tuple[str, str]]
 def _env_entries(
     section: str, environ: Mapping[str, str] | None, cls: type | None
 ) -> tuple[dict[str, Any], _EnvPaths]:
-    environ = os.environ if environ is None else environ
-    prefix = f"LLMGW_{section.upper()}__" if section else "LLMGW_"
+    prefix = _env_prefix(section)
     root = mi.type_info(cls) if cls is not None else None
     out: dict[str, Any] = {}
     paths: _EnvPaths = {}
-    for name, raw in sorted(environ.items()):
-        if not name.startswith(prefix):
-            continue
-        keys = [k.lower() for k in name[len(prefix) :].split("__") if k]
-        if not keys:
-            continue
+    for name, raw, keys in _env_settings(section, environ):
         if root is None:
             value = _yaml_value(name, raw)
         else:
@@ -249,6 +243,58 @@ def _env_entries(
         node[keys[-1]] = value
         paths[tuple(keys)] = (name, raw)
     return out, paths
+
+
+def _env_prefix(section: str) -> str:
+    return f"LLMGW_{section.upper()}__" if section else "LLMGW_"
+
+
+def _env_settings(
+    section: str, environ: Mapping[str, str] | None
+) -> list[tuple[str, str, list[str]]]:
+    """(variable, raw value, keys of the setting it names) of each `LLMGW_` variable of
+    `section`, in the variables' order."""
+    environ = os.environ if environ is None else environ
+    prefix = _env_prefix(section)
+    out = []
+    for name, raw in sorted(environ.items()):
+        if name.startswith(prefix):
+            keys = [k.lower() for k in name[len(prefix) :].split("__") if k]
+            if keys:
+                out.append((name, raw, keys))
+    return out
+
+
+def name_variables(
+    problems: list[str], section: str, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """`problems` (a validation's, each naming the settings it is about), each followed by
+    the `LLMGW_` variables that set a setting it names: a value a variable set is not in
+    the file the problem is reported against, and the operator looks there first."""
+    found = [
+        (re.compile(rf"(?<![\w.])(?:{'|'.join(_named_as(keys))})(?!\w|\.\w)"), name, raw)
+        for name, raw, keys in _env_settings(section, environ)
+    ]
+    if not found:
+        return problems
+    out = []
+    for problem in problems:
+        named = [f"{name}={raw!r}" for pattern, name, raw in found if pattern.search(problem)]
+        if named:
+            problem += f" ({', '.join(named)} set it: change the variable or unset it)"
+        out.append(problem)
+    return out
+
+
+def _named_as(keys: list[str]) -> list[str]:
+    """How a problem may name the setting at `keys`: its dotted path, or a section above it
+    whose name no sentence would use as a word (`engine_ports`, `admin.tls`, not `log`)."""
+    out = []
+    for i in range(len(keys), 0, -1):
+        path = ".".join(keys[:i])
+        if i == len(keys) or "_" in path or "." in path:
+            out.append(re.escape(path))
+    return out
 
 
 def _setting_type(t: mi.Type, keys: list[str]) -> mi.Type | None:

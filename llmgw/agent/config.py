@@ -279,7 +279,11 @@ def load(
 ) -> AgentConfig:
     """Read, overlay `LLMGW_AGENT__*`, complete and validate the agent's configuration."""
     raw = config.load(AgentConfig, path, section="AGENT", overrides=overrides, environ=environ)
-    return complete(raw, hostname=hostname)
+    try:
+        return complete(raw, hostname=hostname)
+    except config.ConfigError as exc:
+        named = config.name_variables(str(exc).split("\n"), "AGENT", environ)
+        raise config.ConfigError("\n".join(named)) from None
 
 
 def launch_context(cfg: AgentConfig, inventory: Inventory) -> LaunchContext:

@@ -170,7 +170,7 @@ def _serve(flags: dict[str, Any], config_path: Path | None) -> None:
     except config.ConfigError as exc:
         typer.echo(f"llmgw sim: {exc}", err=True)
         raise typer.Exit(2) from None
-    problems = cfg.problems()
+    problems = config.name_variables(cfg.problems(), "SIM")
     if problems:
         for problem in problems:
             typer.echo(f"llmgw sim: {problem}", err=True)

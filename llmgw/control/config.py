@@ -173,5 +173,5 @@ def load(path: str | Path | None) -> ControlConfig:
         cfg = msgspec.structs.replace(cfg, name=_short_hostname())
     problems = validate(cfg, where=str(path) if path is not None else "control config")
     if problems:
-        raise config.ConfigError("\n".join(problems))
+        raise config.ConfigError("\n".join(config.name_variables(problems, "CONTROL")))
     return cfg

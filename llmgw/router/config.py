@@ -316,7 +316,7 @@ def load(path: str | Path | None) -> RouterConfig:
     cfg = config.load(RouterConfig, path, section="ROUTER")
     problems = validate(cfg, where=str(path) if path else "router config")
     if problems:
-        raise config.ConfigError("\n".join(problems))
+        raise config.ConfigError("\n".join(config.name_variables(problems, "ROUTER")))
     return cfg
 
 

@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from llmgw import config
+from llmgw.agent import config as agent_config
 from llmgw.agent.config import AgentConfig
 from llmgw.cli.main import app
+from llmgw.control import config as control_config
 from llmgw.router.config import RouterConfig
 from llmgw.sim.config import SimConfig
 
@@ -108,3 +110,74 @@ def test_router_check_refuses_a_port_out_of_range(tmp_path: Path, port: str) -> 
     )
     assert result.exit_code == 2, result.output
     assert "LLMGW_ROUTER__LISTEN__PORT" in result.output
+
+
+# A value a variable set fails a check made after loading (a duration above 0, a port
+# range): the problem is reported against the file, which does not hold the value, so it
+# names the variable too.
+
+
+def test_a_problem_names_the_variable_that_set_its_setting(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("auth: {allow_anonymous: true}\n")
+    env = {"LLMGW_ROUTER__BODY_TIMEOUT_S": "-1", "LLMGW_ROUTER__SEED": "3"}
+    result = runner.invoke(app, ["router", "check", "--config", str(path)], env=env)
+    assert result.exit_code == 2, result.output
+    line = next(x for x in result.output.splitlines() if "body_timeout_s" in x)
+    assert "LLMGW_ROUTER__BODY_TIMEOUT_S='-1' set it" in line, line
+    assert "SEED" not in result.output
+    result = runner.invoke(app, ["router", "check", "--config", str(path)], env={})
+    assert result.exit_code == 0, result.output
+
+
+def test_an_agent_problem_names_the_variable_of_a_setting_in_its_section() -> None:
+    env = {"LLMGW_AGENT__ENGINE_PORTS__FIRST": "9000", "LLMGW_AGENT__ENGINE_PORTS__LAST": "8000"}
+    with pytest.raises(config.ConfigError) as info:
+        agent_config.load(environ=env, hostname="n1")
+    text = str(info.value)
+    assert text.startswith("engine_ports 9000-8000 is not a port range"), text
+    assert "LLMGW_AGENT__ENGINE_PORTS__FIRST='9000'" in text
+    assert "LLMGW_AGENT__ENGINE_PORTS__LAST='8000'" in text
+
+
+def test_sim_problems_name_their_variables() -> None:
+    env = {"LLMGW_SIM__LOAD_S": "7200"}
+    result = runner.invoke(app, ["sim", "--served-model-name", "m"], env=env)
+    assert result.exit_code == 2, result.output
+    assert "load_s must be 0-3600 seconds, not 7200" in result.output
+    assert "LLMGW_SIM__LOAD_S='7200' set it" in result.output
+
+
+_KEY = st.from_regex(r"[a-h]([a-h_]{0,6}[a-h])?", fullmatch=True).filter(lambda k: "__" not in k)
+
+
+@given(st.lists(_KEY, min_size=1, max_size=3), st.lists(_KEY, min_size=1, max_size=3))
+def test_only_a_problem_naming_the_setting_or_its_section_names_the_variable(
+    keys: list[str], other: list[str]
+) -> None:
+    name = "LLMGW_S__" + "__".join(k.upper() for k in keys)
+    path = ".".join(keys)
+    problems = [f"{path} is wrong", f"x.{path} is wrong", f"{path}x is wrong", "nothing here"]
+    out = config.name_variables(problems, "S", {name: "v", "LLMGW_T__X": "w"})
+    assert len(out) == len(problems)
+    assert out[0] == f"{path} is wrong ({name}='v' set it: change the variable or unset it)"
+    assert out[1:] == problems[1:]  # another setting's path, a longer name, none
+    # A section above the setting counts only when its name is no plain word.
+    section = ".".join(other)
+    deeper = config.name_variables([f"{section} is wrong"], "S", {
+        "LLMGW_S__" + "__".join(k.upper() for k in [*other, "leaf"]): "v"})  # fmt: skip
+    assert ("set it" in deeper[0]) == ("_" in section or "." in section)
+
+
+def test_a_control_problem_names_its_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "control.yaml"
+    path.write_text("name: c1\n")
+    monkeypatch.setenv("LLMGW_CONTROL__LEASE_TTL_S", "0")
+    with pytest.raises(config.ConfigError) as info:
+        control_config.load(path)
+    line = next(x for x in str(info.value).splitlines() if "lease_ttl_s" in x)
+    assert line.startswith(f"{path}: lease_ttl_s is 0.0")
+    assert line.endswith("(LLMGW_CONTROL__LEASE_TTL_S='0' set it: change the variable or unset it)")
+    assert all("LLMGW_" not in x for x in str(info.value).splitlines() if x != line)
