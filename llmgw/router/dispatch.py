@@ -31,7 +31,15 @@ from llmgw.router import upstream as upstream_http
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
-from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, as_retry, refusal_response
+from llmgw.router.errors import (
+    JSON,
+    EngineFault,
+    Refusal,
+    Retry,
+    as_retry,
+    id_headers,
+    refusal_response,
+)
 from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
@@ -400,7 +408,7 @@ class Dispatcher:
                 status=status,
                 body=data,
                 content_type=(upstream.content_type or JSON) if status < 400 else JSON,
-                headers={"X-Request-Id": state.rid},
+                headers=id_headers(state.rid, kind),
             )
         finally:
             upstream.close()

@@ -61,10 +61,25 @@ class Refusal:
         return requests.error_body(self.message, self.type, self.code)
 
 
+ENGINES_BUSY_RETRY_AFTER_S = 1
+"""`Retry-After` when every engine tried answered 429: an engine's load changes within a
+second, and a client that waits for that rather than retrying at once lets it drain."""
+
+
 def retry_refusal(last: Retry) -> Refusal:
     """What the client is told when no attempt got through: the last attempt's failure."""
-    type_ = "rate_limit_error" if last.status == 429 else "server_error"
-    return Refusal(last.status, last.message, type_, last.reason)
+    if last.status == 429:
+        return Refusal(429, last.message, "rate_limit_error", last.reason,
+                       retry_after=ENGINES_BUSY_RETRY_AFTER_S)  # fmt: skip
+    return Refusal(last.status, last.message, "server_error", last.reason)
+
+
+def id_headers(rid: str, kind: requests.Kind) -> dict[str, str]:
+    """The response headers that carry the request's id: `X-Request-Id`, and for the
+    Messages API also Anthropic's `request-id`, which its SDK reads (`_request_id`)."""
+    if kind == "messages":
+        return {"X-Request-Id": rid, "request-id": rid}
+    return {"X-Request-Id": rid}
 
 
 def as_retry(exc: BaseException, d: Deadlines) -> BaseException:
@@ -91,7 +106,7 @@ def error_response(
     kind: requests.Kind = "chat",
 ) -> web.Response:
     """The error in the shape of API `kind` (`requests.api_error_body`)."""
-    headers = {"X-Request-Id": rid} if rid else None
+    headers = id_headers(rid, kind) if rid else None
     return web.Response(
         status=status,
         body=requests.api_error_body(kind, status, message, type_, code),

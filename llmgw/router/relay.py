@@ -120,6 +120,8 @@ class ClientStream:
         if self.response is None:
             resp = aiohttp_direct.sse_response(SSE_HEADERS)
             resp.headers["X-Request-Id"] = self.rid
+            if self.kind == "messages":
+                resp.headers["request-id"] = self.rid  # as errors.id_headers
             if self.request.version >= aiohttp.HttpVersion11:
                 # What aiohttp does anyway for a body of unknown length, said up front: the
                 # relay writes the next chunks itself (`EngineStream.sink`).

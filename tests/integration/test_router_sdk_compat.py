@@ -298,3 +298,53 @@ def test_a_vllm_messages_stream_that_ends_with_done_is_whole(tmp_path: Path) -> 
     finally:
         router.stop()
         engine.stop()
+
+
+def test_the_anthropic_sdk_reads_the_request_id_of_every_answer(
+    fleet: Fleet, claude: anthropic.Anthropic
+) -> None:
+    # Anthropic's API names its id `request-id` (the SDK's `_request_id`, an error's
+    # `request_id`); the router's is `X-Request-Id`: a Messages answer carries both.
+    raw = claude.messages.with_raw_response.create(model="m", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    rid = raw.headers["x-request-id"]
+    assert rid
+    assert raw.headers["request-id"] == rid
+    assert raw.parse()._request_id == rid
+    raw = claude.messages.with_raw_response.create(
+        model="m",
+        max_tokens=5,
+        messages=HI,
+        stream=True,  # type: ignore[arg-type]
+    )
+    assert raw.headers["request-id"] == raw.headers["x-request-id"] != rid
+    for _ in raw.parse():
+        pass
+    with pytest.raises(anthropic.NotFoundError) as nf:  # the router's own refusal
+        claude.messages.create(model="nope", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert nf.value.request_id
+    assert nf.value.request_id == nf.value.response.headers["x-request-id"]
+    fleet.sim.faults(fail_status=500, count=1)  # an answer from the engine's error
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        claude.messages.create(model="m", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert failed.value.request_id == failed.value.response.headers["x-request-id"]
+    # The OpenAI API's answers keep to OpenAI's header (its SDK reads `x-request-id`).
+    with openai.OpenAI(base_url=fleet.router.url + "/v1", api_key="none", max_retries=0) as gpt:
+        chat = gpt.chat.completions.with_raw_response.create(model="m", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+        assert chat.headers["x-request-id"] == chat.parse()._request_id
+        assert "request-id" not in chat.headers
+
+
+def test_engines_all_answering_429_is_a_429_with_retry_after(fleet: Fleet) -> None:
+    with openai.OpenAI(base_url=fleet.router.url + "/v1", api_key="none", max_retries=0) as gpt:
+        fleet.sim.faults(fail_status=429, count=3)
+        with pytest.raises(openai.RateLimitError) as busy:
+            gpt.chat.completions.create(model="m", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+        assert busy.value.response.headers["retry-after"] == "1"
+        assert busy.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+        fleet.sim.clear_faults()
+        fleet.sim.faults(fail_status=503, count=3)  # an engine's failure: no hint to wait
+        with pytest.raises(openai.InternalServerError) as failed:
+            gpt.chat.completions.create(model="m", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+        assert failed.value.status_code == 502
+        assert "retry-after" not in failed.value.response.headers
+        fleet.sim.clear_faults()
