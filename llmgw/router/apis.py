@@ -11,8 +11,9 @@ round trip, and a retry elsewhere could never help. What each engine serves:
 
 An engine's 4xx reaches the client with its status, in the API's error shape whatever the
 engine wrote (vLLM's `{"object": "error", ...}`, FastAPI's `{"detail": ...}`, Anthropic's
-`{"type": "error", ...}`, plain text): Anthropic's for the Messages API, whose clients read
-its error types, OpenAI's for the rest (`engine_error`).
+`{"type": "error", ...}`, plain text): Anthropic's for the Messages API and its token
+count (`/v1/messages/count_tokens`, which Claude Code asks before it sends), whose clients
+read its error types, OpenAI's for the rest (`engine_error`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ PATHS: dict[str, Kind] = {
     "/v1/embeddings": "embeddings",
     "/v1/responses": "responses",
     "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
     "/v1/rerank": "rerank",
@@ -46,6 +48,7 @@ UPSTREAM: dict[Kind, str] = {
     "embeddings": "/v1/embeddings",
     "responses": "/v1/responses",
     "messages": "/v1/messages",
+    "count_tokens": "/v1/messages/count_tokens",
     "tokenize": "/tokenize",
     "detokenize": "/detokenize",
     "rerank": "/v1/rerank",
@@ -98,7 +101,7 @@ def engine_error(kind: Kind, status: int, data: bytes) -> bytes:
         err = doc.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
             anthropic = doc.get("type") == "error"
-            if not anthropic and kind != "messages":  # OpenAI's own shape: as it is
+            if not anthropic and kind not in requests.ANTHROPIC:  # OpenAI's shape: as it is
                 return data
             # (Anthropic's is written again: vLLM's Messages errors carry OpenAI's types.)
             code = err.get("type") if anthropic else err.get("code")

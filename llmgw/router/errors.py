@@ -77,7 +77,7 @@ def retry_refusal(last: Retry) -> Refusal:
 def id_headers(rid: str, kind: requests.Kind) -> dict[str, str]:
     """The response headers that carry the request's id: `X-Request-Id`, and for the
     Messages API also Anthropic's `request-id`, which its SDK reads (`_request_id`)."""
-    if kind == "messages":
+    if kind in requests.ANTHROPIC:
         return {"X-Request-Id": rid, "request-id": rid}
     return {"X-Request-Id": rid}
 

@@ -15,9 +15,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 Kind = Literal[
-    "chat", "completions", "embeddings", "responses", "messages", "tokenize", "detokenize",
-    "rerank", "score",
+    "chat", "completions", "embeddings", "responses", "messages", "count_tokens", "tokenize",
+    "detokenize", "rerank", "score",
 ]  # fmt: skip
+ANTHROPIC: frozenset[Kind] = frozenset({"messages", "count_tokens"})
+"""Anthropic's APIs: their errors are in Anthropic's shape, their ids in its header too."""
 STREAMED_USAGE: frozenset[Kind] = frozenset({"responses", "messages"})
 """APIs whose streams always carry their usage (no stream_options to ask for it)."""
 
@@ -283,8 +285,9 @@ def api_error_body(
     """An error in the shape of API `kind`'s own: OpenAI's, but for the Messages API
     Anthropic's (`{"type": "error", "error": {"type", "message"}}`, the type in its words
     for the status), whose clients branch on `error.type`. Anthropic's shape keeps OpenAI's
-    `param` and `code` too, so a reader of either finds its fields."""
-    if kind != "messages":
+    `param` and `code` too, so a reader of either finds its fields. (Its token count is
+    Anthropic's too.)"""
+    if kind not in ANTHROPIC:
         return error_body(message, type_, code)
     atype = _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else
                                              "invalid_request_error")  # fmt: skip

@@ -1,6 +1,6 @@
 """The simulated engine's other APIs, as vLLM serves them: the OpenAI Responses API
-(`/v1/responses`), Anthropic's Messages API (`/v1/messages`), `/tokenize` and
-`/detokenize`, `/v1/rerank` and `/v1/score`.
+(`/v1/responses`), Anthropic's Messages API (`/v1/messages`) and its token count
+(`/v1/messages/count_tokens`), `/tokenize` and `/detokenize`, `/v1/rerank` and `/v1/score`.
 
 Responses and Messages are generations: they are prepared here into the same `Prepared`
 the engine runs as a chat, and their bodies and SSE events are written by
@@ -63,6 +63,15 @@ class MessagesRequest(api._Lenient, kw_only=True):
     tools: list[Any] | None = None
 
 
+class CountTokensRequest(api._Lenient, kw_only=True):
+    """`/v1/messages/count_tokens`: a Messages request without what generation needs."""
+
+    model: str | None = None
+    messages: list[_AnthropicMessage]
+    system: str | list[_InputPart] | None = None
+    tools: list[Any] | None = None
+
+
 def _text(content: str | list[_InputPart] | None, where: str, kinds: tuple[str, ...]) -> str:
     if content is None:
         return ""
@@ -100,15 +109,12 @@ def prepare_responses(body: bytes, cfg: SimConfig) -> Prepared:
     return _generation("responses", model, prompt, max_tokens, bool(req.stream), ())
 
 
-def prepare_messages(body: bytes, cfg: SimConfig) -> Prepared:
-    req: MessagesRequest = api._decode(body, MessagesRequest)
-    model = api._resolve_model(req.model, cfg.served_model_names)
+def _anthropic_prompt(req: MessagesRequest | CountTokensRequest) -> list[str]:
+    """The prompt's tokens of a Messages request (or of its token count: the same)."""
     if req.tools:
         raise api._unsupported("tools", "tool use")
     if not req.messages:
         raise ApiError(400, "messages: at least one message is required", param="messages")
-    if req.max_tokens < 1:
-        raise ApiError(400, "max_tokens: must be at least 1", param="max_tokens")
     messages: list[tuple[str, str]] = []
     if req.system:
         messages.append(("system", _text(req.system, "system", ("text",))))
@@ -116,7 +122,23 @@ def prepare_messages(body: bytes, cfg: SimConfig) -> Prepared:
         if m.role not in ("user", "assistant"):
             raise ApiError(400, f"messages.{i}.role: must be user or assistant", param="messages")
         messages.append((m.role, _text(m.content, f"messages.{i}.content", ("text",))))
-    prompt = tokens.tokenize(tokens.render_chat(messages))
+    return tokens.tokenize(tokens.render_chat(messages))
+
+
+def count_tokens(body: bytes, cfg: SimConfig) -> bytes:
+    """`/v1/messages/count_tokens`: `{"input_tokens": n}`, n as a Messages request with the
+    same system and messages would count its prompt (its `usage.input_tokens`)."""
+    req: CountTokensRequest = api._decode(body, CountTokensRequest)
+    api._resolve_model(req.model, cfg.served_model_names)
+    return msgspec.json.encode({"input_tokens": len(_anthropic_prompt(req))})
+
+
+def prepare_messages(body: bytes, cfg: SimConfig) -> Prepared:
+    req: MessagesRequest = api._decode(body, MessagesRequest)
+    model = api._resolve_model(req.model, cfg.served_model_names)
+    if req.max_tokens < 1:
+        raise ApiError(400, "max_tokens: must be at least 1", param="max_tokens")
+    prompt = _anthropic_prompt(req)
     max_tokens = api._budget(cfg, prompt, req.max_tokens, "max_tokens", "messages")
     stops = tuple(req.stop_sequences or ())
     return _generation("messages", model, prompt, max_tokens, bool(req.stream), stops)

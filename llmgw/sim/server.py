@@ -52,6 +52,7 @@ _KNOWN_PATHS = {
     "/v1/chat/completions",
     "/v1/responses",
     "/v1/messages",
+    "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
     "/v1/rerank",
@@ -104,6 +105,7 @@ class SimServer:
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_post("/v1/responses", self._responses)
         r.add_post("/v1/messages", self._messages)
+        r.add_post("/v1/messages/count_tokens", self._count_tokens)
         r.add_post("/tokenize", self._tokenize)
         r.add_post("/detokenize", self._detokenize)
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
@@ -262,6 +264,10 @@ class SimServer:
         body, n = out if isinstance(out, tuple) else (out, 0)
         self.engine.stats.prompt_tokens += n
         return web.Response(body=body, content_type=_JSON)
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        # As vLLM's: a count of the prompt, not a prompt the engine processed.
+        return await self._at_once(request, lambda b: apis.count_tokens(b, self.cfg))
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         return await self._at_once(request, lambda b: apis.tokenize(b, self.cfg))

@@ -1,6 +1,7 @@
 """Every API clients use, through a real router to real `llmgw sim` engines, with the real
 `openai` and `anthropic` SDKs: models.retrieve, the Responses API (streamed and not),
-Anthropic's Messages API (messages.create and messages.stream), tokenize and detokenize,
+Anthropic's Messages API (messages.create, messages.stream and messages.count_tokens),
+tokenize and detokenize,
 rerank and score. An API the model's engine does not serve is refused saying which do; an
 engine's error reaches the client in its API's shape whatever the engine wrote; and no bad
 body to any of them is ever a 500.
@@ -40,6 +41,10 @@ class _OddEngine(BaseHTTPRequestHandler):
             b'"message":"max_tokens: required"}}',
         ),
         "/v1/score": (400, b"plain text failure"),
+        "/v1/messages/count_tokens": (
+            400,
+            b'{"object":"error","message":"messages: required","type":"BadRequestError"}',
+        ),
     }
 
     def do_GET(self) -> None:  # the router's probe
@@ -140,6 +145,29 @@ async def test_the_anthropic_sdk_creates_and_streams_messages(fleet: Router) -> 
     assert final.usage.input_tokens > 0
 
 
+async def test_the_anthropic_sdk_counts_a_messages_prompt(fleet: Router) -> None:
+    # Claude Code asks for the count before it sends: the same number as the answer's usage.
+    client = anthropic.AsyncAnthropic(base_url=fleet.url, api_key="none", max_retries=0)
+    talk = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "count these words please"}]  # fmt: skip
+    counted = await client.messages.count_tokens(model="m-latest", system="be brief", messages=talk)  # type: ignore[arg-type]
+    answer = await client.messages.create(model="m", max_tokens=2, system="be brief", messages=talk)  # type: ignore[arg-type]
+    assert counted.input_tokens == answer.usage.input_tokens > 5
+    shorter = await client.messages.count_tokens(model="m", messages=talk[:1])  # type: ignore[arg-type]
+    assert 0 < shorter.input_tokens < counted.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        await client.messages.count_tokens(model="nope", messages=talk)  # type: ignore[arg-type]
+    assert nf.value.type == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as bad:  # the engine's, in Anthropic's shape
+        await client.messages.count_tokens(model="m", messages=[])
+    assert bad.value.type == "invalid_request_error"
+    assert "at least one message" in str(bad.value)
+    with pytest.raises(anthropic.BadRequestError) as sg:  # SGLang serves no Messages API
+        await client.messages.count_tokens(model="sg", messages=talk)  # type: ignore[arg-type]
+    assert "unsupported_api" in str(sg.value.body)
+    assert sg.value.request_id
+
+
 def test_tokenize_detokenize_rerank_and_score_are_relayed(fleet: Router) -> None:
     status, tok = post(fleet, "/tokenize", {"model": "m", "prompt": "hello world"})
     assert status == 200
@@ -181,7 +209,7 @@ def test_an_engines_error_reaches_the_client_in_its_apis_shape(fleet: Router, pa
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str)
     assert err["message"]
-    if path == "/v1/messages":  # Anthropic's, with OpenAI's fields besides
+    if path.startswith("/v1/messages"):  # Anthropic's, with OpenAI's fields besides
         assert body["type"] == "error"
         assert err["type"] == "invalid_request_error"
 
