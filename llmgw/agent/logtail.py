@@ -38,18 +38,26 @@ def bounded(lines: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(reversed(kept))
 
 
-def tail(path: Path, lines: int) -> tuple[str, ...]:
-    """The last `lines` non-empty lines of `path`, reading at most a bounded amount from the end."""
+def tail(path: Path, lines: int, api_key: str = "") -> tuple[str, ...]:
+    """The last `lines` non-empty lines of `path`, reading at most a bounded amount from the
+    end, without `api_key`: it is taken out before any line is cut (a cut through the key
+    would leave a part of it that no later redaction finds)."""
+    margin = len(api_key.encode())
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             start = max(0, size - _CHUNK * max(1, lines // 256 + 1))
-            f.seek(start)
+            # Read the key's length before the start too: a key that the start would cut
+            # is read whole, and redacted whole.
+            f.seek(max(0, start - margin))
             data = f.read()
     except OSError:
         return ()
-    parts = [shown(line) for line in data.decode(errors="replace").split("\n")]
+    text = data.decode(errors="replace")
+    if api_key:
+        text = text.replace(api_key, "<api key>")
+    parts = [shown(line) for line in text.split("\n")]
     if start > 0 and any(line.strip() for line in parts[1:]):
         parts = parts[1:]  # the first line is cut in the middle
     elif start > 0:

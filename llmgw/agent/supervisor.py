@@ -401,9 +401,8 @@ class Supervisor:
         await self._terminate(sh, min(self.settings.stop_grace_s, 5.0))
         sh.phase = "failed"
         sh.error = error
-        sh.log_tail = logtail.redact(
-            logtail.tail(Path(sh.record.log_path), self.settings.tail_lines),
-            sh.record.launch.api_key,
+        sh.log_tail = logtail.tail(
+            Path(sh.record.log_path), self.settings.tail_lines, sh.record.launch.api_key
         )
         pidfiles.remove(self.state_dir, sh.record.replica_id, sh.record.shard)
         log.warning("shard_failed", replica_id=sh.record.replica_id, error=error)

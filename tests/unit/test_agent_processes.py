@@ -149,3 +149,61 @@ def test_shown_is_one_rewrite_of_the_line(line: str) -> None:
     assert "\r" not in got
     assert got in line.split("\r") or not got
     assert bool(got.strip()) == bool(line.replace("\r", "").strip())
+
+
+_KEY_CHARS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+"""A key's alphabet, which the rest of the generated output never uses."""
+
+
+def _near(at: int) -> st.SearchStrategy[int]:
+    return st.integers(max(0, at - 70), at + 5)
+
+
+_CUT = logtail.MAX_LINE_CHARS - 1
+"""Where a long line is cut: its first `_CUT` characters kept, or (the last line, longer
+than what the tail reads) its last."""
+_READ = 64 * 1024
+"""How much of a short tail's end is read (logtail._CHUNK)."""
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    key=st.text(_KEY_CHARS, min_size=8, max_size=64),
+    before=st.one_of(_near(_CUT), st.integers(0, 70_000)),
+    after=st.one_of(_near(_CUT), _near(_READ), st.integers(0, 5_000)),
+    lines=st.sampled_from(["", "\n", "\r"]),
+    count=st.integers(1, 300),
+)
+def test_no_part_of_the_engines_key_leaves_in_a_tail(
+    key: str, before: int, after: int, lines: str, count: int
+) -> None:
+    # The key lands across each place the tail cuts (a long line's end, the last line's
+    # start, the start of what is read): redacting after those cuts left the part of a key
+    # the cut did not take.
+    import tempfile
+
+    text = "x" * before + key + "y" * after + lines + "z" * (before % 7)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "engine.log"
+        path.write_text(text)
+        got = logtail.tail(path, count, key)
+    shown = "".join(got)
+    assert not set(shown) & set(_KEY_CHARS), shown[:200]
+
+
+def test_a_tail_says_where_the_key_was(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    key = "SECRETKEY" * 4
+    path.write_text("x" * 70_000 + key + "y" * 10 + "\nusing key " + key + "\n")
+    assert logtail.tail(path, 5, key) == ("using key <api key>",)
+    # A chunk that starts inside the key (the file's last 64 KiB begin 5 characters into
+    # it): the key is read whole.
+    path.write_text("a" * 10 + key + "b" * (64 * 1024 - len(key) + 5))
+    (line,) = logtail.tail(path, 1, key)
+    assert line == "…" + "b" * (logtail.MAX_LINE_CHARS - 1)
+    # A long last line whose kept end (its last MAX_LINE_CHARS - 1) starts inside the key.
+    path.write_text("a" * 70_000 + key + "b" * (logtail.MAX_LINE_CHARS - 6))
+    (line,) = logtail.tail(path, 1, key)
+    assert line == "…" + "<api key>"[-5:] + "b" * (logtail.MAX_LINE_CHARS - 6)
+    path.write_text("a\n" + key[5:] + "tail\n")
+    assert logtail.tail(path, 5, key) == ("a", key[5:] + "tail")  # not the key: kept
