@@ -33,12 +33,14 @@ LogLevel = Annotated[
     str,
     msgspec.Meta(
         pattern="^(debug|info|warning|error|critical|Debug|Info|Warning|Error|Critical"
-        "|DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
-        description="debug, info, warning, error or critical",
+        "|DEBUG|INFO|WARNING|ERROR|CRITICAL|warn|Warn|WARN|fatal|Fatal|FATAL)$",
+        description="debug, info, warning (or warn), error or critical (or fatal)",
     ),
 ]
 """A service's `log_level`: a misspelt level is refused rather than read as info. Each is
-taken lower case, capitalised or upper case (`info`, `Info`, `INFO`), as logging reads it."""
+taken lower case, capitalised or upper case (`info`, `Info`, `INFO`), as logging reads it,
+and so are the other names logging knows, `warn` (Go's and many tools' word for warning)
+and `fatal` (critical)."""
 
 
 class ConfigError(ValueError):

@@ -82,7 +82,9 @@ def command(
         None, "--load-s", help="Seconds before it listens, as weights loading take [0]."
     ),
     log_level: str | None = typer.Option(
-        None, "--log-level", help="debug, info, warning, error or critical (default: info)."
+        None,
+        "--log-level",
+        help="debug, info, warning, error or critical (default: info; warn and fatal too).",
     ),
     api_key: str | None = typer.Option(
         None,

@@ -301,7 +301,7 @@ def test_a_misspelt_log_level_is_refused_naming_the_levels(service: str, tmp_pat
     assert "debug|info|warning|error|critical" in said
     # "Info" and "Warning" name a level as logging reads it (in any case): they were
     # honoured before the check, and refused by it.
-    for level in ("debug", "WARNING", "error", "Info", "Warning"):
+    for level in ("debug", "WARNING", "error", "Info", "Warning", "warn", "FATAL"):
         path.write_text(f"log_level: {level}\n")
         # A file of only a level lacks what some services need: any refusal is for that.
         said = ""
@@ -309,3 +309,24 @@ def test_a_misspelt_log_level_is_refused_naming_the_levels(service: str, tmp_pat
             LOADERS[service](path)
             said = "loaded"
         assert said == "loaded" or "log_level" not in _refused(service, path)
+
+
+@pytest.mark.parametrize(
+    ("level", "shown", "hidden"),
+    [("warn", "warning", "info"), ("WARN", "warning", "info"), ("fatal", "critical", "error")],
+)
+def test_warn_and_fatal_are_the_levels_logging_knows_by_those_names(
+    level: str, shown: str, hidden: str
+) -> None:
+    # Go's tools and many operators write `warn`; logging knows it (and `fatal`) too.
+    import logging
+
+    from llmgw import logs
+
+    try:
+        logs.setup(level, json=True)
+        logger = logging.getLogger("llmgw.test")
+        assert logger.isEnabledFor(getattr(logging, shown.upper()))
+        assert not logger.isEnabledFor(getattr(logging, hidden.upper()))
+    finally:
+        logs.setup("info", json=True)
