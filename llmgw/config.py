@@ -281,11 +281,24 @@ def name_variables(
         return problems
     out = []
     for problem in problems:
-        named = [f"{name}={raw!r}" for pattern, name, raw in found if pattern.search(problem)]
+        named = [_shown(name, raw) for pattern, name, raw in found if pattern.search(problem)]
         if named:
             problem += f" ({', '.join(named)} set it: change the variable or unset it)"
         out.append(problem)
     return out
+
+
+_SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSPHRASE")
+MAX_SHOWN_VALUE = 64
+
+
+def _shown(name: str, raw: str) -> str:
+    """A variable as an error names it: with its value, unless the value may be a secret
+    (a setting named like one) or is long (a list or mapping, which may hold one), since
+    errors reach terminals and logs."""
+    if len(raw) > MAX_SHOWN_VALUE or any(word in name.upper() for word in _SECRET_WORDS):
+        return name
+    return f"{name}={raw!r}"
 
 
 def _named_as(keys: list[str]) -> list[str]:
@@ -348,11 +361,13 @@ def _typed_value(name: str, raw: str, t: mi.Type) -> Any:
             pass
         else:
             if not math.isfinite(number):  # `nan` passes every `<= 0` check of a duration
-                raise ConfigError(f"{name}={raw!r} is not a finite number: set one, or unset it")
+                raise ConfigError(
+                    f"{_shown(name, raw)} is not a finite number: set one, or unset it"
+                )
             return number
     if all(isinstance(m, (mi.BoolType, mi.IntType, mi.FloatType, mi.NoneType)) for m in members):
         wanted = " or ".join(_describe(m) for m in members)
-        raise ConfigError(f"{name}={raw!r} is not {wanted}: set it to one, or unset it")
+        raise ConfigError(f"{_shown(name, raw)} is not {wanted}: set it to one, or unset it")
     return _yaml_value(name, raw)
 
 
@@ -378,7 +393,7 @@ def _yaml_value(name: str, raw: str) -> Any:
     try:
         return parse_yaml(raw)
     except _Refused as exc:
-        raise ConfigError(f"{name}={raw!r}: {exc.problem}") from None
+        raise ConfigError(f"{_shown(name, raw)}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0] if str(exc) else "unreadable"
         raise ConfigError(
@@ -399,7 +414,7 @@ def _blame(exc: msgspec.ValidationError, where: str, paths: _EnvPaths) -> str:
     for keys, (name, raw) in paths.items():
         p = "." + ".".join(keys)
         if at == p or at.startswith((p + ".", p + "[")):
-            return f"{name}={raw!r}: {m.group('what')}: change the variable or unset it"
+            return f"{_shown(name, raw)}: {m.group('what')}: change the variable or unset it"
     return f"{where}: {exc}"
 
 

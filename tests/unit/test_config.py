@@ -181,3 +181,19 @@ def test_a_control_problem_names_its_variable(
     assert line.startswith(f"{path}: lease_ttl_s is 0.0")
     assert line.endswith("(LLMGW_CONTROL__LEASE_TTL_S='0' set it: change the variable or unset it)")
     assert all("LLMGW_" not in x for x in str(info.value).splitlines() if x != line)
+
+
+@given(st.text(min_size=1, max_size=200).filter(lambda s: "\x00" not in s))
+def test_an_error_never_shows_a_secret_settings_value(secret: str) -> None:
+    # Errors reach terminals and logs: a key's value is never in one, nor a long value
+    # (YAML holding a list of endpoints may carry their keys).
+    with pytest.raises(config.ConfigError) as info:
+        config.load(SimConfig, section="SIM",
+                    environ={"LLMGW_SIM__API_KEY": secret, "LLMGW_SIM__PORT": "99999"})  # fmt: skip
+    assert info.value.args[0].startswith("LLMGW_SIM__PORT='99999': ")
+    env = {"LLMGW_SIM__API_KEY": secret, "LLMGW_SIM__PORT": "9" * 65}
+    named = config.name_variables(["api_key is wrong", "port is wrong"], "SIM", env)
+    assert named == [
+        "api_key is wrong (LLMGW_SIM__API_KEY set it: change the variable or unset it)",
+        "port is wrong (LLMGW_SIM__PORT set it: change the variable or unset it)",
+    ]
