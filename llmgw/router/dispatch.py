@@ -26,20 +26,12 @@ from llmgw import logs
 from llmgw.core import breaker, routing
 from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import admission, apis, requests, tracecontext
+from llmgw.router import admission, apis, errors, requests, tracecontext
 from llmgw.router import upstream as upstream_http
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
-from llmgw.router.errors import (
-    JSON,
-    EngineFault,
-    Refusal,
-    Retry,
-    as_retry,
-    id_headers,
-    refusal_response,
-)
+from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, as_retry, refusal_response
 from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
@@ -408,7 +400,7 @@ class Dispatcher:
                 status=status,
                 body=data,
                 content_type=(upstream.content_type or JSON) if status < 400 else JSON,
-                headers=id_headers(state.rid, kind),
+                headers=errors.id_headers(state.rid, kind),
             )
         finally:
             upstream.close()

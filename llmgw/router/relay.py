@@ -1,17 +1,16 @@
 """The relay: an engine's SSE stream onto the client's response.
 
-`ClientStream` is one request's side towards the client (its response once
-started, keep-alive comments before the first token, the error event that ends
-a cut stream). `EngineStream` turns the engine's bytes into whole events,
-counts usage, moves the deadlines with each chunk and, on the direct path
-(`llmgw.router.aiohttp_direct`), writes them to the client from the engine
-connection's data callback. `relay` drives one attempt's stream. What the relay
-reports (usage, the first token, a slow client, the gap between tokens) goes
-through `Hooks`, a narrow protocol the dispatch loop implements.
+`ClientStream` is one request's side towards the client (its response once started, keep-alive
+comments before the first token, the error event that ends a cut stream). `EngineStream` turns
+the engine's bytes into whole events, counts usage, moves the deadlines with each chunk and,
+on the direct path (`llmgw.router.aiohttp_direct`), writes them to the client from the engine
+connection's data callback. `relay` drives one attempt's stream. What the relay reports
+(usage, the first token, a slow client, the gap between tokens) goes through `Hooks`, a narrow
+protocol the dispatch loop implements.
 
-Until the first token the request may still move to another endpoint (`Retry`):
-nothing has reached the client. After it, a cut stream ends with an OpenAI
-error event (`EngineFault`), never spliced onto another engine's answer.
+Until the first token the request may still move to another endpoint (`Retry`): nothing has
+reached the client. After it, a cut stream ends with an OpenAI error event (`EngineFault`),
+never spliced onto another engine's answer.
 """
 
 from __future__ import annotations
@@ -100,8 +99,7 @@ class ClientStream:
         self.failed_status = 0
         """The status metrics record for a stream that ended with an error event."""
         self.cached_predicted = -1
-        """Prompt tokens the router predicted the attempt's engine had cached (-1: no
-        prediction), that engine's id, and whether its usage was compared with it (once)."""
+        """Prompt tokens predicted cached at the engine (-1: none), its id, compared yet."""
         self.cached_endpoint, self.cache_reported = "", False
         self.loop = asyncio.get_running_loop()
         # Deadlines run on the loop's clock; start was taken on time.monotonic (the same clock
