@@ -20,9 +20,25 @@ class ListenError(OSError):
     """An address that cannot be listened on; the message names the setting to change."""
 
 
+def host_setting(port_setting: str) -> str:
+    """The host's setting beside a port's: `admin.port` -> `admin.host`, `--port` -> `--host`."""
+    return port_setting.replace("port", "host")
+
+
+def refuse_empty_host(host: str, setting: str) -> None:
+    """Raise ListenError for an empty host: the socket API reads it as every interface, and
+    an unset variable (`--host "$HOST"`) would put a loopback service on the network."""
+    if not host.strip():
+        raise ListenError(
+            f"{host_setting(setting)} is empty, which would listen on every interface: set it"
+            " to 0.0.0.0 (or ::) if that is meant, else to an address of this machine"
+        )
+
+
 def bind(host: str, port: int, *, setting: str) -> socket.socket:
     """A listening, non-blocking socket on `host:port` (0: a free port); an OSError saying
     to change `setting` (the port's) or the host's setting when it cannot bind."""
+    refuse_empty_host(host, setting)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,7 +64,7 @@ def bind_error(exc: BaseException, host: str, port: int, setting: str) -> Listen
         )
     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return ListenError(
-        f"cannot listen on {where}: {why}; set {setting.replace('port', 'host')} to an"
+        f"cannot listen on {where}: {why}; set {host_setting(setting)} to an"
         " address of this machine (an IP, or a name it resolves)"
     )
 

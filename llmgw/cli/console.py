@@ -63,6 +63,11 @@ def command(
     if (tls_cert is None) != (tls_key is None):
         typer.echo("error: give --tls-cert and --tls-key together", err=True)
         raise typer.Exit(2)
+    try:
+        listeners.refuse_empty_host(host, "--port")
+    except listeners.ListenError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     if not listeners.loopback(host) and tls_cert is None:
         typer.echo(
             f"error: listening on {host} would show the fleet to anyone who reaches it: give "

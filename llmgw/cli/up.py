@@ -9,6 +9,7 @@ from typing import NoReturn
 
 import typer
 
+from llmgw import listeners
 from llmgw.agent.discovery import simulated
 from llmgw.core import catalog
 from llmgw.core.profile import Engine
@@ -55,6 +56,10 @@ def command(
 
     if engine not in ("sim", "llamacpp"):
         _fail(f"--engine {engine!r} is not one of sim, llamacpp")
+    try:
+        listeners.refuse_empty_host(host, "--port")
+    except listeners.ListenError as exc:
+        _fail(str(exc))
     try:
         simulated.parse_spec(gpus)
     except simulated.SimSpecError as exc:

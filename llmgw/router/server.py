@@ -77,6 +77,7 @@ def listening_sockets(
     routers started within the same few microseconds could still both pass; anything
     started later, with or without SO_REUSEPORT, is refused.
     """
+    listeners.refuse_empty_host(lst.host, setting)
     socks: list[socket.socket] = []
     try:
         port = lst.port

@@ -75,3 +75,22 @@ def test_commands_refuse_an_address_in_one_line(argv: list[str], change: str) ->
     assert isinstance(result.exception, SystemExit), result.exception
     assert result.exit_code == 2, result.output
     assert change in result.output
+
+
+@pytest.mark.parametrize("host", ["", " ", "\t"])
+def test_an_empty_host_is_refused_not_read_as_every_interface(host: str) -> None:
+    # The socket API binds "" to every interface: `--host "$HOST"` with HOST unset put a
+    # service meant for loopback on the network without a word.
+    with pytest.raises(listeners.ListenError, match=r"set it to 0\.0\.0\.0") as info:
+        listeners.bind(host, 0, setting="admin.port")
+    assert str(info.value).startswith("admin.host is empty")
+    from llmgw.router.config import Listener
+    from llmgw.router.server import listening_sockets
+
+    with pytest.raises(listeners.ListenError, match=r"listen\.host is empty"):
+        listening_sockets(Listener(host=host, port=0), 2, setting="listen.port")
+    for argv in (["sim", "--host", host, "--port", "0"], ["up", "--host", host],
+                 ["console", "--host", host, "--port", "0"]):  # fmt: skip
+        result = CliRunner().invoke(app, argv, env={})
+        assert result.exit_code != 0, (argv, result.output)
+        assert "--host is empty" in result.output, (argv, result.output)
