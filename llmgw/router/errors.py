@@ -62,16 +62,16 @@ class Refusal:
 
 
 ENGINES_BUSY_RETRY_AFTER_S = 1
-"""`Retry-After` when every engine tried answered 429: an engine's load changes within a
-second, and a client that waits for that rather than retrying at once lets it drain."""
+"""`Retry-After` when every engine tried answered 429, or none was ready (503): an engine's
+load changes within a second, and a client that waits for that rather than retrying at once
+lets it drain."""
 
 
 def retry_refusal(last: Retry) -> Refusal:
     """What the client is told when no attempt got through: the last attempt's failure."""
-    if last.status == 429:
-        return Refusal(429, last.message, "rate_limit_error", last.reason,
-                       retry_after=ENGINES_BUSY_RETRY_AFTER_S)  # fmt: skip
-    return Refusal(last.status, last.message, "server_error", last.reason)
+    type_ = "rate_limit_error" if last.status == 429 else "server_error"
+    wait = ENGINES_BUSY_RETRY_AFTER_S if last.status in (429, 503) else 0
+    return Refusal(last.status, last.message, type_, last.reason, retry_after=wait)
 
 
 def id_headers(rid: str, kind: requests.Kind) -> dict[str, str]:

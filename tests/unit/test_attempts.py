@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from llmgw.core import breaker, routing
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
-from llmgw.router.errors import Refusal, Retry
+from llmgw.router.errors import Refusal, Retry, retry_refusal
 
 POLICY = breaker.BreakerPolicy(failures_to_open=2, open_s=10.0)
 
@@ -272,3 +272,12 @@ def test_no_endpoint_at_all_is_a_503() -> None:
     assert isinstance(step, Refusal)
     assert (step.status, step.type, step.code) == (503, "server_error", "no_endpoint")
     assert "'m'" in step.message
+    assert step.retry_after == 1  # "retry shortly" in the header clients act on
+
+
+@given(st.integers(400, 599), st.sampled_from(["overloaded", "status_500", "no_endpoint"]))
+def test_only_busy_or_unready_engines_ask_the_client_to_wait(status: int, reason: str) -> None:
+    refusal = retry_refusal(Retry(reason, status, "m"))
+    assert refusal.status == status
+    assert refusal.retry_after == (1 if status in (429, 503) else 0)
+    assert refusal.type == ("rate_limit_error" if status == 429 else "server_error")
