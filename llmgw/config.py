@@ -318,13 +318,16 @@ def _overridden(keys: list[str], overrides: Mapping[str, Any]) -> bool:
 
 _SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSPHRASE")
 MAX_SHOWN_VALUE = 64
+_USERINFO = re.compile(r"://[^/\s]*@")
+"""A URL's credentials (`tls://user:password@host`), whatever the setting is named."""
 
 
 def _shown(name: str, raw: str) -> str:
     """A variable as an error names it: with its value, unless the value may be a secret
-    (a setting named like one) or is long (a list or mapping, which may hold one), since
-    errors reach terminals and logs."""
-    if len(raw) > MAX_SHOWN_VALUE or any(word in name.upper() for word in _SECRET_WORDS):
+    (a setting named like one, a URL with credentials) or is long (a list or mapping,
+    which may hold one), since errors reach terminals and logs."""
+    secret = any(word in name.upper() for word in _SECRET_WORDS) or _USERINFO.search(raw)
+    if len(raw) > MAX_SHOWN_VALUE or secret:
         return name
     return f"{name}={raw!r}"
 

@@ -261,3 +261,21 @@ def test_a_flag_that_set_the_value_is_blamed_not_the_variable_it_overrode() -> N
     named = config.name_variables(["load_s is wrong", "port is wrong"], "SIM", env, overrides=flags)
     assert named[0] == "load_s is wrong"
     assert named[1].startswith("port is wrong (LLMGW_SIM__PORT='8001' set it")
+
+
+@given(st.from_regex(r"[a-z]{1,8}:[A-Za-z0-9]{4,20}", fullmatch=True))
+def test_an_error_never_shows_a_password_in_a_urls_value(userinfo: str) -> None:
+    # A NATS or collector URL may carry its credentials (tls://user:password@host): the
+    # setting's name says nothing of a secret, but its value holds one.
+    url = f"tls://{userinfo}@nats.example:4222"
+    env = {"LLMGW_ROUTER__LOG__SERVERS": url}  # a URL where a list belongs
+    with pytest.raises(config.ConfigError) as info:
+        config.load(RouterConfig, section="ROUTER", environ={**ANON, **env})
+    assert "LLMGW_ROUTER__LOG__SERVERS" in str(info.value)
+    assert userinfo not in str(info.value)
+    named = config.name_variables(["traces.endpoint is wrong"], "ROUTER", {
+        "LLMGW_ROUTER__TRACES__ENDPOINT": f"http://{userinfo}@c:4318"})  # fmt: skip
+    assert named == [
+        "traces.endpoint is wrong (LLMGW_ROUTER__TRACES__ENDPOINT set it: change the variable"
+        " or unset it)"
+    ]
