@@ -268,35 +268,66 @@ def _env_settings(
 
 
 def name_variables(
-    problems: list[str], section: str, environ: Mapping[str, str] | None = None
-) -> list[str]:
-    """`problems` (a validation's, each naming the settings it is about), each followed by
-    the `LLMGW_` variables that set a setting it names: a value a variable set is not in
-    the file the problem is reported against, and the operator looks there first."""
+    problems: list[str], section: str, environ: Mapping[str, str] | None = None, *,
+    where: str = "", overrides: Mapping[str, Any] | None = None,
+) -> list[str]:  # fmt: skip
+    """`problems` (a validation's, each naming the settings it is about, each after
+    `where: ` when given), each followed by the `LLMGW_` variables that set a setting it
+    names: a value a variable set is not in the file the problem is reported against, and
+    the operator looks there first. A variable `overrides` (flags) replaced is not named."""
     found = [
-        (re.compile(rf"(?<![\w.])(?:{'|'.join(_named_as(keys))})(?!\w|\.\w)"), name, raw)
+        (_pattern(keys), name, raw)
         for name, raw, keys in _env_settings(section, environ)
+        if not _overridden(keys, overrides or {})
     ]
     if not found:
         return problems
     out = []
     for problem in problems:
-        named = [_shown(name, raw) for pattern, name, raw in found if pattern.search(problem)]
+        text = problem.removeprefix(f"{where}: ") if where else problem
+        named = [_shown(name, raw) for pattern, name, raw in found if pattern.search(text)]
         if named:
             problem += f" ({', '.join(named)} set it: change the variable or unset it)"
         out.append(problem)
     return out
 
 
+def _pattern(keys: list[str]) -> re.Pattern[str]:
+    """Where a problem names the setting at `keys` (`_named_as`). A plain word (`name`,
+    `host`) is also a word of sentences and hints ("the model's own name", `http://host`):
+    it names the setting at the problem's start, as a list's index or in backticks only."""
+    paths = _named_as(keys)
+    either = [rf"(?<![\w.])(?:{'|'.join(map(re.escape, paths))})(?!\w|\.\w)"]
+    if "_" not in paths[0] and "." not in paths[0]:
+        word = re.escape(paths[0])
+        either = [rf"^{word}(?!\w|\.\w)", rf"(?<![\w.]){word}\[", f"`{word}`"]
+    return re.compile("|".join(either))
+
+
+def _overridden(keys: list[str], overrides: Mapping[str, Any]) -> bool:
+    """Whether `overrides` replace the value at `keys` (merged after the variables)."""
+    node: Any = overrides
+    for key in keys:
+        if not isinstance(node, Mapping):
+            return True  # a section above it replaced by a value
+        if key not in node:
+            return False
+        node = node[key]
+    return not isinstance(node, Mapping)
+
+
 _SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSPHRASE")
 MAX_SHOWN_VALUE = 64
+_USERINFO = re.compile(r"://[^/\s]*@")
+"""A URL's credentials (`tls://user:password@host`), whatever the setting is named."""
 
 
 def _shown(name: str, raw: str) -> str:
     """A variable as an error names it: with its value, unless the value may be a secret
-    (a setting named like one) or is long (a list or mapping, which may hold one), since
-    errors reach terminals and logs."""
-    if len(raw) > MAX_SHOWN_VALUE or any(word in name.upper() for word in _SECRET_WORDS):
+    (a setting named like one, a URL with credentials) or is long (a list or mapping,
+    which may hold one), since errors reach terminals and logs."""
+    secret = any(word in name.upper() for word in _SECRET_WORDS) or _USERINFO.search(raw)
+    if len(raw) > MAX_SHOWN_VALUE or secret:
         return name
     return f"{name}={raw!r}"
 
@@ -308,7 +339,7 @@ def _named_as(keys: list[str]) -> list[str]:
     for i in range(len(keys), 0, -1):
         path = ".".join(keys[:i])
         if i == len(keys) or "_" in path or "." in path:
-            out.append(re.escape(path))
+            out.append(path)
     return out
 
 
@@ -454,6 +485,7 @@ def load(
     if overrides:
         _check_finite(overrides, "")
         data = merge(data, overrides)
+        env_paths = {k: v for k, v in env_paths.items() if not _overridden(list(k), overrides)}
     where = str(path) if path is not None else "configuration"
     try:
         return msgspec.convert(data, cls, str_keys=True)

@@ -282,7 +282,7 @@ def load(
     try:
         return complete(raw, hostname=hostname)
     except config.ConfigError as exc:
-        named = config.name_variables(str(exc).split("\n"), "AGENT", environ)
+        named = config.name_variables(str(exc).split("\n"), "AGENT", environ, overrides=overrides)
         raise config.ConfigError("\n".join(named)) from None
 
 

@@ -50,7 +50,8 @@ def tail(path: Path, lines: int, api_key: str = "") -> tuple[str, ...]:
             start = max(0, size - _CHUNK * max(1, lines // 256 + 1))
             # Read the key's length before the start too: a key that the start would cut
             # is read whole, and redacted whole.
-            f.seek(max(0, start - margin))
+            read_from = max(0, start - margin)
+            f.seek(read_from)
             data = f.read()
     except OSError:
         return ()
@@ -62,8 +63,11 @@ def tail(path: Path, lines: int, api_key: str = "") -> tuple[str, ...]:
         parts = parts[1:]  # the first line is cut in the middle
     elif start > 0:
         # One line longer than what was read (a progress bar, a dump without line ends):
-        # its end is what the engine said last, so it is kept, marked as cut.
-        parts = ["…" + parts[0][-(MAX_LINE_CHARS - 1) :]]
+        # its end is what the engine said last, so it is kept, marked as cut. Where the
+        # read began it may cut an earlier key, fewer bytes of it than the key has: its
+        # first `margin` characters, which hold them, are not kept.
+        first = parts[0][margin:] if read_from > 0 else parts[0]
+        parts = ["…" + first[-(MAX_LINE_CHARS - 1) :]] if first.strip() else []
     return bounded(tuple(line for line in parts if line.strip())[-lines:])
 
 

@@ -168,11 +168,12 @@ def command(
 def _serve(flags: dict[str, Any], config_path: Path | None) -> None:
     """Load the settings (file, environment, the flags given), check them, and serve."""
     try:
-        cfg = config.load(SimConfig, config_path, section="SIM", overrides=_given(flags))
+        given = _given(flags)
+        cfg = config.load(SimConfig, config_path, section="SIM", overrides=given)
     except config.ConfigError as exc:
         typer.echo(f"llmgw sim: {exc}", err=True)
         raise typer.Exit(2) from None
-    problems = config.name_variables(cfg.problems(), "SIM")
+    problems = config.name_variables(cfg.problems(), "SIM", overrides=given)
     if problems:
         for problem in problems:
             typer.echo(f"llmgw sim: {problem}", err=True)

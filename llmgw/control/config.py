@@ -171,7 +171,9 @@ def load(path: str | Path | None) -> ControlConfig:
     cfg = config.load(ControlConfig, path, section="CONTROL")
     if not cfg.name:
         cfg = msgspec.structs.replace(cfg, name=_short_hostname())
-    problems = validate(cfg, where=str(path) if path is not None else "control config")
+    where = str(path) if path is not None else "control config"
+    problems = validate(cfg, where=where)
     if problems:
-        raise config.ConfigError("\n".join(config.name_variables(problems, "CONTROL")))
+        named = config.name_variables(problems, "CONTROL", where=where)
+        raise config.ConfigError("\n".join(named))
     return cfg

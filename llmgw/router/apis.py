@@ -67,9 +67,15 @@ SERVED: dict[str, frozenset[Kind]] = {
 }
 
 
+def serves(kind: Kind, profile: ModelProfile) -> bool:
+    """Whether the model's engine serves API `kind` (a fallback that does not is skipped:
+    its engine's 404 would tell the client that the model it asked for does not exist)."""
+    return kind in SERVED.get(profile.engine, _ALL)
+
+
 def unsupported(kind: Kind, profile: ModelProfile, path: str) -> Refusal | None:
     """None when the model's engine serves `kind`; else the 400 that says who does."""
-    if kind in SERVED.get(profile.engine, _ALL):
+    if serves(kind, profile):
         return None
     serving = ", ".join(sorted(e for e, kinds in SERVED.items() if kind in kinds))
     return Refusal(

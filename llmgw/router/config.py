@@ -314,9 +314,11 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
 def load(path: str | Path | None) -> RouterConfig:
     """Load and validate; raises `config.ConfigError` listing every problem."""
     cfg = config.load(RouterConfig, path, section="ROUTER")
-    problems = validate(cfg, where=str(path) if path else "router config")
+    where = str(path) if path else "router config"
+    problems = validate(cfg, where=where)
     if problems:
-        raise config.ConfigError("\n".join(config.name_variables(problems, "ROUTER")))
+        named = config.name_variables(problems, "ROUTER", where=where)
+        raise config.ConfigError("\n".join(named))
     return cfg
 
 

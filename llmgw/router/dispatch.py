@@ -113,11 +113,11 @@ class Dispatcher:
         hashes: list[bytes], session_ep: str, plan: CachePlan | None,
     ) -> Planner:  # fmt: skip
         if profile.fallbacks:
-            principal, rid = state.principal, state.rid
+            principal, rid, kind = state.principal, state.rid, state.kind
             chain, skipped = fallback_chain(
                 profile,
                 self.catalog.resolve,
-                lambda name, p: admission.may_use(principal, name, p),
+                lambda name, p: admission.may_use(principal, name, p) and apis.serves(kind, p),
             )
             for p in skipped:
                 log.info("fallback_not_allowed", request_id=rid, model=profile.name,

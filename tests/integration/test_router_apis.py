@@ -248,3 +248,36 @@ def test_no_bad_body_to_any_api_is_a_500(fleet: Router, path: str, body: bytes) 
         assert "error" in json.loads(raw)
     else:
         assert raw
+
+
+class _NoMessagesEngine(_OddEngine):
+    """An engine without the Messages API (SGLang's): 404 to every POST."""
+
+    shapes: ClassVar[dict[str, tuple[int, bytes]]] = {}
+
+
+def test_a_fallback_whose_engine_does_not_serve_the_api_is_not_tried(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # The model asked for serves the token count (vLLM), its fallback does not (SGLang):
+    # with the model's endpoint down, the fallback's engine answered 404, and the client
+    # read "not found" for a model that exists. The fallback is skipped, as one the key may
+    # not use is: the client learns that the model it asked for cannot answer now.
+    odd = ThreadingHTTPServer(("127.0.0.1", 0), _NoMessagesEngine)
+    threading.Thread(target=odd.serve_forever, daemon=True).start()
+    router = Router.start(
+        tmp_path_factory.mktemp("fallback"),
+        {"down": "http://127.0.0.1:9", "sg": f"http://127.0.0.1:{odd.server_address[1]}"},
+        models=[{"name": "v", "fallbacks": ["sgf"]}, {"name": "sgf", "engine": "sglang"}],
+        endpoint_models={"down": ["v"], "sg": ["sgf"]},
+    )  # fmt: skip
+    try:
+        talk = {"model": "v", "messages": [{"role": "user", "content": "hi"}]}
+        status, body = post(router, "/v1/messages/count_tokens", talk)
+        assert status == 503, body
+        assert body["error"]["type"] == "overloaded_error", body
+        status, body = post(router, "/v1/messages", {**talk, "max_tokens": 5})
+        assert status == 503, body
+    finally:
+        router.stop()
+        odd.shutdown()

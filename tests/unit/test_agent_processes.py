@@ -207,3 +207,32 @@ def test_a_tail_says_where_the_key_was(tmp_path: Path) -> None:
     assert line == "…" + "<api key>"[-5:] + "b" * (logtail.MAX_LINE_CHARS - 6)
     path.write_text("a\n" + key[5:] + "tail\n")
     assert logtail.tail(path, 5, key) == ("a", key[5:] + "tail")  # not the key: kept
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    key=st.text(_KEY_CHARS, min_size=8, max_size=64),
+    into=st.integers(1, 63),
+    blank=st.sampled_from([" ", "\n", "\r \r\n", "\t"]),
+    before=st.integers(0, 100),
+)
+def test_no_part_of_a_key_cut_where_the_read_begins_leaves_before_blank_output(
+    key: str, into: int, blank: str, before: int
+) -> None:
+    # The read begins a key's length before the last 64 KiB (so that a key the 64 KiB
+    # would cut is read whole), and there it may cut an earlier key: when all that follows
+    # that first line is blank (cleared progress bars), the first line was kept, the part
+    # of the key in it too.
+    import tempfile
+
+    into %= len(key)
+    head = "x" * before + key + "\n"
+    # The file's last 64 KiB and the key's length before them begin `into` characters
+    # into the key: what follows its line is 64 KiB + len(key) - into - 1 bytes.
+    fill = _READ + len(key) - into - 1
+    text = head + (blank * (fill // len(blank) + 1))[:fill]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "engine.log"
+        path.write_text(text)
+        got = logtail.tail(path, 5, key)
+    assert not set("".join(got)) & set(_KEY_CHARS), got

@@ -197,3 +197,85 @@ def test_an_error_never_shows_a_secret_settings_value(secret: str) -> None:
         "api_key is wrong (LLMGW_SIM__API_KEY set it: change the variable or unset it)",
         "port is wrong (LLMGW_SIM__PORT set it: change the variable or unset it)",
     ]
+
+
+# A setting named by a plain word (`name`, `host`, `address`) is named by a problem only
+# where the problem is about it: at its start, as a list's index, or in backticks. The same
+# word in a hint, another setting's sentence or a model's problem is not the setting.
+
+
+def test_a_plain_word_in_a_hint_or_a_models_problem_names_no_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "control.yaml"
+    path.write_text("models: [{name: m, engine: vllm, model: x, aliases: [m]}]\n")
+    monkeypatch.setenv("LLMGW_CONTROL__NAME", "ctl-a")
+    with pytest.raises(config.ConfigError) as info:
+        control_config.load(path)
+    # The nats hints say `<name>`, the model's problem "its own name": neither is the CN.
+    assert "repeats the model's own name" in str(info.value)
+    assert "LLMGW_CONTROL__NAME" not in str(info.value), str(info.value)
+    monkeypatch.setenv("LLMGW_CONTROL__NAME", "ctl.a")  # the setting's own problem: named
+    with pytest.raises(config.ConfigError) as info:
+        control_config.load(path)
+    line = next(x for x in str(info.value).splitlines() if "'ctl.a'" in x)
+    assert "(LLMGW_CONTROL__NAME='ctl.a' set it" in line, line
+    env = {"LLMGW_SIM__HOST": "0.0.0.0"}  # the OTLP hint's http://host:4318
+    result = runner.invoke(app, ["sim", "--served-model-name", "m", "--otlp-traces-endpoint",
+                                 "grpc://c:4317"], env=env)  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "LLMGW_SIM__HOST" not in result.output, result.output
+    env = {"LLMGW_AGENT__ADDRESS": "10.0.0.5"}  # "the collector's address"
+    with pytest.raises(config.ConfigError) as info:
+        agent_config.load(overrides={"traces": {"collector": "x"}}, environ=env, hostname="n1")
+    assert "collector's address" in str(info.value)
+    assert "LLMGW_AGENT__ADDRESS" not in str(info.value), str(info.value)
+
+
+def test_a_list_setting_is_named_where_a_problem_indexes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from llmgw.router import config as router_config
+
+    for name, value in {**ANON, "LLMGW_ROUTER__MODELS": "[{name: m}, {name: m}]"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(config.ConfigError) as info:
+        router_config.load(None)
+    line = next(x for x in str(info.value).splitlines() if "declared twice" in x)
+    assert "(LLMGW_ROUTER__MODELS='[{name: m}, {name: m}]' set it" in line, line
+
+
+def test_a_flag_that_set_the_value_is_blamed_not_the_variable_it_overrode() -> None:
+    # `llmgw sim` flags win over LLMGW_SIM__* variables: the value in the problem is the
+    # flag's, and changing or unsetting the variable would change nothing.
+    env = {"LLMGW_SIM__LOAD_S": "5", "LLMGW_SIM__PORT": "8001"}
+    result = runner.invoke(app, ["sim", "--served-model-name", "m", "--load-s", "7200"], env=env)
+    assert result.exit_code == 2, result.output
+    assert "load_s must be 0-3600 seconds, not 7200" in result.output
+    assert "LLMGW_SIM__LOAD_S" not in result.output, result.output
+    result = runner.invoke(app, ["sim", "--served-model-name", "m", "--port", "99999"], env=env)
+    assert result.exit_code == 2, result.output
+    assert "65535" in result.output
+    assert "LLMGW_SIM__PORT" not in result.output, result.output
+    flags = {"load_s": 7200.0}
+    named = config.name_variables(["load_s is wrong", "port is wrong"], "SIM", env, overrides=flags)
+    assert named[0] == "load_s is wrong"
+    assert named[1].startswith("port is wrong (LLMGW_SIM__PORT='8001' set it")
+
+
+@given(st.from_regex(r"[a-z]{1,8}:[A-Za-z0-9]{4,20}", fullmatch=True))
+def test_an_error_never_shows_a_password_in_a_urls_value(userinfo: str) -> None:
+    # A NATS or collector URL may carry its credentials (tls://user:password@host): the
+    # setting's name says nothing of a secret, but its value holds one.
+    url = f"tls://{userinfo}@nats.example:4222"
+    env = {"LLMGW_ROUTER__LOG__SERVERS": url}  # a URL where a list belongs
+    with pytest.raises(config.ConfigError) as info:
+        config.load(RouterConfig, section="ROUTER", environ={**ANON, **env})
+    assert "LLMGW_ROUTER__LOG__SERVERS" in str(info.value)
+    assert userinfo not in str(info.value)
+    named = config.name_variables(["traces.endpoint is wrong"], "ROUTER", {
+        "LLMGW_ROUTER__TRACES__ENDPOINT": f"http://{userinfo}@c:4318"})  # fmt: skip
+    assert named == [
+        "traces.endpoint is wrong (LLMGW_ROUTER__TRACES__ENDPOINT set it: change the variable"
+        " or unset it)"
+    ]
