@@ -119,9 +119,9 @@ class Dispatcher:
                 self.catalog.resolve,
                 lambda name, p: admission.may_use(principal, name, p) and apis.serves(kind, p),
             )
-            for p in skipped:
-                log.info("fallback_not_allowed", request_id=rid, model=profile.name,
-                         fallback=p.name)  # fmt: skip
+            for p in skipped:  # the key may not use it, or its engine lacks the API
+                log.info("fallback_skipped", request_id=rid, model=profile.name,
+                         fallback=p.name, api_served=apis.serves(kind, p))  # fmt: skip
             on_rank = self._fallback_hook(profile.name, rid)
         else:
             # The common case: one model, no fallback to log; no closure made per request.
