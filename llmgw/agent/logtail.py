@@ -59,14 +59,14 @@ def tail(path: Path, lines: int, api_key: str = "") -> tuple[str, ...]:
     if api_key:
         text = text.replace(api_key, "<api key>")
     parts = [shown(line) for line in text.split("\n")]
-    if start > 0 and any(line.strip() for line in parts[1:]):
+    if read_from > 0 and any(line.strip() for line in parts[1:]):
         parts = parts[1:]  # the first line is cut in the middle
-    elif start > 0:
+    elif read_from > 0:
         # One line longer than what was read (a progress bar, a dump without line ends):
         # its end is what the engine said last, so it is kept, marked as cut. Where the
         # read began it may cut an earlier key, fewer bytes of it than the key has: its
         # first `margin` characters, which hold them, are not kept.
-        first = parts[0][margin:] if read_from > 0 else parts[0]
+        first = parts[0][margin:]
         parts = ["…" + first[-(MAX_LINE_CHARS - 1) :]] if first.strip() else []
     return bounded(tuple(line for line in parts if line.strip())[-lines:])
 
@@ -83,11 +83,14 @@ def shown(line: str) -> str:
     return ""
 
 
-def trim(path: Path, max_bytes: int, keep_bytes: int) -> bool:
+def trim(path: Path, max_bytes: int, keep_bytes: int, api_key: str = "") -> bool:
     """Shrink `path` to its last `keep_bytes` once it exceeds `max_bytes`; True if it did.
 
-    Lines the engine writes between the read and the truncate are lost; that is
-    the price of a bounded file without the engine's cooperation.
+    What is kept starts at a line: the cut falls anywhere, inside a line and maybe inside
+    the engine's `api_key`, whose part left at the start no redaction would find (a line
+    longer than what is kept loses as many bytes as the key has instead). Lines the engine
+    writes between the read and the truncate are lost; that is the price of a bounded file
+    without the engine's cooperation.
     """
     try:
         if path.stat().st_size <= max_bytes:
@@ -95,6 +98,8 @@ def trim(path: Path, max_bytes: int, keep_bytes: int) -> bool:
         with path.open("r+b") as f:
             f.seek(-keep_bytes, os.SEEK_END)
             kept = f.read()
+            line_end = kept.find(b"\n")
+            kept = kept[line_end + 1 :] if line_end >= 0 else kept[len(api_key.encode()) :]
             f.seek(0)
             f.truncate(0)
             f.write(b"[llmgw: earlier output trimmed]\n" + kept)

@@ -446,6 +446,7 @@ class Supervisor:
                         Path(sh.record.log_path),
                         self.settings.max_log_bytes,
                         self.settings.keep_log_bytes,
+                        sh.record.launch.api_key,
                     )
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(sh.exited.wait(), self.settings.poll_s)

@@ -199,8 +199,8 @@ def test_a_tail_says_where_the_key_was(tmp_path: Path) -> None:
     # A chunk that starts inside the key (the file's last 64 KiB begin 5 characters into
     # it): the key is read whole.
     path.write_text("a" * 10 + key + "b" * (64 * 1024 - len(key) + 5))
-    (line,) = logtail.tail(path, 1, key)
-    assert line == "…" + "b" * (logtail.MAX_LINE_CHARS - 1)
+    (line,) = logtail.tail(path, 1, key)  # read from the file's start: the line is whole
+    assert line == ("a" * 10 + "<api key>" + "b" * 5000)[: logtail.MAX_LINE_CHARS - 1] + "…"
     # A long last line whose kept end (its last MAX_LINE_CHARS - 1) starts inside the key.
     path.write_text("a" * 70_000 + key + "b" * (logtail.MAX_LINE_CHARS - 6))
     (line,) = logtail.tail(path, 1, key)
@@ -236,3 +236,36 @@ def test_no_part_of_a_key_cut_where_the_read_begins_leaves_before_blank_output(
         path.write_text(text)
         got = logtail.tail(path, 5, key)
     assert not set("".join(got)) & set(_KEY_CHARS), got
+
+
+def test_a_tail_read_from_the_files_start_keeps_its_first_line(tmp_path: Path) -> None:
+    # Reading the key's length before the nominal start reached the file's first byte:
+    # the first line was whole, yet dropped as if cut.
+    path = tmp_path / "engine.log"
+    path.write_text("first line\n" + "x" * (64 * 1024 - 5) + "\nlast\n")
+    assert logtail.tail(path, 5, "K" * 32) == ("first line", "x" * 4095 + "…", "last")
+    assert logtail.tail(path, 5) == ("last",)  # no key, no margin: the cut line is dropped
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    key=st.text(_KEY_CHARS, min_size=8, max_size=64),
+    before=st.integers(0, 3000),
+    newline_after=st.booleans(),
+    keep=st.integers(200, 2000),
+)
+def test_a_trimmed_log_keeps_no_part_of_a_key_at_its_start(
+    key: str, before: int, newline_after: bool, keep: int
+) -> None:
+    # trim keeps the file's last bytes from wherever they start: inside a key, its end
+    # was kept, which a tail reading the whole trimmed file showed.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "engine.log"
+        for shift in range(len(key) + 1):
+            tail_text = "y" * (keep - shift) + ("\nend\n" if newline_after else "")
+            path.write_text("x" * before + "\n" + "w" * 5000 + key + tail_text)
+            assert logtail.trim(path, 1000, keep + len("\nend\n") * newline_after, key)
+            shown = "".join(logtail.tail(path, 10_000, key))
+            assert not set(shown) & set(_KEY_CHARS), (shift, shown[:100])
