@@ -4,6 +4,12 @@ KV-cache usage, under the names vLLM, SGLang and llama.cpp use. Read by the rout
 
 from __future__ import annotations
 
+import math
+
+MAX_FIGURE = 1e9
+"""The most requests queued or running that a page is read as saying: the bound of the load
+reports that carry the figures (llmgw.core.loadreport, `Amount`). More is a broken engine."""
+
 QUEUE_METRICS = frozenset(
     {"vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:num_queue_reqs"}
 )
@@ -19,7 +25,12 @@ _WANTED = QUEUE_METRICS | RUNNING_METRICS | KV_METRICS
 def parse_engine_metrics(text: str) -> tuple[float | None, float | None, float | None]:
     """(queue depth, running, KV usage) from a Prometheus text page; None where absent.
 
-    Sums over label sets (one engine may list several model names). Purely computational.
+    Sums over label sets (one engine may list several model names). Every figure is finite
+    and within 0..`MAX_FIGURE` (KV usage 0..1): the engine decides its page, and one +Inf
+    (or +Inf and -Inf summed: NaN, or a figure past the reports' bounds) in a router's or an
+    agent's load report made the whole report, about every endpoint and model it covers,
+    one its readers refuse, and turned the routing scores of the engine's peers into NaN.
+    Purely computational.
     """
     queue: float | None = None
     running: float | None = None
@@ -37,7 +48,7 @@ def parse_engine_metrics(text: str) -> tuple[float | None, float | None, float |
             value = float(line.rsplit(" ", 1)[-1])
         except ValueError:
             continue
-        if value != value:  # NaN: an engine with nothing to report yet
+        if not math.isfinite(value):  # NaN: an engine with nothing to report yet
             continue
         if name in QUEUE_METRICS:
             queue = (queue or 0.0) + value
@@ -45,4 +56,11 @@ def parse_engine_metrics(text: str) -> tuple[float | None, float | None, float |
             running = (running or 0.0) + value
         else:
             kv = value if kv is None else max(kv, value)
-    return queue, running, kv
+    return _bounded(queue, MAX_FIGURE), _bounded(running, MAX_FIGURE), _bounded(kv, 1.0)
+
+
+def _bounded(value: float | None, most: float) -> float | None:
+    # Sums of finite figures can still overflow to inf (1e308 twice), hence the NaN check.
+    if value is None:
+        return None
+    return min(max(value, 0.0), most) if not math.isnan(value) else 0.0
