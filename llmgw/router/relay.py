@@ -210,9 +210,8 @@ class ClientStream:
 
 
 class EngineStream:
-    """One relayed stream: whole events out of the engine's bytes, usage counted, the
-    deadlines moved with each chunk, written to the client from the engine's data
-    callback (`sink`) on the direct path."""
+    """One relayed stream: whole events out of the engine's bytes, usage counted, deadlines
+    moved with each chunk, written to the client from the engine's data callback (`sink`)."""
 
     __slots__ = (
         "buf", "buffered", "chunked", "chunks", "client", "deadline", "drop", "endpoint", "failed",
@@ -298,7 +297,8 @@ class EngineStream:
     def _first_token(self, data: bytes, now: float) -> bytes | None:
         """The bytes to relay once the first token is in (None: not yet, or too late)."""
         first = self.first + data if self.first else data
-        if len(first) < OPENERS_HELD and sse.only_openers(first):
+        # Held bytes are openers already: looking again at all with each read was quadratic.
+        if len(first) < OPENERS_HELD and sse.only_openers(data):
             # A chat stream opens with a role-only chunk (vLLM sends it with the first
             # token, others at once), the other APIs with opening events: held back, so the
             # first-token deadline still covers the wait and the request can still move.

@@ -150,3 +150,23 @@ def test_the_cached_tokens_of_a_stream_repeating_its_usage_are_counted_once() ->
     assert hooks.compared == [("e", 8, 8)]
     s.take(last)  # the same usage again (an engine that repeats it): counted once
     assert (hooks.tokens, hooks.cache, hooks.compared) == ([10, 3], [8], [("e", 8, 8)])
+
+
+def test_opening_events_trickling_in_are_looked_at_once_each(monkeypatch: Any) -> None:
+    """An engine held before its first token sends opening events (or bare blank lines)
+    two bytes a read: every read looked at all the held bytes again, 80 s of the router's
+    loop for 64 KiB of them, from one request. Each read's bytes are looked at once."""
+    looked = [0]
+    only_openers = relay.sse.only_openers
+
+    def counted(data: bytes) -> bool:
+        looked[0] += len(data)
+        return only_openers(data)
+
+    monkeypatch.setattr(relay.sse, "only_openers", counted)
+    s = engine_stream()
+    for piece in [b"\n\n"] * 4000 + [b"event: ping\n\n"] * 1000:
+        assert s.feed(piece, 1.0) == b""
+    held = 4000 * 2 + 1000 * 13
+    assert s.first == b"\n\n" * 4000 + b"event: ping\n\n" * 1000
+    assert looked[0] <= 2 * held

@@ -173,3 +173,16 @@ def test_a_stream_is_complete_when_it_ends_as_its_api_or_with_done() -> None:
     # SDK raises after the whole message.
     assert sse.complete(stop + DONE + b"\n\n", "messages")
     assert sse.complete(DONE + b"\n\n", "messages")
+
+
+@given(st.lists(events, max_size=6), st.lists(events, max_size=6),
+       st.sampled_from([b"\n\n", b"\n", b""]), st.sampled_from([b"", b"\n", b"\n\n"]))  # fmt: skip
+def test_held_openers_need_not_be_looked_at_again(
+    held: list[bytes], more: list[bytes], end: bytes, lead: bytes
+) -> None:
+    """What the relay relies on to look at each read once (`EngineStream._first_token`):
+    after bytes that are only openers, the whole is only openers when the rest is."""
+    first = b"\n\n".join(held) + b"\n\n"
+    data = lead + b"\n\n".join(more) + end
+    if sse.only_openers(first) and data:
+        assert sse.only_openers(first + data) == sse.only_openers(data)
