@@ -252,12 +252,19 @@ def _gpu(medium: str | None, group: int | None) -> bool:
     return (medium is None or medium.upper() == "GPU") and not group
 
 
+MAX_HELD = 4_000_000
+"""The most engine blocks one engine's fold holds: what a router keeps of one endpoint
+(llmgw.core.kvindex.MAX_KEYS_PER_ENDPOINT), more than any engine's cache has."""
+
+
 class EngineBlocks:
     """The keys of the blocks one engine holds, folded from its events.
 
     `apply` returns what changed: the keys newly held and the keys no longer held. A
     BlockStored whose parent it never saw stored (it started listening late, or missed a
-    batch) cannot be keyed and is counted in `unkeyed`.
+    batch) cannot be keyed and is counted in `unkeyed`, and so are blocks past `MAX_HELD`:
+    an engine that stores and never removes (a bug, or a lie) must not grow the agent's
+    memory without bound.
     """
 
     def __init__(self) -> None:
@@ -294,6 +301,9 @@ class EngineBlocks:
                 for h, k in zip(ev.block_hashes, keys, strict=True):
                     if h in self.key_of:
                         continue  # a repeated event (at-least-once delivery)
+                    if len(self.key_of) >= MAX_HELD:
+                        self.unkeyed += 1  # its children, parentless, are unkeyed too
+                        continue
                     self.key_of[h] = k
                     n = self.held.get(k, 0)
                     self.held[k] = n + 1

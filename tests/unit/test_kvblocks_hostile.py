@@ -48,3 +48,30 @@ def test_an_offloading_placeholder_beside_a_gpu_store_costs_nothing() -> None:
     blocks = kvblocks.EngineBlocks()
     stored, _, _ = blocks.apply(batch.events)
     assert len(stored) == 1
+
+
+def test_an_engine_that_only_stores_holds_a_bounded_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that stores blocks and never removes them (a bug, or a lie) grew the
+    agent's fold of its cache without bound: every block a dict entry or two, for as long
+    as the engine ran. Past `MAX_HELD` blocks are left unkeyed, as routers refuse an
+    endpoint holding more (llmgw.core.kvindex); removing some makes room again."""
+    monkeypatch.setattr(kvblocks, "MAX_HELD", 1000, raising=False)
+    blocks = kvblocks.EngineBlocks()
+    for batch in range(5):
+        base = batch * 1000
+        stored = kvblocks.BlockStored(list(range(base, base + 1000)), None,
+                                      list(range(base, base + 1000)), 1)  # fmt: skip
+        blocks.apply([stored])
+    assert len(blocks.key_of) == len(blocks) == 1000
+    assert blocks.unkeyed == 4000
+    blocks.apply([kvblocks.BlockRemoved([0, 1])])
+    again = kvblocks.BlockStored([7000, 7001, 7002], None, [1, 2, 3], 1)
+    stored, _, _ = blocks.apply([again])
+    assert len(stored) == 2
+    assert len(blocks) == 1000
+
+
+def test_the_folds_bound_is_what_a_router_keeps_of_an_endpoint() -> None:
+    from llmgw.core import kvindex
+
+    assert kvblocks.MAX_HELD == kvindex.MAX_KEYS_PER_ENDPOINT
