@@ -59,7 +59,9 @@ class Prober:
                     return "up"
                 raw = await bounded_body(resp, MAX_MODELS_BYTES)
             body = json.loads(raw) if raw is not None else None
-        except (TimeoutError, aiohttp.ClientError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError):
+            # (RecursionError: JSON nested past what json.loads decodes, which would end
+            # the shard's watch.)
             return "up"
         return "ready" if launch.served_name in listed_models(body) else "up"
 
@@ -69,12 +71,14 @@ class Prober:
             self._http = None
 
 
-def listed_models(body: object) -> set[object]:
-    """The model ids a `/v1/models` body lists; none for a body of another shape."""
+def listed_models(body: object) -> set[str]:
+    """The model ids a `/v1/models` body lists; none for a body of another shape. An id
+    that is not a string names nothing (and one that is a list or an object, unhashable,
+    raised out of the probe and ended the shard's watch)."""
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         return set()
-    return {m.get("id") for m in data if isinstance(m, dict)}
+    return {m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)}
 
 
 class Startup:

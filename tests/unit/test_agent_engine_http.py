@@ -106,3 +106,29 @@ async def test_the_routers_prober_reads_a_bounded_page_too(engine: TestServer) -
         finally:
             PADDED_HEALTH.clear()
         assert not ep.ready
+
+
+@pytest.mark.parametrize(
+    "listed", ['[{"id": ["m"]}]', '[{"id": {"m": 1}}, {"id": "m"}]', "[" * 100_000 + "]" * 100_000]
+)
+async def test_a_models_list_with_an_id_that_is_no_name_is_not_a_crash(listed: str) -> None:
+    """Before: an id that is a list or an object (unhashable) raised TypeError out of the
+    probe, and a list nested past Python's recursion limit RecursionError, either of which
+    ended the shard's watch task: the shard stayed starting for ever, its start deadline,
+    its exit and its log trimming no longer watched."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.Response(text='{"data": ' + listed + "}")
+
+    app = web.Application()
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", models)
+    async with TestServer(app, host="127.0.0.1") as server:
+        assert server.port is not None
+        launch = Launch(argv=("x",), env={}, port=server.port, served_name="m")
+        prober = probe.Prober()
+        try:
+            got = await prober.probe(launch, timeout_s=60.0)
+        finally:
+            await prober.close()
+    assert got == ("ready" if '"id": "m"' in listed else "up")
