@@ -393,7 +393,7 @@ class Dispatcher:
                 if status >= 400:
                     await state.write(requests.error_event(kind, data))
                 else:
-                    await state.write(b"data: " + data + b"\n\n")
+                    await state.write(requests.data_event(data))
                 await state.response.write_eof()
                 return state.response
             return web.Response(

@@ -303,5 +303,16 @@ def error_event(kind: Kind, body: bytes) -> bytes:
     anthropic SDK reads only an event named `error` (a bare `data:` it skips, and a cut
     stream would look like a whole message without its stop_reason)."""
     if kind == "messages":
-        return b"event: error\ndata: " + body + b"\n\n"
-    return b"data: " + body + b"\n\n"
+        return b"event: error\n" + data_event(body)
+    return data_event(body)
+
+
+def data_event(payload: bytes) -> bytes:
+    """An SSE event whose data is `payload`: a `data:` line for each of its lines, which the
+    client joins again with line feeds (JSON reads them as the whitespace they were). An
+    engine's body relayed as an event (its answer or error after keep-alive comments began
+    the stream) may be pretty-printed: with its line breaks written as they were, a blank
+    line ended the event early and the SDK read half a JSON document."""
+    if b"\n" not in payload and b"\r" not in payload:
+        return b"data: " + payload + b"\n\n"
+    return b"".join([b"data: " + line + b"\n" for line in payload.splitlines()]) + b"\n"

@@ -348,3 +348,40 @@ def test_engines_all_answering_429_is_a_429_with_retry_after(fleet: Fleet) -> No
         assert failed.value.status_code == 502
         assert "retry-after" not in failed.value.response.headers
         fleet.sim.clear_faults()
+
+
+async def _slow_pretty(request: web.Request) -> web.Response:
+    """An engine that answers a stream request late, with a whole pretty-printed JSON body:
+    a 400 for a prompt of "bad", else a completion."""
+    import asyncio
+
+    body = await request.json()
+    await asyncio.sleep(4 * KEEPALIVE_S)  # the router's keep-alive comments began the stream
+    if body["messages"][0]["content"] == "bad":
+        doc: dict[str, Any] = {"error": {"message": "bad\n\nprompt", "type": "BadRequestError",
+                                         "param": None, "code": 400}}  # fmt: skip
+        return web.Response(status=400, text=json.dumps(doc, indent=2) + "\n",
+                            content_type="application/json")  # fmt: skip
+    doc = {"id": "cmpl-pretty", "object": "chat.completion.chunk", "created": 1, "model": "m",
+           "choices": [{"index": 0, "delta": {"role": "assistant", "content": "whole"},
+                        "finish_reason": "stop"}]}  # fmt: skip
+    return web.Response(text=json.dumps(doc, indent=2), content_type="application/json")
+
+
+def test_a_pretty_printed_answer_after_keepalives_reaches_the_sdk_whole(tmp_path: Path) -> None:
+    # Relayed as one `data:` event with its line breaks as they were, the body's blank
+    # lines ended the event early: the SDK read half a JSON document.
+    engine = ThreadedApp(engine_app(_slow_pretty))
+    router = Router.start(tmp_path, {"e": engine.url}, keepalive_s=KEEPALIVE_S)
+    try:
+        with openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0) as gpt:
+            chunks = list(gpt.chat.completions.create(model="m", messages=HI, stream=True))  # type: ignore[arg-type]
+            assert [c.id for c in chunks] == ["cmpl-pretty"]
+            assert chunks[0].choices[0].delta.content == "whole"
+            bad = [{"role": "user", "content": "bad"}]
+            with pytest.raises(openai.APIError, match="bad\n\nprompt"):
+                for _ in gpt.chat.completions.create(model="m", messages=bad, stream=True):  # type: ignore[arg-type]
+                    pass
+    finally:
+        router.stop()
+        engine.stop()

@@ -186,3 +186,36 @@ def test_held_openers_need_not_be_looked_at_again(
     data = lead + b"\n\n".join(more) + end
     if sse.only_openers(first) and data:
         assert sse.only_openers(first + data) == sse.only_openers(data)
+
+
+def _client_reads(stream: bytes) -> list[tuple[str, bytes]]:
+    """(event name, data) of each event, as the SSE specification has a client read them:
+    lines end at CRLF, LF or CR; `data:` lines are joined with LF; a blank line ends one."""
+    out: list[tuple[str, bytes]] = []
+    name, data = "", []
+    for line in stream.splitlines():
+        if not line:
+            if data:
+                out.append((name, b"\n".join(data)))
+            name, data = "", []
+        elif line.startswith(b"data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(b" ") else value)
+        elif line.startswith(b"event:"):
+            name = line[6:].strip().decode()
+    return out
+
+
+@given(st.binary(max_size=300))
+def test_a_payload_is_one_event_whatever_its_line_breaks(payload: bytes) -> None:
+    # An engine's pretty-printed body relayed as an event: its blank lines ended the event
+    # early, and the SDK read half a JSON document.
+    from llmgw.router import requests
+
+    want = b"\n".join(payload.splitlines())
+    assert _client_reads(requests.data_event(payload)) == [("", want)]
+    assert _client_reads(requests.error_event("messages", payload)) == [("error", want)]
+    doc = {"error": {"message": "bad\nrequest", "type": "invalid_request_error"}}
+    pretty = json.dumps(doc, indent=2).replace("\n", "\r\n").encode() + b"\n\n"
+    ((_, data),) = _client_reads(requests.error_event("chat", pretty))
+    assert json.loads(data) == doc
