@@ -56,7 +56,24 @@ SEQ_BEHIND = 100_000
 """How far below the last batch number folded a batch may come and still be one already
 folded (a replay's overlap with the live stream: within the engine's replay buffer, 10,000
 steps by default in vLLM); further below, the numbering is not the one folded so far."""
+MAX_BATCH_BYTES = 16 * 1024 * 1024
+"""The largest message taken from an engine's sockets: a step's batch of a long prompt's
+blocks is under a few MB; ZMQ would otherwise take a frame of any size into the agent's
+memory (an engine that sends more is disconnected, and reconnected to for what follows)."""
+QUEUED_BATCHES = 256
+"""Batches ZMQ queues for the relay (its default is 1,000): beyond, it drops them, and the
+gap is filled from the engine's replay socket."""
+RECONNECT_S = 0.2
+"""The wait before subscribing again to an engine whose connection dropped."""
 _END = -1
+
+
+def _bounded(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+    """`sock` that takes at most `MAX_BATCH_BYTES` a message and queues `QUEUED_BATCHES`."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+    sock.setsockopt(zmq.RCVHWM, QUEUED_BATCHES)
+    return sock
 
 
 def socket_dir(state_dir: Path) -> Path:
@@ -103,6 +120,8 @@ class EngineRelay:
         self.gaps = 0
         self.renumbered = 0
         """Times a batch came far below the last number folded (`SEQ_BEHIND`)."""
+        self.reconnects = 0
+        """Times the engine's connection dropped and the relay subscribed again."""
         self.updates = 0
         self._stored: dict[int, None] = {}
         self._removed: dict[int, None] = {}
@@ -131,22 +150,41 @@ class EngineRelay:
     # ------------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        try:
+            while True:
+                await self._subscribed()
+                # The engine's connection dropped: it stopped, or it sent a message past
+                # MAX_BATCH_BYTES, after which ZMQ does not connect again by itself.
+                self.reconnects += 1
+                await asyncio.sleep(RECONNECT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the relay is best effort: routing falls back, the agent goes on
+            log.exception("kv_relay_failed", endpoint=self.endpoint)
+
+    async def _subscribed(self) -> None:
+        """Relay the engine's batches through one subscription, until its connection drops."""
+        sub = _bounded(self._ctx.socket(zmq.SUB))
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        dropped = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.events_addr)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(dropped, zmq.POLLIN)
         try:
             # Whatever the engine published before this subscription took effect.
-            await self._replay(0)
+            await self._replay(self.last_engine_seq + 1)
             next_flush = time.monotonic() + self.coalesce_s
             next_full = time.monotonic()
             while True:
                 now = time.monotonic()
                 timeout_ms = max(0, int((min(next_flush, next_full) - now) * 1000))
-                if await sub.poll(timeout_ms):
-                    frames = await sub.recv_multipart()
-                    await self._on_frames(frames)
+                ready = dict(await poller.poll(timeout_ms))
+                if sub in ready:
+                    await self._on_frames(await sub.recv_multipart())
                     continue
+                if dropped in ready:
+                    return
                 now = time.monotonic()
                 if now >= next_full or self._full_due:
                     await self._publish_full()
@@ -155,11 +193,9 @@ class EngineRelay:
                 elif now >= next_flush:
                     await self._flush()
                     next_flush = now + self.coalesce_s
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the relay is best effort: routing falls back, the agent goes on
-            log.exception("kv_relay_failed", endpoint=self.endpoint)
         finally:
+            sub.disable_monitor()
+            dropped.close(0)
             sub.close(0)
 
     async def _on_frames(self, frames: list[bytes]) -> None:
@@ -247,8 +283,7 @@ class EngineRelay:
         """Ask the engine's replay socket for its batches from `start` and fold them."""
         if not self.replay_addr:
             return
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = _bounded(self._ctx.socket(zmq.DEALER))
         dealer.connect(self.replay_addr)
         try:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))

@@ -7,6 +7,7 @@ result as in one go."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import msgspec
 from hypothesis import given, settings
@@ -147,3 +148,47 @@ def test_a_bad_event_in_a_late_slice_folds_nothing_of_its_batch() -> None:
     relay = _relay()
     asyncio.run(relay._on_frames(frames))
     assert (relay.bad_batches, len(relay.blocks), relay.last_engine_seq) == (1, 0, 0)
+
+
+async def test_an_engines_oversized_message_is_not_taken_into_the_agents_memory(
+    tmp_path: Path,
+) -> None:
+    # ZMQ took a frame of any size: an engine could make the agent allocate gigabytes.
+    # Past MAX_BATCH_BYTES ZMQ drops the engine's connection (and does not connect again by
+    # itself): the relay subscribes anew, and what the engine sends after is relayed.
+    import zmq
+    import zmq.asyncio
+
+    from llmgw.agent import kvrelay
+
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    addr = f"ipc://{tmp_path}/kv.sock"
+    pub.bind(addr)
+    relay = EngineRelay(endpoint="e", model="m", events_addr=addr, replay_addr="",
+                        send=_nothing, context=ctx)  # fmt: skip
+    relay.start()
+    try:
+        loop = asyncio.get_running_loop()
+
+        async def relayed(seq: int) -> None:
+            """Send batch `seq` until it is folded (a subscription, or a reconnection,
+            takes effect some time after it is made: what PUB sent before is lost)."""
+            deadline = loop.time() + 60
+            while relay.last_engine_seq < seq:
+                assert loop.time() < deadline, f"batch {seq} never relayed"
+                await pub.send_multipart(_frames(seq, 100 + seq))
+                await asyncio.sleep(0.05)
+
+        await relayed(0)
+        too_big = [b"kv", (1).to_bytes(8, "big"), b"\0" * (kvrelay.MAX_BATCH_BYTES + 1)]
+        await pub.send_multipart(too_big)
+        await relayed(2)
+        assert relay.bad_batches == 0  # the oversized one never reached the fold
+        assert relay.last_engine_seq == 2
+        assert relay.reconnects >= 1
+    finally:
+        await relay.stop(tell=False)
+        pub.close(0)
+        ctx.term()
