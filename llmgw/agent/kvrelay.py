@@ -56,13 +56,14 @@ SEQ_BEHIND = 100_000
 """How far below the last batch number folded a batch may come and still be one already
 folded (a replay's overlap with the live stream: within the engine's replay buffer, 10,000
 steps by default in vLLM); further below, the numbering is not the one folded so far."""
-MAX_BATCH_BYTES = 16 * 1024 * 1024
-"""The largest message taken from an engine's sockets: a step's batch of a long prompt's
-blocks is under a few MB; ZMQ would otherwise take a frame of any size into the agent's
-memory (an engine that sends more is disconnected, and reconnected to for what follows)."""
-QUEUED_BATCHES = 256
-"""Batches ZMQ queues for the relay (its default is 1,000): beyond, it drops them, and the
-gap is filled from the engine's replay socket."""
+MAX_BATCH_BYTES = 64 * 1024 * 1024
+"""The largest message taken from an engine's sockets: the batch of a million-token prompt's
+blocks (their token ids included) is about 5 MB, of ten million about 50; ZMQ would
+otherwise take a frame of any size into the agent's memory (an engine that sends more is
+disconnected, and subscribed to again for what follows)."""
+QUEUED_BATCHES = 64
+"""Batches ZMQ queues for the relay (its default is 1,000, which at the largest size would
+be 64 GB): beyond, it drops them, and the gap is filled from the engine's replay socket."""
 RECONNECT_S = 0.2
 """The wait before subscribing again to an engine whose connection dropped."""
 _END = -1
