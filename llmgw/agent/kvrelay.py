@@ -62,18 +62,20 @@ blocks (their token ids included) is about 5 MB, of ten million about 50; ZMQ wo
 otherwise take a frame of any size into the agent's memory (an engine that sends more is
 disconnected, and subscribed to again for what follows)."""
 QUEUED_BATCHES = 64
-"""Batches ZMQ queues for the relay (its default is 1,000, which at the largest size would
-be 64 GB): beyond, it drops them, and the gap is filled from the engine's replay socket."""
+"""Batches ZMQ queues for the relay's subscription (its default is 1,000, which at the
+largest size would be 64 GB): beyond, it drops them, and the gap is filled from the engine's
+replay socket (whose own queue keeps ZMQ's default: a replay sends many batches at once)."""
 RECONNECT_S = 0.2
 """The wait before subscribing again to an engine whose connection dropped."""
 _END = -1
 
 
-def _bounded(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
-    """`sock` that takes at most `MAX_BATCH_BYTES` a message and queues `QUEUED_BATCHES`."""
+def _bounded(sock: zmq.asyncio.Socket, queued: int = 0) -> zmq.asyncio.Socket:
+    """`sock` that takes at most `MAX_BATCH_BYTES` a message (and queues `queued`, if set)."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
-    sock.setsockopt(zmq.RCVHWM, QUEUED_BATCHES)
+    if queued:
+        sock.setsockopt(zmq.RCVHWM, queued)
     return sock
 
 
@@ -165,7 +167,7 @@ class EngineRelay:
 
     async def _subscribed(self) -> None:
         """Relay the engine's batches through one subscription, until its connection drops."""
-        sub = _bounded(self._ctx.socket(zmq.SUB))
+        sub = _bounded(self._ctx.socket(zmq.SUB), QUEUED_BATCHES)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         dropped = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.events_addr)
