@@ -30,6 +30,7 @@ from llmgw.core import catalog, events
 from llmgw.core.node_capacity import PORT_BASE as PORT_BASE
 from llmgw.core.node_capacity import PORT_LIMIT as PORT_LIMIT
 from llmgw.core.node_capacity import NodeCapacity
+from llmgw.core.printable import escaped
 from llmgw.core.profile import ModelProfile
 from llmgw.core.refusals import Reason as Reason
 from llmgw.core.refusals import (
@@ -75,11 +76,13 @@ class Explanation(msgspec.Struct, frozen=True, kw_only=True):
     nodes: tuple[NodeVerdict, ...]
 
     def render(self) -> str:
-        lines = [f"model {self.model}: {self.verdict}"]
-        width = max((len(v.node) for v in self.nodes), default=4)
+        """One line per node, each part escaped: reasons quote what nodes reported (their
+        GPU classes, fabrics), and a newline there would add a candidate to the list."""
+        lines = [escaped(f"model {self.model}: {self.verdict}")]
+        width = max((len(escaped(v.node)) for v in self.nodes), default=4)
         for v in self.nodes:
             mark = "+" if v.ok else "-"
-            lines.append(f"  {mark} {v.node.ljust(width)}  {v.reason}")
+            lines.append(f"  {mark} {escaped(v.node).ljust(width)}  {escaped(v.reason)}")
         return "\n".join(lines)
 
 

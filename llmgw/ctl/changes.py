@@ -16,6 +16,7 @@ import msgspec
 
 from llmgw.core import state
 from llmgw.core.state.scaling import target_replicas
+from llmgw.ctl.eventlines import clean
 
 
 class Change(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,6 +29,11 @@ class Change(msgspec.Struct, frozen=True, kw_only=True):
     after: Any = None
 
     def render(self) -> str:
+        """One line, escaped: an added node's address or endpoint's URL is the node's own
+        text, and a newline in it would add a change of the writer's choosing."""
+        return clean(self._render())
+
+    def _render(self) -> str:
         if self.field == "added":
             return f"+ {self.scope} {self.key}" + (f"  {self.after}" if self.after else "")
         if self.field == "removed":

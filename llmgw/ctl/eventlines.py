@@ -8,7 +8,7 @@ Purely computational.
 
 from __future__ import annotations
 
-from llmgw.core import events, subjects
+from llmgw.core import events, printable, subjects
 
 
 def family(event: events.Event) -> str:
@@ -20,13 +20,11 @@ def _gpus(gpus: tuple[int, ...]) -> str:
     return ",".join(str(g) for g in gpus)
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
-
-
 def clean(text: str) -> str:
     """Control characters escaped: text from agents (errors, engine logs) can hold newlines
-    that would split a line in two, or escape sequences that would drive the terminal."""
-    return text.translate(_CONTROL)
+    that would split a line in two, escape sequences (ESC or the 8-bit CSI) that would
+    drive the terminal, or bidirectional overrides that would disguise what it says."""
+    return printable.escaped(text)
 
 
 def summary(event: events.Event) -> str:

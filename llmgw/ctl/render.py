@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import msgspec
 
+from llmgw.core import printable
 from llmgw.ctl import history
 from llmgw.ctl.eventlines import clean
 
@@ -69,8 +70,14 @@ def state_colour(value: str) -> str | None:
     return None
 
 
+# JSON allows C1 and bidirectional controls raw in strings, and msgspec writes them so:
+# `--json` read on a terminal would then let a node's text drive or reorder it (U+009B
+# is CSI). As `\\uXXXX` escapes they are the same JSON, and inert on the screen.
+_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in printable.UNSAFE}
+
+
 def json_text(data: Any) -> str:
-    return _encoder.encode(data).decode()
+    return _encoder.encode(data).decode().translate(_JSON_ESCAPES)
 
 
 def table(
