@@ -114,3 +114,23 @@ def test_json_for_a_terminal_escapes_c1_and_bidi_controls_and_means_the_same() -
     assert "\\u009b2J\\u202ey" in text
     assert json.loads(text) == data
     assert msgspec.json.decode(text) == data
+
+
+def test_the_console_page_writes_out_c1_and_bidi_controls_in_every_text() -> None:
+    """In Chromium, a GPU class ending in U+202E reversed the model and replica links
+    after it in the node's box (the page's `text` helper set textContent as given): the
+    page now writes out the characters of `printable.UNSAFE` but C0, as ctl does."""
+    import re
+    from importlib import resources
+
+    from llmgw.core import printable
+
+    page = resources.files("llmgw.ctl.console").joinpath("page.html").read_text()
+    found = re.search(r"const UNSAFE = /\[(.+?)\]/g;", page)
+    assert found is not None
+    unsafe = re.compile(f"[{found.group(1)}]")
+    assert {c for c in range(0x10000) if unsafe.fullmatch(chr(c))} == {
+        c for c in printable.UNSAFE if c >= 0x7F
+    }
+    assert "el.textContent = shown(content);" in page
+    assert page.count(".innerHTML") == 0
