@@ -282,11 +282,11 @@ _ANTHROPIC_TYPES = {
 def api_error_body(
     kind: Kind, status: int, message: str, type_: str, code: str | None = None
 ) -> bytes:
-    """An error in the shape of API `kind`'s own: OpenAI's, but for the Messages API
-    Anthropic's (`{"type": "error", "error": {"type", "message"}}`, the type in its words
-    for the status), whose clients branch on `error.type`. Anthropic's shape keeps OpenAI's
-    `param` and `code` too, so a reader of either finds its fields. (Its token count is
-    Anthropic's too.)"""
+    """An error in the shape of API `kind`'s own: OpenAI's, but for Anthropic's APIs
+    (`ANTHROPIC`: Messages and its token count) Anthropic's (`{"type": "error", "error":
+    {"type", "message"}}`, the type in its words for the status), whose clients branch on
+    `error.type`. Anthropic's shape keeps OpenAI's `param` and `code` too, so a reader of
+    either finds its fields."""
     if kind not in ANTHROPIC:
         return error_body(message, type_, code)
     atype = _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else
