@@ -6,9 +6,10 @@ folds each batch the Reader yields, counts and logs every event the fold refuses
 sequence on `llmgw.events.control.>` - the value the leader's fenced writes
 expect, since the server counts every message there. It also says whether a
 batch could change a decision, so the leader is not woken by routine heartbeats.
-It feeds each node's registered/shard messages to the quota meter (llmgw.control.quota)
-and, for the leader, keeps the sequences its fold ignored for quarantined nodes, which
-the service deletes; those are counted, not logged one by one.
+It feeds each node's registered/shard messages, and the GPU health changes the leader
+recorded from its heartbeats, to the quota meter (llmgw.control.quota) and, for the
+leader, keeps the sequences its fold ignored for quarantined nodes, which the service
+deletes; those are counted, not logged one by one.
 Used by llmgw.control.service; no I/O beyond logging.
 """
 
@@ -24,6 +25,12 @@ from llmgw.core import events, state, subjects
 log = logs.get("llmgw.control")
 
 CONTROL_PREFIX = subjects.CONTROL_EVENTS_ALL[:-1]  # "llmgw.events.control."
+METERED = (*state.QUARANTINABLE, events.GpuHealthChanged)
+"""What counts against a node's share of the log: its registrations and shard reports, and
+the GPU health changes the leader records from its heartbeats. Heartbeats expire, but each
+one reporting a change (an ECC count going 1, 2, 3, ... or a flag that flips) made the
+leader write a durable event: unmetered, a node wrote the log through the leader as fast
+as it sent heartbeats."""
 
 
 class Folded:
@@ -34,7 +41,7 @@ class Folded:
     ) -> None:
         self.state = state.ClusterState()
         self.meter = meter
-        """Counts each node's registered/shard messages (llmgw.control.quota)."""
+        """Counts each node's `METERED` messages (llmgw.control.quota)."""
         self.collect_ignored = False
         """Keep the sequences of quarantined nodes' ignored events in `ignored` (the
         leader deletes them)."""
@@ -69,7 +76,7 @@ class Folded:
         ignored = 0
         for rec in batch:
             event = rec.event
-            if meter is not None and isinstance(event, state.QUARANTINABLE):
+            if meter is not None and isinstance(event, METERED):
                 meter.observe(event.node, rec.seq, rec.time, rec.size)
             if type(event) is events.Heartbeat:
                 if not interesting:

@@ -4,8 +4,9 @@ JetStream has no per-publisher quota, so a node (or a stolen node certificate) m
 publish valid events on its own subjects as fast as the server accepts them. The
 control plane measures instead: every instance counts, over the records it folds,
 the messages and bytes each node wrote on its non-heartbeat subjects
-(`llmgw.events.node.<node>.registered|shard`; heartbeats expire) in a sliding
-window of server time. The leader turns a node over its budget into a recorded
+(`llmgw.events.node.<node>.registered|shard`; heartbeats expire), and the GPU health
+changes the leader recorded from its heartbeats (llmgw.control.folding.METERED), in a
+sliding window of server time. The leader turns a node over its budget into a recorded
 `NodeQuarantined`, and a quarantined node whose traffic stayed under the budget for
 a whole window into `NodeReleased` (llmgw.control.service); the fold
 (llmgw.core.state) does the rest, the same way for every reader.
@@ -139,7 +140,8 @@ class Meter:
     def reason(self, usage: Usage) -> str:
         q = self.quota
         return (
-            f"wrote {usage.messages} messages, {usage.bytes} bytes in {q.window_s:g} s on its "
-            f"registered/shard subjects; the budget is {q.max_messages} messages, "
+            f"wrote {usage.messages} messages, {usage.bytes} bytes in {q.window_s:g} s of "
+            f"registrations, shard reports and GPU health changes; the budget is "
+            f"{q.max_messages} messages, "
             f"{q.max_bytes} bytes"
         )

@@ -27,7 +27,11 @@ def observe(
             if now - last > config.unreachable_after_s:
                 b.add(events.NodeUnreachable, node=name, last_heartbeat=last)
                 continue
-            if seen is not None and seen.health:
+            # A quarantined node's GPU health is not recorded at its say-so: each change is
+            # a durable event written for it (llmgw.control.folding.METERED), and a node
+            # over its share of the log must not go on writing it through the leader.
+            # Nothing is placed there meanwhile; after its release, what differs is recorded.
+            if seen is not None and seen.health and name not in state.quarantined:
                 changed = tuple(
                     h
                     for h in seen.health
