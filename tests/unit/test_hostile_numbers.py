@@ -62,3 +62,55 @@ def test_heartbeats_that_keep_changing_gpu_health_cost_the_nodes_budget(beats: i
     sim.append(events.NodeReleased(id="rel", ts=sim.now, epoch=1, node="n1"))
     sim.heartbeat("n1", [events.GpuHealth(index=0, ecc_uncorrected=7)])
     assert _changes(sim.leader()) == 1
+
+
+@settings(max_examples=20, deadline=None)
+@given(ahead=st.floats(120.0, 2.0**34))
+def test_a_failure_dated_far_ahead_holds_no_restart_back(ahead: float) -> None:
+    # The backoff counted from the failure's own `ts`: dated in the year 2514 (a node's
+    # clock that jumped, or a lie), it held the replica's restart back until then, its
+    # healthy shards keeping their GPUs. It counts from the generation's placement then,
+    # and a crash loop still backs off.
+    from llmgw.core import reconcile
+
+    from .scenarios import profile
+    from .test_reconcile import two_nodes
+
+    sim = two_nodes(config=reconcile.ReconcileConfig(restart_backoff_s=5,
+                                                     restart_backoff_max_s=60))  # fmt: skip
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    for generation, wait in ((1, 5.0), (2, 10.0)):
+        placed = r.placed_ts
+        sim.append(events.ShardStatus(id=f"late-{generation}", ts=sim.now + ahead,
+                                      node=r.shards[0].node, replica_id=r.id,
+                                      generation=generation, shard=0, phase="failed",
+                                      error="CUDA error"))  # fmt: skip
+        assert r.failed_ts > sim.now + 60  # the fold keeps the node's time
+        sim.step()
+        assert sim.step(placed + wait - 0.1) == []  # the backoff, from the placement
+        restart = sim.leader(placed + wait + 0.1)
+        assert [type(d).__name__ for d in restart][:1] == ["ReplicaPlaced"]
+        assert r.generation == generation + 1
+
+
+@settings(max_examples=20, deadline=None)
+@given(ahead=st.floats(0.0, 60.0))
+def test_a_failure_dated_within_a_minute_ahead_counts_from_its_own_time(ahead: float) -> None:
+    from llmgw.core import reconcile
+
+    from .scenarios import profile
+    from .test_reconcile import two_nodes
+
+    sim = two_nodes(config=reconcile.ReconcileConfig(restart_backoff_s=5))
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    failed_at = sim.now + ahead
+    sim.append(events.ShardStatus(id="near", ts=failed_at, node=r.shards[0].node,
+                                  replica_id=r.id, generation=1, shard=0, phase="failed",
+                                  error="CUDA error"))  # fmt: skip
+    sim.step()
+    assert all(type(d).__name__ != "ReplicaPlaced" for d in sim.step(failed_at + 4.9))
+    assert [type(d).__name__ for d in sim.leader(failed_at + 5.1)][:1] == ["ReplicaPlaced"]

@@ -19,6 +19,13 @@ from llmgw.core.state import (
 )
 from llmgw.core.state.scaling import target_replicas
 
+NODE_AHEAD_S = 60.0
+"""How far after the leader's time a node may date a failure and have the restart backoff
+count from it. A failure dated later (a node's clock that jumped ahead, or a lie: up to
+the year 2514) held the restart back until then, the replica's healthy shards keeping
+their GPUs; the backoff then counts from the generation's placement, the leader's own
+time (so a crash loop still backs off)."""
+
 
 def backoff(failures: int, config: ReconcileConfig) -> float:
     """Seconds to wait before restarting a replica that failed `failures` times in a row."""
@@ -220,6 +227,8 @@ class _Planner:
             )
             return
         since = max([r.failed_ts, *(s.since for s in broken)])
+        if since > self.now + NODE_AHEAD_S:
+            since = r.placed_ts
         if self.now < since + backoff(r.failures, self.cfg):
             return
         for s in r.shards:
