@@ -48,7 +48,7 @@ def parse_engine_metrics(text: str) -> tuple[float | None, float | None, float |
             value = float(line.rsplit(" ", 1)[-1])
         except ValueError:
             continue
-        if not math.isfinite(value):  # NaN: an engine with nothing to report yet
+        if not math.isfinite(value):  # NaN (nothing to report yet) or a broken engine's inf
             continue
         if name in QUEUE_METRICS:
             queue = (queue or 0.0) + value
@@ -60,7 +60,5 @@ def parse_engine_metrics(text: str) -> tuple[float | None, float | None, float |
 
 
 def _bounded(value: float | None, most: float) -> float | None:
-    # Sums of finite figures can still overflow to inf (1e308 twice), hence the NaN check.
-    if value is None:
-        return None
-    return min(max(value, 0.0), most) if not math.isnan(value) else 0.0
+    # A sum of finite figures can still overflow to +-inf (1e308 twice), never to NaN.
+    return None if value is None else min(max(value, 0.0), most)

@@ -169,18 +169,24 @@ def test_only_a_problem_naming_the_setting_or_its_section_names_the_variable(
     assert ("set it" in deeper[0]) == ("_" in section or "." in section)
 
 
+def _control_refused(path: Path) -> list[str]:
+    """The lines of the error a control config at `path` is refused with."""
+    with pytest.raises(config.ConfigError) as info:
+        control_config.load(path)
+    return str(info.value).splitlines()
+
+
 def test_a_control_problem_names_its_variable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "control.yaml"
     path.write_text("name: c1\n")
     monkeypatch.setenv("LLMGW_CONTROL__LEASE_TTL_S", "0")
-    with pytest.raises(config.ConfigError) as info:
-        control_config.load(path)
-    line = next(x for x in str(info.value).splitlines() if "lease_ttl_s" in x)
+    lines = _control_refused(path)
+    line = next(x for x in lines if "lease_ttl_s" in x)
     assert line.startswith(f"{path}: lease_ttl_s is 0.0")
     assert line.endswith("(LLMGW_CONTROL__LEASE_TTL_S='0' set it: change the variable or unset it)")
-    assert all("LLMGW_" not in x for x in str(info.value).splitlines() if x != line)
+    assert all("LLMGW_" not in x for x in lines if x != line)
 
 
 @given(st.text(min_size=1, max_size=200).filter(lambda s: "\x00" not in s))
@@ -210,15 +216,12 @@ def test_a_plain_word_in_a_hint_or_a_models_problem_names_no_variable(
     path = tmp_path / "control.yaml"
     path.write_text("models: [{name: m, engine: vllm, model: x, aliases: [m]}]\n")
     monkeypatch.setenv("LLMGW_CONTROL__NAME", "ctl-a")
-    with pytest.raises(config.ConfigError) as info:
-        control_config.load(path)
+    said = "\n".join(_control_refused(path))
     # The nats hints say `<name>`, the model's problem "its own name": neither is the CN.
-    assert "repeats the model's own name" in str(info.value)
-    assert "LLMGW_CONTROL__NAME" not in str(info.value), str(info.value)
+    assert "repeats the model's own name" in said
+    assert "LLMGW_CONTROL__NAME" not in said, said
     monkeypatch.setenv("LLMGW_CONTROL__NAME", "ctl.a")  # the setting's own problem: named
-    with pytest.raises(config.ConfigError) as info:
-        control_config.load(path)
-    line = next(x for x in str(info.value).splitlines() if "'ctl.a'" in x)
+    line = next(x for x in _control_refused(path) if "'ctl.a'" in x)
     assert "(LLMGW_CONTROL__NAME='ctl.a' set it" in line, line
     env = {"LLMGW_SIM__HOST": "0.0.0.0"}  # the OTLP hint's http://host:4318
     result = runner.invoke(app, ["sim", "--served-model-name", "m", "--otlp-traces-endpoint",
