@@ -17,9 +17,9 @@ from llmgw.ctl.errors import BadInput
 from llmgw.ctl.session import Session
 
 
-async def _reports(s: Session) -> list[loadreport.LoadReport]:
-    """Each router process's latest load report of the last seconds, as the leader holds
-    them (none where the stream is absent)."""
+async def _reports(s: Session) -> dict[str, loadreport.LoadReport]:
+    """Each router process's latest load report of the last seconds by its subject, as the
+    leader holds them (none where the stream is absent)."""
     latest: dict[str, loadreport.LoadReport] = {}
     try:
         reader = signals_.SignalsReader(s.nc, follow=False, name="ctl-signals")
@@ -27,8 +27,8 @@ async def _reports(s: Session) -> list[loadreport.LoadReport]:
             async for batch in reader.batches():
                 latest.update((r.subject, signals_.report_of(r)) for r in batch)
     except bus.ReaderError:
-        return []
-    return list(latest.values())
+        return {}
+    return latest
 
 
 async def _decisions(s: Session, model: str) -> list[events.ScaleDecided]:

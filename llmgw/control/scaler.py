@@ -107,7 +107,7 @@ class Scaler:
         self._forget(now)
         serving = {rid: ep.model for rid, ep in state.endpoints.items()}
         scaled = [n for n, m in state.models.items() if m.profile.autoscale is not None]
-        reports = [self._believed(state, subject, r) for subject, r in self.reports.items()]
+        reports = {s: self._believed(state, s, r) for s, r in self.reports.items()}
         return loadreport.aggregate(reports, serving, now, self.max_age_s, scaled)
 
     @staticmethod

@@ -10,6 +10,11 @@ aggregates the latest report of every router (`aggregate`) into one
 `llmgw-signals` for seconds; what a decision was made on is recorded in the log beside
 it, so the reports themselves never need replaying.
 
+A router writes its own sample counts, so the p90s are averaged by samples with no router
+weighing more than all the others together (`bounded_weights`): one router, whatever it
+claims on however many of its workers' subjects, moves the fleet's p90s at most halfway
+from the other routers' towards its own.
+
 `quantile` turns a histogram's bucket counts into a quantile as Prometheus'
 `histogram_quantile` does. Pure.
 """
@@ -22,6 +27,7 @@ from typing import Annotated
 
 import msgspec
 
+from llmgw.core import subjects
 from llmgw.core.autoscale import MAX_AMOUNT, MAX_REPLICAS, MAX_REQUESTS, Signals
 from llmgw.core.limits import Name
 
@@ -112,48 +118,86 @@ def _capped(value: float, digits: int) -> float:
     return min(round(value, digits), MAX_AMOUNT)
 
 
+def writer_of(subject: str) -> str:
+    """Who published the report on `subject`: a router (whose worker processes' reports are
+    all its own) or a node; any other subject stands for itself."""
+    owner = subjects.signals_owner(subject)
+    return f"{owner[0]} {owner[1]}" if owner is not None else subject
+
+
+def bounded_weights(samples: Sequence[int]) -> list[int]:
+    """Each router's weight in the fleet's p90s: its samples, but never more than all the
+    other routers' together, once two or more routers measured anything. A router claiming
+    any count then moves the average at most halfway to its own figure, while routers that
+    share the traffic still weigh by it; a router alone in measuring keeps its figure.
+    (Bounding a report's samples by its requests would not do: the first tokens of a window
+    include requests received before it, and a router writes its request count too.)"""
+    total = sum(samples)
+    if sum(1 for n in samples if n > 0) < 2:
+        return list(samples)
+    return [min(n, total - n) for n in samples]
+
+
+def _latencies(seen: Iterable[tuple[str, ModelTraffic]]) -> tuple[float, float]:
+    """One model's TTFT and inter-token p90s from its routers' traffic: each router's
+    reports (one per worker) averaged by their samples, then the routers' figures by their
+    `bounded_weights`."""
+    routers: dict[str, tuple[int, float, float]] = {}
+    """writer -> (samples, TTFT x samples, ITL x samples)"""
+    for writer, t in seen:
+        n, ttft, itl = routers.get(writer, (0, 0.0, 0.0))
+        routers[writer] = (n + t.samples, ttft + t.ttft_p90_s * t.samples,
+                           itl + t.itl_p90_s * t.samples)  # fmt: skip
+    figures = list(routers.values())
+    weights = bounded_weights([n for n, _, _ in figures])
+    total = sum(weights)
+    if not total:
+        return 0.0, 0.0
+    ttft = sum(w * t / n for w, (n, t, _) in zip(weights, figures, strict=True) if w)
+    itl = sum(w * i / n for w, (n, _, i) in zip(weights, figures, strict=True) if w)
+    return _capped(ttft / total, 4), _capped(itl / total, 4)
+
+
 def aggregate(
-    reports: Iterable[LoadReport],
+    reports: Mapping[str, LoadReport],
     serving: Mapping[str, str],
     now: float,
     max_age_s: float,
     models: Iterable[str] = (),
 ) -> dict[str, Signals]:
     """One `Signals` per model of `serving` (endpoint id -> model: the endpoints the log
-    has up) and of `models` (those at zero replicas included) from the routers' reports no
-    older than `max_age_s`. Routers' requests and held requests add up; an endpoint's
-    engine load is the freshest any router read; the p90s are the routers' averaged by
-    their samples. Reports about endpoints or models the
-    log does not have are left out: a router can speak only for what it was told. Sums are
-    capped at `Signals`' bounds (many reports at their own bounds add up past them)."""
-    fresh = sorted((r for r in reports if is_fresh(r, now, max_age_s)), key=lambda r: r.ts)
+    has up) and of `models` (those at zero replicas included) from the latest report of
+    each subject (`reports`: subject -> report) no older than `max_age_s`. Routers'
+    requests and held requests add up; an endpoint's engine load is the freshest any
+    router read; the p90s are the routers' averaged by their samples, each router's weight
+    bounded (`bounded_weights`). Reports about endpoints or models the log does not have
+    are left out: a router can speak only for what it was told. Sums are capped at
+    `Signals`' bounds (many reports at their own bounds add up past them)."""
+    fresh = sorted(((writer_of(s), r) for s, r in reports.items() if is_fresh(r, now, max_age_s)),
+                   key=lambda wr: wr[1].ts)  # fmt: skip
     models = set(serving.values()) | set(models)
     engines: dict[str, EndpointLoad] = {}
-    traffic: dict[str, list[ModelTraffic]] = {m: [] for m in models}
-    routers: dict[str, int] = dict.fromkeys(models, 0)
-    for report in fresh:
+    traffic: dict[str, list[tuple[str, ModelTraffic]]] = {m: [] for m in models}
+    for writer, report in fresh:
         for ep in report.endpoints:
             if serving.get(ep.endpoint) == ep.model:
                 engines[ep.endpoint] = ep  # a later report wins
         for t in report.models:
             if t.model in traffic:
-                traffic[t.model].append(t)
-                routers[t.model] += 1
+                traffic[t.model].append((writer, t))
     out: dict[str, Signals] = {}
     for model in sorted(models):
         eps = [e for e in engines.values() if e.model == model]
-        seen = traffic[model]
-        weight = sum(t.samples for t in seen)
-        ttft = sum(t.ttft_p90_s * t.samples for t in seen)
-        itl = sum(t.itl_p90_s * t.samples for t in seen)
+        seen = [t for _, t in traffic[model]]
+        ttft, itl = _latencies(traffic[model])
         out[model] = Signals(
             serving=min(sum(1 for m in serving.values() if m == model), MAX_REPLICAS),
             waiting=_capped(sum(t.waiting for t in seen) + sum(e.queue for e in eps), 3),
             running=_capped(sum(e.running for e in eps), 3),
             kv_usage=round(sum(e.kv_usage for e in eps) / len(eps), 4) if eps else 0.0,
-            ttft_p90_s=_capped(ttft / weight, 4) if weight else 0.0,
-            itl_p90_s=_capped(itl / weight, 4) if weight else 0.0,
+            ttft_p90_s=ttft,
+            itl_p90_s=itl,
             requests=min(sum(t.requests for t in seen), MAX_REQUESTS),
-            routers=min(routers[model], MAX_REPLICAS),
+            routers=min(len(seen), MAX_REPLICAS),
         )
     return out

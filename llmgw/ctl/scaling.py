@@ -5,7 +5,7 @@ routers' load reports (llmgw.cli.ctl_scaling) and hands them in."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llmgw import wording
@@ -19,11 +19,12 @@ LAST_DECISIONS = 10
 def explain(
     st: ClusterState,
     model: str,
-    reports: Iterable[loadreport.LoadReport],
+    reports: Mapping[str, loadreport.LoadReport],
     decisions: Sequence[events.ScaleDecided],
     now: float,
 ) -> dict[str, Any]:
-    """What `explain-scaling` shows, as data; ValueError for a model without autoscale."""
+    """What `explain-scaling` shows, as data, from each subject's latest load report
+    (`reports`); ValueError for a model without autoscale."""
     m = st.models[model]
     spec = m.profile.autoscale
     if spec is None:

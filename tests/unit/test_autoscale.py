@@ -173,7 +173,10 @@ def test_aggregate_adds_routers_and_believes_only_the_logs_endpoints() -> None:
     stale = loadreport.LoadReport(ts=10.0, models=(
         loadreport.ModelTraffic(model="m", requests=10_000),
     ))  # fmt: skip
-    got = loadreport.aggregate([a, b, stale], {"r1": "m"}, 102.0, 5.0, models=["z"])
+    # Two processes of one router: their p90s average by their samples alone.
+    reports = {"llmgw.signals.router.r.w0": a, "llmgw.signals.router.r.w1": b,
+               "llmgw.signals.router.old.w0": stale}  # fmt: skip
+    got = loadreport.aggregate(reports, {"r1": "m"}, 102.0, 5.0, models=["z"])
     assert set(got) == {"m", "z"}
     m = got["m"]
     assert (m.requests, m.routers, m.serving) == (40, 2, 1)
