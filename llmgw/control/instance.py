@@ -71,7 +71,6 @@ class Instance:
         self.unplaceable_codes: dict[str, str] = {}
         """The leader's last verdicts: model -> why (and its code) missing replicas of it
         could not be placed."""
-        self.metrics.export_fleet(self._fleet_now)
         self._wake = asyncio.Event()
         self._delete_wake = asyncio.Event()
         self._delete_strikes = 0
@@ -82,6 +81,8 @@ class Instance:
         self._awaiting = self._announced = self._models_synced_epoch = 0
         self._decision_ids = ids_.DecisionIds()
         self.scaler = Scaler()
+        self.metrics.export_fleet(self._fleet_now)
+        self.metrics.export_autoscale(lambda: self.scaler.observations(self.state, self.clock()))
         self._leader_ids: dict[int, str] = {}
         """Epoch -> the id of our LeaderElected: the same on a retried announcement."""
         self._last_snapshot = time.monotonic()

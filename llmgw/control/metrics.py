@@ -4,22 +4,26 @@ Events applied and rejected by the fold, fold position and lag, decisions
 published by kind, leader status and epoch, fenced writes refused, placement
 failures by reason, snapshots; and the fleet's state (llmgw.core.fleet_metrics: nodes by
 liveness and flag, GPUs by class and state, replicas by model and phase, desired against
-serving replicas, unplaceable models), computed from the folded state at each scrape. One
-registry per service instance, so tests can run several control planes in one process.
+serving replicas, unplaceable models), computed from the folded state at each scrape, as
+are the autoscaler's signals (from the leader's fresh observations of the catalog's
+models: a removed model's, or a stale one's, leave the page). One registry per service
+instance, so tests can run several control planes in one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from llmgw.core import fleet_metrics, state
+from llmgw.core import autoscale, fleet_metrics, state
 
 FleetSource = Callable[[], tuple[state.ClusterState, Mapping[str, str]]]
 """The folded state now and each unplaceable model's refusal code."""
+AutoscaleSource = Callable[[], Mapping[str, autoscale.Observation]]
+"""The leader's fresh observation of each autoscaled model in the catalog."""
 RECONCILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """A pass over a small fleet takes well under a millisecond, 1,000 nodes tens of them."""
 PLACEMENT_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
@@ -90,14 +94,6 @@ class Metrics:
             p + "snapshot_seq", "Sequence of the last snapshot saved or loaded.", registry=r
         )
 
-        self.autoscale_signal = Gauge(
-            p + "autoscale_signal",
-            "An autoscaled model's signals as the leader last aggregated them from the routers'"
-            " load reports (waiting, running, kv_usage, ttft_p90_s, itl_p90_s, requests), and"
-            " the replicas they recommend (recommended).",
-            ["model", "signal"],
-            registry=r,
-        )
         self.quarantine_ignored = Counter(
             p + "quarantine_ignored",
             "Events of quarantined nodes the fold ignored (registered and shard).",
@@ -124,14 +120,41 @@ class Metrics:
 
     def export_fleet(self, source: FleetSource) -> None:
         """Export the fleet's state from `source`, called at each scrape."""
-        self.registry.register(_FleetCollector(source))
+        self.registry.register(_Families(lambda: fleet_metrics.families(*source())))
+
+    def export_autoscale(self, source: AutoscaleSource) -> None:
+        """Export the autoscaler's signals from `source`, called at each scrape."""
+        self.registry.register(_Families(lambda: [autoscale_family(source())]))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _FleetCollector(Collector):
-    def __init__(self, source: FleetSource) -> None:
+def autoscale_family(observations: Mapping[str, autoscale.Observation]) -> fleet_metrics.Family:
+    """The autoscaler's signals of each observed model, and the replicas they recommend."""
+    samples: fleet_metrics.Samples = []
+    for model, obs in sorted(observations.items()):
+        s = obs.signals
+        for signal, value in (("waiting", s.waiting), ("running", s.running),
+                              ("kv_usage", s.kv_usage), ("ttft_p90_s", s.ttft_p90_s),
+                              ("itl_p90_s", s.itl_p90_s), ("requests", s.requests),
+                              ("recommended", obs.recommended)):  # fmt: skip
+            samples.append(((model, signal), float(value)))
+    return fleet_metrics.Family(
+        "llmgw_control_autoscale_signal",
+        "An autoscaled model's signals as the leader last aggregated them from the routers'"
+        " load reports (waiting, running, kv_usage, ttft_p90_s, itl_p90_s, requests), and"
+        " the replicas they recommend (recommended); only while fresh, and only for models"
+        " in the catalog.",
+        ("model", "signal"),
+        samples,
+    )
+
+
+class _Families(Collector):
+    """Gauge families computed at each scrape."""
+
+    def __init__(self, source: Callable[[], Iterable[fleet_metrics.Family]]) -> None:
         self._source = source
 
     def describe(self) -> list[GaugeMetricFamily]:
@@ -139,8 +162,7 @@ class _FleetCollector(Collector):
         return []
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        st, codes = self._source()
-        for family in fleet_metrics.families(st, codes):
+        for family in self._source():
             out = GaugeMetricFamily(family.name, family.help, labels=family.labels)
             for labels, value in family.samples:
                 out.add_metric(labels, value)

@@ -19,6 +19,7 @@ that is short does not scale out meanwhile.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import msgspec
 
@@ -36,6 +37,15 @@ SHORT_CODES = frozenset({"too few free GPUs", "no GPUs"})
 """Why a model cannot be placed that taking GPUs from another model can cure."""
 
 
+class Seen(NamedTuple):
+    """A model's observation in the leader's last pass."""
+
+    observation: autoscale.Observation
+    reason: str
+    """`recommend`'s reason, for a decision (a preemption's) made on it later."""
+    at: float
+
+
 def _priority(model: ModelState) -> int:
     spec = model.profile.autoscale
     return spec.priority if spec is not None else 0
@@ -51,8 +61,9 @@ class Scaler:
         self.reports: dict[str, loadreport.LoadReport] = {}
         """Subject (one router process) -> its latest report."""
         self.history: dict[str, autoscale.Recommendations] = {}
-        self.last: dict[str, tuple[autoscale.Observation, str]] = {}
-        """Model -> its latest observation and recommendation reason (for explain)."""
+        self.last: dict[str, Seen] = {}
+        """Model -> what the leader's last pass observed of it: only the models it observed
+        then (autoscaled, in the catalog, not pinned), none when no router reported."""
 
     def restart(self, epoch: int) -> None:
         """A new epoch: each model's windows start when next seen (the reports received so
@@ -103,9 +114,22 @@ class Scaler:
         for subject in gone:
             del self.reports[subject]
 
+    def observations(self, state: ClusterState, now: float) -> dict[str, autoscale.Observation]:
+        """What the leader last observed of each model still in the catalog, while no older
+        than a report counts (the control plane's /metrics exports these): a model removed,
+        pinned, no longer autoscaled, or whose routers all fell silent drops out, and so does
+        everything once this instance stops deciding (it no longer leads)."""
+        return {
+            name: seen.observation
+            for name, seen in self.last.items()
+            if name in state.models and 0.0 <= now - seen.at <= self.max_age_s
+        }
+
     def signals(self, state: ClusterState, now: float) -> dict[str, autoscale.Signals]:
+        """One `Signals` per model of the catalog that is autoscaled or has an endpoint up
+        (a removed model's endpoints stay up until its replicas are retired)."""
         self._forget(now)
-        serving = {rid: ep.model for rid, ep in state.endpoints.items()}
+        serving = {rid: ep.model for rid, ep in state.endpoints.items() if ep.model in state.models}
         scaled = [n for n, m in state.models.items() if m.profile.autoscale is not None]
         reports = {s: self._believed(state, s, r) for s, r in self.reports.items()}
         return loadreport.aggregate(reports, serving, now, self.max_age_s, scaled)
@@ -137,6 +161,7 @@ class Scaler:
     ) -> list[events.ScaleDecided]:
         """At most one decision per model this pass (one preemption at most)."""
         self._forget(now)
+        self.last = {}
         routers = [r for s, r in self.reports.items() if s.startswith(ROUTER_PREFIX)]
         if not any(loadreport.is_fresh(r, now, self.max_age_s) for r in routers):
             # No router reports (none runs, or none reaches NATS, while they may well be
@@ -166,7 +191,7 @@ class Scaler:
                 spec, current, signals[name], history, now, startup_s=model.startup_s,
                 settled=settled,
             )  # fmt: skip
-            self.last[name] = (obs, reason)
+            self.last[name] = Seen(obs, reason, now)
             outranked = short is not None and _priority(model) < short[1]
             decided = autoscale.decide(spec, current, obs, reason)
             if decided is None or (outranked and decided[0] > current):
@@ -250,8 +275,8 @@ class Scaler:
         seen = self.last.get(victim)
         if seen is None:
             return []
-        obs = msgspec.structs.replace(seen[0], short_of=short[0], short_priority=short[1])
-        decided = autoscale.decide(spec, current, obs, seen[1])
+        obs = msgspec.structs.replace(seen.observation, short_of=short[0], short_priority=short[1])
+        decided = autoscale.decide(spec, current, obs, seen.reason)
         if decided is None:
             return []
         return [self._event(victim, current, decided, obs, now, epoch, basis_seq, ids, [])]

@@ -53,13 +53,6 @@ class Scaling(Instance):
             st, now, epoch=self.epoch, basis_seq=st.last_seq,
             unplaceable=self.unplaceable_codes, ids=self._decision_ids,
         )  # fmt: skip
-        for model, (obs, _reason) in scaler.last.items():
-            s = obs.signals
-            for signal, value in (("waiting", s.waiting), ("running", s.running),
-                                  ("kv_usage", s.kv_usage), ("ttft_p90_s", s.ttft_p90_s),
-                                  ("itl_p90_s", s.itl_p90_s), ("requests", s.requests),
-                                  ("recommended", obs.recommended)):  # fmt: skip
-                self.metrics.autoscale_signal.labels(model, signal).set(value)
         if not decided:
             return False
         await self._publish_fenced(list(decided))

@@ -354,6 +354,27 @@ def test_without_any_router_report_every_count_holds() -> None:
                              ids=lambda b: b) == [] for t in range(106, 200))  # fmt: skip
 
 
+def test_a_model_removed_while_its_replicas_still_serve_is_no_longer_scaled() -> None:
+    # A removed model's endpoints stay up until the reconciler retires its replicas, and
+    # the leader aggregated signals for every model with an endpoint: it then looked the
+    # removed one up in the catalog, and the KeyError ended the control plane's decide
+    # loop (and the process) before the reconciler could retire anything.
+    st = _declared(spec=SPEC)
+    st.endpoints["e1"] = Endpoint(replica_id="e1", model="m", url="http://a:1")
+    scaler = Scaler()
+    scaler.note("llmgw.signals.router.r.w0", loadreport.LoadReport(ts=100.0, models=(
+        loadreport.ModelTraffic(model="m", requests=5, waiting=9),)))  # fmt: skip
+    assert scaler.decide(st, 100.0, epoch=0, basis_seq=1, unplaceable={}, ids=lambda b: b)
+    assert set(scaler.observations(st, 100.0)) == {"m"}
+    removed = events.ModelRemoved(id="rm", ts=101.0, operator="alice", name="m")
+    assert apply(st, removed, 2) is None
+    assert "e1" in st.endpoints  # still serving, on its way out
+    assert scaler.signals(st, 101.0) == {}
+    assert scaler.decide(st, 101.0, epoch=0, basis_seq=2, unplaceable={}, ids=lambda b: b) == []
+    assert scaler.observations(st, 101.0) == {}
+    assert scaler.history == {}
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 8), st.floats(0, 50), st.floats(0, 5), st.integers(0, 100),
        st.floats(0, 600))  # fmt: skip
