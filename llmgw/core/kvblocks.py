@@ -26,6 +26,8 @@ from typing import Any
 
 import msgspec
 
+from llmgw.core.limits import Name
+
 KEY_ROOT = 0
 """The parent key of a prompt's first block."""
 MAX_TOKEN_ID = (1 << 64) - 1
@@ -347,12 +349,15 @@ class KvUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     older instance. `seq` counts the updates of one instance from 1, so a router notices one
     it missed and waits for the next `full` update (sent every few seconds) rather than
     trusting an index with a hole in it.
+
+    Its names are bounded as the log's are (`llmgw.core.limits.Name`): every router keeps
+    them for each endpoint it indexes, so a node must not make them megabytes long.
     """
 
-    endpoint: str
-    model: str
+    endpoint: Name
+    model: Name
     block_size: int
-    instance: str
+    instance: Name
     seq: int
     full: bool = False
     """`stored` is everything the engine holds; anything else known of it goes."""
