@@ -22,13 +22,23 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
+
+from llmgw.core.limits import Name
 
 KEY_ROOT = 0
 """The parent key of a prompt's first block."""
 MAX_TOKEN_ID = (1 << 64) - 1
+MAX_BLOCK_SIZE = 16_384
+"""The largest block size taken from an engine, in tokens. vLLM's and SGLang's are small
+(16 and 1 by default, 32 to 256 for some attention kernels), but vLLM sizes a hybrid
+model's attention blocks to hold as much as a mamba state's page: 528 to a little over
+2,000 tokens on today's models, twice that with a smaller KV dtype. Larger is no engine's
+(and the number of distinct sizes, not their size, is what costs a router:
+llmgw.core.kvindex)."""
+BlockSize: TypeAlias = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
 
 
 def block_keys(
@@ -149,7 +159,9 @@ def _event(raw: Any) -> EngineEvent | None:
             raise BadBatch("BlockStored needs block_hashes, token_ids and block_size")
         if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
             raise BadBatch("BlockStored token_ids must be integers in 0..2**64-1")
-        if size < 1 or len(ids) < size * len(hashes):
+        if not 1 <= size <= MAX_BLOCK_SIZE:
+            raise BadBatch(f"BlockStored block_size {size} is outside 1..{MAX_BLOCK_SIZE}")
+        if len(ids) < size * len(hashes):
             raise BadBatch(
                 f"BlockStored holds {len(ids)} token ids for {len(hashes)} blocks of {size}"
             )
@@ -347,12 +359,15 @@ class KvUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     older instance. `seq` counts the updates of one instance from 1, so a router notices one
     it missed and waits for the next `full` update (sent every few seconds) rather than
     trusting an index with a hole in it.
+
+    Its names are bounded as the log's are (`llmgw.core.limits.Name`): every router keeps
+    them for each endpoint it indexes, so a node must not make them megabytes long.
     """
 
-    endpoint: str
-    model: str
-    block_size: int
-    instance: str
+    endpoint: Name
+    model: Name
+    block_size: BlockSize
+    instance: Name
     seq: int
     full: bool = False
     """`stored` is everything the engine holds; anything else known of it goes."""
@@ -381,8 +396,8 @@ def decode_update(payload: bytes) -> KvUpdate:
         u = _UPDATE_DECODER.decode(payload)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise ValueError(f"not a KV update: {exc}") from None
-    if u.block_size < 1 or u.seq < 1:
-        raise ValueError("a KV update needs block_size >= 1 and seq >= 1")
+    if u.seq < 1:
+        raise ValueError("a KV update needs seq >= 1")
     if len(u.stored) + len(u.removed) + len(u.roots) > MAX_KEYS_PER_UPDATE:
         raise ValueError(f"a KV update carries at most {MAX_KEYS_PER_UPDATE} keys")
     if any(not 0 <= k < 1 << 64 for k in u.stored) or any(not 0 <= k < 1 << 64 for k in u.removed):

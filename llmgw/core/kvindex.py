@@ -17,6 +17,14 @@ kept per (node, endpoint), and `match` reads, for each candidate, only what the 
 router's endpoint table names for it said. A node cannot claim another node's engine's
 cache, nor drown what that node says.
 
+A router keys a prompt once per block size its candidates use, so block sizes cost it
+work on every request. One node's endpoints may use `MAX_BLOCK_SIZES_PER_NODE` sizes
+between them (a full update bringing another is refused, naming the node), and `match`
+keys a prompt for `MAX_PROMPT_BLOCK_SIZES` sizes at most, every node's most used one
+before any node's next: a fleet of one engine kind keys each prompt once, and a node
+cycling through block sizes cannot make a router key a prompt more than that, nor keep
+another node's engines from being matched.
+
 `RecentRoutes` is the router's own short memory of where it just sent which blocks,
 which covers the moment between a request and the engine's events about it.
 Purely computational: time is an argument.
@@ -24,8 +32,8 @@ Purely computational: time is an argument.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 
 from llmgw.core.kvblocks import KvUpdate
 
@@ -39,6 +47,11 @@ MAX_KEYS_PER_NODE = 2 * MAX_KEYS_PER_ENDPOINT
 """All of one node's endpoints together (sixteen engines of half a million blocks, a small
 model's KV filling 80 GB): without it a node naming its 256 endpoints could make every
 router hold 256 times the endpoint bound, a billion keys at about 110 bytes each."""
+MAX_BLOCK_SIZES_PER_NODE = 4
+"""Distinct block sizes one node's endpoints use at once: engines of one, two or three kinds
+on a node (vLLM's 16, SGLang's 1, a hybrid model's large block) fit."""
+MAX_PROMPT_BLOCK_SIZES = 4
+"""Block sizes `match` keys one prompt for: each is a pass of hashing over the prompt."""
 
 
 class EndpointBlocks:
@@ -72,6 +85,8 @@ class KvIndex:
         self._per_node: dict[str, int] = {}
         self._node_keys: dict[str, int] = {}
         """Node -> keys its endpoints hold, against MAX_KEYS_PER_NODE."""
+        self._node_sizes: dict[str, dict[int, int]] = {}
+        """Node -> block size -> its endpoints using it, against MAX_BLOCK_SIZES_PER_NODE."""
         self.holders: dict[int, int] = {}
         """Key -> bit mask of the endpoints (their `bit`) that hold it."""
         self._free_bits: list[int] = []
@@ -105,7 +120,13 @@ class KvIndex:
         ep.updated_at = now
         if update.full:
             self._clear(ep)
-            ep.instance, ep.block_size, ep.model = update.instance, update.block_size, update.model
+            ep.instance, ep.seq = update.instance, update.seq
+            refused = self._use_block_size(ep, update.block_size)
+            if refused is not None:
+                self.refused += 1
+                ep.synced = False
+                return refused
+            ep.model = update.model
             ep.synced = True
         elif update.instance != ep.instance or update.seq != ep.seq + 1:
             # Another engine instance, or an update missed: nothing is certain until the
@@ -161,12 +182,40 @@ class KvIndex:
             return f"node {ep.node} would hold over {MAX_KEYS_PER_NODE} blocks"
         return None
 
+    def _use_block_size(self, ep: EndpointBlocks, size: int) -> str | None:
+        """Give `ep` block size `size`; why not, if its node's endpoints use as many other
+        sizes as they may (it is then left with none)."""
+        if size == ep.block_size:
+            return None
+        self._release_block_size(ep)
+        sizes = self._node_sizes.setdefault(ep.node, {})
+        if size not in sizes and len(sizes) >= MAX_BLOCK_SIZES_PER_NODE:
+            return (
+                f"node {ep.node}'s endpoints use block sizes {sorted(sizes)} already: "
+                f"{ep.endpoint}'s {size} would be more than {MAX_BLOCK_SIZES_PER_NODE} "
+                "(run the node's engines with fewer distinct block sizes)"
+            )
+        sizes[size] = sizes.get(size, 0) + 1
+        ep.block_size = size
+        return None
+
+    def _release_block_size(self, ep: EndpointBlocks) -> None:
+        if ep.block_size:
+            sizes = self._node_sizes[ep.node]
+            left = sizes[ep.block_size] - 1
+            if left:
+                sizes[ep.block_size] = left
+            else:
+                del sizes[ep.block_size]
+            ep.block_size = 0
+
     def forget(self, endpoint: str) -> None:
         """Drop an endpoint and everything it held, whichever node spoke of it (it went
         down, or its node was lost)."""
         for key in [k for k in self.endpoints if k[1] == endpoint]:
             ep = self.endpoints.pop(key)
             self._clear(ep)
+            self._release_block_size(ep)
             self._free_bits.append(ep.bit)
             left = self._per_node[ep.node] - 1
             if left:
@@ -174,6 +223,7 @@ class KvIndex:
             else:
                 del self._per_node[ep.node]
                 del self._node_keys[ep.node]
+                self._node_sizes.pop(ep.node, None)
 
     def _clear(self, ep: EndpointBlocks) -> None:
         bit = ~(1 << ep.bit)
@@ -220,7 +270,9 @@ class KvIndex:
     ) -> tuple[dict[str, int], dict[str, int]]:
         """For each usable candidate (endpoint id, node), the leading blocks of the prompt
         it holds, and its block size. `keys_for(block_size)` gives the prompt's keys for
-        one block size (endpoints of a model usually share one).
+        one block size (endpoints of a model usually share one); it is asked for
+        `MAX_PROMPT_BLOCK_SIZES` sizes at most (`keyed_sizes`), and candidates of any other
+        size are left out as unusable ones are.
 
         Returns (endpoint -> blocks held, endpoint -> block size) for the usable ones;
         an endpoint holding none is present with 0.
@@ -232,10 +284,12 @@ class KvIndex:
             ep = self.usable(endpoint, node, now)
             if ep is not None:
                 by_size.setdefault(ep.block_size, []).append(ep)
-                depth[endpoint] = 0
-                sizes[endpoint] = ep.block_size
         holders = self.holders
-        for size, eps in by_size.items():
+        for size in keyed_sizes(by_size):
+            eps = by_size[size]
+            for ep in eps:
+                depth[ep.endpoint] = 0
+                sizes[ep.endpoint] = size
             bits = {1 << ep.bit: ep.endpoint for ep in eps}
             alive = 0
             for b in bits:
@@ -264,6 +318,38 @@ class KvIndex:
         return sorted(
             f"{ep.endpoint}@{ep.node}" for ep in self.endpoints.values() if mask >> ep.bit & 1
         )
+
+
+def keyed_sizes(
+    by_size: Mapping[int, Sequence[EndpointBlocks]], most: int = MAX_PROMPT_BLOCK_SIZES
+) -> list[int]:
+    """Which of the candidates' block sizes (size -> its candidates) a prompt is keyed for,
+    in order. All of them when they are `most` or fewer, those of more candidates first;
+    else `most`: each node's most used size before any node's next one (so a node's many
+    sizes cannot crowd out another node's), and among those the sizes of more nodes first,
+    then the smaller. The same candidates give the same sizes in any order."""
+    if len(by_size) <= most:
+        return sorted(by_size, key=lambda s: (-len(by_size[s]), s))
+    per_node: dict[str, dict[int, int]] = {}
+    for size, eps in by_size.items():
+        for ep in eps:
+            used = per_node.setdefault(ep.node, {})
+            used[size] = used.get(size, 0) + 1
+    ranked = [_most_used(used) for used in per_node.values()]
+    chosen: dict[int, None] = {}
+    for turn in range(max(map(len, ranked))):
+        votes = Counter(r[turn] for r in ranked if turn < len(r) and r[turn] not in chosen)
+        for size in sorted(votes, key=lambda s: (-votes[s], s)):
+            if len(chosen) >= most:
+                return list(chosen)
+            chosen[size] = None
+    return list(chosen)
+
+
+def _most_used(used: dict[int, int]) -> list[int]:
+    if len(used) == 1:
+        return list(used)
+    return sorted(used, key=lambda s: (-used[s], s))
 
 
 class RecentRoutes:

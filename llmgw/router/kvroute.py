@@ -12,6 +12,11 @@ candidate endpoint, how many of the prompt's tokens its KV cache holds:
    stopped), the router's approximate index of prompt text (llmgw.core.prefix),
    converted to tokens.
 
+Each block size is a pass of hashing over the prompt: it is keyed for the sizes its
+candidates' engines use, `kvindex.MAX_PROMPT_BLOCK_SIZES` of them at most
+(`kvindex.keyed_sizes`; candidates of other sizes are predicted as in 2 and 3), and for
+`DEFAULT_BLOCK_SIZE`, which the recent routes are recorded with.
+
 The planner then ranks by `llmgw.core.routing.CostModel`. `routed` records where an
 attempt goes (recent routes, the predicted cached tokens it will be compared with), and
 `delivered` what the engine then reported; llmgw.router.explain shows a plan to an

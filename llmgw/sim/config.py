@@ -14,6 +14,7 @@ import msgspec
 
 from llmgw import otlp
 from llmgw.config import LogLevel, Port
+from llmgw.core.kvblocks import MAX_BLOCK_SIZE
 
 StallAt = Literal["headers", "first_token", "mid_stream"]
 
@@ -177,6 +178,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         for name in ("max_model_len", "block_size", "num_blocks", "max_num_seqs", "embedding_dim"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.block_size > MAX_BLOCK_SIZE:
+            out.append(
+                f"block_size {self.block_size} is over {MAX_BLOCK_SIZE}, more than any engine "
+                "uses (agents refuse the KV events of larger blocks): lower --block-size"
+            )
         if self.block_size >= 1 and self.num_blocks >= 1:
             capacity = self.block_size * self.num_blocks
             # One request may use up to max_model_len tokens; if the cache cannot hold

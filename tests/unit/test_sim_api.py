@@ -139,6 +139,7 @@ def test_default_config_is_usable_and_bad_ones_say_what_to_change() -> None:
     assert "eos_min_tokens" in text
     assert "latency" in text
     assert "fail_status" in text
+    assert "lower --block-size" in " ".join(SimConfig(block_size=20_000).problems())
 
 
 def test_latency_model() -> None:
