@@ -9,17 +9,25 @@ and reads what the operator would see.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import unicodedata
+
 import msgspec
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
-from llmgw.core import events, placement, views
+from llmgw.core import events, placement, printable, views
 from llmgw.ctl import changes, eventlines, history, render, usage
 from tests.unit import scenarios
 
 # 8-bit CSI (U+009B) clears the screen on a terminal that takes C1 controls as UTF-8;
-# NEL (U+0085) is a line break to some; RLO and RLI reverse what follows.
+# NEL (U+0085) is a line break to some; RLO and RLI reverse what follows; a zero-width
+# space, a BOM or a soft hyphen makes a name pass for another.
 CSI, NEL, RLO, RLI, PDI = "\x9b", "\x85", "\u202e", "\u2067", "\u2069"
-DANGEROUS = ["\n", "\r", "\x1b", CSI, NEL, RLO, RLI, PDI, "\u200f", "\u061c"]
+ZWSP, BOM, SHY = "\u200b", "\ufeff", "\xad"
+DANGEROUS = ["\n", "\r", "\x1b", CSI, NEL, RLO, RLI, PDI, "\u200f", "\u061c", ZWSP, BOM, SHY]
 
 
 def _safe(text: str) -> bool:
@@ -116,21 +124,58 @@ def test_json_for_a_terminal_escapes_c1_and_bidi_controls_and_means_the_same() -
     assert msgspec.json.decode(text) == data
 
 
-def test_the_console_page_writes_out_c1_and_bidi_controls_in_every_text() -> None:
+@given(st.text(st.characters(exclude_categories=("Cs",))))
+@example(f"node-a{ZWSP}\U000e0041\U000e0100{BOM}\u2028")
+def test_json_for_a_terminal_holds_no_unsafe_character_and_decodes_the_same(text: str) -> None:
+    """Astral ones (tags, variation selectors 17-256) as JSON writes them: UTF-16 pairs."""
+    shown = render.json_text({"error": text})
+    assert not [c for c in shown if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")]
+    assert not [c for c in shown if ord(c) in printable.UNSAFE]
+    assert msgspec.json.decode(shown) == {"error": text}
+
+
+def test_the_console_page_writes_out_c1_format_and_invisible_characters_in_every_text() -> None:
     """In Chromium, a GPU class ending in U+202E reversed the model and replica links
     after it in the node's box (the page's `text` helper set textContent as given): the
     page now writes out the characters of `printable.UNSAFE` but C0, as ctl does."""
     import re
     from importlib import resources
 
-    from llmgw.core import printable
-
     page = resources.files("llmgw.ctl.console").joinpath("page.html").read_text()
-    found = re.search(r"const UNSAFE = /\[(.+?)\]/g;", page)
+    found = re.search(r"const UNSAFE = /\[(.+?)\]/gu;", page)
     assert found is not None
-    unsafe = re.compile(f"[{found.group(1)}]")
-    assert {c for c in range(0x10000) if unsafe.fullmatch(chr(c))} == {
-        c for c in printable.UNSAFE if c >= 0x7F
-    }
+    ranges = re.findall(r"\\u\{([0-9a-f]+)\}(?:-\\u\{([0-9a-f]+)\})?", found.group(1))
+    assert "".join(f"\\u{{{a}}}" + (f"-\\u{{{b}}}" if b else "") for a, b in ranges) == (
+        found.group(1)
+    )
+    in_page = {c for a, b in ranges for c in range(int(a, 16), int(b or a, 16) + 1)}
+    assert in_page == {c for c in printable.UNSAFE if c >= 0x7F}
     assert "el.textContent = shown(content);" in page
     assert page.count(".innerHTML") == 0
+
+
+_RUN_SHOWN = """
+const page = require("fs").readFileSync(process.argv[1], "utf8");
+eval(page.slice(page.indexOf("const UNSAFE"), page.indexOf("function text(")) + ";this.f=shown;");
+const texts = JSON.parse(require("fs").readFileSync(0, "utf8"));
+process.stdout.write(JSON.stringify(texts.map((t) => this.f(t))));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
+def test_the_console_pages_shown_writes_out_what_ctl_does_for_every_character() -> None:
+    """The page's own `shown` run on each code point from DEL up: what ctl's escaping
+    writes (astral ones whole, not as the halves of a UTF-16 pair), and C0 left alone."""
+    from importlib import resources
+
+    page = resources.files("llmgw.ctl.console").joinpath("page.html")
+    texts = [chr(c) for c in range(0x7F, 0x110000) if not 0xD800 <= c <= 0xDFFF]
+    texts += [f"node-a{ZWSP}", "a\nb", "模型 🙂 é"]
+    found = subprocess.run(
+        ["node", "-e", _RUN_SHOWN, str(page)],
+        input=msgspec.json.encode(texts),
+        capture_output=True,
+        check=True,
+    )
+    expected = ["".join(c if ord(c) < 0x7F else printable.escaped(c) for c in t) for t in texts]
+    assert msgspec.json.decode(found.stdout) == expected
