@@ -12,12 +12,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import unicodedata
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from llmgw import bus
 from llmgw.core import events, placement, printable, views
 from llmgw.ctl import changes, eventlines, history, render, usage
 from tests.unit import scenarios
@@ -179,3 +181,97 @@ def test_the_console_pages_shown_writes_out_what_ctl_does_for_every_character() 
     )
     expected = ["".join(c if ord(c) < 0x7F else printable.escaped(c) for c in t) for t in texts]
     assert msgspec.json.decode(found.stdout) == expected
+
+
+# What the brief names: an OSC that retitles the terminal, the 8-bit CSI, RLO.
+NODE = "node-a\x1b]0;pwned\x07\u009b31m\u202e\u200b"
+
+
+def _log_with_a_forged_endpoint() -> list[bus.Record]:
+    """A node named with controls, serving; the recorded EndpointUp then says another URL
+    than the one the log reproduces, so `replay --verify` quotes both decisions."""
+    sim = scenarios.Sim()
+    sim.register(NODE)
+    sim.declare(scenarios.profile("llama", replicas=1))
+    sim.settle()
+    log = [
+        (seq, msgspec.structs.replace(e, url="http://forged:1"))
+        if isinstance(e, events.EndpointUp)
+        else (seq, e)
+        for seq, e in sim.durable_records()
+    ]
+    return [bus.Record(seq=seq, subject="llmgw.log", time=1000.0, event=e) for seq, e in log]
+
+
+def _ctl(monkeypatch: pytest.MonkeyPatch, log: list[bus.Record], *args: str) -> tuple[int, str]:
+    """`llmgw ctl ARGS` over `log`, as the bus would serve it: exit status and stdout."""
+    from typer.testing import CliRunner
+
+    from llmgw.cli import ctl_common
+    from llmgw.cli.main import app
+
+    class Session:
+        nc = None
+
+        async def close(self) -> None:
+            pass
+
+    async def open_session(_cfg: object) -> Session:
+        return Session()
+
+    async def bounds(_nc: object) -> history.Bounds:
+        return history.Bounds(
+            first_seq=1, last_seq=log[-1].seq, first_time=0, last_time=0, messages=len(log)
+        )
+
+    async def records(_nc: object, **_kw: object) -> AsyncIterator[list[bus.Record]]:
+        yield log
+
+    monkeypatch.setattr(ctl_common.Session, "open", staticmethod(open_session))
+    monkeypatch.setattr(history, "bounds", bounds)
+    monkeypatch.setattr(history, "records", records)
+    result = CliRunner().invoke(app, ["ctl", *args, "--server", "tls://127.0.0.1:4222"])
+    return result.exit_code, result.stdout
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_replay_verify_escapes_the_decisions_it_quotes(
+    monkeypatch: pytest.MonkeyPatch, json_out: bool
+) -> None:
+    log = _log_with_a_forged_endpoint()
+    code, out = _ctl(monkeypatch, log, "replay", "--verify", *(["--json"] if json_out else []))
+    assert code == 1, out
+    assert "forged" in out
+    assert not [c for c in "\x1b\x07\x9b\u202e\u200b" if c in out]
+    quoted = msgspec.json.encode(NODE)[1:-1].decode()  # as the decision's JSON has it
+    if json_out:
+        (found,) = msgspec.json.decode(out)["differences"]
+        assert quoted in found["detail"]
+    else:
+        assert printable.escaped(quoted) in out
+        assert "decided differently" in out
+
+
+def test_replay_escapes_what_the_fold_refused_and_what_it_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`replay --to` lists the fold's refusals (their reasons name a node's fields) and
+    the messages that are no event (their subjects and the decoder's words)."""
+    log = _log_with_a_forged_endpoint()
+
+    async def rebuild(_nc: object, **_kw: object) -> history.Rebuilt:
+        r = history.Rebuilt(
+            state=scenarios.Sim().state, target_seq=log[-1].seq, at=None, snapshot_seq=0,
+            folded=len(log), elapsed_s=0.0, rejected=[(3, f"unknown node {NODE}")],
+            skipped=[bus.Skipped(seq=4, subject=f"llmgw.node.{NODE}", time=0, error=NODE)],
+            bounds=history.Bounds(first_seq=1, last_seq=log[-1].seq, first_time=0,
+                                  last_time=0, messages=len(log)),
+        )  # fmt: skip
+        return r
+
+    monkeypatch.setattr(history, "rebuild", rebuild)
+    code, out = _ctl(monkeypatch, log, "replay", "--to", str(log[-1].seq))
+    assert code == 0, out
+    assert not [c for c in "\x1b\x07\x9b\u202e\u200b" if c in out]
+    assert f"seq 3: unknown node {printable.escaped(NODE)}" in out
+    assert f"seq 4 llmgw.node.{printable.escaped(NODE)}: {printable.escaped(NODE)}" in out
