@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from llmgw import bus
 from llmgw.core import events, placement, printable, views
-from llmgw.ctl import changes, eventlines, history, render, usage
+from llmgw.ctl import changes, eventlines, history, operations, render, usage
+from llmgw.ctl.errors import BadInput
 from tests.unit import scenarios
 
 # 8-bit CSI (U+009B) clears the screen on a terminal that takes C1 controls as UTF-8;
@@ -275,3 +276,25 @@ def test_replay_escapes_what_the_fold_refused_and_what_it_skipped(
     assert not [c for c in "\x1b\x07\x9b\u202e\u200b" if c in out]
     assert f"seq 3: unknown node {printable.escaped(NODE)}" in out
     assert f"seq 4 llmgw.node.{printable.escaped(NODE)}: {printable.escaped(NODE)}" in out
+
+
+def test_a_drain_shows_the_names_of_the_nodes_it_moves_to_escaped() -> None:
+    """`ctl drain` prints its plan, then how far it has come: both name the node the
+    replacement lands on; and a mistyped node is answered with the known ones."""
+    sim = scenarios.Sim()
+    sim.register("node-a", count=2)
+    sim.declare(scenarios.profile("m", engine="sim", gpu_class=""))
+    sim.settle()
+    sim.register(NODE, count=2)
+    (move,) = operations.drain_plan(sim.state, "node-a", sim.now)
+    assert move.to.startswith(NODE)
+    sim.drain("node-a", grace_s=100)
+    sim.settle()
+    progress = operations.drain_progress(sim.state, "node-a", [move.replica], sim.now)
+    with pytest.raises(BadInput) as refused:
+        operations.require_node(sim.state, "node-b")
+    for text in (move.render(), progress.render(), *progress.lines, str(refused.value)):
+        assert not [c for c in "\x1b\x07\x9b\u202e\u200b" if c in text]
+    assert printable.escaped(NODE) in move.render()
+    assert printable.escaped(NODE) in progress.lines[0]
+    assert printable.escaped(NODE) in str(refused.value)
