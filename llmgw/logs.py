@@ -7,6 +7,12 @@ llmgw's own loggers carry the name given to `get`, and records of the standard
 library's logging (aiohttp, nats-py, asyncio) go through the same processors and
 renderer, so a collector sees one format, never plain text inside the JSON stream.
 Secrets are never passed to a logger.
+
+Fields quote what nodes, routers and clients wrote (a refused event's error, a node's
+name, a request line): on a terminal every key and text is escaped as `llmgw ctl`
+escapes it (llmgw.core.printable), so none can drive the terminal or forge a line. The
+JSON lines need nothing more: Python's JSON writes every character but printable ASCII
+as an escape.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import logging
 import sys
 
 import structlog
+
+from llmgw.core import printable
 
 TRACE: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("llmgw_trace")
 """The trace (and span) of the request being served, for every line it logs: one
@@ -32,7 +40,7 @@ def setup(level: str = "info", *, json: bool | None = None) -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if as_json
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        else EscapingConsoleRenderer(colors=sys.stderr.isatty())
     )
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -60,6 +68,53 @@ def setup(level: str = "info", *, json: bool | None = None) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(numeric)
+
+
+class EscapingConsoleRenderer(structlog.dev.ConsoleRenderer):
+    """structlog's console renderer, over the event's keys and values escaped."""
+
+    def __call__(
+        self,
+        logger: structlog.typing.WrappedLogger,
+        name: str,
+        event_dict: structlog.typing.EventDict,
+    ) -> str:
+        shown = {printable.escaped(str(k)): _shown(k, v) for k, v in event_dict.items()}
+        return super().__call__(logger, name, shown)
+
+
+class _Shown(str):
+    """A value as the console writes it, escaped and quoted already: the renderer takes
+    the repr of text that holds a space or a quote, which would double its backslashes."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+_MULTILINE = ("exception", "stack")
+"""Tracebacks: each of their lines is escaped, and they keep their line breaks."""
+
+_QUOTED_IF = frozenset(" =\"'")
+"""What makes the renderer quote a text (tabs and line breaks are escaped by then)."""
+
+
+def _shown(key: object, value: object) -> object:
+    """`value` of field `key` as the renderer is to write it."""
+    if key == "exc_info" or value is None or isinstance(value, bool | int | float):
+        # Numbers' reprs are safe; exc_info is a flag by now (format_exc_info, before the
+        # renderer, has written the traceback out as `exception`).
+        return value
+    if not isinstance(value, str):
+        return _Shown(printable.escaped(repr(value)))
+    if key in _MULTILINE:
+        return "\n".join(printable.escaped(line) for line in value.split("\n"))
+    text = printable.escaped(value)
+    if key == "event" or _QUOTED_IF.isdisjoint(text):
+        return text
+    quote = '"' if "'" in text else "'"
+    return _Shown(f"{quote}{text}{quote}")
 
 
 def _trace_of_request(

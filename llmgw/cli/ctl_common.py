@@ -20,7 +20,7 @@ import nats.errors
 import structlog
 import typer
 
-from llmgw import bus
+from llmgw import bus, logs
 from llmgw.core import state
 from llmgw.ctl import history, operations, render, settings
 from llmgw.ctl import session as session_
@@ -78,7 +78,7 @@ def quiet_logs() -> None:
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.dev.ConsoleRenderer(colors=False),
+            logs.EscapingConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
         logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]

@@ -147,14 +147,20 @@ def _state_text(r: history.Rebuilt, doc: dict[str, Any], colour: bool) -> str:
         parts.append(render.replicas_table(doc["replicas"], colour=colour))
     if "models" in doc:
         parts.append(render.models_table(doc["models"]))
+    # Both quote what a node wrote: the fold's reasons name its fields, and a message
+    # that is no event has its subject and the decoder's words on it.
     if r.rejected:
         parts.append(
-            "refused by the fold:\n" + "\n".join(f"  seq {q}: {why}" for q, why in r.rejected[-20:])
+            "refused by the fold:\n"
+            + "\n".join(f"  seq {q}: {eventlines.clean(why)}" for q, why in r.rejected[-20:])
         )
     if r.skipped:
         parts.append(
             "undecodable, skipped:\n"
-            + "\n".join(f"  seq {x.seq} {x.subject}: {x.error}" for x in r.skipped[-20:])
+            + "\n".join(
+                f"  seq {x.seq} {eventlines.clean(f'{x.subject}: {x.error}')}"
+                for x in r.skipped[-20:]
+            )
         )
     return "\n\n".join(parts)
 
@@ -365,7 +371,9 @@ def _verdict(
         [
             f"{len(differences)} of {batches} recorded decision batches would now be "
             "decided differently:",
-            *(f"  {d.detail}" for d in differences),
+            # A decision's JSON quotes what nodes wrote (their names, endpoints' URLs),
+            # which msgspec leaves raw but for C0.
+            *(f"  {eventlines.clean(d.detail)}" for d in differences),
         ]
     )
 

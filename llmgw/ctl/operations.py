@@ -17,6 +17,7 @@ import msgspec
 
 from llmgw.core import placement, state
 from llmgw.ctl.errors import BadInput
+from llmgw.ctl.eventlines import clean
 
 
 class Move(msgspec.Struct, frozen=True, kw_only=True):
@@ -29,9 +30,11 @@ class Move(msgspec.Struct, frozen=True, kw_only=True):
     why_not: str = ""
 
     def render(self) -> str:
+        """One line, escaped: the nodes' names are theirs, and why a replica has nowhere
+        to go quotes what they reported (GPU classes, fabrics)."""
         if self.to:
-            return f"  {self.replica} ({self.model}) {self.gpus} -> {self.to}"
-        return f"  {self.replica} ({self.model}) {self.gpus} -> nowhere: {self.why_not}"
+            return clean(f"  {self.replica} ({self.model}) {self.gpus} -> {self.to}")
+        return clean(f"  {self.replica} ({self.model}) {self.gpus} -> nowhere: {self.why_not}")
 
 
 def _where(shards: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
@@ -86,9 +89,10 @@ class DrainProgress(msgspec.Struct, frozen=True, kw_only=True):
     grace_over: bool
     done: bool
     lines: tuple[str, ...] = ()
+    """One per original, escaped: they name the nodes its replacement runs on."""
 
     def render(self) -> str:
-        return (
+        return clean(
             f"draining {self.node}: {self.stopped}/{self.total} stopped, "
             f"{self.replaced}/{self.total} replaced and serving"
             + ("; grace period over" if self.grace_over else "")
@@ -136,12 +140,12 @@ def drain_progress(
         replaced=replaced,
         grace_over=grace_over,
         done=done,
-        lines=tuple(lines),
+        lines=tuple(clean(line) for line in lines),
     )
 
 
 def require_node(st: state.ClusterState, node: str) -> None:
     """BadInput naming the known nodes unless `node` is registered."""
     if node not in st.nodes:
-        known = ", ".join(sorted(st.nodes)[:8]) or "none registered yet"
+        known = ", ".join(clean(n) for n in sorted(st.nodes)[:8]) or "none registered yet"
         raise BadInput(f"unknown node {node!r} (known: {known}): see `llmgw ctl nodes`")

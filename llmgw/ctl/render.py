@@ -70,10 +70,18 @@ def state_colour(value: str) -> str | None:
     return None
 
 
-# JSON allows C1 and bidirectional controls raw in strings, and msgspec writes them so:
-# `--json` read on a terminal would then let a node's text drive or reorder it (U+009B
-# is CSI). As `\\uXXXX` escapes they are the same JSON, and inert on the screen.
-_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in printable.UNSAFE}
+# JSON allows C1, format and invisible characters raw in strings, and msgspec writes them
+# so: `--json` read on a terminal would then let a node's text drive or reorder it (U+009B
+# is CSI) or hide in it. As `\\uXXXX` escapes they are the same JSON, and inert on the
+# screen.
+def _json_escape(c: int) -> str:
+    if c < 0x10000:
+        return f"\\u{c:04x}"
+    high, low = divmod(c - 0x10000, 0x400)  # JSON writes the others as UTF-16 pairs
+    return f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04x}"
+
+
+_JSON_ESCAPES = {c: _json_escape(c) for c in printable.UNSAFE}
 
 
 def json_text(data: Any) -> str:

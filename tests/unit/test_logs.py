@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
+
+from llmgw import logs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,6 +49,78 @@ def test_every_line_is_json_with_its_component() -> None:
     assert all("timestamp" in d for d in lines)
     assert lines[0]["n"] == 1
     assert "ValueError: boom" in lines[3]["exception"]
+
+
+# --------------------------------------------------------------------------- node text
+
+# What a node can put in a field that a service logs: an OSC that retitles the terminal,
+# the 8-bit CSI (U+009B), a right-to-left override, a zero-width space, a line break.
+HOSTILE = ["\x1b]0;pwned\x07", "\u009b31m", "\u202e", "\u200b", "\n"]
+
+HOSTILE_SCRIPT = f"""
+import logging, sys
+from llmgw import logs
+logs.setup("info", json=sys.argv[1] == "json")
+text = "".join({HOSTILE!r})
+log = logs.get("llmgw.control")
+log.warning("event_refused", error=text, node="node-a" + text, spaced="a b" + text,
+            listed=[text], **{{"key" + text: 1}})
+log.info(text)
+logging.getLogger("aiohttp.access").info("GET %s 200", "/" + text)
+try:
+    raise ValueError(text)
+except ValueError:
+    log.exception("failed", reason=text)
+"""
+
+
+def _logged(form: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", HOSTILE_SCRIPT, form],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=120,
+        check=True,
+    ).stderr
+
+
+def test_the_console_log_writes_node_text_escaped() -> None:
+    """On a terminal, keys, values, messages and tracebacks: nothing a node wrote acts on
+    it, and every line the script logs stays one line (the traceback keeps its own)."""
+    out = _logged("console")
+    assert not [c for c in "\x1b\x07\x9b\u202e\u200b" if c in out]
+    shown = "\\x1b]0;pwned\\x07\\x9b31m\\u202e\\u200b\\x0a"
+    lines = out.splitlines()
+    events = [line.split("] ", 1)[1].split()[0] for line in lines[:4]]
+    assert events == ["event_refused", shown, "GET", "failed"]
+    assert f"error={shown}" in lines[0]
+    assert f"node=node-a{shown}" in lines[0]
+    assert f"spaced='a b{shown}'" in lines[0]
+    assert f"key{shown}=1" in lines[0]
+    assert f"/{shown}" in lines[2]
+    assert f"ValueError: {shown[:-4]}\n" in out  # a traceback keeps its line breaks
+
+
+def test_in_colour_the_only_escape_sequences_are_the_renderers_own() -> None:
+    text = "".join(HOSTILE)
+    line = logs.EscapingConsoleRenderer(colors=True)(
+        None, "warning", {"event": text, "level": "warning", "error": text, "n": [text]}
+    )
+    colours = re.compile(r"\x1b\[[0-9;]*m")
+    assert colours.search(line)
+    assert not [c for c in "\x1b\x07\x9b\u202e\u200b\n" if c in colours.sub("", line)]
+
+
+def test_json_logs_escape_every_character_but_printable_ascii() -> None:
+    lines = _logged("json").splitlines()
+    assert all(line.isascii() and line.isprintable() for line in lines)
+    records = [json.loads(line) for line in lines]
+    text = "".join(HOSTILE)
+    assert records[0]["error"] == text
+    assert records[0]["key" + text] == 1
+    assert records[1]["event"] == text
+    assert f"ValueError: {text}" in records[3]["exception"]
 
 
 # --------------------------------------------------------------------------- event names
@@ -111,3 +186,10 @@ def test_event_names_are_snake_case_and_do_not_repeat_the_component() -> None:
 def test_the_convention_check_itself(name: str, ok: bool) -> None:
     assert (name_problem(name) == "") is ok
     assert event_names(f"log.info({name!r}, n=1)\n") == [(1, name)]
+
+
+def test_ctl_writes_the_library_logs_it_lets_through_escaped() -> None:
+    from llmgw.cli import ctl_common
+
+    ctl_common.quiet_logs()
+    assert isinstance(structlog.get_config()["processors"][-1], logs.EscapingConsoleRenderer)
