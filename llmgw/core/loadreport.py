@@ -255,7 +255,7 @@ def aggregate(
             ttft_p90_s=ttft,
             itl_p90_s=itl,
             requests=min(sum(t.requests for t in seen), MAX_REQUESTS),
-            routers=min(len(seen), MAX_REPLICAS),
+            routers=min(len({w for w, _ in traffic[model]}), MAX_REPLICAS),
         )
     return out
 
@@ -269,7 +269,8 @@ def fleet_signals(
     """The leader's `Signals` from each subject's latest report, as `aggregate` makes them
     of the log's `state`: one per model of the catalog that is autoscaled or has an
     endpoint up (a removed model's endpoints stay up until its replicas are retired), each
-    endpoint owned by the node the log has it on."""
+    endpoint owned by the node the log has it on. `llmgw ctl explain-scaling` shows what
+    this gives, so it cannot tell another story than the leader's."""
     up = {rid: ep for rid, ep in state.endpoints.items() if ep.model in state.models}
     serving = {rid: ep.model for rid, ep in up.items()}
     owners = {rid: ep.node for rid, ep in up.items() if ep.node}

@@ -1,9 +1,11 @@
 """Whose word an engine's figures are: a node's agent owns its engines and routers only
-observe them (llmgw.core.loadreport, through llmgw.control.scaler); and no report is
-dated later than the server stored it."""
+observe them (llmgw.core.loadreport, through llmgw.control.scaler); no report is dated
+later than the server stored it; and `llmgw ctl explain-scaling` shows the leader's
+signals, computed the same way."""
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -11,9 +13,10 @@ from llmgw.control.scaler import REPORT_MAX_AGE_S as MAX_AGE_S
 from llmgw.control.scaler import Scaler
 from llmgw.core import events, loadreport, subjects
 from llmgw.core.autoscale import Autoscale
-from llmgw.core.loadreport import EndpointLoad, LoadReport
+from llmgw.core.loadreport import EndpointLoad, LoadReport, ModelTraffic
 from llmgw.core.profile import ModelProfile
 from llmgw.core.state import ClusterState, Endpoint, apply
+from llmgw.ctl import scaling as scaling_view
 
 NOW = 100.0
 NODE_A = subjects.node_signals("node-a")
@@ -112,3 +115,42 @@ def test_a_router_dating_its_report_ahead_gains_no_precedence_over_other_routers
     scaler.note(subjects.router_signals("liar", 0), loadreport.received(liar, NOW - 1.0))
     scaler.note(subjects.router_signals("honest", 0), loadreport.received(honest, NOW))
     assert _engine_signals(scaler, state, "u") == (1.0, 3.0, 0.5)
+
+
+traffic = st.builds(ModelTraffic, model=st.sampled_from(["m", "u", "gone"]),
+                    requests=st.integers(0, 1000), waiting=st.integers(0, 50),
+                    ttft_p90_s=st.integers(0, 4000).map(lambda ms: ms / 1000),
+                    samples=st.integers(0, 1000))  # fmt: skip
+engine_loads = st.builds(_load, st.sampled_from(["e1", "e2", "e9"]), st.sampled_from(["m", "u"]),
+                         figures)  # fmt: skip
+any_subjects = st.one_of(
+    router_subjects, st.builds(subjects.node_signals, st.sampled_from(["node-a", "node-b"]))
+)
+reports = st.dictionaries(any_subjects, st.builds(
+    LoadReport, ts=offsets.map(lambda o: NOW + o), models=st.lists(traffic, max_size=3).map(tuple),
+    endpoints=st.lists(engine_loads, max_size=3).map(tuple)), max_size=6)  # fmt: skip
+
+
+@given(reports)
+def test_explain_scaling_shows_the_signals_the_leader_decides_on(
+    reports: dict[str, LoadReport],
+) -> None:
+    # explain-scaling aggregated every report as it came: a node's agent's traffic counted
+    # (the leader ignores it), and so did its figures for other nodes' engines.
+    state = _fleet()
+    scaler = Scaler()
+    for subject, report in reports.items():
+        scaler.note(subject, report, state=state)
+    leader = msgspec.structs.asdict(scaler.signals(state, NOW)["m"])
+    shown = scaling_view.explain(state, "m", reports, [], NOW)["signals"]
+    assert shown == {k: v for k, v in leader.items() if k != "serving"}
+
+
+def test_explain_scaling_counts_routers_not_their_worker_processes() -> None:
+    state = _fleet()
+    busy = LoadReport(ts=NOW, models=(ModelTraffic(model="m", requests=5),))
+    reports = {subjects.router_signals("r1", w): busy for w in range(4)}
+    reports[subjects.router_signals("r2", 0)] = busy
+    doc = scaling_view.explain(state, "m", reports, [], NOW)
+    assert doc["signals"]["routers"] == 2
+    assert "signals from 2 routers:" in scaling_view.render(doc)
