@@ -5,8 +5,8 @@ Every `EVERY_S` the agent reads the Prometheus page of each local engine that se
 `llmgw.core.loadreport.LoadReport` of their queued and running requests and KV-cache
 usage on `llmgw.signals.node.<its id>`, which only this node may publish, into the stream
 `llmgw-signals` (llmgw.bus.signals). The leader believes a node's figures only for
-endpoints the log has up on that node (llmgw.control.scaler); routers report the same
-figures from their own probes, for engines whose agent does not.
+endpoints the log has up on that node, and there over any router's (llmgw.core.loadreport);
+routers report the same figures from their own probes, for engines whose agent does not.
 
 Fire and forget: an engine that does not answer within the interval is left out of that
 report, a report that cannot be published is dropped, and the next report heals both.

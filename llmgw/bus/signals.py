@@ -8,7 +8,8 @@ minute (llmgw.bus.provisioning). Fire and forget, as the KV updates: a report lo
 replaced by the next one a second later.
 
 `SignalsReader` is a `Reader` over that stream, with the same consumer, order and
-signature checks; its records carry a `LoadReport` in `event`.
+signature checks; its records carry a `LoadReport` in `event`, dated no later than the
+server stored it (`loadreport.received`: a writer cannot date its way ahead of others).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class SignalsReader(Reader):
             self._skip(seq, name, when, f"{name} is not a load-report subject")
             return
         try:
-            report = loadreport.decode(data)
+            report = loadreport.received(loadreport.decode(data), when)
         except ValueError as exc:
             self._skip(seq, name, when, str(exc))
             return

@@ -18,14 +18,17 @@ from llmgw.ctl.session import Session
 
 
 async def _reports(s: Session) -> dict[str, loadreport.LoadReport]:
-    """Each router process's latest load report of the last seconds by its subject, as the
-    leader holds them (none where the stream is absent)."""
+    """Each router process's and node agent's latest load report of the last seconds by its
+    subject, as the leader holds them (none where the stream is absent)."""
     latest: dict[str, loadreport.LoadReport] = {}
     try:
         reader = signals_.SignalsReader(s.nc, follow=False, name="ctl-signals")
         async with reader:
             async for batch in reader.batches():
-                latest.update((r.subject, signals_.report_of(r)) for r in batch)
+                for r in batch:
+                    report = signals_.report_of(r)
+                    if loadreport.supersedes(report, latest.get(r.subject)):
+                        latest[r.subject] = report
     except bus.ReaderError:
         return {}
     return latest

@@ -2,11 +2,12 @@
 over its windows, and the ScaleDecided events they lead to.
 
 It holds what the log does not: the latest report of every router process and of every
-node's agent (read from `llmgw-signals` by `llmgw.control.scaling`; a node's figures count
-only for the endpoints the log has on that node) and each model's recent recommendations. A
-new leader starts both afresh; `Recommendations` then waits a whole down window before
-it scales anything in. Every decision carries the observation it was made on
-(llmgw.core.autoscale), so the log alone explains and reproduces it.
+node's agent (read from `llmgw-signals` by `llmgw.control.scaling`, each dated no later
+than the server stored it; a node's figures count only for the endpoints the log has on
+that node, and there over any router's: `llmgw.core.loadreport`) and each model's recent
+recommendations. A new leader starts both afresh; `Recommendations` then waits a whole
+down window before it scales anything in. Every decision carries the observation it was
+made on (llmgw.core.autoscale), so the log alone explains and reproduces it.
 
 Short of GPUs: when a model cannot be placed for want of free GPUs, the autoscaled model
 of lowest priority below it with replicas above its `min`, on GPUs of a class the waiting
@@ -28,8 +29,8 @@ from llmgw.core.state import ClusterState, ModelState
 from llmgw.core.state.scaling import target_replicas
 
 ROUTER_PREFIX = subjects.SIGNALS_ROOT + ".router."
-REPORT_MAX_AGE_S = 5.0
-"""A router's report older than this no longer counts (a router that stopped)."""
+REPORT_MAX_AGE_S = loadreport.MAX_AGE_S
+"""A report older than this no longer counts (a router or agent that stopped)."""
 REPORT_FORGET_S = 60.0
 """A report older than this is forgotten (the router is gone), and its router is no
 longer a Prometheus target."""
@@ -59,7 +60,7 @@ class Scaler:
         self.decided_at = 0.0
         """When it last decided (the leader decides at most once a second)."""
         self.reports: dict[str, loadreport.LoadReport] = {}
-        """Subject (one router process) -> its latest report."""
+        """Subject (one router process, or one node's agent) -> its latest report."""
         self.history: dict[str, autoscale.Recommendations] = {}
         self.last: dict[str, Seen] = {}
         """Model -> what the leader's last pass observed of it: only the models it observed
@@ -81,8 +82,7 @@ class Scaler:
         instance. An endpoint that comes up counts from its routers' next reports."""
         if subjects.signals_owner(subject) is None:
             return  # not one router process's or node's: see subjects.MAX_ROUTER_WORKERS
-        held = self.reports.get(subject)
-        if held is not None and report.ts < held.ts:
+        if not loadreport.supersedes(report, self.reports.get(subject)):
             return
         if state is not None:
             known = state.endpoints
@@ -127,27 +127,9 @@ class Scaler:
 
     def signals(self, state: ClusterState, now: float) -> dict[str, autoscale.Signals]:
         """One `Signals` per model of the catalog that is autoscaled or has an endpoint up
-        (a removed model's endpoints stay up until its replicas are retired)."""
+        (`loadreport.fleet_signals`: a node's agent has the word on its own engines)."""
         self._forget(now)
-        serving = {rid: ep.model for rid, ep in state.endpoints.items() if ep.model in state.models}
-        scaled = [n for n, m in state.models.items() if m.profile.autoscale is not None]
-        reports = {s: self._believed(state, s, r) for s, r in self.reports.items()}
-        return loadreport.aggregate(reports, serving, now, self.max_age_s, scaled)
-
-    @staticmethod
-    def _believed(
-        state: ClusterState, subject: str, report: loadreport.LoadReport
-    ) -> loadreport.LoadReport:
-        """A node's report speaks only of the endpoints the log has on that node."""
-        owner = subjects.signals_owner(subject)
-        if owner is None or owner[0] != "node":
-            return report
-        node = owner[1]
-        own = tuple(
-            e for e in report.endpoints
-            if (ep := state.endpoints.get(e.endpoint)) is not None and ep.node == node
-        )  # fmt: skip
-        return msgspec.structs.replace(report, models=(), endpoints=own)
+        return loadreport.fleet_signals(state, self.reports, now, self.max_age_s)
 
     def decide(
         self,

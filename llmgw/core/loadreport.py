@@ -1,14 +1,22 @@
-"""The routers' load reports: what each router saw of each model, for the autoscaler.
+"""The load reports of routers and node agents: what each saw, for the autoscaler.
 
 Every router process publishes a `LoadReport` every second or so on
 `llmgw.signals.router.<its name>.<worker>` (only it may: llmgw.pki.authorization): per
 model, the requests it received and held waiting for an endpoint in its last window and
 its TTFT and inter-token p90 (from its own histograms), and per endpoint the engine's
-queue, running requests and KV-cache usage as its probes last read them. The leader
-aggregates the latest report of every router (`aggregate`) into one
+queue, running requests and KV-cache usage as its probes last read them. Every node's
+agent publishes its own engines' figures on `llmgw.signals.node.<its id>`. The leader
+aggregates the latest report of every subject (`fleet_signals`, `aggregate`) into one
 `llmgw.core.autoscale.Signals` per model. Reports live in the memory stream
 `llmgw-signals` for seconds; what a decision was made on is recorded in the log beside
 it, so the reports themselves never need replaying.
+
+An engine belongs to its node's agent; routers only observe it. Where the agent reported
+an engine within the freshness window, its figures are the engine's, whatever any router
+says of it and however late a router dates its report; a router's figures count for
+engines whose agent has no fresh report of them. And no report is dated later than the
+server stored it (`received`): a writer that dates its reports ahead gains nothing over
+the others.
 
 A router writes its own sample counts, so the p90s are averaged by samples with no router
 weighing more than all the others together (`bounded_weights`): one router, whatever it
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
@@ -31,8 +39,14 @@ from llmgw.core import subjects
 from llmgw.core.autoscale import MAX_AMOUNT, MAX_REPLICAS, MAX_REQUESTS, Signals
 from llmgw.core.limits import Name
 
+if TYPE_CHECKING:
+    from llmgw.core.state import ClusterState
+
 WINDOW_S = 10.0
 """The window a router's report covers (its requests, held requests and p90s)."""
+MAX_AGE_S = 5.0
+"""A report older than this no longer counts (its writer stopped), nor one dated further
+ahead than this of the reader's clock."""
 MAX_MODELS = 2_000
 MAX_ENDPOINTS = 20_000
 Amount = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
@@ -114,6 +128,19 @@ def is_fresh(report: LoadReport, now: float, max_age_s: float) -> bool:
     return abs(now - report.ts) <= max_age_s
 
 
+def received(report: LoadReport, at: float) -> LoadReport:
+    """`report` as its reader takes it, stored by the server at `at`: dated no later than
+    that. A report is as old as it says (one its writer held back while cut off stays
+    old), but never newer than its arrival: a writer dating its reports ahead would
+    otherwise have the last word on every figure the freshest report decides."""
+    return report if report.ts <= at else msgspec.structs.replace(report, ts=at)
+
+
+def supersedes(report: LoadReport, held: LoadReport | None) -> bool:
+    """Whether `report` replaces `held` as its subject's latest (no older than it)."""
+    return held is None or report.ts >= held.ts
+
+
 def _capped(value: float, digits: int) -> float:
     return min(round(value, digits), MAX_AMOUNT)
 
@@ -158,33 +185,63 @@ def _latencies(seen: Iterable[tuple[str, ModelTraffic]]) -> tuple[float, float]:
     return _capped(ttft / total, 4), _capped(itl / total, 4)
 
 
+def _node_of(subject: str) -> str | None:
+    """The node whose agent publishes on `subject`; None for a router's (or any other)."""
+    owner = subjects.signals_owner(subject)
+    return owner[1] if owner is not None and owner[0] == "node" else None
+
+
+def _engines(
+    fresh: Sequence[tuple[str, LoadReport]], serving: Mapping[str, str], owners: Mapping[str, str]
+) -> dict[str, EndpointLoad]:
+    """Each endpoint's engine figures from `fresh` (subject, report; oldest first): its
+    owning node's agent's latest where that agent reported it, else the latest any router
+    read. A node's figures count only for its own endpoints, and anyone's only for an
+    endpoint `serving` has with that model."""
+    observed: dict[str, EndpointLoad] = {}
+    owned: dict[str, EndpointLoad] = {}
+    for subject, report in fresh:
+        node = _node_of(subject)
+        for ep in report.endpoints:
+            if serving.get(ep.endpoint) != ep.model:
+                continue
+            if node is None:
+                observed[ep.endpoint] = ep  # a later router's reading wins
+            elif owners.get(ep.endpoint) == node:
+                owned[ep.endpoint] = ep
+    return observed | owned
+
+
 def aggregate(
     reports: Mapping[str, LoadReport],
     serving: Mapping[str, str],
     now: float,
     max_age_s: float,
     models: Iterable[str] = (),
+    *,
+    owners: Mapping[str, str] | None = None,
 ) -> dict[str, Signals]:
     """One `Signals` per model of `serving` (endpoint id -> model: the endpoints the log
     has up) and of `models` (those at zero replicas included) from the latest report of
     each subject (`reports`: subject -> report) no older than `max_age_s`. Routers'
-    requests and held requests add up; an endpoint's engine load is the freshest any
-    router read; the p90s are the routers' averaged by their samples, each router's weight
-    bounded (`bounded_weights`). Reports about endpoints or models the log does not have
-    are left out: a router can speak only for what it was told. Sums are capped at
-    `Signals`' bounds (many reports at their own bounds add up past them)."""
-    fresh = sorted(((writer_of(s), r) for s, r in reports.items() if is_fresh(r, now, max_age_s)),
-                   key=lambda wr: wr[1].ts)  # fmt: skip
+    requests and held requests add up (a node's agent reports no traffic: any it names is
+    left out); an endpoint's engine load is its owning node's (`owners`: endpoint id ->
+    node id) where that node's agent reported it, else the freshest any router read; the
+    p90s are the routers' averaged by their samples, each router's weight bounded
+    (`bounded_weights`). Reports about endpoints or models the log does not have are left
+    out: a writer can speak only for what it was told. Sums are capped at `Signals`'
+    bounds (many reports at their own bounds add up past them)."""
+    fresh = sorted(((s, r) for s, r in reports.items() if is_fresh(r, now, max_age_s)),
+                   key=lambda sr: sr[1].ts)  # fmt: skip
     models = set(serving.values()) | set(models)
-    engines: dict[str, EndpointLoad] = {}
+    engines = _engines(fresh, serving, owners or {})
     traffic: dict[str, list[tuple[str, ModelTraffic]]] = {m: [] for m in models}
-    for writer, report in fresh:
-        for ep in report.endpoints:
-            if serving.get(ep.endpoint) == ep.model:
-                engines[ep.endpoint] = ep  # a later report wins
+    for subject, report in fresh:
+        if _node_of(subject) is not None:
+            continue
         for t in report.models:
             if t.model in traffic:
-                traffic[t.model].append((writer, t))
+                traffic[t.model].append((writer_of(subject), t))
     out: dict[str, Signals] = {}
     for model in sorted(models):
         eps = [e for e in engines.values() if e.model == model]
@@ -198,6 +255,24 @@ def aggregate(
             ttft_p90_s=ttft,
             itl_p90_s=itl,
             requests=min(sum(t.requests for t in seen), MAX_REQUESTS),
-            routers=min(len(seen), MAX_REPLICAS),
+            routers=min(len({w for w, _ in traffic[model]}), MAX_REPLICAS),
         )
     return out
+
+
+def fleet_signals(
+    state: ClusterState,
+    reports: Mapping[str, LoadReport],
+    now: float,
+    max_age_s: float = MAX_AGE_S,
+) -> dict[str, Signals]:
+    """The leader's `Signals` from each subject's latest report, as `aggregate` makes them
+    of the log's `state`: one per model of the catalog that is autoscaled or has an
+    endpoint up (a removed model's endpoints stay up until its replicas are retired), each
+    endpoint owned by the node the log has it on. `llmgw ctl explain-scaling` shows what
+    this gives, so it cannot tell another story than the leader's."""
+    up = {rid: ep for rid, ep in state.endpoints.items() if ep.model in state.models}
+    serving = {rid: ep.model for rid, ep in up.items()}
+    owners = {rid: ep.node for rid, ep in up.items() if ep.node}
+    scaled = [n for n, m in state.models.items() if m.profile.autoscale is not None]
+    return aggregate(reports, serving, now, max_age_s, scaled, owners=owners)

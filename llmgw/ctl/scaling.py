@@ -1,6 +1,7 @@
 """`llmgw ctl explain-scaling`: an autoscaled model's signals now, its targets, what the
 autoscaler will do next and why, and its last decisions. Pure: ctl reads the log and the
-routers' load reports (llmgw.cli.ctl_scaling) and hands them in."""
+load reports (llmgw.cli.ctl_scaling) and hands them in; the signals are the leader's own
+computation of them (`loadreport.fleet_signals`)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,7 @@ def explain(
             f"model {model!r} has no autoscale section: its replica count is fixed at "
             f"{m.profile.replicas} (add `autoscale:` to its profile to scale it)"
         )
-    serving = {rid: ep.model for rid, ep in st.endpoints.items()}
-    signals = loadreport.aggregate(reports, serving, now, 5.0, [model])[model]
+    signals = loadreport.fleet_signals(st, reports, now)[model]
     current = target_replicas(m)
     count, reason = autoscale.recommend(spec, current, signals, m.startup_s)
     # What it does if this moment's load lasts both windows.
@@ -48,7 +48,7 @@ def explain(
     return {
         "model": model,
         "replicas": current,
-        "serving": sum(1 for v in serving.values() if v == model),
+        "serving": signals.serving,
         "pinned": m.pinned,
         "startup_s": m.startup_s,
         "targets": {k: v for k, v in _targets(spec).items() if v},

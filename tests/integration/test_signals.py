@@ -95,6 +95,33 @@ async def test_a_router_reports_only_for_itself(nats_server: TestNatsServer) -> 
             await bus.close(nc)
 
 
+async def test_a_report_dated_ahead_is_read_as_dated_when_the_server_stored_it(
+    nats_server: TestNatsServer,
+) -> None:
+    # A router dating its reports ahead had the last word on every engine figure routers
+    # report: the leader took the report dated latest as the freshest.
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    await control.close()
+    router = await connect_as(nats_server, "router", "router-1")
+    try:
+        await bus.SignalsPublisher(router, "router-1").publish(report(10.0**10, 1))
+        await bus.SignalsPublisher(router, "router-1", 1).publish(report(2.0, 2))
+        await router.flush()
+
+        async def stored() -> bool:
+            got, _ = await read(nats_server)
+            return len(got) == 2
+
+        await wait_for(stored, 10, "both reports stored")
+        got, _ = await read(nats_server)
+        ahead, behind = (bus.signals.report_of(r) for r in got)
+        assert ahead.ts == got[0].time < 10.0**10
+        assert behind.ts == 2.0  # a report is as old as it says, when that is older
+    finally:
+        await bus.close(router)
+
+
 async def test_an_agent_reports_its_serving_engines_load_on_its_own_subject(
     nats_server: TestNatsServer,
 ) -> None:

@@ -179,7 +179,7 @@ def test_aggregate_adds_routers_and_believes_only_the_logs_endpoints() -> None:
     got = loadreport.aggregate(reports, {"r1": "m"}, 102.0, 5.0, models=["z"])
     assert set(got) == {"m", "z"}
     m = got["m"]
-    assert (m.requests, m.routers, m.serving) == (40, 2, 1)
+    assert (m.requests, m.routers, m.serving) == (40, 1, 1)  # one router, two processes
     assert m.waiting == 2 + 1
     assert m.running == 2
     assert m.kv_usage == 0.3
