@@ -31,10 +31,11 @@ from llmgw.engine_http import MAX_METRICS_BYTES, bounded_body
 
 log = logs.get("llmgw.agent")
 
-EVERY_S = 5.0
-"""Every five seconds: a fleet of 1,000 nodes adds 200 signed messages a second to
-`llmgw-signals` (each checked by the leader), and the routers' own probes report the same
-figures every second where they reach the engine."""
+EVERY_S = loadreport.NODE_EVERY_S
+"""Every five seconds (the leader counts a node's report that much longer than a router's):
+a fleet of 1,000 nodes adds 200 signed messages a second to `llmgw-signals` (each checked
+by the leader), and the routers' own probes report the same figures every second where they
+reach the engine."""
 
 
 class EngineLoads:

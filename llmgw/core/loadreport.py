@@ -47,6 +47,10 @@ WINDOW_S = 10.0
 MAX_AGE_S = 5.0
 """A report older than this no longer counts (its writer stopped), nor one dated further
 ahead than this of the reader's clock."""
+NODE_EVERY_S = 5.0
+"""How often a node's agent reports its engines' figures (llmgw.agent.loads). A node's
+report counts that much longer than a router's, so that its figures do not lapse to the
+routers' while its next report is on its way."""
 MAX_MODELS = 2_000
 MAX_ENDPOINTS = 20_000
 Amount = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
@@ -191,6 +195,15 @@ def _node_of(subject: str) -> str | None:
     return owner[1] if owner is not None and owner[0] == "node" else None
 
 
+def _counts(subject: str, report: LoadReport, now: float, max_age_s: float) -> bool:
+    """Whether a subject's latest report counts at `now`: a router's while fresh, a node's
+    a report interval (`NODE_EVERY_S`) longer, neither when dated further ahead than
+    `max_age_s`."""
+    if _node_of(subject) is None:
+        return is_fresh(report, now, max_age_s)
+    return -max_age_s <= now - report.ts <= max_age_s + NODE_EVERY_S
+
+
 def _engines(
     fresh: Sequence[tuple[str, LoadReport]], serving: Mapping[str, str], owners: Mapping[str, str]
 ) -> dict[str, EndpointLoad]:
@@ -223,7 +236,8 @@ def aggregate(
 ) -> dict[str, Signals]:
     """One `Signals` per model of `serving` (endpoint id -> model: the endpoints the log
     has up) and of `models` (those at zero replicas included) from the latest report of
-    each subject (`reports`: subject -> report) no older than `max_age_s`. Routers'
+    each subject (`reports`: subject -> report) no older than `max_age_s` (a node's
+    `NODE_EVERY_S` more). Routers'
     requests and held requests add up (a node's agent reports no traffic: any it names is
     left out); an endpoint's engine load is its owning node's (`owners`: endpoint id ->
     node id) where that node's agent reported it, else the freshest any router read; the
@@ -231,7 +245,7 @@ def aggregate(
     (`bounded_weights`). Reports about endpoints or models the log does not have are left
     out: a writer can speak only for what it was told. Sums are capped at `Signals`'
     bounds (many reports at their own bounds add up past them)."""
-    fresh = sorted(((s, r) for s, r in reports.items() if is_fresh(r, now, max_age_s)),
+    fresh = sorted(((s, r) for s, r in reports.items() if _counts(s, r, now, max_age_s)),
                    key=lambda sr: sr[1].ts)  # fmt: skip
     models = set(serving.values()) | set(models)
     engines = _engines(fresh, serving, owners or {})

@@ -154,3 +154,18 @@ def test_explain_scaling_counts_routers_not_their_worker_processes() -> None:
     doc = scaling_view.explain(state, "m", reports, [], NOW)
     assert doc["signals"]["routers"] == 2
     assert "signals from 2 routers:" in scaling_view.render(doc)
+
+
+@given(age=st.floats(min_value=0.0, max_value=3 * MAX_AGE_S))
+def test_a_nodes_figures_hold_until_its_next_report_is_due_then_the_routers(age: float) -> None:
+    # A node's agent reports every NODE_EVERY_S, the freshness limit's length: counted only
+    # while as fresh as a router's, its figures would lapse to a router's before each report.
+    state = _fleet()
+    scaler = Scaler()
+    node = (0.0, 2.0, 0.25)
+    router = (7.0, 5.0, 0.75)
+    scaler.note(NODE_A, LoadReport(ts=NOW - age, endpoints=(_load("e1", "m", node),)))
+    seen = LoadReport(ts=NOW, endpoints=(_load("e1", "m", router),))
+    scaler.note(subjects.router_signals("r", 0), seen, state=state)
+    held = age <= MAX_AGE_S + loadreport.NODE_EVERY_S
+    assert _engine_signals(scaler, state, "m") == (node if held else router)
