@@ -336,6 +336,41 @@ def test_engine_errors_take_the_shape_of_the_api_asked() -> None:
         assert doc["error"]["type"] == atype
 
 
+ENGINE_KEY = "eK3y-Zq4_8xR2pL0vT9mW1nB6cY5dF7gH3jK0sA2uQ"
+
+
+@pytest.mark.parametrize("kind", ["chat", "messages"])
+@pytest.mark.parametrize("status", [302, 400, 404, 413, 422])
+def test_an_engines_answer_but_a_success_loses_the_key_it_was_presented(
+    kind: requests.Kind, status: int
+) -> None:
+    """An engine that echoes the router's `Authorization` in its error (JSON or not, the
+    message escaped in JSON) tells the client what went wrong, never the key."""
+    escaped = "".join(f"\\u{ord(c):04x}" for c in ENGINE_KEY)  # every character escaped
+    bodies = [
+        f'{{"object":"error","message":"too long; you sent Bearer {ENGINE_KEY}"}}',
+        f'{{"error":{{"message":"too long; you sent Bearer {escaped}","code":"x"}}}}',
+        f"<html>too long; you sent Authorization: Bearer {ENGINE_KEY}</html>",
+    ]
+    for body in bodies:
+        out = apis.engine_answer(kind, status, body.encode(), ENGINE_KEY)
+        assert ENGINE_KEY[:8].encode() not in out
+        assert b"too long; you sent" in out
+        assert b"[engine key]" in out
+
+
+def test_a_success_is_relayed_unread() -> None:
+    """A model's answer is relayed as the engine wrote it (the same object, not a copy):
+    reading every answer for the key would cost each request; only what is not a success
+    is read (`engine_answer`)."""
+    answer = f'{{"choices":[{{"message":{{"content":"{ENGINE_KEY}"}}}}]}}'.encode()
+    for status in (200, 201, 204):
+        assert apis.engine_answer("chat", status, answer, ENGINE_KEY) is answer
+    error = b'{"error":{"message":"no","code":"x"}}'
+    assert apis.engine_answer("chat", 400, error, ENGINE_KEY) == error
+    assert apis.engine_answer("chat", 400, error, "") == error
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [(b"[" * 60_000, "nests too deeply"), (b"{not json", "not JSON"), (b"[1]", "JSON object")],
