@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from llmgw import logs
-from llmgw.core import breaker, routing
+from llmgw.core import breaker, redaction, routing
 from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import admission, apis, errors, requests, tracecontext
@@ -343,7 +343,8 @@ class Dispatcher:
             else:
                 ep.breaker = breaker.on_abandon(ep.breaker)
             if ep.breaker.state != before:
-                log.warning("breaker_" + ep.breaker.state, endpoint=ep.id, url=ep.url)
+                log.warning("breaker_" + ep.breaker.state, endpoint=ep.id,
+                            url=redaction.shown_url(ep.url))  # fmt: skip
                 self.metrics.breaker_changed(ep.id, ep.breaker.state)
 
     async def _exchange(self, at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:

@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import aiohttp
 import msgspec
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +17,8 @@ from llmgw import config
 from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.core.profile import ModelProfile
 from llmgw.router import aiohttp_direct, apis, auth, requests
-from llmgw.router.table import Catalog, EndpointTable
+from llmgw.router.metrics import Metrics
+from llmgw.router.table import Catalog, EndpointTable, Prober
 
 
 def test_keys_file_lookup_models_and_buckets(tmp_path: Path) -> None:
@@ -357,6 +360,17 @@ def test_an_engines_answer_but_a_success_loses_the_key_it_was_presented(
         assert ENGINE_KEY[:8].encode() not in out
         assert b"too long; you sent" in out
         assert b"[engine key]" in out
+
+
+async def test_an_endpoint_that_goes_unready_is_logged_without_its_password() -> None:
+    table = EndpointTable()
+    table.add("e", "http://user:s3cret-pw@127.0.0.1:9", ["m"], ready=True)
+    with structlog.testing.capture_logs() as logged:
+        async with aiohttp.ClientSession() as http:
+            await Prober(table, http, Metrics(), interval=60.0).probe_all()  # refused
+    (said,) = [e for e in logged if e["event"] == "endpoint_not_ready"]
+    assert said["url"] == "http://user:***@127.0.0.1:9"
+    assert "s3cret-pw" not in repr(logged)
 
 
 def test_a_success_is_relayed_unread() -> None:
