@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from llmgw import __version__, logs
+from llmgw.core import redaction
 from llmgw.core.tracing import Attribute, Span
 
 log = logs.get("llmgw.otlp")
@@ -40,8 +41,8 @@ def endpoint_problem(endpoint: str) -> str | None:
     scheme, sep, rest = endpoint.partition("://")
     if not sep or scheme not in ("http", "https") or not rest.strip("/"):
         return (
-            f"{endpoint!r} is not an OTLP/HTTP address: give the collector's"
-            " http://host:4318 (OTLP over HTTP with protobuf)"
+            f"{redaction.shown_url(endpoint)!r} is not an OTLP/HTTP address: give the"
+            " collector's http://host:4318 (OTLP over HTTP with protobuf)"
         )
     return None
 
@@ -346,6 +347,7 @@ class Exporter:
         timeout_s: float = 5.0,
     ) -> None:
         self.url = traces_url(endpoint)
+        self.shown_url = redaction.shown_url(self.url)  # the log's: without a password
         self.service_name = service_name
         self.max_spans = max_spans
         self.batch = batch
@@ -437,8 +439,8 @@ class Exporter:
             now = time.monotonic()
             if now - self._said_at >= 60.0:
                 self._said_at = now
-                log.warning("traces_not_exported", url=self.url, error=problem,
-                            dropped=self.dropped)  # fmt: skip
+                log.warning("traces_not_exported", url=self.shown_url, dropped=self.dropped,
+                            error=redaction.without_url_secret(problem, self.url))  # fmt: skip
             return False  # the collector is failing: try again at the next interval
         return True
 

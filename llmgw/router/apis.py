@@ -13,13 +13,16 @@ An engine's 4xx reaches the client with its status, in the API's error shape wha
 engine wrote (vLLM's `{"object": "error", ...}`, FastAPI's `{"detail": ...}`, Anthropic's
 `{"type": "error", ...}`, plain text): Anthropic's for the Messages API and its token
 count (`/v1/messages/count_tokens`, which Claude Code asks before it sends), whose clients
-read its error types, OpenAI's for the rest (`engine_error`).
+read its error types, OpenAI's for the rest (`engine_error`). Any answer but a success has
+the engine's own key taken out first (`engine_answer`): an engine that echoes its request's
+headers would show it to the client. A success is relayed unread.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from llmgw.core import redaction
 from llmgw.core.profile import ModelProfile
 from llmgw.router import requests
 from llmgw.router.errors import Refusal
@@ -94,6 +97,29 @@ def too_large(most: int) -> tuple[int, bytes]:
         "was not read: if the model's answers are that large, raise max_answer_bytes"
     )
     return 502, requests.error_body(message, "api_error", "answer_too_large")
+
+
+def engine_answer(kind: Kind, status: int, data: bytes, engine_key: str) -> bytes:
+    """The body of an engine's answer of `status` as the client gets it: a success (2xx)
+    as it is, unread; anything else without `engine_key`, an error in the API's shape."""
+    if status < 300:
+        return data
+    data = _without_key(data, engine_key)
+    return data if status < 400 else engine_error(kind, status, data)
+
+
+def _without_key(data: bytes, key: str) -> bytes:
+    """`data` without `key`, also where it is JSON that writes the key's letters as escapes
+    (`\\u0065...`), which no search of its bytes finds: that body is written again."""
+    data = redaction.bytes_without_key(data, key)
+    if not key:
+        return data
+    try:
+        plain = msgspec.json.encode(msgspec.json.decode(data))
+    except (msgspec.DecodeError, RecursionError):
+        return data
+    clean = redaction.bytes_without_key(plain, key)
+    return data if clean is plain else clean
 
 
 def engine_error(kind: Kind, status: int, data: bytes) -> bytes:

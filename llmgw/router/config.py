@@ -17,7 +17,7 @@ import msgspec
 
 from llmgw import config, otlp
 from llmgw.bus.settings import NatsConnection
-from llmgw.core import subjects
+from llmgw.core import redaction, subjects
 from llmgw.core.breaker import BreakerPolicy
 from llmgw.core.profile import ModelProfile
 from llmgw.core.routing import CostModel, Weights
@@ -231,9 +231,10 @@ def _endpoint_problems(cfg: RouterConfig, names: dict[str, str]) -> list[str]:
                 " give each endpoint its own id"
             )
         ids.add(ep.id)
-        parts = urlsplit(ep.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            problems.append(f"endpoint {ep.id!r}: url {ep.url!r} must look like http://host:port")
+        if not _engine_url(ep.url):
+            # Quoted without its password: the problem reaches terminals and logs.
+            shown = redaction.shown_url(ep.url)
+            problems.append(f"endpoint {ep.id!r}: url {shown!r} must look like http://host:port")
         if not ep.models:
             problems.append(f"endpoint {ep.id!r} serves no models: list them in its models")
         for model in ep.models:
@@ -247,6 +248,18 @@ def _endpoint_problems(cfg: RouterConfig, names: dict[str, str]) -> list[str]:
                     f"endpoint {ep.id!r} serves {model!r}, which is not a declared model: {hint}"
                 )
     return problems
+
+
+def _engine_url(url: str) -> bool:
+    """Whether `url` is an engine's base URL the router can send to: http(s), a host, and a
+    port from 1 to 65535 if it has one (urllib refuses a malformed port only when it is
+    read: the first request would fail)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # an unbalanced [ or a port that is none
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
 def _setting_problems(cfg: RouterConfig) -> list[str]:

@@ -12,7 +12,6 @@ relay's `Hooks` (token counting and stream metrics).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import random
@@ -23,7 +22,7 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from llmgw import logs
-from llmgw.core import breaker, routing
+from llmgw.core import breaker, redaction, routing
 from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import admission, apis, errors, requests, tracecontext
@@ -344,7 +343,8 @@ class Dispatcher:
             else:
                 ep.breaker = breaker.on_abandon(ep.breaker)
             if ep.breaker.state != before:
-                log.warning("breaker_" + ep.breaker.state, endpoint=ep.id, url=ep.url)
+                log.warning("breaker_" + ep.breaker.state, endpoint=ep.id,
+                            url=redaction.shown_url(ep.url))  # fmt: skip
                 self.metrics.breaker_changed(ep.id, ep.breaker.state)
 
     async def _exchange(self, at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:
@@ -367,7 +367,7 @@ class Dispatcher:
         elif "traceparent" in state.request.headers:
             extra += tracecontext.forwarded(state.request.headers)
         head = upstream_http.request_head(path, host_header, len(body), extra)
-        upstream = await self._open(key, head, body, d, t0, total_at)
+        upstream = await self._open(key, head, body, d, t0, total_at, ep.api_key)
         try:
             if (
                 state.stream
@@ -381,8 +381,8 @@ class Dispatcher:
             status, data = await self._read_body(upstream, d, total_at)
             if status == 200:
                 self._account(prof, state, data)
-            elif status >= 400:
-                data = apis.engine_error(kind, status, data)
+            else:
+                data = apis.engine_answer(kind, status, data, ep.api_key)
             self.metrics.first_token(prof.name, loop.time() - state.loop_start)
             if state.trace is not None:
                 state.trace.first_token = time.monotonic()
@@ -413,16 +413,19 @@ class Dispatcher:
         d: Deadlines,
         t0: float,
         total_at: float,
+        engine_key: str,
     ) -> upstream_http.Response:
         """Send the request and wait for the response head (connect and headers deadlines).
 
         Raises Retry for what another endpoint may do better: no connection, no head in
-        time, 5xx, 429.
+        time, 5xx, 429 (what its message quotes of the engine is without `engine_key`).
         """
         upstream: upstream_http.Response | None = None
         try:
             async with self.watchdog.at(min(t0 + d.headers_s, total_at)):
-                upstream = await self.pool.request(key, head, body, connect_timeout=d.connect_s)
+                upstream = await self.pool.request(
+                    key, head, body, connect_timeout=d.connect_s, engine_key=engine_key
+                )
                 status = upstream.status
                 if status == 401:
                     # The router checked the client itself: an engine's 401 means the key
@@ -434,16 +437,7 @@ class Dispatcher:
                         " does not carry the key its engine was started with",
                     )
                 if status >= 500 or status == 429:
-                    detail = b""
-                    with contextlib.suppress(TimeoutError, upstream_http.UpstreamError, OSError):
-                        async with asyncio.timeout(1.0):
-                            detail = await upstream.read(2048)
-                    raise Retry(
-                        "overloaded" if status == 429 else f"status_{status}",
-                        429 if status == 429 else 502,
-                        f"engine answered {status}: {detail.decode('utf-8', 'replace')[:300]}",
-                        fault=status != 429,
-                    )
+                    raise await errors.status_retry(upstream, engine_key)
             return upstream
         except BaseException as exc:
             if upstream is not None:

@@ -1,7 +1,8 @@
 """The router's failures in one place: what an attempt raises, what a client is told.
 
 `Retry` is an attempt that failed before anything reached the client (another
-endpoint may take the request; `as_retry` makes one of an engine's connection failing);
+endpoint may take the request; `as_retry` makes one of an engine's connection failing,
+`status_retry` one of its 5xx or 429);
 `EngineFault` and `ClientGone` end a request
 whose stream has started. `Refusal` is an answer as data (status, message and
 OpenAI's error type and code): admission and the attempt planner return one,
@@ -10,10 +11,13 @@ and only `refusal_response` turns it into an aiohttp response.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from llmgw.core import redaction
 from llmgw.core.profile import Deadlines
 from llmgw.router import requests
 from llmgw.router import upstream as upstream_http
@@ -72,6 +76,31 @@ def retry_refusal(last: Retry) -> Refusal:
     type_ = "rate_limit_error" if last.status == 429 else "server_error"
     wait = ENGINES_BUSY_RETRY_AFTER_S if last.status in (429, 503) else 0
     return Refusal(last.status, last.message, type_, last.reason, retry_after=wait)
+
+
+ENGINE_SAID_READ = 2048
+"""The most bytes of an engine's 5xx or 429 body read for the message that quotes it."""
+ENGINE_SAID_QUOTED = 300
+"""The most characters of it quoted (after the engine's key is out)."""
+
+
+async def status_retry(upstream: upstream_http.Response, engine_key: str) -> Retry:
+    """The Retry of an engine's 5xx or 429: its message quotes what the engine said (read
+    for at most a second) without `engine_key`, the key the router presented to it, which
+    an engine or a proxy that echoes the request's headers would otherwise show to the
+    client and to the log."""
+    status = upstream.status
+    detail = b""
+    with contextlib.suppress(TimeoutError, upstream_http.UpstreamError, OSError):
+        async with asyncio.timeout(1.0):
+            detail = await upstream.read(ENGINE_SAID_READ)
+    said = redaction.engine_words(detail, engine_key, ENGINE_SAID_QUOTED)
+    return Retry(
+        "overloaded" if status == 429 else f"status_{status}",
+        429 if status == 429 else 502,
+        f"engine answered {status}: {said}",
+        fault=status != 429,
+    )
 
 
 def id_headers(rid: str, kind: requests.Kind) -> dict[str, str]:

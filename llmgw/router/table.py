@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from llmgw import logs
+from llmgw.core import redaction
 from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.core.profile import ModelProfile
 from llmgw.core.routing import EndpointState
@@ -179,7 +180,8 @@ class Prober:
             ok = False
         ep.ready = ok
         if was != ok:
-            log.info("endpoint_ready" if ok else "endpoint_not_ready", endpoint=ep.id, url=ep.url)
+            log.info("endpoint_ready" if ok else "endpoint_not_ready", endpoint=ep.id,
+                     url=redaction.shown_url(ep.url))  # fmt: skip
         if ok:
             try:
                 async with self.session.get(

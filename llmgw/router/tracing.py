@@ -28,7 +28,7 @@ import struct
 from collections.abc import Mapping
 
 from llmgw import logs, otlp
-from llmgw.core import tracing
+from llmgw.core import redaction, tracing
 from llmgw.core.tracing import SPAN_CLIENT, SPAN_INTERNAL, SPAN_SERVER
 from llmgw.router import tracecontext
 from llmgw.router.config import TracesConfig
@@ -452,8 +452,8 @@ def _attempt_fixed(key: tuple[str, str, str, int, str]) -> bytes:
     number on one endpoint for one model that ended the same way."""
     endpoint, url, model, number, error = key
     attrs: tuple[tuple[str, str | int], ...] = (
-        ("llmgw.endpoint", endpoint), ("url.full", url), ("gen_ai.request.model", model),
-        ("llmgw.attempt", number),
+        ("llmgw.endpoint", endpoint), ("url.full", redaction.shown_url(url)),
+        ("gen_ai.request.model", model), ("llmgw.attempt", number),
     )  # fmt: skip
     if error:
         attrs += (("error.type", error),)

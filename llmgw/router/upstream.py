@@ -25,6 +25,7 @@ import ssl
 from collections.abc import Callable
 from typing import cast
 
+from llmgw.core import redaction
 from llmgw.router import http1
 
 MAX_HEAD = http1.MAX_HEAD
@@ -59,6 +60,7 @@ class _Conn(asyncio.Protocol):
         "closed",
         "content_type",
         "done",
+        "engine_key",
         "expecting",
         "key",
         "loop",
@@ -76,6 +78,9 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.expecting = False
         self.key: tuple[str, int, bool] = ("", 0, False)
+        self.engine_key = ""
+        """The key the request now carried presents: what the engine wrote is quoted
+        without it."""
         self._parser = self.parser_class(max_head=MAX_HEAD)
         self._reset()
 
@@ -130,7 +135,10 @@ class _Conn(asyncio.Protocol):
         try:
             events = self._parser.feed(data)
         except http1.ProtocolError as exc:
-            self._fail(UpstreamError(f"engine sent a malformed response: {exc}"))
+            # The parser quotes what it could not frame: the engine's bytes, which may
+            # echo the request's Authorization header.
+            quoted = redaction.without_key(str(exc), self.engine_key)
+            self._fail(UpstreamError(f"engine sent a malformed response: {quoted}"))
             self._abort()
             return
         # At most a head, the body bytes of this read, and the end, in that order.
@@ -373,11 +381,13 @@ class Pool:
         body: bytes,
         *,
         connect_timeout: float,
+        engine_key: str = "",
     ) -> Response:
         """Send one request and wait for the response head.
 
         A kept-alive connection the engine closed meanwhile fails before any byte of the
-        answer; the request is then sent once more on a fresh connection.
+        answer; the request is then sent once more on a fresh connection. `engine_key`,
+        the key `head` presents, is taken out of the errors that quote the engine's bytes.
         """
         idle = self._idle.get(key)
         conn: _Conn | None = None
@@ -391,6 +401,7 @@ class Pool:
             if conn is None:
                 conn = await self._connect(key, connect_timeout)
             assert conn.transport is not None
+            conn.engine_key = engine_key
             conn.expecting = True
             conn.transport.write(head + body)
             try:

@@ -82,6 +82,35 @@ def test_validation_refuses_and_says_what_to_change(
     assert str(tmp_path) in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "ftp://user:s3cret-pw@10.0.0.1:8000",
+        "user:s3cret-pw@10.0.0.1:8000",
+        "http://user:s3cret-pw@[::1:8000",  # urllib cannot read it
+        "http://user:s3cret-pw@10.0.0.1:99999",  # urllib reads it, but not its port
+        "http://user:s3cret-pw@10.0.0.1:port",
+        "http://user:s3cret-pw@10.0.0.1:0",
+    ],
+)
+def test_a_bad_endpoint_url_is_refused_and_quoted_without_its_password(
+    tmp_path: Path, url: str
+) -> None:
+    """Before: the problem quoted the URL's password; a URL urllib cannot read raised
+    ValueError out of the validation, and one with a port out of range was taken, to
+    fail at the first request."""
+    import yaml
+
+    data = yaml.safe_load(GOOD)
+    data["endpoints"][0]["url"] = url
+    with pytest.raises(config.ConfigError) as err:
+        rc.load(write(tmp_path, yaml.safe_dump(data)))
+    said = str(err.value)
+    assert "must look like http://host:port" in said
+    assert "s3cret-pw" not in said
+    assert "user:***@10.0.0.1" in said or "user:***@[::1:8000" in said
+
+
 def test_unknown_keys_are_refused(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError, match="lisen"):
         rc.load(write(tmp_path, GOOD + "lisen: {port: 1}\n"))

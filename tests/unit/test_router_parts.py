@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import aiohttp
 import msgspec
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +17,8 @@ from llmgw import config
 from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.core.profile import ModelProfile
 from llmgw.router import aiohttp_direct, apis, auth, requests
-from llmgw.router.table import Catalog, EndpointTable
+from llmgw.router.metrics import Metrics
+from llmgw.router.table import Catalog, EndpointTable, Prober
 
 
 def test_keys_file_lookup_models_and_buckets(tmp_path: Path) -> None:
@@ -334,6 +337,52 @@ def test_engine_errors_take_the_shape_of_the_api_asked() -> None:
                           (502, "api_error"), (504, "timeout_error")):  # fmt: skip
         doc = msgspec.json.decode(apis.engine_error("messages", status, b"plain"))
         assert doc["error"]["type"] == atype
+
+
+ENGINE_KEY = "eK3y-Zq4_8xR2pL0vT9mW1nB6cY5dF7gH3jK0sA2uQ"
+
+
+@pytest.mark.parametrize("kind", ["chat", "messages"])
+@pytest.mark.parametrize("status", [302, 400, 404, 413, 422])
+def test_an_engines_answer_but_a_success_loses_the_key_it_was_presented(
+    kind: requests.Kind, status: int
+) -> None:
+    """An engine that echoes the router's `Authorization` in its error (JSON or not, the
+    message escaped in JSON) tells the client what went wrong, never the key."""
+    escaped = "".join(f"\\u{ord(c):04x}" for c in ENGINE_KEY)  # every character escaped
+    bodies = [
+        f'{{"object":"error","message":"too long; you sent Bearer {ENGINE_KEY}"}}',
+        f'{{"error":{{"message":"too long; you sent Bearer {escaped}","code":"x"}}}}',
+        f"<html>too long; you sent Authorization: Bearer {ENGINE_KEY}</html>",
+    ]
+    for body in bodies:
+        out = apis.engine_answer(kind, status, body.encode(), ENGINE_KEY)
+        assert ENGINE_KEY[:8].encode() not in out
+        assert b"too long; you sent" in out
+        assert b"[engine key]" in out
+
+
+async def test_an_endpoint_that_goes_unready_is_logged_without_its_password() -> None:
+    table = EndpointTable()
+    table.add("e", "http://user:s3cret-pw@127.0.0.1:9", ["m"], ready=True)
+    with structlog.testing.capture_logs() as logged:
+        async with aiohttp.ClientSession() as http:
+            await Prober(table, http, Metrics(), interval=60.0).probe_all()  # refused
+    (said,) = [e for e in logged if e["event"] == "endpoint_not_ready"]
+    assert said["url"] == "http://user:***@127.0.0.1:9"
+    assert "s3cret-pw" not in repr(logged)
+
+
+def test_a_success_is_relayed_unread() -> None:
+    """A model's answer is relayed as the engine wrote it (the same object, not a copy):
+    reading every answer for the key would cost each request; only what is not a success
+    is read (`engine_answer`)."""
+    answer = f'{{"choices":[{{"message":{{"content":"{ENGINE_KEY}"}}}}]}}'.encode()
+    for status in (200, 201, 204):
+        assert apis.engine_answer("chat", status, answer, ENGINE_KEY) is answer
+    error = b'{"error":{"message":"no","code":"x"}}'
+    assert apis.engine_answer("chat", 400, error, ENGINE_KEY) == error
+    assert apis.engine_answer("chat", 400, error, "") == error
 
 
 @pytest.mark.parametrize(

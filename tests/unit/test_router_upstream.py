@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.core.redaction import FRAGMENT, KEY_MARK
 from llmgw.router import http1
 from llmgw.router.upstream import UpstreamError, _Conn, parse_base, request_head
 
@@ -162,6 +163,34 @@ def test_malformed_heads_fail_cleanly() -> None:
         c.data_received(data)
         assert c._error is not None
         assert c.transport.aborted  # type: ignore[union-attr]
+
+
+KEY = b"eK3y-Zq4_8xR2pL0vT9mW1nB6cY5dF7gH3jK0sA2uQ"
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"Bearer " + KEY + b" 200 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nAuthorization Bearer " + KEY + b"\r\n\r\n",
+        CHUNKED + b"Bearer " + KEY + b"\r\n",  # quoted 40 bytes long: the key cut short
+        CHUNKED + b"2\r\nok\r\n0\r\nAuthorization Bearer " + KEY + b"\r\n\r\n",
+    ],
+    ids=["status line", "header line", "chunk size", "trailer"],
+)
+def test_what_a_malformed_answer_quotes_is_without_the_engines_key(data: bytes) -> None:
+    """The Python parser quotes the line it could not frame; an engine that echoes the
+    request's Authorization header there would show its key to the client (the error is
+    the attempt's message) and the log. Before: the key, or its first 33 characters."""
+    c = conn()
+    c.engine_key = KEY.decode()
+    c.data_received(data)
+    said = str(c._error)
+    assert said.startswith("engine sent a malformed response")
+    assert KEY[:FRAGMENT].decode() not in said
+    if "line b'" in said:  # the Python parser's (llhttp quotes nothing)
+        assert KEY_MARK in said
 
 
 def test_request_head_and_base_parsing() -> None:

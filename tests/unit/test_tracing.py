@@ -9,6 +9,7 @@ import random
 
 import msgspec
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,7 @@ from llmgw.core.tracing import SPAN_CLIENT, SPAN_INTERNAL, SPAN_SERVER, Span
 from llmgw.router import config as router_config
 from llmgw.router.config import RouterConfig, TracesConfig
 from llmgw.router.tracing import RequestTrace, Tracer
+from llmgw.sim.config import SimConfig
 from tests.harness import wait_for
 from tests.integration.otlp_kit import decode
 
@@ -439,6 +441,46 @@ def test_a_bad_traces_section_says_what_to_change(traces: dict, says: str) -> No
     problems = router_config.validate(cfg)
     assert len(problems) == 1
     assert says in problems[0]
+
+
+@pytest.mark.parametrize("endpoint", ["grpc://user:s3cret-pw@collector:4317", "user:s3cret-pw@c"])
+def test_a_bad_traces_endpoint_is_quoted_without_its_password(endpoint: str) -> None:
+    """Before: the problem quoted the endpoint whole, password and all, to the terminal
+    and the log of whoever started the router (or the sim)."""
+    cfg = msgspec.convert({"traces": {"endpoint": endpoint}, "auth": {"allow_anonymous": True}},
+                          RouterConfig)  # fmt: skip
+    for problems in (
+        router_config.validate(cfg),
+        SimConfig(otlp_traces_endpoint=endpoint).problems(),
+    ):
+        (problem,) = problems
+        assert "s3cret-pw" not in problem
+        assert "user:***@" in problem
+        assert "OTLP/HTTP" in problem
+
+
+async def test_a_collectors_password_stays_out_of_the_log() -> None:
+    """aiohttp sends a URL's userinfo to the collector as Basic auth; the line that says
+    the collector failed names it without the password."""
+    ex = otlp.Exporter("http://user:s3cret-pw@127.0.0.1:9", "svc", timeout_s=2)
+    ex._said_at = float("-inf")  # said once a minute: whatever the clock, now
+    ex.add([Span("ab" * 16, "cd" * 8, "", "x", SPAN_SERVER, 0, 1)])
+    with structlog.testing.capture_logs() as logged:
+        await ex.flush()  # connection refused
+    await asyncio.wait_for(ex.close(), 10)
+    (said,) = [e for e in logged if e["event"] == "traces_not_exported"]
+    assert said["url"] == "http://user:***@127.0.0.1:9/v1/traces"
+    assert "s3cret-pw" not in repr(logged)
+
+
+def test_an_attempts_span_names_its_engine_without_a_password() -> None:
+    t = RequestTrace("ab" * 16, "cd" * 8, "", "rid-1", 100.0, "", random.Random(1))
+    t.attempt_begin("e", "http://user:s3cret-pw@engine:8000", "m", 100.001)
+    t.attempt_end("", 100.002)
+    t.ended(100.1, kind="chat", model="m", status=200, tokens_in=0, tokens_out=0)
+    spans = decode(otlp.encode_fields(t.encode_spans(0), "svc"))
+    (attempt,) = [s for s in spans if s.name == "attempt"]
+    assert attempt.attributes["url.full"] == "http://user:***@engine:8000"
 
 
 def test_traces_urls_are_the_sdks() -> None:

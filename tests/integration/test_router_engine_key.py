@@ -1,0 +1,191 @@
+"""The key a router presents to an engine reaches neither the router's clients nor its log,
+whatever the engine writes back: an engine (or a proxy in front of it) that echoes the
+request's headers in a 5xx or a 4xx has the key taken out of what is relayed, and the rest
+of its message still reaches the client.
+
+A canned engine (aiohttp, on its own thread) that checks the key, and a real `llmgw sim`
+started with one, behind a router served in this process whose endpoint table holds the
+key as an EndpointUp puts it there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import structlog
+from aiohttp import web
+
+from llmgw.core.redaction import FRAGMENT, KEY_MARK
+from llmgw.router.app import Router, build_server
+from llmgw.router.config import RouterConfig
+from llmgw.sim.testing import SimProcess
+from tests.kit.threaded_http import ThreadedApp, engine_app
+
+pytestmark = pytest.mark.slow
+
+KEY = "eK3y-Zq4_8xR2pL0vT9mW1nB6cY5dF7gH3jK0sA2uQ"
+"""As the agent makes them (`secrets.token_urlsafe(32)`: 43 characters)."""
+CHAT = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+CONTEXT_ERROR = (
+    "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens."
+)
+
+
+class EchoingEngine(ThreadedApp):
+    """An engine that wants `Authorization: Bearer KEY` and answers `status` with a body
+    that `render` makes of the request's headers, as it received them."""
+
+    def __init__(self) -> None:
+        self.status = 500
+        self.render = plain_echo
+        app = engine_app(self._answer)
+        app.router.add_post("/v1/messages", self._answer)
+        super().__init__(app)
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if request.headers.get("Authorization") != f"Bearer {KEY}":
+            return web.json_response({"error": "not the engine's key"}, status=401)
+        body, content_type = self.render(dict(request.headers))
+        return web.Response(status=self.status, body=body, headers={"Content-Type": content_type})
+
+
+def plain_echo(headers: dict[str, str], padding: int = 0) -> tuple[bytes, str]:
+    """A crash page that names the request's key after `padding` characters, then lists
+    all its headers."""
+    said = f"Internal error {'.' * padding} serving Authorization: {headers['Authorization']}"
+    return f"{said}; {json.dumps(headers)}".encode(), "text/plain"
+
+
+def vllm_echo(headers: dict[str, str]) -> tuple[bytes, str]:
+    """vLLM's error shape, its message quoting the headers."""
+    error = {
+        "object": "error",
+        "message": f"{CONTEXT_ERROR} (request headers: {headers})",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    return json.dumps(error).encode(), "application/json"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[EchoingEngine]:
+    e = EchoingEngine()
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimProcess]:
+    with SimProcess.start("--api-key", KEY, "--max-model-len", "64", model="m", timeout=60) as s:
+        yield s
+
+
+async def serve(url: str) -> AsyncIterator[str]:
+    """A router whose one endpoint, `url`, is presented KEY; yields the router's URL."""
+    cfg = msgspec.convert(
+        {
+            "auth": {"allow_anonymous": True},
+            "models": [{"name": "m"}],
+            "endpoints": [{"id": "e", "url": url, "models": ["m"]}],
+            "probe_interval_s": 60,
+        },
+        RouterConfig,
+    )
+    router = Router(cfg)
+    router.table.add("e", url, ["m"], ready=True, api_key=KEY)
+    await router.start()
+    runner = web.ServerRunner(build_server(router))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+        await router.stop()
+
+
+@pytest.fixture
+async def echoing(engine: EchoingEngine) -> AsyncIterator[str]:
+    async for url in serve(engine.url):
+        yield url
+
+
+@pytest.fixture
+async def keyed_sim(sim: SimProcess) -> AsyncIterator[str]:
+    async for url in serve(sim.url):
+        yield url
+
+
+async def post(router: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(router + path, json=body) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+def assert_no_key(text: str) -> None:
+    """Neither the key nor its start, in any letter case."""
+    assert KEY[:FRAGMENT].lower() not in text.lower()
+
+
+# "Internal error " (15) + 240 + " serving Authorization: Bearer " (31): the key starts at
+# the 287th character of the 300 quoted.
+@pytest.mark.parametrize("padding", [0, 240], ids=["key-inside-the-quote", "key-across-the-cut"])
+async def test_an_engines_500_that_echoes_the_headers_does_not_show_the_key(
+    engine: EchoingEngine, echoing: str, padding: int
+) -> None:
+    """Before: the client's 502 quoted the engine's first 300 characters, and with them
+    the router's `Authorization: Bearer <key>`; with the key near the 300th, the cut left
+    its first part. The attempt's log line quoted the same."""
+    engine.status = 500
+    engine.render = lambda headers: plain_echo(headers, padding)
+    with structlog.testing.capture_logs() as logged:
+        status, text = await post(echoing, "/v1/chat/completions", CHAT)
+    assert status == 502
+    message = json.loads(text)["error"]["message"]
+    assert message.startswith("engine answered 500: Internal error")
+    assert_no_key(text)
+    if not padding:
+        assert f"Bearer {KEY_MARK}" in message
+    failed = [e for e in logged if e["event"] == "attempt_failed"]
+    assert failed, logged
+    assert_no_key(repr(logged))
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGES)]
+)
+async def test_an_engines_4xx_reaches_the_client_without_the_key(
+    engine: EchoingEngine, echoing: str, path: str, body: dict[str, Any]
+) -> None:
+    """The engine's own answer to the client (vLLM's context length exceeded), relayed,
+    in the API's shape, with the key out of it."""
+    engine.status = 400
+    engine.render = vllm_echo
+    status, text = await post(echoing, path, body)
+    assert status == 400
+    assert_no_key(text)
+    message = json.loads(text)["error"]["message"]
+    assert message.startswith(CONTEXT_ERROR)
+    assert KEY_MARK in message
+
+
+async def test_a_keyed_sims_errors_still_reach_the_client(sim: SimProcess, keyed_sim: str) -> None:
+    """A real engine that wants the key: its context-length 400 comes through whole."""
+    long_prompt = {**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}
+    status, text = await post(keyed_sim, "/v1/chat/completions", long_prompt)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["message"].startswith("This model's maximum context length is 64 tokens")
+    assert error["code"] == "context_length_exceeded"
+    status, text = await post(keyed_sim, "/v1/chat/completions", CHAT)
+    assert status == 200, text

@@ -1,0 +1,215 @@
+"""Secrets out of text (llmgw.core.redaction): an engine's key out of what the engine wrote,
+a URL's password out of a message that quotes the URL, wherever they are placed."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections.abc import Callable
+from urllib.parse import quote, urlsplit
+
+import pytest
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+from llmgw.core.redaction import (
+    FRAGMENT,
+    KEY_MARK,
+    PASSWORD_MARK,
+    bytes_without_key,
+    engine_words,
+    shown_url,
+    without_key,
+    without_url_secret,
+)
+
+URLSAFE = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+keys = st.text(URLSAFE, min_size=1, max_size=64)
+"""Keys as the agent makes them (`secrets.token_urlsafe`), of any length."""
+any_keys = st.text(st.characters(exclude_characters="\x00"), min_size=1, max_size=64)
+"""Keys of any characters but NUL (which stands for a mark where a test looks)."""
+
+
+def found(needle: str, text: str) -> bool:
+    """Whether `needle` is in `text`, in any letter case."""
+    return re.search(re.escape(needle), text, re.IGNORECASE) is not None
+
+
+def unmarked(text: str, mark: str = KEY_MARK) -> str:
+    """`text` with its marks as NUL: a key found there is in what was left, not made of a
+    mark's letters."""
+    return text.replace(mark, "\x00")
+
+
+@given(before=st.text(), key=any_keys, after=st.text(), times=st.integers(1, 3))
+@example(before="a", key="aaaaaaaaab", after="", times=1)  # the key's start, repeated first
+@example(before="", key="e", after="", times=1)  # a key that a mark contains
+def test_the_key_never_survives_wherever_it_is(
+    before: str, key: str, after: str, times: int
+) -> None:
+    text = before + (key + after) * times
+    out = without_key(text, key)
+    assert not found(key, unmarked(out))
+    assert KEY_MARK in out
+
+
+ENCODINGS: dict[str, Callable[[str], str]] = {
+    "as is": lambda k: k,
+    "upper case": str.upper,
+    "lower case": str.lower,
+    "in JSON": lambda k: json.dumps(k)[1:-1],
+    "in JSON, not ASCII": lambda k: json.dumps(k, ensure_ascii=False)[1:-1],
+    "percent-encoded": lambda k: quote(k.encode("utf-8", "surrogatepass"), safe=""),
+    "in HTML": html.escape,
+    "as Python bytes": lambda k: repr(k.encode())[2:-1],
+    "after Bearer": lambda k: f"Bearer {k}",
+}
+
+
+@pytest.mark.parametrize("encoding", sorted(ENCODINGS))
+@given(
+    before=st.text(),
+    key=st.text(st.characters(codec="ascii", exclude_characters="\x00"), min_size=1),
+    after=st.text(),
+)
+def test_the_key_as_an_echo_writes_it_never_survives(
+    encoding: str, before: str, key: str, after: str
+) -> None:
+    written = ENCODINGS[encoding](key)
+    out = without_key(before + written + after, key)
+    assert not found(key, unmarked(out))
+    assert not found(written.removeprefix("Bearer "), unmarked(out))
+
+
+@given(
+    before=st.text(max_size=40),
+    padding=st.integers(0, 320),
+    key=st.text(URLSAFE, min_size=FRAGMENT, max_size=64),
+    after=st.text(max_size=40),
+    most=st.integers(0, 400),
+)
+def test_a_cut_comes_after_the_key_is_out_so_no_part_of_it_is_left(
+    before: str, padding: int, key: str, after: str, most: int
+) -> None:
+    """Wherever the key lies against the cut (the 300 characters of an engine's 5xx that a
+    client is told), not even its start is left. (A mark's parts hold a space, which no
+    key here does.)"""
+    data = (before + "." * padding + f"Authorization: Bearer {key}" + after).encode()
+    out = engine_words(data, key, most)
+    assert len(out) <= most
+    assert not found(key[:FRAGMENT], out)
+
+
+@given(before=st.text(max_size=40), key=st.text(URLSAFE, min_size=FRAGMENT), cut=st.integers(0))
+def test_a_key_cut_short_before_it_came_goes_from_its_first_characters(
+    before: str, key: str, cut: int
+) -> None:
+    """Text the router did not cut (an engine's quote of a malformed line, a bounded read)
+    may end inside the key: its start goes too, from `FRAGMENT` characters on."""
+    part = key[: FRAGMENT + cut % (len(key) - FRAGMENT + 1)]
+    out = without_key(f"{before}'{part}'", key)
+    assert not found(part, unmarked(out))
+
+
+@given(text=st.text(), key=keys)
+def test_text_without_the_key_is_unchanged(text: str, key: str) -> None:
+    assume(not found(key[:FRAGMENT], text))
+    assert without_key(text, key) == text
+    assert without_key(text, "") == text
+
+
+def test_the_useful_part_of_an_error_stays() -> None:
+    key = "eK3y-Zq4_8xR2pL0vT9mW1nB6cY5dF7gH3jK0sA2uQ"
+    body = (
+        "This model's maximum context length is 4096 tokens. However, you requested 9000"
+        f" tokens. {{'authorization': 'Bearer {key}', 'host': 'engine:8000'}}"
+    )
+    assert without_key(body, key) == (
+        "This model's maximum context length is 4096 tokens. However, you requested 9000"
+        " tokens. {'authorization': 'Bearer [engine key]', 'host': 'engine:8000'}"
+    )
+
+
+@given(before=st.binary(), key=keys, after=st.binary())
+def test_bytes_lose_the_key_and_keep_every_other_byte(
+    before: bytes, key: str, after: bytes
+) -> None:
+    out = bytes_without_key(before + key.encode() + after, key)
+    assert not found(key, unmarked(out.decode("utf-8", "replace")))
+    assume(not found(key[:FRAGMENT], before.decode("utf-8", "replace")))
+    assume(not found(key[:FRAGMENT], after.decode("utf-8", "replace")))
+    assert bytes_without_key(before + after, key) == before + after
+
+
+# ---------------------------------------------------------------------------- URLs
+
+userinfo_text = st.text(st.characters(exclude_characters="/@\x00"), min_size=1)
+"""A password or token: anything but `/` (which ends the authority) and `@`."""
+users = st.text(st.characters(exclude_characters=":/@"))
+hosts = st.text(st.characters(exclude_characters="/@"))
+rests = st.one_of(st.just(""), st.text().map(lambda t: "/" + t))
+"""Nothing, or a path (which may hold `@`, `//` or anything else)."""
+schemes = st.sampled_from(["http://", "https://", "tls://", "tcp://", "//"])
+
+
+@given(scheme=schemes, user=users, password=userinfo_text, host=hosts, rest=rests)
+@example(scheme="http://", user="user", password="secret", host="[::1:8000", rest="/")
+@example(scheme="https://", user="u", password="p@ss:word#1?", host="h", rest="/a@b")
+def test_a_urls_password_never_survives(
+    scheme: str, user: str, password: str, host: str, rest: str
+) -> None:
+    url = f"{scheme}{user}:{password}@{host}{rest}"
+    assert shown_url(url) == f"{scheme}{user}:{PASSWORD_MARK}@{host}{rest}"
+
+
+@given(scheme=schemes, token=st.text(st.characters(exclude_characters=":/@"), min_size=1),
+       host=hosts, rest=rests)  # fmt: skip
+def test_a_lone_token_never_survives(scheme: str, token: str, host: str, rest: str) -> None:
+    assert shown_url(f"{scheme}{token}@{host}{rest}") == f"{scheme}{PASSWORD_MARK}@{host}{rest}"
+
+
+@given(user=users, password=userinfo_text, host=hosts, rest=rests)
+@example(user="user", password="secret", host="engine:8000", rest="//path@x")
+def test_without_its_scheme_a_urls_password_never_survives_either(
+    user: str, password: str, host: str, rest: str
+) -> None:
+    """A URL's scheme left out (`user:secret@engine:8000`): the userinfo is the text's
+    start. (A path with `//` in it may lose a part that looks like userinfo too.)"""
+    shown = shown_url(f"{user}:{password}@{host}{rest}")
+    assert shown.startswith(f"{user}:{PASSWORD_MARK}@{host}")
+
+
+def test_a_url_too_malformed_for_urllib_loses_its_password_too() -> None:
+    url = "http://user:secret@[::1:8000/v1"
+    with pytest.raises(ValueError, match="IPv6"):
+        urlsplit(url)
+    assert shown_url(url) == "http://user:***@[::1:8000/v1"
+
+
+@given(scheme=schemes, host=hosts, rest=rests)
+@example(scheme="http://", host="10.0.0.5:8000", rest="/v1/a@b")
+def test_a_url_without_credentials_is_unchanged(scheme: str, host: str, rest: str) -> None:
+    assert shown_url(f"{scheme}{host}{rest}") == f"{scheme}{host}{rest}"
+
+
+@given(st.text())
+def test_text_without_an_at_sign_is_unchanged_and_marking_twice_is_marking_once(
+    text: str,
+) -> None:
+    if "@" not in text:
+        assert shown_url(text) == text
+    assert shown_url(shown_url(text)) == shown_url(text)
+
+
+@given(user=users, password=st.text(st.characters(exclude_characters="/@\x00"), min_size=4))
+def test_an_error_about_a_url_loses_its_password_as_written_or_decoded(
+    user: str, password: str
+) -> None:
+    encoded = quote(password.encode("utf-8", "surrogatepass"), safe="")
+    url = f"http://{user}:{encoded}@collector:4318/v1/traces"
+    error = f"InvalidURL: {url} and {password}"
+    out = without_url_secret(error, url)
+    assert not found(password, unmarked(out, PASSWORD_MARK))
+    assert not found(encoded, unmarked(out, PASSWORD_MARK))
+    assert without_url_secret(error, "http://collector:4318") == error
