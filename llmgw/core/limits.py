@@ -72,6 +72,10 @@ Rate: TypeAlias = Annotated[float, msgspec.Meta(ge=0.0, le=10.0**7)]
 
 Name: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Text: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+EngineKey: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_NAME, pattern="^[!-~]*$")]
+"""A key an engine requires, which routers send in a request's head: visible ASCII only (a
+node's agent makes them URL-safe), since any other character cannot be written in an HTTP
+header and would fail every request to the engine."""
 Line: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_LINE)]
 
 Names: TypeAlias = Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_LIST)]

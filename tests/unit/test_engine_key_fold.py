@@ -102,7 +102,7 @@ def test_an_engine_started_without_a_key_is_routed_without_one() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(key=st.text(min_size=1, max_size=80))
+@given(key=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=80))
 def test_any_key_survives_the_events_encoding(key: str) -> None:
     ev = events.ShardStatus(
         id="s", ts=1.0, node="n1", replica_id="r", generation=1, phase="serving", api_key=key

@@ -32,6 +32,7 @@ from llmgw.core.limits import (
     MAX_LIST,
     MAX_SHARDS,
     Counter,
+    EngineKey,
     GpuIndex,
     GpuIndices,
     LogTail,
@@ -163,7 +164,7 @@ class ShardStatus(NodeEvent, tag="node.shard", kw_only=True, frozen=True):
     log_tail: LogTail = ()
     """The engine's last output lines, shipped with `failed`: the only diagnosis of a bad load."""
     pid: Pid | None = None
-    api_key: Name = ""
+    api_key: EngineKey = ""
     """The key the engine of shard 0 requires (`Authorization: Bearer`), reported with
     serving: routers present it; NATS lets no other node read this subject."""
 
@@ -342,7 +343,7 @@ class EndpointUp(ControlEvent, tag="control.endpoint_up", kw_only=True, frozen=T
     model: Name
     url: Text
     node: Name = ""
-    api_key: Name = ""
+    api_key: EngineKey = ""
     """What routers send the engine as `Authorization: Bearer`; empty for an engine
     started without one."""
 
