@@ -1,15 +1,19 @@
 """What nodes say of endpoints the router's table does not have on them is dropped
-(llmgw.core.kvindex `KvIndex.sweep`)."""
+(llmgw.core.kvindex `KvIndex.sweep`, run by llmgw.router.kvfeed)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.core import kvblocks, kvindex
 from llmgw.core.kvindex import UNLISTED_GRACE_S, KvIndex
+from llmgw.router.config import LogSource
+from llmgw.router.kvfeed import SWEEP_EVERY_S, KvFeed
 from llmgw.router.table import EndpointTable
 from tests.unit.test_kvindex import upd
 
@@ -46,6 +50,33 @@ def test_a_nodes_made_up_endpoint_is_dropped_after_the_grace_and_a_late_listed_o
     table.remove("real")
     assert not index.endpoints
     assert not index.holders
+
+
+def test_a_sweep_is_bounded_and_the_feed_goes_on_at_its_next_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvindex, "SWEEP_KEYS", 3)
+    index, table = wired()
+    feed = KvFeed(LogSource(servers=("nats://127.0.0.1:1",), name="r1"), index,
+                  listed=table.has)  # fmt: skip
+    for e in range(3):
+        index.apply(upd(f"fake{e}", 1, full=True, stored=[10 * e, 10 * e + 1]), "n9", 0.0)
+    with structlog.testing.capture_logs() as logged:
+        feed.apply([], now=GRACE + 1)  # 2 keys, the next 2 would pass the bound of 3
+        assert len(index.endpoints) == 2
+        feed.apply([], now=GRACE + 1.1)  # cut short: not put off for SWEEP_EVERY_S
+        assert len(index.endpoints) == 1
+        feed.apply([], now=GRACE + 1.2)
+        assert not index.endpoints
+        assert not index.holders
+        feed.apply([], now=GRACE + 1.3)  # nothing was left: the next pass waits
+    dropped = [e for e in logged if e["event"] == "kv_unlisted_dropped"]
+    assert [(e["node"], e["endpoints"], e["blocks"]) for e in dropped] == [("n9", 1, 2)] * 3
+    assert index.unlisted_dropped == 3
+    # A feed with no table sweeps nothing.
+    index.apply(upd("fake", 1, full=True, stored=[1]), "n9", 0.0)
+    KvFeed(feed.source, index).apply([], now=GRACE + 2 * SWEEP_EVERY_S)
+    assert list(index.endpoints) == [("n9", "fake")]
 
 
 def assert_consistent(index: KvIndex) -> None:
