@@ -15,7 +15,9 @@ An endpoint's blocks are trusted only while its updates keep coming (the agent s
 full update every few seconds) and only from the node that published them: blocks are
 kept per (node, endpoint), and `match` reads, for each candidate, only what the node the
 router's endpoint table names for it said. A node cannot claim another node's engine's
-cache, nor drown what that node says.
+cache, nor drown what that node says. What a node says of an endpoint the table does not
+have on it is never read, so `sweep` drops it once it is `UNLISTED_GRACE_S` old: a node
+cannot make every router keep blocks for ids it made up, or for another node's engines.
 
 A router keys a prompt once per block size its candidates use, so block sizes cost it
 work on every request. One node's endpoints may use `MAX_BLOCK_SIZES_PER_NODE` sizes
@@ -52,18 +54,30 @@ MAX_BLOCK_SIZES_PER_NODE = 4
 on a node (vLLM's 16, SGLang's 1, a hybrid model's large block) fit."""
 MAX_PROMPT_BLOCK_SIZES = 4
 """Block sizes `match` keys one prompt for: each is a pass of hashing over the prompt."""
+UNLISTED_GRACE_S = 60.0
+"""How long a node's blocks are kept for an endpoint the router's endpoint table does not
+have on that node. An engine's first updates may reach a router before the EndpointUp
+that announces it (the KV stream and the log are read apart, and a router catching up on
+the log folds it seconds late): a minute covers that with room to spare, and past it the
+blocks are ones `match` never reads (ids a node made up, another node's engines)."""
+SWEEP_KEYS = 250_000
+"""Keys one `sweep` clears at most (tens of milliseconds of the router's event loop), or
+its first endpoint's where that holds more: the rest wait for the next pass."""
 
 
 class EndpointBlocks:
     """What the index knows of one endpoint's cache."""
 
-    __slots__ = ("bit", "block_size", "endpoint", "instance", "keys", "model", "node",
-                 "roots", "seq", "synced", "updated_at")  # fmt: skip
+    __slots__ = ("bit", "block_size", "endpoint", "indexed_at", "instance", "keys", "model",
+                 "node", "roots", "seq", "synced", "updated_at")  # fmt: skip
 
-    def __init__(self, endpoint: str, node: str, bit: int) -> None:
+    def __init__(self, endpoint: str, node: str, bit: int, indexed_at: float = 0.0) -> None:
         self.endpoint = endpoint
         self.node = node
         self.bit = bit
+        self.indexed_at = indexed_at
+        """When the index began holding it: `sweep` measures the grace of an endpoint the
+        table lacks on its node from then."""
         self.model = ""
         self.instance = ""
         self.block_size = 0
@@ -94,6 +108,8 @@ class KvIndex:
         self.applied = 0
         self.refused = 0
         self.resyncs = 0
+        self.unlisted_dropped = 0
+        """Endpoints `sweep` dropped: blocks a node published for one the table lacked."""
 
     def __len__(self) -> int:
         return len(self.holders)
@@ -115,8 +131,10 @@ class KvIndex:
             if self._per_node.get(node, 0) >= MAX_ENDPOINTS_PER_NODE:
                 self.refused += 1
                 return f"node {node} publishes for {MAX_ENDPOINTS_PER_NODE} endpoints already"
-            ep = self.endpoints[key] = EndpointBlocks(update.endpoint, node, self._take_bit())
+            ep = EndpointBlocks(update.endpoint, node, self._take_bit(), now)
+            self.endpoints[key] = ep
             self._per_node[node] = self._per_node.get(node, 0) + 1
+            self._node_keys.setdefault(node, 0)
         ep.updated_at = now
         if update.full:
             self._clear(ep)
@@ -213,17 +231,49 @@ class KvIndex:
         """Drop an endpoint and everything it held, whichever node spoke of it (it went
         down, or its node was lost)."""
         for key in [k for k in self.endpoints if k[1] == endpoint]:
-            ep = self.endpoints.pop(key)
-            self._clear(ep)
-            self._release_block_size(ep)
-            self._free_bits.append(ep.bit)
-            left = self._per_node[ep.node] - 1
-            if left:
-                self._per_node[ep.node] = left
-            else:
-                del self._per_node[ep.node]
-                del self._node_keys[ep.node]
-                self._node_sizes.pop(ep.node, None)
+            self._drop(key)
+
+    def sweep(
+        self,
+        listed: Callable[[str, str], bool],
+        now: float,
+        *,
+        grace_s: float = UNLISTED_GRACE_S,
+        max_keys: int | None = None,
+    ) -> tuple[list[tuple[str, str, int]], bool]:
+        """Drop what nodes said of endpoints the router's table does not have on them
+        (`listed(endpoint, node)` is false) once the index has held it over `grace_s`.
+
+        One pass looks at each endpoint once (`MAX_ENDPOINTS` at most) and clears `max_keys`
+        (`SWEEP_KEYS`) keys at most, or its first endpoint's where that holds more. Returns
+        the (node, endpoint, blocks) dropped, and whether the pass got through every
+        endpoint (else the next one goes on)."""
+        most = SWEEP_KEYS if max_keys is None else max_keys
+        dropped: list[tuple[str, str, int]] = []
+        cleared = 0
+        for key, ep in list(self.endpoints.items()):
+            if now - ep.indexed_at <= grace_s or listed(ep.endpoint, ep.node):
+                continue
+            if dropped and cleared + len(ep.keys) > most:
+                return dropped, False
+            cleared += len(ep.keys)
+            dropped.append((ep.node, ep.endpoint, len(ep.keys)))
+            self._drop(key)
+            self.unlisted_dropped += 1
+        return dropped, True
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        ep = self.endpoints.pop(key)
+        self._clear(ep)
+        self._release_block_size(ep)
+        self._free_bits.append(ep.bit)
+        left = self._per_node[ep.node] - 1
+        if left:
+            self._per_node[ep.node] = left
+        else:
+            del self._per_node[ep.node]
+            del self._node_keys[ep.node]
+            self._node_sizes.pop(ep.node, None)
 
     def _clear(self, ep: EndpointBlocks) -> None:
         bit = ~(1 << ep.bit)

@@ -144,7 +144,8 @@ class Router:
             )
             self.feed.start()
             if self.cfg.cache.enabled and self.cfg.cache.events:
-                self.kv_feed = KvFeed(self.cfg.log, self.dispatcher.kv.index)
+                self.kv_feed = KvFeed(self.cfg.log, self.dispatcher.kv.index,
+                                      listed=self.table.has)  # fmt: skip
                 self.kv_feed.start()
             # The load reports the autoscaler decides on (llmgw.router.signals).
             d = self.dispatcher

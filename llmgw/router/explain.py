@@ -10,7 +10,8 @@ counts them, what each endpoint holds of it (cached tokens and where that came f
 the engines' KV events, this router's recent routes, its approximate text index),
 each one's load and cost (llmgw.core.routing.CostModel), which filters dropped whom,
 the order the router would try them in now, and how the fleet KV index stands (endpoints,
-blocks, updates folded and refused, resyncs after a missed update). Nothing is sent to any engine.
+blocks, updates folded and refused, resyncs after a missed update, endpoints dropped for not
+being in the endpoint table on their node). Nothing is sent to any engine.
 
 It asks what the front door asks: an API key (`Authorization: Bearer ...`) that may use
 the model, unless the router takes anonymous requests. Which prompts an engine holds is
@@ -111,7 +112,8 @@ def explain(
     out["prompt_tokens_keyed"] = plan.keyed_tokens
     out["index"] = {"endpoints": len(index.endpoints), "blocks": len(index),
                     "updates_applied": index.applied, "updates_refused": index.refused,
-                    "resyncs": index.resyncs}  # fmt: skip
+                    "resyncs": index.resyncs,
+                    "unlisted_dropped": index.unlisted_dropped}  # fmt: skip
     out["endpoints"] = rows
     out["order"] = [ep.id for ep in routing.rank(endpoints, q, cfg.weights, 0.0).order]
     return out

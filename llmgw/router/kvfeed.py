@@ -7,7 +7,9 @@ without waiting for engines to store anything again) and then follows it, foldin
 update into `llmgw.core.kvindex.KvIndex`. Which node published an update is its
 subject's, which the server enforces and the signature proves; the index keeps it and
 the router believes an endpoint's blocks only from the node its endpoint table has for
-it (llmgw.router.kvroute).
+it (llmgw.router.kvroute). As updates come, every `SWEEP_EVERY_S` it drops what a node said
+of an endpoint the table has not had on that node for `kvindex.UNLISTED_GRACE_S`
+(`KvIndex.sweep`), and logs it by node.
 
 It runs beside the LogFeed and never stops the router: while it cannot read, routing
 goes on from the router's own recent routes and approximate index.
@@ -19,17 +21,23 @@ import asyncio
 import contextlib
 import ssl
 import time
+from collections.abc import Callable
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
 from llmgw.bus import kvlog
 from llmgw.bus.intake import Record
-from llmgw.core import subjects
+from llmgw.core import kvindex, subjects
 from llmgw.core.kvindex import KvIndex
 from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
 
 log = logs.get("llmgw.router.kv")
+
+SWEEP_EVERY_S = 5.0
+"""How often, as updates come, the index is swept of endpoints the table lacks (the agents'
+full-update interval: a pass is cheap next to the updates of that long). A pass cut short
+by its bound is followed by another on the next batch."""
 
 
 class KvFeed:
@@ -42,11 +50,17 @@ class KvFeed:
         *,
         tls: ssl.SSLContext | None = None,
         window_s: float = kvlog.START_WINDOW_S,
+        listed: Callable[[str, str], bool] | None = None,
     ) -> None:
         """`window_s`: how far back to start reading; more than the agents' full-update
-        interval (llmgw.agent.kvrelay.FULL_EVERY_S), so every engine's is in it."""
+        interval (llmgw.agent.kvrelay.FULL_EVERY_S), so every engine's is in it.
+        `listed(endpoint, node)`: whether the router's endpoint table has that endpoint on
+        that node (None: no table, nothing is swept)."""
         self.source = source
         self.index = index
+        self.listed = listed
+        self._swept_at = 0.0
+        self._swept_all = True
         self._tls = tls
         self.window_s = window_s
         self.ready = asyncio.Event()
@@ -96,8 +110,8 @@ class KvFeed:
         log.info("kv_feed_caught_up", endpoints=len(self.index.endpoints),
                  blocks=len(self.index))  # fmt: skip
 
-    def apply(self, batch: list[Record]) -> None:
-        now = time.time()
+    def apply(self, batch: list[Record], now: float | None = None) -> None:
+        now = time.time() if now is None else now
         for record in batch:
             owner = subjects.kv_owner(record.subject)
             if owner is None:
@@ -106,3 +120,21 @@ class KvFeed:
             if refused is not None:
                 log.warning("kv_update_refused", seq=record.seq, subject=record.subject,
                             reason=refused)  # fmt: skip
+        # abs(): a clock set back does not put the next pass off.
+        if not self._swept_all or abs(now - self._swept_at) >= SWEEP_EVERY_S:
+            self.sweep(now)
+
+    def sweep(self, now: float) -> None:
+        """One bounded pass of `KvIndex.sweep`, logged per node."""
+        if self.listed is None:
+            return
+        dropped, self._swept_all = self.index.sweep(self.listed, now)
+        self._swept_at = now
+        by_node: dict[str, list[tuple[str, int]]] = {}
+        for node, endpoint, blocks in dropped:
+            by_node.setdefault(node, []).append((endpoint, blocks))
+        for node, gone in sorted(by_node.items()):
+            names = sorted(endpoint for endpoint, _ in gone)
+            log.warning("kv_unlisted_dropped", node=node, endpoints=len(gone),
+                        blocks=sum(blocks for _, blocks in gone), first=names[:8],
+                        grace_s=kvindex.UNLISTED_GRACE_S)  # fmt: skip

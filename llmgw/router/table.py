@@ -110,6 +110,11 @@ class EndpointTable:
                 told(id)
         return ep
 
+    def has(self, id: str, node: str) -> bool:
+        """Whether endpoint `id` is here on `node` (the only node believed about its cache)."""
+        ep = self.by_id.get(id)
+        return ep is not None and ep.node == node
+
     def mark_draining(self, id: str, draining: bool = True) -> bool:
         ep = self.by_id.get(id)
         if ep is None:
