@@ -2,9 +2,14 @@
 quiet 400s.
 
 aiohttp's server has no limit on how long a request's head (request line and headers) may
-take to arrive: a client sending one header byte every few seconds holds a connection, and
-its buffers, for as long as it likes. Here the head must be complete within the listener's
-head timeout of its first byte, or the client gets a 408 and the connection is closed.
+take to arrive, nor on how long a new connection may stay silent before it sends one (its
+keep-alive timeout, 3630 s, is all): a client sending one header byte every few seconds,
+or none at all, holds a connection, its file descriptor and buffers, for as long as it
+likes. Here a connection's first head must be complete within the listener's head timeout
+of the connection's accept, and each later head (on a kept-alive connection) within the
+timeout of its first byte; a late head gets a 408 and the connection is closed, a
+connection that sent nothing is closed without an answer. Between requests a kept-alive
+connection may stay idle for aiohttp's keep-alive timeout.
 
 aiohttp answers a request that is not valid HTTP with its parser's message, which quotes
 the offending line (an `Authorization` header with its key included), and logs it with a
@@ -12,8 +17,9 @@ traceback. Here the answer is a JSON 400 naming only the kind of problem, and th
 names the client and the kind, never the bytes.
 
 Every listener is served so, plain HTTP or HTTPS (TLS hands the handler the decrypted
-bytes; the deadline runs from the first of them, and the handshake is bounded by asyncio's
-own timeout): the router's front door and admin listener (`server`, aiohttp's low-level
+bytes; the handler is made at the accept, before the handshake, so the first head's
+deadline covers the handshake too, and `start_site` holds the handshake itself to it):
+the router's front door and admin listener (`server`, aiohttp's low-level
 server, through llmgw.router.protocol, which answers in OpenAI's error shape), the control
 plane's admin API (llmgw.control.admin), the agent's admin listener (llmgw.agent.metrics)
 and `llmgw console` (`app_runner`, for an aiohttp Application). Each listener's `Rules`
@@ -29,6 +35,8 @@ deadline and with aiohttp's 400s (logged once per listener).
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +79,8 @@ class Rules:
     """How one listener holds its connections."""
 
     head_timeout_s: float
-    """A request head must be complete this long after its first byte, or 408."""
+    """A connection's first request head must be complete this long after the accept, a
+    later one this long after its first byte, or 408 (a silent connection: closed)."""
     log: structlog.typing.FilteringBoundLogger
     """The listener's logger: the late heads and malformed requests are its lines."""
     error_body: ErrorBody = plain_error
@@ -124,15 +133,33 @@ _LINGER_S = 2.0
 class Handler(RequestHandler):
     """One client connection."""
 
-    __slots__ = ("_draining_late", "_head_timer", "_no_head_yet", "_rules")
+    __slots__ = (
+        "_accepted_at",
+        "_draining_late",
+        "_head_timer",
+        "_heard",
+        "_no_head_yet",
+        "_rules",
+    )
 
     def __init__(self, manager: Any, *, rules: Rules, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._rules = rules
+        # The server makes its handler at the accept, before a TLS handshake.
+        self._accepted_at = self._loop.time()
         self._head_timer: asyncio.TimerHandle | None = None
         self._draining_late = False
         self._no_head_yet = True
         """No complete head has arrived on this connection yet."""
+        self._heard = False
+        """A byte has arrived on this connection."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # The first head's deadline runs from the accept: a connection that never sends
+        # a byte is closed then, not after aiohttp's hour of keep-alive.
+        deadline = self._accepted_at + self._rules.head_timeout_s
+        self._head_timer = self._loop.call_at(deadline, self._head_late)
 
     def _awaiting_head(self) -> bool:
         # start() waits on _waiter exactly while no complete request head is queued.
@@ -147,11 +174,13 @@ class Handler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._draining_late:
             return  # answered with a 408: what still arrives is dropped
+        self._heard = self._heard or bool(data)
         super().data_received(data)
         if self._messages:
             self._no_head_yet = False  # what follows a head may be its body
         if self._awaiting_head():
-            # Part of a head: the deadline runs from its first byte, not from each piece.
+            # Part of a head: the deadline runs from its first byte (the first head's:
+            # from the accept), not from each piece.
             if self._head_timer is None and data:
                 timeout_s = self._rules.head_timeout_s
                 self._head_timer = self._loop.call_later(timeout_s, self._head_late)
@@ -164,6 +193,15 @@ class Handler(RequestHandler):
         if not self._awaiting_head() or self.transport is None:
             return
         peer = self.transport.get_extra_info("peername")
+        if not self._heard:
+            # Nothing asked, so nothing to answer: a client that opened a connection ahead
+            # of need (a browser, a proxy's pool) reconnects when it has a request. Debug
+            # only: such closes are routine, and a flood of them would drown the log.
+            self._rules.log.debug(
+                "connection_silent", peer=str(peer), timeout_s=self._rules.head_timeout_s
+            )
+            self.force_close()
+            return
         self._rules.log.info(
             "request_head_timeout", peer=str(peer), timeout_s=self._rules.head_timeout_s
         )
@@ -274,3 +312,54 @@ def app_runner(app: web.Application, *, rules: Rules, **kwargs: Any) -> web.AppR
         return _AppRunner(app, rules=rules, **kwargs)
     _stock(rules)
     return web.AppRunner(app, **kwargs)
+
+
+class _Site(web.SockSite):
+    """aiohttp's site on a listening socket, whose TLS handshakes must end within
+    `handshake_timeout_s`: aiohttp's own leaves them asyncio's default, a minute."""
+
+    __slots__ = ("_handshake_timeout_s",)
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        sock: socket.socket,
+        *,
+        ssl_context: ssl.SSLContext | None,
+        handshake_timeout_s: float,
+    ) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context)
+        self._handshake_timeout_s = handshake_timeout_s
+
+    async def start(self) -> None:
+        # SockSite.start, with the handshake's timeout: BaseSite.start registers the site.
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        tls = self._ssl_context
+        self._server = await asyncio.get_running_loop().create_server(
+            server,
+            sock=self._sock,
+            ssl=tls,
+            backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout_s if tls is not None else None,
+        )
+
+
+async def start_site(
+    runner: web.BaseRunner,
+    sock: socket.socket,
+    *,
+    rules: Rules,
+    ssl_context: ssl.SSLContext | None = None,
+) -> None:
+    """Serve `runner` on the listening `sock`, over TLS with `ssl_context`: a TLS handshake
+    must end within the head timeout (the first head's deadline, which it is part of),
+    not asyncio's minute. On an aiohttp `Server` was not written for, aiohttp's own site."""
+    if SUPPORTED:
+        site: web.SockSite = _Site(
+            runner, sock, ssl_context=ssl_context, handshake_timeout_s=rules.head_timeout_s
+        )
+    else:
+        site = web.SockSite(runner, sock, ssl_context=ssl_context)
+    await site.start()

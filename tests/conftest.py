@@ -11,7 +11,7 @@ import pytest
 import structlog
 from hypothesis import HealthCheck, settings
 
-from tests.harness import Connector, TestNatsCluster, TestNatsServer, TestPki
+from tests.harness import Connector, TestNatsCluster, TestNatsServer, TestPki, running_nats
 
 # Property tests judge what the code returns, never how fast: on a busy machine (CI's two
 # cores shared with nats-servers and engines) an example can take longer than Hypothesis's
@@ -40,13 +40,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
 @pytest.fixture
 def nats_server(pki: TestPki, tmp_path: Path) -> Iterator[TestNatsServer]:
     """A fresh nats-server (JetStream, mTLS, rendered authorization) on a free port."""
-    server = TestNatsServer(pki, tmp_path / "nats")
-    server.root.mkdir()
-    server.start()
-    try:
+    with running_nats(pki, tmp_path / "nats") as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ import ssl
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -338,6 +338,20 @@ class TestNatsServer:
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def running_nats(pki: TestPki, root: Path, *, port: int = 0) -> Iterator[TestNatsServer]:
+    """A nats-server with `pki`'s certificates and authorization, its files in `root`
+    (made here), on `port` (0: a free one); closed on exit."""
+    server = TestNatsServer(pki, root)
+    server.root.mkdir()
+    server.port = port
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 class TestNatsCluster:

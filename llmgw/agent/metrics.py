@@ -200,7 +200,7 @@ async def serve(
     except OSError:
         await runner.cleanup()
         raise
-    await web.SockSite(runner, sock).start()
+    await http_server.start_site(runner, sock, rules=rules)
     url = listeners.url("http", sock)
     log.info("admin_listening", url=url)
     return runner, url

@@ -60,6 +60,7 @@ from llmgw.bus.publisher import Fence, FenceRefused, Published, Publisher, Publi
 from llmgw.bus.reader import Reader, ReaderError, Record, Skipped
 from llmgw.bus.signals import SignalsPublisher, SignalsReader
 from llmgw.bus.snapshots import Snapshot, SnapshotStore
+from llmgw.bus.tlsrefusal import Refusal, TlsRefused, refusal
 
 __all__ = [
     "LEASE_BUCKET",
@@ -86,6 +87,7 @@ __all__ = [
     "Reader",
     "ReaderError",
     "Record",
+    "Refusal",
     "SignalsPublisher",
     "SignalsReader",
     "Skipped",
@@ -93,10 +95,12 @@ __all__ = [
     "SnapshotPort",
     "SnapshotStore",
     "StreamSettings",
+    "TlsRefused",
     "backoff_delay",
     "close",
     "connect",
     "delete_messages",
     "load_attestations",
     "provision",
+    "refusal",
 ]

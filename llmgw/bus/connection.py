@@ -9,6 +9,9 @@ in three ways that matter in production:
 - its error callback recognises a permissions violation and logs it as such (a
   JetStream publish the server refuses on permissions otherwise surfaces only as a
   timeout, see docs/design.md) and keeps the recent ones in `permission_violations`;
+  a TLS refusal (llmgw.bus.tlsrefusal: a server certificate this client's CA did not sign,
+  a client certificate the server will not take) is logged as `tls_refused` with what to
+  change, and ends the first connection at once where the caller asks (`llmgw ctl`);
 - it can hand the messages of a subscription straight to a synchronous function
   (`fast_subscribe`), skipping nats-py's per-message header parsing and queueing;
   the `Reader` uses it to replay the log several times faster.
@@ -23,12 +26,13 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from llmgw import logs
 from llmgw.bus import natspy
 from llmgw.bus.keys import Keys, bind
 from llmgw.bus.natspy import backoff_delay as backoff_delay
+from llmgw.bus.tlsrefusal import Refusal, TlsRefused, refusal
 from llmgw.pki.identity import Identity
 
 log = logs.get("llmgw.bus")
@@ -44,6 +48,8 @@ class BusClient(natspy.Client):
     def __init__(self) -> None:
         super().__init__()
         self.permission_violations: deque[str] = deque(maxlen=100)
+        self.connected_once = False
+        """Whether `connect` has returned: what fails after is an outage, not a setup."""
 
 
 def _describe(exc: Exception) -> str:
@@ -61,6 +67,7 @@ async def connect(
     max_reconnect_attempts: int = -1,
     error_cb: ErrorCallback | None = None,
     keys: Keys | None = None,
+    fail_on_tls_refusal: bool = False,
     **options: Any,
 ) -> BusClient:
     """Connect to NATS as `identity` over mutual TLS (`tls` from llmgw.pki).
@@ -71,6 +78,9 @@ async def connect(
     `error_cb`, when given, is called after the bus has logged the error.
     `keys` (llmgw.bus.keys) sign what is published and check what is read on this
     connection; their signer must be `identity`.
+    `fail_on_tls_refusal`: a TLS refusal on the first connection raises TlsRefused at
+    once (a command: no retry mends it). Off, the client retries it with the rest (a
+    service: the server may come back with a certificate of its CA).
     """
     if keys is not None and keys.signer is not None and keys.signer.identity != identity:
         raise ValueError(
@@ -82,25 +92,27 @@ async def connect(
         bind(nc, keys)
     server_list = [servers] if isinstance(servers, str) else list(servers)
     who = str(identity) if identity is not None else name
-    on_error, on_disconnected, on_reconnected, on_closed = _logging_callbacks(nc, who, error_cb)
+    callbacks = _logging_callbacks(nc, who, error_cb, fail_on_tls_refusal)
     if identity is not None:
         options.setdefault("inbox_prefix", identity.inbox_prefix)
-    await nc.connect(
-        servers=server_list,
-        name=name,
-        tls=tls,
-        tls_hostname=tls_hostname,
-        connect_timeout=connect_timeout,
-        allow_reconnect=True,
-        max_reconnect_attempts=max_reconnect_attempts,
-        # 0 where BusClient waits its own jittered backoff instead (llmgw.bus.natspy).
-        reconnect_time_wait=nc.reconnect_wait_s,
-        error_cb=on_error,
-        disconnected_cb=on_disconnected,
-        reconnected_cb=on_reconnected,
-        closed_cb=on_closed,
-        **options,
-    )
+    try:
+        await nc.connect(
+            servers=server_list,
+            name=name,
+            tls=tls,
+            tls_hostname=tls_hostname,
+            connect_timeout=connect_timeout,
+            allow_reconnect=True,
+            max_reconnect_attempts=max_reconnect_attempts,
+            # 0 where BusClient waits its own jittered backoff instead (llmgw.bus.natspy).
+            reconnect_time_wait=nc.reconnect_wait_s,
+            **callbacks,
+            **options,
+        )
+    except TlsRefused:
+        await close(nc)
+        raise
+    nc.connected_once = True
     url = nc.connected_url
     log.info("connected", identity=who, server=url.netloc if url else None)
     return nc
@@ -118,16 +130,36 @@ async def close(nc: natspy.Client, timeout_s: float = 5.0) -> None:
         log.debug("close_failed", error=_describe(exc))
 
 
+class _Callbacks(TypedDict):
+    error_cb: ErrorCallback
+    disconnected_cb: _Notice
+    reconnected_cb: _Notice
+    closed_cb: _Notice
+
+
 def _logging_callbacks(
-    nc: BusClient, who: str, error_cb: ErrorCallback | None
-) -> tuple[ErrorCallback, _Notice, _Notice, _Notice]:
-    """nats-py's connection callbacks (error, disconnected, reconnected, closed), each
-    logging as `who`. An error is also handed to `error_cb`, after a permissions
-    violation is kept in `nc.permission_violations`."""
+    nc: BusClient, who: str, error_cb: ErrorCallback | None, fail_on_tls_refusal: bool
+) -> _Callbacks:
+    """nats-py's connection callbacks (`error_cb`, `disconnected_cb`, `reconnected_cb`,
+    `closed_cb`, as its connect takes them), each logging as `who`. An error is also
+    handed to `error_cb`, after a permissions violation is kept in
+    `nc.permission_violations`. With `fail_on_tls_refusal`, a TLS refusal before the
+    first connection instead raises TlsRefused out of nats-py's connect, for the caller
+    to report."""
+
+    said: list[Exception] = []
 
     async def on_error(exc: Exception) -> None:
+        if said and exc is said[0]:
+            return  # nats-py's close after a failed attempt raises the attempt's error again
+        said[:] = [exc]
         text = _describe(exc)
-        if "permissions violation" in text.lower():
+        refused = refusal(exc)
+        if refused is not None and fail_on_tls_refusal and not nc.connected_once:
+            raise TlsRefused(nc.server_tried, refused)
+        if refused is not None:
+            _log_refusal(who, nc.server_tried, refused)
+        elif "permissions violation" in text.lower():
             nc.permission_violations.append(text)
             # The identity's certificate does not allow this: a bug or a misconfigured
             # authorization, never something a retry fixes.
@@ -147,4 +179,36 @@ def _logging_callbacks(
     async def on_closed() -> None:
         log.info("closed", identity=who)
 
-    return on_error, on_disconnected, on_reconnected, on_closed
+    return _Callbacks(
+        error_cb=on_error,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
+        closed_cb=on_closed,
+    )
+
+
+_REFUSAL_ACTIONS = {
+    "server_untrusted": "set this service's ca_file to the fleet's CA (`llmgw ctl cert init`'s"
+    " ca.pem), or give the server a certificate of that CA (`llmgw ctl cert server`)",
+    "server_name": "list in servers a name or address the server's certificate holds, or"
+    " reissue the server's certificate with it (`llmgw ctl cert server --host`)",
+    "server_dates": "reissue the server's certificate (`llmgw ctl cert server`), or check"
+    " this machine's clock",
+    "server_other": "set this service's ca_file to the fleet's CA, or give the server a"
+    " certificate of that CA (`llmgw ctl cert server`)",
+    "client_refused": "give this service a certificate of the fleet's CA that the server"
+    " admits (`llmgw ctl cert issue KIND NAME`), and the server that CA in its ca_file",
+}
+
+
+def _log_refusal(who: str, server: str, refused: Refusal) -> None:
+    """One `tls_refused` line: what the server or its certificate refused, and what to
+    change; the client goes on retrying, since a server may come back with another."""
+    log.error(
+        "tls_refused",
+        identity=who,
+        server=server,
+        problem=refused.problem,
+        detail=refused.detail,
+        action=_REFUSAL_ACTIONS[refused.kind] + "; retrying meanwhile",
+    )

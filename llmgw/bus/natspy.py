@@ -1,6 +1,6 @@
 """nats-py's internals that llmgw overrides, in one place, behind one version guard.
 
-llmgw relies on three private parts of nats-py, each for a reason measured in
+llmgw relies on four private parts of nats-py, each for a reason measured in
 production or in tests/bench:
 
 - `Client._select_next_server`: nats-py waits a fixed `reconnect_time_wait` between
@@ -11,7 +11,10 @@ production or in tests/bench:
   handler (`fast_subscribe`), skipping nats-py's per-message header parsing and queueing;
 - its protocol `Parser`: `FrameParser` reads message frames without nats-py's per-frame
   regular expressions and hands a fast subscription's messages over inline (the
-  `Reader` replays the log several times faster with both).
+  `Reader` replays the log several times faster with both);
+- `Client._connect_to_server`: the TCP transport is `UpgradeSafeTransport`, which a failed
+  TLS upgrade leaves closed (nats-py's own then held a connecting client forever) and
+  which says why the server closed the connection (its TLS alert, not "Connection lost").
 
 They were written against nats-py 2.16 (`KNOWN`, the range pyproject pins). At import
 this module reads the installed version; outside that range `Client` behaves as stock
@@ -27,14 +30,17 @@ import asyncio
 import contextlib
 import importlib.metadata
 import random
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
+from nats.aio.client import DEFAULT_BUFFER_SIZE
 from nats.aio.client import Client as _NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.aio.transport import TcpTransport
 from nats.protocol.parser import AWAITING_CONTROL_LINE, Parser
 
 from llmgw import logs
@@ -125,6 +131,39 @@ def _stock_delivery(handler: FastHandler) -> Callable[[Msg], Awaitable[None]]:
     return deliver
 
 
+class UpgradeSafeTransport(TcpTransport):
+    """nats-py's TCP transport, corrected where a TLS upgrade fails or the server refuses.
+
+    A failed upgrade (a server certificate that does not verify, a handshake past its
+    timeout): asyncio's `start_tls` closes the socket, but that close reaches the TLS layer
+    it handed the socket to, never the plain stream nats-py keeps. nats-py then waits for
+    that stream to close, forever: a client still making its first connection never tried
+    again. Here the stream goes with the socket, so there is nothing to wait for, and the
+    next attempt makes a new transport.
+
+    A server that refuses this client's certificate sends a TLS alert and closes; a write
+    that meets the close fails with asyncio's "Connection lost", and the alert is left in
+    the reader. `drain` raises the alert instead, so the caller learns what was refused.
+    """
+
+    async def connect_tls(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            await super().connect_tls(*args, **kwargs)
+        except BaseException:
+            self._io_reader = self._bare_io_reader = None
+            self._io_writer = self._bare_io_writer = None
+            raise
+
+    async def drain(self) -> None:
+        try:
+            await super().drain()  # type: ignore[no-untyped-call]  # nats-py's, unannotated
+        except ConnectionResetError:
+            why = self._io_reader.exception() if self._io_reader is not None else None
+            if isinstance(why, ssl.SSLError):
+                raise why from None
+            raise
+
+
 class Client(_NatsClient):
     """nats-py's client with llmgw's overrides where the version is known (`overridden`)."""
 
@@ -139,6 +178,12 @@ class Client(_NatsClient):
         # Only over the parser it was written against.
         if self.overridden and type(self._ps) is Parser:
             self._ps = FrameParser(self)
+
+    @property
+    def server_tried(self) -> str:
+        """The URL of the server this client connects (or last connected) to; "" before any."""
+        server = self._current_server
+        return server.uri.geturl() if server is not None else ""
 
     @property
     def reconnect_wait_s(self) -> int:
@@ -186,10 +231,32 @@ class Client(_NatsClient):
                 )
                 continue
             self._current_server = server
-            self._failed_attempts = 0
-            server.last_attempt = None
-            server.reconnects = 0
             return
+
+    async def _process_connect_init(self) -> None:
+        await super()._process_connect_init()
+        if self.overridden and self._current_server is not None:
+            # Connected: the next outage starts its backoff over, its first attempt at
+            # once. Counted from here rather than from the TCP connect: a server that takes
+            # the socket and then refuses (a certificate, an authorization) is a failed
+            # attempt too, and was otherwise retried several times a second.
+            self._failed_attempts = 0
+            self._current_server.last_attempt = None
+            self._current_server.reconnects = 0
+
+    # nats-py makes a stock TcpTransport wherever the one it has holds no open stream (a
+    # new one included): this keeps `UpgradeSafeTransport`. The body otherwise follows
+    # nats-py 2.16's `_connect_to_server` for a TCP server.
+    async def _connect_to_server(self, s: Any) -> None:
+        if not self.overridden or s.uri.scheme not in ("nats", "tls"):
+            await super()._connect_to_server(s)
+            return
+        s.last_attempt = time.monotonic()
+        if not isinstance(self._transport, UpgradeSafeTransport):
+            self._transport = UpgradeSafeTransport()  # type: ignore[no-untyped-call]
+        await self._transport.connect(
+            s.uri, buffer_size=DEFAULT_BUFFER_SIZE, connect_timeout=self.options["connect_timeout"]
+        )
 
     async def _process_msg(
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes

@@ -19,7 +19,6 @@ import signal
 from pathlib import Path
 
 import typer
-from aiohttp import web
 
 from llmgw import http_server, listeners, logs, operator_https
 from llmgw.cli import ctl_common as common
@@ -116,14 +115,15 @@ async def _serve(
     # Without HTTPS no certificate says who asks: a token this process made does. A client
     # that leaves ends its request (handler_cancellation): a scan of the log stops with it.
     token = "" if tls else secrets.token_urlsafe(24)
+    rules = http_server.Rules(header_timeout_s, log)
     runner = http_server.app_runner(
         build_app(live, _hosts(host, bound), token),
-        rules=http_server.Rules(header_timeout_s, log),
+        rules=rules,
         access_log=None,
         handler_cancellation=True,
     )
     await runner.setup()
-    await web.SockSite(runner, sock, ssl_context=tls).start()
+    await http_server.start_site(runner, sock, rules=rules, ssl_context=tls)
     url = listeners.url("https" if tls else "http", sock)
     opening = f": open {url}/?token={token}" if token else ""
     print(f"llmgw console at {url} as {session.identity}{opening}", flush=True)

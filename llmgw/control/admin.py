@@ -175,7 +175,7 @@ async def start(svc: ControlService) -> web.AppRunner:
         if cfg.cert_file
         else None
     )
-    await web.SockSite(runner, sock, ssl_context=tls).start()
+    await http_server.start_site(runner, sock, rules=rules, ssl_context=tls)
     svc.admin_url = listeners.url("https" if tls else "http", sock)
     log.info("admin_listening", url=svc.admin_url)
     if tls is None and not listeners.loopback(cfg.host):

@@ -3,7 +3,9 @@
 Opens a `llmgw.bus` client over mutual TLS, publishes operator events (each with a
 fresh id and the operator's identity taken from the certificate), and turns the
 ways that fails into one-line errors: NATS unreachable, the stream not provisioned,
-a write the server refuses because this certificate may not make it.
+a write the server refuses because this certificate may not make it. A TLS refusal (the
+server's certificate not of the CA given with --ca, this certificate refused by the
+server) ends the connecting at its first attempt: no retry would mend it.
 """
 
 from __future__ import annotations
@@ -77,9 +79,13 @@ class Session:
                     max_reconnect_attempts=-1 if reconnect_forever else 2,
                     error_cb=remember,
                     keys=keys,
+                    fail_on_tls_refusal=True,
                 ),
                 timeout=2 * cfg.connect_timeout_s,
             )
+        except bus.TlsRefused as exc:
+            where = f"cannot connect to NATS as {identity}"
+            raise Failed(f"{where}: {_refusal(cfg, identity, exc.server, exc.refusal)}") from None
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             # The timeout says nothing: the last error of the tries says what went wrong.
             raise Failed(_connect_failure(cfg, identity, errors[-1] if errors else exc)) from None
@@ -122,13 +128,11 @@ class Session:
 
 
 def _connect_failure(cfg: CtlConfig, identity: Identity, exc: Exception) -> str:
-    where = f"cannot connect to NATS at {', '.join(cfg.servers)} as {identity}"
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return (
-            f"{where}: the server's certificate does not verify with {cfg.ca_file}"
-            f" ({exc.verify_message}): pass the fleet's ca.pem with --ca, and a --server"
-            " name its certificate lists"
-        )
+    servers = ", ".join(cfg.servers)
+    where = f"cannot connect to NATS at {servers} as {identity}"
+    refused = bus.refusal(exc)
+    if refused is not None:
+        return f"cannot connect to NATS as {identity}: {_refusal(cfg, identity, servers, refused)}"
     if isinstance(exc, ssl.SSLError):
         return (
             f"{where}: the TLS handshake failed ({exc.reason or exc}): use a certificate of"
@@ -137,6 +141,34 @@ def _connect_failure(cfg: CtlConfig, identity: Identity, exc: Exception) -> str:
     return (
         f"{where}: {str(exc) or type(exc).__name__}; check --server, that nats-server runs,"
         " and that this certificate was issued by the fleet's CA"
+    )
+
+
+def _refusal(cfg: CtlConfig, identity: Identity, server: str, refused: bus.Refusal) -> str:
+    """What was refused at `server` and what to pass instead, naming the files given."""
+    theirs = f"the server's certificate at {server}"
+    why = refused.detail
+    if refused.kind == "server_untrusted":
+        return (
+            f"{theirs} is not signed by the CA in {cfg.ca_file} ({why}): pass the fleet's CA"
+            " with --ca"
+        )
+    if refused.kind == "server_name":
+        return (
+            f"{theirs} does not list the name or address dialled ({why}): pass a --server"
+            " its certificate lists, or reissue it with that --host (`llmgw ctl cert server`)"
+        )
+    if refused.kind == "server_dates":
+        return (
+            f"{theirs} is not valid now ({why}): reissue it (`llmgw ctl cert server`), or"
+            " check this machine's clock"
+        )
+    if refused.kind == "server_other":
+        return f"{theirs} does not verify with {cfg.ca_file} ({why}): pass the fleet's CA with --ca"
+    return (
+        f"the server at {server} refused this identity's certificate, {cfg.cert_file} ({why}):"
+        f" pass with --cert a certificate of the fleet's CA that the server admits"
+        f" (`llmgw ctl cert issue {identity.kind} {identity.name}`; `llmgw ctl cert list`)"
     )
 
 

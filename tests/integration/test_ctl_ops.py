@@ -288,6 +288,73 @@ async def test_a_certificate_that_cannot_connect_says_why(
     assert "--ca" in result.stderr
 
 
+def _with_a_long_timeout(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`llmgw ARGV...` (ctl, console) as a real process with a 60 s connect timeout: how it
+    ended, and the seconds it took (killed, and a failure, past 150)."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw", *argv],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+        env={**os.environ, "NO_COLOR": "1", "LLMGW_CTL__CONNECT_TIMEOUT_S": "60"},
+    )
+    return done, time.monotonic() - started
+
+
+async def test_a_ca_that_did_not_sign_the_servers_certificate_fails_at_once(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    """A refused handshake is not an outage: ctl said so only after its connect timeout
+    (twice over, with its tries), here a minute; now at the first refusal, well within."""
+    ctl = Ctl(nats_server)
+    wrong_ca = TestPki(tmp_path / "other").certs.ca_cert
+    ctl.flags[3] = str(wrong_ca)
+    done, took = await asyncio.to_thread(_with_a_long_timeout, ctl.argv("nodes"))
+    assert done.returncode == 1, done
+    said = done.stderr.strip()
+    assert len(said.splitlines()) == 1, said
+    assert (
+        f"the server's certificate at {nats_server.url} is not signed by the CA in {wrong_ca}"
+        in said
+    )
+    assert said.endswith("pass the fleet's CA with --ca"), said
+    assert took < 30, (took, said)
+
+
+async def test_the_console_with_a_ca_that_did_not_sign_the_servers_certificate_fails_at_once(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    """`llmgw console` connects as ctl does, and reconnects for ever once connected: its
+    start is refused at once all the same."""
+    ctl = Ctl(nats_server)
+    wrong_ca = TestPki(tmp_path / "other").certs.ca_cert
+    ctl.flags[3] = str(wrong_ca)
+    argv = ["console", "--port", "0", *ctl.flags]
+    done, took = await asyncio.to_thread(_with_a_long_timeout, argv)
+    assert done.returncode == 1, done
+    assert f"is not signed by the CA in {wrong_ca}" in done.stderr, done.stderr
+    assert took < 30, (took, done.stderr)
+
+
+async def test_a_certificate_the_server_refuses_fails_at_once(
+    nats_server: TestNatsServer,
+) -> None:
+    ctl = Ctl(nats_server)
+    nats_server.pki.foreign_tls("operator", "alice")  # the same DN, another CA's signature
+    foreign = nats_server.pki.root / "foreign" / "operator-alice.pem"
+    ctl.flags[5] = str(foreign)  # its key beside it, as ctl looks for it
+    done, took = await asyncio.to_thread(_with_a_long_timeout, ctl.argv("nodes"))
+    assert done.returncode == 1, done
+    said = done.stderr.strip()
+    assert len(said.splitlines()) == 1, said
+    assert f"the server at {nats_server.url} refused this identity's certificate" in said
+    assert str(foreign) in said
+    assert "--cert" in said
+    assert took < 30, (took, said)
+
+
 async def test_events_filters_and_follow_in_a_real_process(
     nats_server: TestNatsServer, log: bus.BusClient
 ) -> None:

@@ -1,15 +1,19 @@
 """The control plane's admin API and the agent's admin listener hold their connections as
 the router's front door does (tests/integration/test_router_hygiene.py): a request head
-trickled in a byte at a time is cut with a 408 once `admin.header_timeout_s` has passed,
-and a malformed header holding a key is answered with a 400 that quotes nothing it sent,
-logged by its kind only. Each runs in-process (its `start` or `serve` on real sockets), over
-plain HTTP and over HTTPS with an operator's certificate; the log checked is everything the
-process logs, llmgw's lines and aiohttp's records alike. `llmgw console` (its
+trickled in a byte at a time is cut with a 408 once `admin.header_timeout_s` has passed;
+a connection that sends nothing (over HTTPS: not even a handshake) is closed once that
+long has passed since its connect, while a head sent in pieces within it, and a
+kept-alive connection's next request after a longer idle spell, are served; a malformed
+header holding a key is answered with a 400 that quotes nothing it sent, logged by its
+kind only. Each runs in-process (its `start` or `serve` on real sockets), over plain HTTP
+and over HTTPS with an operator's certificate; the log checked is everything the process
+logs, llmgw's lines and aiohttp's records alike. `llmgw console` (its
 `--header-timeout-s`) runs as a real process over a real nats-server, its log a file."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import ssl
@@ -34,6 +38,8 @@ from tests.kit import raw_http
 pytestmark = pytest.mark.slow
 
 HEAD_TIMEOUT_S = 1.0
+EARLY_S = 0.2
+"""How much before its deadline a close may be seen (timer granularity), and no more."""
 
 Log = Callable[[], str]
 
@@ -54,6 +60,26 @@ def cuts_a_trickled_head(url: str, tls: ssl.SSLContext | None = None) -> None:
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
     assert "error" in json.loads(answer.partition(b"\r\n\r\n")[2])
     assert HEAD_TIMEOUT_S <= took < HEAD_TIMEOUT_S + 15
+
+
+def closes_a_silent_connection(url: str, tls: ssl.SSLContext | None = None) -> None:
+    """A connection that sends nothing is closed, unanswered, once the head deadline has
+    passed since its connect, not before; over HTTPS both one that never starts the
+    handshake (a raw TCP socket) and one that goes quiet after it (`tls`)."""
+    for client_tls in (None, tls) if tls is not None else (None,):
+        answer, took = raw_http.silent(url, tls=client_tls, wait_s=30)
+        assert answer == b"", answer[:300]
+        assert HEAD_TIMEOUT_S - EARLY_S <= took < 30, (client_tls, took)
+
+
+def serves_a_kept_alive_connection_after_an_idle_spell(
+    url: str, tls: ssl.SSLContext | None = None, path: str = "/health"
+) -> None:
+    """A second request on the same connection, after idling past the head deadline: the
+    deadline covers the first head, never the wait for the next one."""
+    first, second = raw_http.kept_alive(url, path, idle_s=2.5 * HEAD_TIMEOUT_S, tls=tls)
+    assert first.startswith(b"HTTP/1.1 200"), first[:300]
+    assert second.startswith(b"HTTP/1.1 200"), second[:300]
 
 
 def answers_a_malformed_key_quietly(url: str, log: Log, tls: ssl.SSLContext | None = None) -> None:
@@ -119,6 +145,14 @@ async def test_the_control_admin_api_cuts_a_trickled_head_with_408(
     await asyncio.to_thread(serves_a_head_sent_at_once, url, tls)
 
 
+async def test_the_control_admin_api_closes_a_silent_connection_at_the_head_deadline(
+    control_admin: tuple[str, ssl.SSLContext | None],
+) -> None:
+    url, tls = control_admin
+    await asyncio.to_thread(closes_a_silent_connection, url, tls)
+    await asyncio.to_thread(serves_a_kept_alive_connection_after_an_idle_spell, url, tls)
+
+
 async def test_the_control_admin_api_neither_echoes_nor_logs_a_malformed_key(
     control_admin: tuple[str, ssl.SSLContext | None], logged: Log
 ) -> None:
@@ -129,11 +163,11 @@ async def test_the_control_admin_api_neither_echoes_nor_logs_a_malformed_key(
 # ------------------------------------------------------------------ the agent
 
 
-@pytest.fixture
-async def agent_admin() -> AsyncIterator[str]:
-    """The agent's admin listener (`metrics.serve`): its URL."""
+@contextlib.asynccontextmanager
+async def serving_agent_admin(head_timeout_s: float) -> AsyncIterator[str]:
+    """The agent's admin listener (`metrics.serve`) with this head deadline: its URL."""
     live = metrics.Live(started=True, connected=True, outbox_events=0, outbox_bytes=0)
-    where = agent_config.AdminListener(host="127.0.0.1", port=0, header_timeout_s=HEAD_TIMEOUT_S)
+    where = agent_config.AdminListener(host="127.0.0.1", port=0, header_timeout_s=head_timeout_s)
     runner, url = await metrics.serve(metrics.AgentMetrics(lambda: live), where)
     assert runner is not None
     try:
@@ -142,9 +176,31 @@ async def agent_admin() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+@pytest.fixture
+async def agent_admin() -> AsyncIterator[str]:
+    async with serving_agent_admin(HEAD_TIMEOUT_S) as url:
+        yield url
+
+
 async def test_the_agent_admin_listener_cuts_a_trickled_head_with_408(agent_admin: str) -> None:
     await asyncio.to_thread(cuts_a_trickled_head, agent_admin)
     await asyncio.to_thread(serves_a_head_sent_at_once, agent_admin)
+
+
+async def test_the_agent_admin_listener_closes_a_silent_connection_at_the_head_deadline(
+    agent_admin: str,
+) -> None:
+    await asyncio.to_thread(closes_a_silent_connection, agent_admin)
+    await asyncio.to_thread(serves_a_kept_alive_connection_after_an_idle_spell, agent_admin)
+
+
+async def test_a_head_sent_in_pieces_within_the_deadline_is_served() -> None:
+    """The deadline runs from the connect, and a client that sends its head in pieces
+    well within it is served: a deadline long enough that a busy machine's delays do not
+    matter, the pieces spread over a fifth of it."""
+    async with serving_agent_admin(10.0) as url:
+        answer = await asyncio.to_thread(raw_http.in_pieces, url, "/health", pieces=4, every_s=0.5)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
 
 
 async def test_the_agent_admin_listener_neither_echoes_nor_logs_a_malformed_key(
@@ -186,6 +242,13 @@ async def test_the_console_cuts_a_trickled_head_with_408(
     await asyncio.to_thread(cuts_a_trickled_head, url, tls)
     # Without its token a loopback console answers 401; with an operator's certificate, 200.
     await asyncio.to_thread(serves_a_head_sent_at_once, url, tls, "/", 200 if tls else 401)
+
+
+async def test_the_console_closes_a_silent_connection_at_the_head_deadline(
+    console: tuple[str, ssl.SSLContext | None, Path],
+) -> None:
+    url, tls, _ = console
+    await asyncio.to_thread(closes_a_silent_connection, url, tls)
 
 
 async def test_the_console_neither_echoes_nor_logs_a_malformed_key(

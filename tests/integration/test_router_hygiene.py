@@ -4,7 +4,10 @@ A second router on a taken port fails to start instead of sharing it; malformed
 requests get a 400 that quotes nothing they sent, and a log line without a
 traceback; deeply nested JSON is a 400; a request head that trickles in, or is
 sent at once and never finished, is cut with a 408, on the admin listener too (and
-a `/route` body that never ends); the `Bearer` scheme is case-insensitive.
+a `/route` body that never ends); a connection that sends nothing is closed once the
+head deadline has passed since its connect, on both listeners, and a kept-alive one's
+next request after a longer idle spell is served; the `Bearer` scheme is
+case-insensitive.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from tests.kit.raw_http import (
     SECRET,
     addr,
     exchange,
+    kept_alive,
     logged_without_the_key,
+    silent,
     trickle,
     unfinished_head,
 )
@@ -37,6 +42,8 @@ pytestmark = pytest.mark.slow
 
 HEAD_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
+EARLY_S = 0.2
+"""How much before its deadline a close may be seen (timer granularity), and no more."""
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +202,22 @@ def test_the_admin_listener_cuts_an_unfinished_head_with_408(keyed: Keyed) -> No
     connection of the router's process for aiohttp's hour-long keep-alive."""
     answer = unfinished_head(keyed.router.admin)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+
+
+@pytest.mark.parametrize("listener", ["url", "admin"])
+def test_a_silent_connection_is_closed_at_the_head_deadline(keyed: Keyed, listener: str) -> None:
+    """A connection that never sends a byte holds a file descriptor of the router's: it is
+    closed, unanswered, the head deadline after its connect (not before)."""
+    answer, took = silent(getattr(keyed.router, listener), wait_s=30)
+    assert answer == b"", answer[:300]
+    assert HEAD_TIMEOUT_S - EARLY_S <= took < 30
+
+
+def test_a_kept_alive_connection_is_served_after_an_idle_spell(keyed: Keyed) -> None:
+    """The deadline covers a connection's first head, not the wait for its next request."""
+    first, second = kept_alive(keyed.router.url, "/health", idle_s=2.5 * HEAD_TIMEOUT_S)
+    assert first.startswith(b"HTTP/1.1 200"), first[:300]
+    assert second.startswith(b"HTTP/1.1 200"), second[:300]
 
 
 def test_the_admin_listener_cuts_an_unfinished_route_body_with_408(keyed: Keyed) -> None:

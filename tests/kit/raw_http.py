@@ -2,6 +2,9 @@
 library sends (a malformed header with a key in it, a request head trickled in, a head
 never finished). Blocking: from an async test, call through `asyncio.to_thread`.
 
+Also what a listener does with a connection that sends nothing (`silent`) or sends its
+next request after an idle spell (`kept_alive`).
+
 Used by the front-door tests of every listener: tests/integration/test_router_hygiene.py
 (the router's two) and tests/integration/test_listener_hygiene.py (the control plane's admin
 API, the agent's admin listener, `llmgw console`).
@@ -52,6 +55,83 @@ def exchange(
             if not chunk:
                 return answer
             answer += chunk
+
+
+def silent(
+    url: str, *, tls: ssl.SSLContext | None = None, wait_s: float = 30.0
+) -> tuple[bytes, float]:
+    """Connect and send nothing (with `tls`: nothing after the handshake; without, not
+    even a handshake to a TLS listener): what the server sent before it closed the
+    connection, and the seconds from before the connect to the close. TimeoutError when
+    it is still open after `wait_s`."""
+    t0 = time.monotonic()  # before the connect: the server's clock starts at its accept
+    with connect(url, timeout=wait_s, tls=tls) as sock:
+        answer = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            answer += chunk
+        return answer, time.monotonic() - t0
+
+
+def get(host: str, path: str) -> bytes:
+    """A GET of `path` that keeps the connection alive."""
+    return f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One response with a Content-Length body, read off `sock`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a whole head: {data[:300]!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before the whole body: {data[:300]!r}"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def kept_alive(
+    url: str, path: str, *, idle_s: float, tls: ssl.SSLContext | None = None
+) -> tuple[bytes, bytes]:
+    """Two GETs of `path` on one connection, `idle_s` apart: both answers."""
+    host, _ = addr(url)
+    with connect(url, timeout=30, tls=tls) as sock:
+        sock.sendall(get(host, path))
+        first = read_response(sock)
+        time.sleep(idle_s)
+        sock.sendall(get(host, path))
+        return first, read_response(sock)
+
+
+def in_pieces(
+    url: str, path: str, *, pieces: int, every_s: float, tls: ssl.SSLContext | None = None
+) -> bytes:
+    """A GET of `path` (Connection: close) sent in `pieces` parts, `every_s` apart from the
+    connect on: the answer."""
+    host, _ = addr(url)
+    raw = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+    size = -(-len(raw) // pieces)
+    with connect(url, timeout=30, tls=tls) as sock:
+        for start in range(0, len(raw), size):
+            time.sleep(every_s)
+            sock.sendall(raw[start : start + size])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer
 
 
 def malformed_key(url: str, path: str = "/metrics") -> bytes:

@@ -48,17 +48,24 @@ def test_a_forced_fallback_is_stock_nats_py_and_logged_once(
 
 
 def test_the_nats_py_internals_the_bus_client_overrides_still_exist() -> None:
-    """llmgw.bus.natspy overrides two private nats-py methods; an upgrade within the
-    guarded range that renamed them would silently bring back fixed reconnect waits and
-    break the Reader's fast path."""
+    """llmgw.bus.natspy overrides private nats-py methods; an upgrade within the guarded
+    range that renamed them would silently bring back fixed reconnect waits, break the
+    Reader's fast path, or hold a client whose TLS upgrade failed for ever."""
     import inspect
 
     from nats.aio.client import Client
+    from nats.aio.transport import TcpTransport
 
     params = list(inspect.signature(Client._process_msg).parameters)
     assert params == ["self", "sid", "subject", "reply", "data", "headers"]
     assert inspect.iscoroutinefunction(Client._select_next_server)
     assert inspect.iscoroutinefunction(Client._connect_to_server)
+    assert inspect.iscoroutinefunction(Client._process_connect_init)
     plain = Client()
-    for attribute in ("_server_pool", "_current_server", "options", "stats"):
+    for attribute in ("_server_pool", "_current_server", "_transport", "options", "stats"):
         assert hasattr(plain, attribute)
+    transport = TcpTransport()
+    for attribute in ("_io_reader", "_io_writer", "_bare_io_reader", "_bare_io_writer"):
+        assert hasattr(transport, attribute)
+    assert inspect.iscoroutinefunction(TcpTransport.connect_tls)
+    assert inspect.iscoroutinefunction(TcpTransport.drain)
