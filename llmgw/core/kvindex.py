@@ -16,8 +16,10 @@ full update every few seconds) and only from the node that published them: block
 kept per (node, endpoint), and `match` reads, for each candidate, only what the node the
 router's endpoint table names for it said. A node cannot claim another node's engine's
 cache, nor drown what that node says. What a node says of an endpoint the table does not
-have on it is never read, so `sweep` drops it once it is `UNLISTED_GRACE_S` old: a node
-cannot make every router keep blocks for ids it made up, or for another node's engines.
+have on it is never read, so `sweep` drops it once it is `UNLISTED_GRACE_S` old, a node
+may have `MAX_UNLISTED_PER_NODE` of them at once, and a full index drops one for an
+endpoint the table lists: a node cannot make every router keep blocks for ids it made
+up, or for another node's engines, nor crowd other nodes' endpoints out with them.
 
 A router keys a prompt once per block size its candidates use, so block sizes cost it
 work on every request. One node's endpoints may use `MAX_BLOCK_SIZES_PER_NODE` sizes
@@ -39,10 +41,19 @@ from collections.abc import Callable, Mapping, Sequence
 
 from llmgw.core.kvblocks import KvUpdate
 
+Listed = Callable[[str, str], bool]
+"""`listed(endpoint, node)`: whether the router's endpoint table has endpoint on node."""
+
 MAX_ENDPOINTS = 4096
 """Endpoints indexed at once: updates naming more are refused (a node inventing endpoint
-ids cannot grow a router's memory without bound)."""
+ids cannot grow a router's memory without bound), but for an endpoint the table lists,
+which takes the place of one it does not."""
 MAX_ENDPOINTS_PER_NODE = 256
+MAX_UNLISTED_PER_NODE = 64
+"""Endpoints one node may have indexed that the table does not list on it. An honest node
+has them only for the seconds between its engines' first updates and the router folding
+their EndpointUp: at most one per GPU (engines never share one), and the largest machines
+have 64. A node that makes ids up holds this many, not `MAX_ENDPOINTS_PER_NODE`."""
 MAX_KEYS_PER_ENDPOINT = 4_000_000
 """About 64 GB of KV at 16 tokens of 1 KiB each: more than any engine holds."""
 MAX_KEYS_PER_NODE = 2 * MAX_KEYS_PER_ENDPOINT
@@ -96,7 +107,8 @@ class KvIndex:
         self.stale_after_s = stale_after_s
         self.endpoints: dict[tuple[str, str], EndpointBlocks] = {}
         """(node, endpoint id) -> what that node says the endpoint holds."""
-        self._per_node: dict[str, int] = {}
+        self._node_endpoints: dict[str, set[str]] = {}
+        """Node -> the endpoint ids it published for, against MAX_ENDPOINTS_PER_NODE."""
         self._node_keys: dict[str, int] = {}
         """Node -> keys its endpoints hold, against MAX_KEYS_PER_NODE."""
         self._node_sizes: dict[str, dict[int, int]] = {}
@@ -109,31 +121,32 @@ class KvIndex:
         self.refused = 0
         self.resyncs = 0
         self.unlisted_dropped = 0
-        """Endpoints `sweep` dropped: blocks a node published for one the table lacked."""
+        """Endpoints dropped for the table lacking them (`sweep`, or to make room)."""
 
     def __len__(self) -> int:
         return len(self.holders)
 
     # ------------------------------------------------------------------ folding
 
-    def apply(self, update: KvUpdate, node: str, now: float) -> str | None:
+    def apply(
+        self, update: KvUpdate, node: str, now: float, listed: Listed | None = None
+    ) -> str | None:
         """Fold one update published by `node`; None, or why it was refused.
 
         Blocks are kept per (node, endpoint): what a node says of an endpoint id is only
         ever believed for that node (`usable`), so a node naming another node's engine
-        neither claims its cache nor disturbs what its real node says."""
+        neither claims its cache nor disturbs what its real node says. `listed`: the
+        router's table (None: there is none, every endpoint counts as listed)."""
         key = (node, update.endpoint)
         ep = self.endpoints.get(key)
         if ep is None:
-            if len(self.endpoints) >= MAX_ENDPOINTS:
+            refused = self._admit(update.endpoint, node, listed)
+            if refused is not None:
                 self.refused += 1
-                return f"the index holds {MAX_ENDPOINTS} endpoints already"
-            if self._per_node.get(node, 0) >= MAX_ENDPOINTS_PER_NODE:
-                self.refused += 1
-                return f"node {node} publishes for {MAX_ENDPOINTS_PER_NODE} endpoints already"
+                return refused
             ep = EndpointBlocks(update.endpoint, node, self._take_bit(), now)
             self.endpoints[key] = ep
-            self._per_node[node] = self._per_node.get(node, 0) + 1
+            self._node_endpoints.setdefault(node, set()).add(update.endpoint)
             self._node_keys.setdefault(node, 0)
         ep.updated_at = now
         if update.full:
@@ -175,6 +188,31 @@ class KvIndex:
         ep.roots.update(k for k in update.roots if k in keys)
         self.applied += 1
         return None
+
+    def _admit(self, endpoint: str, node: str, listed: Listed | None) -> str | None:
+        """Why `node` may not have `endpoint` indexed as well; None if it may."""
+        mine = self._node_endpoints.get(node, set())
+        if len(mine) >= MAX_ENDPOINTS_PER_NODE:
+            return f"node {node} publishes for {MAX_ENDPOINTS_PER_NODE} endpoints already"
+        if listed is not None and not listed(endpoint, node):
+            # Counted when asked, as tables change without telling the index (256 at most).
+            if sum(not listed(e, node) for e in mine) >= MAX_UNLISTED_PER_NODE:
+                return (f"node {node} publishes for {MAX_UNLISTED_PER_NODE} endpoints not in the "
+                        f"router's table on it already, {endpoint} would be one more (an engine's "
+                        "blocks are indexed once its EndpointUp is in the log)")  # fmt: skip
+        elif listed is not None and len(self.endpoints) >= MAX_ENDPOINTS:
+            self._drop_one_unlisted(listed)
+        if len(self.endpoints) >= MAX_ENDPOINTS:
+            return f"the index holds {MAX_ENDPOINTS} endpoints already"
+        return None
+
+    def _drop_one_unlisted(self, listed: Listed) -> None:
+        """Drop the oldest endpoint the table does not list, if there is one."""
+        for key, ep in self.endpoints.items():
+            if not listed(ep.endpoint, ep.node):
+                self._drop(key)
+                self.unlisted_dropped += 1
+                return
 
     def _remove(self, ep: EndpointBlocks, removed: Sequence[int]) -> None:
         bit = 1 << ep.bit
@@ -235,7 +273,7 @@ class KvIndex:
 
     def sweep(
         self,
-        listed: Callable[[str, str], bool],
+        listed: Listed,
         now: float,
         *,
         grace_s: float = UNLISTED_GRACE_S,
@@ -267,11 +305,10 @@ class KvIndex:
         self._clear(ep)
         self._release_block_size(ep)
         self._free_bits.append(ep.bit)
-        left = self._per_node[ep.node] - 1
-        if left:
-            self._per_node[ep.node] = left
-        else:
-            del self._per_node[ep.node]
+        mine = self._node_endpoints[ep.node]
+        mine.discard(ep.endpoint)
+        if not mine:
+            del self._node_endpoints[ep.node]
             del self._node_keys[ep.node]
             self._node_sizes.pop(ep.node, None)
 

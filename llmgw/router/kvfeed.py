@@ -9,7 +9,10 @@ subject's, which the server enforces and the signature proves; the index keeps i
 the router believes an endpoint's blocks only from the node its endpoint table has for
 it (llmgw.router.kvroute). As updates come, every `SWEEP_EVERY_S` it drops what a node said
 of an endpoint the table has not had on that node for `kvindex.UNLISTED_GRACE_S`
-(`KvIndex.sweep`), and logs it by node.
+(`KvIndex.sweep`), and logs it by node. It tells the index which endpoints the table has
+on which node as it folds updates too, so a node has a bounded number of others indexed
+(`kvindex.MAX_UNLISTED_PER_NODE`); the updates refused for that, or any other bound, are
+logged once per `REFUSALS_LOGGED_EVERY_S` per node at most.
 
 It runs beside the LogFeed and never stops the router: while it cannot read, routing
 goes on from the router's own recent routes and approximate index.
@@ -38,6 +41,10 @@ SWEEP_EVERY_S = 5.0
 """How often, as updates come, the index is swept of endpoints the table lacks (the agents'
 full-update interval: a pass is cheap next to the updates of that long). A pass cut short
 by its bound is followed by another on the next batch."""
+REFUSALS_LOGGED_EVERY_S = 5.0
+"""A node's refused updates are logged once per this long at most, each line with how
+many were refused since the last one: a node publishing for hundreds of endpoints it may
+not have indexed is refused hundreds of times per full update (the agents' interval)."""
 
 
 class KvFeed:
@@ -61,6 +68,9 @@ class KvFeed:
         self.listed = listed
         self._swept_at = 0.0
         self._swept_all = True
+        self._refusals: dict[str, tuple[float, int]] = {}
+        """Node -> when its last refused update was logged, and how many since were not (on
+        its next line; the index counts them all). One entry per node ever refused."""
         self._tls = tls
         self.window_s = window_s
         self.ready = asyncio.Event()
@@ -116,13 +126,23 @@ class KvFeed:
             owner = subjects.kv_owner(record.subject)
             if owner is None:
                 continue
-            refused = self.index.apply(kvlog.update_of(record), owner[0], now)
+            refused = self.index.apply(kvlog.update_of(record), owner[0], now, self.listed)
             if refused is not None:
-                log.warning("kv_update_refused", seq=record.seq, subject=record.subject,
-                            reason=refused)  # fmt: skip
+                self._refused(owner[0], record, refused, now)
         # abs(): a clock set back does not put the next pass off.
         if not self._swept_all or abs(now - self._swept_at) >= SWEEP_EVERY_S:
             self.sweep(now)
+
+    def _refused(self, node: str, record: Record, reason: str, now: float) -> None:
+        """Log a refused update, unless one of `node`'s was logged within
+        `REFUSALS_LOGGED_EVERY_S` (then count it for the next line)."""
+        logged_at, not_logged = self._refusals.get(node, (None, 0))
+        if logged_at is not None and abs(now - logged_at) < REFUSALS_LOGGED_EVERY_S:
+            self._refusals[node] = (logged_at, not_logged + 1)
+            return
+        self._refusals[node] = (now, 0)
+        log.warning("kv_update_refused", node=node, seq=record.seq, subject=record.subject,
+                    reason=reason, not_logged=not_logged)  # fmt: skip
 
     def sweep(self, now: float) -> None:
         """One bounded pass of `KvIndex.sweep`, logged per node."""
