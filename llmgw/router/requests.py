@@ -222,6 +222,23 @@ class Usage(msgspec.Struct):
     """The Responses and Messages APIs' names for prompt and completion tokens."""
 
 
+CHARS_PER_TOKEN = 4
+"""About how many characters of English text a tokenizer makes one token of: what a prompt's
+tokens are estimated from when the engine never said (`estimated_usage`)."""
+
+
+def estimated_usage(told: tuple[int, int], prompt_chars: int, events: int) -> Usage:
+    """The usage of a stream cut before the engine sent its own, at the end: what the
+    engine `told` of its prompt and completion tokens so far (the Messages API tells the
+    prompt's at once), the rest estimated: a prompt token per `CHARS_PER_TOKEN` of its
+    `prompt_chars`, a completion token per one of the `events` relayed."""
+    told_in, told_out = told
+    return Usage(
+        prompt_tokens=told_in or prompt_chars // CHARS_PER_TOKEN,
+        completion_tokens=told_out or events,
+    )
+
+
 class _Nested(msgspec.Struct):
     usage: Usage | None = None
 

@@ -1,0 +1,112 @@
+"""What one tenant's key can and cannot do through a real router and real `llmgw sim`
+engines: the tokens it is charged with however its requests end, what it learns of models
+it may not use, and when a 429 tells it to come back."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.router import auth
+from tests.integration.router_kit import Router, Sim
+
+pytestmark = pytest.mark.slow
+
+LIMITED = auth.new_key()
+"""May use `m` only."""
+OPEN = auth.new_key()
+"""May use every model, without limits."""
+
+
+@pytest.fixture(scope="module")
+def sims() -> Iterator[dict[str, Sim]]:
+    # Answers longer than any request here asks for: a stream ends at its max_tokens.
+    started = {
+        "em": Sim.start("m", "--eos-min-tokens", "1000", "--eos-max-tokens", "1000"),
+        "es": Sim.start("secret"),
+    }
+    yield started
+    for sim in started.values():
+        sim.stop()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory, sims: dict[str, Sim]) -> Iterator[Router]:
+    tmp: Path = tmp_path_factory.mktemp("router-tenants")
+    keys = tmp / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        f"  - {{name: limited, sha256: {auth.digest(LIMITED)}, models: [m]}}\n"
+        f"  - {{name: open, sha256: {auth.digest(OPEN)}}}\n"
+    )
+    r = Router.start(
+        tmp,
+        dict(sims),
+        models=[{"name": "m"}, {"name": "secret"}],
+        endpoint_models={"em": ["m"], "es": ["secret"]},
+        auth={"keys_file": str(keys)},
+    )
+    yield r
+    r.stop()
+
+
+def key_tokens(router: Router, key: str, direction: str) -> float:
+    line = f'llmgw_router_key_tokens_total{{direction="{direction}",key="{key}",model="m",team=""}}'
+    return router.metrics().get(line, 0.0)
+
+
+def wait_for_tokens(router: Router, key: str, direction: str, least: float) -> float:
+    """The key's counted tokens once they reach `least` (or what they are after 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        got = key_tokens(router, key, direction)
+        if got >= least or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def read_events(router: Router, key: str, body: dict[str, object], events: int) -> bytes:
+    """Send a streamed request, read until `events` data events came, then hang up."""
+    host, port = router.url.split("//")[1].split(":")
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    got = b""
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head + data)
+        while got.count(b"data:") < events:
+            chunk = s.recv(65536)
+            assert chunk, f"the stream ended after {got.count(b'data:')} events"
+            got += chunk
+    return got
+
+
+@pytest.mark.parametrize("fault", ["stall_at", "die_mid_stream"])
+def test_a_stream_cut_before_its_usage_is_still_charged_for_what_it_relayed(
+    router: Router, sims: dict[str, Sim], fault: str
+) -> None:
+    """The engine's usage comes in the stream's last chunk: a client that reads all but the
+    end and hangs up (or a stream the engine breaks off) still pays for the tokens it got,
+    and for its prompt."""
+    tokens = 40
+    plan = {"stall_at": "mid_stream"} if fault == "stall_at" else {"die_mid_stream": True}
+    sims["em"].faults(**plan, after_tokens=tokens, count=1)
+    before_in = key_tokens(router, "limited", "in")
+    before_out = key_tokens(router, "limited", "out")
+    prompt = "tell me everything " * 40
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": 500}  # fmt: skip
+    got = read_events(router, LIMITED, body, tokens)
+    assert b'"usage"' not in got
+    out = wait_for_tokens(router, "limited", "out", before_out + tokens)
+    assert out - before_out >= tokens
+    # The prompt: about a token per four characters of its text, as an estimate.
+    assert key_tokens(router, "limited", "in") - before_in >= len(prompt) // 5
+    sims["em"].clear_faults()
