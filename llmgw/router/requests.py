@@ -220,6 +220,8 @@ class Usage(msgspec.Struct):
     input_tokens: Tokens = 0
     output_tokens: Tokens = 0
     """The Responses and Messages APIs' names for prompt and completion tokens."""
+    total_tokens: Tokens = 0
+    """What a usage without the others' counts is: the prompt's (vLLM's rerank)."""
 
 
 CHARS_PER_TOKEN = 4
@@ -274,6 +276,9 @@ def usage_of(data: bytes) -> UsageOnly | None:
             found.output_tokens = 0  # counted from message_delta
     if found is not None and not (found.prompt_tokens or found.completion_tokens):
         found.prompt_tokens, found.completion_tokens = found.input_tokens, found.output_tokens
+        if not (found.prompt_tokens or found.completion_tokens):
+            # A pooling API's usage may give its total alone (vLLM's rerank): the prompt's.
+            found.prompt_tokens = found.total_tokens
     u.usage = found
     return u
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2 as httpx
 import pytest
 
 from llmgw.router import auth
@@ -110,3 +111,18 @@ def test_a_stream_cut_before_its_usage_is_still_charged_for_what_it_relayed(
     # The prompt: about a token per four characters of its text, as an estimate.
     assert key_tokens(router, "limited", "in") - before_in >= len(prompt) // 5
     sims["em"].clear_faults()
+
+
+def test_a_rerank_whose_engine_reports_only_total_tokens_is_charged_for_them(
+    router: Router,
+) -> None:
+    """vLLM's rerank (and the sim's) reports `usage: {"total_tokens": N}` alone: it took N
+    prompt tokens, not none."""
+    before = key_tokens(router, "limited", "in")
+    body = {"model": "m", "query": "which one " * 20, "documents": ["a long document " * 50] * 4}
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        resp = c.post("/v1/rerank", json=body, headers={"Authorization": f"Bearer {LIMITED}"})
+    assert resp.status_code == 200, resp.text
+    total = resp.json()["usage"]["total_tokens"]
+    assert total > 0
+    assert wait_for_tokens(router, "limited", "in", before + total) - before == total

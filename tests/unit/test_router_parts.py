@@ -347,3 +347,25 @@ def test_the_admin_route_explainer_refuses_what_is_no_request_with_why(
 
     with pytest.raises(ExplainError, match=says):
         explain(body, None, None)  # type: ignore[arg-type]  # refused before either is used
+
+
+def counted(usage: dict[str, int]) -> tuple[int, int]:
+    """The prompt and completion tokens the router reads in an answer with `usage`."""
+    u = requests.usage_of(msgspec.json.encode({"usage": usage}))
+    assert u is not None
+    assert u.usage is not None
+    return u.usage.prompt_tokens, u.usage.completion_tokens
+
+
+@given(prompt=st.integers(0, 10**6), completion=st.integers(0, 10**6), total=st.integers(0, 10**6))
+def test_a_usage_of_total_tokens_alone_counts_them_as_the_prompts(
+    prompt: int, completion: int, total: int
+) -> None:
+    """A pooling API's usage (vLLM's rerank) may say only `total_tokens`: those are the
+    prompt's. Where the prompt's or the completion's are given, the total adds nothing."""
+    both = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+    assert counted(both) == ((prompt, completion) if prompt or completion else (total, 0))
+    assert counted({"total_tokens": total}) == (total, 0)
+    assert counted({"output_tokens": completion, "total_tokens": total}) == (
+        (0, completion) if completion else (total, 0)
+    )
