@@ -262,12 +262,23 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def handle_ready(self, request: web.BaseRequest) -> web.Response:
+        """Whether any model has an endpoint to take requests (the status, for a load
+        balancer's probe, which sends no key), and each model's count of them: only the
+        models the caller's key may use, as `/v1/models` lists them (all of them on an
+        anonymous router; none without a key the router knows)."""
+        principal = admission.authenticate(
+            self.keys, admission.credential(request.headers), time.time(), self.anonymous
+        )
         per_model = {
             name: routing.routable(self.table.for_model(name)) for name in self.catalog.profiles
         }
         ready = any(per_model.values())
+        shown = {} if isinstance(principal, Refusal) else {
+            name: n for name, n in per_model.items()
+            if admission.may_use(principal, name, self.catalog.profiles[name])
+        }  # fmt: skip
         return web.json_response(
-            {"ready": ready, "ready_endpoints": per_model}, status=200 if ready else 503
+            {"ready": ready, "ready_endpoints": shown}, status=200 if ready else 503
         )
 
     async def handle_fallthrough(self, request: web.BaseRequest) -> web.Response:

@@ -126,3 +126,21 @@ def test_a_rerank_whose_engine_reports_only_total_tokens_is_charged_for_them(
     total = resp.json()["usage"]["total_tokens"]
     assert total > 0
     assert wait_for_tokens(router, "limited", "in", before + total) - before == total
+
+
+def test_ready_names_only_the_models_the_caller_may_use(router: Router) -> None:
+    """`GET /v1/models/{id}` answers the same 404 whether a model does not exist or the key
+    may not see it; /ready, which a load balancer polls without a key, listed every model's
+    name to anyone. Its status still says whether the router serves at all."""
+    with httpx.Client(base_url=router.url, timeout=10) as c:
+        keyless = c.get("/ready")
+        limited = c.get("/ready", headers={"Authorization": f"Bearer {LIMITED}"})
+        everything = c.get("/ready", headers={"x-api-key": OPEN})
+        wrong = c.get("/ready", headers={"Authorization": "Bearer not-a-key"})
+    for resp in (keyless, limited, everything, wrong):
+        assert resp.status_code == 200
+        assert resp.json()["ready"] is True
+    assert keyless.json()["ready_endpoints"] == {}
+    assert wrong.json()["ready_endpoints"] == {}
+    assert limited.json()["ready_endpoints"] == {"m": 1}
+    assert everything.json()["ready_endpoints"] == {"m": 1, "secret": 1}
