@@ -22,6 +22,8 @@ LIMITED = auth.new_key()
 """May use `m` only."""
 OPEN = auth.new_key()
 """May use every model, without limits."""
+METERED = auth.new_key()
+"""May use `m`, 60 tokens a minute."""
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,7 @@ def router(tmp_path_factory: pytest.TempPathFactory, sims: dict[str, Sim]) -> It
         "keys:\n"
         f"  - {{name: limited, sha256: {auth.digest(LIMITED)}, models: [m]}}\n"
         f"  - {{name: open, sha256: {auth.digest(OPEN)}}}\n"
+        f"  - {{name: metered, sha256: {auth.digest(METERED)}, tokens_per_min: 60}}\n"
     )
     r = Router.start(
         tmp,
@@ -144,3 +147,22 @@ def test_ready_names_only_the_models_the_caller_may_use(router: Router) -> None:
     assert wrong.json()["ready_endpoints"] == {}
     assert limited.json()["ready_endpoints"] == {"m": 1}
     assert everything.json()["ready_endpoints"] == {"m": 1, "secret": 1}
+
+
+def test_a_429_for_tokens_says_when_the_keys_tokens_are_back(router: Router) -> None:
+    """A request may take more than a key's tokens a minute (a limit is checked before the
+    answer, its tokens counted after): the key then owes them, a token a second at 60 a
+    minute. Its 429 said to retry in 1 s however much it owed, so a client that waited as
+    told was refused again, minutes on end."""
+    headers = {"Authorization": f"Bearer {METERED}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 300}
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        first = c.post("/v1/chat/completions", json=body, headers=headers)
+        assert first.status_code == 200, first.text
+        used = first.json()["usage"]["total_tokens"]
+        refused = c.post("/v1/chat/completions", json=body, headers=headers)
+    assert refused.status_code == 429
+    owed_s = used - 60  # a minute's tokens were there to take; each second brings one more
+    wait = int(refused.headers["Retry-After"])
+    assert owed_s - 30 <= wait <= owed_s + 1
+    assert refused.headers["x-ratelimit-reset-tokens"].startswith(f"{wait // 60}m")

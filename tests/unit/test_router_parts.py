@@ -108,7 +108,7 @@ def test_workers_share_one_budget_per_key_and_a_reload_keeps_it(tmp_path: Path) 
         st.tuples(
             st.integers(0, 2),
             st.floats(0, 0.5, allow_nan=False),
-            st.sampled_from(["take", "spend", "credit"]),
+            st.sampled_from(["take", "spend", "credit", "refill"]),
             st.floats(0, 5, allow_nan=False),
         ),
         max_size=40,
@@ -134,10 +134,34 @@ def test_shared_buckets_over_workers_behave_as_one_bucket(
         elif op == "spend":
             view.spend(now, amount)
             one.spend(now, amount)
+        elif op == "refill":
+            assert view.refill_s(now, amount) == pytest.approx(one.refill_s(now, amount))
         else:
             assert view.has_credit(now) == one.has_credit(now)
     for s in shared:
         s.close()
+
+
+@given(
+    spent=st.floats(0, 10_000, allow_nan=False),
+    level=st.floats(0, 3, allow_nan=False),
+    at=st.floats(0, 100, allow_nan=False),
+)
+def test_a_bucket_holds_a_level_exactly_when_its_refill_time_says(
+    spent: float, level: float, at: float
+) -> None:
+    """What a 429's Retry-After is made of: the wait until a key's bucket (2 a second, 3 at
+    most) holds `level` again, however much it owes."""
+
+    def owing() -> auth.Bucket:
+        b = auth.Bucket(2.0, 3.0, 0.0)
+        b.spend(0.0, spent)
+        return b
+
+    wait = owing().refill_s(at, level)
+    assert owing().take(at + wait + 1e-6, level)
+    if wait > 1e-3:
+        assert not owing().take(at + wait - 1e-3, level)
 
 
 def test_keys_file_errors_say_what_to_do(tmp_path: Path) -> None:
