@@ -195,7 +195,7 @@ class Dispatcher:
                 break
             if body_of != step.profile.name:
                 body_of = step.profile.name
-                rewrite = body_of != parsed.model or state.drop_usage
+                rewrite = body_of != parsed.model or state.drop_usage or parsed.priority
                 try:
                     up_body = self._body_for(body, parsed, step.profile, state) if rewrite else body
                 except requests.BadRequest as exc:
@@ -281,13 +281,13 @@ class Dispatcher:
         self, body: bytes, parsed: requests.Parsed, prof: ModelProfile, state: ClientStream
     ) -> bytes:
         """The body an engine of `prof` gets: the model renamed for a fallback or an alias,
-        the usage chunk asked for when the router counts a stream's tokens."""
+        the usage chunk asked for when the router counts a stream's tokens, no `priority`."""
         rename = prof.name if prof.name != parsed.model else None
-        if rename is None and not state.drop_usage:
+        if rename is None and not state.drop_usage and not parsed.priority:
             return body
-        return requests.rewrite(
-            body, model=rename, include_usage=state.drop_usage, has_options=parsed.has_options
-        )
+        return requests.rewrite(body, model=rename, include_usage=state.drop_usage,
+                                has_options=parsed.has_options,
+                                drop_priority=parsed.priority)  # fmt: skip
 
     async def _refuse(
         self, refusal: Refusal, profile: ModelProfile, state: ClientStream

@@ -39,6 +39,10 @@ class StreamOptions(msgspec.Struct):
 
 
 # `stream: null` is the default, as OpenAI's API and vLLM read it: no stream.
+# `priority` is vLLM's (and SGLang's) scheduling order on the engine, lowest first: not a
+# client's to set, since the router's queue orders keys (only whether it is there is read).
+
+NO_PRIORITY = msgspec.Raw()
 
 
 class ChatBody(msgspec.Struct):
@@ -46,6 +50,7 @@ class ChatBody(msgspec.Struct):
     messages: list[Message]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    priority: msgspec.Raw = NO_PRIORITY
 
 
 class CompletionBody(msgspec.Struct):
@@ -53,11 +58,13 @@ class CompletionBody(msgspec.Struct):
     prompt: str | list[Any]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    priority: msgspec.Raw = NO_PRIORITY
 
 
 class EmbeddingBody(msgspec.Struct):
     model: str
     input: str | list[Any]
+    priority: msgspec.Raw = NO_PRIORITY
 
 
 class OtherBody(msgspec.Struct):
@@ -66,6 +73,7 @@ class OtherBody(msgspec.Struct):
 
     model: str
     stream: bool | None = False
+    priority: msgspec.Raw = NO_PRIORITY
 
 
 _OTHER = msgspec.json.Decoder(OtherBody)
@@ -91,6 +99,8 @@ class Parsed(msgspec.Struct):
     """The body names stream_options (even as null): the fast rewrite would repeat the key."""
     text: str
     """Prompt text for prefix affinity ("" when not needed)."""
+    priority: bool = False
+    """The body sets the engine's scheduling `priority`: dropped before it is sent."""
     chat: tuple[tuple[str, str], ...] = ()
     """A chat request's (role, text) messages, when the text is wanted: what a chat
     template renders (llmgw.router.prompts). `text` is then each role, a newline, its
@@ -115,7 +125,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     if isinstance(req, OtherBody):
         streams = bool(req.stream) and kind in STREAMED_USAGE
         return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
-                      text="")  # fmt: skip
+                      text="", priority=bool(req.priority))  # fmt: skip
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
@@ -124,6 +134,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
             wants_usage=False,
             has_options=False,
             text=text if want_text else "",
+            priority=bool(req.priority),
         )
     wants_usage = req.stream_options is not None and req.stream_options.include_usage
     text = ""
@@ -141,6 +152,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         has_options=req.stream_options is not None or b'"stream_options"' in body,
         text=text,
         chat=chat,
+        priority=bool(req.priority),
     )
 
 
@@ -174,15 +186,20 @@ USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
 
 
 def rewrite(
-    body: bytes, *, model: str | None, include_usage: bool, has_options: bool = True
+    body: bytes,
+    *,
+    model: str | None,
+    include_usage: bool,
+    has_options: bool = True,
+    drop_priority: bool = False,
 ) -> bytes:
-    """The body with another model name and/or a usage chunk requested; BadRequest when
-    it nests too deeply to decode.
+    """The body with another model name and/or a usage chunk requested and/or without its
+    `priority`; BadRequest when it nests too deeply to decode.
 
     The common case — only the usage chunk, no stream_options in the body — appends the
     member to the top-level object's bytes instead of decoding and re-encoding the body.
     """
-    if model is None and include_usage and not has_options:
+    if model is None and include_usage and not has_options and not drop_priority:
         trimmed = body.rstrip()
         if trimmed.endswith(b"}"):
             return trimmed[:-1] + USAGE_OPTION
@@ -194,6 +211,8 @@ def rewrite(
         raise BadRequest(TOO_DEEP) from None
     if model is not None:
         data["model"] = model
+    if drop_priority:
+        data.pop("priority", None)
     if include_usage:
         opts = data.get("stream_options")
         data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}

@@ -293,6 +293,31 @@ def test_usage_option_is_added_without_losing_anything(
     assert msgspec.json.decode(out2)["stream_options"] == {"include_usage": True}
 
 
+@given(
+    priority=st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    kind=st.sampled_from(["chat", "completions", "embeddings", "messages", "rerank"]),
+    rename=st.sampled_from([None, "n"]),
+    usage=st.booleans(),
+)
+def test_a_bodys_priority_is_dropped_and_nothing_else(
+    priority: object, kind: requests.Kind, rename: str | None, usage: bool
+) -> None:
+    """The engine's scheduling order (`priority`, any value) is not a client's to set."""
+    data = {"model": "m", "messages": [{"role": "user", "content": "priority"}], "prompt": "p",
+            "input": "i", "metadata": {"priority": 1}}  # fmt: skip
+    plain = requests.parse(kind, msgspec.json.encode(data), want_text=False)
+    assert not plain.priority
+    body = msgspec.json.encode({**data, "priority": priority})
+    parsed = requests.parse(kind, body, want_text=False)
+    assert parsed.priority
+    out = requests.rewrite(body, model=rename, include_usage=usage,
+                           has_options=parsed.has_options, drop_priority=True)  # fmt: skip
+    expected = {**data, "model": rename or "m"}
+    if usage:
+        expected["stream_options"] = {"include_usage": True}
+    assert msgspec.json.decode(out) == expected
+
+
 def test_run_now_finishes_a_coroutine_that_does_not_wait() -> None:
     async def add(a: int, b: int) -> int:
         return a + b
