@@ -263,12 +263,23 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def handle_ready(self, request: web.BaseRequest) -> web.Response:
+        """Whether any model has an endpoint to take requests (the status, for a load
+        balancer's probe, which sends no key), and each model's count of them: only the
+        models the caller's key may use, as `/v1/models` lists them (all of them on an
+        anonymous router; none without a key the router knows)."""
+        principal = admission.authenticate(
+            self.keys, admission.credential(request.headers), time.time(), self.anonymous
+        )
         per_model = {
             name: routing.routable(self.table.for_model(name)) for name in self.catalog.profiles
         }
         ready = any(per_model.values())
+        shown = {} if isinstance(principal, Refusal) else {
+            name: n for name, n in per_model.items()
+            if admission.may_use(principal, name, self.catalog.profiles[name])
+        }  # fmt: skip
         return web.json_response(
-            {"ready": ready, "ready_endpoints": per_model}, status=200 if ready else 503
+            {"ready": ready, "ready_endpoints": shown}, status=200 if ready else 503
         )
 
     async def handle_fallthrough(self, request: web.BaseRequest) -> web.Response:
@@ -300,6 +311,9 @@ class Router:
 
     async def read_body(self, request: web.BaseRequest) -> bytes | Refusal:
         """The whole body within `body_timeout_s` and `max_body_bytes`, or the refusal."""
+        compressed = admission.compressed_body(request.headers.get("Content-Encoding", ""))
+        if compressed is not None:
+            return compressed
         try:
             if request.content.is_eof():
                 return await request.read()  # all here already: no timer needed
@@ -395,7 +409,8 @@ class Router:
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
         state = ClientStream(request, rid, start, kind=kind, stream=parsed.stream,
                              drop_usage=inject_usage, principal=principal,
-                             trace=outcome.trace)  # fmt: skip
+                             trace=outcome.trace,
+                             prompt_chars=len(parsed.text) or len(body))  # fmt: skip
         if parsed.stream and self.cfg.keepalive_s > 0:
             state.start_keepalive(self.cfg.keepalive_s)
         try:

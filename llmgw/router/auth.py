@@ -110,6 +110,11 @@ class Bucket:
         self._refill(now)
         self.level -= amount
 
+    def refill_s(self, now: float, level: float) -> float:
+        """Seconds from `now` until the bucket holds `level` (0: it does)."""
+        self._refill(now)
+        return max(0.0, (level - self.level) / self.rate)
+
 
 class Limiter(Protocol):
     def take(self, now: float, amount: float = 1.0) -> bool: ...
@@ -117,6 +122,8 @@ class Limiter(Protocol):
     def has_credit(self, now: float) -> bool: ...
 
     def spend(self, now: float, amount: float) -> None: ...
+
+    def refill_s(self, now: float, level: float) -> float: ...
 
 
 SLOTS = 65_536
@@ -211,6 +218,10 @@ class SharedBucket:
         with self.lock:
             self._refilled(now)
             self.f[self.at] -= amount
+
+    def refill_s(self, now: float, level: float) -> float:
+        with self.lock:
+            return max(0.0, (level - self._refilled(now)) / self.rate)
 
 
 class Principal:

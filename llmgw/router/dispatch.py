@@ -6,7 +6,7 @@ the upstream pool (`llmgw.router.upstream`), and relays the answer
 client raises `Retry` and the planner is asked again. It also keeps the
 per-endpoint bookkeeping the planner reads: in-flight counts, breakers (a
 verdict per attempt), the prefix index and the session map. It implements the
-relay's `Hooks` (token counting and stream metrics).
+relay's `Hooks` (token counting, by llmgw.router.accounting, and stream metrics).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import admission, apis, errors, requests, tracecontext
 from llmgw.router import upstream as upstream_http
+from llmgw.router.accounting import Accounting
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
@@ -48,6 +49,7 @@ SCORE_SAMPLE = 8
 class Dispatcher:
     """Sends requests to endpoints: one per router process, shared by its requests."""
 
+    usage: Callable[[ModelProfile, ClientStream, requests.Usage], None]
     first_token: Callable[[str, float], None]
     slow_client: Callable[[str], None]
     inter_token: Callable[[str, float], None]
@@ -78,9 +80,11 @@ class Dispatcher:
         self.queues = Queues(table.for_model, metrics)
         self.quotas = Quotas()
         """Keys' limits and usage (llmgw.router.quotas); the Router starts its flusher."""
+        self.accounting = Accounting(metrics, self.kv, self.quotas)
         self.received: dict[str, int] = {}
         """Model -> requests dispatched (the load reports' request counts)."""
-        # Three of the relay's hooks are the metrics' own methods: no forwarding call.
+        # The relay's hooks are the accounting's and the metrics' own methods: no forwarding.
+        self.usage = self.accounting.usage
         self.first_token = metrics.first_token
         self.slow_client = metrics.slow_client
         self.inter_token = metrics.inter_token
@@ -190,7 +194,7 @@ class Dispatcher:
                 break
             if body_of != step.profile.name:
                 body_of = step.profile.name
-                rewrite = body_of != parsed.model or state.drop_usage
+                rewrite = body_of != parsed.model or state.drop_usage or parsed.priority
                 try:
                     up_body = self._body_for(body, parsed, step.profile, state) if rewrite else body
                 except requests.BadRequest as exc:
@@ -276,13 +280,13 @@ class Dispatcher:
         self, body: bytes, parsed: requests.Parsed, prof: ModelProfile, state: ClientStream
     ) -> bytes:
         """The body an engine of `prof` gets: the model renamed for a fallback or an alias,
-        the usage chunk asked for when the router counts a stream's tokens."""
+        the usage chunk asked for when the router counts a stream's tokens, no `priority`."""
         rename = prof.name if prof.name != parsed.model else None
-        if rename is None and not state.drop_usage:
+        if rename is None and not state.drop_usage and not parsed.priority:
             return body
-        return requests.rewrite(
-            body, model=rename, include_usage=state.drop_usage, has_options=parsed.has_options
-        )
+        return requests.rewrite(body, model=rename, include_usage=state.drop_usage,
+                                has_options=parsed.has_options,
+                                drop_priority=parsed.priority)  # fmt: skip
 
     async def _refuse(
         self, refusal: Refusal, profile: ModelProfile, state: ClientStream
@@ -375,12 +379,12 @@ class Dispatcher:
                 and upstream.content_type == "text/event-stream"
             ):
                 stream = EngineStream(state, upstream, prof, self, total_at, ep.id)
-                return await relay(stream, self.watchdog, d, t0)
+                return await self._relay(stream, d, t0)
             # A whole body: a non-streamed answer, or one the client must see as is (a 4xx,
             # or an engine's JSON answer to a stream request).
             status, data = await self._read_body(upstream, d, total_at)
             if status == 200:
-                self._account(prof, state, data)
+                self.accounting.answer(prof, state, data)
             else:
                 data = apis.engine_answer(kind, status, data, ep.api_key)
             self.metrics.first_token(prof.name, loop.time() - state.loop_start)
@@ -404,6 +408,15 @@ class Dispatcher:
             )
         finally:
             upstream.close()
+
+    async def _relay(self, stream: EngineStream, d: Deadlines, t0: float) -> web.StreamResponse:
+        """Relay a stream; one cut after its first token is charged for what it took."""
+        try:
+            return await relay(stream, self.watchdog, d, t0)
+        except BaseException:  # cut: the client left (a cancellation), or the engine did
+            if stream.t_first:
+                self.accounting.cut(stream.prof, stream.client, stream.events)
+            raise
 
     async def _open(
         self,
@@ -459,36 +472,3 @@ class Dispatcher:
             ) from None
         except (upstream_http.UpstreamError, OSError) as exc:
             raise Retry("upstream_error", 502, f"engine response failed: {exc}") from None
-
-    # ------------------------------------------------------------------ relay hooks
-
-    def _account(self, prof: ModelProfile, state: ClientStream, data: bytes) -> None:
-        u = requests.usage_of(data)
-        if u is None or u.usage is None:
-            return
-        self.usage(prof, state, u.usage)
-
-    def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
-        # A stream may carry its usage more than once, each time the totals so far (vLLM's
-        # continuous_usage_stats: every chunk; the Messages API: the prompt's tokens in
-        # message_start, again in message_delta's totals): what is counted is what the
-        # request's totals grew by, so no token is counted twice.
-        details = u.prompt_tokens_details
-        cached = details.cached_tokens if details is not None else None
-        # Once, tokens added or not: continuous_usage_stats' cached tokens come in the last.
-        if cached is not None and client.cached_predicted >= 0 and not client.cache_reported:
-            client.cache_reported = True
-            self.metrics.cache_delivered(prof.name, cached)
-            self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)
-        was_in, was_out = client.tokens
-        now_in, now_out = max(was_in, u.prompt_tokens), max(was_out, u.completion_tokens)
-        more_in, more_out = now_in - was_in, now_out - was_out
-        if not (more_in or more_out):
-            return
-        client.tokens = (now_in, now_out)
-        self.metrics.count_tokens(prof.name, more_in, more_out)
-        principal = client.principal
-        if principal is not None:
-            self.metrics.key_usage(principal.name, principal.settings.team, prof.name,
-                                   more_in, more_out)  # fmt: skip
-            self.quotas.used(principal, prof.name, more_in, more_out)

@@ -28,6 +28,10 @@ def server(
     handler: Any, *, head_timeout_s: float, client_max_size: int, **kwargs: Any
 ) -> web.Server:
     """The router's low-level server (llmgw.http_server.server) with its answers; requests
-    take bodies of up to `client_max_size` bytes."""
+    take bodies of up to `client_max_size` bytes, as sent: aiohttp would inflate a body
+    sent with a `Content-Encoding`, and read what a handler left unread before the next
+    request, so a megabyte of gzip held the loop for seconds (the handlers refuse such a
+    body: `admission.compressed_body`)."""
     rules = http_server.Rules(head_timeout_s, log, _openai_error)
-    return http_server.server(handler, rules=rules, client_max_size=client_max_size, **kwargs)
+    return http_server.server(handler, rules=rules, client_max_size=client_max_size,
+                              auto_decompress=False, **kwargs)  # fmt: skip

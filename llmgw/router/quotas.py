@@ -67,12 +67,22 @@ class _Tally:
         self.read_at = -1e9
 
 
+LONGEST_WAIT_S = 86_400.0
+"""The longest wait a 429 of this router's buckets names (a rate of a request in years
+would name an infinite one)."""
+
+
 def local_limits(principal: auth.Principal, mono: float) -> Refusal | None:
-    """This router's own buckets (a keys-file key, or the counters out of reach)."""
-    if principal.requests is not None and not principal.requests.take(mono):
-        return admission.over_requests(principal, 0, 1.0)
-    if principal.tokens is not None and not principal.tokens.has_credit(mono):
-        return admission.over_tokens(principal, 0, 1.0)
+    """This router's own buckets (a keys-file key, or the counters out of reach). A 429
+    says when the bucket takes a request again: for tokens, once the key's tokens are
+    back above none, which after an answer larger than its limit is minutes away."""
+    request_bucket, token_bucket = principal.requests, principal.tokens
+    if request_bucket is not None and not request_bucket.take(mono):
+        wait = min(request_bucket.refill_s(mono, 1.0), LONGEST_WAIT_S)
+        return admission.over_requests(principal, 0, wait)
+    if token_bucket is not None and not token_bucket.has_credit(mono):
+        wait = min(token_bucket.refill_s(mono, 0.0), LONGEST_WAIT_S)
+        return admission.over_tokens(principal, 0, wait)
     return None
 
 

@@ -68,8 +68,8 @@ class ClientStream:
     __slots__ = (
         "cache_reported", "cached_endpoint", "cached_predicted", "drop_usage",
         "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind", "loop",
-        "loop_start", "principal", "request", "response", "rid", "start", "stream", "tokens",
-        "trace",
+        "loop_start", "principal", "prompt_chars", "request", "response", "rid", "start",
+        "stream", "tokens", "trace",
     )  # fmt: skip
 
     def __init__(
@@ -83,6 +83,7 @@ class ClientStream:
         drop_usage: bool,
         principal: auth.Principal | None,
         trace: RequestTrace | None = None,
+        prompt_chars: int = 0,
     ) -> None:
         self.request = request
         self.trace = trace
@@ -93,6 +94,9 @@ class ClientStream:
         self.principal = principal
         self.tokens = (0, 0)
         """Prompt and completion tokens of the answer: the most the engine's usages said."""
+        self.prompt_chars = prompt_chars
+        """Characters of the prompt's text (else of the body): its tokens' estimate when
+        a stream is cut before the engine's usage (llmgw.router.accounting)."""
         self.response: web.StreamResponse | None = None
         self.stream = stream
         self.drop_usage = drop_usage
@@ -214,9 +218,9 @@ class EngineStream:
     moved with each chunk, written to the client from the engine's data callback (`sink`)."""
 
     __slots__ = (
-        "buf", "buffered", "chunked", "chunks", "client", "deadline", "drop", "endpoint", "failed",
-        "first", "gone", "held", "hooks", "idle", "loop", "prof", "t_first", "t_last", "tail",
-        "total_at", "transport", "upstream",
+        "buf", "buffered", "chunked", "chunks", "client", "deadline", "drop", "endpoint", "events",
+        "failed", "first", "gone", "held", "hooks", "idle", "loop", "prof", "t_first", "t_last",
+        "tail", "total_at", "transport", "upstream",
     )  # fmt: skip
 
     def __init__(
@@ -246,6 +250,8 @@ class EngineStream:
         self.held = b""
         """Events ending in [DONE], kept to leave with the end of the body."""
         self.chunks = 0
+        self.events = 0
+        """Whole events relayed (not a usage-only one dropped): a cut stream's estimate."""
         self.t_first = 0.0
         """When the first token came (0: not yet, the request may still move elsewhere)."""
         self.t_last = 0.0
@@ -264,7 +270,7 @@ class EngineStream:
         """The whole events now complete (usage counted, a requested usage chunk dropped)."""
         if not data:
             return b""
-        end = _events_end(self.buf[-1][-1:] if self.buf else b"", data)
+        end = sse.events_end(self.buf[-1][-1:] if self.buf else b"", data)
         if end < 0 and self.buffered + len(data) <= MAX_EVENT_BYTES:
             self.buf.append(data)
             self.buffered += len(data)
@@ -284,6 +290,7 @@ class EngineStream:
                 self.hooks.usage(self.prof, self.client, usage)
         if out:
             self.tail = out
+            self.events += out.count(b"\n\n")
         return out
 
     def arrived(self, now: float) -> None:
@@ -379,15 +386,6 @@ class EngineStream:
             log.exception("relay_failed")
             self.failed = True
             self.upstream.relay_to(None)
-
-
-def _events_end(before: bytes, data: bytes) -> int:
-    """Where the whole events in `data` end (after its last blank line, which may begin
-    with `before`, the last byte of what came before it); -1 when there is none."""
-    cut = data.rfind(b"\n\n")
-    if cut >= 0:
-        return cut + 2
-    return 1 if before == b"\n" and data[:1] == b"\n" else -1
 
 
 async def _direct(stream: EngineStream) -> tuple[str, str] | None:

@@ -39,6 +39,10 @@ class StreamOptions(msgspec.Struct):
 
 
 # `stream: null` is the default, as OpenAI's API and vLLM read it: no stream.
+# `priority` is vLLM's (and SGLang's) scheduling order on the engine, lowest first: not a
+# client's to set, since the router's queue orders keys (only whether it is there is read).
+
+NO_PRIORITY = msgspec.Raw()
 
 
 class ChatBody(msgspec.Struct):
@@ -46,6 +50,7 @@ class ChatBody(msgspec.Struct):
     messages: list[Message]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    priority: msgspec.Raw = NO_PRIORITY
 
 
 class CompletionBody(msgspec.Struct):
@@ -53,11 +58,13 @@ class CompletionBody(msgspec.Struct):
     prompt: str | list[Any]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    priority: msgspec.Raw = NO_PRIORITY
 
 
 class EmbeddingBody(msgspec.Struct):
     model: str
     input: str | list[Any]
+    priority: msgspec.Raw = NO_PRIORITY
 
 
 class OtherBody(msgspec.Struct):
@@ -66,6 +73,7 @@ class OtherBody(msgspec.Struct):
 
     model: str
     stream: bool | None = False
+    priority: msgspec.Raw = NO_PRIORITY
 
 
 _OTHER = msgspec.json.Decoder(OtherBody)
@@ -91,6 +99,8 @@ class Parsed(msgspec.Struct):
     """The body names stream_options (even as null): the fast rewrite would repeat the key."""
     text: str
     """Prompt text for prefix affinity ("" when not needed)."""
+    priority: bool = False
+    """The body sets the engine's scheduling `priority`: dropped before it is sent."""
     chat: tuple[tuple[str, str], ...] = ()
     """A chat request's (role, text) messages, when the text is wanted: what a chat
     template renders (llmgw.router.prompts). `text` is then each role, a newline, its
@@ -115,7 +125,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     if isinstance(req, OtherBody):
         streams = bool(req.stream) and kind in STREAMED_USAGE
         return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
-                      text="")  # fmt: skip
+                      text="", priority=bool(req.priority))  # fmt: skip
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
@@ -124,6 +134,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
             wants_usage=False,
             has_options=False,
             text=text if want_text else "",
+            priority=bool(req.priority),
         )
     wants_usage = req.stream_options is not None and req.stream_options.include_usage
     text = ""
@@ -141,6 +152,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         has_options=req.stream_options is not None or b'"stream_options"' in body,
         text=text,
         chat=chat,
+        priority=bool(req.priority),
     )
 
 
@@ -174,15 +186,20 @@ USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
 
 
 def rewrite(
-    body: bytes, *, model: str | None, include_usage: bool, has_options: bool = True
+    body: bytes,
+    *,
+    model: str | None,
+    include_usage: bool,
+    has_options: bool = True,
+    drop_priority: bool = False,
 ) -> bytes:
-    """The body with another model name and/or a usage chunk requested; BadRequest when
-    it nests too deeply to decode.
+    """The body with another model name and/or a usage chunk requested and/or without its
+    `priority`; BadRequest when it nests too deeply to decode.
 
     The common case — only the usage chunk, no stream_options in the body — appends the
     member to the top-level object's bytes instead of decoding and re-encoding the body.
     """
-    if model is None and include_usage and not has_options:
+    if model is None and include_usage and not has_options and not drop_priority:
         trimmed = body.rstrip()
         if trimmed.endswith(b"}"):
             return trimmed[:-1] + USAGE_OPTION
@@ -194,6 +211,8 @@ def rewrite(
         raise BadRequest(TOO_DEEP) from None
     if model is not None:
         data["model"] = model
+    if drop_priority:
+        data.pop("priority", None)
     if include_usage:
         opts = data.get("stream_options")
         data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
@@ -220,6 +239,25 @@ class Usage(msgspec.Struct):
     input_tokens: Tokens = 0
     output_tokens: Tokens = 0
     """The Responses and Messages APIs' names for prompt and completion tokens."""
+    total_tokens: Tokens = 0
+    """What a usage without the others' counts is: the prompt's (vLLM's rerank)."""
+
+
+CHARS_PER_TOKEN = 4
+"""About how many characters of English text a tokenizer makes one token of: what a prompt's
+tokens are estimated from when the engine never said (`estimated_usage`)."""
+
+
+def estimated_usage(told: tuple[int, int], prompt_chars: int, events: int) -> Usage:
+    """The usage of a stream cut before the engine sent its own, at the end: what the
+    engine `told` of its prompt and completion tokens so far (the Messages API tells the
+    prompt's at once), the rest estimated: a prompt token per `CHARS_PER_TOKEN` of its
+    `prompt_chars`, a completion token per one of the `events` relayed."""
+    told_in, told_out = told
+    return Usage(
+        prompt_tokens=told_in or prompt_chars // CHARS_PER_TOKEN,
+        completion_tokens=told_out or events,
+    )
 
 
 class _Nested(msgspec.Struct):
@@ -257,6 +295,9 @@ def usage_of(data: bytes) -> UsageOnly | None:
             found.output_tokens = 0  # counted from message_delta
     if found is not None and not (found.prompt_tokens or found.completion_tokens):
         found.prompt_tokens, found.completion_tokens = found.input_tokens, found.output_tokens
+        if not (found.prompt_tokens or found.completion_tokens):
+            # A pooling API's usage may give its total alone (vLLM's rerank): the prompt's.
+            found.prompt_tokens = found.total_tokens
     u.usage = found
     return u
 

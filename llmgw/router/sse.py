@@ -1,12 +1,12 @@
 """What the relay looks at in an engine's SSE bytes, as pure functions over bytes.
 
-The router relays a stream as raw bytes, whole events at a time. It looks into
-them for two things only: whether the first bytes are nothing but the stream's
-opening (the chat stream's role-only chunk, the Messages and Responses APIs' opening
-events: held back, so the first-token deadline still covers the wait), and the usage
-chunk, counted for metrics and token limits and dropped when the router asked for it
-on the client's behalf. Both look at as few bytes as they can: a fast engine's first
-read holds the whole answer. Used by `llmgw.router.relay`.
+The router relays a stream as raw bytes, whole events at a time (`events_end` finds
+where they end). It looks into them for two things only: whether the first bytes are
+nothing but the stream's opening (the chat stream's role-only chunk, the Messages and
+Responses APIs' opening events: held back, so the first-token deadline still covers the
+wait), and the usage chunk, counted for metrics and token limits and dropped when the
+router asked for it on the client's behalf. Both look at as few bytes as they can: a
+fast engine's first read holds the whole answer. Used by `llmgw.router.relay`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,15 @@ def complete(tail: bytes, kind: str) -> bool:
     last = tail.rstrip(b"\n").rfind(b"\n\n")
     final = tail[last + 2 :] if last >= 0 else tail
     return any(e in final for e in ends)
+
+
+def events_end(before: bytes, data: bytes) -> int:
+    """Where the whole events in `data` end (after its last blank line, which may begin
+    with `before`, the last byte of what came before it); -1 when there is none."""
+    cut = data.rfind(b"\n\n")
+    if cut >= 0:
+        return cut + 2
+    return 1 if before == b"\n" and data[:1] == b"\n" else -1
 
 
 _BLANK = b" \t\r\n"

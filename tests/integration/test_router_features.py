@@ -22,10 +22,12 @@ pytestmark = pytest.mark.slow
 
 
 class RecordingEngine:
-    """A minimal OpenAI engine on its own thread and loop that records request headers."""
+    """A minimal OpenAI engine on its own thread and loop that records requests' headers
+    and bodies."""
 
     def __init__(self) -> None:
         self.headers: list[dict[str, str]] = []
+        self.bodies: list[dict[str, object]] = []
         self.url = ""
         started = threading.Event()
         self.loop = asyncio.new_event_loop()
@@ -38,6 +40,7 @@ class RecordingEngine:
 
         async def chat(request: web.Request) -> web.Response:
             self.headers.append(dict(request.headers))
+            self.bodies.append(await request.json())
             message = {"role": "assistant", "content": "ok"}
             body = {
                 "id": "x",
@@ -90,6 +93,34 @@ def test_request_id_reaches_the_engine_and_comes_back(
         seen = [{k.lower(): v for k, v in hs.items()} for hs in engine.headers]
         assert [hs["x-request-id"] for hs in seen] == ["abc-1", generated]
         assert all("authorization" not in hs for hs in seen)  # the client's key stays here
+    finally:
+        engine.stop()
+
+
+def test_a_clients_scheduling_priority_never_reaches_the_engine(
+    tmp_path: Path, procs: list[Sim | Router]
+) -> None:
+    """vLLM with `--scheduling-policy priority` (an engine option operators may set) serves
+    a request by its body's `priority`, lowest first, preempting running ones: a tenant
+    sending `"priority": -1000000` went ahead of every other key's requests on the engine,
+    whatever their keys' priority classes. The router's queue decides who goes first; the
+    member is not passed on, and the rest of the body is."""
+    engine = RecordingEngine()
+    try:
+        router = Router.start(tmp_path, {"e": engine.url})
+        procs.append(router)
+        messages = [{"role": "user", "content": "priority"}]
+        sent = [
+            {"model": "m", "messages": messages, "priority": -1000000, "max_tokens": 3},
+            {"priority": 5, "model": "m", "messages": messages, "stream": False},
+            {"model": "m", "messages": messages, "metadata": {"priority": "kept"}},
+        ]
+        with httpx.Client(base_url=router.url) as h:
+            for body in sent:
+                assert h.post("/v1/chat/completions", json=body).status_code == 200
+        assert engine.bodies == [
+            {k: v for k, v in body.items() if k != "priority"} for body in sent
+        ]
     finally:
         engine.stop()
 

@@ -111,7 +111,7 @@ def test_workers_share_one_budget_per_key_and_a_reload_keeps_it(tmp_path: Path) 
         st.tuples(
             st.integers(0, 2),
             st.floats(0, 0.5, allow_nan=False),
-            st.sampled_from(["take", "spend", "credit"]),
+            st.sampled_from(["take", "spend", "credit", "refill"]),
             st.floats(0, 5, allow_nan=False),
         ),
         max_size=40,
@@ -137,10 +137,34 @@ def test_shared_buckets_over_workers_behave_as_one_bucket(
         elif op == "spend":
             view.spend(now, amount)
             one.spend(now, amount)
+        elif op == "refill":
+            assert view.refill_s(now, amount) == pytest.approx(one.refill_s(now, amount))
         else:
             assert view.has_credit(now) == one.has_credit(now)
     for s in shared:
         s.close()
+
+
+@given(
+    spent=st.floats(0, 10_000, allow_nan=False),
+    level=st.floats(0, 3, allow_nan=False),
+    at=st.floats(0, 100, allow_nan=False),
+)
+def test_a_bucket_holds_a_level_exactly_when_its_refill_time_says(
+    spent: float, level: float, at: float
+) -> None:
+    """What a 429's Retry-After is made of: the wait until a key's bucket (2 a second, 3 at
+    most) holds `level` again, however much it owes."""
+
+    def owing() -> auth.Bucket:
+        b = auth.Bucket(2.0, 3.0, 0.0)
+        b.spend(0.0, spent)
+        return b
+
+    wait = owing().refill_s(at, level)
+    assert owing().take(at + wait + 1e-6, level)
+    if wait > 1e-3:
+        assert not owing().take(at + wait - 1e-3, level)
 
 
 def test_keys_file_errors_say_what_to_do(tmp_path: Path) -> None:
@@ -272,6 +296,31 @@ def test_usage_option_is_added_without_losing_anything(
     assert msgspec.json.decode(out2)["stream_options"] == {"include_usage": True}
 
 
+@given(
+    priority=st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    kind=st.sampled_from(["chat", "completions", "embeddings", "messages", "rerank"]),
+    rename=st.sampled_from([None, "n"]),
+    usage=st.booleans(),
+)
+def test_a_bodys_priority_is_dropped_and_nothing_else(
+    priority: object, kind: requests.Kind, rename: str | None, usage: bool
+) -> None:
+    """The engine's scheduling order (`priority`, any value) is not a client's to set."""
+    data = {"model": "m", "messages": [{"role": "user", "content": "priority"}], "prompt": "p",
+            "input": "i", "metadata": {"priority": 1}}  # fmt: skip
+    plain = requests.parse(kind, msgspec.json.encode(data), want_text=False)
+    assert not plain.priority
+    body = msgspec.json.encode({**data, "priority": priority})
+    parsed = requests.parse(kind, body, want_text=False)
+    assert parsed.priority
+    out = requests.rewrite(body, model=rename, include_usage=usage,
+                           has_options=parsed.has_options, drop_priority=True)  # fmt: skip
+    expected = {**data, "model": rename or "m"}
+    if usage:
+        expected["stream_options"] = {"include_usage": True}
+    assert msgspec.json.decode(out) == expected
+
+
 def test_run_now_finishes_a_coroutine_that_does_not_wait() -> None:
     async def add(a: int, b: int) -> int:
         return a + b
@@ -396,3 +445,25 @@ def test_the_admin_route_explainer_refuses_what_is_no_request_with_why(
 
     with pytest.raises(ExplainError, match=says):
         explain(body, None, None)  # type: ignore[arg-type]  # refused before either is used
+
+
+def counted(usage: dict[str, int]) -> tuple[int, int]:
+    """The prompt and completion tokens the router reads in an answer with `usage`."""
+    u = requests.usage_of(msgspec.json.encode({"usage": usage}))
+    assert u is not None
+    assert u.usage is not None
+    return u.usage.prompt_tokens, u.usage.completion_tokens
+
+
+@given(prompt=st.integers(0, 10**6), completion=st.integers(0, 10**6), total=st.integers(0, 10**6))
+def test_a_usage_of_total_tokens_alone_counts_them_as_the_prompts(
+    prompt: int, completion: int, total: int
+) -> None:
+    """A pooling API's usage (vLLM's rerank) may say only `total_tokens`: those are the
+    prompt's. Where the prompt's or the completion's are given, the total adds nothing."""
+    both = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+    assert counted(both) == ((prompt, completion) if prompt or completion else (total, 0))
+    assert counted({"total_tokens": total}) == (total, 0)
+    assert counted({"output_tokens": completion, "total_tokens": total}) == (
+        (0, completion) if completion else (total, 0)
+    )

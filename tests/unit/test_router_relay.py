@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 from hypothesis import given
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from llmgw.core.profile import ModelProfile
 from llmgw.router import relay
-from llmgw.router.dispatch import Dispatcher
+from llmgw.router.accounting import Accounting
 from llmgw.router.relay import ClientStream, EngineStream
 from tests.unit.test_router_sse import Copied
 
@@ -20,9 +21,9 @@ class NoHooks:
         pass
 
 
-def engine_stream(hooks: Any = None) -> EngineStream:
+def engine_stream(hooks: Any = None, *, drop_usage: bool = False) -> EngineStream:
     async def made() -> EngineStream:
-        client = ClientStream(None, "r", 0.0, kind="chat", stream=True, drop_usage=False,  # type: ignore[arg-type]
+        client = ClientStream(None, "r", 0.0, kind="chat", stream=True, drop_usage=drop_usage,  # type: ignore[arg-type]
                               principal=None)  # fmt: skip
         return EngineStream(client, None, ModelProfile(name="m"), hooks or NoHooks(), 0.0, "e")  # type: ignore[arg-type]
 
@@ -50,6 +51,25 @@ def test_every_byte_comes_out_once_in_whole_events_however_the_bytes_are_cut(
     outs = [s.take(p) for p in [*pieces, b"\n\n"]]
     assert all(o.endswith(b"\n\n") for o in outs if o)
     assert b"".join(outs) == b"".join(pieces) + b"\n\n"
+
+
+CHAT_STREAM = (
+    b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    + b"".join(b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(3))
+    + b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
+    + b"data: [DONE]\n\n"
+)
+
+
+@given(st.lists(st.integers(0, len(CHAT_STREAM)), max_size=8))
+def test_the_events_counted_are_those_relayed_however_the_bytes_are_cut(cuts: list[int]) -> None:
+    """What a stream cut before its usage is charged by: every whole event that went out,
+    none twice, and not the usage-only event the router asked for and drops."""
+    s = engine_stream(drop_usage=True)
+    bounds = [0, *sorted(cuts), len(CHAT_STREAM)]
+    for a, b in itertools.pairwise(bounds):
+        s.take(CHAT_STREAM[a:b])
+    assert s.events == 5  # the role chunk, three tokens, [DONE]
 
 
 def test_an_event_past_the_limit_is_relayed_as_it_is() -> None:
@@ -108,10 +128,10 @@ def test_an_engine_that_ends_every_read_with_done_does_not_have_its_stream_held(
 
 
 class Counting:
-    """The dispatcher's usage hook as it is (`Dispatcher.usage`), its metrics, quotas and
+    """The dispatcher's usage hook as it is (`Accounting.usage`), its metrics, quotas and
     KV routing recorded."""
 
-    usage = Dispatcher.usage
+    usage = Accounting.usage
 
     def __init__(self) -> None:
         self.metrics = self.kv = self

@@ -1,0 +1,65 @@
+"""What an answer's tokens count for: the router's metrics, the key's limits and usage
+(llmgw.router.quotas), and the check of the cache's predictions (llmgw.router.kvroute).
+
+The engines say how many tokens an answer took in its usage: in a whole answer's body, in a
+stream's last chunk (or several times along it, each time the totals so far). A stream cut
+after its first token (the client hung up, the engine broke off) may never get to that last
+chunk, so what its engine did not tell is estimated (`requests.estimated_usage`): else a
+client could read all but the end of every answer, hang up, and pay for nothing. Used by
+`llmgw.router.dispatch`, whose relay hook `usage` is `Accounting.usage`.
+"""
+
+from __future__ import annotations
+
+from llmgw.core.profile import ModelProfile
+from llmgw.router import requests
+from llmgw.router.kvroute import KvRouting
+from llmgw.router.metrics import Metrics
+from llmgw.router.quotas import Quotas
+from llmgw.router.relay import ClientStream
+
+
+class Accounting:
+    """One router process's counting of tokens, shared by its requests."""
+
+    def __init__(self, metrics: Metrics, kv: KvRouting, quotas: Quotas) -> None:
+        self.metrics = metrics
+        self.kv = kv
+        self.quotas = quotas
+
+    def answer(self, prof: ModelProfile, client: ClientStream, data: bytes) -> None:
+        """A whole answer's body: its usage, if it carries one."""
+        u = requests.usage_of(data)
+        if u is not None and u.usage is not None:
+            self.usage(prof, client, u.usage)
+
+    def cut(self, prof: ModelProfile, client: ClientStream, events: int) -> None:
+        """A stream cut after `events` events reached the client: what its engine did not
+        tell of its usage, estimated."""
+        told = client.tokens
+        self.usage(prof, client, requests.estimated_usage(told, client.prompt_chars, events))
+
+    def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
+        # A stream may carry its usage more than once, each time the totals so far (vLLM's
+        # continuous_usage_stats: every chunk; the Messages API: the prompt's tokens in
+        # message_start, again in message_delta's totals): what is counted is what the
+        # request's totals grew by, so no token is counted twice.
+        details = u.prompt_tokens_details
+        cached = details.cached_tokens if details is not None else None
+        # Once, tokens added or not: continuous_usage_stats' cached tokens come in the last.
+        if cached is not None and client.cached_predicted >= 0 and not client.cache_reported:
+            client.cache_reported = True
+            self.metrics.cache_delivered(prof.name, cached)
+            self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)
+        was_in, was_out = client.tokens
+        now_in, now_out = max(was_in, u.prompt_tokens), max(was_out, u.completion_tokens)
+        more_in, more_out = now_in - was_in, now_out - was_out
+        if not (more_in or more_out):
+            return
+        client.tokens = (now_in, now_out)
+        self.metrics.count_tokens(prof.name, more_in, more_out)
+        principal = client.principal
+        if principal is not None:
+            self.metrics.key_usage(principal.name, principal.settings.team, prof.name,
+                                   more_in, more_out)  # fmt: skip
+            self.quotas.used(principal, prof.name, more_in, more_out)

@@ -1,0 +1,168 @@
+"""What one tenant's key can and cannot do through a real router and real `llmgw sim`
+engines: the tokens it is charged with however its requests end, what it learns of models
+it may not use, and when a 429 tells it to come back."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from llmgw.router import auth
+from tests.integration.router_kit import Router, Sim
+
+pytestmark = pytest.mark.slow
+
+LIMITED = auth.new_key()
+"""May use `m` only."""
+OPEN = auth.new_key()
+"""May use every model, without limits."""
+METERED = auth.new_key()
+"""May use `m`, 60 tokens a minute."""
+
+
+@pytest.fixture(scope="module")
+def sims() -> Iterator[dict[str, Sim]]:
+    # Answers longer than any request here asks for: a stream ends at its max_tokens.
+    started = {
+        "em": Sim.start("m", "--eos-min-tokens", "1000", "--eos-max-tokens", "1000"),
+        "es": Sim.start("secret"),
+    }
+    yield started
+    for sim in started.values():
+        sim.stop()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory, sims: dict[str, Sim]) -> Iterator[Router]:
+    tmp: Path = tmp_path_factory.mktemp("router-tenants")
+    keys = tmp / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        f"  - {{name: limited, sha256: {auth.digest(LIMITED)}, models: [m]}}\n"
+        f"  - {{name: open, sha256: {auth.digest(OPEN)}}}\n"
+        f"  - {{name: metered, sha256: {auth.digest(METERED)}, tokens_per_min: 60}}\n"
+    )
+    r = Router.start(
+        tmp,
+        dict(sims),
+        models=[{"name": "m"}, {"name": "secret"}],
+        endpoint_models={"em": ["m"], "es": ["secret"]},
+        auth={"keys_file": str(keys)},
+    )
+    yield r
+    r.stop()
+
+
+def key_tokens(router: Router, key: str, direction: str) -> float:
+    line = f'llmgw_router_key_tokens_total{{direction="{direction}",key="{key}",model="m",team=""}}'
+    return router.metrics().get(line, 0.0)
+
+
+def wait_for_tokens(router: Router, key: str, direction: str, least: float) -> float:
+    """The key's counted tokens once they reach `least` (or what they are after 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        got = key_tokens(router, key, direction)
+        if got >= least or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def read_events(router: Router, key: str, body: dict[str, object], events: int) -> bytes:
+    """Send a streamed request, read until `events` data events came, then hang up."""
+    host, port = router.url.split("//")[1].split(":")
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    got = b""
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head + data)
+        while got.count(b"data:") < events:
+            chunk = s.recv(65536)
+            assert chunk, f"the stream ended after {got.count(b'data:')} events"
+            got += chunk
+    return got
+
+
+@pytest.mark.parametrize("fault", ["stall_at", "die_mid_stream"])
+def test_a_stream_cut_before_its_usage_is_still_charged_for_what_it_relayed(
+    router: Router, sims: dict[str, Sim], fault: str
+) -> None:
+    """The engine's usage comes in the stream's last chunk: a client that reads all but the
+    end and hangs up (or a stream the engine breaks off) still pays for the tokens it got,
+    and for its prompt."""
+    tokens = 40
+    plan = {"stall_at": "mid_stream"} if fault == "stall_at" else {"die_mid_stream": True}
+    sims["em"].faults(**plan, after_tokens=tokens, count=1)
+    before_in = key_tokens(router, "limited", "in")
+    before_out = key_tokens(router, "limited", "out")
+    prompt = "tell me everything " * 40
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": 500}  # fmt: skip
+    got = read_events(router, LIMITED, body, tokens)
+    assert b'"usage"' not in got
+    out = wait_for_tokens(router, "limited", "out", before_out + tokens)
+    assert out - before_out >= tokens
+    # The prompt: about a token per four characters of its text, as an estimate.
+    assert key_tokens(router, "limited", "in") - before_in >= len(prompt) // 5
+    sims["em"].clear_faults()
+
+
+def test_a_rerank_whose_engine_reports_only_total_tokens_is_charged_for_them(
+    router: Router,
+) -> None:
+    """vLLM's rerank (and the sim's) reports `usage: {"total_tokens": N}` alone: it took N
+    prompt tokens, not none."""
+    before = key_tokens(router, "limited", "in")
+    body = {"model": "m", "query": "which one " * 20, "documents": ["a long document " * 50] * 4}
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        resp = c.post("/v1/rerank", json=body, headers={"Authorization": f"Bearer {LIMITED}"})
+    assert resp.status_code == 200, resp.text
+    total = resp.json()["usage"]["total_tokens"]
+    assert total > 0
+    assert wait_for_tokens(router, "limited", "in", before + total) - before == total
+
+
+def test_ready_names_only_the_models_the_caller_may_use(router: Router) -> None:
+    """`GET /v1/models/{id}` answers the same 404 whether a model does not exist or the key
+    may not see it; /ready, which a load balancer polls without a key, listed every model's
+    name to anyone. Its status still says whether the router serves at all."""
+    with httpx.Client(base_url=router.url, timeout=10) as c:
+        keyless = c.get("/ready")
+        limited = c.get("/ready", headers={"Authorization": f"Bearer {LIMITED}"})
+        everything = c.get("/ready", headers={"x-api-key": OPEN})
+        wrong = c.get("/ready", headers={"Authorization": "Bearer not-a-key"})
+    for resp in (keyless, limited, everything, wrong):
+        assert resp.status_code == 200
+        assert resp.json()["ready"] is True
+    assert keyless.json()["ready_endpoints"] == {}
+    assert wrong.json()["ready_endpoints"] == {}
+    assert limited.json()["ready_endpoints"] == {"m": 1}
+    assert everything.json()["ready_endpoints"] == {"m": 1, "secret": 1}
+
+
+def test_a_429_for_tokens_says_when_the_keys_tokens_are_back(router: Router) -> None:
+    """A request may take more than a key's tokens a minute (a limit is checked before the
+    answer, its tokens counted after): the key then owes them, a token a second at 60 a
+    minute. Its 429 said to retry in 1 s however much it owed, so a client that waited as
+    told was refused again, minutes on end."""
+    headers = {"Authorization": f"Bearer {METERED}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 300}
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        first = c.post("/v1/chat/completions", json=body, headers=headers)
+        assert first.status_code == 200, first.text
+        used = first.json()["usage"]["total_tokens"]
+        refused = c.post("/v1/chat/completions", json=body, headers=headers)
+    assert refused.status_code == 429
+    owed_s = used - 60  # a minute's tokens were there to take; each second brings one more
+    wait = int(refused.headers["Retry-After"])
+    assert owed_s - 30 <= wait <= owed_s + 1
+    assert refused.headers["x-ratelimit-reset-tokens"].startswith(f"{wait // 60}m")
