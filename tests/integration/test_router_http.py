@@ -21,6 +21,9 @@ pytestmark = pytest.mark.slow
 
 MAX_BODY = 64 * 1024
 BODY_TIMEOUT_S = 1.0
+EARLY_S = 0.2
+"""How much before its deadline a cut may be seen, and no more: uvloop dates a timer from
+the loop's time cached at the start of its iteration (measured 0.99989 s of 1 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +168,7 @@ def test_a_body_that_stops_half_way_gets_408_and_the_connection_closes(router: R
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"Connection: close" in answer
     assert b'"code":"request_timeout"' in answer
-    assert BODY_TIMEOUT_S <= took < BODY_TIMEOUT_S + 5
+    assert BODY_TIMEOUT_S - EARLY_S <= took < BODY_TIMEOUT_S + 5
 
 
 def test_a_body_sent_in_pieces_within_the_timeout_is_served(router: Router) -> None:
