@@ -14,7 +14,7 @@ service when Prometheus scrapes.
 
 A request head must arrive within `admin.header_timeout_s` of its first byte, or the
 client gets a 408 and the connection closes; a malformed request gets a 400 that quotes
-nothing it sent (llmgw.http_server).
+nothing it sent, and a compressed body (never inflated) a 415 (llmgw.http_server).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ on 127.0.0.1 by default, where every request must carry the token it prints in t
 to open (another user of the machine reaches 127.0.0.1 too). Listening on any other
 address needs `--tls-cert/--tls-key`: HTTPS that admits only operator client certificates
 of the fleet's CA. Either way a request head must arrive within `--header-timeout-s` of
-its first byte (or 408, and the connection closes), and a malformed request gets a 400 that
-quotes nothing it sent (llmgw.http_server).
+its first byte (or 408, and the connection closes), a malformed request gets a 400 that
+quotes nothing it sent, and a compressed body (never inflated) a 415 (llmgw.http_server).
 """
 
 from __future__ import annotations

@@ -84,19 +84,6 @@ def body_too_large(max_bytes: int) -> Refusal:
     )
 
 
-def compressed_body(coding: str) -> Refusal | None:
-    """The refusal of a body sent with a `Content-Encoding` (None: none, or `identity`):
-    the router reads, and engines take, a request's JSON as it is."""
-    if not coding or coding.strip().lower() == "identity":
-        return None
-    return Refusal(
-        415,
-        "the request body is compressed (Content-Encoding): send it uncompressed",
-        "invalid_request_error",
-        "compressed_body",
-    )
-
-
 def bad_body(problem: str) -> Refusal:
     return Refusal(400, problem, "invalid_request_error", "invalid_body")
 

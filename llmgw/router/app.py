@@ -311,9 +311,6 @@ class Router:
 
     async def read_body(self, request: web.BaseRequest) -> bytes | Refusal:
         """The whole body within `body_timeout_s` and `max_body_bytes`, or the refusal."""
-        compressed = admission.compressed_body(request.headers.get("Content-Encoding", ""))
-        if compressed is not None:
-            return compressed
         try:
             if request.content.is_eof():
                 return await request.read()  # all here already: no timer needed

@@ -4,8 +4,9 @@ quiet 400s), answering in OpenAI's error shape.
 A request head must be complete within `header_timeout_s` of its first byte, or the client
 gets a 408 (`request_timeout`) and the connection is closed; a request that is not valid
 HTTP gets a 400 (`bad_http_request`) naming only the kind of problem, never the bytes sent
-(an `Authorization` header with its key). Used by `llmgw.router.app.build_server` and the
-admin listener (llmgw.router.admin).
+(an `Authorization` header with its key); a body is never inflated, and one sent with a
+`Content-Encoding` gets a 415 (`compressed_body`). Used by `llmgw.router.app.build_server`
+and the admin listener (llmgw.router.admin).
 """
 
 from __future__ import annotations
@@ -28,10 +29,7 @@ def server(
     handler: Any, *, head_timeout_s: float, client_max_size: int, **kwargs: Any
 ) -> web.Server:
     """The router's low-level server (llmgw.http_server.server) with its answers; requests
-    take bodies of up to `client_max_size` bytes, as sent: aiohttp would inflate a body
-    sent with a `Content-Encoding`, and read what a handler left unread before the next
-    request, so a megabyte of gzip held the loop for seconds (the handlers refuse such a
-    body: `admission.compressed_body`)."""
+    take bodies of up to `client_max_size` bytes, as sent (a compressed one gets 415
+    `compressed_body`, on any path, before the handler)."""
     rules = http_server.Rules(head_timeout_s, log, _openai_error)
-    return http_server.server(handler, rules=rules, client_max_size=client_max_size,
-                              auto_decompress=False, **kwargs)  # fmt: skip
+    return http_server.server(handler, rules=rules, client_max_size=client_max_size, **kwargs)

@@ -5,10 +5,12 @@ a connection that sends nothing (over HTTPS: not even a handshake) is closed onc
 long has passed since its connect, while a head sent in pieces within it, and a
 kept-alive connection's next request after a longer idle spell, are served; a malformed
 header holding a key is answered with a 400 that quotes nothing it sent, logged by its
-kind only. Each runs in-process (its `start` or `serve` on real sockets), over plain HTTP
-and over HTTPS with an operator's certificate; the log checked is everything the process
-logs, llmgw's lines and aiohttp's records alike. `llmgw console` (its
-`--header-timeout-s`) runs as a real process over a real nats-server, its log a file."""
+kind only; a gzip bomb sent as a body, even to a path that reads none, is answered 415
+without being inflated, while an uncompressed body is served. Each runs in-process (its
+`start` or `serve` on real sockets), over plain HTTP and over HTTPS with an operator's
+certificate; the log checked is everything the process logs, llmgw's lines and aiohttp's
+records alike. `llmgw console` (its `--header-timeout-s`) runs as a real process over a
+real nats-server, its log a file."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import contextlib
 import json
 import logging
 import ssl
+import threading
+import time
 import types
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -102,6 +106,42 @@ def serves_a_head_sent_at_once(
     assert answer.startswith(b"HTTP/1.1 %d" % status), answer[:300]
 
 
+def refuses_a_gzip_bomb(
+    url: str, cpu_s: Callable[[], float], tls: ssl.SSLContext | None = None, path: str = "/health"
+) -> None:
+    """A GET (which no handler reads a body of) with a MB of gzip that inflates to a GiB:
+    aiohttp inflated it, seconds of the listener's loop with no credential needed. It is
+    refused with a JSON 415 (or the connection closed) within well under a second of the
+    CPU clock `cpu_s` reads, the listener's."""
+    raw = raw_http.with_body(url, "GET", path, raw_http.gzip_bomb(), "Content-Encoding: gzip")
+    before = cpu_s()
+    answer = raw_http.answer_to(url, raw, tls=tls)
+    used = cpu_s() - before
+    assert used < 1.0, used
+    if answer:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 415"), answer[:300]
+        assert b"\r\naccept-encoding: identity" in head.lower(), head
+        assert "compressed" in json.loads(body)["error"]
+
+
+def serves_an_uncompressed_body(
+    url: str, tls: ssl.SSLContext | None = None, path: str = "/health", status: int = 200
+) -> None:
+    """A body sent as it is, `Content-Encoding: identity` or none, is no reason to refuse."""
+    for coding in ("Content-Encoding: identity", "X-Plain: 1"):
+        raw = raw_http.with_body(url, "GET", path, b'{"plain": true}', coding)
+        answer = raw_http.exchange(url, raw, tls=tls)
+        assert answer.startswith(b"HTTP/1.1 %d" % status), (coding, answer[:300])
+
+
+def loop_cpu_clock() -> Callable[[], float]:
+    """The CPU clock of the calling thread (an in-process listener's loop), to be read from
+    another (the client's)."""
+    clock = time.pthread_getcpuclockid(threading.get_ident())
+    return lambda: time.clock_gettime(clock)
+
+
 # ------------------------------------------------------------------ the control plane
 
 
@@ -160,6 +200,14 @@ async def test_the_control_admin_api_neither_echoes_nor_logs_a_malformed_key(
     await asyncio.to_thread(answers_a_malformed_key_quietly, url, logged, tls)
 
 
+async def test_the_control_admin_api_never_inflates_a_body(
+    control_admin: tuple[str, ssl.SSLContext | None],
+) -> None:
+    url, tls = control_admin
+    await asyncio.to_thread(refuses_a_gzip_bomb, url, loop_cpu_clock(), tls)
+    await asyncio.to_thread(serves_an_uncompressed_body, url, tls)
+
+
 # ------------------------------------------------------------------ the agent
 
 
@@ -209,15 +257,20 @@ async def test_the_agent_admin_listener_neither_echoes_nor_logs_a_malformed_key(
     await asyncio.to_thread(answers_a_malformed_key_quietly, agent_admin, logged)
 
 
+async def test_the_agent_admin_listener_never_inflates_a_body(agent_admin: str) -> None:
+    await asyncio.to_thread(refuses_a_gzip_bomb, agent_admin, loop_cpu_clock())
+    await asyncio.to_thread(serves_an_uncompressed_body, agent_admin)
+
+
 # ------------------------------------------------------------------ the console
 
 
 @pytest.fixture(params=["http", "https"])
 async def console(
     request: pytest.FixtureRequest, nats_server: TestNatsServer, tmp_path: Path
-) -> AsyncIterator[tuple[str, ssl.SSLContext | None, Path]]:
+) -> AsyncIterator[tuple[str, ssl.SSLContext | None, Path, int]]:
     """`llmgw console` with a 1 s head deadline, on loopback (its token) or over HTTPS
-    (operator certificates): its URL, the TLS a client needs, its log."""
+    (operator certificates): its URL, the TLS a client needs, its log and its process id."""
     control = await connect_as(nats_server, "control", "control-a")
     await bus.provision(control.jetstream())
     await control.close()
@@ -229,32 +282,43 @@ async def console(
     log = tmp_path / "console.log"
     service = Service("console", argv, log, r"llmgw console at (https?://\S+) as ")
     url = (await asyncio.to_thread(service.start)).group(1)
+    assert service.proc is not None
     try:
-        yield url, nats_server.pki.client_tls("operator", "alice") if https else None, log
+        tls = nats_server.pki.client_tls("operator", "alice") if https else None
+        yield url, tls, log, service.proc.pid
     finally:
         service.terminate()
 
 
 async def test_the_console_cuts_a_trickled_head_with_408(
-    console: tuple[str, ssl.SSLContext | None, Path],
+    console: tuple[str, ssl.SSLContext | None, Path, int],
 ) -> None:
-    url, tls, _ = console
+    url, tls, _, _ = console
     await asyncio.to_thread(cuts_a_trickled_head, url, tls)
     # Without its token a loopback console answers 401; with an operator's certificate, 200.
     await asyncio.to_thread(serves_a_head_sent_at_once, url, tls, "/", 200 if tls else 401)
 
 
 async def test_the_console_closes_a_silent_connection_at_the_head_deadline(
-    console: tuple[str, ssl.SSLContext | None, Path],
+    console: tuple[str, ssl.SSLContext | None, Path, int],
 ) -> None:
-    url, tls, _ = console
+    url, tls, _, _ = console
     await asyncio.to_thread(closes_a_silent_connection, url, tls)
 
 
 async def test_the_console_neither_echoes_nor_logs_a_malformed_key(
-    console: tuple[str, ssl.SSLContext | None, Path],
+    console: tuple[str, ssl.SSLContext | None, Path, int],
 ) -> None:
-    url, tls, log = console
+    url, tls, log, _ = console
     await asyncio.to_thread(
         answers_a_malformed_key_quietly, url, lambda: log.read_text(errors="replace"), tls
     )
+
+
+async def test_the_console_never_inflates_a_body(
+    console: tuple[str, ssl.SSLContext | None, Path, int],
+) -> None:
+    url, tls, _, pid = console
+    await asyncio.to_thread(refuses_a_gzip_bomb, url, lambda: raw_http.cpu_s(pid), tls, "/")
+    # Without its token a loopback console answers 401; with an operator's certificate, 200.
+    await asyncio.to_thread(serves_an_uncompressed_body, url, tls, "/", 200 if tls else 401)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.router_kit import Router, Sim
+from tests.kit import raw_http
 
 pytestmark = pytest.mark.slow
 
@@ -201,44 +200,31 @@ def test_a_body_nested_to_the_decoders_limit_gets_an_answer_not_a_500(
     assert statuses == {200, 400}  # the sweep went past the limit
 
 
-def _gzip_of_zeros(mib: int) -> bytes:
-    """`mib` MiB of zeros, gzipped: about a thousandth of that."""
-    co = zlib.compressobj(9, zlib.DEFLATED, 31)
-    block = bytes(1 << 20)
-    return b"".join([co.compress(block) for _ in range(mib)] + [co.flush()])
-
-
-def _cpu_s(pid: int) -> float:
-    """The CPU time a process has used, user and system."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.mark.parametrize(
-    ("method", "path"), [("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
+    ("listener", "method", "path"),
+    [
+        ("url", "POST", "/v1/chat/completions"),
+        ("url", "GET", "/v1/models"),
+        ("admin", "POST", "/route"),
+        ("admin", "GET", "/health"),
+    ],
 )
-def test_a_compressed_body_is_never_inflated(router: Router, method: str, path: str) -> None:
+def test_a_compressed_body_is_never_inflated(
+    router: Router, listener: str, method: str, path: str
+) -> None:
     """aiohttp inflated a body sent with `Content-Encoding: gzip` as it was read, and read
     whatever a handler left unread before the connection's next request: a megabyte of
     gzip (a gigabyte of zeros) held the router's loop for seconds, on any path, with no
-    key needed. Bodies are taken as sent, and a compressed one is refused (engines take
-    none either)."""
-    bomb = _gzip_of_zeros(1024)
-    host, port = router.url.split("//")[1].split(":")
-    head = (
-        f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Encoding: gzip\r\nContent-Length: {len(bomb)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    before = _cpu_s(router.pid)
-    answer = b""
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(head + bomb)
-        while chunk := s.recv(65536):
-            answer += chunk
-    assert _cpu_s(router.pid) - before < 1.0
-    if method == "POST":
-        assert answer.startswith(b"HTTP/1.1 415"), answer[:300]
-        assert b'"code":"compressed_body"' in answer
+    key needed. Bodies are taken as sent, and a compressed one is refused on every path,
+    of both listeners, whether it takes a body or not (engines take none either)."""
+    url = getattr(router, listener)
+    headers = ("Content-Type: application/json", "Content-Encoding: gzip")
+    raw = raw_http.with_body(url, method, path, raw_http.gzip_bomb(), *headers)
+    before = raw_http.cpu_s(router.pid)
+    answer = raw_http.answer_to(url, raw)
+    assert raw_http.cpu_s(router.pid) - before < 1.0
+    assert answer.startswith(b"HTTP/1.1 415"), answer[:300]
+    assert b'"code":"compressed_body"' in answer
 
 
 def test_router_survived(http: httpx.Client) -> None:

@@ -3,7 +3,8 @@ library sends (a malformed header with a key in it, a request head trickled in, 
 never finished). Blocking: from an async test, call through `asyncio.to_thread`.
 
 Also what a listener does with a connection that sends nothing (`silent`) or sends its
-next request after an idle spell (`kept_alive`).
+next request after an idle spell (`kept_alive`), and with a gzip bomb (`gzip_bomb`: how
+much CPU it spends, `cpu_s`).
 
 Used by the front-door tests of every listener: tests/integration/test_router_hygiene.py
 (the router's two) and tests/integration/test_listener_hygiene.py (the control plane's admin
@@ -12,12 +13,18 @@ API, the agent's admin listener, `llmgw console`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
+import os
 import socket
 import ssl
+import struct
 import time
 import urllib.parse
+import zlib
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 SECRET = "sk-hygiene-secret-7f3a9c"
 """What a tenant's key looks like; no answer and no log line may ever hold it."""
@@ -55,6 +62,52 @@ def exchange(
             if not chunk:
                 return answer
             answer += chunk
+
+
+def answer_to(
+    url: str, raw: bytes, *, timeout: float = 60.0, tls: ssl.SSLContext | None = None
+) -> bytes:
+    """`exchange`, for a request with a large body that the server may answer before it has
+    read it all, and close: what it answered, b"" when it closed without an answer."""
+    with connect(url, timeout=timeout, tls=tls) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, ssl.SSLEOFError):
+            sock.sendall(raw)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError, ssl.SSLError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+        return answer
+
+
+def with_body(url: str, method: str, path: str, body: bytes, *headers: str) -> bytes:
+    """A request (Connection: close) of `path` carrying `body` and `headers` ("Name: value")."""
+    host, port = addr(url)
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", *headers,
+             f"Content-Length: {len(body)}", "Connection: close"]  # fmt: skip
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@functools.cache
+def gzip_bomb() -> bytes:
+    """A gzip stream of a GiB of zeros, about a MB: what a client with no key could send to
+    have a server that inflates request bodies spend seconds of CPU on it. Built in a
+    fraction of a second: a MiB of zeros deflated and fully flushed (which makes the piece
+    independent of what came before) is repeated 1024 times, then the last block and
+    gzip's trailer (the zeros' CRC and length)."""
+    zeros = bytes(1 << 20)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    piece = deflate.compress(zeros) + deflate.flush(zlib.Z_FULL_FLUSH)
+    crc = functools.reduce(lambda c, _: zlib.crc32(zeros, c), range(1024), 0)
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff"  # gzip, deflate, no name, no time
+    last_block = b"\x03\x00"  # final, fixed codes, nothing but its end
+    trailer = struct.pack("<II", crc, (1024 << 20) & 0xFFFFFFFF)
+    return header + piece * 1024 + last_block + trailer
+
+
+def cpu_s(pid: int) -> float:
+    """The CPU time a process has used, user and system."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def silent(

@@ -4,11 +4,17 @@ alike; on another aiohttp, each gets aiohttp's own, and the log says why."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gzip
+import json
+from collections.abc import AsyncIterator
+
 import pytest
 import structlog
 from aiohttp import web
 
-from llmgw import http_server, logs
+from llmgw import http_server, listeners, logs
 from llmgw.router import protocol
 
 RULES = http_server.Rules(5.0, logs.get("llmgw.test"))
@@ -57,3 +63,99 @@ async def test_another_aiohttp_gets_its_own_server_and_the_log_says_why(
     lines = [e for e in logged if e["event"] == "request_handler_stock"]
     assert len(lines) == 2  # one per listener
     assert all("head" in line["reason"] for line in lines)
+
+
+Served = tuple[int, list[bytes]]
+"""A listener's port, and the bodies its handler has read."""
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    kind: str, supported: bool, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Served]:
+    """A listener on 127.0.0.1, a low-level server's or an Application's, with llmgw's
+    handler (`supported`) or aiohttp's own, whose handler answers 200 with what it read."""
+    monkeypatch.setattr(http_server, "SUPPORTED", supported)
+    read: list[bytes] = []
+
+    async def echo(request: web.BaseRequest) -> web.StreamResponse:
+        read.append(await request.read())
+        return web.Response(text="ok")
+
+    if kind == "server":
+        runner: web.BaseRunner = web.ServerRunner(
+            http_server.server(echo, rules=RULES, client_max_size=1 << 20)
+        )
+    else:
+        app = web.Application()
+        app.router.add_route("*", "/", echo)
+        runner = http_server.app_runner(app, rules=RULES)
+    await runner.setup()
+    sock = listeners.bind("127.0.0.1", 0, setting="port")
+    try:
+        await http_server.start_site(runner, sock, rules=RULES)
+        yield sock.getsockname()[1], read
+    finally:
+        await runner.cleanup()
+
+
+async def _ask(port: int, method: str, headers: list[str], body: bytes) -> tuple[int, bytes]:
+    """The status and body of the answer to one request (Connection: close)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    lines = [f"{method} / HTTP/1.1", "Host: 127.0.0.1", *headers, "Connection: close"]
+    if body:
+        lines.append(f"Content-Length: {len(body)}")
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+    answer = await reader.read()
+    writer.close()
+    head, _, content = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), content
+
+
+LISTENERS = pytest.mark.parametrize(
+    ("kind", "supported"), [("server", True), ("server", False), ("app", True), ("app", False)]
+)
+
+
+@LISTENERS
+@pytest.mark.parametrize(
+    ("codings", "refused"),
+    [
+        ([], False),
+        (["identity"], False),
+        ([" Identity "], False),
+        (["gzip"], True),
+        (["GZIP"], True),
+        (["br"], True),
+        (["identity, deflate"], True),
+        (["identity", "gzip"], True),
+        (["x-anything"], True),
+    ],
+)
+async def test_a_body_under_any_coding_but_identity_gets_415_before_the_handler(
+    kind: str, supported: bool, codings: list[str], refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On every listener, llmgw's connection handler or aiohttp's own: a body is taken as
+    sent, and one with a content coding is answered 415 in the listener's error shape,
+    its handler never called."""
+    gzipped = gzip.compress(b'{"a": 1}')
+    async with _serving(kind, supported, monkeypatch) as (port, read):
+        headers = [f"Content-Encoding: {c}" for c in codings]
+        status, body = await _ask(port, "POST", headers, gzipped)
+    if refused:
+        assert status == 415
+        assert json.loads(body) == {"error": http_server.COMPRESSED}
+        assert read == []
+    else:
+        assert status == 200
+        assert read == [gzipped]
+
+
+@LISTENERS
+async def test_a_content_coding_without_a_body_is_served(
+    kind: str, supported: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with _serving(kind, supported, monkeypatch) as (port, read):
+        status, _ = await _ask(port, "GET", ["Content-Encoding: gzip"], b"")
+    assert status == 200
+    assert read == [b""]
