@@ -105,12 +105,43 @@ def loopback(host: str) -> bool:
         return False
 
 
+_NOT_IN_A_HOST = frozenset("/?#@\\ \t%")
+"""Characters no host of a `Host` header holds (a path, a query, user info, a zone)."""
+
+
+def host_header_name(value: str) -> str | None:
+    """The host a `Host` header (`host[:port]`, RFC 9110) names, in lower case, without its
+    port (an IPv6 address keeps its brackets); None when the value is not of that form (a
+    path, user info, a port that is not digits, a bare IPv6 address, a name not in ASCII:
+    a browser sends an international name as punycode). Pure."""
+    if value.startswith("["):
+        inside, bracket, port = value[1:].partition("]")
+        name = f"[{inside}]" if bracket else ""
+    else:
+        name, colon, digits = value.partition(":")
+        port = colon + digits
+    if port and not (port[0] == ":" and port[1:].isascii() and port[1:].isdigit()):
+        return None
+    if not name or not name.isascii() or any(c in _NOT_IN_A_HOST for c in name):
+        return None
+    return name.lower()
+
+
 def loopback_host_header(value: str) -> bool:
-    """Whether a `Host` header (`name[:port]`) names a loopback host, as a browser sends
-    for 127.0.0.1, [::1] or localhost; a DNS name rebound to 127.0.0.1 keeps its own name.
-    Pure; False for anything that is not a host."""
+    """Whether a `Host` header (`name[:port]`) names a loopback host by a literal, as a
+    browser sends for 127.0.0.1 (any of 127.0.0.0/8), [::1] or localhost; a DNS name
+    rebound to 127.0.0.1 keeps its own name. Pure; False for anything that is not a host."""
+    name = host_header_name(value)
+    if name is None:
+        return False
+    if name.startswith("["):
+        try:
+            return ipaddress.IPv6Address(name[1:-1]).is_loopback
+        except ValueError:
+            return False
+    if name in ("localhost", "localhost."):
+        return True
     try:
-        name = urllib.parse.urlsplit("//" + value).hostname or ""
+        return ipaddress.IPv4Address(name).is_loopback
     except ValueError:
         return False
-    return loopback(name)

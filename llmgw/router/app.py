@@ -44,6 +44,7 @@ from llmgw.listeners import scrape_target
 from llmgw.router import admission, aiohttp_direct, apis, auth, protocol, requests, tracing
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
+from llmgw.router.browsers import BrowserGuard
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.dispatch import Dispatcher
@@ -86,6 +87,7 @@ class Router:
         # still knows them: a request with one is its key's (limits, usage, metrics).
         self.keys = auth.Keys()
         self.anonymous = cfg.auth.allow_anonymous
+        self.browsers = BrowserGuard(cfg.auth, cfg.listen.host) if self.anonymous else None
         self.file_keys: auth.Keys | None = None
         # With several workers, keys' limits are shared by all of them (see auth).
         self.limits = limits
@@ -228,11 +230,19 @@ class Router:
         self._rid += 1
         return f"{self._rid_prefix}{self._rid}"
 
-    async def handle_models(self, request: web.BaseRequest) -> web.Response:
-        rid = self._request_id(request)
+    def _caller(self, request: web.BaseRequest) -> auth.Principal | Refusal | None:
+        """The request's key (None: served without one), or why it is refused; a request
+        without a key is refused to web pages (llmgw.router.browsers)."""
         principal = admission.authenticate(
             self.keys, admission.credential(request.headers), time.time(), self.anonymous
         )
+        if principal is None and self.browsers is not None:
+            return self.browsers.refusal(request.headers)
+        return principal
+
+    async def handle_models(self, request: web.BaseRequest) -> web.Response:
+        rid = self._request_id(request)
+        principal = self._caller(request)
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
         data = []
@@ -246,9 +256,7 @@ class Router:
     async def handle_model(self, request: web.BaseRequest) -> web.Response:
         """`GET /v1/models/{id}`: one model (by name or alias) this key may use; else 404."""
         rid = self._request_id(request)
-        principal = admission.authenticate(
-            self.keys, admission.credential(request.headers), time.time(), self.anonymous
-        )
+        principal = self._caller(request)
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid)
         name = request.path[len(MODEL_PATH) :]
@@ -266,10 +274,9 @@ class Router:
         """Whether any model has an endpoint to take requests (the status, for a load
         balancer's probe, which sends no key), and each model's count of them: only the
         models the caller's key may use, as `/v1/models` lists them (all of them on an
-        anonymous router; none without a key the router knows)."""
-        principal = admission.authenticate(
-            self.keys, admission.credential(request.headers), time.time(), self.anonymous
-        )
+        anonymous router; none without a key the router knows, nor to a web page that a
+        router without keys refuses)."""
+        principal = self._caller(request)
         per_model = {
             name: routing.routable(self.table.for_model(name)) for name in self.catalog.profiles
         }
@@ -374,9 +381,7 @@ class Router:
     ) -> web.StreamResponse:  # fmt: skip
         """Admission, then dispatch; `outcome` gets the model's name once it is known, and
         the status when it is not the response's own."""
-        principal = admission.authenticate(
-            self.keys, admission.credential(request.headers), time.time(), self.anonymous
-        )
+        principal = self._caller(request)
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid, kind)
         body = await self.read_body(request)

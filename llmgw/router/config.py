@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from llmgw import config, otlp
+from llmgw import config, listeners, otlp
 from llmgw.bus.settings import NatsConnection
 from llmgw.core import redaction, subjects
 from llmgw.core.breaker import BreakerPolicy
@@ -49,6 +49,14 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """YAML file of hashed API keys (see `llmgw router hash-key`)."""
     allow_anonymous: bool = False
     """Serve without keys. Must be said explicitly: an open router is an open GPU bill."""
+    allowed_origins: tuple[str, ...] = ()
+    """Web origins (`https://app.example`, as browsers send them in `Origin`) whose pages
+    may send requests without a key (llmgw.router.browsers); any other page's are refused.
+    The router sends no CORS headers: for pages served on its own origin by a proxy."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Names (no port) besides 127.0.0.1, [::1] and localhost a request without a key may
+    name in `Host` when the router listens on loopback; listing any checks `Host` on any
+    listen address."""
 
 
 class PrefixConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -321,7 +329,54 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
         )
     if cfg.auth.keys_file and cfg.auth.allow_anonymous:
         problems.append("auth.keys_file and auth.allow_anonymous are both set: choose one")
+    return problems + _origin_problems(cfg.auth) + _host_problems(cfg.auth)
+
+
+def _origin_problems(auth: AuthConfig) -> list[str]:
+    """Origins a browser never sends as written (it would be refused), and "null"."""
+    problems: list[str] = []
+    for i, origin in enumerate(auth.allowed_origins):
+        where = f"auth.allowed_origins[{i}] {origin!r}"
+        written = web_origin(origin)
+        if origin == "null":
+            problems.append(
+                f"{where} is the origin of sandboxed frames and local files, which any page"
+                " can take: list the origins of the pages that may use the router"
+            )
+        elif written is None:
+            problems.append(f"{where} is no origin: write scheme://host[:port], no path")
+        elif written != origin:
+            problems.append(f"{where}: write it as browsers send it, {written!r}")
     return problems
+
+
+def web_origin(value: str) -> str | None:
+    """`value` as browsers write an origin (lower case, no default port, no slash); None
+    when it is not `scheme://host[:port]`."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        return None
+    host = parts.hostname
+    if not parts.scheme or not host or "@" in parts.netloc or parts.path not in ("", "/"):
+        return None
+    if parts.query or parts.fragment or value.endswith(("?", "#")):
+        return None
+    host = f"[{host}]" if ":" in host else host
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    shown = "" if port is None or port == default else f":{port}"
+    return f"{parts.scheme}://{host}{shown}"
+
+
+def _host_problems(auth: AuthConfig) -> list[str]:
+    """Host names a `Host` header's name can never be."""
+    return [
+        f"auth.allowed_hosts[{i}] {name!r} is no host name: write a name or an address"
+        " without a port (an IPv6 address in brackets), one entry per name, no wildcard"
+        for i, name in enumerate(auth.allowed_hosts)
+        if "*" in name or listeners.host_header_name(name) != name.lower()
+    ]
 
 
 def load(path: str | Path | None) -> RouterConfig:

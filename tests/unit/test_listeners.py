@@ -3,6 +3,8 @@ plane warns when its plain-HTTP admin API, the whole fleet's state, listens else
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -45,6 +47,71 @@ def test_host_headers_that_name_loopback(value: str, local: bool) -> None:
 @given(st.text(max_size=60))
 def test_any_host_header_is_answered_never_raises(value: str) -> None:
     assert listeners.loopback_host_header(value) in (True, False)
+
+
+ports = st.none() | st.integers(0, 65535).map(str)
+
+
+def _with(port: str | None, host: str) -> str:
+    return host if port is None else f"{host}:{port}"
+
+
+def _any_case(draw: st.DrawFn, text: str) -> str:
+    upper = draw(st.lists(st.booleans(), min_size=len(text), max_size=len(text)))
+    return "".join(c.upper() if u else c for c, u in zip(text, upper, strict=True))
+
+
+@st.composite
+def loopback_hosts(draw: st.DrawFn) -> str:
+    """A `Host` a client of a loopback listener sends: 127.0.0.0/8, [::1] or localhost, in
+    any letter case, with a port or without."""
+    ipv4 = st.ip_addresses(v=4, network="127.0.0.0/8").map(str)
+    host = draw(ipv4 | st.sampled_from(["[::1]", "localhost"]))
+    return _with(draw(ports), _any_case(draw, host))
+
+
+@given(loopback_hosts())
+def test_every_loopback_literal_names_loopback(value: str) -> None:
+    assert listeners.loopback_host_header(value)
+
+
+labels = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?", fullmatch=True)
+
+
+@given(st.ip_addresses(v=4, network="127.0.0.0/8").map(str) | st.just("localhost"), labels,
+       st.booleans(), ports)  # fmt: skip
+def test_a_name_that_only_contains_a_loopback_name_is_not_one(
+    loopback: str, label: str, before: bool, port: str | None
+) -> None:
+    # 127.0.0.1.evil.example and localhost.evil.example resolve to whatever their owner says.
+    name = f"{label}.{loopback}" if before else f"{loopback}.{label}"
+    assert not listeners.loopback_host_header(_with(port, name))
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["0x7f.1", "0x7f000001", "2130706433", "127.1", "0177.0.0.1", "127.0.0.01", "", ":80",
+     " 127.0.0.1", "127.0.0.1 ", "::1", "[::1", "[::1]x", "evil@127.0.0.1", "127.0.0.1/x",
+     "127.0.0.1:x", "127.0.0.1:", "localhost:80:80", "[127.0.0.1]", "localhost..",
+     "[::ffff:127.0.0.1]", "localhost\x00", "\uff4cocalhost", "127.0.0.1%2f"],
+)  # fmt: skip
+def test_other_spellings_of_loopback_are_not_taken(value: str) -> None:
+    # A browser writes 127.0.0.1, [::1] or localhost as they are; anything else a name
+    # could be registered as, or no host at all.
+    assert not listeners.loopback_host_header(value)
+
+
+LOOPBACK_SYNTAX = re.compile(r"(127(\.[0-9]{1,3}){3}|\[[0-9a-f:.]+\]|localhost\.?)(:[0-9]+)?", re.I)
+
+
+near_loopback = st.tuples(st.text(max_size=4), loopback_hosts(), st.text(max_size=6)).map("".join)
+
+
+@given(st.text(max_size=40) | near_loopback)
+def test_nothing_else_names_loopback(value: str) -> None:
+    # A path, user info, a second port, junk around the name: not a host a browser writes.
+    if listeners.loopback_host_header(value):
+        assert LOOPBACK_SYNTAX.fullmatch(value), value
 
 
 @pytest.mark.parametrize(
