@@ -58,7 +58,7 @@ def post_stream(url: str, *, tokens: int, version: str = "1.1", rcvbuf: int = 0,
     s.settimeout(30)
     s.connect((parts.hostname, parts.port))
     s.sendall(
-        f"POST /v1/chat/completions HTTP/{version}\r\nHost: x\r\nContent-Type: application/json"
+        f"POST /v1/chat/completions HTTP/{version}\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
         f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
         + body
     )
