@@ -2,7 +2,13 @@
 prompt would go: llmgw.router.explain).
 
 It is reachable wherever Prometheus scrapes, and `/route` takes a tenant's key as the
-front door does, so it is served by the front door's connection handling
+front door does. No web page may use it (llmgw.router.browsers, whatever the front door's
+keys): a request with an `Origin` not in `auth.allowed_origins`, or, on a loopback
+listener, with a `Host` naming no loopback address nor a name in `auth.allowed_hosts` (a
+DNS name rebound to 127.0.0.1 after its page loaded) gets a 403, so that no page the
+operator opens reads the metrics (keys' and teams' names, models) or where prompts would
+go and what they would find cached. Prometheus and curl send no `Origin`. It is served by
+the front door's connection handling
 (llmgw.router.protocol): a request head must arrive within `header_timeout_s` and a
 body within `body_timeout_s` (or the connection is answered 408 and closed), and a
 malformed head gets a 400 that quotes nothing it sent (aiohttp's own answer, and its log
@@ -19,6 +25,7 @@ from aiohttp import web
 
 from llmgw.router import admission, protocol
 from llmgw.router.app import Router
+from llmgw.router.browsers import BrowserGuard
 from llmgw.router.errors import Refusal
 from llmgw.router.explain import ExplainError, explain
 
@@ -78,7 +85,15 @@ def build_admin_server(router: Router) -> web.Server:
             status=404,
         )
 
+    guard = BrowserGuard(router.cfg.auth, router.cfg.admin.host)
+
+    async def refuse(refused: Refusal) -> web.Response:
+        return web.json_response({"error": refused.message}, status=refused.status)
+
     def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+        refused = guard.refusal(request.headers)
+        if refused is not None:
+            return refuse(refused)
         return handlers.get((request.method, request.path), unknown)(request)
 
     # /route takes the body a client would send.

@@ -154,3 +154,25 @@ def test_a_request_with_a_key_is_its_keys(
     r, seen = _send(keyed, engine, page)
     assert (r.status_code, seen) == (401, 0), r.text
     assert r.json()["error"]["code"] == "missing_api_key"
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/route"])
+@pytest.mark.parametrize(
+    "page", [{"Origin": "https://evil.example"}, {"Host": "rebind.evil.example:9090"}]
+)
+def test_no_page_reads_the_admin_listener(
+    anonymous: Router, path: str, page: dict[str, str]
+) -> None:
+    """The admin listener (loopback here, as by default) names keys, teams and models in
+    its metrics, and `/route` tells what a prompt would find cached where: a page of
+    another site, or one whose name was rebound to 127.0.0.1, must read neither.
+    Prometheus and curl, which send no Origin and a loopback Host, still do."""
+    with httpx.Client(base_url=anonymous.admin, timeout=10) as h:
+        if path == "/metrics":
+            refused, served = h.get(path, headers=page), h.get(path)
+        else:
+            refused = h.post(path, content=BODY, headers={**SIMPLE, **page})
+            served = h.post(path, content=BODY)
+    assert refused.status_code == 403, refused.text
+    assert "auth.allowed_" in refused.json()["error"]
+    assert served.status_code == 200, served.text
