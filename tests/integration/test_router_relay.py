@@ -58,8 +58,9 @@ def post_stream(url: str, *, tokens: int, version: str = "1.1", rcvbuf: int = 0,
     s.settimeout(30)
     s.connect((parts.hostname, parts.port))
     s.sendall(
-        f"POST /v1/chat/completions HTTP/{version}\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-        f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        f"POST /v1/chat/completions HTTP/{version}\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n".encode()
         + body
     )
     time.sleep(wait_s)
