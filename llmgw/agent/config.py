@@ -57,8 +57,9 @@ class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     host: str = "127.0.0.1"
     port: config.Port = 9191
     header_timeout_s: float = 10.0
-    """Longest wait for a request's line and headers once their first byte is in; a client
-    that sends them slower gets 408 and its connection is closed (llmgw.http_server)."""
+    """Longest wait for a request's line and headers: a connection's first request's from its
+    connect (a TLS handshake included), a later one's from its first byte; a client that sends
+    them slower gets 408 and its connection is closed (llmgw.http_server)."""
 
 
 class TracesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

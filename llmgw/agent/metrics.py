@@ -12,9 +12,10 @@ service when Prometheus scrapes.
 - `GET /health`: 200 `{"ok": true}` once started and connected to NATS, else 503 saying
   which is missing.
 
-A request head must arrive within `admin.header_timeout_s` of its first byte, or the
-client gets a 408 and the connection closes; a malformed request gets a 400 that quotes
-nothing it sent, and a compressed body (never inflated) a 415 (llmgw.http_server).
+A connection's first request head must arrive within `admin.header_timeout_s` of its
+connect, a later one within that of its first byte, or the client gets a 408 and the
+connection closes; a malformed request gets a 400 that quotes nothing it sent, and a
+compressed body (never inflated) a 415 (llmgw.http_server).
 """
 
 from __future__ import annotations

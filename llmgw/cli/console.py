@@ -6,8 +6,9 @@ on 127.0.0.1 by default, where every request must carry the token it prints in t
 to open (another user of the machine reaches 127.0.0.1 too). Listening on any other
 address needs `--tls-cert/--tls-key`: HTTPS that admits only operator client certificates
 of the fleet's CA. Either way a request head must arrive within `--header-timeout-s` of
-its first byte (or 408, and the connection closes), a malformed request gets a 400 that
-quotes nothing it sent, and a compressed body (never inflated) a 415 (llmgw.http_server).
+the connect, a later one's of its first byte (or 408, and the connection closes), a
+malformed request gets a 400 that quotes nothing it sent, and a compressed body (never
+inflated) a 415 (llmgw.http_server).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def command(
     header_timeout_s: float = typer.Option(
         10.0,
         "--header-timeout-s",
-        help="Longest wait for a request's line and headers once their first byte is in "
-        "(slower: 408, and the connection closes).",
+        help="Longest wait for a request's line and headers, from the connect (a later "
+        "request's: from its first byte; slower: 408, and the connection closes).",
     ),
     config: Path | None = common.CONFIG,
     server: list[str] | None = common.SERVER,

@@ -17,9 +17,9 @@ Plain HTTP on 127.0.0.1 by default, answering only requests whose `Host` names a
 loopback address or localhost (421 otherwise: DNS rebinding); with `admin.cert_file`
 set, HTTPS that requires a client certificate from the fleet's CA and answers 403
 unless it is an operator's. Either way (a Prometheus elsewhere may reach it) a request
-head must arrive within `admin.header_timeout_s` of its first byte, or the client gets a
-408 and the connection closes, a malformed request gets a 400 that quotes nothing it
-sent, and a compressed body (never inflated) a 415 (llmgw.http_server).
+head must arrive within `admin.header_timeout_s` of the connect (a later one's of its first
+byte), or the client gets a 408 and the connection closes, a malformed request gets a 400
+that quotes nothing it sent, and a compressed body (never inflated) a 415 (llmgw.http_server).
 Everything is read from the folded state (llmgw.control.service), shown with the same
 rows as `llmgw ctl` (llmgw.core.views), and nothing is written: mutations go through
 the log (`llmgw ctl`). JSON via msgspec. Used by operators, `llmgw ctl status`,

@@ -43,8 +43,9 @@ class AdminListener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ca_file: str = ""
     """The fleet's CA: clients must present a certificate it issued with OU=operator."""
     header_timeout_s: float = 10.0
-    """Longest wait for a request's line and headers once their first byte is in; a client
-    that sends them slower gets 408 and its connection is closed (llmgw.http_server)."""
+    """Longest wait for a request's line and headers: a connection's first request's from its
+    connect (a TLS handshake included), a later one's from its first byte; a client that sends
+    them slower gets 408 and its connection is closed (llmgw.http_server)."""
 
 
 class SnapshotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

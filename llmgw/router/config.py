@@ -146,8 +146,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Longest wait for a request's whole body once its headers are in; a client that
     sends it slower (or stops half-way) gets 408 and its connection is closed."""
     header_timeout_s: float = 10.0
-    """Longest wait for a request's line and headers once their first byte is in; a client
-    that sends them slower gets 408 and its connection is closed."""
+    """Longest wait for a request's line and headers: a connection's first request's from its
+    connect, a later one's from its first byte; a client that sends them slower gets 408
+    and its connection is closed (one that sends nothing: closed unanswered)."""
     keepalive_s: float = 0.0
     """Send an SSE comment every this many seconds before the first token (0: never);
     for load balancers that cut idle connections during a long prefill."""

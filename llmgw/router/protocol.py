@@ -1,10 +1,11 @@
 """The router's connection handling: llmgw.http_server's (a deadline on request heads,
 quiet 400s), answering in OpenAI's error shape.
 
-A request head must be complete within `header_timeout_s` of its first byte, or the client
-gets a 408 (`request_timeout`) and the connection is closed; a request that is not valid
-HTTP gets a 400 (`bad_http_request`) naming only the kind of problem, never the bytes sent
-(an `Authorization` header with its key); a body is never inflated, and one sent with a
+A connection's first request head must be complete within `header_timeout_s` of its
+connect, a later one within that of its first byte, or the client gets a 408
+(`request_timeout`) and the connection is closed; a request that is not valid HTTP gets a
+400 (`bad_http_request`) naming only the kind of problem, never the bytes sent (an
+`Authorization` header with its key); a body is never inflated, and one sent with a
 `Content-Encoding` gets a 415 (`compressed_body`). Used by `llmgw.router.app.build_server`
 and the admin listener (llmgw.router.admin).
 """
