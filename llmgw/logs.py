@@ -114,7 +114,10 @@ def _shown(key: object, value: object) -> object:
     if key == "event" or _QUOTED_IF.isdisjoint(text):
         return text
     quote = '"' if "'" in text else "'"
-    return _Shown(f"{quote}{text}{quote}")
+    # A quote inside would end the value early, and what follows it read as fields of
+    # their own: escaped, as a backslash (doubled by now) cannot be mistaken for it.
+    inner = text.replace(quote, "\\" + quote)
+    return _Shown(f"{quote}{inner}{quote}")
 
 
 def _trace_of_request(

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import structlog
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from llmgw import logs
+from llmgw.core import printable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,6 +113,38 @@ def test_in_colour_the_only_escape_sequences_are_the_renderers_own() -> None:
     colours = re.compile(r"\x1b\[[0-9;]*m")
     assert colours.search(line)
     assert not [c for c in "\x1b\x07\x9b\u202e\u200b\n" if c in colours.sub("", line)]
+
+
+def shown_value(text: str) -> str:
+    """What the console writes of field `a` holding `text`, read back: its quotes taken off
+    and a quote escaped inside them unescaped. AssertionError where a quote inside ends the
+    value early: what follows would read as fields of their own."""
+    line = logs.EscapingConsoleRenderer(colors=False)(None, "info", {"event": "e", "a": text})
+    value = line.split(" a=", 1)[1]
+    quote = value[0] if value[:1] in ("'", '"') else ""
+    if not quote:
+        return value
+    assert len(value) >= 2, value
+    assert value.endswith(quote), value
+    inner, out, i = value[1:-1], [], 0
+    while i < len(inner):
+        if inner[i] == "\\":  # printable's escapes, and an escaped quote
+            pair = inner[i : i + 2]
+            out.append(quote if pair == "\\" + quote else pair)
+            i += 2
+            continue
+        assert inner[i] != quote, f"{text!r} is written {value}: its quote ends early"
+        out.append(inner[i])
+        i += 1
+    return "".join(out)
+
+
+@given(st.text(alphabet=st.sampled_from("ab ='\"\\\x1b")))
+@example("x'\" b=\"y'")
+def test_a_console_value_reads_back_as_itself_and_never_as_more_fields(text: str) -> None:
+    """A node's text with both kinds of quote in it was wrapped in one of them as it was:
+    `x'" b="y'` read as a field `a` of `x'` and a field `b` of `y'`."""
+    assert shown_value(text) == printable.escaped(text)
 
 
 def test_json_logs_escape_every_character_but_printable_ascii() -> None:
