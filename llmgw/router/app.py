@@ -422,8 +422,9 @@ class Router:
             return state.response or web.Response(status=499)
         finally:
             state.stop_keepalive()
+            # However it ended: a stream the client cut is charged too (llmgw.router.accounting).
+            outcome.tokens = state.tokens
         outcome.status = state.failed_status
-        outcome.tokens = state.tokens
         return resp
 
 

@@ -166,3 +166,46 @@ def test_a_429_for_tokens_says_when_the_keys_tokens_are_back(router: Router) -> 
     wait = int(refused.headers["Retry-After"])
     assert owed_s - 30 <= wait <= owed_s + 1
     assert refused.headers["x-ratelimit-reset-tokens"].startswith(f"{wait // 60}m")
+
+
+def request_lines(log: Path) -> list[dict[str, object]]:
+    """The access log's lines (`request`) of a router's JSON log."""
+    lines = []
+    for raw in log.read_text(errors="replace").splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and line.get("event") == "request":
+            lines.append(line)
+    return lines
+
+
+def test_a_stream_the_client_cut_is_logged_with_the_tokens_it_was_charged(
+    tmp_path: Path, sims: dict[str, Sim]
+) -> None:
+    """The access log says what a request's key was charged: a stream whose client hung up
+    is charged for what it relayed, and its line said 0 tokens all the same."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"keys:\n  - {{name: limited, sha256: {auth.digest(LIMITED)}, models: [m]}}\n")
+    debug = Router.start(tmp_path, {"em": sims["em"]}, auth={"keys_file": str(keys)},
+                         log_level="debug")  # fmt: skip
+    assert debug.log_path is not None
+    debug_log = debug.log_path
+    try:
+        tokens = 30
+        sims["em"].faults(stall_at="mid_stream", after_tokens=tokens, count=1)
+        body = {"model": "m", "messages": [{"role": "user", "content": "go " * 40}],
+                "stream": True, "max_tokens": 500}  # fmt: skip
+        read_events(debug, LIMITED, body, tokens)
+        charged = wait_for_tokens(debug, "limited", "out", tokens)
+        assert charged >= tokens
+        deadline = time.monotonic() + 30
+        while not (cut := [r for r in request_lines(debug_log) if r.get("status") == 499]):
+            assert time.monotonic() < deadline, "no access log line for the cut stream"
+            time.sleep(0.1)
+        assert cut[0]["tokens_out"] == charged
+        assert cut[0]["tokens_in"] == key_tokens(debug, "limited", "in") > 0
+    finally:
+        sims["em"].clear_faults()
+        debug.stop()
