@@ -8,9 +8,11 @@ update into `llmgw.core.kvindex.KvIndex`. Which node published an update is its
 subject's, which the server enforces and the signature proves; the index keeps it and
 the router believes an endpoint's blocks only from the node its endpoint table has for
 it (llmgw.router.kvroute). As updates come, every `SWEEP_EVERY_S` it drops what a node said
-of an endpoint the table has not had on that node for `kvindex.UNLISTED_GRACE_S`
-(`KvIndex.sweep`), and logs it by node. It tells the index which endpoints the table has
-on which node as it folds updates too, so a node has a bounded number of others indexed
+of an endpoint the table does not have on that node, once the index has held it for
+`kvindex.UNLISTED_GRACE_S` (`KvIndex.sweep`: an endpoint the table lacks only briefly may
+lose its blocks, which its next full update brings back), and logs it by node. It tells
+the index which endpoints the table has on which node as it folds updates too, so a node
+has a bounded number of others indexed
 (`kvindex.MAX_UNLISTED_PER_NODE`); the updates refused for that, or any other bound, are
 logged once per `REFUSALS_LOGGED_EVERY_S` per node at most.
 
