@@ -81,8 +81,10 @@ def test_a_fresh_report_from_the_owning_node_decides_its_engines_figures(
     node_offset: float,
     routers: dict[str, tuple[float, Figures, Figures]],
 ) -> None:
-    times = [offset for offset, _, _ in routers.values()]
-    assume(len(set(times)) == len(times))  # which of two equally dated readings is "later"
+    # Which of two equally dated readings is "later" is not defined: dates as the reports
+    # carry them (NOW + 1e-117 is NOW), distinct.
+    times = [NOW + offset for offset, _, _ in routers.values()]
+    assume(len(set(times)) == len(times))
     state = _fleet()
     scaler = Scaler()
     # node-a's report also names node-b's engine: not its own, so never believed.
