@@ -166,8 +166,9 @@ def test_a_nodes_figures_hold_until_its_next_report_is_due_then_the_routers(age:
     scaler = Scaler()
     node = (0.0, 2.0, 0.25)
     router = (7.0, 5.0, 0.75)
-    scaler.note(NODE_A, LoadReport(ts=NOW - age, endpoints=(_load("e1", "m", node),)))
+    dated = NOW - age
+    scaler.note(NODE_A, LoadReport(ts=dated, endpoints=(_load("e1", "m", node),)))
     seen = LoadReport(ts=NOW, endpoints=(_load("e1", "m", router),))
     scaler.note(subjects.router_signals("r", 0), seen, state=state)
-    held = age <= MAX_AGE_S + loadreport.NODE_EVERY_S
+    held = NOW - dated <= MAX_AGE_S + loadreport.NODE_EVERY_S  # its age as its date tells
     assert _engine_signals(scaler, state, "m") == (node if held else router)
