@@ -25,6 +25,8 @@ from yaml.composer import ComposerError
 from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from llmgw.core.limits import WHOLE_END
+
 T = TypeVar("T")
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -33,7 +35,7 @@ LogLevel = Annotated[
     str,
     msgspec.Meta(
         pattern="^(debug|info|warning|error|critical|Debug|Info|Warning|Error|Critical"
-        "|DEBUG|INFO|WARNING|ERROR|CRITICAL|warn|Warn|WARN|fatal|Fatal|FATAL)$",
+        "|DEBUG|INFO|WARNING|ERROR|CRITICAL|warn|Warn|WARN|fatal|Fatal|FATAL)" + WHOLE_END,
         description="debug, info, warning (or warn), error or critical (or fatal)",
     ),
 ]

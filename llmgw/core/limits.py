@@ -72,7 +72,13 @@ Rate: TypeAlias = Annotated[float, msgspec.Meta(ge=0.0, le=10.0**7)]
 
 Name: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Text: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
-EngineKey: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_NAME, pattern="^[!-~]*$")]
+WHOLE_END = r"$(?!\n)"
+"""The end of a pattern that matches a whole value: msgspec searches with Python's `re`, whose
+`$` also matches before a final newline ("abc\n" passed `^[a-z]*$`); the look-ahead (which
+JSON Schema's regular expressions read the same) refuses it."""
+EngineKey: TypeAlias = Annotated[
+    str, msgspec.Meta(max_length=MAX_NAME, pattern="^[!-~]*" + WHOLE_END)
+]
 """A key an engine requires, which routers send in a request's head: visible ASCII only (a
 node's agent makes them URL-safe), since any other character cannot be written in an HTTP
 header and would fail every request to the engine."""

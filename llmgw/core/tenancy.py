@@ -16,7 +16,7 @@ from typing import Annotated, Literal, TypeAlias
 
 import msgspec
 
-from llmgw.core.limits import MAX_LIST, MAX_NAME, Name, Time
+from llmgw.core.limits import MAX_LIST, MAX_NAME, WHOLE_END, Name, Time
 
 _KEY_NAME = r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}"
 KEY_NAME = re.compile(_KEY_NAME)
@@ -30,7 +30,7 @@ MIN_RATE = 1 / 60
 """The slowest request rate a key may have: its fleet-wide window is at most a minute."""
 Amount: TypeAlias = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_RATE)]
 Tokens: TypeAlias = Annotated[int, msgspec.Meta(gt=0, le=2**53)]
-Digest: TypeAlias = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+Digest: TypeAlias = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}" + WHOLE_END)]
 MAX_OVERLAP_S = 30 * 86_400.0
 """The longest a rotated key's old secret may stay valid: a month."""
 
@@ -38,7 +38,7 @@ MAX_OVERLAP_S = 30 * 86_400.0
 class KeySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What one key may do. Absent limits are no limits."""
 
-    name: Annotated[str, msgspec.Meta(pattern=f"^{_KEY_NAME}$")]
+    name: Annotated[str, msgspec.Meta(pattern=f"^{_KEY_NAME}" + WHOLE_END)]
     team: Name = ""
     models: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_LIST)] = ("*",)
     """Model names or aliases it may use; "*" is every model."""

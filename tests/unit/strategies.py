@@ -7,9 +7,14 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
-from llmgw.core import events
+from llmgw.core import events, limits
 from llmgw.core.inventory import Fabric, Gpu
 from llmgw.core.profile import Deadlines, LaunchSpec, ModelProfile
+
+
+def _whole(pattern: str) -> str:
+    """A whole-value pattern's body, for `from_regex(..., fullmatch=True)`."""
+    return pattern.removeprefix("^").removesuffix(limits.WHOLE_END).removesuffix("$")
 
 
 def from_type_info(t: Any) -> st.SearchStrategy[Any]:
@@ -32,7 +37,7 @@ def from_type_info(t: Any) -> st.SearchStrategy[Any]:
             allow_infinity=False,
         )
     if isinstance(t, ti.StrType) and t.pattern:
-        return st.from_regex(t.pattern.strip("^$"), fullmatch=True).filter(
+        return st.from_regex(_whole(t.pattern), fullmatch=True).filter(
             lambda s: len(s) <= (t.max_length or 10**9)
         )
     if isinstance(t, ti.StrType):

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.core import events, limits, reconcile, state, views
+from llmgw import config
+from llmgw.core import events, limits, reconcile, state, tenancy, views
 from llmgw.ctl import render
 
 from .scenarios import Sim, fabric, profile, registered
@@ -320,3 +321,24 @@ def test_an_engine_key_decodes_exactly_when_a_request_head_can_carry_it(key: str
         else:
             with pytest.raises(events.DecodeError, match="api_key"):
                 events.decode(data)
+
+
+@pytest.mark.parametrize(
+    ("kind", "good"),
+    [
+        (limits.EngineKey, "k3y_-"),
+        (tenancy.Digest, "0" * 64),
+        (tenancy.KeySettings, None),
+        (config.LogLevel, "info"),
+    ],
+)
+def test_a_whole_value_pattern_refuses_a_trailing_newline(kind: Any, good: str | None) -> None:
+    # msgspec searches with Python's `re`, whose `$` matches before a final newline too:
+    # "info\n", a key digest or a key's name with one passed (limits.WHOLE_END).
+    def doc(value: str) -> object:
+        return {"name": value} if good is None else value
+
+    value = "alice" if good is None else good
+    assert msgspec.convert(doc(value), kind) is not None
+    with pytest.raises(msgspec.ValidationError, match="regex"):
+        msgspec.convert(doc(value + "\n"), kind)
