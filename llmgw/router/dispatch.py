@@ -372,6 +372,7 @@ class Dispatcher:
             extra += tracecontext.forwarded(state.request.headers)
         head = upstream_http.request_head(path, host_header, len(body), extra)
         upstream = await self._open(key, head, body, d, t0, total_at, ep.api_key)
+        stream: EngineStream | None = None
         try:
             if (
                 state.stream
@@ -379,7 +380,7 @@ class Dispatcher:
                 and upstream.content_type == "text/event-stream"
             ):
                 stream = EngineStream(state, upstream, prof, self, total_at, ep.id)
-                return await self._relay(stream, d, t0)
+                return await relay(stream, self.watchdog, d, t0)
             # A whole body: a non-streamed answer, or one the client must see as is (a 4xx,
             # or an engine's JSON answer to a stream request).
             status, data = await self._read_body(upstream, d, total_at)
@@ -406,17 +407,15 @@ class Dispatcher:
                 content_type=(upstream.content_type or JSON) if status < 400 else JSON,
                 headers=errors.id_headers(state.rid, kind),
             )
+        except BaseException:
+            # A stream cut after its first token (the client left: a cancellation; or the
+            # engine broke off) is charged for what it took. Here rather than in a
+            # coroutine around the relay: no frame more to resume at each of its awaits.
+            if stream is not None and stream.t_first:
+                self.accounting.cut(prof, state, stream.events)
+            raise
         finally:
             upstream.close()
-
-    async def _relay(self, stream: EngineStream, d: Deadlines, t0: float) -> web.StreamResponse:
-        """Relay a stream; one cut after its first token is charged for what it took."""
-        try:
-            return await relay(stream, self.watchdog, d, t0)
-        except BaseException:  # cut: the client left (a cancellation), or the engine did
-            if stream.t_first:
-                self.accounting.cut(stream.prof, stream.client, stream.events)
-            raise
 
     async def _open(
         self,
