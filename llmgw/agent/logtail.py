@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from llmgw.core import limits
+from llmgw.core import limits, redaction
 
 _CHUNK = 64 * 1024
 # What a failed shard's report may carry of the engine's output: readers refuse an event
@@ -57,7 +57,7 @@ def tail(path: Path, lines: int, api_key: str = "") -> tuple[str, ...]:
         return ()
     text = data.decode(errors="replace")
     if api_key:
-        text = text.replace(api_key, "<api key>")
+        text = redaction.without_key(text, api_key)
     parts = [shown(line) for line in text.split("\n")]
     if read_from > 0 and any(line.strip() for line in parts[1:]):
         parts = parts[1:]  # the first line is cut in the middle
@@ -112,4 +112,4 @@ def redact(lines: tuple[str, ...], api_key: str) -> tuple[str, ...]:
     """The engine's output as it may leave the node: without its API key."""
     if not api_key:
         return lines
-    return tuple(line.replace(api_key, "<api key>") for line in lines)
+    return tuple(redaction.without_key(line, api_key) for line in lines)

@@ -28,7 +28,7 @@ from llmgw.agent.discovery import simulated
 from llmgw.agent.engines import Launch, LaunchContext
 from llmgw.agent.shards import ShardView, status_event
 from llmgw.agent.supervisor import Settings, Supervisor
-from llmgw.core import events
+from llmgw.core import events, redaction
 from llmgw.core.inventory import Inventory
 from llmgw.core.profile import LaunchSpec
 from llmgw.natsd import free_port
@@ -217,7 +217,7 @@ async def test_a_failed_engines_log_tail_leaves_without_its_api_key(
     launch = Launch(argv=(sys.executable, str(script)), env={}, port=spec.port)
     await supervisor.start("rep-k", 1, 0, spec, launch)
     failed = await recorder.wait_for("rep-k", "failed")
-    assert failed.log_tail == ("server_args=ServerArgs(api_key='<api key>')",)
+    assert failed.log_tail == (f"server_args=ServerArgs(api_key='{redaction.KEY_MARK}')",)
     assert failed.api_key == ""
 
 

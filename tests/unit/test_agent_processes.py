@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from llmgw import pidfiles, processes
 from llmgw.agent import logtail
 from llmgw.core import events
+from llmgw.core.redaction import KEY_MARK as MARK
 
 
 def test_fingerprint_survives_a_command_name_with_parentheses(tmp_path: Path) -> None:
@@ -195,18 +196,20 @@ def test_a_tail_says_where_the_key_was(tmp_path: Path) -> None:
     path = tmp_path / "engine.log"
     key = "SECRETKEY" * 4
     path.write_text("x" * 70_000 + key + "y" * 10 + "\nusing key " + key + "\n")
-    assert logtail.tail(path, 5, key) == ("using key <api key>",)
+    assert logtail.tail(path, 5, key) == (f"using key {MARK}",)
     # A chunk that starts inside the key (the file's last 64 KiB begin 5 characters into
     # it): the key is read whole.
     path.write_text("a" * 10 + key + "b" * (64 * 1024 - len(key) + 5))
     (line,) = logtail.tail(path, 1, key)  # read from the file's start: the line is whole
-    assert line == ("a" * 10 + "<api key>" + "b" * 5000)[: logtail.MAX_LINE_CHARS - 1] + "…"
+    assert line == ("a" * 10 + MARK + "b" * 5000)[: logtail.MAX_LINE_CHARS - 1] + "…"
     # A long last line whose kept end (its last MAX_LINE_CHARS - 1) starts inside the key.
     path.write_text("a" * 70_000 + key + "b" * (logtail.MAX_LINE_CHARS - 6))
     (line,) = logtail.tail(path, 1, key)
-    assert line == "…" + "<api key>"[-5:] + "b" * (logtail.MAX_LINE_CHARS - 6)
+    assert line == "…" + MARK[-5:] + "b" * (logtail.MAX_LINE_CHARS - 6)
+    # The end of a key is not the key (this one repeats no start of itself): kept.
+    key = "0123456789abcdefghijklmnopqrstuv"
     path.write_text("a\n" + key[5:] + "tail\n")
-    assert logtail.tail(path, 5, key) == ("a", key[5:] + "tail")  # not the key: kept
+    assert logtail.tail(path, 5, key) == ("a", key[5:] + "tail")
 
 
 @settings(max_examples=100, deadline=None)
