@@ -392,15 +392,7 @@ class Dispatcher:
             if state.trace is not None:
                 state.trace.first_token = time.monotonic()
             if state.response is not None and state.started:
-                # Keep-alive comments went out as a 200 stream: pass the body as an event
-                # (an error as the API's error event).
-                state.stop_keepalive()
-                if status >= 400:
-                    await state.write(requests.error_event(kind, data))
-                else:
-                    await state.write(requests.data_event(data))
-                await state.response.write_eof()
-                return state.response
+                return await _as_event(state, status, data)
             return web.Response(
                 status=status,
                 body=data,
@@ -471,3 +463,16 @@ class Dispatcher:
             ) from None
         except (upstream_http.UpstreamError, OSError) as exc:
             raise Retry("upstream_error", 502, f"engine response failed: {exc}") from None
+
+
+async def _as_event(state: ClientStream, status: int, data: bytes) -> web.StreamResponse:
+    """A whole answer where keep-alive comments already began a 200 stream: its body as an
+    event (an error as the API's error event), then the stream's end."""
+    assert state.response is not None
+    state.stop_keepalive()
+    if status >= 400:
+        await state.write(requests.error_event(state.kind, data))
+    else:
+        await state.write(requests.data_event(data))
+    await state.response.write_eof()
+    return state.response
