@@ -3,8 +3,8 @@
 `Intake` is the part of `Reader` (llmgw.bus.reader) that each message passes through,
 inline, from the connection's read loop (`BusClient.fast_subscribe`, llmgw.bus.natspy).
 `_on_raw` places the message in the consumer's sequence (a gap asks the reader for a
-new consumer) and reads the pull request's status messages; `_admit` checks the
-message's trust (a leader's attestation or its signature), its subject and TTL,
+new consumer), reads the pull request's status messages and checks the message's trust
+(a leader's attestation or its signature); `_accept` checks its subject and TTL,
 decodes it and keeps it for the next batch, or skips it with the reason. Nothing in
 the log makes it raise. `Record` is what a reader yields, `Skipped` what it passed over.
 """
@@ -81,7 +81,7 @@ class Intake:
         """Set once everything stored when reading began has been handed out."""
         self._buf: list[Record] = []
         # Subjects repeat (one per node and kind): decode each once.
-        self._subjects: dict[bytes, tuple[str, bool]] = {}
+        self._subjects: dict[bytes, tuple[str, bool, bytes]] = {}
         self._ttl_verdicts: dict[tuple[str, bytes | None], str | None] = {}
         self._wakeup = asyncio.Event()
         # Where the consumer's delivery stands; the reader resets these with a new one.
@@ -92,11 +92,14 @@ class Intake:
         self._activity = 0
         self._ended_quietly = False
 
+    # long: the hot path of a replay, one call per event, written flat on purpose
     def _on_raw(self, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
         """Called inline for every message on the inbox. Never raises on content.
 
         The hot path of a replay, one call per event: it places the message in the
-        consumer's order and hands it to `_admit`; both are written flat.
+        consumer's order (its ack subject), checks its trust (a leader's attestation, or
+        its signature), and hands what passes to `_accept`. One function, without calls
+        of the reader's own in between: each measured (tests/bench/bench_replay.py).
         """
         self._activity += 1
         if not self._wakeup.is_set():
@@ -118,48 +121,41 @@ class Intake:
             # from the last one we have, so that the fold never misses an event.
             self._reset_needed = True
             return
-        self._expect_cseq += 1
+        self._expect_cseq = cseq + 1
         self._outstanding -= 1
         if self._outstanding <= 0:
             self._request_open = False
         self.last_seq = seq
-        self._admit(seq, subject, data, headers, ts / _NS)
-        if caught_up:
-            self.caught_up.set()
-
-    def _admit(self, seq: int, subject: bytes, data: bytes, headers: bytes, when: float) -> None:
-        """Check the message at `seq`, decode it and keep its record, or skip it.
-
-        Once per message of a replay: the checks (order, attestation, signature) run here
-        without further calls of the reader's own; `_accept` decodes what they let through."""
+        when = ts / _NS
         known = self._subjects.get(subject)
         if known is None:
             known = self._learn_subject(subject)
-        name, heartbeat = known
+        name, heartbeat, prefix = known
         found = message_headers(headers)
         if found is None:
             self._refuse(seq, name, when, "signature headers appear twice")
-            return
-        msg_id, sig, cert, ttl = found
-        attested = self._attested
-        # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
-        digest = b""
-        if not heartbeat and (attested is not None or self._attester is not None):
-            digest = attestation.digest(subject, msg_id or b"", data, sig or b"")
-        verdict: str | None = attestation.NOT_COVERED
-        if attested is not None and seq <= attested.last_seq:
-            verdict = attested.check(seq, digest)
-        if verdict is None:
-            self.confirmed += 1
         else:
-            if verdict == attestation.NOT_COVERED:
+            msg_id, sig, cert, ttl = found
+            # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
+            digest = b""
+            attested = self._attested
+            if not heartbeat and (attested is not None or self._attester is not None):
+                digest = attestation.digest_after(prefix, msg_id or b"", data, sig or b"")
+            verdict: str | None = attestation.NOT_COVERED
+            if attested is not None and seq <= attested.last_seq:
+                verdict = attested.check(seq, digest)
+            if verdict is None:
+                self.confirmed += 1
+            elif verdict == attestation.NOT_COVERED:
                 verdict = self._signature_refusal(seq, name, data, msg_id, sig, cert, when)
             if verdict is not None:
                 self._refuse(seq, name, when, verdict)
-                return
-        if self._attester is not None and not heartbeat:
-            self._attester.accepted(seq, digest)
-        self._accept(seq, name, data, len(data) + len(headers), ttl, when)
+            else:
+                if self._attester is not None and not heartbeat:
+                    self._attester.accepted(seq, digest)
+                self._accept(seq, name, data, len(data) + len(headers), ttl, when)
+        if caught_up:
+            self.caught_up.set()
 
     def _accept(
         self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float
@@ -191,11 +187,11 @@ class Intake:
             return
         self._buf.append(Record(seq, name, when, event, size))
 
-    def _learn_subject(self, subject: bytes) -> tuple[str, bool]:
-        """A subject's name, and whether it is a heartbeat's; kept, as subjects repeat (one
-        per node and kind)."""
+    def _learn_subject(self, subject: bytes) -> tuple[str, bool, bytes]:
+        """A subject's name, whether it is a heartbeat's, and the start of its messages'
+        attested digests; kept, as subjects repeat (one per node and kind)."""
         name = subject.decode(errors="replace")
-        known = (name, name.endswith(".heartbeat"))
+        known = (name, name.endswith(".heartbeat"), attestation.subject_prefix(subject))
         if len(self._subjects) < 100_000:
             self._subjects[subject] = known
         return known

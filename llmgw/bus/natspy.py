@@ -324,78 +324,86 @@ class FrameParser(Parser):
     # long: the per-frame loop of the replay's hot path, inlined on purpose
     async def parse(self, data: bytes = b"") -> None:
         buf = self.buf
-        buf.extend(data)
         if self.state != AWAITING_CONTROL_LINE:
+            buf.extend(data)
             await super().parse()
             return
         nc: Any = self.nc
         fast: dict[int, FastHandler] = nc._fast
-        stats: dict[str, int] = nc.stats
-        # One copy of the buffer per read: slices of bytes are one copy each, of a
-        # bytearray two.
-        view = bytes(buf)
+        # One copy per read at most: what an earlier read left (a frame cut short) joined to
+        # this one. Slices of bytes are one copy each, of a bytearray two.
+        view = bytes(buf) + data if buf else bytes(data)
         pos = 0
         end = len(view)
         # Whether what is left is the start of a frame that a later read completes (kept
         # for this parser) rather than something for nats-py's parser.
         partial = False
-        while pos < end:
-            if view.startswith(_HMSG, pos):
-                skip, with_headers = 5, True
-            elif view.startswith(_MSG, pos):
-                skip, with_headers = 4, False
-            else:
-                tail = view[pos:]
-                partial = len(tail) < 5 and (_HMSG.startswith(tail) or _MSG.startswith(tail))
-                break
-            eol = view.find(_CRLF, pos, pos + _MAX_CONTROL_LINE)
-            if eol < 0:
-                partial = end - pos < _MAX_CONTROL_LINE
-                break
-            args = view[pos + skip : eol].split()
-            try:
-                if with_headers:
-                    if len(args) == 5:
-                        subject, sid_b, reply, hsize_b, size_b = args
-                    elif len(args) == 4:
-                        subject, sid_b, hsize_b, size_b = args
-                        reply = b""
-                    else:
-                        break
-                    hsize = int(hsize_b)
+        # nats-py's counters, added once per read rather than per frame.
+        delivered = delivered_bytes = 0
+        try:
+            while pos < end:
+                if view.startswith(_HMSG, pos):
+                    skip, with_headers = 5, True
+                elif view.startswith(_MSG, pos):
+                    skip, with_headers = 4, False
                 else:
-                    if len(args) == 4:
-                        subject, sid_b, reply, size_b = args
-                    elif len(args) == 3:
-                        subject, sid_b, size_b = args
-                        reply = b""
-                    else:
-                        break
-                    hsize = 0
-                sid, size = int(sid_b), int(size_b)
-            except ValueError:
-                break  # nats-py's parser reports it
-            if not 0 <= hsize <= size:
-                break
-            start = eol + 2
-            if end < start + size + 2:
-                partial = True  # the rest of this frame is in a later read
-                break
-            headers = view[start : start + hsize]
-            payload = view[start + hsize : start + size]
-            pos = start + size + 2
-            handler = fast.get(sid)
-            if handler is not None:
-                stats["in_msgs"] += 1
-                stats["in_bytes"] += len(payload)
+                    tail = view[pos:]
+                    partial = len(tail) < 5 and (_HMSG.startswith(tail) or _MSG.startswith(tail))
+                    break
+                eol = view.find(_CRLF, pos, pos + _MAX_CONTROL_LINE)
+                if eol < 0:
+                    partial = end - pos < _MAX_CONTROL_LINE
+                    break
+                args = view[pos + skip : eol].split()
                 try:
-                    handler(subject, reply, payload, headers)
-                except Exception as exc:  # a handler bug must not kill the connection's reader
-                    log.error("fast_handler_failed", error=repr(exc))
-                continue
-            await nc._process_msg(sid, subject, reply, payload, headers or None)
-            if self.buf is not buf:
-                return  # the client reset the parser (a reconnect) while it was delivering
-        del buf[:pos]
+                    if with_headers:
+                        if len(args) == 5:
+                            subject, sid_b, reply, hsize_b, size_b = args
+                        elif len(args) == 4:
+                            subject, sid_b, hsize_b, size_b = args
+                            reply = b""
+                        else:
+                            break
+                        hsize = int(hsize_b)
+                    else:
+                        if len(args) == 4:
+                            subject, sid_b, reply, size_b = args
+                        elif len(args) == 3:
+                            subject, sid_b, size_b = args
+                            reply = b""
+                        else:
+                            break
+                        hsize = 0
+                    sid, size = int(sid_b), int(size_b)
+                except ValueError:
+                    break  # nats-py's parser reports it
+                if not 0 <= hsize <= size:
+                    break
+                start = eol + 2
+                if end < start + size + 2:
+                    partial = True  # the rest of this frame is in a later read
+                    break
+                headers = view[start : start + hsize]
+                payload = view[start + hsize : start + size]
+                pos = start + size + 2
+                handler = fast.get(sid)
+                if handler is not None:
+                    delivered += 1
+                    delivered_bytes += len(payload)
+                    try:
+                        handler(subject, reply, payload, headers)
+                    except Exception as exc:  # a handler bug must not kill the connection's reader
+                        log.error("fast_handler_failed", error=repr(exc))
+                    continue
+                await nc._process_msg(sid, subject, reply, payload, headers or None)
+                if self.buf is not buf:
+                    return  # the client reset the parser (a reconnect) while it was delivering
+        finally:
+            if delivered:
+                stats: dict[str, int] = nc.stats
+                stats["in_msgs"] += delivered
+                stats["in_bytes"] += delivered_bytes
+        # What is left waits for the next read, or for nats-py's parser.
+        buf[:] = view[pos:]
         if buf and not partial:
             await super().parse()

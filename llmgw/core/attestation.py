@@ -35,17 +35,20 @@ _LEN = struct.Struct(">I").pack
 _sha256 = hashlib.sha256
 
 
-def digest(subject: bytes, msg_id: bytes, payload: bytes, signature: bytes) -> bytes:
-    """The attested digest of one stored message: each field length-prefixed, so no two
-    different messages share an encoding. Computed on every attested message of a replay,
-    so the encoding is joined once and hashed in one call (the same bytes as hashing the
-    parts one by one)."""
+def subject_prefix(subject: bytes) -> bytes:
+    """The start of every digest of a message on `subject` (`digest_after`): subjects
+    repeat, one per node and kind, so a reader keeps this per subject."""
+    return _DOMAIN + _LEN(len(subject)) + subject
+
+
+def digest_after(prefix: bytes, msg_id: bytes, payload: bytes, signature: bytes) -> bytes:
+    """`digest` of a message whose subject's `subject_prefix` is `prefix`. Computed on
+    every attested message of a replay, so the encoding is joined once and hashed in one
+    call (the same bytes as hashing the parts one by one)."""
     return _sha256(
         b"".join(
             (
-                _DOMAIN,
-                _LEN(len(subject)),
-                subject,
+                prefix,
                 _LEN(len(msg_id)),
                 msg_id,
                 _LEN(len(payload)),
@@ -55,6 +58,12 @@ def digest(subject: bytes, msg_id: bytes, payload: bytes, signature: bytes) -> b
             )
         )
     ).digest()[:DIGEST_BYTES]
+
+
+def digest(subject: bytes, msg_id: bytes, payload: bytes, signature: bytes) -> bytes:
+    """The attested digest of one stored message: each field length-prefixed, so no two
+    different messages share an encoding."""
+    return digest_after(subject_prefix(subject), msg_id, payload, signature)
 
 
 def runs(seqs: Iterable[int]) -> tuple[tuple[int, int], ...]:

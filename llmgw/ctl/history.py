@@ -381,6 +381,9 @@ async def _target(nc: bus.BusClient, b: Bounds, to_seq: int | None, at: float | 
     return b.last_seq
 
 
+_NO_TIME_BOUND = float("inf")
+
+
 class _Tail:
     """What folding the log after the snapshot found."""
 
@@ -415,21 +418,30 @@ async def _fold_tail(
         batch=20_000,
         attestations=attested,
     )
-    # No time bound is the same as one beyond every record: one comparison per record.
-    until = float("inf") if at is None else at
+    # No time bound is the same as one beyond every record.
+    until = _NO_TIME_BOUND if at is None else at
     rejected = tail.rejected
     async with reader:
         done = False
         async for batch in reader.batches():
             folded = 0
-            for rec in batch:
-                if rec.seq > target or rec.time > until:
-                    done = True
-                    break
-                reason = apply(st, rec.event, rec.seq, rec.time)
-                if reason is not None:
-                    rejected.append((rec.seq, reason))
-                folded += 1
+            if batch[-1].seq <= target and until == _NO_TIME_BOUND:
+                # The whole batch folds: one comparison per batch (sequences ascend; store
+                # times need not, so a time bound is checked on every record).
+                for rec in batch:
+                    reason = apply(st, rec.event, rec.seq, rec.time)
+                    if reason is not None:
+                        rejected.append((rec.seq, reason))
+                folded = len(batch)
+            else:
+                for rec in batch:
+                    if rec.seq > target or rec.time > until:
+                        done = True
+                        break
+                    reason = apply(st, rec.event, rec.seq, rec.time)
+                    if reason is not None:
+                        rejected.append((rec.seq, reason))
+                    folded += 1
             if folded:
                 tail.folded += folded
                 tail.last_time = batch[folded - 1].time

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -98,6 +100,20 @@ def test_a_book_checked_many_times_answers_as_a_fresh_one(
         for item in items:
             fresh.add(item)
         assert book.check(seq, digest) == fresh.check(seq, digest), seq
+
+
+@given(message)
+def test_the_digest_is_the_attested_encoding(msg: Message) -> None:
+    """What leaders attested stays what readers compute: SHA-256 over the domain and each
+    field with its 4-byte big-endian length, cut to 16 bytes, however it is computed."""
+    subject, msg_id, payload, signature = msg
+    encoding = b"llmgw-attested-v1\x00" + b"".join(
+        len(part).to_bytes(4, "big") + part for part in (subject, msg_id, payload, signature)
+    )
+    expected = hashlib.sha256(encoding).digest()[:16]
+    assert attestation.digest(*msg) == expected
+    prefix = attestation.subject_prefix(subject)
+    assert attestation.digest_after(prefix, msg_id, payload, signature) == expected
 
 
 def test_fields_are_length_prefixed() -> None:
