@@ -14,7 +14,7 @@ test-only admin identity with pipelined acks, saves a snapshot of the folded sta
 10,000 events before the end (as the control plane would), then measures, as an
 operator identity, through llmgw.ctl.history (what `llmgw ctl replay` runs):
 
-- reading the stream alone (bus.Reader, decode, no fold);
+- reading the stream alone (bus.Reader, decode, no fold), and without decoding;
 - `replay` from the beginning without snapshots: events/s (goal >= 100,000);
 - `replay --to <end>` starting from the snapshot 10,000 events before (goal < 2 s);
 - the same as a real `python -m llmgw ctl replay --to N --json` process, end to end;
@@ -279,6 +279,28 @@ async def intake_in_process(nc: bus.BusClient) -> tuple[float, float]:
     return intake_s / len(frames) * 1e6, fold_s / len(frames) * 1e6
 
 
+class _Undecoded(bus.Reader):
+    """A reader that counts each checked message and keeps nothing: what reading and the
+    order and trust checks cost alone, without decoding or folding."""
+
+    kept = 0
+
+    def _accept(
+        self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float
+    ) -> None:
+        self.kept += 1
+
+
+async def read_checked(nc: bus.BusClient) -> tuple[int, float]:
+    """Events read and checked (order, attestation or signature), none decoded."""
+    started = time.perf_counter()
+    attestations = await bus.load_attestations(nc)
+    async with _Undecoded(nc, follow=False, batch=20_000, attestations=attestations) as reader:
+        async for _batch in reader.batches():
+            pass
+    return reader.kept, time.perf_counter() - started
+
+
 async def read_only(nc: bus.BusClient) -> tuple[int, float]:
     count = 0
     started = time.perf_counter()
@@ -372,6 +394,9 @@ async def replay_rows(
         count, secs = await read_only(op)
         assert count == whole, count
         rows.append(("read + decode, no fold (bus.Reader)", f"{n / secs:,.0f} events/s"))
+        count, secs = await read_checked(op)
+        assert count == whole, count
+        rows.append(("read + check, no decode, no fold", f"{n / secs:,.0f} events/s"))
         intake_us, fold_us = await intake_in_process(op)
         rows.append(
             (
