@@ -52,6 +52,11 @@ KNOWN = ((2, 16), (2, 17))
 """The nats-py versions [from, to) the overrides were written against."""
 FALLBACK_RECONNECT_WAIT_S = 2
 """nats-py's own default wait between attempts, for the stock reconnect loop."""
+STABLE_S = 10.0
+"""How long a connection must have lasted for its outage to start the backoff over (the
+first attempt at once). A server that answers CONNECT and then drops the client (shutting
+down, overloaded, refusing what follows) would otherwise be retried several times a second
+by every client of the fleet."""
 
 # (subject, reply, payload, raw header block or b"") of one message, called inline.
 FastHandler = Callable[[bytes, bytes, bytes, bytes], None]
@@ -174,6 +179,7 @@ class Client(_NatsClient):
         self._rand = random.Random()
         self._fast: dict[int, FastHandler] = {}
         self._failed_attempts = 0
+        self._up_since: float | None = None
         self.overridden = overrides_on()
         # Only over the parser it was written against.
         if self.overridden and type(self._ps) is Parser:
@@ -198,6 +204,7 @@ class Client(_NatsClient):
         if not self.overridden:
             await super()._select_next_server()
             return
+        self._end_of_connection(time.monotonic())
         while True:
             if len(self._server_pool) == 0:
                 self._current_server = None
@@ -233,16 +240,25 @@ class Client(_NatsClient):
             self._current_server = server
             return
 
+    def _end_of_connection(self, now: float) -> None:
+        """Before reconnecting: a connection that lasted `STABLE_S` starts the backoff over;
+        a shorter one leaves it where it was, so a server that keeps dropping its clients
+        soon after they connect sees them back ever more slowly."""
+        up_since, self._up_since = self._up_since, None
+        server = self._current_server
+        if up_since is None or server is None or now - up_since < STABLE_S:
+            return
+        self._failed_attempts = 0
+        server.last_attempt = None
+        server.reconnects = 0
+
     async def _process_connect_init(self) -> None:
         await super()._process_connect_init()
         if self.overridden and self._current_server is not None:
-            # Connected: the next outage starts its backoff over, its first attempt at
-            # once. Counted from here rather than from the TCP connect: a server that takes
-            # the socket and then refuses (a certificate, an authorization) is a failed
-            # attempt too, and was otherwise retried several times a second.
-            self._failed_attempts = 0
-            self._current_server.last_attempt = None
-            self._current_server.reconnects = 0
+            # Connected: from here (not from the TCP connect, which a server that refuses a
+            # certificate or an authorization also accepts) the connection counts as up;
+            # its outage starts the backoff over if it lasted (`_end_of_connection`).
+            self._up_since = time.monotonic()
 
     # nats-py makes a stock TcpTransport wherever the one it has holds no open stream (a
     # new one included): this keeps `UpgradeSafeTransport`. The body otherwise follows

@@ -8,6 +8,7 @@ function that sees every byte a server sends to a reader.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import random
 import time
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from nats.js import api
 
 from llmgw import bus
-from llmgw.bus import provisioning, publisher, reader, snapshots
+from llmgw.bus import natspy, provisioning, publisher, reader, snapshots
 from llmgw.core import events, retention, subjects
 from llmgw.pki import signing
 from llmgw.pki.ca import CertificateAuthority
@@ -280,3 +281,48 @@ async def test_a_client_that_may_give_up_does_give_up_on_a_dead_server() -> None
             connect_timeout=1,
         )
     assert time.monotonic() - started < 10
+
+
+async def _attempts_after_short_connections(connections: int) -> int:
+    """Connect to a server that answers CONNECT and drops each connection soon after; the
+    client's backoff attempt count once the server has seen `connections` connections."""
+    seen: list[int] = []
+    enough = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(len(seen) + 1)
+        writer.write(b'INFO {"server_id":"drops","version":"2.10.0","max_payload":1048576}\r\n')
+        await writer.drain()
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while b"PING" not in await reader.readline():
+                pass
+            writer.write(b"PONG\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.close()
+        if len(seen) >= connections:
+            enough.set()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    nc = await bus.connect(f"nats://127.0.0.1:{port}", tls=None, identity=None, name="flaps")
+    try:
+        await asyncio.wait_for(enough.wait(), timeout=60)
+        return nc._failed_attempts
+    finally:
+        await bus.close(nc)
+        server.close()
+
+
+async def test_a_server_that_drops_its_clients_soon_after_connect_sees_them_back_ever_slower() -> (
+    None
+):
+    # Each drop after a short connection keeps counting: the waits grow.
+    assert await _attempts_after_short_connections(5) >= 3
+
+
+async def test_a_connection_that_lasted_starts_the_backoff_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(natspy, "STABLE_S", 0.0)
+    assert await _attempts_after_short_connections(4) <= 1
