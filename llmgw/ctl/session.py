@@ -64,7 +64,10 @@ class Session:
         async def remember(exc: Exception) -> None:
             # The last only: the console's session lives for days, and this is called for
             # every error of its connection (each try of an outage, each slow-consumer drop).
-            errors[:] = [exc]
+            # But the server's word that it does not admit this identity says more than the
+            # broken pipe of the write that met its close, which may come after it.
+            if not (errors and _not_admitted(errors[0]) and not _not_admitted(exc)):
+                errors[:] = [exc]
 
         try:
             # Bounded from outside as well: bus.BusClient's reconnect loop does not count
@@ -127,6 +130,12 @@ class Session:
             raise Failed(str(exc)) from None
 
 
+def _not_admitted(exc: Exception) -> bool:
+    """The server's authorization does not admit the identity (it said so after the TLS
+    handshake, which the CA's signature passed)."""
+    return "authorization violation" in str(exc).lower()
+
+
 def _connect_failure(cfg: CtlConfig, identity: Identity, exc: Exception) -> str:
     servers = ", ".join(cfg.servers)
     where = f"cannot connect to NATS at {servers} as {identity}"
@@ -137,6 +146,16 @@ def _connect_failure(cfg: CtlConfig, identity: Identity, exc: Exception) -> str:
         return (
             f"{where}: the TLS handshake failed ({exc.reason or exc}): use a certificate of"
             " the fleet's CA that the server admits (`llmgw ctl cert list`)"
+        )
+    if _not_admitted(exc):
+        # The handshake passed (the CA signed the certificate), so the server's authorization
+        # does not name this identity: issued after the server last loaded it, or removed.
+        return (
+            f"{where}: the server's authorization does not list {identity}: if its certificate"
+            " was issued after nats-server last loaded authorization.conf, reload the server"
+            " (`systemctl reload llmgw-nats`, or `nats-server --signal reload=<pid>` twice, a"
+            " second apart); if it was removed (`llmgw ctl cert remove`), use another"
+            " (`llmgw ctl cert list`)"
         )
     return (
         f"{where}: {str(exc) or type(exc).__name__}; check --server, that nats-server runs,"

@@ -23,6 +23,7 @@ import pytest
 
 from llmgw import bus
 from llmgw.core import events, subjects
+from llmgw.pki.identity import Identity
 from tests.harness import TestNatsServer, TestPki, connect_as, wait_for
 from tests.integration.control_kit import read_log, sim_gpus
 from tests.integration.ctl_kit import ROOT, Ctl
@@ -286,6 +287,25 @@ async def test_a_certificate_that_cannot_connect_says_why(
     assert "TimeoutError" not in result.stderr
     assert "unable to get local issuer certificate" in result.stderr
     assert "--ca" in result.stderr
+
+
+async def test_a_certificate_the_servers_authorization_does_not_list_says_to_reload(
+    nats_server: TestNatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issued by the CA (the handshake passes) after the server last loaded its
+    # authorization: ctl said "check --server, that nats-server runs, and that this
+    # certificate was issued by the fleet's CA", none of which was the matter.
+    monkeypatch.setenv("LLMGW_CTL__CONNECT_TIMEOUT_S", "2")
+    ctl = Ctl(nats_server)
+    newcomer = nats_server.pki.issue(Identity("operator", "newcomer"), reload=False)
+    ctl.flags[5] = str(nats_server.pki.certs.cert(newcomer))
+    result = await ctl("nodes")
+    assert result.code == 1, result
+    line = result.stderr.strip()
+    assert "does not list operator/newcomer" in line, line
+    assert "reload" in line, line
+    assert "llmgw ctl cert list" in line, line
+    assert "issued by the fleet's CA" not in line, line
 
 
 def _with_a_long_timeout(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
