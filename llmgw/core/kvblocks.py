@@ -29,7 +29,7 @@ import msgspec
 from llmgw.core.limits import Name
 
 KEY_ROOT = 0
-"""The parent key of a prompt's first block."""
+"""The parent key of a prompt's first block (of a prompt sent with no `cache_salt`)."""
 MAX_TOKEN_ID = (1 << 64) - 1
 MAX_BLOCK_SIZE = 16_384
 """The largest block size taken from an engine, in tokens. vLLM's and SGLang's are small
@@ -71,6 +71,19 @@ def block_keys(
     return out
 
 
+def salt_root(salt: str | None) -> int:
+    """The parent key of the first block of a prompt sent with `cache_salt` = `salt`.
+
+    vLLM folds a request's salt into its first block's hash, so its blocks are shared only
+    with requests of the same salt; keying them under a root of the salt's own keeps that
+    true of llmgw's keys: a router keys a salted prompt from the salt it sends, an agent
+    the blocks an engine stored from the salt its event reports (`BlockStored.salt`)."""
+    if salt is None:
+        return KEY_ROOT
+    digest = hashlib.blake2b(salt.encode(), digest_size=8, person=b"llmgw-kv-salt").digest()
+    return int.from_bytes(digest, "little") or 1  # never KEY_ROOT, an unsalted prompt's
+
+
 # ------------------------------------------------------------------ engine events
 
 
@@ -84,6 +97,10 @@ class BlockStored(msgspec.Struct, frozen=True):
     adapter: llmgw routes base models, so such blocks are not folded."""
     medium: str | None = None
     group_idx: int | None = None
+    salt: str | None = None
+    """The `cache_salt` of the request that stored a prompt's first block (parent None),
+    as vLLM reports it in the block's `extra_keys`; None for an unsalted prompt, or an
+    engine that does not report it."""
 
 
 class BlockRemoved(msgspec.Struct, frozen=True):
@@ -168,14 +185,16 @@ def _event(raw: Any) -> EngineEvent | None:
         lora = f.get("lora_name")
         if lora is None and type(f.get("lora_id")) is int:
             lora = str(f["lora_id"])
+        parent = _hashable(f.get("parent_block_hash"))
         return BlockStored(
             [_hashable(h) for h in hashes],
-            _hashable(f.get("parent_block_hash")),
+            parent,
             ids,
             size,
             lora if isinstance(lora, str) else None,
             medium,
             group,
+            _salt_of(f.get("extra_keys")) if parent is None else None,
         )
     if kind == "BlockRemoved":
         f = _fields(raw, _REMOVED_FIELDS)
@@ -192,6 +211,19 @@ def _event(raw: Any) -> EngineEvent | None:
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None  # a kind of a newer engine: not ours to fold
+
+
+def _salt_of(extra_keys: Any) -> str | None:
+    """The salt among a prompt's first block's extra keys. vLLM lists them as LoRA name,
+    multi-modal (identifier, offset) pairs, the salt, prompt-embedding digests (bytes): in a
+    block without LoRA (a LoRA block is not folded) the last string is the salt."""
+    if not isinstance(extra_keys, list) or not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list):
+        return None
+    strings = [k for k in first if isinstance(k, str)]
+    return strings[-1] if strings else None
 
 
 _MAP_FIRST = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
@@ -302,7 +334,7 @@ class EngineBlocks:
                 if not _gpu(ev.medium, ev.group_idx) or ev.lora_name is not None:
                     continue
                 parent = ev.parent_block_hash
-                key = KEY_ROOT if parent is None else self.key_of.get(parent)
+                key = salt_root(ev.salt) if parent is None else self.key_of.get(parent)
                 if key is None:
                     self.unkeyed += len(ev.block_hashes)
                     continue

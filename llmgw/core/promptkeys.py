@@ -74,8 +74,14 @@ class PromptTokens:
         """Token ids from a tokenizer with no segments to reuse."""
         return cls([Segment(ids, len(ids), 0)])
 
-    def keys(self, block_size: int) -> list[int]:
-        """The chained keys of the prompt's whole blocks; ValueError as `block_keys` raises."""
+    def keys(self, block_size: int, root: int = KEY_ROOT) -> list[int]:
+        """The chained keys of the prompt's whole blocks, the first chained onto `root` (a
+        salted prompt's: llmgw.core.kvblocks.salt_root); ValueError as `block_keys` raises.
+
+        The segments remember keys from `KEY_ROOT` only: a salted prompt's are computed
+        whole (its tokens still come from the segments)."""
+        if root != KEY_ROOT:
+            return block_keys(self.ids, block_size, parent=root)
         got = self._keys.get(block_size)
         if got is not None:
             return got

@@ -140,13 +140,22 @@ class Generator:
         return (self.state >> 32) % n
 
 
-def block_hashes(tokens: Sequence[str], block_size: int, start: int, prev: list[int]) -> None:
+def block_hashes(
+    tokens: Sequence[str], block_size: int, start: int, prev: list[int], root: int = 0
+) -> None:
     """Extend `prev` with the chained hashes of the full blocks of `tokens` from
     block index `start` on. A block's hash covers its own tokens and the hash of the
     block before it, so two prompts share a cached block only if everything before
     it is equal too. Python's tuple hash is used: it is only compared inside one
-    process, and a 64-bit collision between two live prefixes is negligible here."""
-    parent = prev[-1] if prev else 0
+    process, and a 64-bit collision between two live prefixes is negligible here. `root`
+    is the first block's parent: a salted request's own (`salt_root`)."""
+    parent = prev[-1] if prev else root
     for i in range(start, len(tokens) // block_size):
         parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
         prev.append(parent)
+
+
+def salt_root(salt: str | None) -> int:
+    """The parent hash of a salted prompt's first block, as vLLM folds a request's
+    `cache_salt` into its first block: prompts of different salts share no block."""
+    return 0 if salt is None else hash(("salt", salt))

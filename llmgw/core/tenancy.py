@@ -11,6 +11,7 @@ period ends).
 from __future__ import annotations
 
 import calendar
+import hashlib
 import re
 from typing import Annotated, Literal, TypeAlias
 
@@ -158,3 +159,37 @@ def describe(settings: KeySettings) -> str:
     if settings.priority != "normal":
         parts.append(f"priority {settings.priority}")
     return ", ".join(parts)
+
+
+# ------------------------------------------------------------------ prefix-cache isolation
+
+CacheIsolation: TypeAlias = Literal["shared", "team", "key"]
+"""Which requests may share an engine's prefix cache: every request (`shared`), a team's
+keys' (`team`; a key without a team is a team of its own), or one key's (`key`)."""
+SALT_PREFIX = "llmgw1-"
+
+
+def cache_tenant(mode: CacheIsolation, key: str | None, team: str) -> str | None:
+    """Who owns the cache a request may read under `mode`, as an unambiguous string (a team
+    and a key of the same name are different tenants); None under `shared`. `key` is the
+    request's key's name, None for a router without keys (one tenant: anonymous)."""
+    if mode == "shared":
+        return None
+    if key is None:
+        return "anonymous"
+    if mode == "team" and team:
+        return "team:" + team
+    return "key:" + key
+
+
+def cache_salt(mode: CacheIsolation, key: str | None, team: str) -> str | None:
+    """The `cache_salt` a router sets on a request under `mode` (None under `shared`).
+
+    The same at every router, so a tenant's requests find its prefix on any engine; a hash
+    of the tenant so that a salt names no key. It need not be secret: clients never choose
+    it (the router replaces theirs), so knowing another tenant's salt gives nothing."""
+    tenant = cache_tenant(mode, key, team)
+    if tenant is None:
+        return None
+    digest = hashlib.blake2b(tenant.encode(), digest_size=16, person=b"llmgw-cache-salt")
+    return SALT_PREFIX + digest.hexdigest()

@@ -33,6 +33,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from socket import gethostname
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -41,7 +42,16 @@ from llmgw import logs
 from llmgw.config import ConfigError
 from llmgw.core import routing, state
 from llmgw.listeners import scrape_target
-from llmgw.router import admission, aiohttp_direct, apis, auth, protocol, requests, tracing
+from llmgw.router import (
+    admission,
+    aiohttp_direct,
+    apis,
+    auth,
+    isolation,
+    protocol,
+    requests,
+    tracing,
+)
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
 from llmgw.router.browsers import BrowserGuard
@@ -119,6 +129,13 @@ class Router:
 
     async def start(self) -> None:
         aiohttp_direct.explain()
+        uncached = isolation.unsalted_models(
+            self.cfg.tenancy.cache_isolation, list(self.cfg.models)
+        )
+        if uncached:
+            log.warning("cache_isolation_uncached", models=uncached,
+                        hint="these models' engines take no cache_salt: they are served with"
+                        " cache_prompt false, with no prefix cache")  # fmt: skip
         # aiohttp serves the health and metrics probes; requests go through self.pool.
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=30.0),
@@ -285,9 +302,13 @@ class Router:
             name: n for name, n in per_model.items()
             if admission.may_use(principal, name, self.catalog.profiles[name])
         }  # fmt: skip
-        return web.json_response(
-            {"ready": ready, "ready_endpoints": shown}, status=200 if ready else 503
-        )
+        answer: dict[str, Any] = {"ready": ready, "ready_endpoints": shown}
+        mode = self.cfg.tenancy.cache_isolation
+        if mode != "shared":
+            # Shown to the operator's probe too: which models pay for isolation with no cache.
+            uncached = isolation.unsalted_models(mode, list(self.catalog.profiles.values()))
+            answer["cache_isolation"] = {"mode": mode, "uncached_models": uncached}
+        return web.json_response(answer, status=200 if ready else 503)
 
     async def handle_fallthrough(self, request: web.BaseRequest) -> web.Response:
         """Unknown paths (404) and wrong methods on known paths (405), in OpenAI's shape."""

@@ -21,6 +21,7 @@ from llmgw.core import redaction, subjects
 from llmgw.core.breaker import BreakerPolicy
 from llmgw.core.profile import ModelProfile
 from llmgw.core.routing import CostModel, Weights
+from llmgw.core.tenancy import CacheIsolation
 
 
 class Listener(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -92,6 +93,18 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     seconds. A longer prompt's cache is predicted on that beginning, its length estimated."""
 
 
+class TenancyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How far tenants are kept apart on the engines they share."""
+
+    cache_isolation: CacheIsolation = "shared"
+    """Whose requests may share an engine's prefix cache (a cached prefix answers sooner
+    and says so in `cached_tokens`, which tells one tenant another's prompts): `shared`,
+    every request's; `team`, a team's keys' (a key without a team is its own); `key`, one
+    key's. Isolated, every request gets a `cache_salt` of its tenant (a client's own is
+    replaced), and models on llama.cpp, which has no salt, are served with
+    `cache_prompt: false`. Every router in front of the same engines sets the same."""
+
+
 class LogSource(NatsConnection, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where a router reads the log (llmgw.router.feed): its certificate has CN = `name`,
     OU = router, and may only read."""
@@ -133,6 +146,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     prefix: PrefixConfig = PrefixConfig()
     cache: CacheConfig = CacheConfig()
     auth: AuthConfig = AuthConfig()
+    tenancy: TenancyConfig = TenancyConfig()
     session_header: str = "x-session-id"
     """Requests carrying the same value of this header prefer the same endpoint."""
     max_attempts: int = 3

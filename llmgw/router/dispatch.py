@@ -12,7 +12,6 @@ relay's `Hooks` (token counting, by llmgw.router.accounting, and stream metrics)
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 import time
@@ -25,7 +24,7 @@ from llmgw import logs
 from llmgw.core import breaker, redaction, routing
 from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import admission, apis, errors, requests, tracecontext
+from llmgw.router import admission, apis, errors, isolation, requests, tracecontext
 from llmgw.router import upstream as upstream_http
 from llmgw.router.accounting import Accounting
 from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
@@ -33,7 +32,7 @@ from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, as_retry, refusal_response
 from llmgw.router.holding import Holds
-from llmgw.router.kvroute import CachePlan, KvRouting
+from llmgw.router.kvroute import CachePlan, KvRouting, salted_hashes
 from llmgw.router.metrics import Metrics
 from llmgw.router.queueing import Queues
 from llmgw.router.quotas import Quotas
@@ -92,6 +91,7 @@ class Dispatcher:
         self._routed = 0
         self._bases: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
         self._session_header = cfg.session_header
+        self._isolation = cfg.tenancy.cache_isolation
         self._debug = log.is_enabled_for(logging.DEBUG)
         self._rules = Rules(
             self._routable,
@@ -177,15 +177,15 @@ class Dispatcher:
         waited = await self._wait_for_room(profile, state)
         if waited is not None:
             return await self._refuse(waited, profile, state)
-        hashes = self.chat_hashes.hashes(
+        salt = isolation.request_salt(self._isolation, parsed, state.principal)
+        hashes = salted_hashes(self.chat_hashes.hashes(
             parsed.chat, parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks
+        ), salt)  # fmt: skip
+        session_key = isolation.session_key(
+            request.headers.get(self._session_header, ""), salt, self._isolation != "shared"
         )
-        session_key = request.headers.get(self._session_header, "")
-        if len(session_key) > 128:
-            # Keys are kept (100,000 of them): a long header must not cost its length each.
-            session_key = hashlib.blake2b(session_key.encode(), digest_size=16).hexdigest()
         session_ep = self.sessions.get(session_key, "") if session_key else ""
-        plan = self._cache_plan(parsed, profile, hashes)
+        plan = self._cache_plan(parsed, profile, hashes, salt)
         planner = self._planner(parsed, profile, state, hashes, session_ep, plan)
         up_body, body_of = body, ""  # the body as the engine gets it, and for which model
         while True:
@@ -194,9 +194,14 @@ class Dispatcher:
                 break
             if body_of != step.profile.name:
                 body_of = step.profile.name
-                rewrite = body_of != parsed.model or state.drop_usage or parsed.priority
+                salting = isolation.salting(self._isolation, step.profile, salt)
+                rewrite = body_of != parsed.model or state.drop_usage or parsed.priority or salting
                 try:
-                    up_body = self._body_for(body, parsed, step.profile, state) if rewrite else body
+                    up_body = (
+                        self._body_for(body, parsed, step.profile, state, salting)
+                        if rewrite
+                        else body
+                    )
                 except requests.BadRequest as exc:
                     return await self._refuse(admission.bad_body(str(exc)), profile, state)
             if plan is not None:
@@ -237,9 +242,14 @@ class Dispatcher:
         return refused
 
     def _cache_plan(
-        self, parsed: requests.Parsed, profile: ModelProfile, hashes: list[bytes]
+        self,
+        parsed: requests.Parsed,
+        profile: ModelProfile,
+        hashes: list[bytes],
+        salt: str | None = None,
     ) -> CachePlan | None:
-        """What each endpoint of the model holds of the prompt (llmgw.router.kvroute)."""
+        """What each endpoint of the model holds of the prompt (llmgw.router.kvroute), for
+        a request the engine gets with `cache_salt` = `salt` (`hashes` salted already)."""
         if not self.cfg.cache.enabled or not parsed.text:
             return None
         return self.kv.plan(
@@ -249,6 +259,7 @@ class Dispatcher:
             text_index=self.prefix,
             text_hashes=hashes,
             block_chars=self.cfg.prefix.block_chars,
+            salt=salt,
         )
 
     def _sending_on_cache(self, plan: CachePlan, step: Attempt, state: ClientStream) -> None:
@@ -277,16 +288,22 @@ class Dispatcher:
                       prefix=f"{plan.tie_key:016x}")  # fmt: skip
 
     def _body_for(
-        self, body: bytes, parsed: requests.Parsed, prof: ModelProfile, state: ClientStream
+        self,
+        body: bytes,
+        parsed: requests.Parsed,
+        prof: ModelProfile,
+        state: ClientStream,
+        salting: requests.Salting = None,
     ) -> bytes:
         """The body an engine of `prof` gets: the model renamed for a fallback or an alias,
-        the usage chunk asked for when the router counts a stream's tokens, no `priority`."""
+        the usage chunk asked for when the router counts a stream's tokens, no `priority`,
+        the tenant's `cache_salt` under isolation (`salting`: llmgw.router.isolation)."""
         rename = prof.name if prof.name != parsed.model else None
-        if rename is None and not state.drop_usage and not parsed.priority:
+        if rename is None and not state.drop_usage and not parsed.priority and not salting:
             return body
         return requests.rewrite(body, model=rename, include_usage=state.drop_usage,
                                 has_options=parsed.has_options,
-                                drop_priority=parsed.priority)  # fmt: skip
+                                drop_priority=parsed.priority, salt=salting)  # fmt: skip
 
     async def _refuse(
         self, refusal: Refusal, profile: ModelProfile, state: ClientStream

@@ -28,10 +28,11 @@ import msgspec
 from llmgw.core import routing
 from llmgw.core.prefix import block_hashes
 from llmgw.core.profile import ModelProfile
-from llmgw.router import admission, requests
+from llmgw.router import admission, isolation, requests
 from llmgw.router.auth import Principal
 from llmgw.router.dispatch import Dispatcher
 from llmgw.router.errors import Refusal
+from llmgw.router.kvroute import salted_hashes
 from llmgw.router.table import Catalog
 
 
@@ -81,8 +82,12 @@ def explain(
     cfg = dispatcher.cfg
     now = time.monotonic()
     endpoints = dispatcher.table.for_model(profile.name)
-    hashes = block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks)
-    plan = dispatcher._cache_plan(parsed, profile, hashes)
+    # The caller's own view under isolation: the cache its requests would find, no other's.
+    salt = isolation.request_salt(cfg.tenancy.cache_isolation, parsed, principal)
+    hashes = salted_hashes(
+        block_hashes(parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks), salt
+    )
+    plan = dispatcher._cache_plan(parsed, profile, hashes, salt)
     survivors, drops = routing.apply_filters(endpoints, routing.Query(model=profile.name, now=now))
     out: dict[str, Any] = {"model": profile.name, "filtered_out": drops}
     if plan is None:

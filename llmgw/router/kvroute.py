@@ -25,12 +25,14 @@ operator.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 
 import msgspec
 
 from llmgw.core import routing
+from llmgw.core.kvblocks import KEY_ROOT, salt_root
 from llmgw.core.kvindex import KvIndex, RecentRoutes
 from llmgw.core.prefix import PrefixIndex
 from llmgw.core.profile import ModelProfile
@@ -65,6 +67,9 @@ class CachePlan(msgspec.Struct, kw_only=True):
     """Those of them tokenized and keyed: the prompt's first (`cache.max_prompt_chars`)."""
     keys: dict[int, list[int]]
     """Block size -> the prompt's keys for it."""
+    root: int = KEY_ROOT
+    """The parent of its first key: its `cache_salt`'s (`kvblocks.salt_root`), so a salted
+    prompt matches the blocks of its own salt only, as it does on the engine."""
     by_endpoint: dict[str, Source]
     families: dict[str, int] = {}
     """Endpoint -> prefix families its cache holds (from the index, and those this router
@@ -111,7 +116,7 @@ class KvRouting:
     def keys_of(self, plan: CachePlan, block_size: int, tokens: PromptTokens) -> list[int]:
         keys = plan.keys.get(block_size)
         if keys is None:
-            keys = plan.keys[block_size] = tokens.keys(block_size)
+            keys = plan.keys[block_size] = tokens.keys(block_size, plan.root)
         return keys
 
     def plan(
@@ -124,8 +129,11 @@ class KvRouting:
         text_hashes: Sequence[bytes] = (),
         block_chars: int = 256,
         now: float | None = None,
+        salt: str | None = None,
     ) -> CachePlan | None:
-        """The plan of a request, or None where its tokens cannot be known."""
+        """The plan of a request, or None where its tokens cannot be known. `salt`: the
+        `cache_salt` the engine gets with it (its text hashes already salted the same way:
+        `salted_hashes`)."""
         tokenizer = prompts.for_profile(profile)
         if tokenizer is None:
             return None
@@ -138,7 +146,7 @@ class KvRouting:
         whole = tokens.estimate
         now = time.time() if now is None else now
         plan = CachePlan(model=profile.name, prompt_tokens=whole, keyed_tokens=len(tokens.ids),
-                         keys={}, by_endpoint={})  # fmt: skip
+                         keys={}, by_endpoint={}, root=salt_root(salt))  # fmt: skip
         depth, sizes = self.index.match(
             lambda size: self.keys_of(plan, size, tokens),
             [(ep.id, ep.node) for ep in endpoints],
@@ -186,3 +194,14 @@ class KvRouting:
         self.index.forget(endpoint)
         self.recent.forget(endpoint)
         self.reliability.pop(endpoint, None)
+
+
+def salted_hashes(hashes: Sequence[bytes], salt: str | None) -> list[bytes]:
+    """A prompt's text hashes (llmgw.core.prefix) as a request of `salt` may match them:
+    the salt mixed into each, so the text index, like the engines, matches a prompt only to
+    prompts of the same salt. Chained hashes stay chained: equal prefixes of one salt give
+    equal results."""
+    if salt is None:
+        return list(hashes)
+    key = hashlib.blake2b(salt.encode(), digest_size=32).digest()
+    return [hashlib.blake2b(h, digest_size=8, key=key).digest() for h in hashes]

@@ -10,7 +10,7 @@ Used by `llmgw.router.app` and `llmgw.router.dispatch`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
 
@@ -51,6 +51,7 @@ class ChatBody(msgspec.Struct):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: msgspec.Raw = NO_PRIORITY
+    cache_salt: msgspec.Raw = NO_PRIORITY
 
 
 class CompletionBody(msgspec.Struct):
@@ -59,12 +60,14 @@ class CompletionBody(msgspec.Struct):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: msgspec.Raw = NO_PRIORITY
+    cache_salt: msgspec.Raw = NO_PRIORITY
 
 
 class EmbeddingBody(msgspec.Struct):
     model: str
     input: str | list[Any]
     priority: msgspec.Raw = NO_PRIORITY
+    cache_salt: msgspec.Raw = NO_PRIORITY
 
 
 class OtherBody(msgspec.Struct):
@@ -74,6 +77,7 @@ class OtherBody(msgspec.Struct):
     model: str
     stream: bool | None = False
     priority: msgspec.Raw = NO_PRIORITY
+    cache_salt: msgspec.Raw = NO_PRIORITY
 
 
 _OTHER = msgspec.json.Decoder(OtherBody)
@@ -101,6 +105,9 @@ class Parsed(msgspec.Struct):
     """Prompt text for prefix affinity ("" when not needed)."""
     priority: bool = False
     """The body sets the engine's scheduling `priority`: dropped before it is sent."""
+    cache_salt: str | None = None
+    """The client's `cache_salt` (vLLM's prefix-cache salt), when it sent a string; what
+    the router does with it is its tenancy's to say (llmgw.router.dispatch)."""
     chat: tuple[tuple[str, str], ...] = ()
     """A chat request's (role, text) messages, when the text is wanted: what a chat
     template renders (llmgw.router.prompts). `text` is then each role, a newline, its
@@ -125,7 +132,8 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     if isinstance(req, OtherBody):
         streams = bool(req.stream) and kind in STREAMED_USAGE
         return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
-                      text="", priority=bool(req.priority))  # fmt: skip
+                      text="", priority=bool(req.priority),
+                      cache_salt=_salt_text(req.cache_salt))  # fmt: skip
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
@@ -135,6 +143,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
             has_options=False,
             text=text if want_text else "",
             priority=bool(req.priority),
+            cache_salt=_salt_text(req.cache_salt),
         )
     wants_usage = req.stream_options is not None and req.stream_options.include_usage
     text = ""
@@ -153,7 +162,16 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         text=text,
         chat=chat,
         priority=bool(req.priority),
+        cache_salt=_salt_text(req.cache_salt),
     )
+
+
+def _salt_text(raw: msgspec.Raw) -> str | None:
+    """A body's `cache_salt` when it is a string (null or another type: none)."""
+    if not raw or not bytes(raw).startswith(b'"'):
+        return None
+    value = msgspec.json.decode(raw)
+    return value if isinstance(value, str) and value else None
 
 
 def _content_text(c: str | list[Part] | None) -> str:
@@ -185,6 +203,16 @@ def _prompt_text(prompt: str | list[Any]) -> str:
 USAGE_OPTION = b',"stream_options":{"include_usage":true}}'
 
 
+class Uncached:
+    """`rewrite(salt=UNCACHED)`: no `cache_salt`, and no reuse of the engine's cache."""
+
+
+UNCACHED = Uncached()
+Salting: TypeAlias = str | Uncached | None
+"""What `rewrite` does to a body's `cache_salt`: set it to this string, drop it and turn
+the engine's prompt cache off (`UNCACHED`), or leave the body's (None)."""
+
+
 def rewrite(
     body: bytes,
     *,
@@ -192,14 +220,16 @@ def rewrite(
     include_usage: bool,
     has_options: bool = True,
     drop_priority: bool = False,
+    salt: Salting = None,
 ) -> bytes:
     """The body with another model name and/or a usage chunk requested and/or without its
-    `priority`; BadRequest when it nests too deeply to decode.
+    `priority` and/or its `cache_salt` set as `salt` says (`Salting`); BadRequest when it
+    nests too deeply to decode.
 
     The common case — only the usage chunk, no stream_options in the body — appends the
     member to the top-level object's bytes instead of decoding and re-encoding the body.
     """
-    if model is None and include_usage and not has_options and not drop_priority:
+    if model is None and include_usage and not has_options and not drop_priority and not salt:
         trimmed = body.rstrip()
         if trimmed.endswith(b"}"):
             return trimmed[:-1] + USAGE_OPTION
@@ -213,6 +243,12 @@ def rewrite(
         data["model"] = model
     if drop_priority:
         data.pop("priority", None)
+    if isinstance(salt, str):
+        data["cache_salt"] = salt
+    elif salt is UNCACHED:
+        # An engine without salts (llama.cpp): no prompt of another tenant's is reused.
+        data.pop("cache_salt", None)
+        data["cache_prompt"] = False
     if include_usage:
         opts = data.get("stream_options")
         data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}

@@ -96,6 +96,8 @@ class _Sampling(_Lenient, kw_only=True):
     logprobs: Any = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    cache_salt: str | None = None
+    """vLLM's: the prompt shares cached blocks only with prompts of the same salt."""
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -135,6 +137,7 @@ class Prepared:
         "max_tokens",
         "model",
         "prompt",
+        "salt",
         "seed",
         "stops",
         "stream",
@@ -152,7 +155,9 @@ class Prepared:
         ignore_eos: bool,
         stream: bool,
         include_usage: bool,
+        salt: str | None = None,
     ) -> None:
+        self.salt = salt
         self.ignore_eos = ignore_eos
         self.kind = kind
         self.model = model
@@ -349,6 +354,7 @@ def _prepared(
         ignore_eos=bool(req.ignore_eos),
         stream=bool(req.stream),
         include_usage=bool(opts is not None and opts.include_usage),
+        salt=req.cache_salt or None,
     )
 
 

@@ -59,6 +59,8 @@ class Request:
         "pieces",
         "preemptions",
         "rid",
+        "root",
+        "salt",
         "state",
         "stop_hold",
         "stops",
@@ -79,8 +81,11 @@ class Request:
         seed: int,
         eos_at: int | None = None,
         stops: tuple[str, ...] = (),
+        salt: str | None = None,
     ) -> None:
         self.rid = rid
+        self.salt = salt
+        self.root = tokens.salt_root(salt)
         self.tokens = prompt
         """Prompt tokens followed by generated ones (the KV cache's content)."""
         self.num_prompt = len(prompt)
@@ -203,7 +208,7 @@ class Engine:
             n = len(r.tokens)
             full = n // bs
             if len(r.hashes) < full:
-                tokens.block_hashes(r.tokens, bs, len(r.hashes), r.hashes)
+                tokens.block_hashes(r.tokens, bs, len(r.hashes), r.hashes, r.root)
             # At least one token is always computed (vLLM: the last prompt token's
             # logits are needed), so a fully cached prompt still leaves its last block.
             hits = pool.lookup(r.hashes, (n - 1) // bs)
@@ -237,7 +242,8 @@ class Engine:
             return
         bs = self.block_size
         ids = tokens.token_ids(r.tokens[j * bs : (j + 1) * bs])
-        pool.cache(r.blocks[j], r.hashes[j], r.hashes[j - 1] if j else None, ids)
+        pool.cache(r.blocks[j], r.hashes[j], r.hashes[j - 1] if j else None, ids,
+                   None if j else r.salt)  # fmt: skip
 
     def _tell_waiting(self) -> None:
         """Touch each request the first time a step leaves it waiting, so that the
@@ -268,7 +274,7 @@ class Engine:
         if n % bs == 0:
             # A block just filled: make it findable, so a conversation's next turn
             # (which repeats this output in its prompt) hits the cache.
-            tokens.block_hashes(toks, bs, len(r.hashes), r.hashes)
+            tokens.block_hashes(toks, bs, len(r.hashes), r.hashes, r.root)
             self._cache_block(r, n // bs - 1)
         stats = self.stats
         stats.generation_tokens += 1

@@ -38,8 +38,9 @@ class Block:
         return f"Block({self.id}, ref={self.ref}, hash={self.hash})"
 
 
-StoredEvent = tuple[str, list[int], int | None, list[int]]
-"""("stored", block hashes, parent hash, token ids of those blocks)."""
+StoredEvent = tuple[str, list[int], int | None, list[int], str | None]
+"""("stored", block hashes, parent hash, token ids of those blocks, the `cache_salt` of a
+prompt's first block)."""
 RemovedEvent = tuple[str, list[int]]
 """("removed", block hashes)."""
 
@@ -137,6 +138,7 @@ class BlockPool:
         block_hash: int,
         parent: int | None = None,
         token_ids: list[int] | None = None,
+        salt: str | None = None,
     ) -> None:
         """Make a full block findable by its chained hash. If another block already
         holds the same content, this one stays uncached (vLLM does the same).
@@ -154,7 +156,7 @@ class BlockPool:
                     last[1].append(block_hash)
                     last[3].extend(ids)  # type: ignore[misc]
                 else:
-                    events.append(("stored", [block_hash], parent, list(ids)))
+                    events.append(("stored", [block_hash], parent, list(ids), salt))
 
     def take_events(self) -> list[StoredEvent | RemovedEvent]:
         out, self.events = self.events, []

@@ -42,19 +42,21 @@ def wire_events(events: list[StoredEvent | RemovedEvent], block_size: int) -> li
     out: list[Any] = []
     for ev in events:
         if ev[0] == "stored":
-            _, hashes, parent, ids = ev  # type: ignore[misc]
-            out.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": hashes,
-                    "parent_block_hash": parent,
-                    "token_ids": ids,
-                    "block_size": block_size,
-                    "lora_id": None,
-                    "medium": "GPU",
-                    "lora_name": None,
-                }
-            )
+            _, hashes, parent, ids, salt = ev  # type: ignore[misc]
+            stored: dict[str, Any] = {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": parent,
+                "token_ids": ids,
+                "block_size": block_size,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+            }
+            if salt is not None:
+                # vLLM's extra keys: one entry a block, the salt in the first block's.
+                stored["extra_keys"] = [[salt]] + [None] * (len(hashes) - 1)
+            out.append(stored)
         else:
             out.append({"type": "BlockRemoved", "block_hashes": ev[1], "medium": "GPU"})
     return out

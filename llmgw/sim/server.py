@@ -324,6 +324,7 @@ class SimServer:
             seed=seed,
             eos_at=eos_at,
             stops=p.stops,
+            salt=p.salt,
         )
         self.engine.add(req)
         assert self._wake is not None
