@@ -41,7 +41,7 @@ from llmgw import logs
 from llmgw.config import ConfigError
 from llmgw.core import routing, state
 from llmgw.listeners import scrape_target
-from llmgw.router import admission, aiohttp_direct, apis, auth, protocol, requests, tracing
+from llmgw.router import admission, aiohttp_direct, apis, auth, cors, protocol, requests, tracing
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
 from llmgw.router.browsers import BrowserGuard
@@ -289,11 +289,19 @@ class Router:
             {"ready": ready, "ready_endpoints": shown}, status=200 if ready else 503
         )
 
+    async def handle_options(self, request: web.BaseRequest) -> web.Response:
+        """A browser's CORS preflight of a path the router serves (llmgw.router.cors): no
+        key, no limit, no engine. Any other OPTIONS is a wrong method (405) or path (404)."""
+        allowed = served_method(request.path)
+        if allowed is None or not cors.is_preflight(request):
+            return await self.handle_fallthrough(request)
+        return cors.answer_preflight(request, allowed)
+
     async def handle_fallthrough(self, request: web.BaseRequest) -> web.Response:
         """Unknown paths (404) and wrong methods on known paths (405), in OpenAI's shape."""
         path = request.path
-        if path in PATHS or path in KNOWN_GET:
-            allowed = "POST" if path in PATHS else "GET"
+        allowed = served_method(path)
+        if allowed is not None:
             resp = error_response(
                 405,
                 f"{request.method} is not allowed on {path}: use {allowed}",
@@ -428,6 +436,15 @@ class Router:
         return resp
 
 
+def served_method(path: str) -> str | None:
+    """The method the router serves `path` with (None: it serves no such path)."""
+    if path in PATHS:
+        return "POST"
+    if path in KNOWN_GET or path.startswith(MODEL_PATH):
+        return "GET"
+    return None
+
+
 class _Outcome:
     """What a request's metrics record: the model (once known) and the status, when it
     is not the response's own (0: the response's)."""
@@ -463,13 +480,17 @@ def build_server(router: Router) -> web.Server:
         if h is None:
             if table is gets and request.path.startswith(MODEL_PATH):
                 return router.handle_model(request)
+            if request.method == "OPTIONS":
+                return router.handle_options(request)
             return router.handle_fallthrough(request)
         return h(request)
 
+    origins = router.cfg.auth.allowed_origins
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream connection, so the engine stops generating and frees the KV blocks.
     return protocol.server(
         handle,
+        request_type=cors.Cors(origins).request_type if origins else None,
         handler_cancellation=True,
         access_log=None,
         head_timeout_s=router.cfg.header_timeout_s,
