@@ -323,11 +323,14 @@ def server(
     *,
     rules: Rules,
     client_max_size: int,
+    request_type: Callable[[Any], Callable[..., web.BaseRequest]] | None = None,
     **kwargs: Any,
 ) -> web.Server:
     """A low-level server (no Application): `Server` (head deadline, quiet 400s) on the
     aiohttp versions it was written for, aiohttp's own `web.Server` on any other; requests
-    take bodies of up to `client_max_size` bytes, as sent (a compressed one: 415)."""
+    take bodies of up to `client_max_size` bytes, as sent (a compressed one: 415).
+    `request_type`, given a request's parsed head, picks what makes its request object
+    (`web.BaseRequest` or a subclass, called with its arguments); None: always BaseRequest."""
     loop = asyncio.get_running_loop()
     # A partial, not a closure: one Python call per request less on the router's hot path.
     guarded = functools.partial(_unless_compressed, handler=handler, rules=rules)
@@ -336,9 +339,8 @@ def server(
     def make_request(
         message: Any, payload: Any, conn: Any, writer: Any, task: Any
     ) -> web.BaseRequest:
-        return web.BaseRequest(
-            message, payload, conn, writer, task, loop, client_max_size=client_max_size
-        )
+        make = web.BaseRequest if request_type is None else request_type(message)
+        return make(message, payload, conn, writer, task, loop, client_max_size=client_max_size)
 
     kwargs["request_factory"] = make_request
     if SUPPORTED:

@@ -21,11 +21,12 @@ headers would show it to the client. A success is relayed unread.
 from __future__ import annotations
 
 import msgspec
+from aiohttp import web
 
 from llmgw.core import redaction
 from llmgw.core.profile import ModelProfile
 from llmgw.router import requests
-from llmgw.router.errors import Refusal
+from llmgw.router.errors import Refusal, error_response
 from llmgw.router.requests import Kind
 
 PATHS: dict[str, Kind] = {
@@ -43,6 +44,20 @@ PATHS: dict[str, Kind] = {
     "/v1/score": "score",
     "/score": "score",
 }
+KNOWN_GET = ("/v1/models", "/health", "/ready")
+"""Paths served with GET, besides one model's (`MODEL_PATH` + its name)."""
+MODEL_PATH = "/v1/models/"
+
+
+def served_method(path: str) -> str | None:
+    """The method the router serves `path` with (None: it serves no such path)."""
+    if path in PATHS:
+        return "POST"
+    if path in KNOWN_GET or path.startswith(MODEL_PATH):
+        return "GET"
+    return None
+
+
 """Client path -> API."""
 
 UPSTREAM: dict[Kind, str] = {
@@ -157,3 +172,25 @@ def _type(status: int) -> str:
     if status == 429:
         return "rate_limit_error"
     return "invalid_request_error" if status < 500 else "server_error"
+
+
+def unserved(method: str, path: str) -> web.Response:
+    """The answer to `method` on `path`, which the router does not serve that way: 405
+    naming the method it takes, or 404 naming the paths it serves."""
+    allowed = served_method(path)
+    if allowed is not None:
+        resp = error_response(
+            405,
+            f"{method} is not allowed on {path}: use {allowed}",
+            "invalid_request_error",
+            "method_not_allowed",
+        )
+        resp.headers["Allow"] = allowed
+        return resp
+    return error_response(
+        404,
+        f"unknown path {path}: this router serves {', '.join(sorted(PATHS))} (POST),"
+        " /v1/models and /v1/models/{id} (GET)",
+        "invalid_request_error",
+        "unknown_url",
+    )

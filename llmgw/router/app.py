@@ -47,6 +47,7 @@ from llmgw.router import (
     aiohttp_direct,
     apis,
     auth,
+    cors,
     isolation,
     protocol,
     requests,
@@ -70,8 +71,8 @@ from llmgw.router.tracing import RequestTrace, Tracer
 log = logs.get("llmgw.router")
 
 PATHS = apis.PATHS
-KNOWN_GET = ("/v1/models", "/health", "/ready")
-MODEL_PATH = "/v1/models/"
+KNOWN_GET = apis.KNOWN_GET
+MODEL_PATH = apis.MODEL_PATH
 
 
 class Router:
@@ -129,13 +130,7 @@ class Router:
 
     async def start(self) -> None:
         aiohttp_direct.explain()
-        uncached = isolation.unsalted_models(
-            self.cfg.tenancy.cache_isolation, list(self.cfg.models)
-        )
-        if uncached:
-            log.warning("cache_isolation_uncached", models=uncached,
-                        hint="these models' engines take no cache_salt: they are served with"
-                        " cache_prompt false, with no prefix cache")  # fmt: skip
+        isolation.warn_uncached(self.cfg.tenancy.cache_isolation, list(self.cfg.models))
         # aiohttp serves the health and metrics probes; requests go through self.pool.
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=30.0),
@@ -303,33 +298,24 @@ class Router:
             if admission.may_use(principal, name, self.catalog.profiles[name])
         }  # fmt: skip
         answer: dict[str, Any] = {"ready": ready, "ready_endpoints": shown}
-        mode = self.cfg.tenancy.cache_isolation
-        if mode != "shared":
-            # Shown to the operator's probe too: which models pay for isolation with no cache.
-            uncached = isolation.unsalted_models(mode, list(self.catalog.profiles.values()))
-            answer["cache_isolation"] = {"mode": mode, "uncached_models": uncached}
+        isolated = isolation.readiness(
+            self.cfg.tenancy.cache_isolation, list(self.catalog.profiles.values())
+        )
+        if isolated is not None:
+            answer["cache_isolation"] = isolated
         return web.json_response(answer, status=200 if ready else 503)
+
+    async def handle_options(self, request: web.BaseRequest) -> web.Response:
+        """A browser's CORS preflight of a path the router serves (llmgw.router.cors): no
+        key, no limit, no engine. Any other OPTIONS is a wrong method (405) or path (404)."""
+        allowed = apis.served_method(request.path)
+        if allowed is None or not cors.is_preflight(request):
+            return await self.handle_fallthrough(request)
+        return cors.answer_preflight(request, allowed)
 
     async def handle_fallthrough(self, request: web.BaseRequest) -> web.Response:
         """Unknown paths (404) and wrong methods on known paths (405), in OpenAI's shape."""
-        path = request.path
-        if path in PATHS or path in KNOWN_GET:
-            allowed = "POST" if path in PATHS else "GET"
-            resp = error_response(
-                405,
-                f"{request.method} is not allowed on {path}: use {allowed}",
-                "invalid_request_error",
-                "method_not_allowed",
-            )
-            resp.headers["Allow"] = allowed
-            return resp
-        return error_response(
-            404,
-            f"unknown path {path}: this router serves {', '.join(sorted(PATHS))} (POST),"
-            " /v1/models and /v1/models/{id} (GET)",
-            "invalid_request_error",
-            "unknown_url",
-        )
+        return apis.unserved(request.method, request.path)
 
     def handler(
         self, kind: requests.Kind
@@ -484,13 +470,17 @@ def build_server(router: Router) -> web.Server:
         if h is None:
             if table is gets and request.path.startswith(MODEL_PATH):
                 return router.handle_model(request)
+            if request.method == "OPTIONS":
+                return router.handle_options(request)
             return router.handle_fallthrough(request)
         return h(request)
 
+    origins = router.cfg.auth.allowed_origins
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream connection, so the engine stops generating and frees the KV blocks.
     return protocol.server(
         handle,
+        request_type=cors.Cors(origins).request_type if origins else None,
         handler_cancellation=True,
         access_log=None,
         head_timeout_s=router.cfg.header_timeout_s,

@@ -15,7 +15,9 @@ that carries no key the router knows is therefore refused (403) when
   neither a loopback address (127.0.0.0/8, [::1], localhost) nor a listed name: a
   rebound name keeps its own name in `Host`. A request without `Host` is no browser's.
 
-A request with a key is its key's: a browser never attaches one on its own. The checks
+A request with a key is its key's: a browser never attaches one on its own. The pages of
+a listed origin also get the CORS headers that let them read the answers
+(llmgw.router.cors), with a key or without. The checks
 cost a header lookup each; the `Host` values found good are remembered.
 """
 

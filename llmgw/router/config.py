@@ -52,8 +52,10 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Serve without keys. Must be said explicitly: an open router is an open GPU bill."""
     allowed_origins: tuple[str, ...] = ()
     """Web origins (`https://app.example`, as browsers send them in `Origin`) whose pages
-    may send requests without a key (llmgw.router.browsers); any other page's are refused.
-    The router sends no CORS headers: for pages served on its own origin by a proxy."""
+    may call the router: their preflights are answered and every answer to them carries
+    CORS headers naming them (llmgw.router.cors), and on a router without keys they may
+    send requests without one (llmgw.router.browsers). Any other page gets no CORS
+    header, and its requests without a key are refused."""
     allowed_hosts: tuple[str, ...] = ()
     """Names (no port) besides 127.0.0.1, [::1] and localhost a request without a key may
     name in `Host` when the router listens on loopback; listing any checks `Host` on any

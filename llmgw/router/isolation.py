@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import hashlib
 
+from llmgw import logs
 from llmgw.core import tenancy
 from llmgw.core.profile import ModelProfile
 from llmgw.router import requests
 from llmgw.router.auth import Principal
+
+log = logs.get("llmgw.router")
 
 SALTED_ENGINES = frozenset({"vllm", "sglang", "sim"})
 """Engines whose requests take a `cache_salt` that keeps their cached blocks to that salt."""
@@ -50,6 +53,25 @@ def unsalted_models(mode: tenancy.CacheIsolation, profiles: list[ModelProfile]) 
     if mode == "shared":
         return []
     return sorted(p.name for p in profiles if p.engine not in SALTED_ENGINES)
+
+
+def readiness(
+    mode: tenancy.CacheIsolation, profiles: list[ModelProfile]
+) -> dict[str, object] | None:
+    """What `/ready` says of isolation (None under `shared`): shown to the operator's probe
+    too, it names the models that pay for isolation with no prefix cache."""
+    if mode == "shared":
+        return None
+    return {"mode": mode, "uncached_models": unsalted_models(mode, profiles)}
+
+
+def warn_uncached(mode: tenancy.CacheIsolation, profiles: list[ModelProfile]) -> None:
+    """One line at start naming the models served without a prefix cache, if any."""
+    uncached = unsalted_models(mode, profiles)
+    if uncached:
+        log.warning("cache_isolation_uncached", models=uncached,
+                    hint="these models' engines take no cache_salt: they are served with"
+                    " cache_prompt false, with no prefix cache")  # fmt: skip
 
 
 def session_key(header: str, salt: str | None, isolated: bool) -> str:

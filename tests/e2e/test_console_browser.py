@@ -21,28 +21,15 @@ import pytest
 
 from tests.e2e.console_kit import call, fleet, holder, opening, start_console
 from tests.harness import TestNatsServer, wait_for
-from tests.kit import tools
+from tests.kit.browser import chromium
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    chromium = tools.required("chromium", "apt-get install chromium")
-    driver_path = tools.required("chromedriver", "apt-get install chromium-driver")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1000"):  # fmt: skip
-        options.add_argument(arg)
-    service = webdriver.ChromeService(executable_path=driver_path)
-    driver = webdriver.Chrome(options=options, service=service)
-    driver.set_page_load_timeout(60)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def _texts(driver: Any, selector: str) -> list[str]:
