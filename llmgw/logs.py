@@ -94,7 +94,11 @@ class _Shown(str):
 
 
 _MULTILINE = ("exception", "stack")
-"""Tracebacks: each of their lines is escaped, and they keep their line breaks."""
+"""Tracebacks: each of their lines is escaped and indented (`_INDENT`), and they keep their
+line breaks."""
+_INDENT = "  "
+"""Before each line of a traceback: an exception's message may hold a node's text, line
+breaks included, and no line of it may start where a log line does (its date)."""
 
 _QUOTED_IF = frozenset(" =\"'")
 """What makes the renderer quote a text (tabs and line breaks are escaped by then)."""
@@ -109,7 +113,7 @@ def _shown(key: object, value: object) -> object:
     if not isinstance(value, str):
         return _Shown(printable.escaped(repr(value)))
     if key in _MULTILINE:
-        return "\n".join(printable.escaped(line) for line in value.split("\n"))
+        return "\n".join(_INDENT + printable.escaped(line) for line in value.split("\n"))
     text = printable.escaped(value)
     if key == "event" or _QUOTED_IF.isdisjoint(text):
         return text

@@ -103,6 +103,9 @@ def test_the_console_log_writes_node_text_escaped() -> None:
     assert f"key{shown}=1" in lines[0]
     assert f"/{shown}" in lines[2]
     assert f"ValueError: {shown[:-4]}\n" in out  # a traceback keeps its line breaks
+    # ... each of its lines indented, so that a node's line break in the message cannot
+    # start a line that reads as a record of its own: only the four records start at once.
+    assert [line for line in lines if not line[:1].isspace()] == lines[:4]
 
 
 def test_in_colour_the_only_escape_sequences_are_the_renderers_own() -> None:
