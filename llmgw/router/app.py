@@ -411,8 +411,8 @@ class Router:
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
         state = ClientStream(request, rid, start, kind=kind, stream=parsed.stream,
                              drop_usage=inject_usage, principal=principal,
-                             trace=outcome.trace,
-                             prompt_chars=len(parsed.text) or len(body))  # fmt: skip
+                             trace=outcome.trace, prompt_chars=len(parsed.text) or len(body),
+                             usage_coming=inject_usage or parsed.wants_usage)  # fmt: skip
         if parsed.stream and self.cfg.keepalive_s > 0:
             state.start_keepalive(self.cfg.keepalive_s)
         try:
