@@ -361,7 +361,10 @@ class Router:
             p = outcome.principal
             if p is not None:
                 self.metrics.key_request(p.name, p.settings.team, asked, status)
-                if status < 400:
+                # A request charged tokens is one of the key's requests in its usage
+                # whatever its status (a stream its client cut: 499), or `ctl usage` would
+                # show those tokens without their request.
+                if status < 400 or outcome.tokens != (0, 0):
                     self.dispatcher.quotas.request_done(p, asked)
             if self._access_log:
                 log.debug("request", request_id=rid, model=asked, status=status, duration_s=took,

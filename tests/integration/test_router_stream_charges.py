@@ -163,6 +163,11 @@ def charged(router: Router) -> tuple[float, float]:
     return tokens.get(("tenant", "", "m", "in"), 0.0), tokens.get(("tenant", "", "m", "out"), 0.0)
 
 
+def usage_row(router: Router) -> list[int]:
+    """The key's tokens in, out and requests waiting for the usage counters."""
+    return router.dispatcher.quotas._row("tenant", "m")
+
+
 async def test_a_whole_and_a_cut_stream_are_charged_alike_whatever_count_stream_tokens(
     served: tuple[Router, str],
 ) -> None:
@@ -200,3 +205,18 @@ async def test_a_stream_whose_client_asked_for_usage_is_charged_cut_even_when_no
         prompt, completion = charged(router)
         assert completion - CHUNKS >= HELD_AFTER
         assert prompt > 7
+
+
+async def test_a_stream_the_client_cut_counts_as_a_request_in_the_keys_usage(
+    engine: StreamingEngine,
+) -> None:
+    """A stream cut by its client (recorded as 499) is charged its tokens: the usage that
+    `llmgw ctl usage` sums counted its tokens without the request they were charged to."""
+    async for router, url in serve(engine.url, count_stream_tokens=True):
+        await cut_stream(url, body("hold"))
+        await done(router, 1)
+        assert router.metrics.key_requests.values == {("tenant", "", "m", "499"): 1.0}
+        tokens_in, tokens_out, requests = usage_row(router)
+        assert tokens_out >= HELD_AFTER
+        assert tokens_in > 0
+        assert requests == 1
