@@ -4,10 +4,12 @@
 engine its own key (`Authorization: Bearer <key>`); an engine, or a proxy in front of it,
 that echoes its request's headers in an error would otherwise hand the key to the
 router's client. Every occurrence goes, in any letter case and in the forms an echo
-plausibly writes it (as is, escaped in JSON, percent-encoded, escaped in HTML, quoted as
-Python bytes), and so does a key cut short by a bound on what was read or quoted (its
-first `FRAGMENT` characters or more): each becomes `KEY_MARK`. Text is cut to size only
-after the key is out, so no cut leaves a part of it.
+plausibly writes it (as is, percent-encoded, escaped in HTML, quoted as Python bytes, in
+JSON with any of its characters escaped: the text is searched as it is, never decoded,
+so a body that does not hold the key is left as it came), and so does a key cut short by
+a bound on what was read or quoted (its first `FRAGMENT` characters or more): each
+becomes `KEY_MARK`. Text is cut to size only after the key is out, so no cut leaves a
+part of it.
 
 `shown_url`: a URL as a message may quote it, the password of its userinfo (or a lone
 token) as `***`, also when it is too malformed for urllib to read; `without_url_secret`
@@ -74,9 +76,11 @@ def bytes_without_key(data: bytes, key: str) -> bytes:
     return data if clean == text else clean.encode("utf-8", "surrogateescape")
 
 
-def _forms(key: str) -> set[str]:
-    """A secret as an echo may write it."""
-    return {
+def _forms(key: str) -> set[tuple[str, ...]]:
+    """A secret as an echo may write it: each form as the patterns of its characters, one
+    after another. JSON may write any of the key's characters as an escape (`\\u0073`,
+    `\\/`), each its own way, so that form is one pattern a key character."""
+    written = {
         key,
         json.dumps(key)[1:-1],
         json.dumps(key, ensure_ascii=False)[1:-1],
@@ -84,9 +88,30 @@ def _forms(key: str) -> set[str]:
         html.escape(key),
         repr(key.encode("utf-8", "surrogatepass"))[2:-1],
     }
+    return {tuple(map(re.escape, form)) for form in written} | {tuple(map(_in_json, key))}
 
 
-def _occurrences(text: str, form: str) -> list[tuple[int, int]]:
+_JSON_SHORT = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f",
+               "\n": "\\n", "\r": "\\r", "\t": "\\t"}  # fmt: skip
+"""The characters JSON may also escape by a letter (`\\n`), as those escapes."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_json(c: str) -> str:
+    """The pattern of `c` in a JSON string, in any letter case: as it is, escaped by a
+    letter, or as `\\u` escapes (a UTF-16 pair above U+FFFF), in either case of hex."""
+    ways = {re.escape(c)}
+    for letter in {c, c.lower(), c.upper()}:
+        if len(letter) != 1:
+            continue  # "ß".upper() is "SS": two characters, not one's escape
+        if letter in _JSON_SHORT:
+            ways.add(re.escape(_JSON_SHORT[letter]))
+        utf16 = letter.encode("utf-16-be", "surrogatepass")
+        ways.add("".join(f"\\\\u{utf16[i : i + 2].hex()}" for i in range(0, len(utf16), 2)))
+    return "(?:" + "|".join(sorted(ways)) + ")"
+
+
+def _occurrences(text: str, form: tuple[str, ...]) -> list[tuple[int, int]]:
     """Where `form`, or its start of at least `FRAGMENT` characters, is in `text`, in any
     letter case: at each place the longest, overlapping places included (a text that
     repeats the key's first letters must not hide where the key itself begins). Past
@@ -105,28 +130,32 @@ def _occurrences(text: str, form: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _run_end(text: str, found: re.Match[str], form: str) -> int:
-    """Where the run of `form` that `text` holds from `found` (its start) ends: a
-    character at a time, as a pattern of the whole form would compare them."""
-    end, n = found.end(), found.end() - found.start()
-    while n < len(form) and _letter(form[n]).match(text, end):
-        end, n = end + 1, n + 1
+def _run_end(text: str, found: re.Match[str], form: tuple[str, ...]) -> int:
+    """Where the run of `form` that `text` holds from `found` (its first `FRAGMENT`
+    characters) ends: a character at a time, as a pattern of the whole form would compare
+    them."""
+    end = found.end()
+    for part in form[FRAGMENT:]:
+        more = _part(part).match(text, end)
+        if more is None:
+            break
+        end = more.end()
     return end
 
 
 @functools.lru_cache(maxsize=64)
-def _patterns(form: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
+def _patterns(form: tuple[str, ...]) -> tuple[re.Pattern[str], re.Pattern[str]]:
     """The patterns of `form`'s first `FRAGMENT` characters (a shorter form's all) and of
     the whole form, in any letter case."""
     return (
-        re.compile(re.escape(form[:FRAGMENT]), re.IGNORECASE),
-        re.compile(re.escape(form), re.IGNORECASE),
+        re.compile("".join(form[:FRAGMENT]), re.IGNORECASE),
+        re.compile("".join(form), re.IGNORECASE),
     )
 
 
 @functools.lru_cache(maxsize=1024)
-def _letter(c: str) -> re.Pattern[str]:
-    return re.compile(re.escape(c), re.IGNORECASE)
+def _part(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern, re.IGNORECASE)
 
 
 def shown_url(url: str) -> str:

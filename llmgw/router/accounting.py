@@ -5,7 +5,9 @@ The engines say how many tokens an answer took in its usage: in a whole answer's
 stream's last chunk (or several times along it, each time the totals so far). A stream cut
 after its first token (the client hung up, the engine broke off) may never get to that last
 chunk, so what its engine did not tell is estimated (`requests.estimated_usage`): else a
-client could read all but the end of every answer, hang up, and pay for nothing. Used by
+client could read all but the end of every answer, hang up, and pay for nothing. A stream
+whose usage nobody asked for (the router's `count_stream_tokens: false` and a client that
+did not) is charged nothing, cut or whole: cutting it must not cost more than reading it. Used by
 `llmgw.router.dispatch`, whose relay hook `usage` is `Accounting.usage`.
 """
 
@@ -35,7 +37,10 @@ class Accounting:
 
     def cut(self, prof: ModelProfile, client: ClientStream, events: int) -> None:
         """A stream cut after `events` events reached the client: what its engine did not
-        tell of its usage, estimated."""
+        tell of its usage, estimated; nothing for a stream whose usage nobody asked for
+        (`count_stream_tokens: false`), which whole would not have been charged either."""
+        if not client.usage_coming:
+            return
         told = client.tokens
         self.usage(prof, client, requests.estimated_usage(told, client.prompt_chars, events))
 

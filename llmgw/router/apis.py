@@ -119,22 +119,8 @@ def engine_answer(kind: Kind, status: int, data: bytes, engine_key: str) -> byte
     as it is, unread; anything else without `engine_key`, an error in the API's shape."""
     if status < 300:
         return data
-    data = _without_key(data, engine_key)
+    data = redaction.bytes_without_key(data, engine_key)  # also where JSON escapes it
     return data if status < 400 else engine_error(kind, status, data)
-
-
-def _without_key(data: bytes, key: str) -> bytes:
-    """`data` without `key`, also where it is JSON that writes the key's letters as escapes
-    (`\\u0065...`), which no search of its bytes finds: that body is written again."""
-    data = redaction.bytes_without_key(data, key)
-    if not key:
-        return data
-    try:
-        plain = msgspec.json.encode(msgspec.json.decode(data))
-    except (msgspec.DecodeError, RecursionError):
-        return data
-    clean = redaction.bytes_without_key(plain, key)
-    return data if clean is plain else clean
 
 
 def engine_error(kind: Kind, status: int, data: bytes) -> bytes:

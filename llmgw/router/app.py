@@ -368,7 +368,10 @@ class Router:
             p = outcome.principal
             if p is not None:
                 self.metrics.key_request(p.name, p.settings.team, asked, status)
-                if status < 400:
+                # A request charged tokens is one of the key's requests in its usage
+                # whatever its status (a stream its client cut: 499), or `ctl usage` would
+                # show those tokens without their request.
+                if status < 400 or outcome.tokens != (0, 0):
                     self.dispatcher.quotas.request_done(p, asked)
             if self._access_log:
                 log.debug("request", request_id=rid, model=asked, status=status, duration_s=took,
@@ -418,8 +421,8 @@ class Router:
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
         state = ClientStream(request, rid, start, kind=kind, stream=parsed.stream,
                              drop_usage=inject_usage, principal=principal,
-                             trace=outcome.trace,
-                             prompt_chars=len(parsed.text) or len(body))  # fmt: skip
+                             trace=outcome.trace, prompt_chars=len(parsed.text) or len(body),
+                             usage_coming=inject_usage or parsed.wants_usage)  # fmt: skip
         if parsed.stream and self.cfg.keepalive_s > 0:
             state.start_keepalive(self.cfg.keepalive_s)
         try:

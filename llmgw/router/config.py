@@ -170,7 +170,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     for load balancers that cut idle connections during a long prefill."""
     count_stream_tokens: bool = True
     """Ask engines for a usage chunk on streams (dropped again unless the client asked):
-    token metrics and tokens/min limits need it."""
+    token metrics, tokens/min limits and budgets need it. Off, a stream is charged only
+    where its client asked for its usage; one nobody asked for is charged nothing, whole
+    or cut (a cut one is estimated only where its usage was asked for)."""
     probe_interval_s: float = 1.0
     """How often each engine's /health and /metrics are read."""
     upstream_connections: int = 4096

@@ -69,7 +69,7 @@ class ClientStream:
         "cache_reported", "cached_endpoint", "cached_predicted", "drop_usage",
         "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind", "loop",
         "loop_start", "principal", "prompt_chars", "request", "response", "rid", "start",
-        "stream", "tokens", "trace",
+        "stream", "tokens", "trace", "usage_coming",
     )  # fmt: skip
 
     def __init__(
@@ -84,6 +84,7 @@ class ClientStream:
         principal: auth.Principal | None,
         trace: RequestTrace | None = None,
         prompt_chars: int = 0,
+        usage_coming: bool = True,
     ) -> None:
         self.request = request
         self.trace = trace
@@ -95,8 +96,9 @@ class ClientStream:
         self.tokens = (0, 0)
         """Prompt and completion tokens of the answer: the most the engine's usages said."""
         self.prompt_chars = prompt_chars
-        """Characters of the prompt's text (else of the body): its tokens' estimate when
-        a stream is cut before the engine's usage (llmgw.router.accounting)."""
+        """Characters of the prompt's text (else of the body): its tokens' estimate."""
+        self.usage_coming = usage_coming
+        """A stream's engine was asked for its usage (else a cut one is not estimated)."""
         self.response: web.StreamResponse | None = None
         self.stream = stream
         self.drop_usage = drop_usage

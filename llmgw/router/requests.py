@@ -10,6 +10,7 @@ Used by `llmgw.router.app` and `llmgw.router.dispatch`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
@@ -95,6 +96,46 @@ class BadRequest(ValueError):
 TOO_DEEP = "the request body is nested too deeply: keep it to a few hundred levels"
 
 
+_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+"""A JSON escape: a backslash and the letter after it, or `\\u` and its four digits."""
+
+
+def _not_json(body: bytes, exc: msgspec.DecodeError) -> str:
+    """The 400's message for a body msgspec could not decode. msgspec says a string with
+    the first half of a UTF-16 pair (`\\ud800`) and no second is 'truncated', which sends
+    a client looking for a cut body: that escape is named instead."""
+    said = str(exc)
+    lone = _lone_surrogate(body) if "truncated" in said or "surrogate" in said else None
+    if lone is None:
+        return f"the request body is not valid JSON: {said}"
+    at, escape = lone
+    return (
+        f"the request body is not valid JSON: the escape {escape} at byte {at} is a lone "
+        "UTF-16 surrogate; a character above U+FFFF is escaped as a pair, \\uD800-\\uDBFF "
+        "then \\uDC00-\\uDFFF: escape both halves, or send the character as UTF-8"
+    )
+
+
+def _lone_surrogate(body: bytes) -> tuple[int, str] | None:
+    """The place and text of `body`'s first `\\u` escape of half a UTF-16 pair without
+    its other half; a first half at the very end is a cut body's, not lone."""
+    half: re.Match[bytes] | None = None  # a first half waiting for its second
+    for escape in _ESCAPE.finditer(body):
+        unit = int(escape[1], 16) if escape[1] is not None else -1
+        second = 0xDC00 <= unit <= 0xDFFF
+        if half is not None:
+            if not (second and escape.start() == half.end()):
+                return half.start(), half[0].decode()
+            half = None
+        elif second:
+            return escape.start(), escape[0].decode()  # a second half without its first
+        elif 0xD800 <= unit <= 0xDBFF:
+            half = escape
+    if half is None or half.end() == len(body):
+        return None
+    return half.start(), half[0].decode()
+
+
 class Parsed(msgspec.Struct):
     model: str
     stream: bool
@@ -123,7 +164,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        raise BadRequest(_not_json(body, exc)) from None
     except RecursionError:
         # msgspec refuses JSON nested deeper than the interpreter's recursion limit.
         raise BadRequest(TOO_DEEP) from None

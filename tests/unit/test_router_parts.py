@@ -467,3 +467,33 @@ def test_a_usage_of_total_tokens_alone_counts_them_as_the_prompts(
     assert counted({"output_tokens": completion, "total_tokens": total}) == (
         (0, completion) if completion else (total, 0)
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "lone"),
+    [
+        ("\\ud800", "\\ud800"),
+        ("x\\uD83D", "\\uD83D"),
+        ("\\udbff rest", "\\udbff"),
+        ("\\ud800\\ud801", "\\ud800"),
+        ("\\ud83d\\ude00\\ud801", "\\ud801"),
+        ("\\ude01x", "\\ude01"),
+    ],
+)
+def test_a_lone_surrogate_escape_is_named_not_called_truncated(text: str, lone: str) -> None:
+    """JSON may escape a character above U+FFFF only as a pair of \\u escapes; msgspec
+    calls a first half without its second 'truncated', which sends a client looking
+    for a cut body. The 400 names the escape and says what to send instead."""
+    body = ('{"model": "m", "messages": [{"role": "user", "content": "' + text + '"}]}').encode()
+    with pytest.raises(requests.BadRequest) as refused:
+        requests.parse("chat", body, want_text=True)
+    said = str(refused.value)
+    assert "truncated" not in said
+    assert f"the escape {lone} at byte {body.index(lone.encode())} is a lone UTF-16" in said
+    assert "escape both halves, or send the character as UTF-8" in said
+
+
+def test_a_body_really_cut_short_is_still_called_truncated() -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "\\\\ud800'
+    with pytest.raises(requests.BadRequest, match="truncated"):
+        requests.parse("chat", body, want_text=True)
