@@ -11,6 +11,7 @@ so `LLMGW_ROUTER__LISTEN__PORT=9000` overrides `listen.port`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import urlsplit
 
 import msgspec
@@ -53,6 +54,9 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Web origins (`https://app.example`, as browsers send them in `Origin`) whose pages
     may send requests without a key (llmgw.router.browsers); any other page's are refused.
     The router sends no CORS headers: for pages served on its own origin by a proxy."""
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    """The completion tokens a request naming no max_tokens is held to against its key's
+    tokens/min and budget (at most the key's limit; what it uses beyond is charged after)."""
     allowed_hosts: tuple[str, ...] = ()
     """Names (no port) besides 127.0.0.1, [::1] and localhost a request without a key may
     name in `Host` when the router listens on loopback; listing any checks `Host` on any

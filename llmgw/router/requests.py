@@ -43,6 +43,10 @@ class StreamOptions(msgspec.Struct):
 # client's to set, since the router's queue orders keys (only whether it is there is read).
 
 NO_PRIORITY = msgspec.Raw()
+Count = Annotated[int, msgspec.Meta(ge=0)]
+"""A maximum of tokens to generate: what a key's token limits hold for the request."""
+GENERATES: frozenset[str] = frozenset({"chat", "completions", "responses", "messages"})
+"""APIs whose answers are generated tokens: the others' cost is their input's."""
 
 
 class ChatBody(msgspec.Struct):
@@ -51,6 +55,8 @@ class ChatBody(msgspec.Struct):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: msgspec.Raw = NO_PRIORITY
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
 
 
 class CompletionBody(msgspec.Struct):
@@ -59,6 +65,7 @@ class CompletionBody(msgspec.Struct):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: msgspec.Raw = NO_PRIORITY
+    max_tokens: Count | None = None
 
 
 class EmbeddingBody(msgspec.Struct):
@@ -74,6 +81,10 @@ class OtherBody(msgspec.Struct):
     model: str
     stream: bool | None = False
     priority: msgspec.Raw = NO_PRIORITY
+    max_tokens: Count | None = None
+    """The Messages API's."""
+    max_output_tokens: Count | None = None
+    """The Responses API's."""
 
 
 _OTHER = msgspec.json.Decoder(OtherBody)
@@ -105,6 +116,9 @@ class Parsed(msgspec.Struct):
     """A chat request's (role, text) messages, when the text is wanted: what a chat
     template renders (llmgw.router.prompts). `text` is then each role, a newline, its
     content and a newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
+    max_out: int | None = 0
+    """The most tokens the answer may generate, as the body says (None: it says none; 0:
+    an API that generates none)."""
 
 
 def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
@@ -124,8 +138,10 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         raise BadRequest("`model` is empty: name the model to use")
     if isinstance(req, OtherBody):
         streams = bool(req.stream) and kind in STREAMED_USAGE
+        out = req.max_tokens if req.max_output_tokens is None else req.max_output_tokens
         return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
-                      text="", priority=bool(req.priority))  # fmt: skip
+                      text="", priority=bool(req.priority),
+                      max_out=out if kind in GENERATES else 0)  # fmt: skip
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
@@ -153,7 +169,14 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         text=text,
         chat=chat,
         priority=bool(req.priority),
+        max_out=_max_out(req),
     )
+
+
+def _max_out(req: ChatBody | CompletionBody) -> int | None:
+    if isinstance(req, ChatBody) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
 
 
 def _content_text(c: str | list[Part] | None) -> str:
