@@ -146,14 +146,27 @@ def _over(
     )
 
 
-def over_budget(principal: auth.Principal, used: int, reset_s: float) -> Refusal:
+def never_fits(principal: auth.Principal, max_out: int, limit: int) -> Refusal:
+    """A request asking for more completion tokens than the key's limit: no wait admits it."""
+    return Refusal(
+        400,
+        f"this request asks for up to {max_out} completion tokens (max_tokens), more than this"
+        f" API key ({principal.name}) may use: {limit} tokens per minute or budget; lower"
+        f" max_tokens (or max_completion_tokens) to at most {limit}",
+        "invalid_request_error",
+        "request_over_token_limit",
+    )
+
+
+def over_budget(principal: auth.Principal, left: int, need: int, reset_s: float) -> Refusal:
+    """The budget holds `left` tokens, under the `need` of this request."""
     s = principal.settings
     return Refusal(
         429,
-        f"this API key ({principal.name}) has used its budget of {s.budget_tokens} tokens"
-        f" per {s.budget_period} ({used} used); it renews in {quota.reset_text(reset_s)}"
-        " (at 00:00 UTC), or ask the operator to raise it (llmgw ctl key update"
-        " --budget-tokens)",
+        f"this API key ({principal.name}) has {max(0, left)} tokens left of its budget of"
+        f" {s.budget_tokens} tokens per {s.budget_period}, and this request may use {need};"
+        f" it renews in {quota.reset_text(reset_s)} (at 00:00 UTC): lower max_tokens, or ask"
+        " the operator to raise it (llmgw ctl key update --budget-tokens)",
         "rate_limit_error",
         "budget_exceeded",
         retry_after=quota.retry_after(reset_s),

@@ -63,6 +63,7 @@ from llmgw.router.errors import ClientGone, Refusal, error_response, refusal_res
 from llmgw.router.feed import LogFeed
 from llmgw.router.kvfeed import KvFeed
 from llmgw.router.metrics import Metrics, metrics_dir
+from llmgw.router.quotas import Held
 from llmgw.router.relay import ClientStream
 from llmgw.router.signals import LoadTracker, SignalsFeed
 from llmgw.router.table import Catalog, EndpointTable, Prober
@@ -368,11 +369,7 @@ class Router:
             p = outcome.principal
             if p is not None:
                 self.metrics.key_request(p.name, p.settings.team, asked, status)
-                # A request charged tokens is one of the key's requests in its usage
-                # whatever its status (a stream its client cut: 499), or `ctl usage` would
-                # show those tokens without their request.
-                if status < 400 or outcome.tokens != (0, 0):
-                    self.dispatcher.quotas.request_done(p, asked)
+            self.dispatcher.quotas.ended(p, asked, status, outcome.tokens, outcome.held)
             if self._access_log:
                 log.debug("request", request_id=rid, model=asked, status=status, duration_s=took,
                           key=p.name if p is not None else None, tokens_in=outcome.tokens[0],
@@ -394,6 +391,12 @@ class Router:
         principal = self._caller(request)
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid, kind)
+        q, wall = self.dispatcher.quotas, time.time()
+        # Counted before its body is read: a key's refused requests cost the router too.
+        if principal is not None and principal.limited and not q.admit_now(principal, wall, 0):
+            over = await q.admit(principal, wall, time.monotonic())
+            if over is not None:
+                return refusal_response(over, rid, kind)
         body = await self.read_body(request)
         if isinstance(body, Refusal):
             return refusal_response(body, rid, kind)
@@ -408,12 +411,14 @@ class Router:
         refused = apis.unsupported(kind, profile, request.path) or admission.admit(
             principal, parsed.model, profile
         )
+        prompt_chars = len(parsed.text) or len(body)
         if refused is None and principal is not None:
             outcome.principal = principal
-            q, wall, mono = self.dispatcher.quotas, time.time(), time.monotonic()
-            # No coroutine to await for a key without limits, or within what it holds.
-            if principal.limited and not q.admit_now(principal, wall, mono):
-                refused = await q.admit(principal, wall, mono)
+            if principal.metered:  # what it may cost, held until it ends
+                held = q.hold_now(principal, prompt_chars, parsed.max_out, time.time())
+                if isinstance(held, int):  # more than this router holds for the key
+                    held = await q.hold(principal, held, time.time(), time.monotonic())
+                refused, outcome.held = (held, None) if isinstance(held, Refusal) else (None, held)
         if refused is not None:
             return refusal_response(refused, rid, kind)
         if outcome.trace is not None:
@@ -421,7 +426,7 @@ class Router:
         inject_usage = parsed.stream and self.cfg.count_stream_tokens and not parsed.wants_usage
         state = ClientStream(request, rid, start, kind=kind, stream=parsed.stream,
                              drop_usage=inject_usage, principal=principal,
-                             trace=outcome.trace, prompt_chars=len(parsed.text) or len(body),
+                             trace=outcome.trace, prompt_chars=prompt_chars,
                              usage_coming=inject_usage or parsed.wants_usage)  # fmt: skip
         if parsed.stream and self.cfg.keepalive_s > 0:
             state.start_keepalive(self.cfg.keepalive_s)
@@ -442,7 +447,7 @@ class _Outcome:
     """What a request's metrics record: the model (once known) and the status, when it
     is not the response's own (0: the response's)."""
 
-    __slots__ = ("model", "principal", "status", "tokens", "trace")
+    __slots__ = ("held", "model", "principal", "status", "tokens", "trace")
 
     def __init__(self) -> None:
         self.trace: RequestTrace | None = None
@@ -451,6 +456,8 @@ class _Outcome:
         self.tokens = (0, 0)
         self.principal: auth.Principal | None = None
         """The key, once admitted to a model (its name labels the key metrics)."""
+        self.held: Held | None = None
+        """The tokens its key's limits hold for it, settled when it ends."""
 
 
 def build_server(router: Router) -> web.Server:

@@ -106,9 +106,10 @@ class Bucket:
         return self.level > 0
 
     def spend(self, now: float, amount: float) -> None:
-        """Charge after the fact (tokens are known when the response ends); may go negative."""
+        """Charge after the fact (tokens are known when the response ends); may go negative.
+        A negative amount (a hold's unused rest) gives back, up to the burst."""
         self._refill(now)
-        self.level -= amount
+        self.level = min(self.burst, self.level - amount)
 
     def refill_s(self, now: float, level: float) -> float:
         """Seconds from `now` until the bucket holds `level` (0: it does)."""
@@ -216,8 +217,7 @@ class SharedBucket:
 
     def spend(self, now: float, amount: float) -> None:
         with self.lock:
-            self._refilled(now)
-            self.f[self.at] -= amount
+            self.f[self.at] = min(self.burst, self._refilled(now) - amount)
 
     def refill_s(self, now: float, level: float) -> float:
         with self.lock:
@@ -228,8 +228,8 @@ class Principal:
     """One key's permissions and its live buckets."""
 
     __slots__ = (
-        "all_models", "fleet", "limited", "models", "name", "requests", "settings", "sha256",
-        "tokens",
+        "all_models", "fleet", "limited", "metered", "models", "name", "requests", "settings",
+        "sha256", "tokens",
     )  # fmt: skip
 
     def __init__(
@@ -247,6 +247,8 @@ class Principal:
         self.limited = bool(
             settings.requests_per_s or settings.tokens_per_min or settings.budget_tokens
         )
+        self.metered = bool(settings.tokens_per_min or settings.budget_tokens)
+        """Its requests hold what they may cost of its token limits (llmgw.router.quotas)."""
         self.all_models = "*" in settings.models
         self.models = frozenset(settings.models)
         # A burst of one second's requests, or of a whole minute's tokens.

@@ -11,6 +11,7 @@ so `LLMGW_ROUTER__LISTEN__PORT=9000` overrides `listen.port`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import urlsplit
 
 import msgspec
@@ -56,6 +57,9 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     CORS headers naming them (llmgw.router.cors), and on a router without keys they may
     send requests without one (llmgw.router.browsers). Any other page gets no CORS
     header, and its requests without a key are refused."""
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    """The completion tokens a request naming no max_tokens is held to against its key's
+    tokens/min and budget (at most the key's limit; what it uses beyond is charged after)."""
     allowed_hosts: tuple[str, ...] = ()
     """Names (no port) besides 127.0.0.1, [::1] and localhost a request without a key may
     name in `Host` when the router listens on loopback; listing any checks `Host` on any

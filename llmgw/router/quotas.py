@@ -7,11 +7,15 @@ So its limits hold for the fleet as a whole whatever the number of routers:
 
 - requests/s: a router takes leases of requests from the window's counter (one round trip
   per lease, not per request); the total the server answers decides what a lease grants,
-  so the fleet never admits more than the limit in a window;
-- tokens/min and budgets: tokens are known when a response ends, so they are added after
-  the fact (batched, every `FLUSH_S`) and a request is admitted while the fleet's total,
-  read at most `FRESH_S` ago, plus this router's unsent tokens is under the limit. Streams
-  in flight finish; a key may go over by what they use (as with any token limit).
+  so the fleet never admits more than the limit in a window. Every request the key
+  authenticates counts, whatever its answer: a body read and refused (400, 403, 404,
+  413) cost the router as much as one it serves;
+- tokens/min and budgets: a request is admitted only when what it may cost (its prompt's
+  estimate and its max_tokens) fits, and holds that much until it ends (`hold`, `settle`,
+  llmgw.core.reserve). Routers lease tokens from the counters as they do requests, so the
+  tokens held and used fleet-wide stay under the limit, with no round trip per request;
+  what a request uses beyond its hold is charged after (batched, every `FLUSH_S`), and
+  what that takes a window over its limit is carried into the next as a debt.
 
 Usage is batched (`USAGE_FLUSH_S`): its rate of writes grows with the keys and models in
 use, not with requests. A key of the keys file, or any key while the counters cannot be
@@ -23,13 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
+from typing import Literal
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
 from llmgw.bus.counters import CounterError, Counters
-from llmgw.core import quota, subjects, tenancy
-from llmgw.router import admission, auth
+from llmgw.core import quota, reserve, subjects, tenancy
+from llmgw.router import admission, auth, requests
 from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
 from llmgw.router.errors import Refusal
@@ -38,8 +44,12 @@ log = logs.get("llmgw.router.quotas")
 
 FLUSH_S = 0.25
 """How often this router adds its keys' tokens to the fleet's windows and budgets."""
-FRESH_S = 1.0
-"""How old a fleet total may be before a request of its key reads it again."""
+DEFAULT_OUT = 4096
+"""The completion tokens a request naming no maximum is held to (the router's
+`auth.default_max_tokens`), at most the key's limit."""
+DEBT_WINDOWS = 9
+"""How many windows ahead a debt is carried: the counters live ten minutes
+(llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten."""
 USAGE_FLUSH_S = 10.0
 
 
@@ -54,17 +64,36 @@ class _Lease:
         self.exhausted = False
 
 
-class _Tally:
-    """A key's tokens in one window (or budget period): the fleet's total when last read,
-    and what this router used since."""
+Owing = Literal["", "day", "month"]
+"""What a charge is owed to: a key's tokens/min window (""), or its budget's period."""
 
-    __slots__ = ("pending", "read_at", "subject", "total")
 
-    def __init__(self, subject: str) -> None:
-        self.subject = subject
-        self.total = 0
-        self.pending = 0
-        self.read_at = -1e9
+class _Owed:
+    """A key's tokens used beyond their holds, not yet charged, and its limit."""
+
+    __slots__ = ("amount", "limit")
+
+    def __init__(self) -> None:
+        self.amount = 0
+        self.limit = 0
+
+
+class Held:
+    """The tokens a request holds of its key's window and budget until it is settled:
+    `window` and `period` name the pools they came from (None: no such limit); `local`:
+    from this router's own bucket."""
+
+    __slots__ = ("local", "period", "principal", "tokens", "window")
+
+    def __init__(
+        self, principal: auth.Principal, tokens: int, window: int | None, period: str | None,
+        *, local: bool = False,
+    ) -> None:  # fmt: skip
+        self.principal = principal
+        self.tokens = tokens
+        self.window = window
+        self.period = period
+        self.local = local
 
 
 LONGEST_WAIT_S = 86_400.0
@@ -73,17 +102,25 @@ would name an infinite one)."""
 
 
 def local_limits(principal: auth.Principal, mono: float) -> Refusal | None:
-    """This router's own buckets (a keys-file key, or the counters out of reach). A 429
-    says when the bucket takes a request again: for tokens, once the key's tokens are
-    back above none, which after an answer larger than its limit is minutes away."""
-    request_bucket, token_bucket = principal.requests, principal.tokens
-    if request_bucket is not None and not request_bucket.take(mono):
-        wait = min(request_bucket.refill_s(mono, 1.0), LONGEST_WAIT_S)
+    """This router's own requests bucket (a keys-file key, or the counters out of reach)."""
+    bucket = principal.requests
+    if bucket is not None and not bucket.take(mono):
+        wait = min(bucket.refill_s(mono, 1.0), LONGEST_WAIT_S)
         return admission.over_requests(principal, 0, wait)
-    if token_bucket is not None and not token_bucket.has_credit(mono):
-        wait = min(token_bucket.refill_s(mono, 0.0), LONGEST_WAIT_S)
-        return admission.over_tokens(principal, 0, wait)
     return None
+
+
+def local_hold(principal: auth.Principal, need: int, mono: float) -> Held | Refusal:
+    """`need` tokens of this router's own tokens bucket, held until the request is settled.
+    A 429 says when the bucket holds them again: after answers larger than their holds,
+    minutes away."""
+    bucket = principal.tokens
+    if bucket is None:
+        return Held(principal, need, None, None, local=True)
+    if not bucket.take(mono, need):
+        wait = min(bucket.refill_s(mono, need), LONGEST_WAIT_S)
+        return admission.over_tokens(principal, 0, wait)
+    return Held(principal, need, None, None, local=True)
 
 
 class Quotas:
@@ -93,8 +130,14 @@ class Quotas:
         self.counters = counters
         """None until connected (and while the connection is down)."""
         self._leases: dict[str, _Lease] = {}
-        self._tokens: dict[str, _Tally] = {}
-        self._budgets: dict[str, _Tally] = {}
+        self._windows: dict[str, reserve.Pool] = {}
+        """Each key's lease of its tokens/min window."""
+        self._budgets: dict[str, reserve.Pool] = {}
+        """Each key's lease of its budget period."""
+        self._owed: dict[tuple[str, Owing], _Owed] = {}
+        """(key, its budget's period or "" for its window) -> its tokens used beyond their
+        holds: the charges the flusher adds to the counters."""
+        self.default_out = DEFAULT_OUT
         self._usage: dict[tuple[str, str], list[int]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -104,64 +147,35 @@ class Quotas:
     # ------------------------------------------------------------------ admission
 
     def admit_now(self, p: auth.Principal, wall: float, mono: float) -> bool:
-        """True when a fleet key's request is within its limits by what this router knows
-        now (a lease with requests left in this window, totals read within FRESH_S): one
-        request is taken, no round trip. False: `admit` decides (it may need the counters)."""
+        """True when a fleet key's request is within its requests/s by what this router
+        holds now (a lease with requests left in this window): one request is taken, no
+        round trip. False: `admit` decides (it may need the counters)."""
+        per_s = p.settings.requests_per_s
+        if not per_s:
+            return True
         if not p.fleet or self.counters is None:
             return False
-        s = p.settings
-        if s.budget_tokens:
-            t = self._budgets.get(p.name)
-            if t is None or mono - t.read_at > FRESH_S or t.total + t.pending >= s.budget_tokens:
-                return False
-            period = tenancy.period_of(wall, s.budget_period)
-            if t.subject != subjects.budget_counter(p.name, period):
-                return False
-        if s.tokens_per_min:
-            t = self._tokens.get(p.name)
-            w = quota.window(wall, quota.TOKENS_WINDOW_S)
-            if t is None or mono - t.read_at > FRESH_S or t.total + t.pending >= s.tokens_per_min:
-                return False
-            if t.subject != subjects.limit_counter(p.name, "t", w):
-                return False
-        if s.requests_per_s:
+        if per_s:
             lease = self._leases.get(p.name)
-            w = quota.window(wall, quota.rate_window_s(s.requests_per_s))
+            w = quota.window(wall, quota.rate_window_s(per_s))
             if lease is None or lease.window != w or lease.left <= 0:
                 return False
             lease.left -= 1
         return True
 
     async def admit(self, principal: auth.Principal, wall: float, mono: float) -> Refusal | None:
-        """None when the key is within its limits (one request is taken), else the 429."""
-        if not principal.limited:
+        """None when the key is within its requests/s (one request is taken), else the 429.
+        Its tokens are held once its body is read (`hold`)."""
+        per_s = principal.settings.requests_per_s
+        if not per_s:
             return None
         if not principal.fleet or self.counters is None:
             return local_limits(principal, mono)
         try:
-            return await self._fleet(principal, wall, mono)
+            return await self._take(principal, per_s, wall)
         except CounterError as exc:
             self._fell_back(exc)
             return local_limits(principal, mono)
-
-    async def _fleet(self, p: auth.Principal, wall: float, mono: float) -> Refusal | None:
-        s = p.settings
-        if s.budget_tokens:
-            period = tenancy.period_of(wall, s.budget_period)
-            t = await self._read(self._budgets, p.name, subjects.budget_counter(p.name, period),
-                                 mono)  # fmt: skip
-            if t.total + t.pending >= s.budget_tokens:
-                left = tenancy.period_end(wall, s.budget_period) - wall
-                return admission.over_budget(p, t.total + t.pending, left)
-        if s.tokens_per_min:
-            w = quota.window(wall, quota.TOKENS_WINDOW_S)
-            t = await self._read(self._tokens, p.name, subjects.limit_counter(p.name, "t", w),
-                                 mono)  # fmt: skip
-            if t.total + t.pending >= s.tokens_per_min:
-                return admission.over_tokens(p, 0, quota.reset_in(wall, quota.TOKENS_WINDOW_S))
-        if s.requests_per_s:
-            return await self._take(p, s.requests_per_s, wall)
-        return None
 
     async def _take(self, p: auth.Principal, per_s: float, wall: float) -> Refusal | None:
         span = quota.rate_window_s(per_s)
@@ -187,45 +201,168 @@ class Quotas:
         lease.left -= 1
         return None
 
-    async def _read(
-        self, tallies: dict[str, _Tally], name: str, subject: str, mono: float
-    ) -> _Tally:
-        """The key's tally for `subject` (a new window starts at 0), its total read again
-        when older than FRESH_S (adding what this router used meanwhile)."""
-        t = tallies.get(name)
-        if t is None or t.subject != subject:
-            if t is not None and t.pending:
-                await self._send(t)  # the last window's tokens, to its own counter
-            t = tallies[name] = _Tally(subject)
-        if mono - t.read_at > FRESH_S:
-            await self._send(t, read=True, mono=mono)
-        return t
+    # ------------------------------------------------------------------ tokens held
 
-    async def _send(self, t: _Tally, *, read: bool = False, mono: float = 0.0) -> None:
-        if self.counters is None or (not t.pending and not read):
+    def hold_now(
+        self, p: auth.Principal, prompt_chars: int, max_out: int | None, wall: float
+    ) -> Held | Refusal | int:
+        """What a request of `prompt_chars` asking for `max_out` tokens may cost, held of a
+        fleet key's window and budget from what this router leased (no round trip); the
+        400 of one larger than the key's tightest token limit (no wait would admit it);
+        else the tokens `hold` is to take (it may need the counters)."""
+        s = p.settings
+        limit = int(min(s.tokens_per_min or s.budget_tokens or 0, s.budget_tokens or math.inf))
+        prompt = prompt_chars // requests.CHARS_PER_TOKEN
+        if reserve.never_fits(max_out, limit):
+            return admission.never_fits(p, max_out or 0, limit)
+        need = reserve.reservation(prompt, max_out, self.default_out, limit)
+        if not p.fleet or self.counters is None:
+            return need
+        w = quota.window(wall, quota.TOKENS_WINDOW_S) if s.tokens_per_min else None
+        period = tenancy.period_of(wall, s.budget_period) if s.budget_tokens else None
+        tpm = self._windows.get(p.name) if w is not None else None
+        budget = self._budgets.get(p.name) if period is not None else None
+        if w is not None and (tpm is None or tpm.period != w or tpm.left < need):
+            return need
+        if period is not None and (budget is None or budget.period != period
+                                   or budget.left < need):  # fmt: skip
+            return need
+        if tpm is not None:
+            tpm.left -= need
+        if budget is not None:
+            budget.left -= need
+        return Held(p, need, w, period)
+
+    async def hold(self, p: auth.Principal, need: int, wall: float, mono: float) -> Held | Refusal:
+        """`need` tokens held of the key's window and budget (leased from the fleet's
+        counters when this router's leases lack them), else the 429."""
+        if not p.fleet or self.counters is None:
+            return local_hold(p, need, mono)
+        try:
+            return await self._hold_fleet(p, need, wall)
+        except CounterError as exc:
+            self._fell_back(exc)
+            return local_hold(p, need, mono)
+
+    async def _hold_fleet(self, p: auth.Principal, need: int, wall: float) -> Held | Refusal:
+        s = p.settings
+        period: str | None = None
+        if s.budget_tokens:
+            period = tenancy.period_of(wall, s.budget_period)
+            subject = subjects.budget_counter(p.name, period)
+            budget = await self._leased(self._budgets, p.name, period, subject, need,
+                                        s.budget_tokens)  # fmt: skip
+            if not budget.reserve(need):
+                left = tenancy.period_end(wall, s.budget_period) - wall
+                spent = min(budget.total, s.budget_tokens) - budget.left  # fleet-wide
+                return admission.over_budget(p, s.budget_tokens - spent, need, left)
+        w: int | None = None
+        if s.tokens_per_min:
+            w = quota.window(wall, quota.TOKENS_WINDOW_S)
+            subject = subjects.limit_counter(p.name, "t", w)
+            tpm = await self._leased(self._windows, p.name, w, subject, need,
+                                     int(s.tokens_per_min))  # fmt: skip
+            if not tpm.reserve(need):
+                if period is not None:
+                    self._budgets[p.name].settle(need, 0)  # what the budget held, back
+                return admission.over_tokens(p, 0, quota.reset_in(wall, quota.TOKENS_WINDOW_S))
+        return Held(p, need, w, period)
+
+    async def _leased(
+        self, pools: dict[str, reserve.Pool], name: str, period: int | str, subject: str,
+        need: int, limit: int,
+    ) -> reserve.Pool:  # fmt: skip
+        """The key's pool for `period`, with a lease taken when it holds under `need` and
+        the counter may still grant."""
+        pool = pools.get(name)
+        if pool is None or pool.period != period:
+            pool = pools[name] = reserve.Pool(period)
+        if pool.left < need and not pool.exhausted:
+            assert self.counters is not None
+            size = pool.lease_size(need, limit)
+            pool.leased(size, await self.counters.add(subject, size), limit)
+        return pool
+
+    def ended(
+        self,
+        p: auth.Principal | None,
+        model: str,
+        status: int,
+        tokens: tuple[int, int],
+        held: Held | None,
+    ) -> None:
+        """A request of key `p` ended with `status`, having used `tokens` (in, out)."""
+        # A request charged tokens is one of the key's requests in its usage whatever its
+        # status (a stream its client cut: 499), or `ctl usage` would show those tokens
+        # without their request.
+        if p is not None and (status < 400 or tokens != (0, 0)):
+            self.request_done(p, model)
+        if held is not None:
+            self.settle(held, sum(tokens))
+
+    def settle(self, held: Held, used: int) -> None:
+        """A request that held `held` ended having used `used` tokens (however it ended:
+        answered, refused later, cut by its client or its engine): the rest of its hold
+        goes back to its pools; what it used beyond is charged, by the flusher."""
+        p = held.principal
+        if held.local:
+            if p.tokens is not None:
+                p.tokens.spend(time.monotonic(), used - held.tokens)
             return
-        sent = t.pending
-        total = await self.counters.add(t.subject, sent)
-        t.pending -= sent
-        t.total = total
-        if read:
-            t.read_at = mono
+        s = p.settings
+        if held.window is not None:
+            self._charge(self._windows, held.window, held, used, int(s.tokens_per_min or 0), "")
+        if held.period is not None:
+            self._charge(self._budgets, held.period, held, used, s.budget_tokens or 0,
+                         s.budget_period)  # fmt: skip
+
+    def _charge(
+        self, pools: dict[str, reserve.Pool], period: int | str, held: Held, used: int,
+        limit: int, budget_period: Owing,
+    ) -> None:  # fmt: skip
+        name = held.principal.name
+        pool = pools.get(name)
+        if pool is not None and pool.period == period:
+            over = pool.settle(held.tokens, used)
+        else:  # its window or period is over: the rest it held is no one's any more
+            over = max(0, used - held.tokens)
+        if over:
+            owed = self._owed.get((name, budget_period))
+            if owed is None:
+                owed = self._owed[(name, budget_period)] = _Owed()
+            owed.amount += over
+            owed.limit = limit
+
+    async def _pay(self, name: str, budget_period: Owing, owed: _Owed, wall: float) -> None:
+        """Add what a key used beyond its holds to the counter of the window (or budget
+        period) it is now; the part a window goes over by is carried into the next ones, a
+        debt they start with, so the key's average over a few minutes stays at its limit."""
+        assert self.counters is not None
+        amount = owed.amount
+        if budget_period:
+            subject = subjects.budget_counter(name, tenancy.period_of(wall, budget_period))
+            await self.counters.add(subject, amount)
+            owed.amount -= amount
+            return
+        w = quota.window(wall, quota.TOKENS_WINDOW_S)
+        total = await self.counters.add(subjects.limit_counter(name, "t", w), amount)
+        owed.amount -= amount
+        debt = reserve.carried(amount, total, owed.limit)
+        for ahead in range(1, DEBT_WINDOWS):
+            if not debt:
+                return
+            total = await self.counters.add(subjects.limit_counter(name, "t", w + ahead), debt)
+            debt = reserve.carried(debt, total, owed.limit)
 
     # ------------------------------------------------------------------ usage
 
     def used(self, principal: auth.Principal, model: str, prompt: int, completion: int) -> None:
-        """A response's tokens (the hot path: counted here, sent by the flusher)."""
-        n = prompt + completion
+        """A response's tokens, for the key's usage (the hot path: counted here, sent by the
+        flusher). Its limits count them when the request is settled (`settle`)."""
         if principal.fleet:
-            if principal.settings.tokens_per_min and principal.name in self._tokens:
-                self._tokens[principal.name].pending += n
-            if principal.settings.budget_tokens and principal.name in self._budgets:
-                self._budgets[principal.name].pending += n
             row = self._row(principal.name, model)
             row[0] += prompt
             row[1] += completion
-        elif principal.tokens is not None:
-            principal.tokens.spend(time.monotonic(), n)
 
     def request_done(self, principal: auth.Principal, model: str) -> None:
         if principal.fleet:
@@ -269,14 +406,22 @@ class Quotas:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), FLUSH_S)
             try:
-                for tallies in (self._tokens, self._budgets):
-                    for t in list(tallies.values()):
-                        await self._send(t)
+                await self.pay_owed(time.time())
                 if time.monotonic() >= next_usage:
                     next_usage = time.monotonic() + USAGE_FLUSH_S
                     await self._flush_usage()
             except CounterError as exc:
                 self._fell_back(exc)
+
+    async def pay_owed(self, wall: float) -> None:
+        """Charge every key's tokens used beyond their holds (`_pay`), at UNIX time `wall`."""
+        if self.counters is None:
+            return
+        for (name, budget_period), owed in list(self._owed.items()):
+            if owed.amount:
+                await self._pay(name, budget_period, owed, wall)
+            else:
+                del self._owed[(name, budget_period)]
 
     async def _flush_usage(self) -> None:
         """Add each (key, model)'s tokens and requests to its hourly counters."""

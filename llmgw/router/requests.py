@@ -44,6 +44,10 @@ class StreamOptions(msgspec.Struct):
 # client's to set, since the router's queue orders keys (only whether it is there is read).
 
 NO_PRIORITY = msgspec.Raw()
+Count = Annotated[int, msgspec.Meta(ge=0)]
+"""A maximum of tokens to generate: what a key's token limits hold for the request."""
+GENERATES: frozenset[str] = frozenset({"chat", "completions", "responses", "messages"})
+"""APIs whose answers are generated tokens: the others' cost is their input's."""
 
 
 class ChatBody(msgspec.Struct):
@@ -53,6 +57,8 @@ class ChatBody(msgspec.Struct):
     stream_options: StreamOptions | None = None
     priority: msgspec.Raw = NO_PRIORITY
     cache_salt: msgspec.Raw = NO_PRIORITY
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
 
 
 class CompletionBody(msgspec.Struct):
@@ -62,6 +68,7 @@ class CompletionBody(msgspec.Struct):
     stream_options: StreamOptions | None = None
     priority: msgspec.Raw = NO_PRIORITY
     cache_salt: msgspec.Raw = NO_PRIORITY
+    max_tokens: Count | None = None
 
 
 class EmbeddingBody(msgspec.Struct):
@@ -79,6 +86,10 @@ class OtherBody(msgspec.Struct):
     stream: bool | None = False
     priority: msgspec.Raw = NO_PRIORITY
     cache_salt: msgspec.Raw = NO_PRIORITY
+    max_tokens: Count | None = None
+    """The Messages API's."""
+    max_output_tokens: Count | None = None
+    """The Responses API's."""
 
 
 _OTHER = msgspec.json.Decoder(OtherBody)
@@ -153,6 +164,9 @@ class Parsed(msgspec.Struct):
     """A chat request's (role, text) messages, when the text is wanted: what a chat
     template renders (llmgw.router.prompts). `text` is then each role, a newline, its
     content and a newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
+    max_out: int | None = 0
+    """The most tokens the answer may generate, as the body says (None: it says none; 0:
+    an API that generates none)."""
 
 
 def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
@@ -172,9 +186,11 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         raise BadRequest("`model` is empty: name the model to use")
     if isinstance(req, OtherBody):
         streams = bool(req.stream) and kind in STREAMED_USAGE
+        out = req.max_tokens if req.max_output_tokens is None else req.max_output_tokens
         return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
                       text="", priority=bool(req.priority),
-                      cache_salt=_salt_text(req.cache_salt))  # fmt: skip
+                      cache_salt=_salt_text(req.cache_salt),
+                      max_out=out if kind in GENERATES else 0)  # fmt: skip
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
@@ -204,6 +220,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         chat=chat,
         priority=bool(req.priority),
         cache_salt=_salt_text(req.cache_salt),
+        max_out=_max_out(req),
     )
 
 
@@ -213,6 +230,12 @@ def _salt_text(raw: msgspec.Raw) -> str | None:
         return None
     value = msgspec.json.decode(raw)
     return value if isinstance(value, str) and value else None
+
+
+def _max_out(req: ChatBody | CompletionBody) -> int | None:
+    if isinstance(req, ChatBody) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
 
 
 def _content_text(c: str | list[Part] | None) -> str:

@@ -23,7 +23,7 @@ import pytest
 
 from llmgw import bus
 from llmgw.bus import counters
-from llmgw.core import events, subjects, tenancy
+from llmgw.core import events, quota, subjects, tenancy
 from llmgw.pki.identity import Identity
 from llmgw.router import auth
 from tests.harness import TestNatsServer, connect_as, signed_headers, wait_for
@@ -79,8 +79,9 @@ def client(router: Router, key: str) -> openai.AsyncOpenAI:
 
 
 async def chat(router: Router, key: str, **kw: Any) -> Any:
+    kw.setdefault("max_tokens", 4)
     return await client(router, key).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **kw
+        model="m", messages=[{"role": "user", "content": "hi"}], **kw
     )
 
 
@@ -227,14 +228,74 @@ async def test_a_key_limited_to_20_per_s_gets_20_per_s_through_three_routers(
     assert any(v >= 20 for v in totals.values()), totals
 
 
+async def test_fifty_requests_at_once_are_admitted_only_up_to_the_fleets_tokens_per_min(
+    fleet: tuple[Ctl, list[Router]],
+) -> None:
+    """A key of 1,000 tokens/min starts 50 requests of max_tokens 100 at once, half through
+    each of two routers: what they may cost is held while they run, so no more than ten
+    are admitted between the routers (not all 50, as when tokens counted after the fact),
+    and the rest are told to retry."""
+    ctl, routers = fleet
+    r1, r2, _ = routers
+    made = await ctl("key", "create", "--name", "tpm", "--tpm", "1000", "--json")
+    key = made.json()["key"]
+    for r in (r1, r2):  # a bad body holds none of its tokens
+        await wait_for(lambda r=r: _bad_body_is(r, key, 400), 10, "the key on both routers")
+    # A window of its own: the checks above used none of it, but one that turns mid-burst
+    # would let two windows' worth in.
+    await asyncio.sleep(quota.reset_in(time.time(), quota.TOKENS_WINDOW_S) + 0.05)
+
+    async def one(router: Router) -> str:
+        try:
+            await chat(router, key, max_tokens=100)
+        except openai.RateLimitError as exc:
+            return str(exc.code)
+        return "admitted"
+
+    answers = await asyncio.gather(*(one((r1, r2)[i % 2]) for i in range(50)))
+    assert set(answers) == {"admitted", "tokens_exceeded"}, answers
+    assert answers.count("admitted") <= 1000 // 100, answers
+    # A request that could never fit is told what to lower, not to wait.
+    with pytest.raises(openai.BadRequestError) as too_big:
+        await chat(r1, key, max_tokens=4000)
+    assert too_big.value.code == "request_over_token_limit"
+    assert "lower max_tokens" in too_big.value.message
+
+
+async def _bad_body_is(router: Router, key: str, status: int) -> bool:
+    """Whether a body that is not JSON, of `key`, is answered `status`."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(router.url + "/v1/chat/completions", data=b"not json",
+                     headers={"Authorization": f"Bearer {key}"}) as resp,
+    ):  # fmt: skip
+        return resp.status == status
+
+
+async def test_refused_bodies_count_against_a_keys_requests_per_s(
+    fleet: tuple[Ctl, list[Router]],
+) -> None:
+    """A key of a request a minute sending bodies the router reads and refuses is still
+    metered: it is told to slow down, not answered 400 without end."""
+    ctl, routers = fleet
+    made = await ctl("key", "create", "--name", "bad", "--rps", "0.0167", "--json")
+    key = made.json()["key"]
+    r1 = routers[0]
+    await wait_for(lambda: _bad_body_is(r1, key, 400), 10, "the key")
+    # Of three more, at most one is in a window of its own (a window is 60 s).
+    over = [await _bad_body_is(r1, key, 429) for _ in range(3)]
+    assert any(over), over
+
+
 async def test_a_budget_spent_mid_stream_lets_the_stream_finish_then_refuses_on_every_router(
     fleet: tuple[Ctl, list[Router]],
 ) -> None:
     ctl, routers = fleet
     r1, r2, _ = routers
-    made = await ctl("key", "create", "--name", "small", "--budget-tokens", "40/day", "--json")
+    made = await ctl("key", "create", "--name", "small", "--budget-tokens", "120/day", "--json")
     key = made.json()["key"]
     await wait_for(lambda: accepted(r2, key), 10, "the key")  # a few tokens of the budget
+    # Its hold is its max_tokens and its prompt's estimate: what the sim's answer may use.
     stream = await client(r1, key).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=64,
         stream=True,
@@ -243,14 +304,14 @@ async def test_a_budget_spent_mid_stream_lets_the_stream_finish_then_refuses_on_
     assert sum(1 for c in chunks if c.delta.content) == 64, "the stream over the budget was cut"
     assert chunks[-1].finish_reason == "length"
     with pytest.raises(openai.RateLimitError) as refused:
-        await chat(r1, key)
+        await chat(r1, key, max_tokens=64)  # no longer fits what is left
     assert refused.value.code == "budget_exceeded"
-    assert "budget of 40 tokens per day" in refused.value.message
+    assert "of its budget of 120 tokens per day" in refused.value.message
     assert int(refused.value.response.headers["Retry-After"]) >= 1
 
     async def r2_refuses() -> bool:
         try:
-            await chat(r2, key)
+            await chat(r2, key, max_tokens=64)
         except openai.RateLimitError as exc:
             return exc.code == "budget_exceeded"
         return False

@@ -74,8 +74,8 @@ def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:
     assert refusal_response(over).headers["Retry-After"] == "1"
     assert principal.tokens is not None
     principal.tokens.spend(1.0, 1000)
-    spent = quotas.local_limits(principal, 1.0)
-    assert spent is not None
+    spent = quotas.local_hold(principal, 1, 1.0)
+    assert isinstance(spent, Refusal)
     assert (spent.status, spent.code) == (429, "tokens_exceeded")
     assert spent.type == "rate_limit_error"
 

@@ -17,7 +17,8 @@ from llmgw.bus import provisioning
 from llmgw.bus.counters import CounterError
 from llmgw.core import quota, tenancy
 from llmgw.router import auth
-from llmgw.router.quotas import Quotas
+from llmgw.router.errors import Refusal
+from llmgw.router.quotas import Held, Quotas
 
 
 class Store:
@@ -82,17 +83,99 @@ def test_a_spent_budget_is_refused_by_every_router_once_it_reads_the_total() -> 
         store = Store()
         a, b = Quotas(store), Quotas(store)  # type: ignore[arg-type]
         p = key(budget_tokens=100)
-        assert await a.admit(p, 1e9, 0.0) is None
-        a.used(p, "m", 60, 50)  # over the budget mid-stream: the stream is not cut
-        for t in list(a._budgets.values()):
-            await a._send(t)  # the flusher
-        return await a.admit(p, 1e9, 0.1), await b.admit(p, 1e9, 0.0)
+        held = await a.hold(p, 70, 1e9, 0.0)
+        assert isinstance(held, Held)
+        a.settle(held, 110)  # over its hold by 40 (a prompt longer than estimated)
+        await a.pay_owed(1e9)  # the flusher
+        return await a.hold(p, 1, 1e9, 0.1), await b.hold(p, 1, 1e9, 0.0)
 
     mine, other = asyncio.run(run())
     for refusal in (mine, other):
-        assert refusal is not None
-        assert refusal.code == "budget_exceeded"  # type: ignore[attr-defined]
-        assert "110 used" in refusal.message  # type: ignore[attr-defined]
+        assert isinstance(refusal, Refusal)
+        assert refusal.code == "budget_exceeded"
+        assert "0 tokens left of its budget of 100 tokens per day" in refusal.message
+
+
+async def hold_all(quotas: list[Quotas], p: auth.Principal, needs: list[int]) -> list[Held]:
+    async def one(i: int, need: int) -> Held | Refusal:
+        q = quotas[i % len(quotas)]
+        got = q.hold_now(p, 0, need, 120.5)
+        return await q.hold(p, got, 120.5, 0.0) if isinstance(got, int) else got
+
+    got = await asyncio.gather(*(one(i, n) for i, n in enumerate(needs)))
+    return [h for h in got if isinstance(h, Held)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(100, 20_000), st.integers(1, 4),
+       st.lists(st.integers(1, 4_000), min_size=1, max_size=60))  # fmt: skip
+def test_routers_starting_requests_at_once_hold_no_more_than_the_tokens_per_min(
+    limit: int, routers: int, needs: list[int]
+) -> None:
+    async def run() -> int:
+        store = Store()
+        quotas = [Quotas(store) for _ in range(routers)]  # type: ignore[arg-type]
+        held = await hold_all(quotas, key(tokens_per_min=float(limit)), needs)
+        return sum(h.tokens for h in held)
+
+    assert asyncio.run(run()) <= limit
+
+
+def test_a_window_overshot_is_carried_into_the_next_as_a_debt() -> None:
+    """A key of 100 tokens/min whose request used 250 beyond its hold of 50: its window went
+    200 over, so the next two windows are full of that debt, and the third is the key's:
+    300 tokens in three minutes."""
+
+    async def run() -> tuple[dict[str, int], object, object]:
+        store = Store()
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=100.0)
+        held = await q.hold(p, 50, 120.5, 0.0)
+        assert isinstance(held, Held)
+        q.settle(held, 300)
+        await q.pay_owed(121.0)
+        next_window = await q.hold(p, 1, 180.5, 0.0)
+        full = await q.hold(p, 1, 240.5, 0.0)
+        assert isinstance(full, Refusal)
+        after = await q.hold(p, 100, 300.5, 0.0)
+        return store.totals, next_window, after
+
+    totals, next_window, after = asyncio.run(run())
+    assert isinstance(next_window, Refusal)
+    assert next_window.code == "tokens_exceeded"
+    assert isinstance(after, Held)
+    w = quota.window(120.5, quota.TOKENS_WINDOW_S)
+    t = "llmgw.limits.k.t."
+    assert totals[f"{t}{w}"] == 300  # the lease (50) and the charge (250)
+    assert totals[f"{t}{w + 1}"] >= 100  # the debt's first 100 (and a refused lease)
+    assert totals[f"{t}{w + 2}"] >= 100  # its last 100
+    assert totals[f"{t}{w + 3}"] == 100  # the key's own
+
+
+def test_a_request_that_can_never_fit_is_refused_saying_what_to_lower() -> None:
+    q = Quotas(Store())  # type: ignore[arg-type]
+    p = key(tokens_per_min=1000.0)
+    refused = q.hold_now(p, 40, 4000, 0.0)  # 40 characters: about 10 tokens
+    assert isinstance(refused, Refusal)
+    assert (refused.status, refused.code) == (400, "request_over_token_limit")
+    assert "lower max_tokens (or max_completion_tokens) to at most 1000" in refused.message
+    assert q.hold_now(p, 40, 990, 0.0) == 1000  # to hold, with the counters
+    assert q.hold_now(p, 40, None, 0.0) == 1000  # no maximum named: the default, to the limit
+    # A prompt estimated past the limit (a body of images, say) is held to the whole limit,
+    # never refused on the estimate: what it really uses is charged when it ends.
+    assert q.hold_now(p, 1_000_000, 100, 0.0) == 1000
+
+
+def test_a_keys_file_keys_hold_is_given_back_when_it_used_less() -> None:
+    p = key(tokens_per_min=100.0)
+    p.fleet = False
+    q = Quotas()
+    assert q.hold_now(p, 0, 80, 0.0) == 80
+    first = asyncio.run(q.hold(p, 80, 0.0, 0.0))
+    assert isinstance(first, Held)
+    assert isinstance(asyncio.run(q.hold(p, 80, 0.0, 0.0)), Refusal)  # 20 left
+    q.settle(first, 10)  # 70 back
+    assert isinstance(asyncio.run(q.hold(p, 80, 0.0, 0.0)), Held)
 
 
 def test_a_usage_flush_that_fails_keeps_every_row_it_did_not_send() -> None:

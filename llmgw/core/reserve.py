@@ -1,0 +1,95 @@
+"""A key's tokens reserved while its requests run, as arithmetic.
+
+A token limit checked after the fact lets a key start any number of requests at once
+before the first one's usage is known. So a request is admitted only when what it *may*
+cost (`reservation`: its prompt's estimate plus the completion tokens it asks for) fits
+under the key's window (tokens/min) and budget, and that much is held while it runs; when
+it ends, it is settled to what it used (`settle`): the rest goes back, a use beyond it is
+charged.
+
+Across a fleet the window is a JetStream counter (llmgw.core.quota). A router leases tokens
+from it as it does requests (`Pool.lease_size`, `Pool.leased`: one round trip per lease, the
+counter's total deciding what each lease grants) and reserves requests from its lease with
+no round trip. The counter then holds what every router leased plus what was charged beyond
+reservations, so the tokens reserved and used in a window, fleet-wide, never pass its
+limit but by charges (`carried`): a charge's part above the limit is a *debt*, added to the
+next window's counter, which starts that much fuller. Over any run of windows a key's
+tokens average at most its limit, plus a debt not yet paid.
+
+Pure: the router (llmgw.router.quotas) holds the counters and the clock.
+"""
+
+from __future__ import annotations
+
+from llmgw.core import quota
+
+
+def reservation(prompt: int, max_out: int | None, default_out: int, limit: int) -> int:
+    """What a request may cost: its prompt's tokens and the completion tokens it asks for
+    (`default_out` where it names no maximum), at most the key's `limit`. The prompt's
+    count is an estimate, so it never refuses a request: one whose estimate passes the
+    limit holds the whole of it, and what it uses beyond is charged when it ends."""
+    out = default_out if max_out is None else max_out
+    return min(prompt + out, limit)
+
+
+def never_fits(max_out: int | None, limit: int) -> bool:
+    """Whether a request asks for more completion tokens than the key's whole limit: no
+    wait would admit it. Only the client's own number decides (the prompt's is estimated)."""
+    return max_out is not None and max_out > limit
+
+
+class Pool:
+    """The tokens this router leased from one counter (one key's window or budget period)
+    and holds for its requests: `left` not yet reserved."""
+
+    __slots__ = ("exhausted", "left", "period", "total")
+
+    def __init__(self, period: int | str) -> None:
+        self.period = period
+        self.left = 0
+        self.exhausted = False
+        """The counter granted less than asked: the limit is reached until it turns."""
+        self.total = 0
+        """The counter's total at the last lease."""
+
+    def reserve(self, n: int) -> bool:
+        """Hold `n` tokens of the lease for a request, if it has them."""
+        if self.left >= n:
+            self.left -= n
+            return True
+        return False
+
+    def lease_size(self, need: int, limit: int) -> int:
+        """What to ask the counter for so that `need` fits: a share of the limit, or more
+        when one request needs more than that."""
+        return max(quota.lease_size(limit), need - self.left)
+
+    def leased(self, size: int, total_after: int, limit: int) -> int:
+        """A lease of `size` answered with the counter's total after it: what it granted is
+        added; the rest was counted but is not this router's (the window is full)."""
+        got = quota.granted(total_after, size, limit)
+        self.total = total_after
+        self.left += got
+        self.exhausted = got < size
+        return got
+
+    def settle(self, reserved: int, used: int) -> int:
+        """A request that held `reserved` used `used`: the unused rest goes back; what it
+        used beyond is taken from the lease as far as it holds. Returns the tokens left to
+        charge to the counter."""
+        if used <= reserved:
+            self.left += reserved - used
+            return 0
+        over = used - reserved
+        taken = min(over, self.left)
+        self.left -= taken
+        return over - taken
+
+
+def carried(amount: int, total_after: int, limit: int) -> int:
+    """The part of a charge of `amount` above `limit`, given the counter's total after it:
+    the debt the next window starts with. Charges are applied one after another and leases
+    grant nothing once a window is full, so the debts of all charges to a window add up to
+    exactly what it went over."""
+    return max(0, min(amount, total_after - limit))
