@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from typing import Literal
 
@@ -123,6 +122,12 @@ def local_hold(principal: auth.Principal, need: int, mono: float) -> Held | Refu
     return Held(principal, need, None, None, local=True)
 
 
+def tightest_limit(s: tenancy.KeySettings) -> int:
+    """The smallest of a metered key's token limits: its window's tokens, its budget."""
+    window = reserve.window_limit(s.tokens_per_min) if s.tokens_per_min else None
+    return min(n for n in (window, s.budget_tokens) if n)
+
+
 class Quotas:
     """One router process's share of the fleet's counters."""
 
@@ -204,18 +209,19 @@ class Quotas:
     # ------------------------------------------------------------------ tokens held
 
     def hold_now(
-        self, p: auth.Principal, prompt_chars: int, max_out: int | None, wall: float
-    ) -> Held | Refusal | int:
-        """What a request of `prompt_chars` asking for `max_out` tokens may cost, held of a
-        fleet key's window and budget from what this router leased (no round trip); the
-        400 of one larger than the key's tightest token limit (no wait would admit it);
-        else the tokens `hold` is to take (it may need the counters)."""
+        self, p: auth.Principal, prompt_chars: int, max_out: int | None, wall: float,
+        choices: int = 1,
+    ) -> Held | Refusal | int:  # fmt: skip
+        """What a request of `prompt_chars` asking for `choices` answers of `max_out` tokens
+        may cost, held of a fleet key's window and budget from what this router leased (no
+        round trip); the 400 of one larger than the key's tightest token limit (no wait
+        would admit it); else the tokens `hold` is to take (it may need the counters)."""
         s = p.settings
-        limit = int(min(s.tokens_per_min or s.budget_tokens or 0, s.budget_tokens or math.inf))
+        limit = tightest_limit(s)
         prompt = prompt_chars // requests.CHARS_PER_TOKEN
-        if reserve.never_fits(max_out, limit):
-            return admission.never_fits(p, max_out or 0, limit)
-        need = reserve.reservation(prompt, max_out, self.default_out, limit)
+        if reserve.never_fits(max_out, limit, choices):
+            return admission.never_fits(p, max_out or 0, limit, choices)
+        need = reserve.reservation(prompt, max_out, self.default_out, limit, choices)
         if not p.fleet or self.counters is None:
             return need
         w = quota.window(wall, quota.TOKENS_WINDOW_S) if s.tokens_per_min else None
@@ -261,7 +267,7 @@ class Quotas:
             w = quota.window(wall, quota.TOKENS_WINDOW_S)
             subject = subjects.limit_counter(p.name, "t", w)
             tpm = await self._leased(self._windows, p.name, w, subject, need,
-                                     int(s.tokens_per_min))  # fmt: skip
+                                     reserve.window_limit(s.tokens_per_min))  # fmt: skip
             if not tpm.reserve(need):
                 if period is not None:
                     self._budgets[p.name].settle(need, 0)  # what the budget held, back
@@ -311,7 +317,8 @@ class Quotas:
             return
         s = p.settings
         if held.window is not None:
-            self._charge(self._windows, held.window, held, used, int(s.tokens_per_min or 0), "")
+            limit = reserve.window_limit(s.tokens_per_min or 1)
+            self._charge(self._windows, held.window, held, used, limit, "")
         if held.period is not None:
             self._charge(self._budgets, held.period, held, used, s.budget_tokens or 0,
                          s.budget_period)  # fmt: skip
