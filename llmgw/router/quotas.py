@@ -253,6 +253,7 @@ class Quotas:
     async def _hold_fleet(self, p: auth.Principal, need: int, wall: float) -> Held | Refusal:
         s = p.settings
         period: str | None = None
+        budget: reserve.Pool | None = None
         if s.budget_tokens:
             period = tenancy.period_of(wall, s.budget_period)
             subject = subjects.budget_counter(p.name, period)
@@ -262,17 +263,31 @@ class Quotas:
                 left = tenancy.period_end(wall, s.budget_period) - wall
                 spent = min(budget.total, s.budget_tokens) - budget.left  # fleet-wide
                 return admission.over_budget(p, s.budget_tokens - spent, need, left)
-        w: int | None = None
-        if s.tokens_per_min:
-            w = quota.window(wall, quota.TOKENS_WINDOW_S)
-            subject = subjects.limit_counter(p.name, "t", w)
-            tpm = await self._leased(self._windows, p.name, w, subject, need,
-                                     reserve.window_limit(s.tokens_per_min))  # fmt: skip
-            if not tpm.reserve(need):
-                if period is not None:
-                    self._budgets[p.name].settle(need, 0)  # what the budget held, back
-                return admission.over_tokens(p, 0, quota.reset_in(wall, quota.TOKENS_WINDOW_S))
-        return Held(p, need, w, period)
+        try:
+            w = await self._hold_window(p, need, wall)
+        except BaseException:
+            # The window's lease failed, or its client left while it was under way: what
+            # the budget held would be no request's, lost to the key until its period ends.
+            if budget is not None:
+                budget.settle(need, 0)
+            raise
+        if isinstance(w, Refusal) and budget is not None:
+            budget.settle(need, 0)  # what the budget held, back
+        return w if isinstance(w, Refusal) else Held(p, need, w, period)
+
+    async def _hold_window(self, p: auth.Principal, need: int, wall: float) -> int | Refusal | None:
+        """`need` tokens held of the key's tokens/min window: the window's number (None: the
+        key has no such limit), else the 429."""
+        tpm = p.settings.tokens_per_min
+        if not tpm:
+            return None
+        w = quota.window(wall, quota.TOKENS_WINDOW_S)
+        subject = subjects.limit_counter(p.name, "t", w)
+        pool = await self._leased(self._windows, p.name, w, subject, need,
+                                  reserve.window_limit(tpm))  # fmt: skip
+        if not pool.reserve(need):
+            return admission.over_tokens(p, 0, quota.reset_in(wall, quota.TOKENS_WINDOW_S))
+        return w
 
     async def _leased(
         self, pools: dict[str, reserve.Pool], name: str, period: int | str, subject: str,
@@ -284,10 +299,20 @@ class Quotas:
         if pool is None or pool.period != period:
             pool = pools[name] = reserve.Pool(period)
         if pool.left < need and not pool.exhausted:
-            assert self.counters is not None
-            size = pool.lease_size(need, limit)
-            pool.leased(size, await self.counters.add(subject, size), limit)
+            await self._lease(pool, subject, pool.lease_size(need, limit), limit)
         return pool
+
+    async def _lease(self, pool: reserve.Pool, subject: str, size: int, limit: int) -> None:
+        """Lease `size` tokens of the counter on `subject` into `pool`. The lease goes on if
+        the request waiting for it is cancelled (its client gone): the counter counts it
+        either way, and a lease no pool holds is lost to the key for its window or period."""
+        assert self.counters is not None
+        counters = self.counters
+
+        async def lease() -> None:
+            pool.leased(size, await counters.add(subject, size), limit)
+
+        await tasks_.uncancelled(lease())
 
     def ended(
         self,

@@ -12,6 +12,7 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.bus.counters import CounterError
 from llmgw.router import requests
 from llmgw.router.errors import Refusal
 from llmgw.router.quotas import Held, Quotas
@@ -102,3 +103,77 @@ def test_a_request_never_holds_nothing() -> None:
     assert in_debt.code == "tokens_exceeded"
     assert isinstance(slow, Held)
     assert slow.tokens == 1
+
+
+class FailsOn(Store):
+    """Fails every add to a subject holding `part` while `failing`."""
+
+    def __init__(self, part: str) -> None:
+        super().__init__()
+        self.part = part
+        self.failing = True
+
+    async def add(self, subject: str, amount: int) -> int:
+        if self.failing and self.part in subject:
+            raise CounterError("no answer")
+        return await super().add(subject, amount)
+
+
+def test_a_budgets_hold_is_given_back_when_the_windows_lease_fails() -> None:
+    """The budget leased and held 600 of 1000; the window's lease then failed (the request
+    fell back to this router's bucket). Those 600 go back: the whole budget is there for
+    the next request once the counters answer."""
+
+    async def run() -> object:
+        store = FailsOn(".t.")
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=1000.0, budget_tokens=1000)
+        fell_back = await q.hold(p, 600, 1e9, 0.0)
+        assert isinstance(fell_back, Held)
+        assert fell_back.local
+        q.settle(fell_back, 0)
+        store.failing = False
+        return await q.hold(p, 1000, 1e9 + 1, 0.0)
+
+    assert isinstance(asyncio.run(run()), Held)
+
+
+class Stalls(Store):
+    """Holds every add to a subject holding `part` until `go` is set."""
+
+    def __init__(self, part: str) -> None:
+        super().__init__()
+        self.part = part
+        self.waiting = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def add(self, subject: str, amount: int) -> int:
+        if self.part in subject and not self.go.is_set():
+            self.waiting.set()
+            await self.go.wait()
+        return await super().add(subject, amount)
+
+
+def test_a_client_gone_during_a_lease_loses_neither_the_lease_nor_the_budgets_hold() -> None:
+    """A request of the whole limit holds the budget, then waits for the window's lease; its
+    client leaves (the handler is cancelled). The lease, counted by the server anyway, is
+    this router's when it answers, and the budget's hold is back: the next request of the
+    whole limit is admitted from them, with no lease of its own."""
+
+    async def run() -> tuple[object, dict[str, int]]:
+        store = Stalls(".t.")
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=1000.0, budget_tokens=1000)
+        gone = asyncio.ensure_future(q.hold(p, 1000, 1e9, 0.0))
+        await store.waiting.wait()
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert gone.cancelled()
+        store.go.set()
+        for _ in range(10):  # the lease's own task ends: no clock, only turns of the loop
+            await asyncio.sleep(0)
+        return q.hold_now(p, 4000, 0, 1e9 + 1), dict(store.totals)
+
+    held, totals = asyncio.run(run())
+    assert isinstance(held, Held)
+    assert sorted(totals.values()) == [1000, 1000]  # one lease of each, no more
