@@ -47,8 +47,9 @@ DEFAULT_OUT = 4096
 """The completion tokens a request naming no maximum is held to (the router's
 `auth.default_max_tokens`), at most the key's limit."""
 DEBT_WINDOWS = 9
-"""How many windows ahead a debt is carried: the counters live ten minutes
-(llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten."""
+"""How many windows ahead a debt is added at once: the counters live ten minutes
+(llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten. What
+is owed beyond them is kept (`_Owed.debt`) and added when their turn comes."""
 USAGE_FLUSH_S = 10.0
 
 
@@ -68,13 +69,20 @@ Owing = Literal["", "day", "month"]
 
 
 class _Owed:
-    """A key's tokens used beyond their holds, not yet charged, and its limit."""
+    """A key's tokens used beyond their holds, not yet charged, and its limit; for its
+    window, the `debt` no counter holds yet, due from window number `due` on."""
 
-    __slots__ = ("amount", "limit")
+    __slots__ = ("amount", "debt", "due", "limit")
 
     def __init__(self) -> None:
         self.amount = 0
         self.limit = 0
+        self.debt = 0
+        self.due = 0
+
+    def due_now(self, wall: float) -> int:
+        """The debt to add to the counter of the window holding `wall`."""
+        return self.debt if quota.window(wall, quota.TOKENS_WINDOW_S) >= self.due else 0
 
 
 class Held:
@@ -376,15 +384,18 @@ class Quotas:
             await self.counters.add(subject, amount)
             owed.amount -= amount
             return
+        due = owed.due_now(wall)
         w = quota.window(wall, quota.TOKENS_WINDOW_S)
-        total = await self.counters.add(subjects.limit_counter(name, "t", w), amount)
-        owed.amount -= amount
-        debt = reserve.carried(amount, total, owed.limit)
+        total = await self.counters.add(subjects.limit_counter(name, "t", w), amount + due)
+        owed.amount, owed.debt = owed.amount - amount, owed.debt - due
+        debt = reserve.carried(amount + due, total, owed.limit)
         for ahead in range(1, DEBT_WINDOWS):
             if not debt:
                 return
             total = await self.counters.add(subjects.limit_counter(name, "t", w + ahead), debt)
             debt = reserve.carried(debt, total, owed.limit)
+        if debt:  # beyond the counters' lifetime: added when its window comes
+            owed.debt, owed.due = owed.debt + debt, w + DEBT_WINDOWS
 
     # ------------------------------------------------------------------ usage
 
@@ -450,9 +461,9 @@ class Quotas:
         if self.counters is None:
             return
         for (name, budget_period), owed in list(self._owed.items()):
-            if owed.amount:
+            if owed.amount or owed.due_now(wall):
                 await self._pay(name, budget_period, owed, wall)
-            else:
+            elif not owed.debt:
                 del self._owed[(name, budget_period)]
 
     async def _flush_usage(self) -> None:

@@ -9,10 +9,11 @@ import asyncio
 from typing import Any
 
 import msgspec
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.bus.counters import CounterError
+from llmgw.core import quota
 from llmgw.router import requests
 from llmgw.router.errors import Refusal
 from llmgw.router.quotas import Held, Quotas
@@ -177,3 +178,39 @@ def test_a_client_gone_during_a_lease_loses_neither_the_lease_nor_the_budgets_ho
     held, totals = asyncio.run(run())
     assert isinstance(held, Held)
     assert sorted(totals.values()) == [1000, 1000]  # one lease of each, no more
+
+
+LIMIT_AND_OVER = st.integers(1, 200).flatmap(
+    lambda n: st.tuples(st.just(n), st.integers(0, 30 * n))
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(LIMIT_AND_OVER)
+def test_a_debt_is_paid_however_large_never_forgiven_by_waiting(
+    limit_over: tuple[int, int],
+) -> None:
+    """A key's request used `over` tokens beyond a window's whole limit. With the flusher
+    running in every window after, the key is refused in exactly the windows that debt
+    fills, however many: the windows past the counters' lifetime included."""
+
+    limit, over = limit_over
+
+    async def run() -> list[bool]:
+        q = Quotas(Store())  # type: ignore[arg-type]
+        p = key(tokens_per_min=float(limit))
+        start = 120 * quota.TOKENS_WINDOW_S + 0.5
+        held = await q.hold(p, limit, start, 0.0)
+        assert isinstance(held, Held)
+        q.settle(held, limit + over)
+        await q.pay_owed(start)
+        refused = []
+        for ahead in range(1, 33):
+            wall = start + ahead * quota.TOKENS_WINDOW_S
+            await q.pay_owed(wall)
+            refused.append(isinstance(await q.hold(p, 1, wall, 0.0), Refusal))
+        return refused
+
+    refused = asyncio.run(run())
+    full = over // limit
+    assert refused == [True] * full + [False] * (len(refused) - full)
