@@ -6,6 +6,8 @@ tasks and stops them on SIGTERM. Cancellation alone is not enough on Python 3.11
 arrives just as its inner future completes, and the loop then carries on. Services
 therefore also end their loops by a flag or by closing their reader, and wait for
 them here with a bound, so a stuck task is logged instead of keeping a process alive.
+The opposite case is here too: work that must run to its end whoever stops waiting for it
+(`uncancelled`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 from structlog.typing import FilteringBoundLogger
@@ -68,3 +70,23 @@ async def retrying(
         else:
             await asyncio.sleep(wait)
         wait = min(wait * 2, 30.0)
+
+
+_UNCANCELLED: set[asyncio.Task[Any]] = set()
+"""Tasks of `uncancelled` under way: the loop keeps only weak references to tasks."""
+
+
+async def uncancelled(work: Coroutine[Any, Any, None]) -> None:
+    """Await `work`, which runs to its end even when the task awaiting it is cancelled: for
+    a change that takes effect on a server whatever happens here, and whose answer must
+    be recorded. Its error, when nobody awaits it any more, is dropped."""
+    task = asyncio.ensure_future(work)
+    _UNCANCELLED.add(task)
+    task.add_done_callback(_retrieved)
+    await asyncio.shield(task)
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    _UNCANCELLED.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: no "never retrieved" warning at exit

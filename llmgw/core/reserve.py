@@ -24,19 +24,29 @@ from __future__ import annotations
 from llmgw.core import quota
 
 
-def reservation(prompt: int, max_out: int | None, default_out: int, limit: int) -> int:
+def reservation(
+    prompt: int, max_out: int | None, default_out: int, limit: int, choices: int = 1
+) -> int:
     """What a request may cost: its prompt's tokens and the completion tokens it asks for
-    (`default_out` where it names no maximum), at most the key's `limit`. The prompt's
-    count is an estimate, so it never refuses a request: one whose estimate passes the
-    limit holds the whole of it, and what it uses beyond is charged when it ends."""
+    (`default_out` where it names no maximum) for each of its `choices` answers, at least
+    one token and at most the key's `limit`. The prompt's count is an estimate, so it never
+    refuses a request: one whose estimate passes the limit holds the whole of it, and what
+    it uses beyond is charged when it ends. Never 0: a hold of nothing would be admitted by
+    a window already full."""
     out = default_out if max_out is None else max_out
-    return min(prompt + out, limit)
+    return max(1, min(prompt + out * choices, limit))
 
 
-def never_fits(max_out: int | None, limit: int) -> bool:
+def never_fits(max_out: int | None, limit: int, choices: int = 1) -> bool:
     """Whether a request asks for more completion tokens than the key's whole limit: no
-    wait would admit it. Only the client's own number decides (the prompt's is estimated)."""
-    return max_out is not None and max_out > limit
+    wait would admit it. Only the client's own numbers decide (the prompt's is estimated)."""
+    return max_out is not None and max_out * choices > limit
+
+
+def window_limit(tokens_per_min: float) -> int:
+    """The tokens a window of a minute grants a key of `tokens_per_min`: at least one (a
+    rate under one a minute still admits a request now and then)."""
+    return max(1, int(tokens_per_min))
 
 
 class Pool:

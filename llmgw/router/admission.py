@@ -146,13 +146,17 @@ def _over(
     )
 
 
-def never_fits(principal: auth.Principal, max_out: int, limit: int) -> Refusal:
+def never_fits(principal: auth.Principal, max_out: int, limit: int, choices: int = 1) -> Refusal:
     """A request asking for more completion tokens than the key's limit: no wait admits it."""
+    asks, lower = f"up to {max_out} completion tokens (max_tokens)", f"to at most {limit}"
+    if choices > 1:
+        asks = f"{choices} answers (n) of up to {max_out} completion tokens each (max_tokens)"
+        lower = f"or n so that their product is at most {limit}"
     return Refusal(
         400,
-        f"this request asks for up to {max_out} completion tokens (max_tokens), more than this"
-        f" API key ({principal.name}) may use: {limit} tokens per minute or budget; lower"
-        f" max_tokens (or max_completion_tokens) to at most {limit}",
+        f"this request asks for {asks}, more than this API key ({principal.name}) may use:"
+        f" {limit} tokens per minute or budget; lower max_tokens (or max_completion_tokens)"
+        f" {lower}",
         "invalid_request_error",
         "request_over_token_limit",
     )

@@ -415,7 +415,8 @@ class Router:
         if refused is None and principal is not None:
             outcome.principal = principal
             if principal.metered:  # what it may cost, held until it ends
-                held = q.hold_now(principal, prompt_chars, parsed.max_out, time.time())
+                held = q.hold_now(principal, prompt_chars, parsed.max_out, time.time(),
+                                  parsed.choices)  # fmt: skip
                 if isinstance(held, int):  # more than this router holds for the key
                     held = await q.hold(principal, held, time.time(), time.monotonic())
                 refused, outcome.held = (held, None) if isinstance(held, Refusal) else (None, held)

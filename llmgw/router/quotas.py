@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from typing import Literal
 
@@ -48,8 +47,9 @@ DEFAULT_OUT = 4096
 """The completion tokens a request naming no maximum is held to (the router's
 `auth.default_max_tokens`), at most the key's limit."""
 DEBT_WINDOWS = 9
-"""How many windows ahead a debt is carried: the counters live ten minutes
-(llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten."""
+"""How many windows ahead a debt is added at once: the counters live ten minutes
+(llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten. What
+is owed beyond them is kept (`_Owed.debt`) and added when their turn comes."""
 USAGE_FLUSH_S = 10.0
 
 
@@ -69,13 +69,20 @@ Owing = Literal["", "day", "month"]
 
 
 class _Owed:
-    """A key's tokens used beyond their holds, not yet charged, and its limit."""
+    """A key's tokens used beyond their holds, not yet charged, and its limit; for its
+    window, the `debt` no counter holds yet, due from window number `due` on."""
 
-    __slots__ = ("amount", "limit")
+    __slots__ = ("amount", "debt", "due", "limit")
 
     def __init__(self) -> None:
         self.amount = 0
         self.limit = 0
+        self.debt = 0
+        self.due = 0
+
+    def due_now(self, wall: float) -> int:
+        """The debt to add to the counter of the window holding `wall`."""
+        return self.debt if quota.window(wall, quota.TOKENS_WINDOW_S) >= self.due else 0
 
 
 class Held:
@@ -121,6 +128,12 @@ def local_hold(principal: auth.Principal, need: int, mono: float) -> Held | Refu
         wait = min(bucket.refill_s(mono, need), LONGEST_WAIT_S)
         return admission.over_tokens(principal, 0, wait)
     return Held(principal, need, None, None, local=True)
+
+
+def tightest_limit(s: tenancy.KeySettings) -> int:
+    """The smallest of a metered key's token limits: its window's tokens, its budget."""
+    window = reserve.window_limit(s.tokens_per_min) if s.tokens_per_min else None
+    return min(n for n in (window, s.budget_tokens) if n)
 
 
 class Quotas:
@@ -204,18 +217,19 @@ class Quotas:
     # ------------------------------------------------------------------ tokens held
 
     def hold_now(
-        self, p: auth.Principal, prompt_chars: int, max_out: int | None, wall: float
-    ) -> Held | Refusal | int:
-        """What a request of `prompt_chars` asking for `max_out` tokens may cost, held of a
-        fleet key's window and budget from what this router leased (no round trip); the
-        400 of one larger than the key's tightest token limit (no wait would admit it);
-        else the tokens `hold` is to take (it may need the counters)."""
+        self, p: auth.Principal, prompt_chars: int, max_out: int | None, wall: float,
+        choices: int = 1,
+    ) -> Held | Refusal | int:  # fmt: skip
+        """What a request of `prompt_chars` asking for `choices` answers of `max_out` tokens
+        may cost, held of a fleet key's window and budget from what this router leased (no
+        round trip); the 400 of one larger than the key's tightest token limit (no wait
+        would admit it); else the tokens `hold` is to take (it may need the counters)."""
         s = p.settings
-        limit = int(min(s.tokens_per_min or s.budget_tokens or 0, s.budget_tokens or math.inf))
+        limit = tightest_limit(s)
         prompt = prompt_chars // requests.CHARS_PER_TOKEN
-        if reserve.never_fits(max_out, limit):
-            return admission.never_fits(p, max_out or 0, limit)
-        need = reserve.reservation(prompt, max_out, self.default_out, limit)
+        if reserve.never_fits(max_out, limit, choices):
+            return admission.never_fits(p, max_out or 0, limit, choices)
+        need = reserve.reservation(prompt, max_out, self.default_out, limit, choices)
         if not p.fleet or self.counters is None:
             return need
         w = quota.window(wall, quota.TOKENS_WINDOW_S) if s.tokens_per_min else None
@@ -247,6 +261,7 @@ class Quotas:
     async def _hold_fleet(self, p: auth.Principal, need: int, wall: float) -> Held | Refusal:
         s = p.settings
         period: str | None = None
+        budget: reserve.Pool | None = None
         if s.budget_tokens:
             period = tenancy.period_of(wall, s.budget_period)
             subject = subjects.budget_counter(p.name, period)
@@ -256,17 +271,31 @@ class Quotas:
                 left = tenancy.period_end(wall, s.budget_period) - wall
                 spent = min(budget.total, s.budget_tokens) - budget.left  # fleet-wide
                 return admission.over_budget(p, s.budget_tokens - spent, need, left)
-        w: int | None = None
-        if s.tokens_per_min:
-            w = quota.window(wall, quota.TOKENS_WINDOW_S)
-            subject = subjects.limit_counter(p.name, "t", w)
-            tpm = await self._leased(self._windows, p.name, w, subject, need,
-                                     int(s.tokens_per_min))  # fmt: skip
-            if not tpm.reserve(need):
-                if period is not None:
-                    self._budgets[p.name].settle(need, 0)  # what the budget held, back
-                return admission.over_tokens(p, 0, quota.reset_in(wall, quota.TOKENS_WINDOW_S))
-        return Held(p, need, w, period)
+        try:
+            w = await self._hold_window(p, need, wall)
+        except BaseException:
+            # The window's lease failed, or its client left while it was under way: what
+            # the budget held would be no request's, lost to the key until its period ends.
+            if budget is not None:
+                budget.settle(need, 0)
+            raise
+        if isinstance(w, Refusal) and budget is not None:
+            budget.settle(need, 0)  # what the budget held, back
+        return w if isinstance(w, Refusal) else Held(p, need, w, period)
+
+    async def _hold_window(self, p: auth.Principal, need: int, wall: float) -> int | Refusal | None:
+        """`need` tokens held of the key's tokens/min window: the window's number (None: the
+        key has no such limit), else the 429."""
+        tpm = p.settings.tokens_per_min
+        if not tpm:
+            return None
+        w = quota.window(wall, quota.TOKENS_WINDOW_S)
+        subject = subjects.limit_counter(p.name, "t", w)
+        pool = await self._leased(self._windows, p.name, w, subject, need,
+                                  reserve.window_limit(tpm))  # fmt: skip
+        if not pool.reserve(need):
+            return admission.over_tokens(p, 0, quota.reset_in(wall, quota.TOKENS_WINDOW_S))
+        return w
 
     async def _leased(
         self, pools: dict[str, reserve.Pool], name: str, period: int | str, subject: str,
@@ -278,10 +307,20 @@ class Quotas:
         if pool is None or pool.period != period:
             pool = pools[name] = reserve.Pool(period)
         if pool.left < need and not pool.exhausted:
-            assert self.counters is not None
-            size = pool.lease_size(need, limit)
-            pool.leased(size, await self.counters.add(subject, size), limit)
+            await self._lease(pool, subject, pool.lease_size(need, limit), limit)
         return pool
+
+    async def _lease(self, pool: reserve.Pool, subject: str, size: int, limit: int) -> None:
+        """Lease `size` tokens of the counter on `subject` into `pool`. The lease goes on if
+        the request waiting for it is cancelled (its client gone): the counter counts it
+        either way, and a lease no pool holds is lost to the key for its window or period."""
+        assert self.counters is not None
+        counters = self.counters
+
+        async def lease() -> None:
+            pool.leased(size, await counters.add(subject, size), limit)
+
+        await tasks_.uncancelled(lease())
 
     def ended(
         self,
@@ -311,7 +350,8 @@ class Quotas:
             return
         s = p.settings
         if held.window is not None:
-            self._charge(self._windows, held.window, held, used, int(s.tokens_per_min or 0), "")
+            limit = reserve.window_limit(s.tokens_per_min or 1)
+            self._charge(self._windows, held.window, held, used, limit, "")
         if held.period is not None:
             self._charge(self._budgets, held.period, held, used, s.budget_tokens or 0,
                          s.budget_period)  # fmt: skip
@@ -344,15 +384,18 @@ class Quotas:
             await self.counters.add(subject, amount)
             owed.amount -= amount
             return
+        due = owed.due_now(wall)
         w = quota.window(wall, quota.TOKENS_WINDOW_S)
-        total = await self.counters.add(subjects.limit_counter(name, "t", w), amount)
-        owed.amount -= amount
-        debt = reserve.carried(amount, total, owed.limit)
+        total = await self.counters.add(subjects.limit_counter(name, "t", w), amount + due)
+        owed.amount, owed.debt = owed.amount - amount, owed.debt - due
+        debt = reserve.carried(amount + due, total, owed.limit)
         for ahead in range(1, DEBT_WINDOWS):
             if not debt:
                 return
             total = await self.counters.add(subjects.limit_counter(name, "t", w + ahead), debt)
             debt = reserve.carried(debt, total, owed.limit)
+        if debt:  # beyond the counters' lifetime: added when its window comes
+            owed.debt, owed.due = owed.debt + debt, w + DEBT_WINDOWS
 
     # ------------------------------------------------------------------ usage
 
@@ -418,9 +461,9 @@ class Quotas:
         if self.counters is None:
             return
         for (name, budget_period), owed in list(self._owed.items()):
-            if owed.amount:
+            if owed.amount or owed.due_now(wall):
                 await self._pay(name, budget_period, owed, wall)
-            else:
+            elif not owed.debt:
                 del self._owed[(name, budget_period)]
 
     async def _flush_usage(self) -> None:

@@ -46,6 +46,8 @@ class StreamOptions(msgspec.Struct):
 NO_PRIORITY = msgspec.Raw()
 Count = Annotated[int, msgspec.Meta(ge=0)]
 """A maximum of tokens to generate: what a key's token limits hold for the request."""
+Choices = Annotated[int, msgspec.Meta(ge=1)]
+"""How many answers the engine generates for one request (`n`, `best_of`)."""
 GENERATES: frozenset[str] = frozenset({"chat", "completions", "responses", "messages"})
 """APIs whose answers are generated tokens: the others' cost is their input's."""
 
@@ -59,6 +61,7 @@ class ChatBody(msgspec.Struct):
     cache_salt: msgspec.Raw = NO_PRIORITY
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
+    n: Choices | None = None
 
 
 class CompletionBody(msgspec.Struct):
@@ -69,6 +72,8 @@ class CompletionBody(msgspec.Struct):
     priority: msgspec.Raw = NO_PRIORITY
     cache_salt: msgspec.Raw = NO_PRIORITY
     max_tokens: Count | None = None
+    n: Choices | None = None
+    best_of: Choices | None = None
 
 
 class EmbeddingBody(msgspec.Struct):
@@ -165,8 +170,10 @@ class Parsed(msgspec.Struct):
     template renders (llmgw.router.prompts). `text` is then each role, a newline, its
     content and a newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
     max_out: int | None = 0
-    """The most tokens the answer may generate, as the body says (None: it says none; 0:
+    """The most tokens each answer may generate, as the body says (None: it says none; 0:
     an API that generates none)."""
+    choices: int = 1
+    """How many answers the engine generates (`n`, or `best_of` when larger)."""
 
 
 def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
@@ -186,7 +193,8 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         raise BadRequest("`model` is empty: name the model to use")
     if isinstance(req, OtherBody):
         streams = bool(req.stream) and kind in STREAMED_USAGE
-        out = req.max_tokens if req.max_output_tokens is None else req.max_output_tokens
+        # Each API obeys its own field, whatever else a client adds.
+        out = _largest(req.max_tokens if kind == "messages" else req.max_output_tokens)
         return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
                       text="", priority=bool(req.priority),
                       cache_salt=_salt_text(req.cache_salt),
@@ -221,6 +229,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         priority=bool(req.priority),
         cache_salt=_salt_text(req.cache_salt),
         max_out=_max_out(req),
+        choices=_choices(req),
     )
 
 
@@ -233,9 +242,23 @@ def _salt_text(raw: msgspec.Raw) -> str | None:
 
 
 def _max_out(req: ChatBody | CompletionBody) -> int | None:
-    if isinstance(req, ChatBody) and req.max_completion_tokens is not None:
-        return req.max_completion_tokens
-    return req.max_tokens
+    if isinstance(req, ChatBody):
+        return _largest(req.max_tokens, req.max_completion_tokens)
+    return _largest(req.max_tokens)
+
+
+def _largest(*caps: int | None) -> int | None:
+    """The largest of the maxima a body names, None when it names none. Engines differ in
+    which one they obey (vLLM's chat reads `max_completion_tokens or max_tokens`, so a 0
+    there is no maximum at all), so the hold covers each reading: a 0 is no maximum, and of
+    two the larger counts."""
+    named = [cap for cap in caps if cap]
+    return max(named) if named else None
+
+
+def _choices(req: ChatBody | CompletionBody) -> int:
+    best_of = req.best_of if isinstance(req, CompletionBody) else None
+    return max(req.n or 1, best_of or 1)
 
 
 def _content_text(c: str | list[Part] | None) -> str:

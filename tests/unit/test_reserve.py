@@ -105,15 +105,17 @@ def test_one_burst_is_admitted_up_to_the_limit_and_no_further(
 
 
 @given(st.integers(0, 10_000), st.integers(0, 10_000) | st.none(), st.integers(0, 10_000),
-       st.integers(1, 10_000))  # fmt: skip
+       st.integers(1, 10_000), st.integers(1, 8))  # fmt: skip
 def test_a_reservation_covers_what_the_request_asks_and_fits_unless_it_never_can(
-    prompt: int, max_out: int | None, default_out: int, limit: int
+    prompt: int, max_out: int | None, default_out: int, limit: int, choices: int
 ) -> None:
-    n = reserve.reservation(prompt, max_out, default_out, limit)
-    asked = prompt + (default_out if max_out is None else max_out)
-    # All it asks for, up to the whole limit: never more, so that a request whose prompt
-    # was estimated high is still admitted once the window has room.
-    assert n == min(asked, limit)
-    assert 0 <= n <= limit
+    n = reserve.reservation(prompt, max_out, default_out, limit, choices)
+    asked = prompt + (default_out if max_out is None else max_out) * choices
+    # All it asks for (each of its answers), up to the whole limit: never more, so that a
+    # request whose prompt was estimated high is still admitted once the window has room;
+    # never nothing, which a full window would admit.
+    assert n == max(1, min(asked, limit))
+    assert 1 <= n <= limit
     # Refused only on the client's own maximum, never on the prompt's estimate.
-    assert reserve.never_fits(max_out, limit) == (max_out is not None and max_out > limit)
+    refused = reserve.never_fits(max_out, limit, choices)
+    assert refused == (max_out is not None and max_out * choices > limit)

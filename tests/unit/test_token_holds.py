@@ -1,0 +1,216 @@
+"""What a request's hold covers and what becomes of it: a hold covers whatever maximum an
+engine may read in its body, times the answers it asks for; a hold is never lost when the
+lease it waits for fails or its client leaves; a debt is paid however large, never
+forgiven by waiting; a request never holds nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.bus.counters import CounterError
+from llmgw.core import quota
+from llmgw.router import requests
+from llmgw.router.errors import Refusal
+from llmgw.router.quotas import Held, Quotas
+from tests.unit.test_quotas import Store, key
+
+CAPS = st.none() | st.integers(0, 3) | st.integers(0, 10**7)
+
+
+def body(**fields: Any) -> bytes:
+    return msgspec.json.encode({k: v for k, v in fields.items() if v is not None})
+
+
+def covers(parsed: requests.Parsed, engine_reads: int | None) -> bool:
+    """Whether the hold covers an engine reading `engine_reads` as the body's maximum (None:
+    no maximum, generating up to its context: the hold is then the default's)."""
+    if engine_reads is None:
+        return parsed.max_out is None
+    return parsed.max_out is None or parsed.max_out >= engine_reads
+
+
+@given(CAPS, CAPS, st.none() | st.integers(1, 16))
+def test_a_chats_hold_covers_the_maximum_any_engine_reads(
+    max_tokens: int | None, max_completion_tokens: int | None, n: int | None
+) -> None:
+    raw = body(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens,
+               max_completion_tokens=max_completion_tokens, n=n)  # fmt: skip
+    parsed = requests.parse("chat", raw, want_text=False)
+    # OpenAI prefers the newer field when it is there at all; vLLM and SGLang read
+    # `max_completion_tokens or max_tokens`, so a 0 there leaves the other, or no maximum.
+    openai = max_tokens if max_completion_tokens is None else max_completion_tokens
+    vllm = max_completion_tokens or max_tokens
+    assert covers(parsed, openai)
+    assert covers(parsed, vllm or None)
+    assert parsed.choices == (n or 1)
+
+
+@given(CAPS, CAPS, st.sampled_from(["messages", "responses"]))
+def test_the_messages_and_responses_holds_cover_their_own_maximum(
+    max_tokens: int | None, max_output_tokens: int | None, kind: requests.Kind
+) -> None:
+    raw = body(model="m", max_tokens=max_tokens, max_output_tokens=max_output_tokens)
+    parsed = requests.parse(kind, raw, want_text=False)
+    # Each API obeys its own field and ignores the other's, which a client may add too.
+    own = max_tokens if kind == "messages" else max_output_tokens
+    assert covers(parsed, own or None)
+
+
+@given(st.none() | st.integers(1, 16), st.none() | st.integers(1, 16))
+def test_a_completion_holds_every_sequence_it_generates(n: int | None, best_of: int | None) -> None:
+    raw = body(model="m", prompt="hi", max_tokens=10, n=n, best_of=best_of)
+    assert requests.parse("completions", raw, want_text=False).choices == max(n or 1, best_of or 1)
+
+
+def test_a_request_of_several_answers_holds_each_of_them() -> None:
+    q = Quotas(Store())  # type: ignore[arg-type]
+    p = key(tokens_per_min=1000.0)
+    assert q.hold_now(p, 0, 100, 0.0, 8) == 800
+    assert q.hold_now(p, 0, None, 0.0, 8) == 1000  # the default for each, to the limit
+    refused = q.hold_now(p, 0, 100, 0.0, 20)
+    assert isinstance(refused, Refusal)
+    assert (refused.status, refused.code) == (400, "request_over_token_limit")
+    assert "20 answers (n) of up to 100 completion tokens each" in refused.message
+    assert "so that their product is at most 1000" in refused.message
+
+
+def test_a_request_never_holds_nothing() -> None:
+    """An empty prompt asking for no tokens still holds one: a hold of nothing would be
+    admitted by a window its key's debt filled; and a key of under a token a minute is
+    granted one a window, not none."""
+
+    async def run() -> tuple[object, object]:
+        q = Quotas(Store())  # type: ignore[arg-type]
+        p = key(tokens_per_min=100.0)
+        held = await q.hold(p, 100, 60.5, 0.0)
+        assert isinstance(held, Held)
+        q.settle(held, 300)
+        await q.pay_owed(60.5)
+        need = q.hold_now(p, 0, 0, 120.5)
+        in_debt = need if not isinstance(need, int) else await q.hold(p, need, 120.5, 0.0)
+        slow, other = key(tokens_per_min=0.5), Quotas(Store())  # type: ignore[arg-type]
+        first = other.hold_now(slow, 0, 0, 0.0)
+        if isinstance(first, int):
+            first = await other.hold(slow, first, 0.0, 0.0)
+        return in_debt, first
+
+    in_debt, slow = asyncio.run(run())
+    assert isinstance(in_debt, Refusal)
+    assert in_debt.code == "tokens_exceeded"
+    assert isinstance(slow, Held)
+    assert slow.tokens == 1
+
+
+class FailsOn(Store):
+    """Fails every add to a subject holding `part` while `failing`."""
+
+    def __init__(self, part: str) -> None:
+        super().__init__()
+        self.part = part
+        self.failing = True
+
+    async def add(self, subject: str, amount: int) -> int:
+        if self.failing and self.part in subject:
+            raise CounterError("no answer")
+        return await super().add(subject, amount)
+
+
+def test_a_budgets_hold_is_given_back_when_the_windows_lease_fails() -> None:
+    """The budget leased and held 600 of 1000; the window's lease then failed (the request
+    fell back to this router's bucket). Those 600 go back: the whole budget is there for
+    the next request once the counters answer."""
+
+    async def run() -> object:
+        store = FailsOn(".t.")
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=1000.0, budget_tokens=1000)
+        fell_back = await q.hold(p, 600, 1e9, 0.0)
+        assert isinstance(fell_back, Held)
+        assert fell_back.local
+        q.settle(fell_back, 0)
+        store.failing = False
+        return await q.hold(p, 1000, 1e9 + 1, 0.0)
+
+    assert isinstance(asyncio.run(run()), Held)
+
+
+class Stalls(Store):
+    """Holds every add to a subject holding `part` until `go` is set."""
+
+    def __init__(self, part: str) -> None:
+        super().__init__()
+        self.part = part
+        self.waiting = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def add(self, subject: str, amount: int) -> int:
+        if self.part in subject and not self.go.is_set():
+            self.waiting.set()
+            await self.go.wait()
+        return await super().add(subject, amount)
+
+
+def test_a_client_gone_during_a_lease_loses_neither_the_lease_nor_the_budgets_hold() -> None:
+    """A request of the whole limit holds the budget, then waits for the window's lease; its
+    client leaves (the handler is cancelled). The lease, counted by the server anyway, is
+    this router's when it answers, and the budget's hold is back: the next request of the
+    whole limit is admitted from them, with no lease of its own."""
+
+    async def run() -> tuple[object, dict[str, int]]:
+        store = Stalls(".t.")
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=1000.0, budget_tokens=1000)
+        gone = asyncio.ensure_future(q.hold(p, 1000, 1e9, 0.0))
+        await store.waiting.wait()
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert gone.cancelled()
+        store.go.set()
+        for _ in range(10):  # the lease's own task ends: no clock, only turns of the loop
+            await asyncio.sleep(0)
+        return q.hold_now(p, 4000, 0, 1e9 + 1), dict(store.totals)
+
+    held, totals = asyncio.run(run())
+    assert isinstance(held, Held)
+    assert sorted(totals.values()) == [1000, 1000]  # one lease of each, no more
+
+
+LIMIT_AND_OVER = st.integers(1, 200).flatmap(
+    lambda n: st.tuples(st.just(n), st.integers(0, 30 * n))
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(LIMIT_AND_OVER)
+def test_a_debt_is_paid_however_large_never_forgiven_by_waiting(
+    limit_over: tuple[int, int],
+) -> None:
+    """A key's request used `over` tokens beyond a window's whole limit. With the flusher
+    running in every window after, the key is refused in exactly the windows that debt
+    fills, however many: the windows past the counters' lifetime included."""
+
+    limit, over = limit_over
+
+    async def run() -> list[bool]:
+        q = Quotas(Store())  # type: ignore[arg-type]
+        p = key(tokens_per_min=float(limit))
+        start = 120 * quota.TOKENS_WINDOW_S + 0.5
+        held = await q.hold(p, limit, start, 0.0)
+        assert isinstance(held, Held)
+        q.settle(held, limit + over)
+        await q.pay_owed(start)
+        refused = []
+        for ahead in range(1, 33):
+            wall = start + ahead * quota.TOKENS_WINDOW_S
+            await q.pay_owed(wall)
+            refused.append(isinstance(await q.hold(p, 1, wall, 0.0), Refusal))
+        return refused
+
+    refused = asyncio.run(run())
+    full = over // limit
+    assert refused == [True] * full + [False] * (len(refused) - full)
