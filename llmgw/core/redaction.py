@@ -99,8 +99,15 @@ _JSON_SHORT = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f",
 @functools.lru_cache(maxsize=1024)
 def _in_json(c: str) -> str:
     """The pattern of `c` in a JSON string, in any letter case: as it is, escaped by a
-    letter, or as `\\u` escapes (a UTF-16 pair above U+FFFF), in either case of hex."""
-    ways = {re.escape(c)}
+    letter, or as `\\u` escapes (a UTF-16 pair above U+FFFF), in either case of hex.
+
+    A backslash is never itself in a JSON string, only escaped: were it also taken as it
+    is, a run of backslashes could be read as a key's backslashes in exponentially many
+    ways (each one or two of them), which a regex tries one after another where the run
+    is not the key: one answer of a node whose key is 40 backslashes held the router for
+    seconds, of 60 for hours. Without it each of a key's characters reads a text one way
+    at most. (The key as it is, backslashes and all, is a form of its own.)"""
+    ways = set() if c == "\\" else {re.escape(c)}
     for letter in {c, c.lower(), c.upper()}:
         if len(letter) != 1:
             continue  # "ß".upper() is "SS": two characters, not one's escape

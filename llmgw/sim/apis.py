@@ -45,6 +45,8 @@ class ResponsesRequest(api._Lenient, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     tools: list[Any] | None = None
+    cache_salt: str | None = None
+    """As on chat (`api._Sampling`): the router salts every API's body under isolation."""
 
 
 class _AnthropicMessage(api._Lenient, kw_only=True):
@@ -61,6 +63,7 @@ class MessagesRequest(api._Lenient, kw_only=True):
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     tools: list[Any] | None = None
+    cache_salt: str | None = None
 
 
 class CountTokensRequest(api._Lenient, kw_only=True):
@@ -106,7 +109,8 @@ def prepare_responses(body: bytes, cfg: SimConfig) -> Prepared:
         raise ApiError(400, "input is empty: send text or at least one message", param="input")
     prompt = tokens.tokenize(tokens.render_chat(messages))
     max_tokens = api._budget(cfg, prompt, req.max_output_tokens, "max_output_tokens", "input")
-    return _generation("responses", model, prompt, max_tokens, bool(req.stream), ())
+    return _generation("responses", model, prompt, max_tokens, bool(req.stream), (),
+                       req.cache_salt)  # fmt: skip
 
 
 def _anthropic_prompt(req: MessagesRequest | CountTokensRequest) -> list[str]:
@@ -141,15 +145,17 @@ def prepare_messages(body: bytes, cfg: SimConfig) -> Prepared:
     prompt = _anthropic_prompt(req)
     max_tokens = api._budget(cfg, prompt, req.max_tokens, "max_tokens", "messages")
     stops = tuple(req.stop_sequences or ())
-    return _generation("messages", model, prompt, max_tokens, bool(req.stream), stops)
+    return _generation("messages", model, prompt, max_tokens, bool(req.stream), stops,
+                       req.cache_salt)  # fmt: skip
 
 
 def _generation(
     kind: str, model: str, prompt: list[str], max_tokens: int, stream: bool,
-    stops: tuple[str, ...],
+    stops: tuple[str, ...], salt: str | None,
 ) -> Prepared:  # fmt: skip
     return Prepared(kind=kind, model=model, prompt=prompt, max_tokens=max_tokens, stops=stops,
-                    seed=None, ignore_eos=False, stream=stream, include_usage=True)  # fmt: skip
+                    seed=None, ignore_eos=False, stream=stream, include_usage=True,
+                    salt=salt or None)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- Responses

@@ -11,6 +11,8 @@ from llmgw.core import kvblocks, tenancy
 from llmgw.core.profile import ModelProfile
 from llmgw.core.promptkeys import PromptTokens
 from llmgw.router import isolation, requests
+from llmgw.sim import api, apis
+from llmgw.sim.config import SimConfig
 
 names = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
 keys = st.none() | names
@@ -94,3 +96,24 @@ def test_router_and_agent_key_a_salted_prompt_alike(
         assert not set(got) & set(PromptTokens.of(ids).keys(size))
         other = PromptTokens.of(ids).keys(size, kvblocks.salt_root(salt + "x"))
         assert not set(got) & set(other)
+
+
+SIM = SimConfig(served_model_names=("m",), max_model_len=256, block_size=4, num_blocks=64)
+SIM_BODIES = {
+    "chat": (api.prepare_chat, {"messages": [{"role": "user", "content": "hi"}]}),
+    "completions": (api.prepare_completion, {"prompt": "hi"}),
+    "responses": (apis.prepare_responses, {"input": "hi"}),
+    "messages": (
+        apis.prepare_messages,
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+    ),
+}
+
+
+@given(st.sampled_from(sorted(SIM_BODIES)), st.none() | names)
+def test_the_sim_keeps_every_generation_api_to_its_salt(kind: str, salt: str | None) -> None:
+    """The router salts every API's body, as vLLM takes it: a Responses or Messages
+    prompt cached unsalted would tell any tenant (`cached_tokens`) what another sent."""
+    prepare, fields = SIM_BODIES[kind]
+    body = msgspec.json.encode({"model": "m", **fields, "cache_salt": salt})
+    assert prepare(body, SIM).salt == salt

@@ -17,6 +17,7 @@ from llmgw.core.redaction import (
     FRAGMENT,
     KEY_MARK,
     PASSWORD_MARK,
+    _in_json,
     bytes_without_key,
     engine_words,
     shown_url,
@@ -286,3 +287,47 @@ def test_a_5xx_cut_short_inside_its_json_loses_the_escaped_key_all_the_same() ->
     data = ('{"detail": "upstream refused Authorization: Bearer ' + escaped + '", "trace').encode()
     said = engine_words(data, key, 300)
     assert said == '{"detail": "upstream refused Authorization: Bearer [engine key]", "trace'
+
+
+VISIBLE_ASCII = "".join(map(chr, range(0x21, 0x7F)))
+"""The characters of an engine's key (`limits.EngineKey`), which a node chooses."""
+backslash_heavy_keys = st.text(st.sampled_from(["\\", "\\", "/", '"', "u", "a", "0"]) |
+                               st.sampled_from(VISIBLE_ASCII), min_size=1, max_size=24)  # fmt: skip
+
+
+def most_readings(key: str, text: str) -> int:
+    """The most ways in which a start of `text` reads as a start of `key` in JSON, each
+    character of the key matched by its JSON pattern: each way is a path the regex of the
+    key may try before it finds the text is not the key."""
+    patterns = [re.compile(_in_json(c), re.IGNORECASE) for c in key]
+    ways = {0: 1}  # end of the text read so far -> the ways to read it
+    most = 1
+    for pattern in patterns:
+        after: dict[int, int] = {}
+        for start, n in ways.items():
+            for end in range(start + 1, min(start + 12, len(text)) + 1):
+                if pattern.fullmatch(text, start, end):
+                    after[end] = after.get(end, 0) + n
+        ways = after
+        most = max(most, *ways.values(), 0)
+    return most
+
+
+@given(data=st.data(), key=backslash_heavy_keys)
+@example(data=None, key="\\" * 3)
+def test_a_text_reads_as_a_key_in_json_one_way_at_most(
+    data: st.DataObject | None, key: str
+) -> None:
+    """A text, the key written in JSON, reads as the key's start one way at most: a text
+    that several ways of reading nearly match (a run of backslashes, for a key of them)
+    would make the regex try each, exponentially many, on the router's event loop."""
+    written = "\\\\" * len(key) if data is None else data.draw(in_json(key))
+    assert most_readings(key, written) == 1
+
+
+def test_a_nodes_key_of_backslashes_is_read_one_way_and_its_start_found() -> None:
+    """A node chooses its engine's key: 64 backslashes, its engine's answer a run of 63
+    and another character, which is the key cut short."""
+    key = "\\" * 64
+    assert most_readings(key, "\\" * 63 + "#") == 1
+    assert without_key("\\" * 63 + "#", key) == KEY_MARK + "#"
