@@ -10,6 +10,7 @@ so `LLMGW_ROUTER__LISTEN__PORT=9000` overrides `listen.port`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
@@ -373,6 +374,10 @@ def _origin_problems(auth: AuthConfig) -> list[str]:
     return problems
 
 
+_ORIGIN_HOST = re.compile(r"[a-z0-9_.-]+")
+"""A host as an origin names it, after IDNA: letters, digits, `-`, `_` and dots."""
+
+
 def web_origin(value: str) -> str | None:
     """`value` as browsers write an origin (lower case, no default port, no slash); None
     when it is not `scheme://host[:port]`."""
@@ -386,7 +391,16 @@ def web_origin(value: str) -> str | None:
         return None
     if parts.query or parts.fragment or value.endswith(("?", "#")):
         return None
-    host = f"[{host}]" if ":" in host else host
+    if ":" in host:
+        host = f"[{host}]"
+    else:
+        try:
+            # A name in other letters is sent in its ASCII (punycode) form.
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            return None
+        if not _ORIGIN_HOST.fullmatch(host):
+            return None
     default = {"http": 80, "https": 443}.get(parts.scheme)
     shown = "" if port is None or port == default else f":{port}"
     return f"{parts.scheme}://{host}{shown}"

@@ -74,7 +74,8 @@ def _problems(**auth: object) -> list[str]:
     [("null", "sandboxed frames"), ("https://app.example/", "'https://app.example'"),
      ("HTTPS://App.Example:443", "'https://app.example'"), ("app.example", "no origin"),
      ("https://app.example/ui", "no origin"), ("https://u@app.example", "no origin"),
-     ("*", "no origin")],
+     ("*", "no origin"), ("https://a b.example", "no origin"),
+     ("https://bücher.example", "'https://xn--bcher-kva.example'")],
 )  # fmt: skip
 def test_an_origin_no_browser_sends_is_a_config_problem(origin: str, said: str) -> None:
     (problem,) = _problems(allowed_origins=(origin,))
