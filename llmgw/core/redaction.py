@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import html
-import json
 import re
 from urllib.parse import quote, unquote
 
@@ -80,10 +79,9 @@ def _forms(key: str) -> set[tuple[str, ...]]:
     """A secret as an echo may write it: each form as the patterns of its characters, one
     after another. JSON may write any of the key's characters as an escape (`\\u0073`,
     `\\/`), each its own way, so that form is one pattern a key character."""
+    # JSON's own writings of the key (json.dumps, with or without ASCII) are the JSON form's.
     written = {
         key,
-        json.dumps(key)[1:-1],
-        json.dumps(key, ensure_ascii=False)[1:-1],
         quote(key.encode("utf-8", "surrogatepass"), safe=""),
         html.escape(key),
         repr(key.encode("utf-8", "surrogatepass"))[2:-1],

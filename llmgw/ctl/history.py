@@ -425,23 +425,17 @@ async def _fold_tail(
         done = False
         async for batch in reader.batches():
             folded = 0
-            if batch[-1].seq <= target and until == _NO_TIME_BOUND:
-                # The whole batch folds: one comparison per batch (sequences ascend; store
-                # times need not, so a time bound is checked on every record).
-                for rec in batch:
-                    reason = apply(st, rec.event, rec.seq, rec.time)
-                    if reason is not None:
-                        rejected.append((rec.seq, reason))
-                folded = len(batch)
-            else:
-                for rec in batch:
-                    if rec.seq > target or rec.time > until:
-                        done = True
-                        break
-                    reason = apply(st, rec.event, rec.seq, rec.time)
-                    if reason is not None:
-                        rejected.append((rec.seq, reason))
-                    folded += 1
+            # Sequences ascend, so a batch whose last is within the target folds whole,
+            # records unchecked; store times need not ascend: a time bound is checked on each.
+            whole = batch[-1].seq <= target and until == _NO_TIME_BOUND
+            for rec in batch:
+                if not whole and (rec.seq > target or rec.time > until):
+                    done = True
+                    break
+                reason = apply(st, rec.event, rec.seq, rec.time)
+                if reason is not None:
+                    rejected.append((rec.seq, reason))
+                folded += 1
             if folded:
                 tail.folded += folded
                 tail.last_time = batch[folded - 1].time

@@ -393,7 +393,7 @@ class Router:
             return refusal_response(principal, rid, kind)
         q, wall = self.dispatcher.quotas, time.time()
         # Counted before its body is read: a key's refused requests cost the router too.
-        if principal is not None and principal.limited and not q.admit_now(principal, wall, 0):
+        if principal is not None and principal.limited and not q.admit_now(principal, wall):
             over = await q.admit(principal, wall, time.monotonic())
             if over is not None:
                 return refusal_response(over, rid, kind)

@@ -44,6 +44,10 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     that node's updates are believed for it. Empty: no events are used for it."""
 
 
+DEFAULT_MAX_TOKENS = 4096
+"""What `auth.default_max_tokens` is unless set."""
+
+
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Who may call. A router with a `log` admits the log's keys (`llmgw ctl key`), and the
     keys file's beside them; one without admits the keys file's."""
@@ -58,7 +62,7 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     CORS headers naming them (llmgw.router.cors), and on a router without keys they may
     send requests without one (llmgw.router.browsers). Any other page gets no CORS
     header, and its requests without a key are refused."""
-    default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_TOKENS
     """The completion tokens a request naming no max_tokens is held to against its key's
     tokens/min and budget (at most the key's limit; what it uses beyond is charged after)."""
     allowed_hosts: tuple[str, ...] = ()

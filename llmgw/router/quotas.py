@@ -36,16 +36,13 @@ from llmgw.bus.counters import CounterError, Counters
 from llmgw.core import quota, reserve, subjects, tenancy
 from llmgw.router import admission, auth, requests
 from llmgw.router import ports as ports_
-from llmgw.router.config import LogSource
+from llmgw.router.config import DEFAULT_MAX_TOKENS, LogSource
 from llmgw.router.errors import Refusal
 
 log = logs.get("llmgw.router.quotas")
 
 FLUSH_S = 0.25
 """How often this router adds its keys' tokens to the fleet's windows and budgets."""
-DEFAULT_OUT = 4096
-"""The completion tokens a request naming no maximum is held to (the router's
-`auth.default_max_tokens`), at most the key's limit."""
 DEBT_WINDOWS = 9
 """How many windows ahead a debt is added at once: the counters live ten minutes
 (llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten. What
@@ -150,7 +147,9 @@ class Quotas:
         self._owed: dict[tuple[str, Owing], _Owed] = {}
         """(key, its budget's period or "" for its window) -> its tokens used beyond their
         holds: the charges the flusher adds to the counters."""
-        self.default_out = DEFAULT_OUT
+        self.default_out = DEFAULT_MAX_TOKENS
+        """The completion tokens a request naming no maximum is held to (the router's
+        `auth.default_max_tokens`), at most the key's limit."""
         self._usage: dict[tuple[str, str], list[int]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -159,7 +158,7 @@ class Quotas:
 
     # ------------------------------------------------------------------ admission
 
-    def admit_now(self, p: auth.Principal, wall: float, mono: float) -> bool:
+    def admit_now(self, p: auth.Principal, wall: float) -> bool:
         """True when a fleet key's request is within its requests/s by what this router
         holds now (a lease with requests left in this window): one request is taken, no
         round trip. False: `admit` decides (it may need the counters)."""
@@ -168,12 +167,11 @@ class Quotas:
             return True
         if not p.fleet or self.counters is None:
             return False
-        if per_s:
-            lease = self._leases.get(p.name)
-            w = quota.window(wall, quota.rate_window_s(per_s))
-            if lease is None or lease.window != w or lease.left <= 0:
-                return False
-            lease.left -= 1
+        lease = self._leases.get(p.name)
+        w = quota.window(wall, quota.rate_window_s(per_s))
+        if lease is None or lease.window != w or lease.left <= 0:
+            return False
+        lease.left -= 1
         return True
 
     async def admit(self, principal: auth.Principal, wall: float, mono: float) -> Refusal | None:

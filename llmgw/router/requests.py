@@ -43,7 +43,8 @@ class StreamOptions(msgspec.Struct):
 # `priority` is vLLM's (and SGLang's) scheduling order on the engine, lowest first: not a
 # client's to set, since the router's queue orders keys (only whether it is there is read).
 
-NO_PRIORITY = msgspec.Raw()
+ABSENT = msgspec.Raw()
+"""The default of a member kept raw (`priority`, `cache_salt`): empty when the body has none."""
 Count = Annotated[int, msgspec.Meta(ge=0)]
 """A maximum of tokens to generate: what a key's token limits hold for the request."""
 Choices = Annotated[int, msgspec.Meta(ge=1)]
@@ -57,8 +58,8 @@ class ChatBody(msgspec.Struct):
     messages: list[Message]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    priority: msgspec.Raw = NO_PRIORITY
-    cache_salt: msgspec.Raw = NO_PRIORITY
+    priority: msgspec.Raw = ABSENT
+    cache_salt: msgspec.Raw = ABSENT
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     n: Choices | None = None
@@ -69,8 +70,8 @@ class CompletionBody(msgspec.Struct):
     prompt: str | list[Any]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    priority: msgspec.Raw = NO_PRIORITY
-    cache_salt: msgspec.Raw = NO_PRIORITY
+    priority: msgspec.Raw = ABSENT
+    cache_salt: msgspec.Raw = ABSENT
     max_tokens: Count | None = None
     n: Choices | None = None
     best_of: Choices | None = None
@@ -79,8 +80,8 @@ class CompletionBody(msgspec.Struct):
 class EmbeddingBody(msgspec.Struct):
     model: str
     input: str | list[Any]
-    priority: msgspec.Raw = NO_PRIORITY
-    cache_salt: msgspec.Raw = NO_PRIORITY
+    priority: msgspec.Raw = ABSENT
+    cache_salt: msgspec.Raw = ABSENT
 
 
 class OtherBody(msgspec.Struct):
@@ -89,8 +90,8 @@ class OtherBody(msgspec.Struct):
 
     model: str
     stream: bool | None = False
-    priority: msgspec.Raw = NO_PRIORITY
-    cache_salt: msgspec.Raw = NO_PRIORITY
+    priority: msgspec.Raw = ABSENT
+    cache_salt: msgspec.Raw = ABSENT
     max_tokens: Count | None = None
     """The Messages API's."""
     max_output_tokens: Count | None = None

@@ -227,7 +227,7 @@ async def key_path_us(n: int = 200_000) -> dict[str, float]:
             admission.admit(p, "m", profile)
             if p is not None:
                 wall, mono = time.time(), time.monotonic()
-                if p.limited and not quotas.admit_now(p, wall, mono):
+                if p.limited and not quotas.admit_now(p, wall):
                     await quotas.admit(p, wall, mono)
                 metrics.key_usage(p.name, p.settings.team, "m", 16, 16)
                 quotas.used(p, "m", 16, 16)

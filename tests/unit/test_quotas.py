@@ -43,7 +43,7 @@ def key(**settings_: object) -> auth.Principal:
 
 
 async def admitted(q: Quotas, p: auth.Principal, wall: float) -> bool:
-    if q.admit_now(p, wall, 0.0):
+    if q.admit_now(p, wall):
         return True
     return await q.admit(p, wall, 0.0) is None
 
