@@ -265,6 +265,20 @@ class Lease:
         self._revision = seq
         self._valid_until = started + self.ttl_s
 
+    async def stored_at(self) -> float | None:
+        """When the server stored this instance's last write of the lease (UNIX seconds,
+        the server's clock), or None when it holds none or the server does not say: what
+        a control plane measures its clock against (llmgw.control.servertime)."""
+        if self._revision == 0:
+            return None
+        try:
+            msg = await self._js.get_msg(f"KV_{LEASE_BUCKET}", seq=self._revision)
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            return None
+        if msg.time is None:
+            return None
+        return msg.time.timestamp()
+
     def _lose(self, why: str) -> None:
         epoch = self.epoch
         self._revision = 0

@@ -18,7 +18,7 @@ from typing import Any
 
 from llmgw import bus, logs
 from llmgw.bus.ports import EventLog, LeasePort, LogReader, SnapshotPort
-from llmgw.control import attesting
+from llmgw.control import attesting, servertime
 from llmgw.control import ids as ids_
 from llmgw.control import quota as quota_
 from llmgw.control.config import ControlConfig
@@ -50,12 +50,12 @@ class Instance:
         self.name = cfg.name
         self.identity = Identity("control", cfg.name)
         self._tls = tls
-        self.clock = clock
+        self.clock = servertime.ServerTime(clock)  # the server's time, whatever this host's
         self.metrics = Metrics()
         self.meter = quota_.Meter(cfg.node_quota) if cfg.node_quota.enabled else None
         """Each node's log traffic in the window; the leader quarantines on it."""
-        self.folded = Folded(self.metrics, clock, self.meter)
-        self.attester = attesting.Attester(clock=clock)
+        self.folded = Folded(self.metrics, self.clock, self.meter)
+        self.attester = attesting.Attester(clock=self.clock)
         """What this instance's reader checked, for the leader to attest
         (llmgw.control.attesting): later readers then verify each event once."""
         self.leading = False
@@ -66,7 +66,7 @@ class Instance:
         """Set once the admin listener accepts connections."""
         self.admin_url = ""
         self.snapshot_seq = 0
-        self.observing_since = clock()
+        self.observing_since = self.clock()
         self.unplaceable: dict[str, str] = {}
         self.unplaceable_codes: dict[str, str] = {}
         """The leader's last verdicts: model -> why (and its code) missing replicas of it

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 import nats.errors
@@ -14,8 +16,11 @@ import nats.js.errors
 
 from llmgw import bus
 from llmgw.control import ids as ids_
+from llmgw.control import servertime
 from llmgw.control.instance import Instance, log
 from llmgw.core import events
+
+T = TypeVar("T")
 
 
 class Leadership(Instance):
@@ -51,7 +56,7 @@ class Leadership(Instance):
                 wait = min(lease.renew_every_s, 0.25)
                 if self.caught_up.is_set():
                     try:
-                        if await lease.acquire():
+                        if await self._timed(lease.acquire):
                             # A lease lapses when the log cannot be written: silence
                             # from before it is no evidence against the nodes.
                             self._log_was_unavailable("lease acquired")
@@ -65,7 +70,7 @@ class Leadership(Instance):
             else:
                 wait = lease.renew_every_s
                 try:
-                    await lease.renew()
+                    await self._timed(lease.renew)
                 except bus.LeaseLost as exc:
                     self._step_down(str(exc))
                     wait = 0.25
@@ -75,6 +80,34 @@ class Leadership(Instance):
                         self._step_down("the lease ran out while renewals failed")
                     wait = 0.2
             await asyncio.sleep(wait)
+
+    async def _timed(self, write: Callable[[], Awaitable[T]]) -> T:
+        """`write` the lease, and measure this host's clock against the time the server
+        stored the write (llmgw.control.servertime): the leader's "now" is the server's."""
+        sent = self.clock.wall()
+        result = await write()
+        received = self.clock.wall()
+        assert self._lease is not None
+        stored = await self._lease.stored_at()
+        if stored is not None:
+            self._observe_clock(servertime.Sample(sent, stored, received))
+        return result
+
+    def _observe_clock(self, sample: servertime.Sample) -> None:
+        clock = self.clock
+        was = abs(clock.offset) > servertime.WARN_S
+        clock.observe(sample)
+        self.metrics.clock_offset.set(clock.offset)
+        off = abs(clock.offset) > servertime.WARN_S
+        if off and not was:
+            log.warning(
+                "clock_offset",
+                offset_s=round(clock.offset, 3),
+                detail="this host's clock differs from the NATS server's: heartbeats are "
+                "judged by the server's time, but fix the hosts' time sync (NTP)",
+            )
+        elif was and not off:
+            log.info("clock_offset_recovered", offset_s=round(clock.offset, 3))
 
     async def _announce(self) -> None:
         event_id = self._leader_ids.get(self.epoch)

@@ -57,6 +57,12 @@ class Metrics:
             p + "decisions", "Decisions and commands published, by kind.", ["kind"], registry=r
         )
         self.leader = Gauge(p + "leader", "1 while this instance leads, else 0.", registry=r)
+        self.clock_offset = Gauge(
+            p + "clock_offset_seconds",
+            "The NATS server's clock less this host's, measured on the leader lease's writes "
+            "(0 until measured).",
+            registry=r,
+        )
         self.epoch = Gauge(p + "epoch", "Leader epoch in the folded state.", registry=r)
         self.fence_refused = Counter(
             p + "fence_refused",

@@ -1,0 +1,81 @@
+"""A leader whose host clock is an hour off judges nodes by the NATS server's time.
+
+A heartbeat's age is the server's time of storing it against the leader's "now". With
+"now" read from the leader host's own clock, an hour ahead made every node lost at once
+(every replica of the fleet replaced), and an hour behind made a dead node look alive for
+an hour. The control plane measures its clock against the server's on every write of the
+lease (llmgw.control.servertime); these tests run a real nats-server, a control plane in
+process whose clock is an hour off, and simulated agents on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from llmgw import bus
+from llmgw.control.service import ControlService
+from llmgw.core import events
+from tests.harness import TestNatsServer, connect_as, wait_for
+from tests.integration.control_kit import FAST, SimAgent, control_config, model, read_log, running
+
+HOUR_S = 3600.0
+
+
+async def _judged(server: TestNatsServer) -> list[events.Event]:
+    nc = await connect_as(server, "operator", "alice")
+    try:
+        records = await read_log(nc)
+    finally:
+        await bus.close(nc)
+    verdicts = events.NodeLost | events.NodeUnreachable | events.ReplicaRetired
+    return [r.event for r in records if isinstance(r.event, verdicts)]
+
+
+async def test_a_leader_an_hour_ahead_loses_no_node(nats_server: TestNatsServer) -> None:
+    cfg = control_config(nats_server, "control-a", models=(model("m1", replicas=2),))
+    agents: list[SimAgent] = []
+    try:
+        svc = ControlService(cfg, clock=lambda: time.time() + HOUR_S)
+        async with running(svc):
+            for node in ("node-a", "node-b"):
+                agents.append(await SimAgent(nats_server, node, gpus=1).start())
+            await wait_for(lambda: len(svc.state.endpoints) == 2, 20, "m1 serving on both")
+            replicas = {r.id for r in svc.state.active_replicas("m1")}
+            # Longer than lost_after_s of the nodes' life under this leader.
+            await asyncio.sleep(FAST.lost_after_s + 1.0)
+            assert {n.liveness for n in svc.state.nodes.values()} == {"ready"}
+            assert {r.id for r in svc.state.active_replicas("m1")} == replicas
+            assert svc.clock.offset == pytest.approx(-HOUR_S, abs=1.0)
+            assert svc.metrics.clock_offset._value.get() == pytest.approx(-HOUR_S, abs=1.0)
+        assert await _judged(nats_server) == []
+    finally:
+        for agent in agents:
+            await agent.close()
+
+
+async def test_a_leader_an_hour_behind_sees_a_node_die(nats_server: TestNatsServer) -> None:
+    cfg = control_config(nats_server, "control-a", models=(model("m1"),))
+    agents: list[SimAgent] = []
+    try:
+        svc = ControlService(cfg, clock=lambda: time.time() - HOUR_S)
+        async with running(svc):
+            for node in ("node-a", "node-b"):
+                agents.append(await SimAgent(nats_server, node, gpus=1).start())
+            await wait_for(lambda: len(svc.state.endpoints) == 1, 20, "m1 serving")
+            dying = agents[0]
+            await dying.close()
+            # Unreachable after unreachable_after_s, lost after lost_after_s of silence:
+            # well within a minute by the server's time, not an hour and a minute.
+            await wait_for(
+                lambda: svc.state.nodes[dying.node].liveness == "lost",
+                30,
+                f"{dying.node} lost",
+                detail=lambda: str(svc.state.nodes[dying.node].liveness),
+            )
+            assert svc.state.nodes[agents[1].node].liveness == "ready"
+    finally:
+        for agent in agents:
+            await agent.close()
