@@ -52,7 +52,8 @@ def bind(nc: Client, keys: Keys) -> None:
     _BOUND[nc] = keys
 
 
-def _client(conn: Client | JetStreamContext) -> Client | None:
+def client_of(conn: Client | JetStreamContext) -> Client | None:
+    """The connection of `conn` (itself, or a JetStream context's)."""
     if isinstance(conn, JetStreamContext):
         nc = getattr(conn, "_nc", None)
         return nc if isinstance(nc, Client) else None
@@ -61,7 +62,7 @@ def _client(conn: Client | JetStreamContext) -> Client | None:
 
 def bound(conn: Client | JetStreamContext) -> Keys | None:
     """The keys bound to a connection (or to the connection of a JetStream context)."""
-    nc = _client(conn)
+    nc = client_of(conn)
     if nc is None:
         return None
     try:

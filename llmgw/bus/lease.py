@@ -24,6 +24,8 @@ as free once that time and one more TTL (for clock skew) have passed.
 
 from __future__ import annotations
 
+import datetime
+import json
 import time
 
 import msgspec
@@ -33,7 +35,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from llmgw import logs
-from llmgw.bus.keys import signer_of, verifier_of
+from llmgw.bus.keys import client_of, signer_of, verifier_of
 from llmgw.bus.provisioning import LEASE_BUCKET
 from llmgw.bus.publisher import EXPECTED_LAST_SUBJECT_SEQUENCE, WRONG_LAST_SEQUENCE
 from llmgw.pki.identity import Identity
@@ -92,6 +94,22 @@ def verified_value(verifier: Verifier, raw: bytes, now: float, grace_s: float) -
     if now > value.until + grace_s:
         return f"ran out at {value.until:.0f} (a stale value stored again)"
     return value
+
+
+def unix_time(stamp: str) -> float | None:
+    """UNIX seconds of a time as the server writes it (RFC 3339 in UTC, up to nanoseconds),
+    or None when it is not one. Pure."""
+    head, dot, fraction = stamp.strip().removesuffix("Z").partition(".")
+    if dot and not fraction.isdigit():
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(head)
+    except ValueError:
+        return None
+    if when.tzinfo is not None:
+        return None  # the server writes UTC as "Z": another offset is not its writing
+    when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp() + (float("0." + fraction) if dot else 0.0)
 
 
 def _ttl_header(ttl_s: float) -> str:
@@ -265,19 +283,20 @@ class Lease:
         self._revision = seq
         self._valid_until = started + self.ttl_s
 
-    async def stored_at(self) -> float | None:
-        """When the server stored this instance's last write of the lease (UNIX seconds,
-        the server's clock), or None when it holds none or the server does not say: what
-        a control plane measures its clock against (llmgw.control.servertime)."""
-        if self._revision == 0:
+    async def server_time(self) -> float | None:
+        """The server's clock now, as it answers a request (the `ts` of the lease
+        bucket's stream info), or None when it does not answer: what a control plane
+        measures its own clock against (llmgw.control.servertime). Reads only: any
+        instance may ask, leading or not."""
+        nc = client_of(self._js)
+        if nc is None:
             return None
         try:
-            msg = await self._js.get_msg(f"KV_{LEASE_BUCKET}", seq=self._revision)
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            msg = await nc.request(f"$JS.API.STREAM.INFO.KV_{LEASE_BUCKET}", b"", timeout=2.0)
+            stamp = json.loads(msg.data).get("ts")
+        except (nats.errors.Error, TimeoutError, ValueError):
             return None
-        if msg.time is None:
-            return None
-        return msg.time.timestamp()
+        return unix_time(stamp) if isinstance(stamp, str) else None
 
     def _lose(self, why: str) -> None:
         epoch = self.epoch

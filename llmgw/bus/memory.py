@@ -344,11 +344,8 @@ class MemoryLease:
         self._revision = self._bucket.write(self.name, self.epoch, self.ttl_s).revision
         self._valid_until = self._bucket.clock() + self.ttl_s
 
-    async def stored_at(self) -> float | None:
-        entry = self._bucket.entry()
-        if self._revision == 0 or entry is None or entry.revision != self._revision:
-            return None
-        return entry.expires - self.ttl_s
+    async def server_time(self) -> float | None:
+        return self._bucket.clock()
 
     async def release(self) -> None:
         if self._revision == 0:

@@ -138,8 +138,8 @@ class LeasePort(Protocol):
         """Extend the lease; raises LeaseLost when someone else holds it now."""
         ...
 
-    async def stored_at(self) -> float | None:
-        """When the server stored this instance's last write of the lease, by its clock."""
+    async def server_time(self) -> float | None:
+        """The server's clock now, or None when it does not answer."""
         ...
 
     async def release(self) -> None: ...

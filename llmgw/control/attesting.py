@@ -39,6 +39,10 @@ class Attester:
         self._covered = 0
         self._since = clock()
 
+    def clock_moved(self, step_s: float) -> None:
+        """The clock's reading was corrected by `step_s`: so is the last attestation's time."""
+        self._since += step_s
+
     # -- fed by the reader -----------------------------------------------------------------
 
     def accepted(self, seq: int, digest: bytes) -> None:

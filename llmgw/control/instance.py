@@ -131,6 +131,11 @@ class Instance:
             self.folded.live = True
             log.info("caught_up", name=self.name, folded_seq=self.state.last_seq)
 
+    def _clock_moved(self, step_s: float) -> None:
+        """The clock's offset changed by `step_s`: move what was read of it before."""
+        self.observing_since += step_s
+        self.attester.clock_moved(step_s)
+
     def _log_was_unavailable(self, why: str, *, quiet: bool = False) -> None:
         """Judge heartbeat silence only from now on.
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import time
 
 import msgspec
 import nats.errors
@@ -19,8 +18,6 @@ from llmgw.control import ids as ids_
 from llmgw.control import servertime
 from llmgw.control.instance import Instance, log
 from llmgw.core import events
-
-T = TypeVar("T")
 
 
 class Leadership(Instance):
@@ -51,12 +48,16 @@ class Leadership(Instance):
     async def _lease_loop(self) -> None:
         lease = self._lease
         assert lease is not None
+        measured = time.monotonic()
         while not self._stopping:
+            if time.monotonic() - measured >= lease.renew_every_s:
+                measured = time.monotonic()
+                await self._measure_clock()
             if not self.leading:
                 wait = min(lease.renew_every_s, 0.25)
                 if self.caught_up.is_set():
                     try:
-                        if await self._timed(lease.acquire):
+                        if await lease.acquire():
                             # A lease lapses when the log cannot be written: silence
                             # from before it is no evidence against the nodes.
                             self._log_was_unavailable("lease acquired")
@@ -70,7 +71,7 @@ class Leadership(Instance):
             else:
                 wait = lease.renew_every_s
                 try:
-                    await self._timed(lease.renew)
+                    await lease.renew()
                 except bus.LeaseLost as exc:
                     self._step_down(str(exc))
                     wait = 0.25
@@ -81,22 +82,23 @@ class Leadership(Instance):
                     wait = 0.2
             await asyncio.sleep(wait)
 
-    async def _timed(self, write: Callable[[], Awaitable[T]]) -> T:
-        """`write` the lease, and measure this host's clock against the time the server
-        stored the write (llmgw.control.servertime): the leader's "now" is the server's."""
-        sent = self.clock.wall()
-        result = await write()
-        received = self.clock.wall()
+    async def _measure_clock(self) -> None:
+        """Measure this host's clock against the server's (llmgw.control.servertime): the
+        control plane's "now" is the server's, whatever its host's clock says."""
         assert self._lease is not None
-        stored = await self._lease.stored_at()
-        if stored is not None:
-            self._observe_clock(servertime.Sample(sent, stored, received))
-        return result
+        sent = self.clock.wall()
+        stamp = await self._lease.server_time()
+        received = self.clock.wall()
+        if stamp is not None:
+            self._observe_clock(servertime.Sample(sent, stamp, received))
 
     def _observe_clock(self, sample: servertime.Sample) -> None:
         clock = self.clock
-        was = abs(clock.offset) > servertime.WARN_S
+        was, before = abs(clock.offset) > servertime.WARN_S, clock.offset
         clock.observe(sample)
+        # What was read of the clock before is moved with it (the same instant, told by
+        # the server's clock): only the first measurement moves it far.
+        self._clock_moved(clock.offset - before)
         self.metrics.clock_offset.set(clock.offset)
         off = abs(clock.offset) > servertime.WARN_S
         if off and not was:

@@ -4,14 +4,17 @@ The leader judges a node by the age of its last heartbeat: the time the NATS ser
 stored it against the leader's "now". If "now" were the leader host's own clock, a host
 whose clock ran ahead by more than `lost_after_s` (a failed NTP daemon, a virtual
 machine resumed from a pause) would find every node lost at once and replace every
-replica of the fleet. So the control plane's "now" is the server's time: its host's
-clock plus an offset it measures on every write of the leader lease, the one message it
-writes every few seconds and whose stored time it can read back (`LeasePort.stored_at`).
+replica of the fleet; one behind would keep a dead node alive as long. So a control
+plane's "now" is the server's time: its host's clock plus an offset it measures when it
+starts, before it reads the log, and every few seconds after, by asking the server for
+its time (`LeasePort.server_time`: the `ts` a JetStream stream info answers with).
 
-A measurement brackets the write with two readings of the host's clock (`sent`,
-`received`); the server stored it somewhere in between, so the offset is the stored time
-less the midpoint, within half the round trip. Of the last few measurements the one with
-the shortest round trip is used (as NTP does): a write slowed by a retry says little.
+A measurement brackets the request with two readings of the host's clock (`sent`,
+`received`); the server answered somewhere in between, so the offset is its time less
+the midpoint, within half the round trip. Of the last few measurements the one with the
+shortest round trip is used (as NTP does): an answer slowed by a busy server says little.
+After the first, the time read stays continuous when the host's clock is stepped (the
+next measurement takes the step back out).
 """
 
 from __future__ import annotations

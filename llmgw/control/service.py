@@ -67,6 +67,7 @@ class ControlService(Deciding, Snapshotting):
         runner = None
         try:
             log_ = await self._attach(ports)
+            await self._measure_clock()  # before anything is judged by it
             runner = await admin.start(self)
             await self._start_reading(log_)
             self.ready.set()

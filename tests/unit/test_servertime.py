@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.bus.lease import unix_time
 from llmgw.control.servertime import KEPT, Sample, ServerTime, offset_of
 
 offsets = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
@@ -76,3 +78,31 @@ def test_only_the_last_measurements_count() -> None:
         clock.observe(Sample(i, i + 0.5 - 7.0, i + 1.0))
     assert clock.offset == pytest.approx(-7.0)
     assert clock.uncertainty == pytest.approx(0.5)
+
+
+instants = st.datetimes(
+    min_value=datetime.datetime(2000, 1, 1), max_value=datetime.datetime(2200, 1, 1)
+)
+
+
+@given(instants, st.integers(min_value=0, max_value=999), st.booleans())
+def test_the_servers_time_reads_as_it_writes_it(
+    when: datetime.datetime, nanos: int, whole: bool
+) -> None:
+    # nats-server writes RFC 3339 in UTC with up to nine digits of a second, or none.
+    base = when.replace(microsecond=0) if whole else when
+    text = base.strftime("%Y-%m-%dT%H:%M:%S")
+    if not whole:
+        text += f".{base.microsecond:06d}{nanos:03d}"
+    found = unix_time(text + "Z")
+    expected = base.replace(tzinfo=datetime.UTC).timestamp() + (0 if whole else nanos / 1e9)
+    assert found is not None
+    assert found == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "now", "2026-12-05T16:55:19.x1Z", "2026-12-05T16:55:19+01:00", "2026-13-05T16:55:19Z"],
+)
+def test_what_is_not_the_servers_time_reads_as_none(text: str) -> None:
+    assert unix_time(text) is None
