@@ -13,8 +13,8 @@ A measurement brackets the request with two readings of the host's clock (`sent`
 `received`); the server answered somewhere in between, so the offset is its time less
 the midpoint, within half the round trip. Of the last few measurements the one with the
 shortest round trip is used (as NTP does): an answer slowed by a busy server says little.
-After the first, the time read stays continuous when the host's clock is stepped (the
-next measurement takes the step back out).
+When the host's clock is stepped, the next measurement cannot agree with those before: it
+starts the count over, so the step is out of the time read a few seconds later.
 """
 
 from __future__ import annotations
@@ -67,7 +67,12 @@ class ServerTime:
         return self.wall() + self.offset
 
     def observe(self, sample: Sample) -> None:
-        """Take one measurement into account."""
+        """Take one measurement into account. One that cannot agree with the offset in
+        use (their ranges do not meet) means that a clock was stepped since: what was
+        measured before is dropped, so the step is out with this one measurement."""
+        alone = offset_of([sample])
+        if alone is not None and abs(alone[0] - self.offset) > alone[1] + self.uncertainty:
+            self._samples.clear()
         self._samples.append(sample)
         found = offset_of(self._samples)
         if found is not None:

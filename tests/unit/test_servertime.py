@@ -106,3 +106,22 @@ def test_the_servers_time_reads_as_it_writes_it(
 )
 def test_what_is_not_the_servers_time_reads_as_none(text: str) -> None:
     assert unix_time(text) is None
+
+
+@given(offsets, sends, trips, st.floats(min_value=-1e5, max_value=1e5, allow_nan=False))
+def test_one_measurement_takes_a_step_of_the_hosts_clock_out(
+    offset: float, sent: float, trips: list[tuple[float, float]], step: float
+) -> None:
+    clock = ServerTime(lambda: 0.0)
+    for sample in _samples(offset, sent, trips):
+        clock.observe(sample)
+    # The host's clock jumps by `step`: the server's is now `offset - step` ahead of it.
+    after = sent + len(trips) + 10.0 + step
+    clock.observe(Sample(after, after + 0.25 + offset - step, after + 0.5))
+    # A step within what the measurements can tell apart (their ranges meet) may stay
+    # hidden in them; a larger one is out at once.
+    error = abs(clock.offset - (offset - step))
+    assert error <= clock.uncertainty + 0.25 + 1e-5
+    if abs(step) > 5.0 + 0.25 + 1e-5:  # beyond any two ranges here
+        assert error <= clock.uncertainty + 1e-5
+        assert clock.uncertainty == pytest.approx(0.25)
