@@ -164,16 +164,17 @@ class Fleet:
         tokens = prompts.for_profile(MODELS[0])
         assert tokens is not None
         got = tokens.tokens(parsed)
-        if got is None:
-            return
-        keys = got.keys(16, kvblocks.salt_root(salt))[:blocks]
-        if not keys:
-            return
+        if got is not None:
+            self.reports(ep_id, got.keys(16, kvblocks.salt_root(salt))[:blocks])
+
+    def reports(self, ep_id: str, keys: list[int]) -> None:
+        """The engine of `ep_id` reports storing the blocks of `keys` (none: it reports,
+        holding nothing more)."""
         index = self.router.dispatcher.kv.index
         held = index.endpoints.get((NODES[ep_id], ep_id))
         seq = held.seq + 1 if held is not None else 1
         update = KvUpdate(endpoint=ep_id, model="m", block_size=16, instance="i", seq=seq,
-                          full=held is None, stored=keys, roots=[keys[0]], ts=WALL)  # fmt: skip
+                          full=held is None, stored=keys, roots=keys[:1], ts=WALL)  # fmt: skip
         assert index.apply(update, NODES[ep_id], WALL) is None
 
 

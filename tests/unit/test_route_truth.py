@@ -137,3 +137,61 @@ def test_route_names_the_replica_the_front_door_then_sends_the_body_to(
     with frozen_clocks():
         named, went, said = asyncio.run(_scenario(mode, models, states, cached, history, final))
     assert named == went, said
+
+
+async def _b_sees(
+    mode: tenancy.CacheIsolation,
+    states: dict[str, dict[str, Any]],
+    a_sent: int | None,
+    a_cached_at: str,
+    b_asks: dict[str, Any],
+) -> Any:
+    """Tenant B's /route answer after tenant A (another team, another key) sent the prompt
+    `SYSTEMS[a_sent]` and its engine reported caching it at `a_cached_at`; or, `a_sent`
+    None, after A sent a request too short to have a prefix (its tie draws are the same)
+    and that engine reported nothing of it."""
+    fleet = Fleet(route_kit.config(mode))
+    for ep_id, state in states.items():
+        for name, value in state.items():
+            setattr(fleet.endpoint(ep_id), name, value)
+    if a_sent is None:
+        fleet.reports(a_cached_at, [])
+        a_body = msgspec.json.encode(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        )
+    else:
+        a_body = body("chat", "m", a_sent, "Q1?", None)
+        a_salt = tenancy.cache_salt(mode, "ka", route_kit.TENANTS["ka"][0])
+        fleet.cached(a_cached_at, requests.parse("chat", a_body, want_text=True), a_salt, 12)
+    await fleet.send(PATH_OF["chat"], a_body, auth_headers("ka", "s1"))
+    status, said = await fleet.route(*_request({**b_asks, "key": "kb"}))
+    assert status == 200, said
+    return said
+
+
+@settings(max_examples=60)
+@given(
+    mode=st.sampled_from(("team", "key")),
+    states=st.fixed_dictionaries({ep: endpoint_states for ep in ENDPOINTS}),
+    a_sent=st.integers(0, len(SYSTEMS) - 1),
+    a_cached_at=st.sampled_from(ENDPOINTS),
+    b_asks=asked.filter(
+        lambda r: r["model"] in ("m", "ma") and r["kind"] in ("chat", "completions")
+    ),
+)
+def test_under_isolation_route_tells_a_tenant_nothing_of_anothers_prefixes(
+    mode: tenancy.CacheIsolation,
+    states: dict[str, dict[str, Any]],
+    a_sent: int,
+    a_cached_at: str,
+    b_asks: dict[str, Any],
+) -> None:
+    """Whether tenant A sent a prefix (one of B's own, maybe) and its engine cached it, or
+    A sent nothing with a prefix, B's /route answer is the same: its cached tokens are of
+    its own salted prefixes, and neither prefix families nor the KV index's totals (every
+    tenant's) are shown, nor counted in its ranking."""
+    states = {ep: {**s, "ready": True} for ep, s in states.items()}
+    with frozen_clocks():
+        seen = asyncio.run(_b_sees(mode, states, a_sent, a_cached_at, b_asks))
+        unseen = asyncio.run(_b_sees(mode, states, None, a_cached_at, b_asks))
+    assert seen == unseen
