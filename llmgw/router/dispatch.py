@@ -158,6 +158,7 @@ class Dispatcher:
         g = choice.grounds(self, parsed, profile, state.principal,
                            request.headers.get(self._session_header, ""), time.time())  # fmt: skip
         salt, hashes, session_key, plan = g.salt, g.hashes, g.session_key, g.plan
+        # Without fallbacks (the common case) no closure is made per request.
         planner = choice.planner(self, self._chain(profile, state), state.start, g,
                                  self._fallback_hook(profile.name, state.rid)
                                  if profile.fallbacks else self._ranked)  # fmt: skip

@@ -195,3 +195,34 @@ def test_under_isolation_route_tells_a_tenant_nothing_of_anothers_prefixes(
         seen = asyncio.run(_b_sees(mode, states, a_sent, a_cached_at, b_asks))
         unseen = asyncio.run(_b_sees(mode, states, None, a_cached_at, b_asks))
     assert seen == unseen
+
+
+async def _fallback_said() -> tuple[int, Any, str | None]:
+    fleet = Fleet(route_kit.config("shared", {"e0": ("f",), "e1": ("f",), "e2": ("f",)}))
+    for ep_id in ENDPOINTS:
+        fleet.endpoint(ep_id).ready = ep_id != "e3"  # e3, `m`'s only endpoint, is down
+    asked = body("chat", "ma", 0, "Q1?", None)
+    status, said = await fleet.route(PATH_OF["chat"], asked, auth_headers("ka", None))
+    _, went = await fleet.send(PATH_OF["chat"], asked, auth_headers("ka", None))
+    return status, said, went
+
+
+def test_route_names_the_fallback_model_a_request_for_a_model_without_endpoints_gets() -> None:
+    with frozen_clocks():
+        status, said, went = asyncio.run(_fallback_said())
+    assert status == 200, said
+    assert said["model"] == "m"
+    assert said["chosen"] == {"endpoint": went, "model": "f"}
+    assert {a["model"] for a in said["attempts"]} == {"f"}
+
+
+async def _said_of(path: str) -> tuple[int, Any]:
+    fleet = Fleet(route_kit.config("shared"))
+    return await fleet.route(path, body("chat", "m", 0, "Q1?", None), auth_headers(None, None))
+
+
+def test_route_refuses_a_path_the_front_door_does_not_serve_naming_those_it_does() -> None:
+    status, said = asyncio.run(_said_of("/v1/chat"))
+    assert status == 400
+    assert "?path=/v1/chat is not a path the front door serves" in said["error"]
+    assert "/v1/messages" in said["error"]
