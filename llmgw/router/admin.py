@@ -57,7 +57,7 @@ def _handlers(router: Router) -> dict[tuple[str, str], Handler]:
             return refused
         try:
             session = request.headers.get(router.cfg.session_header, "")
-            answer = explain(body, router.catalog, router.dispatcher, principal,
+            answer = explain(body, router.dispatcher, principal,
                              path=request.query.get("path"), session=session)  # fmt: skip
         except ExplainError as exc:
             return web.json_response({"error": str(exc)}, status=exc.status)

@@ -42,7 +42,6 @@ from llmgw.router.auth import Principal
 from llmgw.router.dispatch import Dispatcher
 from llmgw.router.errors import Refusal, Retry
 from llmgw.router.kvroute import CachePlan
-from llmgw.router.table import Catalog
 
 NOT_SENT = Retry("explained", 503, "not sent: /route only explains", fault=False)
 """What each attempt /route walks through is told, so that the planner offers the next."""
@@ -108,7 +107,6 @@ def _admitted(
 
 def explain(
     body: bytes,
-    catalog: Catalog,
     dispatcher: Dispatcher,
     principal: Principal | None = None,
     *,
@@ -119,7 +117,7 @@ def explain(
     would be decided now, for the caller `principal` (None: anonymous, on a router that
     takes anonymous requests). Raises ExplainError, also for a model the caller's key may
     not use: what the engines hold for a prompt is no more to be learnt here than by
-    sending it. (`catalog`: the dispatcher's.)"""
+    sending it."""
     kind, path = _api(body, path)
     d = dispatcher
     parsed, profile = _admitted(kind, path, body, d, principal)
