@@ -37,7 +37,7 @@ import msgspec
 from llmgw.core import routing
 from llmgw.core.profile import ModelProfile
 from llmgw.router import admission, apis, choice, requests
-from llmgw.router.attempts import Attempt
+from llmgw.router.attempts import Attempt, Planner
 from llmgw.router.auth import Principal
 from llmgw.router.dispatch import Dispatcher
 from llmgw.router.errors import Refusal, Retry
@@ -124,20 +124,7 @@ def explain(
     now = time.monotonic()
     g = choice.grounds(d, parsed, profile, principal, session, time.time())
     models, skipped = choice.chain(d, profile, principal, kind)
-    ranked: dict[str, routing.Ranking] = {}
-
-    def remember(n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
-        ranked.setdefault(prof.name, ranking)
-
-    draws = random.Random()
-    draws.setstate(d.rng.getstate())  # the numbers the next request draws, left to it
-    planner = choice.planner(d, models, now, g, remember, d.rules.drawing(draws.random))
-    attempts: list[Attempt] = []
-    step = planner.next(now)
-    while isinstance(step, Attempt):
-        attempts.append(step)
-        planner.failed(NOT_SENT)
-        step = planner.next(now)
+    planner, attempts, step, ranked = _walk(d, models, now, g)
     first = attempts[0] if attempts else None
     out: dict[str, Any] = {
         "path": path,
@@ -147,7 +134,7 @@ def explain(
         "attempts": [{"endpoint": a.endpoint.id, "model": a.profile.name} for a in attempts],
         "filtered_out": ranked[profile.name].drops if profile.name in ranked else {},
     }
-    if first is None and isinstance(step, Refusal):
+    if first is None and step is not None:
         out["refused"] = step.message
     if skipped:
         out["fallbacks_skipped"] = [p.name for p in skipped]
@@ -160,6 +147,30 @@ def explain(
     if g.plan is None:
         return {**out, **_by_weights(d, profile.name, query)}
     return {**out, **_by_cost(d, profile.name, g.plan, query, shared)}
+
+
+def _walk(
+    d: Dispatcher, models: list[ModelProfile], now: float, g: choice.Grounds
+) -> tuple[Planner, list[Attempt], Refusal | None, dict[str, routing.Ranking]]:
+    """The front door's planner over `models` on grounds `g`, walked through every attempt
+    it would make at `now` (none is sent), its tie-breaks the ones the next request will
+    draw: the planner, its attempts, its refusal once none is left, and each model's
+    ranking."""
+    ranked: dict[str, routing.Ranking] = {}
+
+    def remember(n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
+        ranked.setdefault(prof.name, ranking)
+
+    draws = random.Random()
+    draws.setstate(d.rng.getstate())  # a copy: the router's own draws are left to requests
+    planner = choice.planner(d, models, now, g, remember, d.rules.drawing(draws.random))
+    attempts: list[Attempt] = []
+    step = planner.next(now)
+    while isinstance(step, Attempt):
+        attempts.append(step)
+        planner.failed(NOT_SENT)
+        step = planner.next(now)
+    return planner, attempts, step, ranked
 
 
 def _by_cost(
