@@ -56,7 +56,9 @@ def _handlers(router: Router) -> dict[tuple[str, str], Handler]:
                 refused.force_close()
             return refused
         try:
-            answer = explain(body, router.catalog, router.dispatcher, principal)
+            session = request.headers.get(router.cfg.session_header, "")
+            answer = explain(body, router.dispatcher, principal,
+                             path=request.query.get("path"), session=session)  # fmt: skip
         except ExplainError as exc:
             return web.json_response({"error": str(exc)}, status=exc.status)
         return web.json_response(answer)

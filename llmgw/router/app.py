@@ -47,6 +47,7 @@ from llmgw.router import (
     aiohttp_direct,
     apis,
     auth,
+    choice,
     cors,
     isolation,
     protocol,
@@ -123,7 +124,7 @@ class Router:
         self._access_log = log.is_enabled_for(logging.DEBUG)
         self._rid_prefix = f"{os.urandom(4).hex()}-"
         self._rid = 0
-        self._use_prefix = cfg.weights.prefix > 0 or cfg.cache.enabled
+        self._use_prefix = choice.wants_text(cfg)
         self._log_keys: dict[str, state.KeyState] = {}
         self.tracer = Tracer(cfg.traces) if cfg.traces is not None else None
 
@@ -408,9 +409,7 @@ class Router:
         if isinstance(profile, Refusal):
             return refusal_response(profile, rid, kind)
         outcome.model = profile.name
-        refused = apis.unsupported(kind, profile, request.path) or admission.admit(
-            principal, parsed.model, profile
-        )
+        refused = choice.refusal(kind, request.path, principal, parsed.model, profile)
         prompt_chars = len(parsed.text) or len(body)
         if refused is None and principal is not None:
             outcome.principal = principal

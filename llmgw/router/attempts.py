@@ -93,6 +93,11 @@ class Rules:
         self.draw = draw
         self.cost = cost
 
+    def drawing(self, draw: Callable[[], float]) -> Rules:
+        """The same rules with ties drawn by `draw`."""
+        return Rules(self.endpoints, weights=self.weights, policy=self.policy,
+                     max_attempts=self.max_attempts, draw=draw, cost=self.cost)  # fmt: skip
+
 
 class Planner:
     """One request's attempts, planned one at a time (see the module's docstring)."""
@@ -161,12 +166,12 @@ class Planner:
                 return self._refusal()
             self._rank(now)
 
-    def _rank(self, now: float) -> None:
-        prof = self._chain[self._n]
+    def query(self, prof: ModelProfile, now: float) -> routing.Query:
+        """What the endpoints of `prof`, a model of the chain, are ranked on at `now`."""
         rules = self._rules
         cache = self._cache
         if cache is not None and cache[0] == prof.name:
-            q = routing.Query(
+            return routing.Query(
                 model=prof.name,
                 now=now,
                 policy=rules.policy,
@@ -176,15 +181,19 @@ class Planner:
                 tie_key=cache[4],
                 cost=rules.cost,
             )
-        else:
-            q = routing.Query(
-                model=prof.name,
-                now=now,
-                policy=rules.policy,
-                prefix_blocks=self._prefix_blocks,
-                prefix_hits=self._prefix_hits,
-                session_endpoint=self._session,
-            )
+        return routing.Query(
+            model=prof.name,
+            now=now,
+            policy=rules.policy,
+            prefix_blocks=self._prefix_blocks,
+            prefix_hits=self._prefix_hits,
+            session_endpoint=self._session,
+        )
+
+    def _rank(self, now: float) -> None:
+        prof = self._chain[self._n]
+        rules = self._rules
+        q = self.query(prof, now)
         ranking = routing.rank(rules.endpoints(prof.name), q, rules.weights, rules.draw())
         self._on_rank(self._n, prof, ranking)
         self._order = ranking.order[: rules.max_attempts]

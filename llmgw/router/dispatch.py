@@ -24,15 +24,15 @@ from llmgw import logs
 from llmgw.core import breaker, redaction, routing
 from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import admission, apis, errors, isolation, requests, tracecontext
+from llmgw.router import admission, apis, choice, errors, isolation, requests, tracecontext
 from llmgw.router import upstream as upstream_http
 from llmgw.router.accounting import Accounting
-from llmgw.router.attempts import Attempt, Planner, Rules, fallback_chain
+from llmgw.router.attempts import Attempt, Rules
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, as_retry, refusal_response
 from llmgw.router.holding import Holds
-from llmgw.router.kvroute import CachePlan, KvRouting, salted_hashes
+from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
 from llmgw.router.queueing import Queues
 from llmgw.router.quotas import Quotas
@@ -94,7 +94,7 @@ class Dispatcher:
         self._session_header = cfg.session_header
         self._isolation = cfg.tenancy.cache_isolation
         self._debug = log.is_enabled_for(logging.DEBUG)
-        self._rules = Rules(
+        self.rules = Rules(
             self._routable,
             weights=cfg.weights,
             policy=cfg.breaker,
@@ -112,36 +112,14 @@ class Dispatcher:
         profile = self.catalog.profiles.get(model)
         return eps if profile is None else self.queues.with_room(profile, eps)
 
-    def _planner(
-        self, parsed: requests.Parsed, profile: ModelProfile, state: ClientStream,
-        hashes: list[bytes], session_ep: str, plan: CachePlan | None,
-    ) -> Planner:  # fmt: skip
-        if profile.fallbacks:
-            principal, rid, kind = state.principal, state.rid, state.kind
-            chain, skipped = fallback_chain(
-                profile,
-                self.catalog.resolve,
-                lambda name, p: admission.may_use(principal, name, p) and apis.serves(kind, p),
-            )
-            for p in skipped:  # the key may not use it, or its engine lacks the API
-                log.info("fallback_skipped", request_id=rid, model=profile.name,
-                         fallback=p.name, api_served=apis.serves(kind, p))  # fmt: skip
-            on_rank = self._fallback_hook(profile.name, rid)
-        else:
-            # The common case: one model, no fallback to log; no closure made per request.
-            chain, on_rank = [profile], self._ranked
-        return Planner(
-            chain,
-            self._rules,
-            state.start,
-            len(hashes),
-            self.prefix.match(hashes) if hashes else {},
-            session_ep,
-            on_rank,
-            (plan.model, plan.prompt_tokens, plan.cached, plan.families, plan.tie_key)
-            if plan is not None
-            else None,
-        )
+    def _chain(self, profile: ModelProfile, state: ClientStream) -> list[ModelProfile]:
+        """The models a request may be served by (llmgw.router.choice), its skipped
+        fallbacks logged."""
+        models, skipped = choice.chain(self, profile, state.principal, state.kind)
+        for p in skipped:  # the key may not use it, or its engine lacks the API
+            log.info("fallback_skipped", request_id=state.rid, model=profile.name,
+                     fallback=p.name, api_served=apis.serves(state.kind, p))  # fmt: skip
+        return models
 
     def _ranked(self, n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
         """The planner ranked a model's endpoints: the routing metrics."""
@@ -173,21 +151,17 @@ class Dispatcher:
         profile: ModelProfile,
         state: ClientStream,
     ) -> web.StreamResponse:
-        cfg = self.cfg
         self.received[profile.name] = self.received.get(profile.name, 0) + 1
         waited = await self._wait_for_room(profile, state)
         if waited is not None:
             return await self._refuse(waited, profile, state)
-        salt = isolation.request_salt(self._isolation, parsed, state.principal)
-        hashes = salted_hashes(self.chat_hashes.hashes(
-            parsed.chat, parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks
-        ), salt)  # fmt: skip
-        session_key = isolation.session_key(
-            request.headers.get(self._session_header, ""), salt, self._isolation != "shared"
-        )
-        session_ep = self.sessions.get(session_key, "") if session_key else ""
-        plan = self._cache_plan(parsed, profile, hashes, salt)
-        planner = self._planner(parsed, profile, state, hashes, session_ep, plan)
+        g = choice.grounds(self, parsed, profile, state.principal,
+                           request.headers.get(self._session_header, ""), time.time())  # fmt: skip
+        salt, hashes, session_key, plan = g.salt, g.hashes, g.session_key, g.plan
+        # Without fallbacks (the common case) no closure is made per request.
+        planner = choice.planner(self, self._chain(profile, state), state.start, g,
+                                 self._fallback_hook(profile.name, state.rid)
+                                 if profile.fallbacks else self._ranked)  # fmt: skip
         up_body, body_of = body, ""  # the body as the engine gets it, and for which model
         while True:
             step = planner.next(time.monotonic())
@@ -241,27 +215,6 @@ class Dispatcher:
         if waited and state.trace is not None:
             state.trace.queue = (waited, time.monotonic())
         return refused
-
-    def _cache_plan(
-        self,
-        parsed: requests.Parsed,
-        profile: ModelProfile,
-        hashes: list[bytes],
-        salt: str | None = None,
-    ) -> CachePlan | None:
-        """What each endpoint of the model holds of the prompt (llmgw.router.kvroute), for
-        a request the engine gets with `cache_salt` = `salt` (`hashes` salted already)."""
-        if not self.cfg.cache.enabled or not parsed.text:
-            return None
-        return self.kv.plan(
-            parsed,
-            profile,
-            self.table.for_model(profile.name),
-            text_index=self.prefix,
-            text_hashes=hashes,
-            block_chars=self.cfg.prefix.block_chars,
-            salt=salt,
-        )
 
     def _sending_on_cache(self, plan: CachePlan, step: Attempt, state: ClientStream) -> None:
         """An attempt of a request ranked on the cache is about to go out: remember its

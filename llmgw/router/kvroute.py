@@ -130,10 +130,12 @@ class KvRouting:
         block_chars: int = 256,
         now: float | None = None,
         salt: str | None = None,
+        families: bool = True,
     ) -> CachePlan | None:
         """The plan of a request, or None where its tokens cannot be known. `salt`: the
         `cache_salt` the engine gets with it (its text hashes already salted the same way:
-        `salted_hashes`)."""
+        `salted_hashes`). `families`: count each endpoint's prefix families (every
+        tenant's: the index cannot tell whose a family is)."""
         tokenizer = prompts.for_profile(profile)
         if tokenizer is None:
             return None
@@ -169,9 +171,10 @@ class KvRouting:
                 n, source = recent_blocks * DEFAULT_BLOCK_SIZE, "recent"
             n = int(n * self.reliability.get(ep.id, 1.0))
             plan.by_endpoint[ep.id] = Source(min(n, whole), source)
-            # Families it holds by its events, and those this router just sent there.
-            roots = self.index.roots(ep.id, ep.node, now) | self.recent.roots(ep.id, now)
-            plan.families[ep.id] = len(roots)
+            if families:
+                # Families it holds by its events, and those this router just sent there.
+                roots = self.index.roots(ep.id, ep.node, now) | self.recent.roots(ep.id, now)
+                plan.families[ep.id] = len(roots)
         return plan
 
     def routed(self, plan: CachePlan, endpoint: routing.EndpointState, now: float) -> int:

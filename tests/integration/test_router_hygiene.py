@@ -335,9 +335,9 @@ def test_route_asks_for_a_key_that_may_use_the_model(tmp_path: Path, sim: Sim) -
         status, answer = _route(r.admin, asked, f"Bearer {elsewhere}")
         assert status == 403, answer
         assert "endpoints" not in answer
-        # A model the router does not serve is a 400, as at the front door.
+        # A model the router does not serve is a 404, as at the front door.
         status, answer = _route(r.admin, b'{"model": "other", "prompt": "hi"}', f"Bearer {ok}")
-        assert status == 400, answer
+        assert status == 404, answer
         status, answer = _route(r.admin, asked, f"Bearer {ok}")
         assert status == 200, answer
         assert answer["model"] == "m"

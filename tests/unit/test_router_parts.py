@@ -444,7 +444,7 @@ def test_the_admin_route_explainer_refuses_what_is_no_request_with_why(
     from llmgw.router.explain import ExplainError, explain
 
     with pytest.raises(ExplainError, match=says):
-        explain(body, None, None)  # type: ignore[arg-type]  # refused before either is used
+        explain(body, None)  # type: ignore[arg-type]  # refused before it is used
 
 
 def counted(usage: dict[str, int]) -> tuple[int, int]:
