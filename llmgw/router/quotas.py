@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Literal
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
@@ -38,6 +37,7 @@ from llmgw.router import admission, auth, requests
 from llmgw.router import ports as ports_
 from llmgw.router.config import DEFAULT_MAX_TOKENS, LogSource
 from llmgw.router.errors import Refusal
+from llmgw.router.holds import Held, Owed, Owing, local_hold, local_limits, tightest_limit
 
 log = logs.get("llmgw.router.quotas")
 
@@ -46,7 +46,7 @@ FLUSH_S = 0.25
 DEBT_WINDOWS = 9
 """How many windows ahead a debt is added at once: the counters live ten minutes
 (llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten. What
-is owed beyond them is kept (`_Owed.debt`) and added when their turn comes."""
+is owed beyond them is kept (`Owed.debt`) and added when their turn comes."""
 USAGE_FLUSH_S = 10.0
 
 
@@ -61,78 +61,6 @@ class _Lease:
         self.exhausted = False
 
 
-Owing = Literal["", "day", "month"]
-"""What a charge is owed to: a key's tokens/min window (""), or its budget's period."""
-
-
-class _Owed:
-    """A key's tokens used beyond their holds, not yet charged, and its limit; for its
-    window, the `debt` no counter holds yet, due from window number `due` on."""
-
-    __slots__ = ("amount", "debt", "due", "limit")
-
-    def __init__(self) -> None:
-        self.amount = 0
-        self.limit = 0
-        self.debt = 0
-        self.due = 0
-
-    def due_now(self, wall: float) -> int:
-        """The debt to add to the counter of the window holding `wall`."""
-        return self.debt if quota.window(wall, quota.TOKENS_WINDOW_S) >= self.due else 0
-
-
-class Held:
-    """The tokens a request holds of its key's window and budget until it is settled:
-    `window` and `period` name the pools they came from (None: no such limit); `local`:
-    from this router's own bucket."""
-
-    __slots__ = ("local", "period", "principal", "tokens", "window")
-
-    def __init__(
-        self, principal: auth.Principal, tokens: int, window: int | None, period: str | None,
-        *, local: bool = False,
-    ) -> None:  # fmt: skip
-        self.principal = principal
-        self.tokens = tokens
-        self.window = window
-        self.period = period
-        self.local = local
-
-
-LONGEST_WAIT_S = 86_400.0
-"""The longest wait a 429 of this router's buckets names (a rate of a request in years
-would name an infinite one)."""
-
-
-def local_limits(principal: auth.Principal, mono: float) -> Refusal | None:
-    """This router's own requests bucket (a keys-file key, or the counters out of reach)."""
-    bucket = principal.requests
-    if bucket is not None and not bucket.take(mono):
-        wait = min(bucket.refill_s(mono, 1.0), LONGEST_WAIT_S)
-        return admission.over_requests(principal, 0, wait)
-    return None
-
-
-def local_hold(principal: auth.Principal, need: int, mono: float) -> Held | Refusal:
-    """`need` tokens of this router's own tokens bucket, held until the request is settled.
-    A 429 says when the bucket holds them again: after answers larger than their holds,
-    minutes away."""
-    bucket = principal.tokens
-    if bucket is None:
-        return Held(principal, need, None, None, local=True)
-    if not bucket.take(mono, need):
-        wait = min(bucket.refill_s(mono, need), LONGEST_WAIT_S)
-        return admission.over_tokens(principal, 0, wait)
-    return Held(principal, need, None, None, local=True)
-
-
-def tightest_limit(s: tenancy.KeySettings) -> int:
-    """The smallest of a metered key's token limits: its window's tokens, its budget."""
-    window = reserve.window_limit(s.tokens_per_min) if s.tokens_per_min else None
-    return min(n for n in (window, s.budget_tokens) if n)
-
-
 class Quotas:
     """One router process's share of the fleet's counters."""
 
@@ -144,7 +72,7 @@ class Quotas:
         """Each key's lease of its tokens/min window."""
         self._budgets: dict[str, reserve.Pool] = {}
         """Each key's lease of its budget period."""
-        self._owed: dict[tuple[str, Owing], _Owed] = {}
+        self._owed: dict[tuple[str, Owing], Owed] = {}
         """(key, its budget's period or "" for its window) -> its tokens used beyond their
         holds: the charges the flusher adds to the counters."""
         self.default_out = DEFAULT_MAX_TOKENS
@@ -367,11 +295,11 @@ class Quotas:
         if over:
             owed = self._owed.get((name, budget_period))
             if owed is None:
-                owed = self._owed[(name, budget_period)] = _Owed()
+                owed = self._owed[(name, budget_period)] = Owed()
             owed.amount += over
             owed.limit = limit
 
-    async def _pay(self, name: str, budget_period: Owing, owed: _Owed, wall: float) -> None:
+    async def _pay(self, name: str, budget_period: Owing, owed: Owed, wall: float) -> None:
         """Add what a key used beyond its holds to the counter of the window (or budget
         period) it is now; the part a window goes over by is carried into the next ones, a
         debt they start with, so the key's average over a few minutes stays at its limit."""

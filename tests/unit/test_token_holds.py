@@ -16,7 +16,8 @@ from llmgw.bus.counters import CounterError
 from llmgw.core import quota
 from llmgw.router import requests
 from llmgw.router.errors import Refusal
-from llmgw.router.quotas import Held, Quotas
+from llmgw.router.holds import Held
+from llmgw.router.quotas import Quotas
 from tests.unit.test_quotas import Store, key
 
 CAPS = st.none() | st.integers(0, 3) | st.integers(0, 10**7)
