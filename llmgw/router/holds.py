@@ -8,14 +8,13 @@ hold is owed (`Owed`) until the flusher adds it to the counters.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from llmgw.core import quota, reserve, tenancy
 from llmgw.router import admission, auth
 from llmgw.router.errors import Refusal
 
-Owing = Literal["", "day", "month"]
-"""What a charge is owed to: a key's tokens/min window (""), or its budget's period."""
+Owing = str
+"""What a charge is owed to: a key's tokens/min window (""), or its budget's period
+(`tenancy.period_of`: d20261202, m202612)."""
 
 
 class Owed:

@@ -20,7 +20,9 @@ So its limits hold for the fleet as a whole whatever the number of routers:
 Usage is batched (`USAGE_FLUSH_S`): its rate of writes grows with the keys and models in
 use, not with requests. A key of the keys file, or any key while the counters cannot be
 reached (no NATS, no stream yet), is limited by this router's own buckets (llmgw.router.auth):
-a stated degradation to per-router limits, logged, never a refusal of the fleet.
+a stated degradation to per-router limits, logged, never a refusal of the fleet. Not its
+budget: through an outage a router spends of it only its share of what it last read to be
+left, and adds what it spent to the counter when it answers again (`_hold_unreached`).
 """
 
 from __future__ import annotations
@@ -74,7 +76,12 @@ class Quotas:
         """Each key's lease of its budget period."""
         self._owed: dict[tuple[str, Owing], Owed] = {}
         """(key, its budget's period or "" for its window) -> its tokens used beyond their
-        holds: the charges the flusher adds to the counters."""
+        holds, and what of its budget this router leased itself while the counters could not
+        be reached: the charges the flusher adds to the counters."""
+        self.processes = 1
+        """The router processes serving the fleet (`auth.fleet_routers` times `workers`):
+        while the counters cannot be reached, this one leases a key's budget on its own, an
+        equal share of what it last read to be left (`_hold_unreached`)."""
         self.default_out = DEFAULT_MAX_TOKENS
         """The completion tokens a request naming no maximum is held to (the router's
         `auth.default_max_tokens`), at most the key's limit."""
@@ -175,14 +182,44 @@ class Quotas:
 
     async def hold(self, p: auth.Principal, need: int, wall: float, mono: float) -> Held | Refusal:
         """`need` tokens held of the key's window and budget (leased from the fleet's
-        counters when this router's leases lack them), else the 429."""
-        if not p.fleet or self.counters is None:
+        counters when this router's leases lack them), else the 429. While the counters
+        cannot be reached, its tokens/min are this router's bucket, and its budget this
+        router's share of what it last read to be left (`_hold_unreached`)."""
+        if not p.fleet:
             return local_hold(p, need, mono)
-        try:
-            return await self._hold_fleet(p, need, wall)
-        except CounterError as exc:
-            self._fell_back(exc)
+        if self.counters is not None:
+            try:
+                return await self._hold_fleet(p, need, wall)
+            except CounterError as exc:
+                self._fell_back(exc)
+        return self._hold_unreached(p, need, wall, mono)
+
+    def _hold_unreached(
+        self, p: auth.Principal, need: int, wall: float, mono: float
+    ) -> Held | Refusal:
+        """`need` tokens held while the counters cannot be reached: of the key's budget, from
+        what this router leased of it and then its own share of what it last read to be left
+        (`reserve.Pool.outage_lease`), owed to the counter; of its tokens/min, from this
+        router's bucket. A budget this router has no reading of for its period is refused:
+        nothing says whether it is spent."""
+        s = p.settings
+        if not s.budget_tokens:
             return local_hold(p, need, mono)
+        period = tenancy.period_of(wall, s.budget_period)
+        pool = self._budgets.get(p.name)
+        if pool is None or pool.period != period or not pool.read:
+            return admission.budget_unchecked(p, need, None)
+        if pool.left < need:
+            got = pool.outage_lease(need, s.budget_tokens, self.processes)
+            self.owe(p.name, period, got, s.budget_tokens)
+        if not pool.reserve(need):
+            return admission.budget_unchecked(p, need, pool.left + (pool.outage_left or 0))
+        held = local_hold(p, need, mono)
+        if isinstance(held, Refusal):
+            pool.settle(need, 0)
+            return held
+        held.period = period
+        return held
 
     async def _hold_fleet(self, p: auth.Principal, need: int, wall: float) -> Held | Refusal:
         s = p.settings
@@ -270,21 +307,20 @@ class Quotas:
         answered, refused later, cut by its client or its engine): the rest of its hold
         goes back to its pools; what it used beyond is charged, by the flusher."""
         p = held.principal
-        if held.local:
+        s = p.settings
+        if held.local:  # its tokens/min held of this router's bucket
             if p.tokens is not None:
                 p.tokens.spend(time.monotonic(), used - held.tokens)
-            return
-        s = p.settings
-        if held.window is not None:
+        elif held.window is not None:
             limit = reserve.window_limit(s.tokens_per_min or 1)
             self._charge(self._windows, held.window, held, used, limit, "")
         if held.period is not None:
             self._charge(self._budgets, held.period, held, used, s.budget_tokens or 0,
-                         s.budget_period)  # fmt: skip
+                         held.period)  # fmt: skip
 
     def _charge(
         self, pools: dict[str, reserve.Pool], period: int | str, held: Held, used: int,
-        limit: int, budget_period: Owing,
+        limit: int, owed_to: Owing,
     ) -> None:  # fmt: skip
         name = held.principal.name
         pool = pools.get(name)
@@ -292,22 +328,27 @@ class Quotas:
             over = pool.settle(held.tokens, used)
         else:  # its window or period is over: the rest it held is no one's any more
             over = max(0, used - held.tokens)
-        if over:
-            owed = self._owed.get((name, budget_period))
+        self.owe(name, owed_to, over, limit)
+
+    def owe(self, name: str, owed_to: Owing, amount: int, limit: int) -> None:
+        """Key `name` owes `amount` tokens to its window ("") or budget period `owed_to`:
+        the flusher adds them to its counter once it answers."""
+        if amount:
+            owed = self._owed.get((name, owed_to))
             if owed is None:
-                owed = self._owed[(name, budget_period)] = Owed()
-            owed.amount += over
+                owed = self._owed[(name, owed_to)] = Owed()
+            owed.amount += amount
             owed.limit = limit
 
-    async def _pay(self, name: str, budget_period: Owing, owed: Owed, wall: float) -> None:
-        """Add what a key used beyond its holds to the counter of the window (or budget
-        period) it is now; the part a window goes over by is carried into the next ones, a
-        debt they start with, so the key's average over a few minutes stays at its limit."""
+    async def _pay(self, name: str, owed_to: Owing, owed: Owed, wall: float) -> None:
+        """Add what a key owes to its counter: a budget's to the period it was used in,
+        however long ago; a window's to the window it is now, and the part that window goes
+        over by is carried into the next ones, a debt they start with, so the key's average
+        over a few minutes stays at its limit."""
         assert self.counters is not None
         amount = owed.amount
-        if budget_period:
-            subject = subjects.budget_counter(name, tenancy.period_of(wall, budget_period))
-            await self.counters.add(subject, amount)
+        if owed_to:
+            await self.counters.add(subjects.budget_counter(name, owed_to), amount)
             owed.amount -= amount
             return
         due = owed.due_now(wall)
@@ -379,6 +420,7 @@ class Quotas:
                 if time.monotonic() >= next_usage:
                     next_usage = time.monotonic() + USAGE_FLUSH_S
                     await self._flush_usage()
+                    await self.read_budgets()
             except CounterError as exc:
                 self._fell_back(exc)
 
@@ -386,11 +428,21 @@ class Quotas:
         """Charge every key's tokens used beyond their holds (`_pay`), at UNIX time `wall`."""
         if self.counters is None:
             return
-        for (name, budget_period), owed in list(self._owed.items()):
+        for (name, owed_to), owed in list(self._owed.items()):
             if owed.amount or owed.due_now(wall):
-                await self._pay(name, budget_period, owed, wall)
+                await self._pay(name, owed_to, owed, wall)
             elif not owed.debt:
-                del self._owed[(name, budget_period)]
+                del self._owed[(name, owed_to)]
+
+    async def read_budgets(self) -> None:
+        """Read the counter of every budget this router leased of (every `USAGE_FLUSH_S`,
+        after what it owed was added): should the counters go out of reach, its share of a
+        budget is reckoned from a reading this recent (`_hold_unreached`)."""
+        if self.counters is None:
+            return
+        for name, pool in list(self._budgets.items()):
+            subject = subjects.budget_counter(name, str(pool.period))
+            pool.reading(await self.counters.add(subject, 0))
 
     async def _flush_usage(self) -> None:
         """Add each (key, model)'s tokens and requests to its hourly counters."""
