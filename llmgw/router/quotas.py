@@ -132,20 +132,31 @@ class Quotas:
         if lease.window != w:
             lease.window, lease.left, lease.exhausted = w, 0, False
         if lease.left <= 0 and not lease.exhausted:
-            assert self.counters is not None
-            allowed = quota.allowance(per_s)
-            size = quota.lease_size(allowed)
-            total = await self.counters.add(subjects.limit_counter(p.name, "r", w), size)
-            got = quota.granted(total, size, allowed)
+            await self._lease_requests(lease, subjects.limit_counter(p.name, "r", w), per_s, w)
             if lease.window != w:
                 # The window turned during the round trip: that lease was for the last one.
                 return await self._take(p, per_s, max(wall, time.time()))
-            lease.left += got
-            lease.exhausted = got < size
         if lease.left <= 0:
             return admission.over_requests(p, 0, quota.reset_in(wall, span))
         lease.left -= 1
         return None
+
+    async def _lease_requests(self, lease: _Lease, subject: str, per_s: float, w: int) -> None:
+        """Lease requests of window `w`'s counter into `lease`. As a lease of tokens
+        (`_lease`), it goes on if the request waiting for it is cancelled: the counter
+        counts it either way, and a lease no router holds is lost to the key's window."""
+        assert self.counters is not None
+        counters = self.counters
+        allowed = quota.allowance(per_s)
+        size = quota.lease_size(allowed)
+
+        async def take() -> None:
+            got = quota.granted(await counters.add(subject, size), size, allowed)
+            if lease.window == w:  # else the window turned meanwhile: no use any more
+                lease.left += got
+                lease.exhausted = got < size
+
+        await tasks_.uncancelled(take())
 
     # ------------------------------------------------------------------ tokens held
 
