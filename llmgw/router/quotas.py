@@ -411,7 +411,8 @@ class Quotas:
             await tasks_.stop([self._task], who="router quotas")
 
     async def _connected(self, source: LogSource) -> None:
-        nc = await ports_.connect(source, source.tls_context())
+        # Unbuffered: a lease that fails while the server is away is never sent after it.
+        nc = await ports_.connect(source, source.tls_context(), buffered=False)
         try:
             self.counters = Counters(nc)
             self._degraded = False
