@@ -37,7 +37,8 @@ class Owed:
 class Held:
     """The tokens a request holds of its key's window and budget until it is settled:
     `window` and `period` name the pools they came from (None: no such limit); `local`:
-    from this router's own bucket."""
+    its tokens/min from this router's own bucket (a keys file's key, or the counters out of
+    reach), while `period` may still name its budget's pool."""
 
     __slots__ = ("local", "period", "principal", "tokens", "window")
 

@@ -432,7 +432,7 @@ class Quotas:
                 if time.monotonic() >= next_usage:
                     next_usage = time.monotonic() + USAGE_FLUSH_S
                     await self._flush_usage()
-                    await self.read_budgets()
+                    await self.read_budgets(time.time())
             except CounterError as exc:
                 self._fell_back(exc)
 
@@ -446,13 +446,17 @@ class Quotas:
             elif not owed.debt:
                 del self._owed[(name, owed_to)]
 
-    async def read_budgets(self) -> None:
+    async def read_budgets(self, wall: float) -> None:
         """Read the counter of every budget this router leased of (every `USAGE_FLUSH_S`,
         after what it owed was added): should the counters go out of reach, its share of a
         budget is reckoned from a reading this recent (`_hold_unreached`)."""
         if self.counters is None:
             return
+        current = {tenancy.period_of(wall, "day"), tenancy.period_of(wall, "month")}
         for name, pool in list(self._budgets.items()):
+            if pool.period not in current:  # its period is over: nothing more is leased of it
+                del self._budgets[name]
+                continue
             subject = subjects.budget_counter(name, str(pool.period))
             pool.reading(await self.counters.add(subject, 0))
 

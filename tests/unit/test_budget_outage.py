@@ -140,7 +140,7 @@ async def flush(store: Ledger, fleet: list[Router]) -> None:
         store.paying = True
         try:
             await r.quotas.pay_owed(WALL)
-            await r.quotas.read_budgets()
+            await r.quotas.read_budgets(WALL)
         except CounterError:
             pass
         finally:
@@ -196,7 +196,7 @@ def test_an_outage_spends_the_share_then_refuses_and_the_counter_gets_it_all() -
         first = await q.hold(p, 400, WALL, 0.0)
         assert isinstance(first, Held)
         q.settle(first, 400)
-        await q.read_budgets()
+        await q.read_budgets(WALL)
         store.down = True
         admitted = []
         for _ in range(4):
@@ -237,3 +237,31 @@ def test_the_routers_outage_leases_grant_no_more_than_their_readings_left(
     assert all(g <= reserve.outage_allowance(limit, total, processes) for g in granted)
     assert sum(granted) <= max(0, limit - total)
     assert reserve.Pool("d20261205").outage_lease(1, limit, processes) == 0  # never read
+
+
+def test_the_flusher_reads_the_budgets_of_their_current_period_only() -> None:
+    """A budget read on one day is read again that day; the day after, its pool is dropped
+    unread: the reads grow with the keys in use this period, not with every key ever used."""
+
+    class Reads(Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads: list[str] = []
+
+        async def add(self, subject: str, amount: int) -> int:
+            if not amount:
+                self.reads.append(subject)
+            return await super().add(subject, amount)
+
+    async def run() -> list[str]:
+        store = Reads()
+        q = Quotas(store)  # type: ignore[arg-type]
+        held = await q.hold(key(budget_tokens=1000), 10, WALL, 0.0)
+        assert isinstance(held, Held)
+        q.settle(held, 10)
+        await q.read_budgets(WALL + 60)
+        await q.read_budgets(WALL + 2 * 86_400)
+        await q.read_budgets(WALL + 3 * 86_400)
+        return store.reads
+
+    assert asyncio.run(run()) == [BUDGET_SUBJECT]
