@@ -95,15 +95,16 @@ class Pool:
         self.read = True
         self.outage_left = None
 
-    def outage_lease(self, need: int, limit: int, processes: int) -> int:
+    def outage_lease(self, need: int, limit: int, processes: int, unpaid: int = 0) -> int:
         """While the counter cannot be reached: a lease from this router's own allowance
-        (`outage_allowance` of the last reading), sized as a lease of the counter, so that
-        `need` fits. Returns what it granted, which the counter is owed when it answers
-        again; nothing from a pool the counter never answered for (nothing is known)."""
+        (`outage_allowance` of the last reading, and of the `unpaid` tokens this router
+        owes the counter beside it), sized as a lease of the counter, so that `need` fits.
+        Returns what it granted, which the counter is owed when it answers again; nothing
+        from a pool the counter never answered for (nothing is known)."""
         if not self.read:
             return 0
         if self.outage_left is None:
-            self.outage_left = outage_allowance(limit, self.total, processes)
+            self.outage_left = outage_allowance(limit, self.total + unpaid, processes)
         got = min(self.lease_size(need, limit), self.outage_left)
         self.outage_left -= got
         self.left += got

@@ -221,7 +221,8 @@ class Quotas:
         if pool is None or pool.period != period or not pool.read:
             return admission.budget_unchecked(p, need, None)
         if pool.left < need:
-            got = pool.outage_lease(need, s.budget_tokens, self.processes)
+            unpaid = self.owes(p.name, period)
+            got = pool.outage_lease(need, s.budget_tokens, self.processes, unpaid)
             self.owe(p.name, period, got, s.budget_tokens)
         if not pool.reserve(need):
             return admission.budget_unchecked(p, need, pool.left + (pool.outage_left or 0))
@@ -350,6 +351,11 @@ class Quotas:
                 owed = self._owed[(name, owed_to)] = Owed()
             owed.amount += amount
             owed.limit = limit
+
+    def owes(self, name: str, owed_to: Owing) -> int:
+        """What key `name` owes its window ("") or budget period `owed_to`, not yet added."""
+        owed = self._owed.get((name, owed_to))
+        return 0 if owed is None else owed.amount
 
     async def _pay(self, name: str, owed_to: Owing, owed: Owed, wall: float) -> None:
         """Add what a key owes to its counter: a budget's to the period it was used in,

@@ -59,8 +59,11 @@ class Router:
             self.allowance = 0
             return
         share = pool.outage_left
-        if share is None:
-            share = reserve.outage_allowance(self.budget, pool.total, self.quotas.processes)
+        if share is None:  # reckoned from the reading and what the router owes beside it
+            unpaid = self.quotas.owes("k", str(pool.period))
+            share = reserve.outage_allowance(
+                self.budget, pool.total + unpaid, self.quotas.processes
+            )
         self.allowance = pool.left + share
 
 
