@@ -53,7 +53,7 @@ class Pool:
     """The tokens this router leased from one counter (one key's window or budget period)
     and holds for its requests: `left` not yet reserved."""
 
-    __slots__ = ("exhausted", "left", "period", "total")
+    __slots__ = ("exhausted", "left", "outage_left", "period", "read", "total")
 
     def __init__(self, period: int | str) -> None:
         self.period = period
@@ -61,7 +61,11 @@ class Pool:
         self.exhausted = False
         """The counter granted less than asked: the limit is reached until it turns."""
         self.total = 0
-        """The counter's total at the last lease."""
+        """The counter's total at the last lease or reading (`reading`)."""
+        self.read = False
+        """Whether the counter ever answered for this period: `total` is a reading."""
+        self.outage_left: int | None = None
+        """What `outage_lease` may still grant from the last reading (None: not reckoned)."""
 
     def reserve(self, n: int) -> bool:
         """Hold `n` tokens of the lease for a request, if it has them."""
@@ -79,9 +83,31 @@ class Pool:
         """A lease of `size` answered with the counter's total after it: what it granted is
         added; the rest was counted but is not this router's (the window is full)."""
         got = quota.granted(total_after, size, limit)
-        self.total = total_after
+        self.reading(total_after)
         self.left += got
         self.exhausted = got < size
+        return got
+
+    def reading(self, total: int) -> None:
+        """The counter's `total`, read (a lease's answer, or a read that adds nothing): the
+        fleet's count as this router last saw it, which the next outage is reckoned from."""
+        self.total = total
+        self.read = True
+        self.outage_left = None
+
+    def outage_lease(self, need: int, limit: int, processes: int, unpaid: int = 0) -> int:
+        """While the counter cannot be reached: a lease from this router's own allowance
+        (`outage_allowance` of the last reading, and of the `unpaid` tokens this router
+        owes the counter beside it), sized as a lease of the counter, so that `need` fits.
+        Returns what it granted, which the counter is owed when it answers again; nothing
+        from a pool the counter never answered for (nothing is known)."""
+        if not self.read:
+            return 0
+        if self.outage_left is None:
+            self.outage_left = outage_allowance(limit, self.total + unpaid, processes)
+        got = min(self.lease_size(need, limit), self.outage_left)
+        self.outage_left -= got
+        self.left += got
         return got
 
     def settle(self, reserved: int, used: int) -> int:
@@ -95,6 +121,14 @@ class Pool:
         taken = min(over, self.left)
         self.left -= taken
         return over - taken
+
+
+def outage_allowance(limit: int, total: int, processes: int) -> int:
+    """What one of a fleet's `processes` router processes may lease of a limit on its own
+    while the counter cannot be reached: an equal share of what the limit had left, unleased,
+    at its last reading of the counter's `total`. The shares of all of them together are at
+    most what was left at the oldest of their readings."""
+    return max(0, limit - total) // max(1, processes)
 
 
 def carried(amount: int, total_after: int, limit: int) -> int:

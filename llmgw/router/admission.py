@@ -175,3 +175,31 @@ def over_budget(principal: auth.Principal, left: int, need: int, reset_s: float)
         "budget_exceeded",
         retry_after=quota.retry_after(reset_s),
     )
+
+
+UNCHECKED_RETRY_S = 5
+"""`Retry-After` of a budget this router cannot check: the counters are usually back within
+seconds (a restart of the server)."""
+
+
+def budget_unchecked(principal: auth.Principal, need: int, left: int | None) -> Refusal:
+    """The fleet's counters cannot be reached, and this router's share of the key's budget
+    does not hold the `need` of this request: `left` tokens remain of it (None: this router
+    has no reading of the budget for this period)."""
+    s = principal.settings
+    budget = f"this API key's ({principal.name}) budget of {s.budget_tokens} tokens per"
+    if left is None:
+        known = f" {s.budget_period} cannot be checked: this router has not read it this"
+        known += f" {s.budget_period}"
+    else:
+        known = (f" {s.budget_period} can only be spent here up to this router's share of"
+                 f" what was left when it last read it: {max(0, left)} tokens, under the"
+                 f" {need} this request may use (lower max_tokens)")  # fmt: skip
+    return Refusal(
+        503,
+        f"the fleet's budget counters cannot be reached, and {budget}{known}; retry in"
+        f" {UNCHECKED_RETRY_S} s, or ask the operator to bring the router's NATS back",
+        "server_error",
+        "budget_unavailable",
+        retry_after=UNCHECKED_RETRY_S,
+    )

@@ -62,9 +62,9 @@ from llmgw.router.deadlines import Watchdog
 from llmgw.router.dispatch import Dispatcher
 from llmgw.router.errors import ClientGone, Refusal, error_response, refusal_response
 from llmgw.router.feed import LogFeed
+from llmgw.router.holds import Held
 from llmgw.router.kvfeed import KvFeed
 from llmgw.router.metrics import Metrics, metrics_dir
-from llmgw.router.quotas import Held
 from llmgw.router.relay import ClientStream
 from llmgw.router.signals import LoadTracker, SignalsFeed
 from llmgw.router.table import Catalog, EndpointTable, Prober

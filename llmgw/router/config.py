@@ -46,6 +46,7 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 DEFAULT_MAX_TOKENS = 4096
 """What `auth.default_max_tokens` is unless set."""
+MAX_FLEET_ROUTERS = 10_000
 
 
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -65,6 +66,11 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_TOKENS
     """The completion tokens a request naming no max_tokens is held to against its key's
     tokens/min and budget (at most the key's limit; what it uses beyond is charged after)."""
+    fleet_routers: Annotated[int, msgspec.Meta(ge=1, le=MAX_FLEET_ROUTERS)] = 1
+    """How many routers serve the fleet. While the fleet's counters cannot be reached, each
+    router process (of `fleet_routers` times `workers`) may spend of a key's budget only an
+    equal share of what it last read to be left; fewer than there are lets the fleet spend
+    that many times what was left."""
     allowed_hosts: tuple[str, ...] = ()
     """Names (no port) besides 127.0.0.1, [::1] and localhost a request without a key may
     name in `Host` when the router listens on loopback; listing any checks `Host` on any

@@ -78,8 +78,9 @@ class Dispatcher:
         self.holds = Holds(table.for_model)
         self.queues = Queues(table.for_model, metrics)
         self.quotas = Quotas()
-        self.quotas.default_out = cfg.auth.default_max_tokens
         """Keys' limits and usage (llmgw.router.quotas); the Router starts its flusher."""
+        self.quotas.default_out = cfg.auth.default_max_tokens
+        self.quotas.processes = cfg.auth.fleet_routers * cfg.workers
         self.accounting = Accounting(metrics, self.kv, self.quotas)
         self.received: dict[str, int] = {}
         """Model -> requests dispatched (the load reports' request counts)."""

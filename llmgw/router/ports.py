@@ -19,6 +19,7 @@ import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from llmgw import bus
 from llmgw.core import events
@@ -82,14 +83,21 @@ class StoreOnLoad:
         return await (await self._open()).load(at_or_before=at_or_before)
 
 
-async def connect(source: LogSource, tls: ssl.SSLContext) -> bus.BusClient:
-    """The router's connection: its own identity (which may only read), its keys to verify."""
+async def connect(
+    source: LogSource, tls: ssl.SSLContext, *, buffered: bool = True
+) -> bus.BusClient:
+    """The router's connection: its own identity (which may only read), its keys to verify.
+    Unless `buffered`, what is published while the connection is down fails at once instead
+    of waiting in the client's buffer to be sent when it is back: a counter's increment the
+    router took for failed would otherwise be counted after all."""
+    unbuffered: dict[str, Any] = {} if buffered else {"pending_size": 0}
     return await bus.connect(
         list(source.servers),
         tls=tls,
         identity=Identity("router", source.name),
         name=f"llmgw-router-{source.name}",
         keys=source.keys(),
+        **unbuffered,
     )
 
 

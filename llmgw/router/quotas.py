@@ -20,7 +20,9 @@ So its limits hold for the fleet as a whole whatever the number of routers:
 Usage is batched (`USAGE_FLUSH_S`): its rate of writes grows with the keys and models in
 use, not with requests. A key of the keys file, or any key while the counters cannot be
 reached (no NATS, no stream yet), is limited by this router's own buckets (llmgw.router.auth):
-a stated degradation to per-router limits, logged, never a refusal of the fleet.
+a stated degradation to per-router limits, logged, never a refusal of the fleet. Not its
+budget: through an outage a router spends of it only its share of what it last read to be
+left, and adds what it spent to the counter when it answers again (`_hold_unreached`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Literal
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
@@ -38,6 +39,7 @@ from llmgw.router import admission, auth, requests
 from llmgw.router import ports as ports_
 from llmgw.router.config import DEFAULT_MAX_TOKENS, LogSource
 from llmgw.router.errors import Refusal
+from llmgw.router.holds import Held, Owed, Owing, local_hold, local_limits, tightest_limit
 
 log = logs.get("llmgw.router.quotas")
 
@@ -46,7 +48,7 @@ FLUSH_S = 0.25
 DEBT_WINDOWS = 9
 """How many windows ahead a debt is added at once: the counters live ten minutes
 (llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten. What
-is owed beyond them is kept (`_Owed.debt`) and added when their turn comes."""
+is owed beyond them is kept (`Owed.debt`) and added when their turn comes."""
 USAGE_FLUSH_S = 10.0
 
 
@@ -61,78 +63,6 @@ class _Lease:
         self.exhausted = False
 
 
-Owing = Literal["", "day", "month"]
-"""What a charge is owed to: a key's tokens/min window (""), or its budget's period."""
-
-
-class _Owed:
-    """A key's tokens used beyond their holds, not yet charged, and its limit; for its
-    window, the `debt` no counter holds yet, due from window number `due` on."""
-
-    __slots__ = ("amount", "debt", "due", "limit")
-
-    def __init__(self) -> None:
-        self.amount = 0
-        self.limit = 0
-        self.debt = 0
-        self.due = 0
-
-    def due_now(self, wall: float) -> int:
-        """The debt to add to the counter of the window holding `wall`."""
-        return self.debt if quota.window(wall, quota.TOKENS_WINDOW_S) >= self.due else 0
-
-
-class Held:
-    """The tokens a request holds of its key's window and budget until it is settled:
-    `window` and `period` name the pools they came from (None: no such limit); `local`:
-    from this router's own bucket."""
-
-    __slots__ = ("local", "period", "principal", "tokens", "window")
-
-    def __init__(
-        self, principal: auth.Principal, tokens: int, window: int | None, period: str | None,
-        *, local: bool = False,
-    ) -> None:  # fmt: skip
-        self.principal = principal
-        self.tokens = tokens
-        self.window = window
-        self.period = period
-        self.local = local
-
-
-LONGEST_WAIT_S = 86_400.0
-"""The longest wait a 429 of this router's buckets names (a rate of a request in years
-would name an infinite one)."""
-
-
-def local_limits(principal: auth.Principal, mono: float) -> Refusal | None:
-    """This router's own requests bucket (a keys-file key, or the counters out of reach)."""
-    bucket = principal.requests
-    if bucket is not None and not bucket.take(mono):
-        wait = min(bucket.refill_s(mono, 1.0), LONGEST_WAIT_S)
-        return admission.over_requests(principal, 0, wait)
-    return None
-
-
-def local_hold(principal: auth.Principal, need: int, mono: float) -> Held | Refusal:
-    """`need` tokens of this router's own tokens bucket, held until the request is settled.
-    A 429 says when the bucket holds them again: after answers larger than their holds,
-    minutes away."""
-    bucket = principal.tokens
-    if bucket is None:
-        return Held(principal, need, None, None, local=True)
-    if not bucket.take(mono, need):
-        wait = min(bucket.refill_s(mono, need), LONGEST_WAIT_S)
-        return admission.over_tokens(principal, 0, wait)
-    return Held(principal, need, None, None, local=True)
-
-
-def tightest_limit(s: tenancy.KeySettings) -> int:
-    """The smallest of a metered key's token limits: its window's tokens, its budget."""
-    window = reserve.window_limit(s.tokens_per_min) if s.tokens_per_min else None
-    return min(n for n in (window, s.budget_tokens) if n)
-
-
 class Quotas:
     """One router process's share of the fleet's counters."""
 
@@ -144,9 +74,14 @@ class Quotas:
         """Each key's lease of its tokens/min window."""
         self._budgets: dict[str, reserve.Pool] = {}
         """Each key's lease of its budget period."""
-        self._owed: dict[tuple[str, Owing], _Owed] = {}
+        self._owed: dict[tuple[str, Owing], Owed] = {}
         """(key, its budget's period or "" for its window) -> its tokens used beyond their
-        holds: the charges the flusher adds to the counters."""
+        holds, and what of its budget this router leased itself while the counters could not
+        be reached: the charges the flusher adds to the counters."""
+        self.processes = 1
+        """The router processes serving the fleet (`auth.fleet_routers` times `workers`):
+        while the counters cannot be reached, this one leases a key's budget on its own, an
+        equal share of what it last read to be left (`_hold_unreached`)."""
         self.default_out = DEFAULT_MAX_TOKENS
         """The completion tokens a request naming no maximum is held to (the router's
         `auth.default_max_tokens`), at most the key's limit."""
@@ -197,20 +132,31 @@ class Quotas:
         if lease.window != w:
             lease.window, lease.left, lease.exhausted = w, 0, False
         if lease.left <= 0 and not lease.exhausted:
-            assert self.counters is not None
-            allowed = quota.allowance(per_s)
-            size = quota.lease_size(allowed)
-            total = await self.counters.add(subjects.limit_counter(p.name, "r", w), size)
-            got = quota.granted(total, size, allowed)
+            await self._lease_requests(lease, subjects.limit_counter(p.name, "r", w), per_s, w)
             if lease.window != w:
                 # The window turned during the round trip: that lease was for the last one.
                 return await self._take(p, per_s, max(wall, time.time()))
-            lease.left += got
-            lease.exhausted = got < size
         if lease.left <= 0:
             return admission.over_requests(p, 0, quota.reset_in(wall, span))
         lease.left -= 1
         return None
+
+    async def _lease_requests(self, lease: _Lease, subject: str, per_s: float, w: int) -> None:
+        """Lease requests of window `w`'s counter into `lease`. As a lease of tokens
+        (`_lease`), it goes on if the request waiting for it is cancelled: the counter
+        counts it either way, and a lease no router holds is lost to the key's window."""
+        assert self.counters is not None
+        counters = self.counters
+        allowed = quota.allowance(per_s)
+        size = quota.lease_size(allowed)
+
+        async def take() -> None:
+            got = quota.granted(await counters.add(subject, size), size, allowed)
+            if lease.window == w:  # else the window turned meanwhile: no use any more
+                lease.left += got
+                lease.exhausted = got < size
+
+        await tasks_.uncancelled(take())
 
     # ------------------------------------------------------------------ tokens held
 
@@ -247,14 +193,45 @@ class Quotas:
 
     async def hold(self, p: auth.Principal, need: int, wall: float, mono: float) -> Held | Refusal:
         """`need` tokens held of the key's window and budget (leased from the fleet's
-        counters when this router's leases lack them), else the 429."""
-        if not p.fleet or self.counters is None:
+        counters when this router's leases lack them), else the 429. While the counters
+        cannot be reached, its tokens/min are this router's bucket, and its budget this
+        router's share of what it last read to be left (`_hold_unreached`)."""
+        if not p.fleet:
             return local_hold(p, need, mono)
-        try:
-            return await self._hold_fleet(p, need, wall)
-        except CounterError as exc:
-            self._fell_back(exc)
+        if self.counters is not None:
+            try:
+                return await self._hold_fleet(p, need, wall)
+            except CounterError as exc:
+                self._fell_back(exc)
+        return self._hold_unreached(p, need, wall, mono)
+
+    def _hold_unreached(
+        self, p: auth.Principal, need: int, wall: float, mono: float
+    ) -> Held | Refusal:
+        """`need` tokens held while the counters cannot be reached: of the key's budget, from
+        what this router leased of it and then its own share of what it last read to be left
+        (`reserve.Pool.outage_lease`), owed to the counter; of its tokens/min, from this
+        router's bucket. A budget this router has no reading of for its period is refused:
+        nothing says whether it is spent."""
+        s = p.settings
+        if not s.budget_tokens:
             return local_hold(p, need, mono)
+        period = tenancy.period_of(wall, s.budget_period)
+        pool = self._budgets.get(p.name)
+        if pool is None or pool.period != period or not pool.read:
+            return admission.budget_unchecked(p, need, None)
+        if pool.left < need:
+            unpaid = self.owes(p.name, period)
+            got = pool.outage_lease(need, s.budget_tokens, self.processes, unpaid)
+            self.owe(p.name, period, got, s.budget_tokens)
+        if not pool.reserve(need):
+            return admission.budget_unchecked(p, need, pool.left + (pool.outage_left or 0))
+        held = local_hold(p, need, mono)
+        if isinstance(held, Refusal):
+            pool.settle(need, 0)
+            return held
+        held.period = period
+        return held
 
     async def _hold_fleet(self, p: auth.Principal, need: int, wall: float) -> Held | Refusal:
         s = p.settings
@@ -342,21 +319,20 @@ class Quotas:
         answered, refused later, cut by its client or its engine): the rest of its hold
         goes back to its pools; what it used beyond is charged, by the flusher."""
         p = held.principal
-        if held.local:
+        s = p.settings
+        if held.local:  # its tokens/min held of this router's bucket
             if p.tokens is not None:
                 p.tokens.spend(time.monotonic(), used - held.tokens)
-            return
-        s = p.settings
-        if held.window is not None:
+        elif held.window is not None:
             limit = reserve.window_limit(s.tokens_per_min or 1)
             self._charge(self._windows, held.window, held, used, limit, "")
         if held.period is not None:
             self._charge(self._budgets, held.period, held, used, s.budget_tokens or 0,
-                         s.budget_period)  # fmt: skip
+                         held.period)  # fmt: skip
 
     def _charge(
         self, pools: dict[str, reserve.Pool], period: int | str, held: Held, used: int,
-        limit: int, budget_period: Owing,
+        limit: int, owed_to: Owing,
     ) -> None:  # fmt: skip
         name = held.principal.name
         pool = pools.get(name)
@@ -364,22 +340,32 @@ class Quotas:
             over = pool.settle(held.tokens, used)
         else:  # its window or period is over: the rest it held is no one's any more
             over = max(0, used - held.tokens)
-        if over:
-            owed = self._owed.get((name, budget_period))
+        self.owe(name, owed_to, over, limit)
+
+    def owe(self, name: str, owed_to: Owing, amount: int, limit: int) -> None:
+        """Key `name` owes `amount` tokens to its window ("") or budget period `owed_to`:
+        the flusher adds them to its counter once it answers."""
+        if amount:
+            owed = self._owed.get((name, owed_to))
             if owed is None:
-                owed = self._owed[(name, budget_period)] = _Owed()
-            owed.amount += over
+                owed = self._owed[(name, owed_to)] = Owed()
+            owed.amount += amount
             owed.limit = limit
 
-    async def _pay(self, name: str, budget_period: Owing, owed: _Owed, wall: float) -> None:
-        """Add what a key used beyond its holds to the counter of the window (or budget
-        period) it is now; the part a window goes over by is carried into the next ones, a
-        debt they start with, so the key's average over a few minutes stays at its limit."""
+    def owes(self, name: str, owed_to: Owing) -> int:
+        """What key `name` owes its window ("") or budget period `owed_to`, not yet added."""
+        owed = self._owed.get((name, owed_to))
+        return 0 if owed is None else owed.amount
+
+    async def _pay(self, name: str, owed_to: Owing, owed: Owed, wall: float) -> None:
+        """Add what a key owes to its counter: a budget's to the period it was used in,
+        however long ago; a window's to the window it is now, and the part that window goes
+        over by is carried into the next ones, a debt they start with, so the key's average
+        over a few minutes stays at its limit."""
         assert self.counters is not None
         amount = owed.amount
-        if budget_period:
-            subject = subjects.budget_counter(name, tenancy.period_of(wall, budget_period))
-            await self.counters.add(subject, amount)
+        if owed_to:
+            await self.counters.add(subjects.budget_counter(name, owed_to), amount)
             owed.amount -= amount
             return
         due = owed.due_now(wall)
@@ -431,7 +417,8 @@ class Quotas:
             await tasks_.stop([self._task], who="router quotas")
 
     async def _connected(self, source: LogSource) -> None:
-        nc = await ports_.connect(source, source.tls_context())
+        # Unbuffered: a lease that fails while the server is away is never sent after it.
+        nc = await ports_.connect(source, source.tls_context(), buffered=False)
         try:
             self.counters = Counters(nc)
             self._degraded = False
@@ -451,6 +438,7 @@ class Quotas:
                 if time.monotonic() >= next_usage:
                     next_usage = time.monotonic() + USAGE_FLUSH_S
                     await self._flush_usage()
+                    await self.read_budgets(time.time())
             except CounterError as exc:
                 self._fell_back(exc)
 
@@ -458,11 +446,25 @@ class Quotas:
         """Charge every key's tokens used beyond their holds (`_pay`), at UNIX time `wall`."""
         if self.counters is None:
             return
-        for (name, budget_period), owed in list(self._owed.items()):
+        for (name, owed_to), owed in list(self._owed.items()):
             if owed.amount or owed.due_now(wall):
-                await self._pay(name, budget_period, owed, wall)
+                await self._pay(name, owed_to, owed, wall)
             elif not owed.debt:
-                del self._owed[(name, budget_period)]
+                del self._owed[(name, owed_to)]
+
+    async def read_budgets(self, wall: float) -> None:
+        """Read the counter of every budget this router leased of (every `USAGE_FLUSH_S`,
+        after what it owed was added): should the counters go out of reach, its share of a
+        budget is reckoned from a reading this recent (`_hold_unreached`)."""
+        if self.counters is None:
+            return
+        current = {tenancy.period_of(wall, "day"), tenancy.period_of(wall, "month")}
+        for name, pool in list(self._budgets.items()):
+            if pool.period not in current:  # its period is over: nothing more is leased of it
+                del self._budgets[name]
+                continue
+            subject = subjects.budget_counter(name, str(pool.period))
+            pool.reading(await self.counters.add(subject, 0))
 
     async def _flush_usage(self) -> None:
         """Add each (key, model)'s tokens and requests to its hourly counters."""

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from llmgw.core.profile import ModelProfile
-from llmgw.router import admission, aiohttp_direct, auth, quotas
+from llmgw.router import admission, aiohttp_direct, auth, holds
 from llmgw.router.errors import Refusal, refusal_response
 from llmgw.router.table import Catalog
 
@@ -65,16 +65,16 @@ def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:
     m = admission.resolve(catalog, "best")  # by alias: the canonical name is allowed
     assert isinstance(m, ModelProfile)
     assert admission.admit(principal, "best", m) is None
-    # A keys-file key's limits are this router's buckets (llmgw.router.quotas).
-    assert quotas.local_limits(principal, 0.0) is None
-    over = quotas.local_limits(principal, 0.0)  # one request per second, taken
+    # A keys-file key's limits are this router's buckets (llmgw.router.holds).
+    assert holds.local_limits(principal, 0.0) is None
+    over = holds.local_limits(principal, 0.0)  # one request per second, taken
     assert over is not None
     assert (over.status, over.code) == (429, "rate_limit_exceeded")
     assert dict(over.headers)["x-ratelimit-limit-requests"] == "1"
     assert refusal_response(over).headers["Retry-After"] == "1"
     assert principal.tokens is not None
     principal.tokens.spend(1.0, 1000)
-    spent = quotas.local_hold(principal, 1, 1.0)
+    spent = holds.local_hold(principal, 1, 1.0)
     assert isinstance(spent, Refusal)
     assert (spent.status, spent.code) == (429, "tokens_exceeded")
     assert spent.type == "rate_limit_error"

@@ -18,7 +18,8 @@ from llmgw.bus.counters import CounterError
 from llmgw.core import quota, tenancy
 from llmgw.router import auth
 from llmgw.router.errors import Refusal
-from llmgw.router.quotas import Held, Quotas
+from llmgw.router.holds import Held
+from llmgw.router.quotas import Quotas
 
 
 class Store:

@@ -1,11 +1,12 @@
 """What a request's hold covers and what becomes of it: a hold covers whatever maximum an
 engine may read in its body, times the answers it asks for; a hold is never lost when the
-lease it waits for fails or its client leaves; a debt is paid however large, never
-forgiven by waiting; a request never holds nothing."""
+lease it waits for fails or its client leaves, nor is a lease of requests; a debt is paid
+however large, never forgiven by waiting; a request never holds nothing."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -16,7 +17,8 @@ from llmgw.bus.counters import CounterError
 from llmgw.core import quota
 from llmgw.router import requests
 from llmgw.router.errors import Refusal
-from llmgw.router.quotas import Held, Quotas
+from llmgw.router.holds import Held
+from llmgw.router.quotas import Quotas
 from tests.unit.test_quotas import Store, key
 
 CAPS = st.none() | st.integers(0, 3) | st.integers(0, 10**7)
@@ -155,6 +157,19 @@ class Stalls(Store):
         return await super().add(subject, amount)
 
 
+async def cancelled_mid_lease(store: Stalls, request: Coroutine[Any, Any, object]) -> None:
+    """Run `request` until its lease is under way, cancel it (its client left), then let
+    the lease's answer come and its own task end."""
+    gone = asyncio.ensure_future(request)
+    await store.waiting.wait()
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    assert gone.cancelled()
+    store.go.set()
+    for _ in range(10):  # the lease's own task ends: no clock, only turns of the loop
+        await asyncio.sleep(0)
+
+
 def test_a_client_gone_during_a_lease_loses_neither_the_lease_nor_the_budgets_hold() -> None:
     """A request of the whole limit holds the budget, then waits for the window's lease; its
     client leaves (the handler is cancelled). The lease, counted by the server anyway, is
@@ -165,14 +180,7 @@ def test_a_client_gone_during_a_lease_loses_neither_the_lease_nor_the_budgets_ho
         store = Stalls(".t.")
         q = Quotas(store)  # type: ignore[arg-type]
         p = key(tokens_per_min=1000.0, budget_tokens=1000)
-        gone = asyncio.ensure_future(q.hold(p, 1000, 1e9, 0.0))
-        await store.waiting.wait()
-        gone.cancel()
-        await asyncio.gather(gone, return_exceptions=True)
-        assert gone.cancelled()
-        store.go.set()
-        for _ in range(10):  # the lease's own task ends: no clock, only turns of the loop
-            await asyncio.sleep(0)
+        await cancelled_mid_lease(store, q.hold(p, 1000, 1e9, 0.0))
         return q.hold_now(p, 4000, 0, 1e9 + 1), dict(store.totals)
 
     held, totals = asyncio.run(run())
@@ -214,3 +222,32 @@ def test_a_debt_is_paid_however_large_never_forgiven_by_waiting(
     refused = asyncio.run(run())
     full = over // limit
     assert refused == [True] * full + [False] * (len(refused) - full)
+
+
+class AnswersLate(Stalls):
+    """Counts every add at once, as the server does when it gets it, and holds the answer
+    to a subject holding `part` until `go` is set."""
+
+    async def add(self, subject: str, amount: int) -> int:
+        self.totals[subject] = self.totals.get(subject, 0) + amount
+        if self.part in subject and not self.go.is_set():
+            self.waiting.set()
+            await self.go.wait()
+        return self.totals[subject]
+
+
+def test_a_client_gone_during_a_requests_lease_does_not_lose_the_lease() -> None:
+    """A key of 100 requests/s: its first request waits for a lease of two; its client
+    leaves meanwhile. The server counted the lease, so it is this router's when the answer
+    comes: the next two requests are admitted from it with no round trip."""
+
+    async def run() -> tuple[list[bool], dict[str, int]]:
+        store = AnswersLate(".r.")
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(requests_per_s=100.0)
+        await cancelled_mid_lease(store, q.admit(p, 100.5, 0.0))
+        return [q.admit_now(p, 100.6) for _ in range(3)], dict(store.totals)
+
+    admitted, totals = asyncio.run(run())
+    assert totals == {"llmgw.limits.k.r.100": 2}
+    assert admitted == [True, True, False]
