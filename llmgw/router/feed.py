@@ -45,6 +45,9 @@ log = logs.get("llmgw.router.feed")
 # (heartbeats above all) are folded without looking at the tables.
 _RELEVANT = vocabulary.ROUTED
 _KEY_EVENTS = (events.KeyCreated, events.KeyChanged, events.KeyRotated, events.KeyRevoked)
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
+"""The feed's waits between tries to open and read the log, doubling while it fails."""
 
 
 class Wanted(msgspec.Struct, frozen=True):
@@ -123,8 +126,9 @@ class LogFeed:
         self._task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
-        """A feed that ends by itself (its reader gave up) leaves the router routing on the
-        tables it has, no longer following the log: that must not pass unseen."""
+        """A feed that ends by itself leaves the router routing on the tables it has, no
+        longer following the log: that must not pass unseen (`_run` retries every failure
+        to open or read the log, so only a bug ends it)."""
         if self._stop.is_set() or task.cancelled():
             return
         exc = task.exception()
@@ -147,8 +151,32 @@ class LogFeed:
             await tasks_.stop([self._task], who="router log feed")
 
     async def _run(self) -> None:
+        """Follow the log while the feed runs. A failure to open or read it (NATS not
+        reachable yet when the router starts, a connection closed under the reader) is
+        logged and retried, waiting longer each time it makes no progress, from where the
+        fold stands; meanwhile the router routes on the tables it has."""
+        wait = RETRY_FIRST_S
+        while not self._stop.is_set():
+            folded = self.cluster.last_seq
+            try:
+                await self._follow()
+                return  # the reader ended by itself: `_ended` says so
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                if self.cluster.last_seq > folded:
+                    wait = RETRY_FIRST_S
+                log.warning("feed_retry", error=str(exc) or repr(exc),
+                            seq=self.cluster.last_seq, retry_in_s=wait)  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), wait)
+            wait = min(wait * 2, RETRY_MAX_S)
+
+    async def _follow(self) -> None:
+        """Open the log and fold it, from the newest snapshot at first, after what is
+        folded already when it starts over."""
         async with self._open() as ports:
-            after = await self._load_snapshot(ports.snapshots)
+            after = self.cluster.last_seq or await self._load_snapshot(ports.snapshots)
             reader = ports.log.reader(
                 after_seq=after,
                 name=f"router-{self.source.name}",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import structlog
+
 from llmgw import bus
 from llmgw.control.service import ControlService
 from llmgw.core import events
@@ -189,3 +191,33 @@ def test_a_router_identity_cannot_write_the_log() -> None:
         "llmgw.signals.router.r1.*", "llmgw.limits.>", "llmgw.usage.>"
     ]  # fmt: skip
     assert not any(p.startswith(("$JS.API.STREAM.CREATE", "$KV.", "$O.")) for p in allowed)
+
+
+async def test_a_router_started_before_the_log_exists_follows_it_once_it_does(
+    nats_server: TestNatsServer,
+) -> None:
+    """A router started before any control plane made the log (the stream does not exist
+    yet, as in a fleet whose routers come up first) tries again until it can read it:
+    before, its feed ended for good at the first refusal, and the router never learned of
+    a model or an endpoint until restarted."""
+    feed = await asyncio.to_thread(feed_for, nats_server)
+    try:
+        with structlog.testing.capture_logs() as logged:
+            feed.start()
+            await wait_for(lambda: any(e["event"] == "feed_retry" for e in logged), 30, "a retry")
+            nc = await connect_as(nats_server, "control", "control-a")
+            await bus.provision(nc.jetstream())
+            await bus.close(nc)
+            await operator_publish(
+                nats_server,
+                events.ModelDeclared(
+                    id="decl-m3", ts=time.time(), operator="alice", profile=model("m3", replicas=0)
+                ),
+            )
+            await wait_for(lambda: feed.catalog.resolve("m3") is not None, 60, "m3 followed")
+        retry = next(e for e in logged if e["event"] == "feed_retry")
+        assert "llmgw-events" in retry["error"]
+        assert feed.ready.is_set()
+        assert not [e for e in logged if e["event"] == "feed_ended"]
+    finally:
+        await feed.close()

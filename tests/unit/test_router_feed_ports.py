@@ -281,30 +281,39 @@ async def test_keeps_the_last_known_endpoints_while_the_log_is_away(
     assert feed._reader.resets == 1
 
 
-async def test_a_reader_that_fails_leaves_the_tables_as_they_were(
+async def test_a_reader_that_fails_is_started_again_and_the_tables_kept_meanwhile(
     started: list[LogFeed],
 ) -> None:
+    """A reader that fails for good (its connection closed under it; NATS unreachable
+    when the router starts) leaves the tables as they were, and the feed opens the log
+    again and follows it from where its fold stands: it never stops following."""
     sim = serving_sim()
     log = FlakyLog()
     await copy(sim, log)
     feed = await start(feed_on(log), started)
     known = routable(feed, "m")
+    folded = feed.cluster.last_seq
 
     log.connected, log.gone_for_good = False, True
     sim.heartbeats()
+    sim.declare(profile("m2", replicas=0))
     await copy(sim, log)
-    task = feed._task
-    assert task is not None
     with structlog.testing.capture_logs() as logged:
         log.back.set()
-        await until(task.done, "the feed's loop ends with its reader")
-        await asyncio.sleep(0)  # the done callback runs on the next loop turn
-    assert isinstance(task.exception(), bus.ReaderError)
-    (ended,) = [e for e in logged if e["event"] == "feed_ended"]
-    assert "ReaderError" in ended["error"]
-    assert "restart the router" in ended["advice"]
+        await until(lambda: any(e["event"] == "feed_retry" for e in logged), "a retry")
+        assert routable(feed, "m") == known
+        assert feed.catalog.resolve("m2") is None
+        log.gone_for_good = False  # a new connection reaches it
+        log.come_back()
+        await until(lambda: feed.catalog.resolve("m2") is not None, "m2 once the log is back")
+    (retry,) = [e for e in logged if e["event"] == "feed_retry"][:1]
+    assert "connection is closed" in retry["error"]
+    assert retry["seq"] == folded
+    assert not [e for e in logged if e["event"] == "feed_ended"]
+    assert feed._task is not None
+    assert not feed._task.done()
     assert routable(feed, "m") == known
-    assert feed.catalog.resolve("m-latest") is not None
+    assert feed.cluster.last_seq == sim.state.last_seq
 
 
 async def test_the_feed_releases_what_its_opener_opened_when_it_stops() -> None:
