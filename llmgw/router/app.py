@@ -1,9 +1,9 @@
 """The router's HTTP application: the Router, its OpenAI endpoints and its servers.
 
 `Router` holds one process's state (catalog, endpoint table, keys, the upstream
-connection pool, the deadline watchdog, the dispatcher) and `build_server` turns
-it into aiohttp's low-level server. The request path is split in rooms, each
-testable on its own:
+connection pool, the deadline watchdog, the dispatcher);
+`llmgw.router.front.build_server` turns it into aiohttp's low-level server. The request
+path is split in rooms, each testable on its own:
 
 - `llmgw.router.admission`: the key, the model, the key's limits; a refusal is data;
 - `llmgw.router.attempts`: the pure attempt planner (fallback chain, ranking,
@@ -49,7 +49,6 @@ from llmgw.router import (
     auth,
     cors,
     isolation,
-    protocol,
     requests,
     tracing,
 )
@@ -459,41 +458,3 @@ class _Outcome:
         """The key, once admitted to a model (its name labels the key metrics)."""
         self.held: Held | None = None
         """The tokens its key's limits hold for it, settled when it ends."""
-
-
-def build_server(router: Router) -> web.Server:
-    """The client-facing HTTP server: aiohttp's low-level server and one dispatch function.
-
-    An Application would add URL resolution, match info, middlewares and signals to every
-    request; five fixed paths need a dict lookup. The caller starts and stops `router`.
-    """
-    posts = {path: router.handler(kind) for path, kind in PATHS.items()}
-    gets = {
-        "/v1/models": router.handle_models,
-        "/health": router.handle_health,
-        "/ready": router.handle_ready,
-    }
-
-    def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
-        # Returns the handler's coroutine for aiohttp to await: no frame of its own.
-        table = posts if request.method == "POST" else gets if request.method == "GET" else None
-        h = table.get(request.path) if table is not None else None
-        if h is None:
-            if table is gets and request.path.startswith(MODEL_PATH):
-                return router.handle_model(request)
-            if request.method == "OPTIONS":
-                return router.handle_options(request)
-            return router.handle_fallthrough(request)
-        return h(request)
-
-    origins = router.cfg.auth.allowed_origins
-    # handler_cancellation: a client that disconnects cancels its handler, which closes the
-    # upstream connection, so the engine stops generating and frees the KV blocks.
-    return protocol.server(
-        handle,
-        request_type=cors.Cors(origins).request_type if origins else None,
-        handler_cancellation=True,
-        access_log=None,
-        head_timeout_s=router.cfg.header_timeout_s,
-        client_max_size=router.cfg.max_body_bytes,
-    )

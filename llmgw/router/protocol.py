@@ -6,7 +6,7 @@ connect, a later one within that of its first byte, or the client gets a 408
 (`request_timeout`) and the connection is closed; a request that is not valid HTTP gets a
 400 (`bad_http_request`) naming only the kind of problem, never the bytes sent (an
 `Authorization` header with its key); a body is never inflated, and one sent with a
-`Content-Encoding` gets a 415 (`compressed_body`). Used by `llmgw.router.app.build_server`
+`Content-Encoding` gets a 415 (`compressed_body`). Used by `llmgw.router.front.build_server`
 and the admin listener (llmgw.router.admin).
 """
 

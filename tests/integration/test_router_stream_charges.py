@@ -18,8 +18,9 @@ from aiohttp import web
 
 from llmgw.core import tenancy
 from llmgw.router import auth
-from llmgw.router.app import Router, build_server
+from llmgw.router.app import Router
 from llmgw.router.config import RouterConfig
+from llmgw.router.front import build_server
 from tests.kit.threaded_http import ThreadedApp, engine_app
 
 pytestmark = pytest.mark.slow

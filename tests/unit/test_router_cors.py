@@ -19,9 +19,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from llmgw import http_server, listeners, logs
 from llmgw.router import cors
-from llmgw.router.app import Router, build_server
+from llmgw.router.app import Router
 from llmgw.router.config import AuthConfig, RouterConfig
 from llmgw.router.errors import Refusal
+from llmgw.router.front import build_server
 
 APP = "http://127.0.0.1:5173"
 OTHER = "https://evil.example"
