@@ -381,6 +381,17 @@ class Router:
             if bound is not None:
                 tracing.unbind_logs(bound)
 
+    async def _hold(
+        self, principal: auth.Principal, prompt_chars: int, parsed: requests.Parsed
+    ) -> Held | Refusal:
+        """What a metered key's request may cost, held of its limits (llmgw.router.quotas)."""
+        q = self.dispatcher.quotas
+        held = q.hold_now(principal, prompt_chars, parsed.max_out, time.time(),
+                          parsed.choices, parsed.max_field)  # fmt: skip
+        if isinstance(held, int):  # more than this router holds for the key
+            held = await q.hold(principal, held, time.time(), time.monotonic(), parsed.max_field)
+        return held
+
     async def _serve(
         self, request: web.BaseRequest, kind: requests.Kind, rid: str, start: float,
         outcome: _Outcome,
@@ -414,10 +425,7 @@ class Router:
         if refused is None and principal is not None:
             outcome.principal = principal
             if principal.metered:  # what it may cost, held until it ends
-                held = q.hold_now(principal, prompt_chars, parsed.max_out, time.time(),
-                                  parsed.choices)  # fmt: skip
-                if isinstance(held, int):  # more than this router holds for the key
-                    held = await q.hold(principal, held, time.time(), time.monotonic())
+                held = await self._hold(principal, prompt_chars, parsed)
                 refused, outcome.held = (held, None) if isinstance(held, Refusal) else (None, held)
         if refused is not None:
             return refusal_response(refused, rid, kind)

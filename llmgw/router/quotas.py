@@ -216,17 +216,18 @@ class Quotas:
 
     def hold_now(
         self, p: auth.Principal, prompt_chars: int, max_out: int | None, wall: float,
-        choices: int = 1,
+        choices: int = 1, field: str = "max_tokens",
     ) -> Held | Refusal | int:  # fmt: skip
         """What a request of `prompt_chars` asking for `choices` answers of `max_out` tokens
         may cost, held of a fleet key's window and budget from what this router leased (no
         round trip); the 400 of one larger than the key's tightest token limit (no wait
-        would admit it); else the tokens `hold` is to take (it may need the counters)."""
+        would admit it), naming the `field` it sent `max_out` in; else the tokens `hold` is
+        to take (it may need the counters)."""
         s = p.settings
         limit = tightest_limit(s)
         prompt = prompt_chars // requests.CHARS_PER_TOKEN
         if reserve.never_fits(max_out, limit, choices):
-            return admission.never_fits(p, max_out or 0, limit, choices)
+            return admission.never_fits(p, max_out or 0, limit, choices, field)
         need = reserve.reservation(prompt, max_out, self.default_out, limit, choices)
         if not p.fleet or self.counters is None:
             return need
@@ -245,18 +246,22 @@ class Quotas:
             budget.left -= need
         return Held(p, need, w, period)
 
-    async def hold(self, p: auth.Principal, need: int, wall: float, mono: float) -> Held | Refusal:
+    async def hold(
+        self, p: auth.Principal, need: int, wall: float, mono: float, field: str = "max_tokens"
+    ) -> Held | Refusal:
         """`need` tokens held of the key's window and budget (leased from the fleet's
-        counters when this router's leases lack them), else the 429."""
+        counters when this router's leases lack them), else the 429 (naming `field`)."""
         if not p.fleet or self.counters is None:
             return local_hold(p, need, mono)
         try:
-            return await self._hold_fleet(p, need, wall)
+            return await self._hold_fleet(p, need, wall, field)
         except CounterError as exc:
             self._fell_back(exc)
             return local_hold(p, need, mono)
 
-    async def _hold_fleet(self, p: auth.Principal, need: int, wall: float) -> Held | Refusal:
+    async def _hold_fleet(
+        self, p: auth.Principal, need: int, wall: float, field: str
+    ) -> Held | Refusal:
         s = p.settings
         period: str | None = None
         budget: reserve.Pool | None = None
@@ -266,9 +271,8 @@ class Quotas:
             budget = await self._leased(self._budgets, p.name, period, subject, need,
                                         s.budget_tokens)  # fmt: skip
             if not budget.reserve(need):
-                left = tenancy.period_end(wall, s.budget_period) - wall
                 spent = min(budget.total, s.budget_tokens) - budget.left  # fleet-wide
-                return admission.over_budget(p, s.budget_tokens - spent, need, left)
+                return admission.over_budget(p, s.budget_tokens - spent, need, wall, field)
         try:
             w = await self._hold_window(p, need, wall)
         except BaseException:
