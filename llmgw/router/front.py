@@ -40,11 +40,13 @@ def build_server(router: Router) -> web.Server:
         return h(request)
 
     origins = router.cfg.auth.allowed_origins
+    listed = cors.Cors(origins) if origins else None
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream connection, so the engine stops generating and frees the KV blocks.
     return protocol.server(
         handle,
-        request_type=cors.Cors(origins).request_type if origins else None,
+        request_type=listed.request_type if listed is not None else None,
+        late_headers=listed.late_head_headers if listed is not None else None,
         handler_cancellation=True,
         access_log=None,
         head_timeout_s=router.cfg.header_timeout_s,
