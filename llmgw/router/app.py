@@ -70,7 +70,6 @@ from llmgw.router.tracing import RequestTrace, Tracer
 
 log = logs.get("llmgw.router")
 
-PATHS = apis.PATHS
 KNOWN_GET = apis.KNOWN_GET
 MODEL_PATH = apis.MODEL_PATH
 
