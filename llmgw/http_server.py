@@ -266,11 +266,9 @@ class Handler(RequestHandler):
             if self._head_timer is None and data:
                 timeout_s = self._rules.head_timeout_s
                 self._head_timer = self._loop.call_later(timeout_s, self._head_late)
-            if (
-                self._rules.late_headers is not None
-                and len(self._partial_head) < PARTIAL_HEAD_BYTES
-            ):
-                self._partial_head += data
+            room = PARTIAL_HEAD_BYTES - len(self._partial_head)
+            if self._rules.late_headers is not None and room > 0:
+                self._partial_head += data[:room]
         elif self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
