@@ -44,9 +44,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -93,18 +94,39 @@ class Rules:
     log: structlog.typing.FilteringBoundLogger
     """The listener's logger: the late heads and malformed requests are its lines."""
     error_body: ErrorBody = plain_error
+    late_headers: Callable[[str | None], Mapping[str, str]] | None = None
+    """The headers a late head's 408 carries besides its own, given the `Origin` the part
+    of the head that came names (None: it names none): the router's CORS headers. None: no
+    more headers, and the part that came is not kept."""
 
 
-def head_timeout_answer(rules: Rules) -> bytes:
-    """The whole 408 response sent when a request's head is late."""
+def head_timeout_answer(rules: Rules, origin: str | None = None) -> bytes:
+    """The whole 408 response sent when a request's head is late; `origin` is what the
+    part of the head that came says in its `Origin` header (None: nothing)."""
     body = rules.error_body(
         f"the request headers did not arrive within {rules.head_timeout_s:g} s: send them at once",
         "request_timeout",
     )
+    more = rules.late_headers(origin) if rules.late_headers is not None else {}
+    lines = b"".join(f"{name}: {value}\r\n".encode() for name, value in more.items())
     return (
-        b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n%s"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (lines, len(body), body)
     )
+
+
+PARTIAL_HEAD_BYTES = 16_384
+"""The most of a late head kept to find its `Origin` in (browsers send it among the
+first headers)."""
+
+_ORIGIN_LINE = re.compile(rb"\norigin:[ \t]*([^\r\n]*?)[ \t]*\r?\n", re.IGNORECASE)
+
+
+def sent_origin(partial_head: bytes) -> str | None:
+    """The value of the first whole `Origin` line in the part of a head that came; None
+    when it has none (a line cut short is none: its value may be cut too)."""
+    line = _ORIGIN_LINE.search(partial_head)
+    return None if line is None else line[1].decode("latin-1")
 
 
 COMPRESSED = "the request body is compressed (Content-Encoding): send it uncompressed"
@@ -196,6 +218,7 @@ class Handler(RequestHandler):
         "_head_timer",
         "_heard",
         "_no_head_yet",
+        "_partial_head",
         "_rules",
     )
 
@@ -210,6 +233,8 @@ class Handler(RequestHandler):
         """No complete head has arrived on this connection yet."""
         self._heard = False
         """A byte has arrived on this connection."""
+        self._partial_head = b""
+        """What came of a head still awaited (kept only for `Rules.late_headers`)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -241,9 +266,13 @@ class Handler(RequestHandler):
             if self._head_timer is None and data:
                 timeout_s = self._rules.head_timeout_s
                 self._head_timer = self._loop.call_later(timeout_s, self._head_late)
+            room = PARTIAL_HEAD_BYTES - len(self._partial_head)
+            if self._rules.late_headers is not None and room > 0:
+                self._partial_head += data[:room]
         elif self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+            self._partial_head = b""
 
     def _head_late(self) -> None:
         self._head_timer = None
@@ -262,7 +291,7 @@ class Handler(RequestHandler):
         self._rules.log.info(
             "request_head_timeout", peer=str(peer), timeout_s=self._rules.head_timeout_s
         )
-        self.transport.write(head_timeout_answer(self._rules))
+        self.transport.write(head_timeout_answer(self._rules, sent_origin(self._partial_head)))
         # A lingering close: closing while the client's next header lines sit unread would
         # make the kernel answer with a reset, which can discard the 408 before the client
         # reads it. So: send the answer (and end our side, where the transport can: TLS's

@@ -113,7 +113,8 @@ def run(conn: Conn, body: Callable[[Session], Awaitable[int | None]]) -> None:
         code = asyncio.run(main())
     except StdoutClosed as exc:
         # Whoever read the output stopped (`llmgw ctl events | head`): neither the log nor
-        # the connection failed. typer's main ends a command on a closed pipe quietly.
+        # the connection failed. typer's main ends a command on a closed pipe quietly, and
+        # llmgw.cli.entry with a closed pipe's status.
         raise exc.pipe from None
     except CtlError as exc:
         typer.echo(f"error: {exc}", err=True)

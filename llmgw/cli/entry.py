@@ -9,14 +9,27 @@ command's own imports), with `llmgw up`'s status for a stop by a signal (0) and 
 handler is in place within the first milliseconds; `llmgw up` keeps it until it installs
 its own (which stops what it started), every other command gets Python's usual
 KeyboardInterrupt back once the CLI is imported.
+
+A command whose reader goes away (`llmgw ctl events | head`) ends as a tool killed by
+SIGPIPE does in a shell, as `yes | head` does: quietly, with status 141. Python ignores
+SIGPIPE (a write to a closed socket must be an error, not the process's death), so the
+closed pipe comes as a BrokenPipeError, which typer turns into a quiet exit of status 1;
+that exit, or the last flush of stdout failing so, is told apart here and given the
+shell's status.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 from types import FrameType
+from typing import NoReturn
+
+CLOSED_PIPE_STATUS = 128 + signal.SIGPIPE
+"""A shell's status for a process killed by SIGPIPE: 141."""
+STDOUT_FD = 1
 
 
 def _interrupted() -> int:
@@ -26,6 +39,33 @@ def _interrupted() -> int:
 def _quit_quietly(signum: int, frame: FrameType | None) -> None:
     # Nothing runs yet that needs stopping or flushing: leave without unwinding imports.
     os._exit(_interrupted())
+
+
+def _broken_pipe(exc: BaseException | None) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.EPIPE
+
+
+def _reader_gone(exit_: SystemExit) -> bool:
+    """Whether the command's end came of stdout's closed pipe: typer exits while handling
+    the BrokenPipeError of a write (its context), or what is left to flush meets it."""
+    if _broken_pipe(exit_.__context__):
+        return True
+    try:
+        sys.stdout.flush()
+    except OSError as exc:
+        return _broken_pipe(exc)
+    except ValueError:  # stdout closed by the command itself: nothing to flush
+        return False
+    return False
+
+
+def _end_on_closed_pipe() -> NoReturn:
+    # Python flushes stdout once more as it exits, and its failure would be printed
+    # ("Exception ignored ... BrokenPipeError"): what is left goes to /dev/null instead.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, STDOUT_FD)
+    os.close(devnull)
+    sys.exit(CLOSED_PIPE_STATUS)
 
 
 def main() -> None:
@@ -41,3 +81,7 @@ def main() -> None:
         run()
     except KeyboardInterrupt:
         sys.exit(_interrupted())
+    except SystemExit as exit_:
+        if _reader_gone(exit_):
+            _end_on_closed_pipe()
+        raise

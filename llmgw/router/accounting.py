@@ -5,7 +5,9 @@ The engines say how many tokens an answer took in its usage: in a whole answer's
 stream's last chunk (or several times along it, each time the totals so far). A stream cut
 after its first token (the client hung up, the engine broke off) may never get to that last
 chunk, so what its engine did not tell is estimated (`requests.estimated_usage`): else a
-client could read all but the end of every answer, hang up, and pay for nothing. A stream
+client could read all but the end of every answer, hang up, and pay for nothing. A whole
+stream whose engine was asked for its usage and sent none (an engine that ignores
+`stream_options.include_usage`) gets the same estimate: else it cost nothing. A stream
 whose usage nobody asked for (the router's `count_stream_tokens: false` and a client that
 did not) is charged nothing, cut or whole: cutting it must not cost more than reading it. Used by
 `llmgw.router.dispatch`, whose relay hook `usage` is `Accounting.usage`.
@@ -43,6 +45,12 @@ class Accounting:
             return
         told = client.tokens
         self.usage(prof, client, requests.estimated_usage(told, client.prompt_chars, events))
+
+    def ended(self, prof: ModelProfile, client: ClientStream, events: int) -> None:
+        """A whole stream of `events` events: when its engine told no completion tokens,
+        though asked for its usage, estimated as a cut one's."""
+        if client.tokens[1] == 0:
+            self.cut(prof, client, events)
 
     def usage(self, prof: ModelProfile, client: ClientStream, u: requests.Usage) -> None:
         # A stream may carry its usage more than once, each time the totals so far (vLLM's

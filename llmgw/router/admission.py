@@ -8,9 +8,10 @@ the order a client fixes them in: a key, then a model it may use, then its rate.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 
-from llmgw.core import quota
+from llmgw.core import quota, tenancy
 from llmgw.core.profile import ModelProfile
 from llmgw.router import auth
 from llmgw.router.errors import Refusal
@@ -146,31 +147,39 @@ def _over(
     )
 
 
-def never_fits(principal: auth.Principal, max_out: int, limit: int, choices: int = 1) -> Refusal:
-    """A request asking for more completion tokens than the key's limit: no wait admits it."""
-    asks, lower = f"up to {max_out} completion tokens (max_tokens)", f"to at most {limit}"
+def never_fits(
+    principal: auth.Principal, max_out: int, limit: int, choices: int = 1, field: str = "max_tokens"
+) -> Refusal:
+    """A request asking for more completion tokens than the key's limit: no wait admits it.
+    `field` is the one the client named its maximum in (requests.Parsed.max_field)."""
+    asks, lower = f"up to {max_out} completion tokens ({field})", f"to at most {limit}"
     if choices > 1:
-        asks = f"{choices} answers (n) of up to {max_out} completion tokens each (max_tokens)"
+        asks = f"{choices} answers (n) of up to {max_out} completion tokens each ({field})"
         lower = f"or n so that their product is at most {limit}"
     return Refusal(
         400,
         f"this request asks for {asks}, more than this API key ({principal.name}) may use:"
-        f" {limit} tokens per minute or budget; lower max_tokens (or max_completion_tokens)"
-        f" {lower}",
+        f" {limit} tokens per minute or budget; lower {field} {lower}",
         "invalid_request_error",
         "request_over_token_limit",
     )
 
 
-def over_budget(principal: auth.Principal, left: int, need: int, reset_s: float) -> Refusal:
-    """The budget holds `left` tokens, under the `need` of this request."""
+def over_budget(
+    principal: auth.Principal, left: int, need: int, wall: float, field: str = "max_tokens"
+) -> Refusal:
+    """The budget holds `left` tokens, under the `need` of this request, at the UNIX time
+    `wall`: the answer names when its period ends (the next day, or month, at 00:00 UTC),
+    and its Retry-After is the wait until then. `field` is the maximum's, as in never_fits."""
     s = principal.settings
+    renews = tenancy.period_end(wall, s.budget_period)
+    reset_s = renews - wall
     return Refusal(
         429,
         f"this API key ({principal.name}) has {max(0, left)} tokens left of its budget of"
         f" {s.budget_tokens} tokens per {s.budget_period}, and this request may use {need};"
-        f" it renews in {quota.reset_text(reset_s)} (at 00:00 UTC): lower max_tokens, or ask"
-        " the operator to raise it (llmgw ctl key update --budget-tokens)",
+        f" it renews in {quota.reset_text(reset_s)} (at {utc_minute(renews)}): lower {field},"
+        " or ask the operator to raise it (llmgw ctl key update --budget-tokens)",
         "rate_limit_error",
         "budget_exceeded",
         retry_after=quota.retry_after(reset_s),
@@ -182,10 +191,12 @@ UNCHECKED_RETRY_S = 5
 seconds (a restart of the server)."""
 
 
-def budget_unchecked(principal: auth.Principal, need: int, left: int | None) -> Refusal:
+def budget_unchecked(
+    principal: auth.Principal, need: int, left: int | None, field: str = "max_tokens"
+) -> Refusal:
     """The fleet's counters cannot be reached, and this router's share of the key's budget
     does not hold the `need` of this request: `left` tokens remain of it (None: this router
-    has no reading of the budget for this period)."""
+    has no reading of the budget for this period). `field`: the request's maximum."""
     s = principal.settings
     budget = f"this API key's ({principal.name}) budget of {s.budget_tokens} tokens per"
     if left is None:
@@ -194,7 +205,7 @@ def budget_unchecked(principal: auth.Principal, need: int, left: int | None) -> 
     else:
         known = (f" {s.budget_period} can only be spent here up to this router's share of"
                  f" what was left when it last read it: {max(0, left)} tokens, under the"
-                 f" {need} this request may use (lower max_tokens)")  # fmt: skip
+                 f" {need} this request may use (lower {field})")  # fmt: skip
     return Refusal(
         503,
         f"the fleet's budget counters cannot be reached, and {budget}{known}; retry in"
@@ -203,3 +214,8 @@ def budget_unchecked(principal: auth.Principal, need: int, left: int | None) -> 
         "budget_unavailable",
         retry_after=UNCHECKED_RETRY_S,
     )
+
+
+def utc_minute(ts: float) -> str:
+    """A UNIX time as `2026-12-01 00:00 UTC`."""
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -1,9 +1,9 @@
 """The router's HTTP application: the Router, its OpenAI endpoints and its servers.
 
 `Router` holds one process's state (catalog, endpoint table, keys, the upstream
-connection pool, the deadline watchdog, the dispatcher) and `build_server` turns
-it into aiohttp's low-level server. The request path is split in rooms, each
-testable on its own:
+connection pool, the deadline watchdog, the dispatcher);
+`llmgw.router.front.build_server` turns it into aiohttp's low-level server. The request
+path is split in rooms, each testable on its own:
 
 - `llmgw.router.admission`: the key, the model, the key's limits; a refusal is data;
 - `llmgw.router.attempts`: the pure attempt planner (fallback chain, ranking,
@@ -50,7 +50,6 @@ from llmgw.router import (
     choice,
     cors,
     isolation,
-    protocol,
     requests,
     tracing,
 )
@@ -72,7 +71,6 @@ from llmgw.router.tracing import RequestTrace, Tracer
 
 log = logs.get("llmgw.router")
 
-PATHS = apis.PATHS
 KNOWN_GET = apis.KNOWN_GET
 MODEL_PATH = apis.MODEL_PATH
 
@@ -383,6 +381,17 @@ class Router:
             if bound is not None:
                 tracing.unbind_logs(bound)
 
+    async def _hold(
+        self, principal: auth.Principal, prompt_chars: int, parsed: requests.Parsed
+    ) -> Held | Refusal:
+        """What a metered key's request may cost, held of its limits (llmgw.router.quotas)."""
+        q = self.dispatcher.quotas
+        held = q.hold_now(principal, prompt_chars, parsed.max_out, time.time(),
+                          parsed.choices, parsed.max_field)  # fmt: skip
+        if isinstance(held, int):  # more than this router holds for the key
+            held = await q.hold(principal, held, time.time(), time.monotonic(), parsed.max_field)
+        return held
+
     async def _serve(
         self, request: web.BaseRequest, kind: requests.Kind, rid: str, start: float,
         outcome: _Outcome,
@@ -414,10 +423,7 @@ class Router:
         if refused is None and principal is not None:
             outcome.principal = principal
             if principal.metered:  # what it may cost, held until it ends
-                held = q.hold_now(principal, prompt_chars, parsed.max_out, time.time(),
-                                  parsed.choices)  # fmt: skip
-                if isinstance(held, int):  # more than this router holds for the key
-                    held = await q.hold(principal, held, time.time(), time.monotonic())
+                held = await self._hold(principal, prompt_chars, parsed)
                 refused, outcome.held = (held, None) if isinstance(held, Refusal) else (None, held)
         if refused is not None:
             return refusal_response(refused, rid, kind)
@@ -458,41 +464,3 @@ class _Outcome:
         """The key, once admitted to a model (its name labels the key metrics)."""
         self.held: Held | None = None
         """The tokens its key's limits hold for it, settled when it ends."""
-
-
-def build_server(router: Router) -> web.Server:
-    """The client-facing HTTP server: aiohttp's low-level server and one dispatch function.
-
-    An Application would add URL resolution, match info, middlewares and signals to every
-    request; five fixed paths need a dict lookup. The caller starts and stops `router`.
-    """
-    posts = {path: router.handler(kind) for path, kind in PATHS.items()}
-    gets = {
-        "/v1/models": router.handle_models,
-        "/health": router.handle_health,
-        "/ready": router.handle_ready,
-    }
-
-    def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
-        # Returns the handler's coroutine for aiohttp to await: no frame of its own.
-        table = posts if request.method == "POST" else gets if request.method == "GET" else None
-        h = table.get(request.path) if table is not None else None
-        if h is None:
-            if table is gets and request.path.startswith(MODEL_PATH):
-                return router.handle_model(request)
-            if request.method == "OPTIONS":
-                return router.handle_options(request)
-            return router.handle_fallthrough(request)
-        return h(request)
-
-    origins = router.cfg.auth.allowed_origins
-    # handler_cancellation: a client that disconnects cancels its handler, which closes the
-    # upstream connection, so the engine stops generating and frees the KV blocks.
-    return protocol.server(
-        handle,
-        request_type=cors.Cors(origins).request_type if origins else None,
-        handler_cancellation=True,
-        access_log=None,
-        head_timeout_s=router.cfg.header_timeout_s,
-        client_max_size=router.cfg.max_body_bytes,
-    )

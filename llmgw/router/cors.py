@@ -13,15 +13,21 @@ answers, and lets the page read an answer only if it names the page's origin in
 - every answer to a listed origin, streams and errors included, names the origin (the
   exact string listed, never `*`), exposes the headers a client reads (`EXPOSED`) and
   says `Vary: Origin`. The headers are added as aiohttp prepares the response
-  (`ListedOriginRequest`), so no answer of the router can miss them.
+  (`ListedOriginRequest`), so no answer of the router can miss them; the 408 of a request
+  head that came too late, answered before there is any request, gets them from
+  `Cors.late_head_headers` when the part of the head that came names the origin.
 
 An unlisted origin gets no CORS header at all: its pages cannot read any answer, their
 preflights get a 403, and a request without a key from them is still refused
 (llmgw.router.browsers). No `Access-Control-Allow-Credentials` is sent: the router reads
-no cookies, and a page passes its key in a header it sets itself.
+no cookies, and a page passes its key in a header it sets itself. Every answer of a router
+that lists origins says `Vary: Origin`, a request without an Origin or from an unlisted
+one too (`VaryingRequest`): each answer's headers depend on its Origin, and a shared cache
+must not hand one origin's answer to another.
 
 What a request without an `Origin` costs: one header lookup, made as its request object
-is built (`Cors.request_type`); a router listing no origin makes none.
+is built (`Cors.request_type`), and one header set as its answer is prepared; a router
+listing no origin makes neither.
 """
 
 from __future__ import annotations
@@ -60,19 +66,28 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """A header name as HTTP writes one (RFC 9110's token)."""
 
 
-class ListedOriginRequest(web.BaseRequest):
-    """A request from a listed origin: every response to it gets that origin's CORS
-    headers as aiohttp prepares it (its `_prepare_hook`, which aiohttp calls for every
-    response between making its headers and sending them)."""
+VARY = {"Vary": "Origin"}
+"""What every other answer of a router that lists origins carries."""
+
+
+class VaryingRequest(web.BaseRequest):
+    """A request to a router that lists origins: every response to it gets `cors_headers`
+    as aiohttp prepares it (its `_prepare_hook`, which aiohttp calls for every response
+    between making its headers and sending them); `VARY` unless it is a
+    `ListedOriginRequest`."""
 
     ATTRS = web.BaseRequest.ATTRS | frozenset(["cors_headers"])
 
-    def __init__(self, *args: Any, cors_headers: Mapping[str, str], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cors_headers: Mapping[str, str] = VARY, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cors_headers = cors_headers
 
     async def _prepare_hook(self, response: StreamResponse) -> None:
         response.headers.update(self.cors_headers)
+
+
+class ListedOriginRequest(VaryingRequest):
+    """A request from a listed origin: its responses get that origin's CORS headers."""
 
 
 RequestType = Callable[..., web.BaseRequest]
@@ -82,20 +97,26 @@ RequestType = Callable[..., web.BaseRequest]
 class Cors:
     """One router's CORS: the listed origins' headers and its preflights' answers."""
 
-    __slots__ = ("types",)
+    __slots__ = ("headers", "types")
 
     def __init__(self, origins: tuple[str, ...]) -> None:
+        self.headers = {origin: answer_headers(origin) for origin in origins}
         self.types: dict[str, RequestType] = {
-            origin: functools.partial(ListedOriginRequest, cors_headers=answer_headers(origin))
-            for origin in origins
+            origin: functools.partial(ListedOriginRequest, cors_headers=headers)
+            for origin, headers in self.headers.items()
         }
 
     def request_type(self, message: Any) -> RequestType:
         """The request type for a request's head (aiohttp's parsed message)."""
         origin = message.headers.get("Origin")
         if origin is None:
-            return web.BaseRequest
-        return self.types.get(origin, web.BaseRequest)
+            return VaryingRequest
+        return self.types.get(origin, VaryingRequest)
+
+    def late_head_headers(self, origin: str | None) -> Mapping[str, str]:
+        """The headers of the 408 answered to a head that came too late, given the Origin
+        its part that came names (None: none): as `request_type`'s would add."""
+        return VARY if origin is None else self.headers.get(origin, VARY)
 
 
 def answer_headers(origin: str) -> dict[str, str]:

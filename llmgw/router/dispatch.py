@@ -352,7 +352,9 @@ class Dispatcher:
                 and upstream.content_type == "text/event-stream"
             ):
                 stream = EngineStream(state, upstream, prof, self, total_at, ep.id)
-                return await relay(stream, self.watchdog, d, t0)
+                relayed = await relay(stream, self.watchdog, d, t0)
+                self.accounting.ended(prof, state, stream.events)
+                return relayed
             # A whole body: a non-streamed answer, or one the client must see as is (a 4xx,
             # or an engine's JSON answer to a stream request).
             status, data = await self._read_body(upstream, d, total_at)

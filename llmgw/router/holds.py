@@ -84,3 +84,14 @@ def tightest_limit(s: tenancy.KeySettings) -> int:
     """The smallest of a metered key's token limits: its window's tokens, its budget."""
     window = reserve.window_limit(s.tokens_per_min) if s.tokens_per_min else None
     return min(n for n in (window, s.budget_tokens) if n)
+
+
+class RequestLease:
+    """The requests this router may still admit for a key in one window."""
+
+    __slots__ = ("exhausted", "left", "window")
+
+    def __init__(self) -> None:
+        self.window = -1
+        self.left = 0
+        self.exhausted = False

@@ -19,10 +19,9 @@ So its limits hold for the fleet as a whole whatever the number of routers:
 
 Usage is batched (`USAGE_FLUSH_S`): its rate of writes grows with the keys and models in
 use, not with requests. A key of the keys file, or any key while the counters cannot be
-reached (no NATS, no stream yet), is limited by this router's own buckets (llmgw.router.auth):
-a stated degradation to per-router limits, logged, never a refusal of the fleet. Not its
-budget: through an outage a router spends of it only its share of what it last read to be
-left, and adds what it spent to the counter when it answers again (`_hold_unreached`).
+reached, is limited by this router's own buckets (llmgw.router.auth), logged; its budget
+by this router's share of what it last read to be left, owed to the counter after
+(`_hold_unreached`).
 """
 
 from __future__ import annotations
@@ -39,7 +38,15 @@ from llmgw.router import admission, auth, requests
 from llmgw.router import ports as ports_
 from llmgw.router.config import DEFAULT_MAX_TOKENS, LogSource
 from llmgw.router.errors import Refusal
-from llmgw.router.holds import Held, Owed, Owing, local_hold, local_limits, tightest_limit
+from llmgw.router.holds import (
+    Held,
+    Owed,
+    Owing,
+    RequestLease,
+    local_hold,
+    local_limits,
+    tightest_limit,
+)
 
 log = logs.get("llmgw.router.quotas")
 
@@ -52,24 +59,13 @@ is owed beyond them is kept (`Owed.debt`) and added when their turn comes."""
 USAGE_FLUSH_S = 10.0
 
 
-class _Lease:
-    """The requests this router may still admit for a key in one window."""
-
-    __slots__ = ("exhausted", "left", "window")
-
-    def __init__(self) -> None:
-        self.window = -1
-        self.left = 0
-        self.exhausted = False
-
-
 class Quotas:
     """One router process's share of the fleet's counters."""
 
     def __init__(self, counters: Counters | None = None) -> None:
         self.counters = counters
         """None until connected (and while the connection is down)."""
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, RequestLease] = {}
         self._windows: dict[str, reserve.Pool] = {}
         """Each key's lease of its tokens/min window."""
         self._budgets: dict[str, reserve.Pool] = {}
@@ -128,7 +124,7 @@ class Quotas:
         w = quota.window(wall, span)
         lease = self._leases.get(p.name)
         if lease is None:
-            lease = self._leases[p.name] = _Lease()
+            lease = self._leases[p.name] = RequestLease()
         if lease.window != w:
             lease.window, lease.left, lease.exhausted = w, 0, False
         if lease.left <= 0 and not lease.exhausted:
@@ -141,7 +137,9 @@ class Quotas:
         lease.left -= 1
         return None
 
-    async def _lease_requests(self, lease: _Lease, subject: str, per_s: float, w: int) -> None:
+    async def _lease_requests(
+        self, lease: RequestLease, subject: str, per_s: float, w: int
+    ) -> None:
         """Lease requests of window `w`'s counter into `lease`. As a lease of tokens
         (`_lease`), it goes on if the request waiting for it is cancelled: the counter
         counts it either way, and a lease no router holds is lost to the key's window."""
@@ -162,17 +160,18 @@ class Quotas:
 
     def hold_now(
         self, p: auth.Principal, prompt_chars: int, max_out: int | None, wall: float,
-        choices: int = 1,
+        choices: int = 1, field: str = "max_tokens",
     ) -> Held | Refusal | int:  # fmt: skip
         """What a request of `prompt_chars` asking for `choices` answers of `max_out` tokens
         may cost, held of a fleet key's window and budget from what this router leased (no
         round trip); the 400 of one larger than the key's tightest token limit (no wait
-        would admit it); else the tokens `hold` is to take (it may need the counters)."""
+        would admit it), naming the `field` it sent `max_out` in; else the tokens `hold` is
+        to take (it may need the counters)."""
         s = p.settings
         limit = tightest_limit(s)
         prompt = prompt_chars // requests.CHARS_PER_TOKEN
         if reserve.never_fits(max_out, limit, choices):
-            return admission.never_fits(p, max_out or 0, limit, choices)
+            return admission.never_fits(p, max_out or 0, limit, choices, field)
         need = reserve.reservation(prompt, max_out, self.default_out, limit, choices)
         if not p.fleet or self.counters is None:
             return need
@@ -191,41 +190,43 @@ class Quotas:
             budget.left -= need
         return Held(p, need, w, period)
 
-    async def hold(self, p: auth.Principal, need: int, wall: float, mono: float) -> Held | Refusal:
+    async def hold(
+        self, p: auth.Principal, need: int, wall: float, mono: float, field: str = "max_tokens"
+    ) -> Held | Refusal:
         """`need` tokens held of the key's window and budget (leased from the fleet's
-        counters when this router's leases lack them), else the 429. While the counters
-        cannot be reached, its tokens/min are this router's bucket, and its budget this
-        router's share of what it last read to be left (`_hold_unreached`)."""
+        counters when this router's leases lack them), else the 429 (naming `field`, the
+        request's maximum). While the counters cannot be reached, its tokens/min are this
+        router's bucket, and its budget this router's share of what it last read to be
+        left (`_hold_unreached`)."""
         if not p.fleet:
             return local_hold(p, need, mono)
         if self.counters is not None:
             try:
-                return await self._hold_fleet(p, need, wall)
+                return await self._hold_fleet(p, need, wall, field)
             except CounterError as exc:
                 self._fell_back(exc)
-        return self._hold_unreached(p, need, wall, mono)
+        return self._hold_unreached(p, need, wall, mono, field)
 
     def _hold_unreached(
-        self, p: auth.Principal, need: int, wall: float, mono: float
+        self, p: auth.Principal, need: int, wall: float, mono: float, field: str
     ) -> Held | Refusal:
-        """`need` tokens held while the counters cannot be reached: of the key's budget, from
-        what this router leased of it and then its own share of what it last read to be left
-        (`reserve.Pool.outage_lease`), owed to the counter; of its tokens/min, from this
-        router's bucket. A budget this router has no reading of for its period is refused:
-        nothing says whether it is spent."""
+        """`need` tokens held while the counters cannot be reached: of the budget, from what
+        this router leased and then its share of what it last read to be left (owed to the
+        counter: `reserve.Pool.outage_lease`), refused with no reading of the period; of
+        tokens/min, from this router's bucket."""
         s = p.settings
         if not s.budget_tokens:
             return local_hold(p, need, mono)
         period = tenancy.period_of(wall, s.budget_period)
         pool = self._budgets.get(p.name)
         if pool is None or pool.period != period or not pool.read:
-            return admission.budget_unchecked(p, need, None)
+            return admission.budget_unchecked(p, need, None, field)
         if pool.left < need:
             unpaid = self.owes(p.name, period)
             got = pool.outage_lease(need, s.budget_tokens, self.processes, unpaid)
             self.owe(p.name, period, got, s.budget_tokens)
         if not pool.reserve(need):
-            return admission.budget_unchecked(p, need, pool.left + (pool.outage_left or 0))
+            return admission.budget_unchecked(p, need, pool.left + (pool.outage_left or 0), field)
         held = local_hold(p, need, mono)
         if isinstance(held, Refusal):
             pool.settle(need, 0)
@@ -233,7 +234,9 @@ class Quotas:
         held.period = period
         return held
 
-    async def _hold_fleet(self, p: auth.Principal, need: int, wall: float) -> Held | Refusal:
+    async def _hold_fleet(
+        self, p: auth.Principal, need: int, wall: float, field: str
+    ) -> Held | Refusal:
         s = p.settings
         period: str | None = None
         budget: reserve.Pool | None = None
@@ -243,9 +246,8 @@ class Quotas:
             budget = await self._leased(self._budgets, p.name, period, subject, need,
                                         s.budget_tokens)  # fmt: skip
             if not budget.reserve(need):
-                left = tenancy.period_end(wall, s.budget_period) - wall
                 spent = min(budget.total, s.budget_tokens) - budget.left  # fleet-wide
-                return admission.over_budget(p, s.budget_tokens - spent, need, left)
+                return admission.over_budget(p, s.budget_tokens - spent, need, wall, field)
         try:
             w = await self._hold_window(p, need, wall)
         except BaseException:

@@ -175,6 +175,10 @@ class Parsed(msgspec.Struct):
     an API that generates none)."""
     choices: int = 1
     """How many answers the engine generates (`n`, or `best_of` when larger)."""
+    max_field: str = "max_tokens"
+    """The field the client names its maximum in (`max_out` is its value), as a refusal
+    tells it what to lower: the Responses API's `max_output_tokens`, a chat request's
+    `max_completion_tokens` when that one is the larger it sent, else `max_tokens`."""
 
 
 def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
@@ -195,11 +199,13 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     if isinstance(req, OtherBody):
         streams = bool(req.stream) and kind in STREAMED_USAGE
         # Each API obeys its own field, whatever else a client adds.
-        out = _largest(req.max_tokens if kind == "messages" else req.max_output_tokens)
+        messages = kind == "messages"
+        out = _largest(req.max_tokens if messages else req.max_output_tokens)
         return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
                       text="", priority=bool(req.priority),
                       cache_salt=_salt_text(req.cache_salt),
-                      max_out=out if kind in GENERATES else 0)  # fmt: skip
+                      max_out=out if kind in GENERATES else 0,
+                      max_field="max_tokens" if messages else "max_output_tokens")  # fmt: skip
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
@@ -231,6 +237,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         cache_salt=_salt_text(req.cache_salt),
         max_out=_max_out(req),
         choices=_choices(req),
+        max_field=_max_field(req),
     )
 
 
@@ -246,6 +253,13 @@ def _max_out(req: ChatBody | CompletionBody) -> int | None:
     if isinstance(req, ChatBody):
         return _largest(req.max_tokens, req.max_completion_tokens)
     return _largest(req.max_tokens)
+
+
+def _max_field(req: ChatBody | CompletionBody) -> str:
+    """The field `_max_out` took its maximum from (`max_tokens` when the body names none)."""
+    if isinstance(req, ChatBody) and (req.max_completion_tokens or 0) >= (req.max_tokens or 1):
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def _largest(*caps: int | None) -> int | None:

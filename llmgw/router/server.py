@@ -129,7 +129,8 @@ async def serve(
 ) -> None:
     """Serve until `stop` is set (or SIGTERM / SIGINT when `stop` is None)."""
     from llmgw.router.admin import build_admin_server
-    from llmgw.router.app import Router, build_server
+    from llmgw.router.app import Router
+    from llmgw.router.front import build_server
 
     router = Router(cfg, worker=worker, limits=limits)
     router.admin_url = listeners.url("http", admin_sock)  # its load reports name it

@@ -5,7 +5,8 @@ node registers as its own node identity, which is all cordon, apply and events
 need. What is shown: an operator event carries the certificate's CN and nothing
 else; a router certificate cannot cordon (the server refuses the write); every
 kind of bad input exits 2 with one line saying what to do; `events --follow` in a
-real subprocess prints events as they arrive.
+real subprocess prints events as they arrive; a real subprocess whose reader goes away
+ends as `yes | head` does.
 """
 
 from __future__ import annotations
@@ -537,3 +538,71 @@ async def test_replay_of_a_moment_whose_heartbeats_expired_says_their_age_is_unk
     # The end of the log, with a live heartbeat: an age.
     now = (await ctl("nodes", "--json")).json()
     assert now[0]["heartbeat_age_s"] is not None
+
+
+def spawn_into_pipe(argv: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+    """`python -m llmgw ARGV` with its stdout into a new pipe: the process and the pipe's
+    read end."""
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+    finally:
+        os.close(write_end)
+    return proc, read_end
+
+
+def read_one_line(read_end: int) -> bytes:
+    """One line of the pipe, read a byte at a time (nothing beyond it), then its end closed:
+    the pipe's only reader is gone, as `head -1`'s is."""
+    with os.fdopen(read_end, "rb", buffering=0) as reader:
+        line = b""
+        while not line.endswith(b"\n"):
+            byte = reader.read(1)
+            if not byte:
+                break
+            line += byte
+    return line
+
+
+async def publish_registrations(server: TestNatsServer, count: int) -> None:
+    node = await connect_as(server, "node", "node-a")
+    try:
+        publisher = bus.Publisher(node.jetstream())
+        for _ in range(count):
+            await publisher.publish(
+                events.NodeRegistered(id=os.urandom(8).hex(), ts=time.time(), node="node-a",
+                                      address="127.0.0.1", gpus=sim_gpus(2))
+            )  # fmt: skip
+    finally:
+        await bus.close(node)
+
+
+async def test_a_command_whose_reader_goes_away_ends_quietly_as_sigpipe_would(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    """`llmgw ctl events | head -1` exited 1: a command whose output meets a closed pipe
+    ends with a shell's status for a process killed by SIGPIPE (141, as `yes | head`
+    does), printing nothing: one following the log whose reader read a line and left
+    before the next event, and ones whose reader was gone before they printed."""
+    await publish_registrations(nats_server, 100)
+    ctl = Ctl(nats_server)
+    for args in (["events", "--follow"], ["events", "--follow", "--json"]):
+        proc, read_end = spawn_into_pipe(ctl.argv(*args))
+        line = await asyncio.to_thread(read_one_line, read_end)
+        assert line, args
+        await publish_registrations(nats_server, 1)  # printed once the reader is gone
+        _, err = await asyncio.to_thread(proc.communicate, timeout=120)
+        assert (proc.returncode, err) == (141, b""), args
+    for argv in (ctl.argv("events"), ctl.argv("events", "--json"), ctl.argv("nodes"),
+                 ["ctl", "--help"], ["version"]):  # fmt: skip
+        proc, read_end = spawn_into_pipe(argv)
+        os.close(read_end)
+        _, err = await asyncio.to_thread(proc.communicate, timeout=120)
+        assert (proc.returncode, err) == (141, b""), argv

@@ -21,8 +21,9 @@ import structlog
 from aiohttp import web
 
 from llmgw.core.redaction import FRAGMENT, KEY_MARK
-from llmgw.router.app import Router, build_server
+from llmgw.router.app import Router
 from llmgw.router.config import RouterConfig
+from llmgw.router.front import build_server
 from llmgw.sim.testing import SimProcess
 from tests.kit.threaded_http import ThreadedApp, engine_app
 

@@ -1,7 +1,8 @@
 """What a key is charged for a stream, whole or cut, and how its usage counts it: a router
 served in this process in front of a canned engine (aiohttp, on its own thread) that
 streams chunks without a usage chunk unless it is asked for one, and that holds a stream
-after a few chunks (until the module's end) when the test means the client to hang up."""
+after a few chunks (until the module's end) when the test means the client to hang up, and
+that ignores the request for a usage chunk when told to be deaf."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from aiohttp import web
 
 from llmgw.core import tenancy
 from llmgw.router import auth
-from llmgw.router.app import Router, build_server
+from llmgw.router.app import Router
 from llmgw.router.config import RouterConfig
+from llmgw.router.front import build_server
 from tests.kit.threaded_http import ThreadedApp, engine_app
 
 pytestmark = pytest.mark.slow
@@ -32,8 +34,8 @@ HELD_AFTER = 5
 
 class StreamingEngine(ThreadedApp):
     """Streams CHUNKS chunks of one token each, then its usage (when the request asks for
-    it) and [DONE]; a request whose prompt is "hold" stops after HELD_AFTER chunks and
-    waits until `let_go`."""
+    it, unless its prompt says "deaf") and [DONE]; a request whose prompt says "hold" stops
+    after HELD_AFTER chunks and waits until `let_go`."""
 
     def __init__(self) -> None:
         self.held: list[asyncio.Event] = []
@@ -50,7 +52,8 @@ class StreamingEngine(ThreadedApp):
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        held = body["messages"][0]["content"] == "hold"
+        prompt = body["messages"][0]["content"]
+        held, deaf = "hold" in prompt, "deaf" in prompt
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(CHUNKS):
@@ -59,7 +62,7 @@ class StreamingEngine(ThreadedApp):
                 await self.held[-1].wait()
                 return resp
             await resp.write(event({"choices": [{"index": 0, "delta": {"content": "w"}}]}))
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if (body.get("stream_options") or {}).get("include_usage") and not deaf:
             usage = {"prompt_tokens": 7, "completion_tokens": CHUNKS, "total_tokens": 7 + CHUNKS}
             await resp.write(event({"choices": [], "usage": usage}))
         await resp.write(b"data: [DONE]\n\n")
@@ -220,3 +223,26 @@ async def test_a_stream_the_client_cut_counts_as_a_request_in_the_keys_usage(
         assert tokens_out >= HELD_AFTER
         assert tokens_in > 0
         assert requests == 1
+
+
+@pytest.mark.parametrize("ending", ["whole", "cut"])
+@pytest.mark.parametrize("engine_usage", [True, False], ids=["usage-chunk", "no-usage-chunk"])
+async def test_a_counted_stream_is_charged_whether_or_not_its_engine_sends_usage(
+    engine: StreamingEngine, ending: str, engine_usage: bool
+) -> None:
+    """With `count_stream_tokens` on, a stream whose engine ignores the usage the router
+    asks for was charged nothing when it ended whole (an estimate only when cut): either
+    end, usage chunk or none, is now charged: the engine's usage, else its estimate."""
+    prompt = ("hold " if ending == "cut" else "all of it ") + ("" if engine_usage else "deaf")
+    async for router, url in serve(engine.url, count_stream_tokens=True):
+        if ending == "cut":
+            await cut_stream(url, body(prompt))
+        else:
+            await whole_stream(url, body(prompt))
+        await done(router, 1)
+        prompt_tokens, completion_tokens = charged(router)
+        if ending == "whole" and engine_usage:
+            assert (prompt_tokens, completion_tokens) == (7, CHUNKS)
+        else:
+            assert prompt_tokens > 0
+            assert completion_tokens >= (CHUNKS if ending == "whole" else HELD_AFTER)

@@ -163,7 +163,7 @@ def test_a_429_for_tokens_says_when_the_keys_tokens_are_back(router: Router) -> 
         used = first.json()["usage"]["total_tokens"]
         refused = c.post("/v1/chat/completions", json=body, headers=headers)
     assert too_big.status_code == 400
-    assert "lower max_tokens (or max_completion_tokens) to at most" in too_big.text
+    assert "lower max_tokens to at most" in too_big.text
     assert refused.status_code == 429
     held = 30 + len(json.dumps(body)) // 4  # its max_tokens and its prompt's estimate
     missing = held - (60 - used)  # what the bucket lacks of a hold, back a token a second
@@ -212,3 +212,28 @@ def test_a_stream_the_client_cut_is_logged_with_the_tokens_it_was_charged(
     finally:
         sims["em"].clear_faults()
         debug.stop()
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "field"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}]}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}]},
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "go"}, "max_tokens"),
+        ("/v1/responses", {"input": "go"}, "max_output_tokens"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "go"}]}, "max_tokens"),
+    ],
+)  # fmt: skip
+def test_a_maximum_over_the_keys_limit_is_refused_naming_the_field_sent(
+    router: Router, path: str, extra: dict[str, object], field: str
+) -> None:
+    """The 400 of a maximum no window of the key's 60 tokens a minute admits said
+    "max_tokens" on every API: it names the field this API's client sent."""
+    body = {"model": "m", **extra, field: 300}
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        resp = c.post(path, json=body, headers={"Authorization": f"Bearer {METERED}"})
+    assert resp.status_code == 400, resp.text
+    assert f"lower {field} to at most 60" in resp.text
+    others = {"max_tokens", "max_completion_tokens", "max_output_tokens"} - {field}
+    assert not any(other in resp.text for other in others), resp.text

@@ -11,6 +11,7 @@ its limits hold for the fleet whatever the number of routers.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -321,6 +322,48 @@ async def test_a_budget_spent_mid_stream_lets_the_stream_finish_then_refuses_on_
     budgets = (await ctl("usage", "--key", "small", "--json")).json()["budgets"]
     assert budgets[0]["used"] >= 64
     assert budgets[0]["left"] == 0
+
+
+def next_month_start(wall: float) -> str:
+    """00:00 UTC of the first of the month after `wall`'s, as a budget's 429 writes it."""
+    now = datetime.datetime.fromtimestamp(wall, datetime.UTC)
+    year, month = (now.year + 1, 1) if now.month == 12 else (now.year, now.month + 1)
+    return f"{year}-{month:02d}-01 00:00 UTC"
+
+
+async def test_a_spent_monthly_budget_names_its_renewal_and_the_field_on_every_api(
+    fleet: tuple[Ctl, list[Router]],
+) -> None:
+    """A monthly budget's 429 said it renews "at 00:00 UTC" (tonight) and to lower
+    max_tokens on every API: it names the first of next month, with a Retry-After that
+    reaches it, and the field of the API's own maximum."""
+    ctl, routers = fleet
+    r1 = routers[0]
+    made = await ctl("key", "create", "--name", "monthly", "--budget-tokens", "100/month",
+                     "--json")  # fmt: skip
+    key = made.json()["key"]
+    await wait_for(lambda: accepted(r1, key), 10, "the key")  # some of the budget used
+    asks = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+         "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "hi"}, "max_tokens"),
+        ("/v1/responses", {"input": "hi"}, "max_output_tokens"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ]  # fmt: skip
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+        for path, body, field in asks:
+            before = time.time()
+            async with http.post(r1.url + path, json={"model": "m", **body, field: 99}) as r:
+                text, after = await r.text(), time.time()
+                assert r.status == 429, text
+                assert "budget_exceeded" in text
+                assert f"lower {field}," in text, text
+                renewal = {next_month_start(before), next_month_start(after)}
+                assert any(f"(at {when})" in text for when in renewal), text
+                ends = tenancy.period_end(before, "month")
+                assert ends - after <= int(r.headers["Retry-After"]) <= ends - before + 1
 
 
 async def test_only_an_operator_under_its_own_name_makes_a_key_that_routers_admit(

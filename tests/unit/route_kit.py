@@ -1,7 +1,7 @@
 """A router in-process, with a fleet state the test sets, for comparing what the admin
 listener's `POST /route` says of a body with where the front door sends the same body.
 
-Both are driven through their real handlers (llmgw.router.app.build_server and
+Both are driven through their real handlers (llmgw.router.front.build_server and
 llmgw.router.admin.build_admin_server) with mocked requests; the engine is never asked:
 an attempt records where it went and answers 200. The clocks the router reads are frozen
 for the duration, so that /route and the front door see the same moment.
@@ -27,7 +27,7 @@ from aiohttp.test_utils import make_mocked_request
 from llmgw.core import kvblocks, tenancy
 from llmgw.core.kvblocks import KvUpdate
 from llmgw.core.profile import ModelProfile
-from llmgw.router import admin, app, auth, dispatch, explain, kvroute, prompts, requests
+from llmgw.router import admin, app, auth, dispatch, explain, front, kvroute, prompts, requests
 from llmgw.router.attempts import Attempt
 from llmgw.router.config import (
     AuthConfig,
@@ -131,7 +131,7 @@ class Fleet:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.router = app.Router(cfg)
-        self.front = app.build_server(self.router)
+        self.front = front.build_server(self.router)
         self.admin = admin.build_admin_server(self.router)
         self.attempts: list[tuple[str, str]] = []
         self.router.dispatcher._attempt = self._attempt  # type: ignore[method-assign]

@@ -159,7 +159,7 @@ def test_a_request_that_can_never_fit_is_refused_saying_what_to_lower() -> None:
     refused = q.hold_now(p, 40, 4000, 0.0)  # 40 characters: about 10 tokens
     assert isinstance(refused, Refusal)
     assert (refused.status, refused.code) == (400, "request_over_token_limit")
-    assert "lower max_tokens (or max_completion_tokens) to at most 1000" in refused.message
+    assert "lower max_tokens to at most 1000" in refused.message
     assert q.hold_now(p, 40, 990, 0.0) == 1000  # to hold, with the counters
     assert q.hold_now(p, 40, None, 0.0) == 1000  # no maximum named: the default, to the limit
     # A prompt estimated past the limit (a body of images, say) is held to the whole limit,

@@ -5,6 +5,7 @@ and tests/e2e/test_router_browser_cors.py."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import string
 from collections.abc import AsyncIterator
@@ -19,9 +20,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from llmgw import http_server, listeners, logs
 from llmgw.router import cors
-from llmgw.router.app import Router, build_server
+from llmgw.router.app import Router
 from llmgw.router.config import AuthConfig, RouterConfig
 from llmgw.router.errors import Refusal
+from llmgw.router.front import build_server
 
 APP = "http://127.0.0.1:5173"
 OTHER = "https://evil.example"
@@ -48,8 +50,8 @@ def test_only_a_listed_origin_gets_its_headers(origin: str) -> None:
         assert made.func is cors.ListedOriginRequest  # type: ignore[attr-defined]
         assert made.keywords["cors_headers"]["Access-Control-Allow-Origin"] == APP  # type: ignore[attr-defined]
     else:
-        assert made is web.BaseRequest
-    assert c.request_type(_head({})) is web.BaseRequest
+        assert made is cors.VaryingRequest
+    assert c.request_type(_head({})) is cors.VaryingRequest
 
 
 def test_the_answer_headers_name_the_origin_and_expose_what_clients_read() -> None:
@@ -105,19 +107,26 @@ def test_a_hostile_request_headers_list_gets_a_bounded_answer(requested: str) ->
 
 
 @contextlib.asynccontextmanager
-async def _serving(
-    server: web.Server, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[aiohttp.ClientSession]:
+async def _raw_serving(server: web.Server) -> AsyncIterator[int]:
     runner = web.ServerRunner(server)
     await runner.setup()
     sock = listeners.bind("127.0.0.1", 0, setting="port")
     try:
         await http_server.start_site(runner, sock, rules=RULES)
-        port = sock.getsockname()[1]
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
-            yield session
+        yield sock.getsockname()[1]
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    server: web.Server, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[aiohttp.ClientSession]:
+    async with (
+        _raw_serving(server) as port,
+        aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session,
+    ):
+        yield session
 
 
 async def _answers(request: web.BaseRequest) -> web.StreamResponse:
@@ -150,12 +159,14 @@ async def test_every_answer_to_a_listed_origin_has_its_headers_streams_and_error
                 async with s.get(path, headers=headers) as r:
                     await r.read()
                     assert not any(h.startswith("Access-Control-") for h in r.headers), path
+                    assert r.headers["Vary"] == "Origin", path
 
 
-def _router(**auth: object) -> Router:
+def _router(header_timeout_s: float = 10.0, **auth: object) -> Router:
     cfg = RouterConfig(
         auth=AuthConfig(allow_anonymous=True, **auth),  # type: ignore[arg-type]
         models=(),
+        header_timeout_s=header_timeout_s,
     )
     return Router(cfg)
 
@@ -206,3 +217,91 @@ async def test_a_router_listing_no_origin_refuses_every_preflight(
         assert r.status == 403
         assert "auth.allowed_origins" in (await r.json())["error"]["message"]
         assert "Access-Control-Allow-Origin" not in r.headers
+
+
+HEADER_NAMES = st.sampled_from(["Origin", "origin", "ORIGIN", "X-Origin", "Host"]) | st.text(
+    TCHARS, min_size=1, max_size=12
+)
+HEADER_VALUES = st.text(string.ascii_letters + string.digits + ":/.-_ ", max_size=40).map(str.strip)
+
+
+@given(
+    st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=8),
+    st.data(),
+)
+def test_a_late_heads_origin_is_read_whole_or_not_at_all(
+    headers: list[tuple[str, str]], data: st.DataObject
+) -> None:
+    """Whatever part of a head came, the Origin read of it is the head's first Origin line
+    whole, or nothing: never a value cut short (a prefix of another listed origin)."""
+    head = "POST /v1/chat/completions HTTP/1.1\r\n" + "".join(
+        f"{name}: {value}\r\n" for name, value in headers
+    )
+    first = next((value for name, value in headers if name.lower() == "origin"), None)
+    assert http_server.sent_origin(head.encode()) == first
+    cut = data.draw(st.integers(0, len(head)))
+    assert http_server.sent_origin(head[:cut].encode()) in (None, first)
+
+
+async def _late_head(port: int, origin: str | None) -> bytes:
+    """A request head that stops half way (after its Origin, if any): what the router
+    answers until it closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nOri")
+        await writer.drain()
+        rest = f"gin: {origin}\r\n" if origin is not None else "gin-less: yes\r\n"
+        writer.write(rest.encode() + b"Content-Type: appl")
+        await writer.drain()
+        async with asyncio.timeout(30):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def _headers(answer: bytes) -> dict[str, str]:
+    head = answer.partition(b"\r\n\r\n")[0].decode().split("\r\n")
+    return dict(line.split(": ", 1) for line in head[1:])
+
+
+async def test_a_late_heads_408_carries_the_listed_origins_cors_headers() -> None:
+    """The 408 of a head that came too late had no CORS header: a page of a listed origin
+    saw a network error, not the 408. It has its origin's, as any answer to it; an
+    unlisted origin's and one without an Origin say only `Vary: Origin`."""
+    async with _raw_serving(build_server(_router(0.2, allowed_origins=(APP,)))) as port:
+        listed = await _late_head(port, APP)
+        other = await _late_head(port, OTHER)
+        none = await _late_head(port, None)
+    for answer in (listed, other, none):
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+        assert _headers(answer)["Vary"] == "Origin"
+        assert b'"code":"request_timeout"' in answer
+    assert _headers(listed)["Access-Control-Allow-Origin"] == APP
+    assert "Retry-After" in _headers(listed)["Access-Control-Expose-Headers"]
+    for answer in (other, none):
+        assert not any(name.startswith("Access-Control-") for name in _headers(answer))
+
+
+async def test_a_router_listing_no_origin_answers_a_late_head_as_before() -> None:
+    async with _raw_serving(build_server(_router(0.2))) as port:
+        answer = await _late_head(port, APP)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert "Vary" not in _headers(answer)
+    assert not any(name.startswith("Access-Control-") for name in _headers(answer))
+
+
+async def test_every_answer_of_a_router_listing_origins_varies_by_origin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An answer to a request without an Origin carried no `Vary: Origin`, so a shared
+    cache could hand it (without CORS headers) to a listed origin's page, or another's
+    answer to it. Every answer of a router that lists origins now says it varies."""
+    async with _serving(build_server(_router(allowed_origins=(APP,))), monkeypatch) as s:
+        for headers in ({}, {"Origin": OTHER}, {"Origin": APP}):
+            for path in ("/v1/models", "/health", "/nowhere"):
+                async with s.get(path, headers=headers) as r:
+                    await r.read()
+                    assert r.headers.get("Vary") == "Origin", (path, headers)
+    async with _serving(build_server(_router()), monkeypatch) as s, s.get("/v1/models") as r:
+        await r.read()
+        assert "Vary" not in r.headers
