@@ -269,12 +269,16 @@ def test_table_and_catalog_operations() -> None:
     assert c.resolve("m") is None
 
 
+OWN_COMPLETION_FIELDS = (
+    "model", "stream_options", "prompt", "stream", "max_tokens", "n", "best_of", "priority",
+)  # fmt: skip
+
+
 @given(
     extra=st.dictionaries(
-        # Fields the parser reads and checks are the request's own, not extra ones.
-        st.text(max_size=8).filter(
-            lambda k: k not in ("model", "stream_options", "prompt", "stream")
-        ),
+        # Fields the parser reads and checks (or drops: `priority`) are the request's own,
+        # not extra ones.
+        st.text(max_size=8).filter(lambda k: k not in OWN_COMPLETION_FIELDS),
         st.none() | st.booleans() | st.integers() | st.text(max_size=8),
         max_size=4,
     ),
