@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import msgspec
 import nats.errors
@@ -48,11 +47,7 @@ class Leadership(Instance):
     async def _lease_loop(self) -> None:
         lease = self._lease
         assert lease is not None
-        measured = time.monotonic()
         while not self._stopping:
-            if time.monotonic() - measured >= lease.renew_every_s:
-                measured = time.monotonic()
-                await self._measure_clock()
             if not self.leading:
                 wait = min(lease.renew_every_s, 0.25)
                 if self.caught_up.is_set():
@@ -82,12 +77,25 @@ class Leadership(Instance):
                     wait = 0.2
             await asyncio.sleep(wait)
 
+    async def _clock_loop(self) -> None:
+        """Measure the clock at every renewal's interval, beside the lease loop rather than
+        in it: a renewal held up by an answer slow to come would let the lease run out."""
+        assert self._lease is not None
+        while not self._stopping:
+            await asyncio.sleep(self._lease.renew_every_s)
+            await self._measure_clock()
+
     async def _measure_clock(self) -> None:
         """Measure this host's clock against the server's (llmgw.control.servertime): the
-        control plane's "now" is the server's, whatever its host's clock says."""
+        control plane's "now" is the server's, whatever its host's clock says. An answer
+        that does not come within `ASK_TIMEOUT_S` measures nothing."""
         assert self._lease is not None
         sent = self.clock.wall()
-        stamp = await self._lease.server_time()
+        try:
+            ask = self._lease.server_time()
+            stamp = await asyncio.wait_for(ask, servertime.ASK_TIMEOUT_S)
+        except TimeoutError:
+            stamp = None
         received = self.clock.wall()
         if stamp is not None:
             self._observe_clock(servertime.Sample(sent, stamp, received))

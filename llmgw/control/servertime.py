@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 KEPT = 8
 """Measurements kept: at one a lease renewal, the last half minute or so."""
+ASK_TIMEOUT_S = 2.0
+"""How long a measurement waits for the server's answer: a later one measures nothing."""
 WARN_S = 1.0
 """An offset beyond this is logged: the hosts' clocks should agree (NTP) even so."""
 

@@ -74,6 +74,7 @@ class ControlService(Deciding, Snapshotting):
             tasks = [
                 self._spawn(self._consume(), "consume"),
                 self._spawn(self._lease_loop(), "lease"),
+                self._spawn(self._clock_loop(), "clock"),
                 self._spawn(self._decide_loop(), "decide"),
                 self._spawn(self._tick(), "tick"),
                 self._spawn(self._delete_loop(), "delete"),

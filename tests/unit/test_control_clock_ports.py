@@ -1,0 +1,65 @@
+"""The control plane's clock measurement on in-memory ports: a server slow to tell its time.
+
+The control plane asks the server its time at start and every few seconds after
+(llmgw.control.servertime). An answer that does not come (a busy server, a stream
+electing its leader, a request lost with a connection) must hold up neither the start
+nor the leader's renewals of its lease: a renewal that waits on it lets the lease run
+out, and the fleet loses its leader for as long as the question hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmgw.bus.memory import LeaseBucket, MemoryLease, MemorySnapshots
+from llmgw.control import servertime
+from llmgw.control.ports import ControlPorts
+from llmgw.control.service import ControlService
+from tests.unit.test_control_ports import RecordingLog, config, running, until
+
+
+class UnansweredLease(MemoryLease):
+    """A lease whose server answers the first `answered` requests for its time, then none;
+    it counts its renewals."""
+
+    def __init__(self, bucket: LeaseBucket, name: str, *, answered: int) -> None:
+        super().__init__(bucket, name, ttl_s=1.0)  # renewed every third of a second
+        self.answered = answered
+        self.renewals = 0
+
+    async def server_time(self) -> float | None:
+        if self.answered <= 0:
+            await asyncio.Event().wait()  # never answers
+        self.answered -= 1
+        return await super().server_time()
+
+    async def renew(self) -> None:
+        await super().renew()
+        self.renewals += 1
+
+
+def service(lease: UnansweredLease) -> ControlService:
+    ports = ControlPorts(log=RecordingLog(), snapshots=MemorySnapshots(), lease=lease)
+    return ControlService(config(), ports=ports)
+
+
+async def test_a_time_never_told_holds_up_no_renewal_of_the_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(servertime, "ASK_TIMEOUT_S", 0.05)
+    lease = UnansweredLease(LeaseBucket(), "control-a", answered=1)  # the start's only
+    async with running(service(lease)) as svc:
+        await until(lambda: lease.renewals >= 6, "six renewals, two TTLs of the lease")
+        assert svc.leading
+
+
+async def test_a_server_that_never_tells_its_time_does_not_keep_control_from_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(servertime, "ASK_TIMEOUT_S", 0.05)
+    lease = UnansweredLease(LeaseBucket(), "control-a", answered=0)
+    async with running(service(lease)) as svc:
+        await until(lambda: svc.leading, "leadership")
+        assert svc.clock.offset == 0.0  # nothing measured: the host's clock
