@@ -19,7 +19,10 @@ as no holder at all, and takes such a lease over with a write that expects exact
 that revision, so a forged value can neither make a leader nor keep one from leading.
 The signed value also says until when it holds (`until`, the writer's clock plus the
 TTL): a genuine value stored again later (by anyone able to write the bucket) counts
-as free once that time and one more TTL (for clock skew) have passed.
+as free once that time and one more TTL (for clock skew) have passed. Written by one
+host and judged by another, `until` is read on the clock a contender is given: a control
+plane's is the server's time (llmgw.control.servertime), whatever its host's says, so
+that a standby does not take over from a leader whose host's clock is behind.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from collections.abc import Callable
 
 import msgspec
 import nats.errors
@@ -128,7 +132,9 @@ class Lease:
         ttl_s: float,
         signer: Signer | None = None,
         verifier: Verifier | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` (UNIX seconds) writes and judges the value's `until`."""
         signer = signer if signer is not None else signer_of(js)
         verifier = verifier if verifier is not None else verifier_of(js)
         if signer is None or verifier is None:
@@ -146,6 +152,7 @@ class Lease:
             raise ValueError(f"lease ttl_s must be at least 1 second (server granularity): {ttl_s}")
         self._js = js
         self._kv = kv
+        self._clock = clock
         self.name = name
         self.ttl_s = float(round(ttl_s))
         self.epoch = 0
@@ -162,6 +169,7 @@ class Lease:
         ttl_s: float = 10.0,
         signer: Signer | None = None,
         verifier: Verifier | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> Lease:
         try:
             kv = await js.key_value(LEASE_BUCKET)
@@ -170,7 +178,7 @@ class Lease:
                 f"KV bucket {LEASE_BUCKET} does not exist: call llmgw.bus.provision first "
                 "(the control plane does at start-up)"
             ) from None
-        return cls(js, kv, name, ttl_s=ttl_s, signer=signer, verifier=verifier)
+        return cls(js, kv, name, ttl_s=ttl_s, signer=signer, verifier=verifier, clock=clock)
 
     @property
     def renew_every_s(self) -> float:
@@ -190,7 +198,9 @@ class Lease:
             return None
         if entry.value is None or entry.revision is None:
             return None
-        return entry.revision, verified_value(self._verifier, entry.value, time.time(), self.ttl_s)
+        return entry.revision, verified_value(
+            self._verifier, entry.value, self._clock(), self.ttl_s
+        )
 
     async def holder(self) -> Holder | None:
         """The current holder, or None when the lease is free (or its value is forged)."""
@@ -211,7 +221,7 @@ class Lease:
         try:
             revision = await self._kv.create(
                 KEY,
-                signed_value(self._signer, self.name, 0, time.time() + self.ttl_s),
+                signed_value(self._signer, self.name, 0, self._clock() + self.ttl_s),
                 msg_ttl=self.ttl_s,
             )
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -244,7 +254,7 @@ class Lease:
         try:
             ack = await self._js.publish(
                 f"$KV.{LEASE_BUCKET}.{KEY}",
-                signed_value(self._signer, self.name, 0, time.time() + self.ttl_s),
+                signed_value(self._signer, self.name, 0, self._clock() + self.ttl_s),
                 headers=headers,
                 timeout=1.0,
             )
@@ -264,7 +274,7 @@ class Lease:
             "Nats-Msg-Id": f"lease-{self.name}-{self.epoch}-{self._renewals}",
             "Nats-TTL": _ttl_header(self.ttl_s),
         }
-        payload = signed_value(self._signer, self.name, self.epoch, time.time() + self.ttl_s)
+        payload = signed_value(self._signer, self.name, self.epoch, self._clock() + self.ttl_s)
         subject = f"$KV.{LEASE_BUCKET}.{KEY}"
         seq = 0
         for attempt in range(3):

@@ -95,7 +95,7 @@ class ControlService(Deciding, Snapshotting):
         """Take the log, snapshots and lease from `ports`, or from JetStream on `_nc`."""
         if ports is None:
             assert self._nc is not None
-            ports = await ports_.open_jetstream(self.cfg, self._nc)
+            ports = await ports_.open_jetstream(self.cfg, self._nc, self.clock)
         self._log = ports.log
         self._snapshots = ports.snapshots
         self._lease = ports.lease
