@@ -50,7 +50,7 @@ class Instance:
         self.name = cfg.name
         self.identity = Identity("control", cfg.name)
         self._tls = tls
-        self.clock = servertime.ServerTime(clock)  # the server's time, whatever this host's
+        self.clock = servertime.of(clock)  # the server's time, whatever this host's
         self.metrics = Metrics()
         self.meter = quota_.Meter(cfg.node_quota) if cfg.node_quota.enabled else None
         """Each node's log traffic in the window; the leader quarantines on it."""

@@ -90,34 +90,34 @@ class Leadership(Instance):
         control plane's "now" is the server's, whatever its host's clock says. An answer
         that does not come within `ASK_TIMEOUT_S` measures nothing."""
         assert self._lease is not None
-        sent = self.clock.wall()
+        sent = self.clock.ticks()
         try:
             ask = self._lease.server_time()
             stamp = await asyncio.wait_for(ask, servertime.ASK_TIMEOUT_S)
         except TimeoutError:
             stamp = None
-        received = self.clock.wall()
+        received = self.clock.ticks()
         if stamp is not None:
             self._observe_clock(servertime.Sample(sent, stamp, received))
 
     def _observe_clock(self, sample: servertime.Sample) -> None:
         clock = self.clock
-        was, before = abs(clock.offset) > servertime.WARN_S, clock.offset
-        clock.observe(sample)
+        was = abs(clock.offset) > servertime.WARN_S
         # What was read of the clock before is moved with it (the same instant, told by
         # the server's clock): only the first measurement moves it far.
-        self._clock_moved(clock.offset - before)
-        self.metrics.clock_offset.set(clock.offset)
-        off = abs(clock.offset) > servertime.WARN_S
+        self._clock_moved(clock.observe(sample))
+        offset = clock.offset
+        self.metrics.clock_offset.set(offset)
+        off = abs(offset) > servertime.WARN_S
         if off and not was:
             log.warning(
                 "clock_offset",
-                offset_s=round(clock.offset, 3),
+                offset_s=round(offset, 3),
                 detail="this host's clock differs from the NATS server's: heartbeats are "
                 "judged by the server's time, but fix the hosts' time sync (NTP)",
             )
         elif was and not off:
-            log.info("clock_offset_recovered", offset_s=round(clock.offset, 3))
+            log.info("clock_offset_recovered", offset_s=round(offset, 3))
 
     async def _announce(self) -> None:
         event_id = self._leader_ids.get(self.epoch)
