@@ -42,6 +42,7 @@ from llmgw import logs
 from llmgw.bus.keys import client_of, signer_of, verifier_of
 from llmgw.bus.provisioning import LEASE_BUCKET
 from llmgw.bus.publisher import EXPECTED_LAST_SUBJECT_SEQUENCE, WRONG_LAST_SEQUENCE
+from llmgw.core import subjects
 from llmgw.pki.identity import Identity
 from llmgw.pki.signing import SignatureRefused, Signer, Verifier, lease_message
 
@@ -294,19 +295,24 @@ class Lease:
         self._valid_until = started + self.ttl_s
 
     async def server_time(self) -> float | None:
-        """The server's clock now, as it answers a request (the `ts` of the lease
-        bucket's stream info), or None when it does not answer: what a control plane
-        measures its own clock against (llmgw.control.servertime). Reads only: any
-        instance may ask, leading or not."""
+        """The server's clock now, as it answers a request, or None when it does not
+        answer with one: what a control plane measures its own clock against
+        (llmgw.control.servertime). Asked of the log's stream (the `ts` of its info): in
+        a cluster that stream's leader stamps the heartbeats judged by this time, and
+        another stream's leader (the lease bucket's) may be another server, with another
+        clock. Reads only: any instance may ask, leading or not."""
         nc = client_of(self._js)
         if nc is None:
             return None
         try:
-            msg = await nc.request(f"$JS.API.STREAM.INFO.KV_{LEASE_BUCKET}", b"", timeout=2.0)
-            stamp = json.loads(msg.data).get("ts")
+            msg = await nc.request(f"$JS.API.STREAM.INFO.{subjects.STREAM}", b"", timeout=2.0)
+            answer = json.loads(msg.data)
         except (nats.errors.Error, TimeoutError, ValueError):
             return None
-        return unix_time(stamp) if isinstance(stamp, str) else None
+        stamp = answer.get("ts") if isinstance(answer, dict) else None
+        when = unix_time(stamp) if isinstance(stamp, str) else None
+        # Go's zero time (year 1) is a time the server did not set, not its clock.
+        return when if when is not None and when > 0 else None
 
     def _lose(self, why: str) -> None:
         epoch = self.epoch
