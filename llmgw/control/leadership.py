@@ -22,6 +22,9 @@ from llmgw.core import events
 class Leadership(Instance):
     """Holding, renewing and giving up the leader lease."""
 
+    _said_time_unknown = False
+    """Whether it was logged that this instance does not lead yet, the time unknown."""
+
     def _set_leading(self, leading: bool, epoch: int = 0) -> None:
         self.leading = leading
         self.epoch = epoch if leading else 0
@@ -50,7 +53,7 @@ class Leadership(Instance):
         while not self._stopping:
             if not self.leading:
                 wait = min(lease.renew_every_s, 0.25)
-                if self.caught_up.is_set():
+                if self.caught_up.is_set() and self._knows_the_time():
                     try:
                         if await lease.acquire():
                             # A lease lapses when the log cannot be written: silence
@@ -76,6 +79,20 @@ class Leadership(Instance):
                         self._step_down("the lease ran out while renewals failed")
                     wait = 0.2
             await asyncio.sleep(wait)
+
+    def _knows_the_time(self) -> bool:
+        """Whether this instance may lead: only once the server told it its time. Judged
+        by its host's clock, a leader whose host runs an hour ahead finds every node lost."""
+        if self.clock.measured:
+            return True
+        if not self._said_time_unknown:
+            self._said_time_unknown = True
+            log.warning(
+                "clock_unmeasured",
+                detail="not contending for the leader lease until the NATS server tells its "
+                "time: check that it answers JetStream API requests (STREAM.INFO of the log)",
+            )
+        return False
 
     async def _clock_loop(self) -> None:
         """Measure the clock at every renewal's interval, beside the lease loop rather than

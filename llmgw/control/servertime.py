@@ -81,6 +81,11 @@ class ServerTime:
         return self.ticks() + self._base
 
     @property
+    def measured(self) -> bool:
+        """Whether the server told its time at least once (else this is the host's)."""
+        return bool(self._samples)
+
+    @property
     def offset(self) -> float:
         """The server's time less the host's wall clock."""
         return self() - self.wall()
