@@ -135,6 +135,7 @@ class Instance:
         """The clock's offset changed by `step_s`: move what was read of it before."""
         self.observing_since += step_s
         self.attester.clock_moved(step_s)
+        self.scaler.clock_moved(step_s)
 
     def _log_was_unavailable(self, why: str, *, quiet: bool = False) -> None:
         """Judge heartbeat silence only from now on.

@@ -4,7 +4,8 @@ The control plane asks the server its time at start and every few seconds after
 (llmgw.control.servertime). An answer that does not come (a busy server, a stream
 electing its leader, a request lost with a connection) must hold up neither the start
 nor the leader's renewals of its lease: a renewal that waits on it lets the lease run
-out, and the fleet loses its leader for as long as the question hangs.
+out, and the fleet loses its leader for as long as the question hangs. What was read of
+the clock before a correction moves with it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import pytest
 from llmgw.bus.memory import LeaseBucket, MemoryLease, MemorySnapshots
 from llmgw.control import servertime
 from llmgw.control.ports import ControlPorts
+from llmgw.control.scaling import SCALE_EVERY_S
 from llmgw.control.service import ControlService
+from llmgw.core import autoscale
 from tests.unit.test_control_ports import RecordingLog, config, running, until
+
+HOUR_S = 3600.0
 
 
 class UnansweredLease(MemoryLease):
@@ -69,3 +74,17 @@ async def test_no_lease_is_sought_until_the_server_has_told_its_time(
         assert await lease.holder() is None
         lease.answered = 1_000_000
         await until(lambda: svc.leading, "leadership, the server's time told")
+
+
+def test_what_the_autoscaler_read_of_the_clock_moves_with_it() -> None:
+    svc = service(UnansweredLease(LeaseBucket(), "control-a", answered=0))
+    scaler, now = svc.scaler, svc.clock()
+    scaler.decided_at = now
+    history = scaler.history["m1"] = autoscale.Recommendations(now)
+    history.add(now, 3, keep_s=600.0)
+    svc._clock_moved(-HOUR_S)  # the server's clock stepped back an hour, say
+    later = now - HOUR_S + 301.0
+    # The leader decides again a second later, not an hour later; and a down window of
+    # five minutes has been seen whole five minutes later (else it holds the count).
+    assert later - scaler.decided_at >= SCALE_EVERY_S
+    assert history.ceiling(later, 300.0, current=5) == 3
