@@ -11,9 +11,13 @@ the clock before a correction moves with it.
 from __future__ import annotations
 
 import asyncio
+import time
+import types
+from typing import Any, cast
 
 import pytest
 
+from llmgw.bus import signals as signals_
 from llmgw.bus.memory import LeaseBucket, MemoryLease, MemorySnapshots
 from llmgw.control import servertime
 from llmgw.control.ports import ControlPorts
@@ -88,3 +92,27 @@ def test_what_the_autoscaler_read_of_the_clock_moves_with_it() -> None:
     # five minutes has been seen whole five minutes later (else it holds the count).
     assert later - scaler.decided_at >= SCALE_EVERY_S
     assert history.ceiling(later, 300.0, current=5) == 3
+
+
+async def test_the_routers_reports_are_read_from_a_few_seconds_ago_by_the_servers_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = time.time
+    ahead = types.SimpleNamespace(time=lambda: real() + HOUR_S)  # this host's clock
+    monkeypatch.setattr(signals_, "time", ahead)
+    starts: list[float] = []
+
+    class Started(Exception):
+        pass
+
+    def reader(nc: Any, *, since: float | None = None, **_: Any) -> None:
+        starts.append(ahead.time() - signals_.START_WINDOW_S if since is None else since)
+        raise Started
+
+    monkeypatch.setattr(signals_, "SignalsReader", reader)
+    svc = ControlService(config(), clock=ahead.time)
+    svc.clock.observe(servertime.Sample(ahead.time(), real(), ahead.time()))
+    svc._nc = cast(Any, object())
+    with pytest.raises(Started):
+        await svc._follow_signals()
+    assert starts[0] == pytest.approx(real() - signals_.START_WINDOW_S, abs=1.0)
