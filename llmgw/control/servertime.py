@@ -7,7 +7,7 @@ machine resumed from a pause) would find every node lost at once and replace eve
 replica of the fleet; one behind would keep a dead node alive as long. So a control
 plane's "now" is the server's time: its host's clock plus an offset it measures when it
 starts, before it reads the log, and every few seconds after, by asking the server for
-its time (`LeasePort.server_time`: the `ts` a JetStream stream info answers with).
+its time (`LeasePort.server_time`: the `ts` the log stream's info answers with).
 
 A measurement brackets the request with two readings of the host's clock (`sent`,
 `received`); the server answered somewhere in between, so the offset is its time less
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 KEPT = 8
-"""Measurements kept: at one a lease renewal, the last half minute or so."""
+"""Measurements kept: at one every third of the lease's TTL, the last half minute or so."""
 ASK_TIMEOUT_S = 2.0
 """How long a measurement waits for the server's answer: a later one measures nothing."""
 WARN_S = 1.0
@@ -39,7 +39,7 @@ WARN_S = 1.0
 
 
 class Sample(NamedTuple):
-    """One write, in the host's clock (`sent`, `received`) and the server's (`stored`)."""
+    """One question, in the host's clock (`sent`, `received`) and the server's answer (`stored`)."""
 
     sent: float
     stored: float
