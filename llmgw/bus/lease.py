@@ -19,7 +19,10 @@ as no holder at all, and takes such a lease over with a write that expects exact
 that revision, so a forged value can neither make a leader nor keep one from leading.
 The signed value also says until when it holds (`until`, the writer's clock plus the
 TTL): a genuine value stored again later (by anyone able to write the bucket) counts
-as free once that time and one more TTL (for clock skew) have passed.
+as free once that time and one more TTL (for clock skew) have passed. Written by one
+host and judged by another, `until` is read on the clock a contender is given: a control
+plane's is the server's time (llmgw.control.servertime), whatever its host's says, so
+that a standby does not take over from a leader whose host's clock is behind.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from collections.abc import Callable
 
 import msgspec
 import nats.errors
@@ -38,6 +42,7 @@ from llmgw import logs
 from llmgw.bus.keys import client_of, signer_of, verifier_of
 from llmgw.bus.provisioning import LEASE_BUCKET
 from llmgw.bus.publisher import EXPECTED_LAST_SUBJECT_SEQUENCE, WRONG_LAST_SEQUENCE
+from llmgw.core import subjects
 from llmgw.pki.identity import Identity
 from llmgw.pki.signing import SignatureRefused, Signer, Verifier, lease_message
 
@@ -128,7 +133,9 @@ class Lease:
         ttl_s: float,
         signer: Signer | None = None,
         verifier: Verifier | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` (UNIX seconds) writes and judges the value's `until`."""
         signer = signer if signer is not None else signer_of(js)
         verifier = verifier if verifier is not None else verifier_of(js)
         if signer is None or verifier is None:
@@ -146,6 +153,7 @@ class Lease:
             raise ValueError(f"lease ttl_s must be at least 1 second (server granularity): {ttl_s}")
         self._js = js
         self._kv = kv
+        self._clock = clock
         self.name = name
         self.ttl_s = float(round(ttl_s))
         self.epoch = 0
@@ -162,6 +170,7 @@ class Lease:
         ttl_s: float = 10.0,
         signer: Signer | None = None,
         verifier: Verifier | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> Lease:
         try:
             kv = await js.key_value(LEASE_BUCKET)
@@ -170,7 +179,7 @@ class Lease:
                 f"KV bucket {LEASE_BUCKET} does not exist: call llmgw.bus.provision first "
                 "(the control plane does at start-up)"
             ) from None
-        return cls(js, kv, name, ttl_s=ttl_s, signer=signer, verifier=verifier)
+        return cls(js, kv, name, ttl_s=ttl_s, signer=signer, verifier=verifier, clock=clock)
 
     @property
     def renew_every_s(self) -> float:
@@ -190,7 +199,9 @@ class Lease:
             return None
         if entry.value is None or entry.revision is None:
             return None
-        return entry.revision, verified_value(self._verifier, entry.value, time.time(), self.ttl_s)
+        return entry.revision, verified_value(
+            self._verifier, entry.value, self._clock(), self.ttl_s
+        )
 
     async def holder(self) -> Holder | None:
         """The current holder, or None when the lease is free (or its value is forged)."""
@@ -211,7 +222,7 @@ class Lease:
         try:
             revision = await self._kv.create(
                 KEY,
-                signed_value(self._signer, self.name, 0, time.time() + self.ttl_s),
+                signed_value(self._signer, self.name, 0, self._clock() + self.ttl_s),
                 msg_ttl=self.ttl_s,
             )
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -244,7 +255,7 @@ class Lease:
         try:
             ack = await self._js.publish(
                 f"$KV.{LEASE_BUCKET}.{KEY}",
-                signed_value(self._signer, self.name, 0, time.time() + self.ttl_s),
+                signed_value(self._signer, self.name, 0, self._clock() + self.ttl_s),
                 headers=headers,
                 timeout=1.0,
             )
@@ -264,7 +275,7 @@ class Lease:
             "Nats-Msg-Id": f"lease-{self.name}-{self.epoch}-{self._renewals}",
             "Nats-TTL": _ttl_header(self.ttl_s),
         }
-        payload = signed_value(self._signer, self.name, self.epoch, time.time() + self.ttl_s)
+        payload = signed_value(self._signer, self.name, self.epoch, self._clock() + self.ttl_s)
         subject = f"$KV.{LEASE_BUCKET}.{KEY}"
         seq = 0
         for attempt in range(3):
@@ -284,19 +295,24 @@ class Lease:
         self._valid_until = started + self.ttl_s
 
     async def server_time(self) -> float | None:
-        """The server's clock now, as it answers a request (the `ts` of the lease
-        bucket's stream info), or None when it does not answer: what a control plane
-        measures its own clock against (llmgw.control.servertime). Reads only: any
-        instance may ask, leading or not."""
+        """The server's clock now, as it answers a request, or None when it does not
+        answer with one: what a control plane measures its own clock against
+        (llmgw.control.servertime). Asked of the log's stream (the `ts` of its info): in
+        a cluster that stream's leader stamps the heartbeats judged by this time, and
+        another stream's leader (the lease bucket's) may be another server, with another
+        clock. Reads only: any instance may ask, leading or not."""
         nc = client_of(self._js)
         if nc is None:
             return None
         try:
-            msg = await nc.request(f"$JS.API.STREAM.INFO.KV_{LEASE_BUCKET}", b"", timeout=2.0)
-            stamp = json.loads(msg.data).get("ts")
+            msg = await nc.request(f"$JS.API.STREAM.INFO.{subjects.STREAM}", b"", timeout=2.0)
+            answer = json.loads(msg.data)
         except (nats.errors.Error, TimeoutError, ValueError):
             return None
-        return unix_time(stamp) if isinstance(stamp, str) else None
+        stamp = answer.get("ts") if isinstance(answer, dict) else None
+        when = unix_time(stamp) if isinstance(stamp, str) else None
+        # Go's zero time (year 1) is a time the server did not set, not its clock.
+        return when if when is not None and when > 0 else None
 
     def _lose(self, why: str) -> None:
         epoch = self.epoch

@@ -50,7 +50,7 @@ class Instance:
         self.name = cfg.name
         self.identity = Identity("control", cfg.name)
         self._tls = tls
-        self.clock = servertime.ServerTime(clock)  # the server's time, whatever this host's
+        self.clock = servertime.of(clock)  # the server's time, whatever this host's
         self.metrics = Metrics()
         self.meter = quota_.Meter(cfg.node_quota) if cfg.node_quota.enabled else None
         """Each node's log traffic in the window; the leader quarantines on it."""
@@ -135,6 +135,7 @@ class Instance:
         """The clock's offset changed by `step_s`: move what was read of it before."""
         self.observing_since += step_s
         self.attester.clock_moved(step_s)
+        self.scaler.clock_moved(step_s)
 
     def _log_was_unavailable(self, why: str, *, quiet: bool = False) -> None:
         """Judge heartbeat silence only from now on.

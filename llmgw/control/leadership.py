@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import msgspec
 import nats.errors
@@ -22,6 +21,9 @@ from llmgw.core import events
 
 class Leadership(Instance):
     """Holding, renewing and giving up the leader lease."""
+
+    _said_time_unknown = False
+    """Whether it was logged that this instance does not lead yet, the time unknown."""
 
     def _set_leading(self, leading: bool, epoch: int = 0) -> None:
         self.leading = leading
@@ -48,14 +50,10 @@ class Leadership(Instance):
     async def _lease_loop(self) -> None:
         lease = self._lease
         assert lease is not None
-        measured = time.monotonic()
         while not self._stopping:
-            if time.monotonic() - measured >= lease.renew_every_s:
-                measured = time.monotonic()
-                await self._measure_clock()
             if not self.leading:
                 wait = min(lease.renew_every_s, 0.25)
-                if self.caught_up.is_set():
+                if self.caught_up.is_set() and self._knows_the_time():
                     try:
                         if await lease.acquire():
                             # A lease lapses when the log cannot be written: silence
@@ -82,34 +80,61 @@ class Leadership(Instance):
                     wait = 0.2
             await asyncio.sleep(wait)
 
+    def _knows_the_time(self) -> bool:
+        """Whether this instance may lead: only once the server told it its time. Judged
+        by its host's clock, a leader whose host runs an hour ahead finds every node lost."""
+        if self.clock.measured:
+            return True
+        if not self._said_time_unknown:
+            self._said_time_unknown = True
+            log.warning(
+                "clock_unmeasured",
+                detail="not contending for the leader lease until the NATS server tells its "
+                "time: check that it answers JetStream API requests (STREAM.INFO of the log)",
+            )
+        return False
+
+    async def _clock_loop(self) -> None:
+        """Measure the clock at every renewal's interval, beside the lease loop rather than
+        in it: a renewal held up by an answer slow to come would let the lease run out."""
+        assert self._lease is not None
+        while not self._stopping:
+            await asyncio.sleep(self._lease.renew_every_s)
+            await self._measure_clock()
+
     async def _measure_clock(self) -> None:
         """Measure this host's clock against the server's (llmgw.control.servertime): the
-        control plane's "now" is the server's, whatever its host's clock says."""
+        control plane's "now" is the server's, whatever its host's clock says. An answer
+        that does not come within `ASK_TIMEOUT_S` measures nothing."""
         assert self._lease is not None
-        sent = self.clock.wall()
-        stamp = await self._lease.server_time()
-        received = self.clock.wall()
+        sent = self.clock.ticks()
+        try:
+            ask = self._lease.server_time()
+            stamp = await asyncio.wait_for(ask, servertime.ASK_TIMEOUT_S)
+        except TimeoutError:
+            stamp = None
+        received = self.clock.ticks()
         if stamp is not None:
             self._observe_clock(servertime.Sample(sent, stamp, received))
 
     def _observe_clock(self, sample: servertime.Sample) -> None:
         clock = self.clock
-        was, before = abs(clock.offset) > servertime.WARN_S, clock.offset
-        clock.observe(sample)
+        was = abs(clock.offset) > servertime.WARN_S
         # What was read of the clock before is moved with it (the same instant, told by
         # the server's clock): only the first measurement moves it far.
-        self._clock_moved(clock.offset - before)
-        self.metrics.clock_offset.set(clock.offset)
-        off = abs(clock.offset) > servertime.WARN_S
+        self._clock_moved(clock.observe(sample))
+        offset = clock.offset
+        self.metrics.clock_offset.set(offset)
+        off = abs(offset) > servertime.WARN_S
         if off and not was:
             log.warning(
                 "clock_offset",
-                offset_s=round(clock.offset, 3),
+                offset_s=round(offset, 3),
                 detail="this host's clock differs from the NATS server's: heartbeats are "
                 "judged by the server's time, but fix the hosts' time sync (NTP)",
             )
         elif was and not off:
-            log.info("clock_offset_recovered", offset_s=round(clock.offset, 3))
+            log.info("clock_offset_recovered", offset_s=round(offset, 3))
 
     async def _announce(self) -> None:
         event_id = self._leader_ids.get(self.epoch)

@@ -59,7 +59,7 @@ class Metrics:
         self.leader = Gauge(p + "leader", "1 while this instance leads, else 0.", registry=r)
         self.clock_offset = Gauge(
             p + "clock_offset_seconds",
-            "The NATS server's clock less this host's, measured on the leader lease's writes "
+            "The NATS server's clock less this host's, measured every few seconds "
             "(0 until measured).",
             registry=r,
         )

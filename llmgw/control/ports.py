@@ -9,6 +9,8 @@ control plane's logic pass in-memory ports (llmgw.bus.memory) and run in millise
 from __future__ import annotations
 
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw import bus
@@ -39,13 +41,16 @@ async def connect(cfg: ControlConfig, tls: ssl.SSLContext) -> bus.BusClient:
     )
 
 
-async def open_jetstream(cfg: ControlConfig, nc: bus.BusClient) -> ControlPorts:
-    """Provision the log (the control identity may) and bind the ports to it."""
+async def open_jetstream(
+    cfg: ControlConfig, nc: bus.BusClient, clock: Callable[[], float] = time.time
+) -> ControlPorts:
+    """Provision the log (the control identity may) and bind the ports to it; the lease
+    judges time by `clock` (the control plane's: the server's time)."""
     n = cfg.nats
     js = nc.jetstream()
     await bus.provision(js, replicas=n.stream_replicas, duplicate_window_s=n.duplicate_window_s)
     return ControlPorts(
         log=JetStreamLog(nc),
         snapshots=await bus.SnapshotStore.open(js, keep=cfg.snapshot.keep),
-        lease=await bus.Lease.open(js, cfg.name, ttl_s=cfg.lease_ttl_s),
+        lease=await bus.Lease.open(js, cfg.name, ttl_s=cfg.lease_ttl_s, clock=clock),
     )

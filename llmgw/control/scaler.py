@@ -66,6 +66,14 @@ class Scaler:
         """Model -> what the leader's last pass observed of it: only the models it observed
         then (autoscaled, in the catalog, not pinned), none when no router reported."""
 
+    def clock_moved(self, step_s: float) -> None:
+        """The clock's reading was corrected by `step_s`: so is what was read of it here
+        (kept as read, a correction back by an hour stopped the autoscaler for an hour)."""
+        self.decided_at += step_s
+        self.last = {name: seen._replace(at=seen.at + step_s) for name, seen in self.last.items()}
+        for history in self.history.values():
+            history.shift(step_s)
+
     def restart(self, epoch: int) -> None:
         """A new epoch: each model's windows start when next seen (the reports received so
         far still count)."""

@@ -33,7 +33,10 @@ class Scaling(Instance):
 
     async def _follow_signals(self) -> None:
         assert self._nc is not None
-        reader = signals_.SignalsReader(self._nc, name=f"control-{self.name}-signals")
+        # From a few seconds ago by the server's time, which stamps the reports: by a host's
+        # clock an hour ahead, the reports kept in the stream were not read.
+        since = self.clock() - signals_.START_WINDOW_S
+        reader = signals_.SignalsReader(self._nc, since=since, name=f"control-{self.name}-signals")
         async with reader:
             async for batch in reader.batches():
                 for record in batch:

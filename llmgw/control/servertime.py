@@ -7,31 +7,39 @@ machine resumed from a pause) would find every node lost at once and replace eve
 replica of the fleet; one behind would keep a dead node alive as long. So a control
 plane's "now" is the server's time: its host's clock plus an offset it measures when it
 starts, before it reads the log, and every few seconds after, by asking the server for
-its time (`LeasePort.server_time`: the `ts` a JetStream stream info answers with).
+its time (`LeasePort.server_time`: the `ts` the log stream's info answers with).
 
 A measurement brackets the request with two readings of the host's clock (`sent`,
 `received`); the server answered somewhere in between, so the offset is its time less
 the midpoint, within half the round trip. Of the last few measurements the one with the
 shortest round trip is used (as NTP does): an answer slowed by a busy server says little.
-When the host's clock is stepped, the next measurement cannot agree with those before: it
-starts the count over, so the step is out of the time read a few seconds later.
+
+The readings are the host's monotonic clock, not its wall clock: a wall clock stepped
+(by NTP after a pause, by hand) would otherwise move "now" by the step until the next
+measurement, long enough for the leader to find every node lost. So a measurement that
+cannot agree with the offset in use means that the server's clock was stepped, or that
+its answer is wrong: it is taken only once the next one agrees with it, and then starts
+the count over; one wrong answer moves nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 KEPT = 8
-"""Measurements kept: at one a lease renewal, the last half minute or so."""
+"""Measurements kept: at one every third of the lease's TTL, the last half minute or so."""
+ASK_TIMEOUT_S = 2.0
+"""How long a measurement waits for the server's answer: a later one measures nothing."""
 WARN_S = 1.0
 """An offset beyond this is logged: the hosts' clocks should agree (NTP) even so."""
 
 
 class Sample(NamedTuple):
-    """One write, in the host's clock (`sent`, `received`) and the server's (`stored`)."""
+    """One question, in the host's clock (`sent`, `received`) and the server's answer (`stored`)."""
 
     sent: float
     stored: float
@@ -54,26 +62,62 @@ def offset_of(samples: Iterable[Sample]) -> tuple[float, float] | None:
 
 
 class ServerTime:
-    """A clock that reads the server's time: `wall()` plus the measured offset (0 until
-    a first measurement). Callable, so it stands wherever a clock is passed."""
+    """A clock that reads the server's time: `ticks()` plus the measured offset (the host's
+    wall clock until a first measurement). Callable, so it stands wherever a clock is
+    passed. `ticks` is the host's monotonic clock; a clock given as `wall` alone (a test's
+    simulated time) is its own."""
 
-    def __init__(self, wall: Callable[[], float]) -> None:
+    def __init__(self, wall: Callable[[], float], ticks: Callable[[], float] | None = None) -> None:
         self.wall = wall
-        self.offset = 0.0
+        self.ticks = ticks if ticks is not None else wall
+        self._base = wall() - self.ticks()
+        """The server's time less `ticks()`."""
         self.uncertainty = math.inf
         self._samples: collections.deque[Sample] = collections.deque(maxlen=KEPT)
+        self._doubted: tuple[Sample, tuple[float, float]] | None = None
+        """A measurement that disagreed with the offset in use, until the next one."""
 
     def __call__(self) -> float:
-        return self.wall() + self.offset
+        return self.ticks() + self._base
 
-    def observe(self, sample: Sample) -> None:
-        """Take one measurement into account. One that cannot agree with the offset in
-        use (their ranges do not meet) means that a clock was stepped since: what was
-        measured before is dropped, so the step is out with this one measurement."""
+    @property
+    def measured(self) -> bool:
+        """Whether the server told its time at least once (else this is the host's)."""
+        return bool(self._samples)
+
+    @property
+    def offset(self) -> float:
+        """The server's time less the host's wall clock."""
+        return self() - self.wall()
+
+    def observe(self, sample: Sample) -> float:
+        """Take one measurement (read on `ticks`) into account; how far it moved the time
+        read. One that cannot agree with the offset in use (their ranges do not meet) is
+        held back until the next: if that one agrees with it, the server's clock was
+        stepped, and what was measured before is dropped; else it was a wrong answer."""
         alone = offset_of([sample])
-        if alone is not None and abs(alone[0] - self.offset) > alone[1] + self.uncertainty:
+        if alone is None:
+            return 0.0
+        if not _agree(alone, (self._base, self.uncertainty)):
+            doubted, self._doubted = self._doubted, (sample, alone)
+            if doubted is None or not _agree(alone, doubted[1]):
+                return 0.0
             self._samples.clear()
+            self._samples.append(doubted[0])
+        self._doubted = None
         self._samples.append(sample)
         found = offset_of(self._samples)
-        if found is not None:
-            self.offset, self.uncertainty = found
+        assert found is not None  # `sample` at least is usable
+        before, (self._base, self.uncertainty) = self._base, found
+        return self._base - before
+
+
+def of(wall: Callable[[], float]) -> ServerTime:
+    """The server's time on a host whose wall clock is `wall`: read on the monotonic clock
+    when `wall` is the host's own, else on `wall` itself (a test's simulated time)."""
+    return ServerTime(wall, time.monotonic if wall is time.time else None)
+
+
+def _agree(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two (offset, uncertainty) ranges meet."""
+    return abs(a[0] - b[0]) <= a[1] + b[1]

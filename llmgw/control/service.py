@@ -74,6 +74,7 @@ class ControlService(Deciding, Snapshotting):
             tasks = [
                 self._spawn(self._consume(), "consume"),
                 self._spawn(self._lease_loop(), "lease"),
+                self._spawn(self._clock_loop(), "clock"),
                 self._spawn(self._decide_loop(), "decide"),
                 self._spawn(self._tick(), "tick"),
                 self._spawn(self._delete_loop(), "delete"),
@@ -94,7 +95,7 @@ class ControlService(Deciding, Snapshotting):
         """Take the log, snapshots and lease from `ports`, or from JetStream on `_nc`."""
         if ports is None:
             assert self._nc is not None
-            ports = await ports_.open_jetstream(self.cfg, self._nc)
+            ports = await ports_.open_jetstream(self.cfg, self._nc, self.clock)
         self._log = ports.log
         self._snapshots = ports.snapshots
         self._lease = ports.lease

@@ -267,6 +267,12 @@ class Recommendations:
         self._broke: deque[tuple[float, int, float]] = deque(maxlen=64)
         """(when, replicas, running requests) at which the latency SLO was broken."""
 
+    def shift(self, step_s: float) -> None:
+        """The clock's reading was corrected by `step_s`: so are the times kept here."""
+        self.started += step_s
+        self._recent = deque((t + step_s, c) for t, c in self._recent)
+        self._broke = deque(((t + step_s, n, r) for t, n, r in self._broke), maxlen=64)
+
     def broke(self, now: float, count: int, running: float) -> None:
         """`count` replicas missed the latency SLO with `running` requests."""
         self._broke.append((now, count, running))

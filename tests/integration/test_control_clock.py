@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 
 import pytest
 
 from llmgw import bus
+from llmgw.bus import keys
+from llmgw.bus import lease as lease_
+from llmgw.bus.provisioning import LEASE_BUCKET
 from llmgw.control.service import ControlService
 from llmgw.core import events
 from tests.harness import TestNatsServer, connect_as, wait_for
@@ -69,3 +73,30 @@ async def test_a_leader_an_hour_off_judges_nodes_by_the_servers_time(
     finally:
         for agent in agents:
             await agent.close()
+
+
+async def test_a_standby_honours_the_lease_of_a_leader_an_hour_behind(
+    nats_server: TestNatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lease's value says until when it holds (llmgw.bus.lease): written by the
+    # leader's clock and judged by a contender's, both must be the server's time, or a
+    # standby with a good clock reads a live leader's lease as run out and takes it over.
+    real = time.time
+    behind = types.SimpleNamespace(time=lambda: real() - HOUR_S, monotonic=time.monotonic)
+    monkeypatch.setattr(lease_, "time", behind)  # the leader's host, its lease included
+    cfg = control_config(nats_server, "control-a")
+    nc = await connect_as(nats_server, "operator", "alice")
+    try:
+        async with running(ControlService(cfg, clock=behind.time)) as svc:
+            await wait_for(lambda: svc.leading, 20, "control-a leading")
+            kv = await nc.jetstream().key_value(LEASE_BUCKET)
+            stored = await kv.get(lease_.KEY)
+            assert stored.value is not None
+            verifier = keys.verifier_of(nc)
+            assert verifier is not None
+            # What a standby with a good clock reads of it.
+            value = lease_.verified_value(verifier, stored.value, real(), cfg.lease_ttl_s)
+            assert not isinstance(value, str), value
+            assert value.holder == "control-a"
+    finally:
+        await bus.close(nc)

@@ -12,10 +12,13 @@ import asyncio
 import datetime as dt
 from typing import Any
 
+import nats.aio.client
+import nats.js
 import nats.js.errors
 import pytest
 
 from llmgw.bus import lease
+from llmgw.core import subjects
 from llmgw.pki import signing
 from llmgw.pki.ca import CertificateAuthority
 from llmgw.pki.identity import Identity
@@ -72,3 +75,52 @@ def test_any_other_refusal_from_the_bucket_is_raised_not_swallowed() -> None:
         asyncio.run(held.acquire())
     assert raised.value is refusal
     assert held.epoch == 0
+
+
+class Answer:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def asking(answer: bytes) -> tuple[lease.Lease, list[str]]:
+    """A contender on a connection whose every request is answered `answer`; the subjects
+    it asked on."""
+    asked: list[str] = []
+    nc = nats.aio.client.Client()
+
+    async def request(subject: str, payload: bytes = b"", **_: Any) -> Answer:
+        asked.append(subject)
+        return Answer(answer)
+
+    nc.request = request  # type: ignore[method-assign]
+    js = nats.js.JetStreamContext(nc)
+    kv: Any = object()
+    contender = lease.Lease(
+        js, kv, "control-a", ttl_s=3, signer=signer("control-a"), verifier=signing.Verifier(CA.cert)
+    )
+    return contender, asked
+
+
+def test_the_time_is_asked_of_the_stream_whose_stored_times_are_judged() -> None:
+    # In a cluster each stream has its own leader, which stamps what it stores and answers
+    # its stream's info: heartbeats are judged by the log stream's leader's clock, which
+    # need not be the lease bucket's.
+    contender, asked = asking(b'{"ts": "2026-12-05T17:00:00.5Z"}')
+    assert asyncio.run(contender.server_time()) == pytest.approx(1796490000.5)
+    assert asked == [f"$JS.API.STREAM.INFO.{subjects.STREAM}"]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'{"ts": "0001-01-01T00:00:00Z"}',  # Go's zero time: a field the server did not set
+        b"[]",
+        b'"2026-12-05T17:00:00Z"',
+        b'{"error": {"code": 503, "description": "JetStream system temporarily unavailable"}}',
+        b"\xff",
+    ],
+    ids=["zero-time", "list", "string", "error", "not-utf8"],
+)
+def test_an_answer_that_tells_no_time_measures_nothing(answer: bytes) -> None:
+    contender, _ = asking(answer)
+    assert asyncio.run(contender.server_time()) is None

@@ -108,20 +108,68 @@ def test_what_is_not_the_servers_time_reads_as_none(text: str) -> None:
     assert unix_time(text) is None
 
 
-@given(offsets, sends, trips, st.floats(min_value=-1e5, max_value=1e5, allow_nan=False))
-def test_one_measurement_takes_a_step_of_the_hosts_clock_out(
-    offset: float, sent: float, trips: list[tuple[float, float]], step: float
-) -> None:
+steps = st.floats(min_value=-1e5, max_value=1e5, allow_nan=False)
+
+
+def _measure(clock: ServerTime, at: float, offset: float) -> float:
+    """One measurement at `at`, a quarter second into a half-second round trip, of a
+    server `offset` ahead; how far it moved the time read."""
+    return clock.observe(Sample(at, at + 0.25 + offset, at + 0.5))
+
+
+def _measured(offset: float, sent: float, trips: list[tuple[float, float]]) -> ServerTime:
+    """A clock that measured a server `offset` ahead over `trips` (`_samples`)."""
     clock = ServerTime(lambda: 0.0)
     for sample in _samples(offset, sent, trips):
         clock.observe(sample)
-    # The host's clock jumps by `step`: the server's is now `offset - step` ahead of it.
-    after = sent + len(trips) + 10.0 + step
-    clock.observe(Sample(after, after + 0.25 + offset - step, after + 0.5))
+    return clock
+
+
+@given(offsets, sends, trips, steps)
+def test_two_measurements_that_agree_take_a_step_of_the_servers_clock(
+    offset: float, sent: float, trips: list[tuple[float, float]], step: float
+) -> None:
+    clock = _measured(offset, sent, trips)
+    # The server's clock jumps by `step`.
+    after = sent + len(trips) + 10.0
+    _measure(clock, after, offset + step)
+    _measure(clock, after + 1.0, offset + step)
     # A step within what the measurements can tell apart (their ranges meet) may stay
-    # hidden in them; a larger one is out at once.
-    error = abs(clock.offset - (offset - step))
+    # hidden in them; a larger one is out with the second measurement.
+    error = abs(clock.offset - (offset + step))
     assert error <= clock.uncertainty + 0.25 + 1e-5
     if abs(step) > 5.0 + 0.25 + 1e-5:  # beyond any two ranges here
         assert error <= clock.uncertainty + 1e-5
         assert clock.uncertainty == pytest.approx(0.25)
+
+
+# Beyond any two ranges here (a round trip is at most 5 s): an answer that disagrees.
+wrongs = st.floats(min_value=5.5, max_value=1e5) | st.floats(min_value=-1e5, max_value=-5.5)
+
+
+@given(offsets, sends, trips, wrongs)
+def test_one_wrong_answer_moves_nothing(
+    offset: float, sent: float, trips: list[tuple[float, float]], wrong_by: float
+) -> None:
+    # A server (or a cluster's member with a bad clock) that answers once with a time
+    # that is not its own: the leader would find every node lost at once on it.
+    clock = _measured(offset, sent, trips)
+    before, uncertainty = clock.offset, clock.uncertainty
+    after = sent + len(trips) + 10.0
+    moved = _measure(clock, after, offset + wrong_by)
+    assert (moved, clock.offset, clock.uncertainty) == (0.0, before, uncertainty)
+    _measure(clock, after + 1.0, offset)  # the server's own time again
+    assert abs(clock.offset - offset) <= clock.uncertainty + 1e-5
+
+
+def test_a_step_of_the_hosts_wall_clock_moves_no_reading() -> None:
+    # An NTP step of the host's clock (after a pause of its machine, say): read on the
+    # wall clock, "now" would be off by the step until the next measurement.
+    wall, ticks = [1_000_000.0], [50.0]
+    clock = ServerTime(lambda: wall[0], lambda: ticks[0])
+    assert clock() == 1_000_000.0  # nothing measured: the host's wall clock
+    assert _measure(clock, 50.0, 999_950.0 + 3.0) == pytest.approx(3.0)  # server 3 s ahead
+    wall[0] += 3600.0
+    ticks[0] += 1.0
+    assert clock() == pytest.approx(1_000_004.0, abs=1e-6)  # the server's time still
+    assert clock.offset == pytest.approx(4.0 - 3600.0, abs=1e-6)  # what the alert reports
