@@ -90,8 +90,9 @@ class Pool:
 
     def reading(self, total: int) -> None:
         """The counter's `total`, read (a lease's answer, or a read that adds nothing): the
-        fleet's count as this router last saw it, which the next outage is reckoned from."""
-        self.total = total
+        fleet's count as this router last saw it, which the next outage is reckoned from.
+        The largest: a period's counter only grows, and answers may come out of order."""
+        self.total = max(self.total, total)
         self.read = True
         self.outage_left = None
 
