@@ -420,9 +420,14 @@ class Quotas:
             self._degraded = False
             await self.flush_until_stopped()
         finally:
-            self.counters = None
-            await self._flush_usage()
-            await bus.close(nc)
+            try:  # a stopping router's flusher is cancelled: its last turn, while NATS may answer
+                with contextlib.suppress(CounterError):
+                    await self.pay_owed(time.time())
+                with contextlib.suppress(CounterError):
+                    await self._flush_usage()
+            finally:
+                self.counters = None
+                await bus.close(nc)
 
     async def flush_until_stopped(self) -> None:
         next_usage = time.monotonic() + USAGE_FLUSH_S
