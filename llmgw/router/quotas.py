@@ -282,7 +282,7 @@ class Quotas:
         pool = pools.get(name)
         if pool is None or pool.period != period:
             pool = pools[name] = reserve.Pool(period)
-        if pool.left < need and not pool.exhausted:
+        if pool.left < need and pool.may_lease(limit):
             await self._lease(pool, subject, pool.lease_size(need, limit), limit, owed)
         return pool
 

@@ -251,3 +251,28 @@ def test_a_client_gone_during_a_requests_lease_does_not_lose_the_lease() -> None
     admitted, totals = asyncio.run(run())
     assert totals == {"llmgw.limits.k.r.100": 2}
     assert admitted == [True, True, False]
+
+
+@given(st.sampled_from(["budget_tokens", "tokens_per_min"]), st.integers(20, 1000))
+def test_a_limit_raised_after_it_was_reached_is_leased_again_at_once(
+    limit_name: str, more: int
+) -> None:
+    """A key whose budget (or tokens/min) a router found spent is raised by the operator,
+    as the 429 tells its client to ask: the next request is leased of the raised limit. The
+    router kept the pool spent until its period ended (a month, for a monthly budget). (The
+    refused request's lease was counted, ungranted: the raise must pass it.)"""
+
+    async def run() -> tuple[object, object]:
+        q = Quotas(Store())  # type: ignore[arg-type]
+        small = key(**{limit_name: 100})
+        spent = await q.hold(small, 100, 1e9, 0.0)
+        assert isinstance(spent, Held)
+        q.settle(spent, 100)
+        refused = await q.hold(small, 10, 1e9, 0.0)
+        raised = await q.hold(key(**{limit_name: 100 + more}), 10, 1e9, 0.0)
+        return refused, raised
+
+    refused, raised = asyncio.run(run())
+    assert isinstance(refused, Refusal)
+    assert refused.status == 429
+    assert isinstance(raised, Held)
