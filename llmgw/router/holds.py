@@ -9,7 +9,7 @@ or, for a budget, a lease of it does.
 
 from __future__ import annotations
 
-from llmgw.bus.counters import Counters
+from llmgw.bus.counters import CounterError, Counters
 from llmgw.core import quota, reserve, subjects, tenancy
 from llmgw.router import admission, auth
 from llmgw.router.errors import Refusal
@@ -52,6 +52,15 @@ class Owed:
         self.paying -= amount
         if not added:
             self.amount += amount
+
+
+def reached(counters: Counters | None) -> Counters:
+    """The counters' connection, else CounterError: it closed (the router stopping) while a
+    request's earlier round trip was under way, and the request falls back as for a counter
+    that does not answer."""
+    if counters is None:
+        raise CounterError("the counters' connection is closed")
+    return counters
 
 
 DEBT_WINDOWS = 9

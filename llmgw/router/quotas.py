@@ -47,6 +47,7 @@ from llmgw.router.holds import (
     local_limits,
     pay_budget,
     pay_window,
+    reached,
     tightest_limit,
 )
 
@@ -141,8 +142,7 @@ class Quotas:
         """Lease requests of window `w`'s counter into `lease`. As a lease of tokens
         (`_lease`), it goes on if the request waiting for it is cancelled: the counter
         counts it either way, and a lease no router holds is lost to the key's window."""
-        assert self.counters is not None
-        counters = self.counters
+        counters = reached(self.counters)
         allowed = quota.allowance(per_s)
         size = quota.lease_size(allowed)
 
@@ -294,8 +294,7 @@ class Quotas:
         outage spent, and the reading it answers would lack that spending. The lease goes on
         if the request waiting for it is cancelled (its client gone): the counter counts it
         either way, and a lease no pool holds is lost to the key for its window or period."""
-        assert self.counters is not None
-        counters = self.counters
+        counters = reached(self.counters)
 
         async def lease() -> None:
             if owed is None:

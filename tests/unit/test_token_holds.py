@@ -276,3 +276,23 @@ def test_a_limit_raised_after_it_was_reached_is_leased_again_at_once(
     assert isinstance(refused, Refusal)
     assert refused.status == 429
     assert isinstance(raised, Held)
+
+
+def test_a_connection_closed_during_a_budgets_lease_falls_back_not_crashes() -> None:
+    """The counters' connection closes (the router stopping) while a request's budget lease
+    is under way: its window's lease falls back as for a counter that does not answer,
+    rather than fail the request as a bug (a 500)."""
+
+    async def run() -> object:
+        store = Stalls(".b.")
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=1000.0, budget_tokens=1000)
+        request = asyncio.ensure_future(q.hold(p, 100, 1e9, 0.0))
+        await store.waiting.wait()
+        q.counters = None  # what the flusher's end does, its connection closed
+        store.go.set()
+        return await request
+
+    held = asyncio.run(run())
+    assert isinstance(held, Held)
+    assert held.local
