@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -119,14 +118,17 @@ PARTIAL_HEAD_BYTES = 16_384
 """The most of a late head kept to find its `Origin` in (browsers send it among the
 first headers)."""
 
-_ORIGIN_LINE = re.compile(rb"\norigin:[ \t]*([^\r\n]*?)[ \t]*\r?\n", re.IGNORECASE)
-
 
 def sent_origin(partial_head: bytes) -> str | None:
     """The value of the first whole `Origin` line in the part of a head that came; None
-    when it has none (a line cut short is none: its value may be cut too)."""
-    line = _ORIGIN_LINE.search(partial_head)
-    return None if line is None else line[1].decode("latin-1")
+    when it has none (a line cut short is none: its value may be cut too). One pass over
+    the lines, whatever a client puts in them: it runs on the event loop."""
+    *whole, _cut_short = partial_head.split(b"\n")
+    for line in whole[1:]:  # the first is the request line
+        name, colon, value = line.removesuffix(b"\r").partition(b":")
+        if colon and name.lower() == b"origin" and b"\r" not in value:
+            return value.strip(b" \t").decode("latin-1")
+    return None
 
 
 COMPRESSED = "the request body is compressed (Content-Encoding): send it uncompressed"

@@ -15,13 +15,15 @@ SIGPIPE does in a shell, as `yes | head` does: quietly, with status 141. Python 
 SIGPIPE (a write to a closed socket must be an error, not the process's death), so the
 closed pipe comes as a BrokenPipeError, which typer turns into a quiet exit of status 1;
 that exit, or the last flush of stdout failing so, is told apart here and given the
-shell's status.
+shell's status. A closed pipe or connection that is not stdout's (a server that closed a
+socket the command wrote to) is a failure: typer's quiet 1 then says what happened.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import sys
 from types import FrameType
@@ -45,10 +47,31 @@ def _broken_pipe(exc: BaseException | None) -> bool:
     return isinstance(exc, OSError) and exc.errno == errno.EPIPE
 
 
-def _reader_gone(exit_: SystemExit) -> bool:
+def _file_id(fd: int | str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _stdout_closed(at_start: tuple[int, int] | None) -> bool:
+    """Whether nobody reads stdout any more: the other end of its pipe or socket is closed
+    (a write would fail with EPIPE), or stdout went to /dev/null since the command started
+    (`at_start`: what it was then), as rich sends it when its output's pipe closes."""
+    now = _file_id(STDOUT_FD)
+    if now != at_start and now == _file_id(os.devnull):
+        return True
+    poller = select.poll()
+    poller.register(STDOUT_FD, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _reader_gone(exit_: SystemExit, stdout_at_start: tuple[int, int] | None) -> bool:
     """Whether the command's end came of stdout's closed pipe: typer exits while handling
-    the BrokenPipeError of a write (its context), or what is left to flush meets it."""
-    if _broken_pipe(exit_.__context__):
+    the BrokenPipeError of a write (its context) and stdout's reader is gone (typer takes
+    any closed pipe for stdout's), or what is left to flush meets it."""
+    if _broken_pipe(exit_.__context__) and _stdout_closed(stdout_at_start):
         return True
     try:
         sys.stdout.flush()
@@ -71,6 +94,7 @@ def _end_on_closed_pipe() -> NoReturn:
 def main() -> None:
     # An ignored SIGINT (a background job, nohup) stays ignored.
     quiet = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    stdout_at_start = _file_id(STDOUT_FD)
     if quiet:
         signal.signal(signal.SIGINT, _quit_quietly)
     try:
@@ -82,6 +106,10 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(_interrupted())
     except SystemExit as exit_:
-        if _reader_gone(exit_):
+        if _reader_gone(exit_, stdout_at_start):
             _end_on_closed_pipe()
+        if _broken_pipe(exit_.__context__):
+            print(f"error: the other end of a pipe or connection this command wrote to closed"
+                  f" it ({exit_.__context__}): check the server or process it talks to, and run"
+                  " it again", file=sys.stderr)  # fmt: skip
         raise

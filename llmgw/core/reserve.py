@@ -53,13 +53,15 @@ class Pool:
     """The tokens this router leased from one counter (one key's window or budget period)
     and holds for its requests: `left` not yet reserved."""
 
-    __slots__ = ("exhausted", "left", "outage_left", "period", "read", "total")
+    __slots__ = ("exhausted", "exhausted_at", "left", "outage_left", "period", "read", "total")
 
     def __init__(self, period: int | str) -> None:
         self.period = period
         self.left = 0
         self.exhausted = False
-        """The counter granted less than asked: the limit is reached until it turns."""
+        """The counter granted less than asked: the limit (`exhausted_at`) is reached until
+        the period turns or the limit is raised (`may_lease`)."""
+        self.exhausted_at = 0
         self.total = 0
         """The counter's total at the last lease or reading (`reading`)."""
         self.read = False
@@ -74,6 +76,11 @@ class Pool:
             return True
         return False
 
+    def may_lease(self, limit: int) -> bool:
+        """Whether a lease of the counter may grant anything: not once it granted less than
+        asked, unless the key's `limit` was raised since (as a 429 tells its client to ask)."""
+        return not self.exhausted or limit > self.exhausted_at
+
     def lease_size(self, need: int, limit: int) -> int:
         """What to ask the counter for so that `need` fits: a share of the limit, or more
         when one request needs more than that."""
@@ -85,13 +92,14 @@ class Pool:
         got = quota.granted(total_after, size, limit)
         self.reading(total_after)
         self.left += got
-        self.exhausted = got < size
+        self.exhausted, self.exhausted_at = got < size, limit
         return got
 
     def reading(self, total: int) -> None:
         """The counter's `total`, read (a lease's answer, or a read that adds nothing): the
-        fleet's count as this router last saw it, which the next outage is reckoned from."""
-        self.total = total
+        fleet's count as this router last saw it, which the next outage is reckoned from.
+        The largest: a period's counter only grows, and answers may come out of order."""
+        self.total = max(self.total, total)
         self.read = True
         self.outage_left = None
 

@@ -3,12 +3,14 @@
 A request of a fleet key holds tokens of the leases this router took of the counters
 (llmgw.router.quotas); a keys-file key's, or any key's while the counters cannot be
 reached, of this router's own buckets (llmgw.router.auth). What a request used beyond its
-hold is owed (`Owed`) until the flusher adds it to the counters.
+hold is owed (`Owed`) until the flusher adds it to the counters (`pay_window`, `pay_budget`),
+or, for a budget, a lease of it does.
 """
 
 from __future__ import annotations
 
-from llmgw.core import quota, reserve, tenancy
+from llmgw.bus.counters import CounterError, Counters
+from llmgw.core import quota, reserve, subjects, tenancy
 from llmgw.router import admission, auth
 from llmgw.router.errors import Refusal
 
@@ -19,19 +21,85 @@ Owing = str
 
 class Owed:
     """A key's tokens used beyond their holds, not yet charged, and its limit; for its
-    window, the `debt` no counter holds yet, due from window number `due` on."""
+    window, the `debt` no counter holds yet, due from window number `due` on. `paying`: of
+    a budget's, what is on its way to the counter (an add not answered yet)."""
 
-    __slots__ = ("amount", "debt", "due", "limit")
+    __slots__ = ("amount", "debt", "due", "limit", "paying")
 
     def __init__(self) -> None:
         self.amount = 0
         self.limit = 0
         self.debt = 0
         self.due = 0
+        self.paying = 0
 
     def due_now(self, wall: float) -> int:
         """The debt to add to the counter of the window holding `wall`."""
         return self.debt if quota.window(wall, quota.TOKENS_WINDOW_S) >= self.due else 0
+
+    def owing(self) -> int:
+        """What the counter does not hold yet: owed, or on its way."""
+        return self.amount + self.paying
+
+    def take(self) -> int:
+        """All that is owed, on its way to the counter: taken before the add is sent, so
+        that another add meanwhile (the flusher's, a lease's) does not send it again."""
+        amount, self.amount, self.paying = self.amount, 0, self.paying + self.amount
+        return amount
+
+    def sent(self, amount: int, *, added: bool) -> None:
+        """An add of `amount` taken (`take`) was answered (`added`), or failed: owed again."""
+        self.paying -= amount
+        if not added:
+            self.amount += amount
+
+
+def reached(counters: Counters | None) -> Counters:
+    """The counters' connection, else CounterError: it closed (the router stopping) while a
+    request's earlier round trip was under way, and the request falls back as for a counter
+    that does not answer."""
+    if counters is None:
+        raise CounterError("the counters' connection is closed")
+    return counters
+
+
+DEBT_WINDOWS = 9
+"""How many windows ahead a debt is added at once: the counters live ten minutes
+(llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten. What
+is owed beyond them is kept (`Owed.debt`) and added when their turn comes."""
+
+
+async def pay_window(counters: Counters, name: str, owed: Owed, wall: float) -> None:
+    """Add what key `name` owes its tokens/min window to the window it is now; the part that
+    window goes over by is carried into the next ones, a debt they start with, so the key's
+    average over a few minutes stays at its limit."""
+    amount = owed.amount
+    due = owed.due_now(wall)
+    w = quota.window(wall, quota.TOKENS_WINDOW_S)
+    total = await counters.add(subjects.limit_counter(name, "t", w), amount + due)
+    owed.amount, owed.debt = owed.amount - amount, owed.debt - due
+    debt = reserve.carried(amount + due, total, owed.limit)
+    for ahead in range(1, DEBT_WINDOWS):
+        if not debt:
+            return
+        total = await counters.add(subjects.limit_counter(name, "t", w + ahead), debt)
+        debt = reserve.carried(debt, total, owed.limit)
+    if debt:  # beyond the counters' lifetime: added when its window comes
+        owed.debt, owed.due = owed.debt + debt, w + DEBT_WINDOWS
+
+
+async def pay_budget(counters: Counters, subject: str, owed: Owed, extra: int = 0) -> int:
+    """Add what a key owes its budget's period (`Owed.take`), and `extra` more, to the
+    counter on `subject`: the counter's total after it. What failed to be added is owed
+    again."""
+    amount = owed.take()
+    try:
+        total = await counters.add(subject, amount + extra)
+    except BaseException:
+        owed.sent(amount, added=False)
+        raise
+    owed.sent(amount, added=True)
+    return total
 
 
 class Held:

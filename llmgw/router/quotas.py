@@ -45,6 +45,9 @@ from llmgw.router.holds import (
     RequestLease,
     local_hold,
     local_limits,
+    pay_budget,
+    pay_window,
+    reached,
     tightest_limit,
 )
 
@@ -52,10 +55,6 @@ log = logs.get("llmgw.router.quotas")
 
 FLUSH_S = 0.25
 """How often this router adds its keys' tokens to the fleet's windows and budgets."""
-DEBT_WINDOWS = 9
-"""How many windows ahead a debt is added at once: the counters live ten minutes
-(llmgw.bus.provisioning's LIMITS_MAX_AGE_S), so a later window's would be forgotten. What
-is owed beyond them is kept (`Owed.debt`) and added when their turn comes."""
 USAGE_FLUSH_S = 10.0
 
 
@@ -143,8 +142,7 @@ class Quotas:
         """Lease requests of window `w`'s counter into `lease`. As a lease of tokens
         (`_lease`), it goes on if the request waiting for it is cancelled: the counter
         counts it either way, and a lease no router holds is lost to the key's window."""
-        assert self.counters is not None
-        counters = self.counters
+        counters = reached(self.counters)
         allowed = quota.allowance(per_s)
         size = quota.lease_size(allowed)
 
@@ -243,8 +241,9 @@ class Quotas:
         if s.budget_tokens:
             period = tenancy.period_of(wall, s.budget_period)
             subject = subjects.budget_counter(p.name, period)
+            owed = self._owed.get((p.name, period))  # added with its lease, if any
             budget = await self._leased(self._budgets, p.name, period, subject, need,
-                                        s.budget_tokens)  # fmt: skip
+                                        s.budget_tokens, owed)  # fmt: skip
             if not budget.reserve(need):
                 spent = min(budget.total, s.budget_tokens) - budget.left  # fleet-wide
                 return admission.over_budget(p, s.budget_tokens - spent, need, wall, field)
@@ -276,26 +275,33 @@ class Quotas:
 
     async def _leased(
         self, pools: dict[str, reserve.Pool], name: str, period: int | str, subject: str,
-        need: int, limit: int,
+        need: int, limit: int, owed: Owed | None = None,
     ) -> reserve.Pool:  # fmt: skip
         """The key's pool for `period`, with a lease taken when it holds under `need` and
-        the counter may still grant."""
+        the counter may still grant (with what the key `owed` it, `_lease`)."""
         pool = pools.get(name)
         if pool is None or pool.period != period:
             pool = pools[name] = reserve.Pool(period)
-        if pool.left < need and not pool.exhausted:
-            await self._lease(pool, subject, pool.lease_size(need, limit), limit)
+        if pool.left < need and pool.may_lease(limit):
+            await self._lease(pool, subject, pool.lease_size(need, limit), limit, owed)
         return pool
 
-    async def _lease(self, pool: reserve.Pool, subject: str, size: int, limit: int) -> None:
-        """Lease `size` tokens of the counter on `subject` into `pool`. The lease goes on if
-        the request waiting for it is cancelled (its client gone): the counter counts it
+    async def _lease(
+        self, pool: reserve.Pool, subject: str, size: int, limit: int, owed: Owed | None
+    ) -> None:
+        """Lease `size` tokens of the counter on `subject` into `pool`, adding what the key
+        `owed` it first: else a lease after an outage would be granted of a budget its
+        outage spent, and the reading it answers would lack that spending. The lease goes on
+        if the request waiting for it is cancelled (its client gone): the counter counts it
         either way, and a lease no pool holds is lost to the key for its window or period."""
-        assert self.counters is not None
-        counters = self.counters
+        counters = reached(self.counters)
 
         async def lease() -> None:
-            pool.leased(size, await counters.add(subject, size), limit)
+            if owed is None:
+                total = await counters.add(subject, size)
+            else:
+                total = await pay_budget(counters, subject, owed, size)
+            pool.leased(size, total, limit)
 
         await tasks_.uncancelled(lease())
 
@@ -357,31 +363,18 @@ class Quotas:
     def owes(self, name: str, owed_to: Owing) -> int:
         """What key `name` owes its window ("") or budget period `owed_to`, not yet added."""
         owed = self._owed.get((name, owed_to))
-        return 0 if owed is None else owed.amount
+        return 0 if owed is None else owed.owing()
 
     async def _pay(self, name: str, owed_to: Owing, owed: Owed, wall: float) -> None:
-        """Add what a key owes to its counter: a budget's to the period it was used in,
-        however long ago; a window's to the window it is now, and the part that window goes
-        over by is carried into the next ones, a debt they start with, so the key's average
-        over a few minutes stays at its limit."""
+        """Add what a key owes to its counter: a window's to the window it is now
+        (`pay_window`); a budget's to the period it was used in, however long ago, and the
+        total it answers is a reading the next outage is reckoned from."""
         assert self.counters is not None
-        amount = owed.amount
-        if owed_to:
-            await self.counters.add(subjects.budget_counter(name, owed_to), amount)
-            owed.amount -= amount
-            return
-        due = owed.due_now(wall)
-        w = quota.window(wall, quota.TOKENS_WINDOW_S)
-        total = await self.counters.add(subjects.limit_counter(name, "t", w), amount + due)
-        owed.amount, owed.debt = owed.amount - amount, owed.debt - due
-        debt = reserve.carried(amount + due, total, owed.limit)
-        for ahead in range(1, DEBT_WINDOWS):
-            if not debt:
-                return
-            total = await self.counters.add(subjects.limit_counter(name, "t", w + ahead), debt)
-            debt = reserve.carried(debt, total, owed.limit)
-        if debt:  # beyond the counters' lifetime: added when its window comes
-            owed.debt, owed.due = owed.debt + debt, w + DEBT_WINDOWS
+        if not owed_to:
+            return await pay_window(self.counters, name, owed, wall)
+        total = await pay_budget(self.counters, subjects.budget_counter(name, owed_to), owed)
+        if (pool := self._budgets.get(name)) is not None and pool.period == owed_to:
+            pool.reading(total)
 
     # ------------------------------------------------------------------ usage
 
@@ -426,9 +419,14 @@ class Quotas:
             self._degraded = False
             await self.flush_until_stopped()
         finally:
-            self.counters = None
-            await self._flush_usage()
-            await bus.close(nc)
+            try:  # a stopping router's flusher is cancelled: its last turn, while NATS may answer
+                with contextlib.suppress(CounterError):
+                    await self.pay_owed(time.time())
+                with contextlib.suppress(CounterError):
+                    await self._flush_usage()
+            finally:
+                self.counters = None
+                await bus.close(nc)
 
     async def flush_until_stopped(self) -> None:
         next_usage = time.monotonic() + USAGE_FLUSH_S
@@ -451,7 +449,7 @@ class Quotas:
         for (name, owed_to), owed in list(self._owed.items()):
             if owed.amount or owed.due_now(wall):
                 await self._pay(name, owed_to, owed, wall)
-            elif not owed.debt:
+            elif not (owed.debt or owed.paying):
                 del self._owed[(name, owed_to)]
 
     async def read_budgets(self, wall: float) -> None:

@@ -357,10 +357,12 @@ def rewrite(
     return msgspec.json.encode(data)
 
 
-MAX_TOKENS = 1 << 32
+MAX_TOKENS = (1 << 31) - 1
 """The most tokens an engine's usage may report in one field: no context comes near it, so
 more (or fewer than none) is a broken engine, and its usage is not counted rather than
-taken off a key's usage or overflowing the metrics."""
+taken off a key's usage or overflowing the metrics. Above it lie the counts below zero an
+engine writes as unsigned 32-bit numbers (4294967295 for -1): billions of tokens charged to
+a key would spend its budget and put its window in debt for years."""
 Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 
 

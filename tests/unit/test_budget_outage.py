@@ -6,13 +6,16 @@ counters hold all of it once they answer again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.bus.counters import CounterError
-from llmgw.core import quota, reserve, subjects, tenancy
+from llmgw.core import reserve, subjects, tenancy
 from llmgw.router import auth
 from llmgw.router.holds import Held
 from llmgw.router.quotas import Quotas
@@ -26,17 +29,23 @@ class Ledger(Store):
     """Counters that also keep what the leases they answered did not grant (the budget was
     passed): the part of the counter that is neither used nor held by any router."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.budget = budget
-        self.paying = False
         self.ungranted = 0
 
-    async def add(self, subject: str, amount: int) -> int:
-        total = await super().add(subject, amount)
-        if amount and not self.paying:  # a lease: what it did not grant stays counted
-            self.ungranted += amount - quota.granted(total, amount, self.budget)
-        return total
+    @contextlib.contextmanager
+    def watching_leases(self) -> Iterator[None]:
+        """Counts what each lease did not grant (a lease may add what its key owed beside
+        it, so the increment alone does not tell)."""
+        leased = reserve.Pool.leased
+
+        def counted(pool: reserve.Pool, size: int, total_after: int, limit: int) -> int:
+            got = leased(pool, size, total_after, limit)
+            self.ungranted += size - got
+            return got
+
+        with mock.patch.object(reserve.Pool, "leased", counted):
+            yield
 
 
 @dataclass
@@ -49,6 +58,8 @@ class Router:
     """What the requests it admitted in this outage used, each up to its hold."""
     used: int = 0
     """Everything its requests used."""
+    within_holds: int = 0
+    """What its requests used, each up to its hold."""
     refusals: list[str] = field(default_factory=list)
 
     def reckon_outage(self) -> None:
@@ -78,50 +89,56 @@ class Request:
 @dataclass(frozen=True)
 class Round:
     """Requests while the counters answer, the flusher's turn or not, then requests while
-    they cannot be reached, and the flusher's turn or not once they answer again."""
+    they cannot be reached, and once they answer again the flusher's turn (`paid`: 0 not
+    yet, 1 its payments only, its budgets' reading not due, 2 both)."""
 
     before: list[Request]
     read: bool
     during: list[Request]
-    paid: bool
+    paid: int
 
 
 REQUESTS = st.lists(
     st.builds(Request, st.integers(0, 2), st.integers(1, 300), st.integers(0, 450)), max_size=12
 )
-ROUNDS = st.lists(st.builds(Round, REQUESTS, st.booleans(), REQUESTS, st.booleans()), max_size=6)
+ROUNDS = st.lists(
+    st.builds(Round, REQUESTS, st.booleans(), REQUESTS, st.integers(0, 2)), max_size=6
+)
 
 
 async def play(budget: int, routers: int, rounds: list[Round]) -> None:
-    store = Ledger(budget)
-    fleet = [Router(Quotas(store), budget) for _ in range(routers)]  # type: ignore[arg-type]
-    for r in fleet:
-        r.quotas.processes = routers
-    p = key(budget_tokens=budget)
-
-    async def send(requests: list[Request]) -> None:
-        for rq in requests:  # a request holds at most the whole budget (`reservation`)
-            await request(fleet[rq.router % routers], p, min(rq.need, budget), rq.used, store)
-
-    for turn in rounds:
-        await send(turn.before)
-        if turn.read:
-            await flush(store, fleet)
-        store.down = True
+    store = Ledger()
+    with store.watching_leases():
+        fleet = [Router(Quotas(store), budget) for _ in range(routers)]  # type: ignore[arg-type]
         for r in fleet:
-            r.reckon_outage()
-        await send(turn.during)
-        settle_outage(fleet)
-        store.down = False
-        if turn.paid:
-            await flush(store, fleet)
-    await flush(store, fleet)
-    leased_rest = sum(left(r.quotas) for r in fleet)
-    # Nothing spent is lost: the counter holds every token used, every lease's unused rest,
-    # and what leases asked of a spent budget and were not granted; nothing else.
-    assert store.totals.get(BUDGET_SUBJECT, 0) == (
-        sum(r.used for r in fleet) + leased_rest + store.ungranted
-    )
+            r.quotas.processes = routers
+        p = key(budget_tokens=budget)
+
+        async def send(requests: list[Request]) -> None:
+            for rq in requests:  # a request holds at most the whole budget (`reservation`)
+                await request(fleet[rq.router % routers], p, min(rq.need, budget), rq.used, store)
+
+        for turn in rounds:
+            await send(turn.before)
+            if turn.read:
+                await flush(store, fleet)
+            store.down = True
+            for r in fleet:
+                r.reckon_outage()
+            await send(turn.during)
+            settle_outage(fleet)
+            store.down = False
+            if turn.paid:
+                await flush(store, fleet, read=turn.paid == 2)
+        await flush(store, fleet)
+        leased_rest = sum(left(r.quotas) for r in fleet)
+        # Nothing spent is lost: the counter holds every token used, every lease's unused rest,
+        # and what leases asked of a spent budget and were not granted; nothing else.
+        assert store.totals.get(BUDGET_SUBJECT, 0) == (
+            sum(r.used for r in fleet) + leased_rest + store.ungranted
+        )
+        if routers == 1:  # every hold it gave was granted of what it knew the budget had left
+            assert fleet[0].within_holds <= budget
 
 
 def settle_outage(fleet: list[Router]) -> None:
@@ -137,17 +154,13 @@ def left(q: Quotas) -> int:
     return 0 if pool is None else pool.left
 
 
-async def flush(store: Ledger, fleet: list[Router]) -> None:
-    """The flusher: what each router owes, then a reading of its budgets."""
+async def flush(store: Ledger, fleet: list[Router], *, read: bool = True) -> None:
+    """The flusher: what each router owes, then (when due) a reading of its budgets."""
     for r in fleet:
-        store.paying = True
-        try:
+        with contextlib.suppress(CounterError):
             await r.quotas.pay_owed(WALL)
-            await r.quotas.read_budgets(WALL)
-        except CounterError:
-            pass
-        finally:
-            store.paying = False
+            if read:
+                await r.quotas.read_budgets(WALL)
 
 
 async def request(r: Router, p: auth.Principal, need: int, used: int, store: Ledger) -> None:
@@ -158,6 +171,7 @@ async def request(r: Router, p: auth.Principal, need: int, used: int, store: Led
         return
     r.quotas.settle(held, used)
     r.used += used
+    r.within_holds += min(used, need)
     if store.down:
         r.admitted += min(used, need)
 
@@ -268,3 +282,73 @@ def test_the_flusher_reads_the_budgets_of_their_current_period_only() -> None:
         return store.reads
 
     assert asyncio.run(run()) == [BUDGET_SUBJECT]
+
+
+async def spent_and_read(budget: int, used: int) -> tuple[Store, Quotas, auth.Principal]:
+    """One router of a key of `budget` tokens a day, which used `used` of it and read it."""
+    store = Store()
+    q = Quotas(store)  # type: ignore[arg-type]
+    p = key(budget_tokens=budget)
+    held = await q.hold(p, used, WALL, 0.0)
+    assert isinstance(held, Held)
+    q.settle(held, used)
+    await q.read_budgets(WALL)
+    return store, q, p
+
+
+def test_an_outage_after_a_short_recovery_counts_what_the_last_one_paid() -> None:
+    """One router, a budget of 1000. It spends its share in an outage; the counters come
+    back and a lease is answered before the flusher pays what that outage spent, then the
+    flusher pays it, and the counters go away again before the next reading. The second
+    outage must be reckoned with that payment: all the router used stays within the budget."""
+
+    async def spend_outage(q: Quotas, p: auth.Principal) -> int:
+        used = 0
+        while isinstance(held := await q.hold(p, 50, WALL, 0.0), Held):
+            q.settle(held, 50)
+            used += 50
+        return used
+
+    async def run() -> tuple[int, int]:
+        store, q, p = await spent_and_read(1000, 100)
+        used = 100
+        store.down = True
+        used += await spend_outage(q, p)
+        store.down = False
+        pool = q._budgets["k"]
+        held = await q.hold(p, pool.left + 1, WALL, 0.0)  # a lease, before the flusher's turn
+        if isinstance(held, Held):
+            q.settle(held, held.tokens)
+            used += held.tokens
+        await q.pay_owed(WALL)
+        store.down = True
+        used += await spend_outage(q, p)
+        store.down = False
+        await q.pay_owed(WALL)
+        return used, store.totals[BUDGET_SUBJECT]
+
+    used, total = asyncio.run(run())
+    assert used <= 1000, (used, total)
+    assert total >= used
+
+
+def test_what_is_owed_is_added_once_when_a_lease_and_the_flusher_both_pay_it() -> None:
+    """After an outage, a lease (which adds what the key owes with it) and the flusher's
+    turn run at once: the counter gets what was owed once, not twice."""
+
+    async def run() -> tuple[int, int, int]:
+        store, q, p = await spent_and_read(10_000, 100)
+        store.down = True
+        held = await q.hold(p, 500, WALL, 0.0)  # of the outage's share, owed
+        assert isinstance(held, Held)
+        q.settle(held, 500)
+        store.down = False
+        pool = q._budgets["k"]
+        lease = q.hold(p, pool.left + 1, WALL, 0.0)
+        got, _ = await asyncio.gather(lease, q.pay_owed(WALL))
+        assert isinstance(got, Held)
+        held_or_leased = 100 + 500 + got.tokens + pool.left
+        return store.totals[BUDGET_SUBJECT], held_or_leased, q.owes("k", str(pool.period))
+
+    total, held_or_leased, owed = asyncio.run(run())
+    assert (total, owed) == (held_or_leased, 0)

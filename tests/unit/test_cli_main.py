@@ -82,3 +82,36 @@ def test_every_commands_help_shows_every_options_help(monkeypatch: pytest.Monkey
             text = getattr(param, "help", None)
             if text:
                 assert " ".join(text.split()) in shown, (path, param.name, text)
+
+
+BROKEN_CONNECTION = """
+import errno, sys
+import typer
+import llmgw.cli.main
+from llmgw.cli import entry
+
+app = typer.Typer()
+
+
+@app.command()
+def send() -> None:
+    print("sending")
+    raise BrokenPipeError(errno.EPIPE, "Broken pipe")  # a socket's peer closed it
+
+
+llmgw.cli.main.main = app
+sys.argv = ["llmgw"]
+entry.main()
+"""
+
+
+def test_a_closed_connection_is_an_error_not_a_reader_gone() -> None:
+    """A command whose write to a connection (not its stdout) meets a closed peer failed:
+    its stdout's reader is still there, so it says so and ends with 1, rather than quietly
+    with 141 as if its output's reader had left."""
+    out = subprocess.run(
+        [sys.executable, "-c", BROKEN_CONNECTION], capture_output=True, timeout=120, check=False
+    )
+    assert out.returncode == 1, out
+    assert out.stdout == b"sending\n"
+    assert b"Broken pipe" in out.stderr

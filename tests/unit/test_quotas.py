@@ -17,6 +17,7 @@ from llmgw.bus import provisioning
 from llmgw.bus.counters import CounterError
 from llmgw.core import quota, tenancy
 from llmgw.router import auth
+from llmgw.router import quotas as quotas_module
 from llmgw.router.errors import Refusal
 from llmgw.router.holds import Held
 from llmgw.router.quotas import Quotas
@@ -248,3 +249,46 @@ def test_any_positive_rate_is_admitted_or_refused_never_an_error(per_s: float) -
                 await admitted(q, p, wall)
 
     asyncio.run(run())
+
+
+def test_a_router_stopping_adds_what_it_owes_and_its_last_usage_to_the_counters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a router counted since its last flush (usage: up to `USAGE_FLUSH_S`) and what a
+    key owes reach the counters when it stops (`close`, which cancels the flusher), while
+    its connection still takes them: both were lost, `ctl usage` and the budget short."""
+    store = Store()
+
+    async def connect(*args: object, **kwargs: object) -> object:
+        return object()
+
+    async def close(nc: object) -> None:
+        pass
+
+    monkeypatch.setattr(quotas_module.ports_, "connect", connect)
+    monkeypatch.setattr(quotas_module.bus, "close", close)
+    connected = asyncio.Event()
+
+    def counters(nc: object) -> Store:
+        connected.set()
+        return store
+
+    monkeypatch.setattr(quotas_module, "Counters", counters)
+
+    class NoTls:
+        def tls_context(self) -> None:
+            return None
+
+    async def run() -> None:
+        q = Quotas()
+        q.start(NoTls())  # type: ignore[arg-type]
+        await connected.wait()
+        q.used(key(), "m", 10, 5)
+        q.request_done(key(), "m")
+        q.owe("k", "d20010909", 7, 1000)
+        await q.close()
+
+    asyncio.run(run())
+    assert store.totals["llmgw.usage.k.b.d20010909"] == 7
+    usage = sorted(n for subject, n in store.totals.items() if ".b." not in subject)
+    assert usage == [1, 5, 10]

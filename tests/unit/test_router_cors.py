@@ -305,3 +305,20 @@ async def test_every_answer_of_a_router_listing_origins_varies_by_origin(
     async with _serving(build_server(_router()), monkeypatch) as s, s.get("/v1/models") as r:
         await r.read()
         assert "Vary" not in r.headers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        b"origin:" + b" " * http_server.PARTIAL_HEAD_BYTES,
+        b"origin:" + b" \t" * (http_server.PARTIAL_HEAD_BYTES // 2),
+        b"origin: \r\t" * (http_server.PARTIAL_HEAD_BYTES // 10),
+    ],
+)
+def test_a_crafted_late_head_is_read_in_one_pass(crafted: bytes) -> None:
+    """A late head is read on the event loop: a client's blanks after `origin:` (as much as
+    the router keeps of a head) must not make its reading take longer than one pass over
+    them (a backtracking match took hours, every other connection stalled meanwhile)."""
+    head = (b"POST / HTTP/1.1\r\n" + crafted)[: http_server.PARTIAL_HEAD_BYTES]
+    assert http_server.sent_origin(head) is None

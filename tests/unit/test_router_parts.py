@@ -501,3 +501,16 @@ def test_a_body_really_cut_short_is_still_called_truncated() -> None:
     body = b'{"model": "m", "messages": [{"role": "user", "content": "\\\\ud800'
     with pytest.raises(requests.BadRequest, match="truncated"):
         requests.parse("chat", body, want_text=True)
+
+
+@given(below_zero=st.integers(1, 2**31), field_name=st.sampled_from(
+    ["prompt_tokens", "completion_tokens", "input_tokens", "output_tokens", "total_tokens"]
+))  # fmt: skip
+def test_a_count_below_zero_wrapped_as_unsigned_is_no_usage(
+    below_zero: int, field_name: str
+) -> None:
+    """An engine whose count went below zero and is written as an unsigned 32-bit number
+    (4294967295 for -1) reports a broken usage, not billions of tokens to charge a key (its
+    budget spent, its window in debt for years): the answer's usage is not counted."""
+    wrapped = 2**32 - below_zero
+    assert requests.usage_of(msgspec.json.encode({"usage": {field_name: wrapped}})) is None

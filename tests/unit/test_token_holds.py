@@ -251,3 +251,48 @@ def test_a_client_gone_during_a_requests_lease_does_not_lose_the_lease() -> None
     admitted, totals = asyncio.run(run())
     assert totals == {"llmgw.limits.k.r.100": 2}
     assert admitted == [True, True, False]
+
+
+@given(st.sampled_from(["budget_tokens", "tokens_per_min"]), st.integers(20, 1000))
+def test_a_limit_raised_after_it_was_reached_is_leased_again_at_once(
+    limit_name: str, more: int
+) -> None:
+    """A key whose budget (or tokens/min) a router found spent is raised by the operator,
+    as the 429 tells its client to ask: the next request is leased of the raised limit. The
+    router kept the pool spent until its period ended (a month, for a monthly budget). (The
+    refused request's lease was counted, ungranted: the raise must pass it.)"""
+
+    async def run() -> tuple[object, object]:
+        q = Quotas(Store())  # type: ignore[arg-type]
+        small = key(**{limit_name: 100})
+        spent = await q.hold(small, 100, 1e9, 0.0)
+        assert isinstance(spent, Held)
+        q.settle(spent, 100)
+        refused = await q.hold(small, 10, 1e9, 0.0)
+        raised = await q.hold(key(**{limit_name: 100 + more}), 10, 1e9, 0.0)
+        return refused, raised
+
+    refused, raised = asyncio.run(run())
+    assert isinstance(refused, Refusal)
+    assert refused.status == 429
+    assert isinstance(raised, Held)
+
+
+def test_a_connection_closed_during_a_budgets_lease_falls_back_not_crashes() -> None:
+    """The counters' connection closes (the router stopping) while a request's budget lease
+    is under way: its window's lease falls back as for a counter that does not answer,
+    rather than fail the request as a bug (a 500)."""
+
+    async def run() -> object:
+        store = Stalls(".b.")
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=1000.0, budget_tokens=1000)
+        request = asyncio.ensure_future(q.hold(p, 100, 1e9, 0.0))
+        await store.waiting.wait()
+        q.counters = None  # what the flusher's end does, its connection closed
+        store.go.set()
+        return await request
+
+    held = asyncio.run(run())
+    assert isinstance(held, Held)
+    assert held.local
