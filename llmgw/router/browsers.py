@@ -37,6 +37,13 @@ QUOTED = 100
 """The most characters of a refused header's value the answer quotes."""
 
 
+def quoted(value: str) -> str:
+    """`value` quoted for an answer, at most QUOTED characters of it and of its quoting
+    (escapes of control characters would make it four to ten times as long)."""
+    text = repr(value[:QUOTED])
+    return text if len(text) <= QUOTED + 2 else text[: QUOTED + 1] + "…"
+
+
 class BrowserGuard:
     """The `Origin` and `Host` checks of one router's requests without a key."""
 
@@ -74,7 +81,7 @@ def origin_refused(origin: str) -> Refusal:
     return Refusal(
         403,
         f"this router serves requests without an API key, and not to web pages: the origin"
-        f" {origin[:QUOTED]!r} is not in its auth.allowed_origins. Add it there if pages of"
+        f" {quoted(origin)} is not in its auth.allowed_origins. Add it there if pages of"
         " that origin may use the router; other clients send no Origin header",
         "permission_error",
         "origin_not_allowed",
@@ -85,7 +92,7 @@ def host_refused(host: str) -> Refusal:
     return Refusal(
         403,
         f"this router serves requests without an API key only for a Host of 127.0.0.1,"
-        f" [::1], localhost or a name in its auth.allowed_hosts, not {host[:QUOTED]!r} (a"
+        f" [::1], localhost or a name in its auth.allowed_hosts, not {quoted(host)} (a"
         " name rebound to this machine would be a web page's): use one of those addresses,"
         " or add the name to auth.allowed_hosts",
         "permission_error",

@@ -16,13 +16,20 @@ ALLOWED = AuthConfig(allow_anonymous=True, allowed_origins=("https://app.example
 OPEN = AuthConfig(allow_anonymous=True)
 
 
-@given(st.text(max_size=80).filter(lambda o: o != "https://app.example"))
+@given(st.text(max_size=300).filter(lambda o: o != "https://app.example"))
 def test_any_origin_not_listed_is_refused(origin: str) -> None:
     for guard in (BrowserGuard(ALLOWED, "127.0.0.1"), BrowserGuard(OPEN, "0.0.0.0")):
         refused = guard.refusal({"Origin": origin, "Host": "127.0.0.1:8080"})
         assert refused is not None
         assert (refused.status, refused.code) == (403, "origin_not_allowed")
         assert len(refused.message) < 400  # quotes a bounded part of what was sent
+
+
+def test_an_origin_of_escapes_is_quoted_within_bounds() -> None:
+    # Each control character is quoted as four (\\x00): the quote is cut, not the bound.
+    refused = browsers.origin_refused("\x00" * 100)
+    assert len(refused.message) < 400
+    assert "\\x00" in refused.message
 
 
 def test_a_listed_origin_and_no_origin_are_served() -> None:
