@@ -40,6 +40,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_response import StreamResponse
 
+from llmgw.router.browsers import quoted
 from llmgw.router.errors import Refusal, refusal_response
 
 MAX_AGE_S = 7200
@@ -59,8 +60,6 @@ MAX_REQUESTED_HEADERS = 64
 """The most header names a preflight may ask for (browsers ask for those a page sets)."""
 MAX_REQUESTED_CHARS = 2048
 """The longest `Access-Control-Request-Headers` answered: 64 names of 30 characters."""
-QUOTED = 100
-"""The most characters of a refused value the answer quotes."""
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """A header name as HTTP writes one (RFC 9110's token)."""
@@ -157,7 +156,7 @@ def allowed_headers(requested: str) -> list[str] | Refusal:
         if not name:
             continue
         if not _TOKEN.fullmatch(name):
-            return bad_request_headers(f"names {name[:QUOTED]!r}, which is no header name")
+            return bad_request_headers(f"names {quoted(name)}, which is no header name")
         names[name] = None
     if len(names) > MAX_REQUESTED_HEADERS:
         return bad_request_headers(
@@ -180,7 +179,7 @@ def origin_not_listed(origin: str) -> Refusal:
     """A preflight from an origin not in `auth.allowed_origins`."""
     return Refusal(
         403,
-        f"the origin {origin[:QUOTED]!r} is not in this router's auth.allowed_origins, so its"
+        f"the origin {quoted(origin)} is not in this router's auth.allowed_origins, so its"
         " pages may not call the router: add it there if they may",
         "permission_error",
         "origin_not_allowed",
