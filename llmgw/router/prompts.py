@@ -26,7 +26,8 @@ from llmgw import logs
 from llmgw.core import simtokens as sim_tokens
 from llmgw.core.profile import ModelProfile
 from llmgw.core.promptkeys import PromptTokens, SegmentCache
-from llmgw.router.requests import Parsed, chat_text_length
+from llmgw.router.requests import Parsed
+from llmgw.router.turns import chat_text_length
 
 log = logs.get("llmgw.router")
 

@@ -15,6 +15,9 @@ from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
 
+from llmgw.router import turns
+from llmgw.router.turns import Part, Turns, chat_text, content_text
+
 Kind = Literal[
     "chat", "completions", "embeddings", "responses", "messages", "count_tokens", "tokenize",
     "detokenize", "rerank", "score",
@@ -23,11 +26,6 @@ ANTHROPIC: frozenset[Kind] = frozenset({"messages", "count_tokens"})
 """Anthropic's APIs: their errors are in Anthropic's shape, their ids in its header too."""
 STREAMED_USAGE: frozenset[Kind] = frozenset({"responses", "messages"})
 """APIs whose streams always carry their usage (no stream_options to ask for it)."""
-
-
-class Part(msgspec.Struct):
-    type: str = ""
-    text: str = ""
 
 
 class Message(msgspec.Struct):
@@ -86,7 +84,8 @@ class EmbeddingBody(msgspec.Struct):
 
 class OtherBody(msgspec.Struct):
     """The Responses and Messages APIs, tokenize, rerank, score: the model and whether it
-    streams is all the router reads of them."""
+    streams is what the router reads of them (of the first two, their conversation too
+    when it routes on prompts' text: `turns.of_body`)."""
 
     model: str
     stream: bool | None = False
@@ -166,10 +165,11 @@ class Parsed(msgspec.Struct):
     cache_salt: str | None = None
     """The client's `cache_salt` (vLLM's prefix-cache salt), when it sent a string; what
     the router does with it is its tenancy's to say (llmgw.router.dispatch)."""
-    chat: tuple[tuple[str, str], ...] = ()
-    """A chat request's (role, text) messages, when the text is wanted: what a chat
-    template renders (llmgw.router.prompts). `text` is then each role, a newline, its
-    content and a newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
+    chat: Turns = ()
+    """A chat request's (role, text) messages, or a Messages or Responses API request's
+    turns (llmgw.router.turns), when the text is wanted: what a chat template renders
+    (llmgw.router.prompts). `text` is then each role, a newline, its content and a
+    newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
     max_out: int | None = 0
     """The most tokens each answer may generate, as the body says (None: it says none; 0:
     an API that generates none)."""
@@ -197,15 +197,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     if not req.model:
         raise BadRequest("`model` is empty: name the model to use")
     if isinstance(req, OtherBody):
-        streams = bool(req.stream) and kind in STREAMED_USAGE
-        # Each API obeys its own field, whatever else a client adds.
-        messages = kind == "messages"
-        out = _largest(req.max_tokens if messages else req.max_output_tokens)
-        return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
-                      text="", priority=bool(req.priority),
-                      cache_salt=_salt_text(req.cache_salt),
-                      max_out=out if kind in GENERATES else 0,
-                      max_field="max_tokens" if messages else "max_output_tokens")  # fmt: skip
+        return _other(kind, req, body, want_text)
     if isinstance(req, EmbeddingBody):
         text = req.input if isinstance(req.input, str) else ""
         return Parsed(
@@ -219,11 +211,11 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         )
     wants_usage = req.stream_options is not None and req.stream_options.include_usage
     text = ""
-    chat: tuple[tuple[str, str], ...] = ()
+    chat: Turns = ()
     if want_text:
         if isinstance(req, ChatBody):
-            chat = tuple((m.role, _content_text(m.content)) for m in req.messages)
-            text = _chat_text(chat)
+            chat = tuple((m.role, content_text(m.content)) for m in req.messages)
+            text = chat_text(chat)
         else:
             text = _prompt_text(req.prompt)
     return Parsed(
@@ -239,6 +231,22 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         choices=_choices(req),
         max_field=_max_field(req),
     )
+
+
+def _other(kind: Kind, req: OtherBody, body: bytes, want_text: bool) -> Parsed:
+    """The routing fields of a body of another API than chat, completions and embeddings:
+    of the Messages and Responses APIs, their conversation's turns when the text is wanted
+    (llmgw.router.turns), keyed as a chat's."""
+    streams = bool(req.stream) and kind in STREAMED_USAGE
+    # Each API obeys its own field, whatever else a client adds.
+    messages = kind == "messages"
+    out = _largest(req.max_tokens if messages else req.max_output_tokens)
+    chat = turns.of_body(kind, body) if want_text else ()
+    return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
+                  text=chat_text(chat), chat=chat, priority=bool(req.priority),
+                  cache_salt=_salt_text(req.cache_salt),
+                  max_out=out if kind in GENERATES else 0,
+                  max_field="max_tokens" if messages else "max_output_tokens")  # fmt: skip
 
 
 def _salt_text(raw: msgspec.Raw) -> str | None:
@@ -274,24 +282,6 @@ def _largest(*caps: int | None) -> int | None:
 def _choices(req: ChatBody | CompletionBody) -> int:
     best_of = req.best_of if isinstance(req, CompletionBody) else None
     return max(req.n or 1, best_of or 1)
-
-
-def _content_text(c: str | list[Part] | None) -> str:
-    if isinstance(c, str):
-        return c
-    return "".join(p.text for p in c) if c else ""
-
-
-def _chat_text(messages: tuple[tuple[str, str], ...]) -> str:
-    parts: list[str] = []
-    for role, content in messages:
-        parts += (role, "\n", content, "\n")
-    return "".join(parts)
-
-
-def chat_text_length(role: str, content: str) -> int:
-    """What one message adds to a chat's `text` (`_chat_text`)."""
-    return len(role) + len(content) + 2
 
 
 def _prompt_text(prompt: str | list[Any]) -> str:

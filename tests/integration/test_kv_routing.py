@@ -182,6 +182,44 @@ async def test_routers_predict_what_the_engine_then_reports_cached(
             await late.close()
 
 
+CONVERSATIONS: dict[str, tuple[str, Any, Any]] = {
+    # API -> its path, a body of SYSTEM and a question, and the cached tokens of its usage.
+    "messages": ("/v1/messages", lambda q: {
+        "model": "m", "max_tokens": 4, "system": [{"type": "text", "text": SYSTEM}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": q}]}],
+    }, lambda usage: usage["cache_read_input_tokens"]),
+    "responses": ("/v1/responses", lambda q: {
+        "model": "m", "max_output_tokens": 4, "instructions": SYSTEM, "input": q,
+    }, lambda usage: usage["input_tokens_details"]["cached_tokens"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(CONVERSATIONS))
+async def test_a_conversation_of_another_api_is_predicted_as_the_engine_then_reports(
+    nats_server: TestNatsServer, sockets: Path, kind: Any
+) -> None:
+    """A Messages or Responses request is keyed as the chat of its turns, which is how the
+    engine renders it: after a chat of the same system prompt, the router's prediction for
+    it is what the engine then reports cached."""
+    path, body_of, cached_of = CONVERSATIONS[kind]
+    async with one_engine(nats_server, sockets, "1") as (sim, _relay, feed, eps):
+        await asyncio.to_thread(chat, sim, "What is one and one?")
+        asked = body_of("And two and two?")
+
+        def guess() -> int:
+            got = parse(kind, json.dumps(asked).encode(), want_text=True)
+            plan = KvRouting(index=feed.index).plan(got, PROFILE, eps)
+            assert plan is not None
+            source = plan.by_endpoint["e1"]
+            return source.cached_tokens if source.source == "events" else 0
+
+        await wait_for(lambda: guess() > 0, 30, "the router's index to hold the system prompt")
+        predicted_tokens = guess()
+        answer = await asyncio.to_thread(post, sim, asked, path)
+        assert cached_of(answer["usage"]) == predicted_tokens
+        assert predicted_tokens >= 16 * 15
+
+
 async def test_a_stopped_engine_leaves_the_index_at_once(
     nats_server: TestNatsServer, sockets: Path
 ) -> None:
@@ -308,9 +346,11 @@ async def test_a_router_started_long_after_the_traffic_routes_each_prefix_to_its
             s.stop()
 
 
-def post(sim: SimProcess, body: dict[str, Any]) -> dict[str, Any]:
+def post(
+    sim: SimProcess, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> dict[str, Any]:
     req = urllib.request.Request(
-        sim.url + "/v1/chat/completions",
+        sim.url + path,
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )

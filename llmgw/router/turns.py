@@ -1,0 +1,170 @@
+"""A prompt's (role, text) turns, as a chat template renders them, for every chat-like API.
+
+The router keys a prompt for prefix affinity (llmgw.core.prefix.ChatHashes, the cache plan
+of llmgw.router.prompts) by its turns: a chat's messages, and the conversation the Messages
+API (`/v1/messages`) and the Responses API (`/v1/responses`) carry in their own shapes,
+read here in the order an engine renders them. vLLM turns both into a chat request and
+renders it with the model's chat template, and `llmgw sim` frames them as chat messages:
+so equal turns, whatever the API, are an equal prompt and hash alike.
+
+Only text is read; what else a conversation holds contributes nothing, the same way
+whatever the body: images (an engine's placeholder tokens the router cannot know), the
+Messages API's `tool_use` and `tool_result` blocks, and the Responses API's function calls,
+their outputs and reasoning items (rendered by the template as tool calls and tool turns).
+A prompt with them is keyed as the engine's up to the first of them and approximately
+after it, as a chat's tool calls are.
+
+A body whose conversation has a shape the router does not know yields no turns: it is
+routed as before, never refused (the engine says what it accepts).
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import msgspec
+
+Turns: TypeAlias = tuple[tuple[str, str], ...]
+"""(role, text) one a message, in the order the engine renders them."""
+
+
+class Part(msgspec.Struct):
+    """A content block (Messages) or part (chat, Responses): its text, when it is text."""
+
+    type: str = ""
+    text: str = ""
+
+
+Content: TypeAlias = str | list[Part] | None
+
+
+class _Turn(msgspec.Struct):
+    role: str = ""
+    content: Content = None
+
+
+class _Item(msgspec.Struct):
+    """A Responses API input item; a message without `type` is one (an easy input message)."""
+
+    type: str = "message"
+    role: str = ""
+    content: Content = None
+
+
+RESPONSE_ROLES = frozenset({"system", "developer", "user", "assistant"})
+"""The roles of the Responses API's input messages."""
+MESSAGES_TEXT = frozenset({"text"})
+RESPONSES_TEXT = frozenset({"input_text", "output_text", "text"})
+"""The parts whose text the Responses API's engines render (vLLM's, the sim's)."""
+
+_SYSTEM = msgspec.json.Decoder(str | list[Part])
+_MESSAGES = msgspec.json.Decoder(list[_Turn])
+_INSTRUCTIONS = msgspec.json.Decoder(str | None)
+_INPUT = msgspec.json.Decoder(str | list[_Item])
+_UNREADABLE = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
+"""A member of a shape the router does not read (nested past what msgspec decodes, too)."""
+
+
+def content_text(content: Content, kinds: frozenset[str] | None = None) -> str:
+    """A turn's text: a string as it is, or its parts' texts one after another (of the
+    parts of `kinds` only; None: every part's, as a chat's are read)."""
+    if isinstance(content, str):
+        return content
+    if not content:
+        return ""
+    if kinds is None:
+        return "".join(p.text for p in content)
+    return "".join(p.text for p in content if p.type in kinds)
+
+
+def chat_text(turns: Turns) -> str:
+    """The text the text index hashes: each role, a newline, its text and a newline, one
+    after another (llmgw.core.prefix.ChatHashes relies on it)."""
+    parts: list[str] = []
+    for role, content in turns:
+        parts += (role, "\n", content, "\n")
+    return "".join(parts)
+
+
+def chat_text_length(role: str, content: str) -> int:
+    """What one turn adds to `chat_text`."""
+    return len(role) + len(content) + 2
+
+
+def given(raw: msgspec.Raw) -> bool:
+    """Whether a member kept raw is in the body and not null."""
+    return bool(raw) and bytes(raw) != b"null"
+
+
+class _MessagesBody(msgspec.Struct):
+    system: msgspec.Raw = msgspec.Raw()
+    messages: msgspec.Raw = msgspec.Raw()
+
+
+class _ResponsesBody(msgspec.Struct):
+    """`previous_response_id`, `conversation` and `prompt` each begin the prompt with what
+    the engine (or its API) stored, which the router never sees: a body with one has no
+    turns, rather than turns that are not the prompt's beginning."""
+
+    instructions: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
+    previous_response_id: msgspec.Raw = msgspec.Raw()
+    conversation: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+
+
+_BODIES: dict[str, msgspec.json.Decoder[_MessagesBody | _ResponsesBody]] = {
+    "messages": msgspec.json.Decoder(_MessagesBody),
+    "responses": msgspec.json.Decoder(_ResponsesBody),
+}
+
+
+def of_body(kind: str, body: bytes) -> Turns:
+    """The turns of a body of API `kind` (`messages` or `responses`), one the router has
+    decoded already (as `llmgw.router.requests.parse` does); none for another API."""
+    decoder = _BODIES.get(kind)
+    try:
+        got = decoder.decode(body) if decoder is not None else None
+    except _UNREADABLE:
+        return ()
+    if isinstance(got, _MessagesBody):
+        return _of_messages(got.system, got.messages)
+    if isinstance(got, _ResponsesBody) and not any(
+        given(stored) for stored in (got.previous_response_id, got.conversation, got.prompt)
+    ):
+        return _of_responses(got.instructions, got.input)
+    return ()
+
+
+def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> Turns:
+    """A Messages API body's turns: its `system` (a string or text blocks, their texts
+    joined as vLLM joins them) as a system turn when it has one, then each message's."""
+    try:
+        said = _MESSAGES.decode(messages) if given(messages) else []
+        first = _SYSTEM.decode(system) if given(system) else ""
+    except _UNREADABLE:
+        return ()
+    turns = [("system", content_text(first, MESSAGES_TEXT))] if first else []
+    turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said)
+    return tuple(turns)
+
+
+def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> Turns:
+    """A Responses API body's turns: its `instructions` as a system turn when it has any,
+    then its `input`: a string as one user turn, or its messages' (items of other types,
+    or of another role, add none)."""
+    try:
+        said = _INPUT.decode(given_input) if given(given_input) else []
+        first = _INSTRUCTIONS.decode(instructions) if given(instructions) else None
+    except _UNREADABLE:
+        return ()
+    turns = [("system", first)] if first else []
+    if isinstance(said, str):
+        turns.append(("user", said))
+    else:
+        turns += (
+            (item.role, content_text(item.content, RESPONSES_TEXT))
+            for item in said
+            if item.type == "message" and item.role in RESPONSE_ROLES
+        )
+    return tuple(turns)
