@@ -95,6 +95,15 @@ class Pool:
         self.exhausted, self.exhausted_at = got < size, limit
         return got
 
+    @classmethod
+    def begun(cls, period: int | str) -> Pool:
+        """A pool of a period that began while this router could not reach its counter:
+        read at 0, as every period's counter begins (what other routers spent of it since is
+        missing, as from any reading: their unpaid spending is, too)."""
+        pool = cls(period)
+        pool.reading(0)
+        return pool
+
     def reading(self, total: int) -> None:
         """The counter's `total`, read (a lease's answer, or a read that adds nothing): the
         fleet's count as this router last saw it, which the next outage is reckoned from.
@@ -129,6 +138,30 @@ class Pool:
         taken = min(over, self.left)
         self.left -= taken
         return over - taken
+
+
+def pool_for(pool: Pool | None, period: int | str) -> Pool:
+    """The pool of `period`: `pool` when it is that period's, else a new one; read at 0
+    (`Pool.begun`) when `pool` was a read budget of the period before (the period turned
+    since this router last leased), so that an outage across the turn spends shares of the
+    new period rather than nothing. Pure."""
+    if pool is not None and pool.period == period:
+        return pool
+    if pool is not None and pool.read and turned(pool.period, period):
+        return Pool.begun(period)
+    return Pool(period)
+
+
+def turned(read: int | str, now: int | str) -> bool:
+    """Whether budget period `now` follows period `read` of the same kind (`d…` days or
+    `m…` months, llmgw.core.tenancy.period_of): their names sort as their times. Pure."""
+    return (
+        isinstance(read, str)
+        and isinstance(now, str)
+        and read[:1] == now[:1]
+        and len(read) == len(now)
+        and read < now
+    )
 
 
 def outage_allowance(limit: int, total: int, processes: int) -> int:

@@ -210,14 +210,14 @@ class Quotas:
     ) -> Held | Refusal:
         """`need` tokens held while the counters cannot be reached: of the budget, from what
         this router leased and then its share of what it last read to be left (owed to the
-        counter: `reserve.Pool.outage_lease`), refused with no reading of the period; of
-        tokens/min, from this router's bucket."""
+        counter: `reserve.Pool.outage_lease`; a period that began since, as read at 0),
+        refused with no reading; of tokens/min, from this router's bucket."""
         s = p.settings
         if not s.budget_tokens:
             return local_hold(p, need, mono)
         period = tenancy.period_of(wall, s.budget_period)
-        pool = self._budgets.get(p.name)
-        if pool is None or pool.period != period or not pool.read:
+        pool = self._budgets[p.name] = reserve.pool_for(self._budgets.get(p.name), period)
+        if not pool.read:
             return admission.budget_unchecked(p, need, None, field)
         if pool.left < need:
             unpaid = self.owes(p.name, period)
@@ -279,9 +279,7 @@ class Quotas:
     ) -> reserve.Pool:  # fmt: skip
         """The key's pool for `period`, with a lease taken when it holds under `need` and
         the counter may still grant (with what the key `owed` it, `_lease`)."""
-        pool = pools.get(name)
-        if pool is None or pool.period != period:
-            pool = pools[name] = reserve.Pool(period)
+        pool = pools[name] = reserve.pool_for(pools.get(name), period)
         if pool.left < need and pool.may_lease(limit):
             await self._lease(pool, subject, pool.lease_size(need, limit), limit, owed)
         return pool

@@ -352,3 +352,46 @@ def test_what_is_owed_is_added_once_when_a_lease_and_the_flusher_both_pay_it() -
 
     total, held_or_leased, owed = asyncio.run(run())
     assert (total, owed) == (held_or_leased, 0)
+
+
+def test_a_period_that_turns_during_an_outage_is_spent_from_zero_by_shares() -> None:
+    """A day's budget read (900 of 1000 spent), then an outage across midnight: the new
+    day's counter began at 0, so each of two routers may spend its share of 1000 (500) of
+    it, not nothing; once the counters answer, the new day's counter holds what was spent."""
+
+    async def run() -> tuple[list[bool], int, int]:
+        store = Store()
+        q = Quotas(store)  # type: ignore[arg-type]
+        q.processes = 2
+        p = key(budget_tokens=1000)
+        first = await q.hold(p, 900, WALL, 0.0)
+        assert isinstance(first, Held)
+        q.settle(first, 900)
+        await q.read_budgets(WALL)
+        store.down = True
+        tomorrow = tenancy.period_end(WALL, "day") + 60.0
+        admitted = []
+        for _ in range(6):
+            held = await q.hold(p, 100, tomorrow, 0.0)
+            admitted.append(isinstance(held, Held))
+            if isinstance(held, Held):
+                q.settle(held, 100)
+        store.down = False
+        await q.pay_owed(tomorrow)
+        day2 = subjects.budget_counter("k", tenancy.period_of(tomorrow, "day"))
+        return admitted, store.totals[BUDGET_SUBJECT], store.totals.get(day2, 0)
+
+    admitted, day1, day2 = asyncio.run(run())
+    assert admitted == [True] * 5 + [False]
+    assert day1 == 900
+    assert day2 == 500
+
+
+@given(st.sampled_from(["day", "month"]), st.floats(0, 4e9), st.floats(0, 4e9))
+def test_a_period_turned_only_forward_and_within_its_kind(
+    kind: tenancy.Period, a: float, b: float
+) -> None:
+    first, second = tenancy.period_of(a, kind), tenancy.period_of(b, kind)
+    assert reserve.turned(first, second) == (first != second and a < b)
+    other = tenancy.period_of(b, "month" if kind == "day" else "day")
+    assert not reserve.turned(first, other)
