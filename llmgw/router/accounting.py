@@ -9,7 +9,9 @@ client could read all but the end of every answer, hang up, and pay for nothing.
 stream whose engine was asked for its usage and sent none (an engine that ignores
 `stream_options.include_usage`) gets the same estimate: else it cost nothing. A stream
 whose usage nobody asked for (the router's `count_stream_tokens: false` and a client that
-did not) is charged nothing, cut or whole: cutting it must not cost more than reading it. Used by
+did not) is charged nothing, cut or whole: cutting it must not cost more than reading it. A
+whole answer of a generating API without a usage it can count is estimated too (a
+completion token per `CHARS_PER_TOKEN` of the answer's body). Used by
 `llmgw.router.dispatch`, whose relay hook `usage` is `Accounting.usage`.
 """
 
@@ -32,10 +34,17 @@ class Accounting:
         self.quotas = quotas
 
     def answer(self, prof: ModelProfile, client: ClientStream, data: bytes) -> None:
-        """A whole answer's body: its usage, if it carries one."""
+        """A whole answer's body: its usage; where a generating API's carries none it can
+        count (an engine that does not report it, or reports nonsense), estimated from the
+        prompt and the answer's length: else it cost nothing."""
         u = requests.usage_of(data)
         if u is not None and u.usage is not None:
             self.usage(prof, client, u.usage)
+        elif client.kind in requests.GENERATES:
+            answered = len(data) // requests.CHARS_PER_TOKEN
+            self.usage(
+                prof, client, requests.estimated_usage((0, 0), client.prompt_chars, answered)
+            )
 
     def cut(self, prof: ModelProfile, client: ClientStream, events: int) -> None:
         """A stream cut after `events` events reached the client: what its engine did not

@@ -91,6 +91,27 @@ def test_an_engines_usage_is_counted(engine: CannedEngine, router: Router) -> No
     assert (after[0] - before[0], after[1] - before[1]) == (3, 2)
 
 
+@pytest.mark.parametrize("usage", [None, "null"], ids=["no-usage", "usage-null"])
+def test_a_whole_answer_without_usage_is_charged_its_estimate(
+    engine: CannedEngine, router: Router, usage: str | None
+) -> None:
+    """An engine that reports no usage on a whole answer cost its keys nothing: it is
+    charged the estimate, as a stream without usage is (a token per four characters of the
+    prompt's body and of the answer)."""
+    body = answer("0")
+    if usage is None:
+        body = body.replace(b',"usage":0', b"")
+    else:
+        body = body.replace(b',"usage":0', b',"usage":' + usage.encode())
+    engine.sse, engine.body = False, body
+    before = tokens_counted(router)
+    with httpx.Client(base_url=router.url, timeout=10) as h:
+        assert h.post("/v1/chat/completions", json=CHAT).status_code == 200
+    counted = [after - was for after, was in zip(tokens_counted(router), before, strict=True)]
+    assert 0 < counted[0] <= len(json.dumps(CHAT)), counted
+    assert counted[1] == len(body) // 4, counted
+
+
 @pytest.mark.parametrize(
     "usage",
     [
@@ -116,14 +137,11 @@ def test_absurd_usage_is_not_counted_and_the_answer_still_arrives(
     else:
         assert r.json()["choices"][0]["message"]["content"] == "ok"
     counted = [after - was for after, was in zip(tokens_counted(router), before, strict=True)]
-    if stream:
-        # A usage the router cannot take is no usage: the stream is charged the estimate of
-        # one whose engine sent none (a token per four characters of the body, one per
-        # event), never the engine's numbers.
-        assert 0 < counted[0] <= len(json.dumps(CHAT)), counted
-        assert 0 < counted[1] <= 2, counted
-    else:
-        assert counted == [0, 0]
+    # A usage the router cannot take is no usage: the answer is charged the estimate of one
+    # whose engine sent none (a token per four characters of the prompt's body; one per
+    # event of a stream, per four characters of a whole answer), never the engine's numbers.
+    assert 0 < counted[0] <= len(json.dumps(CHAT)), counted
+    assert 0 < counted[1] <= (2 if stream else len(body) // 4), counted
 
 
 def test_an_answer_nested_too_deeply_to_decode_is_still_relayed(
