@@ -6,6 +6,7 @@ and removing it shuts it out."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import stat
 import subprocess
@@ -261,9 +262,14 @@ async def test_the_checked_in_cluster_runs_from_the_repository_root(tmp_path: Pa
         for i in range(1, natsconf.CLUSTER_SIZE + 1):
             ports[base + i] = natsd.free_port()
     for i, text in enumerate(texts, start=1):
-        for old, new in ports.items():
-            text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
-        (root / "nats" / "cluster" / f"nats-{i}.conf").write_text(text)
+        # In one pass: one by one, a new port that begins with an old one (62223 after
+        # 6222) was replaced again.
+        moved = re.sub(
+            r"127\.0\.0\.1:(\d+)\b",
+            lambda m: f"127.0.0.1:{ports.get(int(m.group(1)), int(m.group(1)))}",
+            text,
+        )
+        (root / "nats" / "cluster" / f"nats-{i}.conf").write_text(moved)
 
     assert llmgw(root, "ctl", "cert", "init", "--host", "127.0.0.1").returncode == 0
     for i in range(1, natsconf.CLUSTER_SIZE + 1):
