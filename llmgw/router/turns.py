@@ -54,6 +54,13 @@ class _Item(msgspec.Struct):
 RESPONSE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 """The roles of the Responses API's input messages."""
 MESSAGES_TEXT = frozenset({"text"})
+MESSAGES_KEPT = frozenset({"image", "thinking", "tool_use", "tool_result"})
+"""The blocks besides text that keep a Messages API message in the chat vLLM renders (a
+message of none, and of no text, is left out)."""
+PART_JOINER = "\n"
+"""What vLLM puts between two text parts of one message when its chat template is given
+the message's content as a string (`"\n".join(texts)`, its default for text-only
+templates); the sim renders as vLLM does."""
 RESPONSES_TEXT = frozenset({"input_text", "output_text", "text"})
 """The parts whose text the Responses API's engines render (vLLM's, the sim's)."""
 
@@ -65,16 +72,17 @@ _UNREADABLE = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
 """A member of a shape the router does not read (nested past what msgspec decodes, too)."""
 
 
-def content_text(content: Content, kinds: frozenset[str] | None = None) -> str:
-    """A turn's text: a string as it is, or its parts' texts one after another (of the
-    parts of `kinds` only; None: every part's, as a chat's are read)."""
+def content_text(
+    content: Content, kinds: frozenset[str] | None = None, joiner: str = PART_JOINER
+) -> str:
+    """A turn's text: a string as it is, or its parts' texts (of the parts of `kinds` only;
+    None: every part's, as a chat's are read) as the engine joins them: the non-empty ones,
+    `joiner` between two (vLLM's chat messages: a newline)."""
     if isinstance(content, str):
         return content
     if not content:
         return ""
-    if kinds is None:
-        return "".join(p.text for p in content)
-    return "".join(p.text for p in content if p.type in kinds)
+    return joiner.join(p.text for p in content if p.text and (kinds is None or p.type in kinds))
 
 
 def chat_text(turns: Turns) -> str:
@@ -137,16 +145,27 @@ def of_body(kind: str, body: bytes) -> Turns:
 
 
 def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> Turns:
-    """A Messages API body's turns: its `system` (a string or text blocks, their texts
-    joined as vLLM joins them) as a system turn when it has one, then each message's."""
+    """A Messages API body's turns: its `system` (a string or text blocks) as a system turn
+    when it has one, then each message's that vLLM renders."""
     try:
         said = _MESSAGES.decode(messages) if given(messages) else []
         first = _SYSTEM.decode(system) if given(system) else ""
     except _UNREADABLE:
         return ()
-    turns = [("system", content_text(first, MESSAGES_TEXT))] if first else []
-    turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said)
+    # vLLM concatenates the system blocks, and joins a message's text blocks as a chat's.
+    turns = [("system", content_text(first, MESSAGES_TEXT, ""))] if first else []
+    turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said if _rendered(m))
     return tuple(turns)
+
+
+def _rendered(message: _Turn) -> bool:
+    """Whether vLLM renders a Messages API message: one of blocks is left out when none is
+    a text or another block it keeps (`MESSAGES_KEPT`)."""
+    if not isinstance(message.content, list):
+        return True
+    return any(
+        (p.type in MESSAGES_TEXT and p.text) or p.type in MESSAGES_KEPT for p in message.content
+    )
 
 
 def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> Turns:
