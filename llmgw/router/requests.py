@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeAlias
 import msgspec
 
 from llmgw.router import turns
-from llmgw.router.turns import Part, Turns, chat_text, content_text
+from llmgw.router.turns import Content, Turns, chat_text, content_text
 
 Kind = Literal[
     "chat", "completions", "embeddings", "responses", "messages", "count_tokens", "tokenize",
@@ -30,7 +30,7 @@ STREAMED_USAGE: frozenset[Kind] = frozenset({"responses", "messages"})
 
 class Message(msgspec.Struct):
     role: str = ""
-    content: str | list[Part] | None = None
+    content: Content = None
 
 
 class StreamOptions(msgspec.Struct):

@@ -20,6 +20,7 @@ routed as before, never refused (the engine says what it accepts).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TypeAlias
 
 import msgspec
@@ -35,7 +36,8 @@ class Part(msgspec.Struct):
     text: str = ""
 
 
-Content: TypeAlias = str | list[Part] | None
+Content: TypeAlias = str | list[str | Part] | None
+"""A message's content: a string, or its parts (vLLM's chat takes a string as a text part)."""
 
 
 class _Turn(msgspec.Struct):
@@ -63,8 +65,10 @@ the message's content as a string (`"\n".join(texts)`, its default for text-only
 templates); the sim renders as vLLM does."""
 RESPONSES_TEXT = frozenset({"input_text", "output_text", "text"})
 """The parts whose text the Responses API's engines render (vLLM's, the sim's)."""
+CHAT_TEXT = RESPONSES_TEXT
+"""The parts of a chat message whose `text` vLLM renders (an image's, say, it does not)."""
 
-_SYSTEM = msgspec.json.Decoder(str | list[Part])
+_SYSTEM = msgspec.json.Decoder(str | list[str | Part])
 _MESSAGES = msgspec.json.Decoder(list[_Turn])
 _INSTRUCTIONS = msgspec.json.Decoder(str | None)
 _INPUT = msgspec.json.Decoder(str | list[_Item])
@@ -73,16 +77,23 @@ _UNREADABLE = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
 
 
 def content_text(
-    content: Content, kinds: frozenset[str] | None = None, joiner: str = PART_JOINER
+    content: Content, kinds: frozenset[str] = CHAT_TEXT, joiner: str = PART_JOINER
 ) -> str:
-    """A turn's text: a string as it is, or its parts' texts (of the parts of `kinds` only;
-    None: every part's, as a chat's are read) as the engine joins them: the non-empty ones,
-    `joiner` between two (vLLM's chat messages: a newline)."""
+    """A turn's text: a string as it is, or its texts (of the parts of `kinds` only) as the
+    engine joins them: the non-empty ones, `joiner` between two (vLLM's chat: a newline)."""
     if isinstance(content, str):
         return content
     if not content:
         return ""
-    return joiner.join(p.text for p in content if p.text and (kinds is None or p.type in kinds))
+    return joiner.join(text for text in _texts(content, kinds) if text)
+
+
+def _texts(parts: list[str | Part], kinds: frozenset[str]) -> Iterator[str]:
+    for part in parts:
+        if isinstance(part, str):
+            yield part
+        elif part.type in kinds:
+            yield part.text
 
 
 def chat_text(turns: Turns) -> str:
@@ -164,8 +175,8 @@ def _rendered(message: _Turn) -> bool:
     if not isinstance(message.content, list):
         return True
     return any(
-        (p.type in MESSAGES_TEXT and p.text) or p.type in MESSAGES_KEPT for p in message.content
-    )
+        part if isinstance(part, str) else part.type in MESSAGES_KEPT for part in message.content
+    ) or bool(content_text(message.content, MESSAGES_TEXT))
 
 
 def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> Turns:

@@ -133,3 +133,17 @@ def test_a_single_part_is_keyed_as_its_string(text: str) -> None:
     assert parsed[0].chat == parsed[1].chat
     hashes = [ChatHashes().hashes(p.chat, p.text, 16, 64) for p in parsed]
     assert hashes[0] == hashes[1]
+
+
+def test_a_chat_messages_string_parts_are_text_parts_as_vllm_reads_them() -> None:
+    """vLLM's chat takes a string among a message's parts as a text part:
+
+        if isinstance(part, str):  # Handle plain text parts
+
+    and reads only a text part's `text` (not an image part's). The router routes such a
+    body, keyed as the engine renders it, instead of refusing it."""
+    parts = ["Hello", {"type": "image_url", "image_url": {"url": "x"}, "text": "not read"}, "you"]
+    doc = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    assert turn_texts("chat", doc) == ["Hello\nyou"]
+    messages = {"model": "m", "messages": [{"role": "user", "content": ["", "hi"]}]}
+    assert turn_texts("messages", messages) == ["hi"]
