@@ -20,7 +20,7 @@ routed as before, never refused (the engine says what it accepts).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TypeAlias
 
 import msgspec
@@ -94,6 +94,30 @@ def _texts(parts: list[str | Part], kinds: frozenset[str]) -> Iterator[str]:
             yield part
         elif part.type in kinds:
             yield part.text
+
+
+SGLANG_TEXT = frozenset({"text", "input_text"})
+"""The parts of a chat message whose `text` SGLang renders."""
+
+
+def of_chat(messages: Iterable[tuple[str, Content]]) -> tuple[Turns, Turns]:
+    """A chat's (role, content) messages as turns: as vLLM (and the sim) renders them, and
+    as SGLang does when a message's content is a list of parts (else none: the same).
+
+    SGLang gives a text-only chat template a message's parts' texts (of its text types,
+    empty ones too) with a space between two, where vLLM puts a newline between the
+    non-empty ones; the text index keys either engine's prompt by the first."""
+    said = tuple(messages)
+    turns = tuple((role, content_text(content)) for role, content in said)
+    if not any(isinstance(content, list) for _, content in said):
+        return turns, ()
+    return turns, tuple((role, _sglang_text(content)) for role, content in said)
+
+
+def _sglang_text(content: Content) -> str:
+    if not isinstance(content, list):
+        return content or ""
+    return " ".join(p.text for p in content if isinstance(p, Part) and p.type in SGLANG_TEXT)
 
 
 def chat_text(turns: Turns) -> str:
