@@ -217,7 +217,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     sglang_chat: Turns = ()
     if want_text:
         if isinstance(req, ChatBody):
-            chat, sglang_chat = turns.of_chat((m.role, m.content) for m in req.messages)
+            chat, sglang_chat = turns.of_chat(req.messages)
             text = chat_text(chat)
         else:
             text = _prompt_text(req.prompt)

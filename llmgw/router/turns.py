@@ -20,8 +20,8 @@ routed as before, never refused (the engine says what it accepts).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TypeAlias
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypeAlias
 
 import msgspec
 
@@ -100,18 +100,22 @@ SGLANG_TEXT = frozenset({"text", "input_text"})
 """The parts of a chat message whose `text` SGLang renders."""
 
 
-def of_chat(messages: Iterable[tuple[str, Content]]) -> tuple[Turns, Turns]:
+class ChatMessage(Protocol):
+    role: str
+    content: Content
+
+
+def of_chat(messages: Sequence[ChatMessage]) -> tuple[Turns, Turns]:
     """A chat's (role, content) messages as turns: as vLLM (and the sim) renders them, and
     as SGLang does when a message's content is a list of parts (else none: the same).
 
     SGLang gives a text-only chat template a message's parts' texts (of its text types,
     empty ones too) with a space between two, where vLLM puts a newline between the
     non-empty ones; the text index keys either engine's prompt by the first."""
-    said = tuple(messages)
-    turns = tuple((role, content_text(content)) for role, content in said)
-    if not any(isinstance(content, list) for _, content in said):
+    turns = tuple((m.role, content_text(m.content)) for m in messages)
+    if not any(isinstance(m.content, list) for m in messages):
         return turns, ()
-    return turns, tuple((role, _sglang_text(content)) for role, content in said)
+    return turns, tuple((m.role, _sglang_text(m.content)) for m in messages)
 
 
 def _sglang_text(content: Content) -> str:

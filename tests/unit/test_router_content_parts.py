@@ -9,16 +9,18 @@ between two, for a chat, a Messages and a Responses request alike; the Messages 
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.core.prefix import ChatHashes
 from llmgw.core.profile import ModelProfile
 from llmgw.core.simtokens import token_ids
-from llmgw.router import prompts, requests
+from llmgw.router import prompts, requests, turns
 from llmgw.sim import api as sim_api
 from llmgw.sim import apis as sim_apis
 from llmgw.sim.config import SimConfig
@@ -147,3 +149,53 @@ def test_a_chat_messages_string_parts_are_text_parts_as_vllm_reads_them() -> Non
     assert turn_texts("chat", doc) == ["Hello\nyou"]
     messages = {"model": "m", "messages": [{"role": "user", "content": ["", "hi"]}]}
     assert turn_texts("messages", messages) == ["hi"]
+
+
+TINY = 200_000
+"""Parts of a hostile body: a few megabytes, within the router's default `max_body_bytes`."""
+
+
+@pytest.mark.parametrize("kind", ["chat", "messages", "responses"])
+@pytest.mark.parametrize("text", ["a", ""])
+def test_a_body_of_many_tiny_parts_is_read_in_proportion_to_its_size(
+    kind: requests.Kind, text: str
+) -> None:
+    """Hundreds of thousands of one-letter (or empty) parts are read without raising, into
+    no more text than the body holds, tokenized on the prompt's beginning only, at a few
+    times the body's size in memory."""
+    part = msgspec.json.encode(
+        {"type": "input_text" if kind == "responses" else "text", "text": text}
+    )
+    parts = b"[" + b",".join([part] * TINY) + b"]"
+    member = b'"input"' if kind == "responses" else b'"messages"'
+    body = (
+        b'{"model":"m","max_tokens":4,' + member + b':[{"role":"user","content":' + parts + b"}]}"
+    )
+    tracemalloc.start()
+    try:
+        parsed = requests.parse(kind, body, want_text=True)
+        ids = SIM.ids(parsed) if SIM is not None and parsed.chat else []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(parsed.text) <= len(body)
+    assert all(len(content) <= len(body) for _, content in parsed.sglang_chat)
+    assert len(ids or []) <= prompts.MAX_CHARS
+    assert peak <= 10 * len(body)
+
+
+@pytest.mark.parametrize("kind", ["messages", "responses"])
+@pytest.mark.parametrize("where", ["member", "content", "part"])
+def test_a_conversation_nested_past_what_msgspec_decodes_has_no_turns(
+    kind: str, where: str
+) -> None:
+    """Read on its own (the front door refuses such a body first), a conversation nested
+    deeper than the decoder goes yields no turns rather than an error."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    item = {
+        "member": deep,
+        "content": b'[{"role":"user","content":' + deep + b"}]",
+        "part": b'[{"role":"user","content":[{"type":"text","text":"x","more":' + deep + b"}]}]",
+    }[where]
+    member = b'"input"' if kind == "responses" else b'"messages"'
+    assert turns.of_body(kind, b'{"model":"m",' + member + b":" + item + b"}") == ()
