@@ -12,7 +12,8 @@ template renders, so the router must tokenize the same way to predict a cache hi
 
 `for_profile` finds the right one for a model: the profile's `tokenizer` (a file or a
 directory on the router's host), else the model's own directory when `model` is a local
-path, else the sim's for sim models. Tokenizers are loaded once per path.
+path, else the sim's for sim models. Tokenizers are loaded once per path and engine
+(SGLang joins a message's text parts its own way: `turns.of_chat`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 
 from llmgw import logs
 from llmgw.core import simtokens as sim_tokens
-from llmgw.core.profile import ModelProfile
+from llmgw.core.profile import Engine, ModelProfile
 from llmgw.core.promptkeys import PromptTokens, SegmentCache
 from llmgw.router.requests import Parsed
 from llmgw.router.turns import chat_text_length
@@ -117,7 +118,11 @@ class HfPrompts:
     """A Hugging Face tokenizer and chat template, as vLLM and SGLang apply them."""
 
     def __init__(
-        self, tokenizer_file: Path, template: str | None, specials: dict[str, str]
+        self,
+        tokenizer_file: Path,
+        template: str | None,
+        specials: dict[str, str],
+        engine: Engine = "vllm",
     ) -> None:
         try:
             from tokenizers import Tokenizer
@@ -129,6 +134,7 @@ class HfPrompts:
             raise TokenizerFilesError(f"{tokenizer_file} is not a tokenizer: {exc}") from None
         self._template: Any = None
         self._specials = specials
+        self._sglang = engine == "sglang"  # which joins a message's parts its own way
         if template:
             import jinja2.sandbox
 
@@ -140,8 +146,9 @@ class HfPrompts:
                 raise TokenizerFilesError(f"the chat template does not parse: {exc}") from None
 
     @classmethod
-    def load(cls, where: Path) -> HfPrompts:
-        """From a directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json."""
+    def load(cls, where: Path, engine: Engine = "vllm") -> HfPrompts:
+        """From a directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json, as
+        `engine` renders a chat."""
         folder = where if where.is_dir() else where.parent
         tokenizer_file = where / "tokenizer.json" if where.is_dir() else where
         if not tokenizer_file.is_file():
@@ -176,7 +183,7 @@ class HfPrompts:
                     value = value.get("content")
                 if isinstance(value, str):
                     specials[name] = value
-        return cls(tokenizer_file, template, specials)
+        return cls(tokenizer_file, template, specials, engine)
 
     def tokens(self, parsed: Parsed, max_chars: int = MAX_CHARS) -> PromptTokens | None:
         # No segments are reused: a BPE tokenizer's tokens of a concatenation are not in
@@ -203,7 +210,7 @@ class HfPrompts:
                 return None
             messages: list[dict[str, str]] = []
             room, cut, covered = max_chars, False, 0  # covered: of the chat's `text`
-            for role, content in parsed.chat:
+            for role, content in (self._sglang and parsed.sglang_chat) or parsed.chat:
                 if len(messages) == MAX_MESSAGES:
                     cut = True
                     break
@@ -256,7 +263,7 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
-_LOADED: dict[str, Prompts | None] = {}
+_LOADED: dict[tuple[str, Engine], Prompts | None] = {}
 _SIM = SimPrompts()
 
 
@@ -265,19 +272,20 @@ def for_profile(profile: ModelProfile) -> Prompts | None:
     if profile.engine == "sim" and not profile.tokenizer:
         return _SIM
     where = profile.tokenizer or profile.engine_model
-    if where in _LOADED:
-        return _LOADED[where]
+    key = (where, profile.engine)
+    if key in _LOADED:
+        return _LOADED[key]
     found: Prompts | None = None
     if not where or not Path(where).exists():
         # Remembered, like a found one: this runs on every request of the model.
         if len(_LOADED) < 10_000:
-            _LOADED[where] = None
+            _LOADED[key] = None
         return None
     try:
-        found = HfPrompts.load(Path(where))
+        found = HfPrompts.load(Path(where), profile.engine)
         log.info("tokenizer_loaded", model=profile.name, path=where)
     except TokenizerFilesError as exc:
         log.warning("tokenizer_unusable", model=profile.name, path=where, error=str(exc))
         found = None
-    _LOADED[where] = found
+    _LOADED[key] = found
     return found

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeAlias
 import msgspec
 
 from llmgw.router import turns
-from llmgw.router.turns import Part, Turns, chat_text, content_text
+from llmgw.router.turns import Content, Turns, chat_text
 
 Kind = Literal[
     "chat", "completions", "embeddings", "responses", "messages", "count_tokens", "tokenize",
@@ -30,7 +30,7 @@ STREAMED_USAGE: frozenset[Kind] = frozenset({"responses", "messages"})
 
 class Message(msgspec.Struct):
     role: str = ""
-    content: str | list[Part] | None = None
+    content: Content = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -170,6 +170,8 @@ class Parsed(msgspec.Struct):
     turns (llmgw.router.turns), when the text is wanted: what a chat template renders
     (llmgw.router.prompts). `text` is then each role, a newline, its content and a
     newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
+    sglang_chat: Turns = ()
+    """A chat's turns as SGLang renders them, where they differ (`turns.of_chat`)."""
     max_out: int | None = 0
     """The most tokens each answer may generate, as the body says (None: it says none; 0:
     an API that generates none)."""
@@ -212,9 +214,10 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
     wants_usage = req.stream_options is not None and req.stream_options.include_usage
     text = ""
     chat: Turns = ()
+    sglang_chat: Turns = ()
     if want_text:
         if isinstance(req, ChatBody):
-            chat = tuple((m.role, content_text(m.content)) for m in req.messages)
+            chat, sglang_chat = turns.of_chat(req.messages)
             text = chat_text(chat)
         else:
             text = _prompt_text(req.prompt)
@@ -225,6 +228,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         has_options=req.stream_options is not None or b'"stream_options"' in body,
         text=text,
         chat=chat,
+        sglang_chat=sglang_chat,
         priority=bool(req.priority),
         cache_salt=_salt_text(req.cache_salt),
         max_out=_max_out(req),

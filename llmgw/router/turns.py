@@ -20,7 +20,8 @@ routed as before, never refused (the engine says what it accepts).
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypeAlias
 
 import msgspec
 
@@ -35,7 +36,8 @@ class Part(msgspec.Struct):
     text: str = ""
 
 
-Content: TypeAlias = str | list[Part] | None
+Content: TypeAlias = str | list[str | Part] | None
+"""A message's content: a string, or its parts (vLLM's chat takes a string as a text part)."""
 
 
 class _Turn(msgspec.Struct):
@@ -54,10 +56,19 @@ class _Item(msgspec.Struct):
 RESPONSE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 """The roles of the Responses API's input messages."""
 MESSAGES_TEXT = frozenset({"text"})
+MESSAGES_KEPT = frozenset({"image", "thinking", "tool_use", "tool_result"})
+"""The blocks besides text that keep a Messages API message in the chat vLLM renders (a
+message of none, and of no text, is left out)."""
+PART_JOINER = "\n"
+"""What vLLM puts between two text parts of one message when its chat template is given
+the message's content as a string (`"\n".join(texts)`, its default for text-only
+templates); the sim renders as vLLM does."""
 RESPONSES_TEXT = frozenset({"input_text", "output_text", "text"})
 """The parts whose text the Responses API's engines render (vLLM's, the sim's)."""
+CHAT_TEXT = RESPONSES_TEXT
+"""The parts of a chat message whose `text` vLLM renders (an image's, say, it does not)."""
 
-_SYSTEM = msgspec.json.Decoder(str | list[Part])
+_SYSTEM = msgspec.json.Decoder(str | list[str | Part])
 _MESSAGES = msgspec.json.Decoder(list[_Turn])
 _INSTRUCTIONS = msgspec.json.Decoder(str | None)
 _INPUT = msgspec.json.Decoder(str | list[_Item])
@@ -65,16 +76,52 @@ _UNREADABLE = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
 """A member of a shape the router does not read (nested past what msgspec decodes, too)."""
 
 
-def content_text(content: Content, kinds: frozenset[str] | None = None) -> str:
-    """A turn's text: a string as it is, or its parts' texts one after another (of the
-    parts of `kinds` only; None: every part's, as a chat's are read)."""
+def content_text(
+    content: Content, kinds: frozenset[str] = CHAT_TEXT, joiner: str = PART_JOINER
+) -> str:
+    """A turn's text: a string as it is, or its texts (of the parts of `kinds` only) as the
+    engine joins them: the non-empty ones, `joiner` between two (vLLM's chat: a newline)."""
     if isinstance(content, str):
         return content
     if not content:
         return ""
-    if kinds is None:
-        return "".join(p.text for p in content)
-    return "".join(p.text for p in content if p.type in kinds)
+    return joiner.join(text for text in _texts(content, kinds) if text)
+
+
+def _texts(parts: list[str | Part], kinds: frozenset[str]) -> Iterator[str]:
+    for part in parts:
+        if isinstance(part, str):
+            yield part
+        elif part.type in kinds:
+            yield part.text
+
+
+SGLANG_TEXT = frozenset({"text", "input_text"})
+"""The parts of a chat message whose `text` SGLang renders."""
+
+
+class ChatMessage(Protocol):
+    role: str
+    content: Content
+
+
+def of_chat(messages: Sequence[ChatMessage]) -> tuple[Turns, Turns]:
+    """A chat's (role, content) messages as turns: as vLLM (and the sim) renders them, and
+    as SGLang does when a message's content is a list of parts (else none: the same).
+
+    SGLang gives a text-only chat template a message's parts' texts (of its text types,
+    empty ones too) with a space between two, where vLLM puts a newline between the
+    non-empty ones; the text index keys either engine's prompt by the first."""
+    turns = tuple((m.role, content_text(m.content)) for m in messages)
+    if not any(isinstance(m.content, list) for m in messages):
+        return turns, ()
+    return turns, tuple((m.role, _sglang_text(m.content)) for m in messages)
+
+
+def _sglang_text(content: Content) -> str:
+    if not isinstance(content, list):
+        return content or ""
+    return " ".join(p.text for p in content if isinstance(p, Part) and p.type in SGLANG_TEXT)
 
 
 def chat_text(turns: Turns) -> str:
@@ -137,16 +184,27 @@ def of_body(kind: str, body: bytes) -> Turns:
 
 
 def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> Turns:
-    """A Messages API body's turns: its `system` (a string or text blocks, their texts
-    joined as vLLM joins them) as a system turn when it has one, then each message's."""
+    """A Messages API body's turns: its `system` (a string or text blocks) as a system turn
+    when it has one, then each message's that vLLM renders."""
     try:
         said = _MESSAGES.decode(messages) if given(messages) else []
         first = _SYSTEM.decode(system) if given(system) else ""
     except _UNREADABLE:
         return ()
-    turns = [("system", content_text(first, MESSAGES_TEXT))] if first else []
-    turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said)
+    # vLLM concatenates the system blocks, and joins a message's text blocks as a chat's.
+    turns = [("system", content_text(first, MESSAGES_TEXT, ""))] if first else []
+    turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said if _rendered(m))
     return tuple(turns)
+
+
+def _rendered(message: _Turn) -> bool:
+    """Whether vLLM renders a Messages API message: one of blocks is left out when none is
+    a text or another block it keeps (`MESSAGES_KEPT`)."""
+    if not isinstance(message.content, list):
+        return True
+    return any(
+        part if isinstance(part, str) else part.type in MESSAGES_KEPT for part in message.content
+    ) or bool(content_text(message.content, MESSAGES_TEXT))
 
 
 def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> Turns:

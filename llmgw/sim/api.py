@@ -294,8 +294,11 @@ def _message_text(m: Message, i: int) -> str:
     for part in m.content:
         if part.type != "text":
             raise _unsupported(f"messages[{i}].content", f"content of type `{part.type}`")
-        out.append(part.text or "")
-    return "".join(out)
+        if part.text:
+            out.append(part.text)
+    # As vLLM gives a text-only template a message's parts: the non-empty ones, a newline
+    # between two.
+    return "\n".join(out)
 
 
 def prepare_chat(body: bytes, cfg: SimConfig) -> Prepared:

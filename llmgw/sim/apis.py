@@ -75,7 +75,11 @@ class CountTokensRequest(api._Lenient, kw_only=True):
     tools: list[Any] | None = None
 
 
-def _text(content: str | list[_InputPart] | None, where: str, kinds: tuple[str, ...]) -> str:
+def _text(
+    content: str | list[_InputPart] | None, where: str, kinds: tuple[str, ...], joiner: str = "\n"
+) -> str:
+    """A message's text as vLLM renders it: a string as it is, or its parts' non-empty
+    texts, `joiner` between two (a chat message's parts: a newline)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -84,8 +88,9 @@ def _text(content: str | list[_InputPart] | None, where: str, kinds: tuple[str, 
     for part in content:
         if part.type not in kinds:
             raise api._unsupported(where, f"content of type `{part.type}`")
-        out.append(part.text or "")
-    return "".join(out)
+        if part.text:
+            out.append(part.text)
+    return joiner.join(out)
 
 
 def prepare_responses(body: bytes, cfg: SimConfig) -> Prepared:
@@ -120,12 +125,14 @@ def _anthropic_prompt(req: MessagesRequest | CountTokensRequest) -> list[str]:
     if not req.messages:
         raise ApiError(400, "messages: at least one message is required", param="messages")
     messages: list[tuple[str, str]] = []
-    if req.system:
-        messages.append(("system", _text(req.system, "system", ("text",))))
+    if req.system:  # vLLM concatenates the system's blocks
+        messages.append(("system", _text(req.system, "system", ("text",), "")))
     for i, m in enumerate(req.messages):
         if m.role not in ("user", "assistant"):
             raise ApiError(400, f"messages.{i}.role: must be user or assistant", param="messages")
-        messages.append((m.role, _text(m.content, f"messages.{i}.content", ("text",))))
+        text = _text(m.content, f"messages.{i}.content", ("text",))
+        if text or isinstance(m.content, str):  # vLLM leaves out a message of no blocks
+            messages.append((m.role, text))
     return tokens.tokenize(tokens.render_chat(messages))
 
 

@@ -27,6 +27,7 @@ from llmgw.agent.kvrelay import EngineRelay
 from llmgw.core import kvblocks, routing, subjects
 from llmgw.core.kvindex import KvIndex
 from llmgw.core.profile import ModelProfile
+from llmgw.router import prompts
 from llmgw.router.config import LogSource
 from llmgw.router.kvfeed import KvFeed
 from llmgw.router.kvroute import KvRouting
@@ -36,6 +37,8 @@ from tests.harness import TestNatsServer, connect_as, signed_headers, wait_for
 
 PROFILE = ModelProfile(name="m", engine="sim")
 SYSTEM = "You are a careful assistant. " * 60  # about 300 tokens of shared prefix
+BLOCK = 16  # the sim's tokens a block
+CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture
@@ -58,12 +61,30 @@ def start_sim(sockets: Path, name: str, *extra: str) -> SimProcess:
     )
 
 
-def chat(sim: SimProcess, question: str) -> dict[str, Any]:
-    return post(sim, {
+def chat_body(question: str) -> dict[str, Any]:
+    return {
         "model": "m",
         "max_tokens": 4,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-    })  # fmt: skip
+    }
+
+
+def chat(sim: SimProcess, question: str) -> dict[str, Any]:
+    return post(sim, chat_body(question))
+
+
+def common_prefix(kind: Any, first: dict[str, Any] | None, then: dict[str, Any]) -> int:
+    """How many tokens the router's prompts of `first` (of API `kind`; None: the chat of
+    SYSTEM and a question) and `then` begin with alike."""
+    tokens = prompts.for_profile(PROFILE)
+    assert tokens is not None
+    bodies = [("chat", chat_body("?")) if first is None else (kind, first), (kind, then)]
+    ids = [
+        tokens.ids(parse(api, json.dumps(b).encode(), want_text=True)) or [] for api, b in bodies
+    ]
+    return next(
+        (i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b), min(map(len, ids))
+    )
 
 
 def reset_prefix_cache(sim: SimProcess) -> None:
@@ -182,29 +203,57 @@ async def test_routers_predict_what_the_engine_then_reports_cached(
             await late.close()
 
 
-CONVERSATIONS: dict[str, tuple[str, Any, Any]] = {
-    # API -> its path, a body of SYSTEM and a question, and the cached tokens of its usage.
-    "messages": ("/v1/messages", lambda q: {
+PARTS = ("Count with me.", "What is two and two?", "Then two and three?", "Say each sum.")
+CONVERSATIONS: dict[str, tuple[Any, str, Any, Any]] = {
+    # A case -> its API, its path, a body of SYSTEM and a question, and the cached tokens
+    # of its usage. A "-parts" case's message of several parts ends with the question.
+    "messages": ("messages", "/v1/messages", lambda q: {
         "model": "m", "max_tokens": 4, "system": [{"type": "text", "text": SYSTEM}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": q}]}],
     }, lambda usage: usage["cache_read_input_tokens"]),
-    "responses": ("/v1/responses", lambda q: {
+    "messages-parts": ("messages", "/v1/messages", lambda q: {
+        "model": "m", "max_tokens": 4, "system": [
+            {"type": "text", "text": SYSTEM[:100]}, {"type": "text", "text": SYSTEM[100:]}],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": p} for p in (*PARTS, q)]}],
+    }, lambda usage: usage["cache_read_input_tokens"]),
+    "responses": ("responses", "/v1/responses", lambda q: {
         "model": "m", "max_output_tokens": 4, "instructions": SYSTEM, "input": q,
     }, lambda usage: usage["input_tokens_details"]["cached_tokens"]),
+    "responses-parts": ("responses", "/v1/responses", lambda q: {
+        "model": "m", "max_output_tokens": 4, "instructions": SYSTEM, "input": [
+            {"role": "user", "content": [
+                {"type": "input_text", "text": p} for p in (*PARTS, q)]}],
+    }, lambda usage: usage["input_tokens_details"]["cached_tokens"]),
+    "chat-parts": ("chat", "/v1/chat/completions", lambda q: {
+        "model": "m", "max_tokens": 4, "messages": [
+            {"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
+            {"role": "user", "content": [{"type": "text", "text": p} for p in PARTS]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Four."}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": p} for p in (*PARTS[:2], q)]}],
+    }, lambda usage: usage["prompt_tokens_details"]["cached_tokens"]),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("case", sorted(CONVERSATIONS))
 async def test_a_conversation_of_another_api_is_predicted_as_the_engine_then_reports(
-    nats_server: TestNatsServer, sockets: Path, kind: Any
+    nats_server: TestNatsServer, sockets: Path, case: str
 ) -> None:
     """A Messages or Responses request is keyed as the chat of its turns, which is how the
     engine renders it: after a chat of the same system prompt, the router's prediction for
-    it is what the engine then reports cached."""
-    path, body_of, cached_of = CONVERSATIONS[kind]
+    it is what the engine then reports cached. So is a chat (or either API's) message of
+    several text parts, after a request of the same parts."""
+    kind, path, body_of, cached_of = CONVERSATIONS[case]
     async with one_engine(nats_server, sockets, "1") as (sim, _relay, feed, eps):
-        await asyncio.to_thread(chat, sim, "What is one and one?")
+        first: Any = chat_body("What is one and one?")
         asked = body_of("And two and two?")
+        if case.endswith("-parts"):  # cached by a request of the same parts but the last
+            first, asked = body_of("Briefly."), body_of("In words, please.")
+        await asyncio.to_thread(post, sim, first, path if case.endswith("-parts") else CHAT)
+        shared = common_prefix(kind, first if case.endswith("-parts") else None, asked)
+        if case.endswith("-parts"):  # what they share goes on into the parts
+            assert shared >= common_prefix(kind, None, asked) + BLOCK
 
         def guess() -> int:
             got = parse(kind, json.dumps(asked).encode(), want_text=True)
@@ -213,7 +262,8 @@ async def test_a_conversation_of_another_api_is_predicted_as_the_engine_then_rep
             source = plan.by_endpoint["e1"]
             return source.cached_tokens if source.source == "events" else 0
 
-        await wait_for(lambda: guess() > 0, 30, "the router's index to hold the system prompt")
+        # Every full block of the prefix they share: the index has all the engine's events.
+        await wait_for(lambda: guess() > shared - BLOCK, 30, "the router's index to hold them")
         predicted_tokens = guess()
         answer = await asyncio.to_thread(post, sim, asked, path)
         assert cached_of(answer["usage"]) == predicted_tokens

@@ -317,3 +317,24 @@ def test_a_cut_chats_length_is_estimated_in_the_units_of_its_text(
         assert got is not None
         assert len(got.ids) < whole
         assert whole / 1.5 <= got.estimate <= whole * 1.5, (name, whole)
+
+
+@pytest.mark.parametrize(
+    ("engine", "joined"), [("vllm", "Two\nand two?"), ("sglang", "Two  and two?")]
+)
+def test_a_messages_parts_are_rendered_as_the_models_engine_joins_them(
+    tokenizer_dir: Path, engine: Any, joined: str
+) -> None:
+    """vLLM joins a message's non-empty texts with a newline (`"\\n".join(texts)`); SGLang
+    gives a text-only template its text parts' texts, empty ones too, with a space between
+    two:
+
+        new_msg["content"] = " ".join(text_parts) if text_parts else ""
+    """
+    parts = [{"type": "text", "text": t} for t in ("Two", "", "and two?")]
+    body = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    found = prompts.for_profile(ModelProfile(name="m", engine=engine, tokenizer=str(tokenizer_dir)))
+    assert isinstance(found, prompts.HfPrompts)
+    ids = found.ids(parse("chat", json.dumps(body).encode(), want_text=True))
+    as_string = parse("chat", chat_body(("user", joined)), want_text=True)
+    assert list(ids or []) == list(found.ids(as_string) or [])
