@@ -122,16 +122,8 @@ class Router:
         self.admin_url = ""  # its admin listener's URL, set by the server once bound
         self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
         self.deadlines = Watchdog()
-        self.dispatcher = Dispatcher(
-            cfg,
-            self.catalog,
-            self.table,
-            self.metrics,
-            self.pool,
-            self.deadlines,
-            self.rng,
-            self.clock,
-        )
+        self.dispatcher = Dispatcher(cfg, self.catalog, self.table, self.metrics, self.pool,
+                                     self.deadlines, self.rng, self.clock)  # fmt: skip
         # An access log at debug level; the check is made once (the default level is info).
         self._access_log = log.is_enabled_for(logging.DEBUG)
         self._rid_prefix = f"{os.urandom(4).hex()}-"
