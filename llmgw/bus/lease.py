@@ -21,14 +21,12 @@ The signed value also says until when it holds (`until`, the writer's clock plus
 TTL): a genuine value stored again later (by anyone able to write the bucket) counts
 as free once that time and one more TTL (for clock skew) have passed. Written by one
 host and judged by another, `until` is read on the clock a contender is given: a control
-plane's is the server's time (llmgw.control.servertime), whatever its host's says, so
+plane's is the server's time (llmgw.bus.servertime), whatever its host's says, so
 that a standby does not take over from a leader whose host's clock is behind.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import time
 from collections.abc import Callable
 
@@ -39,10 +37,10 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from llmgw import logs
+from llmgw.bus import servertime
 from llmgw.bus.keys import client_of, signer_of, verifier_of
 from llmgw.bus.provisioning import LEASE_BUCKET
 from llmgw.bus.publisher import EXPECTED_LAST_SUBJECT_SEQUENCE, WRONG_LAST_SEQUENCE
-from llmgw.core import subjects
 from llmgw.pki.identity import Identity
 from llmgw.pki.signing import SignatureRefused, Signer, Verifier, lease_message
 
@@ -99,22 +97,6 @@ def verified_value(verifier: Verifier, raw: bytes, now: float, grace_s: float) -
     if now > value.until + grace_s:
         return f"ran out at {value.until:.0f} (a stale value stored again)"
     return value
-
-
-def unix_time(stamp: str) -> float | None:
-    """UNIX seconds of a time as the server writes it (RFC 3339 in UTC, up to nanoseconds),
-    or None when it is not one. Pure."""
-    head, dot, fraction = stamp.strip().removesuffix("Z").partition(".")
-    if dot and not fraction.isdigit():
-        return None
-    try:
-        when = datetime.datetime.fromisoformat(head)
-    except ValueError:
-        return None
-    if when.tzinfo is not None:
-        return None  # the server writes UTC as "Z": another offset is not its writing
-    when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp() + (float("0." + fraction) if dot else 0.0)
 
 
 def _ttl_header(ttl_s: float) -> str:
@@ -296,23 +278,10 @@ class Lease:
 
     async def server_time(self) -> float | None:
         """The server's clock now, as it answers a request, or None when it does not
-        answer with one: what a control plane measures its own clock against
-        (llmgw.control.servertime). Asked of the log's stream (the `ts` of its info): in
-        a cluster that stream's leader stamps the heartbeats judged by this time, and
-        another stream's leader (the lease bucket's) may be another server, with another
-        clock. Reads only: any instance may ask, leading or not."""
+        answer with one (llmgw.bus.servertime.ask). Reads only: any instance may ask,
+        leading or not."""
         nc = client_of(self._js)
-        if nc is None:
-            return None
-        try:
-            msg = await nc.request(f"$JS.API.STREAM.INFO.{subjects.STREAM}", b"", timeout=2.0)
-            answer = json.loads(msg.data)
-        except (nats.errors.Error, TimeoutError, ValueError):
-            return None
-        stamp = answer.get("ts") if isinstance(answer, dict) else None
-        when = unix_time(stamp) if isinstance(stamp, str) else None
-        # Go's zero time (year 1) is a time the server did not set, not its clock.
-        return when if when is not None and when > 0 else None
+        return None if nc is None else await servertime.ask(nc)
 
     def _lose(self, why: str) -> None:
         epoch = self.epoch

@@ -17,8 +17,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from llmgw import bus, logs
+from llmgw.bus import servertime
 from llmgw.bus.ports import EventLog, LeasePort, LogReader, SnapshotPort
-from llmgw.control import attesting, servertime
+from llmgw.control import attesting
 from llmgw.control import ids as ids_
 from llmgw.control import quota as quota_
 from llmgw.control.config import ControlConfig

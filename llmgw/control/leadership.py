@@ -13,8 +13,8 @@ import nats.errors
 import nats.js.errors
 
 from llmgw import bus
+from llmgw.bus import servertime
 from llmgw.control import ids as ids_
-from llmgw.control import servertime
 from llmgw.control.instance import Instance, log
 from llmgw.core import events
 
@@ -103,19 +103,13 @@ class Leadership(Instance):
             await self._measure_clock()
 
     async def _measure_clock(self) -> None:
-        """Measure this host's clock against the server's (llmgw.control.servertime): the
+        """Measure this host's clock against the server's (llmgw.bus.servertime): the
         control plane's "now" is the server's, whatever its host's clock says. An answer
         that does not come within `ASK_TIMEOUT_S` measures nothing."""
         assert self._lease is not None
-        sent = self.clock.ticks()
-        try:
-            ask = self._lease.server_time()
-            stamp = await asyncio.wait_for(ask, servertime.ASK_TIMEOUT_S)
-        except TimeoutError:
-            stamp = None
-        received = self.clock.ticks()
-        if stamp is not None:
-            self._observe_clock(servertime.Sample(sent, stamp, received))
+        sample = await servertime.measure(self.clock, self._lease.server_time)
+        if sample is not None:
+            self._observe_clock(sample)
 
     def _observe_clock(self, sample: servertime.Sample) -> None:
         clock = self.clock

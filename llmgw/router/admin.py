@@ -18,7 +18,6 @@ fixed paths: a dict lookup, as the front door's.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -45,7 +44,7 @@ def _handlers(router: Router) -> dict[tuple[str, str], Handler]:
         """Where a request body would go, and why (llmgw.router.explain), for a caller the
         front door would serve."""
         principal = admission.authenticate(
-            router.keys, admission.credential(request.headers), time.time(), router.anonymous
+            router.keys, admission.credential(request.headers), router.clock(), router.anonymous
         )
         if isinstance(principal, Refusal):
             return web.json_response({"error": principal.message}, status=principal.status)

@@ -39,6 +39,7 @@ import aiohttp
 from aiohttp import web
 
 from llmgw import logs
+from llmgw.bus import servertime
 from llmgw.config import ConfigError
 from llmgw.core import routing, state
 from llmgw.listeners import scrape_target
@@ -56,6 +57,7 @@ from llmgw.router import (
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
 from llmgw.router.browsers import BrowserGuard
+from llmgw.router.clock import ClockKeeper
 from llmgw.router.config import RouterConfig
 from llmgw.router.deadlines import Watchdog
 from llmgw.router.dispatch import Dispatcher
@@ -84,8 +86,13 @@ class Router:
         *,
         worker: int = 0,
         limits: auth.SharedLimits | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock`: this host's wall clock; the router reads the server's (`self.clock`)."""
         self.cfg = cfg
+        self.clock = servertime.of(clock)
+        """UNIX time: the NATS server's, once measured (llmgw.router.clock)."""
+        self.clock_keeper: ClockKeeper | None = None
         self.catalog = Catalog(cfg.models)
         self.table = EndpointTable()
         for ep in cfg.endpoints:
@@ -115,9 +122,8 @@ class Router:
         self.admin_url = ""  # its admin listener's URL, set by the server once bound
         self.pool = upstream_http.Pool(max_idle_per_host=cfg.upstream_connections)
         self.deadlines = Watchdog()
-        self.dispatcher = Dispatcher(
-            cfg, self.catalog, self.table, self.metrics, self.pool, self.deadlines, self.rng
-        )
+        self.dispatcher = Dispatcher(cfg, self.catalog, self.table, self.metrics, self.pool,
+                                     self.deadlines, self.rng, self.clock)  # fmt: skip
         # An access log at debug level; the check is made once (the default level is info).
         self._access_log = log.is_enabled_for(logging.DEBUG)
         self._rid_prefix = f"{os.urandom(4).hex()}-"
@@ -145,6 +151,7 @@ class Router:
         if self.cfg.log is not None:
             # Keys' fleet-wide limits and usage, on the log's server (llmgw.router.quotas).
             self.dispatcher.quotas.start(self.cfg.log)
+            await self._keep_time()
             # The production wiring: the feed connects in the background (a router
             # started before NATS serves on its static config meanwhile).
             self.feed = LogFeed(
@@ -159,7 +166,7 @@ class Router:
             self.feed.start()
             if self.cfg.cache.enabled and self.cfg.cache.events:
                 self.kv_feed = KvFeed(self.cfg.log, self.dispatcher.kv.index,
-                                      listed=self.table.has)  # fmt: skip
+                                      listed=self.table.has, clock=self.clock)  # fmt: skip
                 self.kv_feed.start()
             # The load reports the autoscaler decides on (llmgw.router.signals).
             d = self.dispatcher
@@ -167,11 +174,23 @@ class Router:
                                   queued=d.queues.waiting)  # fmt: skip
             scraped_at = scrape_target(self.admin_url, gethostname())
             self.signals = SignalsFeed(self.cfg.log, tracker, self.table.by_id,
-                                       worker=self.worker, metrics=scraped_at)  # fmt: skip
+                                       worker=self.worker, metrics=scraped_at,
+                                       clock=self.clock)  # fmt: skip
             self.signals.start()
         folder = metrics_dir()
         if folder is not None:
             self._snapshots = asyncio.get_running_loop().create_task(self._write_snapshots(folder))
+
+    async def _keep_time(self) -> None:
+        """Read the server's time on the counters' connection (llmgw.router.clock): measured
+        before the router serves, when the server answers soon enough."""
+        quotas, gauge = self.dispatcher.quotas, self.metrics.clock_offset
+        self.clock_keeper = ClockKeeper(
+            self.clock,
+            lambda: quotas.counters.nc if quotas.counters is not None else None,
+            lambda offset: gauge.set((), offset),
+        )
+        await self.clock_keeper.start()
 
     async def _write_snapshots(self, folder: str) -> None:
         """Several workers: publish this one's metrics for whichever worker is scraped."""
@@ -183,6 +202,8 @@ class Router:
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
+        if self.clock_keeper is not None:
+            await self.clock_keeper.close()
         await self.dispatcher.quotas.close()
         if self.signals is not None:
             await self.signals.close()
@@ -246,7 +267,7 @@ class Router:
         """The request's key (None: served without one), or why it is refused; a request
         without a key is refused to web pages (llmgw.router.browsers)."""
         principal = admission.authenticate(
-            self.keys, admission.credential(request.headers), time.time(), self.anonymous
+            self.keys, admission.credential(request.headers), self.clock(), self.anonymous
         )
         if principal is None and self.browsers is not None:
             return self.browsers.refusal(request.headers)
@@ -386,10 +407,10 @@ class Router:
     ) -> Held | Refusal:
         """What a metered key's request may cost, held of its limits (llmgw.router.quotas)."""
         q = self.dispatcher.quotas
-        held = q.hold_now(principal, prompt_chars, parsed.max_out, time.time(),
+        held = q.hold_now(principal, prompt_chars, parsed.max_out, self.clock(),
                           parsed.choices, parsed.max_field)  # fmt: skip
         if isinstance(held, int):  # more than this router holds for the key
-            held = await q.hold(principal, held, time.time(), time.monotonic(), parsed.max_field)
+            held = await q.hold(principal, held, self.clock(), time.monotonic(), parsed.max_field)
         return held
 
     async def _serve(
@@ -401,7 +422,7 @@ class Router:
         principal = self._caller(request)
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid, kind)
-        q, wall = self.dispatcher.quotas, time.time()
+        q, wall = self.dispatcher.quotas, self.clock()
         # Counted before its body is read: a key's refused requests cost the router too.
         if principal is not None and principal.limited and not q.admit_now(principal, wall):
             over = await q.admit(principal, wall, time.monotonic())

@@ -62,8 +62,11 @@ class Dispatcher:
         pool: upstream_http.Pool,
         watchdog: Watchdog,
         rng: random.Random,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
+        self.clock = clock
+        """UNIX time, the router's (llmgw.router.clock)."""
         self.catalog = catalog
         self.table = table
         self.metrics = metrics
@@ -79,6 +82,7 @@ class Dispatcher:
         self.queues = Queues(table.for_model, metrics)
         self.quotas = Quotas()
         """Keys' limits and usage (llmgw.router.quotas); the Router starts its flusher."""
+        self.quotas.clock = clock
         self.quotas.default_out = cfg.auth.default_max_tokens
         self.quotas.processes = cfg.auth.fleet_routers * cfg.workers
         self.accounting = Accounting(metrics, self.kv, self.quotas)
@@ -157,7 +161,7 @@ class Dispatcher:
         if waited is not None:
             return await self._refuse(waited, profile, state)
         g = choice.grounds(self, parsed, profile, state.principal,
-                           request.headers.get(self._session_header, ""), time.time())  # fmt: skip
+                           request.headers.get(self._session_header, ""), self.clock())  # fmt: skip
         salt, hashes, session_key, plan = g.salt, g.hashes, g.session_key, g.plan
         # Without fallbacks (the common case) no closure is made per request.
         planner = choice.planner(self, self._chain(profile, state), state.start, g,
@@ -225,7 +229,7 @@ class Dispatcher:
         if step.profile.name != plan.model:
             state.cached_predicted = -1
             return
-        state.cached_predicted = self.kv.routed(plan, step.endpoint, time.time())
+        state.cached_predicted = self.kv.routed(plan, step.endpoint, self.clock())
         state.cached_endpoint = step.endpoint.id
 
     def _routed_on_cache(

@@ -122,7 +122,7 @@ def explain(
     d = dispatcher
     parsed, profile = _admitted(kind, path, body, d, principal)
     now = time.monotonic()
-    g = choice.grounds(d, parsed, profile, principal, session, time.time())
+    g = choice.grounds(d, parsed, profile, principal, session, d.clock())
     models, skipped = choice.chain(d, profile, principal, kind)
     planner, attempts, step, ranked = _walk(d, models, now, g)
     first = attempts[0] if attempts else None

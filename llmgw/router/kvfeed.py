@@ -60,12 +60,15 @@ class KvFeed:
         tls: ssl.SSLContext | None = None,
         window_s: float = kvlog.START_WINDOW_S,
         listed: Callable[[str, str], bool] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """`window_s`: how far back to start reading; more than the agents' full-update
         interval (llmgw.agent.kvrelay.FULL_EVERY_S), so every engine's is in it.
         `listed(endpoint, node)`: whether the router's endpoint table has that endpoint on
-        that node (None: no table, nothing is swept)."""
+        that node (None: no table, nothing is swept). `clock`: UNIX time, the router's
+        (llmgw.router.clock): the server's, as the stream's start time is read."""
         self.source = source
+        self.clock = clock
         self.index = index
         self.listed = listed
         self._swept_at = 0.0
@@ -102,7 +105,7 @@ class KvFeed:
         nc = await ports_.connect(self.source, tls)
         try:
             reader = kvlog.KvReader(
-                nc, since=time.time() - self.window_s, name=f"router-kv-{self.source.name}"
+                nc, since=self.clock() - self.window_s, name=f"router-kv-{self.source.name}"
             )
             self._reader = reader
             async with reader:
@@ -123,7 +126,7 @@ class KvFeed:
                  blocks=len(self.index))  # fmt: skip
 
     def apply(self, batch: list[Record], now: float | None = None) -> None:
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         for record in batch:
             owner = subjects.kv_owner(record.subject)
             if owner is None:

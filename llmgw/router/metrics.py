@@ -205,12 +205,17 @@ class Metrics:
             p + "queue_wait_seconds", "Time requests waited in the queue, by how it ended"
             " (sent, deadline, full, gone).", ("model", "outcome"), LATENCY_BUCKETS,
         )  # fmt: skip
+        self.clock_offset = Gauge(
+            p + "clock_offset_seconds", "The NATS server's time less this router host's"
+            " clock, as last measured (keys' limits and expiry are read on the server's).",
+            (),
+        )  # fmt: skip
         self.all: tuple[Metric, ...] = (
             self.requests, self.duration, self.ttft, self.itl, self.tokens, self.retries,
             self.fallbacks, self.slow_clients, self.sent, self.scores, self.drops, self.breaker,
             self.ready, self.queue, self.kv, self.inflight, self.cache_tokens,
             self.cache_sources, self.key_requests, self.key_tokens, self.queue_depth,
-            self.queue_wait,
+            self.queue_wait, self.clock_offset,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the hot path

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 from llmgw import bus, logs
 from llmgw import tasks as tasks_
@@ -85,6 +86,8 @@ class Quotas:
         self._stop = asyncio.Event()
         self._degraded = False
         self.fleet_errors = 0
+        self.clock: Callable[[], float] = time.time
+        """UNIX time, by which windows and periods are named: the router's (llmgw.router.clock)."""
 
     # ------------------------------------------------------------------ admission
 
@@ -130,7 +133,7 @@ class Quotas:
             await self._lease_requests(lease, subjects.limit_counter(p.name, "r", w), per_s, w)
             if lease.window != w:
                 # The window turned during the round trip: that lease was for the last one.
-                return await self._take(p, per_s, max(wall, time.time()))
+                return await self._take(p, per_s, max(wall, self.clock()))
         if lease.left <= 0:
             return admission.over_requests(p, 0, quota.reset_in(wall, span))
         lease.left -= 1
@@ -419,7 +422,7 @@ class Quotas:
         finally:
             try:  # a stopping router's flusher is cancelled: its last turn, while NATS may answer
                 with contextlib.suppress(CounterError):
-                    await self.pay_owed(time.time())
+                    await self.pay_owed(self.clock())
                 with contextlib.suppress(CounterError):
                     await self._flush_usage()
             finally:
@@ -432,11 +435,11 @@ class Quotas:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), FLUSH_S)
             try:
-                await self.pay_owed(time.time())
+                await self.pay_owed(self.clock())
                 if time.monotonic() >= next_usage:
                     next_usage = time.monotonic() + USAGE_FLUSH_S
                     await self._flush_usage()
-                    await self.read_budgets(time.time())
+                    await self.read_budgets(self.clock())
             except CounterError as exc:
                 self._fell_back(exc)
 
@@ -468,7 +471,7 @@ class Quotas:
         """Add each (key, model)'s tokens and requests to its hourly counters."""
         if self.counters is None or not self._usage:
             return
-        hour = int(time.time() // 3600)
+        hour = int(self.clock() // 3600)
         rows, self._usage = self._usage, {}
         try:
             for (name, model), counts in rows.items():

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -124,8 +124,11 @@ class SignalsFeed:
         *,
         worker: int = 0,
         metrics: str = "",
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock`: UNIX time, the reports' stamps (the router's, llmgw.router.clock)."""
         self.source = source
+        self.clock = clock
         self.metrics = metrics
         """`host:port` of the router's /metrics, in every report (service discovery)."""
         self.tracker = tracker
@@ -154,7 +157,7 @@ class SignalsFeed:
             publisher = signals_.SignalsPublisher(nc, self.source.name, self.worker)
             while not self._stop.is_set():
                 report = self.tracker.report(
-                    list(self.endpoints.values()), time.time(), time.monotonic()
+                    list(self.endpoints.values()), self.clock(), time.monotonic()
                 )
                 await publisher.publish(msgspec.structs.replace(report, metrics=self.metrics))
                 self.sent += 1

@@ -4,7 +4,7 @@ A heartbeat's age is the server's time of storing it against the leader's "now".
 "now" read from the leader host's own clock, an hour ahead made every node lost at once
 (every replica of the fleet replaced), and an hour behind made a dead node look alive for
 an hour. The control plane measures its clock against the server's on every write of the
-lease (llmgw.control.servertime); these tests run a real nats-server, a control plane in
+lease (llmgw.bus.servertime); these tests run a real nats-server, a control plane in
 process whose clock is an hour off, and simulated agents on the wire.
 """
 

@@ -1,7 +1,7 @@
 """The control plane's clock measurement on in-memory ports: a server slow to tell its time.
 
 The control plane asks the server its time at start and every few seconds after
-(llmgw.control.servertime). An answer that does not come (a busy server, a stream
+(llmgw.bus.servertime). An answer that does not come (a busy server, a stream
 electing its leader, a request lost with a connection) must hold up neither the start
 nor the leader's renewals of its lease: a renewal that waits on it lets the lease run
 out, and the fleet loses its leader for as long as the question hangs. What was read of
@@ -17,9 +17,9 @@ from typing import Any, cast
 
 import pytest
 
+from llmgw.bus import servertime
 from llmgw.bus import signals as signals_
 from llmgw.bus.memory import LeaseBucket, MemoryLease, MemorySnapshots
-from llmgw.control import servertime
 from llmgw.control.ports import ControlPorts
 from llmgw.control.scaling import SCALE_EVERY_S
 from llmgw.control.service import ControlService

@@ -1,4 +1,4 @@
-"""The control plane's measure of the NATS server's time (llmgw.control.servertime)."""
+"""The control plane's measure of the NATS server's time (llmgw.bus.servertime)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.bus.lease import unix_time
-from llmgw.control.servertime import KEPT, Sample, ServerTime, offset_of
+from llmgw.bus.servertime import KEPT, Sample, ServerTime, offset_of, unix_time
 
 offsets = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
 sends = st.floats(min_value=1.6e9, max_value=2.0e9, allow_nan=False)

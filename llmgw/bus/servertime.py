@@ -1,4 +1,5 @@
-"""The NATS server's time, as a control plane reads it: its host's clock plus a measured offset.
+"""The NATS server's time, as a control plane or a router reads it: its host's clock plus a
+measured offset.
 
 The leader judges a node by the age of its last heartbeat: the time the NATS server
 stored it against the leader's "now". If "now" were the leader host's own clock, a host
@@ -7,7 +8,11 @@ machine resumed from a pause) would find every node lost at once and replace eve
 replica of the fleet; one behind would keep a dead node alive as long. So a control
 plane's "now" is the server's time: its host's clock plus an offset it measures when it
 starts, before it reads the log, and every few seconds after, by asking the server for
-its time (`LeasePort.server_time`: the `ts` the log stream's info answers with).
+its time (`ask`: the `ts` the log stream's info answers with).
+
+A router reads the same time for what the fleet shares by UNIX time: its keys' rate-limit
+windows and budget periods (counters every router adds to), their expiry, the stamps of its
+load reports. A router a second off would count into other routers' windows.
 
 A measurement brackets the request with two readings of the host's clock (`sent`,
 `received`); the server answered somewhere in between, so the offset is its time less
@@ -24,11 +29,19 @@ the count over; one wrong answer moves nothing.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import datetime
+import json
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import NamedTuple
+
+import nats.errors
+from nats.aio.client import Client
+
+from llmgw.core import subjects
 
 KEPT = 8
 """Measurements kept: at one every third of the lease's TTL, the last half minute or so."""
@@ -110,6 +123,51 @@ class ServerTime:
         assert found is not None  # `sample` at least is usable
         before, (self._base, self.uncertainty) = self._base, found
         return self._base - before
+
+
+def unix_time(stamp: str) -> float | None:
+    """UNIX seconds of a time as the server writes it (RFC 3339 in UTC, up to nanoseconds),
+    or None when it is not one. Pure."""
+    head, dot, fraction = stamp.strip().removesuffix("Z").partition(".")
+    if dot and not fraction.isdigit():
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(head)
+    except ValueError:
+        return None
+    if when.tzinfo is not None:
+        return None  # the server writes UTC as "Z": another offset is not its writing
+    when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp() + (float("0." + fraction) if dot else 0.0)
+
+
+async def ask(nc: Client) -> float | None:
+    """The server's clock now, as it answers a request, or None when it does not answer
+    with one within `ASK_TIMEOUT_S`. Asked of the log's stream (the `ts` of its info): in a
+    cluster that stream's leader stamps the heartbeats judged by this time, and another
+    stream's leader (the lease bucket's) may be another server, with another clock. Every
+    role that reads the log may ask."""
+    try:
+        msg = await nc.request(f"$JS.API.STREAM.INFO.{subjects.STREAM}", b"", timeout=ASK_TIMEOUT_S)
+        answer = json.loads(msg.data)
+    except (nats.errors.Error, TimeoutError, ValueError):
+        return None
+    stamp = answer.get("ts") if isinstance(answer, dict) else None
+    when = unix_time(stamp) if isinstance(stamp, str) else None
+    # Go's zero time (year 1) is a time the server did not set, not its clock.
+    return when if when is not None and when > 0 else None
+
+
+async def measure(clock: ServerTime, asked: Callable[[], Awaitable[float | None]]) -> Sample | None:
+    """One measurement of `clock` against the server's answer to `asked` (`ask`, or a port
+    of it), read on the clock's ticks; None when no answer came within `ASK_TIMEOUT_S`."""
+    sent = clock.ticks()
+    try:
+        stamp = await asyncio.wait_for(asked(), ASK_TIMEOUT_S)
+    except TimeoutError:
+        stamp = None
+    received = clock.ticks()
+    return None if stamp is None else Sample(sent, stamp, received)
 
 
 def of(wall: Callable[[], float]) -> ServerTime:
