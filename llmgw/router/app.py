@@ -73,7 +73,6 @@ from llmgw.router.tracing import RequestTrace, Tracer
 
 log = logs.get("llmgw.router")
 
-KNOWN_GET = apis.KNOWN_GET
 MODEL_PATH = apis.MODEL_PATH
 
 
