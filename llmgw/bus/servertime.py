@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import nats.errors
 from nats.aio.client import Client
+from structlog.typing import FilteringBoundLogger
 
 from llmgw.core import subjects
 
@@ -168,6 +169,22 @@ async def measure(clock: ServerTime, asked: Callable[[], Awaitable[float | None]
         stamp = None
     received = clock.ticks()
     return None if stamp is None else Sample(sent, stamp, received)
+
+
+def observed(clock: ServerTime, sample: Sample, log: FilteringBoundLogger, judged: str) -> float:
+    """`clock.observe(sample)` (its step returned), logged when the offset passes `WARN_S`
+    (`clock_offset`, saying what is `judged` by the server's time) or comes back under it."""
+    was = abs(clock.offset) > WARN_S
+    step = clock.observe(sample)
+    offset = clock.offset
+    off = abs(offset) > WARN_S
+    if off and not was:
+        log.warning("clock_offset", offset_s=round(offset, 3),
+                    detail=f"this host's clock differs from the NATS server's: {judged} by the "
+                    "server's time, but fix the hosts' time sync (NTP)")  # fmt: skip
+    elif was and not off:
+        log.info("clock_offset_recovered", offset_s=round(offset, 3))
+    return step
 
 
 def of(wall: Callable[[], float]) -> ServerTime:

@@ -112,23 +112,10 @@ class Leadership(Instance):
             self._observe_clock(sample)
 
     def _observe_clock(self, sample: servertime.Sample) -> None:
-        clock = self.clock
-        was = abs(clock.offset) > servertime.WARN_S
         # What was read of the clock before is moved with it (the same instant, told by
         # the server's clock): only the first measurement moves it far.
-        self._clock_moved(clock.observe(sample))
-        offset = clock.offset
-        self.metrics.clock_offset.set(offset)
-        off = abs(offset) > servertime.WARN_S
-        if off and not was:
-            log.warning(
-                "clock_offset",
-                offset_s=round(offset, 3),
-                detail="this host's clock differs from the NATS server's: heartbeats are "
-                "judged by the server's time, but fix the hosts' time sync (NTP)",
-            )
-        elif was and not off:
-            log.info("clock_offset_recovered", offset_s=round(offset, 3))
+        self._clock_moved(servertime.observed(self.clock, sample, log, "heartbeats are judged"))
+        self.metrics.clock_offset.set(self.clock.offset)
 
     async def _announce(self) -> None:
         event_id = self._leader_ids.get(self.epoch)

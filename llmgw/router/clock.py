@@ -85,17 +85,7 @@ class ClockKeeper:
             self.observe(sample)
 
     def observe(self, sample: servertime.Sample) -> None:
-        clock = self.clock
-        was = clock.measured and abs(clock.offset) > servertime.WARN_S
-        clock.observe(sample)
-        offset = clock.offset
-        self.report(offset)
+        judged = "keys' limits and expiry are read"
+        servertime.observed(self.clock, sample, log, judged)
+        self.report(self.clock.offset)
         self.measured.set()
-        off = abs(offset) > servertime.WARN_S
-        if off and not was:
-            log.warning("clock_offset", offset_s=round(offset, 3),
-                        detail="this host's clock differs from the NATS server's: keys' "
-                        "limits and expiry are read on the server's time, but fix the "
-                        "hosts' time sync (NTP)")  # fmt: skip
-        elif was and not off:
-            log.info("clock_offset_recovered", offset_s=round(offset, 3))

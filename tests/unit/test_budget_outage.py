@@ -200,27 +200,40 @@ def test_a_budget_never_read_is_refused_while_the_counters_are_out_of_reach() ->
     assert refused.retry_after >= 1
 
 
+async def spent_then_out_of_reach(spent: int) -> tuple[Store, Quotas, auth.Principal]:
+    """One of two routers, a day's budget of 1000 of which `spent` is used and read, then
+    the counters out of reach."""
+    store = Store()
+    q = Quotas(store)  # type: ignore[arg-type]
+    q.processes = 2
+    p = key(budget_tokens=1000)
+    first = await q.hold(p, spent, WALL, 0.0)
+    assert isinstance(first, Held)
+    q.settle(first, spent)
+    await q.read_budgets(WALL)
+    store.down = True
+    return store, q, p
+
+
+async def hundreds(q: Quotas, p: auth.Principal, times: int, wall: float) -> list[bool]:
+    """Whether each of `times` requests holding and using 100 tokens was admitted."""
+    admitted = []
+    for _ in range(times):
+        held = await q.hold(p, 100, wall, 0.0)
+        admitted.append(isinstance(held, Held))
+        if isinstance(held, Held):
+            q.settle(held, 100)
+    return admitted
+
+
 def test_an_outage_spends_the_share_then_refuses_and_the_counter_gets_it_all() -> None:
     """Two routers, a budget of 1000 of which 400 is spent: one router's share of the 600
     left is 300. It admits 300 during the outage, refuses the next, and once the counters
     answer they hold the 400 and those 300."""
 
     async def run() -> tuple[list[bool], object, int]:
-        store = Store()
-        q = Quotas(store)  # type: ignore[arg-type]
-        q.processes = 2
-        p = key(budget_tokens=1000)
-        first = await q.hold(p, 400, WALL, 0.0)
-        assert isinstance(first, Held)
-        q.settle(first, 400)
-        await q.read_budgets(WALL)
-        store.down = True
-        admitted = []
-        for _ in range(4):
-            held = await q.hold(p, 100, WALL, 0.0)
-            admitted.append(isinstance(held, Held))
-            if isinstance(held, Held):
-                q.settle(held, 100)
+        store, q, p = await spent_then_out_of_reach(400)
+        admitted = await hundreds(q, p, 4, WALL)
         refused = await q.hold(p, 1, WALL, 0.0)
         store.down = False
         await q.pay_owed(WALL)
@@ -360,22 +373,9 @@ def test_a_period_that_turns_during_an_outage_is_spent_from_zero_by_shares() -> 
     it, not nothing; once the counters answer, the new day's counter holds what was spent."""
 
     async def run() -> tuple[list[bool], int, int]:
-        store = Store()
-        q = Quotas(store)  # type: ignore[arg-type]
-        q.processes = 2
-        p = key(budget_tokens=1000)
-        first = await q.hold(p, 900, WALL, 0.0)
-        assert isinstance(first, Held)
-        q.settle(first, 900)
-        await q.read_budgets(WALL)
-        store.down = True
+        store, q, p = await spent_then_out_of_reach(900)
         tomorrow = tenancy.period_end(WALL, "day") + 60.0
-        admitted = []
-        for _ in range(6):
-            held = await q.hold(p, 100, tomorrow, 0.0)
-            admitted.append(isinstance(held, Held))
-            if isinstance(held, Held):
-                q.settle(held, 100)
+        admitted = await hundreds(q, p, 6, tomorrow)
         store.down = False
         await q.pay_owed(tomorrow)
         day2 = subjects.budget_counter("k", tenancy.period_of(tomorrow, "day"))
