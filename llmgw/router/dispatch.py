@@ -34,6 +34,7 @@ from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, as_retry, ref
 from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
+from llmgw.router.outcome import Outcome
 from llmgw.router.queueing import Queues
 from llmgw.router.quotas import Quotas
 from llmgw.router.relay import ClientStream, EngineStream, relay
@@ -155,55 +156,64 @@ class Dispatcher:
         parsed: requests.Parsed,
         profile: ModelProfile,
         state: ClientStream,
+        seen: Outcome | None = None,
     ) -> web.StreamResponse:
+        """Send the request and relay its answer; where it went is told to `seen` (the
+        access log's: None when that log is off)."""
         self.received[profile.name] = self.received.get(profile.name, 0) + 1
         waited = await self._wait_for_room(profile, state)
         if waited is not None:
             return await self._refuse(waited, profile, state)
         g = choice.grounds(self, parsed, profile, state.principal,
                            request.headers.get(self._session_header, ""), self.clock())  # fmt: skip
-        salt, hashes, session_key, plan = g.salt, g.hashes, g.session_key, g.plan
+        salt, plan = g.salt, g.plan
         # Without fallbacks (the common case) no closure is made per request.
         planner = choice.planner(self, self._chain(profile, state), state.start, g,
                                  self._fallback_hook(profile.name, state.rid)
                                  if profile.fallbacks else self._ranked)  # fmt: skip
         up_body, body_of = body, ""  # the body as the engine gets it, and for which model
-        while True:
-            step = planner.next(time.monotonic())
-            if not isinstance(step, Attempt):
-                break
-            if body_of != step.profile.name:
-                body_of = step.profile.name
-                salting = isolation.salting(self._isolation, step.profile, salt)
-                rewrite = body_of != parsed.model or state.drop_usage or parsed.priority or salting
+        sent: Attempt | None = None  # the last attempt sent, and how many were
+        tries = 0
+        try:
+            while True:
+                step = planner.next(time.monotonic())
+                if not isinstance(step, Attempt):
+                    break
+                if body_of != step.profile.name:
+                    body_of = step.profile.name
+                    try:
+                        up_body = self._body_for(body, parsed, step.profile, state, salt)
+                    except requests.BadRequest as exc:
+                        return await self._refuse(admission.bad_body(str(exc)), profile, state)
+                if plan is not None:
+                    self._sending_on_cache(plan, step, state)
+                sent, tries = step, tries + 1
                 try:
-                    up_body = (
-                        self._body_for(body, parsed, step.profile, state, salting)
-                        if rewrite
-                        else body
-                    )
-                except requests.BadRequest as exc:
-                    return await self._refuse(admission.bad_body(str(exc)), profile, state)
-            if plan is not None:
-                self._sending_on_cache(plan, step, state)
-            try:
-                resp = await self._attempt(step, up_body, state)
-            except Retry as exc:
-                planner.failed(exc)
-                self.metrics.retry(profile.name, exc.reason)
-                log.info("attempt_failed", request_id=state.rid, endpoint=step.endpoint.id,
-                         reason=exc.reason, detail=exc.message)  # fmt: skip
-                continue
-            planner.answered()
-            if hashes:
-                self.prefix.record(hashes, step.endpoint.id)
-            if plan is not None and step.profile.name == plan.model:
-                self._routed_on_cache(plan, step.endpoint, state)
-            if session_key:
-                self._remember_session(session_key, step.endpoint.id)
-            return resp
-        assert isinstance(step, Refusal)
-        return await self._refuse(step, profile, state)
+                    resp = await self._attempt(step, up_body, state)
+                except Retry as exc:
+                    planner.failed(exc)
+                    self.metrics.retry(profile.name, exc.reason)
+                    log.info("attempt_failed", request_id=state.rid, endpoint=step.endpoint.id,
+                             reason=exc.reason, detail=exc.message)  # fmt: skip
+                    continue
+                planner.answered()
+                self._answered(step, g, state)
+                return resp
+            assert isinstance(step, Refusal)
+            return await self._refuse(step, profile, state)
+        finally:
+            if seen is not None:  # however it ended: a client gone mid-stream too
+                seen.routed(sent, tries, state.cached_predicted)
+
+    def _answered(self, step: Attempt, g: choice.Grounds, state: ClientStream) -> None:
+        """An attempt reached the client: the prefix index, the cache's routes and the
+        session learn where the request went."""
+        if g.hashes:
+            self.prefix.record(g.hashes, step.endpoint.id)
+        if g.plan is not None and step.profile.name == g.plan.model:
+            self._routed_on_cache(g.plan, step.endpoint, state)
+        if g.session_key:
+            self._remember_session(g.session_key, step.endpoint.id)
 
     async def _wait_for_room(self, profile: ModelProfile, state: ClientStream) -> Refusal | None:
         """Hold a request while its model is at zero replicas (until one serves), queue it
@@ -252,11 +262,12 @@ class Dispatcher:
         parsed: requests.Parsed,
         prof: ModelProfile,
         state: ClientStream,
-        salting: requests.Salting = None,
+        salt: str | None,
     ) -> bytes:
         """The body an engine of `prof` gets: the model renamed for a fallback or an alias,
         the usage chunk asked for when the router counts a stream's tokens, no `priority`,
-        the tenant's `cache_salt` under isolation (`salting`: llmgw.router.isolation)."""
+        the tenant's `cache_salt` under isolation (`salt`, llmgw.router.isolation)."""
+        salting = isolation.salting(self._isolation, prof, salt)
         rename = prof.name if prof.name != parsed.model else None
         if rename is None and not state.drop_usage and not parsed.priority and not salting:
             return body
