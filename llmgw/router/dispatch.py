@@ -149,6 +149,7 @@ class Dispatcher:
 
         return ranked
 
+    # long: the request path, written flat: a helper's call would be paid by every request
     async def dispatch(
         self,
         request: web.BaseRequest,
@@ -166,7 +167,7 @@ class Dispatcher:
             return await self._refuse(waited, profile, state)
         g = choice.grounds(self, parsed, profile, state.principal,
                            request.headers.get(self._session_header, ""), self.clock())  # fmt: skip
-        salt, plan = g.salt, g.plan
+        salt, hashes, session_key, plan = g.salt, g.hashes, g.session_key, g.plan
         # Without fallbacks (the common case) no closure is made per request.
         planner = choice.planner(self, self._chain(profile, state), state.start, g,
                                  self._fallback_hook(profile.name, state.rid)
@@ -181,8 +182,15 @@ class Dispatcher:
                     break
                 if body_of != step.profile.name:
                     body_of = step.profile.name
+                    salting = isolation.salting(self._isolation, step.profile, salt)
+                    rewrite = (body_of != parsed.model or state.drop_usage or parsed.priority
+                               or salting)  # fmt: skip
                     try:
-                        up_body = self._body_for(body, parsed, step.profile, state, salt)
+                        up_body = (
+                            self._body_for(body, parsed, step.profile, state, salting)
+                            if rewrite
+                            else body
+                        )
                     except requests.BadRequest as exc:
                         return await self._refuse(admission.bad_body(str(exc)), profile, state)
                 if plan is not None:
@@ -197,23 +205,18 @@ class Dispatcher:
                              reason=exc.reason, detail=exc.message)  # fmt: skip
                     continue
                 planner.answered()
-                self._answered(step, g, state)
+                if hashes:
+                    self.prefix.record(hashes, step.endpoint.id)
+                if plan is not None and step.profile.name == plan.model:
+                    self._routed_on_cache(plan, step.endpoint, state)
+                if session_key:
+                    self._remember_session(session_key, step.endpoint.id)
                 return resp
             assert isinstance(step, Refusal)
             return await self._refuse(step, profile, state)
         finally:
             if seen is not None:  # however it ended: a client gone mid-stream too
                 seen.routed(sent, tries, state.cached_predicted)
-
-    def _answered(self, step: Attempt, g: choice.Grounds, state: ClientStream) -> None:
-        """An attempt reached the client: the prefix index, the cache's routes and the
-        session learn where the request went."""
-        if g.hashes:
-            self.prefix.record(g.hashes, step.endpoint.id)
-        if g.plan is not None and step.profile.name == g.plan.model:
-            self._routed_on_cache(g.plan, step.endpoint, state)
-        if g.session_key:
-            self._remember_session(g.session_key, step.endpoint.id)
 
     async def _wait_for_room(self, profile: ModelProfile, state: ClientStream) -> Refusal | None:
         """Hold a request while its model is at zero replicas (until one serves), queue it
@@ -262,12 +265,11 @@ class Dispatcher:
         parsed: requests.Parsed,
         prof: ModelProfile,
         state: ClientStream,
-        salt: str | None,
+        salting: requests.Salting = None,
     ) -> bytes:
         """The body an engine of `prof` gets: the model renamed for a fallback or an alias,
         the usage chunk asked for when the router counts a stream's tokens, no `priority`,
-        the tenant's `cache_salt` under isolation (`salt`, llmgw.router.isolation)."""
-        salting = isolation.salting(self._isolation, prof, salt)
+        the tenant's `cache_salt` under isolation (`salting`: llmgw.router.isolation)."""
         rename = prof.name if prof.name != parsed.model else None
         if rename is None and not state.drop_usage and not parsed.priority and not salting:
             return body
