@@ -248,8 +248,8 @@ class Dispatcher:
     def _routed_on_cache(
         self, plan: CachePlan, ep: routing.EndpointState, state: ClientStream
     ) -> None:
-        """Where a request ranked on the cache went: the prediction's metrics and the
-        access log's line."""
+        """Where a request ranked on the cache went: the prediction's metrics and, at debug,
+        a line of what it was predicted on."""
         predicted = max(state.cached_predicted, 0)
         source = plan.by_endpoint[ep.id].source if ep.id in plan.by_endpoint else "none"
         self.metrics.cache_predicted(plan.model, plan.prompt_tokens, predicted, source)
