@@ -12,7 +12,8 @@ path is split in rooms, each testable on its own:
 - `llmgw.router.relay`: the engine's SSE stream onto the client's response, with
   `llmgw.router.aiohttp_direct` holding the shortcuts through aiohttp behind a
   version guard;
-- `llmgw.router.errors`: what attempts raise and how a refusal is answered.
+- `llmgw.router.errors`: what attempts raise and how a refusal is answered;
+- `llmgw.router.outcome`: what a request came to, and its access log line.
 
 A request moves to the next endpoint (then to the model's fallbacks) only while
 nothing has reached the client: connect errors, 5xx, 429, a deadline before the
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import os
 import random
 import time
@@ -54,6 +54,7 @@ from llmgw.router import (
     requests,
     tracing,
 )
+from llmgw.router import outcome as outcome_log
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
 from llmgw.router.browsers import BrowserGuard
@@ -66,10 +67,11 @@ from llmgw.router.feed import LogFeed
 from llmgw.router.holds import Held
 from llmgw.router.kvfeed import KvFeed
 from llmgw.router.metrics import Metrics, metrics_dir
+from llmgw.router.outcome import Outcome
 from llmgw.router.relay import ClientStream
 from llmgw.router.signals import LoadTracker, SignalsFeed
 from llmgw.router.table import Catalog, EndpointTable, Prober
-from llmgw.router.tracing import RequestTrace, Tracer
+from llmgw.router.tracing import Tracer
 
 log = logs.get("llmgw.router")
 
@@ -123,8 +125,8 @@ class Router:
         self.deadlines = Watchdog()
         self.dispatcher = Dispatcher(cfg, self.catalog, self.table, self.metrics, self.pool,
                                      self.deadlines, self.rng, self.clock)  # fmt: skip
-        # An access log at debug level; the check is made once (the default level is info).
-        self._access_log = log.is_enabled_for(logging.DEBUG)
+        # Decided once: without an access log, a request tests one attribute for it.
+        self._access_log = outcome_log.access_log(cfg.access_log)
         self._rid_prefix = f"{os.urandom(4).hex()}-"
         self._rid = 0
         self._use_prefix = choice.wants_text(cfg)
@@ -361,7 +363,7 @@ class Router:
     ) -> web.StreamResponse:
         start = time.monotonic()
         rid = self._request_id(request)
-        outcome = _Outcome()
+        outcome = Outcome()
         trace = outcome.trace = (
             self.tracer.begin(request.headers, rid, start) if self.tracer is not None else None
         )
@@ -389,10 +391,8 @@ class Router:
             if p is not None:
                 self.metrics.key_request(p.name, p.settings.team, asked, status)
             self.dispatcher.quotas.ended(p, asked, status, outcome.tokens, outcome.held)
-            if self._access_log:
-                log.debug("request", request_id=rid, model=asked, status=status, duration_s=took,
-                          key=p.name if p is not None else None, tokens_in=outcome.tokens[0],
-                          tokens_out=outcome.tokens[1])  # fmt: skip
+            if self._access_log is not None:
+                outcome.write(self._access_log, rid, kind, took, status)
             if trace is not None:
                 assert self.tracer is not None
                 t_in, t_out = outcome.tokens
@@ -414,7 +414,7 @@ class Router:
 
     async def _serve(
         self, request: web.BaseRequest, kind: requests.Kind, rid: str, start: float,
-        outcome: _Outcome,
+        outcome: Outcome,
     ) -> web.StreamResponse:  # fmt: skip
         """Admission, then dispatch; `outcome` gets the model's name once it is known, and
         the status when it is not the response's own."""
@@ -457,7 +457,9 @@ class Router:
         if parsed.stream and self.cfg.keepalive_s > 0:
             state.start_keepalive(self.cfg.keepalive_s)
         try:
-            resp = await self.dispatcher.dispatch(request, body, parsed, profile, state)
+            # Where it went is recorded for the access log only.
+            seen = outcome if self._access_log is not None else None
+            resp = await self.dispatcher.dispatch(request, body, parsed, profile, state, seen)
         except ClientGone:
             outcome.status = 499
             return state.response or web.Response(status=499)
@@ -467,20 +469,3 @@ class Router:
             outcome.tokens = state.tokens
         outcome.status = state.failed_status
         return resp
-
-
-class _Outcome:
-    """What a request's metrics record: the model (once known) and the status, when it
-    is not the response's own (0: the response's)."""
-
-    __slots__ = ("held", "model", "principal", "status", "tokens", "trace")
-
-    def __init__(self) -> None:
-        self.trace: RequestTrace | None = None
-        self.model = "unknown"
-        self.status = 0
-        self.tokens = (0, 0)
-        self.principal: auth.Principal | None = None
-        """The key, once admitted to a model (its name labels the key metrics)."""
-        self.held: Held | None = None
-        """The tokens its key's limits hold for it, settled when it ends."""

@@ -194,6 +194,11 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     seed: int | None = None
     """Seed of the tie-breaking random generator; None draws one at start."""
     log_level: config.LogLevel = "info"
+    access_log: bool = False
+    """A line per request (`request`, at info): its API, model, key, status, duration and
+    tokens, and where it went: the endpoint and node of its last attempt, how many
+    endpoints it was sent to, the fallback model that served it, the prompt tokens
+    predicted cached there. Off, `log_level: debug` still writes it (at debug)."""
     traces: TracesConfig | None = None
     """Record requests' spans and export them (llmgw.router.tracing); none when unset."""
 
@@ -304,8 +309,9 @@ def _engine_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
-def _setting_problems(cfg: RouterConfig) -> list[str]:
-    """The router's own settings: the log connection, limits, timeouts, authentication."""
+def _observing_problems(cfg: RouterConfig) -> list[str]:
+    """What the router reads and writes beside requests: the log connection, the traces'
+    collector, the access log."""
     problems: list[str] = []
     if cfg.log is not None:
         problems += cfg.log.problems(
@@ -313,8 +319,6 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
             "point it at the router's files from "
             "`llmgw ctl cert issue router NAME` (and the fleet's ca.pem)",
         )
-    if not 1 <= cfg.workers <= subjects.MAX_ROUTER_WORKERS:
-        problems.append(f"workers must be between 1 and {subjects.MAX_ROUTER_WORKERS}")
     if cfg.traces is not None:
         bad = otlp.endpoint_problem(cfg.traces.endpoint)
         if bad is not None:
@@ -323,6 +327,20 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
             problems.append("traces.sample_ratio must be between 0 and 1 (1: every request)")
         if not cfg.traces.service_name:
             problems.append("traces.service_name must not be empty")
+    if cfg.access_log and cfg.log_level.lower() not in ("debug", "info"):
+        problems.append(
+            f"access_log writes at info, which log_level {cfg.log_level!r} hides:"
+            " set log_level to info, or access_log to false"
+        )
+    return problems
+
+
+def _setting_problems(cfg: RouterConfig) -> list[str]:
+    """The router's own settings: those of `_observing_problems`, limits, timeouts,
+    authentication."""
+    problems = _observing_problems(cfg)
+    if not 1 <= cfg.workers <= subjects.MAX_ROUTER_WORKERS:
+        problems.append(f"workers must be between 1 and {subjects.MAX_ROUTER_WORKERS}")
     if cfg.max_attempts < 1:
         problems.append("max_attempts must be at least 1")
     if cfg.max_body_bytes < 1024:

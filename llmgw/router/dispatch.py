@@ -34,6 +34,7 @@ from llmgw.router.errors import JSON, EngineFault, Refusal, Retry, as_retry, ref
 from llmgw.router.holding import Holds
 from llmgw.router.kvroute import CachePlan, KvRouting
 from llmgw.router.metrics import Metrics
+from llmgw.router.outcome import Outcome
 from llmgw.router.queueing import Queues
 from llmgw.router.quotas import Quotas
 from llmgw.router.relay import ClientStream, EngineStream, relay
@@ -148,6 +149,7 @@ class Dispatcher:
 
         return ranked
 
+    # long: the request path, written flat: a helper's call would be paid by every request
     async def dispatch(
         self,
         request: web.BaseRequest,
@@ -155,7 +157,10 @@ class Dispatcher:
         parsed: requests.Parsed,
         profile: ModelProfile,
         state: ClientStream,
+        seen: Outcome | None = None,
     ) -> web.StreamResponse:
+        """Send the request and relay its answer; where it went is told to `seen` (the
+        access log's: None when that log is off)."""
         self.received[profile.name] = self.received.get(profile.name, 0) + 1
         waited = await self._wait_for_room(profile, state)
         if waited is not None:
@@ -168,42 +173,50 @@ class Dispatcher:
                                  self._fallback_hook(profile.name, state.rid)
                                  if profile.fallbacks else self._ranked)  # fmt: skip
         up_body, body_of = body, ""  # the body as the engine gets it, and for which model
-        while True:
-            step = planner.next(time.monotonic())
-            if not isinstance(step, Attempt):
-                break
-            if body_of != step.profile.name:
-                body_of = step.profile.name
-                salting = isolation.salting(self._isolation, step.profile, salt)
-                rewrite = body_of != parsed.model or state.drop_usage or parsed.priority or salting
+        sent: Attempt | None = None  # the last attempt sent, and how many were
+        tries = 0
+        try:
+            while True:
+                step = planner.next(time.monotonic())
+                if not isinstance(step, Attempt):
+                    break
+                if body_of != step.profile.name:
+                    body_of = step.profile.name
+                    salting = isolation.salting(self._isolation, step.profile, salt)
+                    rewrite = (body_of != parsed.model or state.drop_usage or parsed.priority
+                               or salting)  # fmt: skip
+                    try:
+                        up_body = (
+                            self._body_for(body, parsed, step.profile, state, salting)
+                            if rewrite
+                            else body
+                        )
+                    except requests.BadRequest as exc:
+                        return await self._refuse(admission.bad_body(str(exc)), profile, state)
+                if plan is not None:
+                    self._sending_on_cache(plan, step, state)
+                sent, tries = step, tries + 1
                 try:
-                    up_body = (
-                        self._body_for(body, parsed, step.profile, state, salting)
-                        if rewrite
-                        else body
-                    )
-                except requests.BadRequest as exc:
-                    return await self._refuse(admission.bad_body(str(exc)), profile, state)
-            if plan is not None:
-                self._sending_on_cache(plan, step, state)
-            try:
-                resp = await self._attempt(step, up_body, state)
-            except Retry as exc:
-                planner.failed(exc)
-                self.metrics.retry(profile.name, exc.reason)
-                log.info("attempt_failed", request_id=state.rid, endpoint=step.endpoint.id,
-                         reason=exc.reason, detail=exc.message)  # fmt: skip
-                continue
-            planner.answered()
-            if hashes:
-                self.prefix.record(hashes, step.endpoint.id)
-            if plan is not None and step.profile.name == plan.model:
-                self._routed_on_cache(plan, step.endpoint, state)
-            if session_key:
-                self._remember_session(session_key, step.endpoint.id)
-            return resp
-        assert isinstance(step, Refusal)
-        return await self._refuse(step, profile, state)
+                    resp = await self._attempt(step, up_body, state)
+                except Retry as exc:
+                    planner.failed(exc)
+                    self.metrics.retry(profile.name, exc.reason)
+                    log.info("attempt_failed", request_id=state.rid, endpoint=step.endpoint.id,
+                             reason=exc.reason, detail=exc.message)  # fmt: skip
+                    continue
+                planner.answered()
+                if hashes:
+                    self.prefix.record(hashes, step.endpoint.id)
+                if plan is not None and step.profile.name == plan.model:
+                    self._routed_on_cache(plan, step.endpoint, state)
+                if session_key:
+                    self._remember_session(session_key, step.endpoint.id)
+                return resp
+            assert isinstance(step, Refusal)
+            return await self._refuse(step, profile, state)
+        finally:
+            if seen is not None:  # however it ended: a client gone mid-stream too
+                seen.routed(sent, tries, state.cached_predicted)
 
     async def _wait_for_room(self, profile: ModelProfile, state: ClientStream) -> Refusal | None:
         """Hold a request while its model is at zero replicas (until one serves), queue it
@@ -235,8 +248,8 @@ class Dispatcher:
     def _routed_on_cache(
         self, plan: CachePlan, ep: routing.EndpointState, state: ClientStream
     ) -> None:
-        """Where a request ranked on the cache went: the prediction's metrics and the
-        access log's line."""
+        """Where a request ranked on the cache went: the prediction's metrics and, at debug,
+        a line of what it was predicted on."""
         predicted = max(state.cached_predicted, 0)
         source = plan.by_endpoint[ep.id].source if ep.id in plan.by_endpoint else "none"
         self.metrics.cache_predicted(plan.model, plan.prompt_tokens, predicted, source)
