@@ -130,7 +130,7 @@ class Fleet:
     """A router in-process whose attempts record where they went."""
 
     def __init__(self, cfg: RouterConfig) -> None:
-        self.router = app.Router(cfg)
+        self.router = app.Router(cfg, clock=lambda: WALL)
         self.front = front.build_server(self.router)
         self.admin = admin.build_admin_server(self.router)
         self.attempts: list[tuple[str, str]] = []

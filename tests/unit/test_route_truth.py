@@ -226,3 +226,27 @@ def test_route_refuses_a_path_the_front_door_does_not_serve_naming_those_it_does
     assert status == 400
     assert "?path=/v1/chat is not a path the front door serves" in said["error"]
     assert "/v1/messages" in said["error"]
+
+
+async def _cached_said() -> tuple[Any, str | None]:
+    fleet = Fleet(route_kit.config("shared"))
+    for ep_id in ENDPOINTS:
+        fleet.endpoint(ep_id).ready = True
+    asked = body("chat", "m", 0, "Q1?", None)
+    fleet.cached("e2", requests.parse("chat", asked, want_text=True), None, 12)
+    status, said = await fleet.route(PATH_OF["chat"], asked, auth_headers(None, None))
+    assert status == 200, said
+    _, went = await fleet.send(PATH_OF["chat"], asked, auth_headers(None, None))
+    return said, went
+
+
+def test_the_engines_reported_caches_count_in_these_scenarios() -> None:
+    """The scenarios above compare answers that rank on the engines' KV events: those
+    events must be fresh at the kit's moment (were they stale, every endpoint would hold
+    nothing and the comparisons would pass without a cache in play)."""
+    with frozen_clocks():
+        said, went = asyncio.run(_cached_said())
+    cached = {ep["id"]: ep["cached_tokens"] for ep in said["endpoints"]}
+    assert 0 < cached["e2"] <= said["prompt_tokens"], cached
+    assert {ep: n for ep, n in cached.items() if ep != "e2"} == {"e0": 0, "e1": 0, "e3": 0}
+    assert said["chosen"]["endpoint"] == went == "e2"
