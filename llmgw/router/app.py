@@ -421,6 +421,8 @@ class Router:
         principal = self._caller(request)
         if isinstance(principal, Refusal):
             return refusal_response(principal, rid, kind)
+        if principal is not None:
+            outcome.key = principal.name
         q, wall = self.dispatcher.quotas, self.clock()
         # Counted before its body is read: a key's refused requests cost the router too.
         if principal is not None and principal.limited and not q.admit_now(principal, wall):

@@ -41,8 +41,8 @@ class Outcome:
     the access log on, where it went (`routed`)."""
 
     __slots__ = (
-        "attempts", "cached_predicted", "endpoint", "held", "model", "node", "principal",
-        "served", "status", "tokens", "trace",
+        "attempts", "cached_predicted", "endpoint", "held", "key", "model", "node",
+        "principal", "served", "status", "tokens", "trace",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -50,6 +50,9 @@ class Outcome:
         self.model = "unknown"
         self.status = 0
         self.tokens = (0, 0)
+        self.key: str | None = None
+        """The name of the key it authenticated with, whatever came after: a key refused
+        a model, or its body, is named in the access log too."""
         self.principal: auth.Principal | None = None
         """The key, once admitted to a model (its name labels the key metrics)."""
         self.held: Held | None = None
@@ -81,10 +84,9 @@ class Outcome:
     def write(self, line: AccessLog, rid: str, api: str, took: float, status: int) -> None:
         """The access log's line of the request: who asked for what, where it went, how it
         ended."""
-        p = self.principal
         t_in, t_out = self.tokens
         line("request", request_id=rid, api=api, model=self.model, status=status,
-             duration_s=took, key=p.name if p is not None else None, tokens_in=t_in,
+             duration_s=took, key=self.key, tokens_in=t_in,
              tokens_out=t_out, endpoint=self.endpoint, node=self.node,
              served_model=self.served, attempts=self.attempts,
              predicted_cached=self.cached_predicted)  # fmt: skip

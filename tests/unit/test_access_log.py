@@ -33,13 +33,11 @@ CANONICAL = {"m": "m", "ma": "m", "f": "f", "w": "w"}
 
 
 class FailingFleet(Fleet):
-    """A fleet whose endpoints in `failing` answer every attempt 503, its engines' KV
-    reports read at the moment they were made."""
+    """A fleet whose endpoints in `failing` answer every attempt 503."""
 
     def __init__(self, cfg: RouterConfig, failing: set[str]) -> None:
         super().__init__(cfg)
         self.failing = failing
-        self.router.dispatcher.clock = lambda: route_kit.WALL
 
     async def _attempt(self, at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:
         resp = await super()._attempt(at, body, state)
@@ -136,3 +134,23 @@ def test_an_access_log_hidden_by_the_log_level_is_refused_saying_what_to_change(
         for p in problems
     ), problems
     assert not [p for p in router_config.validate(RouterConfig(access_log=True)) if "access" in p]
+
+
+async def _refused_lines(cfg: RouterConfig) -> list[dict[str, Any]]:
+    """The access log's lines of key `kc` (which may use only `m`) asking for `f`, and
+    sending a body that is not JSON."""
+    with capture_logs() as logged:
+        fleet = Fleet(cfg)
+        asked = body("chat", "f", 0, "Q1?", None)
+        assert (await fleet.send(PATH_OF["chat"], asked, auth_headers("kc", None)))[0] == 403
+        assert (await fleet.send(PATH_OF["chat"], b"{", auth_headers("kc", None)))[0] == 400
+    return [line for line in logged if line["event"] == "request"]
+
+
+def test_the_access_log_names_the_key_of_a_request_refused_after_authentication() -> None:
+    """Who asked for a model it may not use, or sent a broken body, is what an operator
+    reads the access log for."""
+    cfg = msgspec.structs.replace(route_kit.config("shared"), access_log=True)
+    with frozen_clocks():
+        lines = asyncio.run(_refused_lines(cfg))
+    assert [(line["status"], line["key"]) for line in lines] == [(403, "kc"), (400, "kc")]
