@@ -186,7 +186,7 @@ class OwedSpool:
         cannot be written or another process holds it."""
         folder = Path(state_dir)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # the router user's alone
             lock = _locked(folder, worker)
         except OSError as exc:
             log.error("owed_spool_unavailable", folder=str(folder), error=str(exc),
