@@ -389,9 +389,6 @@ class Quotas:
         """All this router owes budgets and usage, as its spool keeps it."""
         return owed_of(self._owed, self.usage)
 
-    def unreached(self) -> bool:
-        return self.counters is None or self._degraded
-
     def restore(self, owed: Spooled) -> None:
         """Owe what a spool holds (a stopped process's), as this router's own charges."""
         for b in owed.budgets:
@@ -407,7 +404,7 @@ class Quotas:
         if spool is not None:
             self.spool = spool
             self.restore(spool.load(workers))
-            kept = keeping(spool, self.owed_now, self.unreached, self._stop, FLUSH_S)
+            kept = keeping(spool, self.owed_now, self._stop, FLUSH_S)
             self._spooler = loop.create_task(kept, name="router-owed-spool")
         self._task = loop.create_task(
             tasks_.retrying(lambda: self._connected(source), stopped=self._stop.is_set,
@@ -451,8 +448,9 @@ class Quotas:
                 if time.monotonic() >= next_usage:
                     next_usage = time.monotonic() + USAGE_FLUSH_S
                     await self._flush_usage()
-                    self._spool_paid()
                     await self.read_budgets(self.clock())
+                if self.spool is not None:  # what it held and was added leaves it
+                    self.spool.settle(self.owed_now())
             except CounterError as exc:
                 self._fell_back(exc)
 
@@ -479,12 +477,6 @@ class Quotas:
                 continue
             subject = subjects.budget_counter(name, str(pool.period))
             pool.reading(await self.counters.add(subject, 0))
-
-    def _spool_paid(self) -> None:
-        """All the spool held was added to the counters (a turn added every charge and
-        row), unless a lease's add of a budget's charges is not answered yet."""
-        if self.spool is not None and not any(o.paying for o in self._owed.values()):
-            self.spool.paid()
 
     async def _flush_usage(self) -> None:
         """Add each (key, model)'s tokens and requests to its hourly counters."""

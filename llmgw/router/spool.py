@@ -13,14 +13,17 @@ does not forget it, each router process keeps what it owes in a file of its own,
 Tokens/min windows' debts are not kept: a window is a rate over the last minutes, gone
 by the time a restarted router could add to it.
 
-Written while the counters cannot be reached, at most every `FLUSH_S` and only when
-what is owed changed, and at stop: a temporary file, fsynced, renamed over the last, the
-folder fsynced. A process that starts reads its file before it serves and owes what it
-holds as it owes its own charges: the flusher adds it once the counters answer (a
-budget's lease adds what its key owes first), then removes the file. At least once: a
-process killed after an add was answered but before the file was rewritten adds that
-charge again when it restarts; the budget errs on the side of the fleet's money. What
-a process spent in its last `FLUSH_S` before a kill is not in the file yet.
+Written while the counters do not answer (the flusher settled no turn lately), at most
+every `FLUSH_S` and only when what is owed changed, and at stop: a temporary file,
+fsynced, renamed over the last, the folder fsynced. While they answer, what is owed is
+added within a turn and needs no file: each turn the counters answer leaves in it only
+what it held and is still owed (`settle`), and it goes once that is nothing. A process
+that starts reads its file before it serves and owes what it holds as it owes its own
+charges: the flusher adds it once the counters answer (a budget's lease adds what its key
+owes first). At least once: a process killed after an add was answered but before the
+file was rewritten (a turn later) adds that charge again when it restarts; the budget errs
+on the side of the fleet's money. What a process spent in its last `FLUSH_S` before a
+kill is not in the file yet.
 
 A file that cannot be read (torn, corrupt, or hostile: amounts beyond the counters'
 bounds, a key name no key can have) is renamed aside (`owed-<worker>.json.bad-<time>`)
@@ -38,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -150,6 +154,22 @@ def owed_of(owed: Mapping[tuple[str, Owing], Owed], usage: UsageRows) -> Spooled
     return spooled(budgets, usage.pending())
 
 
+def still_owed(held: Spooled, owed: Spooled) -> Spooled:
+    """Of what a file `held`, what is still `owed`: each amount the smaller of the two. What
+    was added since leaves the file; what was charged since does not enter it."""
+    budgets = {(b.key, b.period): b.tokens for b in owed.budgets}
+    usage = {(u.key, u.model): (u.tokens_in, u.tokens_out, u.requests) for u in owed.usage}
+    rows: list[tuple[str, str, int, int, int]] = []
+    for u in held.usage:
+        now = usage.get((u.key, u.model), (0, 0, 0))
+        rows.append((u.key, u.model, min(u.tokens_in, now[0]), min(u.tokens_out, now[1]),
+                     min(u.requests, now[2])))  # fmt: skip
+    kept = (
+        (b.key, b.period, min(b.tokens, budgets.get((b.key, b.period), 0))) for b in held.budgets
+    )
+    return spooled(kept, rows)
+
+
 def merged(parts: Iterable[Spooled]) -> Spooled:
     """Several spools (or one with repeated entries) as one, each amount summed."""
     budgets: dict[tuple[str, str], int] = {}
@@ -175,6 +195,8 @@ class OwedSpool:
         self._written = NOTHING
         """What the file holds (NOTHING: there is none)."""
         self._failing = False
+        self.settled_at = -math.inf
+        """When the counters last answered a turn of the flusher (`settle`; monotonic)."""
 
     @property
     def path(self) -> Path:
@@ -254,6 +276,14 @@ class OwedSpool:
         self._failing = False
         self._written = owed
 
+    def settle(self, owed: Spooled) -> None:
+        """The counters answered a turn of the flusher, which added what it could: the file
+        keeps only what it held that is still `owed` (`still_owed`), and goes once that is
+        nothing."""
+        self.settled_at = time.monotonic()
+        if self._written:
+            self.keep(still_owed(self._written, owed))
+
     def paid(self) -> None:
         """All the file held was added to the counters: it goes."""
         if self._written:
@@ -267,15 +297,15 @@ class OwedSpool:
 
 
 async def keeping(
-    spool: OwedSpool, owed_now: Callable[[], Spooled], unreached: Callable[[], bool],
-    stop: asyncio.Event, every_s: float,
-) -> None:  # fmt: skip
-    """Until `stop`: every `every_s`, while the counters are `unreached`, make `spool`
-    hold what its router owes now."""
+    spool: OwedSpool, owed_now: Callable[[], Spooled], stop: asyncio.Event, every_s: float
+) -> None:
+    """Until `stop`: every `every_s`, while the counters do not answer (the flusher, whose
+    turns come every `every_s`, settled none in the last two), make `spool` hold what its
+    router owes now. While they answer, what is owed is added within a turn: no file."""
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
-        if unreached():
+        if time.monotonic() - spool.settled_at > 2 * every_s:
             spool.keep(owed_now())
 
 

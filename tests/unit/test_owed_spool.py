@@ -26,8 +26,10 @@ from llmgw.router.spool import (
     Spooled,
     SpoolUnreadable,
     decode,
+    keeping,
     merged,
     spool_path,
+    still_owed,
 )
 from tests.unit.test_quotas import Store, key
 
@@ -195,10 +197,11 @@ def test_a_router_stopped_in_an_outage_pays_its_budget_when_the_next_one_starts(
         q.clock = lambda: WALL
         spool = spool_in(str(tmp_path))
         q.restore(spool.load(1))
-        q.spool = spool
         await q.pay_owed(WALL)
+        spool.settle(q.owed_now())  # a turn that added the budget's charges, not the usage
+        assert [u.model for u in decode(spool_path(tmp_path, 0).read_bytes()).usage] == ["m"]
         await q._flush_usage()
-        q._spool_paid()
+        spool.settle(q.owed_now())
         spool.close()
 
     before = store.totals[subjects.budget_counter("k", PERIOD)]
@@ -275,3 +278,55 @@ def test_an_empty_state_dir_is_refused_saying_what_to_give() -> None:
     cfg = RouterConfig(state_dir=" ", auth=AuthConfig(allow_anonymous=True))
     (problem,) = validate(cfg)
     assert "state_dir is empty: give a folder the router may write" in problem
+
+
+@settings(max_examples=100, deadline=None)
+@given(budgets, usage, budgets, usage)
+def test_a_turn_the_counters_answered_leaves_in_the_file_only_what_it_held_still_owed(
+    held_budgets: Budgets, held_usage: Usage, now_budgets: Budgets, now_usage: Usage
+) -> None:
+    """What a file holds only shrinks while the counters answer: nothing charged since
+    enters it, and what was added leaves it; all of it paid, it goes."""
+    held, now = owing(held_budgets, held_usage).owed_now(), owing(now_budgets, now_usage).owed_now()
+    left = still_owed(held, now)
+    amounts = {("b", b.key, b.period): b.tokens for b in now.budgets}
+    amounts |= {("u", u.key, u.model): (u.tokens_in, u.tokens_out, u.requests) for u in now.usage}
+    for b in left.budgets:
+        assert b.tokens <= min(amounts[("b", b.key, b.period)], _held_tokens(held, b))
+    for u in left.usage:
+        now_counts = amounts[("u", u.key, u.model)]
+        assert isinstance(now_counts, tuple)
+        counts = (u.tokens_in, u.tokens_out, u.requests)
+        assert all(n <= m for n, m in zip(counts, now_counts, strict=True))
+    assert still_owed(held, held) == held
+    assert still_owed(held, NOTHING) == NOTHING
+
+
+def _held_tokens(held: Spooled, b: BudgetOwed) -> int:
+    return next(h.tokens for h in held.budgets if (h.key, h.period) == (b.key, b.period))
+
+
+async def test_the_spool_is_written_only_while_the_flusher_settles_no_turn(tmp_path: Path) -> None:
+    spool = spool_in(str(tmp_path))
+    spool.load(1)
+    owed = Spooled(budgets=(_budget(3),))
+    stop, asked = asyncio.Event(), asyncio.Event()
+
+    def owed_now() -> Spooled:
+        asked.set()
+        return owed
+
+    spool.settled_at = float("inf")  # the counters answer every turn of the flusher
+    kept = asyncio.create_task(keeping(spool, owed_now, stop, 0.001))
+    for _ in range(20):
+        await asyncio.sleep(0.002)
+    assert not asked.is_set()
+    assert not spool_path(tmp_path, 0).exists()
+    spool.settled_at = float("-inf")  # they stopped answering
+    await asyncio.wait_for(asked.wait(), 30)
+    stop.set()
+    await kept
+    assert decode(spool_path(tmp_path, 0).read_bytes()) == owed
+    spool.settle(NOTHING)  # all of it added since
+    assert not spool_path(tmp_path, 0).exists()
+    spool.close()
