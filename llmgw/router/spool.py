@@ -43,6 +43,7 @@ import contextlib
 import fcntl
 import math
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -328,9 +329,7 @@ def read(path: Path) -> Spooled:
     """The spool in `path`; NOTHING when there is none, or when it cannot be read: then
     it is set aside and said so (`set_aside`)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SPOOL_BYTES + 1)
-        owed = decode(data)
+        owed = decode(_contents(path))
     except FileNotFoundError:
         return NOTHING
     except (OSError, SpoolUnreadable) as exc:
@@ -340,6 +339,16 @@ def read(path: Path) -> Spooled:
         log.info("owed_spool_loaded", file=str(path), budgets=len(owed.budgets),
                  usage=len(owed.usage))  # fmt: skip
     return merged([owed])
+
+
+def _contents(path: Path) -> bytes:
+    """Up to one byte more than a spool may hold, of a regular file only: opening a FIFO put
+    there would wait for a writer, and a device may never end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SpoolUnreadable("not a regular file: a router writes a file of its own there")
+        return f.read(MAX_SPOOL_BYTES + 1)
 
 
 def set_aside(path: Path, why: str) -> None:

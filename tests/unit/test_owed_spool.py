@@ -5,6 +5,7 @@ no spool file, whatever its bytes, stops a router from starting."""
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from llmgw.router.spool import (
     Spooled,
     SpoolUnreadable,
     decode,
+    encode,
     keeping,
     merged,
     spool_path,
@@ -330,3 +332,25 @@ async def test_the_spool_is_written_only_while_the_flusher_settles_no_turn(tmp_p
     spool.settle(NOTHING)  # all of it added since
     assert not spool_path(tmp_path, 0).exists()
     spool.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "folder"])
+def test_a_spool_that_is_no_file_of_its_own_is_set_aside_without_waiting_on_it(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO would block the router's start on open; a link points where the router
+    never wrote; a folder is no file."""
+    path = spool_path(tmp_path, 0)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link":
+        (tmp_path / "elsewhere").write_bytes(encode(Spooled(budgets=(_budget(3),))))
+        path.symlink_to(tmp_path / "elsewhere")
+    else:
+        path.mkdir()
+    spool = spool_in(str(tmp_path))
+    with structlog.testing.capture_logs() as logged:
+        assert spool.load(1) == NOTHING
+    spool.close()
+    assert [e["event"] for e in logged] == ["owed_spool_unreadable"]
+    assert not path.exists()
