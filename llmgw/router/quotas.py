@@ -41,6 +41,7 @@ from llmgw.router import ports as ports_
 from llmgw.router.config import DEFAULT_MAX_TOKENS, LogSource
 from llmgw.router.errors import Refusal
 from llmgw.router.holds import (
+    AnsweredCounters,
     Held,
     Owed,
     Owing,
@@ -389,6 +390,11 @@ class Quotas:
         """All this router owes budgets and usage, as its spool keeps it."""
         return owed_of(self._owed, self.usage)
 
+    def unreached(self) -> bool:
+        """No connection to the counters, or no answer to its last add."""
+        c = self.counters
+        return c is None or (isinstance(c, AnsweredCounters) and not c.answering)
+
     def restore(self, owed: Spooled) -> None:
         """Owe what a spool holds (a stopped process's), as this router's own charges."""
         for b in owed.budgets:
@@ -404,7 +410,7 @@ class Quotas:
         if spool is not None:
             self.spool = spool
             self.restore(spool.load(workers))
-            kept = keeping(spool, self.owed_now, self._stop, FLUSH_S)
+            kept = keeping(spool, self.owed_now, self.unreached, self._stop, FLUSH_S)
             self._spooler = loop.create_task(kept, name="router-owed-spool")
         self._task = loop.create_task(
             tasks_.retrying(lambda: self._connected(source), stopped=self._stop.is_set,
@@ -425,7 +431,7 @@ class Quotas:
         # Unbuffered: a lease that fails while the server is away is never sent after it.
         nc = await ports_.connect(source, source.tls_context(), buffered=False)
         try:
-            self.counters = Counters(nc)
+            self.counters = AnsweredCounters(nc)
             self._degraded = False
             await self.flush_until_stopped()
         finally:

@@ -13,8 +13,8 @@ does not forget it, each router process keeps what it owes in a file of its own,
 Tokens/min windows' debts are not kept: a window is a rate over the last minutes, gone
 by the time a restarted router could add to it.
 
-Written while the counters do not answer (the flusher settled no turn lately), at most
-every `FLUSH_S` and only when what is owed changed, and at stop: a temporary file,
+Written while the counters do not answer (no connection, or no answer to the last add), at
+most every `FLUSH_S` and only when what is owed changed, and at stop: a temporary file,
 fsynced, renamed over the last, the folder fsynced. While they answer, what is owed is
 added within a turn and needs no file: each turn the counters answer leaves in it only
 what it held and is still owed (`settle`), and it goes once that is nothing. A process
@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import math
 import os
 import stat
 import time
@@ -196,8 +195,6 @@ class OwedSpool:
         self._written = NOTHING
         """What the file holds (NOTHING: there is none)."""
         self._failing = False
-        self.settled_at = -math.inf
-        """When the counters last answered a turn of the flusher (`settle`; monotonic)."""
 
     @property
     def path(self) -> Path:
@@ -281,7 +278,6 @@ class OwedSpool:
         """The counters answered a turn of the flusher, which added what it could: the file
         keeps only what it held that is still `owed` (`still_owed`), and goes once that is
         nothing."""
-        self.settled_at = time.monotonic()
         if self._written:
             self.keep(still_owed(self._written, owed))
 
@@ -298,15 +294,16 @@ class OwedSpool:
 
 
 async def keeping(
-    spool: OwedSpool, owed_now: Callable[[], Spooled], stop: asyncio.Event, every_s: float
-) -> None:
-    """Until `stop`: every `every_s`, while the counters do not answer (the flusher, whose
-    turns come every `every_s`, settled none in the last two), make `spool` hold what its
-    router owes now. While they answer, what is owed is added within a turn: no file."""
+    spool: OwedSpool, owed_now: Callable[[], Spooled], unreached: Callable[[], bool],
+    stop: asyncio.Event, every_s: float,
+) -> None:  # fmt: skip
+    """Until `stop`: every `every_s`, while the counters are `unreached`, make `spool` hold
+    what its router owes now. While they answer, what is owed is added within a turn of the
+    flusher, or with the next usage batch: no file."""
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
-        if time.monotonic() - spool.settled_at > 2 * every_s:
+        if unreached():
             spool.keep(owed_now())
 
 

@@ -8,17 +8,20 @@ import asyncio
 import os
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
+import nats.errors
 import pytest
 import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw.bus.counters import CounterError
 from llmgw.core import subjects, tenancy
 from llmgw.core.limits import MAX_COUNTER, MAX_TIME
 from llmgw.router.config import AuthConfig, RouterConfig, validate
-from llmgw.router.holds import Held
+from llmgw.router.holds import AnsweredCounters, Held
 from llmgw.router.quotas import Quotas
 from llmgw.router.spool import (
     NOTHING,
@@ -308,7 +311,7 @@ def _held_tokens(held: Spooled, b: BudgetOwed) -> int:
     return next(h.tokens for h in held.budgets if (h.key, h.period) == (b.key, b.period))
 
 
-async def test_the_spool_is_written_only_while_the_flusher_settles_no_turn(tmp_path: Path) -> None:
+async def test_the_spool_is_written_only_while_the_counters_do_not_answer(tmp_path: Path) -> None:
     spool = spool_in(str(tmp_path))
     spool.load(1)
     owed = Spooled(budgets=(_budget(3),))
@@ -318,13 +321,13 @@ async def test_the_spool_is_written_only_while_the_flusher_settles_no_turn(tmp_p
         asked.set()
         return owed
 
-    spool.settled_at = float("inf")  # the counters answer every turn of the flusher
-    kept = asyncio.create_task(keeping(spool, owed_now, stop, 0.001))
+    answering = True
+    kept = asyncio.create_task(keeping(spool, owed_now, lambda: not answering, stop, 0.001))
     for _ in range(20):
         await asyncio.sleep(0.002)
     assert not asked.is_set()
     assert not spool_path(tmp_path, 0).exists()
-    spool.settled_at = float("-inf")  # they stopped answering
+    answering = False
     await asyncio.wait_for(asked.wait(), 30)
     stop.set()
     await kept
@@ -354,3 +357,29 @@ def test_a_spool_that_is_no_file_of_its_own_is_set_aside_without_waiting_on_it(
     spool.close()
     assert [e["event"] for e in logged] == ["owed_spool_unreadable"]
     assert not path.exists()
+
+
+async def test_the_counters_are_unreached_from_an_add_they_do_not_answer_to_one_they_do() -> None:
+    """A turn of the flusher with nothing to add asks nothing: only adds tell whether the
+    counters answer, so that an outage is seen whatever is owed."""
+
+    class Server:
+        down = False
+
+        async def request(self, subject: str, payload: bytes, **_: object) -> SimpleNamespace:
+            if self.down:
+                raise nats.errors.TimeoutError
+            return SimpleNamespace(data=b'{"val": "5"}')
+
+    server = Server()
+    q = Quotas()
+    assert q.unreached()  # no connection yet
+    q.counters = AnsweredCounters(server)  # type: ignore[arg-type]
+    assert not q.unreached()
+    server.down = True
+    with pytest.raises(CounterError):
+        await q.counters.add("llmgw.usage.k.b.d20261202", 0)
+    assert q.unreached()
+    server.down = False
+    assert await q.counters.add("llmgw.usage.k.b.d20261202", 0) == 5
+    assert not q.unreached()

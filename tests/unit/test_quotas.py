@@ -273,7 +273,7 @@ def test_a_router_stopping_adds_what_it_owes_and_its_last_usage_to_the_counters(
         connected.set()
         return store
 
-    monkeypatch.setattr(quotas_module, "Counters", counters)
+    monkeypatch.setattr(quotas_module, "AnsweredCounters", counters)
 
     class NoTls:
         def tls_context(self) -> None:
