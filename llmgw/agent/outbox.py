@@ -56,6 +56,7 @@ import msgspec
 
 from llmgw import logs
 from llmgw.core import events
+from llmgw.durable import sync_dir
 
 log = logs.get("llmgw.agent.outbox")
 
@@ -71,15 +72,6 @@ def _write_all(file: io.FileIO, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[file.write(view) :]
-
-
-def _sync_dir(folder: Path) -> None:
-    """Make a create or rename in `folder` durable: the name lives in the directory."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Line(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,7 +121,7 @@ class Outbox:
         appended to it until a rewrite from memory succeeds."""
         self._cursor_failed = False
         self.folder.mkdir(parents=True, exist_ok=True)
-        _sync_dir(self.folder.parent)
+        sync_dir(self.folder.parent)
         self._path = self.folder / "pending.jsonl"
         self._cursor_path = self.folder / "cursor"
         self._load()
@@ -258,7 +250,7 @@ class Outbox:
             raise
         os.replace(tmp, self._path)
         # After it: else the old file may come back, without what is appended from now on.
-        _sync_dir(self.folder)
+        sync_dir(self.folder)
 
     def _persist(self, data: bytes) -> None:
         """Append `data` (whole lines) durably; after a failed write, rewrite the file whole."""

@@ -84,4 +84,4 @@ class Accounting:
         if principal is not None:
             self.metrics.key_usage(principal.name, principal.settings.team, prof.name,
                                    more_in, more_out)  # fmt: skip
-            self.quotas.used(principal, prof.name, more_in, more_out)
+            self.quotas.usage.used(principal, prof.name, more_in, more_out)

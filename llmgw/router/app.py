@@ -70,6 +70,7 @@ from llmgw.router.metrics import Metrics, metrics_dir
 from llmgw.router.outcome import Outcome
 from llmgw.router.relay import ClientStream
 from llmgw.router.signals import LoadTracker, SignalsFeed
+from llmgw.router.spool import OwedSpool
 from llmgw.router.table import Catalog, EndpointTable, Prober
 from llmgw.router.tracing import Tracer
 
@@ -151,7 +152,9 @@ class Router:
             self.tracer.start()
         if self.cfg.log is not None:
             # Keys' fleet-wide limits and usage, on the log's server (llmgw.router.quotas).
-            self.dispatcher.quotas.start(self.cfg.log)
+            # What a process before this one owed them, first (llmgw.router.spool).
+            spool = OwedSpool.open(self.cfg.state_dir, self.worker)
+            self.dispatcher.quotas.start(self.cfg.log, spool, self.cfg.workers)
             await self._keep_time()
             # The production wiring: the feed connects in the background (a router
             # started before NATS serves on its static config meanwhile).

@@ -158,6 +158,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     log: LogSource | None = None
     """Follow the fleet's log: models and endpoints come from the control plane's events
     (besides the static ones above). None: a router-only deployment."""
+    state_dir: str = "/var/lib/llmgw/router"
+    """Where each router process keeps what it owes the fleet's budgets and usage counters
+    while they cannot be reached (llmgw.router.spool), so that spending is not lost if it
+    stops before they answer again: one folder per router on a host."""
     weights: Weights = Weights()
     breaker: BreakerPolicy = BreakerPolicy()
     prefix: PrefixConfig = PrefixConfig()
@@ -214,6 +218,7 @@ def validate(cfg: RouterConfig, *, where: str = "router config") -> list[str]:
     problems += _model_problems(cfg, names)
     problems += _endpoint_problems(cfg, names)
     problems += _setting_problems(cfg)
+    problems += _state_dir_problems(cfg.state_dir)
     return [f"{where}: {p}" for p in problems]
 
 
@@ -382,6 +387,13 @@ def _setting_problems(cfg: RouterConfig) -> list[str]:
     if cfg.auth.keys_file and cfg.auth.allow_anonymous:
         problems.append("auth.keys_file and auth.allow_anonymous are both set: choose one")
     return problems + _origin_problems(cfg.auth) + _host_problems(cfg.auth)
+
+
+def _state_dir_problems(state_dir: str) -> list[str]:
+    if state_dir.strip():
+        return []
+    return ["state_dir is empty: give a folder the router may write (what it owes the"
+            " fleet's budgets through an outage is kept there)"]  # fmt: skip
 
 
 def _origin_problems(auth: AuthConfig) -> list[str]:

@@ -54,6 +54,23 @@ class Owed:
             self.amount += amount
 
 
+class AnsweredCounters(Counters):
+    """The counters, knowing whether the server answered the last add: while it does not,
+    what the router owes is kept on disk (llmgw.router.spool). A turn of the flusher with
+    nothing to add asks nothing, so only an add tells."""
+
+    answering = True
+
+    async def add(self, subject: str, amount: int) -> int:
+        try:
+            total = await super().add(subject, amount)
+        except CounterError:
+            self.answering = False
+            raise
+        self.answering = True
+        return total
+
+
 def reached(counters: Counters | None) -> Counters:
     """The counters' connection, else CounterError: it closed (the router stopping) while a
     request's earlier round trip was under way, and the request falls back as for a counter

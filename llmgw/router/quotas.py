@@ -21,7 +21,8 @@ Usage is batched (`USAGE_FLUSH_S`): its rate of writes grows with the keys and m
 use, not with requests. A key of the keys file, or any key while the counters cannot be
 reached, is limited by this router's own buckets (llmgw.router.auth), logged; its budget
 by this router's share of what it last read to be left, owed to the counter after
-(`_hold_unreached`).
+(`_hold_unreached`); what it owes is kept on disk meanwhile (llmgw.router.spool), for a
+router stopped or killed before the counters answer again to pay when it starts.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from llmgw.router import ports as ports_
 from llmgw.router.config import DEFAULT_MAX_TOKENS, LogSource
 from llmgw.router.errors import Refusal
 from llmgw.router.holds import (
+    AnsweredCounters,
     Held,
     Owed,
     Owing,
@@ -51,6 +53,8 @@ from llmgw.router.holds import (
     reached,
     tightest_limit,
 )
+from llmgw.router.spool import OwedSpool, Spooled, keeping, owed_of
+from llmgw.router.usage import UsageRows
 
 log = logs.get("llmgw.router.quotas")
 
@@ -81,8 +85,11 @@ class Quotas:
         self.default_out = DEFAULT_MAX_TOKENS
         """The completion tokens a request naming no maximum is held to (the router's
         `auth.default_max_tokens`), at most the key's limit."""
-        self._usage: dict[tuple[str, str], list[int]] = {}
+        self.usage = UsageRows()
+        """Keys' usage for `ctl usage`, counted on the hot path and sent by the flusher."""
+        self.spool: OwedSpool | None = None
         self._task: asyncio.Task[None] | None = None
+        self._spooler: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._degraded = False
         self.fleet_errors = 0
@@ -319,7 +326,7 @@ class Quotas:
         # status (a stream its client cut: 499), or `ctl usage` would show those tokens
         # without their request.
         if p is not None and (status < 400 or tokens != (0, 0)):
-            self.request_done(p, model)
+            self.usage.request_done(p, model)
         if held is not None:
             self.settle(held, sum(tokens))
 
@@ -377,31 +384,35 @@ class Quotas:
         if (pool := self._budgets.get(name)) is not None and pool.period == owed_to:
             pool.reading(total)
 
-    # ------------------------------------------------------------------ usage
+    # ------------------------------------------------------------------ what is owed, on disk
 
-    def used(self, principal: auth.Principal, model: str, prompt: int, completion: int) -> None:
-        """A response's tokens, for the key's usage (the hot path: counted here, sent by the
-        flusher). Its limits count them when the request is settled (`settle`)."""
-        if principal.fleet:
-            row = self._row(principal.name, model)
-            row[0] += prompt
-            row[1] += completion
+    def owed_now(self) -> Spooled:
+        """All this router owes budgets and usage, as its spool keeps it."""
+        return owed_of(self._owed, self.usage)
 
-    def request_done(self, principal: auth.Principal, model: str) -> None:
-        if principal.fleet:
-            self._row(principal.name, model)[2] += 1
+    def unreached(self) -> bool:
+        """No connection to the counters, or no answer to its last add."""
+        c = self.counters
+        return c is None or (isinstance(c, AnsweredCounters) and not c.answering)
 
-    def _row(self, name: str, model: str) -> list[int]:
-        """(key, model)'s tokens in, out and requests since the last usage flush."""
-        row = self._usage.get((name, model))
-        if row is None:
-            row = self._usage[(name, model)] = [0, 0, 0]
-        return row
+    def restore(self, owed: Spooled) -> None:
+        """Owe what a spool holds (a stopped process's), as this router's own charges."""
+        for b in owed.budgets:
+            self.owe(b.key, b.period, b.tokens, 0)  # a budget's payment needs no limit
+        for u in owed.usage:
+            self.usage.add(u.key, u.model, (u.tokens_in, u.tokens_out, u.requests))
 
     # ------------------------------------------------------------------ the flusher
 
-    def start(self, source: LogSource) -> None:
-        self._task = asyncio.get_running_loop().create_task(
+    def start(self, source: LogSource, spool: OwedSpool | None = None, workers: int = 1) -> None:
+        """Start the flusher; with a `spool`, first owe what it holds, then keep it."""
+        loop = asyncio.get_running_loop()
+        if spool is not None:
+            self.spool = spool
+            self.restore(spool.load(workers))
+            kept = keeping(spool, self.owed_now, self.unreached, self._stop, FLUSH_S)
+            self._spooler = loop.create_task(kept, name="router-owed-spool")
+        self._task = loop.create_task(
             tasks_.retrying(lambda: self._connected(source), stopped=self._stop.is_set,
                             wake=self._stop, what="quotas", logger=log),
             name="router-quotas",
@@ -409,14 +420,18 @@ class Quotas:
 
     async def close(self) -> None:
         self._stop.set()
-        if self._task is not None:
-            await tasks_.stop([self._task], who="router quotas")
+        running = [t for t in (self._task, self._spooler) if t is not None]
+        if running:
+            await tasks_.stop(running, who="router quotas")
+        if self.spool is not None:  # what the flusher's last turn could not add
+            self.spool.keep(self.owed_now())
+            self.spool.close()
 
     async def _connected(self, source: LogSource) -> None:
         # Unbuffered: a lease that fails while the server is away is never sent after it.
         nc = await ports_.connect(source, source.tls_context(), buffered=False)
         try:
-            self.counters = Counters(nc)
+            self.counters = AnsweredCounters(nc)
             self._degraded = False
             await self.flush_until_stopped()
         finally:
@@ -430,7 +445,7 @@ class Quotas:
                 await bus.close(nc)
 
     async def flush_until_stopped(self) -> None:
-        next_usage = time.monotonic() + USAGE_FLUSH_S
+        next_usage = time.monotonic()  # the first turn adds what an outage left owed
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), FLUSH_S)
@@ -440,6 +455,8 @@ class Quotas:
                     next_usage = time.monotonic() + USAGE_FLUSH_S
                     await self._flush_usage()
                     await self.read_budgets(self.clock())
+                if self.spool is not None:  # what it held and was added leaves it
+                    self.spool.settle(self.owed_now())
             except CounterError as exc:
                 self._fell_back(exc)
 
@@ -469,27 +486,8 @@ class Quotas:
 
     async def _flush_usage(self) -> None:
         """Add each (key, model)'s tokens and requests to its hourly counters."""
-        if self.counters is None or not self._usage:
-            return
-        hour = int(self.clock() // 3600)
-        rows, self._usage = self._usage, {}
-        try:
-            for (name, model), counts in rows.items():
-                for i, what in enumerate(("in", "out", "req")):
-                    if counts[i]:
-                        await self.counters.add(
-                            subjects.usage_counter(name, hour, model, what), counts[i]
-                        )
-                        counts[i] = 0
-        except CounterError:
-            # Every count not sent yet (the failed one, the rows after it) is kept for the
-            # next flush rather than lost.
-            for (name, model), counts in rows.items():
-                if any(counts):
-                    row = self._row(name, model)
-                    for i, n in enumerate(counts):
-                        row[i] += n
-            raise
+        if self.counters is not None:
+            await self.usage.flush(self.counters, int(self.clock() // 3600))
 
     def _fell_back(self, exc: Exception) -> None:
         self.fleet_errors += 1

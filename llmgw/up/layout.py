@@ -5,6 +5,7 @@
     <state>/agents/<node>/       one agent's config (agent.yaml) and state (pid files, ledger,
                                  outbox, engine logs under its own layout)
     <state>/router/router.yaml   the router's config
+    <state>/router/state/        what the router owes the fleet's budgets through an outage
     <state>/ctl.yaml             what `llmgw ctl` needs (LLMGW_CTL_CONFIG=<state>/ctl.yaml)
     <state>/logs/<process>.log   stdout and stderr of every process `up` started
     <state>/run/<process>.json   the pid files of those processes (with their fingerprints)
@@ -55,6 +56,10 @@ class Layout:
     @property
     def router_config(self) -> Path:
         return self.root / "router" / "router.yaml"
+
+    @property
+    def router_state(self) -> Path:
+        return self.root / "router" / "state"
 
     @property
     def ctl_config(self) -> Path:

@@ -141,15 +141,17 @@ def agent(plan: Plan, nats_url: str, node: str, index: int) -> dict[str, Any]:
     return settings
 
 
-def router(plan: Plan, nats_url: str) -> dict[str, Any]:
+def router(plan: Plan, nats_url: str, state_dir: str) -> dict[str, Any]:
     """The router's config: it reads the log as its `router` identity, so the model (one
     description, shared with the scheduler) and its endpoints come from the control plane's
-    events, and it keeps routing on the last known endpoints while NATS is down."""
+    events, and it keeps routing on the last known endpoints while NATS is down (keeping
+    what it owes the budgets meanwhile in `state_dir`)."""
     n = _nats(plan, nats_url, ROUTER)
     return {
         "listen": {"host": plan.host, "port": plan.port},
         "admin": {"host": "127.0.0.1", "port": 0},
         "workers": 1,
+        "state_dir": state_dir,
         "log": {
             "servers": n["servers"],
             "ca_file": n["ca_file"],

@@ -219,7 +219,8 @@ class Fleet:
             )
 
     def start_router(self) -> None:
-        _write_yaml(self.layout.router_config, render.router(self.plan, self.nats_url))
+        state = str(self.layout.router_state)
+        _write_yaml(self.layout.router_config, render.router(self.plan, self.nats_url, state))
         self.router = Child(
             "router",
             [*PY, "router", "--config", str(self.layout.router_config)],

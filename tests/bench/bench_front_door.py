@@ -230,9 +230,9 @@ async def key_path_us(n: int = 200_000) -> dict[str, float]:
                 if p.limited and not quotas.admit_now(p, wall):
                     await quotas.admit(p, wall, mono)
                 metrics.key_usage(p.name, p.settings.team, "m", 16, 16)
-                quotas.used(p, "m", 16, 16)
+                quotas.usage.used(p, "m", 16, 16)
                 metrics.key_request(p.name, p.settings.team, "m", 200)
-                quotas.request_done(p, "m")
+                quotas.usage.request_done(p, "m")
         return (time.perf_counter() - t0) / n * 1e6
 
     off = await run(None)

@@ -246,6 +246,7 @@ class Fleet:
             "probe_interval_s": 0.5,
             "seed": 7,
             "log_level": "info",
+            "state_dir": str(self.tmp / "router-state"),
         }
         path = self.tmp / "router.yaml"
         path.write_text(yaml.safe_dump(settings))

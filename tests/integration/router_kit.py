@@ -124,6 +124,8 @@ class Router(Proc):
         for key, value in settings.items():
             cfg[key] = value
         path = tmp / f"router-{len(list(tmp.glob('router-*.yaml')))}.yaml"
+        # Each router its own spool folder unless a test shares one (a restarted router's).
+        cfg.setdefault("state_dir", str(path.with_suffix(".state")))
         path.write_text(yaml.safe_dump(cfg))
         log_path = log or path.with_suffix(".log")
         with open(log_path, "ab") as stderr:

@@ -4,7 +4,8 @@ nats-server stopped mid-test and started again, a real router following the log,
 
 What an operator relies on: while NATS is down a router spends of a budget only its share of
 what it last read to be left, then refuses saying the budget cannot be checked; and once
-NATS is back, the budget's counter holds what was spent during the outage.
+NATS is back, the budget's counter holds what was spent during the outage, also when the
+router that spent it was stopped or killed before then and another took its place.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 from llmgw import bus
 from llmgw.bus import counters
 from llmgw.core import subjects, tenancy
+from llmgw.router.spool import decode
 from tests.harness import TestNatsServer, connect_as, wait_for
 from tests.integration.ctl_kit import Ctl
 from tests.integration.router_kit import Router, Sim
@@ -104,3 +106,72 @@ async def test_a_budget_holds_through_an_outage_and_its_counter_gets_what_was_sp
     await wait_for(counted, 60, "what the outage spent, in the budget's counter")
     # Nothing was lost, and the budget held: its share of the rest, at most, was spent.
     assert await budget_used(nats_server, "thrifty") <= BUDGET
+
+
+def owed_in(spool: Path) -> int:
+    """The budget tokens a router's spool says it owes; 0 while it has none."""
+    try:
+        data = spool.read_bytes()
+    except FileNotFoundError:
+        return 0
+    return sum(b.tokens for b in decode(data).budgets)
+
+
+async def tokens_counted(server: TestNatsServer, key: str) -> int:
+    """The tokens the key's hourly usage counters hold (what `ctl usage` bills from)."""
+    nc = await connect_as(server, "operator", "alice")
+    try:
+        totals = await counters.totals(nc, subjects.USAGE_STREAM, f"llmgw.usage.{key}.h.>")
+    finally:
+        await bus.close(nc)
+    return sum(n for subject, n in totals.items() if subject.endswith((".in", ".out")))
+
+
+@pytest.mark.parametrize("ending", ["stopped", "killed"])
+async def test_what_a_router_spent_in_an_outage_is_counted_after_it_stops_and_another_starts(
+    nats_server: TestNatsServer, sim: Sim, tmp_path: Path, ending: str
+) -> None:
+    """The router that spent during the outage is gone before NATS is back (stopped, or
+    killed once its spool holds what it spent): the process started in its place, on the
+    same state_dir, adds what it owed to the budget's counter and the usage counters."""
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    await control.close()
+    ctl, log = Ctl(nats_server), feed(nats_server, "r1")
+    state = tmp_path / "state"
+    same = {"feed": log, "auth": {"fleet_routers": ROUTERS}, "state_dir": str(state)}
+    r = Router.start(tmp_path, {"e1": sim}, **same)
+    try:
+        made = await ctl("key", "create", "--name", "thrifty", "--budget-tokens",
+                         f"{BUDGET}/day", "--json")  # fmt: skip
+        key = made.json()["key"]
+        await wait_for(lambda: accepted(r, key), 10, "the key")
+        before = await budget_used(nats_server, "thrifty")
+        await asyncio.to_thread(nats_server.stop)
+        spent, refused = await spend_until_refused(r, key)
+        assert refused.code == "budget_unavailable", refused.message
+        spool = state / "owed-0.json"
+        if ending == "killed":
+            await wait_for(lambda: owed_in(spool) >= spent, 30, "the spool, what was spent")
+            r.kill()
+        else:
+            assert r.stop() == 0  # a clean stop, which writes what it owes
+            assert owed_in(spool) >= spent
+    finally:
+        r.stop()
+        if not nats_server.running:
+            await asyncio.to_thread(nats_server.start)
+
+    again = Router.start(tmp_path, {"e1": sim}, **same)
+    try:
+
+        async def counted() -> bool:
+            return await budget_used(nats_server, "thrifty") >= before + spent
+
+        await wait_for(counted, 60, "what the outage spent, in the budget's counter")
+        assert await budget_used(nats_server, "thrifty") <= BUDGET
+        await wait_for(lambda: not spool.exists(), 30, "the spool removed once paid")
+        # The outage's tokens, in what `ctl usage` bills from.
+        assert await tokens_counted(nats_server, "thrifty") >= spent
+    finally:
+        again.stop()

@@ -40,10 +40,12 @@ LIMIT = 10
 async def serving(server: TestNatsServer, name: str, skew_s: float) -> AsyncIterator[Router]:
     """A router on a host whose clock is `skew_s` off, serving HTTP (its `admin_url` set to
     its address), once it has measured the server's time."""
+    state = str(server.root / f"router-{name}-state")  # what it owes budgets, if anything
     cfg = msgspec.convert(
-        {"log": feed(server, name), "models": [{"name": "m"}], "probe_interval_s": 60},
+        {"log": feed(server, name), "models": [{"name": "m"}], "probe_interval_s": 60,
+         "state_dir": state},
         RouterConfig,
-    )
+    )  # fmt: skip
     router = Router(cfg, clock=lambda: time.time() + skew_s)
     await router.start()
     runner = web.ServerRunner(build_server(router))

@@ -168,7 +168,7 @@ def charged(router: Router) -> tuple[float, float]:
 
 def usage_row(router: Router) -> list[int]:
     """The key's tokens in, out and requests waiting for the usage counters."""
-    return router.dispatcher.quotas._row("tenant", "m")
+    return router.dispatcher.quotas.usage.row("tenant", "m")
 
 
 async def test_a_whole_and_a_cut_stream_are_charged_alike_whatever_count_stream_tokens(

@@ -200,8 +200,8 @@ def test_a_usage_flush_that_fails_keeps_every_row_it_did_not_send() -> None:
         q = Quotas(store)  # type: ignore[arg-type]
         p = key()
         for model in ("a", "b", "c"):
-            q.used(p, model, 10, 5)
-            q.request_done(p, model)
+            q.usage.used(p, model, 10, 5)
+            q.usage.request_done(p, model)
         with pytest.raises(CounterError):
             await q._flush_usage()
         await q._flush_usage()
@@ -273,7 +273,7 @@ def test_a_router_stopping_adds_what_it_owes_and_its_last_usage_to_the_counters(
         connected.set()
         return store
 
-    monkeypatch.setattr(quotas_module, "Counters", counters)
+    monkeypatch.setattr(quotas_module, "AnsweredCounters", counters)
 
     class NoTls:
         def tls_context(self) -> None:
@@ -283,8 +283,8 @@ def test_a_router_stopping_adds_what_it_owes_and_its_last_usage_to_the_counters(
         q = Quotas()
         q.start(NoTls())  # type: ignore[arg-type]
         await connected.wait()
-        q.used(key(), "m", 10, 5)
-        q.request_done(key(), "m")
+        q.usage.used(key(), "m", 10, 5)
+        q.usage.request_done(key(), "m")
         q.owe("k", "d20010909", 7, 1000)
         await q.close()
 

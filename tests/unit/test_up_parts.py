@@ -61,8 +61,10 @@ def test_every_rendered_config_passes_its_services_loader(tmp_path: Path, engine
         assert agent.nats.cert_file.endswith(f"node/{node}.pem")
         if engine == "llamacpp":
             assert agent.engine_commands["llamacpp"] == ("/opt/llama-server",)
-    routed = router_config.load(write(tmp_path / "r.yaml", render.router(plan, URL)))
+    rendered = render.router(plan, URL, str(tmp_path / "state"))
+    routed = router_config.load(write(tmp_path / "r.yaml", rendered))
     assert routed.listen.port == 8080
+    assert routed.state_dir == str(tmp_path / "state")  # what it owes budgets, kept there
     assert routed.auth.allow_anonymous
     # One description of the model: the router takes it, and the endpoints, from the log.
     assert routed.models == ()
