@@ -9,10 +9,13 @@ or, for a budget, a lease of it does.
 
 from __future__ import annotations
 
+from llmgw import logs
 from llmgw.bus.counters import CounterError, Counters
 from llmgw.core import quota, reserve, subjects, tenancy
 from llmgw.router import admission, auth
 from llmgw.router.errors import Refusal
+
+log = logs.get("llmgw.router.quotas")
 
 Owing = str
 """What a charge is owed to: a key's tokens/min window (""), or its budget's period
@@ -69,6 +72,29 @@ class AnsweredCounters(Counters):
             raise
         self.answering = True
         return total
+
+
+class OutageLog:
+    """The counters going out of reach and coming back, each said once (and every 1,000th
+    failure meanwhile) rather than at every request that falls back: a router whose
+    connection came back by itself says so, and says the next outage again."""
+
+    def __init__(self) -> None:
+        self.errors = 0
+        """Requests and flusher turns that found the counters out of reach, ever."""
+        self.out = False
+
+    def failed(self, exc: Exception) -> None:
+        self.errors += 1
+        if not self.out or self.errors % 1000 == 0:
+            log.warning("fleet_limits_unavailable", error=str(exc), errors=self.errors,
+                        advice="keys are limited per router until the counters answer")  # fmt: skip
+        self.out = True
+
+    def answered(self) -> None:
+        if self.out:
+            self.out = False
+            log.info("fleet_limits_available", errors=self.errors)
 
 
 def reached(counters: Counters | None) -> Counters:

@@ -43,6 +43,7 @@ from llmgw.router.errors import Refusal
 from llmgw.router.holds import (
     AnsweredCounters,
     Held,
+    OutageLog,
     Owed,
     Owing,
     RequestLease,
@@ -91,8 +92,7 @@ class Quotas:
         self._task: asyncio.Task[None] | None = None
         self._spooler: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
-        self._degraded = False
-        self.fleet_errors = 0
+        self.outage = OutageLog()
         self.clock: Callable[[], float] = time.time
         """UNIX time, by which windows and periods are named: the router's (llmgw.router.clock)."""
 
@@ -125,7 +125,7 @@ class Quotas:
         try:
             return await self._take(principal, per_s, wall)
         except CounterError as exc:
-            self._fell_back(exc)
+            self.outage.failed(exc)
             return local_limits(principal, mono)
 
     async def _take(self, p: auth.Principal, per_s: float, wall: float) -> Refusal | None:
@@ -212,7 +212,7 @@ class Quotas:
             try:
                 return await self._hold_fleet(p, need, wall, field)
             except CounterError as exc:
-                self._fell_back(exc)
+                self.outage.failed(exc)
         return self._hold_unreached(p, need, wall, mono, field)
 
     def _hold_unreached(
@@ -432,7 +432,7 @@ class Quotas:
         nc = await ports_.connect(source, source.tls_context(), buffered=False)
         try:
             self.counters = AnsweredCounters(nc)
-            self._degraded = False
+            self.outage.answered()
             await self.flush_until_stopped()
         finally:
             try:  # a stopping router's flusher is cancelled: its last turn, while NATS may answer
@@ -457,8 +457,10 @@ class Quotas:
                     await self.read_budgets(self.clock())
                 if self.spool is not None:  # what it held and was added leaves it
                     self.spool.settle(self.owed_now())
+                if not self.unreached():
+                    self.outage.answered()
             except CounterError as exc:
-                self._fell_back(exc)
+                self.outage.failed(exc)
 
     async def pay_owed(self, wall: float) -> None:
         """Charge every key's tokens used beyond their holds (`_pay`), at UNIX time `wall`."""
@@ -488,10 +490,3 @@ class Quotas:
         """Add each (key, model)'s tokens and requests to its hourly counters."""
         if self.counters is not None:
             await self.usage.flush(self.counters, int(self.clock() // 3600))
-
-    def _fell_back(self, exc: Exception) -> None:
-        self.fleet_errors += 1
-        if not self._degraded or self.fleet_errors % 1000 == 0:
-            log.warning("fleet_limits_unavailable", error=str(exc), errors=self.fleet_errors,
-                        advice="keys are limited per router until the counters answer")  # fmt: skip
-        self._degraded = True

@@ -6,11 +6,16 @@ buckets when the counters fail, and refuse a spent budget saying so."""
 from __future__ import annotations
 
 import asyncio
+import json
+import types
 from pathlib import Path
+from typing import Any
 
+import nats
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from llmgw import config
 from llmgw.bus import provisioning
@@ -19,7 +24,7 @@ from llmgw.core import quota, tenancy
 from llmgw.router import auth
 from llmgw.router import quotas as quotas_module
 from llmgw.router.errors import Refusal
-from llmgw.router.holds import Held
+from llmgw.router.holds import AnsweredCounters, Held
 from llmgw.router.quotas import Quotas
 
 
@@ -292,3 +297,59 @@ def test_a_router_stopping_adds_what_it_owes_and_its_last_usage_to_the_counters(
     assert store.totals["llmgw.usage.k.b.d20010909"] == 7
     usage = sorted(n for subject, n in store.totals.items() if ".b." not in subject)
     assert usage == [1, 5, 10]
+
+
+class FlakyConnection:
+    """A NATS connection whose counters answer as the server does, or time out while `down`."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+        self.down = False
+
+    async def request(self, subject: str, payload: bytes, **kw: Any) -> Any:
+        if self.down:
+            raise nats.errors.TimeoutError
+        total = self.totals[subject] = self.totals.get(subject, 0) + int(kw["headers"]["Nats-Incr"])
+        return types.SimpleNamespace(data=json.dumps({"val": str(total)}).encode())
+
+
+def test_each_outage_of_the_counters_is_said_when_it_begins_and_when_it_ends() -> None:
+    """A connection that comes back by itself (nats-py reconnects) ends the outage in the
+    log, so that the next one is said again: it was said once for the router's life."""
+
+    async def run() -> list[str]:
+        nc = FlakyConnection()
+        q = Quotas(counters=AnsweredCounters(nc))  # type: ignore[arg-type]
+        said: list[str] = []
+
+        async def until(event: str, times: int) -> None:
+            for _ in range(2000):
+                if said.count(event) >= times:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"{event} said fewer than {times} times: {said}")
+
+        with capture_logs() as logged:
+            flusher = asyncio.create_task(q.flush_until_stopped())
+            said_so = asyncio.create_task(copy_events(logged, said))
+            for _ in range(2):
+                nc.down = True
+                q.owe("k", "d20261205", 5, 1000)
+                await until("fleet_limits_unavailable", said.count("fleet_limits_available") + 1)
+                nc.down = False
+                await until("fleet_limits_available", said.count("fleet_limits_unavailable"))
+            q._stop.set()
+            await flusher
+            said_so.cancel()
+        assert nc.totals == {"llmgw.usage.k.b.d20261205": 10}
+        return said
+
+    said = asyncio.run(run())
+    assert said == ["fleet_limits_unavailable", "fleet_limits_available"] * 2
+
+
+async def copy_events(logged: list[dict[str, Any]], said: list[str]) -> None:
+    """Keep `said` the outage lines of `logged`, in order, as they come."""
+    while True:
+        said[:] = [e["event"] for e in logged if e["event"].startswith("fleet_limits")]
+        await asyncio.sleep(0.005)
