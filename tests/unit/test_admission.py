@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
 from llmgw.core.profile import ModelProfile
-from llmgw.router import admission, aiohttp_direct, auth, holds
+from llmgw.core.tenancy import KeySettings
+from llmgw.router import admission, aiohttp_direct, auth, choice, holds
+from llmgw.router.app import Router
+from llmgw.router.config import RouterConfig
 from llmgw.router.errors import Refusal, refusal_response
 from llmgw.router.table import Catalog
 
@@ -78,6 +83,58 @@ def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:
     assert isinstance(spent, Refusal)
     assert (spent.status, spent.code) == (429, "tokens_exceeded")
     assert spent.type == "rate_limit_error"
+
+
+def test_a_key_is_refused_from_the_instant_it_expires() -> None:
+    key = auth.new_key()
+    brief = KeySettings(name="brief", expires_at=1000.0)
+    keys = auth.Keys([auth.Principal(brief, auth.digest(key), 0.0)])
+    assert isinstance(admission.authenticate(keys, f"Bearer {key}", 999.9), auth.Principal)
+    expired = admission.authenticate(keys, f"Bearer {key}", 1000.0)
+    assert isinstance(expired, Refusal)
+    assert _error(expired)["code"] == "expired_api_key"
+
+
+FALLING_BACK = (
+    ModelProfile(name="big", fallbacks=("secret", "small")),
+    ModelProfile(name="secret"),
+    ModelProfile(name="small"),
+)
+
+
+def _principal(*models: str) -> auth.Principal:
+    return auth.Principal(KeySettings(name="team", models=models), auth.digest("k"), 0.0)
+
+
+def test_a_fallback_the_key_may_not_use_is_skipped() -> None:
+    # The key asked for a model it may use; its fallbacks are checked again, each.
+    d = SimpleNamespace(catalog=Catalog(FALLING_BACK))
+    big = d.catalog.resolve("big")
+    served, skipped = choice.chain(d, big, _principal("big", "small"), "chat")  # type: ignore[arg-type]
+    assert [p.name for p in served] == ["big", "small"]
+    assert [p.name for p in skipped] == ["secret"]
+    served, skipped = choice.chain(d, big, None, "chat")  # type: ignore[arg-type]
+    assert [p.name for p in served] == ["big", "secret", "small"]
+
+
+async def test_a_key_sees_only_the_models_it_may_use() -> None:
+    router = Router(RouterConfig(models=FALLING_BACK))
+    secret = auth.new_key()
+    router.keys = auth.Keys(
+        [auth.Principal(KeySettings(name="t", models=("big",)), auth.digest(secret), 0.0)]
+    )
+    bearer = {"Authorization": f"Bearer {secret}"}
+    try:
+        listed = await router.handle_models(
+            make_mocked_request("GET", "/v1/models", headers=bearer)
+        )
+        assert [m["id"] for m in msgspec.json.decode(listed.body)["data"]] == ["big"]
+        for name, status in (("big", 200), ("secret", 404), ("nope", 404)):
+            request = make_mocked_request("GET", f"/v1/models/{name}", headers=bearer)
+            assert (await router.handle_model(request)).status == status, name
+    finally:
+        router.pool.close()
+        router.deadlines.close()
 
 
 def test_a_late_body_refusal_closes_the_connection() -> None:

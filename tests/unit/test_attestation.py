@@ -135,6 +135,8 @@ def test_an_attestation_that_does_not_hold_together_confirms_nothing() -> None:
     assert Attested.of(5, 10, [(6, 6), (6, 6)], one + "") is None  # overlapping runs
     assert Attested.of(5, 10, [(6, 6)], "not base64!") is None
     assert Attested.of(10, 5, [], "") is None
+    assert Attested.of(5, 10, [(6, 6)], one, [(11, 12)]) is None  # refused after the range
+    assert Attested.of(5, 10, [(6, 6)], one, [(8, 9), (9, 9)]) is None  # refused overlapping
     assert Attested.of(5, 10, [(6, 6)], one) is not None
 
 

@@ -275,6 +275,10 @@ def test_collections_are_bounded() -> None:
     declared["profile"]["env"] = {f"K{i}": "v" for i in range(limits.MAX_ENV + 1)}
     with pytest.raises(events.DecodeError, match="env"):
         events.decode(json.dumps(declared).encode())
+    declared["profile"]["env"] = {}
+    declared["profile"]["engine_args"] = ["--enforce-eager"] * (limits.MAX_LIST + 1)
+    with pytest.raises(events.DecodeError, match="engine_args"):
+        events.decode(json.dumps(declared).encode())
 
 
 def test_an_old_version_is_bounded_too() -> None:

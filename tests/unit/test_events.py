@@ -160,3 +160,33 @@ def test_a_node_cannot_vouch_for_another_node_or_for_the_control_plane() -> None
     retired = events.ReplicaRetired(id="x", ts=1, replica_id="r1")
     assert not events.published_where_owned(retired, "llmgw.events.node.node-a.heartbeat")
     assert events.published_where_owned(retired, "llmgw.events.control.replica_retired")
+
+
+def test_an_operator_event_is_trusted_only_under_its_own_kind_and_author() -> None:
+    cordon = events.NodeCordoned(id="c", ts=1, operator="c1", node="gpu-1")
+    assert events.published_where_owned(cordon, "llmgw.events.operator.c1.node_cordoned")
+    # Another kind's subject is not this event's, though the same operator may write both.
+    assert not events.published_where_owned(cordon, "llmgw.events.operator.c1.node_uncordoned")
+    # A control plane writes only its config file's models under its own name: a cordon
+    # in its namespace is nobody's, on a model's subject or on a cordon's.
+    for kind in ("model_declared", "node_cordoned"):
+        subject = f"llmgw.events.operator.control.c1.{kind}"
+        assert not events.published_where_owned(cordon, subject)
+    removed = events.ModelRemoved(id="m", ts=1, operator="c1", name="llama")
+    assert events.published_where_owned(removed, "llmgw.events.operator.control.c1.model_removed")
+    # Nor may one control plane name another as the author of its models.
+    assert not events.published_where_owned(
+        removed, "llmgw.events.operator.control.c2.model_removed"
+    )
+    # The shared subject without an author is what older logs hold: still read.
+    assert events.published_where_owned(cordon, "llmgw.events.operator.node_cordoned")
+
+
+@pytest.mark.parametrize("node", ["", "a.b", "gpu*", "x" * 200])
+def test_an_event_whose_ids_make_no_subject_is_trusted_on_none(node: str) -> None:
+    # Names are bounded only in length at decode: a node's id that no subject can hold
+    # must make the event untrusted wherever it was found, its writer's own subject too.
+    raw = msgspec.json.encode({"type": "node.heartbeat", "id": "h", "ts": 1.0, "node": node})
+    beat = events.decode(raw)
+    for subject in ("llmgw.events.node.a.heartbeat", f"llmgw.events.node.{node}.heartbeat"):
+        assert not events.published_where_owned(beat, subject)

@@ -125,6 +125,21 @@ def test_exact_names_in_the_config_are_admitted_patterns_never_admit_code() -> N
     assert refusal(spec("sglang", env={"LD_PRELOAD": "x"}), policy)  # listed for vllm only
 
 
+@pytest.mark.parametrize("name", ["VLLM_X=1", "VLLM_A B", "NCCL_DEBUG\n", "CUDA_\u0130"])
+def test_what_is_no_environment_name_is_refused_whatever_pattern_it_starts_with(
+    name: str,
+) -> None:
+    policy = LaunchPolicy(env_allow={"all": ("HF_*",)})
+    assert not launch_policy.env_allowed(policy, "vllm", name)
+    [reason] = refusal(spec(env={name: "1"}), policy)
+    assert "launch.env_allow" in reason
+
+
+def test_a_nul_byte_in_an_allowed_value_is_refused() -> None:
+    [reason] = refusal(spec(env={"VLLM_LOGGING_LEVEL": "IN\x00FO"}))
+    assert "VLLM_LOGGING_LEVEL has a NUL byte" in reason
+
+
 def test_without_defaults_only_the_listed_names_pass() -> None:
     policy = LaunchPolicy(defaults=False, env_allow={"vllm": ("VLLM_LOGGING_LEVEL",)})
     assert refusal(spec(env={"VLLM_LOGGING_LEVEL": "INFO"}), policy) == []

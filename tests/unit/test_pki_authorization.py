@@ -192,6 +192,10 @@ def test_render_lists_every_identity_and_the_superusers() -> None:
     assert '"NODE_n1": {' in text
     assert '"ROUTER_r1": {' in text
     assert text.count("jetstream: enabled") == 1
+    # Each user is rendered with its own permissions, and each export only to the accounts
+    # that import it.
+    assert 'subscribe: { allow: ["_INBOX.node.n1.>"] }' in text
+    assert '{ service: "llmgw.events.node.n1.>", accounts: ["NODE_n1"] }' in text
 
 
 @given(st.lists(st.tuples(st.sampled_from(KINDS), names), min_size=1, max_size=6))
@@ -201,3 +205,51 @@ def test_no_account_imports_or_exports_a_stream(ids: list[tuple[str, str]]) -> N
     text = authorization.render([Identity(k, n) for k, n in ids])  # type: ignore[arg-type]
     assert "{ stream:" not in text
     assert text.count("{ service:") >= 2 * len({(k, n) for k, n in ids})
+
+
+@given(name=names, node=names, who=st.sampled_from(["router", "operator"]))
+def test_no_reader_can_consume_a_nodes_commands(name: str, node: str, who: str) -> None:
+    perms = permissions(Identity(who, name), nodes=[node])  # type: ignore[arg-type]
+    theirs = authorization.command_consumer(node)
+    for subject in (
+        f"$JS.ACK.{STREAM}.{theirs}.1.5.5.1700000000.0",
+        f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{theirs}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.{theirs}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.{theirs}.{subjects.command(node)}",
+        f"$JS.API.CONSUMER.DELETE.{STREAM}.{theirs}",
+    ):
+        assert not may_publish(perms, subject), subject
+
+
+@given(a=names, b=names)
+def test_kv_blocks_and_load_reports_are_written_only_by_their_own_writer(a: str, b: str) -> None:
+    node, router = permissions(Identity("node", a)), permissions(Identity("router", a))
+    assert may_publish(node, subjects.kv_updates(a, "engine-1"))
+    assert may_publish(node, subjects.node_signals(a))
+    assert may_publish(router, subjects.router_signals(a, 0))
+    if a != b:
+        assert not may_publish(node, subjects.kv_updates(b, "engine-1"))
+        assert not may_publish(node, subjects.node_signals(b))
+        assert not may_publish(router, subjects.router_signals(b, 0))
+    for who in KINDS:
+        perms = permissions(Identity(who, a))  # type: ignore[arg-type]
+        assert may_publish(perms, subjects.kv_updates(a, "e")) == (who == "node"), who
+        assert may_publish(perms, subjects.node_signals(a)) == (who == "node"), who
+        assert may_publish(perms, subjects.router_signals(a, 1)) == (who == "router"), who
+
+
+@given(name=names)
+def test_the_control_plane_cannot_rewrite_remove_or_copy_out_a_stream(name: str) -> None:
+    """Not UPDATE (a republish or subject transform would write where it may not), DELETE,
+    SNAPSHOT or RESTORE (a snapshot goes to a deliver subject of the requester's choosing)."""
+    control = permissions(Identity("control", name))
+    buckets = (authorization.LEASE_BUCKET, authorization.SNAPSHOT_BUCKET)
+    streams = [STREAM, subjects.KV_STREAM, subjects.SIGNALS_STREAM, subjects.LIMITS_STREAM]
+    streams += [subjects.USAGE_STREAM, *(f"KV_{b}" for b in buckets), f"OBJ_{buckets[1]}"]
+    for stream in streams:
+        assert may_publish(control, f"$JS.API.STREAM.CREATE.{stream}")
+        for action in ("UPDATE", "DELETE", "SNAPSHOT", "RESTORE"):
+            assert not may_publish(control, f"$JS.API.STREAM.{action}.{stream}"), action
+    # Its config file's models only under its own name.
+    assert may_publish(control, subjects.control_operator_event(name, "model_declared"))
+    assert not may_publish(control, subjects.control_operator_event(f"{name}x", "model_declared"))

@@ -155,3 +155,57 @@ def test_the_other_streams_readers_decode_their_own_records_behind_the_same_chec
     feed(r, [signed_as(owner, subject, payload), signed_as(stranger, subject, payload)])
     assert [rec.event for rec in r._buf] == [record]
     assert (r.refused, r.undecodable) == (1, 1)
+
+
+def delivered(r: reader.Reader, *messages: tuple[int, int, tuple[bytes, bytes, bytes]]) -> None:
+    """Hand `r` messages as its consumer delivers them: (stream seq, delivery seq, message)."""
+    r._outstanding = len(messages) + 1
+    for seq, cseq, (subject, payload, headers) in messages:
+        r._on_raw(subject, ack(seq, cseq, 0), payload, headers)
+
+
+def test_a_lost_delivery_stops_the_reader_until_it_starts_over() -> None:
+    # Delivery 2 never came (a disconnect): what follows is not folded, or the fold would
+    # never see the event it missed; the reader starts over after the last one it has.
+    r = reader.Reader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
+    delivered(r, (1, 1, signed(shard(1))), (3, 3, signed(shard(3))), (4, 4, signed(shard(4))))
+    assert [rec.seq for rec in r._buf] == [1]
+    assert r.last_seq == 1
+    assert r._reset_needed
+
+
+def test_a_signed_event_is_refused_where_it_does_not_belong() -> None:
+    # Node a may write its own subjects, and signs there a control plane's decision and
+    # node b's heartbeat: the signature holds, the events are not trusted.
+    retired = events.ReplicaRetired(id="x", ts=1.0, replica_id="r1")
+    other = events.Heartbeat(id="hb", ts=1.0, node="b", seq=1)
+    own = subjects.node_event("a", "heartbeat")
+    r = reader.Reader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
+    feed(r, [signed_as(Identity("node", "a"), own, events.encode(e)) for e in (retired, other)])
+    assert r._buf == []
+    assert (r.refused, r.undecodable) == (0, 2)
+    assert all("does not belong on" in s.error for s in r.skipped)
+
+
+class BrokenVerifier:
+    def event_refusal(self, *args: Any, **kwargs: Any) -> str | None:
+        raise RuntimeError("verifier bug")
+
+
+def test_a_signature_that_cannot_be_checked_is_refused() -> None:
+    r = reader.Reader(_NoClient(), verifier=BrokenVerifier())  # type: ignore[arg-type]
+    feed(r, [signed(shard(1))])
+    assert r._buf == []
+    assert r.refused == 1
+    assert "could not be checked" in r.skipped[0].error
+
+
+def test_heartbeats_are_never_attested() -> None:
+    # They expire: a digest of one would be kept forever for nothing.
+    att = Attester(every=100, within_s=0.0, clock=lambda: 0.0)
+    leader = reader.Reader(_NoClient(), verifier=VERIFIER, attester=att)  # type: ignore[arg-type]
+    feed(leader, [signed(beat(1), "60s"), signed(shard(2)), signed(beat(3), "60s")])
+    assert [rec.seq for rec in leader._buf] == [1, 2, 3]
+    event = att.take(event_id="att-1", epoch=1, basis_seq=3)
+    assert event is not None
+    assert (event.first_seq, event.last_seq, event.accepted) == (2, 2, ((2, 2),))

@@ -331,3 +331,24 @@ def test_a_nodes_key_of_backslashes_is_read_one_way_and_its_start_found() -> Non
     key = "\\" * 64
     assert most_readings(key, "\\" * 63 + "#") == 1
     assert without_key("\\" * 63 + "#", key) == KEY_MARK + "#"
+
+
+def test_a_key_cut_short_goes_to_where_it_was_cut() -> None:
+    # Past its first FRAGMENT characters too: as they are, and as JSON escapes.
+    key = "sk-live-0123456789abcdef"
+    assert without_key("header 'sk-live-0123456789ab", key) == f"header '{KEY_MARK}"
+    escaped = '"\\u0073k-live-\\u00301234567"'
+    assert without_key(escaped, key) == f'"{KEY_MARK}"'
+
+
+def test_a_key_repeated_past_the_places_looked_at_goes_with_the_rest() -> None:
+    key = "sk-live-0123456789"
+    out = without_key(" ".join([key] * 150) + " tail", key)
+    assert not found(key[:FRAGMENT], unmarked(out))
+
+
+def test_a_key_in_another_letter_case_and_in_json_escapes_never_survives() -> None:
+    # Both at once: the escapes of the lower-case letters of an upper-case key.
+    key = "SK-LIVE-ABCDEFGH"
+    body = '{"error": "bad header \\u0073\\u006b-live-\\u0061bcdefgh"}'
+    assert json.loads(without_key(body, key)) == {"error": f"bad header {KEY_MARK}"}

@@ -84,6 +84,16 @@ def test_valid_header_names_are_echoed_once_in_lower_case(names: list[str]) -> N
     )
 
 
+def test_a_preflight_may_ask_for_as_many_headers_as_the_bound_and_no_more() -> None:
+    names = [f"x-h{i}" for i in range(cors.MAX_REQUESTED_HEADERS + 1)]
+    allowed = cors.preflight_headers("POST", ",".join(names[:-1]))
+    assert not isinstance(allowed, Refusal)
+    assert allowed["Access-Control-Allow-Headers"].split(", ") == names[:-1]
+    refused = cors.preflight_headers("POST", ",".join(names))
+    assert isinstance(refused, Refusal)
+    assert (refused.status, refused.code) == (400, "bad_preflight")
+
+
 @given(
     st.one_of(
         st.text(max_size=3000),

@@ -15,14 +15,17 @@ import time
 
 import msgspec
 import pytest
-from cryptography.hazmat.primitives import serialization
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.bus import headers, lease, reader, snapshots
 from llmgw.core import events
 from llmgw.pki import signing
-from llmgw.pki.ca import CertificateAuthority
+from llmgw.pki.ca import CertificateAuthority, identity_name
 from llmgw.pki.identity import Identity
 
 NOW = dt.datetime.now(dt.UTC)
@@ -75,6 +78,13 @@ def subjects_and_owners() -> st.SearchStrategy[tuple[str, frozenset[Identity]]]:
         owners = frozenset(i for i in IDENTITIES if i.kind in ("operator", "control"))
         return f"llmgw.events.operator.{k}", owners
 
+    def own_kv_blocks(n: str) -> tuple[str, frozenset[Identity]]:
+        return f"llmgw.kv.{n}.engine-1", frozenset({Identity("node", n)})
+
+    def own_load_reports(kind: str, n: str) -> tuple[str, frozenset[Identity]]:
+        worker = ".w0" if kind == "router" else ""
+        return f"llmgw.signals.{kind}.{n}{worker}", frozenset({Identity(kind, n)})  # type: ignore[arg-type]
+
     def nobody(tail: str) -> tuple[str, frozenset[Identity]]:
         return tail, frozenset()
 
@@ -82,6 +92,8 @@ def subjects_and_owners() -> st.SearchStrategy[tuple[str, frozenset[Identity]]]:
         st.builds(node, name, kind),
         kind.map(lambda k: (f"llmgw.events.control.{k}", ANY_CONTROL)),
         name.map(lambda n: (f"llmgw.cmd.{n}", ANY_CONTROL)),
+        st.builds(own_kv_blocks, name),
+        st.builds(own_load_reports, st.sampled_from(("node", "router")), name),
         st.builds(operator, name, kind),
         st.builds(config_models, name, kind),
         kind.map(legacy_operator),
@@ -95,6 +107,10 @@ def subjects_and_owners() -> st.SearchStrategy[tuple[str, frozenset[Identity]]]:
                 "llmgw.events.operator.a.b.c.d",
                 "other.events.node.a.heartbeat",
                 "llmgw..node.a.heartbeat",
+                "llmgw.events.control.",
+                "llmgw.cmd.",
+                "llmgw.kv.a.",
+                "llmgw.signals.node.",
             )
         ).map(nobody),
     )
@@ -206,9 +222,56 @@ def test_the_server_certificate_does_not_sign_events() -> None:
 def test_a_message_outside_its_certificates_validity_is_refused() -> None:
     subject, msg_id, payload, sig, cert = signed_parts(SIGNERS[Identity("node", "a")])
     later = NOW.timestamp() + 400 * 86400  # client certificates last 365 days
-    verdict = VERIFIER.event_refusal(subject, msg_id, payload, sig, cert, seq=1, when=later)
+    earlier = NOW.timestamp() - 86400  # stored before the certificate was issued
+    for when in (later, earlier):
+        verdict = VERIFIER.event_refusal(subject, msg_id, payload, sig, cert, seq=1, when=when)
+        assert verdict is not None
+        assert "not valid at" in verdict
+
+
+def issued_by_the_fleet_ca(
+    identity: Identity, *, ca: bool, usages: list[x509.ObjectIdentifier]
+) -> signing.Signer:
+    """A signer whose certificate the fleet's CA signed, names an llmgw identity and is
+    otherwise as given: what `llmgw ctl cert` never issues, but a stolen CA key could."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(identity_name(identity))
+        .issuer_name(CA.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(NOW - dt.timedelta(hours=1))
+        .not_valid_after(NOW + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .sign(CA.key, hashes.SHA256())
+    )
+    return signing.Signer(key, cert)
+
+
+def test_only_a_client_certificate_that_is_no_ca_signs_events() -> None:
+    node_a = Identity("node", "a")
+    client = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    a_ca = issued_by_the_fleet_ca(node_a, ca=True, usages=client)
+    verdict = refusal(*signed_parts(a_ca))
     assert verdict is not None
-    assert "not valid at" in verdict
+    assert "a CA certificate does not sign" in verdict
+    a_server = issued_by_the_fleet_ca(node_a, ca=False, usages=[ExtendedKeyUsageOID.SERVER_AUTH])
+    verdict = refusal(*signed_parts(a_server))
+    assert verdict is not None
+    assert "no clientAuth usage" in verdict
+    # The same certificate as a client's signs.
+    assert refusal(*signed_parts(issued_by_the_fleet_ca(node_a, ca=False, usages=client))) is None
+
+
+def test_a_signing_key_of_another_certificate_is_refused_naming_the_files() -> None:
+    a, b = (
+        CA.issue_client(Identity("node", "a"), now=NOW),
+        CA.issue_client(Identity("node", "b"), now=NOW),
+    )
+    with pytest.raises(ValueError, match="does not belong to the certificate"):
+        signing.Signer.from_pem(a.cert_pem, b.key_pem)
 
 
 def test_unsigned_events_are_accepted_only_up_to_the_cut_over() -> None:
