@@ -13,7 +13,8 @@ template renders, so the router must tokenize the same way to predict a cache hi
 `for_profile` finds the right one for a model: the profile's `tokenizer` (a file or a
 directory on the router's host), else the model's own directory when `model` is a local
 path, else the sim's for sim models. Tokenizers are loaded once per path and engine
-(SGLang joins a message's text parts its own way: `turns.of_chat`).
+(SGLang joins a message's text parts, and turns the Messages and Responses APIs into a
+chat, its own way: `turns.of_chat`, `llmgw.router.sglang_turns`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ of llmgw.router.prompts) by its turns: a chat's messages, and the conversation t
 API (`/v1/messages`) and the Responses API (`/v1/responses`) carry in their own shapes,
 read here in the order an engine renders them. vLLM turns both into a chat request and
 renders it with the model's chat template, and `llmgw sim` frames them as chat messages:
-so equal turns, whatever the API, are an equal prompt and hash alike.
+so equal turns, whatever the API, are an equal prompt and hash alike. SGLang turns them
+into a chat request too, its own way (`of_body`'s second turns, read from SGLang 0.5.23's
+Anthropic adapter and Responses serving): the router tokenizes an SGLang model's prompt
+by those.
 
 Only text is read; what else a conversation holds contributes nothing, the same way
 whatever the body: images (an engine's placeholder tokens the router cannot know), the
@@ -24,6 +27,8 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol, TypeAlias
 
 import msgspec
+
+from llmgw.router import sglang_turns
 
 Turns: TypeAlias = tuple[tuple[str, str], ...]
 """(role, text) one a message, in the order the engine renders them."""
@@ -46,11 +51,15 @@ class _Turn(msgspec.Struct):
 
 
 class _Item(msgspec.Struct):
-    """A Responses API input item; a message without `type` is one (an easy input message)."""
+    """A Responses API input item; a message without `type` is one (an easy input message).
+    `phase` and `summary` are kept raw: only SGLang's rendering reads them, and a shape the
+    router does not know there must not cost the whole body its turns."""
 
     type: str = "message"
     role: str = ""
     content: Content = None
+    phase: msgspec.Raw = msgspec.Raw()
+    summary: msgspec.Raw = msgspec.Raw()
 
 
 RESPONSE_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -166,35 +175,40 @@ _BODIES: dict[str, msgspec.json.Decoder[_MessagesBody | _ResponsesBody]] = {
 }
 
 
-def of_body(kind: str, body: bytes) -> Turns:
+def of_body(kind: str, body: bytes) -> tuple[Turns, Turns]:
     """The turns of a body of API `kind` (`messages` or `responses`), one the router has
-    decoded already (as `llmgw.router.requests.parse` does); none for another API."""
+    decoded already (as `llmgw.router.requests.parse` does), as vLLM (and the sim) renders
+    them, and as SGLang does where that differs (else none); none for another API."""
     decoder = _BODIES.get(kind)
     try:
         got = decoder.decode(body) if decoder is not None else None
     except _UNREADABLE:
-        return ()
+        return (), ()
     if isinstance(got, _MessagesBody):
         return _of_messages(got.system, got.messages)
     if isinstance(got, _ResponsesBody) and not any(
         given(stored) for stored in (got.previous_response_id, got.conversation, got.prompt)
     ):
         return _of_responses(got.instructions, got.input)
-    return ()
+    return (), ()
 
 
-def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> Turns:
+def _differing(vllm: Turns, sglang: Turns) -> tuple[Turns, Turns]:
+    return vllm, (sglang if sglang != vllm else ())
+
+
+def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> tuple[Turns, Turns]:
     """A Messages API body's turns: its `system` (a string or text blocks) as a system turn
-    when it has one, then each message's that vLLM renders."""
+    when it has one, then each message's that vLLM renders; and as SGLang renders them."""
     try:
         said = _MESSAGES.decode(messages) if given(messages) else []
         first = _SYSTEM.decode(system) if given(system) else ""
     except _UNREADABLE:
-        return ()
+        return (), ()
     # vLLM concatenates the system blocks, and joins a message's text blocks as a chat's.
     turns = [("system", content_text(first, MESSAGES_TEXT, ""))] if first else []
     turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said if _rendered(m))
-    return tuple(turns)
+    return _differing(tuple(turns), sglang_turns.of_messages(first, said))
 
 
 def _rendered(message: _Turn) -> bool:
@@ -207,15 +221,15 @@ def _rendered(message: _Turn) -> bool:
     ) or bool(content_text(message.content, MESSAGES_TEXT))
 
 
-def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> Turns:
+def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> tuple[Turns, Turns]:
     """A Responses API body's turns: its `instructions` as a system turn when it has any,
     then its `input`: a string as one user turn, or its messages' (items of other types,
-    or of another role, add none)."""
+    or of another role, add none); and as SGLang renders them."""
     try:
         said = _INPUT.decode(given_input) if given(given_input) else []
         first = _INSTRUCTIONS.decode(instructions) if given(instructions) else None
     except _UNREADABLE:
-        return ()
+        return (), ()
     turns = [("system", first)] if first else []
     if isinstance(said, str):
         turns.append(("user", said))
@@ -225,4 +239,4 @@ def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> Turns:
             for item in said
             if item.type == "message" and item.role in RESPONSE_ROLES
         )
-    return tuple(turns)
+    return _differing(tuple(turns), sglang_turns.of_responses(first, said))
