@@ -1,0 +1,95 @@
+"""The real llama-server has a route for exactly the APIs `apis.SERVED` says it serves.
+
+The router refuses, with a 400, an API the model's engine does not serve, and relays the
+rest: a table that says less than the engine serves refuses what it would answer, one that
+says more relays to its 404. Here a real llama-server (SmolLM2-135M on the CPU, no
+`--embeddings` or `--reranking`, so those two answer 501 "start it with ..." from routes
+that exist) is asked each path the router relays to: llama-server answers a path it has
+no route for with 404 "File Not Found".
+
+Needs the binary and the model as tests/e2e/test_llamacpp.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from llmgw.router import apis
+from llmgw.router.requests import Kind
+from tests.e2e.llama_kit import GGUF, LLAMA_SERVER, NEEDS_LLAMA_SERVER
+
+pytestmark = NEEDS_LLAMA_SERVER
+READY_WITHIN_S = 120.0
+"""Generous: it is ready in well under a second here, on a loaded machine much later."""
+TALK = [{"role": "user", "content": "hi"}]
+BODIES: dict[Kind, dict[str, object]] = {
+    "chat": {"messages": TALK, "max_tokens": 1},
+    "completions": {"prompt": "hi", "max_tokens": 1},
+    "embeddings": {"input": "hi"},
+    "responses": {"input": "hi", "max_output_tokens": 1},
+    "messages": {"messages": TALK, "max_tokens": 1},
+    "count_tokens": {"messages": TALK},
+    "tokenize": {"content": "hi"},
+    "detokenize": {"tokens": [1]},
+    "rerank": {"query": "q", "documents": ["a"]},
+    "score": {"text_1": "a", "text_2": ["b"]},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> Iterator[str]:
+    assert LLAMA_SERVER is not None
+    assert GGUF is not None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [LLAMA_SERVER, "-m", GGUF, "--alias", "smol", "--host", "127.0.0.1",
+            "--port", str(port), "-c", "1024", "-np", "1", "-t", "1", "--no-webui"]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + READY_WITHIN_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"llama-server exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+    pytest.fail(f"llama-server was not ready within {READY_WITHIN_S} s")
+
+
+def _post(url: str, body: dict[str, object]) -> tuple[int, str]:
+    data = json.dumps({"model": "smol", **body}).encode()
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.parametrize("kind", sorted(apis.UPSTREAM))
+def test_llama_server_has_a_route_for_an_api_exactly_when_the_router_relays_it(
+    llama_server: str, kind: Kind
+) -> None:
+    status, body = _post(llama_server + apis.UPSTREAM[kind], BODIES[kind])
+    has_route = not (status == 404 and "File Not Found" in body)
+    assert has_route is (kind in apis.SERVED["llamacpp"]), (status, body[:200])
