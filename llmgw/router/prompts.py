@@ -29,7 +29,7 @@ from llmgw.core import simtokens as sim_tokens
 from llmgw.core.profile import Engine, ModelProfile
 from llmgw.core.promptkeys import PromptTokens, SegmentCache
 from llmgw.router.requests import Parsed
-from llmgw.router.turns import chat_text_length
+from llmgw.router.turns import Turns, chat_text_length, worked_out
 
 log = logs.get("llmgw.router")
 
@@ -211,7 +211,7 @@ class HfPrompts:
                 return None
             messages: list[dict[str, str]] = []
             room, cut, covered = max_chars, False, 0  # covered: of the chat's `text`
-            for role, content in (self._sglang and parsed.sglang_chat) or parsed.chat:
+            for role, content in self._turns(parsed):
                 if len(messages) == MAX_MESSAGES:
                     cut = True
                     break
@@ -240,6 +240,12 @@ class HfPrompts:
                 return self._encode(text, True, False, 0)
             return self._encode(text[:max_chars], True, True, max_chars)
         return None
+
+    def _turns(self, parsed: Parsed) -> Turns:
+        """The turns the engine renders: SGLang's own where they differ from vLLM's."""
+        if not self._sglang:
+            return parsed.chat
+        return worked_out(parsed.sglang_chat) or parsed.chat
 
     def _encode(
         self, text: str, specials: bool, cut: bool, stands_for: int

@@ -170,8 +170,9 @@ class Parsed(msgspec.Struct):
     turns (llmgw.router.turns), when the text is wanted: what a chat template renders
     (llmgw.router.prompts). `text` is then each role, a newline, its content and a
     newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
-    sglang_chat: Turns = ()
-    """The turns as SGLang renders them, where they differ (`turns.of_chat`, `of_body`)."""
+    sglang_chat: Turns | turns.Later = ()
+    """A chat's turns as SGLang renders them, where they differ (`turns.of_chat`); of the
+    Messages and Responses APIs, what returns them, asked for an SGLang model only."""
     max_out: int | None = 0
     """The most tokens each answer may generate, as the body says (None: it says none; 0:
     an API that generates none)."""

@@ -6,7 +6,7 @@ API (`/v1/messages`) and the Responses API (`/v1/responses`) carry in their own 
 read here in the order an engine renders them. vLLM turns both into a chat request and
 renders it with the model's chat template, and `llmgw sim` frames them as chat messages:
 so equal turns, whatever the API, are an equal prompt and hash alike. SGLang turns them
-into a chat request too, its own way (`of_body`'s second turns, read from SGLang 0.5.23's
+into a chat request too, its own way (`of_body`'s later turns, read from SGLang 0.5.23's
 Anthropic adapter and Responses serving): the router tokenizes an SGLang model's prompt
 by those.
 
@@ -23,8 +23,8 @@ routed as before, never refused (the engine says what it accepts).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Protocol, TypeAlias
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeAlias
 
 import msgspec
 
@@ -32,6 +32,22 @@ from llmgw.router import sglang_turns
 
 Turns: TypeAlias = tuple[tuple[str, str], ...]
 """(role, text) one a message, in the order the engine renders them."""
+
+
+class Later(msgspec.Struct, frozen=True):
+    """Turns worked out when asked for, by a model whose engine renders them so: equal
+    when worked out the same way of equal parts, as a parsed request is equal to itself."""
+
+    render: Callable[..., Turns]
+    parts: tuple[Any, ...] = ()
+
+    def __call__(self) -> Turns:
+        return self.render(*self.parts)
+
+
+def worked_out(turns: Turns | Later) -> Turns:
+    """`turns`, worked out now if they were left for later."""
+    return turns() if isinstance(turns, Later) else turns
 
 
 class Part(msgspec.Struct):
@@ -175,40 +191,44 @@ _BODIES: dict[str, msgspec.json.Decoder[_MessagesBody | _ResponsesBody]] = {
 }
 
 
-def of_body(kind: str, body: bytes) -> tuple[Turns, Turns]:
+def of_body(kind: str, body: bytes) -> tuple[Turns, Later]:
     """The turns of a body of API `kind` (`messages` or `responses`), one the router has
     decoded already (as `llmgw.router.requests.parse` does), as vLLM (and the sim) renders
-    them, and as SGLang does where that differs (else none); none for another API."""
+    them; none for another API. And the function that returns them as SGLang renders them:
+    asked for an SGLang model only, as they cost a third as much again to work out."""
     decoder = _BODIES.get(kind)
     try:
         got = decoder.decode(body) if decoder is not None else None
     except _UNREADABLE:
-        return (), ()
+        return (), NONE
     if isinstance(got, _MessagesBody):
         return _of_messages(got.system, got.messages)
     if isinstance(got, _ResponsesBody) and not any(
         given(stored) for stored in (got.previous_response_id, got.conversation, got.prompt)
     ):
         return _of_responses(got.instructions, got.input)
-    return (), ()
+    return (), NONE
 
 
-def _differing(vllm: Turns, sglang: Turns) -> tuple[Turns, Turns]:
-    return vllm, (sglang if sglang != vllm else ())
+def _none() -> Turns:
+    return ()
 
 
-def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> tuple[Turns, Turns]:
+NONE = Later(_none)
+
+
+def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> tuple[Turns, Later]:
     """A Messages API body's turns: its `system` (a string or text blocks) as a system turn
     when it has one, then each message's that vLLM renders; and as SGLang renders them."""
     try:
         said = _MESSAGES.decode(messages) if given(messages) else []
         first = _SYSTEM.decode(system) if given(system) else ""
     except _UNREADABLE:
-        return (), ()
+        return (), NONE
     # vLLM concatenates the system blocks, and joins a message's text blocks as a chat's.
     turns = [("system", content_text(first, MESSAGES_TEXT, ""))] if first else []
     turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said if _rendered(m))
-    return _differing(tuple(turns), sglang_turns.of_messages(first, said))
+    return tuple(turns), Later(sglang_turns.of_messages, (first, said))
 
 
 def _rendered(message: _Turn) -> bool:
@@ -221,7 +241,7 @@ def _rendered(message: _Turn) -> bool:
     ) or bool(content_text(message.content, MESSAGES_TEXT))
 
 
-def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> tuple[Turns, Turns]:
+def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> tuple[Turns, Later]:
     """A Responses API body's turns: its `instructions` as a system turn when it has any,
     then its `input`: a string as one user turn, or its messages' (items of other types,
     or of another role, add none); and as SGLang renders them."""
@@ -229,7 +249,7 @@ def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> tuple[
         said = _INPUT.decode(given_input) if given(given_input) else []
         first = _INSTRUCTIONS.decode(instructions) if given(instructions) else None
     except _UNREADABLE:
-        return (), ()
+        return (), NONE
     turns = [("system", first)] if first else []
     if isinstance(said, str):
         turns.append(("user", said))
@@ -239,4 +259,4 @@ def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> tuple[
             for item in said
             if item.type == "message" and item.role in RESPONSE_ROLES
         )
-    return _differing(tuple(turns), sglang_turns.of_responses(first, said))
+    return tuple(turns), Later(sglang_turns.of_responses, (first, said))

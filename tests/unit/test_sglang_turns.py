@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from llmgw.router import requests, turns
+from llmgw.router import requests, sglang_turns, turns
 
 LABEL = "Developer instructions:"
 
@@ -171,11 +172,11 @@ def _flattened(msg: dict[str, Any]) -> tuple[str, str]:
     return msg["role"], content or ""
 
 
-def sglang_turns(kind: str, body: dict[str, Any]) -> turns.Turns:
-    """The router's turns for an SGLang model: SGLang's where they differ from vLLM's (a
-    chat of none, which SGLang refuses to render, is keyed by vLLM's)."""
+def keyed_for_sglang(kind: str, body: dict[str, Any]) -> turns.Turns:
+    """The router's turns for an SGLang model: SGLang's (a chat of none, which SGLang
+    refuses to render, is keyed by vLLM's)."""
     vllm, sglang = turns.of_body(kind, json.dumps(body).encode())
-    return sglang or vllm
+    return sglang() or vllm
 
 
 text = st.text(st.sampled_from("ab \n"), max_size=4)
@@ -215,7 +216,7 @@ def messages_bodies(block: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrate
 def test_a_messages_body_is_keyed_as_sglang_renders_it(body: dict[str, Any]) -> None:
     expected = tuple(_flattened(m) for m in _anthropic_chat(body))
     assume(expected)
-    assert sglang_turns("messages", body) == expected
+    assert keyed_for_sglang("messages", body) == expected
 
 
 def _before_tools(body: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +237,7 @@ def test_a_messages_body_with_tools_is_keyed_exactly_up_to_its_first_tool_block(
     body: dict[str, Any],
 ) -> None:
     exact = tuple(_flattened(m) for m in _anthropic_chat(_before_tools(body)))
-    assert sglang_turns("messages", body)[: len(exact)] == exact
+    assert keyed_for_sglang("messages", body)[: len(exact)] == exact
 
 
 parts = st.one_of(
@@ -281,15 +282,35 @@ responses_bodies = st.builds(
 def test_a_responses_body_is_keyed_as_sglang_renders_it(body: dict[str, Any]) -> None:
     expected = tuple(_flattened(m) for m in _responses_chat(body))
     assume(expected)
-    assert sglang_turns("responses", body) == expected
+    assert keyed_for_sglang("responses", body) == expected
 
 
-def test_the_parsed_request_carries_sglangs_turns_where_they_differ_from_vllms() -> None:
+def test_the_parsed_request_carries_sglangs_turns_for_an_sglang_model_to_ask_for() -> None:
     body = {"model": "m", "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}]}  # fmt: skip
     parsed = requests.parse("responses", json.dumps(body).encode(), want_text=True)
     assert parsed.chat == (("user", "a\nb"),)
-    assert parsed.sglang_chat == (("user", "a b"),)
+    assert isinstance(parsed.sglang_chat, turns.Later)
+    assert parsed.sglang_chat() == (("user", "a b"),)
     plain = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     parsed = requests.parse("messages", json.dumps(plain).encode(), want_text=True)
-    assert (parsed.chat, parsed.sglang_chat) == ((("user", "hi"),), ())
+    assert isinstance(parsed.sglang_chat, turns.Later)
+    assert parsed.chat == parsed.sglang_chat() == (("user", "hi"),)
+
+
+def test_sglangs_turns_are_worked_out_only_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Parsing runs for every request on the router's loop, whatever the model's engine:
+    # SGLang's rendering (a third as much work again) waits for an SGLang model to ask.
+    asked: list[str] = []
+    real = sglang_turns.of_messages
+
+    def counted(*parts: Any) -> turns.Turns:
+        asked.append("of_messages")
+        return real(*parts)
+
+    monkeypatch.setattr(sglang_turns, "of_messages", counted)
+    plain = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    parsed = requests.parse("messages", json.dumps(plain).encode(), want_text=True)
+    assert asked == []
+    assert turns.worked_out(parsed.sglang_chat) == (("user", "hi"),)
+    assert asked == ["of_messages"]
