@@ -135,7 +135,7 @@ class HfPrompts:
             raise TokenizerFilesError(f"{tokenizer_file} is not a tokenizer: {exc}") from None
         self._template: Any = None
         self._specials = specials
-        self._sglang = engine == "sglang"  # which joins a message's parts its own way
+        self._engine = engine  # SGLang and llama-server render some turns their own way
         if template:
             import jinja2.sandbox
 
@@ -242,10 +242,13 @@ class HfPrompts:
         return None
 
     def _turns(self, parsed: Parsed) -> Turns:
-        """The turns the engine renders: SGLang's own where they differ from vLLM's."""
-        if not self._sglang:
-            return parsed.chat
-        return worked_out(parsed.sglang_chat) or parsed.chat
+        """The turns the engine renders: SGLang's or llama-server's own where they differ
+        from vLLM's."""
+        if self._engine == "sglang":
+            return worked_out(parsed.sglang_chat) or parsed.chat
+        if self._engine == "llamacpp":
+            return parsed.llamacpp_chat or parsed.chat
+        return parsed.chat
 
     def _encode(
         self, text: str, specials: bool, cut: bool, stands_for: int

@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeAlias
 
 import msgspec
 
-from llmgw.router import sglang_turns
+from llmgw.router import llama_turns, sglang_turns
 
 Turns: TypeAlias = tuple[tuple[str, str], ...]
 """(role, text) one a message, in the order the engine renders them."""
@@ -191,23 +191,25 @@ _BODIES: dict[str, msgspec.json.Decoder[_MessagesBody | _ResponsesBody]] = {
 }
 
 
-def of_body(kind: str, body: bytes) -> tuple[Turns, Later]:
+def of_body(kind: str, body: bytes) -> tuple[Turns, Later, Turns]:
     """The turns of a body of API `kind` (`messages` or `responses`), one the router has
     decoded already (as `llmgw.router.requests.parse` does), as vLLM (and the sim) renders
-    them; none for another API. And the function that returns them as SGLang renders them:
-    asked for an SGLang model only, as they cost a third as much again to work out."""
+    them; none for another API. And the function that returns them as SGLang renders them
+    (asked for an SGLang model only, as they cost a third as much again to work out), and
+    the turns llama-server renders where they differ from vLLM's (`llama_turns`; else
+    none)."""
     decoder = _BODIES.get(kind)
     try:
         got = decoder.decode(body) if decoder is not None else None
     except _UNREADABLE:
-        return (), NONE
+        return (), NONE, ()
     if isinstance(got, _MessagesBody):
         return _of_messages(got.system, got.messages)
     if isinstance(got, _ResponsesBody) and not any(
         given(stored) for stored in (got.previous_response_id, got.conversation, got.prompt)
     ):
-        return _of_responses(got.instructions, got.input)
-    return (), NONE
+        return (*_of_responses(got.instructions, got.input), ())
+    return (), NONE, ()
 
 
 def _none() -> Turns:
@@ -217,18 +219,27 @@ def _none() -> Turns:
 NONE = Later(_none)
 
 
-def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> tuple[Turns, Later]:
+def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> tuple[Turns, Later, Turns]:
     """A Messages API body's turns: its `system` (a string or text blocks) as a system turn
-    when it has one, then each message's that vLLM renders; and as SGLang renders them."""
+    when it has one, then each message's that vLLM renders; as SGLang renders them; and as
+    llama-server does, where its system differs."""
     try:
         said = _MESSAGES.decode(messages) if given(messages) else []
         first = _SYSTEM.decode(system) if given(system) else ""
     except _UNREADABLE:
-        return (), NONE
+        return (), NONE, ()
     # vLLM concatenates the system blocks, and joins a message's text blocks as a chat's.
     turns = [("system", content_text(first, MESSAGES_TEXT, ""))] if first else []
     turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said if _rendered(m))
-    return tuple(turns), Later(sglang_turns.of_messages, (first, said))
+    later = Later(sglang_turns.of_messages, (first, said))
+    llama_first = llama_turns.system(first)
+    if llama_first == first:
+        return tuple(turns), later, ()
+    return (
+        tuple(turns),
+        later,
+        (("system", content_text(llama_first, MESSAGES_TEXT, "")), *turns[1:]),
+    )
 
 
 def _rendered(message: _Turn) -> bool:

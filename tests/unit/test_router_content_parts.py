@@ -199,5 +199,5 @@ def test_a_conversation_nested_past_what_msgspec_decodes_has_no_turns(
         "part": b'[{"role":"user","content":[{"type":"text","text":"x","more":' + deep + b"}]}]",
     }[where]
     member = b'"input"' if kind == "responses" else b'"messages"'
-    vllm, sglang = turns.of_body(kind, b'{"model":"m",' + member + b":" + item + b"}")
-    assert vllm == sglang() == ()
+    vllm, sglang, llama = turns.of_body(kind, b'{"model":"m",' + member + b":" + item + b"}")
+    assert vllm == sglang() == llama == ()

@@ -175,7 +175,7 @@ def _flattened(msg: dict[str, Any]) -> tuple[str, str]:
 def keyed_for_sglang(kind: str, body: dict[str, Any]) -> turns.Turns:
     """The router's turns for an SGLang model: SGLang's (a chat of none, which SGLang
     refuses to render, is keyed by vLLM's)."""
-    vllm, sglang = turns.of_body(kind, json.dumps(body).encode())
+    vllm, sglang, _ = turns.of_body(kind, json.dumps(body).encode())
     return sglang() or vllm
 
 
