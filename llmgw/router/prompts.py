@@ -13,7 +13,8 @@ template renders, so the router must tokenize the same way to predict a cache hi
 `for_profile` finds the right one for a model: the profile's `tokenizer` (a file or a
 directory on the router's host), else the model's own directory when `model` is a local
 path, else the sim's for sim models. Tokenizers are loaded once per path and engine
-(SGLang joins a message's text parts its own way: `turns.of_chat`).
+(SGLang joins a message's text parts, and turns the Messages and Responses APIs into a
+chat, its own way: `turns.of_chat`, `llmgw.router.sglang_turns`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from llmgw.core import simtokens as sim_tokens
 from llmgw.core.profile import Engine, ModelProfile
 from llmgw.core.promptkeys import PromptTokens, SegmentCache
 from llmgw.router.requests import Parsed
-from llmgw.router.turns import chat_text_length
+from llmgw.router.turns import Turns, chat_text_length, worked_out
 
 log = logs.get("llmgw.router")
 
@@ -134,7 +135,7 @@ class HfPrompts:
             raise TokenizerFilesError(f"{tokenizer_file} is not a tokenizer: {exc}") from None
         self._template: Any = None
         self._specials = specials
-        self._sglang = engine == "sglang"  # which joins a message's parts its own way
+        self._engine = engine  # SGLang and llama-server render some turns their own way
         if template:
             import jinja2.sandbox
 
@@ -210,7 +211,7 @@ class HfPrompts:
                 return None
             messages: list[dict[str, str]] = []
             room, cut, covered = max_chars, False, 0  # covered: of the chat's `text`
-            for role, content in (self._sglang and parsed.sglang_chat) or parsed.chat:
+            for role, content in self._turns(parsed):
                 if len(messages) == MAX_MESSAGES:
                     cut = True
                     break
@@ -239,6 +240,15 @@ class HfPrompts:
                 return self._encode(text, True, False, 0)
             return self._encode(text[:max_chars], True, True, max_chars)
         return None
+
+    def _turns(self, parsed: Parsed) -> Turns:
+        """The turns the engine renders: SGLang's or llama-server's own where they differ
+        from vLLM's."""
+        if self._engine == "sglang":
+            return worked_out(parsed.sglang_chat) or parsed.chat
+        if self._engine == "llamacpp":
+            return parsed.llamacpp_chat or parsed.chat
+        return parsed.chat
 
     def _encode(
         self, text: str, specials: bool, cut: bool, stands_for: int

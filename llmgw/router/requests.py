@@ -170,8 +170,11 @@ class Parsed(msgspec.Struct):
     turns (llmgw.router.turns), when the text is wanted: what a chat template renders
     (llmgw.router.prompts). `text` is then each role, a newline, its content and a
     newline, one after another (llmgw.core.prefix.ChatHashes relies on it)."""
-    sglang_chat: Turns = ()
-    """A chat's turns as SGLang renders them, where they differ (`turns.of_chat`)."""
+    sglang_chat: Turns | turns.Later = ()
+    """A chat's turns as SGLang renders them, where they differ (`turns.of_chat`); of the
+    Messages and Responses APIs, what returns them, asked for an SGLang model only."""
+    llamacpp_chat: Turns = ()
+    """The turns as llama-server renders them, where they differ (`turns.of_body`)."""
     max_out: int | None = 0
     """The most tokens each answer may generate, as the body says (None: it says none; 0:
     an API that generates none)."""
@@ -245,9 +248,10 @@ def _other(kind: Kind, req: OtherBody, body: bytes, want_text: bool) -> Parsed:
     # Each API obeys its own field, whatever else a client adds.
     messages = kind == "messages"
     out = _largest(req.max_tokens if messages else req.max_output_tokens)
-    chat = turns.of_body(kind, body) if want_text else ()
+    chat, sglang, llama = turns.of_body(kind, body) if want_text else ((), (), ())
     return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
-                  text=chat_text(chat), chat=chat, priority=bool(req.priority),
+                  text=chat_text(chat), chat=chat, sglang_chat=sglang, llamacpp_chat=llama,
+                  priority=bool(req.priority),
                   cache_salt=_salt_text(req.cache_salt),
                   max_out=out if kind in GENERATES else 0,
                   max_field="max_tokens" if messages else "max_output_tokens")  # fmt: skip

@@ -5,7 +5,10 @@ of llmgw.router.prompts) by its turns: a chat's messages, and the conversation t
 API (`/v1/messages`) and the Responses API (`/v1/responses`) carry in their own shapes,
 read here in the order an engine renders them. vLLM turns both into a chat request and
 renders it with the model's chat template, and `llmgw sim` frames them as chat messages:
-so equal turns, whatever the API, are an equal prompt and hash alike.
+so equal turns, whatever the API, are an equal prompt and hash alike. SGLang turns them
+into a chat request too, its own way (`of_body`'s later turns, read from SGLang 0.5.23's
+Anthropic adapter and Responses serving): the router tokenizes an SGLang model's prompt
+by those.
 
 Only text is read; what else a conversation holds contributes nothing, the same way
 whatever the body: images (an engine's placeholder tokens the router cannot know), the
@@ -20,13 +23,31 @@ routed as before, never refused (the engine says what it accepts).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Protocol, TypeAlias
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeAlias
 
 import msgspec
 
+from llmgw.router import llama_turns, sglang_turns
+
 Turns: TypeAlias = tuple[tuple[str, str], ...]
 """(role, text) one a message, in the order the engine renders them."""
+
+
+class Later(msgspec.Struct, frozen=True):
+    """Turns worked out when asked for, by a model whose engine renders them so: equal
+    when worked out the same way of equal parts, as a parsed request is equal to itself."""
+
+    render: Callable[..., Turns]
+    parts: tuple[Any, ...] = ()
+
+    def __call__(self) -> Turns:
+        return self.render(*self.parts)
+
+
+def worked_out(turns: Turns | Later) -> Turns:
+    """`turns`, worked out now if they were left for later."""
+    return turns() if isinstance(turns, Later) else turns
 
 
 class Part(msgspec.Struct):
@@ -46,11 +67,15 @@ class _Turn(msgspec.Struct):
 
 
 class _Item(msgspec.Struct):
-    """A Responses API input item; a message without `type` is one (an easy input message)."""
+    """A Responses API input item; a message without `type` is one (an easy input message).
+    `phase` and `summary` are kept raw: only SGLang's rendering reads them, and a shape the
+    router does not know there must not cost the whole body its turns."""
 
     type: str = "message"
     role: str = ""
     content: Content = None
+    phase: msgspec.Raw = msgspec.Raw()
+    summary: msgspec.Raw = msgspec.Raw()
 
 
 RESPONSE_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -166,35 +191,55 @@ _BODIES: dict[str, msgspec.json.Decoder[_MessagesBody | _ResponsesBody]] = {
 }
 
 
-def of_body(kind: str, body: bytes) -> Turns:
+def of_body(kind: str, body: bytes) -> tuple[Turns, Later, Turns]:
     """The turns of a body of API `kind` (`messages` or `responses`), one the router has
-    decoded already (as `llmgw.router.requests.parse` does); none for another API."""
+    decoded already (as `llmgw.router.requests.parse` does), as vLLM (and the sim) renders
+    them; none for another API. And the function that returns them as SGLang renders them
+    (asked for an SGLang model only, as they cost a third as much again to work out), and
+    the turns llama-server renders where they differ from vLLM's (`llama_turns`; else
+    none)."""
     decoder = _BODIES.get(kind)
     try:
         got = decoder.decode(body) if decoder is not None else None
     except _UNREADABLE:
-        return ()
+        return (), NONE, ()
     if isinstance(got, _MessagesBody):
         return _of_messages(got.system, got.messages)
     if isinstance(got, _ResponsesBody) and not any(
         given(stored) for stored in (got.previous_response_id, got.conversation, got.prompt)
     ):
-        return _of_responses(got.instructions, got.input)
+        return (*_of_responses(got.instructions, got.input), ())
+    return (), NONE, ()
+
+
+def _none() -> Turns:
     return ()
 
 
-def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> Turns:
+NONE = Later(_none)
+
+
+def _of_messages(system: msgspec.Raw, messages: msgspec.Raw) -> tuple[Turns, Later, Turns]:
     """A Messages API body's turns: its `system` (a string or text blocks) as a system turn
-    when it has one, then each message's that vLLM renders."""
+    when it has one, then each message's that vLLM renders; as SGLang renders them; and as
+    llama-server does, where its system differs."""
     try:
         said = _MESSAGES.decode(messages) if given(messages) else []
         first = _SYSTEM.decode(system) if given(system) else ""
     except _UNREADABLE:
-        return ()
+        return (), NONE, ()
     # vLLM concatenates the system blocks, and joins a message's text blocks as a chat's.
     turns = [("system", content_text(first, MESSAGES_TEXT, ""))] if first else []
     turns += ((m.role, content_text(m.content, MESSAGES_TEXT)) for m in said if _rendered(m))
-    return tuple(turns)
+    later = Later(sglang_turns.of_messages, (first, said))
+    llama_first = llama_turns.system(first)
+    if llama_first == first:
+        return tuple(turns), later, ()
+    return (
+        tuple(turns),
+        later,
+        (("system", content_text(llama_first, MESSAGES_TEXT, "")), *turns[1:]),
+    )
 
 
 def _rendered(message: _Turn) -> bool:
@@ -207,15 +252,15 @@ def _rendered(message: _Turn) -> bool:
     ) or bool(content_text(message.content, MESSAGES_TEXT))
 
 
-def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> Turns:
+def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> tuple[Turns, Later]:
     """A Responses API body's turns: its `instructions` as a system turn when it has any,
     then its `input`: a string as one user turn, or its messages' (items of other types,
-    or of another role, add none)."""
+    or of another role, add none); and as SGLang renders them."""
     try:
         said = _INPUT.decode(given_input) if given(given_input) else []
         first = _INSTRUCTIONS.decode(instructions) if given(instructions) else None
     except _UNREADABLE:
-        return ()
+        return (), NONE
     turns = [("system", first)] if first else []
     if isinstance(said, str):
         turns.append(("user", said))
@@ -225,4 +270,4 @@ def _of_responses(instructions: msgspec.Raw, given_input: msgspec.Raw) -> Turns:
             for item in said
             if item.type == "message" and item.role in RESPONSE_ROLES
         )
-    return tuple(turns)
+    return tuple(turns), Later(sglang_turns.of_responses, (first, said))

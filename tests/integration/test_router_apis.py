@@ -73,8 +73,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     router = Router.start(
         tmp, {"e1": sim, "odd": f"http://127.0.0.1:{odd.server_address[1]}"},
         models=[{"name": "m", "aliases": ["m-latest"]}, {"name": "sg", "engine": "sglang"},
-                {"name": "odd"}],
-        endpoint_models={"e1": ["m", "sg"], "odd": ["odd"]},
+                {"name": "ll", "engine": "llamacpp"}, {"name": "odd"}],
+        endpoint_models={"e1": ["m", "sg", "ll"], "odd": ["odd"]},
     )  # fmt: skip
     try:
         yield router
@@ -162,10 +162,6 @@ async def test_the_anthropic_sdk_counts_a_messages_prompt(fleet: Router) -> None
         await client.messages.count_tokens(model="m", messages=[])
     assert bad.value.type == "invalid_request_error"
     assert "at least one message" in str(bad.value)
-    with pytest.raises(anthropic.BadRequestError) as sg:  # SGLang serves no Messages API
-        await client.messages.count_tokens(model="sg", messages=talk)  # type: ignore[arg-type]
-    assert "unsupported_api" in str(sg.value.body)
-    assert sg.value.request_id
 
 
 def test_tokenize_detokenize_rerank_and_score_are_relayed(fleet: Router) -> None:
@@ -188,17 +184,20 @@ def test_tokenize_detokenize_rerank_and_score_are_relayed(fleet: Router) -> None
 def test_an_api_the_models_engine_does_not_serve_is_refused_naming_those_that_do(
     fleet: Router,
 ) -> None:
-    ask = {"model": "sg", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
-    status, body = post(fleet, "/v1/messages", ask)
+    # llama-server has no /v1/score (its server.cpp registers none).
+    status, body = post(fleet, "/v1/score", {"model": "ll", "text_1": "a", "text_2": ["b"]})
     assert status == 400
     assert body["error"]["code"] == "unsupported_api"
-    assert "sglang" in body["error"]["message"]
+    assert "llamacpp" in body["error"]["message"]
     assert "vllm" in body["error"]["message"]
-    # What sglang serves is relayed (to an engine that, here, knows no model "sg").
-    status, body = post(fleet, "/v1/rerank", {"model": "sg", "query": "q", "documents": ["a"]})
-    assert status == 404
-    assert "does not exist" in body["error"]["message"] or "sg" in body["error"]["message"]
-    assert body["error"]["code"] != "unsupported_api"
+    assert "sglang" in body["error"]["message"]
+    # What an engine serves is relayed (to an engine that, here, knows neither model): SGLang
+    # and llama-server both serve the Messages API.
+    ask = {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    for model in ("sg", "ll"):
+        status, body = post(fleet, "/v1/messages", {**ask, "model": model})
+        assert status == 404, body
+        assert model in body["error"]["message"]
 
 
 @pytest.mark.parametrize("path", sorted(_OddEngine.shapes))
@@ -250,8 +249,8 @@ def test_no_bad_body_to_any_api_is_a_500(fleet: Router, path: str, body: bytes) 
         assert raw
 
 
-class _NoMessagesEngine(_OddEngine):
-    """An engine without the Messages API (SGLang's): 404 to every POST."""
+class _NoScoreEngine(_OddEngine):
+    """An engine without the score API (llama-server's): 404 to every POST."""
 
     shapes: ClassVar[dict[str, tuple[int, bytes]]] = {}
 
@@ -259,25 +258,22 @@ class _NoMessagesEngine(_OddEngine):
 def test_a_fallback_whose_engine_does_not_serve_the_api_is_not_tried(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    # The model asked for serves the token count (vLLM), its fallback does not (SGLang):
+    # The model asked for serves scoring (vLLM), its fallback does not (llama-server):
     # with the model's endpoint down, the fallback's engine answered 404, and the client
     # read "not found" for a model that exists. The fallback is skipped, as one the key may
     # not use is: the client learns that the model it asked for cannot answer now.
-    odd = ThreadingHTTPServer(("127.0.0.1", 0), _NoMessagesEngine)
+    odd = ThreadingHTTPServer(("127.0.0.1", 0), _NoScoreEngine)
     threading.Thread(target=odd.serve_forever, daemon=True).start()
     router = Router.start(
         tmp_path_factory.mktemp("fallback"),
-        {"down": "http://127.0.0.1:9", "sg": f"http://127.0.0.1:{odd.server_address[1]}"},
-        models=[{"name": "v", "fallbacks": ["sgf"]}, {"name": "sgf", "engine": "sglang"}],
-        endpoint_models={"down": ["v"], "sg": ["sgf"]},
+        {"down": "http://127.0.0.1:9", "ll": f"http://127.0.0.1:{odd.server_address[1]}"},
+        models=[{"name": "v", "fallbacks": ["llf"]}, {"name": "llf", "engine": "llamacpp"}],
+        endpoint_models={"down": ["v"], "ll": ["llf"]},
     )  # fmt: skip
     try:
-        talk = {"model": "v", "messages": [{"role": "user", "content": "hi"}]}
-        status, body = post(router, "/v1/messages/count_tokens", talk)
+        status, body = post(router, "/v1/score", {"model": "v", "text_1": "a", "text_2": ["b"]})
         assert status == 503, body
-        assert body["error"]["type"] == "overloaded_error", body
-        status, body = post(router, "/v1/messages", {**talk, "max_tokens": 5})
-        assert status == 503, body
+        assert body["error"]["code"] != "unsupported_api", body
     finally:
         router.stop()
         odd.shutdown()

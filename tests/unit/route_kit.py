@@ -45,7 +45,7 @@ SESSION = "x-session-id"
 MODELS = (
     ModelProfile(name="m", engine="sim", aliases=("ma",), fallbacks=("f",)),
     ModelProfile(name="f", engine="sim"),
-    ModelProfile(name="w", engine="sglang", fallbacks=("m",)),
+    ModelProfile(name="w", engine="llamacpp", fallbacks=("m",)),
 )
 """A tokenized model with an alias and a fallback, its fallback, and a model the router
 cannot tokenize (ranked by weights) whose engine serves fewer APIs, falling back to `m`."""

@@ -26,7 +26,14 @@ SYSTEMS = (
     "Answer in French, briefly, and never invent a number you were not given. " * 6,
     "Tu es un poète. Réponds en vers, toujours. " * 9,
 )
-KINDS: tuple[requests.Kind, ...] = ("chat", "completions", "responses", "messages", "embeddings")
+KINDS: tuple[requests.Kind, ...] = (
+    "chat",
+    "completions",
+    "responses",
+    "messages",
+    "embeddings",
+    "score",
+)
 PATH_OF = {kind: next(p for p, k in apis.PATHS.items() if k == kind) for kind in KINDS}
 MODES: tuple[tenancy.CacheIsolation, ...] = ("shared", "team", "key")
 

@@ -175,11 +175,12 @@ def test_a_body_of_many_tiny_parts_is_read_in_proportion_to_its_size(
     try:
         parsed = requests.parse(kind, body, want_text=True)
         ids = SIM.ids(parsed) if SIM is not None and parsed.chat else []
+        sglang = turns.worked_out(parsed.sglang_chat)  # as an SGLang model asks for them
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert len(parsed.text) <= len(body)
-    assert all(len(content) <= len(body) for _, content in parsed.sglang_chat)
+    assert all(len(content) <= len(body) for _, content in sglang)
     assert len(ids or []) <= prompts.MAX_CHARS
     assert peak <= 10 * len(body)
 
@@ -198,4 +199,5 @@ def test_a_conversation_nested_past_what_msgspec_decodes_has_no_turns(
         "part": b'[{"role":"user","content":[{"type":"text","text":"x","more":' + deep + b"}]}]",
     }[where]
     member = b'"input"' if kind == "responses" else b'"messages"'
-    assert turns.of_body(kind, b'{"model":"m",' + member + b":" + item + b"}") == ()
+    vllm, sglang, llama = turns.of_body(kind, b'{"model":"m",' + member + b":" + item + b"}")
+    assert vllm == sglang() == llama == ()

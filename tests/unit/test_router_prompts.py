@@ -338,3 +338,25 @@ def test_a_messages_parts_are_rendered_as_the_models_engine_joins_them(
     ids = found.ids(parse("chat", json.dumps(body).encode(), want_text=True))
     as_string = parse("chat", chat_body(("user", joined)), want_text=True)
     assert list(ids or []) == list(found.ids(as_string) or [])
+
+
+@pytest.mark.parametrize("kind", ["messages", "responses"])
+@pytest.mark.parametrize(
+    ("engine", "joined"), [("vllm", "Two\nand two?"), ("sglang", "Two  and two?")]
+)
+def test_a_messages_or_responses_body_is_rendered_as_the_models_engine_turns_it_into_a_chat(
+    tokenizer_dir: Path, kind: str, engine: Any, joined: str
+) -> None:
+    """SGLang serves both APIs by turning the body into a chat of its own
+    (`llmgw.router.sglang_turns`), whose parts reach the template joined as its chat's."""
+    if kind == "messages":
+        parts = [{"type": "text", "text": t} for t in ("Two", "", "and two?")]
+        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
+    else:
+        parts = [{"type": "input_text", "text": t} for t in ("Two", "", "and two?")]
+        body = {"model": "m", "input": [{"role": "user", "content": parts}]}
+    found = prompts.for_profile(ModelProfile(name="m", engine=engine, tokenizer=str(tokenizer_dir)))
+    assert isinstance(found, prompts.HfPrompts)
+    ids = found.ids(parse(kind, json.dumps(body).encode(), want_text=True))  # type: ignore[arg-type]
+    as_string = parse("chat", chat_body(("user", joined)), want_text=True)
+    assert list(ids or []) == list(found.ids(as_string) or [])

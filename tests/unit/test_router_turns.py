@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from llmgw.core.prefix import ChatHashes
 from llmgw.core.profile import ModelProfile
 from llmgw.core.simtokens import token_ids
-from llmgw.router import prompts, requests
+from llmgw.router import prompts, requests, turns
 from llmgw.router.kvroute import salted_hashes
 from llmgw.sim import apis as sim_apis
 from llmgw.sim.config import SimConfig
@@ -173,9 +173,10 @@ def test_any_body_is_read_bounded_deterministic_and_routed_as_before_without_tex
     assert requests.parse(kind, body, want_text=True) == got
     assert len(got.text) <= len(body)
     assert got.text == "".join(f"{role}\n{text}\n" for role, text in got.chat)
+    assert len(turns.chat_text(turns.worked_out(got.sglang_chat))) <= len(body)
     unread = requests.parse(kind, body, want_text=False)
-    assert (unread.text, unread.chat) == ("", ())
-    assert msgspec.structs.replace(got, text="", chat=()) == unread
+    assert (unread.text, unread.chat, unread.sglang_chat) == ("", (), ())
+    assert msgspec.structs.replace(got, text="", chat=(), sglang_chat=()) == unread
 
 
 def test_a_responses_body_continuing_a_stored_one_has_no_turns() -> None:
