@@ -16,7 +16,8 @@ path is split in rooms, each testable on its own:
 - `llmgw.router.outcome`: what a request came to, and its access log line.
 
 A request moves to the next endpoint (then to the model's fallbacks) only while
-nothing has reached the client: connect errors, 5xx, 429, a deadline before the
+nothing has reached the client: connect errors, 5xx (but a 501: the engine was not
+started to serve that API, on any replica), 429, a deadline before the
 first byte. Once the first byte is relayed it never moves: a cut stream ends with
 an OpenAI error event rather than being spliced onto another engine's answer. A
 client that goes away cancels the handler (handler_cancellation), which closes

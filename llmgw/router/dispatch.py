@@ -44,6 +44,8 @@ log = logs.get("llmgw.router")
 
 SESSIONS_KEPT = 100_000
 SCORE_SAMPLE = 8
+NOT_IMPLEMENTED = 501
+"""An engine's answer for an API it serves only when started so: relayed, not retried."""
 
 
 class Dispatcher:
@@ -413,7 +415,11 @@ class Dispatcher:
         """Send the request and wait for the response head (connect and headers deadlines).
 
         Raises Retry for what another endpoint may do better: no connection, no head in
-        time, 5xx, 429 (what its message quotes of the engine is without `engine_key`).
+        time, 5xx but 501, 429 (what its message quotes of the engine is without
+        `engine_key`). A 501 is the engine's configuration (llama-server started without
+        `--embeddings` answers one for embeddings), the same on every replica of the model:
+        the client gets it, as a 4xx, rather than a 502 after every replica was tried and
+        counted as failing.
         """
         upstream: upstream_http.Response | None = None
         try:
@@ -431,7 +437,7 @@ class Dispatcher:
                         "engine refused the router's key for it: the endpoint's EndpointUp"
                         " does not carry the key its engine was started with",
                     )
-                if status >= 500 or status == 429:
+                if (status >= 500 and status != NOT_IMPLEMENTED) or status == 429:
                     raise await errors.status_retry(upstream, engine_key)
             return upstream
         except BaseException as exc:
