@@ -237,3 +237,32 @@ async def test_each_engines_key_goes_to_its_own_endpoint_only() -> None:
         second.stop()
     assert [h["Authorization"] for h in first.seen] == [f"Bearer {KEY}"] * 2
     assert [h["Authorization"] for h in second.seen] == [f"Bearer {other_key}"]
+
+
+async def test_an_engines_text_error_reaches_the_client_as_json(
+    engine: EchoingEngine, echoing: str
+) -> None:
+    """An engine's 4xx in plain text (or a proxy's HTML page) reaches the client in the
+    API's JSON shape, and says so in its Content-Type: never the engine's type."""
+    engine.status = 400
+    engine.render = plain_echo
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(echoing + "/v1/chat/completions", json=CHAT) as resp,
+    ):
+        assert resp.status == 400
+        assert resp.content_type == "application/json"
+        assert "Internal error" in json.loads(await resp.text())["error"]["message"]
+
+
+async def test_an_engine_refusing_the_routers_key_is_the_routers_fault_not_the_clients() -> None:
+    """An engine answers 401 to the key the router presents (its EndpointUp is stale): the
+    client, whose own key the router checked, gets a 502 that says so, not a 401."""
+    other = EchoingEngine("another-key-than-the-one-the-router-holds")
+    try:
+        async for router in serve(other.url):
+            status, text = await post(router, "/v1/chat/completions", CHAT)
+    finally:
+        other.stop()
+    assert status == 502, text
+    assert "engine refused the router's key" in json.loads(text)["error"]["message"]
