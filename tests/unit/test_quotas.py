@@ -111,6 +111,23 @@ def test_the_remaining_a_refusal_says_is_never_negative(
     assert left == max(0, math.floor(remaining))
 
 
+@given(st.floats(0.0, 1e5))
+def test_a_reset_is_never_written_as_no_wait(seconds: float) -> None:
+    # `x-ratelimit-reset-requests: 0ms` tells a client to retry at once, into the refusal.
+    assert quota.reset_text(seconds) not in ("0ms", "0s")
+
+
+def test_an_outage_is_said_once_then_every_thousandth_failure_not_at_each() -> None:
+    """Every request that falls back during an outage fails a round trip: the log says
+    the outage began, then every 1,000th failure, not each of them."""
+    outage = quotas_module.OutageLog()
+    with capture_logs() as logged:
+        for _ in range(2500):
+            outage.failed(CounterError("no answer"))
+    warned = [e["errors"] for e in logged if e["event"] == "fleet_limits_unavailable"]
+    assert warned == [1, 1000, 2000]
+
+
 def test_without_counters_a_router_limits_by_its_own_buckets() -> None:
     async def run() -> list[bool]:
         store = Store()
