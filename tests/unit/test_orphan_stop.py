@@ -28,21 +28,24 @@ def restarted_replica() -> tuple[Sim, str]:
     return sim, rid
 
 
-def report_old_generation(sim: Sim, rid: str) -> None:
-    shard = sim.state.replicas[rid].shards[0]
+def report_old_generation(sim: Sim, rid: str, old: tuple[int, ...] = (1,)) -> None:
+    """Node a reports the replica's current generation serving, and each of `old` too."""
+    replica = sim.state.replicas[rid]
+    shard = replica.shards[0]
     running = [
-        events.RunningShard(
-            replica_id=rid, generation=1, shard=0, gpus=shard.gpus, phase="serving"
-        ),
+        events.RunningShard(replica_id=rid, generation=g, shard=0, gpus=shard.gpus, phase="serving")
+        for g in old
+    ]
+    running.append(
         events.RunningShard(
             replica_id=rid,
-            generation=2,
+            generation=replica.generation,
             shard=0,
             gpus=shard.gpus,
             phase="serving",
             endpoint=shard.endpoint,
-        ),
-    ]
+        )
+    )
     assert sim.register("a", shards=running) is None
 
 
@@ -181,21 +184,7 @@ def test_a_stop_of_one_old_generation_counts_for_that_generation_only() -> None:
     sim.status("a", rid, 2, 0, "failed", error="engine exited")
     sim.settle(now=sim.now + 60)
     assert sim.state.replicas[rid].generation == 3
-    shard = sim.state.replicas[rid].shards[0]
-    running = [
-        events.RunningShard(replica_id=rid, generation=g, shard=0, gpus=shard.gpus, phase="serving")
-        for g in (1, 2)
-    ] + [
-        events.RunningShard(
-            replica_id=rid,
-            generation=3,
-            shard=0,
-            gpus=shard.gpus,
-            phase="serving",
-            endpoint=shard.endpoint,
-        )
-    ]
-    assert sim.register("a", shards=running) is None
+    report_old_generation(sim, rid, (1, 2))
     assert sorted(s.generation for s in stops(sim.leader())) == [1, 2]
     for _ in range(20):
         sim.advance(0.25)

@@ -75,35 +75,31 @@ def test_a_lease_answered_after_its_window_turned_is_not_spent_in_the_next() -> 
     assert asyncio.run(run()) == 0
 
 
+async def last_of(p: auth.Principal, *requests: tuple[str, int, float]) -> object:
+    """Requests of key `p` on routers "a" and "b" sharing one store, each (router, what it
+    may cost, when) in turn: every one held but the last, whose hold or refusal it is."""
+    store = Store()
+    routers = {"a": Quotas(store), "b": Quotas(store)}  # type: ignore[arg-type]
+    *before, (last, cost, wall) = requests
+    for router, may_cost, at in before:
+        assert isinstance(await held_or_refused(routers[router], p, may_cost, at), Held)
+    return await held_or_refused(routers[last], p, cost, wall)
+
+
 def test_tokens_left_of_a_windows_lease_are_not_held_in_the_next_window() -> None:
     """A key of 1,000 tokens/min: router A leased 20 in one window and holds 10. In the next,
     router B holds all 1,000; A's request there is refused, not held of the old lease."""
-
-    async def run() -> object:
-        store = Store()
-        a, b = Quotas(store), Quotas(store)  # type: ignore[arg-type]
-        p = key(tokens_per_min=1000.0)
-        assert isinstance(await held_or_refused(a, p, 10, 60.5), Held)
-        assert isinstance(await held_or_refused(b, p, 1000, 120.5), Held)
-        return await held_or_refused(a, p, 5, 120.5)
-
-    assert isinstance(asyncio.run(run()), Refusal)
+    p = key(tokens_per_min=1000.0)
+    held = last_of(p, ("a", 10, 60.5), ("b", 1000, 120.5), ("a", 5, 120.5))
+    assert isinstance(asyncio.run(held), Refusal)
 
 
 def test_a_budgets_lease_holding_less_than_a_request_may_cost_does_not_hold_it() -> None:
     """A budget of 1,000: router A leased 20 and holds 10 of them; router B holds the other
     980. A request of A that may cost 15 does not fit the 10 A has left: it is refused, not
     held with A's lease gone below nothing."""
-
-    async def run() -> object:
-        store = Store()
-        a, b = Quotas(store), Quotas(store)  # type: ignore[arg-type]
-        p = key(budget_tokens=1000)
-        assert isinstance(await held_or_refused(a, p, 10, 1e9), Held)
-        assert isinstance(await held_or_refused(b, p, 980, 1e9), Held)
-        return await held_or_refused(a, p, 15, 1e9)
-
-    assert isinstance(asyncio.run(run()), Refusal)
+    held = last_of(key(budget_tokens=1000), ("a", 10, 1e9), ("b", 980, 1e9), ("a", 15, 1e9))
+    assert isinstance(asyncio.run(held), Refusal)
 
 
 @given(st.integers(1, 10_000), st.integers(1, 10_000))
