@@ -42,16 +42,19 @@ class EchoingEngine(ThreadedApp):
     """An engine that wants `Authorization: Bearer KEY` and answers `status` with a body
     that `render` makes of the request's headers, as it received them."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = KEY) -> None:
+        self.key = key
         self.status = 500
         self.render = plain_echo
+        self.seen: list[dict[str, str]] = []
         app = engine_app(self._answer)
         app.router.add_post("/v1/messages", self._answer)
         super().__init__(app)
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         await request.read()
-        if request.headers.get("Authorization") != f"Bearer {KEY}":
+        self.seen.append(dict(request.headers))
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
             return web.json_response({"error": "not the engine's key"}, status=401)
         body, content_type = self.render(dict(request.headers))
         return web.Response(status=self.status, body=body, headers={"Content-Type": content_type})
@@ -89,19 +92,22 @@ def sim() -> Iterator[SimProcess]:
         yield s
 
 
-async def serve(url: str) -> AsyncIterator[str]:
-    """A router whose one endpoint, `url`, is presented KEY; yields the router's URL."""
+async def serve(url: str, *more: tuple[str, str, str]) -> AsyncIterator[str]:
+    """A router whose endpoint `e`, `url`, serves model `m` and is presented KEY, and each
+    of `more` (url, model, key) another; yields the router's URL."""
+    endpoints = [("e", url, "m", KEY)] + [(f"e{i}", *m) for i, m in enumerate(more)]
     cfg = msgspec.convert(
         {
             "auth": {"allow_anonymous": True},
-            "models": [{"name": "m"}],
-            "endpoints": [{"id": "e", "url": url, "models": ["m"]}],
+            "models": [{"name": model} for _, _, model, _ in endpoints],
+            "endpoints": [{"id": e, "url": u, "models": [model]} for e, u, model, _ in endpoints],
             "probe_interval_s": 60,
         },
         RouterConfig,
     )
     router = Router(cfg)
-    router.table.add("e", url, ["m"], ready=True, api_key=KEY)
+    for e, u, model, key in endpoints:
+        router.table.add(e, u, [model], ready=True, api_key=key)
     await router.start()
     runner = web.ServerRunner(build_server(router))
     await runner.setup()
@@ -125,10 +131,12 @@ async def keyed_sim(sim: SimProcess) -> AsyncIterator[str]:
         yield url
 
 
-async def post(router: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
+async def post(
+    router: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, str]:
     async with (
         aiohttp.ClientSession() as http,
-        http.post(router + path, json=body) as resp,
+        http.post(router + path, json=body, headers=headers) as resp,
     ):
         return resp.status, await resp.text()
 
@@ -190,3 +198,71 @@ async def test_a_keyed_sims_errors_still_reach_the_client(sim: SimProcess, keyed
     assert error["code"] == "context_length_exceeded"
     status, text = await post(keyed_sim, "/v1/chat/completions", CHAT)
     assert status == 200, text
+
+
+def header_echo(headers: dict[str, str]) -> tuple[bytes, str]:
+    return json.dumps({"headers": headers}).encode(), "application/json"
+
+
+async def test_a_clients_authorization_never_reaches_the_engine(
+    engine: EchoingEngine, echoing: str
+) -> None:
+    """The engine gets the router's key for it, and nothing of the client's: the key a
+    client authenticates with is no business of an engine's."""
+    engine.status = 200
+    engine.render = header_echo
+    client = "sk-client-Yb2nQ8rT4uW6xZ0aC3eG5iK7mO9pR1sV"
+    engine.seen.clear()
+    status, text = await post(echoing, "/v1/chat/completions", CHAT,
+                              {"Authorization": f"Bearer {client}"})  # fmt: skip
+    assert status == 200, text
+    assert [h["Authorization"] for h in engine.seen] == [f"Bearer {KEY}"]
+    assert client not in repr(engine.seen)
+
+
+async def test_each_engines_key_goes_to_its_own_endpoint_only() -> None:
+    """Two engines, each with its own key, each serving its own model: each request goes
+    to its model's engine with that engine's key, whichever came first."""
+    other_key = "oK3y-Ab4_8xR2pL0vT9mW1nB6cY5dF7gH3jK0sA2uQ"
+    first, second = EchoingEngine(), EchoingEngine(other_key)
+    try:
+        for e in (first, second):
+            e.status, e.render = 200, header_echo
+        async for router in serve(first.url, (second.url, "n", other_key)):
+            for model in ("m", "n", "m"):
+                status, text = await post(router, "/v1/chat/completions", {**CHAT, "model": model})
+                assert status == 200, text
+    finally:
+        first.stop()
+        second.stop()
+    assert [h["Authorization"] for h in first.seen] == [f"Bearer {KEY}"] * 2
+    assert [h["Authorization"] for h in second.seen] == [f"Bearer {other_key}"]
+
+
+async def test_an_engines_text_error_reaches_the_client_as_json(
+    engine: EchoingEngine, echoing: str
+) -> None:
+    """An engine's 4xx in plain text (or a proxy's HTML page) reaches the client in the
+    API's JSON shape, and says so in its Content-Type: never the engine's type."""
+    engine.status = 400
+    engine.render = plain_echo
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(echoing + "/v1/chat/completions", json=CHAT) as resp,
+    ):
+        assert resp.status == 400
+        assert resp.content_type == "application/json"
+        assert "Internal error" in json.loads(await resp.text())["error"]["message"]
+
+
+async def test_an_engine_refusing_the_routers_key_is_the_routers_fault_not_the_clients() -> None:
+    """An engine answers 401 to the key the router presents (its EndpointUp is stale): the
+    client, whose own key the router checked, gets a 502 that says so, not a 401."""
+    other = EchoingEngine("another-key-than-the-one-the-router-holds")
+    try:
+        async for router in serve(other.url):
+            status, text = await post(router, "/v1/chat/completions", CHAT)
+    finally:
+        other.stop()
+    assert status == 502, text
+    assert "engine refused the router's key" in json.loads(text)["error"]["message"]

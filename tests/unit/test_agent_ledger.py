@@ -163,3 +163,24 @@ def test_property_a_generation_starts_at_most_once_and_never_goes_back(
             ledger.note_ended(book, "r", 0, g, now=0.0)
     assert len(launched) == len(set(launched))
     assert launched == sorted(launched)
+
+
+def test_a_start_repeated_later_in_a_backlog_does_not_supersede_it() -> None:
+    """Commands arrive at least once: the same start twice in a backlog is one start, not
+    a start undone by a later one (which the ledger would then ignore as already started:
+    the shard would never start)."""
+    assert not ledger.superseded(start(2), [start(2)], epoch=1)
+    assert ledger.superseded(start(2), [start(3)], epoch=1)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=20))
+def test_the_generations_noted_never_go_back(notes: list[tuple[bool, int]]) -> None:
+    """A start or an end noted for an older generation (a superseded start, a stop of an
+    old one) after a newer one must not lower what the ledger holds: a redelivered start of
+    the newer generation would run it again."""
+    book = ledger.Ledger()
+    for started, g in notes:
+        (ledger.note_started if started else ledger.note_ended)(book, "r", 0, g, now=0.0)
+    entry = book.shards.get(ledger.key("r", 0), ledger.Applied())
+    assert entry.started == max((g for s, g in notes if s), default=0)
+    assert entry.ended == max((g for s, g in notes if not s), default=0)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from llmgw.bus.counters import CounterError
 from llmgw.core import reserve, subjects, tenancy
 from llmgw.router import auth
+from llmgw.router.errors import Refusal
 from llmgw.router.holds import Held
 from llmgw.router.quotas import Quotas
 from tests.unit.test_quotas import Store, key
@@ -395,3 +396,27 @@ def test_a_period_turned_only_forward_and_within_its_kind(
     assert reserve.turned(first, second) == (first != second and a < b)
     other = tenancy.period_of(b, "month" if kind == "day" else "day")
     assert not reserve.turned(first, other)
+
+
+def test_a_request_the_routers_bucket_refuses_in_an_outage_gives_its_budget_hold_back() -> None:
+    """While the counters are out of reach, a request's budget hold is taken first, then its
+    tokens/min of this router's bucket: a bucket that refuses (it asks for more than the
+    bucket holds) leaves the budget as it was. The counter, once it answers, holds what was
+    used and what this router still has to hold: none of the budget is lost."""
+
+    async def run() -> tuple[object, int, int]:
+        store = Store()
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=100.0, budget_tokens=1000)
+        held = await q.hold(p, 10, WALL, 0.0)
+        assert isinstance(held, Held)
+        q.settle(held, 10)
+        store.down = True
+        refused = await q.hold(p, 150, WALL, 0.0)
+        store.down = False
+        await q.pay_owed(WALL)
+        return refused, store.totals[BUDGET_SUBJECT], left(q)
+
+    refused, counted, rest = asyncio.run(run())
+    assert isinstance(refused, Refusal)
+    assert counted == 10 + rest

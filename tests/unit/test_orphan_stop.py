@@ -3,6 +3,8 @@ stops it once, folds its own StopShard, and asks again only after a growing wait
 
 from __future__ import annotations
 
+import msgspec
+
 from llmgw.core import events, reconcile, state
 from llmgw.core.reconcile import ReconcileConfig
 
@@ -26,21 +28,24 @@ def restarted_replica() -> tuple[Sim, str]:
     return sim, rid
 
 
-def report_old_generation(sim: Sim, rid: str) -> None:
-    shard = sim.state.replicas[rid].shards[0]
+def report_old_generation(sim: Sim, rid: str, old: tuple[int, ...] = (1,)) -> None:
+    """Node a reports the replica's current generation serving, and each of `old` too."""
+    replica = sim.state.replicas[rid]
+    shard = replica.shards[0]
     running = [
-        events.RunningShard(
-            replica_id=rid, generation=1, shard=0, gpus=shard.gpus, phase="serving"
-        ),
+        events.RunningShard(replica_id=rid, generation=g, shard=0, gpus=shard.gpus, phase="serving")
+        for g in old
+    ]
+    running.append(
         events.RunningShard(
             replica_id=rid,
-            generation=2,
+            generation=replica.generation,
             shard=0,
             gpus=shard.gpus,
             phase="serving",
             endpoint=shard.endpoint,
-        ),
-    ]
+        )
+    )
     assert sim.register("a", shards=running) is None
 
 
@@ -140,3 +145,48 @@ def test_a_snapshot_from_before_stops_were_counted_waits_too() -> None:
     assert st.nodes["a"].orphans[0].stops == 0
     once = reconcile.reconcile(st, sim.now, epoch=1, config=CFG)
     assert len(stops(once)) == 1  # the time of the old stop is unknown: one more, then backoff
+
+
+def test_an_orphan_stopped_before_stops_were_counted_still_waits_its_backoff() -> None:
+    """A state written before each orphan's stops were counted says only `stop_sent` (and
+    when): that is one stop so far, and the next waits its backoff as any second one."""
+    sim, rid = restarted_replica()
+    report_old_generation(sim, rid)
+    (orphan,) = sim.state.nodes["a"].orphans
+    orphan.stop_sent, orphan.stop_sent_at, orphan.stops = True, sim.now, 0
+    sent = []
+    for _ in range(int(CFG.orphan_stop_retry_s / 0.5)):
+        outcome = reconcile.plan(sim.state, sim.now, epoch=1, basis_seq=sim.seq, config=CFG)
+        sent += stops(outcome.decisions)
+        sim.advance(0.5)
+    assert sent == []
+    outcome = reconcile.plan(sim.state, sim.now, epoch=1, basis_seq=sim.seq, config=CFG)
+    assert [s.generation for s in stops(outcome.decisions)] == [1]
+
+
+def test_a_placement_of_an_older_generation_is_refused_and_changes_nothing() -> None:
+    """A deposed leader's ReplicaPlaced of generation 1, folded after generation 2 began, would
+    take the replica back to a generation its agent already started and ended."""
+    sim, _ = restarted_replica()
+    first = next(ev for _, ev in sim.records if isinstance(ev, events.ReplicaPlaced))
+    assert first.generation == 1
+    before = state.digest(sim.state)
+    reason = sim.append(msgspec.structs.replace(first, id="again"))
+    assert reason is not None
+    assert "older" in reason
+    assert state.digest(sim.state) == before
+
+
+def test_a_stop_of_one_old_generation_counts_for_that_generation_only() -> None:
+    """Generations 1 and 2 of a replica at generation 3 both still run: each is stopped,
+    once, and each waits its own backoff."""
+    sim, rid = restarted_replica()
+    sim.status("a", rid, 2, 0, "failed", error="engine exited")
+    sim.settle(now=sim.now + 60)
+    assert sim.state.replicas[rid].generation == 3
+    report_old_generation(sim, rid, (1, 2))
+    assert sorted(s.generation for s in stops(sim.leader())) == [1, 2]
+    for _ in range(20):
+        sim.advance(0.25)
+        assert stops(sim.leader()) == []
+    assert sorted(o.stops for o in sim.state.nodes["a"].orphans) == [1, 1]

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from llmgw.bus.counters import CounterError
 from llmgw.core import subjects, tenancy
 from llmgw.core.limits import MAX_COUNTER, MAX_TIME
+from llmgw.router import spool as spool_module
 from llmgw.router.config import AuthConfig, RouterConfig, validate
 from llmgw.router.holds import AnsweredCounters, Held
 from llmgw.router.quotas import Quotas
@@ -254,6 +255,27 @@ def test_worker_0_takes_over_the_spools_of_workers_a_router_no_longer_has(
     assert [b.tokens for b in decode(spool_path(tmp_path, 0).read_bytes()).budgets] == [16]
     zero.close()
     one.close()
+
+
+def test_spools_taken_over_stay_on_disk_while_the_takers_own_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker 0 takes over worker 2's spool but its disk refuses to write the merged file:
+    worker 2's file stays where it is, for the next start, rather than its debt living only
+    in this process's memory."""
+    for worker, tokens in ((0, 5), (2, 11)):
+        spool = spool_in(str(tmp_path), worker)
+        spool.keep(Spooled(budgets=(_budget(tokens),)))
+        spool.close()
+
+    def refused(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spool_module.durable, "replace", refused)
+    zero = spool_in(str(tmp_path), 0)
+    assert [b.tokens for b in zero.load(1).budgets] == [16]  # owed, in memory
+    zero.close()
+    assert [b.tokens for b in decode(spool_path(tmp_path, 2).read_bytes()).budgets] == [11]
 
 
 def _budget(tokens: int) -> BudgetOwed:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmgw import bus
@@ -337,6 +337,53 @@ def test_a_quarantined_node_is_calm_only_after_a_whole_window_under_the_budget()
     assert not meter.calm("a", q)  # a window old, but its flood is still in the window
     meter.observe("b", 52, 185.0, 1)
     assert meter.calm("a", q)
+
+
+def test_a_quarantined_node_waits_a_whole_window_even_once_its_flood_left_it() -> None:
+    """The leader quarantined the node late (at 170, for a flood at 100-119 in a window of
+    60): by 185 the flood is out of the window, but the node is released only a whole window
+    after its quarantine, or a node writing just over its budget would be quarantined and
+    released in turn."""
+    meter = Meter(NodeQuota(window_s=60, max_messages=5, max_bytes=10**6))
+    q = state.Quarantine(node="a", reason="", seq=1, ts=170.0)
+    for i in range(20):
+        meter.observe("a", i + 1, 100.0 + i, 1)
+    meter.observe("b", 50, 185.0, 1)
+    assert meter.usage("a").messages == 0
+    assert not meter.calm("a", q)
+    meter.observe("b", 51, 230.0, 1)
+    assert meter.calm("a", q)
+
+
+def test_a_flood_in_one_instant_keeps_one_bucket() -> None:
+    """Memory per node is bounded whatever the flood: messages of one bucket's time are
+    counted in that bucket, not each in one of its own."""
+    meter = Meter(NodeQuota(window_s=60, max_messages=10, max_bytes=10**9))
+    for i in range(5_000):
+        meter.observe("a", i + 1, 100.0 + (i % 3) * 0.1, 10)
+    assert len(meter._nodes["a"].buckets) == 1  # the window's buckets, per node
+    assert meter.usage("a").messages == 5_000
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    now=st.integers(0, 100_000),
+    ages=st.lists(st.integers(0, 1200) | st.integers(590, 610), max_size=50),
+    window=st.sampled_from([10.0, 60.0, 600.0]),
+)
+@example(now=50, ages=[603], window=60.0)  # 60.3 s old, in the bucket the window starts in
+def test_the_meter_never_counts_a_message_older_than_the_window(
+    now: int, ages: list[int], window: float
+) -> None:
+    """What a node wrote a whole window ago or more never counts towards its quarantine:
+    the buckets may forget a message early (by a bucket at most), never keep one late.
+    (`ages` in 600ths of the window, many near a whole one.)"""
+    meter = Meter(NodeQuota(window_s=window, max_messages=10**6, max_bytes=10**9))
+    end = now / 100 + 2 * window
+    times = [*sorted(end - window * age / 600 for age in ages), end]
+    for i, t in enumerate(times):
+        meter.observe("a", i + 1, t, 7)
+    assert meter.usage("a").messages <= sum(1 for t in times if t > end - window)
 
 
 @settings(max_examples=100, deadline=None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import types
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,59 @@ def test_routers_together_admit_exactly_the_limit_in_a_window(
     assert n <= limit
     # Unused leases are the only waste: at most a lease (2 % of the limit) per router.
     assert n >= min(requests, limit) - routers * max(1, limit // 50)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(1.0, 60.0), st.integers(1, 4), st.integers(1, 200))
+def test_routers_together_admit_no_more_than_a_fractional_rate_in_a_window(
+    per_s: float, routers: int, requests: int
+) -> None:
+    """A rate of 2.5/s is 2 requests in a window of a second, never 3: the fleet's count
+    rounds what a window allows down, whatever the routers."""
+
+    async def run() -> int:
+        store = Store()
+        quotas = [Quotas(store) for _ in range(routers)]  # type: ignore[arg-type]
+        p = key(requests_per_s=per_s)
+        got = await asyncio.gather(*(admitted(quotas[i % routers], p, 100.5)
+                                     for i in range(requests)))  # fmt: skip
+        return sum(got)
+
+    assert asyncio.run(run()) <= per_s * quota.rate_window_s(per_s) + 1e-6
+
+
+@given(st.floats(0.0, 1e7))
+def test_a_retry_after_is_never_zero_nor_sooner_than_the_reset(reset_s: float) -> None:
+    # `Retry-After: 0` tells a client to retry at once, into the same refusal.
+    assert quota.retry_after(reset_s) >= max(1.0, reset_s)
+
+
+@given(st.sampled_from(["requests", "tokens"]), st.floats(-1e6, 1e6), st.floats(0.0, 1e4))
+def test_the_remaining_a_refusal_says_is_never_negative(
+    kind: str, remaining: float, reset_s: float
+) -> None:
+    """A window overshot by a charge, or a budget in debt, has nothing left: `0`, never a
+    negative count a client would read as a bug (OpenAI's clients parse it as a count)."""
+    headers = dict(quota.rate_headers(kind, 100.0, remaining, reset_s))
+    left = int(headers[f"x-ratelimit-remaining-{kind}"])
+    assert left == max(0, math.floor(remaining))
+
+
+@given(st.floats(0.0, 1e5))
+def test_a_reset_is_never_written_as_no_wait(seconds: float) -> None:
+    # `x-ratelimit-reset-requests: 0ms` tells a client to retry at once, into the refusal.
+    assert quota.reset_text(seconds) not in ("0ms", "0s")
+
+
+def test_an_outage_is_said_once_then_every_thousandth_failure_not_at_each() -> None:
+    """Every request that falls back during an outage fails a round trip: the log says
+    the outage began, then every 1,000th failure, not each of them."""
+    outage = quotas_module.OutageLog()
+    with capture_logs() as logged:
+        for _ in range(2500):
+            outage.failed(CounterError("no answer"))
+    warned = [e["errors"] for e in logged if e["event"] == "fleet_limits_unavailable"]
+    assert warned == [1, 1000, 2000]
 
 
 def test_without_counters_a_router_limits_by_its_own_buckets() -> None:

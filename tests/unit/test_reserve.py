@@ -119,3 +119,33 @@ def test_a_reservation_covers_what_the_request_asks_and_fits_unless_it_never_can
     # Refused only on the client's own maximum, never on the prompt's estimate.
     refused = reserve.never_fits(max_out, limit, choices)
     assert refused == (max_out is not None and max_out * choices > limit)
+
+
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=8), LIMITS, st.integers(1, 4))
+def test_an_outage_is_reckoned_from_the_largest_reading_whatever_order_answers_came(
+    readings: list[int], limit: int, processes: int
+) -> None:
+    """A period's counter only grows: a reading answered late (smaller than one already
+    seen) must not make the counter look emptier, or an outage after it would lease what
+    other routers already spent."""
+    pool = reserve.Pool("d20261202")
+    for total in readings:
+        pool.reading(total)
+    assert pool.total == max(readings)
+    granted = pool.outage_lease(limit, limit, processes)
+    assert granted <= max(0, limit - max(readings)) // processes
+
+
+@given(st.integers(0, 5_000), st.integers(1, 1_000), st.integers(0, 10_000))
+def test_a_use_beyond_the_hold_is_paid_from_the_lease_before_the_counter_is_charged(
+    left: int, reserved: int, used: int
+) -> None:
+    """What the lease still holds covers a request's use beyond its hold: the counter is
+    charged (and a window taken over its limit, as a debt) only for what the lease
+    cannot cover."""
+    pool = reserve.Pool(0)
+    pool.left = left
+    charge = pool.settle(reserved, used)
+    over = max(0, used - reserved)
+    assert charge == max(0, over - left)
+    assert pool.left == left + max(0, reserved - used) - (over - charge)

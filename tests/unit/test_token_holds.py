@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.bus.counters import CounterError
-from llmgw.core import quota
-from llmgw.router import requests
+from llmgw.core import quota, subjects
+from llmgw.router import holds, requests
 from llmgw.router.errors import Refusal
 from llmgw.router.holds import Held
 from llmgw.router.quotas import Quotas
@@ -224,6 +224,31 @@ def test_a_debt_is_paid_however_large_never_forgiven_by_waiting(
     assert refused == [True] * full + [False] * (len(refused) - full)
 
 
+def test_a_debt_past_the_counters_lifetime_waits_for_its_window_and_is_added_once() -> None:
+    """What a key owes beyond the windows the counters keep is added when its window
+    comes: the flusher's next turns meanwhile (four a second) add nothing, or every turn
+    would count that debt again."""
+
+    async def run() -> tuple[dict[str, int], dict[str, int]]:
+        store = Store()
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(tokens_per_min=100.0)
+        start = 120 * quota.TOKENS_WINDOW_S + 0.5
+        held = await q.hold(p, 100, start, 0.0)
+        assert isinstance(held, Held)
+        q.settle(held, 100 + 100 * 20)
+        await q.pay_owed(start)
+        paid = dict(store.totals)
+        for turn in range(1, 5):
+            await q.pay_owed(start + turn * 0.25)
+        return paid, store.totals
+
+    paid, after = asyncio.run(run())
+    past = subjects.limit_counter("k", "t", 120 + holds.DEBT_WINDOWS)
+    assert past not in paid  # owed, not added yet
+    assert after == paid
+
+
 class AnswersLate(Stalls):
     """Counts every add at once, as the server does when it gets it, and holds the answer
     to a subject holding `part` until `go` is set."""
@@ -276,6 +301,30 @@ def test_a_limit_raised_after_it_was_reached_is_leased_again_at_once(
     assert isinstance(refused, Refusal)
     assert refused.status == 429
     assert isinstance(raised, Held)
+
+
+@given(st.sampled_from(["budget_tokens", "tokens_per_min"]))
+def test_a_limit_found_spent_is_not_asked_again_until_it_is_raised(limit_name: str) -> None:
+    """Once a lease of a key's window or budget was granted less than it asked, the next
+    requests of the key are refused by this router without a round trip: each would be
+    counted and granted nothing, a busy key then costing a round trip per request."""
+
+    async def run() -> tuple[object, object, dict[str, int], dict[str, int]]:
+        store = Store()
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(**{limit_name: 100})
+        spent = await q.hold(p, 100, 1e9, 0.0)
+        assert isinstance(spent, Held)
+        q.settle(spent, 100)
+        first = await q.hold(p, 10, 1e9, 0.0)  # leases, and is granted nothing
+        before = dict(store.totals)
+        again = await q.hold(p, 10, 1e9, 0.0)
+        return first, again, before, store.totals
+
+    first, again, before, after = asyncio.run(run())
+    assert isinstance(first, Refusal)
+    assert isinstance(again, Refusal)
+    assert after == before
 
 
 def test_a_connection_closed_during_a_budgets_lease_falls_back_not_crashes() -> None:

@@ -1,0 +1,143 @@
+"""The router's pool of engine connections (llmgw.router.upstream.Pool) over real local
+sockets: a kept-alive connection carries the next request to the same engine and never a
+request (with its engine's key) to another; the idle connections kept per engine are
+bounded; what a malformed answer quotes through the pool is without the key presented;
+a base URL's credentials never reach the engine's Host header."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from llmgw.core.redaction import FRAGMENT, KEY_MARK
+from llmgw.router import http1
+from llmgw.router.upstream import Pool, UpstreamError, _Conn, parse_base, request_head
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+@dataclass
+class Engine:
+    """A local engine: the Authorization of each request, by the connection it came on."""
+
+    answer: Callable[[bytes], bytes] = lambda _head: OK
+    heads: list[tuple[int, bytes]] = field(default_factory=list)
+    connections: int = 0
+    serving: list[tuple[asyncio.Task[None], asyncio.StreamWriter]] = field(default_factory=list)
+    key: tuple[str, int, bool] = ("127.0.0.1", 0, False)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        task = asyncio.current_task()
+        assert task is not None
+        self.serving.append((task, writer))  # type: ignore[arg-type]
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                self.heads.append((number, head))
+                writer.write(self.answer(head))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def authorizations(self) -> list[bytes]:
+        return [h.split(b"Authorization: ")[1].split(b"\r\n")[0] for _, h in self.heads]
+
+
+@asynccontextmanager
+async def engine(answer: Callable[[bytes], bytes] = lambda _head: OK) -> AsyncIterator[Engine]:
+    e = Engine(answer)
+    server = await asyncio.start_server(e.serve, "127.0.0.1", 0)
+    e.key = ("127.0.0.1", server.sockets[0].getsockname()[1], False)
+    try:
+        yield e
+    finally:
+        server.close()
+        for _, writer in e.serving:  # its connections end: every handler returns
+            writer.close()
+        await asyncio.gather(*(task for task, _ in e.serving), return_exceptions=True)
+
+
+async def ask(pool: Pool, e: Engine, engine_key: str) -> bytes:
+    """One request to `e` presenting `engine_key`; its body, the connection given back."""
+    head = request_head("/v1/x", "h", 2, [("Authorization", f"Bearer {engine_key}")])
+    response = await pool.request(e.key, head, b"{}", connect_timeout=5.0, engine_key=engine_key)
+    body = await response.read()
+    response.close()
+    return body
+
+
+def test_a_kept_alive_connection_serves_its_own_engine_only() -> None:
+    async def run() -> tuple[Engine, Engine]:
+        pool = Pool()
+        async with engine() as a, engine() as b:
+            assert await ask(pool, a, "key-of-a") == b"ok"
+            assert await ask(pool, a, "key-of-a") == b"ok"
+            assert await ask(pool, b, "key-of-b") == b"ok"
+            assert await ask(pool, a, "key-of-a") == b"ok"
+        pool.close()
+        return a, b
+
+    a, b = asyncio.run(run())
+    assert a.connections == 1  # kept alive: one connection for its three requests
+    assert a.authorizations() == [b"Bearer key-of-a"] * 3
+    assert b.authorizations() == [b"Bearer key-of-b"]
+
+
+def test_the_idle_connections_kept_per_engine_are_bounded() -> None:
+    async def run() -> int:
+        pool = Pool(max_idle_per_host=1)
+        async with engine() as a:
+            await asyncio.gather(ask(pool, a, "k"), ask(pool, a, "k"), ask(pool, a, "k"))
+            kept = len(pool._idle[a.key])  # the pool's own list: what it holds open
+        pool.close()
+        return kept
+
+    assert asyncio.run(run()) == 1
+
+
+def echoed_authorization(head: bytes) -> bytes:
+    """An answer whose header block echoes the request's Authorization, its colon lost."""
+    line = next(x for x in head.split(b"\r\n") if x.startswith(b"Authorization: "))
+    return b"HTTP/1.1 200 OK\r\n" + line.replace(b": ", b" ", 1) + b"\r\n\r\n"
+
+
+def test_a_malformed_answer_through_the_pool_quotes_no_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine echoes the request's Authorization in a header line the parser cannot
+    frame: the error the router gets (the attempt's message, the log) has the key it
+    presented out. (The Python parser quotes the line; llhttp quotes nothing.)"""
+    monkeypatch.setattr(_Conn, "parser_class", http1.PyParser)
+    key = "sk-engine-0123456789abcdef0123456789"
+
+    async def run() -> str:
+        pool = Pool()
+        async with engine(echoed_authorization) as a:
+            try:
+                await ask(pool, a, key)
+            except UpstreamError as exc:
+                return str(exc)
+            finally:
+                pool.close()
+        raise AssertionError("a malformed answer was taken")
+
+    said = asyncio.run(run())
+    assert "malformed" in said
+    assert KEY_MARK in said
+    assert key[:FRAGMENT] not in said
+
+
+def test_a_base_urls_credentials_stay_out_of_the_host_header() -> None:
+    key, host, prefix = parse_base("http://user:secret@engine.example:8000/v1-prefix")
+    assert key == ("engine.example", 8000, False)
+    assert host == "engine.example:8000"
+    assert prefix == "/v1-prefix"
