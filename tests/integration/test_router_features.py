@@ -58,7 +58,7 @@ class RecordingEngine:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, access_log=None)
         self.loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())

@@ -20,7 +20,9 @@ class ThreadedApp:
     def __init__(self, app: web.Application) -> None:
         self.url = ""
         self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
+        # No access log: its lines, written from this thread, could outlive the test
+        # capturing the output ("I/O operation on closed file").
+        self.runner = web.AppRunner(app, access_log=None)
         started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
         self.thread.start()
