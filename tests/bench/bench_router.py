@@ -399,10 +399,15 @@ def main() -> None:
                    if not wanted or r[0].split("@")[0] in wanted or r[0] in wanted]  # fmt: skip
 
         def start_routers() -> list[Router]:
-            started = []
+            started: list[Router] = []
             for name, workers, env in routers:
-                r = Router.start(tmp, endpoints, workers=workers, log_level="warning",
-                                 probe_interval_s=1.0, env=env)  # fmt: skip
+                try:
+                    r = Router.start(tmp, endpoints, workers=workers, log_level="warning",
+                                     probe_interval_s=1.0, env=env)  # fmt: skip
+                except BaseException:
+                    for running in started:  # else they outlive the benchmark
+                        running.stop()
+                    raise
                 started.append(r)
                 targets[name] = [r.url + "/v1/chat/completions"]
                 pids[name] = _proc_tree(r.pid)
