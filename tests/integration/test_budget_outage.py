@@ -52,13 +52,19 @@ async def router(
         r.stop()
 
 
-async def budget_used(server: TestNatsServer, key: str) -> int:
-    """The budget's counter for today, as the server holds it."""
+async def usage_totals(server: TestNatsServer, key: str, kind: str) -> dict[str, int]:
+    """The key's counters of `kind` (`b`: budgets, `h`: hourly usage), as an operator reads
+    them from the server."""
     nc = await connect_as(server, "operator", "alice")
     try:
-        totals = await counters.totals(nc, subjects.USAGE_STREAM, f"llmgw.usage.{key}.b.>")
+        return await counters.totals(nc, subjects.USAGE_STREAM, f"llmgw.usage.{key}.{kind}.>")
     finally:
         await bus.close(nc)
+
+
+async def budget_used(server: TestNatsServer, key: str) -> int:
+    """The budget's counter for today, as the server holds it."""
+    totals = await usage_totals(server, key, "b")
     return totals.get(subjects.budget_counter(key, tenancy.period_of(time.time(), "day")), 0)
 
 
@@ -119,11 +125,7 @@ def owed_in(spool: Path) -> int:
 
 async def tokens_counted(server: TestNatsServer, key: str) -> int:
     """The tokens the key's hourly usage counters hold (what `ctl usage` bills from)."""
-    nc = await connect_as(server, "operator", "alice")
-    try:
-        totals = await counters.totals(nc, subjects.USAGE_STREAM, f"llmgw.usage.{key}.h.>")
-    finally:
-        await bus.close(nc)
+    totals = await usage_totals(server, key, "h")
     return sum(n for subject, n in totals.items() if subject.endswith((".in", ".out")))
 
 
