@@ -56,9 +56,6 @@ class UsageRows:
                     into[i] += n
         return [(name, model, c[0], c[1], c[2]) for (name, model), c in merged.items() if any(c)]
 
-    def __bool__(self) -> bool:
-        return bool(self._rows)
-
     async def flush(self, counters: Counters, hour: int) -> None:
         """Add each (key, model)'s counts to its counters of UNIX hour `hour`. A count that
         fails, and every count after it, is kept for the next flush rather than lost (also

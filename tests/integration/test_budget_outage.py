@@ -112,6 +112,12 @@ async def test_a_budget_holds_through_an_outage_and_its_counter_gets_what_was_sp
     await wait_for(counted, 60, "what the outage spent, in the budget's counter")
     # Nothing was lost, and the budget held: its share of the rest, at most, was spent.
     assert await budget_used(nats_server, "thrifty") <= BUDGET
+    # nats-py reconnected by itself: the router says the outage began, and that it ended.
+    assert r.log_path is not None
+    log = r.log_path
+    await wait_for(lambda: "fleet_limits_available" in log.read_text(), 30, "the outage's end")
+    said = log.read_text()
+    assert said.index("fleet_limits_unavailable") < said.index("fleet_limits_available")
 
 
 def owed_in(spool: Path) -> int:
