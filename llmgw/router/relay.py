@@ -324,6 +324,9 @@ class EngineStream:
         self.hooks.first_token(self.prof.name, now - self.client.loop_start)
         if self.client.trace is not None:
             self.client.trace.first_token = now  # the loop's clock is time.monotonic's
+        c = self.client
+        if c.kind == "messages":  # an engine may leave its message_start out: written here
+            first = sse.with_message_start(first, c.rid, self.prof.name, c.prompt_chars)
         return first
 
     def feed(self, data: bytes, now: float) -> bytes:
@@ -419,8 +422,7 @@ async def _direct(stream: EngineStream) -> tuple[str, str] | None:
         stream.arrived(stream.loop.time())
         out = stream.take(chunk)
         if out:
-            # (`held` is empty here: the sink gives up only right after a write, which
-            # takes it.)
+            # (`held` is empty: the sink gives up only right after a write, which takes it.)
             try:
                 await resp.write(out)
             except ConnectionResetError:
@@ -458,10 +460,8 @@ async def relay(
                 await _awaited(stream)
     except TimeoutError:
         if not stream.t_first:
-            raise Retry(
-                "first_token_timeout", 504, f"engine sent no first token within"
-                f" {d.first_token_s} s"
-            ) from None  # fmt: skip
+            why = f"engine sent no first token within {d.first_token_s} s"
+            raise Retry("first_token_timeout", 504, why) from None
         if stream.deadline is not None and stream.deadline.when >= total_at:
             problem = ("total_timeout", f"the engine did not finish within {d.total_s} s")
         else:

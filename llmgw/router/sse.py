@@ -11,6 +11,8 @@ fast engine's first read holds the whole answer. Used by `llmgw.router.relay`.
 
 from __future__ import annotations
 
+import msgspec
+
 from llmgw.router import requests
 
 USAGE_KEY = b'"usage"'
@@ -138,3 +140,43 @@ def take_usage(out: bytes, at: int, *, drop: bool) -> tuple[bytes, list[requests
         kept.append(out[kept_from:])
         out = b"".join(kept)
     return out, found
+
+
+def _first_event_name(data: bytes) -> bytes | None:
+    """The `event:` name of the first event in `data` that is not a comment (None: that
+    event names none, or there is no such event)."""
+    pos, n = 0, len(data)
+    while pos < n:
+        end = data.find(b"\n\n", pos)
+        if end < 0:
+            end = n
+        if data.startswith(b"event:", pos):
+            line = data.find(b"\n", pos, end)
+            return data[pos + 6 : line if line >= 0 else end].strip()
+        if end > pos and not data.startswith(b":", pos):
+            return None  # a data-only event: not the router's to judge
+        pos = end + 2
+    return None
+
+
+def with_message_start(data: bytes, message_id: str, model: str, prompt_chars: int) -> bytes:
+    """A Messages stream's first bytes `data` (whole events), opened by a `message_start`.
+
+    llama-server (b11434) sends its `message_start` only with the answer's first token and
+    leaves it out when that token is part of a character (an emoji, most CJK text in a small
+    vocabulary), so the stream begins at `content_block_start`; Anthropic's SDKs then fail
+    the request. The router writes the missing event itself: the message's prompt tokens are
+    estimated as a cut stream's are (`requests.estimated_usage`), since the engine never
+    says them, and the key is charged that estimate. A stream that opens with its
+    `message_start`, or with an error, is returned as it is.
+    """
+    if _first_event_name(data) in (None, b"message_start", b"error"):
+        return data
+    usage = requests.estimated_usage((0, 0), prompt_chars, 0)
+    message = {
+        "id": f"msg_{message_id}", "type": "message", "role": "assistant", "content": [],
+        "model": model, "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": 0},
+    }  # fmt: skip
+    opening = msgspec.json.encode({"type": "message_start", "message": message})
+    return b"event: message_start\ndata: " + opening + b"\n\n" + data

@@ -7,8 +7,9 @@ says more relays to its 404. Here a real llama-server (SmolLM2-135M on the CPU, 
 that exist) is asked each path the router relays to: llama-server answers a path it has
 no route for with 404 "File Not Found".
 
-Needs the binary and the model as tests/e2e/test_llamacpp.py does. The last test sends
-the Messages and Responses APIs to that llama-server through a real router.
+Needs the binary and the model as tests/e2e/test_llamacpp.py does. The last tests send
+the Messages and Responses APIs to that llama-server through a real router, one a Messages
+stream that llama-server begins without its `message_start`.
 """
 
 from __future__ import annotations
@@ -112,9 +113,7 @@ def test_the_router_relays_a_llama_server_models_messages_and_responses_apis(
         endpoint_models={"ll": ["smol"]},
     )  # fmt: skip
     try:
-        # Greedy decoding, the same answer every run: llama-server b11434 leaves a stream's
-        # message_start out when its first token is part of a character (an emoji, which a
-        # sampled answer may begin with), and the SDK then has no message to return.
+        # Greedy decoding, the same answer every run.
         talk: Any = [{"role": "user", "content": "Say hello."}]
         claude = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0)
         counted = claude.messages.count_tokens(model="smol", messages=talk)
@@ -138,5 +137,50 @@ def test_the_router_relays_a_llama_server_models_messages_and_responses_apis(
         status, body = _post(router.url + "/v1/score", BODIES["score"])
         assert status == 400
         assert json.loads(body)["error"]["code"] == "unsupported_api"
+    finally:
+        router.stop()
+
+
+EMOJI = [{"role": "user", "content": "Answer with an emoji."}]
+"""SmolLM2's greedy answer begins with an emoji, whose first token is part of a character."""
+
+
+def test_a_messages_stream_whose_first_token_is_part_of_a_character_opens_with_its_message(
+    llama_server: str, tmp_path: Path
+) -> None:
+    # llama-server b11434 sends message_start only with the first token it sends; when the
+    # answer's first token is part of a character it sends nothing for it, and the stream
+    # begins at content_block_start. Anthropic's SDK fails such a stream; through the router
+    # it gets a message_start, with the prompt's tokens estimated, which the key is charged.
+    body = {"model": "smol", "max_tokens": 4, "stream": True, "temperature": 0,
+            "messages": EMOJI}  # fmt: skip
+    status, direct = _post(llama_server + "/v1/messages", body)
+    assert status == 200
+    assert direct.startswith("event: content_block_start"), direct[:200]  # the engine's fault
+    claude = anthropic.Anthropic(base_url=llama_server, api_key="none", max_retries=0)
+    claude = anthropic.Anthropic(base_url=llama_server, api_key="none", max_retries=0)
+    stream = claude.messages.stream(model="smol", max_tokens=4, messages=EMOJI,  # type: ignore[arg-type]
+                                    extra_body={"temperature": 0})  # fmt: skip
+    with pytest.raises(AssertionError), stream as events:  # what the SDK makes of the engine's
+        events.get_final_message()
+    router = Router.start(
+        tmp_path, {"ll": llama_server}, models=[{"name": "smol", "engine": "llamacpp"}],
+        endpoint_models={"ll": ["smol"]},
+    )  # fmt: skip
+    try:
+        claude = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0)
+        with claude.messages.stream(model="smol", max_tokens=4, messages=EMOJI,  # type: ignore[arg-type]
+                                    extra_body={"temperature": 0}) as stream:  # fmt: skip
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert text
+        assert not text.isascii()
+        assert final.model == "smol"
+        assert final.usage.output_tokens == 4
+        assert final.usage.input_tokens > 0  # the router's estimate of the prompt's
+        m = router.metrics()
+        assert m['llmgw_router_tokens_total{direction="in",model="smol"}'] == (
+            final.usage.input_tokens)  # fmt: skip
+        assert m['llmgw_router_tokens_total{direction="out",model="smol"}'] == 4
     finally:
         router.stop()

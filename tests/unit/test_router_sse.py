@@ -219,3 +219,65 @@ def test_a_payload_is_one_event_whatever_its_line_breaks(payload: bytes) -> None
     pretty = json.dumps(doc, indent=2).replace("\n", "\r\n").encode() + b"\n\n"
     ((_, data),) = _client_reads(requests.error_event("chat", pretty))
     assert json.loads(data) == doc
+
+
+ERROR = b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error"}}'
+COMMENT = b": keep-alive"
+named_events = st.sampled_from([MESSAGE_START, BLOCK_START, TEXT_DELTA, ERROR, COMMENT, TOKEN])
+
+
+def reference_first_name(data: bytes) -> bytes | None:
+    """The plain definition: the `event:` name of the first event that is not a comment."""
+    for event in data.split(b"\n\n"):
+        if not event or event.startswith(b":"):
+            continue
+        head = event.split(b"\n", 1)[0]
+        return head[6:].strip() if head.startswith(b"event:") else None
+    return None
+
+
+@given(st.lists(named_events, max_size=6), st.text(max_size=40), st.integers(0, 10**6))
+def test_a_messages_stream_always_opens_with_its_message_and_keeps_every_byte(
+    parts: list[bytes], model: str, chars: int
+) -> None:
+    data = b"\n\n".join(parts) + b"\n\n" if parts else b""
+    out = sse.with_message_start(data, "r-1", model, chars)
+    assert out.endswith(data)  # nothing the engine sent is lost or changed
+    added = out[: len(out) - len(data)]
+    first = reference_first_name(data)
+    if first in (None, b"message_start", b"error"):
+        assert added == b""  # the engine's own opening (or its error) is left as it is
+        return
+    assert sse.with_message_start(out, "r-1", model, chars) == out  # written once
+    name, payload = added.removesuffix(b"\n\n").split(b"\n")
+    assert name == b"event: message_start"
+    doc = json.loads(payload.removeprefix(b"data: "))
+    message = doc["message"]
+    assert (doc["type"], message["type"], message["role"]) == (
+        "message_start",
+        "message",
+        "assistant",
+    )
+    assert (message["model"], message["id"], message["content"]) == (model, "msg_r-1", [])
+    assert message["usage"] == {"input_tokens": chars // 4, "output_tokens": 0}
+    # The usage the router counts from it: the estimate it wrote, the prompt's alone.
+    _, usages = sse.take_usage(added, added.find(sse.USAGE_KEY), drop=False)
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usages] == [(chars // 4, 0)]
+
+
+def test_the_message_start_is_written_where_llama_server_leaves_it_out() -> None:
+    # Recorded from llama-server b11434 ("Answer with an emoji.", greedy): its first token
+    # was part of the emoji, and the stream began at content_block_start.
+    engine = (
+        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+        b'"content_block":{"type":"text","text":""}}\n\n'
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"\xf0\x9f\x8c\x9f"}}\n\n'
+    )
+    out = sse.with_message_start(engine, "abc", "smol", 27)
+    assert out.startswith(b"event: message_start\ndata: {")
+    assert out.endswith(b"\n\n" + engine)
+    assert sse.with_message_start(MESSAGE_START + b"\n\n" + engine, "abc", "smol", 27) == (
+        MESSAGE_START + b"\n\n" + engine)  # fmt: skip
+    assert sse.with_message_start(COMMENT + b"\n\n" + ERROR + b"\n\n", "abc", "m", 9) == (
+        COMMENT + b"\n\n" + ERROR + b"\n\n")  # fmt: skip
