@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from llmgw.core import events, state
 from llmgw.core.state import ClusterState
+from llmgw.core.tenancy import KeySettings
 
 from .scenarios import Sim, fabric, profile, registered
 from .strategies import any_event
@@ -313,6 +314,26 @@ def test_redelivered_status_is_a_no_op() -> None:
     before = state.digest(sim.state)
     assert sim.status(r.shards[0].node, r.id, 1, 0, "serving") is None
     assert state.digest(sim.state) == before
+    # A terminal status delivered twice is not refused (nor counted as a second failure).
+    sim.status(r.shards[0].node, r.id, 1, 0, "failed", error="engine exited")
+    assert r.failures == 1
+    assert sim.status(r.shards[0].node, r.id, 1, 0, "failed", error="engine exited") is None
+    assert r.failures == 1
+
+
+def test_a_shard_that_fails_once_asked_to_stop_is_no_failure_of_its_replica() -> None:
+    """SIGKILL after the stop's grace reads as failed: the restart it was stopped for must
+    not back off longer for it."""
+    sim = placed_sim()
+    r = the_replica(sim)
+    shard = r.shards[0]
+    stop = events.StopShard(
+        id="stop", ts=sim.now, epoch=sim.epoch, node=shard.node, replica_id=r.id,
+        generation=1, shard=0, grace_s=30.0, reason="restarting the replica",
+    )  # fmt: skip
+    assert sim.append(stop) is None
+    assert sim.status(shard.node, r.id, 1, 0, "failed", error="killed") is None
+    assert (r.failures, r.failed_ts) == (0, 0.0)
 
 
 def test_an_already_folded_sequence_is_refused() -> None:
@@ -342,7 +363,59 @@ def test_registration_reports_what_still_runs_and_orphans() -> None:
     )
     assert r.shards[0].phase == "failed"
     assert r.shards[0].error == "not running when its agent registered again"
+    # A failure like any other: the restart backs off from it.
+    assert (r.failures, r.failed_ts) == (1, sim.now)
     assert [o.replica_id for o in sim.state.nodes[node].orphans] == ["old-r"]
+
+
+def test_a_registration_claiming_a_generation_never_placed_serves_nothing() -> None:
+    """A node (buggy or hostile) that reports the next generation of its replica running
+    does not make the log's generation serve: the log placed no such generation, so the
+    process is an orphan to stop and the generation the log knows is not running."""
+    sim = placed_sim()
+    r = the_replica(sim)
+    shard = r.shards[0]
+    sim.status(shard.node, r.id, 1, 0, "failed", error="engine exited")
+    ahead = events.RunningShard(
+        replica_id=r.id, generation=2, shard=0, gpus=shard.gpus, phase="serving"
+    )
+    assert sim.register(shard.node, fabrics=[fabric("ib-a")], shards=[ahead]) is None
+    assert r.generation == 1
+    assert shard.phase == "failed"
+    (orphan,) = sim.state.nodes[shard.node].orphans
+    assert (orphan.replica_id, orphan.generation) == (r.id, 2)
+
+
+def test_a_registration_never_brings_an_ended_generation_back() -> None:
+    """The shard failed; its agent then registers saying it serves (a stale report, or a
+    lie). The generation stays ended: the reconciler restarts it as the next one."""
+    sim = placed_sim()
+    r = the_replica(sim)
+    shard = r.shards[0]
+    sim.status(shard.node, r.id, 1, 0, "failed", error="engine exited")
+    again = events.RunningShard(
+        replica_id=r.id, generation=1, shard=0, gpus=shard.gpus, phase="serving"
+    )
+    assert sim.register(shard.node, fabrics=[fabric("ib-a")], shards=[again]) is None
+    assert shard.phase == "failed"
+    assert shard.error == "engine exited"
+
+
+@pytest.mark.parametrize("end", ["stopped", "failed"])
+def test_a_retired_replicas_shard_that_ends_either_way_frees_its_gpus(end: str) -> None:
+    """A stop that ended in SIGKILL reads as failed: the GPUs must come free all the same,
+    or no replica is ever placed on them again."""
+    sim = placed_sim()
+    r = the_replica(sim)
+    shard = r.shards[0]
+    retire = events.ReplicaRetired(
+        id="ret", ts=sim.now, epoch=sim.epoch, replica_id=r.id, reason="surplus"
+    )
+    assert sim.append(retire) is None
+    assert sim.status(shard.node, r.id, 1, 0, end, error="killed") is None
+    assert r.id not in sim.state.replicas
+    assert sim.state.nodes[shard.node].holders == {}
+    assert sim.state.nodes[shard.node].ports == {}
 
 
 def test_liveness_comes_from_recorded_control_events() -> None:
@@ -388,6 +461,86 @@ def test_digest_ignores_heartbeats_and_insertion_order() -> None:
     assert state.digest(st) == state.digest(replay)
 
 
+def _rich_state() -> ClusterState:
+    """A serving replica, a leader, a quarantined node and a tenant's key: every durable part."""
+    sim = placed_sim()
+    sim.append(events.LeaderElected(id="l", ts=sim.now, leader="control-1", epoch=sim.epoch + 1))
+    st = state.decode_snapshot(state.encode_snapshot(sim.state))
+    st.quarantined["c"] = state.Quarantine(node="c", reason="flood", seq=3, ts=1.0)
+    st.keys["team-a"] = state.KeyState(settings=KeySettings(name="team-a"), sha256="ab" * 32)
+    return st
+
+
+def _bump_epoch(st: ClusterState) -> None:
+    st.epoch += 1
+
+
+def _other_leader(st: ClusterState) -> None:
+    st.leader = "control-2"
+
+
+def _no_endpoint(st: ClusterState) -> None:
+    st.endpoints.clear()
+
+
+def _no_key(st: ClusterState) -> None:
+    st.keys.clear()
+
+
+def _no_quarantine(st: ClusterState) -> None:
+    st.quarantined.clear()
+
+
+def _next_generation(st: ClusterState) -> None:
+    next(iter(st.replicas.values())).generation += 1
+
+
+def _model_revised(st: ClusterState) -> None:
+    next(iter(st.models.values())).revision += 1
+
+
+def _node_draining(st: ClusterState) -> None:
+    st.nodes["a"].draining = True
+
+
+def _gpu_released(st: ClusterState) -> None:
+    node = next(n for n in st.nodes.values() if n.holders)
+    node.holders.pop(min(node.holders))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _bump_epoch,
+        _other_leader,
+        _no_endpoint,
+        _no_key,
+        _no_quarantine,
+        _next_generation,
+        _model_revised,
+        _node_draining,
+        _gpu_released,
+    ],
+)
+def test_the_digest_tells_apart_states_that_differ_in_any_durable_part(
+    change: Callable[[ClusterState], None],
+) -> None:
+    """Two folds whose durable states differ must not agree: `replay --verify` and the
+    followers' attestations compare digests to find a log folded differently."""
+    st = _rich_state()
+    other = state.decode_snapshot(state.encode_snapshot(st))
+    assert state.digest(other) == state.digest(st)
+    change(other)
+    assert state.digest(other) != state.digest(st)
+
+
+def test_a_snapshot_of_another_format_is_refused_with_what_to_do() -> None:
+    st = _rich_state()
+    later = msgspec.msgpack.encode({"format": state.SNAPSHOT_FORMAT + 1, "state": st})
+    with pytest.raises(ValueError, match="fold the log from the start instead"):
+        state.decode_snapshot(later)
+
+
 # --------------------------------------------------------------------------- properties
 
 
@@ -418,6 +571,28 @@ def test_hostile_events_on_a_real_cluster_never_raise(
         for g, rid in node.holders.items():
             replica = sim.state.replicas[rid]
             assert any(g in s.gpus and s.node == node.name for s in replica.shards)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(any_event, max_size=15), st.data())
+def test_a_fold_resumed_from_a_snapshot_is_the_fold_of_the_whole_log(
+    evs: list[events.Event], data: st.DataObject
+) -> None:
+    """What a cold start does (snapshot, then the tail) ends in exactly the state of folding
+    every record from the start, volatile part and sequence included; and folding is
+    deterministic: the same records fold to equal states."""
+    sim = placed_sim()
+    sim.heartbeats()
+    sim.extend(evs)
+    records = sim.records
+    cut = data.draw(st.integers(0, len(records)), label="snapshot after record")
+    head, _ = state.fold_records(records[:cut])
+    resumed = state.decode_snapshot(state.encode_snapshot(head))
+    assert resumed == head
+    resumed, _ = state.fold_records(records[cut:], resumed)
+    whole, _ = state.fold_records(records)
+    assert resumed == whole == sim.state
+    assert state.digest(resumed) == state.digest(sim.state)
 
 
 def test_apply_survives_an_unknown_event_type() -> None:
