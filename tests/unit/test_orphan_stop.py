@@ -4,6 +4,7 @@ stops it once, folds its own StopShard, and asks again only after a growing wait
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from llmgw.core import events, reconcile, state
 from llmgw.core.reconcile import ReconcileConfig
@@ -97,6 +98,16 @@ def test_its_stopped_status_clears_the_orphan() -> None:
     assert stops(sim.leader()) == []
 
 
+def test_the_live_generations_failure_is_folded_beside_an_old_generations_orphan() -> None:
+    """The orphan and the live shard share replica and shard number: a status of the live
+    generation must reach the replica, not be taken for the orphan's."""
+    sim, rid = restarted_replica()
+    report_old_generation(sim, rid)
+    assert sim.status("a", rid, 2, 0, "failed", error="CUDA error") is None
+    assert sim.state.replicas[rid].shards[0].phase == "failed"
+    assert [(o.replica_id, o.generation) for o in sim.state.nodes["a"].orphans] == [(rid, 1)]
+
+
 def test_registering_again_keeps_the_backoff() -> None:
     sim, rid = restarted_replica()
     report_old_generation(sim, rid)
@@ -131,6 +142,22 @@ def test_an_unknown_replicas_orphan_backs_off_too() -> None:
     assert stops(sim.leader()) == []
     sim.advance(1)
     assert len(stops(sim.leader())) == 1
+
+
+@pytest.mark.parametrize("end", ["stopped", "failed"])
+def test_an_unknown_replicas_orphan_that_ends_either_way_is_forgotten(end: str) -> None:
+    """Killed after its grace (failed) or exited cleanly (stopped), its GPU is free again and
+    no more stops go to it."""
+    sim = Sim(config=CFG)
+    ghost = events.RunningShard(
+        replica_id="ghost", generation=3, shard=0, gpus=(0,), phase="serving"
+    )
+    sim.register("a", shards=[ghost])
+    assert stops(sim.leader())
+    assert sim.status("a", "ghost", 3, 0, end, error="killed") is None
+    assert sim.state.nodes["a"].orphans == []
+    sim.advance(10_000)
+    assert stops(sim.leader()) == []
 
 
 def test_a_snapshot_from_before_stops_were_counted_waits_too() -> None:

@@ -129,6 +129,201 @@ def test_failed_replicas_restart_in_place_with_exponential_backoff() -> None:
     assert r.id in sim.state.endpoints
 
 
+def test_an_engine_that_exits_on_its_own_is_restarted_in_place() -> None:
+    """A shard reported stopped that nobody asked to stop is broken like a failed one: the
+    replica restarts as its next generation; left alone, the model would be a replica short
+    for ever (no rule places another while this one counts)."""
+    sim = two_nodes(config=ReconcileConfig(restart_backoff_s=5))
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    sim.status(r.shards[0].node, r.id, 1, 0, "stopped")
+    assert kinds(sim.step()) == ["EndpointDown"]
+    assert sim.step(sim.now + 4.9) == []
+    restart = sim.step(sim.now + 0.2)
+    assert kinds(restart) == ["ReplicaPlaced", "StartShard"]
+    assert restart[0].replica_id == r.id  # type: ignore[attr-defined]
+    assert restart[0].generation == 2  # type: ignore[attr-defined]
+    sim.settle()
+    assert [x.id for x in sim.serving("m")] == [r.id]
+
+
+def test_a_failed_replica_on_an_unreachable_node_waits_for_lost_or_recovered() -> None:
+    """Its agent cannot hear a restart: none is sent while the node is unreachable, however
+    long the backoff has run; once the node is back, the replica restarts in place."""
+    cfg = ReconcileConfig(restart_backoff_s=5, unreachable_after_s=10, lost_after_s=600)
+    sim = two_nodes(config=cfg)
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    sim.status(node, r.id, 1, 0, "failed", error="CUDA error")
+    assert kinds(sim.step()) == ["EndpointDown"]
+    sim.silent.add(node)
+    sim.advance(11)
+    assert kinds(sim.step()) == ["NodeUnreachable"]
+    sim.advance(100)
+    assert sim.step() == []
+    sim.silent.discard(node)
+    sim.advance(1)
+    assert kinds(sim.step()) == ["NodeRecovered"]
+    restart = sim.step()
+    assert kinds(restart) == ["ReplicaPlaced", "StartShard"]
+    assert restart[0].generation == 2  # type: ignore[attr-defined]
+
+
+def test_a_failed_replica_of_a_changed_model_is_placed_anew_not_restarted() -> None:
+    """Restarting it in place would start the old revision's placement again, only to move
+    it at the next pass: it is retired and replaced at once."""
+    sim = two_nodes(config=ReconcileConfig(restart_backoff_s=5))
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    sim.change(profile("m", tensor_parallel=4))
+    sim.status(r.shards[0].node, r.id, 1, 0, "failed", error="CUDA error")
+    decisions = sim.step()
+    assert kinds(decisions)[:3] == ["EndpointDown", "ReplicaRetired", "ReplicaPlaced"]
+    assert "model m changed" in decisions[1].reason  # type: ignore[attr-defined]
+    placed = of(decisions, events.ReplicaPlaced)[0]
+    assert placed.replaces == r.id  # type: ignore[attr-defined]
+    assert len(placed.shards[0].gpus) == 4  # type: ignore[attr-defined]
+
+
+def test_a_replica_that_fails_on_a_draining_node_is_placed_elsewhere_not_restarted() -> None:
+    sim = two_nodes(config=ReconcileConfig(restart_backoff_s=5))
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    other = "b" if node == "a" else "a"
+    sim.cordon(other)  # no room for a replacement: the drain waits for its grace period
+    sim.drain(node)
+    assert sim.step() == []
+    sim.status(node, r.id, 1, 0, "failed", error="CUDA error")
+    sim.append(events.NodeUncordoned(id=sim.eid("op"), ts=sim.now, operator="alice", node=other))
+    decisions = sim.step(sim.now + 60)
+    assert kinds(decisions)[:3] == ["EndpointDown", "ReplicaRetired", "ReplicaPlaced"]
+    assert f"node {node} draining" in decisions[1].reason  # type: ignore[attr-defined]
+    placed = of(decisions, events.ReplicaPlaced)[0]
+    assert placed.shards[0].node == other  # type: ignore[attr-defined]
+
+
+def test_a_failure_dated_far_ahead_by_its_node_does_not_hold_the_restart_back() -> None:
+    """A node whose clock jumped ahead (or that lies) dates its failure years from now; the
+    backoff then counts from the generation's placement, by the leader's time."""
+    sim = two_nodes(config=ReconcileConfig(restart_backoff_s=5))
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    ahead = events.ShardStatus(
+        id=sim.eid("st"),
+        ts=sim.now + 10 * 365 * 86400,
+        node=r.shards[0].node,
+        replica_id=r.id,
+        generation=1,
+        shard=0,
+        phase="failed",
+        error="CUDA error",
+    )
+    assert sim.append(ahead) is None
+    assert kinds(sim.step()) == ["EndpointDown"]
+    restart = sim.step(r.placed_ts + 5.1)
+    assert kinds(restart) == ["ReplicaPlaced", "StartShard"]
+
+
+def test_a_restart_stops_the_shards_still_running_before_the_next_generation() -> None:
+    sim = two_nodes(config=ReconcileConfig(restart_backoff_s=5))
+    sim.declare(profile("big", tensor_parallel=8, nodes=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    sim.status(r.shards[1].node, r.id, 1, 1, "failed", error="NCCL timeout")
+    assert kinds(sim.step()) == ["EndpointDown"]
+    restart = sim.step(sim.now + 5.1)
+    assert kinds(restart) == ["StopShard", "ReplicaPlaced", "StartShard", "StartShard"]
+    stop = restart[0]
+    assert isinstance(stop, events.StopShard)
+    assert (stop.node, stop.shard, stop.generation) == (r.shards[0].node, 0, 1)
+
+
+def test_a_replica_on_two_draining_nodes_leaves_by_the_earlier_deadline() -> None:
+    sim = two_nodes()
+    sim.declare(profile("big", tensor_parallel=8, nodes=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    sim.drain("a", grace_s=100)
+    sim.drain("b", grace_s=1000)
+    assert sim.step(sim.now + 99) == []  # nowhere to place a replacement meanwhile
+    ended = sim.step(sim.now + 2)
+    assert kinds(ended)[:2] == ["EndpointDown", "ReplicaRetired"]
+    assert ended[1].reason.endswith("the drain grace period ended")  # type: ignore[attr-defined]
+    assert ended[1].replica_id == r.id  # type: ignore[attr-defined]
+
+
+def test_a_surplus_replica_on_a_draining_node_is_retired_not_replaced() -> None:
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2, replicas=2))
+    sim.settle()
+    on_a = [r.id for r in sim.state.replicas.values() if r.shards[0].node == "a"]
+    sim.drain("a")
+    sim.change(profile("m", tensor_parallel=2, replicas=2 - len(on_a)))
+    decisions = sim.step()
+    assert of(decisions, events.ReplicaPlaced) == []
+    retired = of(decisions, events.ReplicaRetired)
+    assert sorted(d.replica_id for d in retired) == sorted(on_a)  # type: ignore[attr-defined]
+    assert all("surplus" in d.reason for d in retired)  # type: ignore[attr-defined]
+
+
+def test_a_drain_past_its_grace_retires_at_once_even_if_room_appears_then() -> None:
+    """Past the deadline the original goes, whatever a replacement would need: a drain
+    bounded by its grace period ends then (the count places the replacement)."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    other = "b" if node == "a" else "a"
+    sim.cordon(other)
+    sim.drain(node, grace_s=10)
+    assert sim.step(sim.now + 5) == []
+    sim.append(events.NodeUncordoned(id=sim.eid("op"), ts=sim.now, operator="alice", node=other))
+    ended = sim.step(sim.now + 6)
+    assert kinds(ended)[:3] == ["EndpointDown", "ReplicaRetired", "DrainShard"]
+    assert ended[1].reason.endswith("the drain grace period ended")  # type: ignore[attr-defined]
+    (placed,) = of(ended, events.ReplicaPlaced)
+    assert placed.shards[0].node == other  # type: ignore[attr-defined]
+
+
+def test_a_surplus_replica_still_loading_is_stopped_not_drained() -> None:
+    """Only a replica that serves has requests to finish: one still loading is stopped at
+    once rather than left a drain window."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2, replicas=2))
+    placed = sim.leader()  # agents do not answer yet
+    loading = of(placed, events.StartShard)[1]
+    sim.agents(of(placed, events.StartShard)[:1])
+    sim.status(loading.node, loading.replica_id, 1, 0, "loading")  # type: ignore[attr-defined]
+    sim.change(profile("m", tensor_parallel=2, replicas=1))
+    decisions = sim.step()
+    assert kinds(decisions) == ["EndpointUp", "ReplicaRetired", "StopShard"]
+    assert decisions[1].replica_id == loading.replica_id  # type: ignore[attr-defined]
+    assert decisions[2].replica_id == loading.replica_id  # type: ignore[attr-defined]
+
+
+def test_a_replica_whose_start_was_never_sent_is_retired_without_a_stop() -> None:
+    """The leader died between a placement and its StartShard: retiring that replica frees
+    its GPUs in the fold at once; a StopShard for it would be refused (its replica is gone)."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2))
+    decisions = reconcile.reconcile(sim.state, sim.now, epoch=sim.epoch, config=sim.config)
+    assert kinds(decisions) == ["ReplicaPlaced", "StartShard"]
+    assert sim.append(decisions[0]) is None
+    sim.append(events.ModelRemoved(id=sim.eid("op"), ts=sim.now, operator="alice", name="m"))
+    retired = sim.leader()  # asserts the fold accepts each of its decisions
+    assert kinds(retired) == ["ReplicaRetired"]
+    assert sim.state.replicas == {}
+    assert all(node.holders == {} for node in sim.state.nodes.values())
+
+
 def test_heartbeats_stop_unreachable_then_lost_then_replaced_then_recovered() -> None:
     cfg = ReconcileConfig(unreachable_after_s=10, lost_after_s=60)
     sim = two_nodes(config=cfg)
