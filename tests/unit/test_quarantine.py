@@ -242,6 +242,21 @@ def test_verify_treats_quarantines_as_observations() -> None:
     assert report.observations >= 2
 
 
+def test_a_quarantined_nodes_gpu_health_is_recorded_only_after_its_release() -> None:
+    """Each change recorded is a durable event written for the node: while quarantined it
+    must not go on writing the log through the leader's observations."""
+    sim = serving_sim()
+    sim.append(quarantine("a"))
+    sick = (events.GpuHealth(index=0, ecc_uncorrected=3),)
+    sim.heartbeat("a", sick)
+    assert sim.leader() == []
+    sim.append(release("a", ts=sim.now))
+    sim.heartbeat("a", sick)
+    (changed,) = sim.leader()
+    assert isinstance(changed, events.GpuHealthChanged)
+    assert changed.node == "a"
+
+
 # --------------------------------------------------------------------------- placement, views
 
 

@@ -6,6 +6,8 @@ import msgspec
 import pytest
 
 from llmgw.core import events, reconcile, state
+from llmgw.core.autoscale import Autoscale
+from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile import ReconcileConfig
 
 from .scenarios import Sim, fabric, profile
@@ -324,6 +326,17 @@ def test_a_replica_whose_start_was_never_sent_is_retired_without_a_stop() -> Non
     assert all(node.holders == {} for node in sim.state.nodes.values())
 
 
+def test_a_node_silent_for_just_over_unreachable_after_s_is_unreachable() -> None:
+    sim = two_nodes(config=ReconcileConfig(unreachable_after_s=10))
+    sim.silent.add("a")
+    sim.advance(10)
+    assert sim.step() == []
+    sim.advance(0.5)
+    (unreachable,) = sim.step()
+    assert isinstance(unreachable, events.NodeUnreachable)
+    assert unreachable.node == "a"
+
+
 def test_heartbeats_stop_unreachable_then_lost_then_replaced_then_recovered() -> None:
     cfg = ReconcileConfig(unreachable_after_s=10, lost_after_s=60)
     sim = two_nodes(config=cfg)
@@ -475,8 +488,59 @@ def test_surplus_replicas_retire_least_serving_and_newest_first() -> None:
     retired = sim.settle()
     assert kinds(retired)[:3] == ["EndpointDown", "ReplicaRetired", "DrainShard"]
     assert retired[1].replica_id == newest.id  # type: ignore[attr-defined]
+    # One surplus, one retired: no second one retired and then placed again.
+    assert len(of(retired, events.ReplicaRetired)) == 1
+    assert of(retired, events.ReplicaPlaced) == []
     sim.settle(sim.now + 31)
     assert len(sim.state.replicas) == 2
+
+
+def test_a_surplus_replica_that_does_not_serve_yet_retires_before_a_newer_serving_one() -> None:
+    """Least serving first, newest first only among equals: the older replica, still
+    loading, goes; the newer one, serving, stays."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2, replicas=2))
+    placed = sim.leader()  # agents do not answer yet
+    older, newer = of(placed, events.StartShard)
+    sim.agents([newer])
+    sim.status(older.node, older.replica_id, 1, 0, "loading")  # type: ignore[attr-defined]
+    sim.change(profile("m", tensor_parallel=2, replicas=1))
+    (retired,) = of(sim.step(), events.ReplicaRetired)
+    assert retired.replica_id == older.replica_id  # type: ignore[attr-defined]
+
+
+def test_no_replica_is_started_and_retired_in_one_pass() -> None:
+    """A leader died between a placement and its StartShard, and the model then shrank:
+    one pass acts on each replica once (no start immediately followed by a stop)."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2, replicas=1))
+    sim.settle()
+    sim.change(profile("m", tensor_parallel=2, replicas=2))
+    decisions = reconcile.reconcile(sim.state, sim.now, epoch=sim.epoch, config=sim.config)
+    assert kinds(decisions) == ["ReplicaPlaced", "StartShard"]
+    assert sim.append(decisions[0]) is None
+    sim.change(profile("m", tensor_parallel=2, replicas=1))
+    decisions = sim.leader()
+    started = {d.replica_id for d in of(decisions, events.StartShard)}  # type: ignore[attr-defined]
+    retired = {d.replica_id for d in of(decisions, events.ReplicaRetired)}  # type: ignore[attr-defined]
+    assert started
+    assert retired
+    assert started.isdisjoint(retired)
+
+
+def test_short_of_gpus_the_model_of_higher_priority_is_placed_first() -> None:
+    """Whatever the names' order: room for one replica goes to the higher priority."""
+    sim = Sim()
+    sim.register("a")
+
+    def scaled(name: str, priority: int) -> ModelProfile:
+        rules = Autoscale(min=1, max=1, waiting_per_replica=1.0, priority=priority)
+        return profile(name, tensor_parallel=8, autoscale=rules)
+
+    sim.declare(scaled("a-low", -5))
+    sim.declare(scaled("z-high", 5))
+    (placed,) = of(sim.leader(), events.ReplicaPlaced)
+    assert placed.model == "z-high"  # type: ignore[attr-defined]
 
 
 def test_a_removed_model_is_retired_and_a_changed_model_rolls() -> None:
@@ -486,8 +550,12 @@ def test_a_removed_model_is_retired_and_a_changed_model_rolls() -> None:
     (old,) = sim.state.replicas.values()
     sim.change(profile("m", tensor_parallel=2, engine_args=("--enforce-eager",)))
     assert sim.state.models["m"].revision == 2
+    # The old replica serves on until its replacement does (the change's grace counts
+    # from the change, not from the model's declaration).
+    assert kinds(sim.step()) == ["ReplicaPlaced", "StartShard"]
+    assert sim.state.models["m"].changed_ts == sim.now
+    assert not old.retired
     rolled = sim.settle()
-    assert kinds(rolled)[:2] == ["ReplicaPlaced", "StartShard"]
     assert of(rolled, events.ReplicaRetired)[0].replica_id == old.id  # type: ignore[attr-defined]
     sim.settle(sim.now + 31)
     (new,) = sim.state.replicas.values()
@@ -644,6 +712,32 @@ def test_a_gpu_that_vanishes_fails_its_shard_and_the_replica_moves() -> None:
     assert kinds(moved)[:3] == ["EndpointDown", "ReplicaRetired", "ReplicaPlaced"]
     assert "is no longer in its inventory: placing it elsewhere" in moved[1].reason  # type: ignore[attr-defined]
     assert of(moved, events.ReplicaPlaced)[0].shards[0].node != node  # type: ignore[attr-defined]
+
+
+def test_a_gpu_of_another_class_under_a_shard_fails_it_at_registration() -> None:
+    """The agent comes back reporting other GPUs in the same slots (a board swapped): the
+    replica was placed for its class and cannot run there as placed."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=4))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    sim.register(node, gpu_class="a100-80g", fabrics=[fabric("ib-a")])
+    assert r.shards[0].phase == "failed"
+    assert r.shards[0].error.endswith("is now a100-80g, not h100-80g")
+
+
+def test_a_node_that_lost_its_fabric_links_fails_the_multi_node_shard_on_it() -> None:
+    """Still named on the fabric but with no HCA up: NCCL cannot run across it."""
+    sim = two_nodes()
+    sim.declare(profile("big", tensor_parallel=8, nodes=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    assert r.fabric == "ib-a"
+    sim.register("b", fabrics=[fabric("ib-a", [])])
+    (on_b,) = [s for s in r.shards if s.node == "b"]
+    assert on_b.phase == "failed"
+    assert on_b.error == "b is no longer on fabric ib-a"
 
 
 def test_a_failed_replica_that_is_surplus_is_retired_not_restarted() -> None:

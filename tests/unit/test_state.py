@@ -416,6 +416,31 @@ def test_a_retired_replicas_shard_that_ends_either_way_frees_its_gpus(end: str) 
     assert r.id not in sim.state.replicas
     assert sim.state.nodes[shard.node].holders == {}
     assert sim.state.nodes[shard.node].ports == {}
+    # Its endpoint (no EndpointDown came) goes with it: none is left without a replica.
+    assert r.id not in sim.state.endpoints
+
+
+def test_a_lost_node_that_registers_again_is_ready_at_once() -> None:
+    """Its registration is the agent's word on what runs: the node is ready from that
+    record on, with no heartbeat needed after it."""
+    sim = placed_sim()
+    sim.liveness("b", events.NodeUnreachable)
+    sim.liveness("b", events.NodeLost)
+    assert sim.state.nodes["b"].liveness == "lost"
+    assert sim.register("b", fabrics=[fabric("ib-a")]) is None
+    assert sim.state.nodes["b"].liveness == "ready"
+    assert sim.state.nodes["b"].liveness_seq == sim.seq
+
+
+def test_an_ended_generation_takes_no_other_ending() -> None:
+    sim = placed_sim()
+    r = the_replica(sim)
+    node = r.shards[0].node
+    assert sim.status(node, r.id, 1, 0, "stopped") is None
+    reason = sim.status(node, r.id, 1, 0, "failed", error="late")
+    assert reason is not None
+    assert "a generation does not restart" in reason
+    assert (r.shards[0].phase, r.failures) == ("stopped", 0)
 
 
 def test_liveness_comes_from_recorded_control_events() -> None:
