@@ -337,6 +337,40 @@ def test_a_node_silent_for_just_over_unreachable_after_s_is_unreachable() -> Non
     assert unreachable.node == "a"
 
 
+def test_uncordoning_a_draining_node_ends_its_drain() -> None:
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    other = "b" if node == "a" else "a"
+    sim.cordon(other)  # nowhere to move to: the drain only waits
+    sim.drain(node, grace_s=100)
+    assert sim.step() == []
+    sim.append(events.NodeUncordoned(id=sim.eid("op"), ts=sim.now, operator="alice", node=node))
+    assert not sim.state.nodes[node].draining
+    assert sim.settle(sim.now + 1000) == []
+    assert [x.id for x in sim.serving("m")] == [r.id]
+
+
+def test_a_drain_requested_again_keeps_its_first_deadline() -> None:
+    """Asking again (an operator's retry, a script run twice) does not push the end of the
+    drain further: it ends by the first request's grace."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=8))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    node = r.shards[0].node
+    sim.cordon("b" if node == "a" else "a")
+    sim.drain(node, grace_s=100)
+    sim.advance(60)
+    sim.drain(node, grace_s=100)
+    assert sim.step() == []
+    ended = sim.step(sim.now + 41)
+    assert kinds(ended)[:2] == ["EndpointDown", "ReplicaRetired"]
+    assert ended[1].reason.endswith("the drain grace period ended")  # type: ignore[attr-defined]
+
+
 def test_heartbeats_stop_unreachable_then_lost_then_replaced_then_recovered() -> None:
     cfg = ReconcileConfig(unreachable_after_s=10, lost_after_s=60)
     sim = two_nodes(config=cfg)
@@ -504,6 +538,7 @@ def test_a_surplus_replica_that_does_not_serve_yet_retires_before_a_newer_servin
     older, newer = of(placed, events.StartShard)
     sim.agents([newer])
     sim.status(older.node, older.replica_id, 1, 0, "loading")  # type: ignore[attr-defined]
+    assert kinds(sim.leader()) == ["EndpointUp"]  # for the newer: nothing else to do
     sim.change(profile("m", tensor_parallel=2, replicas=1))
     (retired,) = of(sim.step(), events.ReplicaRetired)
     assert retired.replica_id == older.replica_id  # type: ignore[attr-defined]
@@ -548,6 +583,7 @@ def test_a_removed_model_is_retired_and_a_changed_model_rolls() -> None:
     sim.declare(profile("m", tensor_parallel=2))
     sim.settle()
     (old,) = sim.state.replicas.values()
+    sim.advance(3600)  # the change comes long after the declaration
     sim.change(profile("m", tensor_parallel=2, engine_args=("--enforce-eager",)))
     assert sim.state.models["m"].revision == 2
     # The old replica serves on until its replacement does (the change's grace counts
@@ -679,6 +715,26 @@ def test_replay_reaches_the_leaders_digest_and_verify_reproduces_every_batch() -
     assert report.observations == sum(
         len(b) for b in sim.decision_batches if isinstance(b[0], reconcile.OBSERVATIONS)
     )
+
+
+def test_verify_from_a_snapshot_inside_a_batch_skips_that_batch_and_checks_the_next() -> None:
+    """A snapshot taken while a batch was being folded holds part of it: that batch was
+    decided on an earlier state than the snapshot's, so it cannot be recomputed; every
+    batch decided on or after the snapshot still is."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2, replicas=2))
+    sim.settle()
+    sim.change(profile("m", tensor_parallel=2, replicas=1))
+    sim.settle()
+    records = sim.durable_records()
+    first = next(i for i, (_s, e) in enumerate(records) if isinstance(e, events.ReplicaPlaced))
+    inside = first + 1  # the placement is folded, its StartShard not yet
+    assert isinstance(records[inside][1], events.StartShard)
+    snap, _ = state.fold_records(records[:inside])
+    report = reconcile.verify(records[inside:], config=sim.config, state=snap)
+    assert report.mismatches == []
+    plans = [b for b in sim.decision_batches if not isinstance(b[0], reconcile.OBSERVATIONS)]
+    assert report.batches == report.matched == len(plans) - 1
 
 
 def test_verify_spots_a_forged_decision() -> None:

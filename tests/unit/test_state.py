@@ -308,6 +308,22 @@ def test_hostile_events_are_refused_with_a_reason_and_change_nothing(
     assert state.encode_snapshot(after) == snapshot
 
 
+def test_a_placed_shard_holds_both_its_ports_and_no_other_replica_gets_either() -> None:
+    sim = placed_sim()
+    r = the_replica(sim)
+    shard = r.shards[0]
+    node = sim.state.nodes[shard.node]
+    assert shard.port
+    assert {p: node.ports[p] for p in (shard.port, shard.port + 1)} == dict.fromkeys(
+        (shard.port, shard.port + 1), r.id
+    )
+    free = sorted(set(node.gpus) - set(node.holders))[:1]
+    clash = events.ShardAssignment(shard=0, node=shard.node, gpus=tuple(free), port=shard.port + 1)
+    reason = sim.append(_placed("llama", clash))
+    assert reason is not None
+    assert f"port {shard.port + 1} of {shard.node!r} is already in use" in reason
+
+
 def test_redelivered_status_is_a_no_op() -> None:
     sim = placed_sim()
     r = the_replica(sim)
