@@ -754,6 +754,27 @@ def test_verify_spots_a_forged_decision() -> None:
     assert "decision 1: recorded" in report.mismatches[0]
 
 
+def test_verify_spots_a_decision_added_to_a_batch() -> None:
+    """Every recorded decision matches its recomputed one, but the batch has one more: a
+    writer slipped a decision in under the leader's epoch and basis."""
+    sim = two_nodes()
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    records = sim.durable_records()
+    i, start = next((i, e) for i, (_s, e) in enumerate(records) if isinstance(e, events.StartShard))
+    assert isinstance(start, events.StartShard)
+    extra = events.StopShard(
+        id="slipped", ts=start.ts, epoch=start.epoch, basis_seq=start.basis_seq,
+        node=start.node, replica_id=start.replica_id, generation=1, shard=0,
+        grace_s=30.0, reason="slipped in",
+    )  # fmt: skip
+    seq = records[i][0]
+    forged = [*records[: i + 1], (seq + 0.5, extra), *records[i + 1 :]]
+    report = reconcile.verify(forged)  # type: ignore[arg-type]
+    assert not report.ok
+    assert "recorded 3 decisions, the log reproduces 2" in report.mismatches[0]
+
+
 def test_a_gpu_that_vanishes_fails_its_shard_and_the_replica_moves() -> None:
     sim = two_nodes()
     sim.declare(profile("m", tensor_parallel=4))

@@ -324,6 +324,19 @@ def test_a_placed_shard_holds_both_its_ports_and_no_other_replica_gets_either() 
     assert f"port {shard.port + 1} of {shard.node!r} is already in use" in reason
 
 
+def test_two_shards_on_one_node_may_not_share_a_port() -> None:
+    sim = placed_sim()
+    node = _other_node(sim)
+    shards = (
+        events.ShardAssignment(shard=0, node=node, gpus=(0,), port=9000),
+        events.ShardAssignment(shard=1, node=node, gpus=(1,), port=9000),
+    )
+    reason = sim.append(_placed("llama", *shards))
+    assert reason is not None
+    assert f"port 9000 of {node!r} is already in use" in reason
+    assert "r-new" not in sim.state.replicas
+
+
 def test_redelivered_status_is_a_no_op() -> None:
     sim = placed_sim()
     r = the_replica(sim)
