@@ -295,6 +295,21 @@ def test_scaler_decisions_replay_exactly_and_a_forged_one_does_not() -> None:
     bad = reconcile.verify(log)
     assert not bad.ok
     assert "its signals recommend" in bad.mismatches[0]
+    # Keep what it saw but change the count it went to (within bounds, so the fold takes
+    # it): the observation gives another count, and the replay says so.
+    lied = msgspec.structs.replace(first, to_replicas=first.to_replicas + 1)
+    log[i] = (seq_i, lied)
+    bad = reconcile.verify(log)
+    assert not bad.ok
+    assert f"recorded {lied.to_replicas} replicas" in bad.mismatches[0]
+
+
+def test_a_kv_usage_within_the_tolerance_of_its_target_keeps_the_count() -> None:
+    spec = Autoscale(min=1, max=10, kv_usage=0.8)
+    near = Signals(serving=4, kv_usage=0.85, requests=10)
+    assert autoscale.recommend(spec, 4, near, 0.0)[0] == 4
+    over = Signals(serving=4, kv_usage=0.9, requests=10)
+    assert autoscale.recommend(spec, 4, over, 0.0)[0] == 5
 
 
 def test_short_of_gpus_a_lower_priority_model_gives_a_replica_never_below_min() -> None:

@@ -337,6 +337,32 @@ def test_two_shards_on_one_node_may_not_share_a_port() -> None:
     assert "r-new" not in sim.state.replicas
 
 
+def test_two_shards_of_one_replica_may_not_share_a_gpu() -> None:
+    sim = placed_sim()
+    node = _other_node(sim)
+    shards = (
+        events.ShardAssignment(shard=0, node=node, gpus=(0, 1), port=9000),
+        events.ShardAssignment(shard=1, node=node, gpus=(1, 2), port=9010),
+    )
+    reason = sim.append(_placed("llama", *shards))
+    assert reason is not None
+    assert f"uses GPU 1 of {node!r} twice" in reason
+    assert sim.state.nodes[node].holders == {}
+
+
+def test_no_replica_is_placed_on_a_gpu_an_unknown_process_still_uses() -> None:
+    sim = placed_sim()
+    node = _other_node(sim)
+    ghost = events.RunningShard(
+        replica_id="ghost", generation=1, shard=0, gpus=(5,), phase="serving"
+    )
+    assert sim.register(node, fabrics=[fabric("ib-a")], shards=[ghost]) is None
+    clash = events.ShardAssignment(shard=0, node=node, gpus=(4, 5), port=9000)
+    reason = sim.append(_placed("llama", clash))
+    assert reason is not None
+    assert "which an unknown process ('ghost') still uses" in reason
+
+
 def test_redelivered_status_is_a_no_op() -> None:
     sim = placed_sim()
     r = the_replica(sim)
