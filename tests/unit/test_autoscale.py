@@ -312,6 +312,16 @@ def test_a_kv_usage_within_the_tolerance_of_its_target_keeps_the_count() -> None
     assert autoscale.recommend(spec, 4, over, 0.0)[0] == 5
 
 
+def test_a_model_at_its_min_gives_up_no_replica_to_a_higher_priority() -> None:
+    spec = Autoscale(min=2, max=6, waiting_per_replica=1.0, priority=-1)
+    short = Observation(signals=Signals(), recommended=2, up_floor=2, down_ceiling=2,
+                        short_of="urgent", short_priority=5)  # fmt: skip
+    assert autoscale.decide(spec, 2, short, "") is None
+    above = autoscale.decide(spec, 3, short, "")
+    assert above is not None
+    assert above[0] == 2
+
+
 def test_short_of_gpus_a_lower_priority_model_gives_a_replica_never_below_min() -> None:
     st = ClusterState()
     hi = ModelProfile(name="hi", engine="sim", autoscale=Autoscale(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import msgspec
 
 from llmgw import bus
-from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, MemorySnapshots
+from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, MemoryReader, MemorySnapshots
 from llmgw.control.config import AdminListener, ControlConfig, SnapshotConfig
 from llmgw.control.ports import ControlPorts
 from llmgw.control.service import ControlService
@@ -251,3 +252,77 @@ async def test_a_read_that_gets_no_answer_is_retried_and_the_control_plane_keeps
         assert svc.leading
         await register(log, "node-a")
         await until(lambda: bool(of_type(log, events.StartShard)), "a StartShard")
+
+
+async def test_a_leader_whose_lease_was_taken_steps_down_at_its_next_renewal() -> None:
+    """Its lease expired while it paused and another instance took it: the renewal says
+    so, and it stops deciding at once (two leaders would fight over the fleet)."""
+    log, bucket = RecordingLog(), LeaseBucket()
+    lease = MemoryLease(bucket, "control-a", ttl_s=1.5)
+    svc_ports = ControlPorts(log=log, snapshots=MemorySnapshots(), lease=lease)
+    async with running(ControlService(config(), ports=svc_ports)) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        bucket.delete()
+        bucket.write("control-b", 0, 60.0)  # the rival holds it now, for a long while
+        await until(lambda: not svc.leading, "the step-down")
+        assert svc.epoch == 0
+
+
+async def test_a_leader_that_folds_a_newer_epoch_steps_down_and_frees_the_lease() -> None:
+    """Another instance announced a newer epoch: deciding on in the older one would only
+    be refused, and holding the lease meanwhile would leave the fleet without a leader."""
+    log, bucket = RecordingLog(), LeaseBucket()
+    async with running(ControlService(config(), ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        newer = events.LeaderElected(
+            id="newer", ts=time.time(), leader="control-b", epoch=svc.epoch + 5, basis_seq=0
+        )
+        await log.append(newer)
+        await until(lambda: not svc.leading, "the step-down")
+        await until(lambda: bucket.entry() is None or svc.leading, "the lease freed")
+
+
+class SlowToFoldLog(RecordingLog):
+    """Its followers' reader hands each batch over only after `lag_s`, as a busy server or
+    a long network path does: the leader's own writes reach its fold late."""
+
+    lag_s = 0.3
+
+    def reader(self, **kwargs: Any) -> Any:
+        inner = super().reader(**kwargs)
+        if not kwargs.get("follow", True):
+            return inner
+        lag = self.lag_s
+
+        async def lagging() -> AsyncIterator[list[bus.Record]]:
+            async for batch in MemoryReader.batches(inner):
+                await asyncio.sleep(lag)
+                yield batch
+
+        inner.batches = lagging  # type: ignore[method-assign]
+        return inner
+
+
+async def test_a_leader_decides_again_only_once_it_has_folded_its_own_writes() -> None:
+    """Ticks come every 50 ms; its placement reaches its fold 300 ms later. Deciding on the
+    state before would place the replica again (refused by the fence, a leader lost)."""
+    log, bucket = SlowToFoldLog(), LeaseBucket()
+
+    async def heartbeats() -> None:  # each folded batch is a newer state to decide on
+        for n in itertools.count(2):
+            await log.append(
+                events.Heartbeat(id=f"hb-{n}", ts=time.time(), node="node-a", seq=n), ttl_s=60
+            )
+            await asyncio.sleep(0.02)
+
+    async with running(ControlService(config(), ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        await register(log, "node-a")
+        beating = asyncio.create_task(heartbeats())
+        try:
+            await until(lambda: bool(of_type(log, events.StartShard)), "a StartShard")
+            await asyncio.sleep(1.0)
+        finally:
+            beating.cancel()
+        assert len(of_type(log, events.ReplicaPlaced)) == 1
+        assert svc.metrics.fence_refused._value.get() == 0

@@ -391,6 +391,14 @@ def test_a_shard_that_fails_once_asked_to_stop_is_no_failure_of_its_replica() ->
     assert (r.failures, r.failed_ts) == (0, 0.0)
 
 
+def test_a_redelivered_placement_is_a_no_op() -> None:
+    sim = placed_sim()
+    placed = next(e for _s, e in sim.records if isinstance(e, events.ReplicaPlaced))
+    before = state.digest(sim.state)
+    assert sim.append(placed) is None
+    assert state.digest(sim.state) == before
+
+
 def test_an_already_folded_sequence_is_refused() -> None:
     st = ClusterState()
     ev = registered("a")
