@@ -509,3 +509,37 @@ def test_latency_speaks_for_a_count_only_once_it_settled() -> None:
     o, why = autoscale.observe(spec, 3, late, history, 101.0)
     assert (o.recommended, o.slo_floor) == (15, 4)  # 3 x 2000/400; 3 broke it
     assert "TTFT p90 2000 ms over its SLO" in why
+
+
+def test_from_zero_a_decision_adds_at_most_max_step() -> None:
+    spec = Autoscale(min=0, max=10, waiting_per_replica=1.0, max_step=2)
+    decided = autoscale.decide(spec, 0, obs(Signals(waiting=9.0), 9), "9 waiting")
+    assert decided == (2, "from zero: 9 waiting")
+
+
+def test_a_count_above_max_comes_down_to_max_at_once() -> None:
+    """autoscale.max was lowered: one replica over it is over it."""
+    spec = Autoscale(min=1, max=3, waiting_per_replica=1.0)
+    assert autoscale.decide(spec, 4, obs(Signals(), 4), "") == (3, "above autoscale.max 3")
+
+
+def test_a_slow_starting_model_aims_at_no_less_than_half_its_targets() -> None:
+    assert autoscale.headroom(autoscale.STARTUP_HORIZON_S * 2) == 0.5
+    assert autoscale.headroom(autoscale.STARTUP_HORIZON_S / 4) == 0.75
+
+
+def test_a_broken_slo_is_forgotten_after_its_memory() -> None:
+    history = Recommendations(started=0.0)
+    history.broke(0.0, 3, 12.0)
+    assert history.slo_floor(autoscale.SLO_MEMORY_S, 12.0) == 4
+    assert history.slo_floor(autoscale.SLO_MEMORY_S + 1, 12.0) == 0
+
+
+def test_latency_with_nothing_running_sets_no_slo_floor() -> None:
+    """A p90 over the SLO while no request runs (the routers' window still holds the last
+    burst) says nothing about how many replicas this load needs."""
+    spec = Autoscale(min=1, max=6, running_per_replica=4.0, ttft_p90_s=0.4)
+    history = Recommendations(started=0.0)
+    idle = Signals(serving=2, running=0.0, ttft_p90_s=2.0, requests=5)
+    autoscale.observe(spec, 2, idle, history, 10.0)
+    assert history.slo_floor(11.0, 0.0) == 0
