@@ -224,6 +224,26 @@ async def test_a_forged_lease_neither_makes_a_leader_nor_keeps_one_from_leading(
         assert holder.holder == "control-a"
 
 
+async def test_two_contenders_taking_over_a_forged_lease_at_once_make_one_leader(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """Both read the same unsigned value and replace it: each write expects that value's
+    revision, so the server stores one of them and the other contender does not lead."""
+    a = await connect("control", "control-a")
+    b = await connect("control", "control-b")
+    await bus.provision(a.jetstream())
+    admin = await connect.admin()
+    kv = await admin.jetstream().key_value(bus.LEASE_BUCKET)
+    await kv.put("leader", msgspec.json.encode({"holder": "control-z", "epoch": 0}))
+    first = await bus.Lease.open(a.jetstream(), "control-a", ttl_s=30)
+    second = await bus.Lease.open(b.jetstream(), "control-b", ttl_s=30)
+    won = await asyncio.gather(first.acquire(), second.acquire())
+    assert sorted(won) == [False, True]
+    holder = await first.holder()
+    assert holder is not None
+    assert holder.holder == ("control-a" if won[0] else "control-b")
+
+
 async def test_a_forged_snapshot_is_passed_over_for_the_log(
     nats_server: TestNatsServer, connect: Connector
 ) -> None:

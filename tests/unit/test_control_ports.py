@@ -326,3 +326,22 @@ async def test_a_leader_decides_again_only_once_it_has_folded_its_own_writes() -
             beating.cancel()
         assert len(of_type(log, events.ReplicaPlaced)) == 1
         assert svc.metrics.fence_refused._value.get() == 0
+
+
+async def test_a_placement_after_a_command_is_fenced_on_the_last_control_write() -> None:
+    """Two replicas in one pass: placement, start, placement, start. A command is not on the
+    control subjects, so the second placement's fence is the first placement's sequence."""
+    log, bucket = RecordingLog(), LeaseBucket()
+    cfg = msgspec.structs.replace(
+        config(), models=(ModelProfile(name="m1", engine="sim", replicas=2),)
+    )
+    async with running(ControlService(cfg, ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        await register(log, "node-a")
+        await until(lambda: len(of_type(log, events.StartShard)) == 2, "two StartShards")
+        assert svc.metrics.fence_refused._value.get() == 0
+        first, second = of_type(log, events.ReplicaPlaced)
+        assert second.event.epoch == first.event.epoch  # type: ignore[union-attr]
+        assert dict(log.fences)[second.event.id] == bus.Fence(
+            subjects.CONTROL_EVENTS_ALL, first.seq
+        )

@@ -242,6 +242,8 @@ def test_a_restart_stops_the_shards_still_running_before_the_next_generation() -
     assert kinds(sim.step()) == ["EndpointDown"]
     restart = sim.step(sim.now + 5.1)
     assert kinds(restart) == ["StopShard", "ReplicaPlaced", "StartShard", "StartShard"]
+    # The next generation starts with no stop asked of it: its own failures count.
+    assert [(s.started, s.stop_sent) for s in r.shards] == [(True, False), (True, False)]
     stop = restart[0]
     assert isinstance(stop, events.StopShard)
     assert (stop.node, stop.shard, stop.generation) == (r.shards[0].node, 0, 1)
@@ -369,6 +371,24 @@ def test_a_drain_requested_again_keeps_its_first_deadline() -> None:
     ended = sim.step(sim.now + 41)
     assert kinds(ended)[:2] == ["EndpointDown", "ReplicaRetired"]
     assert ended[1].reason.endswith("the drain grace period ended")  # type: ignore[attr-defined]
+
+
+def test_a_restart_whose_starts_were_never_sent_is_started_by_the_next_leader() -> None:
+    """The leader died after writing the next generation but before its StartShard: that
+    generation's shards were never started, and the next pass starts them."""
+    sim = two_nodes(config=ReconcileConfig(restart_backoff_s=5))
+    sim.declare(profile("m", tensor_parallel=2))
+    sim.settle()
+    (r,) = sim.state.replicas.values()
+    sim.status(r.shards[0].node, r.id, 1, 0, "failed", error="CUDA error")
+    sim.step()
+    sim.advance(6)
+    decisions = reconcile.reconcile(sim.state, sim.now, epoch=sim.epoch, config=sim.config)
+    assert kinds(decisions) == ["ReplicaPlaced", "StartShard"]
+    assert sim.append(decisions[0]) is None  # the StartShard never reached the log
+    (start,) = sim.leader()
+    assert isinstance(start, events.StartShard)
+    assert (start.replica_id, start.generation) == (r.id, 2)
 
 
 def test_heartbeats_stop_unreachable_then_lost_then_replaced_then_recovered() -> None:
