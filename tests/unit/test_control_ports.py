@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+import nats.errors
 
 from llmgw import bus
 from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, MemoryReader, MemorySnapshots
@@ -345,3 +346,42 @@ async def test_a_placement_after_a_command_is_fenced_on_the_last_control_write()
         assert dict(log.fences)[second.event.id] == bus.Fence(
             subjects.CONTROL_EVENTS_ALL, first.seq
         )
+
+
+class RenewalsUnanswered(MemoryLease):
+    """A lease whose renewals get no answer (the server unreachable for this instance)."""
+
+    async def renew(self) -> None:
+        raise nats.errors.TimeoutError
+
+
+async def test_a_leader_whose_renewals_go_unanswered_steps_down_when_its_lease_runs_out() -> None:
+    log, bucket = RecordingLog(), LeaseBucket()
+    lease = RenewalsUnanswered(bucket, "control-a", ttl_s=1.5)
+    svc_ports = ControlPorts(log=log, snapshots=MemorySnapshots(), lease=lease)
+    async with running(ControlService(config(), ports=svc_ports)) as svc:
+        await until(lambda: svc.leading, "leadership")
+        await until(lambda: not svc.leading, "the step-down once the lease ran out")
+
+
+async def test_the_leader_saves_snapshots_every_n_events_and_a_follower_none() -> None:
+    log, bucket = RecordingLog(), LeaseBucket()
+    cfg = msgspec.structs.replace(config(), snapshot=SnapshotConfig(every_events=3, every_s=0))
+    leader_snaps, follower_snaps = MemorySnapshots(), MemorySnapshots()
+    leader = ControlPorts(log=log, snapshots=leader_snaps, lease=MemoryLease(bucket, "control-a"))
+    follower = ControlPorts(
+        log=log, snapshots=follower_snaps, lease=MemoryLease(bucket, "control-b")
+    )
+    async with running(ControlService(cfg, ports=leader)) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        standby_cfg = msgspec.structs.replace(cfg, name="control-b")
+        async with running(ControlService(standby_cfg, ports=follower)) as standby:
+            await register(log, "node-a")
+            await register(log, "node-b")
+            await until(lambda: svc.snapshot_seq > 0, "a snapshot saved by the leader")
+            await until(lambda: standby.state.last_seq >= svc.snapshot_seq, "the standby")
+            assert not standby.leading
+            assert await follower_snaps.load() is None
+        snap = await leader_snaps.load()
+        assert snap is not None
+        assert snap.seq == svc.snapshot_seq

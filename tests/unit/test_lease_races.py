@@ -124,3 +124,28 @@ def test_the_time_is_asked_of_the_stream_whose_stored_times_are_judged() -> None
 def test_an_answer_that_tells_no_time_measures_nothing(answer: bytes) -> None:
     contender, _ = asking(answer)
     assert asyncio.run(contender.server_time()) is None
+
+
+def test_a_lease_held_past_its_ttl_is_no_longer_held_and_is_asked_for_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A holder that went silent past its TTL (renewals failing) does not hold the lease by
+    its own account: its next acquire asks the bucket again instead of leading on."""
+    kv = RacingKV(None)
+    held = contender(kv)
+    clock = [1000.0]
+    monkeypatch.setattr(lease.time, "monotonic", lambda: clock[0])
+    assert asyncio.run(held.acquire())
+    assert held.held
+    clock[0] += held.ttl_s - 0.1
+    assert held.held
+    clock[0] += 0.2
+    assert not held.held
+    kv.error = nats.js.errors.KeyWrongLastSequenceError()
+    held._take_over_forged = _none_to_take  # type: ignore[method-assign]
+    assert not asyncio.run(held.acquire())
+    assert kv.creates == 2
+
+
+async def _none_to_take() -> int:
+    return 0  # a genuine holder's value: nothing to take over
