@@ -506,6 +506,75 @@ def test_an_ended_generation_takes_no_other_ending() -> None:
     assert (r.shards[0].phase, r.failures) == ("stopped", 0)
 
 
+def test_a_shard_may_not_go_back_from_loading_to_starting() -> None:
+    sim = placed_sim()
+    node = _other_node(sim)
+    shard = events.ShardAssignment(shard=0, node=node, gpus=(0, 1), port=9000)
+    assert sim.append(_placed("llama", shard)) is None
+    assert sim.status(node, "r-new", 1, 0, "loading") is None
+    reason = sim.status(node, "r-new", 1, 0, "starting")
+    assert reason is not None
+    assert "phase starting after loading is out of order" in reason
+
+
+def test_a_draining_shard_may_not_report_serving_again() -> None:
+    sim = placed_sim()
+    r = the_replica(sim)
+    node = r.shards[0].node
+    assert sim.status(node, r.id, 1, 0, "draining") is None
+    reason = sim.status(node, r.id, 1, 0, "serving")
+    assert reason is not None
+    assert "phase serving after draining is out of order" in reason
+
+
+def _restart_event(sim: Sim, **change: object) -> events.ReplicaPlaced:
+    r = the_replica(sim)
+    first = next(e for _s, e in sim.records if isinstance(e, events.ReplicaPlaced))
+    return msgspec.structs.replace(
+        first, id="again", generation=r.generation + 1, reason="restart", **change
+    )
+
+
+def test_a_retired_replica_is_never_restarted() -> None:
+    sim = placed_sim()
+    r = the_replica(sim)
+    retire = events.ReplicaRetired(id="ret", ts=sim.now, epoch=1, replica_id=r.id, reason="x")
+    assert sim.append(retire) is None
+    reason = sim.append(_restart_event(sim))
+    assert reason is not None
+    assert "is retired and cannot restart" in reason
+    assert r.generation == 1
+
+
+def test_a_restart_may_not_move_its_shards() -> None:
+    sim = placed_sim()
+    r = the_replica(sim)
+    moved = events.ShardAssignment(
+        shard=0, node=_other_node(sim), gpus=r.shards[0].gpus, port=r.shards[0].port
+    )
+    reason = sim.append(_restart_event(sim, shards=(moved,)))
+    assert reason is not None
+    assert "a move is a new replica" in reason
+    assert (r.generation, r.shards[0].node) == (1, the_replica(sim).shards[0].node)
+
+
+def test_a_never_started_shard_on_a_lost_node_leaves_no_orphan_when_retired() -> None:
+    """Nothing ran there for it: no StartShard was ever sent. An orphan would keep its
+    GPUs from placement until the node registers again."""
+    sim = placed_sim()
+    node = _other_node(sim)
+    shard = events.ShardAssignment(shard=0, node=node, gpus=(0, 1), port=9000)
+    assert sim.append(_placed("llama", shard)) is None  # its StartShard never written
+    sim.liveness(node, events.NodeUnreachable)
+    sim.liveness(node, events.NodeLost)
+    retire = events.ReplicaRetired(
+        id="ret", ts=sim.now, epoch=sim.epoch, replica_id="r-new", reason="node lost"
+    )
+    assert sim.append(retire) is None
+    assert sim.state.nodes[node].orphans == []
+    assert "r-new" not in sim.state.replicas
+
+
 def test_liveness_comes_from_recorded_control_events() -> None:
     sim = placed_sim()
     sim.append(events.NodeUnreachable(id="u", ts=9.0, node="a", last_heartbeat=1.0))
