@@ -385,3 +385,44 @@ async def test_the_leader_saves_snapshots_every_n_events_and_a_follower_none() -
         snap = await leader_snaps.load()
         assert snap is not None
         assert snap.seq == svc.snapshot_seq
+
+
+async def test_a_leader_cut_off_from_nats_decides_nothing_until_it_is_back() -> None:
+    """Its view is stale and its writes would land after the reconnect, judged on the
+    silence it caused: nothing is decided while the log is unreachable."""
+    log, bucket = RecordingLog(), LeaseBucket()
+    async with running(ControlService(config(), ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        log.connected = False
+        await register(log, "node-a")
+        await until(lambda: "node-a" in svc.state.nodes, "the registration folded")
+        await asyncio.sleep(0.3)  # six ticks
+        assert of_type(log, events.ReplicaPlaced) == []
+        log.connected = True
+        await until(lambda: bool(of_type(log, events.StartShard)), "a StartShard")
+
+
+async def test_a_leader_that_steps_down_within_a_batch_writes_none_of_the_rest() -> None:
+    log, bucket = RecordingLog(), LeaseBucket()
+    lease = MemoryLease(bucket, "control-a")
+    svc = ControlService(
+        config(), ports=ControlPorts(log=log, snapshots=MemorySnapshots(), lease=lease)
+    )
+
+    async def deposed_after_placing(event: events.Event) -> None:
+        if isinstance(event, events.ReplicaPlaced):
+            log.before = None
+            # The lease loop found the lease gone while the placement was being written.
+            bucket.delete()
+            bucket.write("control-b", 0, 60.0)
+            svc._step_down("lease lost")
+            lease._revision = 0
+
+    log.before = deposed_after_placing
+    async with running(svc):
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        await register(log, "node-a")
+        await until(lambda: bool(of_type(log, events.ReplicaPlaced)), "the placement")
+        await asyncio.sleep(0.3)
+        assert not svc.leading
+        assert of_type(log, events.StartShard) == []

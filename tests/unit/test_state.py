@@ -581,6 +581,9 @@ def test_liveness_comes_from_recorded_control_events() -> None:
     assert sim.state.nodes["a"].liveness == "unreachable"
     sim.append(events.NodeLost(id="l", ts=9.0, node="a", last_heartbeat=1.0))
     assert sim.state.nodes["a"].liveness == "lost"
+    # What ran on it is taken for dead, with why.
+    shard = the_replica(sim).shards[0]
+    assert (shard.node, shard.phase, shard.error) == ("a", "failed", "node a lost")
     sim.append(events.NodeRecovered(id="r", ts=9.0, node="a"))
     assert sim.state.nodes["a"].liveness == "ready"
     # A heartbeat alone changes nothing durable.
