@@ -426,3 +426,20 @@ async def test_a_leader_that_steps_down_within_a_batch_writes_none_of_the_rest()
         await asyncio.sleep(0.3)
         assert not svc.leading
         assert of_type(log, events.StartShard) == []
+
+
+async def test_a_leader_whose_own_decision_was_refused_waits_an_interval_before_the_next() -> None:
+    """Deciding again at once would likely repeat what the fold refused, in a loop that
+    fills the log: the leader waits `reconcile_interval_s` first (here 1 s)."""
+    log, bucket = RecordingLog(), LeaseBucket()
+    cfg = msgspec.structs.replace(config(), reconcile_interval_s=1.0)
+    async with running(ControlService(cfg, ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        await until(lambda: svc.state.last_seq >= log.records()[-1].seq, "caught up")
+        bad = events.ReplicaRetired(id="bad", ts=time.time(), replica_id="nope", epoch=svc.epoch)
+        await log.append(bad)
+        await until(lambda: svc.folded.own_rejected == 1, "its own decision refused")
+        refused_at = time.monotonic()
+        await register(log, "node-a")
+        await until(lambda: bool(of_type(log, events.ReplicaPlaced)), "the placement")
+        assert time.monotonic() - refused_at >= 0.5

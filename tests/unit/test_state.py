@@ -546,6 +546,24 @@ def test_a_retired_replica_is_never_restarted() -> None:
     assert r.generation == 1
 
 
+def test_a_retired_replica_gets_no_endpoint_up() -> None:
+    sim = placed_sim()
+    r = the_replica(sim)
+    down = events.EndpointDown(
+        id="down", ts=sim.now, epoch=1, replica_id=r.id, model="llama", url="http://a:1"
+    )
+    retire = events.ReplicaRetired(id="ret", ts=sim.now, epoch=1, replica_id=r.id, reason="x")
+    assert sim.append(down) is None
+    assert sim.append(retire) is None
+    up = events.EndpointUp(
+        id="up", ts=sim.now, epoch=1, replica_id=r.id, model="llama", url="http://a:1"
+    )
+    reason = sim.append(up)
+    assert reason is not None
+    assert "which is not active" in reason
+    assert r.id not in sim.state.endpoints
+
+
 def test_a_restart_may_not_move_its_shards() -> None:
     sim = placed_sim()
     r = the_replica(sim)
