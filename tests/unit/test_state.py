@@ -564,6 +564,42 @@ def test_a_retired_replica_gets_no_endpoint_up() -> None:
     assert r.id not in sim.state.endpoints
 
 
+def test_a_stop_of_a_started_shard_frees_nothing_until_it_stopped() -> None:
+    """Its StartShard was sent, so an engine may be loading there although no status came
+    yet: the GPUs stay held until the shard reports it ended."""
+    sim = placed_sim()
+    node = _other_node(sim)
+    shard = events.ShardAssignment(shard=0, node=node, gpus=(0, 1), port=9000)
+    assert sim.append(_placed("llama", shard)) is None
+    start = events.StartShard(
+        id="start", ts=sim.now, epoch=1, node=node, replica_id="r-new", generation=1,
+        shard=0, launch=events.LaunchSpec(engine="sim", model="m", served_name="llama",
+                                           port=9000, gpus=(0, 1)),
+    )  # fmt: skip
+    retire = events.ReplicaRetired(id="ret", ts=sim.now, epoch=1, replica_id="r-new", reason="x")
+    stop = events.StopShard(
+        id="stop", ts=sim.now, epoch=1, node=node, replica_id="r-new", generation=1, shard=0,
+        grace_s=30.0, reason="retired",
+    )  # fmt: skip
+    for ev in (start, retire, stop):
+        assert sim.append(ev) is None
+    assert sim.state.nodes[node].holders == {0: "r-new", 1: "r-new"}
+    assert sim.status(node, "r-new", 1, 0, "stopped") is None
+    assert sim.state.nodes[node].holders == {}
+
+
+def test_a_health_change_naming_an_unknown_gpu_changes_no_gpu() -> None:
+    sim = placed_sim()
+    before = sim.state.nodes["a"].gpus[0]
+    change = events.GpuHealthChanged(
+        id="g", ts=9.0, epoch=1, node="a",
+        gpus=(events.GpuHealth(index=0, ecc_uncorrected=5), events.GpuHealth(index=99)),
+    )  # fmt: skip
+    reason = sim.append(change)
+    assert reason == "node 'a' has no GPU 99"
+    assert sim.state.nodes["a"].gpus[0] == before
+
+
 def test_a_restart_may_not_move_its_shards() -> None:
     sim = placed_sim()
     r = the_replica(sim)
