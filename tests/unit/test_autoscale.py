@@ -17,7 +17,7 @@ from llmgw.core import autoscale, catalog, events, loadreport, reconcile
 from llmgw.core.autoscale import Autoscale, Observation, Recommendations, Signals
 from llmgw.core.profile import ModelProfile
 from llmgw.core.state import ClusterState, Endpoint, ReplicaState, apply
-from llmgw.core.state.scaling import target_replicas
+from llmgw.core.state.scaling import note_serving, target_replicas
 
 SPEC = Autoscale(min=1, max=4, waiting_per_replica=2.0, ttft_p90_s=0.5, up_window_s=10.0,
                  down_window_s=60.0, max_step=2)  # fmt: skip
@@ -248,6 +248,37 @@ def test_the_fold_follows_decisions_and_pins() -> None:
     # A model without autoscale cannot be pinned: the refusal says what to do instead.
     fixed = _declared(spec=None, replicas=2)
     assert "change its replicas instead" in (apply(fixed, pin, 2) or "")
+
+
+def test_a_lowered_max_bounds_the_count_at_once_and_a_pin_at_most_max() -> None:
+    st = _declared()
+    assert _scaled(st, 1, 4, 2) is None
+    assert target_replicas(st.models["m"]) == 4
+    lowered = msgspec.structs.replace(
+        st.models["m"].profile, autoscale=msgspec.structs.replace(SPEC, max=2)
+    )
+    assert apply(st, events.ModelChanged(id="c", ts=3.0, operator="alice", profile=lowered),
+                 3) is None  # fmt: skip
+    assert target_replicas(st.models["m"]) == 2
+    pin = events.ScalePinned(id="p", ts=4.0, operator="bob", model="m", replicas=3)
+    assert "above its autoscale.max 2" in (apply(st, pin, 4) or "")
+    assert st.models["m"].pinned is None
+
+
+def test_only_a_replicas_first_start_is_timed_into_its_models_startup() -> None:
+    """A restarted generation's time to serve includes its failure and backoff."""
+    st = _declared()
+    model = st.models["m"]
+    first = ReplicaState(id="r1", model="m", generation=1, placed_ts=100.0, shards=[])
+    note_serving(st, first, 160.0)
+    assert model.startup_s == 60.0
+    again = ReplicaState(id="r2", model="m", generation=2, placed_ts=100.0, shards=[])
+    note_serving(st, again, 1000.0)
+    assert model.startup_s == 60.0
+    # Another first start moves the average by its weight, not to its own time.
+    other = ReplicaState(id="r3", model="m", generation=1, placed_ts=100.0, shards=[])
+    note_serving(st, other, 200.0)
+    assert model.startup_s == 72.0
 
 
 def test_a_deposed_leaders_decision_is_refused() -> None:

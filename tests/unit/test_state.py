@@ -600,6 +600,18 @@ def test_a_health_change_naming_an_unknown_gpu_changes_no_gpu() -> None:
     assert sim.state.nodes["a"].gpus[0] == before
 
 
+def test_a_deposed_leaders_recovery_of_a_node_is_refused() -> None:
+    sim = placed_sim()
+    sim.append(events.LeaderElected(id="l", ts=sim.now, leader="control-2", epoch=5))
+    sim.append(events.NodeUnreachable(id="u", ts=9.0, epoch=5, node="b", last_heartbeat=1.0))
+    reason = sim.append(events.NodeRecovered(id="r", ts=9.0, epoch=4, node="b"))
+    assert reason is not None
+    assert "a deposed leader's decision" in reason
+    assert sim.state.nodes["b"].liveness == "unreachable"
+    assert sim.append(events.NodeRecovered(id="r2", ts=9.0, epoch=5, node="b")) is None
+    assert sim.state.nodes["b"].liveness_seq == sim.seq
+
+
 def test_a_restart_may_not_move_its_shards() -> None:
     sim = placed_sim()
     r = the_replica(sim)
