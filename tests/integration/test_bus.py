@@ -12,12 +12,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import nats.js.errors
 import pytest
 from nats.js import api
 from structlog.testing import capture_logs
 
 from llmgw import bus
 from llmgw.bus import counters
+from llmgw.bus import lease as lease_module
 from llmgw.core import events, subjects
 from llmgw.pki.identity import Identity
 from tests.harness import Connector, TestNatsServer
@@ -428,6 +430,25 @@ async def test_two_lease_contenders_one_holds_and_the_other_takes_over(
     await b.release()
     assert await a.acquire()
     assert a.epoch > b.epoch
+
+
+async def test_a_lease_nobody_renews_is_gone_from_the_bucket_after_its_ttl(
+    provisioned: bus.BusClient,
+) -> None:
+    """The server deletes it (the value's TTL): a standby then creates the lease at once,
+    instead of waiting for the value to be judged run out a TTL later."""
+    a = await bus.Lease.open(provisioned.jetstream(), "control-a", ttl_s=1)
+    assert await a.acquire()
+    kv = await provisioned.jetstream().key_value(bus.LEASE_BUCKET)
+
+    async def gone() -> bool:
+        try:
+            entry = await kv.get(lease_module.KEY)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return True
+        return entry.value is None
+
+    await wait_until(gone, 15.0, "the unrenewed lease value expiring")
 
 
 async def test_a_release_after_a_renewal_whose_ack_was_lost_still_frees_the_lease(

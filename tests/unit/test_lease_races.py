@@ -149,3 +149,24 @@ def test_a_lease_held_past_its_ttl_is_no_longer_held_and_is_asked_for_again(
 
 async def _none_to_take() -> int:
     return 0  # a genuine holder's value: nothing to take over
+
+
+def test_a_lease_is_held_for_its_ttl_from_before_the_request_not_after_the_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server counts the TTL from when it stored the value, which may be long before a
+    slow answer arrives: the holder must not believe it holds the lease any longer."""
+    clock = [1000.0]
+    monkeypatch.setattr(lease.time, "monotonic", lambda: clock[0])
+
+    class SlowKV(RacingKV):
+        async def create(self, key: str, value: bytes, msg_ttl: float | None = None) -> int:
+            clock[0] += 2.0  # the answer took 2 s of a 3 s TTL
+            return await super().create(key, value, msg_ttl)
+
+    held = contender(SlowKV(None))
+    assert asyncio.run(held.acquire())
+    clock[0] += 0.9
+    assert held.held
+    clock[0] += 0.2
+    assert not held.held

@@ -641,6 +641,17 @@ def test_a_never_started_shard_on_a_lost_node_leaves_no_orphan_when_retired() ->
     assert "r-new" not in sim.state.replicas
 
 
+def test_a_registration_claiming_one_gpu_for_two_replicas_is_refused() -> None:
+    sim = placed_sim()
+    node = _other_node(sim)
+    one = events.RunningShard(replica_id="x", generation=1, shard=0, gpus=(3,), phase="serving")
+    two = events.RunningShard(replica_id="y", generation=1, shard=0, gpus=(3,), phase="serving")
+    reason = sim.register(node, fabrics=[fabric("ib-a")], shards=[one, two])
+    assert reason is not None
+    assert "reports GPU 3 in use by both 'x' and 'y'" in reason
+    assert sim.state.nodes[node].orphans == []
+
+
 def test_liveness_comes_from_recorded_control_events() -> None:
     sim = placed_sim()
     sim.append(events.NodeUnreachable(id="u", ts=9.0, node="a", last_heartbeat=1.0))
@@ -758,6 +769,19 @@ def test_the_digest_tells_apart_states_that_differ_in_any_durable_part(
     assert state.digest(other) == state.digest(st)
     change(other)
     assert state.digest(other) != state.digest(st)
+
+
+def test_the_digest_ignores_the_order_a_nodes_mappings_were_filled_in() -> None:
+    """Two readers may fill a node's GPUs, holders and ports in different orders (a snapshot
+    loaded, then a tail folded, against a fold from the start): the same state, one digest."""
+    st = _rich_state()
+    other = state.decode_snapshot(state.encode_snapshot(st))
+    for node in other.nodes.values():
+        node.gpus = dict(reversed(list(node.gpus.items())))
+        node.holders = dict(reversed(list(node.holders.items())))
+        node.ports = dict(reversed(list(node.ports.items())))
+    assert any(len(n.holders) > 1 for n in other.nodes.values())
+    assert state.digest(other) == state.digest(st)
 
 
 def test_a_snapshot_of_another_format_is_refused_with_what_to_do() -> None:
