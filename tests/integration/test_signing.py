@@ -20,6 +20,7 @@ import pytest
 from nats.aio.client import Client
 
 from llmgw import bus
+from llmgw.bus import lease as lease_module
 from llmgw.bus import snapshots
 from llmgw.control.service import ControlService
 from llmgw.core import events, state, subjects
@@ -222,6 +223,25 @@ async def test_a_forged_lease_neither_makes_a_leader_nor_keeps_one_from_leading(
         holder = await contender.holder()
         assert holder is not None
         assert holder.holder == "control-a"
+
+
+async def test_a_genuine_lease_value_stored_again_after_it_ran_out_counts_as_free(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """Anyone able to write the bucket could store an old signed value again: once its
+    `until` and one TTL more have passed it holds nothing, and a contender takes over."""
+    control = await connect("control", "control-b")
+    await bus.provision(control.jetstream())
+    admin = await connect.admin()
+    kv = await admin.jetstream().key_value(bus.LEASE_BUCKET)
+    ttl = 2.0
+    old = lease_module.signed_value(
+        nats_server.pki.signer("control", "control-a"), "control-a", 7, time.time() - 3 * ttl
+    )
+    await kv.put("leader", old)
+    contender = await bus.Lease.open(control.jetstream(), "control-b", ttl_s=ttl)
+    assert await contender.holder() is None
+    assert await contender.acquire()
 
 
 async def test_two_contenders_taking_over_a_forged_lease_at_once_make_one_leader(

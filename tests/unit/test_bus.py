@@ -148,6 +148,11 @@ def test_choose_picks_the_newest_at_or_before(seqs: list[int], limit: int | None
 def test_other_objects_are_not_snapshots() -> None:
     assert snapshots.seq_of("state-12") is None
     assert snapshots.seq_of("notes.txt") is None
+    # A snapshot's name with anything after it is another object, not that snapshot.
+    name = snapshots.object_name(12)
+    assert snapshots.seq_of(name) == 12
+    assert snapshots.seq_of(name + ".bak") is None
+    assert snapshots.seq_of(name + "0") is None
 
 
 # --------------------------------------------------------------------------- reader intake
