@@ -443,3 +443,23 @@ async def test_a_leader_whose_own_decision_was_refused_waits_an_interval_before_
         await register(log, "node-a")
         await until(lambda: bool(of_type(log, events.ReplicaPlaced)), "the placement")
         assert time.monotonic() - refused_at >= 0.5
+
+
+async def test_a_leader_attests_only_on_a_pass_that_wrote_nothing() -> None:
+    """An attestation is fenced on the control sequence folded so far; right after the
+    leader's own unfolded writes that fence is stale, and the server would refuse it (and
+    the leader step down). It waits for a pass with nothing to write."""
+    log, bucket = RecordingLog(), LeaseBucket()
+    async with running(ControlService(config(), ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        await until(lambda: svc.state.last_seq >= log.records()[-1].seq, "caught up")
+        log.connected = False  # hold its decisions until both are ready
+        await register(log, "node-a")
+        await until(lambda: "node-a" in svc.state.nodes, "the registration folded")
+        svc.attester.every = 1
+        svc.attester.accepted(1, bytes(32))  # due from now on: one message checked
+        log.connected = True  # the next pass places (writes) and may not attest
+        await until(lambda: bool(of_type(log, events.LogAttested)), "an attestation")
+        assert svc.metrics.fence_refused._value.get() == 0
+        assert of_type(log, events.StartShard)
+        assert of_type(log, events.StartShard)[-1].seq < of_type(log, events.LogAttested)[0].seq
