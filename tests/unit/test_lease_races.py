@@ -170,3 +170,75 @@ def test_a_lease_is_held_for_its_ttl_from_before_the_request_not_after_the_answe
     assert held.held
     clock[0] += 0.2
     assert not held.held
+
+
+class _Ack:
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+
+
+class _Stores:
+    """JetStream that stores every renewal (each a new revision of the key)."""
+
+    def __init__(self, revision: int) -> None:
+        self.revision = revision
+
+    async def publish(self, subject: str, payload: bytes, **_: Any) -> _Ack:
+        self.revision += 1
+        return _Ack(self.revision)
+
+
+def test_a_renewal_holds_the_lease_for_a_ttl_from_that_renewal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(lease.time, "monotonic", lambda: clock[0])
+    kv = RacingKV(None, revision=5)
+    held = lease.Lease(
+        _Stores(5),  # type: ignore[arg-type]
+        kv,  # type: ignore[arg-type]
+        "control-a",
+        ttl_s=3,
+        signer=signer("control-a"),
+        verifier=signing.Verifier(CA.cert),
+    )
+    assert asyncio.run(held.acquire())
+    clock[0] += 2.0
+    asyncio.run(held.renew())
+    clock[0] += 2.0  # 4 s after the acquisition, 2 s after the renewal
+    assert held.held
+    assert held.epoch == 5
+    clock[0] += 1.1
+    assert not held.held
+
+
+def test_a_renewal_unanswered_past_the_lease_is_not_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lease ran out while the renewal waited for its answer: another instance may hold
+    it by now, so this one gives up at once instead of writing again."""
+    clock = [1000.0]
+    monkeypatch.setattr(lease.time, "monotonic", lambda: clock[0])
+
+    class Unanswered:
+        tries = 0
+
+        async def publish(self, subject: str, payload: bytes, **_: Any) -> _Ack:
+            self.tries += 1
+            clock[0] += 5.0  # longer than the TTL
+            raise TimeoutError
+
+    js = Unanswered()
+    held = lease.Lease(
+        js,  # type: ignore[arg-type]
+        RacingKV(None),  # type: ignore[arg-type]
+        "control-a",
+        ttl_s=3,
+        signer=signer("control-a"),
+        verifier=signing.Verifier(CA.cert),
+    )
+    assert asyncio.run(held.acquire())
+    with pytest.raises(lease.LeaseLost, match="renewal not acknowledged"):
+        asyncio.run(held.renew())
+    assert js.tries == 1
+    assert not held.held
