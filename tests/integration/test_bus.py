@@ -451,6 +451,26 @@ async def test_a_lease_nobody_renews_is_gone_from_the_bucket_after_its_ttl(
     await wait_until(gone, 15.0, "the unrenewed lease value expiring")
 
 
+async def test_a_late_release_by_an_old_instance_leaves_its_successors_lease(
+    provisioned: bus.BusClient,
+) -> None:
+    """The same name, restarted: the old process's lease ran out and the new one took the
+    lease. The old one's release, late, must not free the lease of the new epoch."""
+    old = await bus.Lease.open(provisioned.jetstream(), "control-a", ttl_s=1)
+    assert await old.acquire()
+    new = await bus.Lease.open(provisioned.jetstream(), "control-a", ttl_s=30)
+
+    async def taken() -> bool:
+        return await new.acquire()
+
+    await wait_until(taken, 15.0, "the restarted instance taking the lease")
+    assert new.epoch > old.epoch
+    await old.release()
+    holder = await new.holder()
+    assert holder is not None
+    assert (holder.holder, holder.epoch) == ("control-a", new.epoch)
+
+
 async def test_a_release_after_a_renewal_whose_ack_was_lost_still_frees_the_lease(
     provisioned: bus.BusClient, bus_connect: BusConnect
 ) -> None:
