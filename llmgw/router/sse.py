@@ -173,7 +173,7 @@ def with_message_start(data: bytes, message_id: str, model: str, prompt_chars: i
     if _first_event_name(data) in (None, b"message_start", b"error"):
         return data
     usage = requests.estimated_usage((0, 0), prompt_chars, 0)
-    message = {
+    message: dict[str, object] = {
         "id": f"msg_{message_id}", "type": "message", "role": "assistant", "content": [],
         "model": model, "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": 0},

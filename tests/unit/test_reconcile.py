@@ -850,3 +850,21 @@ def test_a_failed_replica_that_is_surplus_is_retired_not_restarted() -> None:
         "failed, and surplus: big wants 0"
     )
     assert sim.state.replicas == {}
+
+
+def test_a_replacement_and_new_replicas_placed_in_one_pass_spread_evenly() -> None:
+    # A drain and a scale-out in the same pass: the replacement (placed on its own) was
+    # counted twice on its node, so the new replicas shunned it: 3 and 1 on the two nodes
+    # left, rather than 2 and 2.
+    sim = Sim(config=ReconcileConfig(shard_drain_s=5))
+    for node in ("a", "b", "c"):
+        sim.register(node)
+    sim.declare(profile("m", tensor_parallel=1, replicas=2))
+    sim.settle()
+    assert sorted(r.shards[0].node for r in sim.state.replicas.values()) == ["a", "b"]
+    sim.drain("a")
+    sim.change(profile("m", tensor_parallel=1, replicas=4))
+    placed = replacements(sim.leader())
+    assert [p.replaces != "" for p in placed] == [True, False, False]
+    on = [r.shards[0].node for r in sim.state.replicas.values() if r.shards[0].node != "a"]
+    assert sorted(on) == ["b", "b", "c", "c"]

@@ -393,7 +393,8 @@ class _Planner:
             self.unplaceable[model] = result.reason
             self.unplaceable_codes[model] = result.code
             return False
-        self.capacity.reserve(model, result)
+        # (place() has reserved it in this pass's capacity: reserved again, the model's
+        # count on that node doubled, and later placements of the pass shunned the node.)
         self._emit_placement(profile, result, replaces, reason)
         return True
 
