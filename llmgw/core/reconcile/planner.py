@@ -156,6 +156,8 @@ class _Planner:
             return
         if self._moving(r, model.revision, model.changed_ts):
             return
+        if self._never_started_surplus(r, target_replicas(model)):
+            return
         before = len(self.b.out)
         for shard in r.shards:
             if shard.phase == "placed" and not shard.started and not shard.stop_sent:
@@ -163,6 +165,18 @@ class _Planner:
         self._endpoint(r)
         if len(self.b.out) > before:
             self.touched.add(r.id)
+
+    def _never_started_surplus(self, r: ReplicaState, wanted: int) -> bool:
+        """Retire `r` if none of its shards was ever started and its model has more
+        replicas than it wants (a leader died between placing it and starting it, and the
+        model shrank since): it costs nothing to give up, where the surplus pass would
+        retire a serving replica instead, since this pass has started this one."""
+        if not all(s.phase == "placed" and not s.started and not s.stop_sent for s in r.shards):
+            return False
+        if len(self._counted(r.model)) <= wanted:
+            return False
+        self._retire(r, f"surplus, never started: {r.model} wants {wanted}", graceful=True)
+        return True
 
     def _endpoint(self, r: ReplicaState) -> None:
         up = r.id in self.state.endpoints
