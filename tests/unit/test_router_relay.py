@@ -21,9 +21,11 @@ class NoHooks:
         pass
 
 
-def engine_stream(hooks: Any = None, *, drop_usage: bool = False) -> EngineStream:
+def engine_stream(
+    hooks: Any = None, *, drop_usage: bool = False, kind: Any = "chat"
+) -> EngineStream:
     async def made() -> EngineStream:
-        client = ClientStream(None, "r", 0.0, kind="chat", stream=True, drop_usage=drop_usage,  # type: ignore[arg-type]
+        client = ClientStream(None, "r", 0.0, kind=kind, stream=True, drop_usage=drop_usage,  # type: ignore[arg-type]
                               principal=None)  # fmt: skip
         return EngineStream(client, None, ModelProfile(name="m"), hooks or NoHooks(), 0.0, "e")  # type: ignore[arg-type]
 
@@ -48,7 +50,16 @@ def test_every_byte_comes_out_once_in_whole_events_however_the_bytes_are_cut(
     pieces: list[bytes],
 ) -> None:
     s = engine_stream()
-    outs = [s.take(p) for p in [*pieces, b"\n\n"]]
+    outs, waiting = [], b""
+    for p in [*pieces, b"\n\n"]:
+        outs.append(s.take(p))
+        # Each event leaves with the read that completes it, though its blank line began
+        # in the read before ("data: a\n", "\n"): held, an engine's last event would wait
+        # for a read that never comes, and the stream end as if cut.
+        waiting += p
+        whole = waiting.rfind(b"\n\n")
+        assert outs[-1] == (waiting[: whole + 2] if whole >= 0 else b"")
+        waiting = waiting[len(outs[-1]) :]
     assert all(o.endswith(b"\n\n") for o in outs if o)
     assert b"".join(outs) == b"".join(pieces) + b"\n\n"
 
@@ -190,3 +201,46 @@ def test_opening_events_trickling_in_are_looked_at_once_each(monkeypatch: Any) -
     held = 4000 * 2 + 1000 * 13
     assert s.first == b"\n\n" * 4000 + b"event: ping\n\n" * 1000
     assert looked[0] <= 2 * held
+
+
+MESSAGES_STREAM = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","type":"message",'
+    b'"role":"assistant","content":[],"usage":{"input_tokens":10,"output_tokens":0}}}\n\n'
+    + b"".join(
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"t%d"}}\n\n' % i
+        for i in range(6)
+    )
+    + b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+
+
+def test_a_whole_stream_whose_engine_told_only_its_prompt_is_charged_for_its_answer() -> None:
+    """The Messages API tells the prompt's tokens in message_start; an engine that then
+    never tells the answer's (no usage in message_delta) still had its answer charged,
+    estimated, as one that told nothing: counting the prompt alone made the answer free."""
+    hooks = Counting()
+    accounting = Accounting(hooks, hooks, None)  # type: ignore[arg-type]
+    s = engine_stream(accounting, kind="messages")
+    assert s.take(MESSAGES_STREAM) == MESSAGES_STREAM
+    assert hooks.tokens == [10, 0]
+    accounting.ended(s.prof, s.client, s.events)
+    assert s.events == 8
+    assert hooks.tokens == [10, 8]
+    accounting.ended(s.prof, s.client, s.events)  # told now: not charged again
+    assert hooks.tokens == [10, 8]
+
+
+def test_a_cut_stream_is_charged_the_prompt_its_engine_told_not_an_estimate() -> None:
+    """A Messages stream cut after its engine told the prompt's tokens: those are charged,
+    not the estimate from the prompt's characters (four times as many here), and each
+    event relayed counts a completion token."""
+    hooks = Counting()
+    accounting = Accounting(hooks, hooks, None)  # type: ignore[arg-type]
+    s = engine_stream(accounting, kind="messages")
+    s.client.prompt_chars = 160
+    cut = MESSAGES_STREAM.index(b"event: content_block_delta", 200)
+    s.take(MESSAGES_STREAM[:cut])
+    accounting.cut(s.prof, s.client, s.events)
+    assert s.events == 2  # message_start and one text delta
+    assert hooks.tokens == [10, 2]
