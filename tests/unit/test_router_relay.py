@@ -90,6 +90,17 @@ def test_an_event_past_the_limit_is_relayed_as_it_is() -> None:
     assert s.take(big) == b""
     assert s.take(b"y") == big + big + b"y"
     assert s.take(b"z\n\n") == b"z\n\n"
+    # The limit counts the part of an event that came with the end of the one before.
+    rest = b"x" * (relay.MAX_EVENT_BYTES - 10)
+    assert s.take(b"data: a\n\n" + rest) == b"data: a\n\n"
+    assert s.take(b"y" * 20) == rest + b"y" * 20
+    # And starts again with each event: one under it is held whole, however it trickles in.
+    s = engine_stream()
+    assert s.take(rest[:-1]) == b""
+    assert s.take(b"x\n\n") == rest + b"\n\n"
+    assert s.take(b"data: " + rest[:-16]) == b""
+    assert s.take(b"z" * 10) == b""
+    assert s.take(b"\n\n") == b"data: " + rest[:-16] + b"z" * 10 + b"\n\n"
 
 
 class Transport:
