@@ -128,3 +128,17 @@ async def test_an_engines_429_is_tried_on_the_next_replica_and_faults_none(
     assert status == 429, text
     assert sum(e.asked for e in engines) == 2, "each replica asked once"
     assert [ep.breaker.failures for ep in r.table.by_id.values()] == [0, 0]  # busy, not broken
+
+
+async def test_an_engines_401_is_the_routers_fault_never_the_clients(
+    engines: list[Engine], router: tuple[str, Router]
+) -> None:
+    """The router checked the client's key itself: an engine's 401 means the key the router
+    holds for that endpoint is stale. Relayed, the client was told its own key was bad."""
+    url, _ = router
+    for e in engines:
+        e.status, e.asked = 401, 0
+    status, text = await embed(url)
+    assert status == 502, text
+    assert "EndpointUp" in json.loads(text)["error"]["message"]
+    assert sum(e.asked for e in engines) == 2, "the other replica may hold the right key"
