@@ -35,7 +35,8 @@ HELD_AFTER = 5
 class StreamingEngine(ThreadedApp):
     """Streams CHUNKS chunks of one token each, then its usage (when the request asks for
     it, unless its prompt says "deaf") and [DONE]; a request whose prompt says "hold" stops
-    after HELD_AFTER chunks and waits until `let_go`."""
+    after HELD_AFTER chunks and waits until `let_go`; one that says "refuse" gets a 400,
+    one that says "empty" a stream that ends before its first token."""
 
     def __init__(self) -> None:
         self.held: list[asyncio.Event] = []
@@ -54,8 +55,14 @@ class StreamingEngine(ThreadedApp):
         body = await request.json()
         prompt = body["messages"][0]["content"]
         held, deaf = "hold" in prompt, "deaf" in prompt
+        if "refuse" in prompt:  # an engine's 4xx, its body the length of an answer
+            error = {"message": "no " * 400, "type": "invalid_request_error"}
+            return web.json_response({"error": error}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if "empty" in prompt:  # the role-only opener, then the end: no token
+            await resp.write(event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
+            return resp
         for i in range(CHUNKS):
             if held and i == HELD_AFTER:
                 self.held.append(asyncio.Event())
@@ -246,3 +253,22 @@ async def test_a_counted_stream_is_charged_whether_or_not_its_engine_sends_usage
         else:
             assert prompt_tokens > 0
             assert completion_tokens >= (CHUNKS if ending == "whole" else HELD_AFTER)
+
+
+@pytest.mark.parametrize("prompt", ["refuse", "empty"])
+async def test_a_request_the_engine_refused_or_left_unanswered_is_charged_nothing(
+    engine: StreamingEngine, prompt: str
+) -> None:
+    """The engine's 400 (its body as long as an answer) reaches the client as it is; a
+    stream that ended before its first token is a 502 after every endpoint was tried. No
+    token of either reached the client: charging the 400 as an answer, or the failed
+    attempt as a cut stream, billed the key for an error."""
+    async for router, url in serve(engine.url, count_stream_tokens=True):
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/chat/completions", json=body(prompt), headers=bearer()) as resp,
+        ):
+            assert resp.status == (400 if prompt == "refuse" else 502), await resp.text()
+        await done(router, 1)
+        assert charged(router) == (0, 0)
+        assert usage_row(router)[:2] == [0, 0]
