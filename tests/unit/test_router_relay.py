@@ -255,3 +255,53 @@ def test_a_cut_stream_is_charged_the_prompt_its_engine_told_not_an_estimate() ->
     accounting.cut(s.prof, s.client, s.events)
     assert s.events == 2  # message_start and one text delta
     assert hooks.tokens == [10, 2]
+
+
+class Clock:
+    """The attempt's deadline as the relay moves it (`Deadline`), its firing in the test's
+    hands; the hooks the first token is told to."""
+
+    def __init__(self, *, fired: bool = False) -> None:
+        self.when = 100.0
+        self.fired = fired
+        self.firsts: list[float] = []
+
+    def expired(self) -> bool:
+        return self.fired
+
+    def reschedule(self, when: float) -> None:
+        self.when = when
+
+    def first_token(self, _: str, after_s: float) -> None:
+        self.firsts.append(after_s)
+
+
+def test_openers_are_held_up_to_a_bound_then_relayed() -> None:
+    """An engine that sends opening events and never a token: past OPENERS_HELD bytes they
+    start the response rather than pile up in the router until the first-token deadline."""
+    clock = Clock()
+    s = engine_stream(clock)
+    s.deadline = clock  # type: ignore[assignment]
+    ping = b"event: ping\ndata: {}\n\n"
+    sent = b""
+    while len(sent) < 2 * relay.OPENERS_HELD:
+        out = s.feed(ping, 1.0)
+        sent += ping
+        if out:
+            break
+    assert out == sent
+    assert len(sent) <= relay.OPENERS_HELD + len(ping)
+    assert s.t_first == 1.0
+    assert len(clock.firsts) == 1
+
+
+def test_a_token_after_the_first_token_deadline_fired_is_not_relayed() -> None:
+    """The deadline fired (the request moves to another endpoint) and a token arrives
+    before the relay is woken: relayed, the client would get this engine's first token
+    and then another engine's whole answer."""
+    clock = Clock(fired=True)
+    s = engine_stream(clock)
+    s.deadline = clock  # type: ignore[assignment]
+    assert s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', 1.0) == b""
+    assert s.t_first == 0.0
+    assert clock.firsts == []
