@@ -221,6 +221,21 @@ def test_tokens_that_come_after_keepalive_comments_follow_them_in_order(tmp_path
         )
 
 
+def test_keepalive_comments_end_at_the_first_token(tmp_path: Path) -> None:
+    """Comments keep the connection open while the first token is awaited, and stop with
+    it: going on, they fell between a slow engine's tokens and, once its stream ended,
+    after the end of the body."""
+    slow = ("--decode-base-ms", "60", "--eos-min-tokens", "400")
+    with routed_sim(tmp_path, *slow, stall_first_s=0.5, keepalive_s=0.05) as router:
+        head, body = post_stream(router.url, tokens=10)
+    assert head.startswith("HTTP/1.1 200")
+    sse = dechunk(body)
+    first = sse.index(b"data: ")
+    assert sse[:first].count(b": keep-alive\n\n") >= 2
+    assert b": keep-alive" not in sse[first:]
+    check_complete(events(sse[first:]), 10)
+
+
 def test_an_engine_that_wedges_after_done_still_delivers_the_stream(tmp_path: Path) -> None:
     """[DONE] reached the router but the body never ends: at the idle deadline the client
     has every token and [DONE], then the idle-timeout error event."""
