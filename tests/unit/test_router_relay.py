@@ -275,6 +275,9 @@ class Clock:
     def first_token(self, _: str, after_s: float) -> None:
         self.firsts.append(after_s)
 
+    def usage(self, *_: Any) -> None:
+        pass
+
 
 def test_openers_are_held_up_to_a_bound_then_relayed() -> None:
     """An engine that sends opening events and never a token: past OPENERS_HELD bytes they
@@ -305,3 +308,37 @@ def test_a_token_after_the_first_token_deadline_fired_is_not_relayed() -> None:
     assert s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', 1.0) == b""
     assert s.t_first == 0.0
     assert clock.firsts == []
+
+
+def test_each_chunk_moves_the_idle_deadline_but_never_past_the_total() -> None:
+    clock = Clock()
+    s = engine_stream(clock)
+    s.deadline, s.idle, s.total_at = clock, 5.0, 10.0  # type: ignore[assignment]
+    s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', 1.0)
+    assert clock.when == 6.0  # the first token: the idle gap from here
+    s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n', 3.0)
+    assert clock.when == 8.0
+    s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"c"}}]}\n\n', 7.0)
+    assert clock.when == 10.0  # the request's total deadline, not 12
+
+
+@given(st.sampled_from(["chat", "messages"]), st.booleans())
+def test_a_messages_stream_reaches_its_client_opened_by_message_start(
+    kind: str, engine_opens: bool
+) -> None:
+    """llama-server may leave a Messages stream's message_start out: the relay writes it
+    before the first token (Anthropic's SDKs fail a stream without it), once, and never
+    into another API's stream."""
+    clock = Clock()
+    s = engine_stream(clock, kind=kind)
+    s.deadline = clock  # type: ignore[assignment]
+    engine = (
+        MESSAGES_STREAM if engine_opens else MESSAGES_STREAM[MESSAGES_STREAM.index(b"\n\n") + 2 :]
+    )
+    out = s.feed(engine[: engine.index(b"\n\n") + 2], 1.0) + s.feed(
+        engine[engine.index(b"\n\n") + 2 :], 1.5
+    )
+    opened = out.startswith(b"event: message_start\n")
+    assert opened == (kind == "messages" or engine_opens)
+    assert out.count(b"event: message_start\n") == (1 if opened else 0)
+    assert out.endswith(engine)
