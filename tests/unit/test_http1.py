@@ -46,7 +46,8 @@ def responses(draw: st.DrawFn) -> Spec:
     else:
         status = draw(st.sampled_from([200, 201, 400, 404, 429, 500, 503]))
     http11 = draw(st.booleans())
-    connection = draw(st.sampled_from([None, b"close", b"keep-alive", b"Keep-Alive"]))
+    connection = draw(st.sampled_from([None, b"close", b"keep-alive", b"Keep-Alive", b"Close",
+                                       b"TE, close", b"keep-alive, Upgrade"]))  # fmt: skip
     reason = draw(st.sampled_from([b"", b"OK", b"Too Many Requests", b"x"]))
     headers: list[tuple[bytes, bytes]] = [
         (name.encode(), value)
@@ -69,10 +70,11 @@ def responses(draw: st.DrawFn) -> Spec:
     elif framing == "chunked":
         headers.append((b"Transfer-Encoding", b"chunked"))
         payload = draw(chunked_encodings(body))
+    tokens = (connection or b"").lower().replace(b" ", b"").split(b",")
     if http11:
-        keep_alive = connection != b"close"
+        keep_alive = b"close" not in tokens
     else:
-        keep_alive = connection is not None and connection.lower() == b"keep-alive"
+        keep_alive = b"keep-alive" in tokens and b"close" not in tokens
     if framing == "close":
         keep_alive = False
     interim = b"".join(
@@ -295,6 +297,10 @@ def test_the_head_size_limit(impl: Parser) -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-6\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX",
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+        # Two lengths: either could frame the body, and the bytes past the shorter one be
+        # taken for the next response on the connection.
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length: 2\r\n\r\nab",
     ],
 )
 def test_malformed_responses(impl: Parser, data: bytes) -> None:
