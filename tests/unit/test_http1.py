@@ -301,6 +301,9 @@ def test_the_head_size_limit(impl: Parser) -> None:
         # taken for the next response on the connection.
         b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
         b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length: 2\r\n\r\nab",
+        # A Transfer-Encoding, even an empty one, beside a length: the same ambiguity.
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: \r\nContent-Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\nab",
     ],
 )
 def test_malformed_responses(impl: Parser, data: bytes) -> None:
@@ -310,3 +313,17 @@ def test_malformed_responses(impl: Parser, data: bytes) -> None:
 
 def test_the_router_uses_llhttp() -> None:
     assert http1.ResponseParser is LlhttpParser
+
+
+@IMPLS
+def test_the_last_transfer_coding_frames_the_body(impl: Parser) -> None:
+    """Chunked framing only when chunked is the last coding (RFC 9112 6.3): before it, the
+    body is decoded as chunks; after it, or alone another coding, it runs to the close."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: %s\r\n\r\n"
+    chunks = b"2\r\nab\r\n0\r\n\r\n"
+    p = impl()
+    assert merged(run(p, [head % b"gzip, chunked", chunks]))[1:] == [b"ab", End(True)]
+    for coding in (b"chunked, gzip", b"gzip"):
+        p = impl()
+        assert merged(run(p, [head % coding, chunks]))[1:] == [chunks]
+        assert p.feed_eof() == [End(False)]
