@@ -135,9 +135,10 @@ def test_an_engine_that_ends_every_read_with_done_does_not_have_its_stream_held(
     client = Transport()
     s.client.request = type("Request", (), {"transport": client})()  # type: ignore[assignment]
     s.upstream, s.transport, s.t_first = Upstream(), client, 1.0  # type: ignore[assignment]
-    event = b'data: {"choices":[{"index":0,"delta":{"content":"token"}}]}\n\n' + relay.DONE
-    for _ in range(2000):
-        s.sink(event)
+    # Numbered: what was held leaves before what came after it.
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' + relay.DONE
+    for i in range(2000):
+        s.sink(event % i)
     assert not s.failed
     assert len(s.held) <= relay.END_NOW_MAX
     sent, pos = bytearray(), 0
@@ -146,7 +147,7 @@ def test_an_engine_that_ends_every_read_with_done_does_not_have_its_stream_held(
         size = int(client.sent[pos:line], 16)
         sent += client.sent[line + 2 : line + 2 + size]
         pos = line + 4 + size
-    assert sent + s.held == event * 2000
+    assert sent + s.held == b"".join(event % i for i in range(2000))
 
 
 class Counting:
