@@ -35,8 +35,9 @@ HELD_AFTER = 5
 class StreamingEngine(ThreadedApp):
     """Streams CHUNKS chunks of one token each, then its usage (when the request asks for
     it, unless its prompt says "deaf") and [DONE]; a request whose prompt says "hold" stops
-    after HELD_AFTER chunks and waits until `let_go`; one that says "refuse" gets a 400,
-    one that says "empty" a stream that ends before its first token."""
+    after HELD_AFTER chunks and waits until `let_go`, one that says "break" ends there; one
+    that says "refuse" gets a 400, one that says "empty" a stream that ends before its first
+    token."""
 
     def __init__(self) -> None:
         self.held: list[asyncio.Event] = []
@@ -57,7 +58,9 @@ class StreamingEngine(ThreadedApp):
         held, deaf = "hold" in prompt, "deaf" in prompt
         if "refuse" in prompt:  # an engine's 4xx, its body the length of an answer
             error = {"message": "no " * 400, "type": "invalid_request_error"}
-            return web.json_response({"error": error}, status=400)
+            # Labelled as a stream by a careless engine or proxy when the prompt says so.
+            kind = "text/event-stream" if "labelled" in prompt else "application/json"
+            return web.json_response({"error": error}, status=400, content_type=kind)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if "empty" in prompt:  # the role-only opener, then the end: no token
@@ -68,6 +71,8 @@ class StreamingEngine(ThreadedApp):
                 self.held.append(asyncio.Event())
                 await self.held[-1].wait()
                 return resp
+            if "break" in prompt and i == HELD_AFTER:
+                return resp  # the body ends, no [DONE]: the engine broke off
             await resp.write(event({"choices": [{"index": 0, "delta": {"content": "w"}}]}))
         if (body.get("stream_options") or {}).get("include_usage") and not deaf:
             usage = {"prompt_tokens": 7, "completion_tokens": CHUNKS, "total_tokens": 7 + CHUNKS}
@@ -255,7 +260,7 @@ async def test_a_counted_stream_is_charged_whether_or_not_its_engine_sends_usage
             assert completion_tokens >= (CHUNKS if ending == "whole" else HELD_AFTER)
 
 
-@pytest.mark.parametrize("prompt", ["refuse", "empty"])
+@pytest.mark.parametrize("prompt", ["refuse", "refuse labelled", "empty"])
 async def test_a_request_the_engine_refused_or_left_unanswered_is_charged_nothing(
     engine: StreamingEngine, prompt: str
 ) -> None:
@@ -268,7 +273,25 @@ async def test_a_request_the_engine_refused_or_left_unanswered_is_charged_nothin
             aiohttp.ClientSession() as http,
             http.post(url + "/v1/chat/completions", json=body(prompt), headers=bearer()) as resp,
         ):
-            assert resp.status == (400 if prompt == "refuse" else 502), await resp.text()
+            assert resp.status == (400 if "refuse" in prompt else 502), await resp.text()
         await done(router, 1)
         assert charged(router) == (0, 0)
         assert usage_row(router)[:2] == [0, 0]
+
+
+async def test_a_stream_its_engine_broke_off_is_charged_and_faults_the_endpoint(
+    engine: StreamingEngine,
+) -> None:
+    """The engine ended the body after HELD_AFTER tokens, without [DONE]: the client gets
+    them and an error event, the key is charged for them, and the endpoint's breaker
+    counts a failure (taken for a success, a replica that cut every answer short stayed
+    in rotation)."""
+    async for router, url in serve(engine.url, count_stream_tokens=True):
+        got = await whole_stream(url, body("break"))
+        await done(router, 1)
+        assert got.count(b'"content": "w"') == HELD_AFTER
+        assert b"engine_disconnected" in got.rsplit(b"\n\n", 2)[-2]
+        prompt_tokens, completion_tokens = charged(router)
+        assert prompt_tokens > 0
+        assert completion_tokens >= HELD_AFTER
+        assert router.table.by_id["e"].breaker.failures == 1
