@@ -327,3 +327,20 @@ def test_the_last_transfer_coding_frames_the_body(impl: Parser) -> None:
         p = impl()
         assert merged(run(p, [head % coding, chunks]))[1:] == [chunks]
         assert p.feed_eof() == [End(False)]
+
+
+@pytest.mark.parametrize("line", [b"1" * 5000, b"1;" + b"x" * 5000, b"0" * 5000])
+def test_an_endless_chunk_size_line_is_an_error_not_a_buffer(line: bytes) -> None:
+    """An engine that sends a chunk-size line with no end (a digit, an extension, at a
+    time) is cut off after a few kilobytes by the Python parser, which holds the line until
+    its CRLF, not buffered for as long as it keeps sending. (llhttp parses the line as it
+    comes and holds none of it.)"""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with pytest.raises(ProtocolError):
+        run(PyParser(), [head, *[line[i : i + 1000] for i in range(0, len(line), 1000)]])
+
+
+@IMPLS
+def test_a_chunk_size_past_64_bits_is_refused(impl: Parser) -> None:
+    with pytest.raises(ProtocolError):
+        impl().feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 17 + b"\r\n")
