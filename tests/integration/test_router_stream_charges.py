@@ -36,8 +36,8 @@ class StreamingEngine(ThreadedApp):
     """Streams CHUNKS chunks of one token each, then its usage (when the request asks for
     it, unless its prompt says "deaf") and [DONE]; a request whose prompt says "hold" stops
     after HELD_AFTER chunks and waits until `let_go`, one that says "break" ends there; one
-    that says "refuse" gets a 400, one that says "empty" a stream that ends before its first
-    token."""
+    that says "refuse" gets a 400, "fail" a 500, and one that says "empty" a stream that ends
+    before its first token."""
 
     def __init__(self) -> None:
         self.held: list[asyncio.Event] = []
@@ -56,6 +56,8 @@ class StreamingEngine(ThreadedApp):
         body = await request.json()
         prompt = body["messages"][0]["content"]
         held, deaf = "hold" in prompt, "deaf" in prompt
+        if "fail" in prompt:  # an engine's fault
+            return web.json_response({"error": {"message": "failed"}}, status=500)
         if "refuse" in prompt:  # an engine's 4xx, its body the length of an answer
             error = {"message": "no " * 400, "type": "invalid_request_error"}
             # Labelled as a stream by a careless engine or proxy when the prompt says so.
@@ -94,8 +96,11 @@ def engine() -> Iterator[StreamingEngine]:
     e.stop()
 
 
-async def serve(engine_url: str, count_stream_tokens: bool) -> AsyncIterator[tuple[Router, str]]:
-    """A router in front of the engine that knows SECRET as a key of the fleet's log."""
+async def serve(
+    engine_url: str, count_stream_tokens: bool, **settings: Any
+) -> AsyncIterator[tuple[Router, str]]:
+    """A router (with `settings`) in front of the engine that knows SECRET as a key of the
+    fleet's log."""
     cfg = msgspec.convert(
         {
             "auth": {"allow_anonymous": True},
@@ -103,6 +108,7 @@ async def serve(engine_url: str, count_stream_tokens: bool) -> AsyncIterator[tup
             "endpoints": [{"id": "e", "url": engine_url, "models": ["m"]}],
             "probe_interval_s": 60,
             "count_stream_tokens": count_stream_tokens,
+            **settings,
         },
         RouterConfig,
     )
@@ -295,3 +301,27 @@ async def test_a_stream_its_engine_broke_off_is_charged_and_faults_the_endpoint(
         assert prompt_tokens > 0
         assert completion_tokens >= HELD_AFTER
         assert router.table.by_id["e"].breaker.failures == 1
+
+
+async def test_a_probe_its_client_cut_lets_the_next_request_probe(
+    engine: StreamingEngine,
+) -> None:
+    """The endpoint's breaker is open; after its cool-down one request probes it, and that
+    client hangs up: no verdict, and the next request may probe. (Left probing, the
+    breaker refused every request to the endpoint for good.)"""
+    breaker = {"failures_to_open": 1, "open_s": 0.2}
+    async for router, url in serve(engine.url, count_stream_tokens=True, breaker=breaker):
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/chat/completions", json=body("fail"), headers=bearer()) as resp,
+        ):
+            assert resp.status == 502
+        ep = router.table.by_id["e"]
+        assert ep.breaker.state == "open"
+        await asyncio.sleep(0.3)
+        await cut_stream(url, body("hold"))  # the probe, cut by its client
+        await done(router, 2)
+        assert ep.breaker.state == "half_open"
+        assert not ep.breaker.probing
+        assert b"[DONE]" in await whole_stream(url, body("all of it"))
+        assert ep.breaker.state == "closed"
