@@ -301,6 +301,7 @@ async def test_a_stream_its_engine_broke_off_is_charged_and_faults_the_endpoint(
         assert prompt_tokens > 0
         assert completion_tokens >= HELD_AFTER
         assert router.table.by_id["e"].breaker.failures == 1
+        assert router.table.by_id["e"].inflight == 0  # what ranking reads of its load
 
 
 async def test_a_probe_its_client_cut_lets_the_next_request_probe(
@@ -325,3 +326,4 @@ async def test_a_probe_its_client_cut_lets_the_next_request_probe(
         assert not ep.breaker.probing
         assert b"[DONE]" in await whole_stream(url, body("all of it"))
         assert ep.breaker.state == "closed"
+        assert ep.inflight == 0  # the failed, the cut and the whole attempt each ended

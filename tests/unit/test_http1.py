@@ -342,6 +342,14 @@ def test_an_endless_chunk_size_line_is_an_error_not_a_buffer(line: bytes) -> Non
         run(PyParser(), [head, *[line[i : i + 1000] for i in range(0, len(line), 1000)]])
 
 
+def test_trailers_that_never_end_are_an_error_not_a_buffer() -> None:
+    """The same for the trailers after the last chunk: past `max_head`, an error."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n"
+    p = PyParser(max_head=500)
+    with pytest.raises(ProtocolError, match="trailers"):
+        run(p, [head, *[b"X-Pad: " + b"a" * 100] * 10])
+
+
 @IMPLS
 def test_a_chunk_size_past_64_bits_is_refused(impl: Parser) -> None:
     with pytest.raises(ProtocolError):
