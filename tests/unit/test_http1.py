@@ -252,21 +252,25 @@ def test_keep_alive_reuse_starts_each_response_afresh(
 
 
 @IMPLS
-@given(spec=responses(), extra=st.binary(min_size=1, max_size=40))
+@given(spec=responses(), extra=st.binary(min_size=1, max_size=40), cut=st.integers(0, 2000))
 def test_bytes_after_the_end_in_the_same_read_are_dropped_and_bar_reuse(
-    impl: Parser, spec: Spec, extra: bytes
+    impl: Parser, spec: Spec, extra: bytes, cut: int
 ) -> None:
     if spec.close_delimited:
         return  # its body takes every byte
     if impl is LlhttpParser and not extra.strip(b"\r\n"):
         return  # llhttp skips CR and LF between messages (see LlhttpParser)
-    p = impl(head_request=spec.head_request)
-    try:
-        events = run(p, [spec.data + extra])
-    except ProtocolError:
-        pytest.fail("bytes after a complete response must not make it an error")
     body = spec.body if not spec.head_request else b""
-    assert merged(events) == [spec.head] + ([body] if body else []) + [End(False)]
+    # In the read of the whole response, and in the last of two (the head and the body's
+    # end each in a read of its own, as a streamed answer's are).
+    k = cut % len(spec.data)
+    for reads in ([spec.data + extra], [spec.data[:k], spec.data[k:] + extra]):
+        p = impl(head_request=spec.head_request)
+        try:
+            events = run(p, reads)
+        except ProtocolError:
+            pytest.fail("bytes after a complete response must not make it an error")
+        assert merged(events) == [spec.head] + ([body] if body else []) + [End(False)]
 
 
 @IMPLS
@@ -354,3 +358,15 @@ def test_trailers_that_never_end_are_an_error_not_a_buffer() -> None:
 def test_a_chunk_size_past_64_bits_is_refused(impl: Parser) -> None:
     with pytest.raises(ProtocolError):
         impl().feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 17 + b"\r\n")
+
+
+@IMPLS
+@pytest.mark.parametrize("extra", [b"HTTP/1.1 200 OK\r\n", b"XYZ"])
+def test_bytes_after_an_end_read_apart_from_the_head_bar_reuse(impl: Parser, extra: bytes) -> None:
+    """A streamed answer's head and end come in reads of their own: bytes after the end
+    in its read answer nothing asked, and the connection must not carry another request."""
+    p = impl()
+    assert run(p, [b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", b"abcd" + extra])[1:] == [
+        b"abcd",
+        End(False),
+    ]
