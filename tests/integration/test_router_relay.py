@@ -259,16 +259,19 @@ def test_an_engine_that_wedges_after_done_still_delivers_the_stream(tmp_path: Pa
     )
 
 
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "awaited"])
 def test_a_stream_that_ends_before_its_first_token_moves_to_another_engine(
-    tmp_path: Path,
+    tmp_path: Path, direct: str
 ) -> None:
     """An engine opens the stream with the role-only chunk and ends it with no token.
     Nothing has reached the client (the opener is held back for the first token), so the
-    request moves to the healthy engine and the client gets its whole answer."""
+    request moves to the healthy engine and the client gets its whole answer; on either
+    path the relay writes by."""
     broken = BurstEngine(0, opener=True)
     sim = Sim.start("m", "--eos-min-tokens", "400")
     try:
-        router = Router.start(tmp_path, {"a": broken.url, "b": sim})
+        env = {"LLMGW_AIOHTTP_DIRECT": direct}
+        router = Router.start(tmp_path, {"a": broken.url, "b": sim}, env=env)
         try:
             answers = [post_stream(router.url, tokens=12) for _ in range(6)]
             m = router.metrics()
