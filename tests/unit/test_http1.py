@@ -303,6 +303,9 @@ def test_the_head_size_limit(impl: Parser) -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-6\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX",
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+        # A status under 100 is no status: not an interim head to skip.
+        b"HTTP/1.1 099 X\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 000 X\r\nContent-Length: 0\r\n\r\n",
         # Two lengths: either could frame the body, and the bytes past the shorter one be
         # taken for the next response on the connection.
         b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
