@@ -303,6 +303,10 @@ def test_the_head_size_limit(impl: Parser) -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-6\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX",
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+        # A space around a header's name: a proxy may read "Content-Length : 2" as the
+        # length, another skip it, and the two frame the body apart.
+        b"HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\n Content-Length: 2\r\n\r\nab",
         # A status under 100 is no status: not an interim head to skip.
         b"HTTP/1.1 099 X\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
         b"HTTP/1.1 000 X\r\nContent-Length: 0\r\n\r\n",
@@ -373,3 +377,12 @@ def test_bytes_after_an_end_read_apart_from_the_head_bar_reuse(impl: Parser, ext
         b"abcd",
         End(False),
     ]
+
+
+@IMPLS
+def test_a_header_value_is_given_without_the_blanks_around_it(impl: Parser) -> None:
+    data = b"HTTP/1.1 200 OK\r\nX-A:  v \t \r\nContent-Type: text/event-stream \r\n\r\n"
+    head = impl().feed(data)[0]
+    assert isinstance(head, Head)
+    assert head.headers == [(b"X-A", b"v"), (b"Content-Type", b"text/event-stream")]
+    assert head.content_type == "text/event-stream"
