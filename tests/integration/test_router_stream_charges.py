@@ -302,6 +302,19 @@ async def test_a_stream_its_engine_broke_off_is_charged_and_faults_the_endpoint(
         assert completion_tokens >= HELD_AFTER
         assert router.table.by_id["e"].breaker.failures == 1
         assert router.table.by_id["e"].inflight == 0  # what ranking reads of its load
+        # Its status, where metrics and the access log record it: the error event's.
+        assert router.metrics.key_requests.values == {("tenant", "", "m", "502"): 1.0}
+
+
+async def test_a_stream_cut_at_its_idle_deadline_is_recorded_as_a_504(
+    engine: StreamingEngine,
+) -> None:
+    models = [{"name": "m", "deadlines": {"idle_s": 0.3}}]
+    async for router, url in serve(engine.url, count_stream_tokens=True, models=models):
+        got = await whole_stream(url, body("hold"))
+        await done(router, 1)
+        assert b"idle_timeout" in got.rsplit(b"\n\n", 2)[-2]
+        assert router.metrics.key_requests.values == {("tenant", "", "m", "504"): 1.0}
 
 
 async def test_a_probe_its_client_cut_lets_the_next_request_probe(
