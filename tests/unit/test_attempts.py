@@ -266,6 +266,22 @@ def test_a_fallback_is_tried_after_the_models_own_endpoints_fail() -> None:
     assert step.code == "status_503"
 
 
+def test_a_fallback_without_endpoints_leaves_the_models_own_failure_to_tell() -> None:
+    """The model's endpoints failed; its fallback has none ready: the client is told the
+    failure it met (the engines' 503), not that nothing serves the model it asked for."""
+    big = ModelProfile(name="big", fallbacks=("small",))
+    eps = [routing.EndpointState(id="big-0", url="http://x", models=frozenset({"big"}),
+                                 ready=True)]  # fmt: skip
+    planner = Planner([big, ModelProfile(name="small")], rules(lambda name: [
+        e for e in eps if name in e.models]), 0.0)  # fmt: skip
+    step = planner.next(1.0)
+    assert isinstance(step, Attempt)
+    planner.failed(FAILURES[1])
+    step = planner.next(1.0)
+    assert isinstance(step, Refusal)
+    assert (step.code, step.status) == ("status_503", 502)
+
+
 def test_no_endpoint_at_all_is_a_503() -> None:
     planner = Planner([ModelProfile(name="m")], rules(lambda name: []), 0.0)
     step = planner.next(0.0)

@@ -321,6 +321,8 @@ def test_each_chunk_moves_the_idle_deadline_but_never_past_the_total() -> None:
     assert clock.when == 8.0
     s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"c"}}]}\n\n', 7.0)
     assert clock.when == 10.0  # the request's total deadline, not 12
+    # What the mean gap between chunks is taken from: three chunks, 1.0 to 7.0.
+    assert (s.chunks, s.t_first, s.t_last) == (3, 1.0, 7.0)
 
 
 @given(st.sampled_from(["chat", "messages"]), st.booleans())
