@@ -56,7 +56,8 @@ class StreamingEngine(ThreadedApp):
         body = await request.json()
         prompt = body["messages"][0]["content"]
         held, deaf = "hold" in prompt, "deaf" in prompt
-        if "fail" in prompt:  # an engine's fault
+        if "fail" in prompt:  # an engine's fault (a "late" one after a while)
+            await asyncio.sleep(0.5 if "late" in prompt else 0)
             return web.json_response({"error": {"message": "failed"}}, status=500)
         if "refuse" in prompt:  # an engine's 4xx, its body the length of an answer
             error = {"message": "no " * 400, "type": "invalid_request_error"}
@@ -340,3 +341,20 @@ async def test_a_probe_its_client_cut_lets_the_next_request_probe(
         assert b"[DONE]" in await whole_stream(url, body("all of it"))
         assert ep.breaker.state == "closed"
         assert ep.inflight == 0  # the failed, the cut and the whole attempt each ended
+
+
+async def test_a_failure_after_keepalive_comments_ends_the_stream_with_an_error_event(
+    engine: StreamingEngine,
+) -> None:
+    """Keep-alive comments began the response as a 200 stream; every endpoint then failed:
+    the status can no longer change, so the stream ends with the failure's error event
+    (a refusal's own response could no longer be sent: the client waited for ever)."""
+    async for router, url in serve(engine.url, count_stream_tokens=True, keepalive_s=0.05):
+        async with asyncio.timeout(30):  # (the stream left open, the client waited for ever)
+            got = await whole_stream(url, body("late fail"))
+        await done(router, 1)
+        assert got.startswith(b": keep-alive\n\n")
+        last = json.loads(got.rstrip(b"\n").rsplit(b"\n\n", 1)[-1].removeprefix(b"data: "))
+        assert last["error"]["code"] == "status_500"
+        assert router.metrics.key_requests.values == {("tenant", "", "m", "502"): 1.0}
+        assert charged(router) == (0, 0)
