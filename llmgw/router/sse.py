@@ -18,11 +18,13 @@ from llmgw.router import requests
 USAGE_KEY = b'"usage"'
 DONE = b"data: [DONE]\n\n"
 # The last event of a whole stream, per API: OpenAI's chat and completions end with
-# [DONE]; the Responses API with its response's final state; Anthropic's with message_stop.
+# [DONE]; the Responses API with its response's final state; Anthropic's with message_stop,
+# named on a line of its own (a model's text may say "event: message_stop" too, but JSON
+# leaves no line break in it).
 _ENDS: dict[str, tuple[bytes, ...]] = {
     "responses": (b'"type":"response.completed"', b'"type":"response.incomplete"',
                   b'"type":"response.failed"'),
-    "messages": (b"event: message_stop",),
+    "messages": (b"\nevent: message_stop",),
 }  # fmt: skip
 
 
@@ -36,7 +38,7 @@ def complete(tail: bytes, kind: str) -> bool:
     if ends is None:
         return False
     last = tail.rstrip(b"\n").rfind(b"\n\n")
-    final = tail[last + 2 :] if last >= 0 else tail
+    final = b"\n" + (tail[last + 2 :] if last >= 0 else tail)  # each line after a \n
     return any(e in final for e in ends)
 
 

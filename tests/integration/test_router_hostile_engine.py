@@ -175,6 +175,15 @@ def test_an_answer_past_max_answer_bytes_is_a_502_and_no_more_of_it_is_read(
             assert engine.written < 64 << 20
             engine.endless, engine.body = 0, answer('{"prompt_tokens":3,"completion_tokens":2}')
             assert h.post("/v1/chat/completions", json=CHAT).status_code == 200
+            # The limit is the most an answer may take: one of exactly that many bytes is
+            # relayed whole, one byte more is not.
+            exact = engine.body + b" " * ((1 << 20) - len(engine.body))
+            engine.body = exact
+            got = h.post("/v1/chat/completions", json=CHAT)
+            assert got.status_code == 200, got.text[:200]
+            assert got.content == exact
+            engine.body = exact + b" "
+            assert h.post("/v1/chat/completions", json=CHAT).status_code == 502
     finally:
         engine.endless = 0
         r.stop()

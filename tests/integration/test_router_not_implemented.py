@@ -1,7 +1,8 @@
 """An engine's 501 is its configuration, not a fault: llama-server started without
 `--embeddings` answers every embeddings request so, on every replica of the model. The
 client gets the engine's words (the key taken out, in the API's shape) with that status at
-once, and no replica is counted as failing; any other 5xx is still retried elsewhere.
+once, and no replica is counted as failing; any other 5xx, and a busy replica's 429, is still
+tried elsewhere.
 
 Two canned engines (aiohttp, each on its own thread) behind a router served in this
 process.
@@ -113,3 +114,31 @@ async def test_another_5xx_is_still_tried_on_the_next_replica(
     assert status == 502, text
     assert "engine answered 503" in json.loads(text)["error"]["message"]
     assert sum(e.asked for e in engines) == 2
+
+
+async def test_an_engines_429_is_tried_on_the_next_replica_and_faults_none(
+    engines: list[Engine], router: tuple[str, Router]
+) -> None:
+    """A replica that is busy says 429: another may not be. Relayed at once, the client was
+    refused while the model's other replica was free."""
+    url, r = router
+    for e in engines:
+        e.status, e.asked = 429, 0
+    status, text = await embed(url)
+    assert status == 429, text
+    assert sum(e.asked for e in engines) == 2, "each replica asked once"
+    assert [ep.breaker.failures for ep in r.table.by_id.values()] == [0, 0]  # busy, not broken
+
+
+async def test_an_engines_401_is_the_routers_fault_never_the_clients(
+    engines: list[Engine], router: tuple[str, Router]
+) -> None:
+    """The router checked the client's key itself: an engine's 401 means the key the router
+    holds for that endpoint is stale. Relayed, the client was told its own key was bad."""
+    url, _ = router
+    for e in engines:
+        e.status, e.asked = 401, 0
+    status, text = await embed(url)
+    assert status == 502, text
+    assert "EndpointUp" in json.loads(text)["error"]["message"]
+    assert sum(e.asked for e in engines) == 2, "the other replica may hold the right key"

@@ -160,14 +160,17 @@ class BurstEngine(ThreadedApp):
     interval, then sends its tokens back to back, one write each."""
 
     def __init__(
-        self, tokens: int, *, silence_s: float = 0.3, hang_s: float = 0.0, opener: bool = False
-    ) -> None:
+        self, tokens: int, *, silence_s: float = 0.3, hang_s: float = 0.0, opener: bool = False,
+        abort: bool = False,
+    ) -> None:  # fmt: skip
         self.tokens = tokens
         self.silence_s = silence_s
         self.hang_s = hang_s
         """After [DONE], this long without ending the body (a wedged engine)."""
         self.opener = opener
         """Open with a role-only chunk; with no tokens, end the body right after it."""
+        self.abort = abort
+        """With no tokens, drop the connection after the opener (the body never ends)."""
         self.requests = 0
         super().__init__(engine_app(self._chat))
 
@@ -181,6 +184,10 @@ class BurstEngine(ThreadedApp):
             chunk = {"id": "b", "object": "chat.completion.chunk", "choices": [opener]}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             if not self.tokens:
+                if self.abort:
+                    assert request.transport is not None
+                    request.transport.close()  # a crashed engine: no last chunk
+                    return resp
                 await resp.write_eof()  # a broken engine: the stream ends with no token
                 return resp
         await asyncio.sleep(self.silence_s)
@@ -221,6 +228,21 @@ def test_tokens_that_come_after_keepalive_comments_follow_them_in_order(tmp_path
         )
 
 
+def test_keepalive_comments_end_at_the_first_token(tmp_path: Path) -> None:
+    """Comments keep the connection open while the first token is awaited, and stop with
+    it: going on, they fell between a slow engine's tokens and, once its stream ended,
+    after the end of the body."""
+    slow = ("--decode-base-ms", "60", "--eos-min-tokens", "400")
+    with routed_sim(tmp_path, *slow, stall_first_s=0.5, keepalive_s=0.05) as router:
+        head, body = post_stream(router.url, tokens=10)
+    assert head.startswith("HTTP/1.1 200")
+    sse = dechunk(body)
+    first = sse.index(b"data: ")
+    assert sse[:first].count(b": keep-alive\n\n") >= 2
+    assert b": keep-alive" not in sse[first:]
+    check_complete(events(sse[first:]), 10)
+
+
 def test_an_engine_that_wedges_after_done_still_delivers_the_stream(tmp_path: Path) -> None:
     """[DONE] reached the router but the body never ends: at the idle deadline the client
     has every token and [DONE], then the idle-timeout error event."""
@@ -244,16 +266,20 @@ def test_an_engine_that_wedges_after_done_still_delivers_the_stream(tmp_path: Pa
     )
 
 
+@pytest.mark.parametrize("abort", [False, True], ids=["ended", "dropped"])
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "awaited"])
 def test_a_stream_that_ends_before_its_first_token_moves_to_another_engine(
-    tmp_path: Path,
+    tmp_path: Path, direct: str, abort: bool
 ) -> None:
-    """An engine opens the stream with the role-only chunk and ends it with no token.
-    Nothing has reached the client (the opener is held back for the first token), so the
-    request moves to the healthy engine and the client gets its whole answer."""
-    broken = BurstEngine(0, opener=True)
+    """An engine opens the stream with the role-only chunk and ends it (or drops its
+    connection) with no token. Nothing has reached the client (the opener is held back for
+    the first token), so the request moves to the healthy engine and the client gets its
+    whole answer; on either path the relay writes by."""
+    broken = BurstEngine(0, opener=True, abort=abort)
     sim = Sim.start("m", "--eos-min-tokens", "400")
     try:
-        router = Router.start(tmp_path, {"a": broken.url, "b": sim})
+        env = {"LLMGW_AIOHTTP_DIRECT": direct}
+        router = Router.start(tmp_path, {"a": broken.url, "b": sim}, env=env)
         try:
             answers = [post_stream(router.url, tokens=12) for _ in range(6)]
             m = router.metrics()
@@ -263,7 +289,8 @@ def test_a_stream_that_ends_before_its_first_token_moves_to_another_engine(
         broken.stop()
         sim.stop()
     assert broken.requests >= 1
-    assert m['llmgw_router_retries_total{model="m",reason="empty_stream"}'] == broken.requests
+    reason = "upstream_error" if abort else "empty_stream"
+    assert m[f'llmgw_router_retries_total{{model="m",reason="{reason}"}}'] == broken.requests
     for head, body in answers:
         assert head.startswith("HTTP/1.1 200")
         check_complete(events(dechunk(body)), 12)

@@ -35,7 +35,9 @@ HELD_AFTER = 5
 class StreamingEngine(ThreadedApp):
     """Streams CHUNKS chunks of one token each, then its usage (when the request asks for
     it, unless its prompt says "deaf") and [DONE]; a request whose prompt says "hold" stops
-    after HELD_AFTER chunks and waits until `let_go`."""
+    after HELD_AFTER chunks and waits until `let_go`, one that says "break" ends there; one
+    that says "refuse" gets a 400, "fail" a 500, and one that says "empty" a stream that ends
+    before its first token."""
 
     def __init__(self) -> None:
         self.held: list[asyncio.Event] = []
@@ -54,13 +56,26 @@ class StreamingEngine(ThreadedApp):
         body = await request.json()
         prompt = body["messages"][0]["content"]
         held, deaf = "hold" in prompt, "deaf" in prompt
+        if "fail" in prompt:  # an engine's fault (a "late" one after a while)
+            await asyncio.sleep(0.5 if "late" in prompt else 0)
+            return web.json_response({"error": {"message": "failed"}}, status=500)
+        if "refuse" in prompt:  # an engine's 4xx, its body the length of an answer
+            error = {"message": "no " * 400, "type": "invalid_request_error"}
+            # Labelled as a stream by a careless engine or proxy when the prompt says so.
+            kind = "text/event-stream" if "labelled" in prompt else "application/json"
+            return web.json_response({"error": error}, status=400, content_type=kind)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if "empty" in prompt:  # the role-only opener, then the end: no token
+            await resp.write(event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
+            return resp
         for i in range(CHUNKS):
             if held and i == HELD_AFTER:
                 self.held.append(asyncio.Event())
                 await self.held[-1].wait()
                 return resp
+            if "break" in prompt and i == HELD_AFTER:
+                return resp  # the body ends, no [DONE]: the engine broke off
             await resp.write(event({"choices": [{"index": 0, "delta": {"content": "w"}}]}))
         if (body.get("stream_options") or {}).get("include_usage") and not deaf:
             usage = {"prompt_tokens": 7, "completion_tokens": CHUNKS, "total_tokens": 7 + CHUNKS}
@@ -82,8 +97,11 @@ def engine() -> Iterator[StreamingEngine]:
     e.stop()
 
 
-async def serve(engine_url: str, count_stream_tokens: bool) -> AsyncIterator[tuple[Router, str]]:
-    """A router in front of the engine that knows SECRET as a key of the fleet's log."""
+async def serve(
+    engine_url: str, count_stream_tokens: bool, **settings: Any
+) -> AsyncIterator[tuple[Router, str]]:
+    """A router (with `settings`) in front of the engine that knows SECRET as a key of the
+    fleet's log."""
     cfg = msgspec.convert(
         {
             "auth": {"allow_anonymous": True},
@@ -91,6 +109,7 @@ async def serve(engine_url: str, count_stream_tokens: bool) -> AsyncIterator[tup
             "endpoints": [{"id": "e", "url": engine_url, "models": ["m"]}],
             "probe_interval_s": 60,
             "count_stream_tokens": count_stream_tokens,
+            **settings,
         },
         RouterConfig,
     )
@@ -246,3 +265,96 @@ async def test_a_counted_stream_is_charged_whether_or_not_its_engine_sends_usage
         else:
             assert prompt_tokens > 0
             assert completion_tokens >= (CHUNKS if ending == "whole" else HELD_AFTER)
+
+
+@pytest.mark.parametrize("prompt", ["refuse", "refuse labelled", "empty"])
+async def test_a_request_the_engine_refused_or_left_unanswered_is_charged_nothing(
+    engine: StreamingEngine, prompt: str
+) -> None:
+    """The engine's 400 (its body as long as an answer) reaches the client as it is; a
+    stream that ended before its first token is a 502 after every endpoint was tried. No
+    token of either reached the client: charging the 400 as an answer, or the failed
+    attempt as a cut stream, billed the key for an error."""
+    async for router, url in serve(engine.url, count_stream_tokens=True):
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/chat/completions", json=body(prompt), headers=bearer()) as resp,
+        ):
+            assert resp.status == (400 if "refuse" in prompt else 502), await resp.text()
+        await done(router, 1)
+        assert charged(router) == (0, 0)
+        assert usage_row(router)[:2] == [0, 0]
+
+
+async def test_a_stream_its_engine_broke_off_is_charged_and_faults_the_endpoint(
+    engine: StreamingEngine,
+) -> None:
+    """The engine ended the body after HELD_AFTER tokens, without [DONE]: the client gets
+    them and an error event, the key is charged for them, and the endpoint's breaker
+    counts a failure (taken for a success, a replica that cut every answer short stayed
+    in rotation)."""
+    async for router, url in serve(engine.url, count_stream_tokens=True):
+        got = await whole_stream(url, body("break"))
+        await done(router, 1)
+        assert got.count(b'"content": "w"') == HELD_AFTER
+        assert b"engine_disconnected" in got.rsplit(b"\n\n", 2)[-2]
+        prompt_tokens, completion_tokens = charged(router)
+        assert prompt_tokens > 0
+        assert completion_tokens >= HELD_AFTER
+        assert router.table.by_id["e"].breaker.failures == 1
+        assert router.table.by_id["e"].inflight == 0  # what ranking reads of its load
+        # Its status, where metrics and the access log record it: the error event's.
+        assert router.metrics.key_requests.values == {("tenant", "", "m", "502"): 1.0}
+
+
+async def test_a_stream_cut_at_its_idle_deadline_is_recorded_as_a_504(
+    engine: StreamingEngine,
+) -> None:
+    models = [{"name": "m", "deadlines": {"idle_s": 0.3}}]
+    async for router, url in serve(engine.url, count_stream_tokens=True, models=models):
+        got = await whole_stream(url, body("hold"))
+        await done(router, 1)
+        assert b"idle_timeout" in got.rsplit(b"\n\n", 2)[-2]
+        assert router.metrics.key_requests.values == {("tenant", "", "m", "504"): 1.0}
+
+
+async def test_a_probe_its_client_cut_lets_the_next_request_probe(
+    engine: StreamingEngine,
+) -> None:
+    """The endpoint's breaker is open; after its cool-down one request probes it, and that
+    client hangs up: no verdict, and the next request may probe. (Left probing, the
+    breaker refused every request to the endpoint for good.)"""
+    breaker = {"failures_to_open": 1, "open_s": 0.2}
+    async for router, url in serve(engine.url, count_stream_tokens=True, breaker=breaker):
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + "/v1/chat/completions", json=body("fail"), headers=bearer()) as resp,
+        ):
+            assert resp.status == 502
+        ep = router.table.by_id["e"]
+        assert ep.breaker.state == "open"
+        await asyncio.sleep(0.3)
+        await cut_stream(url, body("hold"))  # the probe, cut by its client
+        await done(router, 2)
+        assert ep.breaker.state == "half_open"
+        assert not ep.breaker.probing
+        assert b"[DONE]" in await whole_stream(url, body("all of it"))
+        assert ep.breaker.state == "closed"
+        assert ep.inflight == 0  # the failed, the cut and the whole attempt each ended
+
+
+async def test_a_failure_after_keepalive_comments_ends_the_stream_with_an_error_event(
+    engine: StreamingEngine,
+) -> None:
+    """Keep-alive comments began the response as a 200 stream; every endpoint then failed:
+    the status can no longer change, so the stream ends with the failure's error event
+    (a refusal's own response could no longer be sent: the client waited for ever)."""
+    async for router, url in serve(engine.url, count_stream_tokens=True, keepalive_s=0.05):
+        async with asyncio.timeout(30):  # (the stream left open, the client waited for ever)
+            got = await whole_stream(url, body("late fail"))
+        await done(router, 1)
+        assert got.startswith(b": keep-alive\n\n")
+        last = json.loads(got.rstrip(b"\n").rsplit(b"\n\n", 1)[-1].removeprefix(b"data: "))
+        assert last["error"]["code"] == "status_500"
+        assert router.metrics.key_requests.values == {("tenant", "", "m", "502"): 1.0}
+        assert charged(router) == (0, 0)

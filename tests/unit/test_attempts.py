@@ -266,6 +266,46 @@ def test_a_fallback_is_tried_after_the_models_own_endpoints_fail() -> None:
     assert step.code == "status_503"
 
 
+def test_a_fallback_without_endpoints_leaves_the_models_own_failure_to_tell() -> None:
+    """The model's endpoints failed; its fallback has none ready: the client is told the
+    failure it met (the engines' 503), not that nothing serves the model it asked for."""
+    big = ModelProfile(name="big", fallbacks=("small",))
+    eps = [routing.EndpointState(id="big-0", url="http://x", models=frozenset({"big"}),
+                                 ready=True)]  # fmt: skip
+    planner = Planner([big, ModelProfile(name="small")], rules(lambda name: [
+        e for e in eps if name in e.models]), 0.0)  # fmt: skip
+    step = planner.next(1.0)
+    assert isinstance(step, Attempt)
+    planner.failed(FAILURES[1])
+    step = planner.next(1.0)
+    assert isinstance(step, Refusal)
+    assert (step.code, step.status) == ("status_503", 502)
+
+
+def test_an_endpoint_whose_breaker_opened_after_ranking_is_skipped() -> None:
+    """Another request's failures opened the second endpoint's breaker after this one's
+    ranking: it is not tried (the breaker is read again before each attempt)."""
+    eps = [routing.EndpointState(id=f"e{i}", url="http://x", models=frozenset({"m"}),
+                                 ready=True) for i in range(2)]  # fmt: skip
+    planner = Planner([ModelProfile(name="m")], rules(lambda name: eps), 0.0)
+    step = planner.next(1.0)
+    assert isinstance(step, Attempt)
+    other = eps[1] if step.endpoint is eps[0] else eps[0]
+    other.breaker = breaker.Breaker(state="open", opened_at=1.0)
+    planner.failed(FAILURES[0])
+    assert isinstance(planner.next(2.0), Refusal)
+
+
+def test_no_attempt_starts_once_the_total_deadline_is_reached() -> None:
+    eps = [routing.EndpointState(id=f"e{i}", url="http://x", models=frozenset({"m"}),
+                                 ready=True) for i in range(2)]  # fmt: skip
+    m = ModelProfile(name="m", deadlines=Deadlines(total_s=5.0))
+    planner = Planner([m], rules(lambda name: eps), 10.0)
+    assert isinstance(planner.next(14.0), Attempt)
+    planner.failed(FAILURES[0])
+    assert isinstance(planner.next(15.0), Refusal)  # 5 s spent: none left for another
+
+
 def test_no_endpoint_at_all_is_a_503() -> None:
     planner = Planner([ModelProfile(name="m")], rules(lambda name: []), 0.0)
     step = planner.next(0.0)

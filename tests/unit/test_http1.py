@@ -46,7 +46,8 @@ def responses(draw: st.DrawFn) -> Spec:
     else:
         status = draw(st.sampled_from([200, 201, 400, 404, 429, 500, 503]))
     http11 = draw(st.booleans())
-    connection = draw(st.sampled_from([None, b"close", b"keep-alive", b"Keep-Alive"]))
+    connection = draw(st.sampled_from([None, b"close", b"keep-alive", b"Keep-Alive", b"Close",
+                                       b"TE, close", b"keep-alive, Upgrade"]))  # fmt: skip
     reason = draw(st.sampled_from([b"", b"OK", b"Too Many Requests", b"x"]))
     headers: list[tuple[bytes, bytes]] = [
         (name.encode(), value)
@@ -69,10 +70,11 @@ def responses(draw: st.DrawFn) -> Spec:
     elif framing == "chunked":
         headers.append((b"Transfer-Encoding", b"chunked"))
         payload = draw(chunked_encodings(body))
+    tokens = (connection or b"").lower().replace(b" ", b"").split(b",")
     if http11:
-        keep_alive = connection != b"close"
+        keep_alive = b"close" not in tokens
     else:
-        keep_alive = connection is not None and connection.lower() == b"keep-alive"
+        keep_alive = b"keep-alive" in tokens and b"close" not in tokens
     if framing == "close":
         keep_alive = False
     interim = b"".join(
@@ -250,21 +252,25 @@ def test_keep_alive_reuse_starts_each_response_afresh(
 
 
 @IMPLS
-@given(spec=responses(), extra=st.binary(min_size=1, max_size=40))
+@given(spec=responses(), extra=st.binary(min_size=1, max_size=40), cut=st.integers(0, 2000))
 def test_bytes_after_the_end_in_the_same_read_are_dropped_and_bar_reuse(
-    impl: Parser, spec: Spec, extra: bytes
+    impl: Parser, spec: Spec, extra: bytes, cut: int
 ) -> None:
     if spec.close_delimited:
         return  # its body takes every byte
     if impl is LlhttpParser and not extra.strip(b"\r\n"):
         return  # llhttp skips CR and LF between messages (see LlhttpParser)
-    p = impl(head_request=spec.head_request)
-    try:
-        events = run(p, [spec.data + extra])
-    except ProtocolError:
-        pytest.fail("bytes after a complete response must not make it an error")
     body = spec.body if not spec.head_request else b""
-    assert merged(events) == [spec.head] + ([body] if body else []) + [End(False)]
+    # In the read of the whole response, and in the last of two (the head and the body's
+    # end each in a read of its own, as a streamed answer's are).
+    k = cut % len(spec.data)
+    for reads in ([spec.data + extra], [spec.data[:k], spec.data[k:] + extra]):
+        p = impl(head_request=spec.head_request)
+        try:
+            events = run(p, reads)
+        except ProtocolError:
+            pytest.fail("bytes after a complete response must not make it an error")
+        assert merged(events) == [spec.head] + ([body] if body else []) + [End(False)]
 
 
 @IMPLS
@@ -291,10 +297,26 @@ def test_the_head_size_limit(impl: Parser) -> None:
         b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\r\n",  # no size
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n;ext\r\n",
         # A negative size once sent the hand-written parser back over its input for ever.
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-6\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX",
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+        # A space around a header's name: a proxy may read "Content-Length : 2" as the
+        # length, another skip it, and the two frame the body apart.
+        b"HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\n Content-Length: 2\r\n\r\nab",
+        # A status under 100 is no status: not an interim head to skip.
+        b"HTTP/1.1 099 X\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 000 X\r\nContent-Length: 0\r\n\r\n",
+        # Two lengths: either could frame the body, and the bytes past the shorter one be
+        # taken for the next response on the connection.
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length: 2\r\n\r\nab",
+        # A Transfer-Encoding, even an empty one, beside a length: the same ambiguity.
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: \r\nContent-Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\nab",
     ],
 )
 def test_malformed_responses(impl: Parser, data: bytes) -> None:
@@ -304,3 +326,63 @@ def test_malformed_responses(impl: Parser, data: bytes) -> None:
 
 def test_the_router_uses_llhttp() -> None:
     assert http1.ResponseParser is LlhttpParser
+
+
+@IMPLS
+def test_the_last_transfer_coding_frames_the_body(impl: Parser) -> None:
+    """Chunked framing only when chunked is the last coding (RFC 9112 6.3): before it, the
+    body is decoded as chunks; after it, or alone another coding, it runs to the close."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: %s\r\n\r\n"
+    chunks = b"2\r\nab\r\n0\r\n\r\n"
+    p = impl()
+    assert merged(run(p, [head % b"gzip, chunked", chunks]))[1:] == [b"ab", End(True)]
+    for coding in (b"chunked, gzip", b"gzip"):
+        p = impl()
+        assert merged(run(p, [head % coding, chunks]))[1:] == [chunks]
+        assert p.feed_eof() == [End(False)]
+
+
+@pytest.mark.parametrize("line", [b"1" * 5000, b"1;" + b"x" * 5000, b"0" * 5000])
+def test_an_endless_chunk_size_line_is_an_error_not_a_buffer(line: bytes) -> None:
+    """An engine that sends a chunk-size line with no end (a digit, an extension, at a
+    time) is cut off after a few kilobytes by the Python parser, which holds the line until
+    its CRLF, not buffered for as long as it keeps sending. (llhttp parses the line as it
+    comes and holds none of it.)"""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with pytest.raises(ProtocolError):
+        run(PyParser(), [head, *[line[i : i + 1000] for i in range(0, len(line), 1000)]])
+
+
+def test_trailers_that_never_end_are_an_error_not_a_buffer() -> None:
+    """The same for the trailers after the last chunk: past `max_head`, an error."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n"
+    p = PyParser(max_head=500)
+    with pytest.raises(ProtocolError, match="trailers"):
+        run(p, [head, *[b"X-Pad: " + b"a" * 100] * 10])
+
+
+@IMPLS
+def test_a_chunk_size_past_64_bits_is_refused(impl: Parser) -> None:
+    with pytest.raises(ProtocolError):
+        impl().feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 17 + b"\r\n")
+
+
+@IMPLS
+@pytest.mark.parametrize("extra", [b"HTTP/1.1 200 OK\r\n", b"XYZ"])
+def test_bytes_after_an_end_read_apart_from_the_head_bar_reuse(impl: Parser, extra: bytes) -> None:
+    """A streamed answer's head and end come in reads of their own: bytes after the end
+    in its read answer nothing asked, and the connection must not carry another request."""
+    p = impl()
+    assert run(p, [b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", b"abcd" + extra])[1:] == [
+        b"abcd",
+        End(False),
+    ]
+
+
+@IMPLS
+def test_a_header_value_is_given_without_the_blanks_around_it(impl: Parser) -> None:
+    data = b"HTTP/1.1 200 OK\r\nX-A:  v \t \r\nContent-Type: text/event-stream \r\n\r\n"
+    head = impl().feed(data)[0]
+    assert isinstance(head, Head)
+    assert head.headers == [(b"X-A", b"v"), (b"Content-Type", b"text/event-stream")]
+    assert head.content_type == "text/event-stream"

@@ -21,9 +21,11 @@ class NoHooks:
         pass
 
 
-def engine_stream(hooks: Any = None, *, drop_usage: bool = False) -> EngineStream:
+def engine_stream(
+    hooks: Any = None, *, drop_usage: bool = False, kind: Any = "chat"
+) -> EngineStream:
     async def made() -> EngineStream:
-        client = ClientStream(None, "r", 0.0, kind="chat", stream=True, drop_usage=drop_usage,  # type: ignore[arg-type]
+        client = ClientStream(None, "r", 0.0, kind=kind, stream=True, drop_usage=drop_usage,  # type: ignore[arg-type]
                               principal=None)  # fmt: skip
         return EngineStream(client, None, ModelProfile(name="m"), hooks or NoHooks(), 0.0, "e")  # type: ignore[arg-type]
 
@@ -48,7 +50,16 @@ def test_every_byte_comes_out_once_in_whole_events_however_the_bytes_are_cut(
     pieces: list[bytes],
 ) -> None:
     s = engine_stream()
-    outs = [s.take(p) for p in [*pieces, b"\n\n"]]
+    outs, waiting = [], b""
+    for p in [*pieces, b"\n\n"]:
+        outs.append(s.take(p))
+        # Each event leaves with the read that completes it, though its blank line began
+        # in the read before ("data: a\n", "\n"): held, an engine's last event would wait
+        # for a read that never comes, and the stream end as if cut.
+        waiting += p
+        whole = waiting.rfind(b"\n\n")
+        assert outs[-1] == (waiting[: whole + 2] if whole >= 0 else b"")
+        waiting = waiting[len(outs[-1]) :]
     assert all(o.endswith(b"\n\n") for o in outs if o)
     assert b"".join(outs) == b"".join(pieces) + b"\n\n"
 
@@ -79,6 +90,17 @@ def test_an_event_past_the_limit_is_relayed_as_it_is() -> None:
     assert s.take(big) == b""
     assert s.take(b"y") == big + big + b"y"
     assert s.take(b"z\n\n") == b"z\n\n"
+    # The limit counts the part of an event that came with the end of the one before.
+    rest = b"x" * (relay.MAX_EVENT_BYTES - 10)
+    assert s.take(b"data: a\n\n" + rest) == b"data: a\n\n"
+    assert s.take(b"y" * 20) == rest + b"y" * 20
+    # And starts again with each event: one under it is held whole, however it trickles in.
+    s = engine_stream()
+    assert s.take(rest[:-1]) == b""
+    assert s.take(b"x\n\n") == rest + b"\n\n"
+    assert s.take(b"data: " + rest[:-16]) == b""
+    assert s.take(b"z" * 10) == b""
+    assert s.take(b"\n\n") == b"data: " + rest[:-16] + b"z" * 10 + b"\n\n"
 
 
 class Transport:
@@ -113,9 +135,10 @@ def test_an_engine_that_ends_every_read_with_done_does_not_have_its_stream_held(
     client = Transport()
     s.client.request = type("Request", (), {"transport": client})()  # type: ignore[assignment]
     s.upstream, s.transport, s.t_first = Upstream(), client, 1.0  # type: ignore[assignment]
-    event = b'data: {"choices":[{"index":0,"delta":{"content":"token"}}]}\n\n' + relay.DONE
-    for _ in range(2000):
-        s.sink(event)
+    # Numbered: what was held leaves before what came after it.
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' + relay.DONE
+    for i in range(2000):
+        s.sink(event % i)
     assert not s.failed
     assert len(s.held) <= relay.END_NOW_MAX
     sent, pos = bytearray(), 0
@@ -124,7 +147,7 @@ def test_an_engine_that_ends_every_read_with_done_does_not_have_its_stream_held(
         size = int(client.sent[pos:line], 16)
         sent += client.sent[line + 2 : line + 2 + size]
         pos = line + 4 + size
-    assert sent + s.held == event * 2000
+    assert sent + s.held == b"".join(event % i for i in range(2000))
 
 
 class Counting:
@@ -190,3 +213,135 @@ def test_opening_events_trickling_in_are_looked_at_once_each(monkeypatch: Any) -
     held = 4000 * 2 + 1000 * 13
     assert s.first == b"\n\n" * 4000 + b"event: ping\n\n" * 1000
     assert looked[0] <= 2 * held
+
+
+MESSAGES_STREAM = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","type":"message",'
+    b'"role":"assistant","content":[],"usage":{"input_tokens":10,"output_tokens":0}}}\n\n'
+    + b"".join(
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"t%d"}}\n\n' % i
+        for i in range(6)
+    )
+    + b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+
+
+def test_a_whole_stream_whose_engine_told_only_its_prompt_is_charged_for_its_answer() -> None:
+    """The Messages API tells the prompt's tokens in message_start; an engine that then
+    never tells the answer's (no usage in message_delta) still had its answer charged,
+    estimated, as one that told nothing: counting the prompt alone made the answer free."""
+    hooks = Counting()
+    accounting = Accounting(hooks, hooks, None)  # type: ignore[arg-type]
+    s = engine_stream(accounting, kind="messages")
+    assert s.take(MESSAGES_STREAM) == MESSAGES_STREAM
+    assert hooks.tokens == [10, 0]
+    accounting.ended(s.prof, s.client, s.events)
+    assert s.events == 8
+    assert hooks.tokens == [10, 8]
+    accounting.ended(s.prof, s.client, s.events)  # told now: not charged again
+    assert hooks.tokens == [10, 8]
+
+
+def test_a_cut_stream_is_charged_the_prompt_its_engine_told_not_an_estimate() -> None:
+    """A Messages stream cut after its engine told the prompt's tokens: those are charged,
+    not the estimate from the prompt's characters (four times as many here), and each
+    event relayed counts a completion token."""
+    hooks = Counting()
+    accounting = Accounting(hooks, hooks, None)  # type: ignore[arg-type]
+    s = engine_stream(accounting, kind="messages")
+    s.client.prompt_chars = 160
+    cut = MESSAGES_STREAM.index(b"event: content_block_delta", 200)
+    s.take(MESSAGES_STREAM[:cut])
+    accounting.cut(s.prof, s.client, s.events)
+    assert s.events == 2  # message_start and one text delta
+    assert hooks.tokens == [10, 2]
+
+
+class Clock:
+    """The attempt's deadline as the relay moves it (`Deadline`), its firing in the test's
+    hands; the hooks the first token is told to."""
+
+    def __init__(self, *, fired: bool = False) -> None:
+        self.when = 100.0
+        self.fired = fired
+        self.firsts: list[float] = []
+
+    def expired(self) -> bool:
+        return self.fired
+
+    def reschedule(self, when: float) -> None:
+        self.when = when
+
+    def first_token(self, _: str, after_s: float) -> None:
+        self.firsts.append(after_s)
+
+    def usage(self, *_: Any) -> None:
+        pass
+
+
+def test_openers_are_held_up_to_a_bound_then_relayed() -> None:
+    """An engine that sends opening events and never a token: past OPENERS_HELD bytes they
+    start the response rather than pile up in the router until the first-token deadline."""
+    clock = Clock()
+    s = engine_stream(clock)
+    s.deadline = clock  # type: ignore[assignment]
+    ping = b"event: ping\ndata: {}\n\n"
+    sent = b""
+    while len(sent) < 2 * relay.OPENERS_HELD:
+        out = s.feed(ping, 1.0)
+        sent += ping
+        if out:
+            break
+    assert out == sent
+    assert len(sent) <= relay.OPENERS_HELD + len(ping)
+    assert s.t_first == 1.0
+    assert len(clock.firsts) == 1
+
+
+def test_a_token_after_the_first_token_deadline_fired_is_not_relayed() -> None:
+    """The deadline fired (the request moves to another endpoint) and a token arrives
+    before the relay is woken: relayed, the client would get this engine's first token
+    and then another engine's whole answer."""
+    clock = Clock(fired=True)
+    s = engine_stream(clock)
+    s.deadline = clock  # type: ignore[assignment]
+    assert s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', 1.0) == b""
+    assert s.t_first == 0.0
+    assert clock.firsts == []
+
+
+def test_each_chunk_moves_the_idle_deadline_but_never_past_the_total() -> None:
+    clock = Clock()
+    s = engine_stream(clock)
+    s.deadline, s.idle, s.total_at = clock, 5.0, 10.0  # type: ignore[assignment]
+    s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', 1.0)
+    assert clock.when == 6.0  # the first token: the idle gap from here
+    s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n', 3.0)
+    assert clock.when == 8.0
+    s.feed(b'data: {"choices":[{"index":0,"delta":{"content":"c"}}]}\n\n', 7.0)
+    assert clock.when == 10.0  # the request's total deadline, not 12
+    # What the mean gap between chunks is taken from: three chunks, 1.0 to 7.0.
+    assert (s.chunks, s.t_first, s.t_last) == (3, 1.0, 7.0)
+
+
+@given(st.sampled_from(["chat", "messages"]), st.booleans())
+def test_a_messages_stream_reaches_its_client_opened_by_message_start(
+    kind: str, engine_opens: bool
+) -> None:
+    """llama-server may leave a Messages stream's message_start out: the relay writes it
+    before the first token (Anthropic's SDKs fail a stream without it), once, and never
+    into another API's stream."""
+    clock = Clock()
+    s = engine_stream(clock, kind=kind)
+    s.deadline = clock  # type: ignore[assignment]
+    engine = (
+        MESSAGES_STREAM if engine_opens else MESSAGES_STREAM[MESSAGES_STREAM.index(b"\n\n") + 2 :]
+    )
+    out = s.feed(engine[: engine.index(b"\n\n") + 2], 1.0) + s.feed(
+        engine[engine.index(b"\n\n") + 2 :], 1.5
+    )
+    opened = out.startswith(b"event: message_start\n")
+    assert opened == (kind == "messages" or engine_opens)
+    assert out.count(b"event: message_start\n") == (1 if opened else 0)
+    assert out.endswith(engine)

@@ -75,6 +75,29 @@ def test_only_openers_cases() -> None:
     assert not sse.only_openers(MESSAGE_START + b"\n\n" + TEXT_DELTA + b"\n\n")
 
 
+def _named(name: bytes) -> bytes:
+    return b'event: %s\ndata: {"type":"%s","sequence_number":0}' % (name, name)
+
+
+def test_every_api_s_first_token_ends_the_openers() -> None:
+    """The reference definition above reads `OPENING_EVENTS` itself: what must never be in
+    it, each API's first token (held with the openers, it would wait out the first-token
+    deadline, and the request move on after the client could have had it), listed here."""
+    opening = (b"response.created", b"response.in_progress", b"response.output_item.added",
+               b"response.content_part.added")  # fmt: skip
+    openers = [_named(n) for n in opening]
+    assert sse.only_openers(b"".join(e + b"\n\n" for e in openers))
+    assert sse.only_openers(MESSAGE_START + b"\n\n" + BLOCK_START + b"\n\n" + b"event: ping\n\n")
+    firsts = [
+        b"response.output_text.delta", b"response.function_call_arguments.delta",
+        b"response.reasoning_text.delta", b"response.refusal.delta", b"response.completed",
+        b"response.output_item.done", b"content_block_delta", b"message_delta", b"error",
+    ]  # fmt: skip
+    for name in firsts:
+        assert not sse.only_openers(b"".join(e + b"\n\n" for e in [*openers, _named(name)]))
+    assert not sse.only_openers(OPENER + b"\n\n" + TOKEN + b"\n\n")
+
+
 def test_usage_is_counted_and_the_requested_chunk_dropped() -> None:
     usage = usage_event(20, 16, choices=False, spaced=False)
     stream = b"".join(e + b"\n\n" for e in (OPENER, TOKEN, usage, DONE))
@@ -173,6 +196,42 @@ def test_a_stream_is_complete_when_it_ends_as_its_api_or_with_done() -> None:
     # SDK raises after the whole message.
     assert sse.complete(stop + DONE + b"\n\n", "messages")
     assert sse.complete(DONE + b"\n\n", "messages")
+
+
+MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}'
+RESPONSE_ENDS = [
+    b'event: response.%s\ndata: {"type":"response.%s","response":{}}' % (end, end)
+    for end in (b"completed", b"incomplete", b"failed")
+]
+# A model's text naming a stream's last event: JSON leaves it as it is, a line of its own
+# only in the event's name.
+SAYS_STOP = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"event: message_stop"}}'
+)
+SAYS_COMPLETED = (
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+    b'"delta":"\\"type\\":\\"response.completed\\" event: response.completed"}'
+)
+stream_events = st.sampled_from(
+    [TOKEN, TEXT_DELTA, MESSAGE_START, RESPONSE_CREATED, MESSAGE_STOP, *RESPONSE_ENDS,
+     SAYS_STOP, SAYS_COMPLETED, b": ping"]
+)  # fmt: skip
+LAST_EVENTS = {"messages": [MESSAGE_STOP], "responses": RESPONSE_ENDS}
+
+
+@given(st.lists(stream_events, min_size=1, max_size=6),
+       st.sampled_from(["chat", "completions", "messages", "responses"]))  # fmt: skip
+def test_a_stream_is_complete_only_when_its_last_event_ends_it(
+    parts: list[bytes], kind: str
+) -> None:
+    """A stream cut after an event that is not its API's last is incomplete (the client
+    gets an error event, the endpoint a failure), whatever came before it, and whatever
+    the model wrote: a Messages stream cut right after a text delta saying
+    "event: message_stop" was taken for a whole one."""
+    tail = b"".join(p + b"\n\n" for p in parts)
+    assert sse.complete(tail, kind) == (parts[-1] in LAST_EVENTS.get(kind, []))
+    assert sse.complete(tail + DONE + b"\n\n", kind)
 
 
 @given(st.lists(events, max_size=6), st.lists(events, max_size=6),

@@ -42,6 +42,20 @@ def test_half_open_probe_closes_or_reopens() -> None:
 def test_an_abandoned_probe_frees_the_slot() -> None:
     probe = breaker.on_attempt(breaker.Breaker(state="open", opened_at=0.0), P, 10.0)
     assert breaker.allows(breaker.on_abandon(probe), P, 10.0)
+    # The request the slot then goes to is the one probe: everyone else waits for it.
+    again = breaker.on_attempt(breaker.on_abandon(probe), P, 12.0)
+    assert (again.state, again.probing) == ("half_open", True)
+    assert not breaker.allows(again, P, 12.0)
+
+
+def test_an_open_breaker_stays_open_until_its_probe() -> None:
+    """A request sent before the breaker opened fails after: the cool-down runs on (it
+    does not close the breaker, nor start counting again); an attempt during the
+    cool-down (the planner never makes one) takes no probe slot."""
+    b = breaker.Breaker(state="open", opened_at=5.0)
+    assert breaker.on_failure(b, P, 7.0) == b
+    assert breaker.on_attempt(b, P, 7.0) == b
+    assert not breaker.allows(b, P, 14.9)
 
 
 @given(st.lists(st.tuples(st.sampled_from(["attempt", "ok", "fail", "abandon"]), st.floats(0, 5))))
@@ -49,6 +63,7 @@ def test_the_breaker_only_ever_lets_one_probe_through(steps: list[tuple[str, flo
     b, now = breaker.CLOSED, 0.0
     for kind, dt in steps:
         now += dt
+        was = b.state
         if kind == "attempt":
             if b.state == "half_open" and b.probing:
                 assert not breaker.allows(b, P, now)
@@ -62,3 +77,5 @@ def test_the_breaker_only_ever_lets_one_probe_through(steps: list[tuple[str, flo
             b = breaker.on_abandon(b)
         assert b.state in ("closed", "open", "half_open")
         assert b.failures < P.failures_to_open
+        if was != "closed" and kind != "ok":
+            assert b.state != "closed"  # only a success closes an open breaker
