@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import msgspec
 import pytest
 import structlog
 
@@ -22,7 +23,7 @@ from llmgw.bus.memory import MemoryLog, MemoryReader, MemorySnapshots
 from llmgw.core import attestation, events, state, subjects
 from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
-from llmgw.router.feed import LogFeed
+from llmgw.router.feed import LogFeed, wanted
 from llmgw.router.ports import FeedPorts
 from llmgw.router.table import Catalog, EndpointTable
 from tests.unit.scenarios import Sim, profile
@@ -345,3 +346,75 @@ async def test_a_routers_log_refuses_to_write_before_the_server_would() -> None:
         await log.append(events.ModelRemoved(id="rm", ts=1.0, operator="alice", name="m"))
     with pytest.raises(PermissionError):
         await log.delete([1])
+
+
+def _draining(cluster: state.ClusterState, replica_id: str) -> bool:
+    return wanted(cluster).endpoints[replica_id][2]
+
+
+def test_an_endpoint_is_draining_while_its_node_shard_or_replica_goes() -> None:
+    """Each way an endpoint's engine is on its way out marks it draining, so new requests
+    go to another endpoint of its model once one is ready; nothing else does."""
+    for how in ("node", "shard_phase", "drain_sent", "retired", "no_replica"):
+        sim = serving_sim()
+        cluster = sim.state
+        (replica_id,) = cluster.endpoints
+        assert not _draining(cluster, replica_id)
+        replica = cluster.replicas[replica_id]
+        shard = replica.shards[0]
+        if how == "node":
+            cluster.nodes[shard.node].draining = True
+        elif how == "shard_phase":
+            shard.phase = "draining"
+        elif how == "drain_sent":
+            shard.drain_sent_at = 1.0
+        elif how == "retired":
+            replica.retired = True
+        else:
+            del cluster.replicas[replica_id]
+        assert _draining(cluster, replica_id), how
+
+
+def test_an_endpoint_that_moves_under_the_same_id_is_followed_to_its_new_address() -> None:
+    """An engine restarted on another port (or with a new key) under the same replica id:
+    the router must send to the new address with the new key, not the dead one."""
+    sim = serving_sim()
+    feed = feed_on(MemoryLog())
+    feed.cluster = sim.state
+    feed.sync()
+    (replica_id,) = sim.state.endpoints
+    old = sim.state.endpoints[replica_id]
+    assert feed.table.by_id[replica_id].url == old.url
+    for change in ({"url": "http://127.0.0.1:1"}, {"api_key": "k2"}, {"node": "n9"}):
+        sim.state.endpoints[replica_id] = msgspec.structs.replace(old, **change)
+        feed.sync()
+        ep = feed.table.by_id[replica_id]
+        got = {"url": ep.url, "api_key": ep.api_key, "node": ep.node}
+        assert {k: got[k] for k in change} == change
+
+
+def test_a_drain_called_off_makes_the_endpoint_preferred_again() -> None:
+    sim = serving_sim()
+    feed = feed_on(MemoryLog())
+    feed.cluster = sim.state
+    (replica_id,) = sim.state.endpoints
+    node = sim.state.nodes[sim.state.replicas[replica_id].shards[0].node]
+    for draining in (True, False, True, False):
+        node.draining = draining
+        feed.sync()
+        assert feed.table.by_id[replica_id].draining is draining
+
+
+def test_a_removed_model_and_its_aliases_no_longer_resolve() -> None:
+    """ModelRemoved: a request for it (or an alias of it) is a 404, not sent to an engine
+    that is being stopped."""
+    sim = serving_sim()
+    feed = feed_on(MemoryLog())
+    feed.cluster = sim.state
+    feed.sync()
+    assert feed.catalog.resolve("m-latest") is not None
+    del sim.state.models["m"]
+    feed.sync()
+    assert feed.catalog.resolve("m") is None
+    assert feed.catalog.resolve("m-latest") is None
+    assert "m" not in feed.models
