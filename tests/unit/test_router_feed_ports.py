@@ -21,6 +21,7 @@ import structlog
 from llmgw import bus
 from llmgw.bus.memory import MemoryLog, MemoryReader, MemorySnapshots
 from llmgw.core import attestation, events, state, subjects
+from llmgw.router import feed as feed_mod
 from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
 from llmgw.router.feed import LogFeed, wanted
@@ -418,3 +419,33 @@ def test_a_removed_model_and_its_aliases_no_longer_resolve() -> None:
     assert feed.catalog.resolve("m") is None
     assert feed.catalog.resolve("m-latest") is None
     assert "m" not in feed.models
+
+
+async def test_a_feed_that_made_progress_retries_soon_again(started: list[LogFeed]) -> None:
+    """Its waits double only while it gets nowhere: a reader that folded records before
+    failing is retried after the first wait, not after the last one grown while NATS was
+    unreachable (a router would lag the log by up to RETRY_MAX_S after each blip)."""
+    sim = serving_sim()
+    log = FlakyLog()
+    await copy(sim, log)
+    opened: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def opener() -> AsyncIterator[FeedPorts]:
+        opened.append(1)
+        if len(opened) == 1:
+            raise OSError("connection refused")  # NATS not up yet: no progress
+        yield FeedPorts(log=log, snapshots=MemorySnapshots())
+
+    feed = LogFeed(LogSource(name="r1"), Catalog(), EndpointTable(), ports=opener)
+    with structlog.testing.capture_logs() as logged:
+        started.append(feed)
+        feed.start()
+        await until(feed.ready.is_set, "the feed caught up on its second try")
+        log.connected, log.gone_for_good = False, True
+        sim.heartbeats()
+        await copy(sim, log)
+        log.back.set()  # the reader, having folded the log, fails
+        await until(lambda: len([e for e in logged if e["event"] == "feed_retry"]) >= 2, "two")
+    waits = [e["retry_in_s"] for e in logged if e["event"] == "feed_retry"][:2]
+    assert waits == [feed_mod.RETRY_FIRST_S, feed_mod.RETRY_FIRST_S]
