@@ -316,6 +316,7 @@ async def test_a_reader_that_fails_is_started_again_and_the_tables_kept_meanwhil
     assert not feed._task.done()
     assert routable(feed, "m") == known
     assert feed.cluster.last_seq == sim.state.last_seq
+    assert feed.rejected == 0, "started again from where its fold stood, nothing re-read"
 
 
 async def test_the_feed_releases_what_its_opener_opened_when_it_stops() -> None:
@@ -386,6 +387,7 @@ def test_an_endpoint_that_moves_under_the_same_id_is_followed_to_its_new_address
     (replica_id,) = sim.state.endpoints
     old = sim.state.endpoints[replica_id]
     assert feed.table.by_id[replica_id].url == old.url
+    assert feed.table.by_id[replica_id].ready, "reported up once it serves: routed at once"
     for change in ({"url": "http://127.0.0.1:1"}, {"api_key": "k2"}, {"node": "n9"}):
         sim.state.endpoints[replica_id] = msgspec.structs.replace(old, **change)
         feed.sync()
