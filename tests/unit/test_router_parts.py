@@ -531,3 +531,9 @@ def test_an_alias_never_takes_another_models_name_nor_removes_it() -> None:
         c.remove("b")
         assert c.resolve("a") is a
         assert c.resolve("shared") is a
+
+
+def test_an_endpoint_added_without_word_of_its_readiness_waits_for_its_first_probe() -> None:
+    t = EndpointTable()
+    assert not t.add("static", "http://127.0.0.1:1", ["m"]).ready
+    assert t.add("up", "http://127.0.0.1:2", ["m"], ready=True).ready
