@@ -259,3 +259,31 @@ def test_a_text_match_never_predicts_more_than_the_whole_prompt() -> None:
     got = _planned(KvRouting(), [endpoint("a", "n1")], text_index=text, text_hashes=hashes)
     assert got["a"].source == "approximate"
     assert got["a"].cached_tokens == len(prompt_ids())
+
+
+def test_a_request_just_routed_is_predicted_cached_where_it_went() -> None:
+    """Before the engine's events arrive, the next request of the same prompt is credited
+    to the endpoint the first went to (this router's recent routes)."""
+    kv = KvRouting()
+    eps = [endpoint("a", "n1"), endpoint("b", "n2")]
+    parsed = Parsed(model="m", stream=False, wants_usage=False, has_options=False,
+                    text=simtokens.render_chat(MESSAGES), chat=MESSAGES)  # fmt: skip
+    plan = kv.plan(parsed, PROFILE, eps, now=1.0)
+    assert plan is not None
+    assert plan.cached == {"a": 0, "b": 0}
+    kv.routed(plan, eps[1], 1.0)
+    got = _planned(kv, eps)
+    assert got["b"].source == "recent"
+    assert got["b"].cached_tokens >= len(prompt_ids()) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+    assert got["a"].cached_tokens == 0
+
+
+def test_the_engines_events_outrank_a_text_guess() -> None:
+    kv = KvRouting()
+    ids = prompt_ids()
+    kv.index.apply(full("a", 16, kvblocks.block_keys(ids, 16)[:2]), "n1", 0.0)
+    text = PrefixIndex()
+    hashes = [bytes([i]) * 8 for i in range(60)]
+    text.record(hashes, "a")
+    got = _planned(kv, [endpoint("a", "n1")], text_index=text, text_hashes=hashes)
+    assert got["a"] == Source(32, "events")
