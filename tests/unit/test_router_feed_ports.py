@@ -21,6 +21,7 @@ import structlog
 from llmgw import bus
 from llmgw.bus.memory import MemoryLog, MemoryReader, MemorySnapshots
 from llmgw.core import attestation, events, state, subjects
+from llmgw.core.tenancy import KeySettings
 from llmgw.router import feed as feed_mod
 from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
@@ -451,3 +452,19 @@ async def test_a_feed_that_made_progress_retries_soon_again(started: list[LogFee
         await until(lambda: len([e for e in logged if e["event"] == "feed_retry"]) >= 2, "two")
     waits = [e["retry_in_s"] for e in logged if e["event"] == "feed_retry"][:2]
     assert waits == [feed_mod.RETRY_FIRST_S, feed_mod.RETRY_FIRST_S]
+
+
+def test_a_key_created_or_revoked_reaches_the_routers_keys_at_once() -> None:
+    """A revoked key must stop working when its event is folded, not at the next sync
+    some other event happens to cause."""
+    told: list[set[str]] = []
+    feed = LogFeed(LogSource(name="r1"), Catalog(), EndpointTable(),
+                   ports=FeedPorts(log=MemoryLog(), snapshots=MemorySnapshots()),
+                   on_keys=lambda keys: told.append(set(keys)))  # fmt: skip
+    settings = KeySettings(name="team-a")
+    made = events.KeyCreated(id="k1", ts=1.0, operator="alice", key=settings, sha256="1" * 64)
+    gone = events.KeyRevoked(id="k2", ts=2.0, operator="alice", name="team-a")
+    for seq, event in enumerate((made, gone), start=1):
+        feed.apply([bus.Record(seq=seq, subject="s", time=float(seq), event=event)])
+    assert feed.rejected == 0
+    assert told == [{"team-a"}, set()]
