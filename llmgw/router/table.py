@@ -57,6 +57,10 @@ class Catalog:
         for n in (old.name, *old.aliases):
             if self.names.get(n) is old:
                 del self.names[n]
+        # An alias another model declares too was kept from it while this one held it.
+        for other in self.profiles.values():
+            for alias in other.aliases:
+                self.names.setdefault(alias, other)
 
     def resolve(self, name: str) -> ModelProfile | None:
         return self.names.get(name)

@@ -6,6 +6,7 @@ engines) still decodes, and the other endpoints' scores stay numbers."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 
@@ -21,7 +22,7 @@ from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.core.routing import EndpointState, score_queue
 from llmgw.router.metrics import Metrics
 from llmgw.router.signals import _engine
-from llmgw.router.table import EndpointTable, Prober
+from llmgw.router.table import TIMEOUTS_TO_UNREADY, EndpointTable, Prober
 
 PAGES = {
     "inf": "vllm:num_requests_waiting +Inf\nvllm:num_requests_running +Inf\n",
@@ -97,3 +98,45 @@ def test_parsed_figures_are_finite_and_bounded() -> None:
             assert value is None or 0.0 <= value <= loadreport.MAX_AMOUNT
     assert parse_engine_metrics("vllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.5\n") == (
         3.0, None, 0.5)  # fmt: skip
+
+
+async def test_an_engines_figures_reach_the_endpoint_it_is_scored_by(engine: TestServer) -> None:
+    PAGE[:] = [
+        "vllm:num_requests_waiting 3\nvllm:num_requests_running 2\nvllm:kv_cache_usage_perc 0.5\n"
+    ]
+    table = EndpointTable()
+    table.add("e", str(engine.make_url("")).rstrip("/"), ["m"])
+    async with aiohttp.ClientSession() as http:
+        await Prober(table, http, Metrics(), interval=60.0).probe_all()
+    ep = table.by_id["e"]
+    assert (ep.ready, ep.queue_depth, ep.running, ep.kv_usage) == (True, 3.0, 2.0, 0.5)
+
+
+async def test_only_a_run_of_health_timeouts_takes_an_endpoint_out_of_rotation() -> None:
+    """A busy engine answers late now and then: it stays in rotation until
+    TIMEOUTS_TO_UNREADY probes in a row time out; one answer in time starts the count over."""
+    answer = asyncio.Event()
+    late = [True]
+
+    async def health(_: web.Request) -> web.Response:
+        if late[0]:
+            await answer.wait()  # past the probe's timeout (1 s at this interval)
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    async with TestServer(app, host="127.0.0.1") as server:
+        table = EndpointTable()
+        ep = table.add("e", str(server.make_url("")).rstrip("/"), ["m"], ready=True)
+        seen = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                prober = Prober(table, http, Metrics(), interval=0.1)
+                for slow in (True, True, False, True, True, True):
+                    late[0] = slow
+                    await prober.probe_all()
+                    seen.append(ep.ready)
+        finally:
+            answer.set()
+    assert TIMEOUTS_TO_UNREADY == 3
+    assert seen == [True, True, True, True, True, False]

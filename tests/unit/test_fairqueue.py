@@ -66,3 +66,13 @@ def test_a_tenant_with_many_waiting_delays_another_by_one_request() -> None:
     assert order == ["n0", "q0", "n1", "q1", "n2", "n3"]
     q.push("high", "vip", "v0")
     assert q.pop() == "v0"
+
+
+def test_an_unknown_class_waits_behind_every_known_one() -> None:
+    # A priority class this router does not know must not jump the queue.
+    q: FairQueue[str] = FairQueue(CLASSES)
+    q.push("urgent!!", "mallory", "m0")
+    q.push("normal", "alice", "a0")
+    q.push("low", "bob", "b0")
+    assert [q.pop(), q.pop(), q.pop()] == ["a0", "m0", "b0"]
+    assert q.remove("also-unknown", "mallory", "m0") is False

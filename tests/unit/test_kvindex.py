@@ -281,3 +281,17 @@ def test_the_cheapest_endpoint_always_wins(spec: list[tuple[int, int, int]], pro
     first = routing.rank(eps, q, routing.Weights(), 0.5).order[0]
     assert priced[eps.index(first)][0] == min(c for c, _ in priced)
     assert all(0 <= held <= prompt for _, held in priced)
+
+
+def test_a_cache_holding_the_prompts_start_is_not_charged_for_the_prompts_own_family() -> None:
+    # a holds 100 tokens of this prompt, so its 2 families include the prompt's own: it
+    # gains no family by taking it, and b (1 family, holding nothing) is no less crowded.
+    cost = routing.CostModel(running_tokens=0, family_tokens=256, agree_tokens=0)
+    eps = [_ep("a"), _ep("b")]
+    assert _first(eps, {"a": 100}, cost=cost, families={"a": 2, "b": 1}) == "a"
+
+
+def test_the_order_after_the_first_is_cheapest_first_for_retries() -> None:
+    eps = [_ep("d", inflight=3), _ep("b", inflight=1), _ep("a"), _ep("c", inflight=2)]
+    q = routing.Query(model="m", now=0.0, prompt_tokens=1000, cost=PLAIN)
+    assert [e.id for e in routing.rank(eps, q, routing.Weights(), 0.0).order] == list("abcd")

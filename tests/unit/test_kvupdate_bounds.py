@@ -22,6 +22,7 @@ from llmgw.core.kvindex import (
     keyed_sizes,
 )
 from llmgw.core.limits import MAX_NAME
+from llmgw.core.prefix import PrefixIndex
 from llmgw.core.profile import ModelProfile
 from llmgw.pki.identity import Identity
 from llmgw.router.config import LogSource
@@ -217,3 +218,72 @@ def test_engines_of_a_few_kinds_are_all_matched_by_prefix() -> None:
     assert plan is not None
     assert set(plan.keys) == {16, 1, 528}
     assert plan.cached == {name: blocks * size for name, (_, size, blocks) in fleet.items()}
+
+
+def _planned(kv: KvRouting, eps: list[routing.EndpointState], **kw: object) -> dict[str, Source]:
+    parsed = Parsed(model="m", stream=False, wants_usage=False, has_options=False,
+                    text=simtokens.render_chat(MESSAGES), chat=MESSAGES)  # fmt: skip
+    plan = kv.plan(parsed, PROFILE, eps, now=1.0, **kw)  # type: ignore[arg-type]
+    assert plan is not None
+    return plan.by_endpoint
+
+
+def test_a_shorter_recent_route_does_not_lower_what_the_engines_events_say() -> None:
+    kv = KvRouting()
+    ids = prompt_ids()
+    kv.index.apply(full("a", 16, kvblocks.block_keys(ids, 16)[:6]), "n1", 0.0)
+    kv.recent.record(kvblocks.block_keys(ids, DEFAULT_BLOCK_SIZE)[:2], "a", 1.0)
+    assert _planned(kv, [endpoint("a", "n1")])["a"] == Source(96, "events")
+
+
+def test_an_engine_that_finds_less_than_predicted_gets_less_credit_and_never_more() -> None:
+    kv = KvRouting()
+    ids = prompt_ids()
+    kv.index.apply(full("a", 16, kvblocks.block_keys(ids, 16)[:5]), "n1", 0.0)
+    eps = [endpoint("a", "n1")]
+    kv.delivered("a", 80, 10_000)  # an engine reporting more than was predicted
+    assert kv.reliability["a"] <= 1.0
+    assert _planned(kv, eps)["a"].cached_tokens == 80
+    kv.delivered("a", 80, 0)  # its cache thrashed: nothing predicted was there
+    assert _planned(kv, eps)["a"].cached_tokens == 72  # 80 * 0.9
+    kv.delivered("a", 0, 5)  # nothing predicted: no information, and no crash
+    assert kv.reliability["a"] == pytest.approx(0.9)
+    kv.forget("a")  # a new engine under the id starts with full credit
+    assert "a" not in kv.reliability
+
+
+def test_a_text_match_never_predicts_more_than_the_whole_prompt() -> None:
+    text = PrefixIndex()
+    hashes = [bytes([i]) * 8 for i in range(60)]  # turn-sized blocks: more than the text holds
+    text.record(hashes, "a")
+    got = _planned(KvRouting(), [endpoint("a", "n1")], text_index=text, text_hashes=hashes)
+    assert got["a"].source == "approximate"
+    assert got["a"].cached_tokens == len(prompt_ids())
+
+
+def test_a_request_just_routed_is_predicted_cached_where_it_went() -> None:
+    """Before the engine's events arrive, the next request of the same prompt is credited
+    to the endpoint the first went to (this router's recent routes)."""
+    kv = KvRouting()
+    eps = [endpoint("a", "n1"), endpoint("b", "n2")]
+    parsed = Parsed(model="m", stream=False, wants_usage=False, has_options=False,
+                    text=simtokens.render_chat(MESSAGES), chat=MESSAGES)  # fmt: skip
+    plan = kv.plan(parsed, PROFILE, eps, now=1.0)
+    assert plan is not None
+    assert plan.cached == {"a": 0, "b": 0}
+    kv.routed(plan, eps[1], 1.0)
+    got = _planned(kv, eps)
+    assert got["b"].source == "recent"
+    assert got["b"].cached_tokens >= len(prompt_ids()) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+    assert got["a"].cached_tokens == 0
+
+
+def test_the_engines_events_outrank_a_text_guess() -> None:
+    kv = KvRouting()
+    ids = prompt_ids()
+    kv.index.apply(full("a", 16, kvblocks.block_keys(ids, 16)[:2]), "n1", 0.0)
+    text = PrefixIndex()
+    hashes = [bytes([i]) * 8 for i in range(60)]
+    text.record(hashes, "a")
+    got = _planned(kv, [endpoint("a", "n1")], text_index=text, text_hashes=hashes)
+    assert got["a"] == Source(32, "events")

@@ -14,15 +14,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import msgspec
 import pytest
 import structlog
 
 from llmgw import bus
 from llmgw.bus.memory import MemoryLog, MemoryReader, MemorySnapshots
 from llmgw.core import attestation, events, state, subjects
+from llmgw.core.tenancy import KeySettings
+from llmgw.router import feed as feed_mod
 from llmgw.router import ports as ports_
 from llmgw.router.config import LogSource
-from llmgw.router.feed import LogFeed
+from llmgw.router.feed import LogFeed, wanted
 from llmgw.router.ports import FeedPorts
 from llmgw.router.table import Catalog, EndpointTable
 from tests.unit.scenarios import Sim, profile
@@ -314,6 +317,7 @@ async def test_a_reader_that_fails_is_started_again_and_the_tables_kept_meanwhil
     assert not feed._task.done()
     assert routable(feed, "m") == known
     assert feed.cluster.last_seq == sim.state.last_seq
+    assert feed.rejected == 0, "started again from where its fold stood, nothing re-read"
 
 
 async def test_the_feed_releases_what_its_opener_opened_when_it_stops() -> None:
@@ -345,3 +349,122 @@ async def test_a_routers_log_refuses_to_write_before_the_server_would() -> None:
         await log.append(events.ModelRemoved(id="rm", ts=1.0, operator="alice", name="m"))
     with pytest.raises(PermissionError):
         await log.delete([1])
+
+
+def _draining(cluster: state.ClusterState, replica_id: str) -> bool:
+    return wanted(cluster).endpoints[replica_id][2]
+
+
+def test_an_endpoint_is_draining_while_its_node_shard_or_replica_goes() -> None:
+    """Each way an endpoint's engine is on its way out marks it draining, so new requests
+    go to another endpoint of its model once one is ready; nothing else does."""
+    for how in ("node", "shard_phase", "drain_sent", "retired", "no_replica"):
+        sim = serving_sim()
+        cluster = sim.state
+        (replica_id,) = cluster.endpoints
+        assert not _draining(cluster, replica_id)
+        replica = cluster.replicas[replica_id]
+        shard = replica.shards[0]
+        if how == "node":
+            cluster.nodes[shard.node].draining = True
+        elif how == "shard_phase":
+            shard.phase = "draining"
+        elif how == "drain_sent":
+            shard.drain_sent_at = 1.0
+        elif how == "retired":
+            replica.retired = True
+        else:
+            del cluster.replicas[replica_id]
+        assert _draining(cluster, replica_id), how
+
+
+def test_an_endpoint_that_moves_under_the_same_id_is_followed_to_its_new_address() -> None:
+    """An engine restarted on another port (or with a new key) under the same replica id:
+    the router must send to the new address with the new key, not the dead one."""
+    sim = serving_sim()
+    feed = feed_on(MemoryLog())
+    feed.cluster = sim.state
+    feed.sync()
+    (replica_id,) = sim.state.endpoints
+    old = sim.state.endpoints[replica_id]
+    assert feed.table.by_id[replica_id].url == old.url
+    assert feed.table.by_id[replica_id].ready, "reported up once it serves: routed at once"
+    for change in ({"url": "http://127.0.0.1:1"}, {"api_key": "k2"}, {"node": "n9"}):
+        sim.state.endpoints[replica_id] = msgspec.structs.replace(old, **change)
+        feed.sync()
+        ep = feed.table.by_id[replica_id]
+        got = {"url": ep.url, "api_key": ep.api_key, "node": ep.node}
+        assert {k: got[k] for k in change} == change
+
+
+def test_a_drain_called_off_makes_the_endpoint_preferred_again() -> None:
+    sim = serving_sim()
+    feed = feed_on(MemoryLog())
+    feed.cluster = sim.state
+    (replica_id,) = sim.state.endpoints
+    node = sim.state.nodes[sim.state.replicas[replica_id].shards[0].node]
+    for draining in (True, False, True, False):
+        node.draining = draining
+        feed.sync()
+        assert feed.table.by_id[replica_id].draining is draining
+
+
+def test_a_removed_model_and_its_aliases_no_longer_resolve() -> None:
+    """ModelRemoved: a request for it (or an alias of it) is a 404, not sent to an engine
+    that is being stopped."""
+    sim = serving_sim()
+    feed = feed_on(MemoryLog())
+    feed.cluster = sim.state
+    feed.sync()
+    assert feed.catalog.resolve("m-latest") is not None
+    del sim.state.models["m"]
+    feed.sync()
+    assert feed.catalog.resolve("m") is None
+    assert feed.catalog.resolve("m-latest") is None
+    assert "m" not in feed.models
+
+
+async def test_a_feed_that_made_progress_retries_soon_again(started: list[LogFeed]) -> None:
+    """Its waits double only while it gets nowhere: a reader that folded records before
+    failing is retried after the first wait, not after the last one grown while NATS was
+    unreachable (a router would lag the log by up to RETRY_MAX_S after each blip)."""
+    sim = serving_sim()
+    log = FlakyLog()
+    await copy(sim, log)
+    opened: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def opener() -> AsyncIterator[FeedPorts]:
+        opened.append(1)
+        if len(opened) == 1:
+            raise OSError("connection refused")  # NATS not up yet: no progress
+        yield FeedPorts(log=log, snapshots=MemorySnapshots())
+
+    feed = LogFeed(LogSource(name="r1"), Catalog(), EndpointTable(), ports=opener)
+    with structlog.testing.capture_logs() as logged:
+        started.append(feed)
+        feed.start()
+        await until(feed.ready.is_set, "the feed caught up on its second try")
+        log.connected, log.gone_for_good = False, True
+        sim.heartbeats()
+        await copy(sim, log)
+        log.back.set()  # the reader, having folded the log, fails
+        await until(lambda: len([e for e in logged if e["event"] == "feed_retry"]) >= 2, "two")
+    waits = [e["retry_in_s"] for e in logged if e["event"] == "feed_retry"][:2]
+    assert waits == [feed_mod.RETRY_FIRST_S, feed_mod.RETRY_FIRST_S]
+
+
+def test_a_key_created_or_revoked_reaches_the_routers_keys_at_once() -> None:
+    """A revoked key must stop working when its event is folded, not at the next sync
+    some other event happens to cause."""
+    told: list[set[str]] = []
+    feed = LogFeed(LogSource(name="r1"), Catalog(), EndpointTable(),
+                   ports=FeedPorts(log=MemoryLog(), snapshots=MemorySnapshots()),
+                   on_keys=lambda keys: told.append(set(keys)))  # fmt: skip
+    settings = KeySettings(name="team-a")
+    made = events.KeyCreated(id="k1", ts=1.0, operator="alice", key=settings, sha256="1" * 64)
+    gone = events.KeyRevoked(id="k2", ts=2.0, operator="alice", name="team-a")
+    for seq, event in enumerate((made, gone), start=1):
+        feed.apply([bus.Record(seq=seq, subject="s", time=float(seq), event=event)])
+    assert feed.rejected == 0
+    assert told == [{"team-a"}, set()]

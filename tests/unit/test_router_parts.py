@@ -514,3 +514,26 @@ def test_a_count_below_zero_wrapped_as_unsigned_is_no_usage(
     budget spent, its window in debt for years): the answer's usage is not counted."""
     wrapped = 2**32 - below_zero
     assert requests.usage_of(msgspec.json.encode({"usage": {field_name: wrapped}})) is None
+
+
+def test_an_alias_never_takes_another_models_name_nor_removes_it() -> None:
+    """A model declaring an alias that is another model's name (or alias) must not turn
+    requests for that model into requests for itself, declared before or after it; and
+    when it goes, an alias both declared is the other's again (it was a 404)."""
+    a = ModelProfile(name="a", aliases=("shared",))
+    b = ModelProfile(name="b", aliases=("a", "shared"))
+    for models in ([a, b], [b, a]):
+        c = Catalog(models)
+        assert c.resolve("a") is a
+        got = c.resolve("shared")
+        assert got is not None
+        assert got.name == ("a" if models[0] is a else "b")
+        c.remove("b")
+        assert c.resolve("a") is a
+        assert c.resolve("shared") is a
+
+
+def test_an_endpoint_added_without_word_of_its_readiness_waits_for_its_first_probe() -> None:
+    t = EndpointTable()
+    assert not t.add("static", "http://127.0.0.1:1", ["m"]).ready
+    assert t.add("up", "http://127.0.0.1:2", ["m"], ready=True).ready

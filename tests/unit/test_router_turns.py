@@ -15,11 +15,12 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.core.prefix import ChatHashes
+from llmgw.core import routing, simtokens
+from llmgw.core.prefix import ChatHashes, PrefixIndex
 from llmgw.core.profile import ModelProfile
 from llmgw.core.simtokens import token_ids
 from llmgw.router import prompts, requests, turns
-from llmgw.router.kvroute import salted_hashes
+from llmgw.router.kvroute import KvRouting, salted_hashes
 from llmgw.sim import apis as sim_apis
 from llmgw.sim.config import SimConfig
 
@@ -186,3 +187,38 @@ def test_a_responses_body_continuing_a_stored_one_has_no_turns() -> None:
     for member in ("previous_response_id", "conversation", "prompt"):
         body = msgspec.json.encode(doc | {member: "resp_1"})
         assert requests.parse("responses", body, want_text=True).chat == (), member
+
+
+@given(
+    hashes=st.lists(st.binary(min_size=8, max_size=8), min_size=1, max_size=8, unique=True),
+    salts=st.lists(st.text(max_size=12), min_size=2, max_size=2, unique=True),
+)
+def test_a_salted_prompt_matches_only_prompts_of_its_own_salt(
+    hashes: list[bytes], salts: list[str]
+) -> None:
+    """One tenant's prompts must not be found in the text index under another's salt (nor
+    unsalted): a match would route by, and time-leak, another tenant's cache."""
+    index = PrefixIndex()
+    index.record(salted_hashes(hashes, salts[0]), "e")
+    assert index.match(salted_hashes(hashes, salts[0])) == {"e": len(hashes)}
+    assert index.match(salted_hashes(hashes, salts[1])) == {}
+    assert index.match(salted_hashes(hashes, None)) == {}
+    assert salted_hashes(hashes, None) == hashes
+
+
+def test_routers_break_ties_by_the_prompts_first_block_alike() -> None:
+    ep = routing.EndpointState(id="e", url="u", models=frozenset({"m"}), ready=True)
+    profile = ModelProfile(name="m", engine="sim")
+
+    def tie_key(router: KvRouting, text: str) -> int:
+        chat = (("user", text),)
+        parsed = requests.Parsed(model="m", stream=False, wants_usage=False, has_options=False,
+                                 text=simtokens.render_chat(chat), chat=chat)  # fmt: skip
+        plan = router.plan(parsed, profile, [ep], now=1.0)
+        assert plan is not None
+        return plan.tie_key
+
+    long = "the same long system prompt " * 20
+    one, other = tie_key(KvRouting(), long), tie_key(KvRouting(), long)
+    assert one == other != 0
+    assert tie_key(KvRouting(), "another prompt entirely " * 20) not in (0, one)

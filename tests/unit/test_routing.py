@@ -193,3 +193,31 @@ def test_no_request_goes_unrouted_while_a_draining_endpoint_could_take_it(
     assert bool(r.order) == bool(takers)
     assert all(e.draining for e in r.order) or not any(e.draining for e in r.order)
     assert not r.order or r.order[0].draining == all(e.draining for e in takers)
+
+
+def test_a_session_stays_on_its_endpoint_under_default_weights_though_it_is_busiest() -> None:
+    # Its conversation is in that engine's cache: moving it for load re-prefills it all.
+    eps = [ep("home", inflight=7, queue_depth=9.0, kv_usage=0.9), ep("idle"), ep("idle2")]
+    for rand in (0.0, 0.5, 0.99):
+        assert routing.rank(eps, q(session_endpoint="home"), Weights(), rand).order[0].id == "home"
+
+
+@given(hits=st.integers(0, 10_000), blocks=st.integers(1, 40))
+def test_prefix_score_never_passes_one_whatever_the_index_claims(hits: int, blocks: int) -> None:
+    # An index that claims more blocks than the prompt has must not outweigh a session.
+    eps = [ep("claims"), ep("session")]
+    query = q(prefix_blocks=blocks, prefix_hits={"claims": hits}, session_endpoint="session")
+    assert all(0.0 <= v <= 1.0 for v in routing.score_prefix(eps, query))
+    weights = Weights(inflight=0, queue=0, kv_cache=0, prefix=2.0, session=3.0)
+    assert routing.rank(eps, query, weights, 0.0).order[0].id == "session"
+
+
+def test_the_scorers_cache_is_bounded_and_never_serves_another_weights_scorers() -> None:
+    for i in range(300):  # weights made per call: the cache must not grow with them
+        routing.rank([ep("a"), ep("b")], q(), Weights(inflight=float(i)), 0.0)
+    assert len(routing._ACTIVE) <= 65
+    # A Weights object at the address of a freed one (ids are reused) gets its own scorers.
+    session_only = Weights(inflight=0, queue=0, kv_cache=0, prefix=0, session=1.0)
+    routing._ACTIVE[id(session_only)] = (Weights(), ())  # a stale entry, another object's
+    eps = [ep("a"), ep("b")]
+    assert routing.rank(eps, q(session_endpoint="b"), session_only, 0.0).order[0].id == "b"
