@@ -1,12 +1,14 @@
 """What the relay looks at in an engine's SSE bytes, as pure functions over bytes.
 
 The router relays a stream as raw bytes, whole events at a time (`events_end` finds
-where they end). It looks into them for two things only: whether the first bytes are
-nothing but the stream's opening (the chat stream's role-only chunk, the Messages and
-Responses APIs' opening events: held back, so the first-token deadline still covers the
-wait), and the usage chunk, counted for metrics and token limits and dropped when the
-router asked for it on the client's behalf. Both look at as few bytes as they can: a
-fast engine's first read holds the whole answer. Used by `llmgw.router.relay`.
+where they end). It looks into them for little: whether the first bytes are nothing but
+the stream's opening (the chat stream's role-only chunk, the Messages and Responses APIs'
+opening events: held back, so the first-token deadline still covers the wait), whether a
+Messages stream's first token came without its `message_start` (`with_message_start`),
+the usage chunk, counted for metrics and token limits and dropped when the router asked
+for it on the client's behalf, and whether the last bytes end the stream (`complete`).
+Each looks at as few bytes as it can: a fast engine's first read holds the whole answer.
+Used by `llmgw.router.relay`.
 """
 
 from __future__ import annotations
