@@ -43,21 +43,30 @@ class Catalog:
             self.put(m)
 
     def put(self, model: ModelProfile) -> None:
-        """Declare or change a model (its old aliases go)."""
-        self.remove(model.name)
+        """Declare or change a model (its old aliases go; one it still declares stays its
+        own even where another model declares it too)."""
+        self._drop(model.name)
         self.profiles[model.name] = model
         self.names[model.name] = model
         for alias in model.aliases:
             self.names.setdefault(alias, model)
+        self._grant_freed_aliases()
 
     def remove(self, name: str) -> None:
+        if self._drop(name) is not None:
+            self._grant_freed_aliases()
+
+    def _drop(self, name: str) -> ModelProfile | None:
         old = self.profiles.pop(name, None)
-        if old is None:
-            return
-        for n in (old.name, *old.aliases):
-            if self.names.get(n) is old:
-                del self.names[n]
-        # An alias another model declares too was kept from it while this one held it.
+        if old is not None:
+            for n in (old.name, *old.aliases):
+                if self.names.get(n) is old:
+                    del self.names[n]
+        return old
+
+    def _grant_freed_aliases(self) -> None:
+        """An alias another model declares too was kept from it while one model held it
+        (a router's own models beside the log's): freed, it is that other model's."""
         for other in self.profiles.values():
             for alias in other.aliases:
                 self.names.setdefault(alias, other)

@@ -537,3 +537,18 @@ def test_an_endpoint_added_without_word_of_its_readiness_waits_for_its_first_pro
     t = EndpointTable()
     assert not t.add("static", "http://127.0.0.1:1", ["m"]).ready
     assert t.add("up", "http://127.0.0.1:2", ["m"], ready=True).ready
+
+
+def test_a_shared_alias_stays_with_its_holder_through_a_change_and_moves_when_dropped() -> None:
+    """A change of the model holding an alias another model declares too keeps it there
+    (requests for it do not flip to the other model on an unrelated change); a change
+    that drops the alias hands it to the other model rather than to nobody."""
+    a = ModelProfile(name="a", aliases=("shared",))
+    b = ModelProfile(name="b", aliases=("shared",))
+    c = Catalog([b, a])
+    c.put(ModelProfile(name="b", aliases=("shared",), replicas=2))
+    got = c.resolve("shared")
+    assert got is not None
+    assert (got.name, got.replicas) == ("b", 2)
+    c.put(ModelProfile(name="b", aliases=()))
+    assert c.resolve("shared") is a
