@@ -456,7 +456,7 @@ class Quotas:
                     await self._flush_usage()
                     await self.read_budgets(self.clock())
                 if self.spool is not None:  # what it held and was added leaves it
-                    self.spool.settle(self.owed_now())
+                    await asyncio.to_thread(self.spool.settle, self.owed_now())
                 if not self.unreached():
                     self.outage.answered()
             except CounterError as exc:

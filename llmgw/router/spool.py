@@ -30,6 +30,9 @@ bounds, a key name no key can have) is renamed aside (`owed-<worker>.json.bad-<t
 and logged, saying what to do, and the router starts without it. A folder the router
 cannot write is logged, and what it owes stays in memory only.
 
+The writes, each fsynced, run in a thread (`keeping`, and the flusher's `settle`), one at a
+time: a slow disk must not stall the router's event loop, which relays every stream.
+
 One process per file: each holds a lock (`owed-<worker>.lock`, flock) while it runs, so
 that a second router given the same `state_dir` runs without a spool, saying so, rather
 than pay the first one's charges twice. Worker 0 also takes over the files of workers a
@@ -43,6 +46,7 @@ import contextlib
 import fcntl
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -192,6 +196,8 @@ class OwedSpool:
         self.folder = folder
         self.worker = worker
         self._lock = lock
+        self._writing = threading.RLock()
+        """One write at a time: `keeping`'s and the flusher's run in threads."""
         self._written = NOTHING
         """What the file holds (NOTHING: there is none)."""
         self._failing = False
@@ -256,6 +262,10 @@ class OwedSpool:
     def keep(self, owed: Spooled) -> None:
         """Make the file hold `owed`, when it holds something else: written whole, or
         removed when nothing is owed. A disk that refuses is logged, once."""
+        with self._writing:
+            self._keep(owed)
+
+    def _keep(self, owed: Spooled) -> None:
         if owed == self._written:
             return
         if not owed:
@@ -278,8 +288,9 @@ class OwedSpool:
         """The counters answered a turn of the flusher, which added what it could: the file
         keeps only what it held that is still `owed` (`still_owed`), and goes once that is
         nothing."""
-        if self._written:
-            self.keep(still_owed(self._written, owed))
+        with self._writing:
+            if self._written:
+                self._keep(still_owed(self._written, owed))
 
     def paid(self) -> None:
         """All the file held was added to the counters: it goes."""
@@ -304,7 +315,7 @@ async def keeping(
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
         if unreached():
-            spool.keep(owed_now())
+            await asyncio.to_thread(spool.keep, owed_now())  # fsyncs: off the event loop
 
 
 def spool_path(folder: Path, worker: int) -> Path:

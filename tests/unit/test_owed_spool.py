@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -356,6 +357,34 @@ async def test_the_spool_is_written_only_while_the_counters_do_not_answer(tmp_pa
     assert decode(spool_path(tmp_path, 0).read_bytes()) == owed
     spool.settle(NOTHING)  # all of it added since
     assert not spool_path(tmp_path, 0).exists()
+    spool.close()
+
+
+async def test_the_spool_writes_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write is fsynced: on a slow disk it takes long, and the router's loop relays every
+    stream meanwhile. The disk here lets a write finish only once the loop has run on
+    (were the write on the loop, it would wait out the whole 30 s and fail the test)."""
+    spool = spool_in(str(tmp_path))
+    spool.load(1)
+    writing, loop_ran = threading.Event(), threading.Event()
+    real = spool_module.durable.replace
+
+    def slow_disk(path: Path, data: bytes) -> None:
+        writing.set()
+        assert loop_ran.wait(30), "the event loop did not run while the spool wrote"
+        real(path, data)
+
+    monkeypatch.setattr(spool_module.durable, "replace", slow_disk)
+    stop = asyncio.Event()
+    owed = Spooled(budgets=(_budget(3),))
+    kept = asyncio.create_task(keeping(spool, lambda: owed, lambda: True, stop, 0.001))
+    assert await asyncio.to_thread(writing.wait, 30)
+    loop_ran.set()  # the loop runs while the write waits
+    stop.set()
+    await kept  # (it ends after the write it began)
+    assert decode(spool_path(tmp_path, 0).read_bytes()) == owed
     spool.close()
 
 
