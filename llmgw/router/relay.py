@@ -2,7 +2,8 @@
 
 `ClientStream` is one request's side towards the client (its response once started, keep-alive
 comments before the first token, the error event that ends a cut stream). `EngineStream` turns
-the engine's bytes into whole events, counts usage, moves the deadlines with each chunk and,
+the engine's bytes into whole events (given the indices an engine's Responses events lack:
+`llmgw.router.responses_stream`), counts usage, moves the deadlines with each chunk and,
 on the direct path (`llmgw.router.aiohttp_direct`), writes them to the client from the engine
 connection's data callback. `relay` drives one attempt's stream. What the relay reports
 (usage, the first token, a slow client, the gap between tokens) goes through `Hooks`, a narrow
@@ -25,7 +26,7 @@ from aiohttp import web
 
 from llmgw import logs
 from llmgw.core.profile import Deadlines, ModelProfile
-from llmgw.router import aiohttp_direct, auth, requests, sse
+from llmgw.router import aiohttp_direct, auth, requests, responses_stream, sse
 from llmgw.router import upstream as upstream_http
 from llmgw.router.deadlines import Deadline, Watchdog
 from llmgw.router.errors import ClientGone, EngineFault, Retry
@@ -221,8 +222,8 @@ class EngineStream:
 
     __slots__ = (
         "buf", "buffered", "chunked", "chunks", "client", "deadline", "drop", "endpoint", "events",
-        "failed", "first", "gone", "held", "hooks", "idle", "loop", "prof", "t_first", "t_last",
-        "tail", "total_at", "transport", "upstream",
+        "failed", "first", "gone", "held", "hooks", "idle", "loop", "prof", "repair", "t_first",
+        "t_last", "tail", "total_at", "transport", "upstream",
     )  # fmt: skip
 
     def __init__(
@@ -234,11 +235,8 @@ class EngineStream:
         total_at: float,
         endpoint: str,
     ) -> None:
-        self.client = client
-        self.endpoint = endpoint
-        self.upstream = upstream
-        self.prof = prof
-        self.hooks = hooks
+        self.client, self.endpoint, self.upstream = client, endpoint, upstream
+        self.prof, self.hooks = prof, hooks
         self.drop = client.drop_usage
         self.loop = client.loop
         self.first = b""
@@ -251,14 +249,12 @@ class EngineStream:
         """The last bytes relayed: a complete stream ends with [DONE]."""
         self.held = b""
         """Events ending in [DONE], kept to leave with the end of the body."""
-        self.chunks = 0
-        self.events = 0
+        self.chunks = self.events = 0
         """Whole events relayed (not a usage-only one dropped): a cut stream's estimate."""
         self.t_first = 0.0
         """When the first token came (0: not yet, the request may still move elsewhere)."""
         self.t_last = 0.0
-        self.idle = prof.deadlines.idle_s
-        self.total_at = total_at
+        self.idle, self.total_at = prof.deadlines.idle_s, total_at
         self.deadline: Deadline | None = None
         self.transport: asyncio.WriteTransport | None = None
         """The client's, once the response has started."""
@@ -267,6 +263,7 @@ class EngineStream:
         """The direct path hit a bug (logged); the stream is cut."""
         self.gone = False
         """The client went away while the callback wrote to it."""
+        self.repair = responses_stream.repair(client.kind, prof.engine)
 
     def take(self, data: bytes) -> bytes:
         """The whole events now complete (usage counted, a requested usage chunk dropped)."""
@@ -290,6 +287,8 @@ class EngineStream:
             out, usages = sse.take_usage(out, at, drop=self.drop)
             for usage in usages:
                 self.hooks.usage(self.prof, self.client, usage)
+        if out and self.repair is not None:
+            out = self.repair(out)
         if out:
             self.tail = out
             self.events += out.count(b"\n\n")

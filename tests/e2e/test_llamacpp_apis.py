@@ -8,8 +8,9 @@ that exist) is asked each path the router relays to: llama-server answers a path
 no route for with 404 "File Not Found".
 
 Needs the binary and the model as tests/e2e/test_llamacpp.py does. The last tests send
-the Messages and Responses APIs to that llama-server through a real router, one a Messages
-stream that llama-server begins without its `message_start`.
+the Messages and Responses APIs to that llama-server through a real router: a Messages
+stream that llama-server begins without its `message_start`, and Responses streams whose
+events it sends without their indices.
 """
 
 from __future__ import annotations
@@ -158,7 +159,6 @@ def test_a_messages_stream_whose_first_token_is_part_of_a_character_opens_with_i
     assert status == 200
     assert direct.startswith("event: content_block_start"), direct[:200]  # the engine's fault
     claude = anthropic.Anthropic(base_url=llama_server, api_key="none", max_retries=0)
-    claude = anthropic.Anthropic(base_url=llama_server, api_key="none", max_retries=0)
     stream = claude.messages.stream(model="smol", max_tokens=4, messages=EMOJI,  # type: ignore[arg-type]
                                     extra_body={"temperature": 0})  # fmt: skip
     with pytest.raises(AssertionError), stream as events:  # what the SDK makes of the engine's
@@ -182,5 +182,61 @@ def test_a_messages_stream_whose_first_token_is_part_of_a_character_opens_with_i
         assert m['llmgw_router_tokens_total{direction="in",model="smol"}'] == (
             final.usage.input_tokens)  # fmt: skip
         assert m['llmgw_router_tokens_total{direction="out",model="smol"}'] == 4
+    finally:
+        router.stop()
+
+
+def _sdk_stream(client: openai.OpenAI, prompt: str) -> tuple[str, int, list[str]]:
+    """The `openai` SDK's accumulated Responses stream: its text, output tokens, events."""
+    with client.responses.stream(
+        model="smol", input=prompt, max_output_tokens=6, temperature=0
+    ) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert final.usage is not None
+    return final.output_text, final.usage.output_tokens, events
+
+
+def test_a_llama_server_responses_stream_reaches_the_sdks_accumulator_whole(
+    llama_server: str, tmp_path: Path
+) -> None:
+    # llama-server b11434 names a Responses event's item only by item_id: the SDK's
+    # responses.stream() fails at the first text delta (no content_index). Through the
+    # router each event carries its indices and a sequence number, and an answer whose
+    # first token is part of a character (for which the engine repeats response.created
+    # with every chunk) has one response.created.
+    direct = openai.OpenAI(base_url=llama_server + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(TypeError):
+        _sdk_stream(direct, "Say hello.")
+    raw = direct.responses.create(model="smol", input="Answer with an emoji.",
+                                  max_output_tokens=6, temperature=0, stream=True)  # fmt: skip
+    assert [e.type for e in raw].count("response.created") > 1  # the engine's fault
+    router = Router.start(
+        tmp_path, {"ll": llama_server}, models=[{"name": "smol", "engine": "llamacpp"}],
+        endpoint_models={"ll": ["smol"]},
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        text, tokens, events = _sdk_stream(client, "Say hello.")
+        assert (
+            text
+            == direct.responses.create(
+                model="smol", input="Say hello.", max_output_tokens=6, temperature=0
+            ).output_text
+        )
+        assert tokens == 6
+        assert events[-1] == "response.completed"
+        text, tokens, events = _sdk_stream(client, "Answer with an emoji.")
+        assert not text.isascii()
+        assert events.count("response.created") == 1
+        assert events.count("response.in_progress") == 1
+        numbered = client.responses.create(
+            model="smol",
+            input="Answer with an emoji.",
+            max_output_tokens=6,
+            temperature=0,
+            stream=True,
+        )
+        assert [e.sequence_number for e in numbered] == list(range(len(events)))
     finally:
         router.stop()

@@ -385,3 +385,91 @@ def test_a_pretty_printed_answer_after_keepalives_reaches_the_sdk_whole(tmp_path
     finally:
         router.stop()
         engine.stop()
+
+
+def _llama_responses_events() -> list[dict[str, Any]]:
+    """A llama-server (b11434) Responses stream as its server-task.cpp writes one:
+    reasoning, text and two function calls, items named only by `item_id`, no index."""
+    resp = {"id": "resp_1", "object": "response", "status": "in_progress"}
+    opening = [{"type": "response.created", "response": resp},
+               {"type": "response.in_progress", "response": resp}]  # fmt: skip
+    rs = {"id": "rs_1", "summary": [], "type": "reasoning", "content": [],
+          "encrypted_content": "", "status": "in_progress"}  # fmt: skip
+    msg = {"content": [], "id": "msg_1", "role": "assistant", "status": "in_progress",
+           "type": "message"}  # fmt: skip
+    text = {"type": "output_text", "annotations": [], "logprobs": [], "text": "Hi there"}
+    calls = [{"id": f"fc_{c}", "arguments": "", "call_id": f"call_{c}", "name": "look",
+              "type": "function_call", "status": "in_progress"} for c in "ab"]  # fmt: skip
+    whole = [{**rs, "status": "completed", "content": [{"type": "reasoning_text",
+                                                        "text": "hmm"}]},
+             {**msg, "status": "completed", "content": [text]},
+             *({**c, "status": "completed", "arguments": '{"q":1}'} for c in calls)]  # fmt: skip
+    usage = {"input_tokens": 5, "output_tokens": 9, "total_tokens": 14,
+             "input_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    return [
+        *opening, {"type": "response.output_item.added", "item": rs},
+        {"type": "response.reasoning_text.delta", "delta": "hmm", "item_id": "rs_1"},
+        {"type": "response.output_item.added", "item": msg},
+        {"type": "response.content_part.added", "item_id": "msg_1",
+         "part": {"type": "output_text", "text": ""}},
+        {"type": "response.output_text.delta", "item_id": "msg_1", "delta": "Hi"},
+        *opening,  # as after a first token that was part of a character
+        {"type": "response.output_text.delta", "item_id": "msg_1", "delta": " there"},
+        *(e for c in calls for e in (
+            {"type": "response.output_item.added", "item": c},
+            {"type": "response.function_call_arguments.delta", "delta": '{"q":',
+             "item_id": c["id"]},
+            {"type": "response.function_call_arguments.delta", "delta": "1}",
+             "item_id": c["id"]})),
+        {"type": "response.output_item.done", "item": whole[0]},
+        {"type": "response.output_text.done", "item_id": "msg_1", "text": "Hi there"},
+        {"type": "response.content_part.done", "item_id": "msg_1", "part": text},
+        *({"type": "response.output_item.done", "item": item} for item in whole[1:]),
+        {"type": "response.completed", "response": {
+            **resp, "status": "completed", "created_at": 0, "model": "m", "output": whole,
+            "usage": usage}},
+    ]  # fmt: skip
+
+
+async def _llama_responses(request: web.Request) -> web.StreamResponse:
+    """The stream above, written in reads that cut events anywhere."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    body = b"".join(
+        f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in _llama_responses_events()
+    )
+    for at in range(0, len(body), 97):
+        await resp.write(body[at : at + 97])
+    await resp.write_eof()
+    return resp
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "vllm"])
+def test_a_llama_server_responses_stream_reaches_the_sdk_whole(tmp_path: Path, engine: str) -> None:
+    # llama-server's Responses events carry no output_index or content_index, which the
+    # SDK's responses.stream() places every event by; the router adds them (and drops the
+    # repeated response.created) for llama-server models, and only for them.
+    app = engine_app(_continuous)
+    app.router.add_post("/v1/responses", _llama_responses)
+    canned = ThreadedApp(app)
+    router = Router.start(tmp_path, {"e": canned.url}, models=[{"name": "m", "engine": engine}])
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        stream = client.responses.stream(model="m", input="hi")
+        if engine != "llamacpp":
+            with pytest.raises((TypeError, RuntimeError)), stream as events:  # the SDK fails it
+                events.get_final_response()
+            return
+        with stream as events:
+            types = [e.type for e in events]
+            final = events.get_final_response()
+        assert types.count("response.created") == 1
+        assert final.output_text == "Hi there"
+        assert [o.type for o in final.output] == [
+            "reasoning", "message", "function_call", "function_call"]  # fmt: skip
+        assert [o.arguments for o in final.output if o.type == "function_call"] == [
+            '{"q":1}', '{"q":1}']  # fmt: skip
+        assert tokens(router) == (5.0, 9.0)
+    finally:
+        router.stop()
+        canned.stop()
