@@ -184,3 +184,17 @@ def test_the_generations_noted_never_go_back(notes: list[tuple[bool, int]]) -> N
     entry = book.shards.get(ledger.key("r", 0), ledger.Applied())
     assert entry.started == max((g for s, g in notes if s), default=0)
     assert entry.ended == max((g for s, g in notes if not s), default=0)
+
+
+def test_a_stop_older_than_the_start_it_follows_does_not_supersede_it() -> None:
+    """A start from a newer leader than the ledger has seen yet, then a stop from the
+    leader it deposed: the stop is stale against the start's own epoch, so the start runs."""
+    assert not ledger.superseded(start(1, epoch=3), [stop(1, epoch=2)], epoch=1)
+    assert ledger.superseded(start(1, epoch=3), [stop(1, epoch=3)], epoch=1)
+
+
+def test_a_command_on_another_shard_of_the_replica_does_not_supersede_a_start() -> None:
+    other_shard = events.StopShard(
+        id="stop-r-1-shard1", ts=0.0, epoch=1, node="n", replica_id="r", generation=1, shard=1
+    )
+    assert not ledger.superseded(start(1), [other_shard], epoch=1)
