@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -198,3 +199,18 @@ def test_a_command_on_another_shard_of_the_replica_does_not_supersede_a_start() 
         id="stop-r-1-shard1", ts=0.0, epoch=1, node="n", replica_id="r", generation=1, shard=1
     )
     assert not ledger.superseded(start(1), [other_shard], epoch=1)
+
+
+@pytest.mark.parametrize("note", [ledger.note_started, ledger.note_ended])
+def test_the_ledger_forgets_the_shard_untouched_longest_not_the_first_noted(
+    monkeypatch: pytest.MonkeyPatch, note: Any
+) -> None:
+    """A shard noted again is fresh: the bound forgets by the clock of the last change,
+    else a long-lived replica's entry goes first and its start could run again."""
+    monkeypatch.setattr(ledger, "MAX_SHARDS_KEPT", 3)
+    book = ledger.Ledger()
+    for i, now in enumerate([1.0, 2.0, 3.0]):
+        note(book, f"r{i}", 0, 1, now=now)
+    note(book, "r0", 0, 2, now=4.0)  # r0 again: now the newest
+    note(book, "r3", 0, 1, now=5.0)
+    assert sorted(book.shards) == ["r0/0", "r2/0", "r3/0"]
