@@ -214,3 +214,22 @@ def test_the_ledger_forgets_the_shard_untouched_longest_not_the_first_noted(
     note(book, "r0", 0, 2, now=4.0)  # r0 again: now the newest
     note(book, "r3", 0, 1, now=5.0)
     assert sorted(book.shards) == ["r0/0", "r2/0", "r3/0"]
+
+
+def test_a_corrupt_ledger_is_moved_aside_whole_and_an_empty_one_starts(tmp_path: Path) -> None:
+    ledger.path_in(tmp_path).write_text("{broken")
+    book = ledger.load_or_set_aside(tmp_path, now=1234.9)
+    assert book == ledger.Ledger()
+    assert not ledger.path_in(tmp_path).exists()
+    assert (tmp_path / "commands.json.corrupt-1234").read_text() == "{broken"
+
+
+def test_a_save_the_disk_refuses_returns_false_and_leaves_no_partial_copy(
+    tmp_path: Path,
+) -> None:
+    # The ledger's name taken by a folder with something in it: the rename fails.
+    ledger.path_in(tmp_path).mkdir()
+    (ledger.path_in(tmp_path) / "x").write_text("")
+    book = ledger.Ledger(last_seq=7)
+    assert ledger.save(tmp_path, book) is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["commands.json"]
