@@ -293,8 +293,11 @@ print(json.dumps({"full": [e.event.id for e in box]}), flush=True)
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 if then == "put":
     box.put(status(last))  # the disk takes writes again: the whole file is rewritten
-else:
+elif then == "deliver":
     box.delivered(box.peek().n)  # or the next acknowledgement rewrites it
+else:
+    while box.peek() is not None:  # or every entry is acknowledged: the file starts over
+        box.delivered(box.peek().n)
 print(json.dumps({"freed": [e.event.id for e in box]}), flush=True)
 """
 
@@ -356,3 +359,31 @@ def test_an_acknowledgement_after_the_disk_frees_makes_the_outbox_durable_again(
     assert kept == [f"s{i}" for i in range(20)]
     assert "outbox_durable_again" in out
     assert ids(Outbox(tmp_path)) == [f"s{i}" for i in range(1, 20)]
+
+
+@pytest.mark.parametrize(("max_events", "max_bytes"), [(0, 1024), (10, 0), (-1, -1)])
+def test_an_outbox_without_room_is_refused_with_what_it_needs(
+    tmp_path: Path, max_events: int, max_bytes: int
+) -> None:
+    with pytest.raises(ValueError, match="max_events >= 1 and max_bytes >= 1"):
+        Outbox(tmp_path, max_events=max_events, max_bytes=max_bytes)
+
+
+def test_a_put_the_disk_takes_only_in_part_is_not_durable_and_says_so(tmp_path: Path) -> None:
+    """A short write (the disk filled mid-line) is a failed write: the next put must not
+    append after the torn line, which would make both entries unreadable on the next start."""
+    kept, out = on_full_disk(tmp_path, 60, 0, 1)
+    assert kept == ["s0"]
+    assert "outbox_not_durable" in out
+    again = Outbox(tmp_path)
+    assert ids(again) == ["s0", "s1"]
+    assert again.unreadable == 0
+
+
+def test_an_outbox_emptied_after_a_full_disk_says_it_is_durable_again(tmp_path: Path) -> None:
+    """The one entry the full disk refused is acknowledged: the file, emptied, holds exactly
+    what is pending, and the outbox says so instead of staying "not durable"."""
+    kept, out = on_full_disk(tmp_path, 60, 0, 1, then="deliver all")
+    assert kept == ["s0"]
+    assert out.index("outbox_not_durable") < out.index("outbox_durable_again")
+    assert ids(Outbox(tmp_path)) == []
