@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -275,7 +276,7 @@ def test_put_stays_fast_with_fsync(tmp_path: Path) -> None:
 # (a short write, then EFBIG), as a full disk does (ENOSPC). In a child process, so that
 # nothing else the test run writes meets the limit.
 FULL_DISK = """
-import json, resource, signal, sys
+import json, os, resource, signal, sys
 from llmgw.agent.outbox import Outbox
 from llmgw.core import events
 
@@ -292,6 +293,7 @@ box = Outbox(folder)
 for i in range(first, last):
     box.put(status(i))
 print(json.dumps({"full": [e.event.id for e in box]}), flush=True)
+print(json.dumps({"copy_left": os.path.exists(os.path.join(folder, "pending.tmp"))}), flush=True)
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 if then == "put":
     box.put(status(last))  # the disk takes writes again: the whole file is rewritten
@@ -330,6 +332,7 @@ def test_a_full_disk_loses_no_event_and_says_so(tmp_path: Path) -> None:
     kept, out = on_full_disk(tmp_path, 1500, 0, 20)
     assert kept == [f"s{i}" for i in range(20)]
     assert out.count("outbox_not_durable") == 1  # said once, not at every put that follows
+    assert '{"copy_left": false}' in out  # a failed rewrite takes no room it did not have
     assert "free space" in out
     assert "outbox_durable_again" in out
     again = Outbox(tmp_path)
@@ -389,3 +392,19 @@ def test_an_outbox_emptied_after_a_full_disk_says_it_is_durable_again(tmp_path: 
     assert kept == ["s0"]
     assert out.index("outbox_not_durable") < out.index("outbox_durable_again")
     assert ids(Outbox(tmp_path)) == []
+
+
+def test_a_cursor_that_cannot_be_saved_is_said_once_per_outage(tmp_path: Path) -> None:
+    box = Outbox(tmp_path)
+    box.put_many([(status(i), None) for i in range(4)])
+    blocker = tmp_path / "cursor.tmp"
+    with structlog.testing.capture_logs() as logged:
+        blocker.mkdir()  # the cursor's temporary name is taken: its write fails
+        drain(box, 2)
+        blocker.rmdir()
+        drain(box, 1)  # saved again
+        blocker.mkdir()
+        drain(box, 1)
+    said = [e for e in logged if e["event"] == "outbox_cursor_not_saved"]
+    assert len(said) == 2
+    assert ids(box) == []

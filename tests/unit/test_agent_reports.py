@@ -6,7 +6,7 @@ from llmgw.agent import reports
 from llmgw.agent.config import AgentConfig, launch_context
 from llmgw.agent.discovery import simulated
 from llmgw.agent.shards import ShardView
-from llmgw.core import events, placement
+from llmgw.core import events, limits, placement
 from llmgw.core.inventory import Fabric, Inventory
 
 
@@ -64,3 +64,15 @@ def test_launch_context_from_config() -> None:
     assert context.command("vllm") == ("/opt/vllm", "serve")
     assert context.command("sglang")[1:] == ("-m", "sglang.launch_server")
     assert context.fabrics == inventory.fabrics
+
+
+def test_an_over_long_failure_is_reported_cut_never_refused() -> None:
+    """A traceback longer than the log's bound on a text: the readers would refuse the
+    whole event, and the control plane would never learn that the shard failed."""
+    error = "x" * (3 * limits.MAX_TEXT)
+    view = ShardView(replica_id="r1", generation=2, shard=0, phase="failed", error=error)
+    event = reports.status_event(view, node="node-a", event_id="s1", ts=3.0)
+    decoded = events.decode(events.encode(event))
+    assert isinstance(decoded, events.ShardStatus)
+    assert decoded.error == error[: limits.MAX_TEXT]
+    assert decoded.phase == "failed"
