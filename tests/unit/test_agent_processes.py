@@ -310,3 +310,24 @@ def test_a_bounded_tail_is_the_longest_end_of_the_output_that_fits_in_bytes(
     assert cost <= logtail.MAX_TAIL_BYTES
     if len(got) < len(lines):  # the next older line would not have fitted
         assert cost + len(lines[-len(got) - 1].encode()) + 8 > logtail.MAX_TAIL_BYTES
+
+
+def test_a_trimmed_log_starts_with_the_note_then_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    path.write_bytes(b"".join(b"line %04d " % i + b"x" * 89 + b"\n" for i in range(100)))
+    exactly = path.stat().st_size
+    assert not logtail.trim(path, max_bytes=exactly, keep_bytes=1000)  # at the bound: kept
+    assert path.stat().st_size == exactly
+    assert logtail.trim(path, max_bytes=exactly - 1, keep_bytes=1050)
+    kept = path.read_bytes().split(b"\n")
+    assert kept[0] == b"[llmgw: earlier output trimmed]"
+    assert kept[1].startswith(b"line 0090 ")  # the first whole line within the last 1050 bytes
+    assert kept[-2].startswith(b"line 0099 ")
+
+
+def test_a_long_tail_reads_far_enough_back_for_the_lines_asked(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    path.write_text("".join(f"line {i:05d} " + "x" * 200 + "\n" for i in range(5000)))
+    got = logtail.tail(path, 1000)
+    assert len(got) == 1000
+    assert got[0].startswith("line 04000 ")
