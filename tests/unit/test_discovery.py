@@ -387,3 +387,30 @@ def test_simulated_inventory_file(tmp_path: Path) -> None:
     path.write_text("gpus: 3\n")
     with pytest.raises(simulated.SimSpecError, match="expected `gpus:`"):
         simulated.load(str(path))
+
+
+def _hca_port(name: str, port: int, state: str, link_layer: str) -> Hca:
+    return Hca(name=name, port=port, state=state, rate_gbps=200.0, link_layer=link_layer)
+
+
+def test_a_dual_port_adapter_counts_by_the_ports_that_are_up() -> None:
+    """A VPI card with one port up and the other down (or cabled to another network): the
+    fabric is usable, of the kind of the port up; the down port neither blocks it nor mixes
+    kinds into it."""
+    ib_up_eth_down = (
+        _hca_port("mlx5_0", 1, "ACTIVE", "InfiniBand"),
+        _hca_port("mlx5_0", 2, "DOWN", "Ethernet"),
+    )
+    eth_up_ib_down = (
+        _hca_port("mlx5_1", 1, "DOWN", "InfiniBand"),
+        _hca_port("mlx5_1", 2, "ACTIVE", "Ethernet"),
+    )
+    found = discovery.fabrics(
+        [("ib", ("mlx5_0",)), ("eth", ("mlx5_1",))], ib_up_eth_down + eth_up_ib_down
+    )
+    assert [(f.name, f.kind) for f in found] == [("ib", "infiniband"), ("eth", "roce")]
+
+
+def test_a_port_state_is_read_whatever_its_case() -> None:
+    hcas = (_hca_port("mlx5_0", 1, "Active", "InfiniBand"),)
+    assert discovery.fabric_problem(("mlx5_0",), hcas) is None
