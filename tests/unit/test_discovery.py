@@ -414,3 +414,33 @@ def test_a_dual_port_adapter_counts_by_the_ports_that_are_up() -> None:
 def test_a_port_state_is_read_whatever_its_case() -> None:
     hcas = (_hca_port("mlx5_0", 1, "Active", "InfiniBand"),)
     assert discovery.fabric_problem(("mlx5_0",), hcas) is None
+
+
+def test_sysfs_ports_in_numeric_order_with_what_missing_files_mean(tmp_path: Path) -> None:
+    """An adapter folder without ports is skipped, not a crash of the heartbeat's refresh;
+    a port without link_layer is InfiniBand (older kernels); one without state is not up."""
+    (tmp_path / "mlx5_9").mkdir()  # no ports folder (a half-removed device)
+    for port in ("10", "2", "1"):
+        _port(tmp_path, "mlx5_0", port, state="4: ACTIVE", link_layer="Ethernet")
+    _port(tmp_path, "mlx5_1", "1", state="4: ACTIVE")
+    _port(tmp_path, "mlx5_2", "1", link_layer="InfiniBand")
+    hcas = infiniband.read_hcas(tmp_path)
+    assert [(h.name, h.port) for h in hcas] == [
+        ("mlx5_0", 1), ("mlx5_0", 2), ("mlx5_0", 10), ("mlx5_1", 1), ("mlx5_2", 1),
+    ]  # fmt: skip
+    assert hcas[3].kind == "infiniband"
+    assert hcas[4].state == "UNKNOWN"
+    assert discovery.fabric_problem(("mlx5_2",), hcas) == "no port of mlx5_2 is ACTIVE"
+
+
+def test_simulated_gpus_without_adapters_leave_the_adapters_to_sysfs(tmp_path: Path) -> None:
+    spec = discovery.discover(sim_gpus="1xl4-23g", infiniband_root=tmp_path / "absent")
+    assert not spec.hcas_simulated  # the refresh re-reads sysfs
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(
+        "gpus: []\nhcas:\n  - {name: mlx5_0, port: 1, state: ACTIVE, rate_gbps: 400,"
+        " link_layer: InfiniBand}\n"
+    )
+    from_file = discovery.discover(sim_gpus=str(inventory), infiniband_root=tmp_path / "absent")
+    assert from_file.hcas_simulated
+    assert [h.name for h in from_file.inventory.hcas] == ["mlx5_0"]
