@@ -444,3 +444,66 @@ def test_simulated_gpus_without_adapters_leave_the_adapters_to_sysfs(tmp_path: P
     from_file = discovery.discover(sim_gpus=str(inventory), infiniband_root=tmp_path / "absent")
     assert from_file.hcas_simulated
     assert [h.name for h in from_file.inventory.hcas] == ["mlx5_0"]
+
+
+def _components(size: int, edges: set[tuple[int, int]]) -> dict[int, frozenset[int]]:
+    """Each GPU's NVLink island, by plain reachability over links printed either way."""
+    reach = {g: {g} for g in range(size)}
+    for _ in range(size):
+        for a, b in edges:
+            merged = reach[a] | reach[b]
+            for g in merged:
+                reach[g] = merged
+    return {g: frozenset(reach[g]) for g in range(size)}
+
+
+@given(
+    st.integers(1, 6).flatmap(
+        lambda n: st.lists(
+            st.lists(st.sampled_from(["NV4", "NV18", "SYS", "PIX", "X"]), min_size=n, max_size=n),
+            min_size=n,
+            max_size=n,
+        )
+    )
+)
+def test_topology_domains_are_the_islands_of_the_links_printed(cells: list[list[str]]) -> None:
+    """A link printed on one side of the matrix only still joins both GPUs, a GPU's own cell
+    is never a link, and the islands are numbered by their lowest GPU."""
+    size = len(cells)
+    header = "\t" + "\t".join(f"GPU{i}" for i in range(size)) + "\tCPU Affinity\n"
+    rows = "".join(f"GPU{i}\t" + "\t".join(row) + "\t0-127\n" for i, row in enumerate(cells))
+    edges = {
+        (i, j)
+        for i, row in enumerate(cells)
+        for j, cell in enumerate(row)
+        if cell.startswith("NV") and i != j
+    }
+    islands = _components(size, edges)
+    got = smi.parse_topology(header + rows)
+    assert set(got) == set(range(size))
+    for gpu in range(size):
+        if len(islands[gpu]) == 1:
+            assert got[gpu] is None
+        else:
+            assert {g for g in range(size) if got[g] == got[gpu]} == islands[gpu]
+    numbered = sorted({min(island) for island in islands.values() if len(island) > 1})
+    assert [got[first] for first in numbered] == list(range(len(numbered)))
+
+
+def test_gpus_come_sorted_by_index_with_a_capability_only_when_there_is_one() -> None:
+    query = "index, uuid, name, memory.total [MiB], compute_cap\n"
+    query += "1, GPU-1, NVIDIA H100 80GB HBM3, 81559, 9.0\n"
+    query += "0, GPU-0, NVIDIA H100 80GB HBM3, 81559, [N/A]\n"
+    gpus = smi.gpus_from_smi(query)
+    assert [(g.index, g.uuid, g.compute_capability) for g in gpus] == [
+        (0, "GPU-0", ""),
+        (1, "GPU-1", "9.0"),
+    ]
+
+
+def test_nvidia_smi_output_one_byte_past_the_bound_is_refused() -> None:
+    just_over = (sys.executable, "-c", "import sys; sys.stdout.write('x' * 1001)")
+    with pytest.raises(smi.SmiError, match="printed more than 1000 bytes"):
+        smi.run(just_over, max_bytes=1000)
+    at_bound = (sys.executable, "-c", "import sys; sys.stdout.write('x' * 1000)")
+    assert smi.run(at_bound, max_bytes=1000) == "x" * 1000
