@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -507,3 +508,13 @@ def test_nvidia_smi_output_one_byte_past_the_bound_is_refused() -> None:
         smi.run(just_over, max_bytes=1000)
     at_bound = (sys.executable, "-c", "import sys; sys.stdout.write('x' * 1000)")
     assert smi.run(at_bound, max_bytes=1000) == "x" * 1000
+
+
+def test_an_nvidia_smi_that_hangs_is_killed_not_waited_for(tmp_path: Path) -> None:
+    """Past its timeout the command is killed: waiting for a hung driver call would hold the
+    agent's discovery (and its heartbeat's health refresh) for as long as the hang."""
+    hang = (sys.executable, "-c", "import time; time.sleep(120)")
+    began = time.monotonic()
+    with pytest.raises(smi.SmiError, match="did not answer"):
+        smi.run(hang, timeout_s=0.5)
+    assert time.monotonic() - began < 60  # generous: the command sleeps 120 s

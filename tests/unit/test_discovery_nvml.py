@@ -471,3 +471,13 @@ def test_the_fallback_gets_our_gpus_and_its_warnings_reach_the_inventory(
     assert found.inventory.gpus == gpu
     assert found.warnings[0].startswith("NVML failed (nvmlInit failed: Driver Not Loaded)")
     assert found.warnings[1] == "no topology, NVLink domains unknown: test"
+
+
+def test_the_fallback_says_why_a_mig_gpu_is_left_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake_smi(tmp_path, HW / "nvidia-smi" / "h100-sxm-mig-590.query.csv", None, None)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    gpus, notes = smi.discover()
+    assert gpus == ()
+    assert any("has MIG enabled and is left out" in note for note in notes)
