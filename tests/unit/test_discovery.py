@@ -518,3 +518,15 @@ def test_an_nvidia_smi_that_hangs_is_killed_not_waited_for(tmp_path: Path) -> No
     with pytest.raises(smi.SmiError, match="did not answer"):
         smi.run(hang, timeout_s=0.5)
     assert time.monotonic() - began < 60  # generous: the command sleeps 120 s
+
+
+def test_a_simulated_group_of_one_gpu_has_no_nvlink_and_a_missing_file_says_so(
+    tmp_path: Path,
+) -> None:
+    gpus = simulated.parse_spec("1xl4-23g,2xh100-80g")
+    assert [g.nvlink_domain for g in gpus] == [None, 1, 1]
+    missing = tmp_path / "fleet.yaml"
+    with pytest.raises(simulated.SimSpecError) as refused:
+        simulated.load(str(missing))
+    assert str(missing) in str(refused.value)
+    assert "COUNTxCLASS" not in str(refused.value)

@@ -481,3 +481,9 @@ def test_the_fallback_says_why_a_mig_gpu_is_left_out(
     gpus, notes = smi.discover()
     assert gpus == ()
     assert any("has MIG enabled and is left out" in note for note in notes)
+
+
+def test_a_foreign_process_whose_memory_nvml_cannot_say_still_makes_the_gpu_busy() -> None:
+    fake = FakeNvml([h200(0, procs=[(4242, None)]), h200(1, procs=[(4243, 0)])], set())
+    gpus = nvml.read_gpus(fake)
+    assert [g.foreign_memory_mib for g in gpus] == [1, 1]
