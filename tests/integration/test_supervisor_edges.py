@@ -1,0 +1,136 @@
+"""The supervisor's edges against real processes: restarts of a failed generation, what a
+stop of a dead shard does, the files and descriptors each start leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.engines import Launch
+from llmgw.agent.supervisor import Settings, Supervisor
+from llmgw.core.profile import LaunchSpec
+from llmgw.natsd import free_port
+from tests.integration.test_supervisor import Recorder, alive
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def supervised(tmp_path: Path) -> AsyncIterator[tuple[Supervisor, Recorder]]:
+    recorder = Recorder()
+    supervisor = Supervisor(
+        Settings(state_dir=str(tmp_path / "state"), poll_s=0.1, headless_settle_s=0.2), recorder
+    )
+    yield supervisor, recorder
+    await supervisor.stop_all(grace_s=2)
+    await supervisor.close()
+
+
+def spec(name: str, **fields: object) -> LaunchSpec:
+    base: dict[str, object] = {
+        "engine": "sim",
+        "model": name,
+        "served_name": name,
+        "port": free_port(),
+        "gpus": (0,),
+    }
+    return LaunchSpec(**(base | fields))  # type: ignore[arg-type]
+
+
+def headless(argv: tuple[str, ...], port: int) -> Launch:
+    return Launch(argv=argv, env={}, port=port, http=False)
+
+
+def fd_flags(pid: int, fd: int) -> int:
+    """The open flags of a process's descriptor, as /proc shows them (octal)."""
+    info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+    return int(next(line.split()[1] for line in info.splitlines() if line.startswith("flags")), 8)
+
+
+def logs(supervisor: Supervisor) -> list[str]:
+    return sorted(p.name for p in (supervisor.state_dir / "logs").rglob("*.log"))
+
+
+async def test_a_failed_generation_started_again_is_spawned_again(
+    supervised: tuple[Supervisor, Recorder],
+) -> None:
+    """Only a live shard of the same generation is left alone: one that failed to spawn
+    (the binary was missing, then installed) is started when its start comes again."""
+    supervisor, _ = supervised
+    s = spec("again")
+    failed = await supervisor.start("rep-1", 1, 0, s, headless(("/nonexistent/vllm",), s.port))
+    assert failed.phase == "failed"
+    again = await supervisor.start("rep-1", 1, 0, s, headless(("sleep", "300"), s.port))
+    assert again.phase == "starting"
+    assert again.pid is not None
+    assert alive(again.pid)
+
+
+async def test_stopping_a_failed_shard_reports_nothing_new(
+    supervised: tuple[Supervisor, Recorder],
+) -> None:
+    supervisor, recorder = supervised
+    s = spec("dead")
+    await supervisor.start("rep-2", 1, 0, s, headless((sys.executable, "-c", "exit(4)"), s.port))
+    failed = await recorder.wait_for("rep-2", "failed")
+    seen = len(recorder.views)
+    view = await supervisor.stop("rep-2", reason="stopped by command")
+    assert view == failed
+    assert len(recorder.views) == seen
+    assert logs(supervisor) != []  # its log stays for the report until it is forgotten
+
+
+async def test_a_new_generation_deletes_the_output_of_older_ones(
+    supervised: tuple[Supervisor, Recorder],
+) -> None:
+    supervisor, recorder = supervised
+    s = spec("gens")
+    exits = headless((sys.executable, "-c", "print('boom'); exit(1)"), s.port)
+    await supervisor.start("rep-3", 1, 0, s, exits)
+    await recorder.wait_for("rep-3", "failed")
+    assert [name.rsplit(".", 2)[-2] for name in logs(supervisor)] == ["g1"]
+    await supervisor.start("rep-3", 2, 0, s, headless(("sleep", "300"), s.port))
+    assert [name.rsplit(".", 2)[-2] for name in logs(supervisor)] == ["g2"]
+
+
+async def test_the_engine_writes_its_output_appending(
+    supervised: tuple[Supervisor, Recorder],
+) -> None:
+    """O_APPEND on the engine's output: trimming the file in place is safe only if the
+    engine's next write lands at the new end, not at its old offset (a file of zeros)."""
+    supervisor, _ = supervised
+    s = spec("append")
+    view = await supervisor.start("rep-4", 1, 0, s, headless(("sleep", "300"), s.port))
+    assert fd_flags(view.pid or 0, 1) & os.O_APPEND
+
+
+async def test_a_start_leaves_no_descriptor_open_in_the_agent(
+    supervised: tuple[Supervisor, Recorder],
+) -> None:
+    supervisor, _ = supervised
+    s = spec("fds")
+    launch = headless(("sleep", "300"), s.port)
+    await supervisor.start("rep-w", 1, 0, s, launch)  # the event loop's own, opened once
+    await supervisor.stop("rep-w", grace_s=1)
+    before = len(os.listdir("/proc/self/fd"))
+    for generation in range(1, 6):
+        await supervisor.start("rep-5", generation, 0, s, launch)
+    await supervisor.stop("rep-5", grace_s=1)
+    await asyncio.sleep(0)
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
+async def test_only_a_serving_shard_is_drained(supervised: tuple[Supervisor, Recorder]) -> None:
+    supervisor, recorder = supervised
+    s = spec("drain", start_timeout_s=300.0)
+    # Listens on nothing: it stays starting.
+    await supervisor.start("rep-6", 1, 0, s, Launch(argv=("sleep", "300"), env={}, port=s.port))
+    view = await supervisor.mark_draining("rep-6")
+    assert view is not None
+    assert view.phase == "starting"
+    assert [v.phase for v in recorder.views if v.replica_id == "rep-6"] == ["starting"]
