@@ -134,3 +134,21 @@ async def test_only_a_serving_shard_is_drained(supervised: tuple[Supervisor, Rec
     assert view is not None
     assert view.phase == "starting"
     assert [v.phase for v in recorder.views if v.replica_id == "rep-6"] == ["starting"]
+
+
+async def test_forget_keeps_a_live_shard_and_adopt_skips_what_it_already_watches(
+    supervised: tuple[Supervisor, Recorder],
+) -> None:
+    """Forgetting a live shard would lose its engine (and its GPUs) from the table; adopting
+    one already watched would watch it twice, as if another agent had left it."""
+    supervisor, _ = supervised
+    s = spec("live")
+    started = await supervisor.start("rep-7", 1, 0, s, headless(("sleep", "300"), s.port))
+    supervisor.forget("rep-7")
+    assert supervisor.view("rep-7") is not None
+    assert supervisor.busy_gpus() == {0}
+    assert await supervisor.adopt() == []
+    view = supervisor.view("rep-7")
+    assert view is not None
+    assert not view.adopted
+    assert view.pid == started.pid
