@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import BaseTestServer, TestServer
 
 from llmgw.agent import probe
 from llmgw.agent.engines.common import Launch
@@ -35,7 +35,7 @@ class Answers:
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[tuple[TestServer, Answers]]:
+async def engine() -> AsyncIterator[tuple[BaseTestServer, Answers]]:
     said = Answers()
 
     async def health(_: web.Request) -> web.Response:
@@ -57,7 +57,7 @@ async def engine() -> AsyncIterator[tuple[TestServer, Answers]]:
         yield server, said
 
 
-async def probed(server: TestServer, name: str = "m", key: str = KEY) -> str:
+async def probed(server: BaseTestServer, name: str = "m", key: str = KEY) -> str:
     assert server.port is not None
     launch = Launch(argv=("x",), env={}, port=server.port, served_name=name, api_key=key)
     prober = probe.Prober()
@@ -68,7 +68,7 @@ async def probed(server: TestServer, name: str = "m", key: str = KEY) -> str:
 
 
 async def test_ready_only_when_healthy_and_listing_the_name(
-    engine: tuple[TestServer, Answers],
+    engine: tuple[BaseTestServer, Answers],
 ) -> None:
     server, said = engine
     assert await probed(server) == "ready"
@@ -131,7 +131,7 @@ def test_only_shard_zero_serving_with_an_endpoint_is_followed() -> None:
 
 
 async def test_an_engines_load_is_read_with_its_key_under_its_replica_id(
-    engine: tuple[TestServer, Answers],
+    engine: tuple[BaseTestServer, Answers],
 ) -> None:
     server, said = engine
     loads = EngineLoads(every_s=60.0)
