@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.agent import engines
 from llmgw.agent.engines import Launch
 from llmgw.agent.supervisor import Settings, Supervisor
 from llmgw.core.profile import LaunchSpec
 from llmgw.natsd import free_port
-from tests.integration.test_supervisor import Recorder, alive
+from tests.integration.test_supervisor import CONTEXT, INVENTORY, Recorder, alive
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +153,21 @@ async def test_forget_keeps_a_live_shard_and_adopt_skips_what_it_already_watches
     assert view is not None
     assert not view.adopted
     assert view.pid == started.pid
+
+
+async def test_a_draining_shard_keeps_its_endpoint_and_key(
+    supervised: tuple[Supervisor, Recorder],
+) -> None:
+    """Routers finish what they sent to a draining engine: its status still says where it
+    is and with which key (an empty endpoint would read as gone)."""
+    supervisor, recorder = supervised
+    s = spec(f"drain-{free_port()}")
+    launch = engines.plan(s, INVENTORY, CONTEXT)
+    await supervisor.start("rep-8", 1, 0, s, launch)
+    serving = await recorder.wait_for("rep-8", "serving")
+    draining = await supervisor.mark_draining("rep-8")
+    assert draining is not None
+    assert draining.phase == "draining"
+    assert (draining.endpoint, draining.api_key) == (serving.endpoint, serving.api_key)
+    assert serving.endpoint
+    assert serving.api_key
