@@ -9,8 +9,10 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from llmgw import pidfiles, processes
 from llmgw.agent import engines
 from llmgw.agent.engines import Launch
 from llmgw.agent.supervisor import Settings, Supervisor
@@ -171,3 +173,30 @@ async def test_a_draining_shard_keeps_its_endpoint_and_key(
     assert (draining.endpoint, draining.api_key) == (serving.endpoint, serving.api_key)
     assert serving.endpoint
     assert serving.api_key
+
+
+async def test_the_pid_file_follows_the_phase_but_never_another_process(
+    supervised: tuple[Supervisor, Recorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adopting agent resumes from the pid file's phase, so each transition is written
+    there; the command line is re-recorded only for the same process (same start time),
+    never for whatever a reused pid now names."""
+    supervisor, recorder = supervised
+    s = spec("pidfile")
+    started = await supervisor.start("rep-9", 1, 0, s, headless(("sleep", "300"), s.port))
+    (_, first), *_ = pidfiles.load_all(supervisor.state_dir)
+    assert first is not None
+    real = processes.fingerprint
+
+    def another_at_the_pid(pid: int) -> processes.Fingerprint | None:
+        found = real(pid)
+        if found is None or pid != started.pid:
+            return found
+        return msgspec.structs.replace(found, start_time=found.start_time + 1, cmdline=("x",))
+
+    monkeypatch.setattr(processes, "fingerprint", another_at_the_pid)
+    await recorder.wait_for("rep-9", "serving")
+    ((_, record),) = pidfiles.load_all(supervisor.state_dir)
+    assert record is not None
+    assert record.phase == "serving"
+    assert record.process == first.process
