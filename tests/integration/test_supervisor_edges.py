@@ -81,6 +81,8 @@ async def test_stopping_a_failed_shard_reports_nothing_new(
     s = spec("dead")
     await supervisor.start("rep-2", 1, 0, s, headless((sys.executable, "-c", "exit(4)"), s.port))
     failed = await recorder.wait_for("rep-2", "failed")
+    # Nothing is left to adopt: a restarted agent must not look for this engine.
+    assert not pidfiles.path_for(supervisor.state_dir, "rep-2", 0).exists()
     seen = len(recorder.views)
     view = await supervisor.stop("rep-2", reason="stopped by command")
     assert view == failed
