@@ -202,3 +202,41 @@ async def test_the_pid_file_follows_the_phase_but_never_another_process(
     assert record is not None
     assert record.phase == "serving"
     assert record.process == first.process
+
+
+GRACEFUL = """
+import pathlib, signal, sys, time
+def done(*_):
+    pathlib.Path(sys.argv[1]).write_text("shut down cleanly")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, done)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+async def test_a_stop_asks_the_engine_to_shut_down_before_it_kills(
+    supervised: tuple[Supervisor, Recorder], tmp_path: Path
+) -> None:
+    """SIGTERM first: an engine frees its GPU memory and finishes its writes on it."""
+    supervisor, recorder = supervised
+    s = spec("graceful")
+    marker = tmp_path / "marker"
+    launch = headless((sys.executable, "-c", GRACEFUL, str(marker)), s.port)
+    view = await supervisor.start("rep-10", 1, 0, s, launch)
+    await recorder.wait_for("rep-10", "serving")
+    for _ in range(1200):  # its SIGTERM handler is in place once it says ready
+        if "ready" in await asyncio.to_thread(_output, supervisor):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the engine never said ready")
+    stopped = await supervisor.stop("rep-10", grace_s=30)
+    assert stopped is not None
+    assert stopped.phase == "stopped"
+    assert not alive(view.pid or 0)
+    assert marker.read_text() == "shut down cleanly"
+
+
+def _output(supervisor: Supervisor) -> str:
+    return "".join(p.read_text() for p in (supervisor.state_dir / "logs").rglob("*.log"))
