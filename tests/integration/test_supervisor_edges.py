@@ -240,3 +240,34 @@ async def test_a_stop_asks_the_engine_to_shut_down_before_it_kills(
 
 def _output(supervisor: Supervisor) -> str:
     return "".join(p.read_text() for p in (supervisor.state_dir / "logs").rglob("*.log"))
+
+
+async def test_an_engines_output_is_trimmed_while_it_runs(tmp_path: Path) -> None:
+    """A chatty engine's file is cut back to its end (the check runs every 10 s)."""
+    recorder = Recorder()
+    supervisor = Supervisor(
+        Settings(
+            state_dir=str(tmp_path / "state"),
+            poll_s=0.1,
+            headless_settle_s=0.2,
+            max_log_bytes=20_000,
+            keep_log_bytes=1_000,
+        ),
+        recorder,
+    )
+    chatty = "import time\nfor i in range(1000): print('line', i, 'x' * 80)\ntime.sleep(300)\n"
+    s = spec("chatty")
+    try:
+        await supervisor.start("rep-11", 1, 0, s, headless((sys.executable, "-c", chatty), s.port))
+        for _ in range(600):  # up to 60 s for the first check past 10 s
+            text = await asyncio.to_thread(_output, supervisor)
+            if text.startswith("[llmgw: earlier output trimmed]"):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"never trimmed: {len(text)} bytes")
+        assert len(text) < 2_000
+        assert text.rstrip().endswith("line 999 " + "x" * 80)
+    finally:
+        await supervisor.stop_all(grace_s=2)
+        await supervisor.close()
