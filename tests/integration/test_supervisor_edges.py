@@ -271,3 +271,23 @@ async def test_an_engines_output_is_trimmed_while_it_runs(tmp_path: Path) -> Non
     finally:
         await supervisor.stop_all(grace_s=2)
         await supervisor.close()
+
+
+async def test_a_headless_worker_that_dies_while_settling_never_counts_as_serving(
+    tmp_path: Path,
+) -> None:
+    recorder = Recorder()
+    supervisor = Supervisor(
+        Settings(state_dir=str(tmp_path / "state"), poll_s=0.1, headless_settle_s=60.0),
+        recorder,
+    )
+    s = spec("worker")
+    dies = headless((sys.executable, "-c", "import time; time.sleep(1); exit(2)"), s.port)
+    try:
+        await supervisor.start("rep-12", 1, 0, s, dies)
+        failed = await recorder.wait_for("rep-12", "failed", within=50)
+        assert recorder.phases("rep-12") == ["starting", "failed"]
+        assert failed.error == "engine exited with code 2 while starting"
+    finally:
+        await supervisor.stop_all(grace_s=2)
+        await supervisor.close()
