@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from llmgw import pidfiles, processes
 from llmgw.agent import engines
 from llmgw.agent.engines import Launch
+from llmgw.agent.shards import ShardView
 from llmgw.agent.supervisor import Settings, Supervisor
 from llmgw.core.profile import LaunchSpec
 from llmgw.natsd import free_port
@@ -288,6 +290,50 @@ async def test_a_headless_worker_that_dies_while_settling_never_counts_as_servin
         failed = await recorder.wait_for("rep-12", "failed", within=50)
         assert recorder.phases("rep-12") == ["starting", "failed"]
         assert failed.error == "engine exited with code 2 while starting"
+    finally:
+        await supervisor.stop_all(grace_s=2)
+        await supervisor.close()
+
+
+LATE_STALL = """
+import socket, sys, time
+time.sleep(float(sys.argv[2]))  # a slow start: the port opens late
+server = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+held = []
+while True:  # then, like vLLM loading weights, HTTP never answers
+    held.append(server.accept()[0])
+"""
+
+
+class Timed(Recorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: dict[str, float] = {}
+
+    async def __call__(self, view: ShardView) -> None:
+        self.at.setdefault(view.phase, time.monotonic())
+        await super().__call__(view)
+
+
+async def test_the_load_timeout_runs_from_when_the_port_opened(tmp_path: Path) -> None:
+    recorder = Timed()
+    supervisor = Supervisor(
+        Settings(state_dir=str(tmp_path / "state"), poll_s=0.1, probe_timeout_s=0.3), recorder
+    )
+    s = spec("late", start_timeout_s=120.0, load_timeout_s=3.0)
+    launch = Launch(
+        argv=(sys.executable, "-c", LATE_STALL, str(s.port), "4"),
+        env={},
+        port=s.port,
+        served_name="late",
+    )
+    try:
+        await supervisor.start("rep-13", 1, 0, s, launch)
+        failed = await recorder.wait_for("rep-13", "failed", within=100)
+        assert "(load_timeout_s)" in failed.error
+        assert recorder.phases("rep-13") == ["starting", "loading", "failed"]
+        # All of its load budget, counted from the port opening, not from the first probe.
+        assert recorder.at["failed"] - recorder.at["loading"] >= 2.5
     finally:
         await supervisor.stop_all(grace_s=2)
         await supervisor.close()
