@@ -337,3 +337,43 @@ async def test_the_load_timeout_runs_from_when_the_port_opened(tmp_path: Path) -
     finally:
         await supervisor.stop_all(grace_s=2)
         await supervisor.close()
+
+
+async def test_an_adopted_engine_resumes_in_the_phase_its_pid_file_says(tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    s = spec("resume")
+    first = Supervisor(Settings(state_dir=state, poll_s=0.1, headless_settle_s=0.2), Recorder())
+    await first.start("rep-14", 1, 0, s, headless(("sleep", "300"), s.port))
+    for _ in range(600):
+        view = first.view("rep-14")
+        if view is not None and view.phase == "serving":
+            break
+        await asyncio.sleep(0.05)
+    await first.close()  # the agent goes away; the engine serves on
+    second = Supervisor(Settings(state_dir=state, poll_s=0.1, headless_settle_s=60.0))
+    try:
+        (adopted,) = await second.adopt()
+        assert adopted.adopted
+        view = second.view("rep-14")
+        assert view is not None
+        assert view.phase == "serving"  # at once: not started over (60 s of settling here)
+    finally:
+        await second.stop_all(grace_s=2)
+        await second.close()
+
+
+async def test_the_launch_environment_wins_over_the_agents(
+    supervised: tuple[Supervisor, Recorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA_VISIBLE_DEVICES and the like are the launch's: the agent's own (a leftover in
+    its unit file) must not put an engine on GPUs it was not given."""
+    supervisor, recorder = supervised
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    s = spec("env")
+    shows = "import os; print('gpus=' + os.environ['CUDA_VISIBLE_DEVICES']); exit(1)"
+    launch = Launch(
+        argv=(sys.executable, "-c", shows), env={"CUDA_VISIBLE_DEVICES": "2"}, port=s.port
+    )
+    await supervisor.start("rep-15", 1, 0, s, launch)
+    failed = await recorder.wait_for("rep-15", "failed")
+    assert failed.log_tail == ("gpus=2",)
