@@ -377,3 +377,31 @@ async def test_the_launch_environment_wins_over_the_agents(
     await supervisor.start("rep-15", 1, 0, s, launch)
     failed = await recorder.wait_for("rep-15", "failed")
     assert failed.log_tail == ("gpus=2",)
+
+
+async def test_an_adopted_engine_still_loading_is_announced(tmp_path: Path) -> None:
+    """The adopting agent says what it found even when the probe sees no change: else the
+    control plane hears nothing of this engine until it serves or fails."""
+    state = str(tmp_path / "state")
+    s = spec("loading", start_timeout_s=300.0, load_timeout_s=300.0)
+    launch = Launch(
+        argv=(sys.executable, "-c", LATE_STALL, str(s.port), "0"),
+        env={},
+        port=s.port,
+        served_name="loading",
+    )
+    first_seen = Recorder()
+    first = Supervisor(Settings(state_dir=state, poll_s=0.1, probe_timeout_s=0.3), first_seen)
+    await first.start("rep-16", 1, 0, s, launch)
+    await first_seen.wait_for("rep-16", "loading")
+    await first.close()
+    recorder = Recorder()
+    second = Supervisor(Settings(state_dir=state, poll_s=0.1, probe_timeout_s=0.3), recorder)
+    try:
+        (adopted,) = await second.adopt()
+        assert adopted.adopted
+        view = await recorder.wait_for("rep-16", "loading", within=30)
+        assert view.adopted
+    finally:
+        await second.stop_all(grace_s=2)
+        await second.close()
