@@ -9,12 +9,14 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 
 from llmgw import pidfiles, processes
-from llmgw.agent import engines
+from llmgw.agent import engines, probe
 from llmgw.agent.engines import Launch
 from llmgw.agent.shards import ShardView
 from llmgw.agent.supervisor import Settings, Supervisor
@@ -405,3 +407,27 @@ async def test_an_adopted_engine_still_loading_is_announced(tmp_path: Path) -> N
     finally:
         await second.stop_all(grace_s=2)
         await second.close()
+
+
+async def test_closing_the_supervisor_closes_its_probes_http_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[aiohttp.ClientSession] = []
+    session = aiohttp.ClientSession
+
+    def kept(*args: Any, **kwargs: Any) -> aiohttp.ClientSession:
+        opened.append(session(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(probe.aiohttp, "ClientSession", kept)
+    recorder = Recorder()
+    supervisor = Supervisor(Settings(state_dir=str(tmp_path / "state"), poll_s=0.1), recorder)
+    s = spec(f"probed-{free_port()}")
+    try:
+        await supervisor.start("rep-17", 1, 0, s, engines.plan(s, INVENTORY, CONTEXT))
+        await recorder.wait_for("rep-17", "serving")
+    finally:
+        await supervisor.stop_all(grace_s=2)
+        await supervisor.close()
+    assert len(opened) == 1
+    assert opened[0].closed
