@@ -431,3 +431,16 @@ async def test_closing_the_supervisor_closes_its_probes_http_session(
         await supervisor.close()
     assert len(opened) == 1
     assert opened[0].closed
+
+
+async def test_a_start_that_cannot_spawn_leaves_no_output_file(
+    supervised: tuple[Supervisor, Recorder],
+) -> None:
+    """Nothing ran, so nothing was written: the file opened for the engine's output goes
+    too, else each replica whose engine binary is missing leaves one behind for good."""
+    supervisor, _ = supervised
+    s = spec("nobinary")
+    view = await supervisor.start("rep-18", 1, 0, s, headless(("/nonexistent/vllm",), s.port))
+    assert view.phase == "failed"
+    supervisor.forget("rep-18")
+    assert logs(supervisor) == []
