@@ -6,6 +6,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -530,3 +531,23 @@ def test_a_simulated_group_of_one_gpu_has_no_nvlink_and_a_missing_file_says_so(
         simulated.load(str(missing))
     assert str(missing) in str(refused.value)
     assert "COUNTxCLASS" not in str(refused.value)
+
+
+def test_an_adapter_removed_while_it_is_read_is_left_out_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver reload (rmmod mlx5_ib) takes an adapter's sysfs folder away between the
+    listing and the read of its ports: the heartbeat's fabric refresh raised
+    FileNotFoundError, which ended the agent. The adapters still there are read."""
+    _port(tmp_path, "mlx5_0", "1", state="4: ACTIVE", link_layer="InfiniBand")
+    _port(tmp_path, "mlx5_1", "1", state="4: ACTIVE", link_layer="InfiniBand")
+    gone = tmp_path / "mlx5_0" / "ports"
+    listing = Path.iterdir
+
+    def vanishing(self: Path) -> Any:
+        if self == gone:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", vanishing)
+    assert [h.name for h in infiniband.read_hcas(tmp_path)] == ["mlx5_1"]
