@@ -487,3 +487,23 @@ def test_a_foreign_process_whose_memory_nvml_cannot_say_still_makes_the_gpu_busy
     fake = FakeNvml([h200(0, procs=[(4242, None)]), h200(1, procs=[(4243, 0)])], set())
     gpus = nvml.read_gpus(fake)
     assert [g.foreign_memory_mib for g in gpus] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("mode", "text"),
+    [(0o644, "#!/bin/sh\necho\n"), (0o755, "\x7fELF garbage, not a program this machine runs")],
+)
+def test_an_nvidia_smi_that_cannot_be_executed_is_an_smi_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: int, text: str
+) -> None:
+    """A file without its execute bit, or one that is no program (a broken driver install):
+    the refresh in the heartbeat loop expects SmiError, and anything else ended the agent."""
+    broken = tmp_path / "nvidia-smi"
+    broken.write_text(text)
+    broken.chmod(mode)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(smi.SmiError, match="cannot be run"):
+        smi.run(smi.TOPOLOGY)
+    failing_pynvml(monkeypatch)
+    with pytest.raises(discovery.DiscoveryError, match="nvidia-smi failed"):
+        discovery.discover_gpus()
