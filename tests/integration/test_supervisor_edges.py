@@ -330,12 +330,14 @@ async def test_the_load_timeout_runs_from_when_the_port_opened(tmp_path: Path) -
         served_name="late",
     )
     try:
+        began = time.monotonic()
         await supervisor.start("rep-13", 1, 0, s, launch)
         failed = await recorder.wait_for("rep-13", "failed", within=100)
         assert "(load_timeout_s)" in failed.error
         assert recorder.phases("rep-13") == ["starting", "loading", "failed"]
-        # All of its load budget, counted from the port opening, not from the first probe.
-        assert recorder.at["failed"] - recorder.at["loading"] >= 2.5
+        # All of its load budget (3 s), counted from the port opening (4 s in), not from
+        # the first probe: a busy machine only makes this longer.
+        assert recorder.at["failed"] - began >= 6.5
     finally:
         await supervisor.stop_all(grace_s=2)
         await supervisor.close()
