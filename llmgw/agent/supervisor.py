@@ -198,6 +198,9 @@ class Supervisor:
         try:
             proc = await _spawn(launch, fd, self.state_dir / "engines")
         except OSError as exc:
+            # Nothing ran: the output file holds nothing, and no record would name it
+            # for `forget` to delete.
+            log_path.unlink(missing_ok=True)
             return await self._refuse_spawn(replica_id, generation, shard, spec, launch, exc)
         finally:
             os.close(fd)

@@ -336,3 +336,28 @@ async def test_an_agent_takes_the_lease_epoch_only_from_a_signed_lease(
     log = agent.log_tail(400)
     assert "lease_refused" in log, log
     assert f"from leader epoch {lease + 500}, beyond the leader lease" in log
+
+
+async def test_a_freshly_acquired_lease_shows_its_own_sequence_as_its_epoch(
+    nats_server: TestNatsServer,
+    connect: Connector,
+    tmp_path: Path,
+    state_dir: Path,
+    agents: list[AgentProcess],
+) -> None:
+    """The acquiring write carries epoch 0: its epoch is its sequence in the lease stream.
+    Read as 0, every command would be "beyond the lease" and the node would obey no leader
+    until the first renewal."""
+    control = Control(await connect("control", "control-1"))
+    await bus.provision(control.js)
+    await control.hold_lease(0)  # just acquired: no renewal yet
+    admin = await connect.admin()
+    config = kit.write_config(
+        tmp_path / "agent.yaml", kit.agent_settings(nats_server, NODE, state_dir)
+    )
+    agent = AgentProcess(config, tmp_path / "agent.log")
+    agents.append(agent)
+    await asyncio.to_thread(agent.start)
+    await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
+    await control.stop(NODE, "fresh", epoch=1)  # the acquisition's sequence is at least 1
+    await kit.wait_for(admin, NODE, status("fresh", "stopped"), what="fresh")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import msgspec
@@ -75,3 +76,32 @@ def test_load_drops_garbage_and_keeps_the_rest(tmp_path: Path) -> None:
     )
     loaded = ledger.load(tmp_path)
     assert (loaded.epoch, loaded.last_seq, loaded.shards) == (0, 0, {})
+
+
+def test_a_lease_entry_with_no_positive_epoch_names_no_holder() -> None:
+    # A value at sequence 0 (no stream has one) or one claiming a negative epoch: no
+    # leader could have written it, and an epoch <= 0 would make every command "beyond".
+    acquired = json.dumps({"holder": "control-1", "epoch": 0}).encode()
+    negative = json.dumps({"holder": "control-1", "epoch": -3}).encode()
+    assert ledger.lease_epoch(0, acquired, {}) is None
+    assert ledger.lease_epoch(9, negative, {}) is None
+
+
+@given(
+    ended=st.integers(-(2**63), -1),
+    updated=st.sampled_from([math.inf, -math.inf, math.nan]),
+    which=st.sampled_from(["ended", "updated"]),
+)
+def test_sanitize_drops_a_negative_end_or_a_clock_that_is_no_number(
+    ended: int, updated: float, which: str
+) -> None:
+    bad = (
+        ledger.Applied(started=1, ended=ended)
+        if which == "ended"
+        else ledger.Applied(started=1, ended=1, updated=updated)
+    )
+    book = ledger.Ledger(shards={"bad/0": bad, "good/0": ledger.Applied(started=2, updated=5.0)})
+    problems = ledger.sanitize(book)
+    assert list(book.shards) == ["good/0"]
+    assert len(problems) == 1
+    assert "bad/0" in problems[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -184,3 +185,51 @@ def test_the_generations_noted_never_go_back(notes: list[tuple[bool, int]]) -> N
     entry = book.shards.get(ledger.key("r", 0), ledger.Applied())
     assert entry.started == max((g for s, g in notes if s), default=0)
     assert entry.ended == max((g for s, g in notes if not s), default=0)
+
+
+def test_a_stop_older_than_the_start_it_follows_does_not_supersede_it() -> None:
+    """A start from a newer leader than the ledger has seen yet, then a stop from the
+    leader it deposed: the stop is stale against the start's own epoch, so the start runs."""
+    assert not ledger.superseded(start(1, epoch=3), [stop(1, epoch=2)], epoch=1)
+    assert ledger.superseded(start(1, epoch=3), [stop(1, epoch=3)], epoch=1)
+
+
+def test_a_command_on_another_shard_of_the_replica_does_not_supersede_a_start() -> None:
+    other_shard = events.StopShard(
+        id="stop-r-1-shard1", ts=0.0, epoch=1, node="n", replica_id="r", generation=1, shard=1
+    )
+    assert not ledger.superseded(start(1), [other_shard], epoch=1)
+
+
+@pytest.mark.parametrize("note", [ledger.note_started, ledger.note_ended])
+def test_the_ledger_forgets_the_shard_untouched_longest_not_the_first_noted(
+    monkeypatch: pytest.MonkeyPatch, note: Any
+) -> None:
+    """A shard noted again is fresh: the bound forgets by the clock of the last change,
+    else a long-lived replica's entry goes first and its start could run again."""
+    monkeypatch.setattr(ledger, "MAX_SHARDS_KEPT", 3)
+    book = ledger.Ledger()
+    for i, now in enumerate([1.0, 2.0, 3.0]):
+        note(book, f"r{i}", 0, 1, now=now)
+    note(book, "r0", 0, 2, now=4.0)  # r0 again: now the newest
+    note(book, "r3", 0, 1, now=5.0)
+    assert sorted(book.shards) == ["r0/0", "r2/0", "r3/0"]
+
+
+def test_a_corrupt_ledger_is_moved_aside_whole_and_an_empty_one_starts(tmp_path: Path) -> None:
+    ledger.path_in(tmp_path).write_text("{broken")
+    book = ledger.load_or_set_aside(tmp_path, now=1234.9)
+    assert book == ledger.Ledger()
+    assert not ledger.path_in(tmp_path).exists()
+    assert (tmp_path / "commands.json.corrupt-1234").read_text() == "{broken"
+
+
+def test_a_save_the_disk_refuses_returns_false_and_leaves_no_partial_copy(
+    tmp_path: Path,
+) -> None:
+    # The ledger's name taken by a folder with something in it: the rename fails.
+    ledger.path_in(tmp_path).mkdir()
+    (ledger.path_in(tmp_path) / "x").write_text("")
+    book = ledger.Ledger(last_seq=7)
+    assert ledger.save(tmp_path, book) is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["commands.json"]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -162,6 +163,8 @@ def test_property_order_kept_statuses_never_lost(
             event = made[op](i)
             put.append(event.id)
             box.put(event)
+        # What the byte bound counts is what the pending entries take on disk.
+        assert box.size_bytes == sum(len(Outbox._line(e)) for e in box)
     pending = ids(box)
     out = delivered + pending
     assert len(out) == len(set(out)), "nothing twice"
@@ -273,7 +276,7 @@ def test_put_stays_fast_with_fsync(tmp_path: Path) -> None:
 # (a short write, then EFBIG), as a full disk does (ENOSPC). In a child process, so that
 # nothing else the test run writes meets the limit.
 FULL_DISK = """
-import json, resource, signal, sys
+import json, os, resource, signal, sys
 from llmgw.agent.outbox import Outbox
 from llmgw.core import events
 
@@ -290,11 +293,15 @@ box = Outbox(folder)
 for i in range(first, last):
     box.put(status(i))
 print(json.dumps({"full": [e.event.id for e in box]}), flush=True)
+print(json.dumps({"copy_left": os.path.exists(os.path.join(folder, "pending.tmp"))}), flush=True)
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 if then == "put":
     box.put(status(last))  # the disk takes writes again: the whole file is rewritten
-else:
+elif then == "deliver":
     box.delivered(box.peek().n)  # or the next acknowledgement rewrites it
+else:
+    while box.peek() is not None:  # or every entry is acknowledged: the file starts over
+        box.delivered(box.peek().n)
 print(json.dumps({"freed": [e.event.id for e in box]}), flush=True)
 """
 
@@ -324,7 +331,8 @@ def test_a_full_disk_loses_no_event_and_says_so(tmp_path: Path) -> None:
     shard's transition was lost (the supervisor's callback only logs)."""
     kept, out = on_full_disk(tmp_path, 1500, 0, 20)
     assert kept == [f"s{i}" for i in range(20)]
-    assert "outbox_not_durable" in out
+    assert out.count("outbox_not_durable") == 1  # said once, not at every put that follows
+    assert '{"copy_left": false}' in out  # a failed rewrite takes no room it did not have
     assert "free space" in out
     assert "outbox_durable_again" in out
     again = Outbox(tmp_path)
@@ -356,3 +364,47 @@ def test_an_acknowledgement_after_the_disk_frees_makes_the_outbox_durable_again(
     assert kept == [f"s{i}" for i in range(20)]
     assert "outbox_durable_again" in out
     assert ids(Outbox(tmp_path)) == [f"s{i}" for i in range(1, 20)]
+
+
+@pytest.mark.parametrize(("max_events", "max_bytes"), [(0, 1024), (10, 0), (-1, -1)])
+def test_an_outbox_without_room_is_refused_with_what_it_needs(
+    tmp_path: Path, max_events: int, max_bytes: int
+) -> None:
+    with pytest.raises(ValueError, match="max_events >= 1 and max_bytes >= 1"):
+        Outbox(tmp_path, max_events=max_events, max_bytes=max_bytes)
+
+
+def test_a_put_the_disk_takes_only_in_part_is_not_durable_and_says_so(tmp_path: Path) -> None:
+    """A short write (the disk filled mid-line) is a failed write: the next put must not
+    append after the torn line, which would make both entries unreadable on the next start."""
+    kept, out = on_full_disk(tmp_path, 60, 0, 1)
+    assert kept == ["s0"]
+    assert "outbox_not_durable" in out
+    again = Outbox(tmp_path)
+    assert ids(again) == ["s0", "s1"]
+    assert again.unreadable == 0
+
+
+def test_an_outbox_emptied_after_a_full_disk_says_it_is_durable_again(tmp_path: Path) -> None:
+    """The one entry the full disk refused is acknowledged: the file, emptied, holds exactly
+    what is pending, and the outbox says so instead of staying "not durable"."""
+    kept, out = on_full_disk(tmp_path, 60, 0, 1, then="deliver all")
+    assert kept == ["s0"]
+    assert out.index("outbox_not_durable") < out.index("outbox_durable_again")
+    assert ids(Outbox(tmp_path)) == []
+
+
+def test_a_cursor_that_cannot_be_saved_is_said_once_per_outage(tmp_path: Path) -> None:
+    box = Outbox(tmp_path)
+    box.put_many([(status(i), None) for i in range(4)])
+    blocker = tmp_path / "cursor.tmp"
+    with structlog.testing.capture_logs() as logged:
+        blocker.mkdir()  # the cursor's temporary name is taken: its write fails
+        drain(box, 2)
+        blocker.rmdir()
+        drain(box, 1)  # saved again
+        blocker.mkdir()
+        drain(box, 1)
+    said = [e for e in logged if e["event"] == "outbox_cursor_not_saved"]
+    assert len(said) == 2
+    assert ids(box) == []

@@ -7,12 +7,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmgw import pidfiles, processes
 from llmgw.agent import logtail
-from llmgw.core import events
+from llmgw.core import events, limits
 from llmgw.core.redaction import KEY_MARK as MARK
 
 
@@ -272,3 +272,62 @@ def test_a_trimmed_log_keeps_no_part_of_a_key_at_its_start(
             assert logtail.trim(path, 1000, keep + len("\nend\n") * newline_after, key)
             shown = "".join(logtail.tail(path, 10_000, key))
             assert not set(shown) & set(_KEY_CHARS), (shift, shown[:100])
+
+
+def test_a_tail_line_is_cut_only_past_the_bound_and_says_so() -> None:
+    at_bound = "a" * logtail.MAX_LINE_CHARS
+    past = "b" * (logtail.MAX_LINE_CHARS + 1)
+    assert logtail.bounded((at_bound,)) == (at_bound,)
+    (cut,) = logtail.bounded((past,))
+    assert cut == "b" * (logtail.MAX_LINE_CHARS - 1) + "…"
+
+
+def test_a_tail_keeps_no_more_lines_than_an_event_carries() -> None:
+    lines = tuple(f"l{i}" for i in range(limits.MAX_LOG_LINES + 50))
+    assert logtail.bounded(lines) == lines[-limits.MAX_LOG_LINES :]
+
+
+_WIDE = st.tuples(st.sampled_from(["a", "é", "€", "𝄞"]), st.integers(1, 5000))
+
+
+def _cut(line: str) -> str:
+    limit = logtail.MAX_LINE_CHARS
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_WIDE, max_size=120))
+@example([("€", 4000)] * 70)  # fits in characters, three times over in bytes
+def test_a_bounded_tail_is_the_longest_end_of_the_output_that_fits_in_bytes(
+    spans: list[tuple[str, int]],
+) -> None:
+    """The bound is on bytes (what NATS and the readers count), not characters, and what
+    is kept is the end of the output without a gap: the last lines that fit."""
+    lines = tuple(_cut(char * n) for char, n in spans)
+    got = logtail.bounded(lines)
+    assert got == (lines[len(lines) - len(got) :] if got else ())
+    cost = sum(len(line.encode()) + 8 for line in got)
+    assert cost <= logtail.MAX_TAIL_BYTES
+    if len(got) < len(lines):  # the next older line would not have fitted
+        assert cost + len(lines[-len(got) - 1].encode()) + 8 > logtail.MAX_TAIL_BYTES
+
+
+def test_a_trimmed_log_starts_with_the_note_then_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    path.write_bytes(b"".join(b"line %04d " % i + b"x" * 89 + b"\n" for i in range(100)))
+    exactly = path.stat().st_size
+    assert not logtail.trim(path, max_bytes=exactly, keep_bytes=1000)  # at the bound: kept
+    assert path.stat().st_size == exactly
+    assert logtail.trim(path, max_bytes=exactly - 1, keep_bytes=1050)
+    kept = path.read_bytes().split(b"\n")
+    assert kept[0] == b"[llmgw: earlier output trimmed]"
+    assert kept[1].startswith(b"line 0090 ")  # the first whole line within the last 1050 bytes
+    assert kept[-2].startswith(b"line 0099 ")
+
+
+def test_a_long_tail_reads_far_enough_back_for_the_lines_asked(tmp_path: Path) -> None:
+    path = tmp_path / "engine.log"
+    path.write_text("".join(f"line {i:05d} " + "x" * 200 + "\n" for i in range(5000)))
+    got = logtail.tail(path, 1000)
+    assert len(got) == 1000
+    assert got[0].startswith("line 04000 ")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -387,3 +389,165 @@ def test_simulated_inventory_file(tmp_path: Path) -> None:
     path.write_text("gpus: 3\n")
     with pytest.raises(simulated.SimSpecError, match="expected `gpus:`"):
         simulated.load(str(path))
+
+
+def _hca_port(name: str, port: int, state: str, link_layer: str) -> Hca:
+    return Hca(name=name, port=port, state=state, rate_gbps=200.0, link_layer=link_layer)
+
+
+def test_a_dual_port_adapter_counts_by_the_ports_that_are_up() -> None:
+    """A VPI card with one port up and the other down (or cabled to another network): the
+    fabric is usable, of the kind of the port up; the down port neither blocks it nor mixes
+    kinds into it."""
+    ib_up_eth_down = (
+        _hca_port("mlx5_0", 1, "ACTIVE", "InfiniBand"),
+        _hca_port("mlx5_0", 2, "DOWN", "Ethernet"),
+    )
+    eth_up_ib_down = (
+        _hca_port("mlx5_1", 1, "DOWN", "InfiniBand"),
+        _hca_port("mlx5_1", 2, "ACTIVE", "Ethernet"),
+    )
+    found = discovery.fabrics(
+        [("ib", ("mlx5_0",)), ("eth", ("mlx5_1",))], ib_up_eth_down + eth_up_ib_down
+    )
+    assert [(f.name, f.kind) for f in found] == [("ib", "infiniband"), ("eth", "roce")]
+
+
+def test_a_port_state_is_read_whatever_its_case() -> None:
+    hcas = (_hca_port("mlx5_0", 1, "Active", "InfiniBand"),)
+    assert discovery.fabric_problem(("mlx5_0",), hcas) is None
+
+
+def test_sysfs_ports_in_numeric_order_with_what_missing_files_mean(tmp_path: Path) -> None:
+    """An adapter folder without ports is skipped, not a crash of the heartbeat's refresh;
+    a port without link_layer is InfiniBand (older kernels); one without state is not up."""
+    (tmp_path / "mlx5_9").mkdir()  # no ports folder (a half-removed device)
+    for port in ("10", "2", "1"):
+        _port(tmp_path, "mlx5_0", port, state="4: ACTIVE", link_layer="Ethernet")
+    _port(tmp_path, "mlx5_1", "1", state="4: ACTIVE")
+    _port(tmp_path, "mlx5_2", "1", link_layer="InfiniBand")
+    hcas = infiniband.read_hcas(tmp_path)
+    assert [(h.name, h.port) for h in hcas] == [
+        ("mlx5_0", 1), ("mlx5_0", 2), ("mlx5_0", 10), ("mlx5_1", 1), ("mlx5_2", 1),
+    ]  # fmt: skip
+    assert hcas[3].kind == "infiniband"
+    assert hcas[4].state == "UNKNOWN"
+    assert discovery.fabric_problem(("mlx5_2",), hcas) == "no port of mlx5_2 is ACTIVE"
+
+
+def test_simulated_gpus_without_adapters_leave_the_adapters_to_sysfs(tmp_path: Path) -> None:
+    spec = discovery.discover(sim_gpus="1xl4-23g", infiniband_root=tmp_path / "absent")
+    assert not spec.hcas_simulated  # the refresh re-reads sysfs
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(
+        "gpus: []\nhcas:\n  - {name: mlx5_0, port: 1, state: ACTIVE, rate_gbps: 400,"
+        " link_layer: InfiniBand}\n"
+    )
+    from_file = discovery.discover(sim_gpus=str(inventory), infiniband_root=tmp_path / "absent")
+    assert from_file.hcas_simulated
+    assert [h.name for h in from_file.inventory.hcas] == ["mlx5_0"]
+
+
+def _components(size: int, edges: set[tuple[int, int]]) -> dict[int, frozenset[int]]:
+    """Each GPU's NVLink island, by plain reachability over links printed either way."""
+    reach = {g: {g} for g in range(size)}
+    for _ in range(size):
+        for a, b in edges:
+            merged = reach[a] | reach[b]
+            for g in merged:
+                reach[g] = merged
+    return {g: frozenset(reach[g]) for g in range(size)}
+
+
+@given(
+    st.integers(1, 6).flatmap(
+        lambda n: st.lists(
+            st.lists(st.sampled_from(["NV4", "NV18", "SYS", "PIX", "X"]), min_size=n, max_size=n),
+            min_size=n,
+            max_size=n,
+        )
+    )
+)
+def test_topology_domains_are_the_islands_of_the_links_printed(cells: list[list[str]]) -> None:
+    """A link printed on one side of the matrix only still joins both GPUs, a GPU's own cell
+    is never a link, and the islands are numbered by their lowest GPU."""
+    size = len(cells)
+    header = "\t" + "\t".join(f"GPU{i}" for i in range(size)) + "\tCPU Affinity\n"
+    rows = "".join(f"GPU{i}\t" + "\t".join(row) + "\t0-127\n" for i, row in enumerate(cells))
+    edges = {
+        (i, j)
+        for i, row in enumerate(cells)
+        for j, cell in enumerate(row)
+        if cell.startswith("NV") and i != j
+    }
+    islands = _components(size, edges)
+    got = smi.parse_topology(header + rows)
+    assert set(got) == set(range(size))
+    for gpu in range(size):
+        if len(islands[gpu]) == 1:
+            assert got[gpu] is None
+        else:
+            assert {g for g in range(size) if got[g] == got[gpu]} == islands[gpu]
+    numbered = sorted({min(island) for island in islands.values() if len(island) > 1})
+    assert [got[first] for first in numbered] == list(range(len(numbered)))
+
+
+def test_gpus_come_sorted_by_index_with_a_capability_only_when_there_is_one() -> None:
+    query = "index, uuid, name, memory.total [MiB], compute_cap\n"
+    query += "1, GPU-1, NVIDIA H100 80GB HBM3, 81559, 9.0\n"
+    query += "0, GPU-0, NVIDIA H100 80GB HBM3, 81559, [N/A]\n"
+    gpus = smi.gpus_from_smi(query)
+    assert [(g.index, g.uuid, g.compute_capability) for g in gpus] == [
+        (0, "GPU-0", ""),
+        (1, "GPU-1", "9.0"),
+    ]
+
+
+def test_nvidia_smi_output_one_byte_past_the_bound_is_refused() -> None:
+    just_over = (sys.executable, "-c", "import sys; sys.stdout.write('x' * 1001)")
+    with pytest.raises(smi.SmiError, match="printed more than 1000 bytes"):
+        smi.run(just_over, max_bytes=1000)
+    at_bound = (sys.executable, "-c", "import sys; sys.stdout.write('x' * 1000)")
+    assert smi.run(at_bound, max_bytes=1000) == "x" * 1000
+
+
+def test_an_nvidia_smi_that_hangs_is_killed_not_waited_for(tmp_path: Path) -> None:
+    """Past its timeout the command is killed: waiting for a hung driver call would hold the
+    agent's discovery (and its heartbeat's health refresh) for as long as the hang."""
+    hang = (sys.executable, "-c", "import time; time.sleep(120)")
+    began = time.monotonic()
+    with pytest.raises(smi.SmiError, match="did not answer"):
+        smi.run(hang, timeout_s=0.5)
+    assert time.monotonic() - began < 60  # generous: the command sleeps 120 s
+
+
+def test_a_simulated_group_of_one_gpu_has_no_nvlink_and_a_missing_file_says_so(
+    tmp_path: Path,
+) -> None:
+    gpus = simulated.parse_spec("1xl4-23g,2xh100-80g")
+    assert [g.nvlink_domain for g in gpus] == [None, 1, 1]
+    missing = tmp_path / "fleet.yaml"
+    with pytest.raises(simulated.SimSpecError) as refused:
+        simulated.load(str(missing))
+    assert str(missing) in str(refused.value)
+    assert "COUNTxCLASS" not in str(refused.value)
+
+
+def test_an_adapter_removed_while_it_is_read_is_left_out_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver reload (rmmod mlx5_ib) takes an adapter's sysfs folder away between the
+    listing and the read of its ports: the heartbeat's fabric refresh raised
+    FileNotFoundError, which ended the agent. The adapters still there are read."""
+    _port(tmp_path, "mlx5_0", "1", state="4: ACTIVE", link_layer="InfiniBand")
+    _port(tmp_path, "mlx5_1", "1", state="4: ACTIVE", link_layer="InfiniBand")
+    gone = tmp_path / "mlx5_0" / "ports"
+    listing = Path.iterdir
+
+    def vanishing(self: Path) -> Any:
+        if self == gone:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", vanishing)
+    assert [h.name for h in infiniband.read_hcas(tmp_path)] == ["mlx5_1"]

@@ -81,7 +81,10 @@ class FakeNvml:
     def nvmlDeviceGetMigMode(self, h: int) -> tuple[int, int]:
         if "mig" not in self.gpus[h]:
             raise self.NVMLError("Not Supported")
-        return (1, 1) if self.gpus[h]["mig"] else (0, 0)
+        mig = self.gpus[h]["mig"]
+        if isinstance(mig, tuple):  # (current, pending), as pynvml returns them
+            return mig
+        return (1, 1) if mig else (0, 0)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
         return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in self.gpus[h].get("procs", [])]
@@ -419,3 +422,88 @@ def test_nvml_counts_unseen_memory_but_not_a_visible_desktop() -> None:
     )
     gpus = nvml.read_gpus(fake, own_gpus=frozenset({1}))
     assert [g.foreign_memory_mib for g in gpus] == [131470, 0, 0]
+
+
+def test_a_gpu_whose_mig_mode_is_still_on_until_reset_is_left_out() -> None:
+    """`nvidia-smi -mig 0` sets the pending mode; the current one stays enabled until the
+    GPU is reset, and only the current one says whether whole-GPU placement works."""
+    fake = FakeNvml([h200(0, mig=(1, 0)), h200(1, mig=(0, 1))], set())
+    notes: list[str] = []
+    assert [g.index for g in nvml.read_gpus(fake, warnings=notes)] == [1]
+    assert len(notes) == 1
+    assert notes[0].startswith("GPU 0 (NVIDIA H200) has MIG enabled")
+
+
+class BrokenNvml(FakeNvml):
+    def nvmlInit(self) -> None:
+        raise self.NVMLError("Driver Not Loaded")
+
+
+def test_nvml_warnings_reach_the_discovery() -> None:
+    fake = FakeNvml([h200(0, mig=True), h200(1)], set())
+    found = discovery.discover_gpus(nvml_module=lambda: fake)
+    assert found.source == "nvml"
+    assert len(found.warnings) == 1
+    assert "has MIG enabled" in found.warnings[0]
+
+
+def test_the_fallback_gets_our_gpus_and_its_warnings_reach_the_inventory(
+    tmp_path: Path,
+) -> None:
+    """nvidia-smi must know which GPUs our engines hold too (else their memory, unseen from
+    a container, reads as another tenant's), and the inventory says NVML failed."""
+    asked: dict[str, frozenset[int]] = {}
+    gpu = smi.gpus_from_smi((HW / "nvidia-smi" / "h200-1gpu-590.query.csv").read_text())
+
+    def smi_discover(**kwargs: frozenset[int]) -> tuple[tuple[Any, ...], list[str]]:
+        asked.update(kwargs)
+        return gpu, ["no topology, NVLink domains unknown: test"]
+
+    found = discovery.discover(
+        own_pids=frozenset({7}),
+        own_gpus=frozenset({0}),
+        infiniband_root=tmp_path / "absent",
+        nvml_module=lambda: BrokenNvml([], set()),
+        smi_discover=smi_discover,
+    )
+    assert asked == {"own_pids": frozenset({7}), "own_gpus": frozenset({0})}
+    assert found.source == "nvidia-smi"
+    assert found.inventory.gpus == gpu
+    assert found.warnings[0].startswith("NVML failed (nvmlInit failed: Driver Not Loaded)")
+    assert found.warnings[1] == "no topology, NVLink domains unknown: test"
+
+
+def test_the_fallback_says_why_a_mig_gpu_is_left_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake_smi(tmp_path, HW / "nvidia-smi" / "h100-sxm-mig-590.query.csv", None, None)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    gpus, notes = smi.discover()
+    assert gpus == ()
+    assert any("has MIG enabled and is left out" in note for note in notes)
+
+
+def test_a_foreign_process_whose_memory_nvml_cannot_say_still_makes_the_gpu_busy() -> None:
+    fake = FakeNvml([h200(0, procs=[(4242, None)]), h200(1, procs=[(4243, 0)])], set())
+    gpus = nvml.read_gpus(fake)
+    assert [g.foreign_memory_mib for g in gpus] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("mode", "text"),
+    [(0o644, "#!/bin/sh\necho\n"), (0o755, "\x7fELF garbage, not a program this machine runs")],
+)
+def test_an_nvidia_smi_that_cannot_be_executed_is_an_smi_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: int, text: str
+) -> None:
+    """A file without its execute bit, or one that is no program (a broken driver install):
+    the refresh in the heartbeat loop expects SmiError, and anything else ended the agent."""
+    broken = tmp_path / "nvidia-smi"
+    broken.write_text(text)
+    broken.chmod(mode)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(smi.SmiError, match="cannot be run"):
+        smi.run(smi.TOPOLOGY)
+    failing_pynvml(monkeypatch)
+    with pytest.raises(discovery.DiscoveryError, match="nvidia-smi failed"):
+        discovery.discover_gpus()

@@ -43,17 +43,26 @@ def parse_rate(text: str) -> float:
     return rate if rate <= MAX_RATE_GBPS else 0.0
 
 
+def _entries(folder: Path) -> list[Path]:
+    """What `folder` holds, or nothing once it is gone: a driver reload removes an adapter's
+    folder between the listing and the read, and the refresh runs in the heartbeat loop."""
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
 def read_hcas(root: str | Path = DEFAULT_ROOT) -> tuple[Hca, ...]:
     """Every port of every RDMA adapter under `root`, sorted by adapter and port."""
     base = Path(root)
     if not base.is_dir():
         return ()
     hcas: list[Hca] = []
-    for device in sorted(base.iterdir(), key=lambda p: p.name):
+    for device in sorted(_entries(base), key=lambda p: p.name):
         ports = device / "ports"
         if not ports.is_dir():
             continue
-        for port in sorted(ports.iterdir(), key=lambda p: (len(p.name), p.name)):
+        for port in sorted(_entries(ports), key=lambda p: (len(p.name), p.name)):
             # ASCII digits, and a number the log carries: str.isdigit() admits "²",
             # which int() refuses, and the refresh runs in the heartbeat loop.
             if not _PORT.fullmatch(port.name) or int(port.name) > limits.MAX_LIST:

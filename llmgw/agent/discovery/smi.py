@@ -269,6 +269,11 @@ def run(
             f"{argv[0]} is not on PATH: install the NVIDIA driver utilities, "
             "or run with --sim-gpus on a machine without GPUs"
         ) from None
+    except OSError as exc:  # not executable, or not a program: a broken driver install
+        raise SmiError(
+            f"{argv[0]} cannot be run ({exc.strerror or exc}): reinstall the NVIDIA driver "
+            "utilities"
+        ) from None
     with proc:
         try:
             stdout, stderr = _bounded_output(proc, time.monotonic() + timeout_s, max_bytes)
