@@ -5,13 +5,18 @@ provisioned as the control identity and events are published as their writers.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from llmgw import bus
 from llmgw.core import events
+from llmgw.ctl import history
 from tests.harness import TestNatsServer, connect_as
 from tests.integration.control_kit import sim_gpus
 from tests.integration.ctl_kit import Ctl
@@ -48,3 +53,41 @@ async def test_key_update_json_shows_the_settings_it_made(
     assert updated["changed_by"] == "alice"
     shown = (await ctl("key", "show", "team-a", "--json")).json()
     assert shown == updated
+
+
+class OlderServer:
+    """A connection to the log as a nats-server before 2.11 answers it: a direct get by
+    `start_time` is an error (not 404) there. Everything else is the real server's."""
+
+    def __init__(self, nc: bus.BusClient) -> None:
+        self._nc = nc
+        self.refused = 0
+
+    async def request(self, subject: str, payload: bytes, **options: Any) -> Any:
+        if b"start_time" in payload:
+            self.refused += 1
+            error = {"error": {"code": 400, "err_code": 10003, "description": "bad request"}}
+            return SimpleNamespace(data=json.dumps(error).encode())
+        return await self._nc.request(subject, payload, **options)
+
+
+async def test_a_time_is_found_by_sequence_on_a_server_without_start_time(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    operator = await connect_as(nats_server, "operator", "alice")
+    publisher = bus.Publisher(operator.jetstream())
+    times = []
+    try:
+        for i in range(4):
+            times.append(time.time())
+            await asyncio.sleep(0.02)
+            await publisher.publish(
+                events.NodeCordoned(id=f"c{i}", ts=time.time(), operator="alice", node="node-a")
+            )
+        older = OlderServer(operator)
+        found = await history.first_seq_at_or_after(older, times[2])  # type: ignore[arg-type]
+        assert older.refused == 1
+        assert found == 4  # 1: the registration, then the cordons 2, 3, 4, 5
+        assert await history.first_seq_at_or_after(operator, times[2]) == 4
+    finally:
+        await bus.close(operator)

@@ -1,0 +1,33 @@
+"""Points of the log at their edges, as `ctl replay --at / --diff` and `ctl events --since`
+read them: the first moment allowed, a time of day that is now. Pure.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from llmgw.ctl import history
+from llmgw.ctl.errors import BadInput
+
+AT_0312 = dt.datetime(2026, 11, 29, 3, 12, tzinfo=dt.UTC).timestamp()
+
+
+def test_a_time_of_day_that_is_now_is_today_not_yesterday() -> None:
+    # "the latest 03:12 at or before now": at 03:12:00 sharp, that is now itself.
+    assert history.parse_time("03:12", AT_0312) == AT_0312
+    assert history.parse_time("03:12:00Z", AT_0312) == AT_0312
+    assert history.parse_time("03:12:01", AT_0312) == AT_0312 + 1 - 86400
+
+
+def test_the_first_moment_of_1970_is_a_time() -> None:
+    assert history.parse_time("@0", AT_0312) == 0.0
+    assert history.parse_time("1970-01-01T00:00:00Z", AT_0312) == 0.0
+    assert history.parse_point("@0", AT_0312) == history.Point(time=0.0)
+
+
+def test_a_sequence_has_at_most_20_digits() -> None:
+    assert history.parse_point("9" * 20, AT_0312) == history.Point(seq=int("9" * 20))
+    with pytest.raises(BadInput, match="at most 20 digits"):
+        history.parse_point("1" + "0" * 20, AT_0312)
