@@ -91,3 +91,23 @@ async def test_a_time_is_found_by_sequence_on_a_server_without_start_time(
         assert await history.first_seq_at_or_after(operator, times[2]) == 4
     finally:
         await bus.close(operator)
+
+
+async def test_a_search_by_sequence_finds_a_message_stored_at_the_very_moment(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    operator = await connect_as(nats_server, "operator", "alice")
+    publisher = bus.Publisher(operator.jetstream())
+    try:
+        for i in range(3):
+            await publisher.publish(
+                events.NodeCordoned(id=f"c{i}", ts=time.time(), operator="alice", node="node-a")
+            )
+        for seq in (1, 2, 3, 4):
+            got = await history._message_at_or_after(operator, seq)
+            assert got is not None
+            assert got[0] == seq
+            # The moment it was stored, to the nanosecond the server keeps: it is found.
+            assert await history.search_seq_at_or_after(operator, got[1]) == seq
+    finally:
+        await bus.close(operator)
