@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from llmgw import bus
-from llmgw.core import events
+from llmgw.core import events, state
 from llmgw.ctl import history
 from tests.harness import TestNatsServer, connect_as
 from tests.integration.control_kit import sim_gpus
@@ -111,3 +111,30 @@ async def test_a_search_by_sequence_finds_a_message_stored_at_the_very_moment(
             assert await history.search_seq_at_or_after(operator, got[1]) == seq
     finally:
         await bus.close(operator)
+
+
+async def test_replay_at_a_moment_never_starts_from_a_snapshot_of_what_came_after_it(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    operator = await connect_as(nats_server, "operator", "alice")
+    control = await connect_as(nats_server, "control", "control-a")
+    try:
+        moment = time.time()
+        await asyncio.sleep(0.05)
+        cordon = await bus.Publisher(operator.jetstream()).publish(
+            events.NodeCordoned(id="c-1", ts=time.time(), operator="alice", node="node-a")
+        )
+        # A snapshot that includes the cordon: the first record stored after the moment.
+        after = await history.rebuild(operator, to_seq=cordon.seq, use_snapshots=False)
+        store = await bus.SnapshotStore.open(control.jetstream())
+        await store.save(state.encode_snapshot(after.state), cordon.seq)
+        then = await history.rebuild(operator, at=moment)
+        assert then.snapshot_seq < cordon.seq
+        assert then.target_seq == cordon.seq - 1
+        assert not then.state.nodes["node-a"].cordoned
+        now = await history.rebuild(operator)
+        assert now.snapshot_seq == cordon.seq  # the snapshot is used where it applies
+        assert now.state.nodes["node-a"].cordoned
+    finally:
+        for nc in (operator, control):
+            await bus.close(nc)
