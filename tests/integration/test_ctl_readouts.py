@@ -17,6 +17,7 @@ import pytest
 from llmgw import bus
 from llmgw.core import events, state
 from llmgw.ctl import history
+from llmgw.ctl.errors import BadInput
 from tests.harness import TestNatsServer, connect_as
 from tests.integration.control_kit import sim_gpus
 from tests.integration.ctl_kit import Ctl
@@ -138,3 +139,33 @@ async def test_replay_at_a_moment_never_starts_from_a_snapshot_of_what_came_afte
     finally:
         for nc in (operator, control):
             await bus.close(nc)
+
+
+async def test_replay_at_a_time_of_an_empty_log_says_it_is_empty(
+    nats_server: TestNatsServer,
+) -> None:
+    control = await connect_as(nats_server, "control", "control-a")
+    try:
+        await bus.provision(control.jetstream())
+        with pytest.raises(BadInput, match="the log is empty"):
+            await history.rebuild(control, at=time.time())
+        assert (await history.rebuild(control)).target_seq == 0  # its end: nothing, no error
+    finally:
+        await bus.close(control)
+
+
+async def test_replay_at_the_moment_a_record_was_stored_includes_it(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    operator = await connect_as(nats_server, "operator", "alice")
+    try:
+        cordon = await bus.Publisher(operator.jetstream()).publish(
+            events.NodeCordoned(id="c-1", ts=time.time(), operator="alice", node="node-a")
+        )
+        got = await history._message_at_or_after(operator, cordon.seq)
+        assert got is not None
+        then = await history.rebuild(operator, at=got[1])
+        assert then.target_seq == cordon.seq
+        assert then.state.nodes["node-a"].cordoned
+    finally:
+        await bus.close(operator)
