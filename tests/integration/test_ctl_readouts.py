@@ -169,3 +169,20 @@ async def test_replay_at_the_moment_a_record_was_stored_includes_it(
         assert then.state.nodes["node-a"].cordoned
     finally:
         await bus.close(operator)
+
+
+async def test_events_from_a_sequence_begin_at_it_and_replay_shows_every_view(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    ctl = Ctl(nats_server)
+    for reason in ("fan", "psu"):
+        assert (await ctl("cordon", "node-a", "--reason", reason)).code == 0
+    shown = (await ctl("events", "--seq", "2", "--json")).lines()
+    assert [e["seq"] for e in shown] == [2, 3]
+    assert shown[0]["event"]["reason"] == "fan"
+    everything = (await ctl("replay", "--to", "2", "--json")).json()
+    assert {"nodes", "replicas", "models", "endpoints"} <= set(everything)
+    assert everything["nodes"][0]["cordon_reason"] == "fan"
+    only = (await ctl("replay", "--to", "2", "--view", "models", "--json")).json()
+    assert "models" in only
+    assert "nodes" not in only

@@ -7,7 +7,9 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from typer.testing import CliRunner
 
+from llmgw.cli.main import app
 from llmgw.ctl import history
 from llmgw.ctl.errors import BadInput
 
@@ -31,3 +33,17 @@ def test_a_sequence_has_at_most_20_digits() -> None:
     assert history.parse_point("9" * 20, AT_0312) == history.Point(seq=int("9" * 20))
     with pytest.raises(BadInput, match="at most 20 digits"):
         history.parse_point("1" + "0" * 20, AT_0312)
+
+
+def test_replay_refuses_two_modes_at_once_before_connecting() -> None:
+    # No server: an exit 2 here is the flags' check, not a failed connection.
+    offline = ["--server", "nats://127.0.0.1:1"]
+    for args in (
+        ["replay", "--timeline", "node-a", "--to", "5"],
+        ["replay", "--diff", "1", "2", "--at", "10m"],
+        ["replay", "--verify", "--timeline", "node-a"],
+        ["events", "--seq", "0"],
+    ):
+        result = CliRunner().invoke(app, ["ctl", *args, *offline])
+        assert result.exit_code == 2, (args, result.output)
+        assert "error:" in result.output
