@@ -186,3 +186,38 @@ async def test_events_from_a_sequence_begin_at_it_and_replay_shows_every_view(
     only = (await ctl("replay", "--to", "2", "--view", "models", "--json")).json()
     assert "models" in only
     assert "nodes" not in only
+
+
+async def test_replay_to_a_sequence_reports_only_what_came_up_to_it(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    import nats
+
+    operator = await connect_as(nats_server, "operator", "alice")
+    admin = await nats.connect(
+        nats_server.url, tls=nats_server.pki.admin_tls(), inbox_prefix="_INBOX.admin"
+    )
+    try:
+        publisher = bus.Publisher(operator.jetstream())
+        cordons = []
+        for i in range(3):
+            await asyncio.sleep(0.02)  # store times apart
+            cordon = events.NodeCordoned(
+                id=f"c{i}", ts=time.time(), operator="alice", node="node-a", reason=f"r{i}"
+            )
+            cordons.append(await publisher.publish(cordon))
+        garbage = await admin.jetstream().publish(
+            "llmgw.events.node.node-a.heartbeat", b"\xff not json"
+        )
+        middle = cordons[1].seq
+        stored = await history._message_at_or_after(operator, middle)
+        assert stored is not None
+        then = await history.rebuild(operator, to_seq=middle)
+        # Its time is that of the last record folded, not of the batch's last.
+        assert then.at == stored[1]
+        assert then.state.nodes["node-a"].cordon_reason == "r1"
+        assert then.skipped == []  # the garbage came after the point asked for
+        assert [s.seq for s in (await history.rebuild(operator)).skipped] == [garbage.seq]
+    finally:
+        await admin.close()
+        await bus.close(operator)
