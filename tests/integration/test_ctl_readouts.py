@@ -132,6 +132,7 @@ async def test_replay_at_a_moment_never_starts_from_a_snapshot_of_what_came_afte
         then = await history.rebuild(operator, at=moment)
         assert then.snapshot_seq < cordon.seq
         assert then.target_seq == cordon.seq - 1
+        assert then.at == moment  # the state as of the moment asked, ages counted from it
         assert not then.state.nodes["node-a"].cordoned
         now = await history.rebuild(operator)
         assert now.snapshot_seq == cordon.seq  # the snapshot is used where it applies
