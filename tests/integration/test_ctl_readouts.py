@@ -6,6 +6,7 @@ provisioned as the control identity and events are published as their writers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from llmgw import bus
 from llmgw.core import events, state
@@ -222,3 +224,66 @@ async def test_replay_to_a_sequence_reports_only_what_came_up_to_it(
     finally:
         await admin.close()
         await bus.close(operator)
+
+
+@contextlib.asynccontextmanager
+async def admin_api(answer: dict[str, Any]) -> AsyncIterator[str]:
+    """A control plane's admin API as `ctl status` reads it (GET /v1/state), answering
+    `answer`: a control plane that folded the log to where and what it says."""
+
+    async def state_of(_: web.Request) -> web.Response:
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_get("/v1/state", state_of)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_status_compares_a_lagging_control_plane_at_its_own_sequence(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    ctl = Ctl(nats_server)
+    assert (await ctl("cordon", "node-a")).code == 0
+    reader = await connect_as(nats_server, "router", "reader")
+    try:
+        at_1 = await history.rebuild(reader, to_seq=1)
+    finally:
+        await bus.close(reader)
+    behind = {"instance": "control-b", "leading": False, "folded_seq": 1,
+              "digest": state.digest(at_1.state)}  # fmt: skip
+    async with admin_api(behind) as url:
+        doc = (await ctl("status", "--control", url, "--json")).json()
+        text = await ctl("status", "--control", url)
+    assert doc["seq"] == 2
+    assert doc["control"]["digest_agrees"] is True
+    assert doc["control"]["lag"] == 1
+    assert text.code == 0
+    assert "control plane control-b (standby) at seq 1 (lag 1): same state" in text.stdout
+
+
+async def test_status_exits_1_when_a_control_plane_folded_the_log_otherwise(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    ctl = Ctl(nats_server)
+    reader = await connect_as(nats_server, "router", "reader")
+    try:
+        mine = await history.rebuild(reader)
+    finally:
+        await bus.close(reader)
+    wrong = {"instance": "control-a", "leading": True, "folded_seq": mine.target_seq,
+             "digest": "f" * 64}  # fmt: skip
+    async with admin_api(wrong) as url:
+        result = await ctl("status", "--control", url)
+        as_json = await ctl("status", "--control", url, "--json")
+    assert (result.code, as_json.code) == (1, 1)
+    doc = json.loads(as_json.stdout)
+    assert "DIFFERENT state: digest ffffffffffff" in result.stdout
+    assert doc["control"]["digest_agrees"] is False
