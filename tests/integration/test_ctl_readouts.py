@@ -287,3 +287,26 @@ async def test_status_exits_1_when_a_control_plane_folded_the_log_otherwise(
     doc = json.loads(as_json.stdout)
     assert "DIFFERENT state: digest ffffffffffff" in result.stdout
     assert doc["control"]["digest_agrees"] is False
+
+
+async def test_key_rotate_overlap_usage_of_one_key_and_revoking_an_unknown_one(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    ctl = Ctl(nats_server)
+    for name in ("a", "b"):
+        made = await ctl("key", "create", "--name", name, "--budget-tokens", "1k/day")
+        assert made.code == 0, made
+    before = time.time()
+    assert (await ctl("key", "rotate", "a", "--overlap", "1h")).code == 0
+    shown = (await ctl("key", "show", "a", "--json")).json()
+    assert before + 3600 <= shown["previous_valid_until"] <= time.time() + 3600
+    # One key's usage: its budget only, not every key's.
+    usage = (await ctl("usage", "--key", "a", "--json")).json()
+    assert [b["key"] for b in usage["budgets"]] == ["a"]
+    assert [b["key"] for b in (await ctl("usage", "--json")).json()["budgets"]] == ["a", "b"]
+    # Revoking a key that is not there writes nothing.
+    last = (await history.bounds(log)).last_seq
+    refused = await ctl("key", "revoke", "c")
+    assert refused.code == 2
+    assert "no key named 'c'" in refused.stderr
+    assert (await history.bounds(log)).last_seq == last
