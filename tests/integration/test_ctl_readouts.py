@@ -17,7 +17,8 @@ import pytest
 from aiohttp import web
 
 from llmgw import bus
-from llmgw.core import events, state
+from llmgw.bus import counters as bus_counters
+from llmgw.core import events, state, subjects
 from llmgw.ctl import history
 from llmgw.ctl.errors import BadInput
 from tests.harness import TestNatsServer, connect_as
@@ -310,3 +311,25 @@ async def test_key_rotate_overlap_usage_of_one_key_and_revoking_an_unknown_one(
     assert refused.code == 2
     assert "no key named 'c'" in refused.stderr
     assert (await history.bounds(log)).last_seq == last
+
+
+async def test_usage_since_counts_the_hours_asked_for(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    ctl = Ctl(nats_server)
+    assert (await ctl("key", "create", "--name", "a")).code == 0
+    router = await connect_as(nats_server, "router", "r1")
+    try:
+        hour = int(time.time() // 3600)
+        counters = bus_counters.Counters(router, timeout_s=5.0)
+        await counters.add(subjects.usage_counter("a", hour, "m1", "req"), 3)
+        await counters.add(subjects.usage_counter("a", hour - 5, "m1", "req"), 40)
+    finally:
+        await bus.close(router)
+
+    async def requests(since: str) -> list[int]:
+        doc = (await ctl("usage", "--key", "a", "--since", since, "--json")).json()
+        return [row["requests"] for row in doc["usage"]]
+
+    assert await requests("1h") == [3]
+    assert await requests("6h") == [43]
