@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.agent.kvrelay import EngineRelay
+from llmgw.agent.kvrelay import EngineRelay, KvRelays
+from llmgw.agent.shards import ShardView
 from llmgw.core import kvblocks
 from llmgw.sim import kvevents
 
@@ -157,3 +158,23 @@ async def test_a_stopped_engine_is_told_to_routers_as_an_empty_full_update() -> 
     await other._on_frames(_frames(0, _stored(1)))
     await other.stop(tell=False)
     assert quiet.updates == []
+
+
+async def test_each_generation_of_an_engine_has_its_relay_and_a_stopped_one_tells_routers() -> None:
+    relays = KvRelays()  # not bound: what it would send is counted as dropped
+
+    def view(generation: int, phase: str) -> ShardView:
+        return ShardView(replica_id="r1", generation=generation, shard=0, phase=phase,  # type: ignore[arg-type]
+                         model="m", kv_events="ipc:///nonexistent/e", kv_replay="")  # fmt: skip
+
+    try:
+        await relays.observe(view(1, "serving"))
+        await relays.observe(view(2, "starting"))  # the replacement, beside it
+        assert set(relays.relays) == {("r1", 1), ("r1", 2)}
+        relays.relays[("r1", 1)].block_size = BS  # it had told routers of its blocks
+        await relays.observe(view(1, "stopped"))
+        assert set(relays.relays) == {("r1", 2)}
+        assert relays.dropped == 1  # the empty full update of the stopped engine
+    finally:
+        await relays.close()
+    assert relays.dropped == 1  # an agent closing tells routers nothing
