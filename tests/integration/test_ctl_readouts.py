@@ -333,3 +333,31 @@ async def test_usage_since_counts_the_hours_asked_for(
 
     assert await requests("1h") == [3]
     assert await requests("6h") == [43]
+
+
+async def test_verify_counts_decisions_not_elections_or_observations(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    control = await connect_as(nats_server, "control", "control-a")
+    try:
+        publisher = bus.Publisher(control.jetstream())
+        await publisher.publish(
+            events.LeaderElected(id="le-1", ts=time.time(), leader="control-a", epoch=1)
+        )
+        await publisher.publish(
+            events.NodeUnreachable(
+                id="u-1",
+                ts=time.time(),
+                node="node-a",
+                epoch=1,
+                basis_seq=2,
+                last_heartbeat=time.time() - 60,
+            )
+        )
+    finally:
+        await bus.close(control)
+    result = await Ctl(nats_server)("replay", "--verify", "--json")
+    doc = json.loads(result.stdout)
+    assert (doc["events"], doc["decision_batches"]) == (3, 0)
+    assert doc["ok"] is True
+    assert result.code == 0
