@@ -13,12 +13,14 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp import web
 
 from llmgw import bus
 from llmgw.bus import counters as bus_counters
 from llmgw.core import events, state, subjects
+from llmgw.core.reconcile import ReconcileConfig
 from llmgw.ctl import history
 from llmgw.ctl.errors import BadInput
 from tests.harness import TestNatsServer, connect_as
@@ -342,7 +344,13 @@ async def test_verify_counts_decisions_not_elections_or_observations(
     try:
         publisher = bus.Publisher(control.jetstream())
         await publisher.publish(
-            events.LeaderElected(id="le-1", ts=time.time(), leader="control-a", epoch=1)
+            events.LeaderElected(
+                id="le-1",
+                ts=time.time(),
+                leader="control-a",
+                epoch=1,
+                reconcile=msgspec.to_builtins(ReconcileConfig()),
+            )
         )
         await publisher.publish(
             events.NodeUnreachable(
@@ -360,4 +368,6 @@ async def test_verify_counts_decisions_not_elections_or_observations(
     doc = json.loads(result.stdout)
     assert (doc["events"], doc["decision_batches"]) == (3, 0)
     assert doc["ok"] is True
+    assert doc["timings"]["recorded_epochs"] == [1]
+    assert doc["timings"]["unrecorded_epochs"] == []
     assert result.code == 0

@@ -47,3 +47,31 @@ def test_replay_refuses_two_modes_at_once_before_connecting() -> None:
         result = CliRunner().invoke(app, ["ctl", *args, *offline])
         assert result.exit_code == 2, (args, result.output)
         assert "error:" in result.output
+
+
+def test_verify_says_which_epochs_the_control_config_was_used_for() -> None:
+    from pathlib import Path
+
+    from llmgw.cli.ctl_history import _timings_notes
+    from llmgw.control.verify import Timings
+    from llmgw.core.reconcile import ReconcileConfig
+
+    given = Path("control.yaml")
+    every = Timings(by_epoch={1: ReconcileConfig(), 2: ReconcileConfig()})
+    (note,) = _timings_notes(every, str(given), given)
+    assert note.endswith(
+        "(epochs 1, 2) (--control-config applies only to epochs that recorded none)"
+    )
+    some = Timings(by_epoch={2: ReconcileConfig()}, unrecorded=(1,))
+    recorded, older = _timings_notes(some, str(given), given)
+    assert recorded.endswith("(epochs 2)")  # the file was used, for epoch 1
+    assert older == (
+        "epochs 1 recorded no timings (a log from an older llmgw): checked with control.yaml"
+    )
+    (hint,) = _timings_notes(
+        Timings(by_epoch={}, unrecorded=tuple(range(1, 13))), "the defaults", None
+    )
+    assert hint.startswith("epochs 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 ... recorded no timings")
+    assert hint.endswith(
+        ": pass --control-config with that leader's config file if its timings differ"
+    )
