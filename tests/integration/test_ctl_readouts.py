@@ -371,3 +371,21 @@ async def test_verify_counts_decisions_not_elections_or_observations(
     assert doc["timings"]["recorded_epochs"] == [1]
     assert doc["timings"]["unrecorded_epochs"] == []
     assert result.code == 0
+
+
+async def test_status_says_when_the_last_leader_was_elected(
+    nats_server: TestNatsServer, log: bus.BusClient
+) -> None:
+    control = await connect_as(nats_server, "control", "control-a")
+    elected = time.time() - 30
+    try:
+        await bus.Publisher(control.jetstream()).publish(
+            events.LeaderElected(id="le-1", ts=elected, leader="control-a", epoch=1)
+        )
+    finally:
+        await bus.close(control)
+    shown = await Ctl(nats_server)("status")
+    assert shown.code == 0, shown
+    # Nobody holds the lease: no leader now, and when the last one was elected.
+    assert "NO LEADER: the lease is free" in shown.stdout
+    assert f"control-a (epoch 1, at {history.format_time(elected)})" in shown.stdout
