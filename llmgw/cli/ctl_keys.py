@@ -15,6 +15,7 @@ import typer
 from llmgw.bus import counters
 from llmgw.cli import ctl_common as common
 from llmgw.core import events, subjects
+from llmgw.core.state import ClusterState
 from llmgw.ctl import keys as keys_view
 from llmgw.ctl import render
 from llmgw.ctl import usage as usage_view
@@ -68,13 +69,20 @@ def _bad(exc: BadInput) -> typer.Exit:
 
 
 async def _publish(s: Session, ev: events.Event) -> dict[str, object]:
+    pub, _ = await _publish_folded(s, ev)
+    return pub
+
+
+async def _publish_folded(s: Session, ev: events.Event) -> tuple[dict[str, object], ClusterState]:
+    """Publish `ev`; what was published, and the state folded up to it (the key as it is
+    now: a state read before the publish still has it as it was)."""
     r = await common.current(s, progress=False)
     try:
         (pub,) = await common.publish_checked(s, r.state, [ev])
     except Failed as exc:
         # The fold refused it (a taken name, an unknown key): the operator's to fix.
         raise BadInput(str(exc)) from None
-    return pub
+    return pub, r.state
 
 
 @app.command("create")
@@ -151,9 +159,9 @@ def update(
         old = keys_view.require(r.state.keys, name)
         new = keys_view.settings(name, flags, s.now(), base=old.settings)
         ev = events.KeyChanged(id=s.new_id(), ts=s.now(), operator=s.identity.name, key=new)
-        pub = await _publish(s, ev)
+        pub, after = await _publish_folded(s, ev)
         common.out(
-            render.json_text(keys_view.row(r.state.keys[name], s.now()))
+            render.json_text(keys_view.row(after.keys[name], s.now()))
             if json_out
             else f"key {name} updated by {s.identity} (seq {pub['seq']})"
         )

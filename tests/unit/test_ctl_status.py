@@ -60,3 +60,23 @@ def test_an_empty_log() -> None:
         "NO LEADER: the lease is free (never taken, or expired); "
         "no leader was ever elected in the log"
     )
+
+
+def test_a_lease_is_expired_from_the_moment_its_ttl_ends() -> None:
+    out = status(LeaseSeen(holder="control-a", epoch=7, written=NOW - 10, ttl_s=10))
+    assert out["state"] == "none"
+    assert out["since"] == NOW
+
+
+def test_another_holder_at_the_logs_epoch_is_not_the_leader() -> None:
+    # Whoever holds the lease must be the one the log elected, whatever epoch it gives.
+    out = status(LeaseSeen(holder="control-b", epoch=7, written=NOW - 1, ttl_s=10))
+    assert out["state"] == "unannounced"
+    assert out["holder"] == "control-b"
+
+
+def test_a_lease_naming_no_holder_is_no_leader() -> None:
+    out = status(LeaseSeen(holder="", epoch=7, written=NOW - 1, ttl_s=10))
+    assert out["state"] == "none"
+    assert out["holder"] is None
+    assert str(out["text"]).startswith("NO LEADER: the lease is free")
