@@ -266,3 +266,23 @@ class AgentProcess(Proc):
         """SIGTERM; its exit code (SIGKILL after 15 s)."""
         code = self.stop(15)
         return 0 if code is None else code
+
+
+def new_agent(
+    server: TestNatsServer, node: str, tmp_path: Path, state_dir: Path, agents: list[AgentProcess]
+) -> AgentProcess:
+    """`node`'s agent with the test's settings, not started (terminated after the test:
+    `agents` is the test's list)."""
+    config = write_config(tmp_path / "agent.yaml", agent_settings(server, node, state_dir))
+    agent = AgentProcess(config, tmp_path / "agent.log")
+    agents.append(agent)
+    return agent
+
+
+async def start_agent(
+    server: TestNatsServer, node: str, tmp_path: Path, state_dir: Path, agents: list[AgentProcess]
+) -> AgentProcess:
+    """`new_agent`, started."""
+    agent = new_agent(server, node, tmp_path, state_dir, agents)
+    await asyncio.to_thread(agent.start)
+    return agent

@@ -47,17 +47,6 @@ def agents() -> Iterator[list[AgentProcess]]:
         agent.terminate()
 
 
-def new_agent(
-    nats_server: TestNatsServer, tmp_path: Path, state_dir: Path, agents: list[AgentProcess]
-) -> AgentProcess:
-    config = kit.write_config(
-        tmp_path / "agent.yaml", kit.agent_settings(nats_server, NODE, state_dir)
-    )
-    agent = AgentProcess(config, tmp_path / "agent.log")
-    agents.append(agent)
-    return agent
-
-
 def write_ledger(state_dir: Path, content: dict[str, int]) -> None:
     state_dir.mkdir(parents=True)
     ledger.path_in(state_dir).write_text(json.dumps(content))
@@ -78,7 +67,7 @@ async def test_a_launch_outside_the_node_policy_is_refused_and_reported_failed(
     control = Control(await connect("control", "control-1"))
     await control.provision()
     admin = await connect.admin()
-    agent = new_agent(nats_server, tmp_path, state_dir, agents)
+    agent = kit.new_agent(nats_server, NODE, tmp_path, state_dir, agents)
     await asyncio.to_thread(agent.start)
 
     port = free_port()
@@ -122,7 +111,7 @@ async def test_an_epoch_beyond_the_lease_is_refused_and_blocks_nothing_across_a_
     await control.provision()
     lease = Control.LEASE_EPOCH
     admin = await connect.admin()
-    agent = new_agent(nats_server, tmp_path, state_dir, agents)
+    agent = kit.new_agent(nats_server, NODE, tmp_path, state_dir, agents)
     await asyncio.to_thread(agent.start)
 
     await control.start(NODE, "rep-b", kit.sim_spec(free_port()), epoch=lease)
@@ -173,7 +162,7 @@ async def test_an_epoch_on_disk_no_leader_had_is_dropped(
     control = Control(await connect("control", "control-1"))
     await control.provision()
     admin = await connect.admin()
-    agent = new_agent(nats_server, tmp_path, state_dir, agents)
+    agent = kit.new_agent(nats_server, NODE, tmp_path, state_dir, agents)
     await asyncio.to_thread(agent.start)
     await control.stop(NODE, "marker", epoch=Control.LEASE_EPOCH)
     await kit.wait_for(admin, NODE, status("marker", "stopped"), what="the leader's command")

@@ -53,19 +53,6 @@ def engines_on_port(port: int) -> list[int]:
     return found
 
 
-async def start_agent(
-    nats_server: TestNatsServer, tmp_path: Path, state_dir: Path, agents: list[AgentProcess]
-) -> AgentProcess:
-    """NODE's agent as its own process (terminated after the test)."""
-    config = kit.write_config(
-        tmp_path / "agent.yaml", kit.agent_settings(nats_server, NODE, state_dir)
-    )
-    agent = AgentProcess(config, tmp_path / "agent.log")
-    agents.append(agent)
-    await asyncio.to_thread(agent.start)
-    return agent
-
-
 async def models(port: int, api_key: str) -> list[str]:
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
@@ -86,7 +73,7 @@ async def test_kill9_restart_adopts_and_runs_what_was_sent_meanwhile(
     control = Control(await connect("control", "control-1"))
     await control.provision()
     admin = await connect.admin()
-    agent = await start_agent(nats_server, tmp_path, state_dir, agents)
+    agent = await kit.start_agent(nats_server, NODE, tmp_path, state_dir, agents)
     await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
 
     port = free_port()
@@ -199,7 +186,7 @@ async def test_events_queued_when_the_agent_is_killed_are_published_by_the_next_
     control = Control(await connect("control", "control-1"))
     await control.provision()
     admin = await connect.admin()
-    agent = await start_agent(nats_server, tmp_path, state_dir, agents)
+    agent = await kit.start_agent(nats_server, NODE, tmp_path, state_dir, agents)
     await control.start(NODE, "rep-x", kit.sim_spec(free_port(), gpus=(2,)))
     serving = await kit.wait_for(admin, NODE, status("rep-x", "serving"))
     assert isinstance(serving, events.ShardStatus)

@@ -80,12 +80,7 @@ async def test_an_agent_obeys_only_commands_a_control_plane_signed(
     control = Control(await connect("control", "control-1"))
     await control.provision()
     admin = await connect.admin()
-    config = kit.write_config(
-        tmp_path / "agent.yaml", kit.agent_settings(nats_server, NODE, state_dir)
-    )
-    agent = AgentProcess(config, tmp_path / "agent.log")
-    agents.append(agent)
-    await asyncio.to_thread(agent.start)
+    agent = await kit.start_agent(nats_server, NODE, tmp_path, state_dir, agents)
     await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
 
     def start(replica: str, port: int) -> events.StartShard:
@@ -315,12 +310,7 @@ async def test_an_agent_takes_the_lease_epoch_only_from_a_signed_lease(
     await control.provision()  # a signed lease at Control.LEASE_EPOCH
     lease = Control.LEASE_EPOCH
     admin = await connect.admin()
-    config = kit.write_config(
-        tmp_path / "agent.yaml", kit.agent_settings(nats_server, NODE, state_dir)
-    )
-    agent = AgentProcess(config, tmp_path / "agent.log")
-    agents.append(agent)
-    await asyncio.to_thread(agent.start)
+    agent = await kit.start_agent(nats_server, NODE, tmp_path, state_dir, agents)
     await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
     await control.stop(NODE, "marker-1", epoch=lease)
     await kit.wait_for(admin, NODE, status("marker-1", "stopped"), what="marker-1")
@@ -352,12 +342,7 @@ async def test_a_freshly_acquired_lease_shows_its_own_sequence_as_its_epoch(
     await bus.provision(control.js)
     await control.hold_lease(0)  # just acquired: no renewal yet
     admin = await connect.admin()
-    config = kit.write_config(
-        tmp_path / "agent.yaml", kit.agent_settings(nats_server, NODE, state_dir)
-    )
-    agent = AgentProcess(config, tmp_path / "agent.log")
-    agents.append(agent)
-    await asyncio.to_thread(agent.start)
+    await kit.start_agent(nats_server, NODE, tmp_path, state_dir, agents)
     await kit.wait_for(admin, NODE, lambda e: isinstance(e, events.NodeRegistered))
     await control.stop(NODE, "fresh", epoch=1)  # the acquisition's sequence is at least 1
     await kit.wait_for(admin, NODE, status("fresh", "stopped"), what="fresh")
