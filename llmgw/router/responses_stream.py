@@ -28,6 +28,10 @@ import msgspec
 
 UNINDEXED = frozenset({"llamacpp"})
 """Engines whose Responses streams need `IndexedResponses`."""
+MAX_ITEMS = 1024
+"""Items indexed in one stream (an answer has a few: its reasoning, its message, its calls);
+past them an engine's new items pass without an index, so a hostile engine naming endless
+items grows no table in the router."""
 
 _ITEM_EVENTS = frozenset({"response.output_item.added", "response.output_item.done"})
 _PART_EVENTS = frozenset({
@@ -119,5 +123,7 @@ class IndexedResponses:
             return
         index = self._items.get(item_id)
         if index is None:
+            if len(self._items) >= MAX_ITEMS:
+                return
             index = self._items[item_id] = len(self._items)
         data["output_index"] = index

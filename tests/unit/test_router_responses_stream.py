@@ -133,6 +133,17 @@ def test_what_is_not_one_json_event_passes_unchanged() -> None:
     assert IndexedResponses()(b"".join(odd)) == b"".join(odd)
 
 
+def test_a_stream_naming_endless_items_indexes_no_more_than_the_bound() -> None:
+    rewrite = IndexedResponses()
+    n = responses_stream.MAX_ITEMS + 5
+    out = rewrite(b"".join(sse(e) for i in range(n) for e in message(f"m{i}", [])[:1]))
+    got = [data_of(e + b"\n\n") for e in out.split(b"\n\n") if e]
+    assert [e.get("output_index") for e in got] == [
+        *range(responses_stream.MAX_ITEMS), *[None] * 5]  # fmt: skip
+    assert len(rewrite._items) == responses_stream.MAX_ITEMS
+    assert got[-1]["sequence_number"] == n - 1  # still numbered
+
+
 def test_only_llama_servers_responses_streams_are_rewritten() -> None:
     assert isinstance(responses_stream.repair("responses", "llamacpp"), IndexedResponses)
     for kind, engine in [("responses", "vllm"), ("responses", "sglang"),
