@@ -68,12 +68,7 @@ def _bad(exc: BadInput) -> typer.Exit:
     return typer.Exit(2)
 
 
-async def _publish(s: Session, ev: events.Event) -> dict[str, object]:
-    pub, _ = await _publish_folded(s, ev)
-    return pub
-
-
-async def _publish_folded(s: Session, ev: events.Event) -> tuple[dict[str, object], ClusterState]:
+async def _publish(s: Session, ev: events.Event) -> tuple[dict[str, object], ClusterState]:
     """Publish `ev`; what was published, and the state folded up to it (the key as it is
     now: a state read before the publish still has it as it was)."""
     r = await common.current(s, progress=False)
@@ -116,7 +111,7 @@ def create(
             id=s.new_id(), ts=s.now(), operator=s.identity.name, key=settings,
             sha256=auth.digest(secret),
         )  # fmt: skip
-        pub = await _publish(s, ev)
+        pub, _ = await _publish(s, ev)
         if json_out:
             common.out(render.json_text({"name": name, "key": secret, "seq": pub["seq"]}))
         else:
@@ -159,7 +154,7 @@ def update(
         old = keys_view.require(r.state.keys, name)
         new = keys_view.settings(name, flags, s.now(), base=old.settings)
         ev = events.KeyChanged(id=s.new_id(), ts=s.now(), operator=s.identity.name, key=new)
-        pub, after = await _publish_folded(s, ev)
+        pub, after = await _publish(s, ev)
         common.out(
             render.json_text(keys_view.row(after.keys[name], s.now()))
             if json_out
@@ -196,7 +191,7 @@ def rotate(
             id=s.new_id(), ts=s.now(), operator=s.identity.name, name=name,
             sha256=auth.digest(secret), overlap_s=overlap_s,
         )  # fmt: skip
-        pub = await _publish(s, ev)
+        pub, _ = await _publish(s, ev)
         if json_out:
             common.out(render.json_text({"name": name, "key": secret, "seq": pub["seq"]}))
         else:
@@ -228,7 +223,7 @@ def revoke(
         ev = events.KeyRevoked(
             id=s.new_id(), ts=s.now(), operator=s.identity.name, name=name, reason=reason
         )
-        pub = await _publish(s, ev)
+        pub, _ = await _publish(s, ev)
         common.out(f"key {name} revoked by {s.identity} (seq {pub['seq']})")
 
     common.run(common.Conn(config, server, ca, cert, key), body)

@@ -197,7 +197,7 @@ class OwedSpool:
         self.worker = worker
         self._lock = lock
         self._writing = threading.RLock()
-        """One write at a time: `keeping`'s and the flusher's run in threads."""
+        """One write or removal at a time: `keeping`'s and the flusher's run in threads."""
         self._written = NOTHING
         """What the file holds (NOTHING: there is none)."""
         self._failing = False
@@ -294,10 +294,11 @@ class OwedSpool:
 
     def paid(self) -> None:
         """All the file held was added to the counters: it goes."""
-        if self._written:
-            with contextlib.suppress(OSError):
-                durable.remove(self.path)
-                self._written = NOTHING
+        with self._writing:
+            if self._written:
+                with contextlib.suppress(OSError):
+                    durable.remove(self.path)
+                    self._written = NOTHING
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -7,18 +7,24 @@ Used by tests/integration/test_ctl*.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from typer.testing import CliRunner
 
+from llmgw import bus
 from llmgw.cli.main import app
+from llmgw.core import events
 from llmgw.pki.identity import Identity
-from tests.harness import TestNatsServer
+from tests.harness import TestNatsServer, connect_as
+from tests.integration.control_kit import sim_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,3 +90,21 @@ class Ctl:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
         assert proc.returncode is not None
         return Result(proc.returncode, out.decode(), err.decode())
+
+
+@contextlib.asynccontextmanager
+async def node_a_registered(server: TestNatsServer) -> AsyncIterator[bus.BusClient]:
+    """A provisioned log in which node-a (two GPUs) registered; yields node-a's connection."""
+    control = await connect_as(server, "control", "control-a")
+    await bus.provision(control.jetstream())
+    node = await connect_as(server, "node", "node-a")
+    await bus.Publisher(node.jetstream()).publish(
+        events.NodeRegistered(
+            id="reg-1", ts=time.time(), node="node-a", address="127.0.0.1", gpus=sim_gpus(2)
+        )
+    )
+    try:
+        yield node
+    finally:
+        for nc in (control, node):
+            await bus.close(nc)

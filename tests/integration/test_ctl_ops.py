@@ -27,7 +27,7 @@ from llmgw.core import events, subjects
 from llmgw.pki.identity import Identity
 from tests.harness import TestNatsServer, TestPki, connect_as, wait_for
 from tests.integration.control_kit import read_log, sim_gpus
-from tests.integration.ctl_kit import ROOT, Ctl
+from tests.integration.ctl_kit import ROOT, Ctl, node_a_registered
 
 MODELS = """\
 models:
@@ -43,20 +43,12 @@ models:
 @pytest.fixture
 async def log(nats_server: TestNatsServer) -> AsyncIterator[bus.BusClient]:
     """A provisioned log with node-a registered; yields an admin-free reader (a router)."""
-    control = await connect_as(nats_server, "control", "control-a")
-    await bus.provision(control.jetstream())
-    node = await connect_as(nats_server, "node", "node-a")
-    await bus.Publisher(node.jetstream()).publish(
-        events.NodeRegistered(
-            id="reg-1", ts=time.time(), node="node-a", address="127.0.0.1", gpus=sim_gpus(2)
-        )
-    )
-    reader = await connect_as(nats_server, "router", "reader")
-    try:
-        yield reader
-    finally:
-        for nc in (control, node, reader):
-            await bus.close(nc)
+    async with node_a_registered(nats_server):
+        reader = await connect_as(nats_server, "router", "reader")
+        try:
+            yield reader
+        finally:
+            await bus.close(reader)
 
 
 async def test_a_cordon_carries_the_certificates_identity_and_a_router_cannot_cordon(

@@ -24,26 +24,14 @@ from llmgw.core.reconcile import ReconcileConfig
 from llmgw.ctl import history
 from llmgw.ctl.errors import BadInput
 from tests.harness import TestNatsServer, connect_as
-from tests.integration.control_kit import sim_gpus
-from tests.integration.ctl_kit import Ctl
+from tests.integration.ctl_kit import Ctl, node_a_registered
 
 
 @pytest.fixture
 async def log(nats_server: TestNatsServer) -> AsyncIterator[bus.BusClient]:
     """A provisioned log with node-a registered; yields node-a's connection."""
-    control = await connect_as(nats_server, "control", "control-a")
-    await bus.provision(control.jetstream())
-    node = await connect_as(nats_server, "node", "node-a")
-    await bus.Publisher(node.jetstream()).publish(
-        events.NodeRegistered(
-            id="reg-1", ts=time.time(), node="node-a", address="127.0.0.1", gpus=sim_gpus(2)
-        )
-    )
-    try:
+    async with node_a_registered(nats_server) as node:
         yield node
-    finally:
-        for nc in (control, node):
-            await bus.close(nc)
 
 
 async def test_key_update_json_shows_the_settings_it_made(
