@@ -21,7 +21,8 @@ engine wrote (vLLM's `{"object": "error", ...}`, FastAPI's `{"detail": ...}`, An
 count (`/v1/messages/count_tokens`, which Claude Code asks before it sends), whose clients
 read its error types, OpenAI's for the rest (`engine_error`). Any answer but a success has
 the engine's own key taken out first (`engine_answer`): an engine that echoes its request's
-headers would show it to the client. A success is relayed unread.
+headers would show it to the client. A success is relayed unread, with the engine's
+Content-Type only when it is JSON or plain text (`relayed_type`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from aiohttp import web
 from llmgw.core import redaction
 from llmgw.core.profile import ModelProfile
 from llmgw.router import requests
-from llmgw.router.errors import Refusal, error_response
+from llmgw.router.errors import JSON, Refusal, error_response
 from llmgw.router.requests import Kind
 
 PATHS: dict[str, Kind] = {
@@ -54,6 +55,19 @@ PATHS: dict[str, Kind] = {
 KNOWN_GET = ("/v1/models", "/health", "/ready")
 """Paths served with GET, besides one model's (`MODEL_PATH` + its name)."""
 MODEL_PATH = "/v1/models/"
+
+
+def relayed_type(media_type: str) -> str:
+    """The Content-Type a success is relayed whole with: the engine's when it is JSON
+    (`application/json`, `application/*+json`) or plain text, what every API here answers;
+    JSON for anything else (`text/html`, `image/svg+xml`, none at all): the router's
+    origin never serves a page or a script an engine wrote."""
+    media = media_type.lower()
+    if media == "text/plain" or (
+        media.startswith("application/") and (media == JSON or media.endswith("+json"))
+    ):
+        return media_type
+    return JSON
 
 
 def served_method(path: str) -> str | None:

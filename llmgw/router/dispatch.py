@@ -389,7 +389,7 @@ class Dispatcher:
             return web.Response(
                 status=status,
                 body=data,
-                content_type=(upstream.content_type or JSON) if status < 400 else JSON,
+                content_type=apis.relayed_type(upstream.content_type) if status < 400 else JSON,
                 headers=errors.id_headers(state.rid, kind),
             )
         except BaseException:

@@ -103,12 +103,18 @@ async def status_retry(upstream: upstream_http.Response, engine_key: str) -> Ret
     )
 
 
+NOSNIFF = {"X-Content-Type-Options": "nosniff"}
+"""On every answer to an API request: a browser takes its Content-Type as sent and never
+guesses a page from an engine's bytes."""
+
+
 def id_headers(rid: str, kind: requests.Kind) -> dict[str, str]:
-    """The response headers that carry the request's id: `X-Request-Id`, and for the
-    Messages API also Anthropic's `request-id`, which its SDK reads (`_request_id`)."""
+    """The headers of an answer to an API request: `NOSNIFF`, the request's id
+    (`X-Request-Id`), and for the Messages API also Anthropic's `request-id`, which its
+    SDK reads (`_request_id`)."""
     if kind in requests.ANTHROPIC:
-        return {"X-Request-Id": rid, "request-id": rid}
-    return {"X-Request-Id": rid}
+        return {"X-Request-Id": rid, "request-id": rid, **NOSNIFF}
+    return {"X-Request-Id": rid, **NOSNIFF}
 
 
 def as_retry(exc: BaseException, d: Deadlines) -> BaseException:
@@ -135,7 +141,7 @@ def error_response(
     kind: requests.Kind = "chat",
 ) -> web.Response:
     """The error in the shape of API `kind` (`requests.api_error_body`)."""
-    headers = id_headers(rid, kind) if rid else None
+    headers = id_headers(rid, kind) if rid else NOSNIFF
     return web.Response(
         status=status,
         body=requests.api_error_body(kind, status, message, type_, code),

@@ -29,12 +29,12 @@ from llmgw.core.profile import Deadlines, ModelProfile
 from llmgw.router import aiohttp_direct, auth, requests, responses_stream, sse
 from llmgw.router import upstream as upstream_http
 from llmgw.router.deadlines import Deadline, Watchdog
-from llmgw.router.errors import ClientGone, EngineFault, Retry
+from llmgw.router.errors import NOSNIFF, ClientGone, EngineFault, Retry
 from llmgw.router.tracing import RequestTrace
 
 log = logs.get("llmgw.router")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **NOSNIFF}
 DONE = sse.DONE
 KEEPALIVE = b": keep-alive\n\n"
 MAX_EVENT_BYTES = 4 * 1024 * 1024
