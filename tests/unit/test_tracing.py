@@ -150,13 +150,22 @@ def test_every_span_is_in_the_trace_under_its_root_and_inside_it(
     assert ("gen_ai.response.model" in root.attributes) is answered
     assert any(s.name == "first_token" for s in spans) is (answered and first_token)
     assert any(s.name == "completion" for s in spans) is (answered and first_token)
+    (admission,) = [s for s in spans if s.name == "admission"]
+    assert (admission.start_ns, admission.end_ns) == (root.start_ns, 100_001_000_000 + offset)
+    if answered and first_token:  # from the answering attempt's send to the first token
+        last_ok = [a for a in t.attempts if not a.error][-1]
+        (first,) = [s for s in spans if s.name == "first_token"]
+        (rest,) = [s for s in spans if s.name == "completion"]
+        assert first.start_ns == int(last_ok.start * 1e9) + offset
+        assert (first.end_ns, rest.start_ns) == (100_050_000_000 + offset,) * 2
+        assert rest.end_ns == root.end_ns
     if tokens_in or tokens_out:
         assert root.attributes["gen_ai.usage.output_tokens"] == tokens_out
 
 
 @pytest.mark.parametrize("rid", ["", "r", "é" * 40, "x" * 300, "y" * 20_000])
-@pytest.mark.parametrize("tokens", [(0, 0), (3, 5), (3, 300), (200, 1)])
-@pytest.mark.parametrize("parent", ["", "cd" * 8])
+@pytest.mark.parametrize("tokens", [(0, 0), (3, 5), (3, 300), (200, 1), (127, 128), (128, 127)])
+@pytest.mark.parametrize("parent", ["", "cd" * 8, "cd" * 4])
 def test_a_one_attempt_request_encodes_whatever_its_ids_length_and_counts(
     rid: str, tokens: tuple[int, int], parent: str
 ) -> None:
@@ -180,6 +189,8 @@ def test_a_one_attempt_request_encodes_whatever_its_ids_length_and_counts(
     (attempt,) = [s for s in spans if s.name == "attempt"]
     assert attempt.span_id == t.attempts[0].span_id
     assert (attempt.start_ns, attempt.end_ns) == (100_002_000_000, 100_009_000_000)
+    (admission,) = [s for s in spans if s.name == "admission"]
+    assert (admission.start_ns, admission.end_ns) == (100_000_000_000, 100_001_000_000)
 
 
 @settings(max_examples=60)
@@ -311,6 +322,8 @@ def test_spans_survive_otlps_encoding(
         for s in spans
     ]
     assert [g.attributes for g in got] == [s.attributes for s in spans]
+    typed = [{k: type(v) for k, v in g.attributes.items()} for g in got]
+    assert typed == [{k: type(v) for k, v in s.attributes.items()} for s in spans]  # True, 1
     assert {g.service for g in got} <= {"svc"}
 
 
