@@ -157,6 +157,8 @@ def test_route_shows_each_endpoints_cache_cost_and_the_filters_drops() -> None:
     assert "index" in said
     assert said["fallbacks_skipped"] == ["f"]  # kc may not use `f`
     assert "session_endpoint" not in said
+    assert said["order"][0] == said["chosen"]["endpoint"]
+    assert sorted(said["order"]) == ["e0", "e1", "e2"]  # every ready one, in turn
     assert again["session_endpoint"] == went
     assert "fallbacks_skipped" not in again
 
@@ -210,3 +212,42 @@ def test_route_for_a_model_ranked_by_weights_names_the_sessions_endpoint(
     held = {row["id"]: row["prefix_blocks_held"] for row in said["endpoints"]}
     assert held[went] > 0  # the prompt it was just sent, in the approximate index
     assert [n for ep, n in held.items() if ep != went] == [0] * (len(ENDPOINTS) - 1)
+
+
+async def _refusals() -> dict[str, tuple[int, Any]]:
+    fleet = Fleet(route_kit.config("shared"))
+    out = {}
+    for what, key, asked in (
+        ("other model's key", "kc", body("chat", "f", 0, "Q1?", None)),
+        ("unknown model", "ka", body("chat", "nope", 0, "Q1?", None)),
+    ):
+        resp = await fleet.admin_answer("POST", f"/route?path={CHAT}", auth_headers(key, None),
+                                        asked)  # fmt: skip
+        out[what] = (resp.status, _said(resp))
+    return out
+
+
+def test_route_refuses_as_the_front_door_would_with_its_status() -> None:
+    with frozen_clocks():
+        said = asyncio.run(_refusals())
+    assert said["other model's key"][0] == 403, said
+    assert said["unknown model"][0] == 404, said
+    assert all(set(answer) == {"error"} for _, answer in said.values())
+
+
+@pytest.mark.parametrize(("kind", "path"), [("chat", "/v1/chat/completions"),
+                                            ("completions", "/v1/completions"),
+                                            ("responses", "/v1/responses")])  # fmt: skip
+def test_route_without_a_path_takes_the_api_the_bodys_shape_names(kind: str, path: str) -> None:
+    async def said() -> Any:
+        fleet = Fleet(route_kit.config("shared"))
+        for ep_id in ENDPOINTS:
+            fleet.endpoint(ep_id).ready = True
+        asked = body(kind, "m", 0, "Q1?", None)  # type: ignore[arg-type]
+        resp = await fleet.admin_answer("POST", "/route", auth_headers("ka", None), asked)
+        return resp.status, _said(resp)
+
+    with frozen_clocks():
+        status, answer = asyncio.run(said())
+    assert (status, answer["path"]) == (200, path), answer
+    assert answer["chosen"] is not None

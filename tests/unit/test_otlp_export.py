@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 from aiohttp import web
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from llmgw import otlp
+from llmgw import __version__, otlp
 from llmgw.core.tracing import SPAN_SERVER, Span
 from tests.harness import wait_for
 from tests.integration.otlp_kit import decode
@@ -231,3 +232,52 @@ async def test_closing_closes_the_collectors_session() -> None:
         await asyncio.wait_for(ex.close(), 10)
         assert session.closed
         assert ex._session is None
+
+
+async def test_a_collector_echoing_the_password_has_it_left_out_of_the_log() -> None:
+    """aiohttp sends the URL's userinfo as Basic auth; a collector refusing it may quote it
+    back: the log line's error has it blanked, as its URL does."""
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=401, text=f"bad credentials: {request.headers['Authorization']}"
+                            " (user:s3cret-pw)")  # fmt: skip
+
+    async with collector(traces) as url:
+        ex = otlp.Exporter(url.replace("http://", "http://user:s3cret-pw@"), "svc")
+        ex._said_at = float("-inf")
+        ex.add([SPAN])
+        with structlog.testing.capture_logs() as logged:
+            assert await ex.flush() is False
+        await asyncio.wait_for(ex.close(), 10)
+    (said,) = [e for e in logged if e["event"] == "traces_not_exported"]
+    assert said["error"].startswith("HTTP 401")
+    assert "s3cret-pw" not in repr(logged)
+
+
+async def test_a_batch_none_of_whose_spans_encode_is_not_posted() -> None:
+    posts: list[bytes] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        posts.append(await request.read())
+        return web.Response()
+
+    class Broken:
+        def encode_spans(self, offset_ns: int) -> bytes:
+            raise ValueError("a bug")
+
+    async with collector(traces) as url:
+        ex = otlp.Exporter(url, "svc")
+        ex.put(Broken(), 3)
+        assert await ex.flush() is True
+        assert (ex.dropped, ex.exported, posts) == (3, 0, [])
+        ex.add([SPAN])
+        assert await ex.flush() is True
+        await asyncio.wait_for(ex.close(), 10)
+    (body,) = posts
+    req = trace_service_pb2.ExportTraceServiceRequest()
+    req.ParseFromString(body)
+    (resource,) = req.resource_spans
+    (scope,) = resource.scope_spans
+    assert (scope.scope.name, scope.scope.version) == ("llmgw", __version__)
+    assert [s.name for s in scope.spans] == ["x"]

@@ -26,6 +26,16 @@ def test_the_ratio_samples_trace_ids_strictly_below_its_share_of_2_64() -> None:
     assert tracing.draw_sampled((1 << 63) - 1, 0.5)
 
 
+def test_a_trace_the_router_starts_has_the_id_its_sampling_drew() -> None:
+    """At a ratio, the router decides on the id it then gives the trace: an engine
+    sampling by the same ratio on that id records the same traces."""
+    tracer = Tracer(TracesConfig(endpoint="http://c:4318", sample_ratio=0.3))
+    recorded = [t for i in range(400) if (t := tracer.begin({}, f"r{i}", 1.0)) is not None]
+    assert 60 < len(recorded) < 200
+    assert all(tracing.ratio_sampled(t.trace_id, 0.3) for t in recorded)
+    assert len({t.trace_id for t in recorded}) == len(recorded)
+
+
 def _spans(t: RequestTrace, *, model: str = "m", status: int = 200) -> list[Got]:
     t.admitted = t.start + 0.001
     t.first_token = t.start + 0.05
@@ -114,3 +124,21 @@ def test_the_encoders_caches_stay_bounded_whatever_the_models_and_endpoints() ->
               router_tracing._OK_ATTEMPTS, otlp._ATTRIBUTES, otlp._BLOCKS, otlp._NAMED,
               otlp._KEYS, otlp._PREFIXES)  # fmt: skip
     assert all(len(c) <= bound for c in caches), [len(c) for c in caches]
+
+
+OPERATIONS = [("chat", "chat m"), ("messages", "chat m"), ("completions", "text_completion m"),
+              ("embeddings", "embeddings m"), ("rerank", "rerank m")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "name"), OPERATIONS)
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_the_root_is_named_after_its_genai_operation(kind: str, name: str, attempts: int) -> None:
+    t = RequestTrace("ab" * 16, "", "ef" * 8, "r", 100.0, "", random.Random(1))
+    for i in range(attempts):
+        t.attempt_begin(f"e{i}", f"http://e{i}", "m", 100.002 + i * 0.01)
+        t.attempt_end("status_503" if i < attempts - 1 else "", 100.009 + i * 0.01)
+    t.first_token = 100.05
+    t.ended(100.1, kind=kind, model="m", status=200)
+    root = decode(otlp.encode_fields(t.encode_spans(0), "svc"))[0]
+    assert root.name == name
+    assert root.attributes["gen_ai.operation.name"] == name.split()[0]

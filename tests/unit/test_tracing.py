@@ -260,13 +260,15 @@ def test_a_draw_of_zeros_still_gives_ids_the_spec_allows(
     t = tracer.begin(client, "r", 1.0)
     assert t is not None
     t.attempt_begin("e", "http://e", "m", 1.0)
+    t.attempt_end("connect", 1.1)
+    t.attempt_begin("f", "http://f", "m", 1.1)  # a retry's span id: drawn as it is sent
     t.attempt_end("", 1.5)
     t.first_token = 1.2
     t.ended(2.0, kind="chat", model="m", status=200)
     spans = decode(otlp.encode_fields(t.encode_spans(0), "svc"))
     assert t.trace_id != "0" * 32
     assert "0" * 16 not in [s.span_id for s in spans] + [t.root_id]
-    assert dict(t.headers())["traceparent"] == f"00-{t.trace_id}-{t.attempts[0].span_id}-01"
+    assert dict(t.headers())["traceparent"] == f"00-{t.trace_id}-{t.attempts[1].span_id}-01"
 
 
 def test_an_attempts_headers_name_its_own_span_and_keep_the_clients_state() -> None:
@@ -391,9 +393,10 @@ def test_the_tracer_records_only_what_it_samples() -> None:
     t = never.begin(sampled, "r", 0.0)
     assert t is not None
     assert (t.trace_id, t.parent_id, t.tracestate) == ("ab" * 16, "cd" * 8, "v=1")
-    fresh = always.begin({"traceparent": "garbage"}, "r", 0.0)
+    fresh = always.begin({"traceparent": "garbage", "tracestate": "v=1"}, "r", 0.0)
     assert fresh is not None
     assert fresh.parent_id == ""
+    assert fresh.tracestate == ""  # a state without a valid parent is not passed on
     assert fresh.trace_id != "ab" * 16
 
 
