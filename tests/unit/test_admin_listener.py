@@ -133,6 +133,7 @@ async def _shared_said() -> tuple[Any, Any, str | None]:
     fleet = Fleet(route_kit.config("shared"))
     for ep_id in ENDPOINTS:
         fleet.endpoint(ep_id).ready = ep_id != "e3"
+    fleet.endpoint("e3").running, fleet.endpoint("e3").queue_depth = 2, 3
     asked = body("chat", "m", 0, "Q1?", None)
     fleet.cached("e2", requests.parse("chat", asked, want_text=True), None, 12)
     said = await _route(fleet, asked, "kc", None)
@@ -146,6 +147,8 @@ def test_route_shows_each_endpoints_cache_cost_and_the_filters_drops() -> None:
         said, again, went = asyncio.run(_shared_said())
     rows = {row["id"]: row for row in said["endpoints"]}
     assert set(rows) == set(ENDPOINTS)
+    assert {ep: row["node"] for ep, row in rows.items()} == route_kit.NODES
+    assert (rows["e3"]["load"], rows["e3"]["queue"], rows["e0"]["load"]) == (5, 3, 0)
     assert (rows["e2"]["source"], rows["e0"]["source"]) == ("events", "none")
     assert rows["e2"]["cached_tokens"] > 0
     assert sum(said["filtered_out"].values()) == 1  # e3, not ready

@@ -281,3 +281,25 @@ async def test_a_batch_none_of_whose_spans_encode_is_not_posted() -> None:
     (scope,) = resource.scope_spans
     assert (scope.scope.name, scope.scope.version) == ("llmgw", __version__)
     assert [s.name for s in scope.spans] == ["x"]
+
+
+async def test_what_is_exported_and_dropped_is_counted_in_spans_not_requests() -> None:
+    """A batch with a request whose spans fail to encode is encoded one request at a time:
+    the others' spans are counted exported, each of them."""
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response()
+
+    class Broken:
+        def encode_spans(self, offset_ns: int) -> bytes:
+            raise ValueError("a bug")
+
+    async with collector(traces) as url:
+        ex = otlp.Exporter(url, "svc")
+        ex.add([SPAN] * 5)  # one request's five spans
+        ex.put(Broken(), 3)
+        ex.add([SPAN] * 2)
+        assert await ex.flush() is True
+        assert (ex.exported, ex.dropped, ex.buffered) == (7, 3, 0)
+        await asyncio.wait_for(ex.close(), 10)

@@ -75,6 +75,10 @@ def test_each_call_counts_in_its_own_family_under_its_own_labels() -> None:
     m.attempt("e")
     s = samples(m.exposition())
     p = "llmgw_router_"
+    types = {f.name: f.type for f in text_string_to_metric_families(m.exposition().decode())}
+    assert types[p + "key_requests"] == "counter"  # the parser names a counter without _total
+    assert types[p + "endpoint_kv_usage"] == "gauge"
+    assert types[p + "queue_wait_seconds"] == "histogram"
     assert s[(p + "key_requests_total", (("key", "k1"), ("model", "m"), ("status", "429"),
                                          ("team", "t")))] == 1  # fmt: skip
     assert s[(p + "key_tokens_total", (("direction", "in"), ("key", "k1"), ("model", "m"),
