@@ -131,3 +131,17 @@ def test_a_scrape_with_workers_sees_its_own_latest_values_and_skips_a_torn_snaps
     a.request_done("m", 200, 0.1)  # after a's last snapshot (it has none yet)
     s = samples(a.exposition())
     assert s[("llmgw_router_requests_total", (("model", "m"), ("status", "200")))] == 2
+    s = samples(b.exposition())  # the scrape wrote a's snapshot for the other workers
+    assert s[("llmgw_router_requests_total", (("model", "m"), ("status", "200")))] == 2
+
+
+def test_a_scrape_answers_with_this_workers_values_when_its_snapshot_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot folder gone (or its disk full): the once-a-second writer says so and goes
+    on, and a scrape still answers, with this worker's own values, rather than failing."""
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path / "gone"))
+    m = Metrics(worker=0)
+    m.request_done("m", 200, 0.1)
+    s = samples(m.exposition())
+    assert s[("llmgw_router_requests_total", (("model", "m"), ("status", "200")))] == 1
