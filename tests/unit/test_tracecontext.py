@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
+from multidict import CIMultiDict
 
 from llmgw.router import tracecontext
+from llmgw.router import tracing as router_tracing
+from llmgw.router.config import TracesConfig
+from llmgw.router.tracing import Tracer
 
 hexes = st.text(alphabet="0123456789abcdef", min_size=1, max_size=40)
 
@@ -102,3 +106,34 @@ def test_a_header_with_anything_after_its_flags_but_a_field_is_refused(
     value = f"{version}-{trace}-{span}-{flags}{tail}"
     assert not tracecontext.valid_traceparent(value)
     assert tracecontext.forwarded({"traceparent": value, "tracestate": "v=1"}) == []
+
+
+def test_a_request_with_two_traceparents_has_no_parent_to_continue() -> None:
+    """W3C Trace Context's test suite (duplicated traceparent): neither is forwarded nor
+    continued, nor its trace id logged; the router's own trace starts afresh."""
+    other = "00-" + "12" * 16 + "-" + "34" * 8 + "-01"
+    headers = CIMultiDict([("traceparent", PARENT), ("traceparent", other),
+                           ("tracestate", "v=1")])  # fmt: skip
+    assert tracecontext.forwarded(headers) == []
+    assert router_tracing.bind_logs(None, headers) is None
+    t = Tracer(TracesConfig(endpoint="http://c:4318")).begin(headers, "r", 1.0)
+    assert t is not None
+    assert (t.parent_id, t.tracestate) == ("", "")
+    assert t.trace_id not in (PARENT[3:35], other[3:35])
+    assert (
+        Tracer(TracesConfig(endpoint="http://c:4318", sample_ratio=0.0)).begin(headers, "r", 1.0)
+        is None
+    )  # no client's sampled flag to follow
+
+
+def test_several_tracestate_headers_are_one_list_in_their_order() -> None:
+    headers = CIMultiDict([("traceparent", PARENT), ("tracestate", "a=1,b=2"),
+                           ("tracestate", "c=3")])  # fmt: skip
+    assert tracecontext.forwarded(headers) == [("traceparent", PARENT),
+                                               ("tracestate", "a=1,b=2,c=3")]  # fmt: skip
+    t = Tracer(TracesConfig(endpoint="http://c:4318")).begin(headers, "r", 1.0)
+    assert t is not None
+    assert t.tracestate == "a=1,b=2,c=3"
+    long = CIMultiDict([("traceparent", PARENT), ("tracestate", "a=" + "x" * 300),
+                        ("tracestate", "b=" + "y" * 300)])  # fmt: skip
+    assert tracecontext.forwarded(long) == [("traceparent", PARENT)]  # over the bound joined
