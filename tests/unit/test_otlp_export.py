@@ -303,3 +303,25 @@ async def test_what_is_exported_and_dropped_is_counted_in_spans_not_requests() -
         assert await ex.flush() is True
         assert (ex.exported, ex.dropped, ex.buffered) == (7, 3, 0)
         await asyncio.wait_for(ex.close(), 10)
+
+
+async def test_a_collectors_endless_reply_is_read_bounded_and_the_batch_counts_exported() -> None:
+    """A 2xx whose body never ends (a misbehaving proxy in front of the collector): the
+    exporter reads a bounded part and moves on, within the timeout, holding no more."""
+
+    async def traces(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(6_000):  # until the exporter hangs up (at most a minute)
+                await resp.write(b"x" * 65_536)
+                await asyncio.sleep(0.01)
+        return resp
+
+    async with collector(traces) as url:
+        ex = otlp.Exporter(url, "svc", timeout_s=5)
+        ex.add([SPAN])
+        assert await asyncio.wait_for(ex.flush(), 30) is True
+        assert (ex.exported, ex.dropped) == (1, 0)
+        await asyncio.wait_for(ex.close(), 10)

@@ -70,6 +70,8 @@ def test_each_call_counts_in_its_own_family_under_its_own_labels() -> None:
     m.queued("m", 3)
     m.queue_waited("m", 0.2, "deadline")
     m.retry("m", "connect")
+    m.retry("m", "connect")
+    m.request_done("m", 503, 2.5)
     m.fallback("m", "fb")
     m.slow_client("m")
     m.attempt("e")
@@ -94,7 +96,9 @@ def test_each_call_counts_in_its_own_family_under_its_own_labels() -> None:
     assert s[(p + "breaker_state", (("endpoint", "e"),))] == 1
     assert s[(p + "queue_depth", (("model", "m"),))] == 3
     assert s[(p + "queue_wait_seconds_count", (("model", "m"), ("outcome", "deadline")))] == 1
-    assert s[(p + "retries_total", (("model", "m"), ("reason", "connect")))] == 1
+    assert s[(p + "retries_total", (("model", "m"), ("reason", "connect")))] == 2
+    assert s[(p + "requests_total", (("model", "m"), ("status", "503")))] == 1
+    assert s[(p + "request_duration_seconds_sum", (("model", "m"),))] == 2.5
     assert s[(p + "fallbacks_total", (("fallback", "fb"), ("model", "m")))] == 1
     assert s[(p + "slow_clients_total", (("model", "m"),))] == 1
     assert s[(p + "endpoint_requests_total", (("endpoint", "e"),))] == 1

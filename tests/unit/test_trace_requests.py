@@ -115,14 +115,15 @@ def test_the_encoders_caches_stay_bounded_whatever_the_models_and_endpoints() ->
     of them (or a stream of distinct ones) costs re-encoding, never memory."""
     bound = otlp._CACHE_BOUND
     for i in range(bound + 200):
-        t = RequestTrace("ab" * 16, "", "ef" * 8, "r", 100.0, "", random.Random(i))
-        t.attempt_begin(f"e{i}", f"http://e{i}", f"m{i}", 100.002)
+        t = RequestTrace("ab" * 16, "", "ef" * 8, "r" * i, 100.0, "", random.Random(i))
+        t.attempt_begin(f"e{i}" + "x" * (i % 100), f"http://e{i}", f"m{i}", 100.002)
         t.attempt_end("", 100.009)
         spans = _spans(t, model=f"m{i}")
         assert spans[0].name == f"chat m{i}"  # still right once the caches are full
     caches = (router_tracing._SHAPES, router_tracing._ROOTS, router_tracing._ATTEMPTS,
               router_tracing._OK_ATTEMPTS, otlp._ATTRIBUTES, otlp._BLOCKS, otlp._NAMED,
-              otlp._KEYS, otlp._PREFIXES)  # fmt: skip
+              otlp._KEYS, otlp._PREFIXES, router_tracing._RID_PREFIXES)  # fmt: skip
+    assert len(router_tracing._CHILDREN) <= 64
     assert all(len(c) <= bound for c in caches), [len(c) for c in caches]
 
 
@@ -142,3 +143,13 @@ def test_the_root_is_named_after_its_genai_operation(kind: str, name: str, attem
     root = decode(otlp.encode_fields(t.encode_spans(0), "svc"))[0]
     assert root.name == name
     assert root.attributes["gen_ai.operation.name"] == name.split()[0]
+
+
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_a_request_id_that_is_no_utf8_is_written_as_valid_utf8(attempts: int) -> None:
+    """A lone surrogate (a client's id, from a JSON body's escape) becomes "?"."""
+    t = RequestTrace("ab" * 16, "", "ef" * 8, "a\ud800b", 100.0, "", random.Random(1))
+    for i in range(attempts):
+        t.attempt_begin(f"e{i}", f"http://e{i}", "m", 100.002 + i * 0.01)
+        t.attempt_end("status_503" if i < attempts - 1 else "", 100.009 + i * 0.01)
+    assert _spans(t)[0].attributes["llmgw.request_id"] == "a?b"
