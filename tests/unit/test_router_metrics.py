@@ -36,6 +36,7 @@ def test_histogram_buckets_are_cumulative_and_exact(values: list[float]) -> None
         key = (name + "_bucket", tuple(sorted((model, ("le", str(bound))))))
         assert s[key] == sum(1 for v in values if v <= bound)
     assert abs(s[(name + "_sum", (model,))] - sum(values)) < 1e-6 * max(1.0, sum(values))
+    assert f'le="+Inf"}} {float(len(values))!r}' in m.exposition().decode()  # the format's own
 
 
 def test_workers_merge_counters_sum_gauges_max_inflight_sum() -> None:
