@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from llmgw.core.profile import Queueing
 from llmgw.router import requests
 from tests.unit import route_kit
 from tests.unit.route_kit import ENDPOINTS, SECRETS, Fleet, auth_headers, frozen_clocks
@@ -254,3 +255,28 @@ def test_route_without_a_path_takes_the_api_the_bodys_shape_names(kind: str, pat
         status, answer = asyncio.run(said())
     assert (status, answer["path"]) == (200, path), answer
     assert answer["chosen"] is not None
+
+
+async def _queued_said(full: tuple[str, ...]) -> Any:
+    cfg = route_kit.config("shared")
+    capped = msgspec.structs.replace(route_kit.MODELS[0],
+                                     queue=Queueing(max_inflight_per_endpoint=1))  # fmt: skip
+    fleet = Fleet(msgspec.structs.replace(cfg, models=(capped, *route_kit.MODELS[1:])))
+    for ep_id in ENDPOINTS:
+        fleet.endpoint(ep_id).ready = True
+        fleet.endpoint(ep_id).inflight = 1 if ep_id in full else 0
+    return await _route(fleet, body("chat", "m", 0, "Q1?", None), "ka", None)
+
+
+def test_route_says_which_endpoints_have_room_and_when_a_request_would_wait() -> None:
+    """A model whose profile bounds each endpoint's requests in flight: the endpoints at
+    the bound have no room, and with none left a request would wait in the queue."""
+    with frozen_clocks():
+        some = asyncio.run(_queued_said(("e0", "e1")))
+        none = asyncio.run(_queued_said(ENDPOINTS))
+    assert {row["id"]: row["has_room"] for row in some["endpoints"]} == {
+        "e0": False, "e1": False, "e2": True, "e3": True,
+    }  # fmt: skip
+    assert "waits" not in some
+    assert not any(row["has_room"] for row in none["endpoints"])
+    assert "waits" in none
