@@ -15,13 +15,15 @@ here at scrape time.
 
 With `--workers N` each worker writes a snapshot of its values to
 LLMGW_ROUTER_METRICS_DIR every second (and right before it answers a scrape);
-any worker's admin listener merges all snapshots, so one scrape sees the whole
-router: counters and histograms add up, per-endpoint gauges take the largest
-value (in-flight counts add up).
+any worker's admin listener merges its own values with the others' snapshots (its
+own even when its snapshot cannot be written), so one scrape sees the whole router:
+counters and histograms add up, per-endpoint gauges take the largest value (in-flight
+counts add up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from bisect import bisect_left
@@ -309,9 +311,13 @@ class Metrics:
         folder = metrics_dir()
         if folder is None:
             return render(self.all, [self.snapshot()])
-        self.write_snapshot(folder)
-        snaps: list[dict[str, list[tuple[Labels, Any]]]] = []
+        with contextlib.suppress(OSError):  # the writer's loop says so (llmgw.router.app)
+            self.write_snapshot(folder)  # for the other workers' scrapes
+        own = f"worker-{self.worker}.json"
+        snaps: list[dict[str, list[tuple[Labels, Any]]]] = [self.snapshot()]  # this moment's
         for f in sorted(Path(folder).glob("worker-*.json")):
+            if f.name == own:
+                continue
             try:
                 raw = msgspec.json.decode(f.read_bytes())
             except (OSError, msgspec.DecodeError):

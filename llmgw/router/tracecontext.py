@@ -7,14 +7,17 @@ request not sampled) forwards the context as a non-participating intermediary do
 Trace Context, section 2.3): as received, when valid (llmgw.core.tracing) and at most
 512 characters of printable ASCII (a later version's header may carry more fields, which
 are forwarded, never anything the engine's request could not carry), and nothing when
-not; `tracestate` only beside a valid `traceparent`, under the same bound. A router that
-records it names its own attempt span as the engine's parent instead
-(llmgw.router.tracing). Pure.
+not; `tracestate` only beside a valid `traceparent`, under the same bound. A request
+with two `traceparent` headers has none that may be continued (the W3C test suite's
+duplicated header: a new trace); several `tracestate` headers are one list, joined in
+their order (HTTP's rule for a repeated list header). A router that records it names its
+own attempt span as the engine's parent instead (llmgw.router.tracing). Pure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 from llmgw.core.tracing import parse_traceparent
 
@@ -27,9 +30,27 @@ def valid_traceparent(value: str) -> bool:
     return parse_traceparent(value) is not None
 
 
+def _values(headers: Mapping[str, str], name: str) -> list[str]:
+    """Every value of header `name` (a request's headers are a multidict; a plain mapping
+    holds one)."""
+    getall = getattr(headers, "getall", None)
+    if getall is not None:
+        return cast(list[str], getall(name, []))
+    value = headers.get(name)
+    return [] if value is None else [value]
+
+
+def traceparent(headers: Mapping[str, str]) -> str | None:
+    """The client's `traceparent`: None without one, or with more than one."""
+    value = headers.get("traceparent")
+    if value is not None and len(_values(headers, "traceparent")) > 1:
+        return None
+    return value
+
+
 def tracestate(headers: Mapping[str, str]) -> str:
     """The client's `tracestate`, when one may be passed on ("" when not)."""
-    state = headers.get("tracestate")
+    state = ",".join(v for v in _values(headers, "tracestate") if v)
     if state and _printable(state, MAX_TRACESTATE):
         return state
     return ""
@@ -43,7 +64,7 @@ def _printable(value: str, most: int) -> bool:
 
 def forwarded(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """The trace-context headers to send upstream for a request with `headers`."""
-    parent = headers.get("traceparent")
+    parent = traceparent(headers)
     if parent is None or not _printable(parent, MAX_TRACEPARENT) or not valid_traceparent(parent):
         return []
     out = [("traceparent", parent)]

@@ -60,7 +60,7 @@ class Tracer:
         time (`_refill`), already written out in hex: each call and object on a request's
         path costs several times more in a busy router than in a loop
         (tests/bench/bench_tracing.py)."""
-        value = headers.get("traceparent")
+        value = tracecontext.traceparent(headers)
         parent = tracing.parse_traceparent(value) if value is not None else None
         if parent is None:
             ratio = self.ratio
@@ -109,7 +109,7 @@ def bind_logs(
     unbind with, None when nothing was bound."""
     if trace is not None:
         return logs.TRACE.set((trace.trace_id, trace.root_id))
-    value = headers.get("traceparent")
+    value = tracecontext.traceparent(headers)
     if value is None:
         return None
     parent = tracing.parse_traceparent(value)

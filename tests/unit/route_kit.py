@@ -118,12 +118,16 @@ def frozen_clocks() -> Iterator[None]:
         yield
 
 
-def _request(path: str, body: bytes, headers: dict[str, str]) -> web.BaseRequest:
+def _request(
+    path: str, body: bytes, headers: dict[str, str], method: str = "POST", whole: bool = True
+) -> web.BaseRequest:
+    """A request of `body` (`whole`: all of it sent; else more is still to come)."""
     loop = asyncio.get_running_loop()
     reader = StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=loop)
     reader.feed_data(body)
-    reader.feed_eof()
-    return make_mocked_request("POST", path, headers=headers, payload=reader)
+    if whole:
+        reader.feed_eof()
+    return make_mocked_request(method, path, headers=headers, payload=reader)
 
 
 class Fleet:
@@ -157,6 +161,15 @@ class Fleet:
         assert isinstance(resp, web.Response)
         assert isinstance(resp.body, bytes)
         return resp.status, msgspec.json.decode(resp.body)
+
+    async def admin_answer(
+        self, method: str, path: str, headers: dict[str, str], body: bytes = b"",
+        whole: bool = True,
+    ) -> web.Response:  # fmt: skip
+        """The admin listener's answer to any request."""
+        resp = await self.admin.request_handler(_request(path, body, headers, method, whole))  # type: ignore[misc]
+        assert isinstance(resp, web.Response)
+        return resp
 
     def cached(self, ep_id: str, parsed: requests.Parsed, salt: str | None, blocks: int) -> None:
         """The engine of `ep_id` reports holding the first `blocks` blocks of a prompt sent
