@@ -6,12 +6,16 @@ command in flight (delivered, not yet acknowledged) while the other identity tri
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import nats.errors
 import pytest
 
-from llmgw.core import subjects
+from llmgw import bus
+from llmgw.bus import counters
+from llmgw.core import loadreport, subjects
 from llmgw.pki import authorization
 from llmgw.pki.identity import Identity
 from tests.harness import Connector
@@ -98,3 +102,33 @@ async def test_an_operator_adds_to_no_counter_and_reports_no_load(connect: Conne
         subjects.router_signals("alice", 0),
     ):
         await refused(connect, operator, "operator", "alice", subject)
+
+
+async def test_an_operator_reads_the_load_reports_and_the_tenants_counters(
+    connect: Connector,
+) -> None:
+    """What `llmgw ctl explain-scaling` and `llmgw ctl usage` read, as the operator."""
+    await bus.provision((await connect("control", "control-1")).jetstream())
+    router = await connect("router", "router-1")
+    await bus.SignalsPublisher(router, "router-1").publish(loadreport.LoadReport(ts=time.time()))
+    await router.flush()
+    rate = subjects.limit_counter("some-key", "r", 1)
+    usage = subjects.usage_counter("some-key", 1, "m", "in")
+    adder = counters.Counters(router, timeout_s=5)
+    assert await adder.add(rate, 3) == 3
+    assert await adder.add(usage, 7) == 7
+    operator = await connect("operator", "alice")
+    deadline = time.monotonic() + 30
+    while True:
+        reader = bus.SignalsReader(operator, since=0.0, follow=False, name="t")
+        got: list[bus.Record] = []
+        async with reader:
+            async for batch in reader.batches():
+                got.extend(batch)
+        if got or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert [r.subject for r in got] == [subjects.router_signals("router-1", 0)]
+    assert await counters.totals(operator, subjects.LIMITS_STREAM, ">") == {rate: 3}
+    assert await counters.totals(operator, subjects.USAGE_STREAM, ">") == {usage: 7}
+    assert connect.violations("operator", "alice") == []
