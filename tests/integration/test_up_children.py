@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,8 +30,8 @@ from llmgw.up.render import Plan
 
 # A service stand-in. argv: its name, the file it appends "<name> <event> <time>" lines to,
 # and what it does on SIGTERM: "exit", "ignore" or "linger:<seconds>" (exit that much later).
-# With "spawn" last it first starts a grandchild in its own process group that ignores
-# SIGTERM and writes its pid to the record.
+# With "spawn" last it first starts a grandchild (in its process group) and, once that
+# ignores SIGTERM, writes its pid to the record.
 SERVICE = r"""
 import os, signal, subprocess, sys, time
 name, record, on_term = sys.argv[1:4]
@@ -47,8 +48,12 @@ def term(signum, frame):
         sys.exit(0)
 signal.signal(signal.SIGTERM, term)
 if sys.argv[4:] == ["spawn"]:
+    ignoring = record + ".ignoring"
     grandchild = subprocess.Popen([sys.executable, "-c",
-        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(600)"])
+        "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "open(sys.argv[1], 'w').close()\ntime.sleep(600)", ignoring])
+    while not os.path.exists(ignoring):
+        time.sleep(0.01)
     note(f"grandchild {grandchild.pid}")
 print(f"{name} ready", flush=True)
 while True:
@@ -229,8 +234,14 @@ def test_a_service_that_dies_while_the_fleet_runs_is_named_with_its_log(
     assert victim.proc is not None
     victim.proc.kill()
     victim.proc.wait(10)
-    with pytest.raises(UpError) as stopped:
-        running._watch(fleet, time.monotonic())
+    # Should the death go unnoticed, a stop a minute later ends the watch (and the test).
+    unnoticed = threading.Timer(60.0, lambda: setattr(fleet, "stopping", True))
+    unnoticed.start()
+    try:
+        with pytest.raises(UpError) as stopped:
+            running._watch(fleet, time.monotonic())
+    finally:
+        unnoticed.cancel()
     message = str(stopped.value)
     assert message.startswith(f"node-2 exited (log {victim.log_path})")
     assert "node-2 ready" in message  # the tail of its log
