@@ -112,7 +112,11 @@ def test_status_parse_never_crashes_on_any_answer(
 
 
 def test_status_from_real_shaped_answers() -> None:
-    nodes = [{"name": "node-1", "liveness": "ready"}, {"name": "node-2", "liveness": "lost"}]
+    nodes = [
+        {"name": "node-1", "liveness": "ready"},
+        {"name": "node-2", "liveness": "lost"},
+        {"name": "node-3", "liveness": "unreachable"},  # not ready either
+    ]
     replicas = [
         {
             "id": "a",
@@ -131,15 +135,27 @@ def test_status_from_real_shaped_answers() -> None:
         'llmgw_router_requests_created{model="demo",status="200"} 1.7e9\n'
     )
     reading = status.parse(nodes, replicas, models, metrics)
-    assert (reading.nodes_ready, reading.nodes_total) == (1, 2)
+    assert (reading.nodes_ready, reading.nodes_total) == (1, 3)
     assert reading.endpoints == {"a": "http://x:1"}
     assert (reading.replicas_serving, reading.replicas_wanted) == (1, 2)
     assert reading.phases == {"serving": 1, "loading": 1}
     assert reading.requests_total == 9.0
     assert status.render(reading, 2.5) == [
-        "nodes 1/2 ready | replicas 1/2 serving (1 loading) | 2.5 req/s | 9 requests",
+        "nodes 1/3 ready | replicas 1/2 serving (1 loading) | 2.5 req/s | 9 requests",
         "engines: http://x:1 (node-1)",
     ]
+
+
+def test_ready_means_the_router_lists_the_model_and_counts_a_ready_endpoint() -> None:
+    """`llmgw up` says "ready" from the router's own answers: /v1/models lists the model by
+    id, and /ready counts at least one ready endpoint of it (none is not ready)."""
+    listed = b'{"object": "list", "data": [{"id": "demo", "object": "model", "owned_by": "x"}]}'
+    assert status.models_listed(listed) == {"demo"}
+    for unanswered in (None, b"", b"not json", b'{"data": "x"}', b'{"data": [{"name": "demo"}]}'):
+        assert status.models_listed(unanswered) == set()
+    ready = b'{"ready": true, "ready_endpoints": {"demo": 0, "other": 2, "odd": "1"}}'
+    assert status.ready_models(ready) == {"other"}
+    assert status.ready_models(b"garbage") == set()
 
 
 @given(data=st.binary(max_size=300))
