@@ -21,6 +21,7 @@ from llmgw.core import catalog
 from llmgw.ctl import catalogfile
 from llmgw.ctl import settings as ctl_settings
 from llmgw.ctl.errors import BadInput
+from llmgw.pki.store import CertDir
 from llmgw.router import config as router_config
 from llmgw.up import children, render, status
 from llmgw.up.layout import Layout
@@ -76,6 +77,13 @@ def test_every_rendered_config_passes_its_services_loader(tmp_path: Path, engine
     ctl = ctl_settings.load(write(tmp_path / "ctl.yaml", render.ctl(plan, URL)))
     assert ctl.servers == (URL,)
     assert Path(ctl.key_path).name == "admin-key.pem"
+    # Every certificate a config names is one `up` issues (nats-server admits only those).
+    issued = {str(CertDir(plan.layout.certs).cert(i)) for i in plan.identities}
+    named = {ctrl.nats.cert_file, routed.log.cert_file, ctl.cert_file, agent.nats.cert_file}
+    assert named <= issued
+    # The router listens where asked; the admin APIs (no authentication) on loopback only.
+    assert routed.listen.host == plan.host
+    assert ctrl.admin.host == routed.admin.host == "127.0.0.1"
 
 
 def test_a_bad_model_name_is_refused_by_the_loader_not_silently_served(tmp_path: Path) -> None:
