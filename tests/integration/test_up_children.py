@@ -364,3 +364,33 @@ def test_an_engine_file_naming_another_process_group_signals_nobody(
     assert engine.poll() is None
     assert noted(record) == []
     assert path.exists()  # the agent reports it when it starts (it refuses to adopt it)
+
+
+def test_a_new_run_stops_what_the_last_one_left_but_not_the_up_holding_the_lock(
+    tmp_path: Path, started: list[Child]
+) -> None:
+    plan = Plan(layout=Layout(tmp_path / "state"), nodes=1, port=free_port())
+    plan.layout.make()
+    record = tmp_path / "record"
+    # A router the last run left, and the `up` that holds the directory now.
+    for name, pid_file in (
+        ("router", plan.layout.pid_file("router")),
+        ("up", plan.layout.up_pid_file),
+    ):
+        child = Child(
+            name, service_argv(name, record, "exit"), log_path=tmp_path / name, pid_file=pid_file
+        )
+        child.start()
+        started.append(child)
+        child.wait_for(rf"^{name} ready$", 60.0, lambda: False)
+    leftover, holder = started
+    out = io.StringIO()
+    running.Fleet(plan, out, tty=False).clean_up_previous()
+    assert leftover.proc is not None
+    assert leftover.proc.wait(30) == 0  # SIGTERM, handled
+    assert f"stopped what a previous run left running: router (pid {leftover.pid})" in (
+        out.getvalue()
+    )
+    assert holder.running
+    assert plan.layout.up_pid_file.exists()
+    assert [(n, e) for n, e, _ in noted(record)] == [("router", "term")]
