@@ -4,6 +4,7 @@ own loader, node addresses never collide, status parsing survives any input."""
 from __future__ import annotations
 
 import ipaddress
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from llmgw.ctl import settings as ctl_settings
 from llmgw.ctl.errors import BadInput
 from llmgw.pki.store import CertDir
 from llmgw.router import config as router_config
-from llmgw.up import children, render, status
+from llmgw.up import children, locating, render, running, status
 from llmgw.up.layout import Layout
 from llmgw.up.render import Plan
 
@@ -222,3 +223,45 @@ def test_a_host_that_is_no_address_here_is_blamed_not_the_port(tmp_path: Path, h
     line = result.output.strip()
     assert len(line.splitlines()) == 1, line
     assert "set --host to an address of this machine" in line
+
+
+def test_the_command_line_becomes_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plans: list[Plan] = []
+
+    def run(plan: Plan) -> int:
+        plans.append(plan)
+        return 0
+
+    monkeypatch.setattr(running, "run", run)
+    # Relative, as the default .llmgw is: the services run in it, so it is made absolute.
+    monkeypatch.chdir(tmp_path)
+    common = ["up", "--state-dir", "fleet", "--port", "18090"]
+    result = CliRunner().invoke(app, [*common, "--nodes", "3", "--model", "m1"])
+    assert result.exit_code == 0, result.output
+    [plan] = plans
+    assert (plan.nodes, plan.model, plan.port, plan.engine) == (3, "m1", 18090, "sim")
+    assert plan.replicas == 3  # one per simulated node unless --replicas says otherwise
+    assert plan.layout.root == (tmp_path / "fleet").resolve()
+    assert plan.layout.root.is_absolute()
+    for wrong, said in (
+        (["--model-file", str(tmp_path / "x.gguf")], "--model-file is for --engine llamacpp"),
+        (["--engine", "vllm"], "--engine 'vllm' is not one of sim, llamacpp"),
+    ):
+        refused = CliRunner().invoke(app, [*common, *wrong])
+        assert refused.exit_code == 2
+        assert said in refused.output
+    assert len(plans) == 1
+
+
+def test_the_files_up_finds_for_llamacpp_exist(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    env = {"LLMGW_LLAMA_SERVER": str(binary), "LLMGW_CACHE": str(tmp_path / "no-cache")}
+    # Not executable: not it (PATH's, if any, instead).
+    assert locating.find_llama_server(env) in (None, shutil.which("llama-server"))
+    binary.chmod(0o755)
+    assert locating.find_llama_server(env) == str(binary)
+    gguf = tmp_path / "m.gguf"
+    assert locating.find_smollm2({"LLMGW_SMOLLM2_GGUF": str(gguf)}) != str(gguf)  # missing
+    gguf.write_bytes(b"GGUF")
+    assert locating.find_smollm2({"LLMGW_SMOLLM2_GGUF": str(gguf)}) == str(gguf)
