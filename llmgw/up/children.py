@@ -237,17 +237,20 @@ def stop_engines(agent_states: Sequence[Path], timeout_s: float = 10.0) -> list[
 
     Agents leave their engines running when they stop (a restarted agent adopts them), so
     this is how `up` leaves no process behind. SIGTERM to each engine's process group,
-    SIGKILL after `timeout_s`. Returns the pids of the engines that were running.
+    SIGKILL after `timeout_s`; never to a group that is not the engine's own
+    (`pidfiles.foreign_group`). Returns the pids of the engines that were stopped.
     """
     live: list[tuple[Path, pidfiles.ShardRecord]] = []
     for state in agent_states:
         for path, rec in engine_records(state):
-            if not processes.mismatch(rec.process):
-                live.append((path, rec))
-                processes.signal_group(rec.pgid, signal.SIGTERM)
-            else:
+            if processes.mismatch(rec.process):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+            elif not pidfiles.foreign_group(rec):
+                live.append((path, rec))
+                processes.signal_group(rec.pgid, signal.SIGTERM)
+            # A file naming a group that is not its engine's was edited: signalling it could
+            # stop anything; it stays, and the agent reports it when it starts.
     for path, rec in live:
         if not _wait_gone(functools.partial(_group_alive, rec.pgid), timeout_s):
             processes.signal_group(rec.pgid, signal.SIGKILL)

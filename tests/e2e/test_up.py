@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from openai import OpenAI
 
@@ -249,6 +251,8 @@ def test_a_folder_named_llmgw_in_the_working_directory_is_not_run(
         f"import pathlib\npathlib.Path({str(marker)!r}).write_text('oops')\n"
     )
     (fake / "__main__.py").write_text("raise SystemExit(3)\n")
+    # The services run in the state directory: a folder named llmgw there is not run either.
+    shutil.copytree(fake, tmp_path / "state" / "llmgw")
     # `up` itself is started the way the `llmgw` script starts it: without the cwd.
     up = up_kit.start_up(tmp_path, "--nodes", "1", cwd=here, python_args=("-P",))
     ups.append(up)
@@ -333,3 +337,20 @@ def post_json(url: str, body: dict[str, object]) -> dict[str, Any]:
     with urllib.request.urlopen(req, timeout=5) as r:
         answer: dict[str, Any] = json.loads(r.read())
     return answer
+
+
+def test_a_service_that_dies_stops_the_fleet_and_says_which(tmp_path: Path, ups: list[Up]) -> None:
+    up = up_kit.start_up(tmp_path, "--nodes", "1")
+    ups.append(up)
+    up.wait_for(r"^llmgw up: ready in", 60.0)
+    up.snapshot()
+    router = msgspec.json.decode(
+        (up.state_dir / "run" / "router.json").read_bytes(), type=processes.Fingerprint
+    )
+    os.kill(router.pid, signal.SIGKILL)
+    assert up.proc.wait(60) == 1
+    out = up.output()
+    assert f"llmgw up: router exited (log {up.state_dir.resolve() / 'logs' / 'router.log'})" in out
+    assert "llmgw up: stopped" in out
+    assert up.leftovers() == [], out
+    assert not list((up.state_dir / "run").glob("*.json"))

@@ -4,9 +4,11 @@ directory that keeps the CA, the certificates and the log."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import nats
+import pytest
 
 from llmgw import bus, natsd
 from llmgw.core import subjects
@@ -63,3 +65,35 @@ async def test_local_nats_runs_admits_new_identities_and_keeps_its_state(tmp_pat
     finally:
         again.stop()
     assert "sync_interval: always" in again.config_path.read_text()
+
+
+async def test_local_nats_on_another_address_is_certified_for_it(tmp_path: Path) -> None:
+    # Clients check the server certificate against the address they dial.
+    local = natsd.LocalNats(tmp_path / "nats", host="127.0.0.2")
+    local.prepare([CONTROL])
+    local.start()
+    try:
+        assert local.url.startswith("tls://127.0.0.2:")
+        control = await connect(local, CONTROL)
+        assert control.is_connected
+        await control.close()
+    finally:
+        local.stop()
+
+
+def test_a_refused_reload_fails_at_once_and_the_server_keeps_running(tmp_path: Path) -> None:
+    local = natsd.LocalNats(tmp_path / "nats")
+    local.prepare([CONTROL])
+    server = natsd.NatsServer(
+        local.config_path, host=local.host, port=local.port, log_path=local.log_path
+    )
+    server.start()
+    try:
+        local.config_path.write_text(local.config_path.read_text() + "\nnot { a config\n")
+        began = time.monotonic()
+        with pytest.raises(natsd.NatsServerError, match="refused the reloaded configuration"):
+            server.reload(timeout_s=60.0)
+        assert time.monotonic() - began < 30  # the refusal, not the timeout, ended the wait
+        assert server.running
+    finally:
+        server.stop()

@@ -187,6 +187,8 @@ def _bodies(endpoint: str, stream: str, target: str, consumer: str) -> list[dict
             {"seq": 1, "batch": 20},
             {"multi_last": [">"], "batch": 20},
         ]
+    if ".MSG.DELETE." in endpoint:
+        return [{"seq": 1}, {"seq": 2}, {"seq": 1, "no_erase": True}]
     if ".STREAM.SNAPSHOT." in endpoint:
         return [{"deliver_subject": target, "chunk_size": 1024}]
     if ".STREAM.RESTORE." in endpoint:
@@ -261,6 +263,18 @@ def grown(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -
         for subject, n in counts.items()
         if n > before.get(stream, {}).get(subject, 0)
         or (stream in COUNTERS and n != before.get(stream, {}).get(subject, 0))
+    }
+
+
+def shrunk(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> set[str]:
+    """Subjects of the log and the buckets holding fewer messages than before. (The derived
+    streams age their messages out within a minute, so they may shrink on their own.)"""
+    return {
+        subject
+        for stream, counts in before.items()
+        if stream in (STREAM, LEASE, SNAPS)
+        for subject, n in counts.items()
+        if after.get(stream, {}).get(subject, 0) < n
     }
 
 
@@ -380,6 +394,9 @@ async def test_no_identity_makes_the_server_store_where_it_may_not_write(
     after = await settle(admin)
     foreign = {s for s in grown(before, after) if not owns(attacker, s)}
     assert not foreign, f"{attacker} made the server store on {sorted(foreign)}"
+    if attacker.kind != "control":  # the control plane manages the streams: it may delete
+        lost = shrunk(before, after)
+        assert not lost, f"{attacker} removed messages on {sorted(lost)}"
     if attacker.kind != "control":  # the control plane owns the lease, and may purge it
         lease_after = await admin.jetstream().get_last_msg(LEASE, LEASE_KEY)
         assert lease_after.data == lease_before.data

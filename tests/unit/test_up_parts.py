@@ -4,6 +4,7 @@ own loader, node addresses never collide, status parsing survives any input."""
 from __future__ import annotations
 
 import ipaddress
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ from llmgw.core import catalog
 from llmgw.ctl import catalogfile
 from llmgw.ctl import settings as ctl_settings
 from llmgw.ctl.errors import BadInput
+from llmgw.pki.store import CertDir
 from llmgw.router import config as router_config
-from llmgw.up import children, render, status
+from llmgw.up import children, locating, render, running, status
 from llmgw.up.layout import Layout
 from llmgw.up.render import Plan
 
@@ -76,6 +78,13 @@ def test_every_rendered_config_passes_its_services_loader(tmp_path: Path, engine
     ctl = ctl_settings.load(write(tmp_path / "ctl.yaml", render.ctl(plan, URL)))
     assert ctl.servers == (URL,)
     assert Path(ctl.key_path).name == "admin-key.pem"
+    # Every certificate a config names is one `up` issues (nats-server admits only those).
+    issued = {str(CertDir(plan.layout.certs).cert(i)) for i in plan.identities}
+    named = {ctrl.nats.cert_file, routed.log.cert_file, ctl.cert_file, agent.nats.cert_file}
+    assert named <= issued
+    # The router listens where asked; the admin APIs (no authentication) on loopback only.
+    assert routed.listen.host == plan.host
+    assert ctrl.admin.host == routed.admin.host == "127.0.0.1"
 
 
 def test_a_bad_model_name_is_refused_by_the_loader_not_silently_served(tmp_path: Path) -> None:
@@ -112,7 +121,11 @@ def test_status_parse_never_crashes_on_any_answer(
 
 
 def test_status_from_real_shaped_answers() -> None:
-    nodes = [{"name": "node-1", "liveness": "ready"}, {"name": "node-2", "liveness": "lost"}]
+    nodes = [
+        {"name": "node-1", "liveness": "ready"},
+        {"name": "node-2", "liveness": "lost"},
+        {"name": "node-3", "liveness": "unreachable"},  # not ready either
+    ]
     replicas = [
         {
             "id": "a",
@@ -131,15 +144,27 @@ def test_status_from_real_shaped_answers() -> None:
         'llmgw_router_requests_created{model="demo",status="200"} 1.7e9\n'
     )
     reading = status.parse(nodes, replicas, models, metrics)
-    assert (reading.nodes_ready, reading.nodes_total) == (1, 2)
+    assert (reading.nodes_ready, reading.nodes_total) == (1, 3)
     assert reading.endpoints == {"a": "http://x:1"}
     assert (reading.replicas_serving, reading.replicas_wanted) == (1, 2)
     assert reading.phases == {"serving": 1, "loading": 1}
     assert reading.requests_total == 9.0
     assert status.render(reading, 2.5) == [
-        "nodes 1/2 ready | replicas 1/2 serving (1 loading) | 2.5 req/s | 9 requests",
+        "nodes 1/3 ready | replicas 1/2 serving (1 loading) | 2.5 req/s | 9 requests",
         "engines: http://x:1 (node-1)",
     ]
+
+
+def test_ready_means_the_router_lists_the_model_and_counts_a_ready_endpoint() -> None:
+    """`llmgw up` says "ready" from the router's own answers: /v1/models lists the model by
+    id, and /ready counts at least one ready endpoint of it (none is not ready)."""
+    listed = b'{"object": "list", "data": [{"id": "demo", "object": "model", "owned_by": "x"}]}'
+    assert status.models_listed(listed) == {"demo"}
+    for unanswered in (None, b"", b"not json", b'{"data": "x"}', b'{"data": [{"name": "demo"}]}'):
+        assert status.models_listed(unanswered) == set()
+    ready = b'{"ready": true, "ready_endpoints": {"demo": 0, "other": 2, "odd": "1"}}'
+    assert status.ready_models(ready) == {"other"}
+    assert status.ready_models(b"garbage") == set()
 
 
 @given(data=st.binary(max_size=300))
@@ -198,3 +223,45 @@ def test_a_host_that_is_no_address_here_is_blamed_not_the_port(tmp_path: Path, h
     line = result.output.strip()
     assert len(line.splitlines()) == 1, line
     assert "set --host to an address of this machine" in line
+
+
+def test_the_command_line_becomes_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plans: list[Plan] = []
+
+    def run(plan: Plan) -> int:
+        plans.append(plan)
+        return 0
+
+    monkeypatch.setattr(running, "run", run)
+    # Relative, as the default .llmgw is: the services run in it, so it is made absolute.
+    monkeypatch.chdir(tmp_path)
+    common = ["up", "--state-dir", "fleet", "--port", "18090"]
+    result = CliRunner().invoke(app, [*common, "--nodes", "3", "--model", "m1"])
+    assert result.exit_code == 0, result.output
+    [plan] = plans
+    assert (plan.nodes, plan.model, plan.port, plan.engine) == (3, "m1", 18090, "sim")
+    assert plan.replicas == 3  # one per simulated node unless --replicas says otherwise
+    assert plan.layout.root == (tmp_path / "fleet").resolve()
+    assert plan.layout.root.is_absolute()
+    for wrong, said in (
+        (["--model-file", str(tmp_path / "x.gguf")], "--model-file is for --engine llamacpp"),
+        (["--engine", "vllm"], "--engine 'vllm' is not one of sim, llamacpp"),
+    ):
+        refused = CliRunner().invoke(app, [*common, *wrong])
+        assert refused.exit_code == 2
+        assert said in refused.output
+    assert len(plans) == 1
+
+
+def test_the_files_up_finds_for_llamacpp_exist(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    env = {"LLMGW_LLAMA_SERVER": str(binary), "LLMGW_CACHE": str(tmp_path / "no-cache")}
+    # Not executable: not it (PATH's, if any, instead).
+    assert locating.find_llama_server(env) in (None, shutil.which("llama-server"))
+    binary.chmod(0o755)
+    assert locating.find_llama_server(env) == str(binary)
+    gguf = tmp_path / "m.gguf"
+    assert locating.find_smollm2({"LLMGW_SMOLLM2_GGUF": str(gguf)}) != str(gguf)  # missing
+    gguf.write_bytes(b"GGUF")
+    assert locating.find_smollm2({"LLMGW_SMOLLM2_GGUF": str(gguf)}) == str(gguf)
