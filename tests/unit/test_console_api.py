@@ -1,8 +1,9 @@
 """The console's HTTP API in process (aiohttp's test server running the app `llmgw console`
-serves, over a fold held in memory): the event list's limit, the write guard's JSON body,
-the body size bound, the headers that keep the page out of another site's frame, the `Host`
-values a browser sends, the fields and events of a write, and the live fold's handling of a
-batch seen twice and of a page that stops reading."""
+serves, over a fold held in memory): the event list's limit and filters, the write guard's
+JSON body, the body size bound, the headers that keep the page out of another site's frame,
+the answers while the log is away, the token's one way into a cookie, the `Host` values a
+browser sends, the fields of a write, and the live fold's handling of a batch seen twice and
+of a page that stops reading."""
 
 from __future__ import annotations
 
