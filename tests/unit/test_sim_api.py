@@ -207,3 +207,40 @@ def test_latency_model() -> None:
     assert lat.step_s(4, 100) == pytest.approx(0.014)
     assert not lat.zero
     assert LatencyModel().zero
+
+
+@pytest.mark.parametrize(
+    ("prepare", "body", "param"),
+    [
+        (api.prepare_chat, chat(functions=[{"name": "f"}]), "tools"),
+        (api.prepare_chat, chat(tool_choice="required"), "tool_choice"),
+        (api.prepare_chat, chat(response_format={"type": "json_object"}), "response_format"),
+        (api.prepare_completion, b'{"model": "m", "prompt": "p", "echo": true}', "echo"),
+        (api.prepare_completion, b'{"model": "m", "prompt": "p", "suffix": "s"}', "suffix"),
+        (api.prepare_completion, b'{"model": "m", "prompt": "p", "best_of": 2}', "best_of"),
+    ],
+)
+def test_what_the_sim_cannot_do_is_refused_as_unsupported(
+    prepare: Any, body: bytes, param: str
+) -> None:
+    with pytest.raises(api.ApiError) as info:
+        prepare(body, CFG)
+    assert (info.value.status, info.value.code, info.value.param) == (
+        400, "unsupported_parameter", param
+    )  # fmt: skip
+
+
+def test_a_chat_prompt_is_rendered_as_vllm_renders_it() -> None:
+    """Every chat role, a message's text parts joined by a newline, and
+    max_completion_tokens over the deprecated max_tokens."""
+    msgs = [
+        {"role": "developer", "content": "d"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+                                     {"type": "text", "text": "b"}]},
+        {"role": "tool", "content": None},
+    ]  # fmt: skip
+    p = api.prepare_chat(chat(messages=msgs, max_tokens=9, max_completion_tokens=2), CFG)
+    assert p.prompt == tokens.tokenize(
+        tokens.render_chat([("developer", "d"), ("user", "a\nb"), ("tool", "")])
+    )
+    assert p.max_tokens == 2
