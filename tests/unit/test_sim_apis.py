@@ -119,3 +119,31 @@ def test_openai_usage_counts_the_total_and_the_cached_prompt() -> None:
     p = api.prepare_chat(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', CFG)
     opening = json.loads(bodies.StreamFormat(p, "r1", 5).opening().removeprefix(b"data: "))
     assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_tokenize_takes_a_prompt_or_messages_and_detokenize_gives_the_text_back() -> None:
+    doc = json.loads(apis.tokenize(b'{"model": "m", "prompt": "a b"}', CFG))
+    assert doc["count"] == len(doc["tokens"]) == len(tokens.tokenize("a b"))
+    assert doc["max_model_len"] == 64
+    back = apis.detokenize(json.dumps({"model": "m", "tokens": doc["tokens"]}).encode(), CFG)
+    assert json.loads(back) == {"prompt": "a b"}
+    both = {"model": "m", "prompt": "a", "messages": [{"role": "user", "content": "a"}]}
+    for body in ({"model": "m"}, both):
+        with pytest.raises(api.ApiError) as info:
+            apis.tokenize(json.dumps(body).encode(), CFG)
+        assert info.value.param == "prompt"
+
+
+def test_rerank_puts_the_most_relevant_first_and_keeps_top_n() -> None:
+    docs = ["blue sky", "red apple", "green apple pie", "a car"]
+    body = {"model": "m", "query": "red apple", "documents": docs}
+    results = json.loads(apis.rerank(json.dumps(body).encode(), CFG, "r1")[0])["results"]
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True)
+    assert (results[0]["index"], results[0]["document"]["text"]) == (1, "red apple")
+    assert sorted(r["index"] for r in results) == [0, 1, 2, 3]
+    top = json.loads(apis.rerank(json.dumps({**body, "top_n": 2}).encode(), CFG, "r1")[0])
+    assert top["results"] == results[:2]
+    with pytest.raises(api.ApiError) as info:
+        apis.rerank(json.dumps({**body, "top_n": 0}).encode(), CFG, "r1")
+    assert info.value.param == "top_n"
