@@ -151,9 +151,7 @@ async def test_the_engines_sockets_speak_vllms_wire_format(
         topic, seq_b, payload = live[0]
         assert topic == pub.cfg.topic.encode()
         seq = int.from_bytes(seq_b, "big")
-        assert len(seq_b) == 8
-        assert seq >= 2
-        assert msgspec.msgpack.decode(payload)["events"][0]["block_hashes"] == [seq]
+        assert len(seq_b) == 8  # its payload is the replay's batch of that sequence (below)
 
         end = (-1).to_bytes(8, "big", signed=True)
 
