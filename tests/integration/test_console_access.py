@@ -1,21 +1,25 @@
 """Who may use `llmgw console`: loopback unless told otherwise, and beyond it HTTPS that
-admits operator certificates of the fleet's CA only, for reads and writes alike. The
-console runs as a real process over a real nats-server with mTLS."""
+admits operator certificates of the fleet's CA only, for reads and writes alike; a write
+is the console's event, and names the operator whose certificate asked for it when that
+is not the console's own. The console runs as a real process over a real nats-server with
+mTLS."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
-from llmgw import bus
 from tests.e2e.console_kit import console_argv
 from tests.e2e.fleet_kit import Service
-from tests.harness import TestNatsServer, connect_as
+from tests.harness import TestNatsServer
+from tests.integration.ctl_kit import node_a_registered
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +30,10 @@ pytestmark = pytest.mark.slow
         (("--host", "0.0.0.0"), "would show the fleet to anyone"),
         (("--host", "10.1.2.3"), "--tls-cert and --tls-key"),
         (("--tls-cert", "/nonexistent.pem"), "give --tls-cert and --tls-key together"),
+        (("--header-timeout-s", "0"), "--header-timeout-s must be above 0"),
     ],
 )
-def test_listening_beyond_loopback_without_https_is_refused(
+def test_a_listener_without_its_guards_is_refused(
     nats_server: TestNatsServer, extra: tuple[str, ...], said: str
 ) -> None:
     nats_server.pki.client_tls("operator", "alice")
@@ -42,11 +47,14 @@ def test_listening_beyond_loopback_without_https_is_refused(
 async def test_over_https_only_operator_certificates_read_or_write(
     nats_server: TestNatsServer, tmp_path: Path
 ) -> None:
-    control = await connect_as(nats_server, "control", "control-a")
-    await bus.provision(control.jetstream())
-    await control.close()
+    async with node_a_registered(nats_server):
+        await _only_operators(nats_server, tmp_path)
+
+
+async def _only_operators(nats_server: TestNatsServer, tmp_path: Path) -> None:
     pki = nats_server.pki
     operator_tls = pki.client_tls("operator", "alice")
+    bob_tls = pki.client_tls("operator", "bob")
     node_tls = pki.client_tls("node", "node-a")
     router_tls = pki.client_tls("router", "r1")
     console = Service(
@@ -65,28 +73,47 @@ async def test_over_https_only_operator_certificates_read_or_write(
     try:
         async with aiohttp.ClientSession() as http:
 
-            async def status(tls: ssl.SSLContext, path: str, post: bool = False) -> int:
+            async def answer(tls: ssl.SSLContext, path: str, body: Any = None) -> tuple[int, Any]:
                 headers = {"X-Llmgw-Console": "1"}
-                call = http.post(base + path, json={}, headers=headers, ssl=tls) if post else \
-                    http.get(base + path, ssl=tls)  # fmt: skip
+                call = http.get(base + path, ssl=tls) if body is None else \
+                    http.post(base + path, json=body, headers=headers, ssl=tls)  # fmt: skip
                 async with call as resp:
-                    await resp.read()
-                    return resp.status
+                    data = await resp.read()
+                    is_json = resp.content_type == "application/json"
+                    return resp.status, json.loads(data) if is_json else None
+
+            async def status(tls: ssl.SSLContext, path: str, post: bool = False) -> int:
+                return (await answer(tls, path, {} if post else None))[0]
 
             async def ready() -> bool:
-                return await status(operator_tls, "/api/fleet") == 200
+                code, view = await answer(operator_tls, "/api/fleet")
+                return code == 200 and [n["name"] for n in view["nodes"]] == ["node-a"]
 
             for _ in range(120):
                 if await ready():
                     break
                 await asyncio.sleep(0.5)
+            assert await ready()
             assert await status(operator_tls, "/") == 200
             for other in (node_tls, router_tls):
                 assert await status(other, "/api/fleet") == 403
                 assert await status(other, "/") == 403
                 assert await status(other, "/api/nodes/node-a/cordon", post=True) == 403
             # An operator's write reaches the checks (no such node: a 400, not a 403).
-            assert await status(operator_tls, "/api/nodes/node-a/cordon", post=True) == 400
+            assert await status(operator_tls, "/api/nodes/ghost/cordon", post=True) == 400
+            # Bob's cordon is the console's (alice's) event, and says that bob asked.
+            code, done = await answer(bob_tls, "/api/nodes/node-a/cordon", {"reason": "fans"})
+            assert code == 200, done
+            assert (done["published"]["type"], done["published"]["operator"]) == (
+                "operator.node_cordoned", "alice"
+            )  # fmt: skip
+            assert done["published"]["event"]["reason"] == "fans (by bob through the console)"
+            code, done = await answer(operator_tls, "/api/nodes/node-a/uncordon", {})
+            assert code == 200, done
+            assert done["published"]["type"] == "operator.node_uncordoned"
+            code, done = await answer(operator_tls, "/api/nodes/node-a/cordon", {"reason": "x"})
+            assert code == 200, done
+            assert done["published"]["event"]["reason"] == "x"  # alice is the console
             with pytest.raises(aiohttp.ClientError):
                 await status(pki.anonymous_tls(), "/api/fleet")
     finally:

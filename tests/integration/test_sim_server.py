@@ -488,6 +488,20 @@ async def test_faults_stall_fail_and_die_on_demand() -> None:
             assert b"[DONE]" not in events
             assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events)
 
+            s.faults(die_mid_stream=True, after_tokens=0, count=1)  # before the first token
+            times, events, err = await _chunks(http, s.url)
+            assert err is not None
+            assert events == []
+
+            for where in ("first_token", "mid_stream"):  # an unstreamed answer stalls whole
+                s.faults(stall_at=where, stall_s=0.4, count=1)
+                t0 = time.perf_counter()
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 3}
+                async with http.post(s.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    assert (await r.json())["usage"]["completion_tokens"] == 3
+                assert time.perf_counter() - t0 >= 0.4, where
+
             plan = s.faults(fail_status=503, count=2)
             assert plan["count"] == 2
             assert plan["active"]

@@ -1,18 +1,24 @@
 """An engine relay (llmgw.agent.kvrelay) against an engine's real ZMQ sockets (the sim's
 publisher: vLLM's wire format, its replay socket): what the engine published before the
-relay subscribed, or while batches were lost, is asked for again and folded once."""
+relay subscribed, or while batches were lost, is asked for again and folded once; and the
+sockets' frames and payloads are vLLM's."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from llmgw.agent.kvrelay import EngineRelay
 from llmgw.core import kvblocks
+from llmgw.sim import kvevents
 from llmgw.sim.config import KvEventsConfig
 from llmgw.sim.kvcache import StoredEvent
 from llmgw.sim.kvevents import Publisher, encode_batch, wire_events
@@ -114,3 +120,86 @@ async def test_a_cleared_cache_reaches_routers_as_a_full_update_at_once(
     (full,) = [u for u in sent.updates[1:] if u.full]
     assert len(full.stored) == 1
     assert full.stored != [first]  # the new engine block only: the old one is gone
+
+
+async def test_the_engines_sockets_speak_vllms_wire_format(
+    engine: tuple[Publisher, str, str],
+) -> None:
+    """What any reader of vLLM's sockets gets: on the PUB socket (topic, 8-byte big-endian
+    sequence counting batches from 0, payload); from the replay, every kept batch from the
+    sequence asked for as (sequence, payload), then (-1, empty); a payload is an EventBatch
+    of tagged maps, a cache's clearing first, a salt in its first block's extra keys."""
+    pub, events, replay = engine
+    ctx = zmq.asyncio.Context()
+    sub, dealer = ctx.socket(zmq.SUB), ctx.socket(zmq.DEALER)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(events)
+        pub.publish([("stored", [0, 1], None, [5] * (2 * BS), "salt-1")], cleared=True)
+        pub.publish([("removed", [1])])
+        live: list[list[bytes]] = []
+        published = [2]
+
+        async def one_live() -> bool:  # a SUB joins late: batches go out until one lands
+            pub.publish([_chain_link(published[0])])  # block n in batch n
+            published[0] += 1
+            if await sub.poll(200):
+                live.append(await sub.recv_multipart())
+            return bool(live)
+
+        await wait_for(one_live, 30, "a batch on the PUB socket")
+        topic, seq_b, payload = live[0]
+        assert topic == pub.cfg.topic.encode()
+        seq = int.from_bytes(seq_b, "big")
+        assert len(seq_b) == 8  # its payload is the replay's batch of that sequence (below)
+
+        end = (-1).to_bytes(8, "big", signed=True)
+
+        async def replayed(start: int) -> list[list[bytes]]:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            frames = [await asyncio.wait_for(dealer.recv_multipart(), 30)]
+            while frames[-1][1] != end:
+                frames.append(await asyncio.wait_for(dealer.recv_multipart(), 30))
+            assert frames[-1] == [b"", end, b""]
+            return frames[:-1]
+
+        await wait_for(lambda: pub.sent == published[0], 30, "every batch sent")
+        dealer.connect(replay)
+        got = await replayed(0)
+        assert len(got) == published[0]
+        assert [f[1] for f in got] == [s.to_bytes(8, "big") for s in range(len(got))]
+        assert got[seq][2] == payload
+        first = msgspec.msgpack.decode(got[0][2])
+        assert isinstance(first["ts"], float)
+        assert first["data_parallel_rank"] == 0
+        cleared, stored = first["events"]
+        assert cleared == {"type": "AllBlocksCleared"}
+        assert stored == {
+            "type": "BlockStored", "block_hashes": [0, 1], "parent_block_hash": None,
+            "token_ids": [5] * (2 * BS), "block_size": BS, "lora_id": None, "medium": "GPU",
+            "lora_name": None, "extra_keys": [["salt-1"], None],
+        }  # fmt: skip
+        (removed,) = msgspec.msgpack.decode(got[1][2])["events"]
+        assert removed == {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+        assert [f[1] for f in await replayed(seq)] == [f[1] for f in got[seq:]]
+    finally:
+        sub.close(0)
+        dealer.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "binds"),
+    [
+        ("tcp://*:5557", True),
+        ("tcp://[::]:5557", True),
+        ("ipc:///tmp/kv.events", True),
+        ("inproc://kv", True),
+        ("tcp://127.0.0.1:5557", False),
+        ("tcp://relay.example:5557", False),
+    ],
+)
+def test_the_engine_binds_where_vllm_binds_and_connects_elsewhere(
+    endpoint: str, binds: bool
+) -> None:
+    assert kvevents._binds(endpoint) is binds

@@ -39,6 +39,21 @@ def test_max_tokens_defaults_to_what_the_context_leaves() -> None:
     assert p.model == "alias"
 
 
+def test_prompt_and_output_fill_the_context_exactly() -> None:
+    """vLLM's rule: the prompt and the output together fit max_model_len (64 here), and a
+    prompt that fills it leaves no room for even one token."""
+
+    def completion(n: int, **kw: Any) -> bytes:
+        return json.dumps({"model": "m", "prompt": list(range(n)), **kw}).encode()
+
+    assert api.prepare_completion(completion(60, max_tokens=4), CFG).max_tokens == 4
+    assert api.prepare_completion(completion(63), CFG).max_tokens == 1
+    for body in (completion(60, max_tokens=5), completion(64)):
+        with pytest.raises(api.ApiError) as info:
+            api.prepare_completion(body, CFG)
+        assert info.value.code == "context_length_exceeded"
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [
@@ -69,6 +84,51 @@ def test_bad_chat_requests_say_what_is_wrong(body: bytes, status: int, code: str
     assert info.value.code == code
     doc = json.loads(info.value.body())
     assert set(doc["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"temperature": 0}, {"temperature": 2}, {"top_p": 1}, {"frequency_penalty": -2},
+     {"presence_penalty": 2}, {"stop": [f"s{i}" for i in range(16)]}, {"n": 1}],
+)  # fmt: skip
+def test_the_edges_of_what_openai_accepts_are_accepted(fields: dict[str, Any]) -> None:
+    api.prepare_chat(chat(**fields), CFG)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"temperature": -0.01}, {"temperature": 2.01}, {"top_p": 0}, {"top_p": 1.01},
+     {"frequency_penalty": -2.01}, {"presence_penalty": 2.01},
+     {"stop": [f"s{i}" for i in range(17)]}, {"n": 2}],
+)  # fmt: skip
+def test_just_beyond_them_is_refused_naming_the_parameter(fields: dict[str, Any]) -> None:
+    with pytest.raises(api.ApiError) as info:
+        api.prepare_chat(chat(**fields), CFG)
+    assert info.value.status == 400
+    assert info.value.param == next(iter(fields))
+
+
+def test_an_empty_stop_string_stops_nothing() -> None:
+    assert api.prepare_chat(chat(stop=["", "x"]), CFG).stops == ("x",)
+    assert api.prepare_chat(chat(stop=""), CFG).stops == ()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": ["a"] * 2049}, "input"),
+        ({"input": "a", "dimensions": 0}, "dimensions"),
+        ({"input": "a", "dimensions": 257}, "dimensions"),
+        ({"input": [[1, -1]]}, "input"),
+    ],
+)
+def test_embeddings_beyond_their_bounds_are_refused(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(api.ApiError) as info:
+        api.embeddings(json.dumps({"model": "m", **body}).encode(), CFG)
+    assert info.value.status == 400
+    assert info.value.param == param
+    one, _ = api.embeddings(b'{"model": "m", "input": [[1, 0]], "dimensions": 1}', CFG)
+    assert len(json.loads(one)["data"][0]["embedding"]) == 1
 
 
 def test_wrong_types_name_the_parameter() -> None:
@@ -147,3 +207,40 @@ def test_latency_model() -> None:
     assert lat.step_s(4, 100) == pytest.approx(0.014)
     assert not lat.zero
     assert LatencyModel().zero
+
+
+@pytest.mark.parametrize(
+    ("prepare", "body", "param"),
+    [
+        (api.prepare_chat, chat(functions=[{"name": "f"}]), "tools"),
+        (api.prepare_chat, chat(tool_choice="required"), "tool_choice"),
+        (api.prepare_chat, chat(response_format={"type": "json_object"}), "response_format"),
+        (api.prepare_completion, b'{"model": "m", "prompt": "p", "echo": true}', "echo"),
+        (api.prepare_completion, b'{"model": "m", "prompt": "p", "suffix": "s"}', "suffix"),
+        (api.prepare_completion, b'{"model": "m", "prompt": "p", "best_of": 2}', "best_of"),
+    ],
+)
+def test_what_the_sim_cannot_do_is_refused_as_unsupported(
+    prepare: Any, body: bytes, param: str
+) -> None:
+    with pytest.raises(api.ApiError) as info:
+        prepare(body, CFG)
+    assert (info.value.status, info.value.code, info.value.param) == (
+        400, "unsupported_parameter", param
+    )  # fmt: skip
+
+
+def test_a_chat_prompt_is_rendered_as_vllm_renders_it() -> None:
+    """Every chat role, a message's text parts joined by a newline, and
+    max_completion_tokens over the deprecated max_tokens."""
+    msgs = [
+        {"role": "developer", "content": "d"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+                                     {"type": "text", "text": "b"}]},
+        {"role": "tool", "content": None},
+    ]  # fmt: skip
+    p = api.prepare_chat(chat(messages=msgs, max_tokens=9, max_completion_tokens=2), CFG)
+    assert p.prompt == tokens.tokenize(
+        tokens.render_chat([("developer", "d"), ("user", "a\nb"), ("tool", "")])
+    )
+    assert p.max_tokens == 2

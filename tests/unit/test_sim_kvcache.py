@@ -123,3 +123,21 @@ def test_any_sequence_of_operations_keeps_the_accounting_exact(ops: list[tuple[s
         pool.release(seq)
     pool.check()
     assert pool.num_used == 0
+
+
+def test_stored_events_join_a_run_of_one_prompt_and_split_at_another() -> None:
+    """As vLLM sends them: a prompt's consecutive blocks are one BlockStored whose parent is
+    the block before the run; another prompt's block starts an event of its own, so that a
+    reader never chains it under the first prompt."""
+    pool = BlockPool(8, record_events=True)
+    a, b, c, d = pool.allocate(4)
+    pool.cache(a, 10, None, [1] * 4, "salt")
+    pool.cache(b, 11, 10, [2] * 4)
+    pool.cache(c, 20, None, [3] * 4)
+    pool.cache(d, 12, 11, [4] * 4)  # the first prompt's next block, after another's
+    assert pool.take_events() == [
+        ("stored", [10, 11], None, [1] * 4 + [2] * 4, "salt"),
+        ("stored", [20], None, [3] * 4, None),
+        ("stored", [12], 11, [4] * 4, None),
+    ]
+    assert pool.take_events() == []

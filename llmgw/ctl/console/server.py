@@ -19,7 +19,7 @@ with one line, never a stack trace. A write must carry the header
 `X-Llmgw-Console: 1` with a JSON body (a page of another site cannot send either without
 the browser asking first, which the console never allows), and every request must name
 the console's own address in `Host` (a DNS name an attacker controls, rebound to
-127.0.0.1, does not).
+127.0.0.1, does not). No answer may be shown in another site's frame (`FRAMING`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,22 @@ COOKIE = "llmgw_console"
 WRITE_HEADER = "X-Llmgw-Console"
 MAX_GRACE_S = 7 * 86400.0
 _encoder = msgspec.json.Encoder()
+
+
+FRAMING = {
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
+"""On every answer: no page of another site may frame the console (over HTTPS the browser
+presents the operator's certificate to a frame too, and a framed page could be made to
+take the operator's click on its drain), and no answer is read as another type than it
+says."""
+
+
+async def _no_framing(_: web.Request, response: web.StreamResponse) -> None:
+    for name, value in FRAMING.items():
+        response.headers.setdefault(name, value)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -335,6 +351,7 @@ def build_app(live: LiveFleet, hosts: set[str], token: str = "") -> web.Applicat
     app[LIVE] = live
     app[HOSTS] = hosts
     app[SCANS] = asyncio.Semaphore(MAX_SCANS)
+    app.on_response_prepare.append(_no_framing)
     app.router.add_get("/", _page)
     app.router.add_get("/api/fleet", _fleet)
     app.router.add_get("/api/diff", _diff)

@@ -1,0 +1,225 @@
+"""The console's HTTP API in process (aiohttp's test server running the app `llmgw console`
+serves, over a fold held in memory): the event list's limit and filters, the write guard's
+JSON body, the body size bound, the headers that keep the page out of another site's frame,
+the answers while the log is away, the token's one way into a cookie, the `Host` values a
+browser sends, the fields of a write, and the live fold's handling of a batch seen twice and
+of a page that stops reading."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from llmgw import bus
+from llmgw.cli import console as console_cli
+from llmgw.core import events, state
+from llmgw.ctl.console import live as live_
+from llmgw.ctl.console import server
+from llmgw.ctl.errors import BadInput
+
+TOKEN = "t0ken"
+WRITE = {"X-Llmgw-Console": "1", "Authorization": f"Bearer {TOKEN}"}
+
+
+def _row(seq: int) -> dict[str, Any]:
+    return {"seq": seq, "type": "operator.node_cordoned", "nodes": ["node-a"], "replicas": [],
+            "model": ""}  # fmt: skip
+
+
+def _client(recent: list[dict[str, Any]] | None = None) -> TestClient[Any, Any]:
+    fleet = types.SimpleNamespace(state=state.ClusterState(), recent=recent or [], session=None)
+    return TestClient(TestServer(server.build_app(fleet, set(), TOKEN)))  # type: ignore[arg-type]
+
+
+async def test_the_event_list_gives_the_newest_rows_and_clamps_its_limit() -> None:
+    async with _client([_row(s) for s in range(1, 11)]) as client:
+
+        async def seqs(limit: str) -> list[int]:
+            r = await client.get(f"/api/events?limit={limit}", headers=WRITE)
+            assert r.status == 200, await r.text()
+            return [row["seq"] for row in await r.json()]
+
+        assert await seqs("3") == [8, 9, 10]
+        assert await seqs("0") == [10]
+        assert await seqs("-4") == [10]
+        assert await seqs("99999") == list(range(1, 11))
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]
+)
+async def test_a_write_whose_body_is_not_json_is_refused_before_it_is_read(
+    content_type: str,
+) -> None:
+    """The content types a form of another site may post without asking first."""
+    async with _client() as client:
+        r = await client.post("/api/nodes/node-a/cordon", data=b"{}",
+                              headers={**WRITE, "Content-Type": content_type})  # fmt: skip
+        assert r.status == 403
+        assert "JSON body" in (await r.json())["error"]
+        # The same write as JSON reaches the checks: no node-a in an empty fleet.
+        r = await client.post("/api/nodes/node-a/cordon", json={}, headers=WRITE)
+        assert r.status == 400
+        assert "node-a" in (await r.json())["error"]
+
+
+async def test_a_body_beyond_64_kib_is_refused_with_413() -> None:
+    async with _client() as client:
+        body = {"reason": "x" * (80 * 1024)}
+        r = await client.post("/api/nodes/node-a/cordon", json=body, headers=WRITE)
+        assert r.status == 413
+        assert "error" in await r.json()
+
+
+async def test_no_answer_may_be_framed_by_another_site() -> None:
+    """Over HTTPS a browser presents the operator's certificate to a frame too: a page of
+    another site that framed the console could have the operator click its drain."""
+    async with _client() as client:
+        for path, headers in (("/", WRITE), ("/api/events", WRITE), ("/api/fleet", {}),
+                              (f"/?token={TOKEN}", {})):  # fmt: skip
+            r = await client.get(path, headers=headers, allow_redirects=False)
+            assert r.headers.get("X-Frame-Options") == "DENY", path
+            assert "frame-ancestors 'none'" in r.headers.get("Content-Security-Policy", ""), path
+            assert r.headers.get("X-Content-Type-Options") == "nosniff", path
+
+
+class _LogAway:
+    """Stands in for the NATS connection while the server is away: a request raises as the
+    connection's `request` does."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def request(self, *args: object, **kwargs: object) -> object:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "said"),
+    [
+        (ConnectionResetError("reset by peer"), 503, "the log cannot be read now (reset by peer)"),
+        (TimeoutError(), 502, "no answer from JetStream"),
+    ],
+)
+async def test_a_fleet_view_that_needs_the_log_while_it_is_away_says_so(
+    error: Exception, status: int, said: str
+) -> None:
+    """The live view asks the log for its bounds (the slider's); before it ever had them,
+    the log's absence is the answer: a connection's failure is a 503 (retry), JetStream's
+    silence a 502."""
+    fleet = types.SimpleNamespace(
+        state=state.ClusterState(), recent=[], attested=None, last_time=None, bounds=None,
+        following=False, ready=types.SimpleNamespace(is_set=lambda: True),
+        session=types.SimpleNamespace(nc=_LogAway(error)),
+    )  # fmt: skip
+    app = server.build_app(fleet, set(), TOKEN)  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/api/fleet", headers=WRITE)
+        assert r.status == status
+        assert said in (await r.json())["error"]
+
+
+async def test_only_the_printed_address_turns_the_token_into_a_cookie() -> None:
+    """The token in any other address is not a way in (an API's address, with the token in
+    it, would end up in proxies' and browsers' histories)."""
+    async with _client() as client:
+        r = await client.get(f"/api/events?token={TOKEN}", allow_redirects=False)
+        assert r.status == 401
+        assert "Set-Cookie" not in r.headers
+        r = await client.get(f"/?token={TOKEN}", allow_redirects=False)
+        assert r.status == 302
+        assert r.cookies[server.COOKIE].value == TOKEN
+
+
+def test_a_loopback_console_answers_to_every_name_a_browser_gives_it() -> None:
+    assert console_cli._hosts("127.0.0.1", 8300) == {
+        "127.0.0.1:8300", "localhost:8300", "[::1]:8300"
+    }  # fmt: skip
+    assert console_cli._hosts("::1", 8300) == {
+        "::1:8300", "[::1]:8300", "localhost:8300", "127.0.0.1:8300"
+    }  # fmt: skip
+    assert console_cli._hosts("10.1.2.3", 443) == {"10.1.2.3:443"}
+    assert console_cli._hosts("fd00::5", 443) == {"fd00::5:443", "[fd00::5]:443"}
+
+
+def test_a_write_without_fields_is_a_reasonless_drain_of_600_s_for_real() -> None:
+    assert server._action_fields({}) == ("", 600.0, False)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"reason": "x" * 500}, {"grace_s": 0}, {"grace_s": server.MAX_GRACE_S}, {"dry_run": True}],
+)
+def test_the_bounds_of_a_writes_fields_are_accepted(body: dict[str, Any]) -> None:
+    reason, grace, dry_run = server._action_fields(body)
+    assert reason == body.get("reason", "")
+    assert grace == body.get("grace_s", 600.0)
+    assert dry_run is body.get("dry_run", False)
+
+
+@pytest.mark.parametrize("body", [{"reason": "x" * 501}, {"grace_s": server.MAX_GRACE_S + 1}])
+def test_just_beyond_the_bounds_is_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(BadInput):
+        server._action_fields(body)
+
+
+def _record(seq: int) -> bus.Record:
+    ev = events.NodeCordoned(id=f"e{seq}", ts=1000.0 + seq, operator="alice", node="node-a")
+    return bus.Record(seq=seq, subject="fleet.operator.alice", time=1000.0 + seq, event=ev)
+
+
+async def test_a_batch_read_again_after_a_reconnect_adds_only_what_is_new() -> None:
+    fleet = live_.LiveFleet(types.SimpleNamespace())  # type: ignore[arg-type]
+    watched = fleet.watch()
+    first = asyncio.ensure_future(anext(watched))
+    await asyncio.sleep(0)  # the watcher's queue exists once the generator runs
+    fleet._fold([_record(1), _record(2)])
+    assert [r["seq"] for r in await first] == [1, 2]
+    fleet._fold([_record(2)])  # nothing new: nothing for the pages either
+    fleet._fold([_record(1), _record(2), _record(3)])
+    assert [r["seq"] for r in await anext(watched)] == [3]
+    assert [r["seq"] for r in fleet.recent] == [1, 2, 3]
+    assert fleet.state.last_seq == 3
+    assert fleet.last_time == 1003.0
+    await watched.aclose()
+
+
+async def test_a_page_that_stops_reading_loses_its_oldest_batches_not_the_console() -> None:
+    fleet = live_.LiveFleet(types.SimpleNamespace(), recent=3)  # type: ignore[arg-type]
+    watched = fleet.watch()
+    first = asyncio.ensure_future(anext(watched))
+    await asyncio.sleep(0)
+    fleet._fold([_record(1)])
+    assert [r["seq"] for r in await first] == [1]
+    total = live_.WATCH_QUEUE + 5
+    for seq in range(2, total + 2):
+        fleet._fold([_record(seq)])  # nobody reads: never raises, never grows past the bound
+    assert [r["seq"] for r in fleet.recent] == [total - 1, total, total + 1]
+    got = [(await anext(watched))[0]["seq"] for _ in range(live_.WATCH_QUEUE)]
+    assert got == list(range(total + 2 - live_.WATCH_QUEUE, total + 2))
+    await watched.aclose()
+
+
+def test_a_record_row_names_what_it_touched_and_the_phase_it_shows() -> None:
+    row = live_.views.event_row(_record(7))
+    assert (row["seq"], row["time"], row["type"]) == (7, 1007.0, "operator.node_cordoned")
+    assert row["phase"] == "cordoned"
+    assert row["nodes"] == ["node-a"]
+    shard = events.ShardStatus(id="s1", ts=1.0, node="node-b", replica_id="r1", generation=1,
+                               phase="loading")  # fmt: skip
+    row = live_.views.event_row(
+        bus.Record(seq=8, subject="llmgw.events.node.node-b.shard", time=2.0, event=shard)
+    )
+    assert (row["phase"], row["nodes"], row["replicas"]) == ("loading", ["node-b"], ["r1"])
+
+
+def test_a_filter_names_a_whole_node_model_or_replica_never_part_of_one() -> None:
+    rows = [{**_row(1), "model": "m1", "replicas": ["r1"]}, {**_row(2), "model": "m"}]
+    assert live_.views.matching(rows, model="m") == [rows[1]]
+    assert live_.views.matching(rows, node="node") == []
+    assert live_.views.matching(rows, replica="r") == []
+    assert live_.views.matching(rows, node="node-a", model="m1", replica="r1") == [rows[0]]
