@@ -85,6 +85,9 @@ async def test_no_answer_may_be_framed_by_another_site() -> None:
             assert r.headers.get("X-Frame-Options") == "DENY", path
             assert "frame-ancestors 'none'" in r.headers.get("Content-Security-Policy", ""), path
             assert r.headers.get("X-Content-Type-Options") == "nosniff", path
+            # The fleet's state is never cached; the page may be.
+            cached = r.headers.get("Cache-Control")
+            assert (cached == "no-store") == path.startswith("/api/"), path
 
 
 class _LogAway:

@@ -67,9 +67,12 @@ take the operator's click on its drain), and no answer is read as another type t
 says."""
 
 
-async def _no_framing(_: web.Request, response: web.StreamResponse) -> None:
+async def _no_framing(request: web.Request, response: web.StreamResponse) -> None:
     for name, value in FRAMING.items():
         response.headers.setdefault(name, value)
+    if request.path.startswith("/api/"):
+        # The fleet as it is now: never kept on the operator's disk, never shown stale.
+        response.headers.setdefault("Cache-Control", "no-store")
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
