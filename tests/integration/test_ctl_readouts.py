@@ -25,6 +25,7 @@ from llmgw.ctl import history
 from llmgw.ctl.errors import BadInput
 from tests.harness import TestNatsServer, connect_as
 from tests.integration.ctl_kit import Ctl, node_a_registered
+from tests.kit import local_app
 
 
 @pytest.fixture
@@ -227,15 +228,8 @@ async def admin_api(answer: dict[str, Any]) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/v1/state", state_of)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with local_app.served(app) as url:
+        yield url
 
 
 async def test_status_compares_a_lagging_control_plane_at_its_own_sequence(

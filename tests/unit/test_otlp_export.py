@@ -17,6 +17,7 @@ from llmgw import __version__, otlp
 from llmgw.core.tracing import SPAN_SERVER, Span
 from tests.harness import wait_for
 from tests.integration.otlp_kit import decode
+from tests.kit import local_app
 
 SPAN = Span("ab" * 16, "cd" * 8, "", "x", SPAN_SERVER, 0, 1)
 
@@ -28,15 +29,8 @@ async def collector(
     """A collector on this loop whose `POST /v1/traces` is answered by `answer`: its URL."""
     app = web.Application()
     app.router.add_post("/v1/traces", answer)
-    runner = web.AppRunner(app, shutdown_timeout=1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with local_app.served(app, shutdown_timeout=1) as url:
+        yield url
 
 
 async def test_a_collectors_odd_reply_costs_its_batch_never_the_exporter() -> None:
@@ -184,6 +178,13 @@ async def test_a_collectors_error_is_quoted_bounded_and_said_once_a_minute() -> 
             await asyncio.wait_for(ex.close(), 10)
 
 
+class _Unencodable:
+    """A request whose spans fail to encode (a bug)."""
+
+    def encode_spans(self, offset_ns: int) -> bytes:
+        raise ValueError("a bug")
+
+
 class _BrokenOnce(otlp.Exporter):
     """An exporter whose first post meets a bug (not a collector's failure)."""
 
@@ -262,13 +263,9 @@ async def test_a_batch_none_of_whose_spans_encode_is_not_posted() -> None:
         posts.append(await request.read())
         return web.Response()
 
-    class Broken:
-        def encode_spans(self, offset_ns: int) -> bytes:
-            raise ValueError("a bug")
-
     async with collector(traces) as url:
         ex = otlp.Exporter(url, "svc")
-        ex.put(Broken(), 3)
+        ex.put(_Unencodable(), 3)
         assert await ex.flush() is True
         assert (ex.dropped, ex.exported, posts) == (3, 0, [])
         ex.add([SPAN])
@@ -291,14 +288,10 @@ async def test_what_is_exported_and_dropped_is_counted_in_spans_not_requests() -
         await request.read()
         return web.Response()
 
-    class Broken:
-        def encode_spans(self, offset_ns: int) -> bytes:
-            raise ValueError("a bug")
-
     async with collector(traces) as url:
         ex = otlp.Exporter(url, "svc")
         ex.add([SPAN] * 5)  # one request's five spans
-        ex.put(Broken(), 3)
+        ex.put(_Unencodable(), 3)
         ex.add([SPAN] * 2)
         assert await ex.flush() is True
         assert (ex.exported, ex.dropped, ex.buffered) == (7, 3, 0)

@@ -5,6 +5,7 @@ model, and the encoder's caches staying bounded whatever the models and endpoint
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -84,14 +85,20 @@ def test_an_unrecorded_request_logs_its_clients_valid_trace_id_only() -> None:
         assert logs.TRACE.get(None) is None
 
 
+def _retried(attempts: int, model: Callable[[int], str]) -> RequestTrace:
+    """A trace of `attempts` attempts, each but the last answered 503, attempt i to `model(i)`."""
+    t = RequestTrace("ab" * 16, "", "ef" * 8, "r", 100.0, "", random.Random(1))
+    for i in range(attempts):
+        t.attempt_begin(f"e{i}", f"http://e{i}", model(i), 100.002 + i * 0.01)
+        t.attempt_end("status_503" if i < attempts - 1 else "", 100.009 + i * 0.01)
+    return t
+
+
 @pytest.mark.parametrize(("status", "error"), [(200, ""), (499, ""), (500, "HTTP 500"),
                                                (503, "HTTP 503")])  # fmt: skip
 @pytest.mark.parametrize("attempts", [1, 2])
 def test_a_server_error_marks_the_root_span_failed(status: int, error: str, attempts: int) -> None:
-    t = RequestTrace("ab" * 16, "", "ef" * 8, "r", 100.0, "", random.Random(1))
-    for i in range(attempts):
-        t.attempt_begin(f"e{i}", f"http://e{i}", "m", 100.002 + i * 0.01)
-        t.attempt_end("status_503" if i < attempts - 1 else "", 100.009 + i * 0.01)
+    t = _retried(attempts, lambda i: "m")
     root = _spans(t, status=status)[0]
     assert root.attributes["http.response.status_code"] == status
     assert root.error == error
@@ -100,10 +107,7 @@ def test_a_server_error_marks_the_root_span_failed(status: int, error: str, atte
 @pytest.mark.parametrize("attempts", [1, 2])
 def test_the_root_names_the_model_that_answered_beside_the_one_asked(attempts: int) -> None:
     """A request moved to a fallback model: `gen_ai.response.model` is the fallback's."""
-    t = RequestTrace("ab" * 16, "", "ef" * 8, "r", 100.0, "", random.Random(1))
-    for i in range(attempts):
-        t.attempt_begin(f"e{i}", f"http://e{i}", f"fallback-{i}", 100.002 + i * 0.01)
-        t.attempt_end("status_503" if i < attempts - 1 else "", 100.009 + i * 0.01)
+    t = _retried(attempts, lambda i: f"fallback-{i}")
     root = _spans(t, model="asked")[0]
     assert root.name == "chat asked"
     assert root.attributes["gen_ai.request.model"] == "asked"
@@ -134,10 +138,7 @@ OPERATIONS = [("chat", "chat m"), ("messages", "chat m"), ("completions", "text_
 @pytest.mark.parametrize(("kind", "name"), OPERATIONS)
 @pytest.mark.parametrize("attempts", [1, 2])
 def test_the_root_is_named_after_its_genai_operation(kind: str, name: str, attempts: int) -> None:
-    t = RequestTrace("ab" * 16, "", "ef" * 8, "r", 100.0, "", random.Random(1))
-    for i in range(attempts):
-        t.attempt_begin(f"e{i}", f"http://e{i}", "m", 100.002 + i * 0.01)
-        t.attempt_end("status_503" if i < attempts - 1 else "", 100.009 + i * 0.01)
+    t = _retried(attempts, lambda i: "m")
     t.first_token = 100.05
     t.ended(100.1, kind=kind, model="m", status=200)
     root = decode(otlp.encode_fields(t.encode_spans(0), "svc"))[0]
