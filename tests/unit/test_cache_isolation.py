@@ -117,3 +117,28 @@ def test_the_sim_keeps_every_generation_api_to_its_salt(kind: str, salt: str | N
     prepare, fields = SIM_BODIES[kind]
     body = msgspec.json.encode({"model": "m", **fields, "cache_salt": salt})
     assert prepare(body, SIM).salt == salt
+
+
+@given(st.text(max_size=400), st.text(max_size=400), modes, names, names)
+def test_a_session_key_is_bounded_and_its_tenants_own(
+    header_a: str, header_b: str, mode: tenancy.CacheIsolation, key_a: str, key_b: str
+) -> None:
+    """Kept for every session, a key is at most MAX_SESSION_KEY characters whatever its
+    header's length; under isolation another tenant's equal header is another key."""
+    salt_a, salt_b = tenancy.cache_salt(mode, key_a, ""), tenancy.cache_salt(mode, key_b, "")
+    kept_a = isolation.session_key(header_a, salt_a, True)
+    assert len(kept_a) <= isolation.MAX_SESSION_KEY
+    assert kept_a == isolation.session_key(header_a, salt_a, True)
+    if header_a:
+        assert (kept_a == isolation.session_key(header_a, salt_b, True)) == (salt_a == salt_b)
+    shared = isolation.session_key(header_b, None, False)
+    assert len(shared) <= isolation.MAX_SESSION_KEY
+    if header_a != header_b:
+        assert isolation.session_key(header_a, None, False) != shared
+
+
+def test_ready_names_the_models_served_without_a_prefix_cache() -> None:
+    profiles = [ModelProfile(name=n, engine=e) for n, e in
+                [("z", "llamacpp"), ("v", "vllm"), ("a", "llamacpp"), ("s", "sglang")]]  # fmt: skip
+    assert isolation.readiness("team", profiles) == {"mode": "team", "uncached_models": ["a", "z"]}
+    assert isolation.readiness("shared", profiles) is None

@@ -332,3 +332,38 @@ def test_a_crafted_late_head_is_read_in_one_pass(crafted: bytes) -> None:
     them (a backtracking match took hours, every other connection stalled meanwhile)."""
     head = (b"POST / HTTP/1.1\r\n" + crafted)[: http_server.PARTIAL_HEAD_BYTES]
     assert http_server.sent_origin(head) is None
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "HTTP://127.0.0.1:5173",
+        "http://127.0.0.1:5173/",
+        "http://127.0.0.1:5173 ",
+        "http://127.0.0.1",
+    ],
+)
+def test_an_origin_only_like_a_listed_one_is_not_it(origin: str) -> None:
+    """Origins are compared as the exact string a browser sends: another case, a path, a
+    space or another port is another origin, which gets no CORS header."""
+    assert cors.Cors((APP,)).request_type(_head({"Origin": origin})) is cors.VaryingRequest
+
+
+def test_empty_elements_of_the_requested_headers_list_are_skipped() -> None:
+    """HTTP lists may hold empty elements (RFC 9110 5.6.1): they are no header name."""
+    answer = cors.preflight_headers("POST", ",content-type,, \t,Authorization ,")
+    assert not isinstance(answer, Refusal)
+    assert answer["Access-Control-Allow-Headers"] == "content-type, authorization"
+
+
+async def test_an_options_request_without_a_requested_method_is_no_preflight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Browsers send Access-Control-Request-Method with every preflight: an OPTIONS of a
+    listed origin without it is a wrong method, not a preflight's 204."""
+    async with (
+        _serving(build_server(_router(allowed_origins=(APP,))), monkeypatch) as s,
+        s.options("/v1/chat/completions", headers={"Origin": APP}) as r,
+    ):
+        assert (r.status, r.headers["Allow"]) == (405, "POST")
+        assert "Access-Control-Allow-Methods" not in r.headers

@@ -207,3 +207,29 @@ async def test_a_higher_class_key_goes_before_every_lower_one_waiting() -> None:
     assert order == ["vip"]
     for t in tasks:
         t.cancel()
+
+
+async def test_a_request_deadline_sooner_than_max_wait_ends_its_wait() -> None:
+    table, queues, profile = setup(max_inflight_per_endpoint=1, max_wait_s=DEADLINE_S * 6)
+    table.by_id["e"].inflight = 1
+    began = time.monotonic()
+    late = await asyncio.wait_for(queues.wait(profile, None, began + 0.1), DEADLINE_S)
+    assert isinstance(late, Refusal)
+    assert (late.status, late.code) == (504, "queue_timeout")
+    assert time.monotonic() - began < DEADLINE_S
+    assert queues.waiting == {}
+
+
+async def test_a_changed_profiles_bounds_apply_to_the_requests_waiting() -> None:
+    """A raised bound (a new catalog) lets out a request waiting under the old one."""
+    table, queues, profile = setup(max_inflight_per_endpoint=1, max_wait_s=DEADLINE_S)
+    table.by_id["e"].inflight = 1
+    assert queues.needed(profile)
+    waiter = asyncio.create_task(queues.wait(profile, None, time.monotonic() + 60))
+    await until(lambda: queues.waiting.get("m") == 1, "one waiting")
+    raised = ModelProfile(
+        name="m", queue=Queueing(max_inflight_per_endpoint=2, max_wait_s=DEADLINE_S)
+    )
+    queues.needed(raised)
+    queues.release("m")
+    assert await asyncio.wait_for(waiter, DEADLINE_S * 2) is None
