@@ -173,3 +173,29 @@ def test_a_key_may_use_a_model_by_the_alias_it_was_given_or_by_its_name() -> Non
     refused = admission.admit(_principal("other"), "m-latest", profile)
     assert refused is not None
     assert refused.status == 403
+
+
+def test_a_token_debt_of_years_is_told_as_a_wait_of_a_day_at_most(tmp_path: Path) -> None:
+    """A keys-file key with a small limit whose answer ran far past its hold owes its bucket
+    for years: its 429 names a wait a client can act on, not a Retry-After of years."""
+    key = auth.new_key()
+    principal = _keys(tmp_path, key, ("m",), "    tokens_per_min: 1\n").lookup(f"Bearer {key}")
+    assert principal is not None
+    assert principal.tokens is not None
+    principal.tokens.spend(0.0, 10**9)
+    refused = holds.local_hold(principal, 1, 0.0)
+    assert isinstance(refused, Refusal)
+    assert refused.retry_after == holds.LONGEST_WAIT_S
+    assert dict(refused.headers)["x-ratelimit-reset-tokens"] == "24h0m0s"
+
+
+def test_limit_refusals_say_what_to_lower_and_never_a_negative_budget() -> None:
+    p = auth.Principal(KeySettings(name="k", budget_tokens=100), auth.digest("k"), 0.0)
+    two = admission.never_fits(p, 80, 100, choices=2)
+    assert "2 answers (n) of up to 80 completion tokens each" in two.message
+    assert "or n so that their product is at most 100" in two.message
+    one = admission.never_fits(p, 180, 100)
+    assert "up to 180 completion tokens (max_tokens)" in one.message
+    overdrawn = admission.over_budget(p, -40, 10, 0.0)
+    assert "has 0 tokens left of its budget of 100 tokens" in overdrawn.message
+    assert "-40" not in overdrawn.message
