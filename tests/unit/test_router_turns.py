@@ -222,3 +222,46 @@ def test_routers_break_ties_by_the_prompts_first_block_alike() -> None:
     one, other = tie_key(KvRouting(), long), tie_key(KvRouting(), long)
     assert one == other != 0
     assert tie_key(KvRouting(), "another prompt entirely " * 20) not in (0, one)
+
+
+def _turns(kind: requests.Kind, doc: dict[str, Any]) -> requests.Turns:
+    return requests.parse(kind, msgspec.json.encode({"model": "m", **doc}), want_text=True).chat
+
+
+def test_null_members_are_absent_ones() -> None:
+    """`system: null` or `previous_response_id: null` says nothing: the turns are read."""
+    said = [{"role": "user", "content": "hi"}]
+    assert _turns("messages", {"system": None, "messages": said}) == (("user", "hi"),)
+    for stored in ("previous_response_id", "conversation", "prompt"):
+        doc = {"instructions": None, "input": said, stored: None}
+        assert _turns("responses", doc) == (("user", "hi"),), stored
+
+
+def test_a_message_of_thinking_alone_is_rendered_as_an_empty_turn() -> None:
+    """vLLM keeps a Messages API message of a thinking block (no text) as an empty turn."""
+    said = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"}]},
+        {"role": "user", "content": "b"},
+    ]
+    assert _turns("messages", {"messages": said}) == (
+        ("user", "a"),
+        ("assistant", ""),
+        ("user", "b"),
+    )
+
+
+def test_only_the_responses_apis_message_roles_and_instructions_given_are_turns() -> None:
+    items = [{"role": "user", "content": "a"}, {"role": "tool", "content": "t"},
+             {"type": "message", "role": "critic", "content": "c"}]  # fmt: skip
+    assert _turns("responses", {"instructions": "", "input": items}) == (("user", "a"),)
+
+
+def test_sglang_keeps_a_string_content_beside_a_message_of_parts() -> None:
+    parts = [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]
+    said = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
+    parsed = requests.parse(
+        "chat", msgspec.json.encode({"model": "m", "messages": said}), want_text=True
+    )
+    assert parsed.chat == (("system", "be brief"), ("user", "x\ny"))
+    assert parsed.sglang_chat == (("system", "be brief"), ("user", "x y"))
