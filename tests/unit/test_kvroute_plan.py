@@ -5,9 +5,13 @@ otherwise; and how an engine's reports change its credit. Pure."""
 
 from __future__ import annotations
 
+import pytest
+
 from llmgw.core import kvblocks, routing, simtokens
 from llmgw.core.prefix import PrefixIndex, block_hashes
 from llmgw.core.profile import ModelProfile
+from llmgw.core.promptkeys import PromptTokens
+from llmgw.router import prompts
 from llmgw.router.kvroute import DEFAULT_BLOCK_SIZE, KvRouting, Source, salted_hashes
 from llmgw.router.requests import Parsed
 
@@ -146,3 +150,32 @@ def test_a_missed_delta_unsyncs_the_endpoint_until_its_next_full_update() -> Non
     assert _plan(kv, [_endpoint("a")]).by_endpoint["a"] == Source(0, "none")
     kv.index.apply(_update("a", keys[:4], seq=4), "n1", 1.0)
     assert _plan(kv, [_endpoint("a")]).by_endpoint["a"] == Source(4 * DEFAULT_BLOCK_SIZE, "events")
+
+
+class _Tokenizer:
+    """A model's tokenizer that makes `ids` of every prompt, or fails."""
+
+    def __init__(self, ids: list[int] | None = None, fails: bool = False) -> None:
+        self.got, self.fails = ids, fails
+
+    def tokens(self, parsed: Parsed, max_chars: int) -> PromptTokens | None:
+        if self.fails:
+            raise ValueError("a template this input breaks")
+        return None if self.got is None else PromptTokens.of(self.got)
+
+
+@pytest.mark.parametrize("tokenizer", [_Tokenizer([]), _Tokenizer(None), _Tokenizer(fails=True)])
+def test_a_prompt_of_no_tokens_or_a_failing_tokenizer_is_routed_without_a_plan(
+    tokenizer: _Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prompts, "for_profile", lambda profile: tokenizer)
+    assert KvRouting().plan(PARSED, PROFILE, [_endpoint("a")], now=1.0) is None
+
+
+def test_a_route_says_the_cached_tokens_predicted_where_it_went() -> None:
+    kv = KvRouting()
+    kv.recent.record(_keys()[:3], "a", 1.0)
+    plan = _plan(kv, [_endpoint("a"), _endpoint("b")])
+    assert kv.routed(plan, _endpoint("a"), 1.0) == 3 * DEFAULT_BLOCK_SIZE
+    assert kv.routed(plan, _endpoint("c"), 1.0) == 0  # not a candidate: nothing predicted
+    assert kv.recent.match(_keys(), 1.0)[1] == len(_keys())  # the whole prompt went there
