@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmgw.core.profile import ModelProfile
@@ -40,6 +40,8 @@ texts = st.lists(pieces, max_size=8).map("".join)
 
 @settings(max_examples=500, deadline=None)
 @given(text=texts)
+@example(text=f"You are Claude Code. {HEADER} cch=1c8b4;")  # the header not at the start
+@example(text=f"{HEADER} cch=1c8b4;")
 def test_a_system_text_is_normalized_as_llama_server_normalizes_it(text: str) -> None:
     assert llama_turns.normalized(text) == _llama_normalized(text)
 
