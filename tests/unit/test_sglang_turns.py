@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from llmgw.router import requests, sglang_turns, turns
@@ -277,8 +277,43 @@ responses_bodies = st.builds(
 )
 
 
+REASONED = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}], "content": []}
+
+
 @settings(max_examples=400, deadline=None)
 @given(body=responses_bodies)
+# Reasoning, then an empty message of one phase: a message of another phase is a new turn.
+@example(
+    body={
+        "model": "m",
+        "input": [
+            REASONED,
+            {"role": "assistant", "content": "", "phase": "commentary"},
+            {"role": "assistant", "content": "x", "phase": "final_answer"},
+        ],
+    }
+)
+# Reasoning, then messages of one phase: the phase the merged turn took lets the next in.
+@example(
+    body={
+        "model": "m",
+        "input": [
+            REASONED,
+            {"role": "assistant", "content": "x", "phase": "commentary"},
+            {"role": "assistant", "content": "y", "phase": "commentary"},
+        ],
+    }
+)
+# A phase of null is none.
+@example(
+    body={
+        "model": "m",
+        "input": [
+            {"role": "assistant", "content": "a", "phase": None},
+            {"role": "assistant", "content": "b"},
+        ],
+    }
+)
 def test_a_responses_body_is_keyed_as_sglang_renders_it(body: dict[str, Any]) -> None:
     expected = tuple(_flattened(m) for m in _responses_chat(body))
     assume(expected)
@@ -314,3 +349,9 @@ def test_sglangs_turns_are_worked_out_only_when_asked_for(monkeypatch: pytest.Mo
     assert asked == []
     assert turns.worked_out(parsed.sglang_chat) == (("user", "hi"),)
     assert asked == ["of_messages"]
+
+
+def test_a_responses_message_without_a_role_adds_no_turn() -> None:
+    body = {"model": "m", "input": [{"type": "message", "content": "x"}, {"role": "user",
+            "content": "u"}]}  # fmt: skip
+    assert keyed_for_sglang("responses", body) == (("user", "u"),)
