@@ -61,3 +61,15 @@ def test_the_index_is_swept_once_an_interval_and_at_once_after_the_clock_went_ba
     assert sweeps == [start, start + SWEEP_EVERY_S]
     feed.apply([], now=start - 60)  # the clock was set back a minute
     assert sweeps[-1] == start - 60
+
+
+def test_a_refusal_after_the_clock_went_back_is_logged_at_once() -> None:
+    """A clock set back an hour does not silence a node's refusals for that hour."""
+    feed = KvFeed(SOURCE, KvIndex(), listed=lambda _e, _n: False)
+    cap = kvindex.MAX_UNLISTED_PER_NODE
+    records = [_record(i, subjects.kv_updates("evil", f"x{i}"), f"x{i}") for i in range(cap + 1)]
+    with structlog.testing.capture_logs() as logged:
+        feed.apply(records, now=5000.0)
+        feed.apply([_record(999, subjects.kv_updates("evil", "y"), "y")], now=5000.0 - 3600)
+    refused = [e for e in logged if e["event"] == "kv_update_refused"]
+    assert [e["seq"] for e in refused] == [cap, 999]
