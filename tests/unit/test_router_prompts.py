@@ -4,13 +4,14 @@ tokenizer (trained here, in-process) with its chat template, and the sim's own."
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from llmgw.core import kvblocks, simtokens
 from llmgw.core.profile import ModelProfile
@@ -360,3 +361,41 @@ def test_a_messages_or_responses_body_is_rendered_as_the_models_engine_turns_it_
     ids = found.ids(parse(kind, json.dumps(body).encode(), want_text=True))  # type: ignore[arg-type]
     as_string = parse("chat", chat_body(("user", joined)), want_text=True)
     assert list(ids or []) == list(found.ids(as_string) or [])
+
+
+def test_a_chat_gets_its_templates_bos_once_and_a_completion_the_tokenizers(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A tokenizer that adds a BOS of its own (a post-processor): the engines tokenize a
+    rendered chat without it (its template wrote one) and a completion's prompt with it."""
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(tokenizer_dir / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    found = prompts.HfPrompts.load(tmp_path)
+    chat = list(found.ids(parse("chat", chat_body(("user", "Two?")), want_text=True)) or [])
+    assert chat[0] == bos
+    assert chat.count(bos) == 1
+    completion = parse("completions", b'{"model": "m", "prompt": "Two?"}', want_text=True)
+    assert list(found.ids(completion) or []) == tok.encode("Two?").ids
+    assert (found.ids(completion) or [None])[0] == bos
+
+
+def test_a_llama_server_models_claude_code_requests_are_one_prefix_of_tokens(
+    tokenizer_dir: Path,
+) -> None:
+    """llama-server writes the billing header's `cch` as `fffff`: its model's tokens of two
+    requests differing only there are equal; a vLLM model's differ."""
+    bodies = [
+        json.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                    "system": f"x-anthropic-billing-header: cc_version=2.1; cch={cch};\nbe brief"})
+        for cch in ("a5145", "1c8b4")
+    ]  # fmt: skip
+    for engine, alike in (("llamacpp", True), ("vllm", False)):
+        found = prompts.HfPrompts.load(tokenizer_dir, engine)
+        ids = [list(found.ids(parse("messages", b.encode(), want_text=True)) or []) for b in bodies]
+        assert ids[0]
+        assert (ids[0] == ids[1]) is alike, engine
