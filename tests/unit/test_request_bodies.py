@@ -140,3 +140,37 @@ def test_a_body_cut_right_after_a_first_half_is_called_truncated() -> None:
         requests.parse("chat", body, want_text=True)
     assert "truncated" in str(refused.value)
     assert "lone" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "atype"),
+    [(500, "api_error"), (502, "api_error"), (400, "invalid_request_error"),
+     (422, "invalid_request_error"), (429, "rate_limit_error"), (529, "overloaded_error")],
+)  # fmt: skip
+@pytest.mark.parametrize("kind", ["messages", "count_tokens"])
+def test_anthropics_apis_errors_are_typed_in_its_words(
+    kind: requests.Kind, status: int, atype: str
+) -> None:
+    doc = msgspec.json.decode(requests.api_error_body(kind, status, "why", "x", "code"))
+    assert doc == {
+        "type": "error",
+        "error": {"type": atype, "message": "why", "param": None, "code": "code"},
+    }
+    openai = msgspec.json.decode(requests.api_error_body("chat", status, "why", "x", "code"))
+    assert openai["error"]["type"] == "x"
+
+
+def test_a_messages_streams_output_tokens_are_counted_from_its_delta_only() -> None:
+    """`message_start` says the prompt's tokens and an output count that `message_delta`
+    says again, in full: counted once."""
+    start = {"type": "message_start",
+             "message": {"usage": {"input_tokens": 10, "output_tokens": 1}}}  # fmt: skip
+    usage = requests.usage_of(msgspec.json.encode(start))
+    assert usage is not None
+    assert usage.usage is not None
+    assert (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (10, 0)
+    delta = {"type": "message_delta", "usage": {"output_tokens": 7}}
+    later = requests.usage_of(msgspec.json.encode(delta))
+    assert later is not None
+    assert later.usage is not None
+    assert (later.usage.prompt_tokens, later.usage.completion_tokens) == (0, 7)
