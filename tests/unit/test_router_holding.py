@@ -46,7 +46,7 @@ async def test_requests_wait_for_the_first_endpoint_within_their_bound() -> None
 
 async def test_a_request_held_past_its_deadline_gets_a_503_with_retry_after() -> None:
     holds = Holds(lambda model: [])
-    refused = await holds.wait(SCALED)
+    refused = await asyncio.wait_for(holds.wait(SCALED), 30)  # hold_s is 0.5 s
     assert refused is not None
     assert refused.status == 503
     assert refused.code == "model_starting"

@@ -233,3 +233,16 @@ async def test_a_changed_profiles_bounds_apply_to_the_requests_waiting() -> None
     queues.needed(raised)
     queues.release("m")
     assert await asyncio.wait_for(waiter, DEADLINE_S * 2) is None
+
+
+async def test_the_metrics_show_the_depth_and_how_each_wait_ended() -> None:
+    table, queues, profile = setup(max_inflight_per_endpoint=1, max_queued=1, max_wait_s=0.05)
+    metrics = queues._metrics
+    table.by_id["e"].inflight = 1
+    waiter = asyncio.create_task(queues.wait(profile, None, time.monotonic() + 60))
+    await until(lambda: queues.waiting.get("m") == 1, "one waiting")
+    assert metrics.queue_depth.values[("m",)] == 1.0
+    assert isinstance(await queues.wait(profile, None, time.monotonic() + 60), Refusal)
+    assert isinstance(await asyncio.wait_for(waiter, DEADLINE_S), Refusal)
+    assert metrics.queue_depth.values[("m",)] == 0.0
+    assert {labels[1] for labels in metrics.queue_wait.values} == {"full", "deadline"}
