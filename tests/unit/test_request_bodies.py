@@ -174,3 +174,20 @@ def test_a_messages_streams_output_tokens_are_counted_from_its_delta_only() -> N
     assert later is not None
     assert later.usage is not None
     assert (later.usage.prompt_tokens, later.usage.completion_tokens) == (0, 7)
+
+
+def test_a_client_that_declines_the_usage_chunk_is_not_sent_one() -> None:
+    """The router asks every stream's usage of the engine for its accounting; it passes the
+    usage chunk on only to a client that asked for it."""
+    for include, wanted in ((False, False), (True, True)):
+        body = {**CHAT, "stream": True, "stream_options": {"include_usage": include}}
+        parsed = requests.parse("chat", msgspec.json.encode(body), want_text=False)
+        assert (parsed.wants_usage, parsed.has_options) == (wanted, True)
+
+
+@pytest.mark.parametrize("given_input", [["a", "b"], [[1, 2]], []])
+def test_a_batch_of_embedding_inputs_has_no_text_to_route_on(given_input: list[object]) -> None:
+    body = msgspec.json.encode({"model": "m", "input": given_input})
+    assert requests.parse("embeddings", body, want_text=True).text == ""
+    one = msgspec.json.encode({"model": "m", "input": "a"})
+    assert requests.parse("embeddings", one, want_text=True).text == "a"
