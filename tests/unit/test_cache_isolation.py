@@ -4,6 +4,7 @@ the router and the agent give a salted prompt's blocks."""
 from __future__ import annotations
 
 import msgspec
+import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -142,3 +143,13 @@ def test_ready_names_the_models_served_without_a_prefix_cache() -> None:
                 [("z", "llamacpp"), ("v", "vllm"), ("a", "llamacpp"), ("s", "sglang")]]  # fmt: skip
     assert isolation.readiness("team", profiles) == {"mode": "team", "uncached_models": ["a", "z"]}
     assert isolation.readiness("shared", profiles) is None
+
+
+def test_the_router_says_at_start_which_models_go_uncached() -> None:
+    profiles = [ModelProfile(name="z", engine="llamacpp"), ModelProfile(name="v", engine="vllm")]
+    with structlog.testing.capture_logs() as logged:
+        isolation.warn_uncached("key", profiles)
+        isolation.warn_uncached("key", profiles[1:])
+        isolation.warn_uncached("shared", profiles)
+    said = [e for e in logged if e["event"] == "cache_isolation_uncached"]
+    assert [e["models"] for e in said] == [["z"]]
