@@ -211,6 +211,7 @@ def test_request_head_and_base_parsing() -> None:
     head = request_head("/v1/chat/completions", "h:1", 12, [("X-Request-Id", "r1")])
     assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h:1\r\n")
     assert b"Content-Length: 12\r\n" in head
+    assert b"\r\nContent-Type: application/json\r\n" in head
     assert head.endswith(b"X-Request-Id: r1\r\n\r\n")
 
 
@@ -338,3 +339,29 @@ def test_a_read_up_to_a_limit_returns_once_it_has_that_much() -> None:
             return await Response(c, Pool()).read(4)
 
     assert asyncio.run(run()) == b"abcd"
+
+
+def test_a_body_ended_by_the_close_wakes_its_reader_at_the_close() -> None:
+    async def run() -> bytes:
+        c = _Conn(asyncio.get_running_loop())
+        c.connection_made(FakeTransport())  # type: ignore[arg-type]
+        c.expecting = True
+        c.data_received(b"HTTP/1.0 200 OK\r\n\r\nabc")
+        assert await c.read_any() == b"abc"
+        waiting = asyncio.ensure_future(c.read_any())
+        await asyncio.sleep(0)
+        c.connection_lost(None)
+        async with asyncio.timeout(10):
+            return await waiting
+
+    assert asyncio.run(run()) == b""
+
+
+def test_a_response_is_at_its_end_only_once_every_byte_was_read() -> None:
+    c = conn()
+    c.data_received(b"HTTP/1.1 429 Too Many\r\nContent-Length: 2\r\n\r\nno")
+    response = Response(c, Pool())
+    assert response.status == 429
+    assert not response.at_eof()  # complete, but "no" is still unread
+    assert response.take_pending() == b"no"
+    assert response.at_eof()

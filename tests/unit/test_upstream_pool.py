@@ -272,3 +272,17 @@ def test_a_response_closed_before_its_end_closes_its_connection() -> None:
 
     pool, _ = asyncio.run(run())
     assert not any(pool._idle.values())
+
+
+def test_closing_the_pool_closes_its_idle_connections() -> None:
+    async def run() -> _Conn:
+        pool = Pool()
+        async with engine() as a:
+            assert await ask(pool, a, "k") == b"ok"
+            (conn,) = pool._idle[a.key]
+            pool.close()
+            async with asyncio.timeout(10):  # the engine's read ends: the router closed it
+                await asyncio.gather(*(t for t, _ in a.serving))
+        return conn
+
+    assert asyncio.run(run()).closed
