@@ -26,6 +26,7 @@ framing rules (`_body_mode`, `_keep_alive`).
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import msgspec
@@ -81,6 +82,11 @@ def _keep_alive(http11: bool, headers: list[tuple[bytes, bytes]]) -> bool:
 
 _HEAD, _LENGTH, _CHUNKED, _CLOSE, _DONE = range(5)
 _HEX: Final = frozenset(b"0123456789abcdefABCDEF")
+_TOKEN: Final = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+"""A header name (RFC 9110 section 5.1): no blank, colon or control character in it."""
+_CONTROL: Final = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+"""What no head may hold (RFC 9110 section 5.5): a control character but the tab, a CR
+or LF alone. A reader that ended a line at a bare LF would frame the body apart."""
 
 
 def _body_mode(
@@ -191,6 +197,9 @@ class PyParser:
                 self._buf = buf
                 return b""
             head, buf = buf[:end], buf[end + 4 :]
+            bad = _CONTROL.search(head)
+            if bad is not None:
+                raise ProtocolError(f"a control character in the head at byte {bad.start()}")
             lines = head.split(b"\r\n")
             version, _, rest = lines[0].partition(b" ")
             code, _, reason = rest.partition(b" ")
@@ -201,18 +210,18 @@ class PyParser:
                 raise ProtocolError(f"malformed status line {lines[0][:80]!r}")
             if status == 101:
                 raise ProtocolError("the engine switched protocols unasked")
-            if status < 200:
-                continue  # interim (100 Continue, 103 Early Hints): the real head follows
             headers: list[tuple[bytes, bytes]] = []
             content_type = ""
             for line in lines[1:]:
                 name, colon, value = line.partition(b":")
-                if not colon or not name or name != name.strip():
+                if not colon or _TOKEN.fullmatch(name) is None:
                     raise ProtocolError(f"malformed header line {line[:80]!r}")
                 value = value.strip(b" \t")
                 headers.append((name, value))
                 if len(name) == 12 and name.lower() == b"content-type":
                     content_type = _media_type(value)
+            if status < 200:
+                continue  # interim (100 Continue, 103 Early Hints): the real head follows
             mode, self._left = _body_mode(status, headers, self._head_request)
             self._keep_alive = _keep_alive(version == b"HTTP/1.1", headers) and mode != _CLOSE
             events.append(Head(status, reason, headers, self._keep_alive, content_type))
@@ -495,6 +504,9 @@ class LlhttpParser:
         p = self._p
         status = p.get_status_code()
         self._heads += 1
+        if p.get_http_version() not in ("1.1", "1.0"):
+            # llhttp takes HTTP/0.9 and HTTP/2.0 too: neither frames an answer here.
+            raise ProtocolError(f"malformed status line: HTTP/{p.get_http_version()}")
         if status < 200:
             if status < 100:
                 raise ProtocolError(f"malformed status {status}")

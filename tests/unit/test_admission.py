@@ -164,6 +164,8 @@ def test_the_aiohttp_guard_knows_its_versions(version: str, known: bool) -> None
 def test_the_direct_writes_can_be_turned_off() -> None:
     assert "LLMGW_AIOHTTP_DIRECT=0" in aiohttp_direct._why_not("3.14.5", "0")
     assert aiohttp_direct._why_not("3.14.5", "1") == ""
+    # As an environment file may write it: another case, blanks around.
+    assert "turned off" in aiohttp_direct._why_not("3.14.5", " Off\n")
 
 
 def test_a_key_may_use_a_model_by_the_alias_it_was_given_or_by_its_name() -> None:

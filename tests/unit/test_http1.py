@@ -317,6 +317,24 @@ def test_the_head_size_limit(impl: Parser) -> None:
         # A Transfer-Encoding, even an empty one, beside a length: the same ambiguity.
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: \r\nContent-Length: 2\r\n\r\nab",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\nab",
+        # Status lines of no HTTP/1.x answer: another version, another protocol, a code
+        # of more or fewer than three digits.
+        b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/0.9 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"ICY 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 20 OK\r\nContent-Length: 0\r\n\r\n",
+        # A CR or LF alone inside a header line: a reader that ends lines there sees a
+        # Content-Length another does not, and the two frame the body apart.
+        b"HTTP/1.1 200 OK\r\nX-A: a\nContent-Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nX-A: a\rContent-Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n",
+        # A header name that is no token.
+        b"HTTP/1.1 200 OK\r\nContent Length: 2\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\nContent-Length\x00: 2\r\n\r\nab",
+        # An interim head's lines are held to the same rules as the final one's.
+        b"HTTP/1.1 103 Early Hints\r\nLink </a>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
     ],
 )
 def test_malformed_responses(impl: Parser, data: bytes) -> None:
@@ -377,6 +395,37 @@ def test_bytes_after_an_end_read_apart_from_the_head_bar_reuse(impl: Parser, ext
         b"abcd",
         End(False),
     ]
+    # The same when the read that ends the body holds none of it: a chunked stream's last
+    # chunk, alone in its read.
+    p = impl()
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    reads = [head + b"4\r\nabcd\r\n", b"0\r\n\r\n" + extra]
+    assert run(p, reads)[1:] == [b"abcd", End(False)]
+
+
+@IMPLS
+def test_a_read_that_ends_at_a_chunk_size_line_gives_no_empty_body(impl: Parser) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    events = run(impl(), [head, b"2\r\n", b"ok\r\n3\r\n", b"abc\r\n0\r\n\r\n"])
+    assert events[1:] == [b"ok", b"abc", End(True)]
+
+
+@IMPLS
+def test_the_media_type_is_given_without_blanks_or_parameters(impl: Parser) -> None:
+    data = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream ; charset=utf-8\r\n\r\n"
+    head = impl().feed(data)[0]
+    assert isinstance(head, Head)
+    assert head.content_type == "text/event-stream"
+
+
+@IMPLS
+def test_an_interim_heads_content_type_is_not_the_answers(impl: Parser) -> None:
+    """A 103 Early Hints may name a Content-Type (of what it hints at): the answer that
+    follows without one has none, and is not taken for a stream."""
+    data = (b"HTTP/1.1 103 Early Hints\r\nContent-Type: text/event-stream\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")  # fmt: skip
+    events = run(impl(), [data])
+    assert events == [Head(200, b"OK", [(b"Content-Length", b"2")], True, ""), b"{}", End(True)]
 
 
 @IMPLS

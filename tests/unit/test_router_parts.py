@@ -552,3 +552,21 @@ def test_a_shared_alias_stays_with_its_holder_through_a_change_and_moves_when_dr
     assert (got.name, got.replicas) == ("b", 2)
     c.put(ModelProfile(name="b", aliases=()))
     assert c.resolve("shared") is a
+
+
+def test_why_direct_writes_are_off_is_logged_once_per_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    said: list[tuple[str, dict[str, object]]] = []
+
+    class Log:
+        def warning(self, event: str, **fields: object) -> None:
+            said.append((event, fields))
+
+    monkeypatch.setattr(aiohttp_direct, "log", Log())
+    monkeypatch.setattr(aiohttp_direct, "WHY_NOT", "turned off by LLMGW_AIOHTTP_DIRECT=0")
+    monkeypatch.setattr(aiohttp_direct, "_explained", False)
+    for _ in range(3):
+        aiohttp_direct.explain()
+    assert [event for event, _ in said] == ["aiohttp_direct_writes_off"]
+    assert said[0][1]["reason"] == "turned off by LLMGW_AIOHTTP_DIRECT=0"

@@ -118,6 +118,36 @@ def test_usage_with_choices_and_spaced_json_is_counted_not_dropped() -> None:
     assert [(u.prompt_tokens, u.completion_tokens) for u in found] == [(3, 4)]
 
 
+def test_usage_is_read_only_from_an_events_data_line() -> None:
+    """A comment, or a line of another field, that holds `data: {..."usage"...}` midway
+    is no usage: it is neither counted nor dropped."""
+    usage = usage_event(5, 6, choices=False, spaced=False)
+    for event in (b": " + usage, b"id: " + usage):
+        stream = TOKEN + b"\n\n" + event + b"\n\n" + DONE + b"\n\n"
+        out, found = sse.take_usage(stream, stream.find(sse.USAGE_KEY), drop=True)
+        assert (out, found) == (stream, [])
+
+
+def test_an_event_naming_usage_twice_is_counted_once() -> None:
+    """An event whose JSON has a second "usage" key (nested in another object) is one
+    event: its usage counted once, not per key."""
+    event = (b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":8},'
+             b'"metadata":{"usage":{"note":"x"}}}')  # fmt: skip
+    stream = TOKEN + b"\n\n" + event + b"\n\n" + DONE + b"\n\n"
+    out, found = sse.take_usage(stream, stream.find(sse.USAGE_KEY), drop=True)
+    assert [(u.prompt_tokens, u.completion_tokens) for u in found] == [(7, 8)]
+    assert out == TOKEN + b"\n\n" + DONE + b"\n\n"
+
+
+def test_usage_is_counted_whatever_the_blanks_around_its_colon() -> None:
+    """JSON writers that space their colons (`"usage" : {`) still have the usage counted."""
+    event = b'data: {"choices" : [], "usage" :  {"prompt_tokens" : 2, "completion_tokens" : 3}}'
+    stream = event + b"\n\n" + DONE + b"\n\n"
+    out, found = sse.take_usage(stream, stream.find(sse.USAGE_KEY), drop=True)
+    assert [(u.prompt_tokens, u.completion_tokens) for u in found] == [(2, 3)]
+    assert out == DONE + b"\n\n"
+
+
 @given(
     st.lists(
         st.one_of(

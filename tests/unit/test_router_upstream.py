@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 from llmgw.core.redaction import FRAGMENT, KEY_MARK
 from llmgw.router import http1
-from llmgw.router.upstream import UpstreamError, _Conn, parse_base, request_head
+from llmgw.router.upstream import (
+    HIGH_WATER,
+    Pool,
+    Response,
+    UpstreamError,
+    _Conn,
+    parse_base,
+    request_head,
+)
 
 
 @pytest.fixture(
@@ -199,9 +207,11 @@ def test_request_head_and_base_parsing() -> None:
     assert host == "engine.example:8443"
     assert prefix == "/prefix"
     assert parse_base("http://10.0.0.1")[0] == ("10.0.0.1", 80, False)
+    assert parse_base("https://engine.example")[0] == ("engine.example", 443, True)
     head = request_head("/v1/chat/completions", "h:1", 12, [("X-Request-Id", "r1")])
     assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h:1\r\n")
     assert b"Content-Length: 12\r\n" in head
+    assert b"\r\nContent-Type: application/json\r\n" in head
     assert head.endswith(b"X-Request-Id: r1\r\n\r\n")
 
 
@@ -232,3 +242,126 @@ def test_extra_bytes_in_the_last_segment_make_the_connection_unusable() -> None:
     assert c2._chunks == [b"ok"]
     assert c2.done
     assert not c2.reusable
+
+
+def test_reading_from_the_engine_pauses_while_a_megabyte_waits_unread() -> None:
+    """A client slower than its engine: past `HIGH_WATER` bytes received and not read, the
+    connection stops reading (the engine's writes back up, not the router's memory), and
+    reads again once they are taken, counting afresh."""
+    c = conn()
+    piece = b"x" * (HIGH_WATER // 2 + 1)
+    c.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (4 * len(piece)))
+    transport = c.transport
+    assert isinstance(transport, FakeTransport)
+    c.data_received(piece)
+    assert not transport.paused
+    c.data_received(piece)
+    assert transport.paused
+    assert c.take_pending() == piece * 2
+    assert not transport.paused
+    c.data_received(piece)
+    assert not transport.paused  # what was taken no longer counts
+    c.data_received(piece)
+    assert transport.paused
+    assert c.take_pending() == piece * 2
+    assert c.done
+
+
+def test_bytes_waiting_when_a_sink_is_set_stay_ahead_of_later_ones() -> None:
+    """Body bytes that came before the relay set its sink wait for it to take them
+    (`take_pending`); bytes after them join them, so the stream keeps its order."""
+    c = conn()
+    c.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+    got: list[bytes] = []
+    c.sink = got.append
+    c.data_received(b"6\r\nsecond\r\n")
+    assert got == []
+    assert c.take_pending() == b"firstsecond"
+    c.data_received(b"5\r\nthird\r\n0\r\n\r\n")
+    assert got == [b"third"]
+
+
+@pytest.mark.parametrize("sink", [True, False], ids=["sink", "read_any"])
+def test_a_stream_cut_while_waited_on_raises_in_its_reader(sink: bool) -> None:
+    """The engine's connection drops mid-body while the relay waits (for the end while a
+    sink takes the body, or for bytes): the wait ends with the error, never hangs."""
+
+    async def run() -> BaseException | None:
+        c = _Conn(asyncio.get_running_loop())
+        c.connection_made(FakeTransport())  # type: ignore[arg-type]
+        c.expecting = True
+        c.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        if sink:
+            c.sink = lambda _data: None
+        c.data_received(b"5\r\nhello\r\n")
+        if not sink:
+            assert await c.read_any() == b"hello"
+        waiting = asyncio.ensure_future(c.wait_end() if sink else c.read_any())
+        await asyncio.sleep(0)
+        c.connection_lost(ConnectionResetError())
+        async with asyncio.timeout(10):
+            try:
+                await waiting
+            except UpstreamError as exc:
+                return exc
+        return None
+
+    assert isinstance(asyncio.run(run()), UpstreamError)
+
+
+def test_waiting_for_the_end_of_a_failed_body_raises_its_error() -> None:
+    """The body failed before the relay waits for its end (no sink, nothing unread)."""
+
+    async def run() -> None:
+        c = _Conn(asyncio.get_running_loop())
+        c.connection_made(FakeTransport())  # type: ignore[arg-type]
+        c.expecting = True
+        c.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\npart")
+        assert c.take_pending() == b"part"
+        c.connection_lost(None)
+        with pytest.raises(UpstreamError):
+            async with asyncio.timeout(10):
+                await c.wait_end()
+
+    asyncio.run(run())
+
+
+def test_a_read_up_to_a_limit_returns_once_it_has_that_much() -> None:
+    """`read(limit)` with `limit` bytes in hand returns them, without waiting for more of a
+    body that is not complete (the engine may send the rest slowly, or never)."""
+
+    async def run() -> bytes:
+        c = _Conn(asyncio.get_running_loop())
+        c.connection_made(FakeTransport())  # type: ignore[arg-type]
+        c.expecting = True
+        c.data_received(b"HTTP/1.1 500 Oops\r\nContent-Length: 100\r\n\r\nabcd")
+        async with asyncio.timeout(10):
+            return await Response(c, Pool()).read(4)
+
+    assert asyncio.run(run()) == b"abcd"
+
+
+def test_a_body_ended_by_the_close_wakes_its_reader_at_the_close() -> None:
+    async def run() -> bytes:
+        c = _Conn(asyncio.get_running_loop())
+        c.connection_made(FakeTransport())  # type: ignore[arg-type]
+        c.expecting = True
+        c.data_received(b"HTTP/1.0 200 OK\r\n\r\nabc")
+        assert await c.read_any() == b"abc"
+        waiting = asyncio.ensure_future(c.read_any())
+        await asyncio.sleep(0)
+        c.connection_lost(None)
+        async with asyncio.timeout(10):
+            return await waiting
+
+    assert asyncio.run(run()) == b""
+
+
+def test_a_response_is_at_its_end_only_once_every_byte_was_read() -> None:
+    c = conn()
+    c.data_received(b"HTTP/1.1 429 Too Many\r\nContent-Length: 2\r\n\r\nno")
+    response = Response(c, Pool())
+    assert response.status == 429
+    assert not response.at_eof()  # complete, but "no" is still unread
+    assert response.take_pending() == b"no"
+    assert response.at_eof()

@@ -2,7 +2,9 @@
 sockets: a kept-alive connection carries the next request to the same engine and never a
 request (with its engine's key) to another; the idle connections kept per engine are
 bounded; what a malformed answer quotes through the pool is without the key presented;
-a base URL's credentials never reach the engine's Host header."""
+a base URL's credentials never reach the engine's Host header; a connection that may
+not carry another request (the engine closes it, sent bytes unasked, failed, or the
+request was given up) is never pooled or sent the request again."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from llmgw.core.redaction import FRAGMENT, KEY_MARK
 from llmgw.router import http1
 from llmgw.router.upstream import Pool, UpstreamError, _Conn, parse_base, request_head
+from tests.harness import wait_for
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -141,3 +144,145 @@ def test_a_base_urls_credentials_stay_out_of_the_host_header() -> None:
     assert key == ("engine.example", 8000, False)
     assert host == "engine.example:8000"
     assert prefix == "/v1-prefix"
+
+
+def test_an_answer_that_closes_the_connection_is_not_pooled() -> None:
+    """An engine that says Connection: close but leaves the socket open: the router does
+    not send its next request on that connection (the engine may close it under it)."""
+    closing = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
+
+    async def run() -> Engine:
+        pool = Pool()
+        async with engine(lambda _head: closing) as a:
+            assert await ask(pool, a, "k") == b"ok"
+            assert await ask(pool, a, "k") == b"ok"
+        pool.close()
+        return a
+
+    assert asyncio.run(run()).connections == 2
+
+
+def test_an_answer_sent_to_an_idle_connection_never_answers_the_next_request() -> None:
+    """An engine writes a whole response on a pooled connection that carries no request:
+    the router drops that connection, and its next request gets its own answer, not the
+    one that was waiting."""
+    smuggled = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled"
+
+    async def run() -> tuple[bytes, Engine]:
+        pool = Pool()
+        async with engine() as a:
+            assert await ask(pool, a, "k") == b"ok"
+            (conn,) = pool._idle[a.key]
+            _, writer = a.serving[0]
+            writer.write(smuggled)
+            await wait_for(lambda: conn.closed, 10, "the router drops the connection")
+            second = await ask(pool, a, "k")
+        pool.close()
+        return second, a
+
+    second, a = asyncio.run(run())
+    assert second == b"ok"
+    assert a.connections == 2
+
+
+def test_a_fresh_connection_that_fails_is_not_sent_the_request_again() -> None:
+    """Only a kept-alive connection the engine closed meanwhile is retried: a new one
+    that fails means the engine got the request, and a second send would run it twice."""
+
+    async def run() -> tuple[str, Engine]:
+        pool = Pool()
+        async with engine(lambda _head: b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n") as a:
+            try:
+                await ask(pool, a, "k")
+            except UpstreamError as exc:
+                said = str(exc)
+            else:
+                raise AssertionError("a malformed answer was taken")
+        pool.close()
+        return said, a
+
+    said, a = asyncio.run(run())
+    assert "malformed" in said
+    assert len(a.heads) == 1
+    assert a.connections == 1
+
+
+def test_a_request_cancelled_before_its_answer_closes_its_connection() -> None:
+    """The caller gives up (the client left, a deadline) while the engine is still working
+    on the request: the connection is closed, so the engine sees the client go and frees
+    the request, and it never returns to the pool."""
+
+    async def run() -> tuple[Pool, Engine]:
+        pool = Pool()
+        async with engine(lambda _head: b"") as a:  # an engine that never answers
+            task = asyncio.ensure_future(ask(pool, a, "k"))
+            await wait_for(lambda: bool(a.heads), 10, "the engine gets the request")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            async with asyncio.timeout(10):  # the engine's read ends: the router closed it
+                await asyncio.gather(*(t for t, _ in a.serving))
+        pool.close()
+        return pool, a
+
+    pool, a = asyncio.run(run())
+    assert not any(pool._idle.values())
+    assert a.connections == 1
+
+
+def test_closing_a_response_twice_pools_its_connection_once() -> None:
+    """A second close is a no-op: it neither pools the connection again nor closes it
+    under the pool, and the next request is carried on it."""
+
+    async def run() -> tuple[int, Engine]:
+        pool = Pool()
+        async with engine() as a:
+            head = request_head("/v1/x", "h", 2, [("Authorization", "Bearer k")])
+            response = await pool.request(a.key, head, b"{}", connect_timeout=5.0)
+            assert await response.read() == b"ok"
+            response.close()
+            response.close()
+            kept = len(pool._idle[a.key])
+            assert await ask(pool, a, "k") == b"ok"
+        pool.close()
+        return kept, a
+
+    kept, a = asyncio.run(run())
+    assert kept == 1
+    assert a.connections == 1
+
+
+def test_a_response_closed_before_its_end_closes_its_connection() -> None:
+    """The relay stops reading a stream midway (the client left): the engine sees its
+    connection close, so it stops generating, and the connection is not pooled."""
+    partial = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+
+    async def run() -> tuple[Pool, Engine]:
+        pool = Pool()
+        async with engine(lambda _head: partial) as a:
+            head = request_head("/v1/x", "h", 2, [("Authorization", "Bearer k")])
+            response = await pool.request(a.key, head, b"{}", connect_timeout=5.0)
+            async with asyncio.timeout(10):
+                assert await response.read_any() == b"hello"
+            response.close()
+            async with asyncio.timeout(10):  # the engine's read ends: the router closed it
+                await asyncio.gather(*(t for t, _ in a.serving))
+        pool.close()
+        return pool, a
+
+    pool, _ = asyncio.run(run())
+    assert not any(pool._idle.values())
+
+
+def test_closing_the_pool_closes_its_idle_connections() -> None:
+    async def run() -> _Conn:
+        pool = Pool()
+        async with engine() as a:
+            assert await ask(pool, a, "k") == b"ok"
+            (conn,) = pool._idle[a.key]
+            pool.close()
+            async with asyncio.timeout(10):  # the engine's read ends: the router closed it
+                await asyncio.gather(*(t for t, _ in a.serving))
+        return conn
+
+    assert asyncio.run(run()).closed
