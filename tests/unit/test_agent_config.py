@@ -197,3 +197,10 @@ def test_a_quoted_number_in_the_file_is_text_not_a_number(tmp_path: Path) -> Non
         config.ConfigError, match=r"Expected `int`, got `str` - at `\$.log_tail_lines`"
     ):
         agent_config.load(path, environ={})
+
+
+def test_a_port_active_in_any_case_is_no_warning() -> None:
+    fabric = agent_config.FabricConfig(name="ib-a", hcas=("mlx5_0",))
+    assert agent_config.fabric_warnings([fabric], [Hca(name="mlx5_0", state="Active")]) == []
+    [warning] = agent_config.fabric_warnings([fabric], [Hca(name="mlx5_0", state="DOWN")])
+    assert "mlx5_0 port 1 is DOWN, not ACTIVE" in warning
