@@ -18,7 +18,7 @@ from nats.js import api
 from structlog.testing import capture_logs
 
 from llmgw import bus
-from llmgw.bus import counters
+from llmgw.bus import counters, provisioning
 from llmgw.bus import lease as lease_module
 from llmgw.core import events, subjects
 from llmgw.pki.identity import Identity
@@ -147,6 +147,33 @@ async def test_a_conflicting_stream_is_refused_with_what_differs(
     assert info.config.storage == api.StorageType.MEMORY
 
 
+async def test_a_derived_stream_on_other_subjects_is_refused_and_left_alone(
+    bus_connect: BusConnect, connect: Connector
+) -> None:
+    admin = await connect.admin()
+    await admin.jetstream().add_stream(
+        name=subjects.KV_STREAM, subjects=["llmgw.elsewhere.>"], storage=api.StorageType.MEMORY
+    )
+    control = await bus_connect("control", "control-a")
+    with pytest.raises(bus.ProvisionConflict, match=f"stream {subjects.KV_STREAM} exists with"):
+        await bus.provision(control.jetstream())
+    info = await admin.jetstream().stream_info(subjects.KV_STREAM)
+    assert info.config.subjects == ["llmgw.elsewhere.>"]
+
+
+async def test_a_lease_bucket_whose_entries_cannot_expire_is_refused(
+    bus_connect: BusConnect, connect: Connector
+) -> None:
+    admin = await connect.admin()
+    bucket = provisioning.LEASE_BUCKET  # as a client that predates per-message TTLs made it
+    await admin.jetstream().add_stream(
+        name=f"KV_{bucket}", subjects=[f"$KV.{bucket}.>"], max_msgs_per_subject=1
+    )
+    control = await bus_connect("control", "control-a")
+    with pytest.raises(bus.ProvisionConflict, match="the lease could never expire"):
+        await bus.provision(control.jetstream())
+
+
 # --------------------------------------------------------------------------- publishing
 
 
@@ -169,8 +196,9 @@ async def test_a_permission_violation_is_logged_as_such(
     provisioned: bus.BusClient, bus_connect: BusConnect
 ) -> None:
     node = await bus_connect("node", "node-a")
-    publisher = bus.Publisher(node.jetstream(), timeout_s=0.5, attempts=1)
-    with capture_logs() as logs, pytest.raises(bus.PublishError, match="may publish"):
+    # Asked for no attempts, a publisher still makes one.
+    publisher = bus.Publisher(node.jetstream(), timeout_s=0.5, attempts=0)
+    with capture_logs() as logs, pytest.raises(bus.PublishError, match="after 1 attempts"):
         await publisher.publish(shard_report(1, "node-b"))  # another node's subject
     assert any("llmgw.events.node.node-b" in v for v in node.permission_violations)
     assert any(e["event"] == "permission_violation" for e in logs)

@@ -168,3 +168,39 @@ def test_a_traces_collector_reaches_the_launch_context() -> None:
     assert context.traces_insecure is False
     plain = agent_config.load(environ={}, hostname="gpu-01")
     assert agent_config.launch_context(plain, Inventory()).traces == ""
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"engine_commands": {"vllm": [" ", "serve"]}}, r"engine_commands\.vllm is empty"),
+        ({"log_tail_lines": 0}, "log_tail_lines >= 1"),
+        ({"heartbeat_s": 30.0, "heartbeat_ttl_s": 20.0}, "at least heartbeat_s"),
+        ({"outbox_max_bytes": 4095}, "outbox_max_bytes >= 4096"),
+        ({"traces": {"collector": "otel/x:4317"}}, "is not host:port"),
+        ({"traces": {"collector": "otel:0"}}, "is not host:port"),
+        ({"launch": {"file_dirs": ["//"]}}, r"launch\.file_dirs: '//'"),
+    ],
+)
+def test_settings_the_agent_cannot_work_with_are_refused(
+    overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(config.ConfigError, match=message):
+        agent_config.load(overrides=overrides, environ={}, hostname="n")
+
+
+def test_a_quoted_number_in_the_file_is_text_not_a_number(tmp_path: Path) -> None:
+    # Variables are read as their setting's type; the file is YAML, where "100" is text.
+    path = tmp_path / "agent.yaml"
+    path.write_text('node_id: gpu-01\nlog_tail_lines: "100"\n')
+    with pytest.raises(
+        config.ConfigError, match=r"Expected `int`, got `str` - at `\$.log_tail_lines`"
+    ):
+        agent_config.load(path, environ={})
+
+
+def test_a_port_active_in_any_case_is_no_warning() -> None:
+    fabric = agent_config.FabricConfig(name="ib-a", hcas=("mlx5_0",))
+    assert agent_config.fabric_warnings([fabric], [Hca(name="mlx5_0", state="Active")]) == []
+    [warning] = agent_config.fabric_warnings([fabric], [Hca(name="mlx5_0", state="DOWN")])
+    assert "mlx5_0 port 1 is DOWN, not ACTIVE" in warning

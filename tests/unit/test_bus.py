@@ -95,6 +95,38 @@ def test_every_conflict_is_named() -> None:
     assert len(problems) == 7
 
 
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"subjects": ["llmgw.events.>", "llmgw.cmd.>", "other.>"]}, "subjects are"),
+        ({"duplicate_window": 120.5}, "duplicate_window is 120.5s (configured: 120s)"),
+        ({"max_msgs": 1}, "max_msgs is 1: the log would lose history"),
+        ({"max_bytes": 1}, "max_bytes is 1: the log would lose history"),
+        ({"sealed": True}, "the stream is sealed"),
+        ({"discard": api.DiscardPolicy.NEW}, "discard is 'new' (llmgw needs 'old')"),
+        ({"retention": api.RetentionPolicy.WORK_QUEUE}, "retention is 'workqueue'"),
+    ],
+)
+def test_each_conflict_alone_is_named(change: dict[str, object], fragment: str) -> None:
+    wanted = provisioning.stream_config(bus.StreamSettings())
+    existing = provisioning.stream_config(bus.StreamSettings())
+    for field, value in change.items():
+        setattr(existing, field, value)
+    [problem] = provisioning.stream_conflicts(existing, wanted)
+    assert fragment in problem
+
+
+def test_the_counter_streams_keep_one_total_per_subject() -> None:
+    settings = bus.StreamSettings()
+    limits = provisioning.limits_stream_config(settings)
+    usage = provisioning.usage_stream_config(settings)
+    for cfg in (limits, usage):
+        assert cfg.allow_msg_counter
+        assert cfg.max_msgs_per_subject == 1
+    assert limits.storage == api.StorageType.MEMORY  # a restart forgives the current window
+    assert usage.storage == api.StorageType.FILE  # budgets outlive a restart
+
+
 # --------------------------------------------------------------------------- publishing
 
 

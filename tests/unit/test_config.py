@@ -282,3 +282,41 @@ def test_an_error_never_shows_a_password_in_a_urls_value(userinfo: str) -> None:
         "traces.endpoint is wrong (LLMGW_ROUTER__TRACES__ENDPOINT set it: change the variable"
         " or unset it)"
     ]
+
+
+@pytest.mark.parametrize("setting", ["token", "hf_token", "secret", "password", "key_passphrase"])
+def test_a_variable_named_like_a_secret_is_named_without_its_value(setting: str) -> None:
+    env = {f"LLMGW_X__{setting.upper()}": "hunter2"}
+    [named] = config.name_variables([f"{setting} is wrong"], "X", env)
+    assert named == (
+        f"{setting} is wrong (LLMGW_X__{setting.upper()} set it: change the variable or unset it)"
+    )
+
+
+def test_an_empty_file_is_no_settings(tmp_path: Path) -> None:
+    path = tmp_path / "sim.yaml"
+    path.write_text("# nothing set yet\n")
+    assert config.read_yaml(path) == {}
+    assert config.load(SimConfig, path, section="SIM", environ={}) == SimConfig()
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "says"),
+    [
+        ("LLMGW_AGENT__KV_EVENTS", "y", "is not true or false"),  # only true/yes/on/1
+        ("LLMGW_AGENT__HEARTBEAT_S", "inf", "is not a finite number"),
+        ("LLMGW_AGENT__HEARTBEAT_S", "-Infinity", "is not a finite number"),
+    ],
+)
+def test_an_agent_variable_that_is_no_value_of_its_setting_is_refused(
+    name: str, raw: str, says: str
+) -> None:
+    with pytest.raises(config.ConfigError) as info:
+        config.load(AgentConfig, section="AGENT", environ={name: raw})
+    assert info.value.args[0].startswith(f"{name}={raw!r} {says}")
+
+
+@pytest.mark.parametrize("raw", ["", "null", "NULL", "None", "~"])
+def test_an_optional_section_is_unset_by_any_spelling_of_null(raw: str) -> None:
+    env = {"LLMGW_AGENT__TRACES": raw}
+    assert config.load(AgentConfig, section="AGENT", environ=env).traces is None

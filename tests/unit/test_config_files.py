@@ -330,3 +330,21 @@ def test_warn_and_fatal_are_the_levels_logging_knows_by_those_names(
         assert not logger.isEnabledFor(getattr(logging, hidden.upper()))
     finally:
         logs.setup("info", json=True)
+
+
+def test_the_nesting_and_expansion_limits_are_exact() -> None:
+    # MAX_DEPTH collections deep is the deepest taken; a value whose aliases add more than
+    # MAX_VALUES to what the file writes out is refused, and one value fewer is taken.
+    value = config.parse_yaml("[" * config.MAX_DEPTH + "]" * config.MAX_DEPTH)
+    for _ in range(config.MAX_DEPTH - 1):
+        [value] = value
+    assert value == []
+    with pytest.raises(yaml.YAMLError, match="nested more than 64 levels"):
+        config.parse_yaml("[" * (config.MAX_DEPTH + 1) + "]" * (config.MAX_DEPTH + 1))
+
+    def shared(aliases: int) -> str:  # 1,002 values written out, 1,001 more per alias
+        return "[&a [" + ", ".join(["x"] * 1000) + "], " + ", ".join(["*a"] * aliases) + "]"
+
+    assert len(config.parse_yaml(shared(999))) == 1000
+    with pytest.raises(yaml.YAMLError, match="expands to more than 1,000,000 values"):
+        config.parse_yaml(shared(1000))

@@ -85,6 +85,11 @@ def test_engines_bind_the_contexts_address() -> None:
     assert engines.plan(spec("sim"), H100, CONTEXT).probe_host == "10.0.0.7"
 
 
+@pytest.mark.parametrize("bind", ["", "0.0.0.0", "::", "[::]"])
+def test_an_engine_bound_to_every_interface_is_probed_on_loopback(bind: str) -> None:
+    assert engines.probe_host(bind) == "127.0.0.1"
+
+
 def test_the_agent_binds_its_serving_address_unless_told_every_interface() -> None:
     cfg = agent_config.complete(agent_config.AgentConfig(address="10.0.0.7"), hostname="gpu-01")
     assert agent_config.launch_context(cfg, H100).host == "10.0.0.7"
@@ -102,6 +107,9 @@ def test_the_agent_binds_its_serving_address_unless_told_every_interface() -> No
     [
         {"engine_args": ("--api-key", "mine")},
         {"engine_args": ("--api-key=mine",)},
+        # vLLM and llama.cpp read `_` as `-` in option names.
+        {"engine_args": ("--api_key", "mine")},
+        {"engine": "llamacpp", "engine_args": ("--api_key_file", "/etc/keys")},
         {"engine": "llamacpp", "engine_args": ("--api-key-file", "/etc/keys")},
         {"env": {"VLLM_API_KEY": "mine"}},
         {"engine": "llamacpp", "env": {"LLAMA_API_KEY": "mine"}},

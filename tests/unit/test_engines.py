@@ -15,7 +15,7 @@ from msgspec.structs import replace
 
 from llmgw.agent import engines
 from llmgw.agent.discovery import simulated
-from llmgw.agent.engines import LaunchContext, LaunchRefused
+from llmgw.agent.engines import LaunchContext, LaunchRefused, validation
 from llmgw.core.inventory import Fabric, Gpu, Inventory
 from llmgw.core.profile import LaunchSpec
 
@@ -350,6 +350,7 @@ def test_requested_class_must_match() -> None:
          "3 GPUs cannot be split evenly over 2 nodes"),
         ({"tensor_parallel": 0}, "must be >= 1"),
         ({"node_rank": 2}, "node_rank 2 is outside 0..0"),
+        ({"node_rank": 1}, "node_rank 1 is outside 0..0"),
     ],
 )  # fmt: skip
 def test_arithmetic_must_add_up(fields: dict[str, object], message: str) -> None:
@@ -479,3 +480,36 @@ def test_a_name_or_model_an_engine_would_read_as_an_option_is_refused(
     # (which checks env and engine_args): a leading - or @ would make them options.
     message = refused(spec(engine, **fields))
     assert "which the engine would read as an option" in message
+
+
+def test_a_simulated_engine_serves_http_on_every_rank_and_kv_events_on_rank_0_only() -> None:
+    # The simulator has no headless workers: each rank answers on its port, and only the
+    # rank routers reach publishes KV events (one relay per replica).
+    first, worker = multi_node("sim", 0), multi_node("sim", 1)
+    assert engines.plan(worker, H100, CONTEXT).http
+    launch = engines.plan(worker, H100, CONTEXT)
+    assert engines.kv_evented(worker, launch, "/run/kv") == launch
+    assert engines.kv_evented(first, engines.plan(first, H100, CONTEXT), "/run/kv").kv_events
+
+
+def test_a_capability_without_minor_is_its_major_point_zero() -> None:
+    assert validation.capability("8") == (8, 0)
+    assert validation.capability(" 9.0 ") == (9, 0)
+    assert validation.capability("8.x") is None
+    gpu = Gpu(
+        index=0, uuid="u", name="NVIDIA A100", gpu_class="a100-80g", memory_mib=81920,
+        compute_capability="8",
+    )  # fmt: skip
+    assert "GPU 0 (a100-80g) has 8" in refused(spec("vllm", dtype="fp8"), Inventory(gpus=(gpu,)))
+
+
+def test_kv_events_configured_in_the_equals_form_are_the_operators_too() -> None:
+    own = replace(spec("vllm"), engine_args=('--kv-events-config={"publisher": "null"}',))
+    launch = engines.plan(own, H100, CONTEXT)
+    assert engines.kv_evented(own, launch, "/run/kv") == launch
+
+
+def test_only_sglang_opens_its_port_after_loading() -> None:
+    for engine in ("vllm", "llamacpp", "sim"):
+        assert engines.plan(spec(engine), H100, CONTEXT).listens_before_loading, engine
+    assert not engines.plan(spec("sglang"), H100, CONTEXT).listens_before_loading

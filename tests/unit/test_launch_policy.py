@@ -415,3 +415,151 @@ def test_the_example_fleet_configs_pass() -> None:
     for name in ("gpu-01.yaml", "gpu-02.yaml"):
         cfg = agent_config.load(root / name, environ={})
         assert cfg.launch.engines
+
+
+# ------------------------------------------------------------------ attempts past the lists
+
+
+@pytest.mark.parametrize(
+    ("engine", "name"),
+    [
+        ("vllm", "VLLM_CONFIG_ROOT"),  # where vLLM reads its own configuration
+        ("vllm", "VLLM_CACHE_ROOT"),
+        ("vllm", "VLLM_TORCH_PROFILER_DIR"),  # the profiler writes traces there
+        ("vllm", "VLLM_ASSETS_CACHE"),
+        ("vllm", "HF_HUB_CACHE"),
+        ("vllm", "VLLM_NCCL_SO_PATH"),  # the NCCL library vLLM loads
+        ("sglang", "SGLANG_EXTERNAL_MODEL_PACKAGE"),  # imports the package named
+        ("sglang", "SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE"),
+        ("sglang", "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"),  # where ranks meet
+        ("vllm", "NCCL_COMM_ID"),
+        ("vllm", "VLLM_USAGE_STATS_SERVER"),  # where vLLM reports the node's hardware
+        ("vllm", "VLLM_HOST_IP"),
+        ("vllm", "VLLM_DP_MASTER_IP"),
+        ("vllm", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
+        ("vllm", "NCCL_RAS_ADDR"),
+        ("llamacpp", "LLAMA_ARG_RPC"),  # llama-server's options by another name
+        ("llamacpp", "LLAMA_ARG_HOST"),
+    ],
+)
+def test_names_that_name_places_or_options_are_refused_by_default(
+    engine: Engine, name: str
+) -> None:
+    assert refusal(spec(engine, env={name: "x"})), name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "APP_PLUGIN",
+        "APP_EXTRA_LIBRARY",
+        "APP_MODULE",
+        "APP_EXTENSION",
+        "APP_HTTPS_PROXY",
+        "APP_INJECTION",
+        "APP_LIB",
+        "APP_LIBS",
+        "APP_CMD",
+        "APP_COMMAND",
+        "APP_ROOT",
+        "APP_DIR",
+        "APP_CACHE",
+        "app_plugin",
+        "App_Preload",
+    ],
+)
+def test_a_configured_pattern_never_admits_a_name_that_loads_code_or_names_a_place(
+    name: str,
+) -> None:
+    policy = LaunchPolicy(env_allow={"all": ("APP_*", "app_*", "App_*")})
+    assert refusal(spec(env={"APP_WORKERS": "4"}), policy) == []
+    assert refusal(spec(env={name: "x"}), policy), name
+
+
+def test_a_pattern_matches_whole_prefixes_and_an_exact_name_only_itself() -> None:
+    # Python 3.13's PYTHON_* settings are no licence for PYTHONPATH.
+    policy = LaunchPolicy(env_allow={"all": ("PYTHON_*", "TEAM_FLAG")})
+    assert refusal(spec(env={"PYTHON_GIL": "0", "TEAM_FLAG": "1"}), policy) == []
+    for name in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "TEAM_FLAGS", "TEAM_FLA"):
+        assert refusal(spec(env={name: "x"}), policy), name
+    assert refusal(spec("llamacpp", env={"HF_TOKENIZER_X": "x"}))  # HF_TOKEN is exact
+    assert refusal(spec(env={"CUDAX": "1"}))  # CUDA_* needs the underscore
+
+
+@pytest.mark.parametrize(
+    ("engine", "args"),
+    [
+        # A value that is an engine's short option: vLLM's -tp, -asc, -O; llama.cpp's -m.
+        ("vllm", ("--max-num-seqs", "8", "-tp", "8")),
+        ("vllm", ("--seed", "-asc", "4")),
+        ("vllm", ("--enforce-eager", "-O3")),
+        ("llamacpp", ("--threads", "8", "-m", "/other.gguf")),
+        # What the agent owns, in every spelling an engine's parser takes.
+        ("vllm", ("--host", "0.0.0.0")),
+        ("sglang", ("--host=0.0.0.0",)),
+        ("vllm", ("--api-k", "mine")),  # vLLM's parser takes unique prefixes
+        ("sglang", ("--served-model", "other")),
+        ("vllm", ("\u2014trust-remote-code",)),  # an em dash: a value without an option
+        # Arguments from a file, wherever they stand.
+        ("vllm", ("--seed", "@/tmp/args")),
+        # A NUL byte would end the engine's argument there (and fails the exec).
+        ("vllm", ("--seed", "1\x00")),
+        # `=` inside the file name: the file is everything after the first `=`.
+        ("vllm", ("--chat-template=/opt/t/x=/../../../etc/shadow",)),
+        ("vllm", ("--tokenizer", "org/name/../../etc")),
+        ("vllm", ("--tokenizer", "org/name/more")),  # a relative path, not an id
+        ("sglang", ("--tokenizer-path", "/etc")),
+        ("sglang", ("--chat-template", "/srv/{x}.jinja")),  # SGLang reads no inline Jinja
+        ("llamacpp", ("--chat-template-file", "templates/chat.jinja")),
+        ("llamacpp", ("--chat-template-file", "")),
+    ],
+)
+def test_values_that_are_options_or_files_off_the_dirs_are_refused(
+    engine: Engine, args: tuple[str, ...]
+) -> None:
+    policy = LaunchPolicy(file_dirs=("/opt/t",))
+    reasons = refusal(spec(engine, engine_args=args), policy)
+    assert reasons, args
+    for r in reasons:
+        assert (
+            SOURCE in r
+            or "read arguments from a file" in r
+            or "contains a NUL byte" in r
+            or "is not an option" in r
+        ), r
+
+
+@pytest.mark.parametrize(
+    ("engine", "args"),
+    [
+        ("vllm", ("--chat-template", "{{ messages[0].content }}\n")),
+        ("vllm", ("--chat-template", "system\nuser")),  # inline: a newline, no braces
+        ("vllm", ("--tokenizer", "/opt/t")),  # the directory itself
+        ("vllm", ("--chat-template=/opt/t/a=b.jinja",)),
+        ("vllm", ("--response-role", "-")),  # `-` is a value, not an option
+        ("sglang", ("--tokenizer-path", "/opt/t/tok")),
+    ],
+)
+def test_inline_templates_and_files_in_the_dirs_pass(engine: Engine, args: tuple[str, ...]) -> None:
+    assert refusal(spec(engine, engine_args=args), LaunchPolicy(file_dirs=("/opt/t",))) == []
+
+
+def test_options_added_for_all_engines_pass_on_each() -> None:
+    policy = LaunchPolicy(args_allow={"all": ("--enable-log-requests",)})
+    for engine in ENGINES:
+        assert refusal(spec(engine, engine_args=("--enable-log-requests",)), policy) == []
+    assert refusal(spec(engine_args=("--enable-log-requests",)))
+
+
+@pytest.mark.parametrize(
+    ("policy", "error"),
+    [
+        (LaunchPolicy(file_dirs=("//",)), "launch.file_dirs: '//'"),
+        (LaunchPolicy(file_dirs=("/opt/..",)), "launch.file_dirs: '/opt/..'"),
+        (LaunchPolicy(args_allow={"vllm": ("--max-num-seqs ",)}), "'--max-num-seqs '"),
+    ],
+)
+def test_a_policy_that_opens_the_whole_disk_or_matches_no_option_is_refused(
+    policy: LaunchPolicy, error: str
+) -> None:
+    assert any(error in e for e in launch_policy.policy_errors(policy))

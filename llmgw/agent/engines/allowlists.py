@@ -44,6 +44,13 @@ _CODE_OR_FILE_PARTS = (
     "EXTENSION",
     "DEV_MODE",
     "RUNTIME_LORA",
+    # A Python package imported by name (SGLANG_EXTERNAL_MODEL_PACKAGE and
+    # SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE register the model classes they hold).
+    "PACKAGE",
+    # Where the engine's processes meet their peers (SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE,
+    # NCCL_COMM_ID): set elsewhere, a process off this node could join the engine's group.
+    "INIT_METHOD",
+    "COMM_ID",
     # Where a library sends what it holds (HF_ENDPOINT would take the node's Hugging Face
     # token to another host) or reads files from.
     "ENDPOINT",
@@ -64,6 +71,13 @@ _CODE_OR_FILE_SUFFIXES = (
     "_CMD",
     "_COMMAND",
     "_API_KEY",
+    # Addresses: of a server the engine reports to (VLLM_USAGE_STATS_SERVER), or the
+    # engine's own and its peers' (VLLM_HOST_IP, VLLM_DP_MASTER_IP, NCCL_RAS_ADDR,
+    # VLLM_NIXL_SIDE_CHANNEL_HOST, which opens a port on that address).
+    "_SERVER",
+    "_HOST",
+    "_IP",
+    "_ADDR",
 )
 
 

@@ -221,7 +221,8 @@ def policy_errors(policy: LaunchPolicy) -> list[str]:
                     "spelling without a value, e.g. --max-num-seqs"
                 )
     for d in policy.file_dirs:
-        if not d.startswith("/") or posixpath.normpath(d) == "/":
+        # normpath keeps a leading `//` (POSIX leaves its meaning open): `//` is / too.
+        if not d.startswith("/") or not posixpath.normpath(d).strip("/"):
             errors.append(
                 f"launch.file_dirs: {d!r} must be an absolute directory other than / "
                 "(engines may read files under it)"
