@@ -100,6 +100,8 @@ def test_code_or_file_loading_names_are_refused_by_default(name: str) -> None:
         ("vllm", "VLLM_ATTENTION_BACKEND"),
         ("vllm", "NCCL_DEBUG"),
         ("vllm", "CUDA_LAUNCH_BLOCKING"),
+        ("vllm", "VLLM_LOGGING_LEVEL"),
+        ("vllm", "VLLM_LOGGING_PREFIX"),
         ("vllm", "HF_HUB_OFFLINE"),
         ("vllm", "OMP_NUM_THREADS"),
         ("sglang", "SGLANG_ENABLE_TORCH_COMPILE"),
@@ -438,6 +440,16 @@ def test_the_example_fleet_configs_pass() -> None:
         ("vllm", "VLLM_DP_MASTER_IP"),
         ("vllm", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
         ("vllm", "NCCL_RAS_ADDR"),
+        ("vllm", "VLLM_DEBUG_LOG_API_SERVER_RESPONSE"),  # every answer in the engine's log
+        ("vllm", "CUDA_COREDUMP_PIPE"),  # the engine's memory, prompts included
+        ("vllm", "CUDA_ENABLE_COREDUMP_ON_EXCEPTION"),
+        ("sglang", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"),
+        ("vllm", "VLLM_TRACE_FUNCTION"),
+        ("vllm", "VLLM_LOGGING_STREAM"),  # ext://module.attr imports the module
+        ("vllm", "VLLM_LOGGING_CONFIG_PATH"),
+        ("vllm", "VLLM_USE_MODELSCOPE"),  # another model hub
+        ("sglang", "SGLANG_USE_MODELSCOPE"),
+        ("vllm", "VLLM_HUMMING_W4A16_QUANT_CONFIG"),  # a file read from the path given
         ("llamacpp", "LLAMA_ARG_RPC"),  # llama-server's options by another name
         ("llamacpp", "LLAMA_ARG_HOST"),
     ],

@@ -51,6 +51,21 @@ _CODE_OR_FILE_PARTS = (
     # NCCL_COMM_ID): set elsewhere, a process off this node could join the engine's group.
     "INIT_METHOD",
     "COMM_ID",
+    # What writes users' prompts and answers, or the process's memory, where the node's
+    # operator did not ask: VLLM_DEBUG_LOG_API_SERVER_RESPONSE logs every answer, core
+    # dumps hold whatever the engine held (CUDA_COREDUMP_PIPE, CUDA_ENABLE_COREDUMP_ON_*),
+    # VLLM_TRACE_FUNCTION traces every call to files; VLLM_LOGGING_STREAM's `ext://`
+    # imports the module it names, VLLM_LOGGING_CONFIG* configures logging from outside.
+    "LOG_API",
+    "COREDUMP",
+    "TRACE_FUNCTION",
+    "LOGGING_STREAM",
+    "LOGGING_CONFIG",
+    # Another model hub than the one the node's operator chose (VLLM_USE_MODELSCOPE,
+    # SGLANG_USE_MODELSCOPE); a quantization config read from the path given
+    # (VLLM_HUMMING_*_QUANT_CONFIG).
+    "MODELSCOPE",
+    "QUANT_CONFIG",
     # Where a library sends what it holds (HF_ENDPOINT would take the node's Hugging Face
     # token to another host) or reads files from.
     "ENDPOINT",
