@@ -66,6 +66,11 @@ class OlderServer:
         return await self._nc.request(subject, payload, **options)
 
 
+def alice_cordons(event_id: str) -> events.NodeCordoned:
+    """Operator alice's cordon of node-a, now."""
+    return events.NodeCordoned(id=event_id, ts=time.time(), operator="alice", node="node-a")
+
+
 async def test_a_time_is_found_by_sequence_on_a_server_without_start_time(
     nats_server: TestNatsServer, log: bus.BusClient
 ) -> None:
@@ -76,9 +81,7 @@ async def test_a_time_is_found_by_sequence_on_a_server_without_start_time(
         for i in range(4):
             times.append(time.time())
             await asyncio.sleep(0.02)
-            await publisher.publish(
-                events.NodeCordoned(id=f"c{i}", ts=time.time(), operator="alice", node="node-a")
-            )
+            await publisher.publish(alice_cordons(f"c{i}"))
         older = OlderServer(operator)
         found = await history.first_seq_at_or_after(older, times[2])  # type: ignore[arg-type]
         assert older.refused == 1
@@ -95,9 +98,7 @@ async def test_a_search_by_sequence_finds_a_message_stored_at_the_very_moment(
     publisher = bus.Publisher(operator.jetstream())
     try:
         for i in range(3):
-            await publisher.publish(
-                events.NodeCordoned(id=f"c{i}", ts=time.time(), operator="alice", node="node-a")
-            )
+            await publisher.publish(alice_cordons(f"c{i}"))
         for seq in (1, 2, 3, 4):
             got = await history._message_at_or_after(operator, seq)
             assert got is not None
@@ -116,9 +117,7 @@ async def test_replay_at_a_moment_never_starts_from_a_snapshot_of_what_came_afte
     try:
         moment = time.time()
         await asyncio.sleep(0.05)
-        cordon = await bus.Publisher(operator.jetstream()).publish(
-            events.NodeCordoned(id="c-1", ts=time.time(), operator="alice", node="node-a")
-        )
+        cordon = await bus.Publisher(operator.jetstream()).publish(alice_cordons("c-1"))
         # A snapshot that includes the cordon: the first record stored after the moment.
         after = await history.rebuild(operator, to_seq=cordon.seq, use_snapshots=False)
         store = await bus.SnapshotStore.open(control.jetstream())
@@ -154,9 +153,7 @@ async def test_replay_at_the_moment_a_record_was_stored_includes_it(
 ) -> None:
     operator = await connect_as(nats_server, "operator", "alice")
     try:
-        cordon = await bus.Publisher(operator.jetstream()).publish(
-            events.NodeCordoned(id="c-1", ts=time.time(), operator="alice", node="node-a")
-        )
+        cordon = await bus.Publisher(operator.jetstream()).publish(alice_cordons("c-1"))
         got = await history._message_at_or_after(operator, cordon.seq)
         assert got is not None
         then = await history.rebuild(operator, at=got[1])

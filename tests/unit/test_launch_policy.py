@@ -20,7 +20,7 @@ from llmgw.agent import config as agent_config
 from llmgw.agent.engines import allowlists
 from llmgw.agent.engines import policy as launch_policy
 from llmgw.agent.engines.policy import LaunchPolicy
-from llmgw.agent.engines.validation import LaunchRefused
+from llmgw.agent.engines.validation import LaunchRefused, option_name
 from llmgw.core.profile import Engine, LaunchSpec
 
 SOURCE = "/etc/llmgw/agent.yaml"
@@ -346,7 +346,7 @@ def test_any_argv_passes_only_allowed_options_or_is_refused_naming_the_setting(
                 and token[1:2] != "."
                 and token != "-"
             ):
-                flag = launch_policy._flag_name(token)
+                flag = option_name(token)
                 assert flag in allowed
                 value = token.split("=", 1)[1] if "=" in token else None
             else:

@@ -22,7 +22,7 @@ from llmgw.agent.engines.allowlists import (
     FILE_ARGS,
     loads_code,
 )
-from llmgw.agent.engines.validation import LaunchRefused
+from llmgw.agent.engines.validation import LaunchRefused, option_name
 from llmgw.core.profile import Engine, LaunchSpec
 
 PolicyScope = Literal["all", "vllm", "sglang", "llamacpp", "sim"]
@@ -85,12 +85,6 @@ def env_allowed(policy: LaunchPolicy, engine: Engine, name: str) -> bool:
     return False
 
 
-def _flag_name(token: str) -> str:
-    flag = token.split("=", 1)[0]
-    # vLLM and llama.cpp treat `_` and `-` alike in option names.
-    return flag[:2] + flag[2:].replace("_", "-") if flag.startswith("--") else flag
-
-
 def _is_value(token: str) -> bool:
     return not token.startswith("-") or bool(_NUMBER.match(token)) or token == "-"
 
@@ -141,7 +135,7 @@ def args_problems(
             elif flag in files:
                 problems += _file_problem(flag, files[flag], token, policy, where)
             continue
-        flag = _flag_name(token)
+        flag = option_name(token)
         if flag not in allowed:
             problems.append(
                 f"engine argument {flag} is not allowed by this node's "

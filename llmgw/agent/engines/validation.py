@@ -142,8 +142,9 @@ API_KEY_FLAGS = ("--api-key", "--api-key-file")
 API_KEY_VARIABLES = ("VLLM_API_KEY", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLMGW_SIM_API_KEY")
 
 
-def _option(token: str) -> str:
-    """The option `token` sets, as vLLM and llama.cpp read it: `--api_key=k` is `--api-key`."""
+def option_name(token: str) -> str:
+    """The option `token` sets, as vLLM and llama.cpp read it (`_` and `-` alike in
+    option names): `--api_key=k` is `--api-key`."""
     flag = token.split("=", 1)[0]
     return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
 
@@ -152,7 +153,7 @@ def _api_key(spec: LaunchSpec) -> list[str]:
     """The agent gives every engine its own key, which routers learn from the log: a key
     set by the model would lock the routers out (or open the engine to whoever knows it)."""
     problems = []
-    flags = [a for a in spec.engine_args if _option(a) in API_KEY_FLAGS]
+    flags = [a for a in spec.engine_args if option_name(a) in API_KEY_FLAGS]
     if flags:
         problems.append(
             f"engine_args set {', '.join(sorted(set(flags)))}: the agent sets each engine's "
