@@ -62,6 +62,7 @@ class _Conn(asyncio.Protocol):
         "done",
         "engine_key",
         "expecting",
+        "heard",
         "key",
         "loop",
         "sink",
@@ -88,6 +89,8 @@ class _Conn(asyncio.Protocol):
         self.sink: Callable[[bytes], None] | None = None
         """Takes body bytes as they arrive, in the protocol callback, instead of `read_any`."""
         self.status = 0
+        self.heard = False
+        """Bytes of an answer to this request came (framed or not): the engine has it."""
         self.content_type = ""
         self.done = False
         self._headers_waiter: asyncio.Future[None] | None = None
@@ -132,6 +135,7 @@ class _Conn(asyncio.Protocol):
             # connection can no longer be trusted to frame the next response.
             self._abort()
             return
+        self.heard = True
         try:
             events = self._parser.feed(data)
         except http1.ProtocolError as exc:
@@ -386,7 +390,9 @@ class Pool:
         """Send one request and wait for the response head.
 
         A kept-alive connection the engine closed meanwhile fails before any byte of the
-        answer; the request is then sent once more on a fresh connection. `engine_key`,
+        answer; the request is then sent once more on a fresh connection. One that
+        answered anything, even bytes that frame nothing, had the request: sent again, it
+        would run twice. `engine_key`,
         the key `head` presents, is taken out of the errors that quote the engine's bytes.
         """
         idle = self._idle.get(key)
@@ -408,7 +414,7 @@ class Pool:
                 await conn.wait_head()
             except UpstreamError:
                 conn._abort()
-                if fresh or attempt == 1 or conn.status:
+                if fresh or attempt == 1 or conn.heard:
                     raise
                 conn = None  # a stale kept-alive connection: once more, on a new one
                 continue

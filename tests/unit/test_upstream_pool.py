@@ -207,6 +207,31 @@ def test_a_fresh_connection_that_fails_is_not_sent_the_request_again() -> None:
     assert a.connections == 1
 
 
+def test_a_kept_alive_connection_that_answers_malformed_bytes_is_not_sent_it_again() -> None:
+    """A kept-alive connection is retried only when the engine closed it before any byte
+    of the answer: bytes that frame nothing are still an answer, so the engine had the
+    request, and a second send would run it twice."""
+    answers = iter([OK, b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", OK])
+
+    async def run() -> tuple[str, Engine]:
+        pool = Pool()
+        async with engine(lambda _head: next(answers)) as a:
+            assert await ask(pool, a, "k") == b"ok"  # its connection is kept
+            try:
+                await ask(pool, a, "k")
+            except UpstreamError as exc:
+                said = str(exc)
+            else:
+                raise AssertionError("a malformed answer was taken")
+        pool.close()
+        return said, a
+
+    said, a = asyncio.run(run())
+    assert "malformed" in said
+    assert len(a.heads) == 2
+    assert a.connections == 1
+
+
 def test_a_request_cancelled_before_its_answer_closes_its_connection() -> None:
     """The caller gives up (the client left, a deadline) while the engine is still working
     on the request: the connection is closed, so the engine sees the client go and frees
