@@ -149,7 +149,9 @@ def parse_apps(text: str) -> dict[str, list[tuple[int, int]]]:
         # 400 digits read as infinity, which int() refuses: a row of garbage, not a process.
         if not uuid or pid is None or not math.isfinite(pid + mib):
             continue
-        out.setdefault(uuid, []).append((int(pid), int(mib)))
+        # "[N/A]" where the driver may not say (vGPU, WDDM): the process still makes the
+        # GPU busy, so it holds at least 1 MiB, as NVML's reading counts it.
+        out.setdefault(uuid, []).append((int(pid), max(1, int(mib))))
     return out
 
 
