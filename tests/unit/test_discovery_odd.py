@@ -7,6 +7,7 @@ written loosely.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,31 @@ def test_a_topology_row_of_a_gpu_missing_from_its_header_is_left_out() -> None:
     the GPUs the header names keep their domain, and the parse is not a KeyError."""
     topo = "\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \nGPU2\tNV4\tNV4\t X \n"
     assert smi.parse_topology(topo) == {0: 0, 1: 0}
+
+
+def test_a_topology_header_in_ansi_escapes_still_names_every_gpu() -> None:
+    """The 590 driver underlines `topo -m`'s header (recorded in h100-sxm-1gpu-590.topo.txt):
+    the two NVLinked GPUs of the recorded DL380a, with that header, share one domain."""
+    header, *rows = (SMI / "h100-pcie-x2-nvlink-dl380ag11.topo.txt").read_text().splitlines()
+    underlined = "\n".join([f"\t\x1b[4m{header.lstrip()}\x1b[0m", *rows])
+    assert smi.parse_topology(underlined) == {0: 0, 1: 0}
+
+
+def test_blank_lines_are_no_rows_and_a_field_past_csvs_limit_is_an_smi_error() -> None:
+    query = (SMI / "h200-1gpu-590.query.csv").read_text()
+    assert smi.gpus_from_smi(query.replace("\n", "\n\n")) == smi.gpus_from_smi(query)
+    # Python's csv refuses a field over 128 KiB: before, csv.Error escaped the refresh.
+    with pytest.raises(smi.SmiError, match="not CSV"):
+        smi.gpus_from_smi("index, name, memory.total [MiB]\n0, " + "H" * 200_000 + ", 1\n")
+
+
+def test_an_nvidia_smi_that_closes_its_output_and_hangs_is_killed() -> None:
+    """Its streams at end of file is not its exit: the wait for its status is bounded too."""
+    hang = (sys.executable, "-c", "import os, time; os.close(1); os.close(2); time.sleep(120)")
+    began = time.monotonic()
+    with pytest.raises(smi.SmiError, match="did not answer"):
+        smi.run(hang, timeout_s=0.5)
+    assert time.monotonic() - began < 60  # generous: the command sleeps 120 s
 
 
 def test_a_gpu_name_in_a_legacy_encoding_is_read_not_a_crash() -> None:
@@ -132,17 +158,21 @@ def _port(root: Path, device: str, port: str, **files: bytes) -> None:
 
 def test_sysfs_text_other_than_the_kernels_usual_reads_as_meant(tmp_path: Path) -> None:
     """A state without its numeric code, a fractional rate (the kernel prints SDR's 1X as
-    2.5 Gb/sec), a rate and a port number at the log's bounds, and a file holding bytes
-    that are not UTF-8 (which raised UnicodeDecodeError out of the heartbeat's refresh)."""
+    2.5 Gb/sec), a rate and a port number at the log's bounds, a file holding bytes that
+    are not UTF-8, and one that cannot be read: none is a crash of the heartbeat's refresh."""
     _port(tmp_path, "mlx4_0", "1", state=b"ACTIVE\n", rate=b"2.5 Gb/sec (1X SDR)\n")
     _port(tmp_path, "mlx5_0", "256", state=b"4: ACTIVE\n", rate=b"10000000 Gb/sec (4X)\n")
     _port(tmp_path, "mlx5_0", "257", state=b"4: ACTIVE\n")
     _port(tmp_path, "mlx5_1", "1", state=b"1: DOWN\n", link_layer=b"Ether\xffnet\n")
+    # A file that cannot be read (here a folder; sysfs answers EINVAL for some states).
+    _port(tmp_path, "mlx5_2", "1", state=b"4: ACTIVE\n")
+    (tmp_path / "mlx5_2" / "ports" / "1" / "rate").mkdir()
     hcas = infiniband.read_hcas(tmp_path)
     assert [(h.name, h.port, h.state, h.rate_gbps) for h in hcas] == [
         ("mlx4_0", 1, "ACTIVE", 2.5),
         ("mlx5_0", 256, "ACTIVE", infiniband.MAX_RATE_GBPS),
         ("mlx5_1", 1, "DOWN", 0.0),
+        ("mlx5_2", 1, "ACTIVE", 0.0),
     ]
     assert hcas[2].link_layer == "Ether\ufffdnet"
 
