@@ -203,6 +203,31 @@ def test_output_lost_to_a_full_disk_is_not_taken_for_a_reader_gone() -> None:
     assert b"No space left on device" in out.stderr
 
 
+def test_a_command_started_with_stdout_closed_ends_with_its_own_status() -> None:
+    """`llmgw version >&-`: Python gives such a process no sys.stdout, and the check for a
+    reader gone after the command raised AttributeError (a traceback, status 1)."""
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("llmgw")), "version"],
+        preexec_fn=lambda: os.close(1),
+        stderr=subprocess.PIPE,
+        timeout=120,
+        check=False,
+    )
+    assert (out.returncode, out.stderr) == (0, b"")
+
+
+CLOSES_ITS_STDOUT = PRINTS_AS_IT_ENDS.replace(
+    '    print("sending")', '    print("sending")\n    sys.stdout.close()'
+)
+
+
+def test_a_command_that_closes_its_stdout_ends_with_its_own_status() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CLOSES_ITS_STDOUT], capture_output=True, timeout=120, check=False
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, b"sending\n", b"")
+
+
 def test_schemas_write_then_check(tmp_path: Path) -> None:
     """`llmgw schemas --write` says only what it wrote; a check of the folder then agrees."""
     runner = CliRunner()
@@ -219,5 +244,5 @@ def test_llmgw_alone_shows_its_help() -> None:
     result = CliRunner().invoke(app, [])
     assert "Run a fleet of GPU nodes" in result.output
     assert "Missing command" not in result.output
-    for command in ("agent", "ctl", "up", "schemas"):
+    for command in ("agent", "router", "ctl", "sim", "control", "up", "console", "schemas"):
         assert f" {command} " in result.output, command
