@@ -73,6 +73,8 @@ def _reader_gone(exit_: SystemExit, stdout_at_start: tuple[int, int] | None) -> 
     any closed pipe for stdout's), or what is left to flush meets it."""
     if _broken_pipe(exit_.__context__) and _stdout_closed(stdout_at_start):
         return True
+    if sys.stdout is None:  # started with stdout closed (`>&-`): Python gave it none
+        return False
     try:
         sys.stdout.flush()
     except OSError as exc:

@@ -8,11 +8,14 @@ signal arrives in the middle of that import, as a Ctrl-C on a busy machine does.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from llmgw import __version__
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,7 +37,14 @@ sys.meta_path.insert(0, _Interrupt())
 """
 
 
-def interrupted_at(tmp_path: Path, module: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _ignore_sigint() -> None:
+    """As a shell starts a background job, or nohup a command."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def interrupted_at(
+    tmp_path: Path, module: str, *args: str, sigint_ignored: bool = False
+) -> subprocess.CompletedProcess[str]:
     hook = tmp_path / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(HOOK)
@@ -50,6 +60,7 @@ def interrupted_at(tmp_path: Path, module: str, *args: str) -> subprocess.Comple
         text=True,
         timeout=120,
         check=False,
+        preexec_fn=_ignore_sigint if sigint_ignored else None,
     )
 
 
@@ -72,3 +83,11 @@ def test_ctrl_c_while_another_command_imports_exits_130_quietly(tmp_path: Path) 
     done = interrupted_at(tmp_path, "typer", "ctl", "nodes")
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_command_started_with_ctrl_c_ignored_is_not_ended_by_one(tmp_path: Path) -> None:
+    """A CLI started with SIGINT ignored (a background job, nohup) leaves it ignored: the
+    interrupt during its imports ends nothing, and the command does its work."""
+    done = interrupted_at(tmp_path, "typer", "version", sigint_ignored=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == __version__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,133 @@ def test_a_closed_connection_is_an_error_not_a_reader_gone() -> None:
     assert out.returncode == 1, out
     assert out.stdout == b"sending\n"
     assert b"Broken pipe" in out.stderr
+
+
+def test_a_closed_connection_with_stdout_on_dev_null_from_the_start_is_still_an_error() -> None:
+    """Stdout that was /dev/null before the command began (a cron job, `> /dev/null`) is no
+    reader that went away: a connection the command wrote to that closed is a failure."""
+    out = subprocess.run(
+        [sys.executable, "-c", BROKEN_CONNECTION],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1, out
+    assert b"Broken pipe" in out.stderr
+
+
+def test_stdout_on_a_socket_whose_reader_left_ends_quietly_as_sigpipe_would() -> None:
+    """Stdout may be a socket (an inetd-style service, a socket-activated unit): its peer
+    closing is a reader gone, as a closed pipe is."""
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    with ours:
+        out = subprocess.run(
+            [str(Path(sys.executable).with_name("llmgw")), "version"],
+            stdout=ours.fileno(),
+            stderr=subprocess.PIPE,
+            timeout=120,
+            check=False,
+        )
+    assert (out.returncode, out.stderr) == (141, b"")
+
+
+PRINTS_AS_IT_ENDS = """
+import sys
+import typer
+import llmgw.cli.main
+from llmgw.cli import entry
+
+app = typer.Typer()
+
+
+@app.command()
+def send() -> None:
+    print("sending")
+
+
+llmgw.cli.main.main = app
+sys.argv = ["llmgw"]
+entry.main()
+"""
+
+
+def _buffered_command(stdout: int) -> subprocess.CompletedProcess[bytes]:
+    """A command whose output is buffered, as stdout to a pipe or a file is by default, so
+    that it is written only as the command ends."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    return subprocess.run(
+        [sys.executable, "-c", PRINTS_AS_IT_ENDS],
+        env=env,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_buffered_output_whose_reader_left_ends_quietly_as_sigpipe_would() -> None:
+    """What is left to write when the reader is gone is dropped: Python's own last flush at
+    exit would print "Exception ignored ... BrokenPipeError" and end with status 120."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = _buffered_command(write_end)
+    finally:
+        os.close(write_end)
+    assert (out.returncode, out.stderr) == (141, b"")
+
+
+def test_output_lost_to_a_full_disk_is_not_taken_for_a_reader_gone() -> None:
+    """Stdout's last flush failing for another reason than a closed pipe (a full disk) is a
+    failure that says what happened, not the quiet status of a reader that left."""
+    with open("/dev/full", "wb") as full:
+        out = _buffered_command(full.fileno())
+    assert out.returncode not in (0, 141), out
+    assert b"No space left on device" in out.stderr
+
+
+def test_a_command_started_with_stdout_closed_ends_with_its_own_status() -> None:
+    """`llmgw version >&-`: Python gives such a process no sys.stdout, and the check for a
+    reader gone after the command raised AttributeError (a traceback, status 1)."""
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("llmgw")), "version"],
+        preexec_fn=lambda: os.close(1),
+        stderr=subprocess.PIPE,
+        timeout=120,
+        check=False,
+    )
+    assert (out.returncode, out.stderr) == (0, b"")
+
+
+CLOSES_ITS_STDOUT = PRINTS_AS_IT_ENDS.replace(
+    '    print("sending")', '    print("sending")\n    sys.stdout.close()'
+)
+
+
+def test_a_command_that_closes_its_stdout_ends_with_its_own_status() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CLOSES_ITS_STDOUT], capture_output=True, timeout=120, check=False
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, b"sending\n", b"")
+
+
+def test_schemas_write_then_check(tmp_path: Path) -> None:
+    """`llmgw schemas --write` says only what it wrote; a check of the folder then agrees."""
+    runner = CliRunner()
+    written = runner.invoke(app, ["schemas", "--write", "--dir", str(tmp_path)])
+    assert written.exit_code == 0, written.output
+    lines = written.output.splitlines()
+    assert lines
+    assert all(line.startswith(f"wrote {tmp_path}") for line in lines), lines
+    checked = runner.invoke(app, ["schemas", "--dir", str(tmp_path)])
+    assert (checked.exit_code, checked.output) == (0, f"{tmp_path} matches the code\n")
+
+
+def test_llmgw_alone_shows_its_help() -> None:
+    result = CliRunner().invoke(app, [])
+    assert "Run a fleet of GPU nodes" in result.output
+    assert "Missing command" not in result.output
+    for command in ("agent", "router", "ctl", "sim", "control", "up", "console", "schemas"):
+        assert f" {command} " in result.output, command

@@ -507,3 +507,60 @@ def test_an_nvidia_smi_that_cannot_be_executed_is_an_smi_error(
     failing_pynvml(monkeypatch)
     with pytest.raises(discovery.DiscoveryError, match="nvidia-smi failed"):
         discovery.discover_gpus()
+
+
+def test_a_foreign_process_whose_memory_nvidia_smi_cannot_say_still_makes_the_gpu_busy() -> None:
+    """nvidia-smi prints `[N/A]` for a process's memory where the driver may not say (vGPU
+    guests, Windows' WDDM): it read as 0 MiB, so on a GPU our engines hold (where unseen
+    memory is not counted) the fallback called free a GPU that NVML calls busy."""
+    query = (HW / "nvidia-smi" / "h200-1gpu-590.query.csv").read_text()
+    uuid = smi.gpus_from_smi(query)[0].uuid
+    apps = f"gpu_uuid, pid, used_gpu_memory [MiB]\n{uuid}, 4242, [N/A]\n"
+    ours = frozenset({0})
+    (by_smi,) = smi.gpus_from_smi(query, apps, own_gpus=ours)
+    fake = FakeNvml([h200(0, uuid=uuid, procs=[(4242, None)])], set())
+    (by_nvml,) = nvml.read_gpus(fake, own_gpus=ours)
+    assert by_smi.foreign_memory_mib == by_nvml.foreign_memory_mib == 1
+    assert not by_smi.healthy
+    # Our own engine's process with `[N/A]` stays ours.
+    (own,) = smi.gpus_from_smi(query, apps, own_pids=frozenset({4242}), own_gpus=ours)
+    assert own.foreign_memory_mib == 0
+
+
+DOWN_RAILS = HW / "derived" / "sysfs-cx7-down-esc8000a" / "sys/class/infiniband"
+
+
+def test_a_node_with_real_gpus_says_why_a_declared_fabric_is_not_advertised() -> None:
+    """The inventory's warnings carry the fabric left out on an NVML node too, not only on a
+    simulated one: the recorded ESC8000A's ConnectX-7 ports are all down."""
+    found = discovery.discover(
+        infiniband_root=DOWN_RAILS,
+        declared_fabrics=[("ib-pod-a", ("mlx5_0",))],
+        nvml_module=lambda: FakeNvml([h200(0)], set()),
+    )
+    assert found.source == "nvml"
+    assert found.inventory.fabrics == ()
+    assert [h.state for h in found.inventory.hcas] == ["DOWN"] * 4
+    (warning,) = found.warnings
+    assert warning.startswith('fabric "ib-pod-a" is not advertised to the scheduler: no port')
+
+
+def test_gpus_left_out_and_parts_nvidia_smi_could_not_read_are_logged() -> None:
+    """The agent logs each note as a warning where the operator looks (journald), not only in
+    the inventory it registers."""
+    with structlog.testing.capture_logs() as logs:
+        discovery.discover_gpus(nvml_module=lambda: FakeNvml([h200(0, mig=True)], set()))
+        discovery.discover_gpus(
+            nvml_module=lambda: BrokenNvml([], set()),
+            smi_discover=lambda **_: ((), ["no topology, NVLink domains unknown: hung"]),
+        )
+    by_event = {e["event"]: (e["log_level"], e["detail"]) for e in logs if "detail" in e}
+    level, detail = by_event["gpu_left_out"]
+    assert (level, detail.split(":")[0]) == (
+        "warning",
+        "GPU 0 (NVIDIA H200) has MIG enabled and is left out",
+    )
+    assert by_event["nvidia_smi_partial"] == (
+        "warning",
+        "no topology, NVLink domains unknown: hung",
+    )

@@ -149,7 +149,9 @@ def parse_apps(text: str) -> dict[str, list[tuple[int, int]]]:
         # 400 digits read as infinity, which int() refuses: a row of garbage, not a process.
         if not uuid or pid is None or not math.isfinite(pid + mib):
             continue
-        out.setdefault(uuid, []).append((int(pid), int(mib)))
+        # "[N/A]" where the driver may not say (vGPU, WDDM): the process still makes the
+        # GPU busy, so it holds at least 1 MiB, as NVML's reading counts it.
+        out.setdefault(uuid, []).append((int(pid), max(1, int(mib))))
     return out
 
 
@@ -289,10 +291,29 @@ def run(
             if proc.poll() is None:
                 proc.kill()
     if proc.returncode != 0:
-        lines = (stderr or stdout).strip().splitlines()
-        detail = lines[-1] if lines else "no output"
-        raise SmiError(f"{what} exited with {proc.returncode}: {detail}")
+        # A negative status is a signal's (a crash, the OOM killer): what it printed is partial.
+        how = (
+            f"was killed by signal {-proc.returncode}"
+            if proc.returncode < 0
+            else f"exited with {proc.returncode}"
+        )
+        raise SmiError(f"{what} {how}: {_detail(stderr or stdout)}")
     return stdout
+
+
+MAX_DETAIL = 500
+"""The most of a failed command's output kept in its error: it goes to logs and to `llmgw
+agent inventory`, and a broken wrapper may print megabytes."""
+
+
+def _detail(text: str) -> str:
+    """What a failed nvidia-smi said, in one line: the cause comes first and more may follow
+    ("Failed to initialize NVML: Driver/library version mismatch" / "NVML library version:
+    570.124"), so its first line is kept, with the last one of a longer output."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 3:
+        lines = [lines[0], "...", lines[-1]]
+    return " / ".join(lines)[:MAX_DETAIL] or "no output"
 
 
 def _bounded_output(
