@@ -154,6 +154,22 @@ def test_nvml_query_failure_is_an_nvml_error() -> None:
         nvml.read_gpus(fake)
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [{"ecc": 2**63}, {"total": 2**80}, {"total": 2**1100}, {"cc": (2**60, 0)}],
+    ids=["ecc counter", "memory", "memory past a float", "capability"],
+)
+def test_a_gpu_out_of_the_logs_bounds_is_an_nvml_error(odd: dict[str, Any]) -> None:
+    """A value no GPU has (a driver's garbage, a counter's wrap) would make every reader
+    refuse the node's registration; it is refused here, naming the GPU, as nvidia-smi's
+    reading refuses its row, and the agent never crashes on it."""
+    fake = FakeNvml([h200(0), h200(1, **odd)], set())
+    with pytest.raises(nvml.NvmlError, match=r"GPU 1 \(NVIDIA H200\) reads out of range"):
+        nvml.read_gpus(fake)
+    assert fake.shutdown
+    assert len(nvml.read_gpus(FakeNvml([h200(0), h200(1)], set()))) == 2
+
+
 def test_an_old_pynvml_is_an_nvml_error_not_a_crash() -> None:
     fake = FakeNvml([h200(0)], set())
     with pytest.raises(nvml.NvmlError, match="upgrade nvidia-ml-py"):

@@ -14,8 +14,10 @@ import warnings
 from types import ModuleType
 from typing import Any
 
+import msgspec
+
 from llmgw.agent.discovery.memory import foreign_mib
-from llmgw.agent.discovery.smi import nvlink_domains
+from llmgw.agent.discovery.smi import nvlink_domains, within_bounds
 from llmgw.core.inventory import Gpu, gpu_class
 
 _MIB = 1024 * 1024
@@ -83,7 +85,16 @@ def read_gpus(
                         f"GPUs; disable MIG (`nvidia-smi -i {i} -mig 0`) to use it"
                     )
                 continue
-            gpus.append(_gpu(nv, i, handle, name, domains.get(i), own_pids, i in own_gpus))
+            try:
+                gpu = _gpu(nv, i, handle, name, domains.get(i), own_pids, i in own_gpus)
+                gpus.append(within_bounds(gpu))
+            except (OverflowError, msgspec.ValidationError) as exc:
+                # A GPU out of the log's bounds would make every reader refuse the
+                # node's registration; nvidia-smi, asked next, reads the same driver.
+                raise NvmlError(
+                    f"GPU {i} ({name}) reads out of range ({exc}): check it "
+                    f"(`nvidia-smi -q -i {i}`)"
+                ) from None
         return tuple(gpus)
     except nv.NVMLError as exc:
         raise NvmlError(f"NVML query failed: {exc}") from None

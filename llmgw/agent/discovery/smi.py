@@ -179,7 +179,7 @@ def gpus_from_smi(
             continue
         try:
             gpu = _row_gpu(position, row, domains, by_uuid, own_pids, own_gpus)
-            gpus.append(_within_bounds(gpu))
+            gpus.append(within_bounds(gpu))
         except (OverflowError, msgspec.ValidationError) as exc:
             # Not a crash of the agent (its health refresh expects SmiError) nor a GPU
             # that makes every reader refuse the node's registration.
@@ -190,9 +190,10 @@ def gpus_from_smi(
     return tuple(sorted(gpus, key=lambda g: g.index))
 
 
-def _within_bounds(gpu: Gpu) -> Gpu:
+def within_bounds(gpu: Gpu) -> Gpu:
     """`gpu` if it fits the log's bounds (llmgw.core.limits), else msgspec.ValidationError:
-    every reader refuses a NodeRegistered with one GPU out of them."""
+    every reader refuses a NodeRegistered with one GPU out of them. Both readings (this
+    module's and llmgw.agent.discovery.nvml's) pass each GPU through it."""
     return msgspec.convert(msgspec.to_builtins(gpu), Gpu)
 
 
