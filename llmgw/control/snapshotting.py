@@ -74,9 +74,12 @@ class Snapshotting(Instance):
         except Exception as exc:  # a failed snapshot costs only a longer cold start
             log.warning("snapshot_failed", seq=seq, error=str(exc) or repr(exc))
             return
-        self.snapshot_seq = seq
         self.metrics.snapshots.inc()
-        self.metrics.snapshot_seq.set(seq)
+        # A background save and `snapshot_now` may overlap and finish in either order:
+        # the sequence reported is the newest saved, never an older one saved later.
+        if seq > self.snapshot_seq:
+            self.snapshot_seq = seq
+            self.metrics.snapshot_seq.set(seq)
 
     async def snapshot_now(self) -> int:
         """Save a snapshot of the state as folded now, whoever leads; returns its sequence."""
