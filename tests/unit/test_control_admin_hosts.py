@@ -5,6 +5,7 @@ names the site) must not read the whole fleet through the operator's browser."""
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import pytest
@@ -12,16 +13,24 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.control import admin
 from llmgw.core import state
+from tests.kit import raw_http
 
 
-def _service(host: str, cert_file: str = "") -> object:
-    caught_up = asyncio.Event()
-    caught_up.set()
+def _service(host: str, cert_file: str = "", *, caught_up: bool = True) -> object:
+    replayed = asyncio.Event()
+    if caught_up:
+        replayed.set()
     return types.SimpleNamespace(
         cfg=types.SimpleNamespace(admin=types.SimpleNamespace(host=host, cert_file=cert_file)),
         state=state.ClusterState(),
-        caught_up=caught_up,
+        caught_up=replayed,
         leading=False,
+        clock=time.time,
+        name="control-a",
+        control_seq=0,
+        snapshot_seq=0,
+        rejected=0,
+        folded=types.SimpleNamespace(undecodable=0),
     )
 
 
@@ -35,6 +44,31 @@ def _service(host: str, cert_file: str = "") -> object:
         ("localhost:9190", 200),
         ("[::1]:9190", 200),
         ("127.0.0.1", 200),
+        ("LOCALHOST:9190", 200),
+        ("LocalHost", 200),
+        ("localhost.:9190", 200),
+        ("localhost.", 200),
+        ("127.0.0.2:9190", 200),
+        ("[::1]", 200),
+        ("[0:0:0:0:0:0:0:1]:9190", 200),
+        ("localhost..", 421),
+        ("127.0.0.1.:9190", 421),
+        ("127.1:9190", 421),
+        ("127.000.000.001", 421),
+        ("[::ffff:127.0.0.1]:9190", 421),
+        ("[::1%25lo]:9190", 421),
+        ("::1", 421),
+        ("[::2]:9190", 421),
+        ("[::]:9190", 421),
+        ("0.0.0.0:9190", 421),
+        ("localhost:", 421),
+        ("localhost:+80", 421),
+        ("localhost:9190:1", 421),
+        ("[::1]junk", 421),
+        ("alice@127.0.0.1:9190", 421),
+        ("127.0.0.1/evil.example", 421),
+        ("xn--localhost-evil.example", 421),
+        ("", 421),
     ],
 )
 async def test_a_loopback_admin_api_answers_only_loopback_hosts(host: str, status: int) -> None:
@@ -49,6 +83,72 @@ async def test_a_loopback_admin_api_answers_only_loopback_hosts(host: str, statu
 async def test_an_admin_api_bound_elsewhere_answers_whatever_name_reached_it() -> None:
     """Off loopback the names it is reached by are the operator's (and HTTPS decides)."""
     app = admin.build_app(_service("0.0.0.0"))  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/health", headers={"Host": "control-1.internal:9190"})
+        assert r.status == 200
+
+
+def _no_host(url: str, method: str, path: str, version: str = "1.1") -> bytes:
+    raw = f"{method} {path} HTTP/{version}\r\nConnection: close\r\n\r\n".encode()
+    return raw_http.exchange(url, raw, timeout=30.0)
+
+
+async def test_a_request_without_a_host_header_is_answered() -> None:
+    """No browser sends a request without `Host` (HTTP/1.0 may omit it): not a rebound page.
+    HTTP/1.1 requires one (RFC 9112): 400."""
+    app = admin.build_app(_service("127.0.0.1"))  # type: ignore[arg-type]
+    async with TestServer(app) as server:
+        url = str(server.make_url("/"))
+        answer = await asyncio.to_thread(_no_host, url, "GET", "/health", "1.0")
+        assert answer.split(b"\r\n", 1)[0].endswith(b" 200 OK"), answer[:200]
+        assert b'"status":"ok"' in answer
+        answer = await asyncio.to_thread(_no_host, url, "GET", "/health", "1.1")
+        assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), answer[:200]
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
+async def test_only_get_and_head_are_answered(method: str) -> None:
+    """A read-only API: every path refuses other methods with a 405 naming GET, and a name
+    that is no loopback name is refused first (421), whether the path exists or not."""
+    app = admin.build_app(_service("127.0.0.1"))  # type: ignore[arg-type]
+    paths = ("/v1/nodes", "/v1/replicas", "/v1/models", "/v1/explain/m1", "/v1/state",
+             "/metrics", "/v1/sd/prometheus", "/health")  # fmt: skip
+    async with TestClient(TestServer(app)) as client:
+        for path in paths:
+            r = await client.request(method, path, headers={"Host": "127.0.0.1:9190"})
+            assert r.status == 405, (path, r.status)
+            assert "GET" in r.headers["Allow"]
+            r = await client.request(method, path, headers={"Host": "rebound.example"})
+            assert r.status == 421, (path, r.status)
+        for host, status in (("127.0.0.1:9190", 404), ("rebound.example", 421)):
+            r = await client.request(method, "/v1/secrets", headers={"Host": host})
+            assert r.status == status
+        head = await client.head("/health", headers={"Host": "127.0.0.1:9190"})
+        assert (head.status, await head.read()) == (200, b"")
+
+
+async def test_health_answers_503_while_the_log_is_replayed() -> None:
+    svc = _service("127.0.0.1", caught_up=False)
+    svc.state.last_seq = 7  # type: ignore[attr-defined]
+    app = admin.build_app(svc)  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/health")
+        assert r.status == 503
+        assert await r.json() == {"status": "replaying", "leading": False, "folded_seq": 7}
+        r = await client.get("/v1/state")
+        assert ((await r.json())["caught_up"], (await r.json())["folded_seq"]) == (False, 7)
+        svc.caught_up.set()  # type: ignore[attr-defined]
+        r = await client.get("/health")
+        assert r.status == 200
+        assert await r.json() == {"status": "ok", "leading": False, "folded_seq": 7}
+        r = await client.get("/v1/state")
+        assert (await r.json())["caught_up"] is True
+
+
+async def test_an_admin_api_with_a_certificate_answers_whatever_name_reached_it() -> None:
+    """Over HTTPS (admin.cert_file) on loopback too, the client certificate decides, not
+    the name: a tunnel or a proxy may reach it by another."""
+    app = admin.build_app(_service("127.0.0.1", cert_file="/etc/llmgw/admin.pem"))  # type: ignore[arg-type]
     async with TestClient(TestServer(app)) as client:
         r = await client.get("/health", headers={"Host": "control-1.internal:9190"})
         assert r.status == 200
