@@ -100,6 +100,32 @@ async def test_v1_state_reports_the_services_own_figures() -> None:
         assert 0 < health["folded_seq"] <= svc.state.last_seq
 
 
+async def test_v1_nodes_shows_each_node_as_of_now() -> None:
+    async with serving_fleet() as (svc, _), aiohttp.ClientSession() as http:
+        deadline = time.monotonic() + DEADLINE_S
+        while True:  # ages from the service's clock now: they grow once heartbeats stop
+            _, nodes = await get(http, f"{svc.admin_url}/v1/nodes")
+            if all(n["heartbeat_age_s"] > 0 for n in nodes):
+                break
+            assert time.monotonic() < deadline, nodes
+        assert [n["name"] for n in nodes] == ["node-a", "node-b"]
+        for node in nodes:
+            assert node["liveness"] == "ready"
+            assert node["heartbeat_age_s"] < DEADLINE_S, node
+        _, replicas = await get(http, f"{svc.admin_url}/v1/replicas")
+        assert [r["model"] for r in replicas] == ["m1"]
+
+
+async def test_metrics_is_prometheus_text_of_the_services_registry() -> None:
+    async with serving_fleet() as (svc, _), aiohttp.ClientSession() as http:
+        async with http.get(f"{svc.admin_url}/metrics") as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"] == "text/plain; version=0.0.4"
+            page = await resp.text()
+        assert "llmgw_control_leader 1.0" in page
+        assert "llmgw_control_events_rejected_total 1.0" in page
+
+
 async def test_v1_models_says_why_a_model_cannot_be_placed() -> None:
     async with serving_fleet() as (svc, _), aiohttp.ClientSession() as http:
         _, models = await get(http, f"{svc.admin_url}/v1/models")

@@ -8,10 +8,13 @@ import asyncio
 import time
 import types
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from structlog.testing import capture_logs
 
 from llmgw.control import admin
+from llmgw.control.config import AdminListener
 from llmgw.core import state
 from tests.kit import raw_http
 
@@ -128,15 +131,19 @@ async def test_only_get_and_head_are_answered(method: str) -> None:
 
 
 async def test_health_answers_503_while_the_log_is_replayed() -> None:
+    """And /v1/state says so, with the leader the fold names (not this instance)."""
     svc = _service("127.0.0.1", caught_up=False)
     svc.state.last_seq = 7  # type: ignore[attr-defined]
+    svc.state.leader = "control-b"  # type: ignore[attr-defined]
     app = admin.build_app(svc)  # type: ignore[arg-type]
     async with TestClient(TestServer(app)) as client:
         r = await client.get("/health")
         assert r.status == 503
         assert await r.json() == {"status": "replaying", "leading": False, "folded_seq": 7}
         r = await client.get("/v1/state")
-        assert ((await r.json())["caught_up"], (await r.json())["folded_seq"]) == (False, 7)
+        doc = await r.json()
+        assert (doc["caught_up"], doc["folded_seq"]) == (False, 7)
+        assert (doc["instance"], doc["leader"], doc["leading"]) == ("control-a", "control-b", False)
         svc.caught_up.set()  # type: ignore[attr-defined]
         r = await client.get("/health")
         assert r.status == 200
@@ -152,3 +159,22 @@ async def test_an_admin_api_with_a_certificate_answers_whatever_name_reached_it(
     async with TestClient(TestServer(app)) as client:
         r = await client.get("/health", headers={"Host": "control-1.internal:9190"})
         assert r.status == 200
+
+
+async def test_a_loopback_admin_api_logs_no_exposure_warning() -> None:
+    listener = AdminListener(host="127.0.0.1", port=0)
+    svc = _service("127.0.0.1")
+    svc.cfg.admin = listener  # type: ignore[attr-defined]
+    svc.admin_url = ""  # type: ignore[attr-defined]
+    with capture_logs() as logged:
+        runner = await admin.start(svc)  # type: ignore[arg-type]
+    try:
+        said = [e["event"] for e in logged]
+        assert "admin_listening" in said
+        assert "admin_exposed" not in said
+        url = svc.admin_url  # type: ignore[attr-defined]
+        assert url.startswith("http://127.0.0.1:")
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/health") as resp:
+            assert resp.status == 200
+    finally:
+        await runner.cleanup()
