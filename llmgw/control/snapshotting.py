@@ -1,7 +1,7 @@
 """The control plane's snapshots: load the newest at start, save every N events or T seconds.
 
 Part of `ControlService` (llmgw.control.service; shared state in llmgw.control.instance).
-Only the leader saves on its own; `snapshot_now` (the admin API's) saves whoever leads.
+Only the leader saves on its own; `snapshot_now` saves the state folded now, whoever leads.
 """
 
 from __future__ import annotations
