@@ -178,3 +178,20 @@ async def test_a_loopback_admin_api_logs_no_exposure_warning() -> None:
             assert resp.status == 200
     finally:
         await runner.cleanup()
+
+
+async def test_two_host_headers_are_refused_and_the_header_name_is_any_case() -> None:
+    """Two `Host` headers, in either order, are a malformed request (400, RFC 9112), so no
+    loopback one can vouch for a foreign one; `hOsT` is the same header."""
+    app = admin.build_app(_service("127.0.0.1"))  # type: ignore[arg-type]
+    async with TestServer(app) as server:
+        url = str(server.make_url("/"))
+        for heads, status in (
+            ("Host: 127.0.0.1\r\nHost: rebound.example", b" 400 "),
+            ("Host: rebound.example\r\nHost: 127.0.0.1", b" 400 "),
+            ("hOsT: rebound.example", b" 421 "),
+            ("hOsT: 127.0.0.1", b" 200 "),
+        ):
+            raw = f"GET /health HTTP/1.1\r\n{heads}\r\nConnection: close\r\n\r\n".encode()
+            answer = await asyncio.to_thread(raw_http.exchange, url, raw, timeout=30.0)
+            assert status in answer.split(b"\r\n", 1)[0], (heads, answer[:200])
