@@ -83,6 +83,15 @@ async def test_a_loopback_admin_api_answers_only_loopback_hosts(host: str, statu
             assert "127.0.0.1" in (await r.json())["error"]
 
 
+@pytest.mark.parametrize("bound", ["::1", "[::1]", "localhost", "LOCALHOST.", "127.0.0.2"])
+async def test_every_loopback_admin_host_checks_the_name(bound: str) -> None:
+    """admin.host written as any loopback address or localhost: the same check."""
+    app = admin.build_app(_service(bound))  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        assert (await client.get("/health", headers={"Host": "rebound.example"})).status == 421
+        assert (await client.get("/health", headers={"Host": "localhost:9190"})).status == 200
+
+
 async def test_an_admin_api_bound_elsewhere_answers_whatever_name_reached_it() -> None:
     """Off loopback the names it is reached by are the operator's (and HTTPS decides)."""
     app = admin.build_app(_service("0.0.0.0"))  # type: ignore[arg-type]
