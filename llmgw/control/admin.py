@@ -4,7 +4,8 @@
 - `GET /v1/replicas`: replicas with each shard's node, GPUs, phase, endpoint and error;
 - `GET /v1/models`: declared models, wanted and active replica counts, and why
   missing replicas cannot be placed;
-- `GET /v1/explain/<model>`: every node and whether a new replica could land there;
+- `GET /v1/explain/<model>`: every node and whether a new replica could land there (the
+  name percent-quoted, or with its `/` as they are); 404 for a model not declared;
 - `GET /v1/state`: digest, folded sequence, leader, epoch, this instance's role, how many
   events the fold refused and how many messages did not decode;
 - `GET /metrics`: Prometheus, the fleet's state included; `GET /health`: 200 once caught
@@ -151,7 +152,9 @@ def build_app(svc: ControlService) -> web.Application:
     app.router.add_get("/v1/nodes", _nodes)
     app.router.add_get("/v1/replicas", _replicas)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/explain/{model}", _explain)
+    # Any name: a model's may hold `/` (quoted as %2F or not) and braces, which the default
+    # `{model}` pattern would refuse with a 404 of the router's own.
+    app.router.add_get("/v1/explain/{model:.+}", _explain)
     app.router.add_get("/v1/state", _state)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/sd/prometheus", _prometheus_targets)

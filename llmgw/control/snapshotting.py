@@ -1,7 +1,7 @@
 """The control plane's snapshots: load the newest at start, save every N events or T seconds.
 
 Part of `ControlService` (llmgw.control.service; shared state in llmgw.control.instance).
-Only the leader saves on its own; `snapshot_now` (the admin API's) saves whoever leads.
+Only the leader saves on its own; `snapshot_now` saves the state folded now, whoever leads.
 """
 
 from __future__ import annotations
@@ -74,9 +74,12 @@ class Snapshotting(Instance):
         except Exception as exc:  # a failed snapshot costs only a longer cold start
             log.warning("snapshot_failed", seq=seq, error=str(exc) or repr(exc))
             return
-        self.snapshot_seq = seq
         self.metrics.snapshots.inc()
-        self.metrics.snapshot_seq.set(seq)
+        # A background save and `snapshot_now` may overlap and finish in either order:
+        # the sequence reported is the newest saved, never an older one saved later.
+        if seq > self.snapshot_seq:
+            self.snapshot_seq = seq
+            self.metrics.snapshot_seq.set(seq)
 
     async def snapshot_now(self) -> int:
         """Save a snapshot of the state as folded now, whoever leads; returns its sequence."""

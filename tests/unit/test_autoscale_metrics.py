@@ -15,12 +15,13 @@ import aiohttp
 import msgspec
 
 from llmgw.bus.memory import LeaseBucket, MemoryLease, MemoryLog, MemorySnapshots
+from llmgw.control.metrics import Metrics
 from llmgw.control.ports import ControlPorts
 from llmgw.control.scaler import REPORT_MAX_AGE_S
 from llmgw.control.scaling import SCALE_EVERY_S
 from llmgw.control.service import ControlService
 from llmgw.core import events, loadreport, subjects
-from llmgw.core.autoscale import Autoscale
+from llmgw.core.autoscale import Autoscale, Observation, Signals
 from llmgw.core.profile import ModelProfile
 
 from .test_control_ports import DEADLINE_S, config, running, until
@@ -122,3 +123,25 @@ async def test_signals_no_router_keeps_fresh_leave_the_page_and_come_back_with_a
         _report(svc, clock, "m1")
         back = await _scraped_until(svc, lambda s: _models(s) == {"m1"}, "m1 exported again")
         assert back[("m1", "ttft_p90_s")] == 0.25
+
+
+def test_each_signal_is_exported_under_its_own_name_models_in_order() -> None:
+    """Every signal a distinct value, so that none can stand in for another."""
+    offsets = {"waiting": 1.0, "running": 2.0, "kv_usage": 0.3, "ttft_p90_s": 0.4,
+               "itl_p90_s": 0.05, "requests": 6.0, "recommended": 7.0}  # fmt: skip
+
+    def observed(base: int) -> Observation:
+        o = {name: base + offset for name, offset in offsets.items()}
+        signals = Signals(waiting=o["waiting"], running=o["running"], kv_usage=o["kv_usage"],
+                          ttft_p90_s=o["ttft_p90_s"], itl_p90_s=o["itl_p90_s"],
+                          requests=int(o["requests"]))  # fmt: skip
+        return Observation(signals=signals, recommended=int(o["recommended"]), up_floor=0,
+                           down_ceiling=9)  # fmt: skip
+
+    metrics = Metrics()
+    metrics.export_autoscale(lambda: {"m2": observed(20), "m1": observed(10)})
+    page = metrics.render().decode()
+    found = [m for m in map(_LABELS.match, page.splitlines()) if m is not None]
+    expected = [(model, signal, base + offset) for model, base in (("m1", 10), ("m2", 20))
+                for signal, offset in offsets.items()]  # fmt: skip
+    assert [(m[1], m[2], float(m[3])) for m in found] == expected
