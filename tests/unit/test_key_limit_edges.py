@@ -3,8 +3,11 @@ router's buckets alone, even named as a key of the log; a window the counters fo
 costs no round trip per request it refuses; what requests hold of a budget's lease is
 taken out of it; a hold of both a window and a budget is settled in both; the unused rest
 of a hold goes back to this router's bucket, and to no window but its own; a request
-charged tokens counts in the key's usage whatever its status; and a budget's payment
-under way when the flusher turns is owed again if its add fails."""
+charged tokens counts in the key's usage whatever its status; a budget's payment under
+way when the flusher turns is owed again if its add fails, and counts against this
+router's share of the budget should the counters go away meanwhile; a lease answered
+windows late is retried in the window it is now; and the flusher reads the budgets, so
+an outage's share counts the other routers' spending."""
 
 from __future__ import annotations
 
@@ -192,3 +195,84 @@ def test_a_requests_prompt_and_completion_tokens_are_both_charged_when_it_ends()
     q.ended(p, "m", 200, (50, 40), held)  # used 90: 10 beyond its hold, 10 left
     assert isinstance(asyncio.run(q.hold(p, 20, 0.0, now)), Refusal)
     assert isinstance(asyncio.run(q.hold(p, 10, 0.0, time.monotonic())), Held)
+
+
+def test_a_lease_answered_windows_later_is_retried_in_the_window_it_is_now() -> None:
+    """Router A's lease of window 100 is answered once its clock reads 103.5: the request
+    waiting for it is counted in window 103, never in 101, a window already over."""
+
+    async def run() -> list[str]:
+        store = Stalls(".r.100")
+        a = Quotas(store)  # type: ignore[arg-type]
+        a.clock = lambda: 103.5
+        p = key(requests_per_s=100.0)
+        late = asyncio.ensure_future(a.admit(p, 100.5, 0.0))
+        await asyncio.wait_for(store.waiting.wait(), 30)
+        assert await a.admit(p, 103.5, 0.0) is None
+        store.go.set()
+        assert await late is None
+        return sorted(store.totals)
+
+    assert asyncio.run(run()) == [subjects.limit_counter("k", "r", w) for w in (100, 103)]
+
+
+def test_a_budget_payment_unanswered_when_the_counters_go_away_counts_against_the_share() -> None:
+    """100 of a budget of 1,000 read as spent, and 500 more on their way to the counter when
+    it stops answering: this router's outage share is the 400 that leaves, not 900."""
+    period = tenancy.period_of(0.5, "day")
+
+    async def run() -> int:
+        store = Stalls("no subject holds this")
+        q = Quotas(store)  # type: ignore[arg-type]
+        p = key(budget_tokens=1000)
+        assert isinstance(await held_or_refused(q, p, 100, 0.5), Held)
+        q.owe("k", period, 500, 1000)
+        store.part = period
+        paying = asyncio.create_task(q.pay_owed(0.5))
+        await asyncio.wait_for(store.waiting.wait(), 30)
+        q.counters = None  # out of reach, the add unanswered
+        held = [await q.hold(p, 100, 0.5, 0.0) for _ in range(12)]
+        store.down = True
+        store.go.set()
+        with pytest.raises(CounterError):
+            await paying
+        return sum(isinstance(h, Held) for h in held)
+
+    assert asyncio.run(run()) == 4
+
+
+class Reads(Store):
+    """Counters that tell when a budget's counter was read (an add of nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = asyncio.Event()
+
+    async def add(self, subject: str, amount: int) -> int:
+        total = await super().add(subject, amount)
+        if amount == 0 and ".b." in subject:
+            self.read.set()
+        return total
+
+
+def test_the_flusher_reads_the_budgets_so_an_outage_share_counts_other_routers_spending() -> None:
+    """Router A leased 100 of a budget of 1,000 and B 800 since: A's flusher reads the
+    counter, so when the counters go away A's share is the 100 left, not the 900 its own
+    lease's answer said."""
+
+    async def run() -> int:
+        store = Reads()
+        a, b = Quotas(store), Quotas(store)  # type: ignore[arg-type]
+        a.clock = lambda: 0.5
+        p = key(budget_tokens=1000)
+        assert isinstance(await held_or_refused(a, p, 100, 0.5), Held)
+        assert isinstance(await held_or_refused(b, p, 800, 0.5), Held)
+        flusher = asyncio.create_task(a.flush_until_stopped())
+        await asyncio.wait_for(store.read.wait(), 30)
+        await a.close()
+        await flusher
+        a.counters = None
+        held = [await a.hold(p, 100, 0.5, 0.0) for _ in range(12)]
+        return sum(isinstance(h, Held) for h in held)
+
+    assert asyncio.run(run()) == 1
