@@ -2,12 +2,12 @@
 router's buckets alone, even named as a key of the log; a window the counters found spent
 costs no round trip per request it refuses; what requests hold of a budget's lease is
 taken out of it; a hold of both a window and a budget is settled in both; the unused rest
-of a hold goes back to this router's bucket, and to no window but its own; a request
-charged tokens counts in the key's usage whatever its status; a budget's payment under
-way when the flusher turns is owed again if its add fails, and counts against this
-router's share of the budget should the counters go away meanwhile; a lease answered
-windows late is retried in the window it is now; and the flusher reads the budgets, so
-an outage's share counts the other routers' spending."""
+of a hold whose window is over goes back to no window; a request charged tokens counts in
+the key's usage whatever its status; a budget's payment under way when the flusher turns
+is owed again if its add fails, and counts against this router's share of the budget
+should the counters go away meanwhile; a lease answered windows late is retried in the
+window it is now; and the flusher reads the budgets, so an outage's share counts the
+other routers' spending."""
 
 from __future__ import annotations
 
@@ -93,18 +93,6 @@ def test_a_hold_of_a_window_and_a_budget_gives_its_rest_back_to_both() -> None:
         return [isinstance(spent, Refusal), isinstance(again, Held)]
 
     assert asyncio.run(run()) == [True, True]
-
-
-def test_a_keys_file_keys_hold_gives_its_rest_back_to_this_routers_bucket() -> None:
-    p = key(tokens_per_min=100.0)
-    p.fleet = False
-    q = Quotas()
-    now = time.monotonic()  # the clock the bucket is settled by
-    first = asyncio.run(q.hold(p, 80, 0.0, now))
-    assert isinstance(first, Held)
-    assert isinstance(asyncio.run(q.hold(p, 80, 0.0, now)), Refusal)  # 20 left
-    q.settle(first, 10)  # 70 back
-    assert isinstance(asyncio.run(q.hold(p, 80, 0.0, now)), Held)
 
 
 def test_the_rest_of_a_hold_whose_window_is_over_is_owed_to_no_window() -> None:
