@@ -170,9 +170,10 @@ def test_a_bucket_holds_a_level_exactly_when_its_refill_time_says(
         assert not owing().take(at + wait - 1e-3, level)
 
 
-def test_keys_file_errors_say_what_to_do(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sha256", ["abc", "g" * 64, "a" * 65, "a" * 63 + " "])
+def test_keys_file_errors_say_what_to_do(tmp_path: Path, sha256: str) -> None:
     p = tmp_path / "keys.yaml"
-    p.write_text('keys:\n  - {name: x, sha256: "abc"}\n')
+    p.write_text(f'keys:\n  - {{name: x, sha256: "{sha256}"}}\n')
     with pytest.raises(config.ConfigError, match="hash-key"):
         auth.load_keys(p, 0.0)
 
@@ -238,6 +239,8 @@ def test_a_bearer_token_is_found_whatever_spaces_surround_it_and_an_empty_one_ne
     for value in (f"Bearer   {key}", f"  Bearer {key}  ", f"Bearer {key}\t"):
         assert keys.lookup(value) is not None, repr(value)
     assert keys.lookup(f"Bearer {key}x") is None
+    for scheme in ("Bearerx", "Bearer:", "Bearers", "xBearer"):  # the scheme, exactly
+        assert keys.lookup(f"{scheme} {key}") is None, scheme
     assert keys.lookup(f"Bearer {key.upper()}") is None  # a secret is case-sensitive
     # A key made of nothing (an operator's slip: `hash-key` of an empty string) admits no one.
     empty = auth.Keys([auth.Principal(KeySettings(name="empty"), auth.digest(""), 0.0)])
