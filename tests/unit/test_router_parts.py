@@ -229,6 +229,10 @@ def test_a_key_with_one_limit_has_it_shared_by_the_workers(tmp_path: Path, limit
     amount = 1.0 if limit.startswith("requests") else 60.0
     assert a.take(0.0, amount)
     assert not b.take(0.0, amount)  # the other worker finds it spent
+    # Refilled at its rate, a second's or a minute's: half of it in half the time.
+    half = 0.5 if limit.startswith("requests") else 30.0
+    assert not b.take(half, amount / 2 + 0.01)
+    assert b.take(half, amount / 2)
     for v in views:
         v.close()
 
