@@ -304,6 +304,26 @@ def test_the_bearer_scheme_is_case_insensitive(keyed: Keyed) -> None:
     assert _models(router.url, f"Basic {key}") == 401
 
 
+@pytest.mark.parametrize("header", [b"Authorization: Bearer ", b"x-api-key: "])
+@pytest.mark.parametrize("tail", [b"\xff", b"\xc3", b"\xed\xa0\x80", "\u00e9".encode()])
+def test_a_key_with_bytes_past_ascii_is_refused_as_unknown_not_failed(
+    keyed: Keyed, header: bytes, tail: bytes
+) -> None:
+    """A key's bytes that are not UTF-8 (or no character at all) are a key no entry holds:
+    a 401 like any wrong key's, not a 500."""
+    router, key = keyed.router, keyed.key
+    host, _ = addr(router.url)
+    raw = (
+        f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n".encode()
+        + header + key.encode() + tail + b"\r\n\r\n"
+    )  # fmt: skip
+    answer = exchange(router.url, raw)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401"), answer[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert _models(router.url, f"Bearer {key}") == 200
+
+
 def _route(admin: str, body: bytes, authorization: str | None) -> tuple[int, dict[str, object]]:
     headers = {"Authorization": authorization} if authorization is not None else {}
     req = urllib.request.Request(admin + "/route", data=body, headers=headers, method="POST")

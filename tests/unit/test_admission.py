@@ -49,6 +49,26 @@ def test_a_key_comes_as_a_bearer_token_or_as_x_api_key() -> None:
     assert admission.credential(both) == "Bearer a"  # Authorization wins
     assert admission.credential({"x-api-key": ""}) is None
     assert admission.credential({}) is None
+    # An empty Authorization is no key: an x-api-key beside it is the one sent.
+    assert admission.credential({"Authorization": "", "x-api-key": "b"}) == "Bearer b"
+    # A wrong Authorization is not made good by an x-api-key: it is the one checked.
+    assert admission.credential({"Authorization": "Bearer no", "x-api-key": "b"}) == "Bearer no"
+
+
+def test_a_router_taking_anonymous_requests_still_knows_its_keys_and_their_expiry() -> None:
+    """An anonymous request is served as no key's; a request with a known key stays that
+    key's (its models, its limits, its usage), and an expired one is refused as anywhere."""
+    key = auth.new_key()
+    brief = KeySettings(name="brief", expires_at=1000.0)
+    keys = auth.Keys([auth.Principal(brief, auth.digest(key), 0.0)])
+    assert admission.authenticate(keys, None, 0.0, anonymous=True) is None
+    assert admission.authenticate(keys, "Bearer nope", 0.0, anonymous=True) is None
+    known = admission.authenticate(keys, f"Bearer {key}", 0.0, anonymous=True)
+    assert isinstance(known, auth.Principal)
+    assert known.name == "brief"
+    expired = admission.authenticate(keys, f"Bearer {key}", 1000.0, anonymous=True)
+    assert isinstance(expired, Refusal)
+    assert _error(expired)["code"] == "expired_api_key"
 
 
 def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """What a key's token limits tell a client: the 400 of a maximum no limit admits names the
 field the client sent it in, on every API, and the 429 of a spent budget names when the
 budget renews (the next day, or the next month, at 00:00 UTC) with a Retry-After that
-agrees."""
+agrees, and what of it this router still holds when the fleet overspent it."""
 
 from __future__ import annotations
 
@@ -110,3 +110,26 @@ def test_a_monthly_budget_spent_mid_month_renews_on_the_first_of_the_next() -> N
     assert "(at 2027-01-01 00:00 UTC)" in refused.message
     assert "lower max_completion_tokens" in refused.message
     assert refused.retry_after == 16 * 86_400 + 12 * 3600
+
+
+def test_a_budget_the_fleet_overspent_names_what_this_router_still_holds_of_it() -> None:
+    """Router B's answers used 600 tokens beyond their holds, taking the counter past the
+    budget of 1,000, while A still holds 10 of its lease: A's 429 to a request that may use
+    100 says 10 are left (a request of at most 10 is still admitted), not 0."""
+
+    async def run() -> tuple[Refusal | Held, Refusal | Held]:
+        store = Store()
+        a, b = Quotas(store), Quotas(store)  # type: ignore[arg-type]
+        p = key(budget_tokens=1000)
+        first = await a.hold(p, 10, 0.5, 0.0)  # A leases 20, holds 10 of them
+        spender = await b.hold(p, 900, 0.5, 0.0)
+        assert isinstance(first, Held)
+        assert isinstance(spender, Held)
+        b.settle(spender, 1500)
+        await b.pay_owed(0.5)
+        return await a.hold(p, 100, 0.5, 0.0), await a.hold(p, 10, 0.5, 0.0)
+
+    refused, small = asyncio.run(run())
+    assert isinstance(refused, Refusal)
+    assert "has 10 tokens left of its budget of 1000" in refused.message
+    assert isinstance(small, Held)

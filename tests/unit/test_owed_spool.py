@@ -434,3 +434,50 @@ async def test_the_counters_are_unreached_from_an_add_they_do_not_answer_to_one_
     server.down = False
     assert await q.counters.add("llmgw.usage.k.b.d20261202", 0) == 5
     assert not q.unreached()
+
+
+async def test_a_router_closed_owing_a_budget_leaves_it_on_disk(tmp_path: Path) -> None:
+    """What the flusher's last turn could not add stays in the spool when the router stops,
+    for the next process in its place to pay."""
+    q = Quotas()
+    spool = spool_in(str(tmp_path))
+    q.restore(spool.load(1))
+    q.spool = spool
+    q.owe("k", PERIOD, 42, 1000)
+    await q.close()
+    assert decode(spool_path(tmp_path, 0).read_bytes()) == Spooled(budgets=(_budget(42),))
+
+
+async def test_a_flusher_turn_that_paid_the_spool_takes_it_off_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped process's spool, paid by the next one's flusher while it runs: the file goes
+    then, not only when this router stops (a router killed later would pay it again)."""
+    stopped = spool_in(str(tmp_path))
+    stopped.load(1)
+    stopped.keep(Spooled(budgets=(_budget(7),)))
+    stopped.close()
+    path = spool_path(tmp_path, 0)
+    assert path.exists()
+    store = Store()
+    q = Quotas(store)  # type: ignore[arg-type]
+    q.clock = lambda: WALL
+    spool = spool_in(str(tmp_path))
+    q.restore(spool.load(1))
+    q.spool = spool
+    settled = threading.Event()
+    settle = spool.settle
+
+    def settling(owed: Spooled) -> None:
+        settle(owed)
+        if owed == NOTHING:
+            settled.set()
+
+    monkeypatch.setattr(spool, "settle", settling)
+    flusher = asyncio.create_task(q.flush_until_stopped())
+    assert await asyncio.to_thread(settled.wait, 30)  # a turn that added all it owed
+    gone = not path.exists()
+    await q.close()
+    await flusher
+    assert gone
+    assert store.totals[subjects.budget_counter("k", PERIOD)] == 7

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -231,12 +232,14 @@ def test_a_keys_file_keys_hold_is_given_back_when_it_used_less() -> None:
     p = key(tokens_per_min=100.0)
     p.fleet = False
     q = Quotas()
+    # The bucket's own clock, which `settle` reads: from 0.0 it would refill it whole.
+    now = time.monotonic()
     assert q.hold_now(p, 0, 80, 0.0) == 80
-    first = asyncio.run(q.hold(p, 80, 0.0, 0.0))
+    first = asyncio.run(q.hold(p, 80, 0.0, now))
     assert isinstance(first, Held)
-    assert isinstance(asyncio.run(q.hold(p, 80, 0.0, 0.0)), Refusal)  # 20 left
+    assert isinstance(asyncio.run(q.hold(p, 80, 0.0, now)), Refusal)  # 20 left
     q.settle(first, 10)  # 70 back
-    assert isinstance(asyncio.run(q.hold(p, 80, 0.0, 0.0)), Held)
+    assert isinstance(asyncio.run(q.hold(p, 80, 0.0, now)), Held)
 
 
 def test_a_usage_flush_that_fails_keeps_every_row_it_did_not_send() -> None:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from llmgw import config
 from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.core.profile import ModelProfile
+from llmgw.core.tenancy import KeySettings
 from llmgw.router import aiohttp_direct, apis, auth, requests
 from llmgw.router.metrics import Metrics
 from llmgw.router.table import Catalog, EndpointTable, Prober
@@ -112,7 +113,8 @@ def test_workers_share_one_budget_per_key_and_a_reload_keeps_it(tmp_path: Path) 
             st.integers(0, 2),
             st.floats(0, 0.5, allow_nan=False),
             st.sampled_from(["take", "spend", "credit", "refill"]),
-            st.floats(0, 5, allow_nan=False),
+            # A negative spend is a hold's unused rest given back (llmgw.router.quotas).
+            st.floats(-5, 5, allow_nan=False),
         ),
         max_size=40,
     )
@@ -138,7 +140,8 @@ def test_shared_buckets_over_workers_behave_as_one_bucket(
             view.spend(now, amount)
             one.spend(now, amount)
         elif op == "refill":
-            assert view.refill_s(now, amount) == pytest.approx(one.refill_s(now, amount))
+            level = abs(amount)
+            assert view.refill_s(now, level) == pytest.approx(one.refill_s(now, level))
         else:
             assert view.has_credit(now) == one.has_credit(now)
     for s in shared:
@@ -167,9 +170,10 @@ def test_a_bucket_holds_a_level_exactly_when_its_refill_time_says(
         assert not owing().take(at + wait - 1e-3, level)
 
 
-def test_keys_file_errors_say_what_to_do(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sha256", ["abc", "g" * 64, "a" * 65, "a" * 63 + " "])
+def test_keys_file_errors_say_what_to_do(tmp_path: Path, sha256: str) -> None:
     p = tmp_path / "keys.yaml"
-    p.write_text('keys:\n  - {name: x, sha256: "abc"}\n')
+    p.write_text(f'keys:\n  - {{name: x, sha256: "{sha256}"}}\n')
     with pytest.raises(config.ConfigError, match="hash-key"):
         auth.load_keys(p, 0.0)
 
@@ -177,6 +181,119 @@ def test_keys_file_errors_say_what_to_do(tmp_path: Path) -> None:
 def test_the_keys_file_holds_no_key(tmp_path: Path) -> None:
     key = auth.new_key()
     assert key not in auth.entry_yaml("t", key)
+
+
+def test_a_bucket_spent_to_nothing_has_no_credit_and_a_give_back_stops_at_its_burst(
+    tmp_path: Path,
+) -> None:
+    """A key whose tokens are spent to exactly 0 waits like one in debt, and the unused rest
+    of a hold given back never lifts a bucket past its burst, in one process or shared."""
+    [shared] = _workers_sharing(tmp_path, 1)
+    at = shared.claim(auth.digest(auth.new_key()), 0.0, (0.0, 60.0))
+    for bucket in (auth.Bucket(1.0, 60.0, 0.0), shared.bucket(at + 3, 1.0, 60.0)):
+        bucket.spend(0.0, 60.0)
+        assert not bucket.has_credit(0.0)
+        assert bucket.has_credit(0.5)
+        bucket.spend(1.0, -1000.0)
+        assert bucket.take(1.0, 60.0)
+        assert not bucket.take(1.0, 0.5)
+    shared.close()
+
+
+def test_a_rate_under_one_a_second_still_admits_one_request_then_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    key = auth.new_key()
+    p = tmp_path / "keys.yaml"
+    p.write_text("keys:\n" + auth.entry_yaml("slow", key) + "    requests_per_s: 0.5\n")
+    pr = auth.load_keys(p, now=0.0).lookup(f"Bearer {key}")
+    assert pr is not None
+    assert pr.requests is not None
+    assert pr.requests.take(0.0)
+    assert not pr.requests.take(1.9)
+    assert pr.requests.take(2.0)
+
+
+@pytest.mark.parametrize("limit", ["requests_per_s: 1", "tokens_per_min: 60"])
+def test_a_key_with_one_limit_has_it_shared_by_the_workers(tmp_path: Path, limit: str) -> None:
+    key = auth.new_key()
+    p = tmp_path / "keys.yaml"
+    p.write_text("keys:\n" + auth.entry_yaml("one", key) + f"    {limit}\n")
+    views = _workers_sharing(tmp_path, 2)
+    pa, pb = (auth.load_keys(p, 0.0, v).lookup(f"Bearer {key}") for v in views)
+    assert pa is not None
+    assert pb is not None
+    a, b = (pa.requests, pb.requests) if limit.startswith("requests") else (pa.tokens, pb.tokens)
+    assert a is not None
+    assert b is not None
+    amount = 1.0 if limit.startswith("requests") else 60.0
+    assert a.take(0.0, amount)
+    assert not b.take(0.0, amount)  # the other worker finds it spent
+    # Refilled at its rate, a second's or a minute's: half of it in half the time.
+    half = 0.5 if limit.startswith("requests") else 30.0
+    assert not b.take(half, amount / 2 + 0.01)
+    assert b.take(half, amount / 2)
+    for v in views:
+        v.close()
+
+
+def test_a_bearer_token_is_found_whatever_spaces_surround_it_and_an_empty_one_never() -> None:
+    key = auth.new_key()
+    keys = auth.Keys([auth.Principal(KeySettings(name="k"), auth.digest(key), 0.0)])
+    for value in (f"Bearer   {key}", f"  Bearer {key}  ", f"Bearer {key}\t"):
+        assert keys.lookup(value) is not None, repr(value)
+    assert keys.lookup(f"Bearer {key}x") is None
+    for scheme in ("Bearerx", "Bearer:", "Bearers", "xBearer"):  # the scheme, exactly
+        assert keys.lookup(f"{scheme} {key}") is None, scheme
+    assert keys.lookup(f"Bearer {key.upper()}") is None  # a secret is case-sensitive
+    # A key made of nothing (an operator's slip: `hash-key` of an empty string) admits no one.
+    empty = auth.Keys([auth.Principal(KeySettings(name="empty"), auth.digest(""), 0.0)])
+    for value in ("Bearer ", "Bearer", "bearer   ", "Bearer \t"):
+        assert empty.lookup(value) is None, repr(value)
+
+
+@given(
+    models=st.lists(st.sampled_from(["m", "M", "m ", "*", "other", "m*"]), max_size=4),
+    asked=st.sampled_from(["m", "M", "m ", "*", "other", "m*", "", "mm"]),
+)
+def test_a_key_may_use_exactly_its_models_or_all_with_a_star(models: list[str], asked: str) -> None:
+    p = auth.Principal(KeySettings(name="k", models=tuple(models)), auth.digest("k"), 0.0)
+    assert p.may_use(asked) == ("*" in models or asked in models)
+
+
+@pytest.mark.parametrize(
+    ("entries", "problem"),
+    [
+        ("    requests_per_s: 0\n", "requests_per_s must be above 0"),
+        ("    tokens_per_min: 0\n", "tokens_per_min must be above 0"),
+        ("    tokens_per_min: -5\n", "tokens_per_min must be above 0"),
+        ("    requests_per_s: 0.0166\n", "requests_per_s must be at least 1/60"),
+    ],
+)
+def test_a_keys_file_limit_of_nothing_or_under_the_fleets_floor_is_refused(
+    tmp_path: Path, entries: str, problem: str
+) -> None:
+    p = tmp_path / "keys.yaml"
+    p.write_text("keys:\n" + auth.entry_yaml("team", auth.new_key()) + entries)
+    with pytest.raises(config.ConfigError, match=problem):
+        auth.load_keys(p, now=0.0)
+
+
+def test_a_keys_files_digest_is_read_in_either_case_and_one_secret_twice_is_refused(
+    tmp_path: Path,
+) -> None:
+    key = auth.new_key()
+    lower = auth.digest(key)
+    p = tmp_path / "keys.yaml"
+    p.write_text(f"keys:\n  - {{name: upper, sha256: {lower.upper()}}}\n")
+    found = auth.load_keys(p, now=0.0).lookup(f"Bearer {key}")
+    assert found is not None
+    assert found.name == "upper"
+    p.write_text(
+        f"keys:\n  - {{name: a, sha256: {lower}}}\n  - {{name: b, sha256: {lower.upper()}}}\n"
+    )
+    with pytest.raises(config.ConfigError, match=r"keys\[1\] \(b\) repeats another"):
+        auth.load_keys(p, now=0.0)
 
 
 def test_parse_reads_routing_fields() -> None:

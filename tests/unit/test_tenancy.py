@@ -200,6 +200,29 @@ def test_a_rotated_secret_is_refused_after_its_overlap_and_the_file_keeps_its_ow
     assert both.lookup(f"Bearer {new}", wall=0).fleet  # type: ignore[union-attr]
 
 
+def test_a_keys_change_is_in_force_at_the_next_merge_and_an_unchanged_key_keeps_its_buckets() -> (
+    None
+):
+    secret = auth.new_key()
+    wide = tenancy.KeySettings(name="svc", models=("a", "b"), requests_per_s=1.0)
+    narrow = msgspec.structs.replace(wide, models=("a",))
+
+    def logged(settings: tenancy.KeySettings) -> dict[str, state.KeyState]:
+        return {"svc": state.KeyState(settings=settings, sha256=auth.digest(secret))}
+
+    first = auth.merged(None, logged(wide), 0.0)
+    p = first.lookup(f"Bearer {secret}")
+    assert p is not None
+    assert p.may_use("b")
+    same = auth.merged(None, logged(wide), 1.0, old=first)
+    assert same.lookup(f"Bearer {secret}") is p  # its spent requests stay spent
+    q = auth.merged(None, logged(narrow), 2.0, old=same).lookup(f"Bearer {secret}")
+    assert q is not None
+    assert q.may_use("a")
+    assert not q.may_use("b")
+    assert q.fleet
+
+
 def test_the_keys_settings_schema_refuses_what_the_fold_must_never_meet() -> None:
     for bad in (
         {"name": "a.b"},
