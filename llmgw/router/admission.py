@@ -9,7 +9,8 @@ the order a client fixes them in: a key, then a model it may use, then its rate.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+
+from multidict import MultiMapping
 
 from llmgw.core import quota, tenancy
 from llmgw.core.profile import ModelProfile
@@ -23,6 +24,7 @@ NO_KEY = Refusal(
     "invalid_request_error",
     "missing_api_key",
 )
+_KEY_HEADERS = ("Authorization", "x-api-key")
 BAD_KEY = Refusal(
     401,
     "invalid API key: check the key, or ask the router's operator for one",
@@ -31,9 +33,20 @@ BAD_KEY = Refusal(
 )
 
 
-def credential(headers: Mapping[str, str]) -> str | None:
+def credential(headers: MultiMapping[str]) -> str | Refusal | None:
     """The `Authorization` value a request's key comes in: that header's, else its
-    `x-api-key` as a bearer token, the header Anthropic's API takes and its clients send."""
+    `x-api-key` as a bearer token, the header Anthropic's API takes and its clients send.
+
+    Either header given twice is refused: which copy counts would be a choice a proxy in
+    front may make the other way (checking one key, the router charging another)."""
+    for name in _KEY_HEADERS:
+        if len(headers.getall(name, ())) > 1:
+            return Refusal(
+                400,
+                f"the request carries {name} more than once: send the API key once",
+                "invalid_request_error",
+                "ambiguous_api_key",
+            )
     authorization = headers.get("Authorization")
     if authorization:
         return authorization
@@ -42,13 +55,16 @@ def credential(headers: Mapping[str, str]) -> str | None:
 
 
 def authenticate(
-    keys: auth.Keys | None, header: str | None, wall: float, anonymous: bool = False
+    keys: auth.Keys | None, header: str | Refusal | None, wall: float, anonymous: bool = False
 ) -> auth.Principal | Refusal | None:
     """The caller's principal; None for an anonymous request (`anonymous`: the router
-    takes them; a request with a known key is still that key's). `wall` is the wall
-    clock (keys expire, and rotated secrets' overlaps end, at UNIX times)."""
+    takes them; a request with a known key is still that key's). `header` is
+    `credential`'s answer. `wall` is the wall clock (keys expire, and rotated secrets'
+    overlaps end, at UNIX times)."""
     if keys is None:
         return None
+    if isinstance(header, Refusal):
+        return header
     if not header:
         return None if anonymous else NO_KEY
     principal = keys.lookup(header, wall)

@@ -324,6 +324,34 @@ def test_a_key_with_bytes_past_ascii_is_refused_as_unknown_not_failed(
     assert _models(router.url, f"Bearer {key}") == 200
 
 
+@pytest.mark.parametrize(
+    "second",
+    [b"Authorization: Bearer {other}", b"authorization: Bearer {key}", b"X-Api-Key: {other}"],
+)
+@pytest.mark.parametrize("path", [b"GET /v1/models", b"POST /v1/chat/completions"])
+def test_a_key_sent_twice_is_a_400_on_every_path(keyed: Keyed, second: bytes, path: bytes) -> None:
+    """Two Authorization headers (or two x-api-key) make which key counts a choice a
+    proxy in front may make the other way: the real router refuses the request with a
+    400 before any model is asked, even when both copies hold the same valid key."""
+    router, key = keyed.router, keyed.key
+    host, _ = addr(router.url)
+    first = b"Authorization: Bearer " + key.encode()
+    if second.startswith(b"X-Api-Key"):
+        first = b"x-api-key: " + key.encode()
+    extra = second.replace(b"{key}", key.encode()).replace(b"{other}", auth.new_key().encode())
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    raw = (
+        path + f" HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n".encode() + first
+        + b"\r\n" + extra + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode() + b"\r\n\r\n" + body
+    )  # fmt: skip
+    answer = exchange(router.url, raw)
+    head, _, answered = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert json.loads(answered)["error"]["code"] == "ambiguous_api_key"
+    assert _models(router.url, f"Bearer {key}") == 200  # sent once, it is served
+
+
 def _route(admin: str, body: bytes, authorization: str | None) -> tuple[int, dict[str, object]]:
     headers = {"Authorization": authorization} if authorization is not None else {}
     req = urllib.request.Request(admin + "/route", data=body, headers=headers, method="POST")

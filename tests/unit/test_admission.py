@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from multidict import CIMultiDict
 
 from llmgw.core.profile import ModelProfile
 from llmgw.core.tenancy import KeySettings
@@ -42,17 +43,50 @@ def test_no_key_and_a_wrong_key_are_401s_in_openai_shape(tmp_path: Path) -> None
     assert isinstance(admission.authenticate(keys, f"Bearer {key}", 0.0), auth.Principal)
 
 
+def _credential(*pairs: tuple[str, str]) -> str | Refusal | None:
+    return admission.credential(CIMultiDict(pairs))
+
+
 def test_a_key_comes_as_a_bearer_token_or_as_x_api_key() -> None:
-    assert admission.credential({"Authorization": "Bearer a"}) == "Bearer a"
-    assert admission.credential({"x-api-key": "b"}) == "Bearer b"
-    both = {"Authorization": "Bearer a", "x-api-key": "b"}
-    assert admission.credential(both) == "Bearer a"  # Authorization wins
-    assert admission.credential({"x-api-key": ""}) is None
-    assert admission.credential({}) is None
+    assert _credential(("Authorization", "Bearer a")) == "Bearer a"
+    assert _credential(("authorization", "Bearer a")) == "Bearer a"
+    assert _credential(("x-api-key", "b")) == "Bearer b"
+    assert _credential(("X-Api-Key", "b")) == "Bearer b"
+    both = (("Authorization", "Bearer a"), ("x-api-key", "b"))
+    assert _credential(*both) == "Bearer a"  # Authorization wins
+    assert _credential(("x-api-key", "")) is None
+    assert _credential() is None
     # An empty Authorization is no key: an x-api-key beside it is the one sent.
-    assert admission.credential({"Authorization": "", "x-api-key": "b"}) == "Bearer b"
+    assert _credential(("Authorization", ""), ("x-api-key", "b")) == "Bearer b"
     # A wrong Authorization is not made good by an x-api-key: it is the one checked.
-    assert admission.credential({"Authorization": "Bearer no", "x-api-key": "b"}) == "Bearer no"
+    assert _credential(("Authorization", "Bearer no"), ("x-api-key", "b")) == "Bearer no"
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        (("Authorization", "Bearer a"), ("Authorization", "Bearer b")),
+        (("Authorization", "Bearer a"), ("authorization", "Bearer a")),  # even the same key
+        (("Authorization", ""), ("Authorization", "Bearer b")),
+        (("x-api-key", "a"), ("X-API-KEY", "b")),
+        (("Authorization", "Bearer a"), ("x-api-key", "b"), ("x-api-key", "c")),
+    ],
+    ids=["two keys", "one key twice", "an empty one first", "x-api-key twice", "beside"],
+)
+def test_a_key_header_given_twice_is_refused_not_one_copy_picked(
+    pairs: tuple[tuple[str, str], ...], tmp_path: Path
+) -> None:
+    """A proxy in front may check one copy while the router would charge the other: the
+    request is refused with a 400 that says to send the key once, before any key lookup,
+    on a router with keys (anonymous or not); a router without keys asks for none."""
+    keys = _keys(tmp_path, auth.new_key(), ("*",))
+    found = _credential(*pairs)
+    assert isinstance(found, Refusal)
+    assert (found.status, _error(found)["code"]) == (400, "ambiguous_api_key")
+    assert "more than once" in found.message
+    assert admission.authenticate(keys, found, 0.0) is found
+    assert admission.authenticate(keys, found, 0.0, anonymous=True) is found
+    assert admission.authenticate(None, found, 0.0) is None
 
 
 def test_a_router_taking_anonymous_requests_still_knows_its_keys_and_their_expiry() -> None:
