@@ -1,10 +1,11 @@
 """The spool's files as an operator finds them (llmgw.router.spool): what a start logs, the
 folder's and files' modes, names in the folder no router wrote, the size bound, a spool
-with repeated entries, a disk that refuses writes for a while, and the files of workers a
-router no longer has."""
+with repeated entries, a disk that refuses writes for a while, the files of workers a
+router no longer has, a FIFO some process feeds, and what a stop writes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import structlog
 
 from llmgw.router import spool as spool_module
+from llmgw.router.quotas import FLUSH_S, Quotas
 from llmgw.router.spool import (
     NOTHING,
     BudgetOwed,
@@ -21,6 +23,7 @@ from llmgw.router.spool import (
     UsageOwed,
     decode,
     encode,
+    keeping,
     spool_path,
 )
 from tests.unit.test_owed_spool import PERIOD, owing, spool_in
@@ -219,3 +222,41 @@ def test_only_worker_0_takes_over_files_and_it_sums_their_usage_and_frees_their_
     assert two is not None, "worker 0 still holds the lock of a file it took over"
     for spool in (zero, one, two):
         spool.close()
+
+
+@pytest.mark.parametrize("fed", [b"", encode(Spooled(budgets=(_budget(9),)))])
+def test_a_fifo_another_process_holds_open_is_set_aside_not_read_as_a_spool(
+    tmp_path: Path, fed: bytes
+) -> None:
+    """A FIFO with a writer: its bytes are whatever that writer sends, a valid spool or
+    nothing yet (a read that would wait), neither a file the router wrote."""
+    path = spool_path(tmp_path, 0)
+    os.mkfifo(path)
+    writer = os.open(path, os.O_RDWR)  # a writer that keeps it open
+    try:
+        os.write(writer, fed)
+        spool = spool_in(str(tmp_path))
+        with structlog.testing.capture_logs() as logged:
+            assert spool.load(1) == NOTHING
+        spool.close()
+    finally:
+        os.close(writer)
+    (said,) = [e for e in logged if e["event"] == "owed_spool_unreadable"]
+    assert said["error"].startswith("not a regular file")
+    assert not path.exists()
+
+
+async def test_a_router_stopped_within_a_turn_of_its_last_charge_keeps_it_on_disk(
+    tmp_path: Path,
+) -> None:
+    """The spool is written every `FLUSH_S` while the counters do not answer; a stop cancels
+    that writer, so what was charged since its last write is written by the stop itself."""
+    quotas = Quotas()  # no counters: unreached
+    quotas.spool = spool = spool_in(str(tmp_path))
+    spool.load(1)
+    quotas._spooler = asyncio.create_task(
+        keeping(spool, quotas.owed_now, quotas.unreached, quotas._stop, FLUSH_S)
+    )
+    quotas.owe("k", PERIOD, 7, 1)
+    await quotas.close()
+    assert _held(tmp_path) == Spooled(budgets=(_budget(7),))
