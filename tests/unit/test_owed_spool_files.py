@@ -260,3 +260,16 @@ async def test_a_router_stopped_within_a_turn_of_its_last_charge_keeps_it_on_dis
     quotas.owe("k", PERIOD, 7, 1)
     await quotas.close()
     assert _held(tmp_path) == Spooled(budgets=(_budget(7),))
+
+
+def test_a_file_whose_worker_still_runs_is_not_taken_over(tmp_path: Path) -> None:
+    """Started with 1 worker while worker 2 of the router before it still runs (stopping):
+    that file is that process's to pay; worker 0 owes only its own."""
+    two = spool_in(str(tmp_path), 2)
+    two.load(3)
+    two.keep(Spooled(budgets=(_budget(11),)))
+    zero = spool_in(str(tmp_path), 0)
+    assert zero.load(1) == NOTHING
+    zero.close()
+    two.close()
+    assert _held(tmp_path, 2) == Spooled(budgets=(_budget(11),))
