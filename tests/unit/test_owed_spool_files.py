@@ -273,3 +273,47 @@ def test_a_file_whose_worker_still_runs_is_not_taken_over(tmp_path: Path) -> Non
     zero.close()
     two.close()
     assert _held(tmp_path, 2) == Spooled(budgets=(_budget(11),))
+
+
+def test_a_charge_made_while_the_counters_answer_never_enters_the_file(tmp_path: Path) -> None:
+    """The file held 3 of a budget (and some usage); the key spent 7 more since, which the
+    flusher adds within a turn: a kill after that add must not find the 7 in the file, to be
+    added again by the next process. The file only shrinks while the counters answer."""
+
+    def used(tokens_in: int, tokens_out: int, requests: int) -> UsageOwed:
+        return UsageOwed(key="k", model="m", tokens_in=tokens_in, tokens_out=tokens_out,
+                         requests=requests)  # fmt: skip
+
+    spool = spool_in(str(tmp_path))
+    spool.load(1)
+    held = Spooled(budgets=(_budget(3),), usage=(used(1, 2, 1),))
+    spool.keep(held)
+    spool.settle(Spooled(budgets=(_budget(10),), usage=(used(5, 6, 3),)))
+    assert _held(tmp_path) == held
+    spool.settle(Spooled(budgets=(_budget(2),), usage=(used(1, 1, 1),)))
+    assert _held(tmp_path) == Spooled(budgets=(_budget(2),), usage=(used(1, 1, 1),))
+    spool.close()
+
+
+def test_a_paid_file_the_disk_would_not_remove_is_removed_at_the_next_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All of it added, but the removal fails once: the file still holds paid charges, so
+    the next turn removes it rather than leave them for the next process to add again."""
+    real = spool_module.durable.remove
+    refusals = [OSError(5, "Input/output error")]
+
+    def disk(path: Path) -> None:
+        if refusals:
+            raise refusals.pop()
+        real(path)
+
+    monkeypatch.setattr(spool_module.durable, "remove", disk)
+    spool = spool_in(str(tmp_path))
+    spool.load(1)
+    spool.keep(Spooled(budgets=(_budget(3),)))
+    spool.settle(NOTHING)  # paid; the removal refused
+    assert spool_path(tmp_path, 0).exists()
+    spool.settle(NOTHING)
+    assert not spool_path(tmp_path, 0).exists()
+    spool.close()
