@@ -1,8 +1,9 @@
 """HTTP hygiene of a real `llmgw router` (and `llmgw sim`) over real sockets.
 
 A second router on a taken port fails to start instead of sharing it, a router
-restarted at once binds its ports despite its last run's closed connections, and a
-worker that dies, during its start or after, ends the whole router saying so; malformed
+restarted at once binds its ports despite its last run's closed connections, a worker
+that dies, during its start or after, ends the whole router saying so, and a router tells
+systemd it is ready and leaves no temporary folder behind; malformed
 requests get a 400 that quotes nothing they sent, and a log line without a
 traceback; deeply nested JSON is a 400; a request head that trickles in, or is
 sent at once and never finished, is cut with a 408, on the admin listener too (and
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -229,6 +231,30 @@ def test_a_worker_that_dies_ends_the_router_rather_than_serve_on_half_its_worker
             not Path(f"/proc/{pid}").exists()
             or b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes()
         )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_router_tells_systemd_it_is_ready_and_leaves_no_folder_of_its_own_behind(
+    tmp_path: Path, sim: Sim, workers: int
+) -> None:
+    """`Type=notify` units: READY=1 on $NOTIFY_SOCKET once every worker listens. Several
+    workers share their metrics and rate limits through a folder the router makes in
+    $TMPDIR; it is gone once the router stops."""
+    path = tmp_path / "notify.sock"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(path))
+        notify.settimeout(60)
+        env = {"NOTIFY_SOCKET": str(path), "TMPDIR": str(tmp)}
+        router = Router.start(tmp_path, {"s": sim}, workers=workers, env=env)
+        try:
+            assert notify.recv(4096) == b"READY=1"
+            shared = list(tmp.glob("llmgw-router-metrics-*"))
+            assert len(shared) == (workers > 1), shared
+        finally:
+            assert router.stop() == 0
+    assert list(tmp.glob("llmgw-router-metrics-*")) == []
 
 
 # ------------------------------------------------------------------ malformed requests
