@@ -297,9 +297,18 @@ def _wait_started(
     procs: list[multiprocessing.process.BaseProcess],
     pipes: list[multiprocessing.connection.Connection],
 ) -> None:
-    """Wait for every worker's word that it listens; exit if one dies first."""
+    """Wait for every worker's word that it listens; if one dies first, stop the others and
+    exit saying which. A worker that dies closes its end of the pipe: the wait ends with
+    nothing to read (EOFError), not a word."""
     for p, recv in zip(procs, pipes, strict=True):
         while not recv.poll(0.2):
             if not p.is_alive():
-                raise SystemExit(f"router worker {p.name} exited during start (code {p.exitcode})")
-        recv.recv()
+                break
+        try:
+            recv.recv()
+        except EOFError:
+            p.join(5)
+            _signal_all(procs, signal.SIGTERM)
+            raise SystemExit(
+                f"router worker {p.name} exited during start (code {p.exitcode})"
+            ) from None

@@ -251,7 +251,7 @@ class OwedSpool:
         found: list[tuple[Path, Spooled, int]] = []
         for path in sorted(self.folder.glob("owed-*.json")):
             number = path.name[len("owed-") : -len(".json")]
-            if not number.isdigit() or int(number) < workers:
+            if not (number.isascii() and number.isdigit()) or int(number) < workers:
                 continue
             with contextlib.suppress(OSError):
                 lock = _locked(self.folder, int(number))

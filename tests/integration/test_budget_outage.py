@@ -183,3 +183,23 @@ async def test_what_a_router_spent_in_an_outage_is_counted_after_it_stops_and_an
         assert await tokens_counted(nats_server, "thrifty") >= spent
     finally:
         again.stop()
+
+
+def test_each_worker_of_a_router_keeps_a_spool_of_its_own(
+    nats_server: TestNatsServer, sim: Sim, tmp_path: Path
+) -> None:
+    """Two workers on one state_dir: each holds its own file's lock from its start, so what
+    either spends through an outage outlives a stop; neither runs with its debts in memory
+    only."""
+    state = tmp_path / "state"
+    r = Router.start(tmp_path, {"e1": sim}, workers=2, feed=feed(nats_server, "r1"),
+                     state_dir=str(state))  # fmt: skip
+    try:
+        # Each worker opens its spool before it says it listens.
+        assert sorted(p.name for p in state.glob("owed-*.lock")) == ["owed-0.lock", "owed-1.lock"]
+    finally:
+        assert r.stop() == 0
+    assert r.log_path is not None
+    said = r.log_path.read_text()
+    assert "owed_spool_taken" not in said
+    assert "owed_spool_unavailable" not in said

@@ -1,6 +1,9 @@
 """HTTP hygiene of a real `llmgw router` (and `llmgw sim`) over real sockets.
 
-A second router on a taken port fails to start instead of sharing it; malformed
+A second router on a taken port fails to start instead of sharing it, a router
+restarted at once binds its ports despite its last run's closed connections, a worker
+that dies, during its start or after, ends the whole router saying so, and a router tells
+systemd it is ready and leaves no temporary folder behind; malformed
 requests get a 400 that quotes nothing they sent, and a log line without a
 traceback; deeply nested JSON is a 400; a request head that trickles in, or is
 sent at once and never finished, is cut with a 408, on the admin listener too (and
@@ -13,6 +16,9 @@ case-insensitive.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -90,7 +96,9 @@ def _models(url: str, authorization: str) -> int:
 # ------------------------------------------------------------------ a taken port
 
 
-def _second_router(tmp: Path, cfg: dict[str, object]) -> subprocess.CompletedProcess[str]:
+def _second_router(
+    tmp: Path, cfg: dict[str, object], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     path = tmp / f"second-{len(list(tmp.glob('second-*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return subprocess.run(
@@ -98,6 +106,7 @@ def _second_router(tmp: Path, cfg: dict[str, object]) -> subprocess.CompletedPro
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
 
 
@@ -140,6 +149,112 @@ def test_a_second_router_on_a_taken_port_fails_and_the_first_keeps_all_traffic(
         assert _models(first.url, f"Bearer {key}") == 200
     finally:
         first.stop()
+
+
+def _health(url: str) -> int:
+    """`GET /health` on a connection of its own, which the router closes after answering
+    (urllib asks it to): the router's end of it waits in TIME_WAIT, on the router's port."""
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        return int(resp.status)
+
+
+def test_a_router_restarted_at_once_binds_its_port_despite_the_last_runs_connections(
+    tmp_path: Path, sim: Sim
+) -> None:
+    first = Router.start(tmp_path, {"s": sim})
+    host, port = addr(first.url)
+    try:
+        assert [_health(first.url) for _ in range(3)] == [200] * 3
+        assert [_health(first.admin) for _ in range(3)] == [200] * 3
+    finally:
+        assert first.stop() == 0
+    _, admin_port = addr(first.admin)
+    again = Router.start(tmp_path, {"s": sim}, listen={"host": host, "port": port},
+                         admin={"host": host, "port": admin_port})  # fmt: skip
+    try:
+        assert (_health(again.url), _health(again.admin)) == (200, 200)
+    finally:
+        again.stop()
+
+
+def test_a_worker_that_dies_during_start_ends_the_router_saying_which(
+    tmp_path: Path, sim: Sim
+) -> None:
+    """Every worker process exits before it listens (a `sitecustomize` that ends any
+    process multiprocessing spawns): the router exits 1 saying which worker and its exit
+    code, not click's bare "Aborted." of the EOFError its closed pipe raised."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\nif 'multiprocessing.spawn' in ' '.join(sys.orig_argv):\n    os._exit(3)\n"
+    )
+    cfg = {
+        "models": [{"name": "m"}],
+        "endpoints": [{"id": "s", "url": sim.url, "models": ["m"]}],
+        "auth": {"allow_anonymous": True},
+        "workers": 2,
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": 0},
+    }
+    done = _second_router(tmp_path, cfg, env={**os.environ, "PYTHONPATH": str(site)})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "router worker router-0 exited during start (code 3)" in done.stderr
+    assert "listening on" not in done.stdout
+
+
+def _worker_pids(router: Router) -> list[int]:
+    """The router's worker processes: its children that run `spawn_main` (not
+    multiprocessing's resource tracker, which runs `python -c` too)."""
+    children = Path(f"/proc/{router.pid}/task/{router.pid}/children").read_text().split()
+    return [int(pid) for pid in children
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+
+
+def test_a_worker_that_dies_ends_the_router_rather_than_serve_on_half_its_workers(
+    tmp_path: Path, sim: Sim
+) -> None:
+    """A worker killed (the OOM killer, a crash): the router stops its other workers and
+    exits 1, logging which one died, so that its supervisor restarts it whole."""
+    router = Router.start(tmp_path, {"s": sim}, workers=2)
+    try:
+        workers = _worker_pids(router)
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)
+        assert router.proc is not None
+        assert router.proc.wait(60) == 1
+    finally:
+        router.stop()
+    assert router.log_path is not None
+    assert "worker_died" in router.log_path.read_text()
+    for pid in workers[1:]:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_router_tells_systemd_it_is_ready_and_leaves_no_folder_of_its_own_behind(
+    tmp_path: Path, sim: Sim, workers: int
+) -> None:
+    """`Type=notify` units: READY=1 on $NOTIFY_SOCKET once every worker listens. Several
+    workers share their metrics and rate limits through a folder the router makes in
+    $TMPDIR; it is gone once the router stops."""
+    path = tmp_path / "notify.sock"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(path))
+        notify.settimeout(60)
+        env = {"NOTIFY_SOCKET": str(path), "TMPDIR": str(tmp)}
+        router = Router.start(tmp_path, {"s": sim}, workers=workers, env=env)
+        try:
+            assert notify.recv(4096) == b"READY=1"
+            shared = list(tmp.glob("llmgw-router-metrics-*"))
+            assert len(shared) == (workers > 1), shared
+        finally:
+            assert router.stop() == 0
+    assert list(tmp.glob("llmgw-router-metrics-*")) == []
 
 
 # ------------------------------------------------------------------ malformed requests

@@ -459,3 +459,33 @@ async def test_time_to_first_token_over_a_reused_connection(
                     pass
     ttfts.sort()
     assert ttfts[len(ttfts) // 2] < 0.02, ttfts
+
+
+async def test_a_client_that_gives_up_on_a_whole_answer_frees_the_engine(
+    tmp_path: Path, sims: list[Sim], routers: list[Router]
+) -> None:
+    """Not streamed, the router writes nothing to the client until the engine is done: only
+    the client's disconnect itself (aiohttp's handler cancellation) tells the router to
+    close the engine's connection, which frees it rather than generating for a minute."""
+    (slow,) = start_sims(sims, 1, "--decode-base-ms", "20", "--eos-min-tokens", "2000",
+                         "--eos-max-tokens", "3000")  # fmt: skip
+    router = Router.start(tmp_path, {"d0": slow})
+    routers.append(router)
+
+    def generating() -> bool:
+        return slow.metrics().get("vllm:generation_tokens_total", 0) > 0
+
+    c = client(router, timeout_s=120)
+    asked = asyncio.create_task(c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "long"}], max_tokens=3000
+    ))  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not generating():
+        assert time.monotonic() < deadline, "the engine never began the answer"
+        await asyncio.sleep(0.05)
+    asked.cancel()  # the SDK closes its connection
+    with contextlib.suppress(asyncio.CancelledError):
+        await asked
+    await c.close()
+    # 2000 tokens at 20 ms each would keep it busy for 40 s and more.
+    assert await wait_idle([slow], within=5.0) == {"running": 0.0, "waiting": 0.0, "kv": 0.0}

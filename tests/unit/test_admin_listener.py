@@ -9,15 +9,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
 
 from llmgw.core.profile import Queueing
 from llmgw.router import requests
+from llmgw.router.config import Listener
 from tests.unit import route_kit
 from tests.unit.route_kit import ENDPOINTS, SECRETS, Fleet, auth_headers, frozen_clocks
 from tests.unit.test_route_truth import PATH_OF, body
+from tests.unit.test_router_cors import _raw_serving
 
 CHAT = PATH_OF["chat"]
 
@@ -280,3 +283,46 @@ def test_route_says_which_endpoints_have_room_and_when_a_request_would_wait() ->
     assert "waits" not in some
     assert not any(row["has_room"] for row in none["endpoints"])
     assert "waits" in none
+
+
+async def _hosts_answered(listen: str, admin_host: str) -> list[int]:
+    cfg = route_kit.config("shared")
+    fleet = Fleet(msgspec.structs.replace(
+        cfg, listen=Listener(host=listen, port=8080), admin=Listener(host=admin_host, port=9090)
+    ))  # fmt: skip
+    out = []
+    for host in ("127.0.0.1:9090", "rebound.example:9090", "router-1.internal:9090"):
+        resp = await fleet.admin_answer("GET", "/metrics", {"Host": host})
+        out.append(resp.status)
+    return out
+
+
+def test_the_admin_listeners_host_check_follows_its_own_address_not_the_front_doors() -> None:
+    """The front door on every interface and the admin listener on loopback: a rebound
+    name still gets a 403 there. The other way round, the admin listener on every
+    interface is scraped by whatever name reaches it."""
+    assert asyncio.run(_hosts_answered("0.0.0.0", "127.0.0.1")) == [200, 403, 403]
+    assert asyncio.run(_hosts_answered("127.0.0.1", "0.0.0.0")) == [200, 200, 200]
+
+
+async def _sized_answers(limit: int, sizes: tuple[int, ...]) -> list[int]:
+    """/route's status, over a real socket, for chat bodies of about each of `sizes`."""
+    fleet = Fleet(msgspec.structs.replace(route_kit.config("shared"), max_body_bytes=limit))
+    statuses = []
+    async with (
+        _raw_serving(fleet.admin) as port,
+        aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client,
+    ):
+        for size in sizes:
+            asked = body("chat", "m", 0, "x" * size, None)
+            async with client.post(f"/route?path={CHAT}", data=asked,
+                                   headers=auth_headers("ka", None)) as resp:  # fmt: skip
+                statuses.append(resp.status)
+    return statuses
+
+
+def test_route_takes_the_bodies_the_front_door_takes_and_refuses_larger_ones() -> None:
+    """An operator asks where a client's request went with the very body it sent: up to
+    `max_body_bytes`, beyond aiohttp's own 1 MiB default."""
+    limit = 3 * 1024 * 1024
+    assert asyncio.run(_sized_answers(limit, (2 * 1024 * 1024, limit + 1))) == [200, 413]

@@ -161,3 +161,27 @@ def test_an_empty_host_is_refused_not_read_as_every_interface(host: str) -> None
         result = CliRunner().invoke(app, argv, env={})
         assert result.exit_code != 0, (argv, result.output)
         assert "--host is empty" in result.output, (argv, result.output)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_router_refused_its_admin_port_holds_no_api_port_meanwhile(workers: int) -> None:
+    """`claim` binds the API port first: when the admin port is taken it closes what it
+    bound, so the refusal leaves the API port as it found it (free, here)."""
+    from llmgw.router.config import Listener, RouterConfig
+    from llmgw.router.server import PortTaken, claim
+
+    with listeners.bind("127.0.0.1", 0, setting="admin.port") as taken:
+        with listeners.bind("127.0.0.1", 0, setting="listen.port") as probe:
+            free = probe.getsockname()[1]
+        cfg = RouterConfig(
+            workers=workers,
+            listen=Listener(host="127.0.0.1", port=free),
+            admin=Listener(host="127.0.0.1", port=taken.getsockname()[1]),
+        )
+        with pytest.raises(PortTaken, match=r"\(admin\.port\) is taken") as refused:
+            claim(cfg)
+        # While the refusal is handled (its traceback holds `claim`'s frame), as the CLI's
+        # `except` handles it:
+        assert "stop that process" in str(refused.value)
+        with listeners.bind("127.0.0.1", free, setting="listen.port") as again:
+            assert again.getsockname()[1] == free
