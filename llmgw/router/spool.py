@@ -36,7 +36,9 @@ time: a slow disk must not stall the router's event loop, which relays every str
 One process per file: each holds a lock (`owed-<worker>.lock`, flock) while it runs, so
 that a second router given the same `state_dir` runs without a spool, saying so, rather
 than pay the first one's charges twice. Worker 0 also takes over the files of workers a
-router no longer has (started with fewer `workers` than before).
+router no longer has (started with fewer `workers` than before): their debts join its own,
+and their files go (their locks held until then) once its file holds what of them is still
+owed, or the counters have all of it, so that no start charges them twice.
 """
 
 from __future__ import annotations
@@ -200,6 +202,11 @@ class OwedSpool:
         """One write or removal at a time: `keeping`'s and the flusher's run in threads."""
         self._written = NOTHING
         """What the file holds (NOTHING: there is none)."""
+        self._taken: list[tuple[Path, int]] = []
+        self._taken_held = NOTHING
+        """Files taken over (`load`) that stay, with their locks, until this file holds
+        what of their debts is still owed, or nothing of them is (then they go): what
+        they held (`_taken_held`) is owed once, never again by the next start."""
         self._failing = False
 
     @property
@@ -237,12 +244,10 @@ class OwedSpool:
         if not orphans:
             return own
         everything = merged([own, *(s for _, s, _ in orphans)])
-        self.keep(everything)
-        for path, _, lock in orphans:
-            if self._written == everything:  # else they stay, for the next start
-                with contextlib.suppress(OSError):
-                    durable.remove(path)
-            os.close(lock)
+        with self._writing:
+            self._taken = [(path, lock) for path, _, lock in orphans]
+            self._taken_held = merged(s for _, s, _ in orphans)
+            self._keep(everything)  # their files go once it is written
         return everything
 
     def _orphans(self, workers: int) -> list[tuple[Path, Spooled, int]]:
@@ -266,10 +271,14 @@ class OwedSpool:
             self._keep(owed)
 
     def _keep(self, owed: Spooled) -> None:
+        """Make the file hold `owed`: all that is owed (`keep`), or all of what the files
+        held that is still owed (`settle`); the files taken over go once it does."""
         if owed == self._written:
+            self._drop_taken()
             return
         if not owed:
             self.paid()
+            self._drop_taken()
             return
         try:
             durable.replace(self.path, encode(owed))
@@ -283,14 +292,23 @@ class OwedSpool:
             return
         self._failing = False
         self._written = owed
+        self._drop_taken()
+
+    def _drop_taken(self) -> None:
+        for path, lock in self._taken:
+            with contextlib.suppress(OSError):
+                durable.remove(path)
+            os.close(lock)
+        self._taken, self._taken_held = [], NOTHING
 
     def settle(self, owed: Spooled) -> None:
         """The counters answered a turn of the flusher, which added what it could: the file
         keeps only what it held that is still `owed` (`still_owed`), and goes once that is
         nothing."""
         with self._writing:
-            if self._written:
-                self._keep(still_owed(self._written, owed))
+            held = merged((self._written, self._taken_held)) if self._taken else self._written
+            if held or self._taken:
+                self._keep(still_owed(held, owed))
 
     def paid(self) -> None:
         """All the file held was added to the counters: it goes."""
@@ -302,6 +320,9 @@ class OwedSpool:
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
+            for _, lock in self._taken:
+                os.close(lock)
+            self._taken = []
             os.close(self._lock)
 
 

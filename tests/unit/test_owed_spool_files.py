@@ -317,3 +317,78 @@ def test_a_paid_file_the_disk_would_not_remove_is_removed_at_the_next_turn(
     spool.settle(NOTHING)
     assert not spool_path(tmp_path, 0).exists()
     spool.close()
+
+
+def _taken_over_while_the_disk_refuses(folder: Path, monkeypatch: pytest.MonkeyPatch) -> OwedSpool:
+    """Worker 0, started with 1 worker after 3, takes over worker 2's spool (11 tokens;
+    its own holds 5) while its disk refuses writes: 16 owed, in memory."""
+    for worker, tokens in ((0, 5), (2, 11)):
+        spool = spool_in(str(folder), worker)
+        spool.keep(Spooled(budgets=(_budget(tokens),)))
+        spool.close()
+    write = spool_module.durable.replace
+
+    def refused(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spool_module.durable, "replace", refused)
+    zero = spool_in(str(folder), 0)
+    assert [b.tokens for b in zero.load(1).budgets] == [16]
+    assert _held(folder, 2).budgets == (_budget(11),)  # kept for the next start meanwhile
+    monkeypatch.setattr(spool_module.durable, "replace", write)
+    return zero
+
+
+def _next_start_owes(folder: Path) -> list[int]:
+    spool = spool_in(str(folder), 0)
+    try:
+        return [b.tokens for b in spool.load(1).budgets]
+    finally:
+        spool.close()
+
+
+def test_a_taken_over_spool_the_counters_paid_is_removed_and_never_charged_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merged file could not be written, so worker 2's file stayed; once the counters
+    had its debt (a flusher turn that left nothing owed), it goes: the next start owes
+    nothing rather than its 11 tokens a second time."""
+    zero = _taken_over_while_the_disk_refuses(tmp_path, monkeypatch)
+    zero.settle(NOTHING)
+    zero.close()
+    assert not spool_path(tmp_path, 2).exists()
+    assert not spool_path(tmp_path, 0).exists()
+    assert _next_start_owes(tmp_path) == []
+
+
+def test_a_taken_over_spool_goes_once_the_takers_file_holds_its_debt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk writes again during the outage: worker 0's file holds all 16 owed, and
+    worker 2's file goes, so the next start owes 16, not 27."""
+    zero = _taken_over_while_the_disk_refuses(tmp_path, monkeypatch)
+    zero.keep(Spooled(budgets=(_budget(16),)))
+    zero.close()
+    assert not spool_path(tmp_path, 2).exists()
+    assert _next_start_owes(tmp_path) == [16]
+
+
+def test_a_turn_that_paid_part_of_a_taken_over_debt_keeps_only_the_rest_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The counters took 10 of the 16 tokens: what the files held that is still owed (6)
+    is worker 0's file, and worker 2's goes; a turn whose write the disk refuses keeps it."""
+    zero = _taken_over_while_the_disk_refuses(tmp_path, monkeypatch)
+    write = spool_module.durable.replace
+
+    def refused(path: Path, data: bytes) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(spool_module.durable, "replace", refused)
+    zero.settle(Spooled(budgets=(_budget(6),)))
+    assert _held(tmp_path, 2).budgets == (_budget(11),)
+    monkeypatch.setattr(spool_module.durable, "replace", write)
+    zero.settle(Spooled(budgets=(_budget(6),)))
+    zero.close()
+    assert not spool_path(tmp_path, 2).exists()
+    assert _next_start_owes(tmp_path) == [6]
