@@ -382,8 +382,14 @@ def _contents(path: Path) -> bytes:
 
 
 def set_aside(path: Path, why: str) -> None:
-    """Rename an unreadable spool out of the way, and say what to do about it."""
-    aside = path.with_name(f"{path.name}.bad-{int(time.time())}")
+    """Rename an unreadable spool out of the way, and say what to do about it: never over
+    one set aside before (the same second's gets a number), which the operator has yet to
+    inspect."""
+    stamp = f"{path.name}.bad-{int(time.time())}"
+    aside, n = path.with_name(stamp), 0
+    while aside.exists() or aside.is_symlink():
+        n += 1
+        aside = path.with_name(f"{stamp}-{n}")
     try:
         os.replace(path, aside)
     except OSError as exc:

@@ -392,3 +392,19 @@ def test_a_turn_that_paid_part_of_a_taken_over_debt_keeps_only_the_rest_once(
     zero.close()
     assert not spool_path(tmp_path, 2).exists()
     assert _next_start_owes(tmp_path) == [6]
+
+
+def test_spools_set_aside_within_one_second_are_each_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three unreadable spools set aside in the same second (starts that fail one after
+    another) are three files for the operator to inspect, not the last one alone."""
+    monkeypatch.setattr(spool_module.time, "time", lambda: 1_790_000_000.5)
+    path = spool_path(tmp_path, 0)
+    for i in range(3):
+        path.write_bytes(b"not a spool %d" % i)
+        spool = spool_in(str(tmp_path))
+        assert spool.load(1) == NOTHING
+        spool.close()
+    kept = sorted(p.read_bytes() for p in tmp_path.glob("owed-0.json.bad-1790000000*"))
+    assert kept == [b"not a spool 0", b"not a spool 1", b"not a spool 2"]
