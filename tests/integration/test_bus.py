@@ -779,3 +779,49 @@ async def test_counter_totals_too_slow_to_read_are_an_error_never_a_partial_answ
     operator = await bus_connect("operator", "alice")
     with pytest.raises(counters.CounterError, match="cannot read llmgw-usage"):
         await counters.totals(operator, subjects.USAGE_STREAM, "llmgw.usage.>", timeout_s=1e-6)
+
+
+# --------------------------------------------------------------------------- following, closing
+
+
+async def test_an_empty_message_in_the_log_does_not_stall_readers_of_another_account(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """The server ends a response it streams to another account (a pull request's, for
+    every reader but the test administrator) at a message with neither payload nor
+    headers, and delivers nothing more on that request. A node may store one on its own
+    subjects: readers skip it and go on at once, not after their idle heartbeats stop
+    (here 3 x 10 s)."""
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream())
+    first = await publisher.publish(shard_report(0, "node-a"))
+    empty = await node.jetstream().publish("llmgw.events.node.node-a.shard", b"")
+    last = await publisher.publish(shard_report(1, "node-a"))
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, follow=False, heartbeat_s=10.0)
+    records = await asyncio.wait_for(read_all(reader), 15)
+    assert [r.seq for r in records] == [first.seq, last.seq]
+    assert [s.seq for s in reader.skipped] == [empty.seq]
+
+    # Following: the event after an empty one arrives as the empty one does.
+    follower = bus.Reader(router, after_seq=last.seq, heartbeat_s=10.0)
+    got: list[bus.Record] = []
+
+    async def consume() -> None:
+        async with follower:
+            async for record in follower:
+                got.append(record)
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(follower.caught_up.wait(), 15)
+        await node.jetstream().publish("llmgw.events.node.node-a.shard", b"")
+        later = await publisher.publish(shard_report(2, "node-a"))
+
+        async def arrived() -> bool:
+            return len(got) == 1
+
+        await wait_until(arrived, 15.0, "the event after an empty message")
+        assert [r.seq for r in got] == [later.seq]
+    finally:
+        task.cancel()

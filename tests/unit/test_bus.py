@@ -230,6 +230,28 @@ async def test_intake_a_gap_in_consumer_sequence_asks_for_a_reset() -> None:
     assert r.last_seq == 5  # the new consumer starts after 5: nothing is missed
 
 
+async def test_intake_an_empty_message_is_skipped_and_asks_for_a_new_consumer_after_it() -> None:
+    # The server ends a response it streams to another account at a message with neither
+    # payload nor headers: nothing more of the pull request comes.
+    r = intake()
+    r._outstanding = 10
+    subject = b"llmgw.events.node.node-a.shard"
+    r._on_raw(subject, ack_subject(5, 1, 2), events.encode(shard(1)), b"")
+    assert not r._reset_needed
+    r._on_raw(subject, ack_subject(6, 2, 1), b"", b"")
+    assert r._reset_needed
+    assert r.last_seq == 6  # the new consumer starts after it
+    assert [rec.seq for rec in r._buf] == [5]
+    assert [s.seq for s in r.skipped] == [6]
+    # Headers, or a payload, do not end the response.
+    for data, headers in ((b"", b"NATS/1.0\r\nX: y\r\n\r\n"), (b"x", b"")):
+        other = intake()
+        other._outstanding = 10
+        other._on_raw(subject, ack_subject(6, 1, 1), data, headers)
+        assert not other._reset_needed
+        assert other.last_seq == 6
+
+
 async def test_intake_status_messages_end_the_request() -> None:
     r = intake()
     r._request_open = True
