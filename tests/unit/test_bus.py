@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from nats.js import api
 
 from llmgw import bus
+from llmgw.bus import counters as bus_counters
 from llmgw.bus import natspy, provisioning, publisher, reader, snapshots
 from llmgw.core import events, retention, subjects
 from llmgw.pki import signing
@@ -250,6 +251,15 @@ async def test_intake_an_empty_message_is_skipped_and_asks_for_a_new_consumer_af
         other._on_raw(subject, ack_subject(6, 1, 1), data, headers)
         assert not other._reset_needed
         assert other.last_seq == 6
+
+
+def test_a_counters_answer_that_is_an_error_says_the_servers_words() -> None:
+    refused = b'{"error": {"code": 400, "description": "message counters is disabled"}}'
+    with pytest.raises(bus_counters.CounterError, match=r"x\.y: message counters is disabled"):
+        bus_counters.total_of(refused, "x.y")
+    with pytest.raises(bus_counters.CounterError, match="not a counter's answer"):
+        bus_counters.total_of(b'{"val": "many"}', "x.y")
+    assert bus_counters.total_of(b'{"val": "-3"}', "x.y") == -3
 
 
 async def test_intake_status_messages_end_the_request() -> None:
