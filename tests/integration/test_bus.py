@@ -983,6 +983,35 @@ async def test_closing_a_reader_ends_the_iteration_waiting_on_it_at_once(
         task.cancel()
 
 
+async def test_a_reader_closed_while_the_server_is_down_stops_starting_over(
+    provisioned: bus.BusClient, bus_connect: BusConnect, nats_server: TestNatsServer
+) -> None:
+    """A service stopping during an outage closes its readers: the one retrying to start a
+    new consumer stops there, rather than waiting for the server to come back."""
+    router = await bus_connect("router", "router-1", max_reconnect_attempts=-1)
+    reader = bus.Reader(router, heartbeat_s=0.3)
+
+    async def consume() -> None:
+        async for _ in reader:
+            pass
+
+    await reader.start()
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(reader.caught_up.wait(), 30)
+        await asyncio.to_thread(nats_server.stop)
+
+        async def starting_over() -> bool:
+            return reader.resets >= 1
+
+        await wait_until(starting_over, 30.0, "the reader starting over")
+        await reader.close()
+        await asyncio.wait_for(task, 30)
+        assert not nats_server.running
+    finally:
+        task.cancel()
+
+
 async def test_an_empty_message_in_the_log_does_not_stall_readers_of_another_account(
     provisioned: bus.BusClient, bus_connect: BusConnect
 ) -> None:
