@@ -154,6 +154,13 @@ class Intake:
                 if self._attester is not None and not heartbeat:
                     self._attester.accepted(seq, digest)
                 self._accept(seq, name, data, len(data) + len(headers), ttl, when)
+        if not data and not headers:
+            # The server ends a response it streams to another account (a pull request's, for
+            # every llmgw identity: llmgw.pki.authorization) at a message with neither payload
+            # nor headers, which anyone who may write to a subject can store: nothing more of
+            # this request arrives, not even its heartbeats. Start over after it now, rather
+            # than after the silence of three heartbeats.
+            self._reset_needed = True
         if caught_up:
             self.caught_up.set()
 

@@ -25,9 +25,10 @@ for large batches whose messages a `BusClient` hands straight to one synchronous
 function. That measured 3-5 times faster than nats-py's push, ordered or
 `fetch` consumers here (tests/bench/bench_log.py). It keeps the ordered-consumer
 guarantee itself: it checks the consumer sequence of every message and, on a gap,
-a deleted consumer or a silent server (no heartbeat), recreates the consumer from
-the last sequence it delivered. Asking for the next batch only when the previous
-one is consumed bounds memory to about two batches.
+a deleted consumer, an empty message (the server ends its response there) or a silent
+server (no heartbeat), recreates the consumer from the last sequence it delivered.
+Asking for the next batch only when the previous one is consumed bounds memory to
+about two batches.
 
 What each message goes through on arrival (its place in the consumer's order, its
 trust, its subject, its TTL, decoding) is the reader's intake, llmgw.bus.intake.

@@ -195,13 +195,20 @@ async def test_a_duplicate_publish_inside_the_window_is_stored_once(
 async def test_a_permission_violation_is_logged_as_such(
     provisioned: bus.BusClient, bus_connect: BusConnect
 ) -> None:
-    node = await bus_connect("node", "node-a")
+    told: list[Exception] = []
+
+    async def error_cb(exc: Exception) -> None:
+        told.append(exc)
+
+    node = await bus_connect("node", "node-a", error_cb=error_cb)
     # Asked for no attempts, a publisher still makes one.
     publisher = bus.Publisher(node.jetstream(), timeout_s=0.5, attempts=0)
     with capture_logs() as logs, pytest.raises(bus.PublishError, match="after 1 attempts"):
         await publisher.publish(shard_report(1, "node-b"))  # another node's subject
     assert any("llmgw.events.node.node-b" in v for v in node.permission_violations)
     assert any(e["event"] == "permission_violation" for e in logs)
+    # The caller's own callback hears of it too (`llmgw ctl` reports the last error).
+    assert any("llmgw.events.node.node-b" in str(e) for e in told)
 
 
 async def test_a_heartbeat_with_a_ttl_is_gone_after_it(
@@ -756,7 +763,10 @@ async def test_counter_totals_read_every_subject_across_batches_and_only_the_fil
     adder = counters.Counters(router, timeout_s=10.0)
     for i in range(25):
         await adder.add(subjects.usage_counter(f"k{i % 5}", 100 + i, "m", "req"), 1)
-    await adder.add(subjects.usage_counter("k0", 100, "m", "req"), 2)
+    await adder.add(subjects.usage_counter("k0", 100, "m", "req"), 4)
+    # A negative amount takes back (a hold released), and 0 only reads.
+    assert await adder.add(subjects.usage_counter("k0", 100, "m", "req"), -2) == 3
+    assert await adder.add(subjects.usage_counter("k0", 100, "m", "req"), 0) == 3
     operator = await bus_connect("operator", "alice")
     got = await counters.totals(operator, subjects.USAGE_STREAM, "llmgw.usage.>", batch=4)
     assert len(got) == 25
@@ -779,3 +789,267 @@ async def test_counter_totals_too_slow_to_read_are_an_error_never_a_partial_answ
     operator = await bus_connect("operator", "alice")
     with pytest.raises(counters.CounterError, match="cannot read llmgw-usage"):
         await counters.totals(operator, subjects.USAGE_STREAM, "llmgw.usage.>", timeout_s=1e-6)
+
+
+# --------------------------------------------------------------------------- following, closing
+
+
+async def test_a_reader_resuming_at_the_end_of_the_log_is_caught_up_before_its_request_expires(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """A control plane whose snapshot holds the whole log waits for `caught_up` before it
+    acts: it must not wait for a pull request that only a new event would answer."""
+    node = await bus_connect("node", "node-a")
+    published = await bus.Publisher(node.jetstream()).publish_all(
+        shard_report(i, "node-a") for i in range(3)
+    )
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, after_seq=published[-1].seq, heartbeat_s=0.5, expires_s=120.0)
+    got: list[bus.Record] = []
+
+    async def consume() -> None:
+        async with reader:
+            async for record in reader:
+                got.append(record)
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(reader.caught_up.wait(), 30)
+        assert got == []
+        later = await bus.Publisher(node.jetstream()).publish(shard_report(3, "node-a"))
+
+        async def arrived() -> bool:
+            return len(got) == 1
+
+        await wait_until(arrived, 15.0, "the event published after catching up")
+        assert [r.seq for r in got] == [later.seq]
+    finally:
+        task.cancel()
+
+
+async def test_an_idle_following_reader_keeps_its_consumer(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """The server's idle heartbeats tell a reader its request is alive: a quiet log is no
+    reason to start a new consumer."""
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream())
+    await publisher.publish(shard_report(0, "node-a"))
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, heartbeat_s=1.0)
+    got: list[bus.Record] = []
+
+    async def consume() -> None:
+        async with reader:
+            async for record in reader:
+                got.append(record)
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(reader.caught_up.wait(), 30)
+        await asyncio.sleep(6.0)  # quiet for six heartbeats
+        assert reader.resets == 0
+        await publisher.publish(shard_report(1, "node-a"))
+
+        async def arrived() -> bool:
+            return len(got) == 2
+
+        await wait_until(arrived, 15.0, "the event after the quiet spell")
+        assert reader.resets == 0
+    finally:
+        task.cancel()
+
+
+async def test_a_following_reader_whose_connection_closes_says_so_instead_of_retrying(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """A closed connection never reconnects: the reader ends with what to do, not in a loop
+    of attempts on it."""
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, heartbeat_s=0.3)
+
+    async def consume() -> None:
+        async with reader:
+            async for _ in reader:
+                pass
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(reader.caught_up.wait(), 30)
+        await router.close()
+        with pytest.raises(bus.ReaderError, match="connection is closed"):
+            await asyncio.wait_for(task, 60)
+    finally:
+        task.cancel()
+
+
+async def test_a_closed_reader_leaves_no_consumer_on_the_stream(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    node = await bus_connect("node", "node-a")
+    await bus.Publisher(node.jetstream()).publish_all(shard_report(i, "node-a") for i in range(3))
+    router = await bus_connect("router", "router-1")
+    assert len(await read_all(bus.Reader(router, follow=False))) == 3
+    js = provisioned.jetstream()
+
+    async def none_left() -> bool:
+        return (await js.stream_info(subjects.STREAM)).state.consumer_count == 0
+
+    # Well before the server would remove it for inactivity (30 s at the least).
+    await wait_until(none_left, 15.0, "the closed reader's consumer deleted")
+
+
+async def test_a_node_restarted_after_a_crash_replaces_the_consumer_it_left(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """A node may hold one consumer, of a fixed name: the one its killed process left (with
+    the old start point) must not keep the restarted agent from resuming where it says."""
+    leader = bus.Publisher(provisioned.jetstream())
+    stops = [
+        events.StopShard(id=f"stop-{i}", ts=1.0, node="node-a", replica_id="r1", generation=i)
+        for i in range(3)
+    ]
+    acks = [await leader.publish(stop) for stop in stops]
+    node = await bus_connect("node", "node-a")
+
+    def commands(after: int) -> bus.Reader:
+        return bus.Reader(
+            node,
+            after_seq=after,
+            subjects_filter=[subjects.command("node-a")],
+            consumer_name="cmd-node-a",
+            follow=False,
+        )
+
+    await commands(0).start()  # never closed: the process died
+    again = await read_all(commands(acks[1].seq))
+    assert [(r.seq, r.event) for r in again] == [(acks[2].seq, stops[2])]
+
+
+async def test_a_replay_whose_counted_messages_expired_before_delivery_still_ends(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """`ctl replay` reads up to now and stops. A heartbeat counted when its consumer was made
+    but gone (its TTL) before it was delivered leaves no message to say the end was reached:
+    the reader asks the server, after a short pull, not a follower's long one."""
+    node = await bus_connect("node", "node-a")
+    router = await bus_connect("router", "router-1")
+    await bus.Publisher(node.jetstream()).publish(heartbeat("node-a", 1), ttl_s=2)
+    reader = bus.Reader(router, follow=False, heartbeat_s=0.5, expires_s=120.0)
+    got: list[bus.Record] = []
+    async with reader:
+        assert not reader.caught_up.is_set()  # the heartbeat is still stored, and counted
+        js = provisioned.jetstream()
+
+        async def expired() -> bool:
+            return (await js.stream_info(subjects.STREAM)).state.messages == 0
+
+        await wait_until(expired, 15.0, "the heartbeat expired from the stream")
+
+        async def drain() -> None:
+            async for batch in reader.batches():
+                got.extend(batch)
+
+        await asyncio.wait_for(drain(), 30)
+    assert got == []
+    assert reader.caught_up.is_set()
+
+
+async def test_closing_a_reader_ends_the_iteration_waiting_on_it_at_once(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """A service stopping closes its readers from another task: the loop waiting for the
+    next event (or heartbeat, here 30 s away) ends now."""
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, heartbeat_s=30.0)
+    got: list[bus.Record] = []
+
+    async def consume() -> None:
+        async for record in reader:
+            got.append(record)
+
+    await reader.start()
+    task = asyncio.create_task(consume())
+    try:
+
+        async def waiting() -> bool:
+            return reader._request_open
+
+        await wait_until(waiting, 15.0, "the reader waiting on its pull request")
+        await reader.close()
+        await asyncio.wait_for(task, 10)
+        assert got == []
+    finally:
+        task.cancel()
+
+
+async def test_a_reader_closed_while_the_server_is_down_stops_starting_over(
+    provisioned: bus.BusClient, bus_connect: BusConnect, nats_server: TestNatsServer
+) -> None:
+    """A service stopping during an outage closes its readers: the one retrying to start a
+    new consumer stops there, rather than waiting for the server to come back."""
+    router = await bus_connect("router", "router-1", max_reconnect_attempts=-1)
+    reader = bus.Reader(router, heartbeat_s=0.3)
+
+    async def consume() -> None:
+        async for _ in reader:
+            pass
+
+    await reader.start()
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(reader.caught_up.wait(), 30)
+        await asyncio.to_thread(nats_server.stop)
+
+        async def starting_over() -> bool:
+            return reader.resets >= 1
+
+        await wait_until(starting_over, 30.0, "the reader starting over")
+        await reader.close()
+        await asyncio.wait_for(task, 30)
+        assert not nats_server.running
+    finally:
+        task.cancel()
+
+
+async def test_an_empty_message_in_the_log_does_not_stall_readers_of_another_account(
+    provisioned: bus.BusClient, bus_connect: BusConnect
+) -> None:
+    """The server ends a response it streams to another account (a pull request's, for
+    every reader but the test administrator) at a message with neither payload nor
+    headers, and delivers nothing more on that request. A node may store one on its own
+    subjects: readers skip it and go on at once, not after their idle heartbeats stop
+    (here 3 x 10 s)."""
+    node = await bus_connect("node", "node-a")
+    publisher = bus.Publisher(node.jetstream())
+    first = await publisher.publish(shard_report(0, "node-a"))
+    empty = await node.jetstream().publish("llmgw.events.node.node-a.shard", b"")
+    last = await publisher.publish(shard_report(1, "node-a"))
+    router = await bus_connect("router", "router-1")
+    reader = bus.Reader(router, follow=False, heartbeat_s=10.0)
+    records = await asyncio.wait_for(read_all(reader), 15)
+    assert [r.seq for r in records] == [first.seq, last.seq]
+    assert [s.seq for s in reader.skipped] == [empty.seq]
+
+    # Following: the event after an empty one arrives as the empty one does.
+    follower = bus.Reader(router, after_seq=last.seq, heartbeat_s=10.0)
+    got: list[bus.Record] = []
+
+    async def consume() -> None:
+        async with follower:
+            async for record in follower:
+                got.append(record)
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(follower.caught_up.wait(), 15)
+        await node.jetstream().publish("llmgw.events.node.node-a.shard", b"")
+        later = await publisher.publish(shard_report(2, "node-a"))
+
+        async def arrived() -> bool:
+            return len(got) == 1
+
+        await wait_until(arrived, 15.0, "the event after an empty message")
+        assert [r.seq for r in got] == [later.seq]
+    finally:
+        task.cancel()

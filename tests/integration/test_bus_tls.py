@@ -131,3 +131,42 @@ async def test_fail_on_tls_refusal_ends_the_first_connection_at_a_refused_certif
             await connect_as_node(nats_server.url, tls, fail_on_tls_refusal=True)
         assert info.value.refusal.kind == "client_refused"
         assert len(tries) - before <= 2, tries
+
+
+async def test_a_connection_up_once_retries_a_later_refusal_whatever_its_first_did(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    """`fail_on_tls_refusal` ends a first connection only (`llmgw ctl`): a console connected
+    for days, whose server comes back with another CA's certificate, retries as a service
+    does, each try logged, and is back once the server has a certificate of its CA."""
+    tls = nats_server.pki.client_tls(NODE.kind, NODE.name)
+    nc = await connect_as_node(nats_server.url, tls, fail_on_tls_refusal=True)
+    try:
+        with capture_logs() as logged:
+            nats_server.stop()
+            other = TestPki(tmp_path / "other-pki")
+            with running_nats(other, tmp_path / "foreign-nats", port=nats_server.port):
+                await wait_for(lambda: len(refused(logged)) >= 2, 60, "two refused tries")
+            nats_server.start()
+            await wait_for(lambda: nc.is_connected, 60, "back on the fleet's server")
+        assert refused(logged)[0]["problem"]
+    finally:
+        await bus.close(nc)
+
+
+async def test_a_server_name_the_certificate_does_not_hold_is_refused(
+    nats_server: TestNatsServer, tries: list[int]
+) -> None:
+    """`tls_hostname` is the name the server's certificate must hold, whatever address
+    `servers` lists."""
+    tls = nats_server.pki.client_tls(NODE.kind, NODE.name)
+    with pytest.raises(bus.TlsRefused) as info:
+        await connect_as_node(
+            nats_server.url, tls, tls_hostname="elsewhere.invalid", fail_on_tls_refusal=True
+        )
+    assert info.value.refusal.kind == "server_name"
+    nc = await connect_as_node(nats_server.url, tls, tls_hostname="localhost")
+    try:
+        assert nc.is_connected
+    finally:
+        await bus.close(nc)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from nats.js import api
 
 from llmgw import bus
+from llmgw.bus import counters as bus_counters
 from llmgw.bus import natspy, provisioning, publisher, reader, snapshots
 from llmgw.core import events, retention, subjects
 from llmgw.pki import signing
@@ -228,6 +229,37 @@ async def test_intake_a_gap_in_consumer_sequence_asks_for_a_reset() -> None:
     assert [rec.seq for rec in r._buf] == [5]
     assert r._reset_needed
     assert r.last_seq == 5  # the new consumer starts after 5: nothing is missed
+
+
+async def test_intake_an_empty_message_is_skipped_and_asks_for_a_new_consumer_after_it() -> None:
+    # The server ends a response it streams to another account at a message with neither
+    # payload nor headers: nothing more of the pull request comes.
+    r = intake()
+    r._outstanding = 10
+    subject = b"llmgw.events.node.node-a.shard"
+    r._on_raw(subject, ack_subject(5, 1, 2), events.encode(shard(1)), b"")
+    assert not r._reset_needed
+    r._on_raw(subject, ack_subject(6, 2, 1), b"", b"")
+    assert r._reset_needed
+    assert r.last_seq == 6  # the new consumer starts after it
+    assert [rec.seq for rec in r._buf] == [5]
+    assert [s.seq for s in r.skipped] == [6]
+    # Headers, or a payload, do not end the response.
+    for data, headers in ((b"", b"NATS/1.0\r\nX: y\r\n\r\n"), (b"x", b"")):
+        other = intake()
+        other._outstanding = 10
+        other._on_raw(subject, ack_subject(6, 1, 1), data, headers)
+        assert not other._reset_needed
+        assert other.last_seq == 6
+
+
+def test_a_counters_answer_that_is_an_error_says_the_servers_words() -> None:
+    refused = b'{"error": {"code": 400, "description": "message counters is disabled"}}'
+    with pytest.raises(bus_counters.CounterError, match=r"x\.y: message counters is disabled"):
+        bus_counters.total_of(refused, "x.y")
+    with pytest.raises(bus_counters.CounterError, match="not a counter's answer"):
+        bus_counters.total_of(b'{"val": "many"}', "x.y")
+    assert bus_counters.total_of(b'{"val": "-3"}', "x.y") == -3
 
 
 async def test_intake_status_messages_end_the_request() -> None:

@@ -4,6 +4,8 @@ code, no network)."""
 
 from __future__ import annotations
 
+import datetime
+import time
 from typing import Any
 
 import pytest
@@ -209,3 +211,16 @@ def test_heartbeats_are_never_attested() -> None:
     event = att.take(event_id="att-1", epoch=1, basis_seq=3)
     assert event is not None
     assert (event.first_seq, event.last_seq, event.accepted) == (2, 2, ((2, 2),))
+
+
+def test_a_kv_reader_starts_its_window_back_unless_told_when() -> None:
+    """A router's index is warm at once only if the reader starts early enough for two of
+    every engine's full updates."""
+    before = time.time()
+    config = kvlog.KvReader(_NoClient(), verifier=VERIFIER)._consumer_config("c")  # type: ignore[arg-type]
+    after = time.time()
+    assert config["deliver_policy"] == "by_start_time"
+    start = datetime.datetime.fromisoformat(config["opt_start_time"]).timestamp()
+    assert before - kvlog.START_WINDOW_S - 0.001 <= start <= after - kvlog.START_WINDOW_S
+    told = kvlog.KvReader(_NoClient(), since=0.5, verifier=VERIFIER)._consumer_config("c")  # type: ignore[arg-type]
+    assert told["opt_start_time"] == "1970-01-01T00:00:00.500000Z"
