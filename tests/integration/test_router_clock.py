@@ -29,6 +29,7 @@ from llmgw.router.front import build_server
 from tests.harness import TestNatsServer, connect_as, wait_for
 from tests.integration.ctl_kit import Ctl
 from tests.integration.test_tenant_keys import feed
+from tests.unit.test_router_clock import Asking
 
 pytestmark = pytest.mark.slow
 
@@ -74,16 +75,9 @@ def knows(router: Router, secret: str) -> bool:
     return auth.digest(secret) in router.keys.by_digest
 
 
-class _Asking:
-    """What `Router._caller` reads of a request: its headers."""
-
-    def __init__(self, secret: str) -> None:
-        self.headers = {"Authorization": f"Bearer {secret}"}
-
-
 def refusal_of(router: Router, secret: str) -> str | None:
     """The code of the router's refusal of `secret`, None when it admits it."""
-    got = router._caller(_Asking(secret))  # type: ignore[arg-type]
+    got = router._caller(Asking(secret))  # type: ignore[arg-type]
     return got.code if isinstance(got, Refusal) else None
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from multidict import CIMultiDict
 
 from llmgw.bus import servertime
 from llmgw.core.tenancy import KeySettings
@@ -39,11 +40,11 @@ class _Server:
         return _Answer(json.dumps({"config": {}, "ts": now}).encode())
 
 
-class _Asking:
-    """What `Router._caller` reads of a request: its headers."""
+class Asking:
+    """What `Router._caller` reads of a request: its headers, as aiohttp holds them."""
 
     def __init__(self, secret: str) -> None:
-        self.headers = {"Authorization": f"Bearer {secret}"}
+        self.headers = CIMultiDict({"Authorization": f"Bearer {secret}"})
 
 
 def _keeper(wall: Any, server: Any) -> tuple[clock.ClockKeeper, list[float]]:
@@ -88,10 +89,10 @@ async def test_a_router_refuses_a_key_expired_by_the_servers_time_whatever_its_h
 
     try:
         # Unmeasured, the router reads its host's clock: an hour behind, the key is valid.
-        assert not isinstance(router._caller(_Asking(secret)), Refusal)  # type: ignore[arg-type]
+        assert not isinstance(router._caller(Asking(secret)), Refusal)  # type: ignore[arg-type]
         keeper = clock.ClockKeeper(router.clock, _Server, lambda _: None)
         await keeper.measure()
-        refused = router._caller(_Asking(secret))  # type: ignore[arg-type]
+        refused = router._caller(Asking(secret))  # type: ignore[arg-type]
         assert isinstance(refused, Refusal)
         assert refused.code == "expired_api_key"
         # The same clock names its keys' windows and budget periods.
