@@ -1,0 +1,489 @@
+"""The router's own handlers (llmgw.router.app) through its front door, in-process: what a
+key sees of the models, the request id an engine gets, the keys in force after a reload or
+a change of the log's keys, and the body each attempt sends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from llmgw.core.profile import Queueing
+from llmgw.core.state import KeyState
+from llmgw.core.tenancy import KeySettings
+from llmgw.router import auth, dispatch, queueing
+from llmgw.router.app import Router
+from llmgw.router.attempts import Attempt
+from llmgw.router.config import AuthConfig, RouterConfig
+from llmgw.router.errors import Retry
+from llmgw.router.relay import ClientStream
+from tests.unit import route_kit
+from tests.unit.route_kit import Fleet
+
+CHAT = "/v1/chat/completions"
+
+
+class Recording(Fleet):
+    """A fleet whose attempts also record the request id and the body each one sends;
+    attempts on a model in `failing` fail as an engine's 503 would."""
+
+    def __init__(self, failing: tuple[str, ...] = (), anonymous: bool = True) -> None:
+        cfg = route_kit.config("shared", {"e0": ("m", "w"), "e1": ("m", "w"), "e2": ("f",)})
+        if not anonymous:
+            cfg = msgspec.structs.replace(cfg, auth=AuthConfig(keys_file=route_kit.KEYS_FILE))
+        super().__init__(cfg)
+        for ep_id in ("e0", "e1", "e2"):
+            self.endpoint(ep_id).ready = True
+        self.failing = failing
+        self.sent: list[tuple[str, str, dict[str, Any]]] = []
+        self.drops_usage: list[bool] = []
+        self.router.dispatcher._attempt = self._recorded  # type: ignore[method-assign]
+
+    async def _recorded(self, at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:
+        self.sent.append((at.profile.name, state.rid, msgspec.json.decode(body)))
+        self.drops_usage.append(state.drop_usage)
+        if at.profile.name in self.failing:
+            raise Retry("status_503", 503, "engine answered 503")
+        return await self._attempt(at, body, state)
+
+    async def get(self, path: str, headers: dict[str, str]) -> tuple[int, Any]:
+        resp = await self.front.request_handler(route_kit._request(path, b"", headers, "GET"))
+        assert isinstance(resp, web.Response)
+        assert isinstance(resp.body, bytes)
+        return resp.status, msgspec.json.decode(resp.body)
+
+    async def chat(
+        self, model: str, headers: dict[str, str] | None = None, **fields: Any
+    ) -> web.StreamResponse:
+        body = msgspec.json.encode(
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            | fields
+        )
+        hs = {"Content-Type": "application/json", **(headers or {})}
+        resp: web.StreamResponse = await self.front.request_handler(
+            route_kit._request(CHAT, body, hs)
+        )
+        return resp
+
+    def close(self) -> None:
+        self.router.pool.close()
+        self.router.deadlines.close()
+
+
+def _bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def _key(router: Router, name: str, *models: str) -> dict[str, str]:
+    """A new key of the router's that may use `models`; its headers."""
+    secret = auth.new_key()
+    principal = auth.Principal(KeySettings(name=name, models=models), auth.digest(secret), 0.0)
+    router.keys.by_digest[principal.sha256] = principal
+    return _bearer(secret)
+
+
+# ---------------------------------------------------------------- request ids
+
+
+@pytest.mark.parametrize(
+    ("sent", "kept"),
+    [
+        ("a" * 128, True),
+        ("req-1_x.y:z", True),
+        ("a" * 129, False),
+        ("id\r\nX-Injected: 1", False),
+        ("id\nnext", False),
+        ("tab\there", False),
+        ("del\x7f", False),
+        ("nul\x00", False),
+        ("caf\u00e9", False),
+        ("\u0131d", False),
+        ("", False),
+    ],
+    ids=["128", "printable", "129", "crlf", "lf", "tab", "del", "nul", "latin", "dotless", "empty"],
+)
+async def test_only_a_short_printable_ascii_request_id_reaches_the_engine_as_sent(
+    sent: str, kept: bool
+) -> None:
+    """The id goes into the engine's request head: anything that could split that head or
+    that a header cannot carry as is gets an id of the router's own instead."""
+    fleet = Recording()
+    try:
+        resp = await fleet.chat("m", {"X-Request-Id": sent})
+        assert resp.status == 200
+        [(_, rid, _)] = fleet.sent
+        # A refused request's answer carries the same kind of id.
+        refused = await fleet.chat("nope", {"X-Request-Id": sent})
+        assert refused.status == 404
+        assert (refused.headers["X-Request-Id"] == sent) is kept
+        if kept:
+            assert rid == sent
+        else:
+            assert rid != sent
+            assert rid.startswith(fleet.router._rid_prefix)
+            assert rid.isascii()
+            assert rid.isprintable()
+            assert 0 < len(rid) <= 128
+    finally:
+        fleet.close()
+
+
+async def test_the_routers_own_request_ids_are_never_the_same_twice() -> None:
+    fleet = Recording()
+    try:
+        for _ in range(3):
+            assert (await fleet.chat("m")).status == 200
+        assert (await fleet.chat("m", {"X-Request-Id": "x\r\n"})).status == 200
+        rids = [rid for _, rid, _ in fleet.sent]
+        assert len(set(rids)) == 4
+    finally:
+        fleet.close()
+
+
+# ---------------------------------------------------------------- the models a key sees
+
+
+async def test_a_key_never_sees_a_model_it_may_not_use_by_its_name_or_an_alias() -> None:
+    fleet = Recording(anonymous=False)
+    router = fleet.router
+    try:
+        only_f = _key(router, "only-f", "f")
+        status, listed = await fleet.get("/v1/models", only_f)
+        assert status == 200
+        assert [m["id"] for m in listed["data"]] == ["f"]
+        _, nothing = await fleet.get("/v1/models/nope", only_f)
+        for name in ("m", "ma", "w"):
+            status, answer = await fleet.get(f"/v1/models/{name}", only_f)
+            assert status == 404, name
+            # The same answer as for a model that does not exist: nothing to tell them apart.
+            assert answer == msgspec.json.decode(
+                msgspec.json.encode(nothing).replace(b"nope", name.encode())
+            )
+        assert (await fleet.get("/v1/models/f", only_f))[0] == 200
+        # Without a key, or with a wrong one, a router with keys lists nothing.
+        for headers in ({}, _bearer("sk-wrong")):
+            status, answer = await fleet.get("/v1/models", headers)
+            assert status == 401
+            assert "data" not in answer
+            assert (await fleet.get("/v1/models/m", headers))[0] == 401
+    finally:
+        fleet.close()
+
+
+async def test_a_key_given_only_an_alias_sees_that_alias_and_not_the_models_name() -> None:
+    """The alias is what the key was given: it is listed, with the model it stands for as
+    its root; the model's own name is not this key's."""
+    fleet = Recording()
+    try:
+        alias_only = _key(fleet.router, "alias-only", "ma")
+        status, listed = await fleet.get("/v1/models", alias_only)
+        assert status == 200
+        assert [(m["id"], m["root"]) for m in listed["data"]] == [("ma", "m")]
+        status, one = await fleet.get("/v1/models/ma", alias_only)
+        assert (status, one["id"], one["root"]) == (200, "ma", "m")
+        assert (await fleet.get("/v1/models/m", alias_only))[0] == 404
+        every = _key(fleet.router, "every", "*")
+        _, listed = await fleet.get("/v1/models", every)
+        assert [(m["id"], m["root"]) for m in listed["data"]] == [
+            ("f", "f"), ("m", "m"), ("ma", "m"), ("w", "w")
+        ]  # fmt: skip
+    finally:
+        fleet.close()
+
+
+# ---------------------------------------------------------------- the body an engine gets
+
+
+async def test_an_alias_reaches_the_engine_as_the_models_name() -> None:
+    fleet = Recording()
+    try:
+        assert (await fleet.chat("ma")).status == 200
+        assert [(model, body["model"]) for model, _, body in fleet.sent] == [("m", "m")]
+        assert fleet.sent[0][2]["messages"] == [{"role": "user", "content": "hi"}]
+    finally:
+        fleet.close()
+
+
+async def test_a_fallback_gets_the_body_renamed_and_counts_once() -> None:
+    fleet = Recording(failing=("m",))
+    fallbacks = fleet.router.metrics.fallbacks.values
+    sources = fleet.router.metrics.cache_sources.values
+    try:
+        assert (await fleet.chat("ma")).status == 200
+        tried = [(model, body["model"]) for model, _, body in fleet.sent]
+        assert tried[-1] == ("f", "f")
+        assert set(tried[:-1]) == {("m", "m")}
+        assert fallbacks == {("m", "f"): 1.0}
+        # Ranked on the cache of `m`, served by `f`: no prediction of `m` to measure.
+        assert sources == {}
+        fleet.failing = ()
+        assert (await fleet.chat("m")).status == 200
+        assert fleet.sent[-1][0] == "m"
+        assert fallbacks == {("m", "f"): 1.0}  # the model asked for is no fallback
+        assert sum(sources.values()) == 1.0
+        # Requests are counted for the model asked, once each, whoever served them.
+        assert fleet.router.dispatcher.received == {"m": 2}
+    finally:
+        fleet.close()
+
+
+async def test_scorer_values_are_observed_for_one_ranked_request_in_a_sample() -> None:
+    fleet = Recording()
+    scores = fleet.router.metrics.scores.values
+    try:
+        for n in range(1, 2 * dispatch.SCORE_SAMPLE + 1):
+            assert (await fleet.chat("w")).status == 200  # ranked by weights
+            sampled = n // dispatch.SCORE_SAMPLE
+            assert {sum(counts[:-1]) for counts in scores.values()} <= {float(sampled)}, n
+            assert bool(scores) is (sampled > 0), n
+    finally:
+        fleet.close()
+
+
+async def test_a_fallback_the_key_may_not_use_is_never_tried() -> None:
+    fleet = Recording(failing=("m",))
+    try:
+        headers = route_kit.auth_headers("kc", None)  # may use m (and ma), not f
+        resp = await fleet.chat("m", headers)
+        assert resp.status == 503
+        assert fleet.sent
+        assert {model for model, _, _ in fleet.sent} == {"m"}
+        assert fleet.router.metrics.fallbacks.values == {}
+    finally:
+        fleet.close()
+
+
+async def test_an_engines_429_never_counts_against_its_breaker_and_a_503_does() -> None:
+    """A 429 is the engine's load: its breaker stays closed however many come, while as
+    many 503s open it (the attempts themselves, their answers made up at the exchange)."""
+    fleet = Recording()
+    d = fleet.router.dispatcher
+    del d._attempt  # the dispatcher's own attempts, breakers and all
+    answers: list[Retry] = []
+
+    async def exchange(at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:
+        raise answers.pop()
+
+    d._exchange = exchange  # type: ignore[method-assign]
+    e2 = fleet.endpoint("e2")  # the only endpoint of `f`, which has no fallback
+    try:
+        for _ in range(2 * fleet.router.cfg.breaker.failures_to_open):
+            answers.append(Retry("status_429", 429, "busy", fault=False))
+            assert (await fleet.chat("f")).status == 429
+            assert e2.breaker.state == "closed"
+            assert e2.inflight == 0
+        # A 429 between 503s neither counts nor clears the 503s before it.
+        for n in range(fleet.router.cfg.breaker.failures_to_open):
+            answers.append(Retry("status_503", 503, "down"))
+            assert (await fleet.chat("f")).status == 503
+            if n == 0:
+                answers.append(Retry("status_429", 429, "busy", fault=False))
+                assert (await fleet.chat("f")).status == 429
+        assert e2.breaker.state == "open"
+        assert e2.inflight == 0
+    finally:
+        fleet.close()
+
+
+async def test_a_full_endpoint_is_never_ranked_even_for_its_session() -> None:
+    """Under a per-endpoint bound, a session's endpoint that is full is passed over for one
+    with room (the session counts most in ranking, room comes first)."""
+    fleet = Recording()
+    capped = msgspec.structs.replace(
+        route_kit.MODELS[2], queue=Queueing(max_inflight_per_endpoint=1)
+    )
+    fleet.router.catalog.put(capped)
+    session = {route_kit.SESSION: "conversation"}
+    try:
+        assert (await fleet.chat("w", session)).status == 200
+        first = fleet.attempts[-1][0]
+        assert (await fleet.chat("w", session)).status == 200
+        assert fleet.attempts[-1][0] == first  # the session's endpoint, while it has room
+        fleet.endpoint(first).inflight = 1
+        assert (await fleet.chat("w", session)).status == 200
+        assert fleet.attempts[-1][0] in {"e0", "e1"} - {first}
+    finally:
+        fleet.close()
+
+
+async def test_ready_is_503_until_some_models_endpoint_is_ready() -> None:
+    fleet = Recording()
+    try:
+        for ep_id in ("e0", "e1", "e2"):
+            fleet.endpoint(ep_id).ready = False
+        status, answer = await fleet.get("/ready", {})
+        assert (status, answer["ready"]) == (503, False)
+        fleet.endpoint("e2").ready = True
+        status, answer = await fleet.get("/ready", {})
+        assert (status, answer["ready"]) == (200, True)
+        assert answer["ready_endpoints"] == {"m": 0, "f": 1, "w": 0}
+    finally:
+        fleet.close()
+
+
+async def test_a_keys_request_is_its_keys_and_a_stream_keeps_the_usage_it_asked_for() -> None:
+    """The router asks a stream's engine for its usage to count its tokens, and drops that
+    chunk only when the client did not ask for it."""
+    fleet = Recording()
+    try:
+        kc = route_kit.auth_headers("kc", None)
+        assert (await fleet.chat("m", kc)).status == 200
+        assert fleet.router.metrics.key_requests.values == {("kc", "t1", "m", "200"): 1.0}
+        assert (await fleet.chat("m", kc, stream=True)).status == 200
+        usage = {"include_usage": True}
+        assert (await fleet.chat("m", kc, stream=True, stream_options=usage)).status == 200
+        assert fleet.drops_usage == [False, True, False]
+        assert [body.get("stream_options") for _, _, body in fleet.sent] == [None, usage, usage]
+    finally:
+        fleet.close()
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(10_000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(what)
+
+
+async def test_a_request_waiting_for_room_goes_as_soon_as_an_attempt_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The end of an attempt lets out the request waiting for its room: it does not wait
+    for the queue's regular look for room (made an hour apart here)."""
+    monkeypatch.setattr(queueing, "PUMP_S", 3600.0)
+    fleet = Recording()
+    d = fleet.router.dispatcher
+    del d._attempt
+    go = asyncio.Event()
+
+    async def exchange(at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:
+        await go.wait()
+        return web.Response(status=200, body=b"{}", content_type="application/json")
+
+    d._exchange = exchange  # type: ignore[method-assign]
+    one = msgspec.structs.replace(route_kit.MODELS[1], queue=Queueing(max_inflight_per_endpoint=1))
+    fleet.router.catalog.put(one)  # `f`: one endpoint, e2, one request at a time
+    try:
+        first = asyncio.create_task(fleet.chat("f"))
+        await _until(lambda: fleet.endpoint("e2").inflight == 1, "the first never went")
+        second = asyncio.create_task(fleet.chat("f"))
+        await _until(lambda: d.queues.waiting.get("f") == 1, "the second never waited")
+        go.set()
+        assert (await first).status == 200
+        async with asyncio.timeout(10):
+            assert (await second).status == 200
+    finally:
+        fleet.close()
+
+
+async def test_a_prompt_sent_again_goes_where_its_prefix_went() -> None:
+    """A model ranked by weights: the endpoint that answered a prompt is remembered as
+    holding its prefix, and the same prompt goes there again."""
+    fleet = Recording()
+    text = " ".join(f"part {i} of a long shared system prompt" for i in range(200))
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": "q"}]
+    try:
+        for _ in range(10):
+            assert (await fleet.chat("w", messages=messages)).status == 200
+        assert len({ep for ep, _ in fleet.attempts}) == 1
+        assert fleet.attempts[0][0] in {"e0", "e1"}
+    finally:
+        fleet.close()
+
+
+# ---------------------------------------------------------------- keys in force
+
+
+def _write_keys(path: Path, *entries: tuple[str, str, int]) -> None:
+    """A keys file of (name, secret, requests per second) entries."""
+    keys = [
+        {"name": name, "sha256": auth.digest(secret), "models": ["*"], "requests_per_s": rps}
+        for name, secret, rps in entries
+    ]
+    path.write_bytes(msgspec.json.encode({"keys": keys}))
+
+
+def _log_key(name: str, secret: str) -> KeyState:
+    return KeyState(settings=KeySettings(name=name, models=("*",)), sha256=auth.digest(secret))
+
+
+def _names(router: Router) -> set[str]:
+    return {p.name for p in router.keys.by_digest.values()}
+
+
+def test_a_reload_keeps_unchanged_keys_buckets_and_the_logs_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    stays, changes, goes, comes, logged = (auth.new_key() for _ in range(5))
+    _write_keys(path, ("stays", stays, 1), ("changes", changes, 1), ("goes", goes, 1))
+    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))))
+    try:
+        router.set_log_keys({"logged": _log_key("logged", logged)})
+        assert _names(router) == {"stays", "changes", "goes", "logged"}
+        was_logged = router.keys.lookup(f"Bearer {logged}")
+        router.set_log_keys({"logged": _log_key("logged", logged)})
+        assert router.keys.lookup(f"Bearer {logged}") is was_logged  # its buckets stay
+        before = router.keys.lookup(f"Bearer {stays}")
+        old_changes = router.keys.lookup(f"Bearer {changes}")
+        _write_keys(path, ("stays", stays, 1), ("changes", changes, 5), ("comes", comes, 1))
+        router.reload_keys()
+        assert _names(router) == {"stays", "changes", "comes", "logged"}
+        # A key as it was keeps its principal, so its spent requests stay spent.
+        assert router.keys.lookup(f"Bearer {stays}") is before
+        changed = router.keys.lookup(f"Bearer {changes}")
+        assert changed is not None
+        assert changed is not old_changes
+        assert changed.settings.requests_per_s == 5
+        assert router.keys.lookup(f"Bearer {goes}") is None
+        assert router.keys.lookup(f"Bearer {logged}") is was_logged
+        # The log's keys changing afterwards merges them with the file as it is now.
+        router.set_log_keys({"logged": _log_key("logged", logged)})
+        assert _names(router) == {"stays", "changes", "comes", "logged"}
+        assert router.keys.lookup(f"Bearer {goes}") is None
+        # A broken file keeps every key in force.
+        path.write_text("keys: [{name: broken}]\n")
+        router.reload_keys()
+        assert _names(router) == {"stays", "changes", "comes", "logged"}
+        assert router.keys.lookup(f"Bearer {stays}") is before
+    finally:
+        router.pool.close()
+        router.deadlines.close()
+
+
+def test_log_keys_past_the_shared_limits_room_leave_the_keys_in_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers share keys' limits in a file of fixed room: log keys with limits past it are
+    not applied, and every key in force stays so (none is dropped, none added)."""
+    import multiprocessing
+
+    monkeypatch.setattr(auth, "SLOTS", 2)
+    shared_path = tmp_path / "limits"
+    auth.SharedLimits.create(shared_path)
+    limits = auth.SharedLimits(shared_path, multiprocessing.get_context("spawn").Lock())
+    path = tmp_path / "keys.json"
+    filed, first, second, third = (auth.new_key() for _ in range(4))
+    _write_keys(path, ("filed", filed, 1))
+    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))), limits=limits)
+
+    def limited(name: str, secret: str) -> KeyState:
+        settings = KeySettings(name=name, models=("*",), requests_per_s=1)
+        return KeyState(settings=settings, sha256=auth.digest(secret))
+
+    try:
+        router.set_log_keys({"first": limited("first", first)})
+        assert _names(router) == {"filed", "first"}
+        in_force = router.keys
+        router.set_log_keys({"second": limited("second", second), "third": limited("third", third)})
+        assert router.keys is in_force
+        assert _names(router) == {"filed", "first"}
+        assert router.keys.lookup(f"Bearer {second}") is None
+    finally:
+        router.pool.close()
+        router.deadlines.close()
+        limits.close()
