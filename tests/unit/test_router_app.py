@@ -196,6 +196,24 @@ async def test_a_key_given_only_an_alias_sees_that_alias_and_not_the_models_name
         fleet.close()
 
 
+async def test_a_web_page_reads_no_model_of_an_anonymous_router() -> None:
+    """A page of another origin sends no key: an anonymous router refuses it each of its
+    model answers, and /ready names it no model; a client that is no page is served."""
+    fleet = Recording()
+    page = {"Origin": "https://evil.example"}
+    try:
+        for path in ("/v1/models", "/v1/models/m", "/v1/models/ma"):
+            status, answer = await fleet.get(path, page)
+            assert status == 403, path
+            assert "data" not in answer
+            assert "root" not in answer
+            assert (await fleet.get(path, {}))[0] == 200, path
+        _, ready = await fleet.get("/ready", page)
+        assert ready["ready_endpoints"] == {}
+    finally:
+        fleet.close()
+
+
 # ---------------------------------------------------------------- the body an engine gets
 
 
