@@ -415,6 +415,31 @@ async def test_a_prompt_sent_again_goes_where_its_prefix_went() -> None:
         fleet.close()
 
 
+async def test_a_session_in_use_is_the_last_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router remembers the latest SESSIONS_KEPT sessions: one that keeps coming back
+    to its endpoint stays remembered while older, idle ones are forgotten."""
+    monkeypatch.setattr(dispatch, "SESSIONS_KEPT", 3)
+    fleet = Recording()
+    sessions = fleet.router.dispatcher.sessions
+    try:
+
+        async def turn(session: str) -> None:
+            assert (await fleet.chat("w", {route_kit.SESSION: session})).status == 200
+
+        await turn("hot")
+        for n in range(6):
+            await turn(f"idle-{n}")
+            # Newer than every idle session but the one just begun: still remembered.
+            assert [key for key in sessions if "hot" in key], n
+            assert len(sessions) == min(n + 2, 3)
+            await turn("hot")  # the same endpoint again: its conversation goes on
+        assert {ep for ep, _ in fleet.attempts[::2]} == {fleet.attempts[0][0]}
+        assert not any("idle-3" in key for key in sessions)
+        assert [key for key in sessions if "idle-5" in key]
+    finally:
+        fleet.close()
+
+
 # ---------------------------------------------------------------- keys in force
 
 
@@ -501,6 +526,9 @@ def test_log_keys_past_the_shared_limits_room_leave_the_keys_in_force(
         assert router.keys is in_force
         assert _names(router) == {"filed", "first"}
         assert router.keys.lookup(f"Bearer {second}") is None
+        # Nor does a reload of the file bring them in later.
+        router.reload_keys()
+        assert _names(router) == {"filed", "first"}
     finally:
         router.pool.close()
         router.deadlines.close()
