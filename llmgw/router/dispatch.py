@@ -291,8 +291,11 @@ class Dispatcher:
         return refusal_response(refusal, state.rid, state.kind)
 
     def _remember_session(self, key: str, ep_id: str) -> None:
+        """The latest SESSIONS_KEPT sessions, the least recently served forgotten first: a
+        session that goes on at its endpoint is as recent as its last request."""
         s = self.sessions
         if s.get(key) == ep_id:
+            s.move_to_end(key)
             return
         s[key] = ep_id
         s.move_to_end(key)

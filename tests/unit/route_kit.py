@@ -36,6 +36,7 @@ from llmgw.router.config import (
     RouterConfig,
     TenancyConfig,
 )
+from llmgw.router.errors import Retry
 from llmgw.router.relay import ClientStream
 
 MONOTONIC = 5_000.0
@@ -189,6 +190,55 @@ class Fleet:
         update = KvUpdate(endpoint=ep_id, model="m", block_size=16, instance="i", seq=seq,
                           full=held is None, stored=keys, roots=keys[:1], ts=WALL)  # fmt: skip
         assert index.apply(update, NODES[ep_id], WALL) is None
+
+
+CHAT = "/v1/chat/completions"
+
+
+class Recording(Fleet):
+    """A fleet of `m` and `w` on e0 and e1 and of `f` on e2, all ready (e3 never is), whose
+    attempts also record the request id and the body each one sends; attempts on a model in
+    `failing` fail as an engine's 503 would. `anonymous`: keyless requests are served."""
+
+    def __init__(self, failing: tuple[str, ...] = (), anonymous: bool = True) -> None:
+        cfg = config("shared", {"e0": ("m", "w"), "e1": ("m", "w"), "e2": ("f",)})
+        if not anonymous:
+            cfg = msgspec.structs.replace(cfg, auth=AuthConfig(keys_file=KEYS_FILE))
+        super().__init__(cfg)
+        for ep_id in ("e0", "e1", "e2"):
+            self.endpoint(ep_id).ready = True
+        self.failing = failing
+        self.sent: list[tuple[str, str, dict[str, Any]]] = []
+        self.drops_usage: list[bool] = []
+        self.router.dispatcher._attempt = self._recorded  # type: ignore[method-assign]
+
+    async def _recorded(self, at: Attempt, body: bytes, state: ClientStream) -> web.StreamResponse:
+        self.sent.append((at.profile.name, state.rid, msgspec.json.decode(body)))
+        self.drops_usage.append(state.drop_usage)
+        if at.profile.name in self.failing:
+            raise Retry("status_503", 503, "engine answered 503")
+        return await self._attempt(at, body, state)
+
+    async def get(self, path: str, headers: dict[str, str]) -> tuple[int, Any]:
+        resp = await self.front.request_handler(_request(path, b"", headers, "GET"))
+        assert isinstance(resp, web.Response)
+        assert isinstance(resp.body, bytes)
+        return resp.status, msgspec.json.decode(resp.body)
+
+    async def chat(
+        self, model: str, headers: dict[str, str] | None = None, **fields: Any
+    ) -> web.StreamResponse:
+        body = msgspec.json.encode(
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            | fields
+        )
+        hs = {"Content-Type": "application/json", **(headers or {})}
+        resp: web.StreamResponse = await self.front.request_handler(_request(CHAT, body, hs))
+        return resp
+
+    def close(self) -> None:
+        self.router.pool.close()
+        self.router.deadlines.close()
 
 
 def auth_headers(key: str | None, session: str | None) -> dict[str, str]:
