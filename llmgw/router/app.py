@@ -254,8 +254,12 @@ class Router:
                 old = self.file_keys.by_digest.get(digest)
                 if old is not None and old.settings == principal.settings:
                     keys.by_digest[digest] = old
-        self.file_keys = keys
-        self.keys = auth.merged(keys, self._log_keys, time.monotonic(), self.limits, self.keys)
+        try:
+            in_force = auth.merged(keys, self._log_keys, time.monotonic(), self.limits, self.keys)
+        except ConfigError as exc:  # no room left in the workers' shared limits
+            log.error("keys_reload_failed", error=str(exc), kept=len(self.keys.by_digest))
+            return
+        self.file_keys, self.keys = keys, in_force
         log.info("keys_reloaded", keys=len(keys.by_digest))
 
     # ------------------------------------------------------------------ handlers

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from llmgw.config import ConfigError
 from llmgw.core.state import KeyState
 from llmgw.core.tenancy import KeySettings
 from llmgw.router import auth
@@ -304,3 +305,33 @@ def test_log_keys_past_the_shared_limits_room_leave_the_keys_in_force(
         router.pool.close()
         router.deadlines.close()
         limits.close()
+
+
+def test_a_reload_whose_merge_finds_no_room_keeps_every_key_in_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGHUP handler that raised would leave the file's new keys half applied (read,
+    but not in force): a merge that fails keeps the keys as they were, file and log."""
+    path = tmp_path / "keys.json"
+    kept, comes, logged = (auth.new_key() for _ in range(3))
+    _write_keys(path, ("kept", kept, 1))
+    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))))
+    try:
+        router.set_log_keys({"logged": _log_key("logged", logged)})
+        in_force, filed = router.keys, router.file_keys
+        _write_keys(path, ("comes", comes, 1))
+
+        def no_room(*_: object, **__: object) -> auth.Keys:
+            raise ConfigError(f"more than {auth.SLOTS} keys with limits: the router holds no more")
+
+        monkeypatch.setattr(auth, "merged", no_room)
+        router.reload_keys()
+        assert router.keys is in_force
+        assert router.file_keys is filed
+        assert _names(router) == {"kept", "logged"}
+        monkeypatch.undo()
+        router.reload_keys()  # with room again, the file as it is now
+        assert _names(router) == {"comes", "logged"}
+    finally:
+        router.pool.close()
+        router.deadlines.close()
