@@ -69,7 +69,7 @@ def test_the_replaced_file_is_the_owners_alone_even_over_a_leftover_open_copy(
 def test_a_rename_onto_a_folder_raises_and_leaves_no_copy(tmp_path: Path) -> None:
     path = tmp_path / "taken"
     (path / "inside").mkdir(parents=True)
-    with pytest.raises(OSError):
+    with pytest.raises(IsADirectoryError):
         durable.replace(path, b"data")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 

@@ -9,7 +9,6 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -39,7 +40,7 @@ def test_a_fingerprint_holds_the_command_line_as_run(sleeper: subprocess.Popen[b
     assert found.boot_id == processes.boot_id() != ""
     assert processes.mismatch(found) == ""
     # ticks after boot: the sleeper started moments ago (field 22 of stat, not another)
-    uptime = float(open("/proc/uptime").read().split()[0])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
     started = found.start_time / os.sysconf("SC_CLK_TCK")
     assert uptime - 120 < started <= uptime + 1
 
@@ -84,7 +85,10 @@ def test_a_groups_members_are_those_in_it_alive_not_its_children_elsewhere(
     sleeper: subprocess.Popen[bytes],
 ) -> None:
     # A child of the engine in the engine's group, and one that left for its own session.
-    script = "import subprocess, time; subprocess.Popen(['sleep', '302'], start_new_session=True); time.sleep(300)"
+    script = (
+        "import subprocess, time; "
+        "subprocess.Popen(['sleep', '302'], start_new_session=True); time.sleep(300)"
+    )
     engine = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     try:
         _until(lambda: len(_children(engine.pid)) == 1, "the engine started its child")
