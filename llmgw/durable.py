@@ -23,6 +23,7 @@ def replace(path: Path, data: bytes) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), 0o600)  # a leftover temporary file keeps its old mode
             out.write(data)
             out.flush()
             os.fsync(out.fileno())

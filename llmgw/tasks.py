@@ -56,14 +56,16 @@ async def retrying(
     wait = 1.0
     while not stopped():
         began = time.monotonic()
+        failure = ""
         try:
             await attempt()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.warning(f"{what}_failed", error=str(exc) or type(exc).__name__,
-                           retry_in_s=wait)  # fmt: skip
+            failure = str(exc) or type(exc).__name__
         wait = 1.0 if time.monotonic() - began > 60.0 else wait
+        if failure:  # said after the reset: the wait it names is the one that follows
+            logger.warning(f"{what}_failed", error=failure, retry_in_s=wait)
         if wake is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), wait)

@@ -4,6 +4,7 @@ concurrent streams, each holding a client's connection and its engine's."""
 
 from __future__ import annotations
 
+import json
 import resource
 import subprocess
 import sys
@@ -43,6 +44,28 @@ def test_the_soft_limit_is_raised_to_the_hard_one_within_what_is_wanted(
         check=True,
     )
     assert out.stdout.split() == [str(soft), str(after)], out.stderr
+
+
+@pytest.mark.parametrize("hard", [4096, openfiles.LOW])
+def test_a_service_whose_hard_limit_is_low_says_so_once(hard: int) -> None:
+    if hard > resource.getrlimit(resource.RLIMIT_NOFILE)[1]:
+        pytest.skip("this hard limit is above the tests' own")
+    code = "from llmgw import logs, openfiles; logs.setup('info', json=True); openfiles.at_start()"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=lambda: _limited(256, hard),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    said = [json.loads(line) for line in out.stderr.splitlines()]
+    if hard < openfiles.LOW:
+        assert [(d["event"], d["limit"], d["before"]) for d in said] == [
+            ("open_files_low", hard, 256)
+        ]
+    else:
+        assert said == []
 
 
 def test_a_router_started_with_a_low_soft_limit_raises_its_own(tmp_path: Path) -> None:

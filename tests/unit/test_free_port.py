@@ -6,7 +6,9 @@ machine found its port taken by one, between the check and its bind)."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,3 +47,15 @@ def test_free_ports_are_free_distinct_and_not_ephemeral() -> None:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("text", ["60999 32768", "0 60999", "32768 70000", "32768", "a b"])
+def test_an_ephemeral_range_that_makes_no_sense_is_taken_as_linuxs_default(
+    text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ip_local_port_range"
+    path.write_text(text + "\n")
+    monkeypatch.setattr(natsd, "_EPHEMERAL_RANGE", path)
+    assert natsd.ephemeral_range() == (32768, 60999)
+    path.write_text("40000\t50000\n")
+    assert natsd.ephemeral_range() == (40000, 50000)

@@ -161,6 +161,54 @@ def test_json_logs_escape_every_character_but_printable_ascii() -> None:
     assert f"ValueError: {text}" in records[3]["exception"]
 
 
+def test_a_text_holding_one_kind_of_quote_is_wrapped_in_the_other_as_it_is() -> None:
+    render = logs.EscapingConsoleRenderer(colors=False)
+    line = render(None, "info", {"event": "e", "a": "it's here"})
+    assert line.endswith(""" a="it's here\"""")
+    line = render(None, "info", {"event": "e", "a": 'say "hi"'})
+    assert line.endswith(""" a='say "hi"'""")
+
+
+class _RawRepr:
+    """A value whose repr is a node's text as it came (a library's object, say)."""
+
+    def __repr__(self) -> str:
+        return "".join(HOSTILE)
+
+
+def test_a_value_of_any_type_is_written_escaped() -> None:
+    line = logs.EscapingConsoleRenderer(colors=False)(
+        None, "warning", {"event": "e", "level": "warning", "peer": _RawRepr()}
+    )
+    assert not [c for c in "\x1b\x07\x9b\u202e\u200b\n" if c in line]
+    assert "peer=\\x1b]0;pwned" in line
+
+
+def test_a_requests_trace_is_on_its_lines_and_an_empty_span_left_out() -> None:
+    assert logs._trace_of_request(None, "info", {"event": "e"}) == {"event": "e"}
+    token = logs.TRACE.set(("a" * 32, ""))
+    try:
+        assert logs._trace_of_request(None, "info", {"event": "e"}) == {
+            "event": "e",
+            "trace_id": "a" * 32,
+        }
+        logs.TRACE.set(("a" * 32, "b" * 16))
+        assert logs._trace_of_request(None, "info", {})["span_id"] == "b" * 16
+    finally:
+        logs.TRACE.reset(token)
+
+
+def test_an_unknown_level_logs_as_info() -> None:
+    code = (
+        "from llmgw import logs; logs.setup('loud', json=True); log = logs.get('llmgw.x'); "
+        "log.debug('hidden'); log.info('shown')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert [json.loads(line)["event"] for line in out.stderr.splitlines()] == ["shown"]
+
+
 # --------------------------------------------------------------------------- event names
 
 EVENT_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")

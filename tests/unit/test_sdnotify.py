@@ -40,3 +40,29 @@ def test_without_a_usable_socket_nothing_is_sent_and_nothing_raised(
 def test_outside_systemd_nothing_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert sdnotify.ready() is False
+
+
+def test_a_relative_path_is_refused_even_where_a_socket_answers_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sd_notify(3) takes an absolute path or an @name: a relative one would resolve against
+    whatever folder the service runs in, and tell whoever listens there."""
+    monkeypatch.chdir(tmp_path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("notify")
+        sock.setblocking(False)
+        monkeypatch.setenv("NOTIFY_SOCKET", "notify")
+        assert sdnotify.ready() is False
+        with pytest.raises(BlockingIOError):
+            sock.recv(64)
+
+
+def test_a_listener_that_is_gone_is_no_error_and_no_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))  # the socket file stays, nobody reads it
+    assert path.exists()
+    assert sdnotify.ready() is False
