@@ -8,6 +8,7 @@ heartbeats; a router replays. Only the test administrator publishes raw garbage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -78,6 +79,37 @@ async def wait_until(check: Callable[[], Awaitable[bool]], within_s: float, what
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {within_s} s")
         await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def following(
+    reader: bus.Reader, *, entered: bool = True
+) -> AsyncIterator[tuple[list[bus.Record], asyncio.Task[None]]]:
+    """`reader` followed in a task (opened and closed by it when `entered`, else already
+    started by the test), each record kept in the list; the task cancelled at the end."""
+    got: list[bus.Record] = []
+
+    async def consume() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            if entered:
+                await stack.enter_async_context(reader)
+            async for record in reader:
+                got.append(record)
+
+    task = asyncio.create_task(consume())
+    try:
+        yield got, task
+    finally:
+        task.cancel()
+
+
+async def until_kept(got: list[bus.Record], count: int, what: str) -> None:
+    """Wait (15 s at most) until a follower has kept `count` records."""
+
+    async def kept() -> bool:
+        return len(got) == count
+
+    await wait_until(kept, 15.0, what)
 
 
 # --------------------------------------------------------------------------- provisioning
@@ -306,15 +338,7 @@ async def test_a_following_reader_gets_live_events_and_garbage_does_not_stop_it(
     await publisher.publish(shard_report(0, "node-a"))
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, heartbeat_s=0.5)
-    got: list[bus.Record] = []
-
-    async def consume() -> None:
-        async with reader:
-            async for record in reader:
-                got.append(record)
-
-    task = asyncio.create_task(consume())
-    try:
+    async with following(reader) as (got, task):
         await asyncio.wait_for(reader.caught_up.wait(), 5)
         admin = await connect.admin()
         await admin.jetstream().publish("llmgw.events.node.node-a.shard", b"garbage")
@@ -328,8 +352,6 @@ async def test_a_following_reader_gets_live_events_and_garbage_does_not_stop_it(
         assert [r.event for r in got] == [shard_report(i, "node-a") for i in range(4)]
         assert reader.undecodable == 1
         assert not task.done()
-    finally:
-        task.cancel()
 
 
 async def test_a_following_reader_survives_a_server_restart(
@@ -338,15 +360,7 @@ async def test_a_following_reader_survives_a_server_restart(
     node = await bus_connect("node", "node-a")
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, heartbeat_s=0.5)
-    got: list[bus.Record] = []
-
-    async def consume() -> None:
-        async with reader:
-            async for record in reader:
-                got.append(record)
-
-    task = asyncio.create_task(consume())
-    try:
+    async with following(reader) as (got, _task):
         await bus.Publisher(node.jetstream()).publish(shard_report(0, "node-a"))
         await asyncio.wait_for(reader.caught_up.wait(), 5)
         nats_server.stop()
@@ -354,15 +368,9 @@ async def test_a_following_reader_survives_a_server_restart(
         publisher = bus.Publisher(node.jetstream(), timeout_s=1.0, attempts=10)
         for i in range(1, 4):
             await publisher.publish(shard_report(i, "node-a"))
-
-        async def all_arrived() -> bool:
-            return len(got) == 4
-
-        await wait_until(all_arrived, 15.0, "events after the restart")
+        await until_kept(got, 4, "events after the restart")
         assert [r.event for r in got] == [shard_report(i, "node-a") for i in range(4)]
         assert reader.resets >= 1
-    finally:
-        task.cancel()
 
 
 async def test_a_reader_with_one_filter_reads_only_those_subjects(
@@ -805,26 +813,12 @@ async def test_a_reader_resuming_at_the_end_of_the_log_is_caught_up_before_its_r
     )
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, after_seq=published[-1].seq, heartbeat_s=0.5, expires_s=120.0)
-    got: list[bus.Record] = []
-
-    async def consume() -> None:
-        async with reader:
-            async for record in reader:
-                got.append(record)
-
-    task = asyncio.create_task(consume())
-    try:
+    async with following(reader) as (got, _task):
         await asyncio.wait_for(reader.caught_up.wait(), 30)
         assert got == []
         later = await bus.Publisher(node.jetstream()).publish(shard_report(3, "node-a"))
-
-        async def arrived() -> bool:
-            return len(got) == 1
-
-        await wait_until(arrived, 15.0, "the event published after catching up")
+        await until_kept(got, 1, "the event published after catching up")
         assert [r.seq for r in got] == [later.seq]
-    finally:
-        task.cancel()
 
 
 async def test_an_idle_following_reader_keeps_its_consumer(
@@ -837,27 +831,13 @@ async def test_an_idle_following_reader_keeps_its_consumer(
     await publisher.publish(shard_report(0, "node-a"))
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, heartbeat_s=1.0)
-    got: list[bus.Record] = []
-
-    async def consume() -> None:
-        async with reader:
-            async for record in reader:
-                got.append(record)
-
-    task = asyncio.create_task(consume())
-    try:
+    async with following(reader) as (got, _task):
         await asyncio.wait_for(reader.caught_up.wait(), 30)
         await asyncio.sleep(6.0)  # quiet for six heartbeats
         assert reader.resets == 0
         await publisher.publish(shard_report(1, "node-a"))
-
-        async def arrived() -> bool:
-            return len(got) == 2
-
-        await wait_until(arrived, 15.0, "the event after the quiet spell")
+        await until_kept(got, 2, "the event after the quiet spell")
         assert reader.resets == 0
-    finally:
-        task.cancel()
 
 
 async def test_a_following_reader_whose_connection_closes_says_so_instead_of_retrying(
@@ -868,19 +848,11 @@ async def test_a_following_reader_whose_connection_closes_says_so_instead_of_ret
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, heartbeat_s=0.3)
 
-    async def consume() -> None:
-        async with reader:
-            async for _ in reader:
-                pass
-
-    task = asyncio.create_task(consume())
-    try:
+    async with following(reader) as (_, task):
         await asyncio.wait_for(reader.caught_up.wait(), 30)
         await router.close()
         with pytest.raises(bus.ReaderError, match="connection is closed"):
             await asyncio.wait_for(task, 60)
-    finally:
-        task.cancel()
 
 
 async def test_a_closed_reader_leaves_no_consumer_on_the_stream(
@@ -962,15 +934,8 @@ async def test_closing_a_reader_ends_the_iteration_waiting_on_it_at_once(
     next event (or heartbeat, here 30 s away) ends now."""
     router = await bus_connect("router", "router-1")
     reader = bus.Reader(router, heartbeat_s=30.0)
-    got: list[bus.Record] = []
-
-    async def consume() -> None:
-        async for record in reader:
-            got.append(record)
-
     await reader.start()
-    task = asyncio.create_task(consume())
-    try:
+    async with following(reader, entered=False) as (got, task):
 
         async def waiting() -> bool:
             return reader._request_open
@@ -979,8 +944,6 @@ async def test_closing_a_reader_ends_the_iteration_waiting_on_it_at_once(
         await reader.close()
         await asyncio.wait_for(task, 10)
         assert got == []
-    finally:
-        task.cancel()
 
 
 async def test_a_reader_closed_while_the_server_is_down_stops_starting_over(
@@ -991,13 +954,8 @@ async def test_a_reader_closed_while_the_server_is_down_stops_starting_over(
     router = await bus_connect("router", "router-1", max_reconnect_attempts=-1)
     reader = bus.Reader(router, heartbeat_s=0.3)
 
-    async def consume() -> None:
-        async for _ in reader:
-            pass
-
     await reader.start()
-    task = asyncio.create_task(consume())
-    try:
+    async with following(reader, entered=False) as (_, task):
         await asyncio.wait_for(reader.caught_up.wait(), 30)
         await asyncio.to_thread(nats_server.stop)
 
@@ -1008,8 +966,6 @@ async def test_a_reader_closed_while_the_server_is_down_stops_starting_over(
         await reader.close()
         await asyncio.wait_for(task, 30)
         assert not nats_server.running
-    finally:
-        task.cancel()
 
 
 async def test_an_empty_message_in_the_log_does_not_stall_readers_of_another_account(
@@ -1033,23 +989,9 @@ async def test_an_empty_message_in_the_log_does_not_stall_readers_of_another_acc
 
     # Following: the event after an empty one arrives as the empty one does.
     follower = bus.Reader(router, after_seq=last.seq, heartbeat_s=10.0)
-    got: list[bus.Record] = []
-
-    async def consume() -> None:
-        async with follower:
-            async for record in follower:
-                got.append(record)
-
-    task = asyncio.create_task(consume())
-    try:
+    async with following(follower) as (got, _task):
         await asyncio.wait_for(follower.caught_up.wait(), 15)
         await node.jetstream().publish("llmgw.events.node.node-a.shard", b"")
         later = await publisher.publish(shard_report(2, "node-a"))
-
-        async def arrived() -> bool:
-            return len(got) == 1
-
-        await wait_until(arrived, 15.0, "the event after an empty message")
+        await until_kept(got, 1, "the event after an empty message")
         assert [r.seq for r in got] == [later.seq]
-    finally:
-        task.cancel()
