@@ -582,6 +582,17 @@ async def test_snapshots_load_the_newest_and_the_newest_at_or_before(
 # --------------------------------------------------------------------------- as a node, and errors
 
 
+def node_a_commands(node: bus.BusClient, after: int) -> bus.Reader:
+    """node-a's commands after `after`, through the one consumer name a node may hold."""
+    return bus.Reader(
+        node,
+        after_seq=after,
+        subjects_filter=[subjects.command("node-a")],
+        consumer_name="cmd-node-a",
+        follow=False,
+    )
+
+
 async def test_a_node_reads_its_own_commands_through_its_named_consumer(
     provisioned: bus.BusClient, bus_connect: BusConnect
 ) -> None:
@@ -593,19 +604,10 @@ async def test_a_node_reads_its_own_commands_through_its_named_consumer(
     acks = [await leader.publish(stop) for stop in stops]
     node = await bus_connect("node", "node-a")
 
-    def commands(after: int) -> bus.Reader:
-        return bus.Reader(
-            node,
-            after_seq=after,
-            subjects_filter=[subjects.command("node-a")],
-            consumer_name="cmd-node-a",
-            follow=False,
-        )
-
-    records = await read_all(commands(0))
+    records = await read_all(node_a_commands(node, 0))
     assert [(r.seq, r.event) for r in records] == [(acks[0].seq, stops[0]), (acks[2].seq, stops[2])]
     # An agent restarting resumes after the last command it applied: same consumer name.
-    again = await read_all(commands(acks[0].seq))
+    again = await read_all(node_a_commands(node, acks[0].seq))
     assert [r.seq for r in again] == [acks[2].seq]
     await node.flush()
     assert list(node.permission_violations) == []
@@ -884,17 +886,8 @@ async def test_a_node_restarted_after_a_crash_replaces_the_consumer_it_left(
     acks = [await leader.publish(stop) for stop in stops]
     node = await bus_connect("node", "node-a")
 
-    def commands(after: int) -> bus.Reader:
-        return bus.Reader(
-            node,
-            after_seq=after,
-            subjects_filter=[subjects.command("node-a")],
-            consumer_name="cmd-node-a",
-            follow=False,
-        )
-
-    await commands(0).start()  # never closed: the process died
-    again = await read_all(commands(acks[1].seq))
+    await node_a_commands(node, 0).start()  # never closed: the process died
+    again = await read_all(node_a_commands(node, acks[1].seq))
     assert [(r.seq, r.event) for r in again] == [(acks[2].seq, stops[2])]
 
 
