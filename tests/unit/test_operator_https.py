@@ -4,10 +4,20 @@ common name says which person asked, for the log's record of what the console di
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import ssl
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from llmgw import operator_https
+import aiohttp
+import pytest
+import structlog
+from aiohttp import web
+
+from llmgw import http_server, listeners, operator_https
+from tests.harness import TestPki
 
 
 def certificate(common: str, unit: str) -> dict[str, Any]:
@@ -27,3 +37,61 @@ def test_the_person_who_asked_is_the_certificates_common_name() -> None:
     request: Any = SimpleNamespace(transport=transport)
     assert operator_https.peer_name(request) == "alice"
     assert operator_https.peer_name(SimpleNamespace(transport=None)) == ""  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def operator_listener(pki: TestPki) -> AsyncIterator[str]:
+    """A real HTTPS listener as the control plane's admin API serves one: the fleet's
+    server certificate, client certificates from the fleet's CA required, operators only.
+    Yields its base URL."""
+
+    async def who(request: web.Request) -> web.Response:
+        return web.json_response({"name": operator_https.peer_name(request)})
+
+    app = web.Application(middlewares=[operator_https.operators_only])
+    app.router.add_route("*", "/who", who)
+    rules = http_server.Rules(30.0, structlog.get_logger("test"))
+    runner = http_server.app_runner(app, rules=rules, access_log=None)
+    await runner.setup()
+    sock = listeners.bind("127.0.0.1", 0, setting="port")
+    certs = pki.certs
+    tls = operator_https.server_tls(
+        str(certs.server_cert), str(certs.server_key), str(certs.ca_cert)
+    )
+    try:
+        await http_server.start_site(runner, sock, rules=rules, ssl_context=tls)
+        yield listeners.url("https", sock)
+    finally:
+        await runner.cleanup()
+        sock.close()
+
+
+async def test_an_operator_listener_serves_operators_of_the_fleets_ca_only(pki: TestPki) -> None:
+    async with operator_listener(pki) as base, aiohttp.ClientSession() as http:
+
+        async def ask(tls: ssl.SSLContext) -> tuple[int, Any]:
+            async with http.get(f"{base}/who", ssl=tls) as resp:
+                return resp.status, await resp.json()
+
+        assert await ask(pki.client_tls("operator", "alice")) == (200, {"name": "alice"})
+        for kind, name in (("node", "node-a"), ("router", "r1"), ("control", "control-test")):
+            status, body = await ask(pki.client_tls(kind, name))
+            assert status == 403, (kind, status, body)
+            assert "OU=operator" in body["error"]
+        # A compressed body is refused before whose certificate it is matters, as on every
+        # listener: the 415 is the outermost check.
+        node = pki.client_tls("node", "node-a")
+        squeezed = gzip.compress(b"{}")
+        headers = {"Content-Encoding": "gzip"}
+        async with http.post(f"{base}/who", data=squeezed, headers=headers, ssl=node) as resp:
+            assert resp.status == 415
+        # No certificate, an operator's from another CA, an operator's that expired: the
+        # handshake fails, so no request is ever read.
+        refused = (
+            pki.anonymous_tls(),
+            pki.foreign_tls("operator", "mallory"),
+            pki.expired_tls("operator", "old"),
+        )
+        for tls in refused:
+            with pytest.raises(aiohttp.ClientError):
+                await ask(tls)
