@@ -41,6 +41,9 @@ async def test_the_installed_aiohttp_gets_the_handler() -> None:
         assert isinstance(app_srv, http_server.Server)
         assert app_srv.handler_cancellation  # aiohttp's arguments reach the server
         assert isinstance(app_srv(), http_server.Handler)
+        # Bodies are never inflated, not even the rest of a refused one that aiohttp drains.
+        for made in (srv, app_srv):
+            assert made._kwargs["auto_decompress"] is False
     finally:
         await runner.cleanup()
 
@@ -71,7 +74,7 @@ Served = tuple[int, list[bytes]]
 
 @contextlib.asynccontextmanager
 async def _serving(
-    kind: str, supported: bool, monkeypatch: pytest.MonkeyPatch
+    kind: str, supported: bool, monkeypatch: pytest.MonkeyPatch, rules: http_server.Rules = RULES
 ) -> AsyncIterator[Served]:
     """A listener on 127.0.0.1, a low-level server's or an Application's, with llmgw's
     handler (`supported`) or aiohttp's own, whose handler answers 200 with what it read."""
@@ -84,16 +87,16 @@ async def _serving(
 
     if kind == "server":
         runner: web.BaseRunner = web.ServerRunner(
-            http_server.server(echo, rules=RULES, client_max_size=1 << 20)
+            http_server.server(echo, rules=rules, client_max_size=1 << 20)
         )
     else:
         app = web.Application()
         app.router.add_route("*", "/", echo)
-        runner = http_server.app_runner(app, rules=RULES)
+        runner = http_server.app_runner(app, rules=rules)
     await runner.setup()
     sock = listeners.bind("127.0.0.1", 0, setting="port")
     try:
-        await http_server.start_site(runner, sock, rules=RULES)
+        await http_server.start_site(runner, sock, rules=rules)
         yield sock.getsockname()[1], read
     finally:
         await runner.cleanup()
@@ -124,6 +127,8 @@ LISTENERS = pytest.mark.parametrize(
         ([], False),
         (["identity"], False),
         ([" Identity "], False),
+        ([""], False),
+        (["identity,"], False),
         (["gzip"], True),
         (["GZIP"], True),
         (["br"], True),
@@ -159,3 +164,81 @@ async def test_a_content_coding_without_a_body_is_served(
         status, _ = await _ask(port, "GET", ["Content-Encoding: gzip"], b"")
     assert status == 200
     assert read == [b""]
+
+
+@pytest.mark.parametrize(
+    "head",
+    [b"GET / HTTP/1.1\r\nOrigin: https://a.example\rX-Injected: 1\r\nHost: h",
+     b"GET / HTTP/1.1\r\nOrigin: https://a.example\r\rSet-Cookie: s=1\r\nHost: h"],
+)  # fmt: skip
+def test_an_origin_holding_a_bare_cr_is_no_origin(head: bytes) -> None:
+    # A late head's 408 repeats headers chosen by its Origin: a CR inside the value must
+    # never reach them, where it would end a header line the client wrote.
+    assert http_server.sent_origin(head) is None
+    fine = head.replace(b"\rX-Injected: 1", b"").replace(b"\r\rSet-Cookie: s=1", b"")
+    assert http_server.sent_origin(fine) == "https://a.example"
+
+
+@pytest.mark.parametrize("kind", ["server", "app"])
+async def test_a_body_that_arrives_slower_than_the_head_deadline_is_served(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head deadline is the head's: once a head is whole, the body's pieces that follow
+    while its handler reads them are no head, however long they take."""
+    rules = http_server.Rules(0.3, logs.get("llmgw.test"))
+    body = b'{"a": 1, "b": 2}'
+    async with _serving(kind, True, monkeypatch, rules) as (port, read):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = f"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: {len(body)}\r\n"
+        writer.write(f"{head}Connection: close\r\n\r\n".encode() + body[:4])
+        await writer.drain()
+        for piece in (body[4:8], body[8:]):
+            await asyncio.sleep(3 * rules.head_timeout_s)  # past the deadline, on purpose
+            writer.write(piece)
+            await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 60)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert read == [body]
+
+
+@pytest.mark.parametrize("kind", ["server", "app"])
+async def test_a_late_heads_408_is_followed_by_the_end_of_the_stream_at_once(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a 408 the listener still reads (and drops) what comes for a while before it
+    closes, but ends its side of the stream at once: the client sees the whole answer and
+    its end, not a wait for the close."""
+    monkeypatch.setattr(http_server, "_LINGER_S", 120.0)
+    rules = http_server.Rules(0.3, logs.get("llmgw.test"))
+    async with _serving(kind, True, monkeypatch, rules) as (port, read):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: h\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 60)
+        writer.write(b"X-Late: 1\r\n")  # read and dropped, no reset
+        await writer.drain()
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert read == []
+
+
+@pytest.mark.parametrize("kind", ["server", "app"])
+async def test_a_malformed_request_is_answered_400_and_its_connection_closed(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing after a request the parser gave up on is read as another request: the 400
+    closes the connection."""
+    async with _serving(kind, True, monkeypatch) as (port, read):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        bad = b"GET / HTTP/1.1\r\nHost: h\r\nX-Key: sk-secret\x01value\r\n\r\n"
+        writer.write(bad + b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 60)
+        writer.close()
+    head = answer.partition(b"\r\n\r\n")[0]
+    assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")), answer[:300]
+    assert b"sk-secret" not in answer
+    assert answer.count(b"HTTP/1.") == 1
+    assert read == []
