@@ -3,7 +3,10 @@ plane warns when its plain-HTTP admin API, the whole fleet's state, listens else
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import socket
 
 import pytest
 from hypothesis import given
@@ -185,3 +188,54 @@ def test_a_router_refused_its_admin_port_holds_no_api_port_meanwhile(workers: in
         assert "stop that process" in str(refused.value)
         with listeners.bind("127.0.0.1", free, setting="listen.port") as again:
             assert again.getsockname()[1] == free
+
+
+@pytest.mark.parametrize(
+    ("value", "name"),
+    [("Example.COM:8080", "example.com"), ("[::1]:80", "[::1]"), ("localhost.", "localhost."),
+     ("ex\u00e4mple.com", None), ("example.com:\uff18\uff10", None), ("example.com:\u0668", None),
+     ("user@example.com", None), ("example.com/x", None), ("example.com:", None)],
+)  # fmt: skip
+def test_a_host_header_names_an_ascii_host_and_digit_port_or_nothing(
+    value: str, name: str | None
+) -> None:
+    # Bytes past ASCII reach a header as latin-1 text: neither a name nor a port's digits
+    # may hold them (a browser sends punycode), nor user info.
+    assert listeners.host_header_name(value) == name
+
+
+@pytest.mark.parametrize("value", ["localhost.", "localhost.:9190", "LOCALHOST.:80"])
+def test_the_fully_qualified_localhost_names_loopback(value: str) -> None:
+    assert listeners.loopback_host_header(value)
+
+
+def test_an_ipv6_host_is_bound_as_ipv6_and_its_url_bracketed() -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    with listeners.bind("::1", 0, setting="admin.port") as sock:
+        assert sock.family == socket.AF_INET6
+        port = sock.getsockname()[1]
+        assert listeners.url("https", sock) == f"https://[::1]:{port}"
+    with listeners.bind("127.0.0.1", 0, setting="admin.port") as four:
+        assert listeners.url("http", four) == f"http://127.0.0.1:{four.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("code", [errno.EADDRINUSE, errno.EACCES])
+def test_a_taken_or_privileged_port_says_to_pick_another_port(code: int) -> None:
+    exc = OSError(code, os.strerror(code))
+    said = str(listeners.bind_error(exc, "127.0.0.1", 80, "admin.port"))
+    assert "set admin.port to a free port" in said
+    assert "admin.host" not in said
+
+
+@pytest.mark.parametrize(
+    ("url", "target"),
+    [("http://0.0.0.0:9100", "node-a:9100"), ("http://[::]:9100", "node-a:9100"),
+     ("http://10.0.0.5:9100", "10.0.0.5:9100"), ("http://[fd00::5]:9100", "[fd00::5]:9100"),
+     ("", "")],
+)  # fmt: skip
+def test_a_wildcard_listener_is_scraped_at_the_machines_name(url: str, target: str) -> None:
+    assert listeners.scrape_target(url, "node-a") == target
