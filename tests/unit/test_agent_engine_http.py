@@ -43,12 +43,27 @@ async def _metrics(_: web.Request) -> web.Response:
     return web.Response(body=_padded("vllm:num_requests_waiting 3\nvllm:num_requests_running 2"))
 
 
+CHUNKED = b"x" * 100_000
+"""What /chunked sends, in chunks, without a Content-Length."""
+
+
+async def _chunked(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse()
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    for start in range(0, len(CHUNKED), 10_000):
+        await resp.write(CHUNKED[start : start + 10_000])
+    await resp.write_eof()
+    return resp
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[TestServer]:
     app = web.Application()
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/chunked", _chunked)
     async with TestServer(app, host="127.0.0.1") as server:
         yield server
 
@@ -86,6 +101,21 @@ async def test_bounded_body_reads_what_fits(engine: TestServer) -> None:
             assert await probe.bounded_body(resp, HUGE + 100) is not None
         async with http.get(engine.make_url("/metrics")) as resp:
             assert await probe.bounded_body(resp, HUGE) is None
+
+
+async def test_bounded_body_takes_a_body_of_exactly_the_bound(engine: TestServer) -> None:
+    """The bound is the most read, whether the engine says the length or not."""
+    page = await _metrics(None)  # type: ignore[arg-type]
+    assert isinstance(page.body, bytes)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(engine.make_url("/metrics")) as resp:
+            assert resp.content_length == len(page.body)
+            assert await probe.bounded_body(resp, len(page.body)) == page.body
+        async with http.get(engine.make_url("/chunked")) as resp:
+            assert resp.content_length is None
+            assert await probe.bounded_body(resp, len(CHUNKED)) == CHUNKED
+        async with http.get(engine.make_url("/chunked")) as resp:
+            assert await probe.bounded_body(resp, len(CHUNKED) - 1) is None
 
 
 async def test_the_routers_prober_reads_a_bounded_page_too(engine: TestServer) -> None:
