@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import structlog
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from llmgw import http_server, listeners, logs
 from llmgw.router import protocol
@@ -177,6 +177,24 @@ def test_an_origin_holding_a_bare_cr_is_no_origin(head: bytes) -> None:
     assert http_server.sent_origin(head) is None
     fine = head.replace(b"\rX-Injected: 1", b"").replace(b"\r\rSet-Cookie: s=1", b"")
     assert http_server.sent_origin(fine) == "https://a.example"
+    tabbed = b"GET / HTTP/1.1\r\nOrigin:\t https://a.example \t\r\nHost: h"
+    assert http_server.sent_origin(tabbed) == "https://a.example"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [http_exceptions.BadStatusLine("GET sk-secret"), http_exceptions.InvalidURLError("sk-secret"),
+     http_exceptions.BadHttpMessage("sk-secret"), http_exceptions.BadHttpMethod("sk-secret"),
+     http_exceptions.InvalidHeader(b"sk-secret")],
+)  # fmt: skip
+def test_a_parser_message_without_its_fixed_reason_is_never_repeated(
+    exc: http_exceptions.BadHttpMessage,
+) -> None:
+    # Only a reason the parser writes before the bytes it quotes is said; a message that is
+    # all quote (a request line, a URL) is not, however short.
+    said, kind = http_server.bad_http_message(exc)
+    assert "sk-secret" not in said
+    assert kind in ("not_http", "invalid_header")
 
 
 @pytest.mark.parametrize("kind", ["server", "app"])
@@ -219,8 +237,10 @@ async def test_a_late_heads_408_is_followed_by_the_end_of_the_stream_at_once(
         writer.write(b"X-Late: 1\r\n")  # read and dropped, no reset
         await writer.drain()
         writer.close()
-    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
-    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b"\r\nconnection: close" in head.lower()
+    assert json.loads(body)["error"]
     assert read == []
 
 
