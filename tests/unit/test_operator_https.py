@@ -4,8 +4,10 @@ common name says which person asked, for the log's record of what the console di
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -40,7 +42,7 @@ def test_the_person_who_asked_is_the_certificates_common_name() -> None:
 
 
 @contextlib.asynccontextmanager
-async def operator_listener(pki: TestPki) -> AsyncIterator[str]:
+async def operator_listener(pki: TestPki, head_timeout_s: float = 30.0) -> AsyncIterator[str]:
     """A real HTTPS listener as the control plane's admin API serves one: the fleet's
     server certificate, client certificates from the fleet's CA required, operators only.
     Yields its base URL."""
@@ -50,7 +52,7 @@ async def operator_listener(pki: TestPki) -> AsyncIterator[str]:
 
     app = web.Application(middlewares=[operator_https.operators_only])
     app.router.add_route("*", "/who", who)
-    rules = http_server.Rules(30.0, structlog.get_logger("test"))
+    rules = http_server.Rules(head_timeout_s, structlog.get_logger("test"))
     runner = http_server.app_runner(app, rules=rules, access_log=None)
     await runner.setup()
     sock = listeners.bind("127.0.0.1", 0, setting="port")
@@ -95,3 +97,24 @@ async def test_an_operator_listener_serves_operators_of_the_fleets_ca_only(pki: 
         for tls in refused:
             with pytest.raises(aiohttp.ClientError):
                 await ask(tls)
+
+
+async def test_a_slow_handshake_counts_against_the_first_heads_deadline(pki: TestPki) -> None:
+    """The first head is due a head timeout after the accept, the TLS handshake included:
+    a client that connects, waits most of it before its handshake, then sends nothing is
+    closed at the deadline from its connect, not a whole timeout after its handshake."""
+    timeout_s, delay_s = 4.0, 2.5
+    alice = pki.client_tls("operator", "alice")
+    async with operator_listener(pki, timeout_s) as base:
+        host, port = base.removeprefix("https://").rsplit(":", 1)
+        loop = asyncio.get_running_loop()
+        sock = socket.create_connection((host, int(port)))
+        sock.setblocking(False)
+        start = loop.time()
+        await asyncio.sleep(delay_s)  # the handshake starts this late, on purpose
+        reader, writer = await asyncio.open_connection(sock=sock, ssl=alice, server_hostname=host)
+        answer = await asyncio.wait_for(reader.read(), 60)
+        took = loop.time() - start
+        writer.close()
+    assert answer == b""
+    assert timeout_s - 0.2 <= took < delay_s + timeout_s - 1.0, took
