@@ -8,12 +8,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import structlog
 
 from llmgw import bus
-from llmgw.bus.memory import MemoryLog, MemorySnapshots
+from llmgw.bus.memory import MemoryLog, MemoryReader, MemorySnapshots
 from llmgw.core import events
 from llmgw.core.tenancy import KeySettings
 from llmgw.router import feed as feed_mod
@@ -161,3 +162,31 @@ def test_one_batch_tells_the_keys_of_a_key_event_anywhere_in_it_and_only_then() 
     ghost = events.ModelChanged(id="c1", ts=3.0, operator="alice", profile=profile("g"))
     feed.apply([bus.Record(seq=4, subject="s", time=3.0, event=ghost)])
     assert (feed.applied, feed.rejected) == (3, 1)
+
+
+class EndingLog(MemoryLog):
+    """A log whose readers stop at its end instead of following it."""
+
+    def reader(self, **kw: Any) -> MemoryReader:
+        kw["follow"] = False
+        return super().reader(**kw)
+
+
+async def test_a_reader_that_ends_by_itself_is_reported_not_reopened_unseen() -> None:
+    sim = serving_sim()
+    log = EndingLog()
+    await copy(sim, log)
+    feed = feed_on(log)
+    with structlog.testing.capture_logs() as logged:
+        feed.start()
+        try:
+            task = feed._task
+            assert task is not None
+            await asyncio.wait_for(asyncio.shield(task), DEADLINE_S)
+        finally:
+            await feed.close()
+    (ended,) = [e for e in logged if e["event"] == "feed_ended"]
+    assert ended["error"] == "the log's reader ended"
+    assert ended["seq"] == sim.state.last_seq
+    assert retries(logged) == []
+    assert routable(feed, "m") == set(sim.state.endpoints), "the tables are kept"
