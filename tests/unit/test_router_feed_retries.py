@@ -15,7 +15,7 @@ import structlog
 
 from llmgw import bus
 from llmgw.bus.memory import MemoryLog, MemoryReader, MemorySnapshots
-from llmgw.core import events
+from llmgw.core import events, subjects
 from llmgw.core.tenancy import KeySettings
 from llmgw.router import feed as feed_mod
 from llmgw.router.config import LogSource
@@ -190,3 +190,38 @@ async def test_a_reader_that_ends_by_itself_is_reported_not_reopened_unseen() ->
     assert ended["seq"] == sim.state.last_seq
     assert retries(logged) == []
     assert routable(feed, "m") == set(sim.state.endpoints), "the tables are kept"
+
+
+class FailingReader(MemoryReader):
+    """A reader that fails before it has caught up: the server went away at once."""
+
+    async def start(self) -> None:
+        pass
+
+    async def batches(self) -> AsyncIterator[list[bus.Record]]:
+        raise bus.ReaderError("the connection is closed")
+        yield []  # never reached: an async generator
+
+
+class FailingLog(MemoryLog):
+    def reader(self, **kw: Any) -> MemoryReader:
+        return FailingReader(self, after_seq=kw.get("after_seq", 0),
+                             subjects_filter=subjects.STREAM_SUBJECTS, follow=True)  # fmt: skip
+
+
+async def test_a_reader_failing_before_it_caught_up_leaves_no_task_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(feed_mod, "RETRY_FIRST_S", 0.001)
+    monkeypatch.setattr(feed_mod, "RETRY_MAX_S", 0.001)
+    before = len(asyncio.all_tasks())
+    feed = feed_on(FailingLog())
+    with structlog.testing.capture_logs() as logged:
+        feed.start()
+        try:
+            await until(lambda: len(retries(logged)) >= 10, "ten retries")
+            assert not feed.ready.is_set()
+            # The feed's task, and at most its current try's wait for readiness.
+            assert len(asyncio.all_tasks()) <= before + 2, "a task left behind by each try"
+        finally:
+            await feed.close()
