@@ -73,3 +73,16 @@ def test_a_refusal_after_the_clock_went_back_is_logged_at_once() -> None:
         feed.apply([_record(999, subjects.kv_updates("evil", "y"), "y")], now=5000.0 - 3600)
     refused = [e for e in logged if e["event"] == "kv_update_refused"]
     assert [e["seq"] for e in refused] == [cap, 999]
+
+
+def test_one_sweep_logs_one_line_per_node_counting_all_it_dropped_of_that_node() -> None:
+    feed = KvFeed(SOURCE, KvIndex(), listed=lambda _e, _n: False)
+    for node, endpoint, blocks in (("n2", "b", 3), ("n1", "z", 1), ("n1", "a", 2), ("n2", "c", 1)):
+        update = upd(endpoint, 1, full=True, stored=list(range(blocks)))
+        feed.index.apply(update, node, 0.0)
+    with structlog.testing.capture_logs() as logged:
+        feed.sweep(kvindex.UNLISTED_GRACE_S + 1)
+    lines = [e for e in logged if e["event"] == "kv_unlisted_dropped"]
+    got = [(e["node"], e["endpoints"], e["blocks"], e["first"]) for e in lines]
+    assert got == [("n1", 2, 3, ["a", "z"]), ("n2", 2, 4, ["b", "c"])]
+    assert not feed.index.endpoints

@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,3 +115,52 @@ def test_a_command_within_the_epoch_seen_reads_no_lease(tmp_path: Path) -> None:
     assert admits(bound, quiet, ledger.Ledger(), command(6))
     assert admits(bound, quiet, ledger.Ledger(), command(2))
     assert quiet.reads == 0
+
+
+class Slept:
+    """asyncio.sleep, recording each wait asked for and not waiting it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.waits: list[float] = []
+        self._sleep = asyncio.sleep
+        monkeypatch.setattr(asyncio, "sleep", self)
+
+    async def __call__(self, delay: float) -> None:
+        self.waits.append(delay)
+        await self._sleep(0)
+
+
+class UnreadableLease(Lease):
+    """A lease whose first `failures` reads raise, as a server that is away."""
+
+    def __init__(self, failures: int, epoch: int) -> None:
+        super().__init__(epoch)
+        self.failures = failures
+
+    async def holder(self) -> Holder | None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("no responders")
+        return await super().holder()
+
+
+def test_rereads_of_a_lagging_lease_wait_longer_each_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lease_bound, "LEASE_REREAD_S", 0.25)
+    slept = Slept(monkeypatch)
+    assert admits(LeaseBound("n1", tmp_path), Lease(3, 3, 4), ledger.Ledger(), command(4))
+    assert slept.waits == [0.25, 0.5]
+
+
+def test_an_unreadable_lease_is_read_again_backing_off_as_each_retry_line_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slept = Slept(monkeypatch)
+    bound, lease = LeaseBound("n1", tmp_path), UnreadableLease(8, 5)
+    with structlog.testing.capture_logs() as logged:
+        assert admits(bound, lease, ledger.Ledger(), command(5))
+    said = [e["retry_in_s"] for e in logged if e["event"] == "lease_unreadable"]
+    assert said == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0, 5.0]
+    assert slept.waits == said
+    assert bound.epoch == 5
