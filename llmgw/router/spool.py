@@ -319,11 +319,13 @@ class OwedSpool:
                     self._written = NOTHING
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            for _, lock in self._taken:
-                os.close(lock)
-            self._taken = []
-            os.close(self._lock)
+        # Under the writes' lock: a write in a thread may be giving the taken files' locks
+        # back, and a descriptor closed twice may by then be another file's.
+        with self._writing:
+            taken, self._taken = self._taken, []
+            for fd in (*(lock for _, lock in taken), self._lock):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 async def keeping(
