@@ -9,12 +9,12 @@ the order a client fixes them in: a key, then a model it may use, then its rate.
 from __future__ import annotations
 
 import datetime
-
-from multidict import MultiMapping
+from collections.abc import Mapping
 
 from llmgw.core import quota, tenancy
 from llmgw.core.profile import ModelProfile
 from llmgw.router import auth
+from llmgw.router import headers as headers_
 from llmgw.router.errors import Refusal
 from llmgw.router.table import Catalog
 
@@ -33,14 +33,14 @@ BAD_KEY = Refusal(
 )
 
 
-def credential(headers: MultiMapping[str]) -> str | Refusal | None:
+def credential(headers: Mapping[str, str]) -> str | Refusal | None:
     """The `Authorization` value a request's key comes in: that header's, else its
     `x-api-key` as a bearer token, the header Anthropic's API takes and its clients send.
 
     Either header given twice is refused: which copy counts would be a choice a proxy in
     front may make the other way (checking one key, the router charging another)."""
     for name in _KEY_HEADERS:
-        if len(headers.getall(name, ())) > 1:
+        if len(headers_.values(headers, name)) > 1:
             return Refusal(
                 400,
                 f"the request carries {name} more than once: send the API key once",

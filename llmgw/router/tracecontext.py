@@ -17,9 +17,9 @@ own attempt span as the engine's parent instead (llmgw.router.tracing). Pure.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
 
 from llmgw.core.tracing import parse_traceparent
+from llmgw.router import headers as headers_
 
 MAX_TRACESTATE = 512
 MAX_TRACEPARENT = 512
@@ -30,27 +30,17 @@ def valid_traceparent(value: str) -> bool:
     return parse_traceparent(value) is not None
 
 
-def _values(headers: Mapping[str, str], name: str) -> list[str]:
-    """Every value of header `name` (a request's headers are a multidict; a plain mapping
-    holds one)."""
-    getall = getattr(headers, "getall", None)
-    if getall is not None:
-        return cast(list[str], getall(name, []))
-    value = headers.get(name)
-    return [] if value is None else [value]
-
-
 def traceparent(headers: Mapping[str, str]) -> str | None:
     """The client's `traceparent`: None without one, or with more than one."""
     value = headers.get("traceparent")
-    if value is not None and len(_values(headers, "traceparent")) > 1:
+    if value is not None and len(headers_.values(headers, "traceparent")) > 1:
         return None
     return value
 
 
 def tracestate(headers: Mapping[str, str]) -> str:
     """The client's `tracestate`, when one may be passed on ("" when not)."""
-    state = ",".join(v for v in _values(headers, "tracestate") if v)
+    state = ",".join(v for v in headers_.values(headers, "tracestate") if v)
     if state and _printable(state, MAX_TRACESTATE):
         return state
     return ""
