@@ -57,7 +57,7 @@ from llmgw.bus.provisioning import (
     provision,
 )
 from llmgw.bus.publisher import Fence, FenceRefused, Published, Publisher, PublishError
-from llmgw.bus.reader import Reader, ReaderError, Record, Skipped
+from llmgw.bus.reader import Reader, ReaderError, Record, Skipped, SkipSink
 from llmgw.bus.signals import SignalsPublisher, SignalsReader
 from llmgw.bus.snapshots import Snapshot, SnapshotStore
 from llmgw.bus.tlsrefusal import Refusal, TlsRefused, refusal
@@ -90,6 +90,7 @@ __all__ = [
     "Refusal",
     "SignalsPublisher",
     "SignalsReader",
+    "SkipSink",
     "Skipped",
     "Snapshot",
     "SnapshotPort",

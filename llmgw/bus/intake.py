@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.msg import Msg
@@ -47,6 +48,13 @@ class Skipped(msgspec.Struct, frozen=True):
     subject: str
     time: float
     error: str
+    size: int = 0
+    """Bytes of the message's payload and headers: what it cost the log, read or not
+    (a node's share of the log counts it: llmgw.control.quota)."""
+
+
+SkipSink = Callable[[Skipped], None]
+"""Told of every message a reader passes over, in order, as it passes it over."""
 
 
 class Intake:
@@ -60,8 +68,11 @@ class Intake:
         max_skipped_kept: int,
         attestations: attestation.Attestations | None,
         attester: attestation.Sink | None,
+        on_skip: SkipSink | None = None,
     ) -> None:
         self.verifier = verifier
+        # `skipped` keeps only the latest; a sink hears of each, however many in a row.
+        self._on_skip = on_skip
         # Messages a leader's attestation covers are checked by digest, not signature
         # (llmgw.core.attestation); an attester (the control plane's) is told what passed.
         self._attested = attestations if attestations is not None and len(attestations) else None
@@ -133,7 +144,7 @@ class Intake:
         name, heartbeat, prefix = known
         found = message_headers(headers)
         if found is None:
-            self._refuse(seq, name, when, "signature headers appear twice")
+            self._refuse(seq, name, when, "signature headers appear twice", data, headers)
         else:
             msg_id, sig, cert, ttl = found
             # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
@@ -149,7 +160,7 @@ class Intake:
             elif verdict == attestation.NOT_COVERED:
                 verdict = self._signature_refusal(seq, name, data, msg_id, sig, cert, when)
             if verdict is not None:
-                self._refuse(seq, name, when, verdict)
+                self._refuse(seq, name, when, verdict, data, headers)
             else:
                 if self._attester is not None and not heartbeat:
                     self._attester.accepted(seq, digest)
@@ -174,7 +185,7 @@ class Intake:
         try:
             event = events.decode(data)
         except Exception as exc:  # DecodeError; anything else is a decoder bug, same treatment
-            self._skip(seq, name, when, str(exc) or type(exc).__name__)
+            self._skip(seq, name, when, str(exc) or type(exc).__name__, size=size)
             return
         if not events.published_where_owned(event, name):
             self._skip(
@@ -183,6 +194,7 @@ class Intake:
                 when,
                 f"{events.tag_of(type(event))} event refused: it does not belong on {name} "
                 "(only its owner's subject is trusted; see events.published_where_owned)",
+                size=size,
             )
             return
         # Only a TTL, or a heartbeat without one, can be refused (llmgw.core.retention).
@@ -190,7 +202,7 @@ class Intake:
             problem := self._ttl_problem(name, ttl)
         ) is not None:
             self.ttl_refused.append(seq)
-            self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused")
+            self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused", size=size)
             return
         self._buf.append(Record(seq, name, when, event, size))
 
@@ -203,9 +215,18 @@ class Intake:
             self._subjects[subject] = known
         return known
 
-    def _refuse(self, seq: int, name: str, when: float, why: str) -> None:
+    def _refuse(
+        self, seq: int, name: str, when: float, why: str, data: bytes, headers: bytes
+    ) -> None:
         self.refused += 1
-        self._skip(seq, name, when, f"signature refused: {why}", "bus.signature_refused")
+        self._skip(
+            seq,
+            name,
+            when,
+            f"signature refused: {why}",
+            "bus.signature_refused",
+            size=len(data) + len(headers),
+        )
         if self._attester is not None:
             self._attester.refused(seq)
 
@@ -242,11 +263,24 @@ class Intake:
         return verdict
 
     def _skip(
-        self, seq: int, name: str, when: float, error: str, what: str = "bus.undecodable"
+        self,
+        seq: int,
+        name: str,
+        when: float,
+        error: str,
+        what: str = "bus.undecodable",
+        *,
+        size: int = 0,
     ) -> None:
         self.undecodable += 1
-        self.skipped.append(Skipped(seq=seq, subject=name, time=when, error=error))
+        item = Skipped(seq=seq, subject=name, time=when, error=error, size=size)
+        self.skipped.append(item)
         log.warning(what, seq=seq, subject=name, error=error)
+        if self._on_skip is not None:
+            try:
+                self._on_skip(item)
+            except Exception as exc:  # the sink's bug: logged, never the read loop's end
+                log.error("reader_skip_sink_failed", seq=seq, error=repr(exc))
 
     def _on_status(self, code: bytes, headers: bytes) -> None:
         if code == b"100":

@@ -18,7 +18,7 @@ from llmgw.bus.deletion import Deleted, delete_messages
 from llmgw.bus.lease import Lease
 from llmgw.bus.ports import EventLog, LeasePort, SnapshotPort
 from llmgw.bus.publisher import Fence, Published, Publisher
-from llmgw.bus.reader import Reader
+from llmgw.bus.reader import Reader, SkipSink
 from llmgw.bus.snapshots import SnapshotStore
 from llmgw.core import attestation, events, subjects
 
@@ -61,6 +61,7 @@ class JetStreamLog:
         name: str = "reader",
         attestations: attestation.Attestations | None = None,
         attester: attestation.Sink | None = None,
+        on_skip: SkipSink | None = None,
     ) -> Reader:
         return Reader(
             self.nc,
@@ -70,6 +71,7 @@ class JetStreamLog:
             name=name,
             attestations=attestations,
             attester=attester,
+            on_skip=on_skip,
         )
 
     async def last_seq(self, subject_filter: str) -> int:

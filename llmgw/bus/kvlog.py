@@ -93,11 +93,15 @@ class KvReader(Reader):
         try:
             update = kvblocks.decode_update(data)
         except ValueError as exc:
-            self._skip(seq, name, when, str(exc))
+            self._skip(seq, name, when, str(exc), size=size)
             return
         if owner is None or owner[1] != update.endpoint:
             self._skip(
-                seq, name, when, f"a KV update of {update.endpoint!r} does not belong on {name}"
+                seq,
+                name,
+                when,
+                f"a KV update of {update.endpoint!r} does not belong on {name}",
+                size=size,
             )
             return
         # Records of this stream carry a KvUpdate where the log's carry an event.

@@ -33,7 +33,7 @@ from llmgw.bus.deletion import Deleted
 from llmgw.bus.lease import Holder, LeaseLost
 from llmgw.bus.ports import EventLog, LeasePort, SnapshotPort
 from llmgw.bus.publisher import Fence, FenceRefused, Published, stored_ttl_s
-from llmgw.bus.reader import Record, Skipped
+from llmgw.bus.reader import Record, Skipped, SkipSink
 from llmgw.bus.snapshots import Snapshot, choose
 from llmgw.core import attestation, events, subjects
 
@@ -154,10 +154,15 @@ class MemoryLog:
         name: str = "reader",
         attestations: attestation.Attestations | None = None,
         attester: attestation.Sink | None = None,
+        on_skip: SkipSink | None = None,
     ) -> MemoryReader:
         del name, attestations, attester  # nothing here is signed, so nothing to attest
         return MemoryReader(
-            self, after_seq=after_seq, subjects_filter=subjects_filter, follow=follow
+            self,
+            after_seq=after_seq,
+            subjects_filter=subjects_filter,
+            follow=follow,
+            on_skip=on_skip,
         )
 
     async def last_seq(self, subject_filter: str) -> int:
@@ -189,10 +194,12 @@ class MemoryReader:
         after_seq: int,
         subjects_filter: Sequence[str],
         follow: bool,
+        on_skip: SkipSink | None = None,
     ) -> None:
         if after_seq < 0:
             raise ValueError(f"after_seq must be >= 0, got {after_seq}")
         self._log = log
+        self._on_skip = on_skip
         self._filters = list(subjects_filter)
         self.follow = follow
         self.last_seq = after_seq
@@ -231,7 +238,10 @@ class MemoryReader:
                 continue
             error = f"{events.tag_of(type(record.event))} event refused on {record.subject}"
             self.undecodable += 1
-            self.skipped.append(Skipped(record.seq, record.subject, record.time, error))
+            item = Skipped(record.seq, record.subject, record.time, error, record.size)
+            self.skipped.append(item)
+            if self._on_skip is not None:
+                self._on_skip(item)
         return out
 
     async def batches(self) -> AsyncIterator[list[Record]]:

@@ -30,7 +30,7 @@ from typing import Protocol
 from llmgw.bus.deletion import Deleted
 from llmgw.bus.lease import Holder
 from llmgw.bus.publisher import Fence, Published
-from llmgw.bus.reader import Record, Skipped
+from llmgw.bus.reader import Record, Skipped, SkipSink
 from llmgw.bus.snapshots import Snapshot
 from llmgw.core import attestation, events, subjects
 
@@ -90,8 +90,10 @@ class EventLog(Protocol):
         name: str = "reader",
         attestations: attestation.Attestations | None = None,
         attester: attestation.Sink | None = None,
+        on_skip: SkipSink | None = None,
     ) -> LogReader:
-        """A reader of the records after `after_seq` on `subjects_filter`."""
+        """A reader of the records after `after_seq` on `subjects_filter`; `on_skip` hears of
+        each message it passes over (undecodable, refused), as it does."""
         ...
 
     async def last_seq(self, subject_filter: str) -> int:

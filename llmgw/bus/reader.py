@@ -53,6 +53,7 @@ from llmgw.bus.connection import BusClient
 from llmgw.bus.intake import Intake
 from llmgw.bus.intake import Record as Record
 from llmgw.bus.intake import Skipped as Skipped
+from llmgw.bus.intake import SkipSink as SkipSink
 from llmgw.bus.keys import verifier_of
 from llmgw.core import attestation, subjects
 from llmgw.pki.signing import Verifier
@@ -102,6 +103,7 @@ class Reader(Intake):
         attestations: attestation.Attestations | None = None,
         attester: attestation.Sink | None = None,
         stream: str = subjects.STREAM,
+        on_skip: SkipSink | None = None,
     ) -> None:
         found = verifier if verifier is not None else verifier_of(nc)
         if found is None:
@@ -119,6 +121,7 @@ class Reader(Intake):
             max_skipped_kept=max_skipped_kept,
             attestations=attestations,
             attester=attester,
+            on_skip=on_skip,
         )
         self._nc = nc
         self._stream = stream

@@ -71,12 +71,12 @@ class SignalsReader(Reader):
         self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float
     ) -> None:
         if subjects.signals_owner(name) is None:
-            self._skip(seq, name, when, f"{name} is not a load-report subject")
+            self._skip(seq, name, when, f"{name} is not a load-report subject", size=size)
             return
         try:
             report = loadreport.received(loadreport.decode(data), when)
         except ValueError as exc:
-            self._skip(seq, name, when, str(exc))
+            self._skip(seq, name, when, str(exc), size=size)
             return
         # Records of this stream carry a LoadReport where the log's carry an event.
         self._buf.append(Record(seq, name, when, cast(Any, report), size))

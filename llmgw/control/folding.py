@@ -6,16 +6,18 @@ folds each batch the Reader yields, counts and logs every event the fold refuses
 sequence on `llmgw.events.control.>` - the value the leader's fenced writes
 expect, since the server counts every message there. It also says whether a
 batch could change a decision, so the leader is not woken by routine heartbeats.
-It feeds each node's registered/shard messages, and the GPU health changes the leader
-recorded from its heartbeats, to the quota meter (llmgw.control.quota) and, for the
-leader, keeps the sequences its fold ignored for quarantined nodes, which the service
-deletes; those are counted, not logged one by one.
+It feeds every message a node wrote (read or passed over by the Reader), and the GPU
+health changes the leader recorded from its heartbeats, to the quota meter
+(llmgw.control.quota) and, for the leader, keeps the sequences of quarantined nodes'
+messages that no fold needs any more (their ignored events, their heartbeats once
+folded, what no reader accepts), which the service deletes; those are counted, not
+logged one by one.
 Used by llmgw.control.service; no I/O beyond logging.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from llmgw import bus, logs
 from llmgw.control.metrics import Metrics
@@ -25,12 +27,14 @@ from llmgw.core import events, state, subjects
 log = logs.get("llmgw.control")
 
 CONTROL_PREFIX = subjects.CONTROL_EVENTS_ALL[:-1]  # "llmgw.events.control."
-METERED = (*state.QUARANTINABLE, events.GpuHealthChanged)
-"""What counts against a node's share of the log: its registrations and shard reports, and
-the GPU health changes the leader records from its heartbeats. Heartbeats expire, but each
-one reporting a change (an ECC count going 1, 2, 3, ... or a flag that flips) made the
-leader write a durable event: unmetered, a node wrote the log through the leader as fast
-as it sent heartbeats."""
+METERED = (*state.QUARANTINABLE, events.Heartbeat, events.GpuHealthChanged)
+"""What counts against a node's share of the log: everything it wrote (its registrations,
+shard reports and heartbeats, and, through `note_skipped`, messages on its subjects that no
+reader accepts), and the GPU health changes the leader records from its heartbeats.
+Heartbeats expire, but within their TTL (up to an hour) a node sending them without pause
+fills the log as well as with anything else; and each one reporting a change (an ECC
+count going 1, 2, 3, ... or a flag that flips) made the leader write a durable event:
+unmetered, a node wrote the log through the leader as fast as it sent them."""
 
 
 class Folded:
@@ -43,8 +47,9 @@ class Folded:
         self.meter = meter
         """Counts each node's `METERED` messages (llmgw.control.quota)."""
         self.collect_ignored = False
-        """Keep the sequences of quarantined nodes' ignored events in `ignored` (the
-        leader deletes them)."""
+        """Keep in `ignored` the sequences of quarantined nodes' messages that no fold
+        needs: the events the fold ignored, their heartbeats once folded, and what no
+        reader accepts (the leader deletes them)."""
         self.ignored: list[int] = []
         self.ignored_total = 0
         self.metrics = metrics
@@ -94,6 +99,8 @@ class Folded:
                 control = rec.seq
             if reason is None:
                 applied += 1
+                if st.quarantined and type(event) is events.Heartbeat:
+                    self._heartbeat_folded(event.node, rec.seq)
                 continue
             rejected += 1
             if st.quarantined and state.ignored_by_quarantine(st, event):
@@ -146,27 +153,42 @@ class Folded:
         if r is not None and all(s.phase == "serving" for s in r.shards):
             self.metrics.placement_seconds.observe(max(0.0, float(event.ts) - r.placed_ts))
 
+    def _heartbeat_folded(self, node: str, seq: int) -> None:
+        """A quarantined node's heartbeat, folded: its liveness is taken, and what it cost
+        the log need not stay (heartbeats are volatile, in no digest; a node flooding
+        them would otherwise keep each for its TTL)."""
+        if self.collect_ignored and node in self.state.quarantined:
+            self.ignored.append(seq)
+
     @property
     def undecodable(self) -> int:
         """Messages the Reader could not decode (or refused by subject) so far."""
         return self._undecodable_seen
 
-    def note_skipped(self, undecodable: int, skipped: Iterable[bus.Skipped]) -> None:
-        """Messages the Reader could not decode (`undecodable` so far, the recent `skipped`).
+    def note_skipped(self, item: bus.Skipped) -> None:
+        """A message the Reader passed over (undecodable or refused), as it passes it over:
+        the Reader's sink (`bus.SkipSink`), so that a run of them however long is heard
+        of whole, even when no event comes between them.
 
-        Those on the control subjects still move the fence: a fence that ignored them
-        would refuse every write forever. One counts once a later event is folded, since
-        only then is everything before it folded.
+        One on a control subject still moves the fence: a fence that ignored it would
+        refuse every write forever. It counts once a later event is folded, since only
+        then is everything before it folded. One on a node's subject counts against that
+        node's share of the log (only the node may write there: the server enforces it),
+        and the leader deletes it while the node is quarantined, since no reader accepts it.
         """
-        new = undecodable - self._undecodable_seen
-        if new <= 0:
+        self._undecodable_seen += 1
+        self.metrics.undecodable.inc()
+        if item.subject.startswith(CONTROL_PREFIX):
+            self._skipped_control.append(item.seq)
+            self._settle_skipped()
             return
-        self._undecodable_seen = undecodable
-        self.metrics.undecodable.inc(new)
-        for item in list(skipped)[-new:]:
-            if item.subject.startswith(CONTROL_PREFIX):
-                self._skipped_control.append(item.seq)
-        self._settle_skipped()
+        node = subjects.writing_node(item.subject)
+        if node is None:
+            return
+        if self.meter is not None:
+            self.meter.observe(node, item.seq, item.time, item.size)
+        if self.collect_ignored and node in self.state.quarantined:
+            self.ignored.append(item.seq)
 
     def _settle_skipped(self) -> None:
         if not self._skipped_control:

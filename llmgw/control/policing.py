@@ -11,6 +11,7 @@ for their TTL (llmgw.core.retention).
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from llmgw import bus
@@ -73,22 +74,23 @@ class Policing(Instance):
         instance led (or before it restarted), which no list of this instance holds.
 
         A node quarantined since sequence Q and still quarantined at the folded sequence S
-        had every registered and shard message in (Q, S] ignored by every fold: those are
-        deleted. Best effort: a failure leaves them in the log, as before.
+        had every registered and shard message in (Q, S] ignored by every fold, its
+        heartbeats there folded already (they are volatile), and what no reader accepts
+        refused by all: every message it wrote in (Q, S] is deleted. Best effort: a
+        failure leaves them in the log, as before.
         """
         assert self._log is not None
         upto = self.state.last_seq
         targets = sorted((node, q.seq) for node, q in self.state.quarantined.items())
         found: list[int] = []
         for node, since in targets:
+            refused: list[int] = []  # what no reader accepts, however many
             reader = self._log.reader(
                 after_seq=since,
-                subjects_filter=[
-                    subjects.node_event(node, "registered"),
-                    subjects.node_event(node, "shard"),
-                ],
+                subjects_filter=[subjects.node_events(node)],
                 follow=False,
                 name=f"control-{self.name}-sweep",
+                on_skip=functools.partial(_keep_seq, refused),
             )
             try:
                 async with reader:
@@ -99,8 +101,7 @@ class Policing(Instance):
             except Exception as exc:  # best effort; the loop must not die of it
                 log.warning("quarantine_sweep_failed", node=node, error=repr(exc))
                 continue
-            # Undecodable messages there are refused by every reader as well.
-            found += [x.seq for x in reader.skipped if since < x.seq <= upto]
+            found += [seq for seq in refused if since < seq <= upto]
         if found and self.leading:
             log.info("quarantine_sweep", messages=len(found), upto_seq=upto)
             self.folded.ignored.extend(found)
@@ -157,6 +158,10 @@ class Policing(Instance):
                 log.warning("quarantine_delete_retry", count=len(result.failed), seq=seq, error=why)
                 ignored.extend(s for s, _ in result.failed)
                 await asyncio.sleep(1.0)
+
+
+def _keep_seq(into: list[int], item: bus.Skipped) -> None:
+    into.append(item.seq)
 
 
 def _deletion(result: bus.Deleted, seqs: list[int]) -> dict[str, Any]:

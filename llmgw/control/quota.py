@@ -1,12 +1,12 @@
 """A node's share of the log: measuring what each node writes, and when to quarantine it.
 
 JetStream has no per-publisher quota, so a node (or a stolen node certificate) may
-publish valid events on its own subjects as fast as the server accepts them. The
-control plane measures instead: every instance counts, over the records it folds,
-the messages and bytes each node wrote on its non-heartbeat subjects
-(`llmgw.events.node.<node>.registered|shard`; heartbeats expire), and the GPU health
-changes the leader recorded from its heartbeats (llmgw.control.folding.METERED), in a
-sliding window of server time. The leader turns a node over its budget into a recorded
+publish on its own subjects as fast as the server accepts them. The control plane
+measures instead: every instance counts the messages and bytes each node wrote on its
+subjects (`llmgw.events.node.<node>.>`: registrations, shard reports, heartbeats, and
+what no reader accepts, undecodable or refused), and the GPU health changes the leader
+recorded from its heartbeats (llmgw.control.folding.METERED), in a sliding window of
+server time. The leader turns a node over its budget into a recorded
 `NodeQuarantined`, and a quarantined node whose traffic stayed under the budget for
 a whole window into `NodeReleased` (llmgw.control.service); the fold
 (llmgw.core.state) does the rest, the same way for every reader.
@@ -29,13 +29,15 @@ BUCKETS = 60
 
 
 class NodeQuota(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Each node's budget of log traffic on its non-heartbeat subjects.
+    """Each node's budget of log traffic on its subjects, heartbeats included.
 
     The defaults are far above an honest agent's worst case: a node of 16 GPUs whose
     16 single-GPU replicas all crash-loop from the first restart (backoff 5 s doubling,
     so at most 7 failures each in 10 minutes) writes about 16 x 7 x 4 = 450 shard
-    reports, 30 MiB with every failure's 256 KiB engine log tail; a flapping link adds
-    one registration per reconnect.
+    reports, 30 MiB with every failure's 256 KiB engine log tail; its heartbeats add
+    window_s / heartbeat_s (120 at the agent's default 5 s, 600 at 1 s), about 2 KiB
+    each; a flapping link adds one registration per reconnect. An agent beating faster
+    than every 0.2 s needs a larger `max_messages`.
     """
 
     enabled: bool = True
@@ -140,8 +142,9 @@ class Meter:
     def reason(self, usage: Usage) -> str:
         q = self.quota
         return (
-            f"wrote {usage.messages} messages, {usage.bytes} bytes in {q.window_s:g} s of "
-            f"registrations, shard reports and GPU health changes; the budget is "
+            f"wrote {usage.messages} messages, {usage.bytes} bytes in {q.window_s:g} s "
+            f"(registrations, shard reports, heartbeats, messages no reader accepts, GPU "
+            f"health changes); the budget is "
             f"{q.max_messages} messages, "
             f"{q.max_bytes} bytes"
         )

@@ -45,6 +45,7 @@ from typing import Any
 from llmgw import tasks as tasks_
 from llmgw.bus.connection import close as close_connection
 from llmgw.bus.ports import EventLog
+from llmgw.bus.reader import Skipped
 from llmgw.control import ports as ports_
 from llmgw.control.deciding import Deciding
 from llmgw.control.instance import log
@@ -110,6 +111,7 @@ class ControlService(Deciding, Snapshotting):
             name=f"control-{self.name}",
             attestations=await log_.attestations(after_seq=self.state.last_seq),
             attester=self.attester,
+            on_skip=self._skipped,
         )
         await self._reader.start()
         if self._reader.caught_up.is_set():
@@ -160,7 +162,6 @@ class ControlService(Deciding, Snapshotting):
             interesting = folded.fold(batch, epoch=self.epoch)
             if reader.ttl_refused:
                 self._delete_expiring(reader)
-            folded.note_skipped(reader.undecodable, reader.skipped)
             if reader.caught_up.is_set():
                 self._mark_caught_up()
             if interesting or self._awaiting:
@@ -168,6 +169,13 @@ class ControlService(Deciding, Snapshotting):
             if folded.ignored:
                 self._delete_wake.set()
             self._maybe_snapshot()
+
+    def _skipped(self, item: Skipped) -> None:
+        """The reader passed over a message (told inline, as it reads): a run of them with
+        no event between them wakes the deletions, and the leader at its next tick."""
+        self.folded.note_skipped(item)
+        if self.folded.ignored:
+            self._delete_wake.set()
 
     async def _tick(self) -> None:
         while not self._stopping:

@@ -192,6 +192,20 @@ def signals_owner(subject: str) -> tuple[str, str] | None:
     return None
 
 
+_NODE_EVENTS_PREFIX = NODE_EVENTS_ALL[:-1]  # "llmgw.events.node."
+
+
+def writing_node(subject: str) -> str | None:
+    """The node that alone may write `subject` of the log, or None: `llmgw.events.node.<node>`
+    and any subject below it, as the node's permission reaches (`node_events`)."""
+    if not subject.startswith(_NODE_EVENTS_PREFIX):
+        return None
+    node, dot, rest = subject[len(_NODE_EVENTS_PREFIX) :].partition(".")
+    if not dot or not rest or not _TOKEN.fullmatch(node):
+        return None
+    return node
+
+
 def node_of(subject: str) -> str | None:
     """The node a node-event or command subject belongs to, or None for other subjects."""
     parts = subject.split(".")

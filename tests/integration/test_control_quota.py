@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import time
 
+import nats.js.errors
 import pytest
 
 from llmgw import bus
@@ -252,6 +253,37 @@ def digest_to(log: list[bus.Record], seq: int) -> str:
     return state.digest(state.fold_records([(r.seq, r.event) for r in log if r.seq <= seq])[0])
 
 
+async def junk(agent: SimAgent, count: int) -> list[int]:
+    """`count` messages no reader accepts (unsigned, undecodable) on the node's own
+    subjects, with pipelined acks: their sequences."""
+    assert agent._nc is not None
+    js = agent._nc.jetstream()
+    acks: list[int] = []
+    for start in range(0, count, 100):
+        futures = [
+            await js.publish_async(
+                subjects.node_event(agent.node, "shard" if i % 2 else "junk"),
+                b"\xff not an event %d" % i,
+                stream=subjects.STREAM,
+            )
+            for i in range(start, min(count, start + 100))
+        ]
+        acks += [(await f).seq for f in futures]
+    return acks
+
+
+async def gone(admin: bus.BusClient, seqs: list[int]) -> bool:
+    """No message at any of `seqs` is in the stream any more."""
+    js = admin.jetstream()
+    for seq in seqs:
+        try:
+            await js.get_msg(subjects.STREAM, seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        return False
+    return True
+
+
 def replica_on_first(svc: ControlService, node: str) -> str:
     return sorted(r.id for r in svc.state.active_replicas() if r.shards[0].node == node)[0]
 
@@ -286,10 +318,15 @@ async def test_a_new_leader_sweeps_what_a_quarantined_node_wrote_before_it_led(
             flood.begin(1500)
             await wait_for(lambda: "node-b" in svc.state.quarantined, 30, "node-b quarantined")
             await flood.done()
+            late_junk = await junk(agent, 1200)  # more than a reader keeps of what it skips
             q_seq = svc.state.quarantined["node-b"].seq
             log = await read_log(admin)
             late = [r.seq for r in log if r.seq > q_seq and r.subject.endswith(".node-b.shard")]
             assert late, "the flood went on after the quarantine"
+            beats = [
+                r.seq for r in log if r.seq > q_seq and r.subject.endswith(".node-b.heartbeat")
+            ]
+            assert beats, "node-b beat after its quarantine"
             await wait_for(lambda: svc.state.last_seq >= log[-1].seq, 10, "folded to the end")
             before = digest_to(log, svc.state.last_seq)
             assert before == state.digest(svc.state)
@@ -307,12 +344,84 @@ async def test_a_new_leader_sweeps_what_a_quarantined_node_wrote_before_it_led(
                 return not [r for r in now if r.seq in set(late)]
 
             await wait_for(swept, 30, "the flood swept from the log", every_s=0.5)
+            await wait_for(lambda: gone(admin, late_junk), 30, "the junk swept", every_s=0.5)
+            await wait_for(lambda: gone(admin, beats), 30, "its heartbeats swept", every_s=0.5)
             assert svc2.metrics.quarantine_deleted._value.get() >= len(late) - 5
             after = await read_log(admin)
             assert digest_to(after, log[-1].seq) == before
             assert "node-b" in svc2.state.quarantined
     finally:
         if agent is not None:
+            await agent.close()
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+async def test_heartbeats_and_what_no_reader_accepts_count_and_go_once_quarantined(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """Two floods the budget did not see: node-b writes bytes no reader accepts on its own
+    subjects (nothing signed, nothing decodable, no event between them), node-c valid,
+    signed heartbeats with a TTL the readers allow, as fast as acks come. Both are
+    quarantined; what each writes after its quarantine is deleted, node-c's heartbeats
+    once folded (node-c stays ready), and the log still folds to the leader's digest."""
+    cfg = control_config(nats_server, "control-a", node_quota=QUOTA)
+    admin = await connect.admin()
+    agents: dict[str, SimAgent] = {}
+
+    async def beats(count: int) -> list[int]:
+        agent = agents["node-c"]
+        assert agent._pub is not None
+        out = []
+        for start in range(0, count, 100):
+            batch = [
+                events.Heartbeat(id=agent._id("hb"), ts=time.time(), node="node-c", seq=10**6 + i)
+                for i in range(start, min(count, start + 100))
+            ]
+            out += [p.seq for p in await agent._pub.publish_all(batch, ttl_s=60)]
+        return out
+
+    try:
+        async with running(ControlService(cfg)) as svc:
+            for node in ("node-a", "node-b", "node-c"):
+                agents[node] = await SimAgent(nats_server, node, gpus=1).start()
+            await wait_for(lambda: len(svc.state.nodes) == 3, 20, "three nodes registered")
+            before = svc.folded.undecodable
+            await junk(agents["node-b"], 400)
+            await beats(400)
+            await wait_for(
+                lambda: {"node-b", "node-c"} <= set(svc.state.quarantined),
+                30,
+                "node-b and node-c quarantined",
+                every_s=0.1,
+            )
+            assert "node-a" not in svc.state.quarantined
+            assert svc.folded.undecodable - before >= 400
+            for node in ("node-b", "node-c"):
+                assert (
+                    f"budget is {QUOTA.max_messages} messages" in svc.state.quarantined[node].reason
+                )
+
+            late_junk = await junk(agents["node-b"], 300)
+            late_beats = await beats(300)
+            await wait_for(
+                lambda: gone(admin, late_junk), 30, "node-b's later junk deleted", every_s=0.5
+            )
+            await wait_for(
+                lambda: gone(admin, late_beats), 30, "node-c's later ones deleted", every_s=0.5
+            )
+            # Liveness was taken from each heartbeat before it went (unreachable_after_s 2 s).
+            await asyncio.sleep(3.0)
+            assert svc.state.nodes["node-c"].liveness == "ready"
+            assert svc.state.seen["node-c"].seq > max(late_beats) - 1
+
+            log = await read_log(admin)
+            await wait_for(lambda: svc.state.last_seq >= log[-1].seq, 10, "folded to the end")
+            seq, digest = svc.state.last_seq, state.digest(svc.state)
+            log = await read_log(admin)  # the last ones may be the quarantined nodes', gone
+            assert digest_to(log, seq) == digest
+    finally:
+        for agent in agents.values():
             await agent.close()
         with contextlib.suppress(Exception):
             await admin.close()

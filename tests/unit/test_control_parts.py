@@ -225,7 +225,7 @@ def test_skipped_control_messages_move_the_fence_once_a_later_event_is_folded() 
 
     folded.fold([rec(1)])
     junk = bus.Skipped(seq=3, subject="llmgw.events.control.x", time=1.0, error="bad")
-    folded.note_skipped(1, [junk])
+    folded.note_skipped(junk)
     assert folded.control_seq == 0  # seq 2 may still be on its way: not yet
     folded.fold([rec(2)])
     assert folded.control_seq == 0

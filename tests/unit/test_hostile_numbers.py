@@ -30,7 +30,7 @@ def _changes(decisions: list[events.Event]) -> int:
 @settings(max_examples=10, deadline=None)
 @given(beats=st.integers(min_value=30, max_value=120))
 def test_heartbeats_that_keep_changing_gpu_health_cost_the_nodes_budget(beats: int) -> None:
-    # Heartbeats expire and are not metered, but each one reporting a GPU's health changed
+    # Heartbeats count against the budget themselves, and each one reporting a GPU's health changed
     # (an uncorrected-ECC count that goes 1, 2, 3, ..., or a flag that flips) made the leader
     # write a durable GpuHealthChanged: one node wrote the log, through the leader, as fast
     # as it sent heartbeats, past its share of the log, and a quarantine did not stop it.
@@ -47,7 +47,8 @@ def test_heartbeats_that_keep_changing_gpu_health_cost_the_nodes_budget(beats: i
         recorded += _changes(sim.leader())
         done = _fed(folded, sim, done)
     assert recorded == beats  # each change is recorded (a replay's placement needs them)
-    assert meter.usage("n1").messages == beats + 1  # and its registration
+    # Each heartbeat and each change it made the leader record, and its registration.
+    assert meter.usage("n1").messages == 2 * beats + 1
     over = [u.node for u in meter.excessive()]
     assert over == ["n1"]
     sim.append(events.NodeQuarantined(id="q", ts=sim.now, epoch=1, node="n1", reason="r"))

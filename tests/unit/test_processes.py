@@ -91,7 +91,8 @@ def test_a_groups_members_are_those_in_it_alive_not_its_children_elsewhere(
     )
     engine = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     try:
-        _until(lambda: len(_children(engine.pid)) == 1, "the engine started its child")
+        # Forked, the child is in the engine's group until it leaves for its own session.
+        _until(lambda: _left_for_own_session(engine.pid), "the engine's child in its session")
         assert processes.group_members(engine.pid) == [engine.pid]
         assert processes.group_members(sleeper.pid) == [sleeper.pid]
         assert processes.signal_group(engine.pid, signal.SIGKILL) is True
@@ -102,6 +103,14 @@ def test_a_groups_members_are_those_in_it_alive_not_its_children_elsewhere(
             os.kill(child, signal.SIGKILL)
         engine.kill()
         engine.wait()
+
+
+def _left_for_own_session(pid: int) -> bool:
+    children = _children(pid)
+    try:
+        return len(children) == 1 and os.getpgid(children[0]) == children[0]
+    except ProcessLookupError:
+        return False
 
 
 def _children(pid: int) -> list[int]:

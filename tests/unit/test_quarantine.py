@@ -311,13 +311,77 @@ def test_folded_measures_node_messages_and_collects_what_the_fold_ignored() -> N
         flood.append(_record(seq + 2 + i, ev, size=1000))
     beat = events.Heartbeat(id="hb", ts=1000.0, node="a", seq=1)
     flood.append(_record(seq + 7, beat, size=50))
+    other = events.Heartbeat(id="hb-b", ts=1000.0, node="b", seq=1)
+    flood.append(_record(seq + 8, other, size=50))
+    before = meter.usage("a")
     folded.fold(flood)
-    assert folded.ignored == [seq + 2 + i for i in range(5)]
+    # The fold ignored the five reports; the heartbeat it folded (liveness) may go too,
+    # since heartbeats are in no digest. Another node's heartbeat stays.
+    assert folded.ignored == [*(seq + 2 + i for i in range(5)), seq + 7]
     assert folded.ignored_total == 5
     usage = meter.usage("a")
-    assert usage.bytes >= 5000
-    assert usage.messages >= 5
-    assert folded.state.seen["a"].seq == seq + 7  # the heartbeat still counts
+    assert usage.bytes - before.bytes == 5 * 1000 + 50
+    assert usage.messages - before.messages == 6  # the heartbeat counts against the budget
+    assert folded.state.seen["a"].seq == seq + 7  # and still says the node lives
+
+
+def test_a_standby_measures_heartbeats_but_collects_nothing() -> None:
+    meter = Meter(NodeQuota(window_s=60, max_messages=3, max_bytes=10_000))
+    folded = Folded(Metrics(), lambda: 1000.0, meter)
+    sim = serving_sim()
+    folded.fold([_record(seq, ev, at=999.0) for seq, ev in sim.records])
+    seq = sim.seq
+    beats = [
+        _record(seq + 2 + i, events.Heartbeat(id=f"hb-{i}", ts=1000.0, node="a", seq=i), 40)
+        for i in range(4)
+    ]
+    before = meter.usage("a").messages
+    folded.fold([_record(seq + 1, quarantine("a")), *beats])
+    assert folded.ignored == []
+    assert meter.usage("a").messages - before == 4
+
+
+def _skipped(seq: int, subject: str, size: int = 300, at: float = 1000.0) -> bus.Skipped:
+    return bus.Skipped(seq=seq, subject=subject, time=at, error="bad", size=size)
+
+
+def test_messages_no_reader_accepts_count_against_their_nodes_budget() -> None:
+    """Undecodable or refused messages were counted nowhere but `undecodable`: a node wrote
+    as much of them as the server took, and no quarantine followed."""
+    meter = Meter(NodeQuota(window_s=60, max_messages=50, max_bytes=10**9))
+    folded = Folded(Metrics(), lambda: 1000.0, meter)
+    for i in range(60):
+        folded.note_skipped(_skipped(i + 1, f"llmgw.events.node.a.kind-{i % 3}", size=10 + i))
+    folded.note_skipped(_skipped(70, "llmgw.events.node.b.heartbeat.deeper.still"))
+    folded.note_skipped(_skipped(71, "llmgw.events.control.decision"))
+    folded.note_skipped(_skipped(72, "llmgw.events.operator.alice.model"))
+    folded.note_skipped(_skipped(73, "llmgw.cmd.a"))
+    folded.note_skipped(_skipped(74, "llmgw.events.node.a"))  # not one of a's: no such token
+    assert folded.undecodable == 65
+    assert meter.usage("a").messages == 60
+    assert meter.usage("a").bytes == sum(10 + i for i in range(60))
+    assert meter.usage("a").since_seq == 1
+    assert meter.usage("b").messages == 1
+    assert [u.node for u in meter.excessive()] == ["a"]
+    assert folded.ignored == []  # a is not quarantined (yet): nothing to delete
+
+
+def test_the_leader_collects_a_quarantined_nodes_refused_messages_for_deletion() -> None:
+    meter = Meter(NodeQuota(window_s=60, max_messages=5, max_bytes=10**9))
+    folded = Folded(Metrics(), lambda: 1000.0, meter)
+    folded.collect_ignored = True
+    sim = serving_sim()
+    folded.fold([_record(seq, ev, at=999.0) for seq, ev in sim.records])
+    seq = sim.seq
+    folded.note_skipped(_skipped(seq + 1, "llmgw.events.node.a.shard"))  # before: stays
+    folded.fold([_record(seq + 2, quarantine("a"))])
+    folded.note_skipped(_skipped(seq + 3, "llmgw.events.node.a.shard"))
+    folded.note_skipped(_skipped(seq + 4, "llmgw.events.node.b.shard"))  # b is not: stays
+    folded.note_skipped(_skipped(seq + 5, "llmgw.events.node.a.anything.at.all"))
+    assert folded.ignored == [seq + 3, seq + 5]
+    folded.fold([_record(seq + 6, release("a"))])
+    folded.note_skipped(_skipped(seq + 7, "llmgw.events.node.a.shard"))
+    assert folded.ignored == [seq + 3, seq + 5]
 
 
 # --------------------------------------------------------------------------- the meter

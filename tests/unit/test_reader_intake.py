@@ -224,3 +224,40 @@ def test_a_kv_reader_starts_its_window_back_unless_told_when() -> None:
     assert before - kvlog.START_WINDOW_S - 0.001 <= start <= after - kvlog.START_WINDOW_S
     told = kvlog.KvReader(_NoClient(), since=0.5, verifier=VERIFIER)._consumer_config("c")  # type: ignore[arg-type]
     assert told["opt_start_time"] == "1970-01-01T00:00:00.500000Z"
+
+
+def test_every_message_passed_over_reaches_the_sink_with_its_size_past_the_kept_window() -> None:
+    """`skipped` keeps the latest few; a node's share of the log is measured from the sink,
+    which hears of each (llmgw.control.folding), however many come in a row."""
+    heard: list[reader.Skipped] = []
+    r = reader.Reader(
+        _NoClient(),  # type: ignore[arg-type]
+        verifier=VERIFIER,
+        max_skipped_kept=3,
+        on_skip=heard.append,
+    )
+    own = subjects.node_event("a", "shard")
+    junk = [signed_as(Identity("node", "a"), own, b"\x00" * (10 + i)) for i in range(6)]
+    unsigned = (own.encode(), b"x" * 40, b"")
+    forged = signed_as(Identity("node", "b"), own, events.encode(shard(9)))
+    feed(r, [*junk, unsigned, forged, signed(beat(9)), signed(shard(10))])
+    assert [item.seq for item in heard] == list(range(1, 10))
+    assert len(r.skipped) == 3
+    assert r.undecodable == 9
+    assert r.refused == 2
+    assert [rec.seq for rec in r._buf] == [10]
+    messages = [*junk, unsigned, forged, signed(beat(9))]
+    assert [item.size for item in heard] == [len(m[1]) + len(m[2]) for m in messages]
+    assert all(item.size > 0 for item in heard)
+
+
+def test_a_failing_sink_never_stops_the_reading() -> None:
+    def broken(item: reader.Skipped) -> None:
+        raise RuntimeError("sink bug")
+
+    r = reader.Reader(_NoClient(), verifier=VERIFIER, on_skip=broken)  # type: ignore[arg-type]
+    own = subjects.node_event("a", "shard")
+    feed(r, [signed_as(Identity("node", "a"), own, b"junk"), signed(shard(2))])
+    assert [rec.seq for rec in r._buf] == [2]
+    assert r.undecodable == 1
+    assert r.last_seq == 2
