@@ -431,7 +431,11 @@ class Exporter:
             if not parts:
                 continue
             body = b"".join(encode_parts(parts, sum(map(len, parts)), self.service_name))
-            problem = await self._post(body)
+            try:
+                problem = await self._post(body)
+            except Exception as exc:  # not the network's: a bug, still this batch's loss
+                log.exception("export_failed")
+                problem = f"{type(exc).__name__}: {exc}"
             if problem is None:
                 self.exported += n
                 continue

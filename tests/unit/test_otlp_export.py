@@ -318,3 +318,32 @@ async def test_a_collectors_endless_reply_is_read_bounded_and_the_batch_counts_e
         assert await asyncio.wait_for(ex.flush(), 30) is True
         assert (ex.exported, ex.dropped) == (1, 0)
         await asyncio.wait_for(ex.close(), 10)
+
+
+class _Broken(otlp.Exporter):
+    """An exporter whose post fails with what no network raises (a bug, or an error the
+    HTTP client does not wrap), the first time only."""
+
+    failures = 1
+
+    async def _post(self, body: bytes) -> str | None:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("not a network error")
+        return await super()._post(body)
+
+
+async def test_spans_a_failing_post_lost_are_counted_whatever_it_raised() -> None:
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response()
+
+    async with collector(traces) as url:
+        ex = _Broken(url, "svc")
+        ex.add([SPAN] * 4)
+        assert await ex.flush() is False  # the batch is lost; the rest waits an interval
+        assert (ex.exported, ex.dropped, ex.buffered) == (0, 4, 0)
+        ex.add([SPAN] * 2)
+        assert await ex.flush() is True
+        assert (ex.exported, ex.dropped) == (2, 4)
+        await asyncio.wait_for(ex.close(), 10)
