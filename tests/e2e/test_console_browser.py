@@ -112,6 +112,14 @@ async def test_a_drain_from_the_page_the_live_grid_the_slider_and_the_diff(
             assert any("unhealthy: uncorrected ECC errors (3)" in t for t in _gpu_texts(d, node))
         assert not grid_shows_m1_on(new_node)
         _shot(d, "console-fleet.png")
+        # The page runs under its Content-Security-Policy: its own style applies (the grid
+        # above is its own script's), and a script any markup slipped in would add runs not.
+        assert d.execute_script("return getComputedStyle(document.body).margin") == "0px"
+        injected = d.execute_script(
+            "const s = document.createElement('script'); s.textContent = 'window.hit = 1';"
+            "document.body.appendChild(s); return window.hit === undefined;"
+        )
+        assert injected is True
 
         # Drain from the page: the confirmation lists the move, then the grid follows.
         _press(d, f'.node[data-node="{old_node}"] button[data-action="drain"]')

@@ -83,7 +83,10 @@ async def test_no_answer_may_be_framed_by_another_site() -> None:
                               (f"/?token={TOKEN}", {})):  # fmt: skip
             r = await client.get(path, headers=headers, allow_redirects=False)
             assert r.headers.get("X-Frame-Options") == "DENY", path
-            assert "frame-ancestors 'none'" in r.headers.get("Content-Security-Policy", ""), path
+            policy = r.headers.get("Content-Security-Policy", "")
+            assert "frame-ancestors 'none'" in policy, path
+            assert "default-src 'none'" in policy, path
+            assert "script-src 'sha256-" in policy, path
             assert r.headers.get("X-Content-Type-Options") == "nosniff", path
             # The fleet's state is never cached; the page may be.
             cached = r.headers.get("Cache-Control")

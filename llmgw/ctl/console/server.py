@@ -19,15 +19,19 @@ with one line, never a stack trace. A write must carry the header
 `X-Llmgw-Console: 1` with a JSON body (a page of another site cannot send either without
 the browser asking first, which the console never allows), and every request must name
 the console's own address in `Host` (a DNS name an attacker controls, rebound to
-127.0.0.1, does not). No answer may be shown in another site's frame (`FRAMING`).
+127.0.0.1, does not). No answer may be shown in another site's frame, and the page
+runs only its own script and style (`GUARDS`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import hmac
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -56,19 +60,45 @@ MAX_GRACE_S = 7 * 86400.0
 _encoder = msgspec.json.Encoder()
 
 
-FRAMING = {
+PAGE = resources.files("llmgw.ctl.console").joinpath("page.html").read_bytes()
+
+
+def inline_sources(page: bytes, tag: str) -> str:
+    """The Content-Security-Policy sources allowing exactly the page's inline `<tag>`
+    elements: one SHA-256 of each element's text."""
+    found = re.finditer(rf"<{tag}(?:\s[^>]*)?>(.*?)</{tag}>".encode(), page, re.DOTALL)
+    hashes = [base64.b64encode(hashlib.sha256(m[1]).digest()).decode() for m in found]
+    return " ".join(f"'sha256-{h}'" for h in hashes) or "'none'"
+
+
+POLICY = "; ".join(
+    [
+        "default-src 'none'",
+        f"script-src {inline_sources(PAGE, 'script')}",
+        f"style-src {inline_sources(PAGE, 'style')}",
+        "connect-src 'self'",
+        "img-src 'self' data:",
+        "base-uri 'none'",
+        "frame-ancestors 'none'",
+    ]
+)
+"""The page's own script and style and requests to the console itself, nothing else: the
+fleet's names and reasons come from the log's writers, and a bug that let one of them
+into the page as markup would still run nothing and send nothing elsewhere."""
+
+GUARDS = {
     "X-Frame-Options": "DENY",
-    "Content-Security-Policy": "frame-ancestors 'none'",
+    "Content-Security-Policy": POLICY,
     "X-Content-Type-Options": "nosniff",
 }
 """On every answer: no page of another site may frame the console (over HTTPS the browser
 presents the operator's certificate to a frame too, and a framed page could be made to
-take the operator's click on its drain), and no answer is read as another type than it
-says."""
+take the operator's click on its drain), the page runs only its own script (`POLICY`),
+and no answer is read as another type than it says."""
 
 
-async def _no_framing(request: web.Request, response: web.StreamResponse) -> None:
-    for name, value in FRAMING.items():
+async def _guarded(request: web.Request, response: web.StreamResponse) -> None:
+    for name, value in GUARDS.items():
         response.headers.setdefault(name, value)
     if request.path.startswith("/api/"):
         # The fleet as it is now: never kept on the operator's disk, never shown stale.
@@ -198,8 +228,7 @@ async def _rebuild(request: web.Request, point: history.Point) -> history.Rebuil
 
 
 async def _page(_: web.Request) -> web.Response:
-    body = resources.files("llmgw.ctl.console").joinpath("page.html").read_bytes()
-    return web.Response(body=body, content_type="text/html", charset="utf-8")
+    return web.Response(body=PAGE, content_type="text/html", charset="utf-8")
 
 
 async def _fleet(request: web.Request) -> web.Response:
@@ -354,7 +383,7 @@ def build_app(live: LiveFleet, hosts: set[str], token: str = "") -> web.Applicat
     app[LIVE] = live
     app[HOSTS] = hosts
     app[SCANS] = asyncio.Semaphore(MAX_SCANS)
-    app.on_response_prepare.append(_no_framing)
+    app.on_response_prepare.append(_guarded)
     app.router.add_get("/", _page)
     app.router.add_get("/api/fleet", _fleet)
     app.router.add_get("/api/diff", _diff)
