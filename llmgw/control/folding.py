@@ -97,10 +97,13 @@ class Folded:
                 self._placed(event)  # type: ignore[arg-type]  # a ShardStatus, checked above
             if rec.subject.startswith(CONTROL_PREFIX):
                 control = rec.seq
+            if st.quarantined and type(event) is events.Heartbeat and event.node in st.quarantined:
+                # Folded, or refused (its node never registered): not worth a line each.
+                self._heartbeat_spent(rec.seq)
+                applied, rejected = applied + (reason is None), rejected + (reason is not None)
+                continue
             if reason is None:
                 applied += 1
-                if st.quarantined and type(event) is events.Heartbeat:
-                    self._heartbeat_folded(event.node, rec.seq)
                 continue
             rejected += 1
             if st.quarantined and state.ignored_by_quarantine(st, event):
@@ -153,11 +156,12 @@ class Folded:
         if r is not None and all(s.phase == "serving" for s in r.shards):
             self.metrics.placement_seconds.observe(max(0.0, float(event.ts) - r.placed_ts))
 
-    def _heartbeat_folded(self, node: str, seq: int) -> None:
-        """A quarantined node's heartbeat, folded: its liveness is taken, and what it cost
-        the log need not stay (heartbeats are volatile, in no digest; a node flooding
-        them would otherwise keep each for its TTL)."""
-        if self.collect_ignored and node in self.state.quarantined:
+    def _heartbeat_spent(self, seq: int) -> None:
+        """A quarantined node's heartbeat, folded (its liveness is taken) or refused (its
+        node never registered): what it cost the log need not stay (heartbeats are
+        volatile, in no digest; a node flooding them would otherwise keep each for its
+        TTL)."""
+        if self.collect_ignored:
             self.ignored.append(seq)
 
     @property

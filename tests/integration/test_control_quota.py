@@ -425,3 +425,53 @@ async def test_heartbeats_and_what_no_reader_accepts_count_and_go_once_quarantin
             await agent.close()
         with contextlib.suppress(Exception):
             await admin.close()
+
+
+async def test_a_quarantined_node_that_never_registered_has_its_heartbeats_deleted(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """A node certificate whose node never registered beats as fast as acks come. Every
+    fold refuses those heartbeats (no such node), so none was "folded", and the leader kept
+    all it wrote after the quarantine for their TTL. They go like the rest of its traffic;
+    its registration is ignored (quarantined), and the log still folds to the digest."""
+    cfg = control_config(nats_server, "control-a", node_quota=QUOTA)
+    admin = await connect.admin()
+    stray = await connect_as(nats_server, "node", "node-x")
+    publisher = bus.JetStreamLog(stray).publisher
+    n = 0
+
+    async def beats(count: int) -> list[int]:
+        nonlocal n
+        out: list[int] = []
+        for start in range(0, count, 100):
+            batch = [
+                events.Heartbeat(id=f"x-hb-{n}-{i}", ts=time.time(), node="node-x", seq=i)
+                for i in range(start, min(count, start + 100))
+            ]
+            n += 1
+            out += [p.seq for p in await publisher.publish_all(batch, ttl_s=60)]
+        return out
+
+    try:
+        async with running(ControlService(cfg)) as svc:
+            await beats(400)
+            await wait_for(
+                lambda: "node-x" in svc.state.quarantined, 30, "node-x quarantined", every_s=0.1
+            )
+            late = await beats(300)
+            registration = events.NodeRegistered(
+                id="x-reg", ts=time.time(), node="node-x", address="127.0.0.1", gpus=()
+            )
+            late.append((await publisher.publish(registration)).seq)
+            await wait_for(lambda: gone(admin, late), 30, "its later ones deleted", every_s=0.5)
+            assert "node-x" not in svc.state.nodes
+
+            log = await read_log(admin)
+            await wait_for(lambda: svc.state.last_seq >= log[-1].seq, 10, "folded to the end")
+            seq, digest = svc.state.last_seq, state.digest(svc.state)
+            log = await read_log(admin)
+            assert digest_to(log, seq) == digest
+    finally:
+        await bus.close(stray)
+        with contextlib.suppress(Exception):
+            await admin.close()
