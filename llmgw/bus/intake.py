@@ -27,6 +27,14 @@ from llmgw.pki.signing import Verifier
 log = logs.get("llmgw.bus")
 
 _NS = 1_000_000_000
+_KEPT_SUBJECT_MAX = 300
+"""Longest subject whose reading a reader keeps (`_learn_subject`): llmgw's own are shorter
+(two tokens of at most 128 characters after the root). Longer ones, which a node may write
+below its own subjects up to the server's limit (about 4 KiB), are read again each time
+rather than kept: what a reader keeps does not grow with the size of what a node writes."""
+_KEPT_TTL_MAX = 32
+"""Longest `Nats-TTL` value whose verdict a reader keeps (`_ttl_problem`); llmgw's own are
+a few characters, a writer's may fill the server's 64 KiB of headers."""
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -211,7 +219,7 @@ class Intake:
         attested digests; kept, as subjects repeat (one per node and kind)."""
         name = subject.decode(errors="replace")
         known = (name, name.endswith(".heartbeat"), attestation.subject_prefix(subject))
-        if len(self._subjects) < 100_000:
+        if len(self._subjects) < 100_000 and len(subject) <= _KEPT_SUBJECT_MAX:
             self._subjects[subject] = known
         return known
 
@@ -258,7 +266,11 @@ class Intake:
         verdict = retention.ttl_problem(
             name, None if ttl is None else ttl.decode("utf-8", "replace")
         )
-        if len(self._ttl_verdicts) < 100_000:
+        if (
+            len(self._ttl_verdicts) < 100_000
+            and len(name) <= _KEPT_SUBJECT_MAX
+            and (ttl is None or len(ttl) <= _KEPT_TTL_MAX)
+        ):
             self._ttl_verdicts[key] = verdict
         return verdict
 

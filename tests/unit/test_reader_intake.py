@@ -4,6 +4,7 @@ code, no network)."""
 
 from __future__ import annotations
 
+import base64
 import datetime
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from llmgw.control.attesting import Attester
 from llmgw.core import attestation, events, kvblocks, loadreport, subjects
 from llmgw.pki import signing
 from llmgw.pki.identity import Identity
-from tests.unit.test_signing import SIGNERS, VERIFIER, _NoClient, ack, block
+from tests.unit.test_signing import CA, SIGNERS, VERIFIER, _NoClient, ack, block
 
 NODE = SIGNERS[Identity("node", "a")]
 
@@ -261,3 +262,45 @@ def test_a_failing_sink_never_stops_the_reading() -> None:
     assert [rec.seq for rec in r._buf] == [2]
     assert r.undecodable == 1
     assert r.last_seq == 2
+
+
+def test_what_a_reader_keeps_does_not_grow_with_the_size_of_what_a_node_writes() -> None:
+    """A node chooses its subjects below `llmgw.events.node.<node>.` (the server takes about
+    4 KiB), its TTL header and its certificate header (up to the server's 64 KiB of
+    headers; `1s1s1s...` is a valid duration). A reader kept each new subject, each new
+    (subject, TTL), each certificate's verdict (by its bytes) and each refusal's text
+    whole, up to 100,000 (10,000 certificates) of each: a node writing a few thousand such
+    messages, even quarantined (the leader reads each before it deletes it), made every
+    reader of the log hold gigabytes."""
+    import gc
+    import tracemalloc
+
+    r = reader.Reader(_NoClient(), verifier=signing.Verifier(CA.cert))  # type: ignore[arg-type]
+    count = 200
+    own = subjects.node_event("a", "shard").encode()
+    long_certs = [
+        (own, b"junk", block({"Nats-Msg-Id": f"c-{i}", "Llmgw-Sig": "x", "Llmgw-Cert": cert}))
+        for i in range(count)
+        for cert in [base64.b64encode(b"%04d" % i + b"\x00" * 30_000).decode()]
+    ]
+    long_subjects = [
+        signed_as(Identity("node", "a"), f"llmgw.events.node.a.{i:04d}{'x' * 4000}", b"junk")
+        for i in range(count)
+    ]
+    long_ttls = [signed(shard(i), f"{'1s' * 15_000}{i}s") for i in range(count)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        feed(r, long_subjects + long_ttls + long_certs)
+        r._buf.clear()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert r.undecodable == 3 * count
+    assert r.refused == count
+    assert list(r.ttl_refused) == list(range(count + 1, 2 * count + 1))
+    # The recent refusals it keeps name their subject; nothing else keeps what they wrote.
+    assert kept < 2 * count * 4096 + 1_000_000, kept
+    assert all(len(s.error) < 1000 for s in r.skipped)
