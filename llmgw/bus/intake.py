@@ -46,7 +46,7 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     """Server's store time, UNIX seconds (UTC)."""
     event: events.AnyEvent
     size: int = 0
-    """Bytes of the message's payload and headers: what it costs the log (quotas)."""
+    """Bytes of the message's subject, headers and payload: what it costs the log (quotas)."""
 
 
 class Skipped(msgspec.Struct, frozen=True):
@@ -57,8 +57,8 @@ class Skipped(msgspec.Struct, frozen=True):
     time: float
     error: str
     size: int = 0
-    """Bytes of the message's payload and headers: what it cost the log, read or not
-    (a node's share of the log counts it: llmgw.control.quota)."""
+    """Bytes of the message's subject, headers and payload: what it cost the log, read or
+    not (a node's share of the log counts it: llmgw.control.quota)."""
 
 
 SkipSink = Callable[[Skipped], None]
@@ -150,9 +150,10 @@ class Intake:
         if known is None:
             known = self._learn_subject(subject)
         name, heartbeat, prefix = known
+        size = len(subject) + len(data) + len(headers)  # what the server stores of it
         found = message_headers(headers)
         if found is None:
-            self._refuse(seq, name, when, "signature headers appear twice", data, headers)
+            self._refuse(seq, name, when, "signature headers appear twice", size)
         else:
             msg_id, sig, cert, ttl = found
             # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
@@ -168,11 +169,11 @@ class Intake:
             elif verdict == attestation.NOT_COVERED:
                 verdict = self._signature_refusal(seq, name, data, msg_id, sig, cert, when)
             if verdict is not None:
-                self._refuse(seq, name, when, verdict, data, headers)
+                self._refuse(seq, name, when, verdict, size)
             else:
                 if self._attester is not None and not heartbeat:
                     self._attester.accepted(seq, digest)
-                self._accept(seq, name, data, len(data) + len(headers), ttl, when)
+                self._accept(seq, name, data, size, ttl, when)
         if not data and not headers:
             # The server ends a response it streams to another account (a pull request's, for
             # every llmgw identity: llmgw.pki.authorization) at a message with neither payload
@@ -223,9 +224,7 @@ class Intake:
             self._subjects[subject] = known
         return known
 
-    def _refuse(
-        self, seq: int, name: str, when: float, why: str, data: bytes, headers: bytes
-    ) -> None:
+    def _refuse(self, seq: int, name: str, when: float, why: str, size: int) -> None:
         self.refused += 1
         self._skip(
             seq,
@@ -233,7 +232,7 @@ class Intake:
             when,
             f"signature refused: {why}",
             "bus.signature_refused",
-            size=len(data) + len(headers),
+            size=size,
         )
         if self._attester is not None:
             self._attester.refused(seq)

@@ -248,7 +248,7 @@ def test_every_message_passed_over_reaches_the_sink_with_its_size_past_the_kept_
     assert r.refused == 2
     assert [rec.seq for rec in r._buf] == [10]
     messages = [*junk, unsigned, forged, signed(beat(9))]
-    assert [item.size for item in heard] == [len(m[1]) + len(m[2]) for m in messages]
+    assert [item.size for item in heard] == [len(m[0]) + len(m[1]) + len(m[2]) for m in messages]
     assert all(item.size > 0 for item in heard)
 
 
@@ -304,3 +304,18 @@ def test_what_a_reader_keeps_does_not_grow_with_the_size_of_what_a_node_writes()
     # The recent refusals it keeps name their subject; nothing else keeps what they wrote.
     assert kept < 2 * count * 4096 + 1_000_000, kept
     assert all(len(s.error) < 1000 for s in r.skipped)
+
+
+def test_a_messages_size_counts_its_subject_as_the_log_stores_it() -> None:
+    """The server stores each message's subject, and a node chooses it (about 4 KiB below
+    its own): a budget that counted payload and headers only let 4 KiB messages pass for
+    a byte each."""
+    heard: list[reader.Skipped] = []
+    r = reader.Reader(_NoClient(), verifier=VERIFIER, on_skip=heard.append)  # type: ignore[arg-type]
+    long = f"llmgw.events.node.a.{'x' * 4000}"
+    messages = [signed_as(Identity("node", "a"), long, b"j"), signed(shard(2))]
+    feed(r, messages)
+    sizes = [len(s) + len(p) + len(h) for s, p, h in messages]
+    assert [item.size for item in heard] == sizes[:1]
+    assert sizes[0] > 4000
+    assert [rec.size for rec in r._buf] == sizes[1:]
