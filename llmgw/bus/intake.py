@@ -108,6 +108,8 @@ class Intake:
         self._outstanding = 0
         self._request_open = False
         self._reset_needed = False
+        self._routine_reset = False
+        """The reset needed follows an empty message only (see `Reader._reset`)."""
         self._activity = 0
         self._ended_quietly = False
 
@@ -179,8 +181,9 @@ class Intake:
             # every llmgw identity: llmgw.pki.authorization) at a message with neither payload
             # nor headers, which anyone who may write to a subject can store: nothing more of
             # this request arrives, not even its heartbeats. Start over after it now, rather
-            # than after the silence of three heartbeats.
+            # than after the silence of three heartbeats: routine, nothing was missed.
             self._reset_needed = True
+            self._routine_reset = True
         if caught_up:
             self.caught_up.set()
 
@@ -309,13 +312,13 @@ class Intake:
                 or "Leadership Change" in text
                 or "Server Shutdown" in text
             ):
-                self._reset_needed = True
+                self._reset_needed, self._routine_reset = True, False
             else:
                 log.warning("reader_pull_status", status=409, detail=text)
         else:
             text = headers[9:].split(b"\r\n", 1)[0].decode(errors="replace")
             log.warning("reader_pull_status", detail=text)
-            self._reset_needed = True
+            self._reset_needed, self._routine_reset = True, False
 
     async def _on_msg(self, msg: Msg) -> None:
         """Slow path for a plain nats-py client: rebuild what `_on_raw` needs."""
