@@ -229,6 +229,8 @@ class Intake:
 
     def _refuse(self, seq: int, name: str, when: float, why: str, size: int) -> None:
         self.refused += 1
+        if self._attester is not None:  # before the sink, which may have it dropped
+            self._attester.refused(seq)
         self._skip(
             seq,
             name,
@@ -237,8 +239,6 @@ class Intake:
             "bus.signature_refused",
             size=size,
         )
-        if self._attester is not None:
-            self._attester.refused(seq)
 
     def _signature_refusal(
         self,

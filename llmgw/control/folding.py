@@ -51,6 +51,9 @@ class Folded:
         needs: the events the fold ignored, their heartbeats once folded, and what no
         reader accepts (the leader deletes them)."""
         self.ignored: list[int] = []
+        self.on_collect: Callable[[int], None] | None = None
+        """Told of each sequence kept in `ignored` (the leader's attester: llmgw.control.
+        attesting, which does not attest what is deleted)."""
         self.ignored_total = 0
         self.metrics = metrics
         self.clock = clock
@@ -111,7 +114,7 @@ class Folded:
                 # kept for the leader to delete.
                 ignored += 1
                 if self.collect_ignored:
-                    self.ignored.append(rec.seq)
+                    self._collect(rec.seq)
                 continue
             if epoch and isinstance(event, events.ControlEvent) and event.epoch == epoch:
                 self.own_rejected += 1
@@ -162,7 +165,12 @@ class Folded:
         volatile, in no digest; a node flooding them would otherwise keep each for its
         TTL)."""
         if self.collect_ignored:
-            self.ignored.append(seq)
+            self._collect(seq)
+
+    def _collect(self, seq: int) -> None:
+        self.ignored.append(seq)
+        if self.on_collect is not None:
+            self.on_collect(seq)
 
     @property
     def undecodable(self) -> int:
@@ -192,7 +200,7 @@ class Folded:
         if self.meter is not None:
             self.meter.observe(node, item.seq, item.time, item.size)
         if self.collect_ignored and node in self.state.quarantined:
-            self.ignored.append(item.seq)
+            self._collect(item.seq)
 
     def _settle_skipped(self) -> None:
         if not self._skipped_control:

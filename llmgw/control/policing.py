@@ -105,6 +105,8 @@ class Policing(Instance):
         if found and self.leading:
             log.info("quarantine_sweep", messages=len(found), upto_seq=upto)
             self.folded.ignored.extend(found)
+            for seq in found:
+                self.attester.drop(seq)
             self._delete_wake.set()
 
     def _delete_expiring(self, reader: LogReader) -> None:

@@ -106,6 +106,7 @@ class ControlService(Deciding, Snapshotting):
         """Load the newest snapshot and start the reader on the tail after it."""
         await self._load_snapshot()
         self.folded.control_seq = await self._last_control_seq(upto=self.state.last_seq)
+        self.folded.on_collect = self.attester.drop  # what the leader deletes, it does not attest
         self._reader = log_.reader(
             after_seq=self.state.last_seq,
             name=f"control-{self.name}",

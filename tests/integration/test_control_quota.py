@@ -475,3 +475,65 @@ async def test_a_quarantined_node_that_never_registered_has_its_heartbeats_delet
         await bus.close(stray)
         with contextlib.suppress(Exception):
             await admin.close()
+
+
+def attested(log: list[bus.Record]) -> set[int]:
+    """Every sequence the leader's attestations in `log` vouch for or refuse."""
+    out: set[int] = set()
+    for r in log:
+        if isinstance(r.event, events.LogAttested):
+            for first, last in (*r.event.accepted, *r.event.refused):
+                out.update(range(first, last + 1))
+    return out
+
+
+async def test_what_the_leader_deletes_it_does_not_attest(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """The leader attests each message its reader checked (a digest of 16 bytes for each it
+    accepted, a run for those it refused) in `control.log_attested` events, which stay in
+    the log. A quarantined node's flood, deleted, left its digests there for ever: the
+    node went on writing the log through the leader, about 22 bytes a message, whatever
+    its quarantine."""
+    cfg = control_config(nats_server, "control-a", node_quota=QUOTA)
+    admin = await connect.admin()
+    agents: dict[str, SimAgent] = {}
+    try:
+        async with running(ControlService(cfg)) as svc:
+            for node in ("node-a", "node-b"):
+                agents[node] = await SimAgent(nats_server, node, gpus=1).start()
+            await wait_for(lambda: len(svc.state.nodes) == 2, 20, "both nodes registered")
+            b = agents["node-b"]
+            await junk(b, 400)
+            await wait_for(
+                lambda: "node-b" in svc.state.quarantined, 30, "node-b quarantined", every_s=0.1
+            )
+            assert b._pub is not None
+            late: list[int] = []
+            for _ in range(10):
+                batch = [
+                    events.NodeRegistered(
+                        id=b._id("again"), ts=time.time(), node="node-b", address="127.0.0.1"
+                    )
+                    for _ in range(100)
+                ]
+                late += [p.seq for p in await b._pub.publish_all(batch)]
+            late += await junk(b, 300)
+            await wait_for(
+                lambda: gone(admin, late), 30, "node-b's later ones deleted", every_s=0.5
+            )
+            # Something to attest after them: node-a registers again.
+            await agents["node-a"].register()
+            log = await read_log(admin)
+            after = log[-1].seq
+            await wait_for(
+                lambda: svc.attester._covered >= after, 30, "attested past them", every_s=0.2
+            )
+            log = await read_log(admin)
+            assert after in attested(log)
+            assert not attested(log) & set(late)
+    finally:
+        for agent in agents.values():
+            await agent.close()
+        with contextlib.suppress(Exception):
+            await admin.close()
