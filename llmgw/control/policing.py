@@ -132,6 +132,8 @@ class Policing(Instance):
         while not self._stopping:
             await self._delete_wake.wait()
             self._delete_wake.clear()
+            if self._reader is not None and self._reader.ttl_refused:
+                self._delete_expiring(self._reader)  # a run of them, no batch to end at
             ignored = self.folded.ignored
             while ignored and self.leading and not self._stopping and self._log is not None:
                 seqs = ignored[:batch]

@@ -537,3 +537,59 @@ async def test_what_the_leader_deletes_it_does_not_attest(
             await agent.close()
         with contextlib.suppress(Exception):
             await admin.close()
+
+
+async def test_every_heartbeat_refused_for_its_ttl_goes_however_many_come_in_a_row(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """The leader deletes heartbeats whose TTL would keep them (llmgw.core.retention) after
+    each batch it folds, from the reader's list of them, which keeps the latest 10,000.
+    A node writing more than that in a row, with no event between them for a batch to
+    end at, kept the rest in the log for ever (here no budget applies: only the TTL rule)."""
+    cfg = control_config(nats_server, "control-a", node_quota=NodeQuota(enabled=False))
+    admin = await connect.admin()
+    stray = await connect_as(nats_server, "node", "node-x")
+    signer = nats_server.pki.signer("node", "node-x")
+    subject = subjects.node_event("node-x", "heartbeat")
+    js = stray.jetstream()
+
+    async def kept() -> int:
+        info = await admin.jetstream().stream_info(subjects.STREAM, subjects_filter=subject)
+        return sum((info.state.subjects or {}).values())
+
+    try:
+        async with running(ControlService(cfg)) as svc:
+            await wait_for(lambda: svc.leading and svc.caught_up.is_set(), 20, "leading")
+            written = 0
+            for start in range(0, 12_000, 500):
+                futures = []
+                for i in range(start, start + 500):
+                    beat = events.Heartbeat(id=f"x-{i}", ts=time.time(), node="node-x", seq=i)
+                    payload = events.encode(beat)
+                    headers = {
+                        "Nats-Msg-Id": beat.id,
+                        **signer.event_headers(subject, beat.id, payload),
+                        "Nats-TTL": "never",
+                    }
+                    futures.append(
+                        await js.publish_async(
+                            subject, payload, headers=headers, stream=subjects.STREAM
+                        )
+                    )
+                written += len([await f for f in futures])
+            assert written == 12_000
+            await wait_for(
+                lambda: svc._reader is not None and svc._reader.last_seq >= 12_000,
+                60,
+                "read them all",
+                every_s=0.2,
+            )
+
+            async def none_kept() -> bool:
+                return await kept() == 0
+
+            await wait_for(none_kept, 60, "every one deleted", every_s=0.5)
+    finally:
+        await bus.close(stray)
+        with contextlib.suppress(Exception):
+            await admin.close()
