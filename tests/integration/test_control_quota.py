@@ -593,3 +593,34 @@ async def test_every_heartbeat_refused_for_its_ttl_goes_however_many_come_in_a_r
         await bus.close(stray)
         with contextlib.suppress(Exception):
             await admin.close()
+
+
+async def test_a_heartbeat_whose_ttl_the_server_does_not_read_is_refused_and_deleted(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """The server reads a message's TTL from `Nats-TTL` as written (`nats-ttl` it ignores:
+    the message never expires); readers matched the name in any case. A heartbeat with
+    `nats-ttl: 60` was accepted by every reader as expiring in a minute, and stayed in the
+    log for ever. Readers now read the header the server reads: it has no TTL, so it is
+    refused and the leader deletes it."""
+    cfg = control_config(nats_server, "control-a", node_quota=NodeQuota(enabled=False))
+    admin = await connect.admin()
+    stray = await connect_as(nats_server, "node", "node-x")
+    signer = nats_server.pki.signer("node", "node-x")
+    subject = subjects.node_event("node-x", "heartbeat")
+    try:
+        async with running(ControlService(cfg)) as svc:
+            await wait_for(lambda: svc.leading and svc.caught_up.is_set(), 20, "leading")
+            seqs = []
+            for i, name in enumerate(("nats-ttl", "NATS-TTL")):
+                beat = events.Heartbeat(id=f"x-{i}", ts=time.time(), node="node-x", seq=i)
+                payload = events.encode(beat)
+                signed = signer.event_headers(subject, beat.id, payload)
+                headers = {"Nats-Msg-Id": beat.id, **signed, name: "60"}
+                ack = await stray.jetstream().publish(subject, payload, headers=headers)
+                seqs.append(ack.seq)
+            await wait_for(lambda: gone(admin, seqs), 20, "both deleted", every_s=0.5)
+    finally:
+        await bus.close(stray)
+        with contextlib.suppress(Exception):
+            await admin.close()
