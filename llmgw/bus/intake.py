@@ -12,6 +12,7 @@ the log makes it raise. `Record` is what a reader yields, `Skipped` what it pass
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -35,6 +36,14 @@ rather than kept: what a reader keeps does not grow with the size of what a node
 _KEPT_TTL_MAX = 32
 """Longest `Nats-TTL` value whose verdict a reader keeps (`_ttl_problem`); llmgw's own are
 a few characters, a writer's may fill the server's 64 KiB of headers."""
+SKIP_LINES = 100
+SKIP_LINES_EVERY_S = 10.0
+"""A reader logs at most `SKIP_LINES` of the messages it passes over every this many
+seconds, then how many more it passed over (`skipped_unlogged`, at the next one after
+the period): a line costs ten times the reading of an unsigned message, and any node may
+write as many of those on its own subjects as the server takes. `undecodable`, `skipped`
+and the sink still hear of each."""
+_clock = time.monotonic
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -110,6 +119,10 @@ class Intake:
         self._reset_needed = False
         self._routine_reset = False
         """The reset needed follows an empty message only (see `Reader._reset`)."""
+        self._skip_lines = 0
+        self._skip_period = -SKIP_LINES_EVERY_S
+        self._unlogged: tuple[int, int, str] = (0, 0, "")
+        """Skipped and not logged this period: how many, the last one's seq and subject."""
         self._activity = 0
         self._ended_quietly = False
 
@@ -289,12 +302,32 @@ class Intake:
         self.undecodable += 1
         item = Skipped(seq=seq, subject=name, time=when, error=error, size=size)
         self.skipped.append(item)
-        log.warning(what, seq=seq, subject=name, error=error)
+        self._log_skip(what, seq, name, error)
         if self._on_skip is not None:
             try:
                 self._on_skip(item)
             except Exception as exc:  # the sink's bug: logged, never the read loop's end
                 log.error("reader_skip_sink_failed", seq=seq, error=repr(exc))
+
+    def _log_skip(self, what: str, seq: int, name: str, error: str) -> None:
+        """One line per message passed over, up to `SKIP_LINES` a period (see there)."""
+        now = _clock()
+        if now - self._skip_period >= SKIP_LINES_EVERY_S:
+            count, last_seq, last_subject = self._unlogged
+            if count:
+                log.warning(
+                    "skipped_unlogged",
+                    count=count,
+                    last_seq=last_seq,
+                    last_subject=last_subject,
+                    period_s=SKIP_LINES_EVERY_S,
+                )
+            self._skip_period, self._skip_lines, self._unlogged = now, 0, (0, 0, "")
+        if self._skip_lines < SKIP_LINES:
+            self._skip_lines += 1
+            log.warning(what, seq=seq, subject=name, error=error)
+        else:
+            self._unlogged = (self._unlogged[0] + 1, seq, name)
 
     def _on_status(self, code: bytes, headers: bytes) -> None:
         if code == b"100":

@@ -319,3 +319,46 @@ def test_a_messages_size_counts_its_subject_as_the_log_stores_it() -> None:
     assert [item.size for item in heard] == sizes[:1]
     assert sizes[0] > 4000
     assert [rec.size for rec in r._buf] == sizes[1:]
+
+
+class _Lines:
+    """Stands in for a module's logger: the lines it was asked to write."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.lines.append((event, fields))
+
+    error = info = warning
+
+
+def test_a_run_of_messages_passed_over_is_logged_in_a_bounded_number_of_lines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each message a reader passed over was a log line, which cost more than ten times
+    the reading of an unsigned one: a node writing junk on its own subjects as fast as the
+    server takes it had every reader of the log (control planes, routers) spend its time
+    and disk writing lines. Each is still counted and told to the sink."""
+    from llmgw.bus import intake
+
+    lines = _Lines()
+    now = [1000.0]
+    monkeypatch.setattr(intake, "log", lines)
+    monkeypatch.setattr(intake, "_clock", lambda: now[0], raising=False)
+    heard: list[reader.Skipped] = []
+    r = reader.Reader(_NoClient(), verifier=VERIFIER, on_skip=heard.append)  # type: ignore[arg-type]
+    own = subjects.node_event("a", "shard").encode()
+    feed(r, [(own, b"junk %d" % i, b"") for i in range(5000)])
+    assert r.undecodable == 5000
+    assert len(heard) == 5000
+    logged = [fields["seq"] for event, fields in lines.lines if event == "bus.signature_refused"]
+    assert logged == list(range(1, 101))
+    assert len(lines.lines) == 100
+    now[0] += 10.0  # a period later, the next one says how many went unlogged
+    feed(r, [(own, b"junk", b"")], first=5001)
+    assert lines.lines[100] == (
+        "skipped_unlogged",
+        {"count": 4900, "last_seq": 5000, "last_subject": own.decode(), "period_s": 10.0},
+    )
+    assert lines.lines[101][1]["seq"] == 5001
