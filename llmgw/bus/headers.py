@@ -9,6 +9,8 @@ from __future__ import annotations
 _MSG_ID = b"Nats-Msg-Id"
 _SIG = b"Llmgw-Sig"
 _CERT = b"Llmgw-Cert"
+_TTL = b"Nats-TTL"
+"""As the server reads it: a `nats-ttl` header is no TTL to it (the message never expires)."""
 
 
 Found = tuple[bytes | None, bytes | None, bytes | None, bytes | None]
@@ -17,7 +19,7 @@ Found = tuple[bytes | None, bytes | None, bytes | None, bytes | None]
 def message_headers(raw: bytes) -> Found | None:
     """(Nats-Msg-Id, Llmgw-Sig, Llmgw-Cert, Nats-TTL) from a raw header block in one pass,
     each None when absent; None altogether when a signature header appears twice (never
-    trusted). The TTL header's name is matched in any case, and its first value counts,
+    trusted). The TTL header's name is matched as written, and its first value counts,
     as the server reads it. Pure; on every message of a replay, hence written flat.
 
     Nearly every event's block is exactly what llmgw's publisher writes (the id, the
@@ -57,7 +59,7 @@ def _general(lines: list[bytes]) -> Found | None:
             if cert is not None:
                 return None
             cert = value.strip()
-        elif ttl is None and len(key) == 8 and key.lower() == b"nats-ttl":
+        elif ttl is None and key == _TTL:
             ttl = value.strip()
     return msg_id, sig, cert, ttl
 

@@ -12,6 +12,7 @@ the log makes it raise. `Record` is what a reader yields, `Skipped` what it pass
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -27,6 +28,22 @@ from llmgw.pki.signing import Verifier
 log = logs.get("llmgw.bus")
 
 _NS = 1_000_000_000
+_KEPT_SUBJECT_MAX = 300
+"""Longest subject whose reading a reader keeps (`_learn_subject`): llmgw's own are shorter
+(two tokens of at most 128 characters after the root). Longer ones, which a node may write
+below its own subjects up to the server's limit (about 4 KiB), are read again each time
+rather than kept: what a reader keeps does not grow with the size of what a node writes."""
+_KEPT_TTL_MAX = 32
+"""Longest `Nats-TTL` value whose verdict a reader keeps (`_ttl_problem`); llmgw's own are
+a few characters, a writer's may fill the server's 64 KiB of headers."""
+SKIP_LINES = 100
+SKIP_LINES_EVERY_S = 10.0
+"""A reader logs at most `SKIP_LINES` of the messages it passes over every this many
+seconds, then how many more it passed over (`skipped_unlogged`, at the next one after
+the period): a line costs ten times the reading of an unsigned message, and any node may
+write as many of those on its own subjects as the server takes. `undecodable`, `skipped`
+and the sink still hear of each."""
+_clock = time.monotonic
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -38,7 +55,7 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     """Server's store time, UNIX seconds (UTC)."""
     event: events.AnyEvent
     size: int = 0
-    """Bytes of the message's payload and headers: what it costs the log (quotas)."""
+    """Bytes of the message's subject, headers and payload: what it costs the log (quotas)."""
 
 
 class Skipped(msgspec.Struct, frozen=True):
@@ -49,8 +66,8 @@ class Skipped(msgspec.Struct, frozen=True):
     time: float
     error: str
     size: int = 0
-    """Bytes of the message's payload and headers: what it cost the log, read or not
-    (a node's share of the log counts it: llmgw.control.quota)."""
+    """Bytes of the message's subject, headers and payload: what it cost the log, read or
+    not (a node's share of the log counts it: llmgw.control.quota)."""
 
 
 SkipSink = Callable[[Skipped], None]
@@ -100,6 +117,12 @@ class Intake:
         self._outstanding = 0
         self._request_open = False
         self._reset_needed = False
+        self._routine_reset = False
+        """The reset needed follows an empty message only (see `Reader._reset`)."""
+        self._skip_lines = 0
+        self._skip_period = -SKIP_LINES_EVERY_S
+        self._unlogged: tuple[int, int, str] = (0, 0, "")
+        """Skipped and not logged this period: how many, the last one's seq and subject."""
         self._activity = 0
         self._ended_quietly = False
 
@@ -142,9 +165,10 @@ class Intake:
         if known is None:
             known = self._learn_subject(subject)
         name, heartbeat, prefix = known
+        size = len(subject) + len(data) + len(headers)  # what the server stores of it
         found = message_headers(headers)
         if found is None:
-            self._refuse(seq, name, when, "signature headers appear twice", data, headers)
+            self._refuse(seq, name, when, "signature headers appear twice", size)
         else:
             msg_id, sig, cert, ttl = found
             # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
@@ -160,18 +184,19 @@ class Intake:
             elif verdict == attestation.NOT_COVERED:
                 verdict = self._signature_refusal(seq, name, data, msg_id, sig, cert, when)
             if verdict is not None:
-                self._refuse(seq, name, when, verdict, data, headers)
+                self._refuse(seq, name, when, verdict, size)
             else:
                 if self._attester is not None and not heartbeat:
                     self._attester.accepted(seq, digest)
-                self._accept(seq, name, data, len(data) + len(headers), ttl, when)
+                self._accept(seq, name, data, size, ttl, when)
         if not data and not headers:
             # The server ends a response it streams to another account (a pull request's, for
             # every llmgw identity: llmgw.pki.authorization) at a message with neither payload
             # nor headers, which anyone who may write to a subject can store: nothing more of
             # this request arrives, not even its heartbeats. Start over after it now, rather
-            # than after the silence of three heartbeats.
+            # than after the silence of three heartbeats: routine, nothing was missed.
             self._reset_needed = True
+            self._routine_reset = True
         if caught_up:
             self.caught_up.set()
 
@@ -211,24 +236,22 @@ class Intake:
         attested digests; kept, as subjects repeat (one per node and kind)."""
         name = subject.decode(errors="replace")
         known = (name, name.endswith(".heartbeat"), attestation.subject_prefix(subject))
-        if len(self._subjects) < 100_000:
+        if len(self._subjects) < 100_000 and len(subject) <= _KEPT_SUBJECT_MAX:
             self._subjects[subject] = known
         return known
 
-    def _refuse(
-        self, seq: int, name: str, when: float, why: str, data: bytes, headers: bytes
-    ) -> None:
+    def _refuse(self, seq: int, name: str, when: float, why: str, size: int) -> None:
         self.refused += 1
+        if self._attester is not None:  # before the sink, which may have it dropped
+            self._attester.refused(seq)
         self._skip(
             seq,
             name,
             when,
             f"signature refused: {why}",
             "bus.signature_refused",
-            size=len(data) + len(headers),
+            size=size,
         )
-        if self._attester is not None:
-            self._attester.refused(seq)
 
     def _signature_refusal(
         self,
@@ -258,7 +281,11 @@ class Intake:
         verdict = retention.ttl_problem(
             name, None if ttl is None else ttl.decode("utf-8", "replace")
         )
-        if len(self._ttl_verdicts) < 100_000:
+        if (
+            len(self._ttl_verdicts) < 100_000
+            and len(name) <= _KEPT_SUBJECT_MAX
+            and (ttl is None or len(ttl) <= _KEPT_TTL_MAX)
+        ):
             self._ttl_verdicts[key] = verdict
         return verdict
 
@@ -275,12 +302,32 @@ class Intake:
         self.undecodable += 1
         item = Skipped(seq=seq, subject=name, time=when, error=error, size=size)
         self.skipped.append(item)
-        log.warning(what, seq=seq, subject=name, error=error)
+        self._log_skip(what, seq, name, error)
         if self._on_skip is not None:
             try:
                 self._on_skip(item)
             except Exception as exc:  # the sink's bug: logged, never the read loop's end
                 log.error("reader_skip_sink_failed", seq=seq, error=repr(exc))
+
+    def _log_skip(self, what: str, seq: int, name: str, error: str) -> None:
+        """One line per message passed over, up to `SKIP_LINES` a period (see there)."""
+        now = _clock()
+        if now - self._skip_period >= SKIP_LINES_EVERY_S:
+            count, last_seq, last_subject = self._unlogged
+            if count:
+                log.warning(
+                    "skipped_unlogged",
+                    count=count,
+                    last_seq=last_seq,
+                    last_subject=last_subject,
+                    period_s=SKIP_LINES_EVERY_S,
+                )
+            self._skip_period, self._skip_lines, self._unlogged = now, 0, (0, 0, "")
+        if self._skip_lines < SKIP_LINES:
+            self._skip_lines += 1
+            log.warning(what, seq=seq, subject=name, error=error)
+        else:
+            self._unlogged = (self._unlogged[0] + 1, seq, name)
 
     def _on_status(self, code: bytes, headers: bytes) -> None:
         if code == b"100":
@@ -298,13 +345,13 @@ class Intake:
                 or "Leadership Change" in text
                 or "Server Shutdown" in text
             ):
-                self._reset_needed = True
+                self._reset_needed, self._routine_reset = True, False
             else:
                 log.warning("reader_pull_status", status=409, detail=text)
         else:
             text = headers[9:].split(b"\r\n", 1)[0].decode(errors="replace")
             log.warning("reader_pull_status", detail=text)
-            self._reset_needed = True
+            self._reset_needed, self._routine_reset = True, False
 
     async def _on_msg(self, msg: Msg) -> None:
         """Slow path for a plain nats-py client: rebuild what `_on_raw` needs."""

@@ -47,7 +47,8 @@ class LogReader(Protocol):
     caught_up: asyncio.Event
     """Set once everything stored when reading began has been handed out."""
     resets: int
-    """How often the reader had to start over (its view of the log was interrupted)."""
+    """How often the reader had to start over (its view of the log was interrupted); not
+    the new consumer it starts after an empty message, which misses nothing."""
 
     async def start(self) -> None: ...
 

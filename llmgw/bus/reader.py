@@ -278,9 +278,16 @@ class Reader(Intake):
                 await self._nc.publish(f"{_API}.CONSUMER.DELETE.{self._stream}.{name}", b"")
 
     async def _reset(self) -> None:
-        """Start a new consumer after `last_seq`; retries until the server answers."""
-        self.resets += 1
-        log.warning("reader_reset", consumer=self._consumer, after_seq=self.last_seq)
+        """Start a new consumer after `last_seq`; retries until the server answers.
+
+        After an empty message (`Intake._on_raw`) nothing was missed: that new consumer
+        is routine, counted in `resets` only if it cannot be had at once. Any node may
+        write empty messages on its own subjects, and readers take a reset to mean their
+        view of the log was interrupted (the control plane then judges heartbeat silence
+        only from then on)."""
+        routine, self._routine_reset = self._routine_reset, False
+        if not routine:
+            self._count_reset()
         await self._drop_consumer()
         wait = 0.2
         while not self._closed:
@@ -290,9 +297,16 @@ class Reader(Intake):
                 await self._open()
                 return
             except (ReaderError, nats.errors.Error) as exc:
+                if routine:
+                    routine = False
+                    self._count_reset()
                 log.warning("reader_reopen_failed", error=str(exc), retry_in_s=wait)
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 5.0)
+
+    def _count_reset(self) -> None:
+        self.resets += 1
+        log.warning("reader_reset", consumer=self._consumer, after_seq=self.last_seq)
 
     async def _request(self) -> None:
         assert self._sub is not None

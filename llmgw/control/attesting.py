@@ -7,10 +7,15 @@ publishes an attestation when enough has gathered (`every`) or some time has pas
 (`within_s`); every instance, leading or not, drops what an attestation in the log already
 covers, so a new leader attests only the stretch nobody has. Heartbeats are not attested
 (they expire; a digest kept forever is not worth it), nor do attestations alone make one due.
+Nor is what the leader deletes (`drop`: a quarantined node's flood, llmgw.control.policing),
+which no later reader meets: attested, each message of a flood left its digest in the log
+for ever, written by the leader for the node whatever its quarantine. An attestation covers
+only what the fold has passed, so a message is dropped before it could be attested.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 from llmgw.core import attestation, events
@@ -36,6 +41,7 @@ class Attester:
         self._digests: list[bytes] = []
         self._refused: list[int] = []
         self._quiet: set[int] = set()
+        self._dropped: set[int] = set()
         self._covered = 0
         self._since = clock()
 
@@ -58,6 +64,23 @@ class Attester:
 
     # -- fed by the fold -------------------------------------------------------------------
 
+    def drop(self, seq: int) -> None:
+        """The leader deletes the message at `seq`: it is not attested."""
+        for pending in (self._seqs, self._refused):
+            i = bisect.bisect_left(pending, seq)
+            if i < len(pending) and pending[i] == seq:
+                self._dropped.add(seq)
+        if len(self._dropped) >= self.every:
+            self._compact()  # a flood left out whole makes no attestation due
+
+    def _compact(self) -> None:
+        """Forget what was dropped."""
+        dropped, self._dropped = self._dropped, set()
+        keep = [i for i, s in enumerate(self._seqs) if s not in dropped]
+        self._seqs = [self._seqs[i] for i in keep]
+        self._digests = [self._digests[i] for i in keep]
+        self._refused = [s for s in self._refused if s not in dropped]
+
     def quiet(self, seq: int) -> None:
         """The message at `seq` is an attestation: attested like any, due for none."""
         if seq > self._covered:
@@ -73,12 +96,13 @@ class Attester:
         self._digests = [self._digests[i] for i in keep]
         self._refused = [s for s in self._refused if s > self._covered]
         self._quiet = {s for s in self._quiet if s > self._covered}
+        self._dropped = {s for s in self._dropped if s > self._covered}
 
     # -- for the leader --------------------------------------------------------------------
 
     @property
     def pending(self) -> int:
-        return len(self._seqs) + len(self._refused)
+        return len(self._seqs) + len(self._refused) - len(self._dropped)
 
     def due(self) -> bool:
         worth = self.pending - len(self._quiet)
@@ -87,12 +111,17 @@ class Attester:
         return self.pending >= self.every or self.clock() - self._since >= self.within_s
 
     def take(self, *, event_id: str, epoch: int, basis_seq: int) -> events.LogAttested | None:
-        """The next attestation (at most `every` sequences), or None with nothing pending.
-        What it covers stays pending until it is folded back (`attested`): a write that
-        fails is attested again."""
-        if not self.pending:
+        """The next attestation (at most `every` sequences, none after `basis_seq`, the
+        fold's), or None with nothing pending. What it covers stays pending until it is
+        folded back (`attested`): a write that fails is attested again."""
+        if self._dropped:
+            self._compact()
+        merged = sorted(
+            [(s, True) for s in self._seqs if s <= basis_seq]
+            + [(s, False) for s in self._refused if s <= basis_seq]
+        )
+        if not merged:
             return None
-        merged = sorted([(s, True) for s in self._seqs] + [(s, False) for s in self._refused])
         chunk = merged[: self.every]
         last = chunk[-1][0]
         accepted = [s for s, ok in chunk if ok]

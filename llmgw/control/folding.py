@@ -51,6 +51,9 @@ class Folded:
         needs: the events the fold ignored, their heartbeats once folded, and what no
         reader accepts (the leader deletes them)."""
         self.ignored: list[int] = []
+        self.on_collect: Callable[[int], None] | None = None
+        """Told of each sequence kept in `ignored` (the leader's attester: llmgw.control.
+        attesting, which does not attest what is deleted)."""
         self.ignored_total = 0
         self.metrics = metrics
         self.clock = clock
@@ -97,10 +100,13 @@ class Folded:
                 self._placed(event)  # type: ignore[arg-type]  # a ShardStatus, checked above
             if rec.subject.startswith(CONTROL_PREFIX):
                 control = rec.seq
+            if st.quarantined and type(event) is events.Heartbeat and event.node in st.quarantined:
+                # Folded, or refused (its node never registered): not worth a line each.
+                self._heartbeat_spent(rec.seq)
+                applied, rejected = applied + (reason is None), rejected + (reason is not None)
+                continue
             if reason is None:
                 applied += 1
-                if st.quarantined and type(event) is events.Heartbeat:
-                    self._heartbeat_folded(event.node, rec.seq)
                 continue
             rejected += 1
             if st.quarantined and state.ignored_by_quarantine(st, event):
@@ -108,7 +114,7 @@ class Folded:
                 # kept for the leader to delete.
                 ignored += 1
                 if self.collect_ignored:
-                    self.ignored.append(rec.seq)
+                    self._collect(rec.seq)
                 continue
             if epoch and isinstance(event, events.ControlEvent) and event.epoch == epoch:
                 self.own_rejected += 1
@@ -153,12 +159,18 @@ class Folded:
         if r is not None and all(s.phase == "serving" for s in r.shards):
             self.metrics.placement_seconds.observe(max(0.0, float(event.ts) - r.placed_ts))
 
-    def _heartbeat_folded(self, node: str, seq: int) -> None:
-        """A quarantined node's heartbeat, folded: its liveness is taken, and what it cost
-        the log need not stay (heartbeats are volatile, in no digest; a node flooding
-        them would otherwise keep each for its TTL)."""
-        if self.collect_ignored and node in self.state.quarantined:
-            self.ignored.append(seq)
+    def _heartbeat_spent(self, seq: int) -> None:
+        """A quarantined node's heartbeat, folded (its liveness is taken) or refused (its
+        node never registered): what it cost the log need not stay (heartbeats are
+        volatile, in no digest; a node flooding them would otherwise keep each for its
+        TTL)."""
+        if self.collect_ignored:
+            self._collect(seq)
+
+    def _collect(self, seq: int) -> None:
+        self.ignored.append(seq)
+        if self.on_collect is not None:
+            self.on_collect(seq)
 
     @property
     def undecodable(self) -> int:
@@ -188,7 +200,7 @@ class Folded:
         if self.meter is not None:
             self.meter.observe(node, item.seq, item.time, item.size)
         if self.collect_ignored and node in self.state.quarantined:
-            self.ignored.append(item.seq)
+            self._collect(item.seq)
 
     def _settle_skipped(self) -> None:
         if not self._skipped_control:

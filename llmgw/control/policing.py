@@ -105,6 +105,8 @@ class Policing(Instance):
         if found and self.leading:
             log.info("quarantine_sweep", messages=len(found), upto_seq=upto)
             self.folded.ignored.extend(found)
+            for seq in found:
+                self.attester.drop(seq)
             self._delete_wake.set()
 
     def _delete_expiring(self, reader: LogReader) -> None:
@@ -130,6 +132,8 @@ class Policing(Instance):
         while not self._stopping:
             await self._delete_wake.wait()
             self._delete_wake.clear()
+            if self._reader is not None and self._reader.ttl_refused:
+                self._delete_expiring(self._reader)  # a run of them, no batch to end at
             ignored = self.folded.ignored
             while ignored and self.leading and not self._stopping and self._log is not None:
                 seqs = ignored[:batch]

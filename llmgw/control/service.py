@@ -53,6 +53,9 @@ from llmgw.control.ports import ControlPorts
 from llmgw.control.snapshotting import Snapshotting
 from llmgw.core import events
 
+_TTL_REFUSED_CHUNK = 1000
+"""Messages refused for their TTL deleted at once, however many follow with no event."""
+
 
 class ControlService(Deciding, Snapshotting):
     """One control-plane instance. `run(stop)` until `stop` is set; see the module docstring."""
@@ -106,6 +109,7 @@ class ControlService(Deciding, Snapshotting):
         """Load the newest snapshot and start the reader on the tail after it."""
         await self._load_snapshot()
         self.folded.control_seq = await self._last_control_seq(upto=self.state.last_seq)
+        self.folded.on_collect = self.attester.drop  # what the leader deletes, it does not attest
         self._reader = log_.reader(
             after_seq=self.state.last_seq,
             name=f"control-{self.name}",
@@ -172,10 +176,16 @@ class ControlService(Deciding, Snapshotting):
 
     def _skipped(self, item: Skipped) -> None:
         """The reader passed over a message (told inline, as it reads): a run of them with
-        no event between them wakes the deletions, and the leader at its next tick."""
+        no event between them wakes the deletions (a quarantined node's, those refused for
+        their TTL), and the leader at its next tick."""
         self.folded.note_skipped(item)
-        if self.folded.ignored:
+        reader = self._reader
+        if self.folded.ignored or (reader is not None and reader.ttl_refused):
             self._delete_wake.set()
+        if reader is not None and len(reader.ttl_refused) >= _TTL_REFUSED_CHUNK:
+            # A run of them with no event in between has no batch to end at: delete them
+            # as they come, before the reader's list of them drops the oldest.
+            self._delete_expiring(reader)
 
     async def _tick(self) -> None:
         while not self._stopping:

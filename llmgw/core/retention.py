@@ -49,13 +49,21 @@ def ttl_problem(subject: str, ttl: str | None) -> str | None:
             return "a heartbeat without a TTL (Nats-TTL) would stay in the log forever"
         seconds = parse_ttl(ttl)
         if seconds is None:
-            return f"a heartbeat with an unreadable TTL {ttl!r}"
+            return f"a heartbeat with an unreadable TTL {_shown(ttl)}"
         if not 0 < seconds <= MAX_HEARTBEAT_TTL_S:
             return (
-                f"a heartbeat with TTL {ttl!r}: heartbeats expire within "
+                f"a heartbeat with TTL {_shown(ttl)}: heartbeats expire within "
                 f"{MAX_HEARTBEAT_TTL_S:.0f} s"
             )
         return None
     if ttl is not None:
-        return f"TTL {ttl!r} on {subject}: only heartbeats expire from the log"
+        return f"TTL {_shown(ttl)} on {subject}: only heartbeats expire from the log"
     return None
+
+
+def _shown(ttl: str, most: int = 40) -> str:
+    """A TTL value as a refusal names it: whole when short, else its start and its length
+    (a writer may send 64 KiB of it; readers keep and log recent refusals)."""
+    if len(ttl) <= most:
+        return repr(ttl)
+    return f"{ttl[:most]!r}... ({len(ttl)} characters)"

@@ -46,6 +46,9 @@ SNAPSHOT_DOMAIN = b"llmgw/snapshot/v1\x00"
 
 _ECDSA = ec.ECDSA(hashes.SHA256())
 _MAX_CACHED_CERTS = 10_000
+_MAX_CACHED_CERT_BYTES = 8192
+"""Longest certificate header whose verdict is kept: the fleet's are about 1 KiB; a
+writer's header may be 64 KiB, checked each time rather than kept."""
 
 
 class SignatureRefused(ValueError):
@@ -213,9 +216,10 @@ class Verifier:
         known = self._known.get(raw)
         if known is None:
             known = self._check_certificate(raw)
-            if len(self._known) >= _MAX_CACHED_CERTS:
-                self._known.clear()
-            self._known[raw] = known
+            if len(raw) <= _MAX_CACHED_CERT_BYTES:
+                if len(self._known) >= _MAX_CACHED_CERTS:
+                    self._known.clear()
+                self._known[raw] = known
         if isinstance(known, str):
             raise SignatureRefused(known)
         return known

@@ -4,7 +4,9 @@
   later ones only after a growing wait, never one per pass;
 - ids published in advance under the leader's old predictable scheme suppress none of
   its decisions (JetStream de-duplicates ids across the whole stream);
-- `ctl status` says when nobody leads.
+- `ctl status` says when nobody leads;
+- empty messages on its own subjects (each has every reader start a new consumer) do not
+  stop the leader from judging the other nodes' heartbeats.
 """
 
 from __future__ import annotations
@@ -206,3 +208,46 @@ async def test_ctl_status_reports_a_lost_leader(
 
     await wait_for(expired, 10, "the lease expired", every_s=0.5)
     await admin.close()
+
+
+async def test_empty_messages_on_a_nodes_subjects_do_not_hide_another_nodes_silence(
+    nats_server: TestNatsServer,
+) -> None:
+    """A reader starts a new consumer after a message with neither payload nor headers (the
+    server streams nothing more of that request), and the leader judged heartbeat silence
+    only from its reader's last reset, as after an outage. One empty message every
+    second, from any node (120 in `window_s`, far under its budget), kept every other
+    node from ever being declared unreachable, however long it had been silent."""
+    cfg = control_config(nats_server, "control-a", models=(model("m1"),))
+    attacker = await connect_as(nats_server, "node", "node-x")
+    agents: list[SimAgent] = []
+    stop = asyncio.Event()
+
+    async def empties() -> None:
+        while not stop.is_set():
+            await attacker.jetstream().publish(subjects.node_event("node-x", "shard"), b"")
+            await asyncio.sleep(0.5)  # a quarter of unreachable_after_s
+
+    try:
+        async with running(ControlService(cfg)) as svc:
+            agents = [await SimAgent(nats_server, n, gpus=1).start() for n in ("node-a", "node-b")]
+            await wait_for(lambda: len(svc.state.nodes) == 2, 20, "both nodes registered")
+            await wait_for(lambda: svc.leading and svc.caught_up.is_set(), 20, "leading")
+            writer = asyncio.create_task(empties())
+            try:
+                agents[1].beating = False
+                await wait_for(
+                    lambda: svc.state.nodes["node-b"].liveness != "ready",
+                    30,
+                    "node-b, silent, declared unreachable",
+                    every_s=0.2,
+                )
+                assert svc.state.nodes["node-a"].liveness == "ready"
+                assert svc.folded.undecodable >= 3
+            finally:
+                stop.set()
+                await writer
+    finally:
+        for agent in agents:
+            await agent.close()
+        await bus.close(attacker)

@@ -425,3 +425,202 @@ async def test_heartbeats_and_what_no_reader_accepts_count_and_go_once_quarantin
             await agent.close()
         with contextlib.suppress(Exception):
             await admin.close()
+
+
+async def test_a_quarantined_node_that_never_registered_has_its_heartbeats_deleted(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """A node certificate whose node never registered beats as fast as acks come. Every
+    fold refuses those heartbeats (no such node), so none was "folded", and the leader kept
+    all it wrote after the quarantine for their TTL. They go like the rest of its traffic;
+    its registration is ignored (quarantined), and the log still folds to the digest."""
+    cfg = control_config(nats_server, "control-a", node_quota=QUOTA)
+    admin = await connect.admin()
+    stray = await connect_as(nats_server, "node", "node-x")
+    publisher = bus.JetStreamLog(stray).publisher
+    n = 0
+
+    async def beats(count: int) -> list[int]:
+        nonlocal n
+        out: list[int] = []
+        for start in range(0, count, 100):
+            batch = [
+                events.Heartbeat(id=f"x-hb-{n}-{i}", ts=time.time(), node="node-x", seq=i)
+                for i in range(start, min(count, start + 100))
+            ]
+            n += 1
+            out += [p.seq for p in await publisher.publish_all(batch, ttl_s=60)]
+        return out
+
+    try:
+        async with running(ControlService(cfg)) as svc:
+            await beats(400)
+            await wait_for(
+                lambda: "node-x" in svc.state.quarantined, 30, "node-x quarantined", every_s=0.1
+            )
+            late = await beats(300)
+            registration = events.NodeRegistered(
+                id="x-reg", ts=time.time(), node="node-x", address="127.0.0.1", gpus=()
+            )
+            late.append((await publisher.publish(registration)).seq)
+            await wait_for(lambda: gone(admin, late), 30, "its later ones deleted", every_s=0.5)
+            assert "node-x" not in svc.state.nodes
+
+            log = await read_log(admin)
+            await wait_for(lambda: svc.state.last_seq >= log[-1].seq, 10, "folded to the end")
+            seq, digest = svc.state.last_seq, state.digest(svc.state)
+            log = await read_log(admin)
+            assert digest_to(log, seq) == digest
+    finally:
+        await bus.close(stray)
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+def attested(log: list[bus.Record]) -> set[int]:
+    """Every sequence the leader's attestations in `log` vouch for or refuse."""
+    out: set[int] = set()
+    for r in log:
+        if isinstance(r.event, events.LogAttested):
+            for first, last in (*r.event.accepted, *r.event.refused):
+                out.update(range(first, last + 1))
+    return out
+
+
+async def test_what_the_leader_deletes_it_does_not_attest(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """The leader attests each message its reader checked (a digest of 16 bytes for each it
+    accepted, a run for those it refused) in `control.log_attested` events, which stay in
+    the log. A quarantined node's flood, deleted, left its digests there for ever: the
+    node went on writing the log through the leader, about 22 bytes a message, whatever
+    its quarantine."""
+    cfg = control_config(nats_server, "control-a", node_quota=QUOTA)
+    admin = await connect.admin()
+    agents: dict[str, SimAgent] = {}
+    try:
+        async with running(ControlService(cfg)) as svc:
+            for node in ("node-a", "node-b"):
+                agents[node] = await SimAgent(nats_server, node, gpus=1).start()
+            await wait_for(lambda: len(svc.state.nodes) == 2, 20, "both nodes registered")
+            b = agents["node-b"]
+            await junk(b, 400)
+            await wait_for(
+                lambda: "node-b" in svc.state.quarantined, 30, "node-b quarantined", every_s=0.1
+            )
+            assert b._pub is not None
+            late: list[int] = []
+            for _ in range(10):
+                batch = [
+                    events.NodeRegistered(
+                        id=b._id("again"), ts=time.time(), node="node-b", address="127.0.0.1"
+                    )
+                    for _ in range(100)
+                ]
+                late += [p.seq for p in await b._pub.publish_all(batch)]
+            late += await junk(b, 300)
+            await wait_for(
+                lambda: gone(admin, late), 30, "node-b's later ones deleted", every_s=0.5
+            )
+            # Something to attest after them: node-a registers again.
+            await agents["node-a"].register()
+            log = await read_log(admin)
+            after = log[-1].seq
+            await wait_for(
+                lambda: svc.attester._covered >= after, 30, "attested past them", every_s=0.2
+            )
+            log = await read_log(admin)
+            assert after in attested(log)
+            assert not attested(log) & set(late)
+    finally:
+        for agent in agents.values():
+            await agent.close()
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+async def test_every_heartbeat_refused_for_its_ttl_goes_however_many_come_in_a_row(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """The leader deletes heartbeats whose TTL would keep them (llmgw.core.retention) after
+    each batch it folds, from the reader's list of them, which keeps the latest 10,000.
+    A node writing more than that in a row, with no event between them for a batch to
+    end at, kept the rest in the log for ever (here no budget applies: only the TTL rule)."""
+    cfg = control_config(nats_server, "control-a", node_quota=NodeQuota(enabled=False))
+    admin = await connect.admin()
+    stray = await connect_as(nats_server, "node", "node-x")
+    signer = nats_server.pki.signer("node", "node-x")
+    subject = subjects.node_event("node-x", "heartbeat")
+    js = stray.jetstream()
+
+    async def kept() -> int:
+        info = await admin.jetstream().stream_info(subjects.STREAM, subjects_filter=subject)
+        return sum((info.state.subjects or {}).values())
+
+    try:
+        async with running(ControlService(cfg)) as svc:
+            await wait_for(lambda: svc.leading and svc.caught_up.is_set(), 20, "leading")
+            written = 0
+            for start in range(0, 12_000, 500):
+                futures = []
+                for i in range(start, start + 500):
+                    beat = events.Heartbeat(id=f"x-{i}", ts=time.time(), node="node-x", seq=i)
+                    payload = events.encode(beat)
+                    headers = {
+                        "Nats-Msg-Id": beat.id,
+                        **signer.event_headers(subject, beat.id, payload),
+                        "Nats-TTL": "never",
+                    }
+                    futures.append(
+                        await js.publish_async(
+                            subject, payload, headers=headers, stream=subjects.STREAM
+                        )
+                    )
+                written += len([await f for f in futures])
+            assert written == 12_000
+            await wait_for(
+                lambda: svc._reader is not None and svc._reader.last_seq >= 12_000,
+                60,
+                "read them all",
+                every_s=0.2,
+            )
+
+            async def none_kept() -> bool:
+                return await kept() == 0
+
+            await wait_for(none_kept, 60, "every one deleted", every_s=0.5)
+    finally:
+        await bus.close(stray)
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+async def test_a_heartbeat_whose_ttl_the_server_does_not_read_is_refused_and_deleted(
+    nats_server: TestNatsServer, connect: Connector
+) -> None:
+    """The server reads a message's TTL from `Nats-TTL` as written (`nats-ttl` it ignores:
+    the message never expires); readers matched the name in any case. A heartbeat with
+    `nats-ttl: 60` was accepted by every reader as expiring in a minute, and stayed in the
+    log for ever. Readers now read the header the server reads: it has no TTL, so it is
+    refused and the leader deletes it."""
+    cfg = control_config(nats_server, "control-a", node_quota=NodeQuota(enabled=False))
+    admin = await connect.admin()
+    stray = await connect_as(nats_server, "node", "node-x")
+    signer = nats_server.pki.signer("node", "node-x")
+    subject = subjects.node_event("node-x", "heartbeat")
+    try:
+        async with running(ControlService(cfg)) as svc:
+            await wait_for(lambda: svc.leading and svc.caught_up.is_set(), 20, "leading")
+            seqs = []
+            for i, name in enumerate(("nats-ttl", "NATS-TTL")):
+                beat = events.Heartbeat(id=f"x-{i}", ts=time.time(), node="node-x", seq=i)
+                payload = events.encode(beat)
+                signed = signer.event_headers(subject, beat.id, payload)
+                headers = {"Nats-Msg-Id": beat.id, **signed, name: "60"}
+                ack = await stray.jetstream().publish(subject, payload, headers=headers)
+                seqs.append(ack.seq)
+            await wait_for(lambda: gone(admin, seqs), 20, "both deleted", every_s=0.5)
+    finally:
+        await bus.close(stray)
+        with contextlib.suppress(Exception):
+            await admin.close()

@@ -225,3 +225,59 @@ def test_a_sequence_neither_accepted_nor_refused_is_left_to_its_signature() -> N
     assert book.check(6, b"\0" * 16) not in (None, NOT_COVERED)
     # Accepted and refused at once does not hold together.
     assert Attested.of(1, 10, [(2, 2)], one, [(2, 3)]) is None
+
+
+def test_the_attester_leaves_out_what_the_leader_deletes_and_what_the_fold_has_not_passed() -> None:
+    """An attestation stays in the log: one of a message the leader deletes (a quarantined
+    node's flood) was the leader writing, for ever, a digest for each message of the flood.
+    And a message the fold has not passed yet may still be one it deletes."""
+    from llmgw.control.attesting import Attester
+
+    att = Attester(every=10, within_s=0.0, clock=lambda: 0.0)
+    for seq in (1, 2, 3, 4):
+        att.accepted(seq, bytes([seq]) * 16)
+    att.refused(5)
+    att.refused(6)
+    for seq in (2, 6, 9):  # 9 was never read here (a heartbeat, say): nothing to leave out
+        att.drop(seq)
+    assert att.pending == 4
+    first = att.take(event_id="a", epoch=1, basis_seq=4)
+    assert first is not None
+    assert (first.first_seq, first.last_seq) == (1, 4)
+    assert (first.accepted, first.refused) == (((1, 1), (3, 4)), ())
+    item = Attested.of(first.first_seq, first.last_seq, first.accepted, first.digests, ())
+    assert item is not None
+    assert [item.lookup(s) for s in (1, 2, 3, 4)] == [b"\1" * 16, None, b"\3" * 16, b"\4" * 16]
+    att.attested(first)
+    assert att.pending == 1
+    assert att.take(event_id="b", epoch=1, basis_seq=4) is None  # 5: not folded yet
+    later = att.take(event_id="c", epoch=1, basis_seq=6)
+    assert later is not None
+    assert (later.first_seq, later.last_seq, later.refused) == (5, 5, ((5, 5),))
+
+
+def test_what_the_attester_leaves_out_does_not_pile_up() -> None:
+    """A quarantined node's flood, every message of it left out, with nothing else to
+    attest: what the attester keeps stays small however long the flood."""
+    import gc
+    import tracemalloc
+
+    from llmgw.control.attesting import Attester
+
+    att = Attester(every=4096, within_s=0.0, clock=lambda: 0.0)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for seq in range(1, 200_001, 2):
+            att.accepted(seq, seq.to_bytes(16, "big"))
+            att.refused(seq + 1)
+            att.drop(seq + 1)  # refused junk: left out as it comes
+            if seq > 10:
+                att.drop(seq - 10)  # an event the fold ignored a little later
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert att.pending == 5  # the last few accepted, not (yet) left out
+    assert kept < 1_000_000, kept

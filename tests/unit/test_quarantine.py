@@ -341,6 +341,37 @@ def test_a_standby_measures_heartbeats_but_collects_nothing() -> None:
     assert meter.usage("a").messages - before == 4
 
 
+def test_the_heartbeats_of_a_quarantined_node_that_never_registered_go_too() -> None:
+    """A node certificate whose node never registered (or the node quarantined before it
+    did: its registrations are then ignored) had every heartbeat refused by the fold, so
+    none was "folded": the leader kept each for its TTL, up to an hour, however many it
+    wrote after its quarantine, and logged a line for each. No fold uses them either."""
+    meter = Meter(NodeQuota(window_s=60, max_messages=3, max_bytes=10_000))
+    folded = Folded(Metrics(), lambda: 1000.0, meter)
+    folded.collect_ignored = True
+    sim = serving_sim()
+    folded.fold([_record(seq, ev, at=999.0) for seq, ev in sim.records])
+    seq = sim.seq
+    beats = [
+        _record(seq + 2 + i, events.Heartbeat(id=f"hb-{i}", ts=1000.0, node="x", seq=i), 40)
+        for i in range(4)
+    ]
+    register = events.NodeRegistered(
+        id="reg-x", ts=1000.0, node="x", address="10.0.0.9", gpus=(), agent_version="t"
+    )
+    rejected = folded.rejected
+    folded.fold([_record(seq + 1, quarantine("x")), *beats, _record(seq + 6, register)])
+    assert folded.ignored == [seq + 2, seq + 3, seq + 4, seq + 5, seq + 6]
+    assert "x" not in folded.state.nodes
+    assert "x" not in folded.state.seen
+    assert folded.rejected - rejected == 5
+    assert meter.usage("x").messages == 5
+    # Another node that never registered, not quarantined: its heartbeats stay.
+    stray = events.Heartbeat(id="hb-y", ts=1000.0, node="y", seq=1)
+    folded.fold([_record(seq + 7, stray)])
+    assert folded.ignored[-1] == seq + 6
+
+
 def _skipped(seq: int, subject: str, size: int = 300, at: float = 1000.0) -> bus.Skipped:
     return bus.Skipped(seq=seq, subject=subject, time=at, error="bad", size=size)
 

@@ -4,6 +4,7 @@ code, no network)."""
 
 from __future__ import annotations
 
+import base64
 import datetime
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from llmgw.control.attesting import Attester
 from llmgw.core import attestation, events, kvblocks, loadreport, subjects
 from llmgw.pki import signing
 from llmgw.pki.identity import Identity
-from tests.unit.test_signing import SIGNERS, VERIFIER, _NoClient, ack, block
+from tests.unit.test_signing import CA, SIGNERS, VERIFIER, _NoClient, ack, block
 
 NODE = SIGNERS[Identity("node", "a")]
 
@@ -247,7 +248,7 @@ def test_every_message_passed_over_reaches_the_sink_with_its_size_past_the_kept_
     assert r.refused == 2
     assert [rec.seq for rec in r._buf] == [10]
     messages = [*junk, unsigned, forged, signed(beat(9))]
-    assert [item.size for item in heard] == [len(m[1]) + len(m[2]) for m in messages]
+    assert [item.size for item in heard] == [len(m[0]) + len(m[1]) + len(m[2]) for m in messages]
     assert all(item.size > 0 for item in heard)
 
 
@@ -261,3 +262,103 @@ def test_a_failing_sink_never_stops_the_reading() -> None:
     assert [rec.seq for rec in r._buf] == [2]
     assert r.undecodable == 1
     assert r.last_seq == 2
+
+
+def test_what_a_reader_keeps_does_not_grow_with_the_size_of_what_a_node_writes() -> None:
+    """A node chooses its subjects below `llmgw.events.node.<node>.` (the server takes about
+    4 KiB), its TTL header and its certificate header (up to the server's 64 KiB of
+    headers; `1s1s1s...` is a valid duration). A reader kept each new subject, each new
+    (subject, TTL), each certificate's verdict (by its bytes) and each refusal's text
+    whole, up to 100,000 (10,000 certificates) of each: a node writing a few thousand such
+    messages, even quarantined (the leader reads each before it deletes it), made every
+    reader of the log hold gigabytes."""
+    import gc
+    import tracemalloc
+
+    r = reader.Reader(_NoClient(), verifier=signing.Verifier(CA.cert))  # type: ignore[arg-type]
+    count = 200
+    own = subjects.node_event("a", "shard").encode()
+    long_certs = [
+        (own, b"junk", block({"Nats-Msg-Id": f"c-{i}", "Llmgw-Sig": "x", "Llmgw-Cert": cert}))
+        for i in range(count)
+        for cert in [base64.b64encode(b"%04d" % i + b"\x00" * 30_000).decode()]
+    ]
+    long_subjects = [
+        signed_as(Identity("node", "a"), f"llmgw.events.node.a.{i:04d}{'x' * 4000}", b"junk")
+        for i in range(count)
+    ]
+    long_ttls = [signed(shard(i), f"{'1s' * 15_000}{i}s") for i in range(count)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        feed(r, long_subjects + long_ttls + long_certs)
+        r._buf.clear()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert r.undecodable == 3 * count
+    assert r.refused == count
+    assert list(r.ttl_refused) == list(range(count + 1, 2 * count + 1))
+    # The recent refusals it keeps name their subject; nothing else keeps what they wrote.
+    assert kept < 2 * count * 4096 + 1_000_000, kept
+    assert all(len(s.error) < 1000 for s in r.skipped)
+
+
+def test_a_messages_size_counts_its_subject_as_the_log_stores_it() -> None:
+    """The server stores each message's subject, and a node chooses it (about 4 KiB below
+    its own): a budget that counted payload and headers only let 4 KiB messages pass for
+    a byte each."""
+    heard: list[reader.Skipped] = []
+    r = reader.Reader(_NoClient(), verifier=VERIFIER, on_skip=heard.append)  # type: ignore[arg-type]
+    long = f"llmgw.events.node.a.{'x' * 4000}"
+    messages = [signed_as(Identity("node", "a"), long, b"j"), signed(shard(2))]
+    feed(r, messages)
+    sizes = [len(s) + len(p) + len(h) for s, p, h in messages]
+    assert [item.size for item in heard] == sizes[:1]
+    assert sizes[0] > 4000
+    assert [rec.size for rec in r._buf] == sizes[1:]
+
+
+class _Lines:
+    """Stands in for a module's logger: the lines it was asked to write."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.lines.append((event, fields))
+
+    error = info = warning
+
+
+def test_a_run_of_messages_passed_over_is_logged_in_a_bounded_number_of_lines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each message a reader passed over was a log line, which cost more than ten times
+    the reading of an unsigned one: a node writing junk on its own subjects as fast as the
+    server takes it had every reader of the log (control planes, routers) spend its time
+    and disk writing lines. Each is still counted and told to the sink."""
+    from llmgw.bus import intake
+
+    lines = _Lines()
+    now = [1000.0]
+    monkeypatch.setattr(intake, "log", lines)
+    monkeypatch.setattr(intake, "_clock", lambda: now[0], raising=False)
+    heard: list[reader.Skipped] = []
+    r = reader.Reader(_NoClient(), verifier=VERIFIER, on_skip=heard.append)  # type: ignore[arg-type]
+    own = subjects.node_event("a", "shard").encode()
+    feed(r, [(own, b"junk %d" % i, b"") for i in range(5000)])
+    assert r.undecodable == 5000
+    assert len(heard) == 5000
+    logged = [fields["seq"] for event, fields in lines.lines if event == "bus.signature_refused"]
+    assert logged == list(range(1, 101))
+    assert len(lines.lines) == 100
+    now[0] += 10.0  # a period later, the next one says how many went unlogged
+    feed(r, [(own, b"junk", b"")], first=5001)
+    assert lines.lines[100] == (
+        "skipped_unlogged",
+        {"count": 4900, "last_seq": 5000, "last_subject": own.decode(), "period_s": 10.0},
+    )
+    assert lines.lines[101][1]["seq"] == 5001

@@ -361,7 +361,9 @@ def test_verification_costs_one_ecdsa_check_per_event() -> None:
 def test_signature_headers_parse() -> None:
     raw = b"NATS/1.0\r\nNats-Msg-Id: x\r\nLlmgw-Sig: s\r\nLlmgw-Cert: c\r\nNats-TTL: 5s\r\n\r\n"
     assert headers.message_headers(raw) == (b"x", b"s", b"c", b"5s")
-    assert headers.message_headers(b"NATS/1.0\r\nnats-ttl: 1s\r\n\r\n") == (None, None, None, b"1s")
+    # The server reads `Nats-TTL` as written: `nats-ttl` is no TTL (the message stays).
+    assert headers.message_headers(b"NATS/1.0\r\nnats-ttl: 1s\r\n\r\n") == (None,) * 4
+    assert headers.message_headers(b"NATS/1.0\r\n Nats-TTL : 1s\r\n\r\n") == (None,) * 3 + (b"1s",)
     assert headers.message_headers(b"") == (None, None, None, None)
     assert headers.message_headers(raw + b"Nats-Msg-Id: y\r\n") is None
 
