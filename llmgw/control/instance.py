@@ -59,6 +59,7 @@ class Instance:
         self.attester = attesting.Attester(clock=self.clock)
         """What this instance's reader checked, for the leader to attest
         (llmgw.control.attesting): later readers then verify each event once."""
+        self._spawned: set[asyncio.Task[None]] = set()
         self.leading = False
         self.epoch = 0
         """Epoch of the lease this instance holds (0 when it holds none)."""
@@ -124,7 +125,12 @@ class Instance:
         return self.cfg.nats.tls_context()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
-        return asyncio.create_task(coro, name=f"control-{self.name}-{what}")
+        # The loop holds only a weak reference to a task: one nobody else holds may be
+        # collected before it ends (a deletion, a snapshot's save, the sweep).
+        task = asyncio.create_task(coro, name=f"control-{self.name}-{what}")
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        return task
 
     def _mark_caught_up(self) -> None:
         if not self.caught_up.is_set():

@@ -231,3 +231,32 @@ def test_skipped_control_messages_move_the_fence_once_a_later_event_is_folded() 
     assert folded.control_seq == 0
     folded.fold([rec(4)])
     assert folded.control_seq == 3
+
+
+async def test_a_task_the_control_plane_starts_is_held_until_it_ends() -> None:
+    """The event loop holds its tasks weakly: a deletion waiting on an answer that only it
+    holds could be collected half done, its messages neither deleted nor retried."""
+    import asyncio
+    import contextlib
+    import gc
+    import weakref
+
+    from llmgw.control.service import ControlService
+    from tests.unit.test_control_ports import config
+
+    svc = ControlService(config())
+
+    async def waits_on_its_own() -> None:
+        await asyncio.get_running_loop().create_future()  # held by nothing but this task
+
+    task = svc._spawn(waits_on_its_own(), "orphan")
+    held = weakref.ref(task)
+    del task
+    await asyncio.sleep(0)  # its first step: from now on only what holds it keeps it
+    gc.collect()
+    survivor = held()
+    assert survivor is not None
+    survivor.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await survivor
+    assert survivor not in svc._spawned
