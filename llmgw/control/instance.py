@@ -80,7 +80,7 @@ class Instance:
         self._sweep_epoch = 0
         """The epoch in which this instance last swept quarantined nodes' messages."""
         self._stopping = False
-        self._awaiting = self._announced = self._models_synced_epoch = 0
+        self._awaiting = self._announced = self._models_synced_epoch = self._reader_resets = 0
         self._decision_ids = ids_.DecisionIds()
         self.scaler = Scaler()
         self.metrics.export_fleet(self._fleet_now)
@@ -90,7 +90,6 @@ class Instance:
         self._last_snapshot = time.monotonic()
         self._snapshot_task: asyncio.Task[None] | None = None
         self._own_rejected_seen = 0
-        self._reader_resets = 0
         self._ports = ports
         self._reader: LogReader | None = None
         self._nc: bus.BusClient | None = None
