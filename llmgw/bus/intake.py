@@ -115,6 +115,9 @@ class Intake:
         # Where the consumer's delivery stands; the reader resets these with a new one.
         self._expect_cseq = 1
         self._outstanding = 0
+        self._requested = 0
+        self._max_bytes = 0
+        """Bytes one pull request may bring (0: any); see llmgw.bus.reader."""
         self._request_open = False
         self._reset_needed = False
         self._routine_reset = False
@@ -339,7 +342,14 @@ class Intake:
             self._ended_quietly = True
         elif code == b"409":
             text = headers[13:].split(b"\r\n", 1)[0].decode(errors="replace")
-            if (
+            if "Exceeds MaxBytes" in text:
+                # The request's bytes are spent: the next asks again. One that brought
+                # nothing met a message larger than them (a stream whose messages may be
+                # larger than its readers expect): ask for more, or it stays stuck there.
+                if self._max_bytes and self._outstanding >= self._requested:
+                    self._max_bytes *= 2
+                    log.warning("reader_max_bytes_raised", max_bytes=self._max_bytes)
+            elif (
                 "Consumer Deleted" in text
                 or "Consumer is push based" in text
                 or "Leadership Change" in text

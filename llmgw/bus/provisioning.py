@@ -94,14 +94,19 @@ SIGNALS_MAX_AGE_S = 30.0
 """How long the routers' load reports stay in `llmgw-signals`: a new leader reads the
 last seconds of them, and what a decision was made on is in the log beside it."""
 SIGNALS_MAX_BYTES = 64 * 1024 * 1024
+SIGNALS_PER_SUBJECT = 1
+"""Reports kept per subject: every reader keeps only each subject's latest, and without
+this bound a node publishing its largest reports on its own subject pushed everyone
+else's out of the stream (oldest dropped) within a second."""
 
 
 def signals_stream_config(settings: StreamSettings) -> api.StreamConfig:
     """The configuration of `llmgw-signals`, the routers' load reports. Purely computational.
 
     In memory and bounded like `llmgw-kv`: every router sends its report again every
-    second, and the autoscaler records in the log what it decided on."""
-    return _derived_stream_config(
+    second, and the autoscaler records in the log what it decided on. Only each subject's
+    latest report is kept (`SIGNALS_PER_SUBJECT`)."""
+    cfg = _derived_stream_config(
         settings,
         subjects.SIGNALS_STREAM,
         "llmgw: routers' load reports for the autoscaler (derived data)",
@@ -109,6 +114,8 @@ def signals_stream_config(settings: StreamSettings) -> api.StreamConfig:
         SIGNALS_MAX_AGE_S,
         SIGNALS_MAX_BYTES,
     )
+    cfg.max_msgs_per_subject = SIGNALS_PER_SUBJECT
+    return cfg
 
 
 LIMITS_MAX_AGE_S = 600.0

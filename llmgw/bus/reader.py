@@ -28,7 +28,12 @@ guarantee itself: it checks the consumer sequence of every message and, on a gap
 a deleted consumer, an empty message (the server ends its response there) or a silent
 server (no heartbeat), recreates the consumer from the last sequence it delivered.
 Asking for the next batch only when the previous one is consumed bounds memory to
-about two batches.
+about two batches. The load reports' reader bounds each batch's bytes too (`max_bytes`):
+asked for 10,000 messages of up to 1 MiB each, the server pushed one node's flood onto the
+control plane's connection faster than it read them, until it closed the connection as a
+slow consumer (64 MiB pending), and with it the lease and the log the control plane held
+on it. A message larger than the bound is still read: a request that brings nothing for
+it asks for twice as much next.
 
 What each message goes through on arrival (its place in the consumer's order, its
 trust, its subject, its TTL, decoding) is the reader's intake, llmgw.bus.intake.
@@ -94,6 +99,7 @@ class Reader(Intake):
         subjects_filter: Sequence[str] = subjects.STREAM_SUBJECTS,
         follow: bool = True,
         batch: int = 10_000,
+        max_bytes: int = 0,
         heartbeat_s: float = 2.0,
         expires_s: float = 30.0,
         name: str = "reader",
@@ -129,6 +135,7 @@ class Reader(Intake):
         self._filters = list(subjects_filter)
         self.follow = follow
         self._batch = max(1, batch)
+        self._max_bytes = max(0, max_bytes)
         self._heartbeat_s = heartbeat_s
         # Without following, a pull request that waits long for messages that will
         # not come only delays the end.
@@ -313,11 +320,12 @@ class Reader(Intake):
         body = json.dumps(
             {
                 "batch": self._batch,
+                **({"max_bytes": self._max_bytes} if self._max_bytes else {}),
                 "expires": int(self._expires_s * _NS),
                 "idle_heartbeat": int(self._heartbeat_s * _NS),
             }
         ).encode()
-        self._outstanding = self._batch
+        self._outstanding = self._requested = self._batch
         self._request_open = True
         self._ended_quietly = False
         await self._nc.publish(

@@ -3,9 +3,9 @@
 Each router process publishes a signed `llmgw.core.loadreport.LoadReport` every second
 on `llmgw.signals.router.<its name>.w<worker>`, and each agent one of its engines' load on
 `llmgw.signals.node.<its id>`, which only that router or node may publish
-(llmgw.pki.authorization); the memory stream `llmgw-signals` keeps them for half a
-minute (llmgw.bus.provisioning). Fire and forget, as the KV updates: a report lost is
-replaced by the next one a second later.
+(llmgw.pki.authorization); the memory stream `llmgw-signals` keeps each subject's
+latest for half a minute (llmgw.bus.provisioning). Fire and forget, as the KV updates: a
+report lost is replaced by the next one a second later.
 
 `SignalsReader` is a `Reader` over that stream, with the same consumer, order and
 signature checks; its records carry a `LoadReport` in `event`, dated no later than the
@@ -27,6 +27,12 @@ from llmgw.pki.signing import Signer
 
 START_WINDOW_S = 5.0
 """How far back a SignalsReader starts: a few of every router's reports."""
+PULL_MAX_BYTES = 4 * 1024 * 1024
+"""What one of a SignalsReader's pull requests may bring: a few of the largest reports
+(1 MiB), thousands of ordinary ones. Unbounded, a node publishing its largest reports as
+fast as it could had the server push them onto the control plane's connection, which
+also holds its lease and its log, faster than the control plane read them, until the
+server closed it (a slow consumer), again and again: the leader lost its lease."""
 
 
 class SignalsPublisher:
@@ -59,6 +65,7 @@ class SignalsReader(Reader):
 
     def __init__(self, nc: Client, *, since: float | None = None, **options: Any) -> None:
         options.setdefault("name", "signals")
+        options.setdefault("max_bytes", PULL_MAX_BYTES)
         super().__init__(
             nc,
             since=time.time() - START_WINDOW_S if since is None else since,

@@ -65,13 +65,17 @@ async def test_a_router_reports_only_for_itself(nats_server: TestNatsServer) -> 
                                    for v in attacker.permission_violations), 10,
                        "the server to report the refused publish")  # fmt: skip
         # 2. Its own subject with the honest router's signature (a replayed report): stored,
-        # and refused by every reader.
-        own = subjects.router_signals("router-2", 0)
-        await attacker.publish(own, forged, headers=signed_headers(honest, own, forged, "f2"))
+        # and refused by every reader. (Each case on a subject of its own: the stream keeps
+        # each subject's latest report only.)
+        replayed = subjects.router_signals("router-2", 1)
+        await attacker.publish(replayed, forged,
+                               headers=signed_headers(honest, replayed, forged, "f2"))  # fmt: skip
         # 3. Garbage, signed: stored, skipped with a reason.
+        own = subjects.router_signals("router-2", 0)
         await bus.SignalsPublisher(attacker, "router-2").publish(report(3.0, 2))
         junk = b"\x81\xa2ts\xa3now"
-        await attacker.publish(own, junk, headers=signed_headers(attacker, own, junk, "f3"))
+        garbled = subjects.router_signals("router-2", 2)
+        await attacker.publish(garbled, junk, headers=signed_headers(attacker, garbled, junk, "f3"))
         # 4. A node publishes no load report at all.
         await node.publish(subjects.router_signals("node-a", 0), forged)
         await asyncio.gather(honest.flush(), attacker.flush(), node.flush())

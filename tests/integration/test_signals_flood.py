@@ -1,0 +1,142 @@
+"""A node floods `llmgw-signals` with its largest valid reports, on a real nats-server.
+
+What one node's certificate can do to the readers of the load reports: publish reports
+of 1 MiB (the stream's largest message) on its own subject as fast as the server takes
+them. The control plane reads them on the connection that also holds its lease and its
+log, so the server must never be made to close that connection; and the reports of
+everyone else must not be pushed out of the stream by one subject's flood.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+
+import pytest
+
+from llmgw import bus
+from llmgw.core import loadreport, subjects
+from tests.harness import TestNatsServer, connect_as, signed_headers, wait_for
+
+pytestmark = pytest.mark.slow
+
+MIB = 1024 * 1024
+
+
+def largest_report() -> bytes:
+    """A valid report just under the stream's 1 MiB limit (with its signature headers)."""
+    endpoints = tuple(
+        loadreport.EndpointLoad(endpoint=f"e{i:011d}", model=f"m{i % 2000:04d}", queue=1.5)
+        for i in range(19_000)
+    )
+    data = loadreport.encode(loadreport.LoadReport(ts=time.time(), endpoints=endpoints))
+    assert 0.8 * MIB < len(data) < MIB - 4096
+    return data
+
+
+def flood(server: TestNatsServer, node: str, count: int, done: threading.Event) -> None:
+    """Publish `count` largest reports on `node`'s subject, from a thread of its own: the
+    writer goes on while the reader's event loop is busy."""
+
+    async def run() -> None:
+        nc = await connect_as(server, "node", node)
+        subject, data = subjects.node_signals(node), largest_report()
+        try:
+            for i in range(count):
+                headers = signed_headers(nc, subject, data, secrets.token_hex(12))
+                await nc.publish(subject, data, headers=headers)
+                if i % 8 == 7:
+                    await nc.flush(timeout=30)
+            await nc.flush(timeout=30)
+        finally:
+            await bus.close(nc)
+            done.set()
+
+    asyncio.run(run())
+
+
+async def test_a_node_flooding_its_reports_does_not_get_the_readers_connection_closed(
+    nats_server: TestNatsServer,
+) -> None:
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    reader = bus.SignalsReader(control, name="t")
+    seen = 0
+    done = threading.Event()
+    try:
+        async with reader:
+
+            async def consume() -> None:
+                nonlocal seen
+                async for batch in reader.batches():
+                    seen += len(batch)
+
+            consumer = asyncio.create_task(consume())
+            await wait_for(lambda: reader._request_open, 10, "the reader's first pull request")
+            writer = threading.Thread(target=flood, args=(nats_server, "evil", 160, done))
+            writer.start()
+            # The reader's process is busy (as a control plane deciding, or folding a
+            # snapshot) while the node writes faster than it reads: 160 MiB in a few s.
+            time.sleep(4.0)  # noqa: ASYNC251 (the event loop held on purpose)
+            await wait_for(done.is_set, 120, "the flood to end")
+            await asyncio.to_thread(writer.join)
+            await wait_for(lambda: seen > 0, 30, "the reader to read reports again")
+            consumer.cancel()
+        log = nats_server.log_tail(200)
+        assert "Slow Consumer" not in log, log
+        assert control.stats["reconnects"] == 0
+    finally:
+        await bus.close(control)
+
+
+async def test_a_node_flooding_its_reports_does_not_push_out_anyone_elses(
+    nats_server: TestNatsServer,
+) -> None:
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    router = await connect_as(nats_server, "router", "r1")
+    try:
+        report = loadreport.LoadReport(ts=time.time(), models=(
+            loadreport.ModelTraffic(model="m", requests=7),))  # fmt: skip
+        await bus.SignalsPublisher(router, "r1").publish(report)
+        await router.flush()
+        # More than the stream holds (64 MiB), on the node's one subject.
+        await asyncio.to_thread(flood, nats_server, "evil", 80, threading.Event())
+        got: list[bus.Record] = []
+        reader = bus.SignalsReader(control, since=0.0, follow=False, name="t")
+        async with reader:
+            async for batch in reader.batches():
+                got.extend(batch)
+        by_subject = {r.subject: bus.signals.report_of(r) for r in got}
+        assert by_subject[subjects.router_signals("r1", 0)].models[0].requests == 7
+        assert subjects.node_signals("evil") in by_subject  # its latest is kept
+    finally:
+        await bus.close(router)
+        await bus.close(control)
+
+
+async def test_a_report_larger_than_a_readers_byte_bound_is_still_read(
+    nats_server: TestNatsServer,
+) -> None:
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    router = await connect_as(nats_server, "router", "r1")
+    try:
+        models = tuple(loadreport.ModelTraffic(model=f"m{i}", requests=i) for i in range(500))
+        await bus.SignalsPublisher(router, "r1").publish(
+            loadreport.LoadReport(ts=time.time(), models=models)
+        )
+        await router.flush()
+        got: list[bus.Record] = []
+        reader = bus.SignalsReader(control, since=0.0, follow=False, name="t", max_bytes=1024)
+        async with reader:
+            async for batch in reader.batches():
+                got.extend(batch)
+        [record] = got
+        assert record.size > 4 * 1024
+        assert len(bus.signals.report_of(record).models) == 500
+    finally:
+        await bus.close(router)
+        await bus.close(control)
