@@ -109,7 +109,7 @@ class Intake:
         """Set once everything stored when reading began has been handed out."""
         self._buf: list[Record] = []
         # Subjects repeat (one per node and kind): decode each once.
-        self._subjects: dict[bytes, tuple[str, bool, bytes]] = {}
+        self._subjects: dict[bytes, tuple[str, bool, bytes, str | None]] = {}
         self._ttl_verdicts: dict[tuple[str, bytes | None], str | None] = {}
         self._wakeup = asyncio.Event()
         # Where the consumer's delivery stands; the reader resets these with a new one.
@@ -167,10 +167,12 @@ class Intake:
         known = self._subjects.get(subject)
         if known is None:
             known = self._learn_subject(subject)
-        name, heartbeat, prefix = known
+        name, heartbeat, prefix, foreign = known
         size = len(subject) + len(data) + len(headers)  # what the server stores of it
         found = message_headers(headers)
-        if found is None:
+        if foreign is not None:
+            self._skip(seq, name, when, foreign, size=size)
+        elif found is None:
             self._refuse(seq, name, when, "signature headers appear twice", size)
         else:
             msg_id, sig, cert, ttl = found
@@ -234,14 +236,22 @@ class Intake:
             return
         self._buf.append(Record(seq, name, when, event, size))
 
-    def _learn_subject(self, subject: bytes) -> tuple[str, bool, bytes]:
-        """A subject's name, whether it is a heartbeat's, and the start of its messages'
-        attested digests; kept, as subjects repeat (one per node and kind)."""
+    def _learn_subject(self, subject: bytes) -> tuple[str, bool, bytes, str | None]:
+        """A subject's name, whether it is a heartbeat's, the start of its messages'
+        attested digests and `_foreign`'s verdict; kept, as subjects repeat (one per node
+        and kind)."""
         name = subject.decode(errors="replace")
-        known = (name, name.endswith(".heartbeat"), attestation.subject_prefix(subject))
+        heartbeat = name.endswith(".heartbeat")
+        known = (name, heartbeat, attestation.subject_prefix(subject), self._foreign(name))
         if len(self._subjects) < 100_000 and len(subject) <= _KEPT_SUBJECT_MAX:
             self._subjects[subject] = known
         return known
+
+    def _foreign(self, name: str) -> str | None:
+        """Why no message on `name` is accepted, whoever signed it, or None: such messages
+        are skipped before their signature is checked. The log's reader leaves subjects to
+        `_accept`; the load reports' reader refuses any but the reports' own there."""
+        return None
 
     def _refuse(self, seq: int, name: str, when: float, why: str, size: int) -> None:
         self.refused += 1

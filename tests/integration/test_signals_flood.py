@@ -13,6 +13,7 @@ import asyncio
 import secrets
 import threading
 import time
+from typing import Any, cast
 
 import pytest
 
@@ -137,6 +138,59 @@ async def test_a_report_larger_than_a_readers_byte_bound_is_still_read(
         [record] = got
         assert record.size > 4 * 1024
         assert len(bus.signals.report_of(record).models) == 500
+    finally:
+        await bus.close(router)
+        await bus.close(control)
+
+
+class CountingVerifier:
+    """The fleet's verifier, counting the signatures it checks."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.checked = 0
+
+    def event_refusal(self, *args: Any, **kwargs: Any) -> str | None:
+        self.checked += 1
+        refusal: str | None = self.inner.event_refusal(*args, **kwargs)
+        return refusal
+
+
+async def test_a_routers_messages_on_subjects_of_its_own_making_cost_no_signature_check(
+    nats_server: TestNatsServer,
+) -> None:
+    # A router may publish on any subject below `llmgw.signals.router.<its name>.`: messages
+    # on new ones each cost every reader a signature check, none of them a report's.
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    router = await connect_as(nats_server, "router", "evil")
+    junk = 20_000
+    try:
+        for i in range(junk):
+            await router.publish(f"llmgw.signals.router.evil.x{i}", b"x")
+        report = loadreport.LoadReport(ts=time.time(), models=(
+            loadreport.ModelTraffic(model="m", requests=7),))  # fmt: skip
+        await bus.SignalsPublisher(router, "evil").publish(report)
+        await router.flush()
+
+        async def stored() -> bool:
+            info = await control.jetstream().stream_info(subjects.SIGNALS_STREAM)
+            return info.state.messages == junk + 1
+
+        await wait_for(stored, 30, "the router's messages stored")
+        verifier = CountingVerifier(nats_server.pki.verifier())
+        got: list[bus.Record] = []
+        reader = bus.SignalsReader(
+            control, since=0.0, follow=False, name="t", verifier=cast(Any, verifier)
+        )
+        async with reader:
+            async for batch in reader.batches():
+                got.extend(batch)
+        assert [r.subject for r in got] == [subjects.router_signals("evil", 0)]
+        assert reader.undecodable == junk
+        assert verifier.checked == 1  # the report's alone
+        assert reader.refused == 0
+        assert all(s.error == f"{s.subject} is not a load-report subject" for s in reader.skipped)
     finally:
         await bus.close(router)
         await bus.close(control)
