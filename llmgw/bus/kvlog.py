@@ -78,6 +78,11 @@ class KvReader(Reader):
     def __init__(self, nc: Client, *, since: float | None = None, **options: Any) -> None:
         options.setdefault("name", "kv")
         options.setdefault("batch", 2_000)
+        # Unbounded, unlike the log's readers: bounded, a node's flood of large updates had
+        # the router fold all of it, its event loop late by 56 ms at the median; unbounded,
+        # the server closes the feed's own connection, which costs the KV index alone
+        # (docs/security.md, "The engines' KV blocks").
+        options.setdefault("max_bytes", 0)
         super().__init__(
             nc,
             since=time.time() - START_WINDOW_S if since is None else since,

@@ -28,12 +28,13 @@ guarantee itself: it checks the consumer sequence of every message and, on a gap
 a deleted consumer, an empty message (the server ends its response there) or a silent
 server (no heartbeat), recreates the consumer from the last sequence it delivered.
 Asking for the next batch only when the previous one is consumed bounds memory to
-about two batches. The load reports' reader bounds each batch's bytes too (`max_bytes`):
-asked for 10,000 messages of up to 1 MiB each, the server pushed one node's flood onto the
-control plane's connection faster than it read them, until it closed the connection as a
-slow consumer (64 MiB pending), and with it the lease and the log the control plane held
-on it. A message larger than the bound is still read: a request that brings nothing for
-it asks for twice as much next.
+about two batches. Each batch's bytes are bounded too (`max_bytes`, `PULL_MAX_BYTES`):
+asked for 10,000 messages of up to 1 MiB each, the server pushed one node's flood (junk
+below its own log subjects, or its largest load reports) onto the control plane's
+connection faster than it read them, until it closed the connection as a slow consumer
+(64 MiB pending), and with it the lease the control plane held on it; with the junk stored,
+again at every reconnection. A message larger than the bound is still read: a request that
+brings nothing for it asks for twice as much next.
 
 What each message goes through on arrival (its place in the consumer's order, its
 trust, its subject, its TTL, decoding) is the reader's intake, llmgw.bus.intake.
@@ -69,6 +70,12 @@ _API = "$JS.API"
 _NS = 1_000_000_000
 
 
+PULL_MAX_BYTES = 16 * 1024 * 1024
+"""What one pull request may bring: a batch of 10,000 ordinary events, a few dozen of the
+largest; with the load reports' reader (llmgw.bus.signals) well under the 64 MiB the
+server lets a connection fall behind before it closes it. 0: no bound."""
+
+
 class ReaderError(RuntimeError):
     """The reader cannot start: the message says what to check."""
 
@@ -99,7 +106,7 @@ class Reader(Intake):
         subjects_filter: Sequence[str] = subjects.STREAM_SUBJECTS,
         follow: bool = True,
         batch: int = 10_000,
-        max_bytes: int = 0,
+        max_bytes: int = PULL_MAX_BYTES,
         heartbeat_s: float = 2.0,
         expires_s: float = 30.0,
         name: str = "reader",

@@ -4,7 +4,8 @@ What one node's certificate can do to the readers of the load reports: publish r
 of 1 MiB (the stream's largest message) on its own subject as fast as the server takes
 them. The control plane reads them on the connection that also holds its lease and its
 log, so the server must never be made to close that connection; and the reports of
-everyone else must not be pushed out of the stream by one subject's flood.
+everyone else must not be pushed out of the stream by one subject's flood. The log's own
+readers are held to the same: a node may store anything below its log subjects.
 """
 
 from __future__ import annotations
@@ -193,4 +194,54 @@ async def test_a_routers_messages_on_subjects_of_its_own_making_cost_no_signatur
         assert all(s.error == f"{s.subject} is not a load-report subject" for s in reader.skipped)
     finally:
         await bus.close(router)
+        await bus.close(control)
+
+
+async def test_a_node_flooding_its_own_log_subjects_does_not_get_the_log_readers_closed(
+    nats_server: TestNatsServer,
+) -> None:
+    # The same on the log: a node may write anything below llmgw.events.node.<its id>.,
+    # stored whether or not any reader accepts it (its budget quarantines it, later).
+    control = await connect_as(nats_server, "control", "c1")
+    await bus.provision(control.jetstream())
+    reader = bus.Reader(control, name="t")
+    seen = 0
+    done = threading.Event()
+
+    def junk() -> None:
+        async def run() -> None:
+            nc = await connect_as(nats_server, "node", "evil")
+            try:
+                for i in range(160):
+                    await nc.publish(subjects.node_event("evil", "junk"), b"x" * 1_000_000)
+                    if i % 8 == 7:
+                        await nc.flush(timeout=30)
+                await nc.flush(timeout=30)
+            finally:
+                await bus.close(nc)
+                done.set()
+
+        asyncio.run(run())
+
+    try:
+        async with reader:
+
+            async def consume() -> None:
+                nonlocal seen
+                async for _batch in reader.batches():
+                    seen = reader.undecodable
+
+            consumer = asyncio.create_task(consume())
+            await wait_for(lambda: reader._request_open, 10, "the reader's first pull request")
+            writer = threading.Thread(target=junk)
+            writer.start()
+            time.sleep(4.0)  # noqa: ASYNC251 (the event loop held on purpose)
+            await wait_for(done.is_set, 120, "the flood to end")
+            await asyncio.to_thread(writer.join)
+            await wait_for(lambda: reader.undecodable >= 160, 60, "the reader to pass it all over")
+            consumer.cancel()
+        log = nats_server.log_tail(200)
+        assert "Slow Consumer" not in log, log
+        assert control.stats["reconnects"] == 0
+    finally:
         await bus.close(control)
