@@ -299,6 +299,18 @@ async def _ensure_derived_stream(js: JetStreamContext, wanted: api.StreamConfig)
             f"stream {wanted.name} exists without counters (allow_msg_counter), which llmgw "
             f"needs: delete it (`nats stream rm {wanted.name}`) and let llmgw create it again"
         )
+    bound, kept = wanted.max_msgs_per_subject or 0, info.config.max_msgs_per_subject or 0
+    if bound > 0 and not 0 < kept <= bound:
+        # Used as it is (its limits are the operator's), but not without saying what it costs.
+        log.warning(
+            "stream_unbounded_per_subject",
+            stream=wanted.name,
+            max_msgs_per_subject=kept,
+            wanted=bound,
+            risk="one writer's flood can push every other writer's messages out of it",
+            action=f"delete it (`nats stream rm {wanted.name}`, derived data only) and let "
+            "llmgw create it again",
+        )
     return False
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import nats.js.errors
 import pytest
+import structlog.testing
 from nats.js import api
 from structlog.testing import capture_logs
 
@@ -989,3 +990,34 @@ async def test_an_empty_message_in_the_log_does_not_stall_readers_of_another_acc
         later = await publisher.publish(shard_report(2, "node-a"))
         await until_kept(got, 1, "the event after an empty message")
         assert [r.seq for r in got] == [later.seq]
+
+
+async def test_a_load_report_stream_made_before_its_bound_is_used_and_said(
+    bus_connect: BusConnect, connect: Connector
+) -> None:
+    """`llmgw-signals` made before it kept one report per subject: used as it is, and the
+    control plane says what that costs and what to do."""
+    control = await bus_connect("control", "control-a")
+    js = control.jetstream()
+    await js.add_stream(name=subjects.SIGNALS_STREAM, subjects=list(subjects.SIGNALS_SUBJECTS),
+                        storage=api.StorageType.MEMORY)  # fmt: skip
+    with structlog.testing.capture_logs() as logged:
+        done = await bus.provision(js)
+    assert subjects.SIGNALS_STREAM in done.existing
+    (said,) = [e for e in logged if e["event"] == "stream_unbounded_per_subject"]
+    assert said["stream"] == subjects.SIGNALS_STREAM
+    assert "nats stream rm llmgw-signals" in said["action"]
+    with structlog.testing.capture_logs() as again:
+        await bus.provision(js)  # the same stream, still unbounded: said at every start
+    assert [e["stream"] for e in again if e["event"] == "stream_unbounded_per_subject"] == [
+        subjects.SIGNALS_STREAM
+    ]
+    admin = await connect.admin()  # as the message says: the control plane may not
+    await admin.jetstream().delete_stream(subjects.SIGNALS_STREAM)
+    await admin.close()
+    with structlog.testing.capture_logs() as fresh:
+        done = await bus.provision(js)
+    assert subjects.SIGNALS_STREAM in done.created
+    assert not [e for e in fresh if e["event"] == "stream_unbounded_per_subject"]
+    info = await js.stream_info(subjects.SIGNALS_STREAM)
+    assert info.config.max_msgs_per_subject == 1
