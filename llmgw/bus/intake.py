@@ -101,6 +101,11 @@ class Intake:
         to delete."""
         self.last_seq = after_seq
         """Sequence of the last message handed out or skipped."""
+        self.last_time = 0.0
+        """When the server stored that message (UNIX seconds); 0 before any."""
+        self.more_pending = False
+        """More of the consumer's messages were stored after that one, not yet read: with
+        `last_time`, how far behind the log the reader is."""
         self.undecodable = 0
         self.refused = 0
         """Messages refused for their signature (also counted in `undecodable`)."""
@@ -163,7 +168,8 @@ class Intake:
         if self._outstanding <= 0:
             self._request_open = False
         self.last_seq = seq
-        when = ts / _NS
+        self.last_time = when = ts / _NS
+        self.more_pending = not caught_up
         known = self._subjects.get(subject)
         if known is None:
             known = self._learn_subject(subject)

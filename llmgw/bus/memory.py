@@ -203,6 +203,8 @@ class MemoryReader:
         self._filters = list(subjects_filter)
         self.follow = follow
         self.last_seq = after_seq
+        self.last_time = 0.0
+        self.more_pending = False  # it reads all there is at each turn
         self.undecodable = 0
         self.refused = 0
         self.skipped: deque[Skipped] = deque(maxlen=1000)
@@ -232,7 +234,7 @@ class MemoryReader:
     def _take(self) -> list[Record]:
         out: list[Record] = []
         for record in self._log.after(self.last_seq, self._filters):
-            self.last_seq = record.seq
+            self.last_seq, self.last_time = record.seq, record.time
             if events.published_where_owned(record.event, record.subject):
                 out.append(record)
                 continue

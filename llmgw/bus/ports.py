@@ -40,6 +40,10 @@ class LogReader(Protocol):
 
     last_seq: int
     """Sequence of the last message handed out or skipped."""
+    last_time: float
+    """When the server stored it (UNIX seconds); 0 before any."""
+    more_pending: bool
+    """More was stored after it, not yet read (the reader is behind the log)."""
     undecodable: int
     refused: int
     skipped: deque[Skipped]

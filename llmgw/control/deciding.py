@@ -22,12 +22,18 @@ from llmgw.control.policing import Policing
 from llmgw.control.scaling import Scaling
 from llmgw.core import events, reconcile, subjects
 
+BEHIND_HOLD_S = 2.0
+"""A fold this far behind the log (what it has read was stored this long ago, and more was
+stored since) judges no node's heartbeat silence: see `reconcile_once`."""
 _MODEL_KINDS = ("model_declared", "model_changed", "model_removed")
 _MODEL_EVENTS = tuple(f for kind in _MODEL_KINDS for f in subjects.operator_event_kind(kind))
 
 
 class Deciding(Leadership, Policing, Scaling):
     """The leader's decide loop and what it decides."""
+
+    _held_behind = False
+    """The last decision round found the fold behind the log (said once per stretch)."""
 
     async def _decide_loop(self) -> None:
         while not self._stopping:
@@ -153,9 +159,20 @@ class Deciding(Leadership, Policing, Scaling):
     async def reconcile_once(self) -> int:
         """Reconcile the state as folded now and publish the decisions; their count."""
         st = self.state
-        if self._reader is not None and self._reader.resets != self._reader_resets:
-            self._reader_resets = self._reader.resets
+        reader = self._reader
+        if reader is not None and reader.resets != self._reader_resets:
+            self._reader_resets = reader.resets
             self._log_was_unavailable("the log reader was reset")
+        behind = 0.0
+        if reader is not None and reader.more_pending:
+            behind = self.clock() - reader.last_time
+        if behind > BEHIND_HOLD_S:
+            # Heartbeats stored since are not read yet: silence measured now would be this
+            # instance's lag, and a flood it cannot read as fast as it comes (one node's
+            # certificate suffices) had the whole fleet declared unreachable.
+            why = f"the fold is {behind:.1f} s behind the log"
+            self._log_was_unavailable(why, quiet=self._held_behind)
+        self._held_behind = behind > BEHIND_HOLD_S
         started = time.perf_counter()
         outcome = reconcile.reconcile_detail(
             st,

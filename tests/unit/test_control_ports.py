@@ -463,3 +463,65 @@ async def test_a_leader_attests_only_on_a_pass_that_wrote_nothing() -> None:
         assert svc.metrics.fence_refused._value.get() == 0
         assert of_type(log, events.StartShard)
         assert of_type(log, events.StartShard)[-1].seq < of_type(log, events.LogAttested)[0].seq
+
+
+class BehindReader(MemoryReader):
+    """A reader that says, while `lag_s` is set, that it is that far behind the log (what
+    it read was stored `lag_s` ago, and more since): a leader that cannot read a flood as
+    fast as it comes."""
+
+    lag_s: float | None = None
+    _last_time = 0.0
+
+    @property  # type: ignore[override]
+    def more_pending(self) -> bool:
+        return self.lag_s is not None
+
+    @more_pending.setter
+    def more_pending(self, value: bool) -> None:
+        pass
+
+    @property  # type: ignore[override]
+    def last_time(self) -> float:
+        return self._last_time if self.lag_s is None else time.time() - self.lag_s
+
+    @last_time.setter
+    def last_time(self, value: float) -> None:
+        self._last_time = value
+
+
+class BehindLog(RecordingLog):
+    def __init__(self) -> None:
+        super().__init__()
+        self.readers: list[BehindReader] = []
+
+    def reader(self, **kwargs: Any) -> Any:
+        for unused in ("name", "attestations", "attester"):
+            kwargs.pop(unused, None)
+        kwargs.setdefault("after_seq", 0)
+        kwargs.setdefault("subjects_filter", subjects.STREAM_SUBJECTS)
+        kwargs.setdefault("follow", True)
+        found = BehindReader(self, **kwargs)
+        self.readers.append(found)
+        return found
+
+
+async def test_a_leader_behind_the_log_judges_no_nodes_silence_until_it_caught_up() -> None:
+    """Heartbeats stored while the fold is behind are not read yet: judged then, every
+    node of the fleet looked silent, and one node's flood the leader could not read as
+    fast as it came had them all declared unreachable."""
+    from llmgw.core import reconcile
+
+    log, bucket = BehindLog(), LeaseBucket()
+    quick = reconcile.ReconcileConfig(unreachable_after_s=0.5, lost_after_s=60.0)
+    cfg = msgspec.structs.replace(config(), reconcile=quick)
+    async with running(ControlService(cfg, ports=ports(log, bucket))) as svc:
+        await until(lambda: svc.leading and svc.state.leader == "control-a", "leadership")
+        await register(log, "node-a")  # one heartbeat, then none
+        await until(lambda: "node-a" in svc.state.nodes, "the registration folded")
+        (reader,) = [r for r in log.readers if r.follow]
+        reader.lag_s = 5.0
+        await asyncio.sleep(1.5)  # three times unreachable_after_s, thirty decision rounds
+        assert of_type(log, events.NodeUnreachable) == []
+        reader.lag_s = None  # caught up: its silence counts from here
+        await until(lambda: bool(of_type(log, events.NodeUnreachable)), "node-a unreachable")

@@ -362,3 +362,23 @@ def test_a_run_of_messages_passed_over_is_logged_in_a_bounded_number_of_lines(
         {"count": 4900, "last_seq": 5000, "last_subject": own.decode(), "period_s": 10.0},
     )
     assert lines.lines[101][1]["seq"] == 5001
+
+
+def test_a_reader_says_how_far_behind_the_log_it_is() -> None:
+    """Where the last message it read stands: when the server stored it, and whether more
+    was stored after it (the leader judges no heartbeat silence while far behind)."""
+    from tests.unit.test_signing import NOW
+
+    r = reader.Reader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
+    assert (r.last_time, r.more_pending) == (0.0, False)
+    r._outstanding = 10
+    subject, payload, headers = signed(shard(1))
+    r._on_raw(subject, ack(1, 1, 2), payload, headers)  # two more stored after it
+    assert r.more_pending
+    assert abs(r.last_time - NOW.timestamp()) < 1e-3
+    r._on_raw(subjects.node_event("a", "x").encode(), ack(2, 2, 1), b"junk", b"")
+    assert r.more_pending  # a message passed over moves it too
+    assert r.last_seq == 2
+    subject, payload, headers = signed(shard(3))
+    r._on_raw(subject, ack(3, 3, 0), payload, headers)
+    assert not r.more_pending
