@@ -242,39 +242,52 @@ def attempts(identity: Identity) -> Iterator[Attempt]:
         yield Attempt(target, b"forged", target)
 
 
-async def stored_subjects(admin: Client) -> dict[str, dict[str, int]]:
-    """Per stream, how many messages each subject holds (of a counter stream: its total)."""
+Stored = dict[str, dict[str, tuple[int, int]]]
+"""Per stream, per subject: how many messages it holds and the sequence of its last (of a
+counter stream: its total, twice)."""
+
+
+async def stored_subjects(admin: Client) -> Stored:
+    """What each stream holds, per subject (`Stored`). The last message's sequence shows a
+    write where a stream keeps one message per subject (the lease, the load reports): there
+    a stolen write replaces what was, and the count stays."""
     js = admin.jetstream()
-    out = {}
+    out: Stored = {}
     for stream in STREAMS:
         if stream in COUNTERS:
-            out[stream] = await counters.totals(admin, stream, ">")
+            totals = await counters.totals(admin, stream, ">")
+            out[stream] = {subject: (n, n) for subject, n in totals.items()}
             continue
         info = await js.stream_info(stream, subjects_filter=">")
-        out[stream] = dict(info.state.subjects or {})
+        out[stream] = {
+            subject: (n, int((await js.get_last_msg(stream, subject)).seq or 0))
+            for subject, n in (info.state.subjects or {}).items()
+        }
     return out
 
 
-def grown(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> set[str]:
-    """Subjects with more messages than before, or a counter whose total moved at all."""
+def grown(before: Stored, after: Stored) -> set[str]:
+    """Subjects with more messages than before or a later last one, or a counter whose
+    total moved at all."""
     return {
         subject
-        for stream, counts in after.items()
-        for subject, n in counts.items()
-        if n > before.get(stream, {}).get(subject, 0)
-        or (stream in COUNTERS and n != before.get(stream, {}).get(subject, 0))
+        for stream, held in after.items()
+        for subject, (n, last) in held.items()
+        if n > before.get(stream, {}).get(subject, (0, 0))[0]
+        or last > before.get(stream, {}).get(subject, (0, 0))[1]
+        or (stream in COUNTERS and n != before.get(stream, {}).get(subject, (0, 0))[0])
     }
 
 
-def shrunk(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> set[str]:
+def shrunk(before: Stored, after: Stored) -> set[str]:
     """Subjects of the log and the buckets holding fewer messages than before. (The derived
     streams age their messages out within a minute, so they may shrink on their own.)"""
     return {
         subject
-        for stream, counts in before.items()
+        for stream, held in before.items()
         if stream in (STREAM, LEASE, SNAPS)
-        for subject, n in counts.items()
-        if after.get(stream, {}).get(subject, 0) < n
+        for subject, (n, _) in held.items()
+        if after.get(stream, {}).get(subject, (0, 0))[0] < n
     }
 
 
@@ -333,7 +346,7 @@ async def fire(nc: Client, identity: Identity) -> int:
     return count
 
 
-async def settle(admin: Client) -> dict[str, dict[str, int]]:
+async def settle(admin: Client) -> Stored:
     """The stored subjects once what was fired has been handled: the same twice in a row,
     half a second apart, after pull requests of 0.3 s have expired."""
     await asyncio.sleep(0.5)
@@ -418,3 +431,22 @@ def test_the_enumeration_exercises_every_api_an_identity_may_call(attacker: Iden
     for pattern in perms.publish:
         if pattern.startswith("$JS.API."):
             assert any(matches(pattern, s) for s in tried), pattern
+
+
+async def test_the_detector_sees_a_write_that_replaces_a_subjects_only_message(
+    connect: Connector,
+) -> None:
+    """Where a stream keeps one message per subject (the load reports, the lease), a stolen
+    write replaces what was there: the count stays, the last sequence shows it."""
+    await fleet(connect)
+    admin = await connect.admin()
+    js = admin.jetstream()
+    subject = subjects.node_signals("node-a")
+    await js.publish(subject, b"first", stream=SIGNALS)
+    before = await stored_subjects(admin)
+    assert before[SIGNALS][subject][0] == 1
+    await js.publish(subject, b"second", stream=SIGNALS)
+    after = await stored_subjects(admin)
+    assert after[SIGNALS][subject][0] == 1
+    assert grown(before, after) == {subject}
+    assert not shrunk(before, after)
