@@ -175,10 +175,9 @@ class Intake:
             known = self._learn_subject(subject)
         name, heartbeat, prefix, foreign = known
         size = len(subject) + len(data) + len(headers)  # what the server stores of it
-        found = message_headers(headers)
         if foreign is not None:
             self._skip(seq, name, when, foreign, size=size)
-        elif found is None:
+        elif (found := message_headers(headers)) is None:
             self._refuse(seq, name, when, "signature headers appear twice", size)
         else:
             msg_id, sig, cert, ttl = found
