@@ -290,14 +290,27 @@ def _record(seq: int, ev: events.Event, size: int = 100, at: float = 1000.0) -> 
     return bus.Record(seq, events.subject_of(ev), at, ev, size)  # type: ignore[arg-type]
 
 
-def test_folded_measures_node_messages_and_collects_what_the_fold_ignored() -> None:
-    meter = Meter(NodeQuota(window_s=60, max_messages=3, max_bytes=10_000))
+def _serving_fold(*, leader: bool, max_messages: int = 3) -> tuple[Meter, Folded, int]:
+    """A meter and the control plane's fold of `serving_sim`'s log (as the leader, which
+    collects what it deletes, or a standby), and that log's last sequence."""
+    meter = Meter(NodeQuota(window_s=60, max_messages=max_messages, max_bytes=10**9))
     folded = Folded(Metrics(), lambda: 1000.0, meter)
-    folded.collect_ignored = True
+    folded.collect_ignored = leader
     sim = serving_sim()
     folded.fold([_record(seq, ev, at=999.0) for seq, ev in sim.records])
-    seq = sim.seq
-    replica = next(r for r in sim.state.replicas.values() if r.shards[0].node == "a")
+    return meter, folded, sim.seq
+
+
+def _beats(node: str, first_seq: int, count: int) -> list[bus.Record]:
+    return [
+        _record(first_seq + i, events.Heartbeat(id=f"hb-{i}", ts=1000.0, node=node, seq=i), 40)
+        for i in range(count)
+    ]
+
+
+def test_folded_measures_node_messages_and_collects_what_the_fold_ignored() -> None:
+    meter, folded, seq = _serving_fold(leader=True)
+    replica = next(r for r in folded.state.replicas.values() if r.shards[0].node == "a")
     flood: list[bus.Record] = [_record(seq + 1, quarantine("a"))]
     for i in range(5):
         ev = events.ShardStatus(
@@ -326,17 +339,9 @@ def test_folded_measures_node_messages_and_collects_what_the_fold_ignored() -> N
 
 
 def test_a_standby_measures_heartbeats_but_collects_nothing() -> None:
-    meter = Meter(NodeQuota(window_s=60, max_messages=3, max_bytes=10_000))
-    folded = Folded(Metrics(), lambda: 1000.0, meter)
-    sim = serving_sim()
-    folded.fold([_record(seq, ev, at=999.0) for seq, ev in sim.records])
-    seq = sim.seq
-    beats = [
-        _record(seq + 2 + i, events.Heartbeat(id=f"hb-{i}", ts=1000.0, node="a", seq=i), 40)
-        for i in range(4)
-    ]
+    meter, folded, seq = _serving_fold(leader=False)
     before = meter.usage("a").messages
-    folded.fold([_record(seq + 1, quarantine("a")), *beats])
+    folded.fold([_record(seq + 1, quarantine("a")), *_beats("a", seq + 2, 4)])
     assert folded.ignored == []
     assert meter.usage("a").messages - before == 4
 
@@ -346,16 +351,8 @@ def test_the_heartbeats_of_a_quarantined_node_that_never_registered_go_too() -> 
     did: its registrations are then ignored) had every heartbeat refused by the fold, so
     none was "folded": the leader kept each for its TTL, up to an hour, however many it
     wrote after its quarantine, and logged a line for each. No fold uses them either."""
-    meter = Meter(NodeQuota(window_s=60, max_messages=3, max_bytes=10_000))
-    folded = Folded(Metrics(), lambda: 1000.0, meter)
-    folded.collect_ignored = True
-    sim = serving_sim()
-    folded.fold([_record(seq, ev, at=999.0) for seq, ev in sim.records])
-    seq = sim.seq
-    beats = [
-        _record(seq + 2 + i, events.Heartbeat(id=f"hb-{i}", ts=1000.0, node="x", seq=i), 40)
-        for i in range(4)
-    ]
+    meter, folded, seq = _serving_fold(leader=True)
+    beats = _beats("x", seq + 2, 4)
     register = events.NodeRegistered(
         id="reg-x", ts=1000.0, node="x", address="10.0.0.9", gpus=(), agent_version="t"
     )
@@ -398,12 +395,7 @@ def test_messages_no_reader_accepts_count_against_their_nodes_budget() -> None:
 
 
 def test_the_leader_collects_a_quarantined_nodes_refused_messages_for_deletion() -> None:
-    meter = Meter(NodeQuota(window_s=60, max_messages=5, max_bytes=10**9))
-    folded = Folded(Metrics(), lambda: 1000.0, meter)
-    folded.collect_ignored = True
-    sim = serving_sim()
-    folded.fold([_record(seq, ev, at=999.0) for seq, ev in sim.records])
-    seq = sim.seq
+    _, folded, seq = _serving_fold(leader=True, max_messages=5)
     folded.note_skipped(_skipped(seq + 1, "llmgw.events.node.a.shard"))  # before: stays
     folded.fold([_record(seq + 2, quarantine("a"))])
     folded.note_skipped(_skipped(seq + 3, "llmgw.events.node.a.shard"))
