@@ -66,6 +66,18 @@ def flood(
     asyncio.run(run())
 
 
+async def all_reports(
+    control: bus.BusClient, **options: Any
+) -> tuple[bus.SignalsReader, list[bus.Record]]:
+    """Every report the stream holds, read once from the start, and the reader."""
+    got: list[bus.Record] = []
+    reader = bus.SignalsReader(control, since=0.0, follow=False, name="t", **options)
+    async with reader:
+        async for batch in reader.batches():
+            got.extend(batch)
+    return reader, got
+
+
 async def read_through_a_flood(
     server: TestNatsServer, control: bus.BusClient, reader: bus.Reader, *, junk: bool
 ) -> None:
@@ -120,11 +132,7 @@ async def test_a_node_flooding_its_reports_does_not_push_out_anyone_elses(
         await router.flush()
         # More than the stream holds (64 MiB), on the node's one subject.
         await asyncio.to_thread(flood, nats_server, "evil", 80, threading.Event())
-        got: list[bus.Record] = []
-        reader = bus.SignalsReader(control, since=0.0, follow=False, name="t")
-        async with reader:
-            async for batch in reader.batches():
-                got.extend(batch)
+        _, got = await all_reports(control)
         by_subject = {r.subject: bus.signals.report_of(r) for r in got}
         assert by_subject[subjects.router_signals("r1", 0)].models[0].requests == 7
         assert subjects.node_signals("evil") in by_subject  # its latest is kept
@@ -145,12 +153,7 @@ async def test_a_report_larger_than_a_readers_byte_bound_is_still_read(
             loadreport.LoadReport(ts=time.time(), models=models)
         )
         await router.flush()
-        got: list[bus.Record] = []
-        reader = bus.SignalsReader(control, since=0.0, follow=False, name="t", max_bytes=1024)
-        async with reader:
-            async for batch in reader.batches():
-                got.extend(batch)
-        [record] = got
+        _, [record] = await all_reports(control, max_bytes=1024)
         assert record.size > 4 * 1024
         assert len(bus.signals.report_of(record).models) == 500
     finally:
@@ -181,13 +184,7 @@ async def test_a_routers_messages_on_subjects_of_its_own_making_cost_no_signatur
 
         await wait_for(stored, 30, "the router's messages stored")
         verifier = CountingVerifier(nats_server.pki.verifier())
-        got: list[bus.Record] = []
-        reader = bus.SignalsReader(
-            control, since=0.0, follow=False, name="t", verifier=cast(Any, verifier)
-        )
-        async with reader:
-            async for batch in reader.batches():
-                got.extend(batch)
+        reader, got = await all_reports(control, verifier=cast(Any, verifier))
         assert [r.subject for r in got] == [subjects.router_signals("evil", 0)]
         assert reader.undecodable == junk
         assert verifier.calls == 1  # the report's alone
