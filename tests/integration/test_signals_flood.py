@@ -14,6 +14,7 @@ import asyncio
 import secrets
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import pytest
@@ -26,6 +27,15 @@ from tests.integration.test_attestations import CountingVerifier
 pytestmark = pytest.mark.slow
 
 MIB = 1024 * 1024
+
+
+@pytest.fixture
+async def control(nats_server: TestNatsServer) -> AsyncIterator[bus.BusClient]:
+    """A control plane's connection, the streams provisioned: the readers' side."""
+    nc = await connect_as(nats_server, "control", "c1")
+    await bus.provision(nc.jetstream())
+    yield nc
+    await bus.close(nc)
 
 
 def largest_report() -> bytes:
@@ -108,22 +118,15 @@ async def read_through_a_flood(
 
 
 async def test_a_node_flooding_its_reports_does_not_get_the_readers_connection_closed(
-    nats_server: TestNatsServer,
+    nats_server: TestNatsServer, control: bus.BusClient
 ) -> None:
-    control = await connect_as(nats_server, "control", "c1")
-    await bus.provision(control.jetstream())
-    try:
-        reader = bus.SignalsReader(control, name="t")
-        await read_through_a_flood(nats_server, control, reader, junk=False)
-    finally:
-        await bus.close(control)
+    reader = bus.SignalsReader(control, name="t")
+    await read_through_a_flood(nats_server, control, reader, junk=False)
 
 
 async def test_a_node_flooding_its_reports_does_not_push_out_anyone_elses(
-    nats_server: TestNatsServer,
+    nats_server: TestNatsServer, control: bus.BusClient
 ) -> None:
-    control = await connect_as(nats_server, "control", "c1")
-    await bus.provision(control.jetstream())
     router = await connect_as(nats_server, "router", "r1")
     try:
         report = loadreport.LoadReport(ts=time.time(), models=(
@@ -138,14 +141,11 @@ async def test_a_node_flooding_its_reports_does_not_push_out_anyone_elses(
         assert subjects.node_signals("evil") in by_subject  # its latest is kept
     finally:
         await bus.close(router)
-        await bus.close(control)
 
 
 async def test_a_report_larger_than_a_readers_byte_bound_is_still_read(
-    nats_server: TestNatsServer,
+    nats_server: TestNatsServer, control: bus.BusClient
 ) -> None:
-    control = await connect_as(nats_server, "control", "c1")
-    await bus.provision(control.jetstream())
     router = await connect_as(nats_server, "router", "r1")
     try:
         models = tuple(loadreport.ModelTraffic(model=f"m{i}", requests=i) for i in range(500))
@@ -158,16 +158,13 @@ async def test_a_report_larger_than_a_readers_byte_bound_is_still_read(
         assert len(bus.signals.report_of(record).models) == 500
     finally:
         await bus.close(router)
-        await bus.close(control)
 
 
 async def test_a_routers_messages_on_subjects_of_its_own_making_cost_no_signature_check(
-    nats_server: TestNatsServer,
+    nats_server: TestNatsServer, control: bus.BusClient
 ) -> None:
     # A router may publish on any subject below `llmgw.signals.router.<its name>.`: messages
     # on new ones each cost every reader a signature check, none of them a report's.
-    control = await connect_as(nats_server, "control", "c1")
-    await bus.provision(control.jetstream())
     router = await connect_as(nats_server, "router", "evil")
     junk = 20_000
     try:
@@ -192,19 +189,13 @@ async def test_a_routers_messages_on_subjects_of_its_own_making_cost_no_signatur
         assert all(s.error == f"{s.subject} is not a load-report subject" for s in reader.skipped)
     finally:
         await bus.close(router)
-        await bus.close(control)
 
 
 async def test_a_node_flooding_its_own_log_subjects_does_not_get_the_log_readers_closed(
-    nats_server: TestNatsServer,
+    nats_server: TestNatsServer, control: bus.BusClient
 ) -> None:
     # The same on the log: a node may write anything below llmgw.events.node.<its id>.,
     # stored whether or not any reader accepts it (its budget quarantines it, later).
-    control = await connect_as(nats_server, "control", "c1")
-    await bus.provision(control.jetstream())
-    try:
-        reader = bus.Reader(control, name="t")
-        await read_through_a_flood(nats_server, control, reader, junk=True)
-        assert reader.undecodable >= 160
-    finally:
-        await bus.close(control)
+    reader = bus.Reader(control, name="t")
+    await read_through_a_flood(nats_server, control, reader, junk=True)
+    assert reader.undecodable >= 160
