@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 import structlog  # noqa: E402
 
 from llmgw import bus  # noqa: E402
-from llmgw.core import events, state  # noqa: E402
+from llmgw.core import state  # noqa: E402
 from tests.bench import bench_replay  # noqa: E402
 from tests.e2e.console_kit import bearer, start_console  # noqa: E402
 from tests.harness import TestNatsServer, TestPki, connect_as  # noqa: E402
@@ -72,7 +72,7 @@ async def prepare(server: TestNatsServer, n: int, every: int) -> list[Any]:
     """Publish, attest and snapshot the log; its events."""
     # A fleet's heartbeats expire within minutes (their TTL), so almost all of a long
     # log is the other events: the same log with its heartbeats gone, `n` events long.
-    log = [e for e in bench_replay.make_log(2 * n) if not isinstance(e, events.Heartbeat)][:n]
+    log = bench_replay.without_heartbeats(n)
     took = await bench_replay.fill(server, log)
     print(f"published {n:,} events in {took:.0f} s", flush=True)
     attestations = await bench_replay.attest(server, n)

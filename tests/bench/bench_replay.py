@@ -23,16 +23,19 @@ operator identity, through llmgw.ctl.history (what `llmgw ctl replay` runs):
   every decision batch is real: batches re-planned per second, and the CLI end to end.
 
 Events are signed by the identities that own their subjects (llmgw.pki.signing). The
-replay rows are measured three times in one run: on the events unsigned, read with
-`accept_unsigned_before` (no signature checks: what reading and folding cost alone); on
-the signed log with every event's signature verified; and on the signed log after a
+replay rows are measured on each log `--modes` names, in one run: the events unsigned,
+read with `accept_unsigned_before` (no signature checks: what reading and folding cost
+alone); the signed log with every event's signature verified; and the signed log after a
 control identity has attested it as the leader does (llmgw.core.attestation: one pass of
 a verifying reader, then `control.log_attested` events), so that ctl checks each event's
-digest against the attestation instead of its signature.
+digest against the attestation instead of its signature. The `-expired` logs are the same
+events with their heartbeats expired, as a fleet's log is (heartbeats live two minutes):
+`unsigned-expired` beside `attested-expired` is what signing costs on the same events.
 
 Every run's digest is checked against a local fold of the same events. Wall-clock
 rates depend on the load of this (shared, 2-core) machine, where nats-server competes
-for the same cores; the replay row also gives events per CPU-second of ctl itself.
+for the same cores; the replay row also gives events per CPU-second of ctl itself, and
+each event's CPU in ctl and in nats-server.
 """
 
 from __future__ import annotations
@@ -206,6 +209,11 @@ async def fill(server: TestNatsServer, log: list[events.Event], *, signed: bool 
     return took
 
 
+def without_heartbeats(n: int) -> list[events.Event]:
+    """`n` events of `make_log` with its heartbeats gone (expired, as in a fleet)."""
+    return [e for e in make_log(2 * n + 1_000) if not isinstance(e, events.Heartbeat)][:n]
+
+
 def decision_log(drains: int) -> tuple[list[events.Event], int]:
     """A log the core's own leader wrote: 64 nodes, 8 models, `drains` drain-and-return rounds."""
     sim = scenarios.Sim()
@@ -311,6 +319,14 @@ async def read_only(nc: bus.BusClient) -> tuple[int, float]:
     return count, time.perf_counter() - started
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User and system CPU seconds a process has used so far (Linux's /proc)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_cli(
     server: TestNatsServer, to_seq: int, env: dict[str, str] | None = None
 ) -> tuple[float, dict[str, object]]:
@@ -404,20 +420,28 @@ async def replay_rows(
                 f"{intake_us:.2f} / {fold_us:.2f} µs of CPU",
             )
         )
-        best, best_cpu = 0.0, 0.0
+        best, best_cpu, server_us = 0.0, 0.0, float("inf")
         for _ in range(2):
-            cpu = time.process_time()
+            cpu, server_cpu = time.process_time(), cpu_seconds(server.pid)
             r = await history.rebuild(op, use_snapshots=False)
             cpu = time.process_time() - cpu
+            server_cpu = cpu_seconds(server.pid) - server_cpu
             assert r.folded == whole
             assert not r.rejected
             assert state.digest(r.state) == state.digest(expected)
             best = max(best, whole / r.elapsed_s)
             best_cpu = max(best_cpu, whole / cpu)
+            server_us = min(server_us, server_cpu / whole * 1e6)
         rows.append(
             (
                 "ctl replay from the beginning (fold)",
                 f"{best:,.0f} events/s ({best_cpu:,.0f} per ctl CPU-second)",
+            )
+        )
+        rows.append(
+            (
+                "  CPU per event: ctl / nats-server",
+                f"{1e6 / best_cpu:.2f} / {server_us:.2f} µs",
             )
         )
         times = []
@@ -494,37 +518,41 @@ async def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     n, gap = args.events, args.snapshot_gap
     print(f"load average before: {os.getloadavg()[0]:.2f} (2 = both cores busy)", flush=True)
-    log = make_log(n)
-    expected, refused = state.fold_records(enumerate(log, start=1))
-    assert not refused, refused[:3]
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         pki = TestPki(Path(tmp) / "pki")
         # Heartbeats are not attested (a digest kept forever for a message that lives two
         # minutes): a replay verifies those still alive, at most nodes x TTL / interval.
-        # The last mode's log is the same with its heartbeats expired, as a fleet's is.
-        beats_gone = [e for e in log if not isinstance(e, events.Heartbeat)]
+        # The "-expired" logs have their heartbeats expired, as a fleet's has: the first
+        # `n` other events of a log twice as long, so that every log replays `n` events.
         modes = {
-            "unsigned": ("unsigned, unchecked", False, False, log),
-            "verified": ("signed, every event verified", True, False, log),
+            "unsigned": ("unsigned, unchecked", False, False, False),
+            "unsigned-expired": ("unsigned, unchecked; heartbeats expired", False, False, True),
+            "verified": ("signed, every event verified", True, False, False),
             "attested": (
                 "signed, attested by the leader; every heartbeat still alive",
                 True,
                 True,
-                log,
+                False,
             ),
             "attested-expired": (
                 "signed, attested by the leader; heartbeats expired",
                 True,
                 True,
-                beats_gone,
+                True,
             ),
         }
         chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = sorted(set(chosen) - set(modes))
         if unknown:
             parser.error(f"unknown --modes {unknown}: choose from {', '.join(modes)}")
-        for i, (title, signed, attested, events_) in enumerate(modes[m] for m in chosen):
+        logs: dict[bool, list[events.Event]] = {}
+        for i, (title, signed, attested, expired) in enumerate(modes[m] for m in chosen):
+            if expired not in logs:
+                logs[expired] = without_heartbeats(n) if expired else make_log(n)
+            events_ = logs[expired]
+            expected, refused = state.fold_records(enumerate(events_, start=1))
+            assert not refused, refused[:3]
             rows.append(("", f"{title} ({len(events_):,} events)"))
             await replay_rows(
                 pki,
