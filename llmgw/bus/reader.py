@@ -76,6 +76,21 @@ largest; with the load reports' reader (llmgw.bus.signals) well under the 64 MiB
 server lets a connection fall behind before it closes it. 0: no bound."""
 
 
+def filter_problem(filters: Sequence[str]) -> str | None:
+    """Why the server would refuse a consumer on `filters`, or None. Pure."""
+    if isinstance(filters, str):
+        return f"subjects_filter must be a list of subjects, not the string {filters!r}"
+    if not filters:
+        return "subjects_filter is empty: give at least one subject (or leave it out for all)"
+    for f in filters:
+        if not f or any(c.isspace() for c in f) or "" in f.split("."):
+            return (
+                f"subjects_filter has {f!r}, which is not a subject: give dot-separated "
+                "tokens without spaces (wildcards * and > allowed)"
+            )
+    return None
+
+
 class ReaderError(RuntimeError):
     """The reader cannot start: the message says what to check."""
 
@@ -128,6 +143,8 @@ class Reader(Intake):
             raise ValueError(f"after_seq must be >= 0, got {after_seq}")
         if since is not None and after_seq:
             raise ValueError("give after_seq or since, not both")
+        if (problem := filter_problem(subjects_filter)) is not None:
+            raise ValueError(problem)
         super().__init__(
             found,
             after_seq=after_seq,
@@ -210,7 +227,7 @@ class Reader(Intake):
         return config
 
     def _single_filter(self) -> str | None:
-        if len(self._filters) == 1 and self._filters[0] not in ("", ">"):
+        if len(self._filters) == 1 and self._filters[0] != ">":
             return self._filters[0]
         return None
 

@@ -382,3 +382,11 @@ def test_a_reader_says_how_far_behind_the_log_it_is() -> None:
     subject, payload, headers = signed(shard(3))
     r._on_raw(subject, ack(3, 3, 0), payload, headers)
     assert not r.more_pending
+
+
+@pytest.mark.parametrize("filters", [[], [""], ["llmgw.events.>", ""], [" "], ["a b"]])
+def test_a_reader_refuses_filters_no_server_would_take(filters: list[str]) -> None:
+    # An empty list, or an empty subject, made the consumer's creation fail at the server
+    # with an error that named neither: refused where the mistake is made.
+    with pytest.raises(ValueError, match="subjects_filter"):
+        reader.Reader(_NoClient(), verifier=VERIFIER, subjects_filter=filters)  # type: ignore[arg-type]
