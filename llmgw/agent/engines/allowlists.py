@@ -264,7 +264,6 @@ _LLAMACPP_ARGS = (
     "--embedding",
     "--rerank",
     "--pooling",
-    "--verbose",
     "--log-disable",
 )
 
@@ -305,9 +304,12 @@ Chosen from each engine's full option list (vLLM 0.33.0, SGLang 0.5.23, llama.cp
 `--middleware`, `--trust-remote-code`, `--model-class-overrides`, `--custom-weight-loader`,
 `--forward-hooks`), reads options or data from arbitrary files (`--config`, `--lora-*`,
 `--grammar-file`, `--*-config-file`), writes files (`--log-file`, `--slot-save-path`,
-`--crash-dump-folder`), lets requests read the node's disk (`--allowed-local-media-path`,
-`--media-path`), reaches other machines (`--rpc`, `--tool-server`, `--otlp-traces-endpoint`),
-and what the agent owns (host, port, API key, parallelism, served names).
+`--crash-dump-folder`), writes users' prompts and answers to the engine's log (vLLM's
+`--enable-log-requests`, llama-server's `--verbose`, which logs every request's and
+response's body; a failed shard reports that log's tail to the fleet), lets requests
+read the node's disk (`--allowed-local-media-path`, `--media-path`), reaches other
+machines (`--rpc`, `--tool-server`, `--otlp-traces-endpoint`), and what the agent owns
+(host, port, API key, parallelism, served names).
 """
 
 FILE_ARGS: Mapping[Engine, Mapping[str, str]] = {
