@@ -679,3 +679,43 @@ def test_llama_server_verbose_logging_of_prompts_and_answers_is_off_the_defaults
     assert SOURCE in reason
     policy = LaunchPolicy(args_allow={"llamacpp": ("--verbose",)})
     assert refusal(spec("llamacpp", engine_args=("--verbose",)), policy) == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        # The interpreter's own: a folder of modules (a model repository the engine
+        # downloaded may hold a sitecustomize.py), its library, its bytecode, its start-up.
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONPLATLIBDIR",
+        "PYTHONUSERBASE",
+        "PYTHONPYCACHEPREFIX",
+        "PYTHONSTARTUP",
+        "PYTHONBREAKPOINT",
+        "PYTHONWARNINGS",
+        "PYTHONINSPECT",
+        "PYTHON_PRESITE",
+        # The dynamic loader's: libraries it loads or audits, files it writes.
+        "LD_AUDIT",
+        "LD_PROFILE",
+        "LD_DEBUG_OUTPUT",
+        # Where programs, home and temporary files are; what a shell runs first.
+        "PATH",
+        "CPATH",
+        "HOME",
+        "TMPDIR",
+        "BASH_ENV",
+        "ENV",
+    ],
+)
+def test_a_broad_configured_pattern_never_admits_the_interpreters_or_loaders_settings(
+    name: str,
+) -> None:
+    patterns = ("PYTHON*", "LD_*", "P*", "C*", "H*", "T*", "B*", "E*")
+    policy = LaunchPolicy(env_allow={"all": patterns})
+    assert refusal(spec(env={"PYTHONUNBUFFERED": "1", "TEAM": "a"}), policy) == []
+    [reason] = refusal(spec(env={name: "/srv/models/evil"}), policy)
+    assert f"env {name} is not allowed" in reason
+    # Listed exactly, the node's operator means it.
+    assert refusal(spec(env={name: "x"}), LaunchPolicy(env_allow={"all": (name,)})) == []

@@ -73,13 +73,15 @@ _CODE_OR_FILE_PARTS = (
     "PROXY",
 )
 _CODE_OR_FILE_SUFFIXES = (
-    "_PATH",
+    # Without the underscore: the interpreter's and the system's own run the words together
+    # (PYTHONPATH, PYTHONHOME, PYTHONPLATLIBDIR, PATH, CPATH, HOME, TMPDIR).
+    "PATH",
     "_FILE",
-    "_DIR",
+    "DIR",
     "_DIRECTORY",
     "_FOLDER",
     "_ROOT",
-    "_HOME",
+    "HOME",
     "_CACHE",
     "_LIB",
     "_LIBS",
@@ -96,11 +98,39 @@ _CODE_OR_FILE_SUFFIXES = (
 )
 
 
+# The dynamic loader's settings, every one: LD_AUDIT loads libraries as LD_PRELOAD does,
+# LD_PROFILE and LD_DEBUG_OUTPUT write files.
+_CODE_OR_FILE_PREFIXES = ("LD_",)
+
+# Names the words above miss: Python's start-up (a user site folder whose .pth files run,
+# a bytecode folder read before the sources, a module imported by name, a script run
+# first) and what a shell runs before its command.
+_CODE_OR_FILE_NAMES = frozenset(
+    {
+        "PYTHONUSERBASE",
+        "PYTHONPYCACHEPREFIX",
+        "PYTHONSTARTUP",
+        "PYTHONBREAKPOINT",
+        "PYTHONWARNINGS",
+        "PYTHONINSPECT",
+        "PYTHONEXECUTABLE",
+        "PYTHON_PRESITE",
+        "PYTHON_HISTORY",
+        "BASH_ENV",
+        "ENV",
+    }
+)
+
+
 def loads_code(name: str) -> bool:
-    """True for an env name that a built-in pattern must not admit (see above). Pure."""
+    """True for an env name that a pattern, built-in or configured, must not admit (see
+    above). Pure."""
     upper = name.upper()
-    return any(part in upper for part in _CODE_OR_FILE_PARTS) or upper.endswith(
-        _CODE_OR_FILE_SUFFIXES
+    return (
+        any(part in upper for part in _CODE_OR_FILE_PARTS)
+        or upper.endswith(_CODE_OR_FILE_SUFFIXES)
+        or upper.startswith(_CODE_OR_FILE_PREFIXES)
+        or upper in _CODE_OR_FILE_NAMES
     )
 
 
