@@ -458,6 +458,10 @@ def test_the_example_fleet_configs_pass() -> None:
         ("vllm", "VLLM_USE_MODELSCOPE"),  # another model hub
         ("sglang", "SGLANG_USE_MODELSCOPE"),
         ("vllm", "VLLM_HUMMING_W4A16_QUANT_CONFIG"),  # a file read from the path given
+        # hf-xet's log: a file (or a folder it prunes) anywhere, and its name in the folder.
+        ("vllm", "HF_XET_LOG_DEST"),
+        ("sglang", "HF_XET_LOG_PREFIX"),
+        ("vllm", "HF_XET_LOG_DIR_MAX_RETENTION_AGE"),
         ("llamacpp", "LLAMA_ARG_RPC"),  # llama-server's options by another name
         ("llamacpp", "LLAMA_ARG_HOST"),
     ],

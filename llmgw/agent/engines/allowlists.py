@@ -71,6 +71,11 @@ _CODE_OR_FILE_PARTS = (
     "ENDPOINT",
     "_URL",
     "PROXY",
+    # Where hf-xet (Hugging Face downloads) writes its log: HF_XET_LOG_DEST is a file it
+    # appends to or a folder whose old files it deletes, HF_XET_LOG_PREFIX the name of the
+    # file in it (`../` leaves it), HF_XET_LOG_DIR_* how much of that folder it deletes.
+    "XET_LOG",
+    "_DEST",
 )
 _CODE_OR_FILE_SUFFIXES = (
     # Without the underscore: the interpreter's and the system's own run the words together
