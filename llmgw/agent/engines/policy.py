@@ -189,7 +189,7 @@ def _file_problem(flag: str, kind: str, value: str, policy: LaunchPolicy, where:
     inline = (
         " (the engine opens a template as a file first: one given inline must not begin "
         "with / nor have a .. step)"
-        if kind == "template"
+        if kind == "template" and any(c in value for c in "{}\n")
         else ""
     )
     return [
