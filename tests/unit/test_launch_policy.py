@@ -7,6 +7,7 @@ argv: only what is allowed passes, and every refusal names the setting to change
 
 from __future__ import annotations
 
+import posixpath
 import subprocess
 import sys
 from pathlib import Path
@@ -354,7 +355,13 @@ def test_any_argv_passes_only_allowed_options_or_is_refused_naming_the_setting(
                 value = token
             if value is not None and flag in allowlists.FILE_ARGS[engine]:
                 assert value.startswith("/opt/t/") or not value.startswith("/")
-                assert ".." not in value or "{" in value or "}" in value or "\n" in value
+                assert ".." not in value.split("/"), value
+        # Every file option has its value: none is left for the engine to take the next
+        # option (or nothing) for.
+        for i, token in enumerate(args):
+            if option_name(token) in allowlists.FILE_ARGS[engine] and "=" not in token:
+                assert i + 1 < len(args), args
+                assert not args[i + 1].startswith("--"), args
     for r in reasons:
         assert (
             f"launch.args_allow.{engine} ({'agent config ' + SOURCE})" in r
@@ -362,6 +369,7 @@ def test_any_argv_passes_only_allowed_options_or_is_refused_naming_the_setting(
             or "not an option" in r
             or "read arguments from a file" in r
             or "NUL" in r
+            or "names no file: give its value right after it" in r
         ), r
 
 
@@ -450,6 +458,10 @@ def test_the_example_fleet_configs_pass() -> None:
         ("vllm", "VLLM_USE_MODELSCOPE"),  # another model hub
         ("sglang", "SGLANG_USE_MODELSCOPE"),
         ("vllm", "VLLM_HUMMING_W4A16_QUANT_CONFIG"),  # a file read from the path given
+        # hf-xet's log: a file (or a folder it prunes) anywhere, and its name in the folder.
+        ("vllm", "HF_XET_LOG_DEST"),
+        ("sglang", "HF_XET_LOG_PREFIX"),
+        ("vllm", "HF_XET_LOG_DIR_MAX_RETENTION_AGE"),
         ("llamacpp", "LLAMA_ARG_RPC"),  # llama-server's options by another name
         ("llamacpp", "LLAMA_ARG_HOST"),
     ],
@@ -575,3 +587,139 @@ def test_a_policy_that_opens_the_whole_disk_or_matches_no_option_is_refused(
     policy: LaunchPolicy, error: str
 ) -> None:
     assert any(error in e for e in launch_policy.policy_errors(policy))
+
+
+# ------------------------------------------------------------------ what the engines read
+
+
+def _vllm_chat_template(value: str) -> str:
+    """vLLM 0.33.0's `load_chat_template` for a --chat-template given on the command line:
+    it opens the value as a file first, and only when that fails (and the value has `{`,
+    `}` or a newline) takes it as the template itself."""
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError:
+        if not any(c in value for c in "{}\n"):
+            raise
+        return value
+
+
+def test_a_template_with_braces_that_is_also_a_path_is_read_only_from_the_dirs(
+    tmp_path: Path,
+) -> None:
+    # A folder whose name has a brace (a model repository can hold one, and the engine
+    # downloads it into its cache) makes any file on the node reachable through `..`.
+    (tmp_path / "{x}").mkdir()
+    (tmp_path / "secret").write_text("node secret")
+    value = f"{tmp_path}/{{x}}/../secret"
+    assert _vllm_chat_template(value) == "node secret"  # what vLLM would do with it
+    policy = LaunchPolicy(file_dirs=("/opt/t",))
+    [reason] = refusal(spec(engine_args=("--chat-template", value)), policy)
+    assert "--chat-template" in reason
+    assert "launch.file_dirs" in reason
+    assert SOURCE in reason
+    assert refusal(spec(engine_args=(f"--chat-template={value}",)), policy)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "/srv/{x}.jinja",  # absolute: a file vLLM opens if it is there
+        "{x}/../../../etc/shadow",  # relative, climbing out of the engine's folder
+        "{%- for m in messages %}/../x{% endfor %}",
+    ],
+)
+def test_a_template_that_could_name_a_file_outside_the_engines_folder_is_refused(
+    value: str,
+) -> None:
+    policy = LaunchPolicy(file_dirs=("/opt/t",))
+    [reason] = refusal(spec(engine_args=("--chat-template", value)), policy)
+    assert "launch.file_dirs" in reason
+    assert "opens a template as a file first" in reason
+
+
+_template_chars = st.sampled_from(["{", "}", "\n", "/", "..", ".", "x", "{{ m }}", "/opt/t", "~"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(_template_chars, min_size=1, max_size=8))
+def test_a_template_that_passes_is_inline_in_the_engines_folder_or_under_the_dirs(
+    parts: list[str],
+) -> None:
+    value = "".join(parts)
+    if refusal(spec(engine_args=("--chat-template", value)), LaunchPolicy(file_dirs=("/opt/t",))):
+        return
+    # Read as a path, what passes either lies under /opt/t or stays inside the folder the
+    # engine runs in (the agent's own): never absolute elsewhere, never climbing out.
+    if value.startswith("/"):
+        path = posixpath.normpath(value)
+        assert path.startswith("/opt/t/") or path == "/opt/t", value
+    else:
+        assert ".." not in value.split("/"), value
+        assert any(c in value for c in "{}\n"), value
+
+
+@pytest.mark.parametrize(
+    ("engine", "args"),
+    [
+        # llama-server takes the next argument as the value whatever it looks like.
+        ("llamacpp", ("--chat-template-file", "--jinja")),
+        ("llamacpp", ("--chat-template-file",)),
+        ("vllm", ("--chat-template", "--enforce-eager")),
+        ("sglang", ("--tokenizer-path",)),
+    ],
+)
+def test_a_file_option_without_its_file_is_refused(engine: Engine, args: tuple[str, ...]) -> None:
+    reasons = refusal(spec(engine, engine_args=args), LaunchPolicy(file_dirs=("/opt/t",)))
+    assert any(f"{args[0]} names no file" in r for r in reasons), reasons
+
+
+def test_llama_server_verbose_logging_of_prompts_and_answers_is_off_the_defaults() -> None:
+    # llama-server at --verbose logs every request's and response's body: users' prompts
+    # and answers in the engine's log, whose tail a failed shard reports to the fleet.
+    [reason] = refusal(spec("llamacpp", engine_args=("--verbose",)))
+    assert "launch.args_allow.llamacpp" in reason
+    assert SOURCE in reason
+    policy = LaunchPolicy(args_allow={"llamacpp": ("--verbose",)})
+    assert refusal(spec("llamacpp", engine_args=("--verbose",)), policy) == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        # The interpreter's own: a folder of modules (a model repository the engine
+        # downloaded may hold a sitecustomize.py), its library, its bytecode, its start-up.
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONPLATLIBDIR",
+        "PYTHONUSERBASE",
+        "PYTHONPYCACHEPREFIX",
+        "PYTHONSTARTUP",
+        "PYTHONBREAKPOINT",
+        "PYTHONWARNINGS",
+        "PYTHONINSPECT",
+        "PYTHON_PRESITE",
+        # The dynamic loader's: libraries it loads or audits, files it writes.
+        "LD_AUDIT",
+        "LD_PROFILE",
+        "LD_DEBUG_OUTPUT",
+        # Where programs, home and temporary files are; what a shell runs first.
+        "PATH",
+        "CPATH",
+        "HOME",
+        "TMPDIR",
+        "BASH_ENV",
+        "ENV",
+    ],
+)
+def test_a_broad_configured_pattern_never_admits_the_interpreters_or_loaders_settings(
+    name: str,
+) -> None:
+    patterns = ("PYTHON*", "LD_*", "P*", "C*", "H*", "T*", "B*", "E*")
+    policy = LaunchPolicy(env_allow={"all": patterns})
+    assert refusal(spec(env={"PYTHONUNBUFFERED": "1", "TEAM": "a"}), policy) == []
+    [reason] = refusal(spec(env={name: "/srv/models/evil"}), policy)
+    assert f"env {name} is not allowed" in reason
+    # Listed exactly, the node's operator means it.
+    assert refusal(spec(env={name: "x"}), LaunchPolicy(env_allow={"all": (name,)})) == []

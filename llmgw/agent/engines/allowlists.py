@@ -71,15 +71,22 @@ _CODE_OR_FILE_PARTS = (
     "ENDPOINT",
     "_URL",
     "PROXY",
+    # Where hf-xet (Hugging Face downloads) writes its log: HF_XET_LOG_DEST is a file it
+    # appends to or a folder whose old files it deletes, HF_XET_LOG_PREFIX the name of the
+    # file in it (`../` leaves it), HF_XET_LOG_DIR_* how much of that folder it deletes.
+    "XET_LOG",
+    "_DEST",
 )
 _CODE_OR_FILE_SUFFIXES = (
-    "_PATH",
+    # Without the underscore: the interpreter's and the system's own run the words together
+    # (PYTHONPATH, PYTHONHOME, PYTHONPLATLIBDIR, PATH, CPATH, HOME, TMPDIR).
+    "PATH",
     "_FILE",
-    "_DIR",
+    "DIR",
     "_DIRECTORY",
     "_FOLDER",
     "_ROOT",
-    "_HOME",
+    "HOME",
     "_CACHE",
     "_LIB",
     "_LIBS",
@@ -96,11 +103,39 @@ _CODE_OR_FILE_SUFFIXES = (
 )
 
 
+# The dynamic loader's settings, every one: LD_AUDIT loads libraries as LD_PRELOAD does,
+# LD_PROFILE and LD_DEBUG_OUTPUT write files.
+_CODE_OR_FILE_PREFIXES = ("LD_",)
+
+# Names the words above miss: Python's start-up (a user site folder whose .pth files run,
+# a bytecode folder read before the sources, a module imported by name, a script run
+# first) and what a shell runs before its command.
+_CODE_OR_FILE_NAMES = frozenset(
+    {
+        "PYTHONUSERBASE",
+        "PYTHONPYCACHEPREFIX",
+        "PYTHONSTARTUP",
+        "PYTHONBREAKPOINT",
+        "PYTHONWARNINGS",
+        "PYTHONINSPECT",
+        "PYTHONEXECUTABLE",
+        "PYTHON_PRESITE",
+        "PYTHON_HISTORY",
+        "BASH_ENV",
+        "ENV",
+    }
+)
+
+
 def loads_code(name: str) -> bool:
-    """True for an env name that a built-in pattern must not admit (see above). Pure."""
+    """True for an env name that a pattern, built-in or configured, must not admit (see
+    above). Pure."""
     upper = name.upper()
-    return any(part in upper for part in _CODE_OR_FILE_PARTS) or upper.endswith(
-        _CODE_OR_FILE_SUFFIXES
+    return (
+        any(part in upper for part in _CODE_OR_FILE_PARTS)
+        or upper.endswith(_CODE_OR_FILE_SUFFIXES)
+        or upper.startswith(_CODE_OR_FILE_PREFIXES)
+        or upper in _CODE_OR_FILE_NAMES
     )
 
 
@@ -264,7 +299,6 @@ _LLAMACPP_ARGS = (
     "--embedding",
     "--rerank",
     "--pooling",
-    "--verbose",
     "--log-disable",
 )
 
@@ -305,9 +339,12 @@ Chosen from each engine's full option list (vLLM 0.33.0, SGLang 0.5.23, llama.cp
 `--middleware`, `--trust-remote-code`, `--model-class-overrides`, `--custom-weight-loader`,
 `--forward-hooks`), reads options or data from arbitrary files (`--config`, `--lora-*`,
 `--grammar-file`, `--*-config-file`), writes files (`--log-file`, `--slot-save-path`,
-`--crash-dump-folder`), lets requests read the node's disk (`--allowed-local-media-path`,
-`--media-path`), reaches other machines (`--rpc`, `--tool-server`, `--otlp-traces-endpoint`),
-and what the agent owns (host, port, API key, parallelism, served names).
+`--crash-dump-folder`), writes users' prompts and answers to the engine's log (vLLM's
+`--enable-log-requests`, llama-server's `--verbose`, which logs every request's and
+response's body; a failed shard reports that log's tail to the fleet), lets requests
+read the node's disk (`--allowed-local-media-path`, `--media-path`), reaches other
+machines (`--rpc`, `--tool-server`, `--otlp-traces-endpoint`), and what the agent owns
+(host, port, API key, parallelism, served names).
 """
 
 FILE_ARGS: Mapping[Engine, Mapping[str, str]] = {

@@ -89,9 +89,25 @@ def _is_value(token: str) -> bool:
     return not token.startswith("-") or bool(_NUMBER.match(token)) or token == "-"
 
 
+def _inline(template: str) -> bool:
+    """True for a `template` value the engine can only take as the template itself.
+
+    vLLM opens the value as a file first and reads it as Jinja only when that fails, so
+    braces do not make it inline: one that begins with `/` is any file on the node, and
+    one with a `..` step climbs out of the engine's working folder (the agent's own) to
+    any file once a folder on the way exists (a model repository may hold one named
+    `{x}`, and the engine downloads it). What is left names at most a file in that folder.
+    """
+    return (
+        any(c in template for c in "{}\n")
+        and not template.startswith("/")
+        and ".." not in template.split("/")
+    )
+
+
 def _file_value(kind: str, value: str, dirs: tuple[str, ...]) -> str | None:
     """The file `value` names when it is not under `dirs`; None when it is fine."""
-    if kind == "template" and any(c in value for c in "{}\n"):
+    if kind == "template" and _inline(value):
         return None
     if kind == "name_or_path" and _HF_ID.fullmatch(value) and ".." not in value:
         return None
@@ -145,6 +161,23 @@ def args_problems(
             continue
         if "=" in token and flag in files:
             problems += _file_problem(flag, files[flag], token.split("=", 1)[1], policy, where)
+    return problems + _files_missing(args, files, allowed)
+
+
+def _files_missing(args: Sequence[str], files: Mapping[str, str], allowed: set[str]) -> list[str]:
+    """An allowed file option with no value after it: llama-server takes the next argument
+    as the file whatever it looks like (`--chat-template-file --jinja` reads `--jinja`),
+    which the checks above took for an option."""
+    problems = []
+    for i, token in enumerate(args):
+        flag = option_name(token)
+        if _is_value(token) or "=" in token or flag not in files or flag not in allowed:
+            continue
+        if i + 1 == len(args) or not _is_value(args[i + 1]):
+            problems.append(
+                f"engine argument {flag} names no file: give its value right after it "
+                f"({flag} VALUE)"
+            )
     return problems
 
 
@@ -153,9 +186,15 @@ def _file_problem(flag: str, kind: str, value: str, policy: LaunchPolicy, where:
     if outside is None:
         return []
     dirs = list(policy.file_dirs) or "none"
+    inline = (
+        " (the engine opens a template as a file first: one given inline must not begin "
+        "with / nor have a .. step)"
+        if kind == "template" and any(c in value for c in "{}\n")
+        else ""
+    )
     return [
-        f"engine argument {flag} names the file {outside!r}, which is not under this node's "
-        f"launch.file_dirs ({dirs}; {where}): give an absolute path under one of them, "
+        f"engine argument {flag} names the file {outside!r}{inline}, which is not under this "
+        f"node's launch.file_dirs ({dirs}; {where}): give an absolute path under one of them, "
         "or add its directory there if this node should read it"
     ]
 
