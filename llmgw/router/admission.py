@@ -164,14 +164,17 @@ def _over(
 
 
 def never_fits(
-    principal: auth.Principal, max_out: int, limit: int, choices: int = 1, field: str = "max_tokens"
-) -> Refusal:
+    principal: auth.Principal, max_out: int, limit: int, choices: int = 1,
+    field: str = "max_tokens", choices_field: str = "n",
+) -> Refusal:  # fmt: skip
     """A request asking for more completion tokens than the key's limit: no wait admits it.
-    `field` is the one the client named its maximum in (requests.Parsed.max_field)."""
+    `field` is the one the client named its maximum in (requests.Parsed.max_field), and
+    `choices_field` its count of answers (`n`, or llama-server's `n_cmpl`)."""
     asks, lower = f"up to {max_out} completion tokens ({field})", f"to at most {limit}"
     if choices > 1:
-        asks = f"{choices} answers (n) of up to {max_out} completion tokens each ({field})"
-        lower = f"or n so that their product is at most {limit}"
+        each = f"of up to {max_out} completion tokens each ({field})"
+        asks = f"{choices} answers ({choices_field}) {each}"
+        lower = f"or {choices_field} so that their product is at most {limit}"
     return Refusal(
         400,
         f"this request asks for {asks}, more than this API key ({principal.name}) may use:"

@@ -415,7 +415,7 @@ class Router:
         """What a metered key's request may cost, held of its limits (llmgw.router.quotas)."""
         q = self.dispatcher.quotas
         held = q.hold_now(principal, prompt_chars, parsed.max_out, self.clock(),
-                          parsed.choices, parsed.max_field)  # fmt: skip
+                          parsed.choices, parsed.max_field, parsed.choices_field)  # fmt: skip
         if isinstance(held, int):  # more than this router holds for the key
             held = await q.hold(principal, held, self.clock(), time.monotonic(), parsed.max_field)
         return held

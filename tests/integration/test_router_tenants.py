@@ -237,3 +237,33 @@ def test_a_maximum_over_the_keys_limit_is_refused_naming_the_field_sent(
     assert f"lower {field} to at most 60" in resp.text
     others = {"max_tokens", "max_completion_tokens", "max_output_tokens"} - {field}
     assert not any(other in resp.text for other in others), resp.text
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "field"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}],
+                                  "max_tokens": 5, "n_predict": 300}, "n_predict"),
+        ("/v1/completions", {"prompt": "go", "max_tokens": 5, "n_predict": 300}, "n_predict"),
+        ("/v1/completions", {"prompt": "go", "max_tokens": 5, "max_completion_tokens": 300},
+         "max_completion_tokens"),
+        ("/v1/responses", {"input": "go", "max_output_tokens": 5, "max_completion_tokens": 300},
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "go", "max_tokens": 20, "n_cmpl": 8}, "n_cmpl"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}],
+                                  "max_tokens": 20, "n": 1, "n_cmpl": 8}, "n_cmpl"),
+    ],
+)  # fmt: skip
+def test_a_maximum_llama_server_obeys_is_held_too(
+    router: Router, path: str, extra: dict[str, object], field: str
+) -> None:
+    """llama-server generates `n_predict` tokens whatever `max_tokens` says, reads
+    `max_completion_tokens` on every path, and `n_cmpl` answers whatever `n` says: a key of
+    60 tokens a minute that named 5 in `max_tokens` was held to 5 and admitted while its
+    engine generated 300, and as many at once as 5 fits in its window."""
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        resp = c.post(path, json={"model": "m", **extra},
+                      headers={"Authorization": f"Bearer {METERED}"})  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "request_over_token_limit"
+    assert f"{field} " in resp.text or f"({field})" in resp.text, resp.text
