@@ -19,11 +19,12 @@ to any engine. A session header (the router's `session_header`) is read as the f
 reads it.
 
 It asks what the front door asks: an API key (`Authorization: Bearer ...`) that may use
-the model, unless the router takes anonymous requests. Which prompts an engine holds is
-a tenant's secret; with a key, /route tells no more than sending the prompt would, and
-under `tenancy.cache_isolation` it shows only the caller's own tenant's cache: no prefix
-family counts nor index totals, which are every tenant's (routing does not count them
-then either: llmgw.router.choice.cache_plan).
+the model, unless the router takes anonymous requests, and it is one of the key's requests
+for its requests/s (llmgw.router.admin), as a request sent would be. Which prompts an
+engine holds is a tenant's secret; with a key, /route tells no more than sending the
+prompt would, no more often, and under `tenancy.cache_isolation` it shows only the
+caller's own tenant's cache: no prefix family counts nor index totals, which are every
+tenant's (routing does not count them then either: llmgw.router.choice.cache_plan).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ OPEN = auth.new_key()
 """May use every model, without limits."""
 METERED = auth.new_key()
 """May use `m`, 60 tokens a minute."""
+RATED = auth.new_key()
+"""May use `m`, a request a second."""
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,7 @@ def router(tmp_path_factory: pytest.TempPathFactory, sims: dict[str, Sim]) -> It
         f"  - {{name: limited, sha256: {auth.digest(LIMITED)}, models: [m]}}\n"
         f"  - {{name: open, sha256: {auth.digest(OPEN)}}}\n"
         f"  - {{name: metered, sha256: {auth.digest(METERED)}, tokens_per_min: 60}}\n"
+        f"  - {{name: rated, sha256: {auth.digest(RATED)}, models: [m], requests_per_s: 1}}\n"
     )
     r = Router.start(
         tmp,
@@ -267,3 +270,23 @@ def test_a_maximum_llama_server_obeys_is_held_too(
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["code"] == "request_over_token_limit"
     assert f"{field} " in resp.text or f"({field})" in resp.text, resp.text
+
+
+def test_route_counts_against_the_keys_requests_per_s(router: Router) -> None:
+    """`POST /route` on the admin listener takes a tenant's key and tells what the prompt
+    would find cached where: it tokenizes and ranks as a request does. A key of a request
+    a second had it answered as often as it asked, a cache probe its limit never held."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "probe"}]}
+    headers = {"Authorization": f"Bearer {RATED}"}
+    with httpx.Client(timeout=30) as c:
+        answers = [
+            c.post(f"{router.admin}/route?path=/v1/chat/completions", json=body, headers=headers)
+            for _ in range(6)
+        ]
+        assert [a.status_code for a in answers].count(200) <= 2, [a.text for a in answers]
+        over = next(a for a in answers if a.status_code == 429)
+        assert "over its limit of 1 requests/s" in over.json()["error"], over.text
+        assert int(over.headers["Retry-After"]) >= 1
+        # The front door counts the same bucket: /route spent it.
+        spent = c.post(f"{router.url}/v1/chat/completions", json=body, headers=headers)
+        assert spent.status_code == 429, spent.text
