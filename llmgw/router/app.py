@@ -456,7 +456,7 @@ class Router:
         if isinstance(profile, Refusal):
             return refusal_response(profile, rid, kind)
         outcome.model = profile.name
-        refused = choice.refusal(kind, request.path, principal, parsed.model, profile)
+        refused = choice.refusal(self.cfg, kind, request.path, principal, parsed, profile)
         prompt_chars = len(parsed.text) or len(body)
         if refused is None and principal is not None:
             outcome.principal = principal

@@ -100,7 +100,7 @@ def _admitted(
     profile = admission.resolve(dispatcher.catalog, parsed.model)
     if isinstance(profile, Refusal):
         raise ExplainError(profile.message, profile.status)
-    refused = choice.refusal(kind, path, principal, parsed.model, profile)
+    refused = choice.refusal(dispatcher.cfg, kind, path, principal, parsed, profile)
     if refused is not None:
         raise ExplainError(refused.message, refused.status)
     return parsed, profile
@@ -124,7 +124,7 @@ def explain(
     parsed, profile = _admitted(kind, path, body, d, principal)
     now = time.monotonic()
     g = choice.grounds(d, parsed, profile, principal, session, d.clock())
-    models, skipped = choice.chain(d, profile, principal, kind)
+    models, skipped = choice.chain(d, profile, principal, kind, parsed.choices)
     planner, attempts, step, ranked = _walk(d, models, now, g)
     first = attempts[0] if attempts else None
     out: dict[str, Any] = {

@@ -96,9 +96,10 @@ def answers(kind: str, n: int | None, best_of: int | None = None, n_cmpl: int | 
     that asks for them: `n` (or `best_of`, which vLLM generates and returns the best of), or
     llama-server's `n_cmpl`, which it obeys over `n`."""
     own = max(n or 1, best_of or 1) if kind in ("chat", "completions") else 1
+    field = "best_of" if (best_of or 1) > (n or 1) else "n"
     if kind == "messages":
-        return own, "n"
+        return own, field
     llama = max(1, (n_cmpl if n_cmpl is not None else n) or 1)
     if llama <= own:
-        return own, "n"
+        return own, field
     return llama, "n_cmpl" if n_cmpl is not None else "n"

@@ -162,13 +162,35 @@ def _principal(*models: str) -> auth.Principal:
 
 def test_a_fallback_the_key_may_not_use_is_skipped() -> None:
     # The key asked for a model it may use; its fallbacks are checked again, each.
-    d = SimpleNamespace(catalog=Catalog(FALLING_BACK))
+    d = SimpleNamespace(catalog=Catalog(FALLING_BACK), cfg=RouterConfig())
     big = d.catalog.resolve("big")
     served, skipped = choice.chain(d, big, _principal("big", "small"), "chat")  # type: ignore[arg-type]
     assert [p.name for p in served] == ["big", "small"]
     assert [p.name for p in skipped] == ["secret"]
     served, skipped = choice.chain(d, big, None, "chat")  # type: ignore[arg-type]
     assert [p.name for p in served] == ["big", "secret", "small"]
+
+
+def test_a_fallback_on_llama_server_is_skipped_where_it_would_not_keep_the_limits() -> None:
+    """llama-server's usage counts one of several answers, and its Messages API drops the
+    `cache_prompt: false` that isolation sends: a fallback on it is skipped for those."""
+    models = (ModelProfile(name="v", fallbacks=("ll",)), ModelProfile(name="ll", engine="llamacpp"))
+    shared = SimpleNamespace(catalog=Catalog(models), cfg=RouterConfig(models=models))
+    isolated = SimpleNamespace(
+        catalog=shared.catalog,
+        cfg=msgspec.structs.replace(
+            shared.cfg, tenancy=msgspec.structs.replace(shared.cfg.tenancy, cache_isolation="key")
+        ),
+    )
+    v = shared.catalog.resolve("v")
+
+    def served(d: SimpleNamespace, kind: str, choices: int = 1) -> list[str]:
+        return [p.name for p in choice.chain(d, v, None, kind, choices)[0]]  # type: ignore[arg-type]
+
+    assert served(shared, "chat") == served(shared, "messages") == ["v", "ll"]
+    assert served(shared, "chat", 2) == ["v"]
+    assert served(isolated, "messages") == ["v"]
+    assert served(isolated, "chat") == ["v", "ll"]
 
 
 async def test_a_key_sees_only_the_models_it_may_use() -> None:
