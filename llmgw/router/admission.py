@@ -127,16 +127,13 @@ def resolve(catalog: Catalog, asked: str) -> ModelProfile | Refusal:
 
 
 def admit(principal: auth.Principal | None, asked: str, profile: ModelProfile) -> Refusal | None:
-    """None when the key may use the model; else why not. Its limits are the quotas' to
-    check (llmgw.router.quotas: fleet-wide, or this router's buckets)."""
+    """None when the key may use the model; else the 404 of a model that does not exist,
+    word for word: `GET /v1/models` and `/v1/models/{id}` show a key only the models it may
+    use, and a 403 here told it which of the names it guessed exist. Its limits are the
+    quotas' to check (llmgw.router.quotas: fleet-wide, or this router's buckets)."""
     if principal is None or may_use(principal, asked, profile):
         return None
-    return Refusal(
-        403,
-        f"this API key may not use the model {asked!r}",
-        "permission_error",
-        "model_not_allowed",
-    )
+    return no_model(asked)
 
 
 def over_requests(principal: auth.Principal, remaining: float, reset_s: float) -> Refusal:

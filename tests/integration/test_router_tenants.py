@@ -290,3 +290,21 @@ def test_route_counts_against_the_keys_requests_per_s(router: Router) -> None:
         # The front door counts the same bucket: /route spent it.
         spent = c.post(f"{router.url}/v1/chat/completions", json=body, headers=headers)
         assert spent.status_code == 429, spent.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_a_model_the_key_may_not_use_is_answered_as_one_that_does_not_exist(
+    router: Router, path: str
+) -> None:
+    """`GET /v1/models/{id}` and `/ready` hide the models a key may not use, but a request
+    for one was a 403 "may not use the model 'secret'" where an unknown name was a 404: a key
+    could learn every model's name by guessing. Both are now the same 404."""
+    body: dict[str, object] = {"max_tokens": 2, "input": "x",
+                               "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+    headers = {"Authorization": f"Bearer {LIMITED}"}
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        hidden = c.post(path, json={**body, "model": "secret"}, headers=headers)
+        unknown = c.post(path, json={**body, "model": "terces"}, headers=headers)
+        listed = c.get("/v1/models/secret", headers=headers)
+    assert hidden.status_code == unknown.status_code == listed.status_code == 404, hidden.text
+    assert hidden.text.replace("secret", "terces") == unknown.text
