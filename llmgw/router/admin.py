@@ -48,6 +48,10 @@ def _handlers(router: Router) -> dict[tuple[str, str], Handler]:
         )
         if isinstance(principal, Refusal):
             return web.json_response({"error": principal.message}, status=principal.status)
+        # A key's requests/s holds here too: else /route probed engines' caches unmetered.
+        over = await router.counted(principal)
+        if over is not None:
+            return _refused(over)
         body = await router.read_body(request)
         if isinstance(body, Refusal):  # late (the connection closes) or too large
             refused = web.json_response({"error": body.message}, status=body.status)
@@ -69,6 +73,16 @@ def _handlers(router: Router) -> dict[tuple[str, str], Handler]:
         ("HEAD", "/health"): health,
         ("POST", "/route"): route,
     }
+
+
+def _refused(refusal: Refusal) -> web.Response:
+    """A 429 in the admin listener's shape, with the front door's Retry-After and
+    rate-limit headers."""
+    resp = web.json_response({"error": refusal.message}, status=refusal.status)
+    if refusal.retry_after:
+        resp.headers["Retry-After"] = str(refusal.retry_after)
+    resp.headers.update(dict(refusal.headers))
+    return resp
 
 
 def build_admin_server(router: Router) -> web.Server:

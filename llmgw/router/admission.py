@@ -127,16 +127,13 @@ def resolve(catalog: Catalog, asked: str) -> ModelProfile | Refusal:
 
 
 def admit(principal: auth.Principal | None, asked: str, profile: ModelProfile) -> Refusal | None:
-    """None when the key may use the model; else why not. Its limits are the quotas' to
-    check (llmgw.router.quotas: fleet-wide, or this router's buckets)."""
+    """None when the key may use the model; else the 404 of a model that does not exist,
+    word for word: `GET /v1/models` and `/v1/models/{id}` show a key only the models it may
+    use, and a 403 here told it which of the names it guessed exist. Its limits are the
+    quotas' to check (llmgw.router.quotas: fleet-wide, or this router's buckets)."""
     if principal is None or may_use(principal, asked, profile):
         return None
-    return Refusal(
-        403,
-        f"this API key may not use the model {asked!r}",
-        "permission_error",
-        "model_not_allowed",
-    )
+    return no_model(asked)
 
 
 def over_requests(principal: auth.Principal, remaining: float, reset_s: float) -> Refusal:
@@ -164,14 +161,17 @@ def _over(
 
 
 def never_fits(
-    principal: auth.Principal, max_out: int, limit: int, choices: int = 1, field: str = "max_tokens"
-) -> Refusal:
+    principal: auth.Principal, max_out: int, limit: int, choices: int = 1,
+    field: str = "max_tokens", choices_field: str = "n",
+) -> Refusal:  # fmt: skip
     """A request asking for more completion tokens than the key's limit: no wait admits it.
-    `field` is the one the client named its maximum in (requests.Parsed.max_field)."""
+    `field` is the one the client named its maximum in (requests.Parsed.max_field), and
+    `choices_field` its count of answers (`n`, or llama-server's `n_cmpl`)."""
     asks, lower = f"up to {max_out} completion tokens ({field})", f"to at most {limit}"
     if choices > 1:
-        asks = f"{choices} answers (n) of up to {max_out} completion tokens each ({field})"
-        lower = f"or n so that their product is at most {limit}"
+        each = f"of up to {max_out} completion tokens each ({field})"
+        asks = f"{choices} answers ({choices_field}) {each}"
+        lower = f"or {choices_field} so that their product is at most {limit}"
     return Refusal(
         400,
         f"this request asks for {asks}, more than this API key ({principal.name}) may use:"

@@ -107,16 +107,67 @@ SERVED: dict[str, frozenset[Kind]] = {
 """Engine kind -> the APIs it serves (an engine kind not here: all of them)."""
 
 
-def serves(kind: Kind, profile: ModelProfile) -> bool:
-    """Whether the model's engine serves API `kind` (a fallback that does not is skipped:
-    its engine's 404 would tell the client that the model it asked for does not exist)."""
-    return kind in SERVED.get(profile.engine, _ALL)
+ONE_ANSWER_COUNTED = frozenset({"llamacpp"})
+"""Engines whose usage counts one answer of the several a request may ask for: llama-server
+(b11434) generates `n_cmpl` (or `n`) answers, but a whole answer keeps its first answer's
+usage, and each streamed answer ends with a usage of its own. Charged what the engine
+tells, a key would pay one answer of eight."""
 
 
-def unsupported(kind: Kind, profile: ModelProfile, path: str) -> Refusal | None:
-    """None when the model's engine serves `kind`; else the 400 that says who does."""
-    if serves(kind, profile):
+def counted(profile: ModelProfile, choices: int) -> bool:
+    """Whether the usage of the model's engine counts all `choices` answers of a request."""
+    return choices <= 1 or profile.engine not in ONE_ANSWER_COUNTED
+
+
+ALWAYS_CACHED: dict[str, frozenset[Kind]] = {"llamacpp": frozenset({"messages"})}
+"""Engine kind -> its APIs whose prompt cache no request can turn off. llama-server takes
+no salt, so under `tenancy.cache_isolation` its requests go with `cache_prompt: false`
+(llmgw.router.isolation); its Messages API keeps only its own fields of a body (b11434's
+tools/server/server-chat.cpp), so that never reaches it, and its prompts were reused
+across tenants."""
+
+
+def isolates(kind: Kind, profile: ModelProfile) -> bool:
+    """Whether the model's engine keeps API `kind`'s prompts to their tenant, isolated."""
+    return kind not in ALWAYS_CACHED.get(profile.engine, frozenset())
+
+
+def serves(kind: Kind, profile: ModelProfile, choices: int = 1, isolated: bool = False) -> bool:
+    """Whether the model's engine serves API `kind`, for `choices` answers, under the
+    router's `isolated` tenancy (a fallback that does not is skipped: its engine's 404
+    would tell the client that the model it asked for does not exist; its usage of one
+    answer would charge the key one; its cache would serve another tenant's prompts)."""
+    return (kind in SERVED.get(profile.engine, _ALL) and counted(profile, choices)
+            and not (isolated and not isolates(kind, profile)))  # fmt: skip
+
+
+def unsupported(
+    kind: Kind, profile: ModelProfile, path: str, choices: int = 1, field: str = "n",
+    isolated: bool = False,
+) -> Refusal | None:  # fmt: skip
+    """None when the model's engine serves `kind` for `choices` answers (asked for in
+    `field`) under the router's `isolated` tenancy; else the 400 that says what to send
+    instead."""
+    if serves(kind, profile, choices, isolated):
         return None
+    if isolated and not isolates(kind, profile):
+        return Refusal(
+            400,
+            f"the model {profile.name!r} runs on {profile.engine}, whose {path} cannot keep"
+            " one tenant's prompts from another's cache under this router's cache_isolation:"
+            " send the conversation to /v1/chat/completions",
+            "invalid_request_error",
+            "unsupported_api",
+        )
+    if not counted(profile, choices):
+        return Refusal(
+            400,
+            f"the model {profile.name!r} runs on {profile.engine}, whose usage counts one of"
+            f" the {choices} answers this request asks for ({field}): ask for one answer a"
+            f" request ({field}: 1), or use a model on vllm or sglang",
+            "invalid_request_error",
+            "answers_not_counted",
+        )
     serving = ", ".join(sorted(e for e, kinds in SERVED.items() if kind in kinds))
     return Refusal(
         400,

@@ -409,13 +409,24 @@ class Router:
             if bound is not None:
                 tracing.unbind_logs(bound)
 
+    async def counted(self, principal: auth.Principal | None) -> Refusal | None:
+        """One request of the key taken of its requests/s (the 429 when it has none left),
+        before its body is read: a key's refused requests cost the router too, and so does
+        `POST /route` on the admin listener (llmgw.router.admin), which ranks as they do."""
+        if principal is None or not principal.limited:
+            return None
+        q, wall = self.dispatcher.quotas, self.clock()
+        if q.admit_now(principal, wall):
+            return None
+        return await q.admit(principal, wall, time.monotonic())
+
     async def _hold(
         self, principal: auth.Principal, prompt_chars: int, parsed: requests.Parsed
     ) -> Held | Refusal:
         """What a metered key's request may cost, held of its limits (llmgw.router.quotas)."""
         q = self.dispatcher.quotas
         held = q.hold_now(principal, prompt_chars, parsed.max_out, self.clock(),
-                          parsed.choices, parsed.max_field)  # fmt: skip
+                          parsed.choices, parsed.max_field, parsed.choices_field)  # fmt: skip
         if isinstance(held, int):  # more than this router holds for the key
             held = await q.hold(principal, held, self.clock(), time.monotonic(), parsed.max_field)
         return held
@@ -431,12 +442,9 @@ class Router:
             return refusal_response(principal, rid, kind)
         if principal is not None:
             outcome.key = principal.name
-        q, wall = self.dispatcher.quotas, self.clock()
-        # Counted before its body is read: a key's refused requests cost the router too.
-        if principal is not None and principal.limited and not q.admit_now(principal, wall):
-            over = await q.admit(principal, wall, time.monotonic())
-            if over is not None:
-                return refusal_response(over, rid, kind)
+        over = await self.counted(principal)
+        if over is not None:
+            return refusal_response(over, rid, kind)
         body = await self.read_body(request)
         if isinstance(body, Refusal):
             return refusal_response(body, rid, kind)
@@ -448,7 +456,7 @@ class Router:
         if isinstance(profile, Refusal):
             return refusal_response(profile, rid, kind)
         outcome.model = profile.name
-        refused = choice.refusal(kind, request.path, principal, parsed.model, profile)
+        refused = choice.refusal(self.cfg, kind, request.path, principal, parsed, profile)
         prompt_chars = len(parsed.text) or len(body)
         if refused is None and principal is not None:
             outcome.principal = principal

@@ -56,11 +56,20 @@ def wants_text(cfg: RouterConfig) -> bool:
 
 
 def refusal(
-    kind: requests.Kind, path: str, principal: Principal | None, asked: str, profile: ModelProfile
-) -> Refusal | None:
-    """Why the front door refuses a request of API `kind` (at `path`) for the model asked
-    as `asked`, or None when it takes it."""
-    return apis.unsupported(kind, profile, path) or admission.admit(principal, asked, profile)
+    cfg: RouterConfig, kind: requests.Kind, path: str, principal: Principal | None,
+    parsed: requests.Parsed, profile: ModelProfile,
+) -> Refusal | None:  # fmt: skip
+    """Why the front door of a router of `cfg` refuses a request of API `kind` (at `path`),
+    `parsed`, for the model it asks for, or None when it takes it."""
+    # The key's permission first: a model it may not use tells it nothing of its engine.
+    return admission.admit(principal, parsed.model, profile) or apis.unsupported(
+        kind, profile, path, parsed.choices, parsed.choices_field, isolated(cfg)
+    )
+
+
+def isolated(cfg: RouterConfig) -> bool:
+    """Whether the router keeps tenants' prefix caches apart (llmgw.router.isolation)."""
+    return cfg.tenancy.cache_isolation != "shared"
 
 
 def grounds(
@@ -124,16 +133,20 @@ def cache_plan(
 
 
 def chain(
-    d: Dispatcher, profile: ModelProfile, principal: Principal | None, kind: requests.Kind
-) -> tuple[list[ModelProfile], list[ModelProfile]]:
-    """The models a request for `profile` may be served by, in order, and its fallbacks
-    skipped (the key may not use them, or their engines do not serve the API)."""
+    d: Dispatcher, profile: ModelProfile, principal: Principal | None, kind: requests.Kind,
+    choices: int = 1,
+) -> tuple[list[ModelProfile], list[ModelProfile]]:  # fmt: skip
+    """The models a request for `profile` of `choices` answers may be served by, in order,
+    and its fallbacks skipped (the key may not use them, or their engines do not serve the
+    API, would not count its answers or keep its tenant's cache: llmgw.router.apis.serves)."""
     if not profile.fallbacks:
         return [profile], []
     return fallback_chain(
         profile,
         d.catalog.resolve,
-        lambda name, p: admission.may_use(principal, name, p) and apis.serves(kind, p),
+        lambda name, p: (
+            admission.may_use(principal, name, p) and apis.serves(kind, p, choices, isolated(d.cfg))
+        ),
     )
 
 

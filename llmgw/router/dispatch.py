@@ -120,13 +120,17 @@ class Dispatcher:
         profile = self.catalog.profiles.get(model)
         return eps if profile is None else self.queues.with_room(profile, eps)
 
-    def _chain(self, profile: ModelProfile, state: ClientStream) -> list[ModelProfile]:
-        """The models a request may be served by (llmgw.router.choice), its skipped
-        fallbacks logged."""
-        models, skipped = choice.chain(self, profile, state.principal, state.kind)
+    def _chain(
+        self, profile: ModelProfile, state: ClientStream, choices: int
+    ) -> list[ModelProfile]:
+        """The models a request of `choices` answers may be served by (llmgw.router.choice),
+        its skipped fallbacks logged."""
+        models, skipped = choice.chain(self, profile, state.principal, state.kind, choices)
+        isolated = choice.isolated(self.cfg)
         for p in skipped:  # the key may not use it, or its engine lacks the API
+            served = apis.serves(state.kind, p, choices, isolated)
             log.info("fallback_skipped", request_id=state.rid, model=profile.name,
-                     fallback=p.name, api_served=apis.serves(state.kind, p))  # fmt: skip
+                     fallback=p.name, api_served=served)  # fmt: skip
         return models
 
     def _ranked(self, n: int, prof: ModelProfile, ranking: routing.Ranking) -> None:
@@ -171,7 +175,7 @@ class Dispatcher:
                            request.headers.get(self._session_header, ""), self.clock())  # fmt: skip
         salt, hashes, session_key, plan = g.salt, g.hashes, g.session_key, g.plan
         # Without fallbacks (the common case) no closure is made per request.
-        planner = choice.planner(self, self._chain(profile, state), state.start, g,
+        planner = choice.planner(self, self._chain(profile, state, parsed.choices), state.start, g,
                                  self._fallback_hook(profile.name, state.rid)
                                  if profile.fallbacks else self._ranked)  # fmt: skip
         up_body, body_of = body, ""  # the body as the engine gets it, and for which model

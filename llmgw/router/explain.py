@@ -19,11 +19,12 @@ to any engine. A session header (the router's `session_header`) is read as the f
 reads it.
 
 It asks what the front door asks: an API key (`Authorization: Bearer ...`) that may use
-the model, unless the router takes anonymous requests. Which prompts an engine holds is
-a tenant's secret; with a key, /route tells no more than sending the prompt would, and
-under `tenancy.cache_isolation` it shows only the caller's own tenant's cache: no prefix
-family counts nor index totals, which are every tenant's (routing does not count them
-then either: llmgw.router.choice.cache_plan).
+the model, unless the router takes anonymous requests, and it is one of the key's requests
+for its requests/s (llmgw.router.admin), as a request sent would be. Which prompts an
+engine holds is a tenant's secret; with a key, /route tells no more than sending the
+prompt would, no more often, and under `tenancy.cache_isolation` it shows only the
+caller's own tenant's cache: no prefix family counts nor index totals, which are every
+tenant's (routing does not count them then either: llmgw.router.choice.cache_plan).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _admitted(
     profile = admission.resolve(dispatcher.catalog, parsed.model)
     if isinstance(profile, Refusal):
         raise ExplainError(profile.message, profile.status)
-    refused = choice.refusal(kind, path, principal, parsed.model, profile)
+    refused = choice.refusal(dispatcher.cfg, kind, path, principal, parsed, profile)
     if refused is not None:
         raise ExplainError(refused.message, refused.status)
     return parsed, profile
@@ -123,7 +124,7 @@ def explain(
     parsed, profile = _admitted(kind, path, body, d, principal)
     now = time.monotonic()
     g = choice.grounds(d, parsed, profile, principal, session, d.clock())
-    models, skipped = choice.chain(d, profile, principal, kind)
+    models, skipped = choice.chain(d, profile, principal, kind, parsed.choices)
     planner, attempts, step, ranked = _walk(d, models, now, g)
     first = attempts[0] if attempts else None
     out: dict[str, Any] = {

@@ -168,18 +168,18 @@ class Quotas:
 
     def hold_now(
         self, p: auth.Principal, prompt_chars: int, max_out: int | None, wall: float,
-        choices: int = 1, field: str = "max_tokens",
+        choices: int = 1, field: str = "max_tokens", choices_field: str = "n",
     ) -> Held | Refusal | int:  # fmt: skip
         """What a request of `prompt_chars` asking for `choices` answers of `max_out` tokens
         may cost, held of a fleet key's window and budget from what this router leased (no
         round trip); the 400 of one larger than the key's tightest token limit (no wait
-        would admit it), naming the `field` it sent `max_out` in; else the tokens `hold` is
-        to take (it may need the counters)."""
+        would admit it), naming the `field` it sent `max_out` in (`choices_field`: its
+        `choices`); else the tokens `hold` is to take (it may need the counters)."""
         s = p.settings
         limit = tightest_limit(s)
         prompt = prompt_chars // requests.CHARS_PER_TOKEN
         if reserve.never_fits(max_out, limit, choices):
-            return admission.never_fits(p, max_out or 0, limit, choices, field)
+            return admission.never_fits(p, max_out or 0, limit, choices, field, choices_field)
         need = reserve.reservation(prompt, max_out, self.default_out, limit, choices)
         if not p.fleet or self.counters is None:
             return need

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
 
-from llmgw.router import turns
+from llmgw.router import maxima, turns
 from llmgw.router.turns import Content, Turns, chat_text
 
 Kind = Literal[
@@ -61,6 +61,10 @@ class ChatBody(msgspec.Struct):
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     n: Choices | None = None
+    n_predict: int | None = None
+    """llama-server's maximum, which it obeys over the others (llmgw.router.maxima)."""
+    n_cmpl: int | None = None
+    """llama-server's count of answers, which it obeys over `n`."""
 
 
 class CompletionBody(msgspec.Struct):
@@ -73,6 +77,10 @@ class CompletionBody(msgspec.Struct):
     max_tokens: Count | None = None
     n: Choices | None = None
     best_of: Choices | None = None
+    max_completion_tokens: Count | None = None
+    """llama-server reads it on every path, over `max_tokens`."""
+    n_predict: int | None = None
+    n_cmpl: int | None = None
 
 
 class EmbeddingBody(msgspec.Struct):
@@ -93,8 +101,18 @@ class OtherBody(msgspec.Struct):
     cache_salt: msgspec.Raw = ABSENT
     max_tokens: Count | None = None
     """The Messages API's."""
-    max_output_tokens: Count | None = None
-    """The Responses API's."""
+
+
+class ResponsesBody(OtherBody):
+    """The Responses API: its own maximum, and the chat's fields llama-server reads of it
+    too (its Responses API is its chat's, with the body kept)."""
+
+    max_output_tokens: Count | msgspec.UnsetType | None = msgspec.UNSET
+    """UNSET: not in the body (llama-server renames it, even as null, to `max_tokens`)."""
+    max_completion_tokens: Count | None = None
+    n_predict: int | None = None
+    n: int | None = None
+    n_cmpl: int | None = None
 
 
 _OTHER = msgspec.json.Decoder(OtherBody)
@@ -102,6 +120,7 @@ _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     "chat": msgspec.json.Decoder(ChatBody),
     "completions": msgspec.json.Decoder(CompletionBody),
     "embeddings": msgspec.json.Decoder(EmbeddingBody),
+    "responses": msgspec.json.Decoder(ResponsesBody),
 }
 
 
@@ -179,11 +198,15 @@ class Parsed(msgspec.Struct):
     """The most tokens each answer may generate, as the body says (None: it says none; 0:
     an API that generates none)."""
     choices: int = 1
-    """How many answers the engine generates (`n`, or `best_of` when larger)."""
+    """How many answers the engine generates (`n`, or `best_of` when larger, or
+    llama-server's `n_cmpl`: llmgw.router.maxima.answers)."""
     max_field: str = "max_tokens"
     """The field the client names its maximum in (`max_out` is its value), as a refusal
     tells it what to lower: the Responses API's `max_output_tokens`, a chat request's
-    `max_completion_tokens` when that one is the larger it sent, else `max_tokens`."""
+    `max_completion_tokens` when that one is the larger it sent, llama-server's
+    `n_predict` when that one is, else `max_tokens` (llmgw.router.maxima.maximum)."""
+    choices_field: str = "n"
+    """The field `choices` came from, as a refusal names it."""
 
 
 def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
@@ -234,9 +257,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         sglang_chat=sglang_chat,
         priority=bool(req.priority),
         cache_salt=_salt_text(req.cache_salt),
-        max_out=_max_out(req),
-        choices=_choices(req),
-        max_field=_max_field(req),
+        **_limits(kind, req),
     )
 
 
@@ -245,16 +266,12 @@ def _other(kind: Kind, req: OtherBody, body: bytes, want_text: bool) -> Parsed:
     of the Messages and Responses APIs, their conversation's turns when the text is wanted
     (llmgw.router.turns), keyed as a chat's."""
     streams = bool(req.stream) and kind in STREAMED_USAGE
-    # Each API obeys its own field, whatever else a client adds.
-    messages = kind == "messages"
-    out = _largest(req.max_tokens if messages else req.max_output_tokens)
     chat, sglang, llama = turns.of_body(kind, body) if want_text else ((), (), ())
     return Parsed(model=req.model, stream=streams, wants_usage=True, has_options=True,
                   text=chat_text(chat), chat=chat, sglang_chat=sglang, llamacpp_chat=llama,
                   priority=bool(req.priority),
                   cache_salt=_salt_text(req.cache_salt),
-                  max_out=out if kind in GENERATES else 0,
-                  max_field="max_tokens" if messages else "max_output_tokens")  # fmt: skip
+                  **(_limits(kind, req) if kind in GENERATES else {"max_out": 0}))  # fmt: skip
 
 
 def _salt_text(raw: msgspec.Raw) -> str | None:
@@ -265,31 +282,17 @@ def _salt_text(raw: msgspec.Raw) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _max_out(req: ChatBody | CompletionBody) -> int | None:
-    if isinstance(req, ChatBody):
-        return _largest(req.max_tokens, req.max_completion_tokens)
-    return _largest(req.max_tokens)
-
-
-def _max_field(req: ChatBody | CompletionBody) -> str:
-    """The field `_max_out` took its maximum from (`max_tokens` when the body names none)."""
-    if isinstance(req, ChatBody) and (req.max_completion_tokens or 0) >= (req.max_tokens or 1):
-        return "max_completion_tokens"
-    return "max_tokens"
-
-
-def _largest(*caps: int | None) -> int | None:
-    """The largest of the maxima a body names, None when it names none. Engines differ in
-    which one they obey (vLLM's chat reads `max_completion_tokens or max_tokens`, so a 0
-    there is no maximum at all), so the hold covers each reading: a 0 is no maximum, and of
-    two the larger counts."""
-    named = [cap for cap in caps if cap]
-    return max(named) if named else None
-
-
-def _choices(req: ChatBody | CompletionBody) -> int:
-    best_of = req.best_of if isinstance(req, CompletionBody) else None
-    return max(req.n or 1, best_of or 1)
+def _limits(kind: Kind, req: ChatBody | CompletionBody | OtherBody) -> dict[str, Any]:
+    """`Parsed`'s maximum and count of answers, the most any engine reads: llmgw.router.maxima."""
+    max_out, max_field = maxima.maximum(
+        kind, req.max_tokens, getattr(req, "max_completion_tokens", None),
+        getattr(req, "max_output_tokens", msgspec.UNSET), getattr(req, "n_predict", None),
+    )  # fmt: skip
+    choices, choices_field = maxima.answers(kind, getattr(req, "n", None),
+                                            getattr(req, "best_of", None),
+                                            getattr(req, "n_cmpl", None))  # fmt: skip
+    return {"max_out": max_out, "max_field": max_field, "choices": choices,
+            "choices_field": choices_field}  # fmt: skip
 
 
 def _prompt_text(prompt: str | list[Any]) -> str:

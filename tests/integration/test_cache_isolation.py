@@ -65,3 +65,31 @@ def test_a_tenant_finds_its_own_prefix_and_never_another_s(router: Router) -> No
 def test_ready_says_the_mode_and_no_model_is_uncached(router: Router) -> None:
     r = httpx.get(f"{router.url}/ready", timeout=10)
     assert r.json()["cache_isolation"] == {"mode": "key", "uncached_models": []}
+
+
+def test_llama_servers_messages_api_is_refused_under_isolation(tmp_path: Path) -> None:
+    """llama-server has no salt: isolated, its requests go with `cache_prompt: false`. Its
+    Messages API keeps only its own fields of a body, so that never reached it: through a
+    router under `cache_isolation: key`, a Messages request to llama-server (b11434) read
+    259 of its 260 prompt tokens from the cache that another request had left. The router
+    refuses the Messages API of such a model then, saying what to send instead; its chat
+    API, which keeps `cache_prompt`, is relayed."""
+    sim = Sim.start("m")
+    r = Router.start(tmp_path, {"e": sim}, models=[{"name": "ll", "engine": "llamacpp"}],
+                     endpoint_models={"e": ["ll"]}, tenancy={"cache_isolation": "key"})  # fmt: skip
+    try:
+        turn = [{"role": "user", "content": PROMPT}]
+        said = httpx.post(f"{r.url}/v1/messages", timeout=30,
+                          json={"model": "ll", "max_tokens": 2, "messages": turn})  # fmt: skip
+        assert said.status_code == 400, said.text
+        error = said.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert error["code"] == "unsupported_api", error
+        assert "/v1/chat/completions" in error["message"], error
+        # The chat API goes to the engine (which, here, serves another model's name).
+        chat = httpx.post(f"{r.url}/v1/chat/completions", timeout=30,
+                          json={"model": "ll", "max_tokens": 2, "messages": turn})  # fmt: skip
+        assert chat.json()["error"]["code"] == "model_not_found", chat.text
+    finally:
+        r.stop()
+        sim.stop()

@@ -277,3 +277,29 @@ def test_a_fallback_whose_engine_does_not_serve_the_api_is_not_tried(
     finally:
         router.stop()
         odd.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "field"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "n_cmpl": 3}, "n_cmpl"),
+        ("/v1/responses", {"input": "x", "n": 2}, "n"),
+    ],
+)  # fmt: skip
+def test_several_answers_of_a_llama_server_model_are_refused(
+    fleet: Router, path: str, extra: dict[str, Any], field: str
+) -> None:
+    """llama-server (b11434) generates `n_cmpl` (or `n`) answers, but its usage counts one:
+    a whole answer keeps its first answer's usage, and each streamed answer ends with its
+    own. Charged what the engine told, a key asking for 8 answers paid for 1. The router
+    refuses it, saying what to send instead; a model on another engine is relayed (the
+    sim's own refusal of n > 1 here)."""
+    status, body = post(fleet, path, {"model": "ll", "max_tokens": 4, **extra})
+    assert status == 400, body
+    assert body["error"]["code"] == "answers_not_counted", body
+    message = body["error"]["message"]
+    assert "llamacpp" in message, message
+    assert f"{field}: 1" in message, message
+    status, body = post(fleet, path, {"model": "m", "max_tokens": 4, **extra})
+    assert status == 200 or body["error"]["code"] != "answers_not_counted", body

@@ -24,6 +24,8 @@ OPEN = auth.new_key()
 """May use every model, without limits."""
 METERED = auth.new_key()
 """May use `m`, 60 tokens a minute."""
+RATED = auth.new_key()
+"""May use `m`, a request a second."""
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,7 @@ def router(tmp_path_factory: pytest.TempPathFactory, sims: dict[str, Sim]) -> It
         f"  - {{name: limited, sha256: {auth.digest(LIMITED)}, models: [m]}}\n"
         f"  - {{name: open, sha256: {auth.digest(OPEN)}}}\n"
         f"  - {{name: metered, sha256: {auth.digest(METERED)}, tokens_per_min: 60}}\n"
+        f"  - {{name: rated, sha256: {auth.digest(RATED)}, models: [m], requests_per_s: 1}}\n"
     )
     r = Router.start(
         tmp,
@@ -237,3 +240,71 @@ def test_a_maximum_over_the_keys_limit_is_refused_naming_the_field_sent(
     assert f"lower {field} to at most 60" in resp.text
     others = {"max_tokens", "max_completion_tokens", "max_output_tokens"} - {field}
     assert not any(other in resp.text for other in others), resp.text
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "field"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}],
+                                  "max_tokens": 5, "n_predict": 300}, "n_predict"),
+        ("/v1/completions", {"prompt": "go", "max_tokens": 5, "n_predict": 300}, "n_predict"),
+        ("/v1/completions", {"prompt": "go", "max_tokens": 5, "max_completion_tokens": 300},
+         "max_completion_tokens"),
+        ("/v1/responses", {"input": "go", "max_output_tokens": 5, "max_completion_tokens": 300},
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "go", "max_tokens": 20, "n_cmpl": 8}, "n_cmpl"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}],
+                                  "max_tokens": 20, "n": 1, "n_cmpl": 8}, "n_cmpl"),
+    ],
+)  # fmt: skip
+def test_a_maximum_llama_server_obeys_is_held_too(
+    router: Router, path: str, extra: dict[str, object], field: str
+) -> None:
+    """llama-server generates `n_predict` tokens whatever `max_tokens` says, reads
+    `max_completion_tokens` on every path, and `n_cmpl` answers whatever `n` says: a key of
+    60 tokens a minute that named 5 in `max_tokens` was held to 5 and admitted while its
+    engine generated 300, and as many at once as 5 fits in its window."""
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        resp = c.post(path, json={"model": "m", **extra},
+                      headers={"Authorization": f"Bearer {METERED}"})  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "request_over_token_limit"
+    assert f"{field} " in resp.text or f"({field})" in resp.text, resp.text
+
+
+def test_route_counts_against_the_keys_requests_per_s(router: Router) -> None:
+    """`POST /route` on the admin listener takes a tenant's key and tells what the prompt
+    would find cached where: it tokenizes and ranks as a request does. A key of a request
+    a second had it answered as often as it asked, a cache probe its limit never held."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "probe"}]}
+    headers = {"Authorization": f"Bearer {RATED}"}
+    with httpx.Client(timeout=30) as c:
+        answers = [
+            c.post(f"{router.admin}/route?path=/v1/chat/completions", json=body, headers=headers)
+            for _ in range(6)
+        ]
+        assert [a.status_code for a in answers].count(200) <= 2, [a.text for a in answers]
+        over = next(a for a in answers if a.status_code == 429)
+        assert "over its limit of 1 requests/s" in over.json()["error"], over.text
+        assert int(over.headers["Retry-After"]) >= 1
+        # The front door counts the same bucket: /route spent it.
+        spent = c.post(f"{router.url}/v1/chat/completions", json=body, headers=headers)
+        assert spent.status_code == 429, spent.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_a_model_the_key_may_not_use_is_answered_as_one_that_does_not_exist(
+    router: Router, path: str
+) -> None:
+    """`GET /v1/models/{id}` and `/ready` hide the models a key may not use, but a request
+    for one was a 403 "may not use the model 'secret'" where an unknown name was a 404: a key
+    could learn every model's name by guessing. Both are now the same 404."""
+    body: dict[str, object] = {"max_tokens": 2, "input": "x",
+                               "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+    headers = {"Authorization": f"Bearer {LIMITED}"}
+    with httpx.Client(base_url=router.url, timeout=30) as c:
+        hidden = c.post(path, json={**body, "model": "secret"}, headers=headers)
+        unknown = c.post(path, json={**body, "model": "terces"}, headers=headers)
+        listed = c.get("/v1/models/secret", headers=headers)
+    assert hidden.status_code == unknown.status_code == listed.status_code == 404, hidden.text
+    assert hidden.text.replace("secret", "terces") == unknown.text

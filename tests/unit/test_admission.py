@@ -118,9 +118,8 @@ def test_model_permission_and_limits_refuse_in_order(tmp_path: Path) -> None:
     assert isinstance(other, ModelProfile)
     refused = admission.admit(principal, "other", other)
     assert refused is not None
-    assert (refused.status, refused.type, refused.code) == (
-        403, "permission_error", "model_not_allowed"
-    )  # fmt: skip
+    # The same 404 as a model that does not exist: a key learns no name it may not use.
+    assert refused == admission.no_model("other")
     m = admission.resolve(catalog, "best")  # by alias: the canonical name is allowed
     assert isinstance(m, ModelProfile)
     assert admission.admit(principal, "best", m) is None
@@ -162,13 +161,35 @@ def _principal(*models: str) -> auth.Principal:
 
 def test_a_fallback_the_key_may_not_use_is_skipped() -> None:
     # The key asked for a model it may use; its fallbacks are checked again, each.
-    d = SimpleNamespace(catalog=Catalog(FALLING_BACK))
+    d = SimpleNamespace(catalog=Catalog(FALLING_BACK), cfg=RouterConfig())
     big = d.catalog.resolve("big")
     served, skipped = choice.chain(d, big, _principal("big", "small"), "chat")  # type: ignore[arg-type]
     assert [p.name for p in served] == ["big", "small"]
     assert [p.name for p in skipped] == ["secret"]
     served, skipped = choice.chain(d, big, None, "chat")  # type: ignore[arg-type]
     assert [p.name for p in served] == ["big", "secret", "small"]
+
+
+def test_a_fallback_on_llama_server_is_skipped_where_it_would_not_keep_the_limits() -> None:
+    """llama-server's usage counts one of several answers, and its Messages API drops the
+    `cache_prompt: false` that isolation sends: a fallback on it is skipped for those."""
+    models = (ModelProfile(name="v", fallbacks=("ll",)), ModelProfile(name="ll", engine="llamacpp"))
+    shared = SimpleNamespace(catalog=Catalog(models), cfg=RouterConfig(models=models))
+    isolated = SimpleNamespace(
+        catalog=shared.catalog,
+        cfg=msgspec.structs.replace(
+            shared.cfg, tenancy=msgspec.structs.replace(shared.cfg.tenancy, cache_isolation="key")
+        ),
+    )
+    v = shared.catalog.resolve("v")
+
+    def served(d: SimpleNamespace, kind: str, choices: int = 1) -> list[str]:
+        return [p.name for p in choice.chain(d, v, None, kind, choices)[0]]  # type: ignore[arg-type]
+
+    assert served(shared, "chat") == served(shared, "messages") == ["v", "ll"]
+    assert served(shared, "chat", 2) == ["v"]
+    assert served(isolated, "messages") == ["v"]
+    assert served(isolated, "chat") == ["v", "ll"]
 
 
 async def test_a_key_sees_only_the_models_it_may_use() -> None:
@@ -228,7 +249,7 @@ def test_a_key_may_use_a_model_by_the_alias_it_was_given_or_by_its_name() -> Non
     assert admission.admit(_principal("m"), "m-latest", profile) is None
     refused = admission.admit(_principal("other"), "m-latest", profile)
     assert refused is not None
-    assert refused.status == 403
+    assert refused.status == 404
 
 
 def test_a_token_debt_of_years_is_told_as_a_wait_of_a_day_at_most(tmp_path: Path) -> None:

@@ -90,3 +90,18 @@ def test_the_sim_has_a_route_for_every_path_the_router_relays_to_it() -> None:
     }
     served = {apis.UPSTREAM[kind] for kind in apis.SERVED["sim"]}
     assert served <= posts
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "sim", "llamacpp"])
+def test_several_answers_are_served_only_where_their_usage_counts_them(engine: str) -> None:
+    """llama-server's usage counts one answer of the `n` it generates: a fallback on it is
+    skipped for such a request, and the model itself refuses it saying what to send."""
+    profile = ModelProfile(name="x", engine=engine)
+    assert apis.serves("chat", profile, 1)
+    several = apis.serves("chat", profile, 4)
+    assert several is (engine != "llamacpp")
+    refused = apis.unsupported("chat", profile, "/v1/chat/completions", 4, "n_cmpl")
+    assert (refused is None) is several
+    if refused is not None:
+        assert (refused.status, refused.code) == (400, "answers_not_counted")
+        assert "(n_cmpl: 1)" in refused.message

@@ -388,6 +388,7 @@ def test_table_and_catalog_operations() -> None:
 
 OWN_COMPLETION_FIELDS = (
     "model", "stream_options", "prompt", "stream", "max_tokens", "n", "best_of", "priority",
+    "max_completion_tokens", "n_predict", "n_cmpl",
 )  # fmt: skip
 
 

@@ -345,3 +345,51 @@ def test_a_connection_closed_during_a_budgets_lease_falls_back_not_crashes() -> 
     held = asyncio.run(run())
     assert isinstance(held, Held)
     assert held.local
+
+
+PREDICT = st.none() | st.integers(-2, 3) | st.integers(0, 10**7)
+
+
+def llama_reads(n_predict: int | None, newer: int | None, older: int | None) -> int | None:
+    """llama-server's maximum (its `params_from_json_cmpl`): `n_predict`, else
+    `max_completion_tokens`, else `max_tokens`, the first one there; below 0, none at all."""
+    read = next((cap for cap in (n_predict, newer, older) if cap is not None), None)
+    return None if read is not None and read < 0 else read
+
+
+@given(PREDICT, CAPS, CAPS, st.none() | st.integers(1, 16), st.none() | st.integers(1, 16),
+       st.sampled_from(["chat", "completions", "responses"]))  # fmt: skip
+def test_a_hold_covers_what_llama_server_reads(
+    n_predict: int | None, newer: int | None, older: int | None, n: int | None,
+    n_cmpl: int | None, kind: requests.Kind,
+) -> None:  # fmt: skip
+    """llama-server obeys `n_predict` over the OpenAI fields, reads `max_completion_tokens`
+    on every path (its Responses API renames `max_output_tokens` to `max_tokens` and keeps
+    the rest of the body), and generates `n_cmpl` answers over `n`: a client naming a
+    small `max_tokens` and a large `n_predict` held a token and had thousands generated."""
+    own = {"chat": "messages", "completions": "prompt", "responses": "input"}[kind]
+    text: object = [{"role": "user", "content": "hi"}] if kind == "chat" else "hi"
+    oldest = "max_output_tokens" if kind == "responses" else "max_tokens"
+    fields = {own: text, "n_predict": n_predict, "max_completion_tokens": newer,
+              oldest: older, "n": n, "n_cmpl": n_cmpl}  # fmt: skip
+    parsed = requests.parse(kind, body(model="m", **fields), want_text=False)
+    assert covers(parsed, llama_reads(n_predict, newer, older))
+    assert parsed.choices >= (n_cmpl or n or 1)
+
+
+def test_a_maximum_named_for_llama_server_is_the_one_a_refusal_names() -> None:
+    q = Quotas(Store())  # type: ignore[arg-type]
+    p = key(tokens_per_min=1000.0)
+    raw = body(model="m", prompt="hi", max_tokens=10, n_predict=5000)
+    parsed = requests.parse("completions", raw, want_text=False)
+    refused = q.hold_now(p, 0, parsed.max_out, 0.0, parsed.choices, parsed.max_field,
+                         parsed.choices_field)  # fmt: skip
+    assert isinstance(refused, Refusal)
+    assert "lower n_predict to at most 1000" in refused.message
+    raw = body(model="m", prompt="hi", max_tokens=100, n=1, n_cmpl=20)
+    parsed = requests.parse("completions", raw, want_text=False)
+    refused = q.hold_now(p, 0, parsed.max_out, 0.0, parsed.choices, parsed.max_field,
+                         parsed.choices_field)  # fmt: skip
+    assert isinstance(refused, Refusal)
+    assert "20 answers (n_cmpl) of up to 100 completion tokens each" in refused.message
+    assert "or n_cmpl so that" in refused.message
