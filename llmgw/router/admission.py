@@ -111,10 +111,12 @@ def may_use(principal: auth.Principal | None, asked: str, profile: ModelProfile)
 
 
 def no_model(asked: str) -> Refusal:
+    """The 404 of a model this key cannot reach: one that does not exist and one it may not
+    use get the same words (`admit`), as OpenAI's API answers both."""
     return Refusal(
         404,
-        f"the model {asked!r} does not exist here: GET /v1/models lists"
-        " the models this router serves",
+        f"the model {asked!r} does not exist here, or this API key may not use it: "
+        "GET /v1/models lists the models it may use",
         "invalid_request_error",
         "model_not_found",
     )

@@ -142,7 +142,7 @@ async def _refused_lines(cfg: RouterConfig) -> list[dict[str, Any]]:
     with capture_logs() as logged:
         fleet = Fleet(cfg)
         asked = body("chat", "f", 0, "Q1?", None)
-        assert (await fleet.send(PATH_OF["chat"], asked, auth_headers("kc", None)))[0] == 403
+        assert (await fleet.send(PATH_OF["chat"], asked, auth_headers("kc", None)))[0] == 404
         assert (await fleet.send(PATH_OF["chat"], b"{", auth_headers("kc", None)))[0] == 400
     return [line for line in logged if line["event"] == "request"]
 
@@ -153,4 +153,4 @@ def test_the_access_log_names_the_key_of_a_request_refused_after_authentication(
     cfg = msgspec.structs.replace(route_kit.config("shared"), access_log=True)
     with frozen_clocks():
         lines = asyncio.run(_refused_lines(cfg))
-    assert [(line["status"], line["key"]) for line in lines] == [(403, "kc"), (400, "kc")]
+    assert [(line["status"], line["key"]) for line in lines] == [(404, "kc"), (400, "kc")]

@@ -237,8 +237,12 @@ async def _refusals() -> dict[str, tuple[int, Any]]:
 def test_route_refuses_as_the_front_door_would_with_its_status() -> None:
     with frozen_clocks():
         said = asyncio.run(_refusals())
-    assert said["other model's key"][0] == 403, said
+    # A model the key may not use is answered as one that does not exist, on /route too.
+    assert said["other model's key"][0] == 404, said
     assert said["unknown model"][0] == 404, said
+    assert said["other model's key"][1]["error"] == said["unknown model"][1]["error"].replace(
+        "'nope'", "'f'"
+    ), said
     assert all(set(answer) == {"error"} for _, answer in said.values())
 
 
