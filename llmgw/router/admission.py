@@ -37,8 +37,9 @@ def credential(headers: Mapping[str, str]) -> str | Refusal | None:
     """The `Authorization` value a request's key comes in: that header's, else its
     `x-api-key` as a bearer token, the header Anthropic's API takes and its clients send.
 
-    Either header given twice is refused: which copy counts would be a choice a proxy in
-    front may make the other way (checking one key, the router charging another)."""
+    Either header given twice is refused, and so are both headers with different keys:
+    which copy counts would be a choice a proxy in front may make the other way (checking
+    one key, the router charging another)."""
     for name in _KEY_HEADERS:
         if len(headers_.values(headers, name)) > 1:
             return Refusal(
@@ -47,11 +48,24 @@ def credential(headers: Mapping[str, str]) -> str | Refusal | None:
                 "invalid_request_error",
                 "ambiguous_api_key",
             )
-    authorization = headers.get("Authorization")
+    authorization, key = headers.get("Authorization"), headers.get("x-api-key")
+    if authorization and key and not _same_key(authorization, key):
+        return Refusal(
+            400,
+            "the request carries different API keys in Authorization and x-api-key: "
+            "send the key in one of them",
+            "invalid_request_error",
+            "ambiguous_api_key",
+        )
     if authorization:
         return authorization
-    key = headers.get("x-api-key")
     return f"Bearer {key}" if key else None
+
+
+def _same_key(authorization: str, key: str) -> bool:
+    """Whether an `Authorization` value is a bearer token of `key` (a client may send both)."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and token.strip() == key.strip()
 
 
 def authenticate(

@@ -441,13 +441,19 @@ def test_a_key_with_bytes_past_ascii_is_refused_as_unknown_not_failed(
 
 @pytest.mark.parametrize(
     "second",
-    [b"Authorization: Bearer {other}", b"authorization: Bearer {key}", b"X-Api-Key: {other}"],
+    [
+        b"Authorization: Bearer {other}",
+        b"authorization: Bearer {key}",
+        b"X-Api-Key: {other}",
+        b"x-api-key: {other}",  # beside Authorization's key: a different one
+    ],
 )
 @pytest.mark.parametrize("path", [b"GET /v1/models", b"POST /v1/chat/completions"])
 def test_a_key_sent_twice_is_a_400_on_every_path(keyed: Keyed, second: bytes, path: bytes) -> None:
-    """Two Authorization headers (or two x-api-key) make which key counts a choice a
-    proxy in front may make the other way: the real router refuses the request with a
-    400 before any model is asked, even when both copies hold the same valid key."""
+    """Two Authorization headers (or two x-api-key, or one of each with different keys)
+    make which key counts a choice a proxy in front may make the other way: the real router
+    refuses the request with a 400 before any model is asked, even when both copies of a
+    header hold the same valid key."""
     router, key = keyed.router, keyed.key
     host, _ = addr(router.url)
     first = b"Authorization: Bearer " + key.encode()

@@ -52,14 +52,27 @@ def test_a_key_comes_as_a_bearer_token_or_as_x_api_key() -> None:
     assert _credential(("authorization", "Bearer a")) == "Bearer a"
     assert _credential(("x-api-key", "b")) == "Bearer b"
     assert _credential(("X-Api-Key", "b")) == "Bearer b"
-    both = (("Authorization", "Bearer a"), ("x-api-key", "b"))
-    assert _credential(*both) == "Bearer a"  # Authorization wins
+    # The same key in both (a client that sends both) is that key.
+    assert _credential(("Authorization", "Bearer a"), ("x-api-key", "a")) == "Bearer a"
+    assert _credential(("Authorization", "bearer  a"), ("x-api-key", " a")) == "bearer  a"
     assert _credential(("x-api-key", "")) is None
     assert _credential() is None
     # An empty Authorization is no key: an x-api-key beside it is the one sent.
     assert _credential(("Authorization", ""), ("x-api-key", "b")) == "Bearer b"
-    # A wrong Authorization is not made good by an x-api-key: it is the one checked.
-    assert _credential(("Authorization", "Bearer no"), ("x-api-key", "b")) == "Bearer no"
+
+
+@pytest.mark.parametrize(
+    "authorization", ["Bearer a", "Bearer no", "Basic YTpi", "Bearer", "b"], ids=repr
+)
+def test_two_different_keys_in_authorization_and_x_api_key_are_refused(
+    authorization: str,
+) -> None:
+    """A proxy in front may check the one header while the router charged the other's key
+    (the router took Authorization's): such a request is refused, as a header given twice."""
+    found = _credential(("Authorization", authorization), ("x-api-key", "b"))
+    assert isinstance(found, Refusal)
+    assert (found.status, _error(found)["code"]) == (400, "ambiguous_api_key")
+    assert "Authorization and x-api-key" in found.message
 
 
 @pytest.mark.parametrize(
