@@ -37,6 +37,12 @@ def _hosts(host: str, port: int) -> set[str]:
     return {f"{n}:{port}" for n in names} | ({f"[{host}]:{port}"} if ":" in host else set())
 
 
+def opening_address(url: str, token: str) -> str:
+    """The address the operator opens: the console's, its token in the fragment, which a
+    browser never sends to a server (the page takes it from there)."""
+    return f"{url}/#token={token}"
+
+
 def command(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(
@@ -126,7 +132,7 @@ async def _serve(
     await runner.setup()
     await http_server.start_site(runner, sock, rules=rules, ssl_context=tls)
     url = listeners.url("https" if tls else "http", sock)
-    opening = f": open {url}/?token={token}" if token else ""
+    opening = f": open {opening_address(url, token)}" if token else ""
     print(f"llmgw console at {url} as {session.identity}{opening}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,7 +1,7 @@
 """The console's HTTP API in process (aiohttp's test server running the app `llmgw console`
 serves, over a fold held in memory): the event list's limit and filters, the write guard's
 JSON body, the body size bound, the headers that keep the page out of another site's frame,
-the answers while the log is away, the token's one way into a cookie, the `Host` values a
+the answers while the log is away, the token never a cookie, the `Host` values a
 browser sends, the fields of a write, and the live fold's handling of a batch seen twice and
 of a page that stops reading."""
 
@@ -129,16 +129,20 @@ async def test_a_fleet_view_that_needs_the_log_while_it_is_away_says_so(
         assert said in (await r.json())["error"]
 
 
-async def test_only_the_printed_address_turns_the_token_into_a_cookie() -> None:
-    """The token in any other address is not a way in (an API's address, with the token in
-    it, would end up in proxies' and browsers' histories)."""
+async def test_the_token_is_never_a_cookie_nor_taken_from_one() -> None:
+    """A browser sends a host's cookies to every port of it (cookies do not isolate
+    ports): a cookie holding the token would reach any other user's server on 127.0.0.1
+    the operator's browser opens, and with it the console. The token is the page's, in
+    the printed address's fragment (never sent to a server), and sent as a header."""
     async with _client() as client:
+        r = await client.get(f"/?token={TOKEN}", allow_redirects=False)
+        assert r.status == 200  # the page itself holds nothing of the fleet
+        assert "Set-Cookie" not in r.headers
+        r = await client.get("/api/events", headers={"Cookie": f"llmgw_console={TOKEN}"})
+        assert r.status == 401
+        assert "Authorization: Bearer" in (await r.json())["error"]
         r = await client.get(f"/api/events?token={TOKEN}", allow_redirects=False)
         assert r.status == 401
-        assert "Set-Cookie" not in r.headers
-        r = await client.get(f"/?token={TOKEN}", allow_redirects=False)
-        assert r.status == 302
-        assert r.cookies[server.COOKIE].value == TOKEN
 
 
 def test_a_loopback_console_answers_to_every_name_a_browser_gives_it() -> None:

@@ -54,7 +54,6 @@ LIVE: web.AppKey[LiveFleet] = web.AppKey("live")
 HOSTS: web.AppKey[set[str]] = web.AppKey("hosts")
 SCANS: web.AppKey[asyncio.Semaphore] = web.AppKey("scans")
 TOKEN: web.AppKey[str] = web.AppKey("token")
-COOKIE = "llmgw_console"
 WRITE_HEADER = "X-Llmgw-Console"
 MAX_GRACE_S = 7 * 86400.0
 _encoder = msgspec.json.Encoder()
@@ -115,39 +114,25 @@ def _error(message: str, status: int) -> web.Response:
 
 @web.middleware
 async def _token_only(request: web.Request, handler: Any) -> web.StreamResponse:
-    """On loopback, where no certificate says who is asking, every request carries the
-    token `llmgw console` printed: as the cookie that opening its address sets, or as
-    `Authorization: Bearer TOKEN` (a script). Another user of the same machine reaches
-    127.0.0.1 too and must not read the fleet or act as this console's operator."""
+    """On loopback, where no certificate says who is asking, every request but the page's
+    own carries the token `llmgw console` printed, as `Authorization: Bearer TOKEN` (the
+    page sends it, as a script does). Another user of the same machine reaches 127.0.0.1
+    too and must not read the fleet or act as this console's operator. Never a cookie: a
+    browser sends a host's cookies to every port of it, so the token would reach whatever
+    other server on 127.0.0.1 the operator's browser opens. The page (the same for all,
+    nothing of the fleet in it) takes it from the printed address's fragment, which no
+    server is sent, and keeps it in its tab's storage, which is its own origin's."""
     token = request.app[TOKEN]  # empty over HTTPS: operator certificates decide there
-    if token:
-        answer = _without_token(request, token)
-        if answer is not None:
-            return answer
+    if token and not (request.path == "/" and request.method in ("GET", "HEAD")):
+        bearer = request.headers.get("Authorization", "")
+        if not _is_token(bearer.removeprefix("Bearer ").strip(), token):
+            return _error(
+                "open the address `llmgw console` printed (it carries the console's token), "
+                "or send Authorization: Bearer TOKEN",
+                401,
+            )
     response: web.StreamResponse = await handler(request)
     return response
-
-
-def _without_token(request: web.Request, token: str) -> web.Response | None:
-    """The answer to a request that does not carry `token` (or opens the printed address),
-    None for one that does."""
-    offered = request.query.get("token", "")
-    if request.path == "/" and offered:
-        if not _is_token(offered, token):
-            return _error("this token is not the console's: open the address it printed", 401)
-        # Into the cookie and out of the address bar (and of the browser's history).
-        response = web.Response(status=302, headers={"Location": "/"})
-        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/")
-        return response
-    bearer = request.headers.get("Authorization", "")
-    given = request.cookies.get(COOKIE, "") or bearer.removeprefix("Bearer ").strip()
-    if _is_token(given, token):
-        return None
-    return _error(
-        "open the address `llmgw console` printed (it carries the console's token), "
-        "or send Authorization: Bearer TOKEN",
-        401,
-    )
 
 
 def _is_token(given: str, token: str) -> bool:
