@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import types
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -233,3 +234,14 @@ def test_a_filter_names_a_whole_node_model_or_replica_never_part_of_one() -> Non
     assert live_.views.matching(rows, node="node") == []
     assert live_.views.matching(rows, replica="r") == []
     assert live_.views.matching(rows, node="node-a", model="m1", replica="r1") == [rows[0]]
+
+
+@pytest.mark.parametrize("name", ["org/m", "a{b}"])
+async def test_explain_reaches_a_model_whatever_its_name_holds(name: str) -> None:
+    """A served model's name may hold `/` (a Hugging Face id) and braces: the page quotes
+    it, and the console takes it whole, as the control plane's admin API does."""
+    async with _client() as client:
+        for path in (f"/api/explain/{quote(name, safe='')}", f"/api/explain/{name}"):
+            r = await client.get(path, headers=WRITE)
+            assert r.status == 400, path
+            assert f"unknown model {name!r}" in (await r.json())["error"], path

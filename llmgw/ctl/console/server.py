@@ -374,7 +374,9 @@ def build_app(live: LiveFleet, hosts: set[str], token: str = "") -> web.Applicat
     app.router.add_get("/api/diff", _diff)
     app.router.add_get("/api/events", _events)
     app.router.add_get("/api/timeline", _timeline)
-    app.router.add_get("/api/explain/{model}", _explain)
+    # Any name: a model's may hold `/` (quoted as %2F or not) and braces, which the default
+    # `{model}` pattern would refuse with a 404 of the router's own.
+    app.router.add_get("/api/explain/{model:.+}", _explain)
     app.router.add_get("/api/stream", _stream)
     app.router.add_post("/api/nodes/{node}/{action:cordon|uncordon|drain}", _node_action)
     return app
