@@ -245,3 +245,33 @@ async def test_explain_reaches_a_model_whatever_its_name_holds(name: str) -> Non
             r = await client.get(path, headers=WRITE)
             assert r.status == 400, path
             assert f"unknown model {name!r}" in (await r.json())["error"], path
+
+
+CROSS_SITE = {
+    "Sec-Fetch-Site": "cross-site",
+    "Sec-Fetch-Mode": "no-cors",
+    "Sec-Fetch-Dest": "image",
+}
+"""What a browser sends with an `<img>` of another site's page pointing at the console."""
+
+
+@pytest.mark.parametrize("site", ["cross-site", "same-site"])
+async def test_a_request_another_page_made_is_refused_before_any_work(site: str) -> None:
+    """Over HTTPS the browser presents the operator's certificate to any page's requests,
+    an `<img>` of another site's included: each could start a scan of the whole log. The
+    browser says who made a request (`Sec-Fetch-Site`); the console serves its own page's
+    requests, the operator's typed addresses and clients that send no such header."""
+    fleet = types.SimpleNamespace(state=state.ClusterState(), recent=[], session=None)
+    app = server.build_app(fleet, set(), "")  # type: ignore[arg-type]  # as over HTTPS
+    async with TestClient(TestServer(app)) as client:
+        for path in ("/api/events", "/api/timeline?target=node-a", "/"):
+            r = await client.get(path, headers={**CROSS_SITE, "Sec-Fetch-Site": site})
+            assert r.status == 403, path
+            assert "another site" in (await r.json())["error"], path
+        for headers in ({"Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {}):
+            r = await client.get("/api/events", headers=headers)
+            assert r.status == 200, headers
+        # A link elsewhere may open the page itself, which holds nothing of the fleet.
+        link = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+        r = await client.get("/", headers=link)
+        assert r.status == 200

@@ -19,8 +19,10 @@ with one line, never a stack trace. A write must carry the header
 `X-Llmgw-Console: 1` with a JSON body (a page of another site cannot send either without
 the browser asking first, which the console never allows), and every request must name
 the console's own address in `Host` (a DNS name an attacker controls, rebound to
-127.0.0.1, does not). No answer may be shown in another site's frame, and the page
-runs only its own script and style (`GUARDS`).
+127.0.0.1, does not). A request a browser says another page made (`Sec-Fetch-Site`) is
+refused, but for a link opening the page: over HTTPS the browser presents the operator's
+certificate to any page's requests. No answer may be shown in another site's frame, and
+the page runs only its own script and style (`GUARDS`).
 """
 
 from __future__ import annotations
@@ -152,6 +154,13 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
             " at the address `llmgw console` printed",
             421,
         )
+    if _from_another_site(request):
+        return _error(
+            "a page of another site asked for this: the console answers its own page, the"
+            " addresses you type and clients that send no Sec-Fetch-Site; open the console"
+            " and use it from there",
+            403,
+        )
     if request.method not in ("GET", "HEAD") and (
         request.headers.get(WRITE_HEADER) != "1" or request.content_type != "application/json"
     ):
@@ -177,6 +186,23 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
     except Exception as exc:
         log.exception("console_request_failed", path=request.path)
         return _error(f"the console failed on {request.path}: {type(exc).__name__}", 500)
+
+
+_OWN_REQUESTS = frozenset({"same-origin", "none"})
+"""`Sec-Fetch-Site` of the console's own page's requests and of an address typed or
+bookmarked; a browser sends `same-site` or `cross-site` for any other page's."""
+
+
+def _from_another_site(request: web.Request) -> bool:
+    """Whether a browser says another page made this request. Over HTTPS it presents the
+    operator's certificate to every page's requests (an `<img>` of another site's
+    included), so such a GET would run with the operator's authority: a scan of the whole
+    log each. A link elsewhere may still open the page itself (nothing of the fleet in
+    it); clients other than browsers send no `Sec-Fetch-Site`."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is None or site in _OWN_REQUESTS:
+        return False
+    return not (request.path == "/" and request.headers.get("Sec-Fetch-Mode") == "navigate")
 
 
 def _point(request: web.Request, name: str) -> history.Point | None:
