@@ -153,8 +153,29 @@ def test_a_loopback_console_answers_to_every_name_a_browser_gives_it() -> None:
     assert console_cli._hosts("::1", 8300) == {
         "::1:8300", "[::1]:8300", "localhost:8300", "127.0.0.1:8300"
     }  # fmt: skip
-    assert console_cli._hosts("10.1.2.3", 443) == {"10.1.2.3:443"}
-    assert console_cli._hosts("fd00::5", 443) == {"fd00::5:443", "[fd00::5]:443"}
+    # Port 80 is the address's default: a browser leaves it out of `Host`.
+    assert console_cli._hosts("127.0.0.1", 80) == {
+        "127.0.0.1:80", "localhost:80", "[::1]:80", "127.0.0.1", "localhost", "[::1]"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("listen", "port", "host"),
+    [("10.1.2.3", 443, "10.1.2.3"), ("0.0.0.0", 8300, "console.example:8300"),
+     ("fd00::5", 443, "console.example"), ("127.0.0.1", 8300, "console.example:8300")],
+)  # fmt: skip
+async def test_over_https_the_console_answers_to_any_name(
+    listen: str, port: int, host: str
+) -> None:
+    """Over HTTPS the browser checks the console's certificate against the name it was
+    given, so a DNS name rebound to the console's address fails the handshake; the names
+    an operator may use (a DNS name, any address of a wildcard bind, the default port left
+    out) are not the console's to know, and refusing them refused every browser."""
+    fleet = types.SimpleNamespace(state=state.ClusterState(), recent=[], session=None)
+    app = server.build_app(fleet, console_cli._hosts(listen, port, tls=True), "")  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/api/events", headers={"Host": host})
+        assert r.status == 200, await r.text()
 
 
 def test_a_write_without_fields_is_a_reasonless_drain_of_600_s_for_real() -> None:

@@ -17,12 +17,13 @@ console").
 Bad input is a 400 with `{"error": ...}` saying what to do; anything unexpected a 500
 with one line, never a stack trace. A write must carry the header
 `X-Llmgw-Console: 1` with a JSON body (a page of another site cannot send either without
-the browser asking first, which the console never allows), and every request must name
-the console's own address in `Host` (a DNS name an attacker controls, rebound to
-127.0.0.1, does not). A request a browser says another page made (`Sec-Fetch-Site`) is
-refused, but for a link opening the page: over HTTPS the browser presents the operator's
-certificate to any page's requests. No answer may be shown in another site's frame, and
-the page runs only its own script and style (`GUARDS`).
+the browser asking first, which the console never allows), and on plain HTTP every
+request must name the console's own address in `Host` (a DNS name an attacker controls,
+rebound to 127.0.0.1, does not; over HTTPS such a name fails the certificate check).
+A request a browser says another page made (`Sec-Fetch-Site`) is refused, but for a link
+opening the page: over HTTPS the browser presents the operator's certificate to any
+page's requests. No answer may be shown in another site's frame, and the page runs only
+its own script and style (`GUARDS`).
 """
 
 from __future__ import annotations
