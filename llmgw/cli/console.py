@@ -31,10 +31,25 @@ from llmgw.ctl.session import Session
 DEFAULT_PORT = 8300
 
 
-def _hosts(host: str, port: int) -> set[str]:
-    """The `Host` values a browser sends to this listener."""
+def _hosts(host: str, port: int, *, tls: bool = False) -> set[str]:
+    """The `Host` values the console answers to (empty: any). On plain HTTP (loopback
+    only) those a browser sends for a loopback address, so that a DNS name rebound to
+    127.0.0.1 gets a 421. Over HTTPS any: the browser checks the console's certificate
+    against the name it was given, so a rebound name fails the handshake, and the names
+    an operator may use (a DNS name, any address of a wildcard bind) are not known here."""
+    if tls:
+        return set()
     names = {host, "localhost", "127.0.0.1", "[::1]"} if listeners.loopback(host) else {host}
-    return {f"{n}:{port}" for n in names} | ({f"[{host}]:{port}"} if ":" in host else set())
+    names |= {f"[{host}]"} if ":" in host else set()
+    # A browser leaves the scheme's default port out of `Host`.
+    ports = (f":{port}", "") if port == 80 else (f":{port}",)
+    return {name + p for name in names for p in ports}
+
+
+def opening_address(url: str, token: str) -> str:
+    """The address the operator opens: the console's, its token in the fragment, which a
+    browser never sends to a server (the page takes it from there)."""
+    return f"{url}/#token={token}"
 
 
 def command(
@@ -118,7 +133,7 @@ async def _serve(
     token = "" if tls else secrets.token_urlsafe(24)
     rules = http_server.Rules(header_timeout_s, log)
     runner = http_server.app_runner(
-        build_app(live, _hosts(host, bound), token),
+        build_app(live, _hosts(host, bound, tls=tls is not None), token),
         rules=rules,
         access_log=None,
         handler_cancellation=True,
@@ -126,7 +141,7 @@ async def _serve(
     await runner.setup()
     await http_server.start_site(runner, sock, rules=rules, ssl_context=tls)
     url = listeners.url("https" if tls else "http", sock)
-    opening = f": open {url}/?token={token}" if token else ""
+    opening = f": open {opening_address(url, token)}" if token else ""
     print(f"llmgw console at {url} as {session.identity}{opening}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from llmgw.cli import console as console_cli
 from llmgw.pki.identity import Identity
 from tests.e2e.fleet_kit import Fleet, Service, sim_model
 from tests.harness import TestNatsServer
@@ -60,7 +61,7 @@ def start_console(server: TestNatsServer, tmp: Path, name: str = "alice") -> tup
         "console",
         console_argv(server, name=name),
         tmp / "console.log",
-        r"llmgw console at (http://\S+) as \S+: open \S+\?token=(\S+)",
+        r"llmgw console at (http://\S+) as \S+: open \S+#token=(\S+)",
     )
     found = console.start()
     TOKENS[found.group(1)] = found.group(2)
@@ -68,9 +69,9 @@ def start_console(server: TestNatsServer, tmp: Path, name: str = "alice") -> tup
 
 
 def opening(url: str) -> str:
-    """The address `llmgw console` prints for a browser to open: the token becomes its
-    cookie there."""
-    return f"{url}/?token={TOKENS[url]}"
+    """The address `llmgw console` prints for a browser to open: the page takes the token
+    from its fragment."""
+    return console_cli.opening_address(url, TOKENS[url])
 
 
 def bearer(url: str) -> dict[str, str]:

@@ -98,7 +98,7 @@ async def test_a_drain_from_the_page_the_live_grid_the_slider_and_the_diff(
         new_node = "node-b" if old_node == "node-a" else "node-a"
         before = view["seq"]
         d = browser
-        await asyncio.to_thread(d.get, opening(base))  # the token becomes the page's cookie
+        await asyncio.to_thread(d.get, opening(base))  # the page keeps the token in its tab
 
         def grid_shows_m1_on(node: str) -> bool:
             return any("m1" in t and "serving" in t for t in _gpu_texts(d, node))

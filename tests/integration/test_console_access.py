@@ -116,5 +116,12 @@ async def _only_operators(nats_server: TestNatsServer, tmp_path: Path) -> None:
             assert done["published"]["event"]["reason"] == "x"  # alice is the console
             with pytest.raises(aiohttp.ClientError):
                 await status(pki.anonymous_tls(), "/api/fleet")
+            # Another site's `<img>` of a timeline: the browser presents alice's certificate
+            # too, and says whose page asked; refused before any scan of the log.
+            img = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"}
+            async with http.get(base + "/api/timeline?target=node-a", headers=img,
+                                ssl=operator_tls) as resp:  # fmt: skip
+                assert resp.status == 403
+                assert "another site" in (await resp.json())["error"]
     finally:
         console.terminate()

@@ -296,7 +296,9 @@ async def test_the_console_cuts_a_trickled_head_with_408(
     url, tls, _, _ = console
     await asyncio.to_thread(cuts_a_trickled_head, url, tls)
     # Without its token a loopback console answers 401; with an operator's certificate, 200.
-    await asyncio.to_thread(serves_a_head_sent_at_once, url, tls, "/", 200 if tls else 401)
+    await asyncio.to_thread(
+        serves_a_head_sent_at_once, url, tls, "/api/events", 200 if tls else 401
+    )
 
 
 async def test_the_console_closes_a_silent_connection_at_the_head_deadline(
@@ -321,4 +323,6 @@ async def test_the_console_never_inflates_a_body(
     url, tls, _, pid = console
     await asyncio.to_thread(refuses_a_gzip_bomb, url, lambda: raw_http.cpu_s(pid), tls, "/")
     # Without its token a loopback console answers 401; with an operator's certificate, 200.
-    await asyncio.to_thread(serves_an_uncompressed_body, url, tls, "/", 200 if tls else 401)
+    await asyncio.to_thread(
+        serves_an_uncompressed_body, url, tls, "/api/events", 200 if tls else 401
+    )

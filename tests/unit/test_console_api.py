@@ -1,7 +1,7 @@
 """The console's HTTP API in process (aiohttp's test server running the app `llmgw console`
 serves, over a fold held in memory): the event list's limit and filters, the write guard's
 JSON body, the body size bound, the headers that keep the page out of another site's frame,
-the answers while the log is away, the token's one way into a cookie, the `Host` values a
+the answers while the log is away, the token never a cookie, the `Host` values a
 browser sends, the fields of a write, and the live fold's handling of a batch seen twice and
 of a page that stops reading."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import types
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -129,16 +130,20 @@ async def test_a_fleet_view_that_needs_the_log_while_it_is_away_says_so(
         assert said in (await r.json())["error"]
 
 
-async def test_only_the_printed_address_turns_the_token_into_a_cookie() -> None:
-    """The token in any other address is not a way in (an API's address, with the token in
-    it, would end up in proxies' and browsers' histories)."""
+async def test_the_token_is_never_a_cookie_nor_taken_from_one() -> None:
+    """A browser sends a host's cookies to every port of it (cookies do not isolate
+    ports): a cookie holding the token would reach any other user's server on 127.0.0.1
+    the operator's browser opens, and with it the console. The token is the page's, in
+    the printed address's fragment (never sent to a server), and sent as a header."""
     async with _client() as client:
+        r = await client.get(f"/?token={TOKEN}", allow_redirects=False)
+        assert r.status == 200  # the page itself holds nothing of the fleet
+        assert "Set-Cookie" not in r.headers
+        r = await client.get("/api/events", headers={"Cookie": f"llmgw_console={TOKEN}"})
+        assert r.status == 401
+        assert "Authorization: Bearer" in (await r.json())["error"]
         r = await client.get(f"/api/events?token={TOKEN}", allow_redirects=False)
         assert r.status == 401
-        assert "Set-Cookie" not in r.headers
-        r = await client.get(f"/?token={TOKEN}", allow_redirects=False)
-        assert r.status == 302
-        assert r.cookies[server.COOKIE].value == TOKEN
 
 
 def test_a_loopback_console_answers_to_every_name_a_browser_gives_it() -> None:
@@ -148,8 +153,29 @@ def test_a_loopback_console_answers_to_every_name_a_browser_gives_it() -> None:
     assert console_cli._hosts("::1", 8300) == {
         "::1:8300", "[::1]:8300", "localhost:8300", "127.0.0.1:8300"
     }  # fmt: skip
-    assert console_cli._hosts("10.1.2.3", 443) == {"10.1.2.3:443"}
-    assert console_cli._hosts("fd00::5", 443) == {"fd00::5:443", "[fd00::5]:443"}
+    # Port 80 is the address's default: a browser leaves it out of `Host`.
+    assert console_cli._hosts("127.0.0.1", 80) == {
+        "127.0.0.1:80", "localhost:80", "[::1]:80", "127.0.0.1", "localhost", "[::1]"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("listen", "port", "host"),
+    [("10.1.2.3", 443, "10.1.2.3"), ("0.0.0.0", 8300, "console.example:8300"),
+     ("fd00::5", 443, "console.example"), ("127.0.0.1", 8300, "console.example:8300")],
+)  # fmt: skip
+async def test_over_https_the_console_answers_to_any_name(
+    listen: str, port: int, host: str
+) -> None:
+    """Over HTTPS the browser checks the console's certificate against the name it was
+    given, so a DNS name rebound to the console's address fails the handshake; the names
+    an operator may use (a DNS name, any address of a wildcard bind, the default port left
+    out) are not the console's to know, and refusing them refused every browser."""
+    fleet = types.SimpleNamespace(state=state.ClusterState(), recent=[], session=None)
+    app = server.build_app(fleet, console_cli._hosts(listen, port, tls=True), "")  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/api/events", headers={"Host": host})
+        assert r.status == 200, await r.text()
 
 
 def test_a_write_without_fields_is_a_reasonless_drain_of_600_s_for_real() -> None:
@@ -229,3 +255,44 @@ def test_a_filter_names_a_whole_node_model_or_replica_never_part_of_one() -> Non
     assert live_.views.matching(rows, node="node") == []
     assert live_.views.matching(rows, replica="r") == []
     assert live_.views.matching(rows, node="node-a", model="m1", replica="r1") == [rows[0]]
+
+
+@pytest.mark.parametrize("name", ["org/m", "a{b}"])
+async def test_explain_reaches_a_model_whatever_its_name_holds(name: str) -> None:
+    """A served model's name may hold `/` (a Hugging Face id) and braces: the page quotes
+    it, and the console takes it whole, as the control plane's admin API does."""
+    async with _client() as client:
+        for path in (f"/api/explain/{quote(name, safe='')}", f"/api/explain/{name}"):
+            r = await client.get(path, headers=WRITE)
+            assert r.status == 400, path
+            assert f"unknown model {name!r}" in (await r.json())["error"], path
+
+
+CROSS_SITE = {
+    "Sec-Fetch-Site": "cross-site",
+    "Sec-Fetch-Mode": "no-cors",
+    "Sec-Fetch-Dest": "image",
+}
+"""What a browser sends with an `<img>` of another site's page pointing at the console."""
+
+
+@pytest.mark.parametrize("site", ["cross-site", "same-site"])
+async def test_a_request_another_page_made_is_refused_before_any_work(site: str) -> None:
+    """Over HTTPS the browser presents the operator's certificate to any page's requests,
+    an `<img>` of another site's included: each could start a scan of the whole log. The
+    browser says who made a request (`Sec-Fetch-Site`); the console serves its own page's
+    requests, the operator's typed addresses and clients that send no such header."""
+    fleet = types.SimpleNamespace(state=state.ClusterState(), recent=[], session=None)
+    app = server.build_app(fleet, set(), "")  # type: ignore[arg-type]  # as over HTTPS
+    async with TestClient(TestServer(app)) as client:
+        for path in ("/api/events", "/api/timeline?target=node-a", "/"):
+            r = await client.get(path, headers={**CROSS_SITE, "Sec-Fetch-Site": site})
+            assert r.status == 403, path
+            assert "another site" in (await r.json())["error"], path
+        for headers in ({"Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {}):
+            r = await client.get("/api/events", headers=headers)
+            assert r.status == 200, headers
+        # A link elsewhere may open the page itself, which holds nothing of the fleet.
+        link = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+        r = await client.get("/", headers=link)
+        assert r.status == 200

@@ -17,10 +17,13 @@ console").
 Bad input is a 400 with `{"error": ...}` saying what to do; anything unexpected a 500
 with one line, never a stack trace. A write must carry the header
 `X-Llmgw-Console: 1` with a JSON body (a page of another site cannot send either without
-the browser asking first, which the console never allows), and every request must name
-the console's own address in `Host` (a DNS name an attacker controls, rebound to
-127.0.0.1, does not). No answer may be shown in another site's frame, and the page
-runs only its own script and style (`GUARDS`).
+the browser asking first, which the console never allows), and on plain HTTP every
+request must name the console's own address in `Host` (a DNS name an attacker controls,
+rebound to 127.0.0.1, does not; over HTTPS such a name fails the certificate check).
+A request a browser says another page made (`Sec-Fetch-Site`) is refused, but for a link
+opening the page: over HTTPS the browser presents the operator's certificate to any
+page's requests. No answer may be shown in another site's frame, and the page runs only
+its own script and style (`GUARDS`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ LIVE: web.AppKey[LiveFleet] = web.AppKey("live")
 HOSTS: web.AppKey[set[str]] = web.AppKey("hosts")
 SCANS: web.AppKey[asyncio.Semaphore] = web.AppKey("scans")
 TOKEN: web.AppKey[str] = web.AppKey("token")
-COOKIE = "llmgw_console"
 WRITE_HEADER = "X-Llmgw-Console"
 MAX_GRACE_S = 7 * 86400.0
 _encoder = msgspec.json.Encoder()
@@ -115,39 +117,25 @@ def _error(message: str, status: int) -> web.Response:
 
 @web.middleware
 async def _token_only(request: web.Request, handler: Any) -> web.StreamResponse:
-    """On loopback, where no certificate says who is asking, every request carries the
-    token `llmgw console` printed: as the cookie that opening its address sets, or as
-    `Authorization: Bearer TOKEN` (a script). Another user of the same machine reaches
-    127.0.0.1 too and must not read the fleet or act as this console's operator."""
+    """On loopback, where no certificate says who is asking, every request but the page's
+    own carries the token `llmgw console` printed, as `Authorization: Bearer TOKEN` (the
+    page sends it, as a script does). Another user of the same machine reaches 127.0.0.1
+    too and must not read the fleet or act as this console's operator. Never a cookie: a
+    browser sends a host's cookies to every port of it, so the token would reach whatever
+    other server on 127.0.0.1 the operator's browser opens. The page (the same for all,
+    nothing of the fleet in it) takes it from the printed address's fragment, which no
+    server is sent, and keeps it in its tab's storage, which is its own origin's."""
     token = request.app[TOKEN]  # empty over HTTPS: operator certificates decide there
-    if token:
-        answer = _without_token(request, token)
-        if answer is not None:
-            return answer
+    if token and not (request.path == "/" and request.method in ("GET", "HEAD")):
+        bearer = request.headers.get("Authorization", "")
+        if not _is_token(bearer.removeprefix("Bearer ").strip(), token):
+            return _error(
+                "open the address `llmgw console` printed (it carries the console's token), "
+                "or send Authorization: Bearer TOKEN",
+                401,
+            )
     response: web.StreamResponse = await handler(request)
     return response
-
-
-def _without_token(request: web.Request, token: str) -> web.Response | None:
-    """The answer to a request that does not carry `token` (or opens the printed address),
-    None for one that does."""
-    offered = request.query.get("token", "")
-    if request.path == "/" and offered:
-        if not _is_token(offered, token):
-            return _error("this token is not the console's: open the address it printed", 401)
-        # Into the cookie and out of the address bar (and of the browser's history).
-        response = web.Response(status=302, headers={"Location": "/"})
-        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/")
-        return response
-    bearer = request.headers.get("Authorization", "")
-    given = request.cookies.get(COOKIE, "") or bearer.removeprefix("Bearer ").strip()
-    if _is_token(given, token):
-        return None
-    return _error(
-        "open the address `llmgw console` printed (it carries the console's token), "
-        "or send Authorization: Bearer TOKEN",
-        401,
-    )
 
 
 def _is_token(given: str, token: str) -> bool:
@@ -166,6 +154,13 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
             f"this console answers as {', '.join(sorted(hosts))}, not {request.host!r}: open it"
             " at the address `llmgw console` printed",
             421,
+        )
+    if _from_another_site(request):
+        return _error(
+            "a page of another site asked for this: the console answers its own page, the"
+            " addresses you type and clients that send no Sec-Fetch-Site; open the console"
+            " and use it from there",
+            403,
         )
     if request.method not in ("GET", "HEAD") and (
         request.headers.get(WRITE_HEADER) != "1" or request.content_type != "application/json"
@@ -192,6 +187,23 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
     except Exception as exc:
         log.exception("console_request_failed", path=request.path)
         return _error(f"the console failed on {request.path}: {type(exc).__name__}", 500)
+
+
+_OWN_REQUESTS = frozenset({"same-origin", "none"})
+"""`Sec-Fetch-Site` of the console's own page's requests and of an address typed or
+bookmarked; a browser sends `same-site` or `cross-site` for any other page's."""
+
+
+def _from_another_site(request: web.Request) -> bool:
+    """Whether a browser says another page made this request. Over HTTPS it presents the
+    operator's certificate to every page's requests (an `<img>` of another site's
+    included), so such a GET would run with the operator's authority: a scan of the whole
+    log each. A link elsewhere may still open the page itself (nothing of the fleet in
+    it); clients other than browsers send no `Sec-Fetch-Site`."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is None or site in _OWN_REQUESTS:
+        return False
+    return not (request.path == "/" and request.headers.get("Sec-Fetch-Mode") == "navigate")
 
 
 def _point(request: web.Request, name: str) -> history.Point | None:
@@ -389,7 +401,9 @@ def build_app(live: LiveFleet, hosts: set[str], token: str = "") -> web.Applicat
     app.router.add_get("/api/diff", _diff)
     app.router.add_get("/api/events", _events)
     app.router.add_get("/api/timeline", _timeline)
-    app.router.add_get("/api/explain/{model}", _explain)
+    # Any name: a model's may hold `/` (quoted as %2F or not) and braces, which the default
+    # `{model}` pattern would refuse with a 404 of the router's own.
+    app.router.add_get("/api/explain/{model:.+}", _explain)
     app.router.add_get("/api/stream", _stream)
     app.router.add_post("/api/nodes/{node}/{action:cordon|uncordon|drain}", _node_action)
     return app
