@@ -5,6 +5,7 @@ decode. A canned engine (aiohttp, on its own thread) behind a real router."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -187,3 +188,55 @@ def test_an_answer_past_max_answer_bytes_is_a_502_and_no_more_of_it_is_read(
     finally:
         engine.endless = 0
         r.stop()
+
+
+class Elsewhere(ThreadedApp):
+    """A server an engine points the router's probes at (an internal service, a cloud's
+    metadata address): every path answers 200, and each request is counted."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", self._any)
+        super().__init__(app)
+
+    async def _any(self, request: web.Request) -> web.Response:
+        self.asked.append(request.path_qs)
+        return web.json_response({})
+
+
+def test_a_probe_redirected_elsewhere_is_not_followed(engine: CannedEngine, tmp_path: Path) -> None:
+    """An engine's port decides what its /health and /metrics answer: a redirect to another
+    host and path made the router fetch that URL from where it stands, every probe round
+    (and told the engine, by the traffic it then got, whether the URL answered 200). A
+    redirect is an answer like any other but 200: the endpoint is not ready, and nothing
+    else is fetched."""
+    other = Elsewhere()
+    app = web.Application()
+    redirecting = {"on": False}
+
+    async def health(_: web.Request) -> web.StreamResponse:
+        if redirecting["on"]:
+            raise web.HTTPTemporaryRedirect(other.url + "/latest/meta-data/?from=health")
+        return web.json_response({})
+
+    async def metrics(_: web.Request) -> web.StreamResponse:
+        raise web.HTTPTemporaryRedirect(other.url + "/internal/metrics?from=metrics")
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    redirector = ThreadedApp(app)
+    r = Router.start(tmp_path, {"e": redirector.url})
+    try:
+        redirecting["on"] = True
+        ready = 'llmgw_router_endpoint_ready{endpoint="e"}'
+        deadline = time.monotonic() + 10
+        while r.metrics().get(ready) != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.6)  # a few more probe rounds (every 0.2 s)
+        assert other.asked == [], other.asked
+        assert r.metrics().get(ready) == 0.0
+    finally:
+        r.stop()
+        redirector.stop()
+        other.stop()
