@@ -13,6 +13,7 @@ import httpx2 as httpx
 import pytest
 from aiohttp import web
 
+from llmgw.router.metrics import KNOWN_STATUSES
 from tests.integration.router_kit import Router
 from tests.kit.threaded_http import ThreadedApp, engine_app
 
@@ -27,6 +28,7 @@ class CannedEngine(ThreadedApp):
     def __init__(self) -> None:
         self.body = b"{}"
         self.sse = False
+        self.status = 200
         self.endless = 0
         """When set, the answer is this many bytes (or until the router hangs up), sent in
         64 KiB writes: an engine that does not stop."""
@@ -38,7 +40,7 @@ class CannedEngine(ThreadedApp):
         if self.endless:
             return await self._endless(request)
         kind = "text/event-stream" if self.sse else "application/json"
-        return web.Response(body=self.body, headers={"Content-Type": kind})
+        return web.Response(status=self.status, body=self.body, headers={"Content-Type": kind})
 
     async def _endless(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -157,6 +159,34 @@ def test_an_answer_nested_too_deeply_to_decode_is_still_relayed(
         r = h.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200, r.text[:300]
     assert r.content == engine.body
+
+
+def test_the_statuses_an_engine_answers_add_few_series_to_the_metrics(
+    engine: CannedEngine, router: Router
+) -> None:
+    """The router relays an engine's 2xx, 3xx and 4xx as they are, and its metrics counted
+    each request under its status: an engine answering a new status each time (any of 300
+    in 2xx to 4xx) added a series per status to every key and model it served, hundreds
+    times what honest engines add. A status the router knows is its own label; any other
+    is counted under its class ("2xx", "3xx", "4xx")."""
+    engine.sse, engine.body = False, b'{"error":{"message":"no","type":"x"}}'
+    odd = [s for s in range(201, 500) if s not in (204, 304, 401, 429)][::7]
+    seen: list[int] = []
+    try:
+        with httpx.Client(base_url=router.url, timeout=10) as h:
+            for status in odd:
+                engine.status = status
+                seen.append(h.post("/v1/chat/completions", json=CHAT).status_code)
+    finally:
+        engine.status = 200
+    assert seen == odd  # the client still gets what the engine answered
+    labels = {
+        k.partition('status="')[2].rstrip('"}')
+        for k in router.metrics()
+        if k.startswith('llmgw_router_requests_total{model="m",')
+    }
+    assert labels <= {"2xx", "3xx", "4xx", *map(str, KNOWN_STATUSES)}, labels
+    assert len(labels) <= 5, labels  # the classes, 200 and 499 (the engine answered one)
 
 
 def test_an_answer_past_max_answer_bytes_is_a_502_and_no_more_of_it_is_read(
