@@ -270,3 +270,48 @@ def test_a_probe_redirected_elsewhere_is_not_followed(engine: CannedEngine, tmp_
         r.stop()
         redirector.stop()
         other.stop()
+
+
+def test_a_responses_event_nested_too_deeply_to_decode_is_relayed(tmp_path: Path) -> None:
+    """llama-server's Responses streams are read to give their events indices
+    (`llmgw.router.responses_stream`); an event nested past what the decoder takes is
+    relayed as it came, and the stream goes on to its end, rather than being cut as a bug
+    of the router's (an error logged, with its traceback, for every such request)."""
+
+    def event(data: bytes) -> bytes:
+        kind = data.split(b'"type":"', 1)[1].split(b'"', 1)[0]
+        return b"event: " + kind + b"\ndata: " + data + b"\n\n"
+
+    deep = event(b'{"type":"response.output_text.delta","item_id":"a","delta":'
+                 + b"[" * 100_000 + b"]" * 100_000 + b"}")  # fmt: skip
+    body = (
+        event(b'{"type":"response.created","response":{}}')
+        + event(b'{"type":"response.output_text.delta","item_id":"a","delta":"hi"}')
+        + deep
+        + event(
+            b'{"type":"response.completed","response":{"usage":'
+            b'{"input_tokens":3,"output_tokens":2}}}'
+        )
+    )
+
+    async def responses(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=body, headers={"Content-Type": "text/event-stream"})
+
+    app = engine_app(responses)
+    app.router.add_post("/v1/responses", responses)
+    llama = ThreadedApp(app)
+    r = Router.start(tmp_path, {"e": llama.url}, models=[{"name": "m", "engine": "llamacpp"}])
+    try:
+        with httpx.Client(base_url=r.url, timeout=10) as h:
+            got = h.post("/v1/responses", json={"model": "m", "input": "x", "stream": True})
+        assert got.status_code == 200
+        assert "relay_error" not in got.text, got.text[-300:]
+        assert deep in got.content
+        assert got.text.rstrip().endswith("}"), got.text[-300:]
+        assert '"response.completed"' in got.text.rsplit("\n\n", 2)[-2]
+    finally:
+        r.stop()
+        llama.stop()
+    assert r.log_path is not None
+    assert "relay_failed" not in r.log_path.read_text()
