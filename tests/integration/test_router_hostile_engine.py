@@ -147,6 +147,60 @@ def test_absurd_usage_is_not_counted_and_the_answer_still_arrives(
     assert 0 < counted[1] <= (2 if stream else len(body) // 4), counted
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("asked", "reported", "counted"),
+    [
+        ({"max_tokens": 5}, 2_000_000_000, 5),
+        ({"max_tokens": 5, "n": 2}, 10, 10),  # each answer at its maximum: all of it
+        ({"max_tokens": 5, "n": 2}, 11, 10),
+        ({"max_completion_tokens": 7, "max_tokens": 3}, 9, 7),  # the larger one vLLM reads
+        ({}, 2_000_000_000, 2_000_000_000),  # no maximum, no context known: as reported
+    ],
+)
+def test_an_answer_is_charged_no_more_tokens_than_its_request_allowed(
+    engine: CannedEngine,
+    router: Router,
+    stream: bool,
+    asked: dict[str, int],
+    reported: int,
+    counted: int,
+) -> None:
+    """An engine says how many tokens its answer took; one that says billions charged the
+    key billions, its budget spent and its windows in debt for weeks. No engine generates
+    more than the request's maximum for each of its answers: what is counted stops there."""
+    body = answer(f'{{"prompt_tokens":3,"completion_tokens":{reported}}}')
+    engine.sse = stream
+    engine.body = b"data: " + body + b"\n\ndata: [DONE]\n\n" if stream else body
+    before = tokens_counted(router)
+    with httpx.Client(base_url=router.url, timeout=10) as h:
+        r = h.post("/v1/chat/completions", json={**CHAT, **asked, "stream": stream})
+    assert r.status_code == 200, r.text
+    after = tokens_counted(router)
+    assert (after[0] - before[0], after[1] - before[1]) == (3, counted)
+
+
+def test_an_answer_is_charged_no_more_tokens_than_the_models_context(
+    engine: CannedEngine, tmp_path: Path
+) -> None:
+    """Where the model's profile names its context (`max_model_len`), no prompt is longer
+    and no answer takes more, whatever the engine says (per answer asked for)."""
+    r = Router.start(tmp_path, {"e": engine.url}, models=[{"name": "m", "max_model_len": 1000}])
+    try:
+        engine.sse = False
+        engine.body = answer('{"prompt_tokens":2000000000,"completion_tokens":2000000000}')
+        with httpx.Client(base_url=r.url, timeout=10) as h:
+            for asked in ({}, {"n": 3}, {"max_tokens": 10}):
+                before = tokens_counted(r)
+                got = h.post("/v1/chat/completions", json={**CHAT, **asked})
+                assert got.status_code == 200, got.text
+                after = tokens_counted(r)
+                expected = 10 if asked.get("max_tokens") else 1000 * asked.get("n", 1)
+                assert (after[0] - before[0], after[1] - before[1]) == (1000, expected), asked
+    finally:
+        r.stop()
+
+
 def test_an_answer_nested_too_deeply_to_decode_is_still_relayed(
     engine: CannedEngine, router: Router
 ) -> None:
