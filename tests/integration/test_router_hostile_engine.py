@@ -369,3 +369,41 @@ def test_a_responses_event_nested_too_deeply_to_decode_is_relayed(tmp_path: Path
         llama.stop()
     assert r.log_path is not None
     assert "relay_failed" not in r.log_path.read_text()
+
+
+def test_an_engines_huge_metrics_page_does_not_stall_the_router(
+    engine: CannedEngine, tmp_path: Path
+) -> None:
+    """The prober reads an engine's /metrics (up to 8 MiB) on the router's event loop, every
+    probe round: 8 MiB of short lines took it half a second a round to read line by line,
+    and every request to every model waited behind it. Only the lines of the figures the
+    router uses are looked at now, found by searching the page for their names."""
+    page = b"x 1\n" * (2 * 1024 * 1024 - 16)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=page, content_type="text/plain")
+
+    app = engine_app(engine._chat)
+    app.router.add_get("/metrics", metrics)
+    hostile = ThreadedApp(app)
+    engine.sse, engine.body = False, answer('{"prompt_tokens":1,"completion_tokens":1}')
+    models = [{"name": "m"}, {"name": "other"}]
+    serves = {"e": ["m"], "h": ["other"]}
+    sites = {"e": hostile.url, "h": engine.url}
+    r = Router.start(tmp_path, sites, models=models, endpoint_models=serves, probe_interval_s=0.5)
+    slow: list[float] = []
+    try:
+        with httpx.Client(base_url=r.url, timeout=10) as h:
+            until = time.monotonic() + 4  # 8 probe rounds
+            while time.monotonic() < until:
+                t = time.perf_counter()
+                got = h.post("/v1/chat/completions", json={**CHAT, "model": "other"})
+                took = time.perf_counter() - t
+                assert got.status_code == 200, got.text
+                if took > 0.25:
+                    slow.append(took)
+                time.sleep(0.005)
+    finally:
+        r.stop()
+        hostile.stop()
+    assert len(slow) <= 1, slow
