@@ -49,7 +49,9 @@ def bounds(prof: ModelProfile, client: ClientStream) -> tuple[int, int]:
         return most, most
     context = prof.max_model_len or 0
     per_answer, answers = client.asked_out
-    known = [n for n in (per_answer, context) if n > 0]
+    # llama-server may shift its context (`--context-shift`) and write on past it.
+    longest = 0 if prof.engine == "llamacpp" else context
+    known = [n for n in (per_answer, longest) if n > 0]
     return context or most, min(min(known) * answers, most) if known else most
 
 

@@ -201,6 +201,23 @@ def test_an_answer_is_charged_no_more_tokens_than_the_models_context(
         r.stop()
 
 
+def test_a_llama_server_answer_may_be_longer_than_its_context(
+    engine: CannedEngine, tmp_path: Path
+) -> None:
+    """llama-server with `--context-shift` writes on past its context: an answer that names
+    no maximum is counted as its engine says, the prompt still at most the context."""
+    llama = [{"name": "m", "engine": "llamacpp", "max_model_len": 1000}]
+    r = Router.start(tmp_path, {"e": engine.url}, models=llama)
+    try:
+        engine.sse = False
+        engine.body = answer('{"prompt_tokens":5000,"completion_tokens":5000}')
+        with httpx.Client(base_url=r.url, timeout=10) as h:
+            assert h.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert tokens_counted(r) == (1000, 5000)
+    finally:
+        r.stop()
+
+
 def test_an_answer_nested_too_deeply_to_decode_is_still_relayed(
     engine: CannedEngine, router: Router
 ) -> None:
