@@ -24,9 +24,10 @@ from llmgw.router.metrics import Metrics
 from llmgw.router.quotas import Quotas
 from llmgw.router.relay import ClientStream
 
-ONE_PROMPT = frozenset({"chat", "messages", "responses"})
+ONE_PROMPT = frozenset({"chat", "messages"})
 """The APIs whose request is one prompt, each answer of it bounded by the body's maximum
-and the model's context (a completions request may list prompts, an embeddings one inputs)."""
+and the model's context. A completions request may list prompts, an embeddings one inputs,
+and a Responses answer may take turns (vLLM's built-in tools), its usage their sum."""
 
 
 def asked_out(kind: requests.Kind, max_out: int | None, choices: int) -> tuple[int, int]:
