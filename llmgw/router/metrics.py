@@ -43,10 +43,10 @@ _STATUS_LABELS = {s: str(s) for s in KNOWN_STATUSES}
 
 
 def status_label(status: int) -> str:
-    """A request's `status` label: the status when `KNOWN_STATUSES` holds it, else its
-    class ("2xx", "3xx", "4xx"). The router relays an engine's 2xx to 4xx as they are,
-    and an engine answering a new one each time made a series per status for every key
-    and model it served."""
+    """A status as a label (a request's `status`, a retry's reason): the status when
+    `KNOWN_STATUSES` holds it, else its class ("2xx" ... "9xx"). The router relays an
+    engine's 2xx to 4xx as they are and retries its 5xx, and an engine answering a new one
+    each time made a series per status for every key and model it served."""
     return _STATUS_LABELS.get(status) or f"{status // 100}xx"
 
 

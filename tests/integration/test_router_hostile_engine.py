@@ -260,6 +260,33 @@ def test_the_statuses_an_engine_answers_add_few_series_to_the_metrics(
     assert len(labels) <= 5, labels  # the classes, 200 and 499 (the engine answered one)
 
 
+def test_the_failures_an_engine_answers_add_few_retry_reasons(
+    engine: CannedEngine, tmp_path: Path
+) -> None:
+    """An engine's 5xx (and anything past 599) is retried elsewhere, the reason named in the
+    retries' metrics, the attempt's span and the client's error code: a status the router
+    does not know is named by its class, not one series per status an engine makes up."""
+    engine.sse, engine.body = False, b'{"error":{"message":"no","type":"x"}}'
+    odd = [505, 517, 598, 600, 777, 999]
+    router = Router.start(tmp_path, {"e": engine.url}, breaker={"failures_to_open": 100})
+    try:
+        with httpx.Client(base_url=router.url, timeout=10) as h:
+            for status in odd:
+                engine.status = status
+                got = h.post("/v1/chat/completions", json=CHAT)
+                assert got.status_code == 502
+                assert f"engine answered {status}" in got.json()["error"]["message"]
+        reasons = {
+            k.partition('reason="')[2].rstrip('"}')
+            for k in router.metrics()
+            if k.startswith('llmgw_router_retries_total{model="m",')
+        }
+    finally:
+        engine.status = 200
+        router.stop()
+    assert reasons <= {"status_5xx", "status_6xx", "status_7xx", "status_9xx"}, reasons
+
+
 def test_an_answer_past_max_answer_bytes_is_a_502_and_no_more_of_it_is_read(
     engine: CannedEngine, tmp_path: Path
 ) -> None:
