@@ -19,7 +19,10 @@ RUNNING_METRICS = frozenset(
 KV_METRICS = frozenset(
     {"vllm:kv_cache_usage_perc", "llamacpp:kv_cache_usage_ratio", "sglang:token_usage"}
 )
-_WANTED = QUEUE_METRICS | RUNNING_METRICS | KV_METRICS
+_WANTED = tuple(sorted(QUEUE_METRICS | RUNNING_METRICS | KV_METRICS))
+MAX_LINES = 1024
+"""The most places a page names one of the figures that are looked at (an honest page names
+each once per model or engine it lists): past them the rest of the page is not read."""
 
 
 def parse_engine_metrics(text: str) -> tuple[float | None, float | None, float | None]:
@@ -35,28 +38,46 @@ def parse_engine_metrics(text: str) -> tuple[float | None, float | None, float |
     queue: float | None = None
     running: float | None = None
     kv: float | None = None
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        cut = line.find("{")
-        if cut < 0:
-            cut = line.find(" ")
-        name = line[:cut]
-        if name not in _WANTED:
-            continue
+    for name in _WANTED:
+        for value in _values(text, name):
+            if name in QUEUE_METRICS:
+                queue = (queue or 0.0) + value
+            elif name in RUNNING_METRICS:
+                running = (running or 0.0) + value
+            else:
+                kv = value if kv is None else max(kv, value)
+    return _bounded(queue, MAX_FIGURE), _bounded(running, MAX_FIGURE), _bounded(kv, 1.0)
+
+
+def _values(text: str, name: str) -> list[float]:
+    """The finite values of the lines of metric `name` in `text` (`name value`, or
+    `name{labels} value`; the value is the line's last field).
+
+    The name is searched for (in C), not every line read: the prober reads a page on the
+    router's event loop every round, and 8 MiB of short lines read one by one held it for
+    half a second, every request to every model waiting. At most `MAX_LINES` places the
+    name stands are looked at, so a page naming it everywhere costs no more."""
+    found: list[float] = []
+    pos = 0
+    for _ in range(MAX_LINES):
+        at = text.find(name, pos)
+        if at < 0:
+            break
+        end = text.find("\n", at)
+        pos = end = len(text) if end < 0 else end
+        if at > 0 and text[at - 1] not in "\n\r":
+            continue  # within a line: a comment's, another metric's
+        line = text[at:end]
+        after = line[len(name) : len(name) + 1]
+        if after != "{" and (after != " " or "{" in line):
+            continue  # another metric whose name begins with this one
         try:
             value = float(line.rsplit(" ", 1)[-1])
         except ValueError:
             continue
-        if not math.isfinite(value):  # NaN (nothing to report yet) or a broken engine's inf
-            continue
-        if name in QUEUE_METRICS:
-            queue = (queue or 0.0) + value
-        elif name in RUNNING_METRICS:
-            running = (running or 0.0) + value
-        else:
-            kv = value if kv is None else max(kv, value)
-    return _bounded(queue, MAX_FIGURE), _bounded(running, MAX_FIGURE), _bounded(kv, 1.0)
+        if math.isfinite(value):  # NaN (nothing to report yet) or a broken engine's inf
+            found.append(value)
+    return found
 
 
 def _bounded(value: float | None, most: float) -> float | None:

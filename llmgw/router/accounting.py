@@ -24,6 +24,37 @@ from llmgw.router.metrics import Metrics
 from llmgw.router.quotas import Quotas
 from llmgw.router.relay import ClientStream
 
+ONE_PROMPT = frozenset({"chat", "messages"})
+"""The APIs whose request is one prompt, each answer of it bounded by the body's maximum
+and the model's context. A completions request may list prompts, an embeddings one inputs,
+and a Responses answer may take turns (vLLM's built-in tools), its usage their sum."""
+
+
+def asked_out(kind: requests.Kind, max_out: int | None, choices: int) -> tuple[int, int]:
+    """(the most tokens each answer may take as the body says, 0 where it names none or
+    its API may hold several prompts; the answers it asks for): `ClientStream.asked_out`."""
+    per_answer = max_out if kind in ONE_PROMPT and max_out is not None and max_out > 0 else 0
+    return per_answer, choices
+
+
+def bounds(prof: ModelProfile, client: ClientStream) -> tuple[int, int]:
+    """The most prompt and completion tokens an engine's usage may charge `client`'s request.
+
+    An engine says what its answer took, up to `requests.MAX_TOKENS` a field: two billion
+    tokens charged to a key spent its budget and put its windows in debt for weeks. No
+    engine reads a prompt longer than its context (the profile's `max_model_len`) nor
+    generates more than the request's maximum, or the context, for each answer asked;
+    past them its usage is a lie, counted only up to them."""
+    most = requests.MAX_TOKENS
+    if client.kind not in ONE_PROMPT:
+        return most, most
+    context = prof.max_model_len or 0
+    per_answer, answers = client.asked_out
+    # llama-server may shift its context (`--context-shift`) and write on past it.
+    longest = 0 if prof.engine == "llamacpp" else context
+    known = [n for n in (per_answer, longest) if n > 0]
+    return context or most, min(min(known) * answers, most) if known else most
+
 
 class Accounting:
     """One router process's counting of tokens, shared by its requests."""
@@ -74,7 +105,9 @@ class Accounting:
             self.metrics.cache_delivered(prof.name, cached)
             self.kv.delivered(client.cached_endpoint, client.cached_predicted, cached)
         was_in, was_out = client.tokens
-        now_in, now_out = max(was_in, u.prompt_tokens), max(was_out, u.completion_tokens)
+        most_in, most_out = bounds(prof, client)
+        now_in = max(was_in, min(u.prompt_tokens, most_in))
+        now_out = max(was_out, min(u.completion_tokens, most_out))
         more_in, more_out = now_in - was_in, now_out - was_out
         if not (more_in or more_out):
             return

@@ -58,6 +58,7 @@ from llmgw.router import (
 from llmgw.router import outcome as outcome_log
 from llmgw.router import ports as feed_ports
 from llmgw.router import upstream as upstream_http
+from llmgw.router.accounting import asked_out
 from llmgw.router.browsers import BrowserGuard
 from llmgw.router.clock import ClockKeeper
 from llmgw.router.config import RouterConfig
@@ -471,7 +472,8 @@ class Router:
         state = ClientStream(request, rid, start, kind=kind, stream=parsed.stream,
                              drop_usage=inject_usage, principal=principal,
                              trace=outcome.trace, prompt_chars=prompt_chars,
-                             usage_coming=inject_usage or parsed.wants_usage)  # fmt: skip
+                             usage_coming=inject_usage or parsed.wants_usage,
+                             asked_out=asked_out(kind, parsed.max_out, parsed.choices))  # fmt: skip
         if parsed.stream and self.cfg.keepalive_s > 0:
             state.start_keepalive(self.cfg.keepalive_s)
         try:

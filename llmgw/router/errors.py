@@ -21,6 +21,7 @@ from llmgw.core import redaction
 from llmgw.core.profile import Deadlines
 from llmgw.router import requests
 from llmgw.router import upstream as upstream_http
+from llmgw.router.metrics import status_label
 
 JSON = "application/json"
 
@@ -96,7 +97,8 @@ async def status_retry(upstream: upstream_http.Response, engine_key: str) -> Ret
             detail = await upstream.read(ENGINE_SAID_READ)
     said = redaction.engine_words(detail, engine_key, ENGINE_SAID_QUOTED)
     return Retry(
-        "overloaded" if status == 429 else f"status_{status}",
+        # The reason labels the retries' metrics: an unknown status by its class (`status_label`).
+        "overloaded" if status == 429 else f"status_{status_label(status)}",
         429 if status == 429 else 502,
         f"engine answered {status}: {said}",
         fault=status != 429,

@@ -34,6 +34,22 @@ import msgspec
 
 METRICS_DIR_ENV = "LLMGW_ROUTER_METRICS_DIR"
 
+KNOWN_STATUSES = frozenset({
+    200, 204, 400, 401, 402, 403, 404, 405, 408, 409, 413, 415, 422, 429, 431, 499, 500,
+    501, 502, 503, 504, 529,
+})  # fmt: skip
+"""The statuses the router answers itself, and those engines answer that it relays."""
+_STATUS_LABELS = {s: str(s) for s in KNOWN_STATUSES}
+
+
+def status_label(status: int) -> str:
+    """A status as a label (a request's `status`, a retry's reason): the status when
+    `KNOWN_STATUSES` holds it, else its class ("2xx" ... "9xx"). The router relays an
+    engine's 2xx to 4xx as they are and retries its 5xx, and an engine answering a new one
+    each time made a series per status for every key and model it served."""
+    return _STATUS_LABELS.get(status) or f"{status // 100}xx"
+
+
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     120.0, 300.0,
@@ -223,7 +239,7 @@ class Metrics:
     # ------------------------------------------------------------------ the hot path
 
     def request_done(self, model: str, status: int, duration: float) -> None:
-        self.requests.inc((model, str(status)))
+        self.requests.inc((model, status_label(status)))
         self.duration.observe((model,), duration)
 
     def queued(self, model: str, depth: int) -> None:
@@ -233,7 +249,7 @@ class Metrics:
         self.queue_wait.observe((model, outcome), seconds)
 
     def key_request(self, key: str, team: str, model: str, status: int) -> None:
-        self.key_requests.inc((key, team, model, str(status)))
+        self.key_requests.inc((key, team, model, status_label(status)))
 
     def key_usage(self, key: str, team: str, model: str, prompt: int, completion: int) -> None:
         if prompt:

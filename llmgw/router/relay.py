@@ -67,7 +67,7 @@ class ClientStream:
     """Per-request relay state shared across attempts (the client response, once started)."""
 
     __slots__ = (
-        "cache_reported", "cached_endpoint", "cached_predicted", "drop_usage",
+        "asked_out", "cache_reported", "cached_endpoint", "cached_predicted", "drop_usage",
         "failed_status", "keepalive", "keepalive_s", "keepalive_task", "kind", "loop",
         "loop_start", "principal", "prompt_chars", "request", "response", "rid", "start",
         "stream", "tokens", "trace", "usage_coming",
@@ -86,6 +86,7 @@ class ClientStream:
         trace: RequestTrace | None = None,
         prompt_chars: int = 0,
         usage_coming: bool = True,
+        asked_out: tuple[int, int] = (0, 1),
     ) -> None:
         self.request = request
         self.trace = trace
@@ -96,13 +97,13 @@ class ClientStream:
         self.principal = principal
         self.tokens = (0, 0)
         """Prompt and completion tokens of the answer: the most the engine's usages said."""
+        self.asked_out = asked_out  # tokens an answer may take (0: unsaid), answers asked
         self.prompt_chars = prompt_chars
         """Characters of the prompt's text (else of the body): its tokens' estimate."""
         self.usage_coming = usage_coming
         """A stream's engine was asked for its usage (else a cut one is not estimated)."""
         self.response: web.StreamResponse | None = None
-        self.stream = stream
-        self.drop_usage = drop_usage
+        self.stream, self.drop_usage = stream, drop_usage
         self.failed_status = 0
         """The status metrics record for a stream that ended with an error event."""
         self.cached_predicted = -1

@@ -85,7 +85,8 @@ class IndexedResponses:
         line_end = len(event) if line_end < 0 else line_end
         try:
             data = _decode(event[at + len(_DATA) : line_end])
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
+            # (RecursionError: nested past what msgspec decodes, which an engine decides.)
             return event
         if not isinstance(data, dict) or not isinstance(data.get("type"), str):
             return event

@@ -184,8 +184,13 @@ class Prober:
         was = ep.ready
         # /health is open on every engine; llama-server wants the key for /metrics.
         headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
+        # Redirects are not followed: the engine's port chooses the answer, and a redirect
+        # to another host and path made the router fetch that URL each round, from its own
+        # network (an internal service, a cloud's metadata address). A 3xx is not healthy.
         try:
-            async with self.session.get(ep.url + "/health", timeout=timeout) as r:
+            async with self.session.get(
+                ep.url + "/health", timeout=timeout, allow_redirects=False
+            ) as r:
                 ok = r.status == 200 and await bounded_body(r, MAX_HEALTH_BYTES) is not None
             self._slow.pop(ep.id, None)
         except TimeoutError:
@@ -203,7 +208,7 @@ class Prober:
         if ok:
             try:
                 async with self.session.get(
-                    ep.url + "/metrics", timeout=timeout, headers=headers
+                    ep.url + "/metrics", timeout=timeout, headers=headers, allow_redirects=False
                 ) as r:
                     page = await bounded_body(r, MAX_METRICS_BYTES) if r.status == 200 else None
                     if page is not None:  # past the bound it is left unread, as a failed read

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from llmgw.agent.loads import EngineLoads
 from llmgw.agent.shards import ShardView
 from llmgw.core import loadreport
-from llmgw.core.engine_metrics import parse_engine_metrics
+from llmgw.core.engine_metrics import MAX_LINES, parse_engine_metrics
 from llmgw.core.routing import EndpointState, score_queue
 from llmgw.router.metrics import Metrics
 from llmgw.router.signals import _engine
@@ -98,6 +98,20 @@ def test_parsed_figures_are_finite_and_bounded() -> None:
             assert value is None or 0.0 <= value <= loadreport.MAX_AMOUNT
     assert parse_engine_metrics("vllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.5\n") == (
         3.0, None, 0.5)  # fmt: skip
+
+
+def test_only_the_lines_of_the_figures_count_and_no_more_than_the_bound() -> None:
+    """The page is searched for the figures' names: a name within a line (a comment, a
+    longer metric's) is not its line, and a page naming one past `MAX_LINES` times costs
+    no more than that many."""
+    page = (
+        "# HELP vllm:num_requests_waiting 7\nvllm:num_requests_waiting_total 7\n"
+        'xvllm:num_requests_running 7\nvllm:num_requests_waiting{m="a"} 2\r\n'
+        "vllm:num_requests_waiting 1\n"
+    )
+    assert parse_engine_metrics(page) == (3.0, None, None)
+    flood = "vllm:num_requests_running 1\n" * (MAX_LINES + 50)
+    assert parse_engine_metrics(flood) == (None, float(MAX_LINES), None)
 
 
 async def test_an_engines_figures_reach_the_endpoint_it_is_scored_by(engine: TestServer) -> None:

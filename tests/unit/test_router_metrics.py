@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.router.metrics import LATENCY_BUCKETS, METRICS_DIR_ENV, Metrics, render
+from llmgw.router.metrics import LATENCY_BUCKETS, METRICS_DIR_ENV, Metrics, render, status_label
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -150,3 +150,10 @@ def test_a_scrape_answers_with_this_workers_values_when_its_snapshot_cannot_be_w
     m.request_done("m", 200, 0.1)
     s = samples(m.exposition())
     assert s[("llmgw_router_requests_total", (("model", "m"), ("status", "200")))] == 1
+
+
+def test_a_status_the_router_does_not_know_is_labelled_by_its_class() -> None:
+    assert [status_label(s) for s in (200, 404, 499, 502, 529)] == [
+        "200", "404", "499", "502", "529"]  # fmt: skip
+    assert [status_label(s) for s in (201, 302, 399, 418, 450)] == [
+        "2xx", "3xx", "3xx", "4xx", "4xx"]  # fmt: skip

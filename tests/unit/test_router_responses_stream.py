@@ -133,6 +133,14 @@ def test_what_is_not_one_json_event_passes_unchanged() -> None:
     assert IndexedResponses()(b"".join(odd)) == b"".join(odd)
 
 
+def test_an_event_nested_too_deeply_to_decode_passes_unchanged() -> None:
+    """msgspec raises RecursionError, not DecodeError, past its depth: an engine's event
+    nested that deep broke the stream as a bug of the router's, logged with its traceback."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    event = b'event: response.output_text.delta\ndata: {"type":"x","delta":' + deep + b"}\n\n"
+    assert IndexedResponses()(event) == event
+
+
 def test_a_stream_naming_endless_items_indexes_no_more_than_the_bound() -> None:
     rewrite = IndexedResponses()
     n = responses_stream.MAX_ITEMS + 5

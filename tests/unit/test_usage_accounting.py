@@ -7,15 +7,17 @@ and kept whole when the flush fails or is cancelled."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import pytest
 
 from llmgw.core import tenancy
 from llmgw.core.profile import ModelProfile
 from llmgw.router import auth, requests
-from llmgw.router.accounting import Accounting
+from llmgw.router.accounting import Accounting, asked_out, bounds
 from llmgw.router.relay import ClientStream
+from llmgw.router.requests import MAX_TOKENS, Kind
 from llmgw.router.usage import UsageRows
 from tests.unit.test_quotas import Store, key
 
@@ -199,3 +201,33 @@ def test_a_flush_that_fails_or_is_cancelled_owes_every_count_once() -> None:
     cancelled, failed, totals = asyncio.run(run())
     assert cancelled == failed == [("k", "m", 10, 5, 1)]
     assert sorted(totals.values()) == [1, 5, 10]
+
+
+class _Asked:
+    """What `accounting.bounds` reads of a request's `ClientStream`."""
+
+    def __init__(self, kind: str, max_out: int | None, choices: int) -> None:
+        self.kind = kind
+        self.asked_out = asked_out(cast(Kind, kind), max_out, choices)
+
+
+def _bounds(prof: ModelProfile, kind: str, max_out: int | None, choices: int) -> tuple[int, int]:
+    return bounds(prof, cast(ClientStream, _Asked(kind, max_out, choices)))
+
+
+def test_what_an_engines_usage_may_charge_is_bounded_where_the_request_says() -> None:
+    """A chat or Messages request: its maximum per answer, the model's context (not
+    llama-server's answers: it may shift its context). Others (a completions request's
+    prompts, a Responses answer's turns) only by what a usage field holds."""
+    vllm = msgspec.convert({"name": "m", "max_model_len": 1000}, ModelProfile)
+    llama = msgspec.convert(
+        {"name": "m", "engine": "llamacpp", "max_model_len": 1000}, ModelProfile
+    )
+    bare = msgspec.convert({"name": "m"}, ModelProfile)
+    assert _bounds(bare, "chat", 5, 2) == (MAX_TOKENS, 10)
+    assert _bounds(vllm, "messages", None, 1) == (1000, 1000)
+    assert _bounds(vllm, "chat", 5000, 3) == (1000, 3000)
+    assert _bounds(llama, "chat", None, 1) == (1000, MAX_TOKENS)
+    assert _bounds(llama, "chat", -1, 1) == (1000, MAX_TOKENS)
+    for kind in ("completions", "responses", "embeddings"):
+        assert _bounds(vllm, kind, 5, 1) == (MAX_TOKENS, MAX_TOKENS)
