@@ -107,7 +107,9 @@ class EngineLoads:
             self._http = aiohttp.ClientSession(timeout=timeout)
         headers = {"Authorization": f"Bearer {view.api_key}"} if view.api_key else None
         try:
-            async with self._http.get(view.endpoint + "/metrics", headers=headers) as resp:
+            # Not followed elsewhere: a redirect is no 200 (as the prober's, llmgw.agent.probe).
+            url = view.endpoint + "/metrics"
+            async with self._http.get(url, headers=headers, allow_redirects=False) as resp:
                 if resp.status != 200:
                     return None
                 page = await bounded_body(resp, MAX_METRICS_BYTES)

@@ -50,11 +50,15 @@ class Prober:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
         base = f"http://{host}:{port}"
         headers = {"Authorization": f"Bearer {launch.api_key}"} if launch.api_key else None
+        # Redirects are not followed (a 3xx is no 200): an engine must not point the agent,
+        # its key and the node's network position at another address.
         try:
-            async with self._http.get(f"{base}/health") as resp:
+            async with self._http.get(f"{base}/health", allow_redirects=False) as resp:
                 if resp.status != 200:
                     return "up"
-            async with self._http.get(f"{base}/v1/models", headers=headers) as resp:
+            async with self._http.get(
+                f"{base}/v1/models", headers=headers, allow_redirects=False
+            ) as resp:
                 if resp.status != 200:
                     return "up"
                 raw = await bounded_body(resp, MAX_MODELS_BYTES)

@@ -163,3 +163,49 @@ async def test_no_report_goes_while_no_engine_serves() -> None:
     assert await loads.report_once() is None
     assert sink.reports == []
     assert loads.sent == 0
+
+
+@pytest.fixture
+async def elsewhere() -> AsyncIterator[tuple[BaseTestServer, list[str]]]:
+    """Another server, answering as a healthy engine would, counting what it is asked."""
+    asked: list[str] = []
+
+    async def anything(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        if request.path == "/metrics":
+            return web.Response(body=b"vllm:num_requests_waiting 7\n")
+        return web.Response(body=b'{"data": [{"id": "m"}]}')
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", anything)
+    async with TestServer(app, host="127.0.0.1") as server:
+        yield server, asked
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics"])
+async def test_an_engines_redirect_is_not_followed(
+    path: str, elsewhere: tuple[BaseTestServer, list[str]]
+) -> None:
+    """The agent asks its engines with their key from the node's network: an engine
+    pointing it elsewhere gets no request made there, and nothing it says counts."""
+    other, asked = elsewhere
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(str(other.make_url(request.path)))
+
+    async def fine(request: web.Request) -> web.Response:
+        return web.Response(body=b"{}")
+
+    app = web.Application()
+    for p in ("/health", "/v1/models", "/metrics"):
+        app.router.add_get(p, moved if p == path else fine)
+    async with TestServer(app, host="127.0.0.1") as server:
+        if path == "/metrics":
+            loads = EngineLoads(every_s=60.0)
+            try:
+                assert await loads._read(view(str(server.make_url("")).rstrip("/"))) is None
+            finally:
+                await loads.close()
+        else:
+            assert await probed(server) == "up"
+    assert asked == []
