@@ -17,12 +17,15 @@ completion token per `CHARS_PER_TOKEN` of the answer's body). Used by
 
 from __future__ import annotations
 
+from llmgw import logs
 from llmgw.core.profile import ModelProfile
 from llmgw.router import requests
 from llmgw.router.kvroute import KvRouting
 from llmgw.router.metrics import Metrics
 from llmgw.router.quotas import Quotas
 from llmgw.router.relay import ClientStream
+
+log = logs.get("llmgw.router")
 
 ONE_PROMPT = frozenset({"chat", "messages"})
 """The APIs whose request is one prompt, each answer of it bounded by the body's maximum
@@ -108,6 +111,14 @@ class Accounting:
         most_in, most_out = bounds(prof, client)
         now_in = max(was_in, min(u.prompt_tokens, most_in))
         now_out = max(was_out, min(u.completion_tokens, most_out))
+        # Said once per request: the first usage past a bound (later ones find it reached).
+        if (u.prompt_tokens > most_in > was_in) or (u.completion_tokens > most_out > was_out):
+            log.warning("usage_capped", request_id=client.rid, model=prof.name,
+                        said_in=u.prompt_tokens, said_out=u.completion_tokens,
+                        counted_in=now_in, counted_out=now_out,
+                        detail="the engine said more tokens than its request could take "
+                        "(its maximum per answer, the model's max_model_len): counted up to "
+                        "them; an engine that does this is broken or its node lies")  # fmt: skip
         more_in, more_out = now_in - was_in, now_out - was_out
         if not (more_in or more_out):
             return

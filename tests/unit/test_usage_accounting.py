@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from llmgw.core import tenancy
 from llmgw.core.profile import ModelProfile
@@ -231,3 +232,23 @@ def test_what_an_engines_usage_may_charge_is_bounded_where_the_request_says() ->
     assert _bounds(llama, "chat", -1, 1) == (1000, MAX_TOKENS)
     for kind in ("completions", "responses", "embeddings"):
         assert _bounds(vllm, kind, 5, 1) == (MAX_TOKENS, MAX_TOKENS)
+
+
+def test_an_engines_usage_past_what_its_request_could_take_is_logged_once() -> None:
+    """An operator learns of an engine that says more than its request could take (a broken
+    or lying node): one line per request, however often its stream says so."""
+    prof = ModelProfile(name="m", max_model_len=1000)
+
+    def steps(a: Accounting, c: ClientStream) -> None:
+        for said in (400, 2000, 3000, 5000):
+            a.usage(prof, c, requests.Usage(prompt_tokens=10, completion_tokens=said))
+
+    with capture_logs() as logged:
+        rec, client = _counted(steps)
+    assert client.tokens == (10, 1000)
+    assert rec.tokens == [10, 1000]
+    lines = [line for line in logged if line["event"] == "usage_capped"]
+    assert len(lines) == 1, logged
+    assert lines[0]["said_out"] == 2000
+    assert lines[0]["counted_out"] == 1000
+    assert lines[0]["request_id"] == "r"
