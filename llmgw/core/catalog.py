@@ -121,17 +121,31 @@ def names_of(profile: ModelProfile) -> tuple[str, ...]:
     return (profile.name, *profile.aliases)
 
 
-def problems(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> list[str]:
+def problems(
+    profile: ModelProfile,
+    others: Iterable[ModelProfile] = (),
+    *,
+    owners: Mapping[str, str] | None = None,
+) -> list[str]:
     """Everything wrong with `profile`, each with what to change; empty when it is valid.
 
-    `others` are the other declared models: aliases must not shadow their names.
+    `others` are the other declared models: aliases must not shadow their names. A caller
+    that keeps every declared name's model at hand passes that as `owners` instead
+    (`owner_index`): the check then costs the profile's own names, not the catalog's.
     """
+    if owners is None:
+        owners = owner_index(others)
     return [
         *_shape_problems(profile),
         *_limit_problems(profile),
         *_owned_problems(profile),
-        *_name_problems(profile, others),
+        *_name_problems(profile, owners),
     ]
+
+
+def owner_index(profiles: Iterable[ModelProfile]) -> dict[str, str]:
+    """Every name and alias of `profiles` -> the name of the model it belongs to."""
+    return {n: p.name for p in profiles for n in names_of(p)}
 
 
 def _shape_problems(p: ModelProfile) -> list[str]:
@@ -220,7 +234,7 @@ def _owned_problems(p: ModelProfile) -> list[str]:
     return out
 
 
-def _name_problems(p: ModelProfile, others: Iterable[ModelProfile]) -> list[str]:
+def _name_problems(p: ModelProfile, owners: Mapping[str, str]) -> list[str]:
     """Aliases and fallbacks, and names other models already use."""
     out: list[str] = []
     seen: set[str] = set()
@@ -237,16 +251,16 @@ def _name_problems(p: ModelProfile, others: Iterable[ModelProfile]) -> list[str]
         seen.add(alias)
     if p.name in p.fallbacks:
         out.append("fallbacks lists the model itself: remove it")
-    mine = set(names_of(p))
-    for other in others:
-        if other.name == p.name:
-            continue
-        clash = sorted(mine & set(names_of(other)))
-        if clash:
-            out.append(
-                f"{', '.join(repr(c) for c in clash)} is already a name or alias of model "
-                f"{other.name!r}: requests would be routed ambiguously, pick another alias"
-            )
+    clashes: dict[str, list[str]] = {}
+    for mine in sorted(set(names_of(p))):
+        owner = owners.get(mine)
+        if owner is not None and owner != p.name:
+            clashes.setdefault(owner, []).append(mine)
+    for owner, clash in sorted(clashes.items()):
+        out.append(
+            f"{', '.join(repr(c) for c in clash)} is already a name or alias of model "
+            f"{owner!r}: requests would be routed ambiguously, pick another alias"
+        )
     return out
 
 

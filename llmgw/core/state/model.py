@@ -163,7 +163,10 @@ class KeyState(msgspec.Struct, kw_only=True, gc=False):
     changed_by: str = ""
 
 
-class ClusterState(msgspec.Struct, kw_only=True):
+class ClusterState(msgspec.Struct, kw_only=True, dict=True):
+    """The fold's result. (`dict=True`: the fold keeps derived indexes beside the fields,
+    outside snapshots, the digest and equality: llmgw.core.state.decisions.)"""
+
     nodes: dict[str, NodeState] = {}
     models: dict[str, ModelState] = {}
     replicas: dict[str, ReplicaState] = {}
