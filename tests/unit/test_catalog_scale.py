@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from llmgw.core import catalog, events, state
+from llmgw.core import catalog, events, placement, reconcile, state
 from llmgw.core.profile import ModelProfile
 
-from .scenarios import Sim, profile
+from .scenarios import Sim, cluster, profile
 
 
 def _declare(i: int, **kw: Any) -> events.ModelDeclared:
@@ -74,3 +74,52 @@ def test_a_restored_or_copied_state_still_knows_every_name() -> None:
     # A state whose models were replaced by hand is read afresh.
     restored.models = {}
     assert state.apply(restored, clash, 101) is None
+
+
+def _full_fleet(nodes: int) -> Sim:
+    sim = Sim()
+    sim.extend(cluster(nodes, ts=sim.now))
+    sim.declare(profile("base", tensor_parallel=8, replicas=nodes))
+    sim.settle()
+    assert len(sim.serving("base")) == nodes
+    return sim
+
+
+def test_a_pass_explains_each_shape_that_cannot_land_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = _full_fleet(40)
+    shapes = [{"tensor_parallel": 8}, {"tensor_parallel": 2}, {"tensor_parallel": 4, "nodes": 2}]
+    waiting = [profile(f"w{i}", **shapes[i % 3]) for i in range(150)]
+    for prof in waiting:
+        assert sim.declare(prof) is None
+    alone = {p.name: placement.place(sim.state, p) for p in waiting}
+    judged = 0
+    why_not = placement._why_not
+
+    def counted(*args: Any) -> Any:
+        nonlocal judged
+        judged += 1
+        return why_not(*args)
+
+    monkeypatch.setattr(placement, "_why_not", counted)
+    outcome = reconcile.reconcile_detail(sim.state, sim.now, epoch=1)
+    assert outcome.decisions == []
+    # Each model on its own: the same reason and code as in the pass.
+    for name, result in alone.items():
+        assert isinstance(result, placement.Unplaceable)
+        assert outcome.unplaceable[name] == result.reason
+        assert outcome.unplaceable_codes[name] == result.code
+    # Judging every node again for each model: 150 x 40 calls.
+    assert judged <= 2 * len(shapes) * 40
+
+
+def test_what_a_pass_placed_is_judged_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = _full_fleet(4)
+    sim.register("spare", count=2, per_domain=None)
+    sim.settle()
+    for name in ("a", "b", "c"):
+        assert sim.declare(profile(name, tensor_parallel=2)) is None
+    outcome = reconcile.reconcile_detail(sim.state, sim.now, epoch=1)
+    placed = [d for d in outcome.decisions if isinstance(d, events.ReplicaPlaced)]
+    assert [d.model for d in placed] == ["a"]
+    assert set(outcome.unplaceable) == {"b", "c"}
+    assert "too few free GPUs" in outcome.unplaceable["b"]
