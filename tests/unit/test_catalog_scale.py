@@ -123,3 +123,40 @@ def test_what_a_pass_placed_is_judged_anew(monkeypatch: pytest.MonkeyPatch) -> N
     assert [d.model for d in placed] == ["a"]
     assert set(outcome.unplaceable) == {"b", "c"}
     assert "too few free GPUs" in outcome.unplaceable["b"]
+
+
+class _CountedReads(dict[str, state.ReplicaState]):
+    """The replicas, counting how many a pass reads through `values()`."""
+
+    reads = 0
+
+    def values(self) -> Any:
+        for r in super().values():
+            self.reads += 1
+            yield r
+
+
+def _reads_of_a_pass(sim: Sim) -> tuple[int, list[events.Event]]:
+    replicas = _CountedReads(sim.state.replicas)
+    sim.state.replicas = replicas
+    outcome = reconcile.reconcile_detail(sim.state, sim.now, epoch=1)
+    return replicas.reads, outcome.decisions
+
+
+@pytest.mark.parametrize("change", ["engine_args", "shrink"])
+def test_a_pass_over_a_changed_model_reads_each_replica_a_few_times(change: str) -> None:
+    sim = Sim()
+    sim.extend(cluster(20, ts=sim.now))
+    sim.declare(profile("small", replicas=160))
+    sim.settle()
+    assert len(sim.serving("small")) == 160
+    args: dict[str, Any] = {"engine_args": ("--x",)}
+    if change == "shrink":
+        args["replicas"] = 1
+    assert sim.change(profile("small", **{"replicas": 160, **args})) is None
+    reads, decisions = _reads_of_a_pass(sim)
+    if change == "shrink":
+        retired = [d for d in decisions if isinstance(d, events.ReplicaRetired)]
+        assert len(retired) == 159
+    # Counting the model's replicas anew for each of them: 160 x 160 reads.
+    assert reads <= 10 * 160
