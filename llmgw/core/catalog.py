@@ -19,6 +19,7 @@ from typing import Any, get_args
 
 import msgspec
 
+from llmgw.core.limits import MAX_ENV, MAX_PROFILE_BYTES
 from llmgw.core.profile import Dtype, Engine, ModelProfile
 
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -139,6 +140,7 @@ def problems(
         *_shape_problems(profile),
         *_limit_problems(profile),
         *_owned_problems(profile),
+        *_launch_problems(profile),
         *_name_problems(profile, owners),
     ]
 
@@ -231,6 +233,31 @@ def _owned_problems(p: ModelProfile) -> list[str]:
         flag = arg.split("=", 1)[0]
         if flag in _OWNED_ARGS:
             out.append(f"engine_args sets {flag}: remove it ({_OWNED_ARGS[flag]})")
+    return out
+
+
+_json = msgspec.json.Encoder()
+
+
+def _launch_problems(p: ModelProfile) -> list[str]:
+    """Room for what placement adds to each shard's StartShard, which carries the profile.
+
+    A StartShard out of the readers' bounds (llmgw.core.limits), or larger than one message,
+    never reaches the log or is refused by every reader: the shard is never started, so
+    the next reconcile pass sends it again, each pass, while the replica holds its GPUs."""
+    out: list[str] = []
+    if p.nodes > 1 and len(p.env) >= MAX_ENV:
+        out.append(
+            f"env sets {len(p.env)} variables and a replica over several nodes also gets "
+            f"NCCL_IB_HCA: set at most {MAX_ENV - 1}"
+        )
+    size = len(_json.encode(p))
+    if size > MAX_PROFILE_BYTES:
+        out.append(
+            f"the profile is {size} bytes as JSON, and each shard's start command carries it "
+            "in one message of the log: shorten engine_args, env or aliases to "
+            f"{MAX_PROFILE_BYTES} bytes in all"
+        )
     return out
 
 
