@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.core import catalog, events, placement, reconcile, state
+from llmgw.core import catalog, events, fleet_metrics, placement, reconcile, state, views
 from llmgw.core.profile import ModelProfile
 
 from .scenarios import Sim, cluster, profile
@@ -160,3 +160,21 @@ def test_a_pass_over_a_changed_model_reads_each_replica_a_few_times(change: str)
         assert len(retired) == 159
     # Counting the model's replicas anew for each of them: 160 x 160 reads.
     assert reads <= 10 * 160
+
+
+def test_the_models_view_and_the_fleet_gauges_read_each_replica_a_few_times() -> None:
+    sim = Sim()
+    sim.extend(cluster(10, ts=sim.now))
+    for i in range(80):
+        sim.declare(profile(f"m{i}", replicas=1))
+    sim.settle()
+    assert len(sim.state.replicas) == 80
+    replicas = _CountedReads(sim.state.replicas)
+    sim.state.replicas = replicas
+    rows = views.model_rows(sim.state, sim.now, why={})
+    gauges = fleet_metrics.families(sim.state, {})
+    assert [r["replicas_serving"] for r in rows] == [1] * 80
+    active = next(f for f in gauges if f.name == "llmgw_fleet_model_replicas_active")
+    assert [v for _, v in active.samples] == [1.0] * 80
+    # Reading every replica once per model: 80 x 80 reads for each.
+    assert replicas.reads <= 10 * 80

@@ -181,6 +181,15 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     last_seq: int = 0
     seen: dict[str, Seen] = {}
 
+    def active_by_model(self) -> dict[str, list[ReplicaState]]:
+        """Active replicas grouped by model, in one read of them: a view of every model
+        that asked `active_replicas(model)` for each read them all once per model."""
+        out: dict[str, list[ReplicaState]] = {}
+        for r in self.replicas.values():
+            if not r.retired:
+                out.setdefault(r.model, []).append(r)
+        return out
+
     def active_replicas(self, model: str | None = None) -> list[ReplicaState]:
         return [
             r
