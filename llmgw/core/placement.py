@@ -32,8 +32,8 @@ from llmgw.core.node_capacity import PORT_LIMIT as PORT_LIMIT
 from llmgw.core.node_capacity import NodeCapacity
 from llmgw.core.printable import escaped
 from llmgw.core.profile import ModelProfile
-from llmgw.core.refusals import Reason as Reason
 from llmgw.core.refusals import (
+    KnownRefusals,
     Refusals,
     class_sizes,
     quarantined,
@@ -42,6 +42,7 @@ from llmgw.core.refusals import (
     summary,
     too_few_nodes,
 )
+from llmgw.core.refusals import Reason as Reason
 from llmgw.core.refusals import impossible as impossible
 from llmgw.core.state import ClusterState, NodeState
 
@@ -103,10 +104,7 @@ class Capacity:
                 self.rejected.add(name, rejected_code(state, node), why)
             else:
                 self.nodes[name] = NodeCapacity(node)
-        # Why each shape (`_shape`) could not land, at which `version` (reservations so far):
-        # a pass over many waiting models judges the fleet once per shape, not per model.
-        self.version = 0
-        self.refused: dict[tuple[str, int, int, str], tuple[int, Unplaceable]] = {}
+        self.known = KnownRefusals(state, self.nodes, self.rejected.codes)
         # Replicas of each model per node, for spreading.
         self.spread: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         for replica in state.replicas.values():
@@ -115,7 +113,7 @@ class Capacity:
                     self.spread[replica.model][shard.node] += 1
 
     def reserve(self, model: str, placement: Placement) -> None:
-        self.version += 1
+        self.known.version += 1
         for sa in placement.shards:
             cap = self.nodes[sa.node]
             cap.take(placement.gpu_class, sa.gpus)
@@ -278,12 +276,15 @@ def place_many(
     count: int,
     *,
     capacity: Capacity | None = None,
+    sentences: bool = True,
 ) -> list[Placement | Unplaceable]:
     """Up to `count` new replicas of one model, each reserved in `capacity` as it is chosen.
 
     Stops at the first Unplaceable (it is the last item): capacity only shrinks
     within a pass. Single-node replicas use a heap over the candidates, so
-    placing k replicas on N nodes costs O(N + k log N), not O(k N).
+    placing k replicas on N nodes costs O(N + k log N), not O(k N). Without
+    `sentences` (a reconcile pass reads only the reason and code), a shape beyond
+    every node's GPUs is refused without each node's sentence in `nodes`.
     """
     cap = capacity if capacity is not None else Capacity(state)
     if count < 1:
@@ -299,17 +300,13 @@ def place_many(
                 code="other",
             )
         ]
-    # Judging every node takes tens of µs each, for each waiting model of a full fleet, each
-    # pass (1,000 models waiting on 1,000 nodes: 6 s of the leader's loop). Whether and why
-    # a shape cannot land depends on the capacity alone, not on the model.
-    shape = (profile.gpu_class, profile.gpus_per_replica, profile.nodes, profile.dtype)
-    known = cap.refused.get(shape)
-    if known is not None and known[0] == cap.version:
-        return [known[1]]
+    known = cap.known.refusal(profile, beyond=not sentences)  # (KnownRefusals)
+    if known is not None:
+        return [Unplaceable(code=known[0], reason=known[1], nodes=known[2])]
     many = _place_many_multi if profile.nodes > 1 else _place_many_single
     out = many(state, cap, profile, count)
-    if out and isinstance(out[-1], Unplaceable):
-        cap.refused[shape] = (cap.version, out[-1])
+    if out and isinstance(last := out[-1], Unplaceable):
+        cap.known.remember(profile, (last.code, last.reason, last.nodes))
     return out
 
 

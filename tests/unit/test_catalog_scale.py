@@ -14,7 +14,7 @@ import pytest
 from llmgw.core import catalog, events, fleet_metrics, placement, reconcile, state, views
 from llmgw.core.profile import ModelProfile
 
-from .scenarios import Sim, cluster, profile
+from .scenarios import Sim, cluster, gpus, profile
 
 
 def _declare(i: int, **kw: Any) -> events.ModelDeclared:
@@ -178,3 +178,60 @@ def test_the_models_view_and_the_fleet_gauges_read_each_replica_a_few_times() ->
     assert [v for _, v in active.samples] == [1.0] * 80
     # Reading every replica once per model: 80 x 80 reads for each.
     assert replicas.reads <= 10 * 80
+
+
+def _odd_fleet() -> Sim:
+    """Full H100 nodes on a fabric, and nodes of every other kind a refusal counts."""
+    sim = _full_fleet(12)
+    sim.register("l40s", gpu_class="l40s-45g", count=4, per_domain=None)
+    sim.register("bare", count=0)
+    sim.register("mixed", gpu_list=gpus("a100-80g", 2, node="mixed") + gpus("rtx4090-24g", 1))
+    sim.register("away", gpu_class="a100-80g", count=16)
+    sim.settle()
+    assert sim.cordon("away") is None
+    return sim
+
+
+SHAPES: list[dict[str, Any]] = [
+    *({"tensor_parallel": tp} for tp in (9, 16, 24, 40)),
+    *({"tensor_parallel": tp, "gpu_class": ""} for tp in (17, 32)),
+    *({"gpu_class": f"zz{i}-80g"} for i in range(6)),
+    {"gpu_class": "l40s-45g", "tensor_parallel": 8},
+    {"gpu_class": "a100-80g", "tensor_parallel": 16},  # only on the cordoned node
+    {"tensor_parallel": 32, "nodes": 2},
+    {"tensor_parallel": 2, "nodes": 2, "gpu_class": "zz-80g"},
+    {"tensor_parallel": 4, "gpu_class": "", "nodes": 2},
+]
+
+
+def test_shapes_no_node_could_host_are_refused_without_judging_each_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sim = _odd_fleet()
+    waiting = [profile(f"w{i}", **shape) for i, shape in enumerate(SHAPES)]
+    for prof in waiting:
+        assert sim.declare(prof) is None
+    judged = {
+        p.name: placement._refused(
+            sim.state, p, placement._reasons(sim.state, placement.Capacity(sim.state), p)
+        )
+        for p in waiting
+    }
+    calls = 0
+    why_not = placement._why_not
+
+    def counted(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return why_not(*args)
+
+    monkeypatch.setattr(placement, "_why_not", counted)
+    outcome = reconcile.reconcile_detail(sim.state, sim.now, epoch=1)
+    for name, result in judged.items():
+        assert (outcome.unplaceable[name], outcome.unplaceable_codes[name]) == (
+            result.reason,
+            result.code,
+        ), name
+    # Only two shapes need the nodes judged: 16 A100s fit the cordoned node, 2 GPUs of a
+    # class fit many. Every other is beyond each registered node's GPUs.
+    assert calls <= 2 * len(sim.state.nodes)

@@ -380,7 +380,9 @@ class _Planner:
         missing = wanted - self.counts.count(name)
         if missing > 0:
             queue = self.to_replace.get(name, [])
-            results = placement.place_many(state, profile, missing, capacity=self.capacity)
+            results = placement.place_many(
+                state, profile, missing, capacity=self.capacity, sentences=False
+            )
             for i, result in enumerate(results):
                 if isinstance(result, placement.Unplaceable):
                     self.unplaceable[name] = result.reason
