@@ -291,18 +291,29 @@ def _name_problems(p: ModelProfile, owners: Mapping[str, str]) -> list[str]:
     return out
 
 
-def check(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> ModelProfile:
+def check(
+    profile: ModelProfile,
+    others: Iterable[ModelProfile] = (),
+    *,
+    owners: Mapping[str, str] | None = None,
+) -> ModelProfile:
     """Return `profile` if it is valid, else raise CatalogError with every problem."""
-    found = problems(profile, others)
+    found = problems(profile, others, owners=owners)
     if found:
         raise CatalogError(profile.name, found)
     return profile
 
 
-def parse(raw: Mapping[str, Any], others: Iterable[ModelProfile] = ()) -> ModelProfile:
+def parse(
+    raw: Mapping[str, Any],
+    others: Iterable[ModelProfile] = (),
+    *,
+    owners: Mapping[str, str] | None = None,
+) -> ModelProfile:
     """Build and check a profile from a config mapping (YAML, JSON); CatalogError when wrong.
 
     msgspec's own messages name the field; this adds what to do about the common ones.
+    `owners` as for `problems`.
     """
     name = str(raw.get("name", "?"))
     # reprlib: a file's value may be a megabyte of text, or a long list; quoted, shortened.
@@ -321,7 +332,7 @@ def parse(raw: Mapping[str, Any], others: Iterable[ModelProfile] = ()) -> ModelP
         profile = msgspec.convert(raw, ModelProfile)
     except msgspec.ValidationError as exc:
         raise CatalogError(name, [f"{exc}: fix or remove that field"]) from None
-    return check(profile, others)
+    return check(profile, others, owners=owners)
 
 
 def launch_relevant(a: ModelProfile, b: ModelProfile) -> bool:

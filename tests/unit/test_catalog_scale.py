@@ -7,12 +7,15 @@ and the fleet stalls the whole control plane, however few of those models serve 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from llmgw.core import catalog, events, fleet_metrics, placement, reconcile, state, views
 from llmgw.core.profile import ModelProfile
+from llmgw.ctl import catalogfile
+from llmgw.ctl.errors import BadInput
 
 from .scenarios import Sim, cluster, gpus, profile
 
@@ -235,3 +238,25 @@ def test_shapes_no_node_could_host_are_refused_without_judging_each_node(
     # Only two shapes need the nodes judged: 16 A100s fit the cordoned node, 2 GPUs of a
     # class fit many. Every other is beyond each registered node's GPUs.
     assert calls <= 2 * len(sim.state.nodes)
+
+
+def test_a_long_models_file_is_checked_in_the_time_of_its_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = 0
+    names_of = catalog.names_of
+
+    def counted(p: ModelProfile) -> tuple[str, ...]:
+        nonlocal calls
+        calls += 1
+        return names_of(p)
+
+    monkeypatch.setattr(catalog, "names_of", counted)
+    entries = [{"name": f"m{i}", "engine": "sim", "aliases": [f"m{i}-a"]} for i in range(1500)]
+    assert len(catalogfile.parse(json.dumps(entries), "models.json")) == 1500
+    assert calls < 10 * 1500
+    entries.append({"name": "x", "engine": "sim", "aliases": ["m7-a"]})
+    with pytest.raises(BadInput, match="'m7-a' is already a name or alias of model 'm7'"):
+        catalogfile.parse(json.dumps(entries), "models.json")
+    with pytest.raises(BadInput, match="listed twice"):
+        catalogfile.parse(json.dumps([*entries[:3], entries[1]]), "models.json")
