@@ -11,10 +11,9 @@ The rules (docs/design.md):
 - replicas of one model spread across nodes; ties break by free GPUs left
   (best fit, to keep whole nodes free for big models), then node name.
 
-`place` is used by the reconciler, `explain` by the control service's
-management API and `llmgw ctl explain`. A `Capacity` is built once per
-reconcile pass and updated as that pass reserves GPUs, so several replicas
-placed in one pass never share a GPU or a port.
+`place` is used by the reconciler, `explain` by the control service's management API and
+`llmgw ctl explain`. A `Capacity` is built once per reconcile pass and updated as that
+pass reserves GPUs, so several replicas placed in one pass never share a GPU or a port.
 
 Purely computational: no I/O, no clock; `now` only words the reasons.
 """
@@ -280,27 +279,20 @@ def place_many(
 ) -> list[Placement | Unplaceable]:
     """Up to `count` new replicas of one model, each reserved in `capacity` as it is chosen.
 
-    Stops at the first Unplaceable (it is the last item): capacity only shrinks
-    within a pass. Single-node replicas use a heap over the candidates, so
-    placing k replicas on N nodes costs O(N + k log N), not O(k N). Without
-    `sentences` (a reconcile pass reads only the reason and code), a shape beyond
-    every node's GPUs is refused without each node's sentence in `nodes`.
+    Stops at the first Unplaceable (it is the last item): capacity only shrinks within a
+    pass. Single-node replicas use a heap over the candidates, so placing k replicas on N
+    nodes costs O(N + k log N), not O(k N). Without `sentences` (a reconcile pass reads only
+    the reason and code), a shape beyond every node's GPUs is refused without them.
     """
     cap = capacity if capacity is not None else Capacity(state)
     if count < 1:
         return []
-    if (
-        profile.gpus_per_replica < 1
-        or profile.nodes < 1
-        or profile.gpus_per_replica % profile.nodes
-    ):
-        return [
-            Unplaceable(
-                reason="the profile's GPU arithmetic is invalid: fix the catalog entry",
-                code="other",
-            )
-        ]
-    known = cap.known.refusal(profile, beyond=not sentences)  # (KnownRefusals)
+    per_replica, nodes = profile.gpus_per_replica, profile.nodes
+    if per_replica < 1 or nodes < 1 or per_replica % nodes:
+        why = "the profile's GPU arithmetic is invalid: fix the catalog entry"
+        return [Unplaceable(reason=why, code="other")]
+    cap.known.summaries = not sentences
+    known = cap.known.refusal(profile)  # (KnownRefusals)
     if known is not None:
         return [Unplaceable(code=known[0], reason=known[1], nodes=known[2])]
     many = _place_many_multi if profile.nodes > 1 else _place_many_single
@@ -343,7 +335,9 @@ def _place_many_single(
     spread = cap.spread[profile.name]
     while len(out) < count:
         if not heap:
-            out.append(_refused(state, profile, _reasons(state, cap, profile)))
+            out.append(
+                _beyond(cap, profile) or _refused(state, profile, _reasons(state, cap, profile))
+            )
             break
         _, seen, best = heapq.heappop(heap)
         if seen != version[best.node]:
@@ -386,6 +380,8 @@ def _place_multi(
         if best is None or score < best[0]:
             best = (score, chosen)
     if best is None:
+        if (beyond := _beyond(cap, profile)) is not None:
+            return beyond
         why = _reasons(state, cap, profile)
         short = too_few_nodes(state, profile)
         for c in candidates:
@@ -483,6 +479,12 @@ def _landing(
     if not result.nvlink_fit and profile.gpus_per_node > 1:
         where += "; NVLink domain too small: the tensor-parallel group spans PCIe"
     return NodeVerdict(node=name, ok=True, reason=where)
+
+
+def _beyond(cap: Capacity, profile: ModelProfile) -> Unplaceable | None:
+    """A shape beyond every node's GPUs refused without judging each (KnownRefusals)."""
+    found = cap.known.beyond(profile)
+    return None if found is None else Unplaceable(reason=found[1], code=found[0])
 
 
 def _refused(state: ClusterState, profile: ModelProfile, why: Refusals) -> Unplaceable:

@@ -237,28 +237,31 @@ class KnownRefusals:
     Judging every node takes tens of microseconds each, for each waiting model of a full
     fleet, each pass: 1,000 models waiting on 1,000 nodes took 6 s of the leader's event
     loop. A refusal holds until the pass reserves GPUs (`version` counts reservations); a
-    shape beyond every node's GPUs is refused from the `Hardware` alone."""
+    shape beyond every node's GPUs can be refused from the `Hardware` alone."""
 
     def __init__(
         self, state: ClusterState, usable: Iterable[str], rejected: Mapping[str, Reason]
     ) -> None:
         self.version = 0
+        self.summaries = False
+        """The caller reads only a refusal's code and summary, not each node's sentence."""
         self._args = (state, usable, rejected)
         self._hardware: Hardware | None = None
         self._by_shape: dict[tuple[str, int, int, str], tuple[int, Known]] = {}
 
-    def refusal(self, profile: ModelProfile, *, beyond: bool = True) -> Known | None:
-        """What refuses `profile` now, if known; `beyond`: also a shape beyond every
-        node's GPUs (without each node's sentence)."""
+    def refusal(self, profile: ModelProfile) -> Known | None:
+        """What refused `profile`'s shape since the last reservation, if anything did."""
         hit = self._by_shape.get(_shape(profile))
-        if hit is not None and hit[0] == self.version:
-            return hit[1]
-        if not beyond:
+        return hit[1] if hit is not None and hit[0] == self.version else None
+
+    def beyond(self, profile: ModelProfile) -> tuple[Reason, str] | None:
+        """Where `summaries` are enough: the code and summary refusing a shape beyond every
+        node's GPUs (`Hardware`, summed up the first time a pass refuses anything)."""
+        if not self.summaries:
             return None
         if self._hardware is None:
             self._hardware = Hardware(*self._args)
-        found = self._hardware.beyond_every_node(profile)
-        return None if found is None else (*found, {})
+        return self._hardware.beyond_every_node(profile)
 
     def remember(self, profile: ModelProfile, refused: Known) -> None:
         self._by_shape[_shape(profile)] = (self.version, refused)
