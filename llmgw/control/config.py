@@ -126,16 +126,17 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
         )
     if not a.header_timeout_s > 0:
         problems.append("admin.header_timeout_s must be above 0 (10 is the default)")
-    seen: list[ModelProfile] = []
+    owners: dict[str, str] = {}
     names: set[str] = set()
     for i, profile in enumerate(cfg.models):
         if profile.name in names:
             problems.append(f"models[{i}]: model {profile.name!r} is listed twice: merge them")
             continue
         names.add(profile.name)
-        for problem in catalog.problems(profile, seen):
+        for problem in catalog.problems(profile, owners=owners):
             problems.append(f"models[{i}] ({profile.name!r}): {problem}")
-        seen.append(profile)
+        for name in catalog.names_of(profile):
+            owners.setdefault(name, profile.name)  # a clash names the first owner
     return [f"{where}: {p}" for p in problems]
 
 

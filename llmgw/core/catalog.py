@@ -19,6 +19,7 @@ from typing import Any, get_args
 
 import msgspec
 
+from llmgw.core.limits import MAX_ENV, MAX_PROFILE_BYTES
 from llmgw.core.profile import Dtype, Engine, ModelProfile
 
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -121,17 +122,32 @@ def names_of(profile: ModelProfile) -> tuple[str, ...]:
     return (profile.name, *profile.aliases)
 
 
-def problems(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> list[str]:
+def problems(
+    profile: ModelProfile,
+    others: Iterable[ModelProfile] = (),
+    *,
+    owners: Mapping[str, str] | None = None,
+) -> list[str]:
     """Everything wrong with `profile`, each with what to change; empty when it is valid.
 
-    `others` are the other declared models: aliases must not shadow their names.
+    `others` are the other declared models: aliases must not shadow their names. A caller
+    that keeps every declared name's model at hand passes that as `owners` instead
+    (`owner_index`): the check then costs the profile's own names, not the catalog's.
     """
+    if owners is None:
+        owners = owner_index(others)
     return [
         *_shape_problems(profile),
         *_limit_problems(profile),
         *_owned_problems(profile),
-        *_name_problems(profile, others),
+        *_launch_problems(profile),
+        *_name_problems(profile, owners),
     ]
+
+
+def owner_index(profiles: Iterable[ModelProfile]) -> dict[str, str]:
+    """Every name and alias of `profiles` -> the name of the model it belongs to."""
+    return {n: p.name for p in profiles for n in names_of(p)}
 
 
 def _shape_problems(p: ModelProfile) -> list[str]:
@@ -220,7 +236,32 @@ def _owned_problems(p: ModelProfile) -> list[str]:
     return out
 
 
-def _name_problems(p: ModelProfile, others: Iterable[ModelProfile]) -> list[str]:
+_json = msgspec.json.Encoder()
+
+
+def _launch_problems(p: ModelProfile) -> list[str]:
+    """Room for what placement adds to each shard's StartShard, which carries the profile.
+
+    A StartShard out of the readers' bounds (llmgw.core.limits), or larger than one message,
+    never reaches the log or is refused by every reader: the shard is never started, so
+    the next reconcile pass sends it again, each pass, while the replica holds its GPUs."""
+    out: list[str] = []
+    if p.nodes > 1 and len(p.env) >= MAX_ENV:
+        out.append(
+            f"env sets {len(p.env)} variables and a replica over several nodes also gets "
+            f"NCCL_IB_HCA: set at most {MAX_ENV - 1}"
+        )
+    size = len(_json.encode(p))
+    if size > MAX_PROFILE_BYTES:
+        out.append(
+            f"the profile is {size} bytes as JSON, and each shard's start command carries it "
+            "in one message of the log: shorten engine_args, env or aliases to "
+            f"{MAX_PROFILE_BYTES} bytes in all"
+        )
+    return out
+
+
+def _name_problems(p: ModelProfile, owners: Mapping[str, str]) -> list[str]:
     """Aliases and fallbacks, and names other models already use."""
     out: list[str] = []
     seen: set[str] = set()
@@ -237,31 +278,42 @@ def _name_problems(p: ModelProfile, others: Iterable[ModelProfile]) -> list[str]
         seen.add(alias)
     if p.name in p.fallbacks:
         out.append("fallbacks lists the model itself: remove it")
-    mine = set(names_of(p))
-    for other in others:
-        if other.name == p.name:
-            continue
-        clash = sorted(mine & set(names_of(other)))
-        if clash:
-            out.append(
-                f"{', '.join(repr(c) for c in clash)} is already a name or alias of model "
-                f"{other.name!r}: requests would be routed ambiguously, pick another alias"
-            )
+    clashes: dict[str, list[str]] = {}
+    for mine in sorted(set(names_of(p))):
+        owner = owners.get(mine)
+        if owner is not None and owner != p.name:
+            clashes.setdefault(owner, []).append(mine)
+    for owner, clash in sorted(clashes.items()):
+        out.append(
+            f"{', '.join(repr(c) for c in clash)} is already a name or alias of model "
+            f"{owner!r}: requests would be routed ambiguously, pick another alias"
+        )
     return out
 
 
-def check(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> ModelProfile:
+def check(
+    profile: ModelProfile,
+    others: Iterable[ModelProfile] = (),
+    *,
+    owners: Mapping[str, str] | None = None,
+) -> ModelProfile:
     """Return `profile` if it is valid, else raise CatalogError with every problem."""
-    found = problems(profile, others)
+    found = problems(profile, others, owners=owners)
     if found:
         raise CatalogError(profile.name, found)
     return profile
 
 
-def parse(raw: Mapping[str, Any], others: Iterable[ModelProfile] = ()) -> ModelProfile:
+def parse(
+    raw: Mapping[str, Any],
+    others: Iterable[ModelProfile] = (),
+    *,
+    owners: Mapping[str, str] | None = None,
+) -> ModelProfile:
     """Build and check a profile from a config mapping (YAML, JSON); CatalogError when wrong.
 
     msgspec's own messages name the field; this adds what to do about the common ones.
+    `owners` as for `problems`.
     """
     name = str(raw.get("name", "?"))
     # reprlib: a file's value may be a megabyte of text, or a long list; quoted, shortened.
@@ -280,7 +332,7 @@ def parse(raw: Mapping[str, Any], others: Iterable[ModelProfile] = ()) -> ModelP
         profile = msgspec.convert(raw, ModelProfile)
     except msgspec.ValidationError as exc:
         raise CatalogError(name, [f"{exc}: fix or remove that field"]) from None
-    return check(profile, others)
+    return check(profile, others, owners=owners)
 
 
 def launch_relevant(a: ModelProfile, b: ModelProfile) -> bool:

@@ -139,8 +139,9 @@ def _replicas(st: state.ClusterState) -> list[Family]:
     wanted: Samples = []
     active: Samples = []
     serving: Samples = []
+    by_model = st.active_by_model()
     for name in models:
-        live = st.active_replicas(name)
+        live = by_model.get(name, [])
         wanted.append(((name,), float(target_replicas(st.models[name]))))
         active.append(((name,), float(len(live))))
         serving.append(((name,), float(sum(1 for r in live if r.id in st.endpoints))))

@@ -15,9 +15,10 @@ import msgspec
 from llmgw.core.limits import (
     Counter,
     GpuIndex,
+    HcaName,
+    HcaNames,
     MemoryMib,
     Name,
-    Names,
     Rate,
     SmallInt,
 )
@@ -87,7 +88,7 @@ class Gpu(msgspec.Struct, frozen=True, kw_only=True):
 class Hca(msgspec.Struct, frozen=True, kw_only=True):
     """One RDMA adapter port as /sys/class/infiniband reports it."""
 
-    name: Name
+    name: HcaName
     port: SmallInt = 1
     state: Name = "ACTIVE"
     rate_gbps: Rate = 0.0
@@ -103,7 +104,7 @@ class Fabric(msgspec.Struct, frozen=True, kw_only=True):
 
     name: Name
     kind: FabricKind = "infiniband"
-    hcas: Names = ()
+    hcas: HcaNames = ()
 
 
 class Inventory(msgspec.Struct, frozen=True, kw_only=True):

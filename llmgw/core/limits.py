@@ -45,6 +45,14 @@ MAX_NAME = 256
 MAX_TEXT = 16 * 1024
 """Free text: reasons, errors, paths, URLs, engine arguments, environment values. A
 decision quoting one (a reason naming a shard's error) is clipped to it (`clip`)."""
+MAX_HCA_NAME = 63
+"""An RDMA adapter's name: Linux's IB_DEVICE_NAME_MAX is 64 bytes with the final NUL."""
+MAX_MESSAGE = 1024 * 1024
+"""The most one message of the log may hold (the stream's max_msg_size)."""
+MAX_PROFILE_BYTES = MAX_MESSAGE - 64 * 1024
+"""A model profile as JSON. A shard's StartShard carries most of it (engine_args, env,
+aliases, model) plus what placement adds: NCCL_IB_HCA (at most MAX_TEXT), the head's
+address and fabric, the envelope. What is left under MAX_MESSAGE holds those."""
 MAX_PARALLEL = 4096
 MAX_REPLICAS = 100_000
 MAX_MODEL_LEN = 2**30
@@ -83,6 +91,12 @@ EngineKey: TypeAlias = Annotated[
 node's agent makes them URL-safe), since any other character cannot be written in an HTTP
 header and would fail every request to the engine."""
 Line: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_LINE)]
+HCA_NAME = f"^[A-Za-z0-9_.:-]{{1,{MAX_HCA_NAME}}}" + WHOLE_END
+HcaName: TypeAlias = Annotated[str, msgspec.Meta(max_length=MAX_HCA_NAME, pattern=HCA_NAME)]
+"""An RDMA adapter as Linux names it (mlx5_0, rocep1s0f0, irdma0). A multi-node shard's
+NCCL_IB_HCA lists its node's adapters on the fabric: MAX_LIST of these, joined, fit in
+MAX_TEXT, and JSON writes them without escapes, so its StartShard stays readable."""
+HcaNames: TypeAlias = Annotated[tuple[HcaName, ...], msgspec.Meta(max_length=MAX_LIST)]
 
 Names: TypeAlias = Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_LIST)]
 Args: TypeAlias = Annotated[tuple[Text, ...], msgspec.Meta(max_length=MAX_LIST)]

@@ -11,10 +11,9 @@ The rules (docs/design.md):
 - replicas of one model spread across nodes; ties break by free GPUs left
   (best fit, to keep whole nodes free for big models), then node name.
 
-`place` is used by the reconciler, `explain` by the control service's
-management API and `llmgw ctl explain`. A `Capacity` is built once per
-reconcile pass and updated as that pass reserves GPUs, so several replicas
-placed in one pass never share a GPU or a port.
+`place` is used by the reconciler, `explain` by the control service's management API and
+`llmgw ctl explain`. A `Capacity` is built once per reconcile pass and updated as that
+pass reserves GPUs, so several replicas placed in one pass never share a GPU or a port.
 
 Purely computational: no I/O, no clock; `now` only words the reasons.
 """
@@ -32,8 +31,8 @@ from llmgw.core.node_capacity import PORT_LIMIT as PORT_LIMIT
 from llmgw.core.node_capacity import NodeCapacity
 from llmgw.core.printable import escaped
 from llmgw.core.profile import ModelProfile
-from llmgw.core.refusals import Reason as Reason
 from llmgw.core.refusals import (
+    KnownRefusals,
     Refusals,
     class_sizes,
     quarantined,
@@ -42,6 +41,7 @@ from llmgw.core.refusals import (
     summary,
     too_few_nodes,
 )
+from llmgw.core.refusals import Reason as Reason
 from llmgw.core.refusals import impossible as impossible
 from llmgw.core.state import ClusterState, NodeState
 
@@ -103,6 +103,7 @@ class Capacity:
                 self.rejected.add(name, rejected_code(state, node), why)
             else:
                 self.nodes[name] = NodeCapacity(node)
+        self.known = KnownRefusals(state, self.nodes, self.rejected.codes)
         # Replicas of each model per node, for spreading.
         self.spread: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         for replica in state.replicas.values():
@@ -111,6 +112,7 @@ class Capacity:
                     self.spread[replica.model][shard.node] += 1
 
     def reserve(self, model: str, placement: Placement) -> None:
+        self.known.version += 1
         for sa in placement.shards:
             cap = self.nodes[sa.node]
             cap.take(placement.gpu_class, sa.gpus)
@@ -273,31 +275,31 @@ def place_many(
     count: int,
     *,
     capacity: Capacity | None = None,
+    sentences: bool = True,
 ) -> list[Placement | Unplaceable]:
     """Up to `count` new replicas of one model, each reserved in `capacity` as it is chosen.
 
-    Stops at the first Unplaceable (it is the last item): capacity only shrinks
-    within a pass. Single-node replicas use a heap over the candidates, so
-    placing k replicas on N nodes costs O(N + k log N), not O(k N).
+    Stops at the first Unplaceable (it is the last item): capacity only shrinks within a
+    pass. Single-node replicas use a heap over the candidates, so placing k replicas on N
+    nodes costs O(N + k log N), not O(k N). Without `sentences` (a reconcile pass reads only
+    the reason and code), a shape beyond every node's GPUs is refused without them.
     """
     cap = capacity if capacity is not None else Capacity(state)
-    out: list[Placement | Unplaceable] = []
     if count < 1:
-        return out
-    if (
-        profile.gpus_per_replica < 1
-        or profile.nodes < 1
-        or profile.gpus_per_replica % profile.nodes
-    ):
-        return [
-            Unplaceable(
-                reason="the profile's GPU arithmetic is invalid: fix the catalog entry",
-                code="other",
-            )
-        ]
-    if profile.nodes > 1:
-        return _place_many_multi(state, cap, profile, count)
-    return _place_many_single(state, cap, profile, count)
+        return []
+    per_replica, nodes = profile.gpus_per_replica, profile.nodes
+    if per_replica < 1 or nodes < 1 or per_replica % nodes:
+        why = "the profile's GPU arithmetic is invalid: fix the catalog entry"
+        return [Unplaceable(reason=why, code="other")]
+    cap.known.summaries = not sentences
+    known = cap.known.refusal(profile)  # (KnownRefusals)
+    if known is not None:
+        return [Unplaceable(code=known[0], reason=known[1], nodes=known[2])]
+    many = _place_many_multi if profile.nodes > 1 else _place_many_single
+    out = many(state, cap, profile, count)
+    if out and isinstance(last := out[-1], Unplaceable):
+        cap.known.remember(profile, (last.code, last.reason, last.nodes))
+    return out
 
 
 def _place_many_multi(
@@ -333,7 +335,9 @@ def _place_many_single(
     spread = cap.spread[profile.name]
     while len(out) < count:
         if not heap:
-            out.append(_refused(state, profile, _reasons(state, cap, profile)))
+            out.append(
+                _beyond(cap, profile) or _refused(state, profile, _reasons(state, cap, profile))
+            )
             break
         _, seen, best = heapq.heappop(heap)
         if seen != version[best.node]:
@@ -376,6 +380,8 @@ def _place_multi(
         if best is None or score < best[0]:
             best = (score, chosen)
     if best is None:
+        if (beyond := _beyond(cap, profile)) is not None:
+            return beyond
         why = _reasons(state, cap, profile)
         short = too_few_nodes(state, profile)
         for c in candidates:
@@ -473,6 +479,12 @@ def _landing(
     if not result.nvlink_fit and profile.gpus_per_node > 1:
         where += "; NVLink domain too small: the tensor-parallel group spans PCIe"
     return NodeVerdict(node=name, ok=True, reason=where)
+
+
+def _beyond(cap: Capacity, profile: ModelProfile) -> Unplaceable | None:
+    """A shape beyond every node's GPUs refused without judging each (KnownRefusals)."""
+    found = cap.known.beyond(profile)
+    return None if found is None else Unplaceable(reason=found[1], code=found[0])
 
 
 def _refused(state: ClusterState, profile: ModelProfile, why: Refusals) -> Unplaceable:

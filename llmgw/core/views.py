@@ -210,10 +210,11 @@ def model_rows(
     (`why`: the leader's own last verdicts; by default computed here)."""
     why = unplaceable(st, now) if why is None else why
     out: list[dict[str, Any]] = []
+    by_model = st.active_by_model()
     for name in sorted(st.models):
         m = st.models[name]
         p = m.profile
-        active = st.active_replicas(name)
+        active = by_model.get(name, [])
         out.append(
             {
                 "name": name,

@@ -85,6 +85,9 @@ def parse(text: str, where: str) -> list[ModelProfile]:
             f"not a {type(data).__name__}"
         )
     profiles: list[ModelProfile] = []
+    owners: dict[str, str] = {}
+    """Each name and alias listed so far -> its model: a long file is checked in the time
+    of its names, not of every pair of entries."""
     for i, raw in enumerate(data):
         if not isinstance(raw, Mapping):
             raise BadInput(
@@ -93,14 +96,16 @@ def parse(text: str, where: str) -> list[ModelProfile]:
             )
         if not isinstance(raw.get("name"), str) or not raw.get("name"):
             raise BadInput(f"{where}: entry {i} has no `name`: give every model its served name")
-        if any(p.name == raw["name"] for p in profiles):
+        if owners.get(raw["name"]) == raw["name"]:
             raise BadInput(
                 f"{where}: model {raw['name'][:80]!r} is listed twice: merge the entries"
             )
         try:
-            profiles.append(catalog.parse(raw, profiles))
+            profiles.append(catalog.parse(raw, owners=owners))
         except catalog.CatalogError as exc:
             raise BadInput(f"{where}: entry {i}: {exc}") from None
+        for name in catalog.names_of(profiles[-1]):
+            owners.setdefault(name, profiles[-1].name)
     return profiles
 
 

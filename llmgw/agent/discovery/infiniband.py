@@ -18,6 +18,9 @@ DEFAULT_ROOT = Path("/sys/class/infiniband")
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec")
 _PORT = re.compile(r"[0-9]{1,3}")
+_NAME = re.compile(limits.HCA_NAME)
+"""The names a registration may carry: a device named otherwise (Linux gives none) is left
+out, where it would have the whole registration refused."""
 MAX_RATE_GBPS = 10.0**7
 """The log's bound on a link rate (llmgw.core.limits.Rate)."""
 
@@ -60,7 +63,7 @@ def read_hcas(root: str | Path = DEFAULT_ROOT) -> tuple[Hca, ...]:
     hcas: list[Hca] = []
     for device in sorted(_entries(base), key=lambda p: p.name):
         ports = device / "ports"
-        if not ports.is_dir():
+        if not _NAME.match(device.name) or not ports.is_dir():
             continue
         for port in sorted(_entries(ports), key=lambda p: (len(p.name), p.name)):
             # ASCII digits, and a number the log carries: str.isdigit() admits "²",

@@ -7,6 +7,7 @@ from collections import defaultdict
 from llmgw.core import events, placement
 from llmgw.core.profile import ModelProfile
 from llmgw.core.reconcile.batch import Batch, IdFactory, Outcome, ReconcileConfig
+from llmgw.core.reconcile.counting import Counts
 from llmgw.core.reconcile.launch import launch_spec
 from llmgw.core.refusals import Reason
 from llmgw.core.state import (
@@ -80,6 +81,7 @@ class _Planner:
         self.cfg = config
         self.b = Batch(now, epoch, basis_seq, ids)
         self._capacity: placement.Capacity | None = None
+        self._counts: Counts | None = None
         self.retired_now: set[str] = set()
         self.placed_now: list[tuple[str, str, str]] = []
         """(model, replica id, replaces) placed in this pass."""
@@ -173,7 +175,7 @@ class _Planner:
         retire a serving replica instead, since this pass has started this one."""
         if not all(s.phase == "placed" and not s.started and not s.stop_sent for s in r.shards):
             return False
-        if len(self._counted(r.model)) <= wanted:
+        if self.counts.count(r.model) <= wanted:
             return False
         self._retire(r, f"surplus, never started: {r.model} wants {wanted}", graceful=True)
         return True
@@ -215,7 +217,7 @@ class _Planner:
             return  # its agent cannot hear a restart; lost or recovered decides
         model = state.models[r.model]
         wanted = target_replicas(model)
-        if len(self._counted(r.model)) > wanted:
+        if self.counts.count(r.model) > wanted:
             self._retire(r, f"failed, and surplus: {r.model} wants {wanted}", graceful=False)
             return
         if r.revision < model.revision:
@@ -280,7 +282,7 @@ class _Planner:
             why = f"model {r.model} changed"
         replacement = self.replacement_of.get(r.id)
         wanted = target_replicas(state.models[r.model])
-        if replacement is None and len(self._counted(r.model)) > wanted:
+        if replacement is None and self.counts.count(r.model) > wanted:
             # Surplus anyway: replacing it would only make another surplus replica.
             self._retire(r, f"{why}; surplus: {r.model} wants {wanted}", graceful=True)
             return True
@@ -305,6 +307,8 @@ class _Planner:
         self._endpoint_down(r, reason)
         self.b.add(events.ReplicaRetired, replica_id=r.id, reason=reason)
         self.retired_now.add(r.id)
+        if self._counts is not None:
+            self._counts.retired(r.id)
         self.touched.add(r.id)
         if replace:
             self.to_replace[r.model].append(r.id)
@@ -354,33 +358,31 @@ class _Planner:
 
     # --- counts per model
 
-    def _counted(self, name: str) -> list[str]:
-        """Replicas that count toward a model's wanted number: active, not being replaced."""
-        state = self.state
-        alive = [
-            r.id
-            for r in state.replicas.values()
-            if r.model == name and not r.retired and r.id not in self.retired_now
-        ]
-        replaces = {state.replicas[rid].replaces for rid in alive if state.replicas[rid].replaces}
-        replaces |= {rep for model, _rid, rep in self.placed_now if model == name and rep}
-        counted = [rid for rid in alive if rid not in replaces]
-        # Every replica placed in this pass counts, replacements too: the original a
-        # replacement stands for is no longer counted, so leaving it out as well would
-        # make the count place one more replica per drained one (retired as surplus on
-        # the next pass, a model load thrown away).
-        counted += [rid for model, rid, _rep in self.placed_now if model == name]
-        return counted
+    @property
+    def counts(self) -> Counts:
+        """Replicas that count toward each model's wanted number: active, not being
+        replaced. Every replica placed in this pass counts, replacements too: the original
+        a replacement stands for is no longer counted, so leaving it out as well would
+        make the count place one more replica per drained one (retired as surplus on the
+        next pass, a model load thrown away). Built on first use, from the pass so far."""
+        if self._counts is None:
+            self._counts = Counts(self.state)
+            for rid in self.retired_now:
+                self._counts.retired(rid)
+            for model, rid, replaces in self.placed_now:
+                self._counts.placed(model, rid, replaces)
+        return self._counts
 
     def _count(self, name: str) -> None:
         state = self.state
         profile = state.models[name].profile
         wanted = target_replicas(state.models[name])
-        counted = self._counted(name)
-        missing = wanted - len(counted)
+        missing = wanted - self.counts.count(name)
         if missing > 0:
             queue = self.to_replace.get(name, [])
-            results = placement.place_many(state, profile, missing, capacity=self.capacity)
+            results = placement.place_many(
+                state, profile, missing, capacity=self.capacity, sentences=False
+            )
             for i, result in enumerate(results):
                 if isinstance(result, placement.Unplaceable):
                     self.unplaceable[name] = result.reason
@@ -392,7 +394,7 @@ class _Planner:
         elif missing < 0:
             existing = [
                 state.replicas[rid]
-                for rid in counted
+                for rid in self.counts.ids(name)
                 if rid in state.replicas and rid not in self.touched
             ]
             # Retire what serves least first, the newest first among equals.
@@ -427,6 +429,8 @@ class _Planner:
             fabric=where.fabric,
         )
         self.placed_now.append((profile.name, rid, replaces))
+        if self._counts is not None:
+            self._counts.placed(profile.name, rid, replaces)
         for sa in where.shards:
             self._start_assignment(rid, 1, sa, where.shards, where.fabric, where.gpu_class, profile)
 

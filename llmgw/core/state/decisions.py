@@ -32,19 +32,53 @@ def on_model_changed(state: ClusterState, ev: events.ModelChanged, seq: int, at:
     _set_model(state, ev.profile, float(ev.ts), declared=False)
 
 
+_OWNERS = "_owners_cache"
+"""The attribute beside ClusterState's fields that holds (models dict, its size, index)."""
+
+
+def _owners(state: ClusterState) -> dict[str, str]:
+    """Every declared name and alias -> its model, kept beside the state (not a field: no
+    snapshot or digest holds it) and rebuilt when the models are not the ones it indexed.
+
+    A declaration checks its names against every other model's. Reading each other model
+    for that made folding N declarations cost N² / 2 reads of their names (4,000 models
+    took 5 s of every reader's CPU, and every later declaration a millisecond more); with
+    the index, a declaration costs its own names."""
+    cached = getattr(state, _OWNERS, None)
+    if cached is not None and cached[0] is state.models and cached[1] == len(state.models):
+        index: dict[str, str] = cached[2]
+        return index
+    index = catalog.owner_index(m.profile for m in state.models.values())
+    setattr(state, _OWNERS, (state.models, len(state.models), index))
+    return index
+
+
+def _reindex(state: ClusterState, old: ModelProfile | None, new: ModelProfile | None) -> None:
+    """Move a model's names in the index read by `_owners` just before `state.models`
+    changed with them."""
+    index: dict[str, str] = getattr(state, _OWNERS)[2]
+    if old is not None:
+        for name in catalog.names_of(old):
+            index.pop(name, None)
+    if new is not None:
+        index.update(dict.fromkeys(catalog.names_of(new), new.name))
+    setattr(state, _OWNERS, (state.models, len(state.models), index))
+
+
 def _set_model(state: ClusterState, profile: ModelProfile, ts: float, *, declared: bool) -> None:
     current = state.models.get(profile.name)
     if current is None and not declared:
         raise Reject(f"model {profile.name!r} was never declared: declare it first")
-    others = (m.profile for name, m in state.models.items() if name != profile.name)
-    found = catalog.problems(profile, others)
+    found = catalog.problems(profile, owners=_owners(state))
     if found:
         raise Reject(f"model {profile.name!r} refused: " + "; ".join(found))
     if current is None:
         state.models[profile.name] = ModelState(profile=profile, revision=1, changed_ts=ts)
+        _reindex(state, None, profile)
         return
     if current.profile == profile:
         return
+    _reindex(state, current.profile, profile)
     if catalog.launch_relevant(current.profile, profile):
         current.revision += 1
         current.changed_ts = ts
@@ -54,7 +88,8 @@ def _set_model(state: ClusterState, profile: ModelProfile, ts: float, *, declare
 def on_model_removed(state: ClusterState, ev: events.ModelRemoved, seq: int, at: float) -> None:
     if ev.name not in state.models:
         raise Reject(f"model {ev.name!r} is not declared")
-    del state.models[ev.name]
+    _owners(state)
+    _reindex(state, state.models.pop(ev.name).profile, None)
 
 
 def on_cordoned(state: ClusterState, ev: events.NodeCordoned, seq: int, at: float) -> None:

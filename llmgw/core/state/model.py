@@ -163,7 +163,10 @@ class KeyState(msgspec.Struct, kw_only=True, gc=False):
     changed_by: str = ""
 
 
-class ClusterState(msgspec.Struct, kw_only=True):
+class ClusterState(msgspec.Struct, kw_only=True, dict=True):
+    """The fold's result. (`dict=True`: the fold keeps derived indexes beside the fields,
+    outside snapshots, the digest and equality: llmgw.core.state.decisions.)"""
+
     nodes: dict[str, NodeState] = {}
     models: dict[str, ModelState] = {}
     replicas: dict[str, ReplicaState] = {}
@@ -177,6 +180,15 @@ class ClusterState(msgspec.Struct, kw_only=True):
     # Not part of the digest:
     last_seq: int = 0
     seen: dict[str, Seen] = {}
+
+    def active_by_model(self) -> dict[str, list[ReplicaState]]:
+        """Active replicas grouped by model, in one read of them: a view of every model
+        that asked `active_replicas(model)` for each read them all once per model."""
+        out: dict[str, list[ReplicaState]] = {}
+        for r in self.replicas.values():
+            if not r.retired:
+                out.setdefault(r.model, []).append(r)
+        return out
 
     def active_replicas(self, model: str | None = None) -> list[ReplicaState]:
         return [
