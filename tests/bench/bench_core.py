@@ -130,7 +130,7 @@ def main() -> int:
     # The same, without heartbeats: what a replay folds once they expired.
     durable = [(seq, ev) for seq, ev in records if not isinstance(ev, events.Heartbeat)]
 
-    fd = statistics.median(timed(functools.partial(state.fold, durable), 10))
+    fd = statistics.median(timed(functools.partial(state.fold_records, durable), 10))
     rows.append(
         (
             f"fold, heartbeats left out ({len(durable):,} events)",
