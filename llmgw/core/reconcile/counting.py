@@ -42,9 +42,12 @@ class Counts:
         return self._free.get(model, 0) + len(self._placed.get(model, ()))
 
     def ids(self, model: str) -> list[str]:
-        """The replicas that count, those placed in this pass last."""
+        """The replicas that count, in the state's order (which replicas a shrink retires
+        among equals follows it, and `replay --verify` compares decisions), those placed in
+        this pass last. Asked once per shrinking model in a pass."""
         alive = self._alive.get(model, set())
-        free = sorted(rid for rid in alive if not self._claims.get((model, rid)))
+        claims = self._claims
+        free = [rid for rid in self.state.replicas if rid in alive and not claims.get((model, rid))]
         return free + self._placed.get(model, [])
 
     def retired(self, rid: str) -> None:
