@@ -197,6 +197,26 @@ def test_a_non_finite_number_from_a_variable_or_a_flag_is_refused(tmp_path: Path
 
 
 @pytest.mark.parametrize(
+    "value",
+    [
+        "9" * 5000,  # past Python's 4,300 digits for int(): a ValueError from PyYAML
+        "2001-13-45",  # a date PyYAML's pattern takes, datetime refuses
+        "2001-02-30 10:00:00",
+        "2001-01-01 00:00:00 +99:00",
+        "0000-01-01",
+    ],
+)
+def test_a_scalar_yaml_cannot_build_is_refused_naming_the_line(
+    loader: str, tmp_path: Path, value: str
+) -> None:
+    path = tmp_path / "settings.yaml"
+    path.write_text(f"log_level: info\nprobe_interval_s: {value}\n")
+    text = _refused(loader, path)
+    assert "line 2" in text
+    assert value[:20] in text or "digits" in text
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["router", "check", "--config"],
