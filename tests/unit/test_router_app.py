@@ -293,6 +293,30 @@ def test_a_reload_of_a_file_yaml_cannot_read_keeps_the_keys_and_says_why(
         router.deadlines.close()
 
 
+@pytest.mark.parametrize("text", ["", "\n  \n", "# keys for the team\n", "{}\n"])
+def test_a_reload_of_a_file_that_lists_no_keys_section_keeps_the_keys(
+    tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An editor's save that failed on a full disk leaves the file empty: read as "no keys"
+    # it revoked every key of the file at the next SIGHUP. `keys: []` still revokes them.
+    path = tmp_path / "keys.yaml"
+    secret = auth.new_key()
+    _write_keys(path, ("stays", secret, 1))
+    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))))
+    try:
+        path.write_text(text)
+        router.reload_keys()
+        assert _names(router) == {"stays"}
+        said = capsys.readouterr()
+        assert "keys: []" in said.out + said.err
+        path.write_text("keys: []\n")
+        router.reload_keys()
+        assert _names(router) == set()
+    finally:
+        router.pool.close()
+        router.deadlines.close()
+
+
 def test_log_keys_past_the_shared_limits_room_leave_the_keys_in_force(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
