@@ -85,6 +85,9 @@ def parse(text: str, where: str) -> list[ModelProfile]:
             f"not a {type(data).__name__}"
         )
     profiles: list[ModelProfile] = []
+    owners: dict[str, ModelProfile] = {}
+    """Every name and alias of the entries so far -> its model: an entry is checked against
+    the models owning its names, not against every entry before it (quadratic)."""
     for i, raw in enumerate(data):
         if not isinstance(raw, Mapping):
             raise BadInput(
@@ -93,15 +96,27 @@ def parse(text: str, where: str) -> list[ModelProfile]:
             )
         if not isinstance(raw.get("name"), str) or not raw.get("name"):
             raise BadInput(f"{where}: entry {i} has no `name`: give every model its served name")
-        if any(p.name == raw["name"] for p in profiles):
+        owner = owners.get(raw["name"])
+        if owner is not None and owner.name == raw["name"]:
             raise BadInput(
                 f"{where}: model {raw['name'][:80]!r} is listed twice: merge the entries"
             )
+        others = {id(p): p for n in _names(raw) if (p := owners.get(n)) is not None}
         try:
-            profiles.append(catalog.parse(raw, profiles))
+            profile = catalog.parse(raw, others.values())
         except catalog.CatalogError as exc:
             raise BadInput(f"{where}: entry {i}: {exc}") from None
+        profiles.append(profile)
+        for name in catalog.names_of(profile):
+            owners.setdefault(name, profile)
     return profiles
+
+
+def _names(raw: Mapping[str, Any]) -> list[str]:
+    """The names an entry claims, as far as its raw mapping says (the profile checks them)."""
+    aliases = raw.get("aliases")
+    listed = aliases if isinstance(aliases, list) else []
+    return [raw["name"], *(a for a in listed if isinstance(a, str))]
 
 
 def _describe_changes(before: ModelProfile, after: ModelProfile) -> tuple[str, ...]:
