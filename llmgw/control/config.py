@@ -126,16 +126,18 @@ def validate(cfg: ControlConfig, *, where: str = "control config") -> list[str]:
         )
     if not a.header_timeout_s > 0:
         problems.append("admin.header_timeout_s must be above 0 (10 is the default)")
-    seen: list[ModelProfile] = []
+    owners: dict[str, ModelProfile] = {}
     names: set[str] = set()
     for i, profile in enumerate(cfg.models):
         if profile.name in names:
             problems.append(f"models[{i}]: model {profile.name!r} is listed twice: merge them")
             continue
         names.add(profile.name)
-        for problem in catalog.problems(profile, seen):
+        others = catalog.sharing(catalog.names_of(profile), owners)
+        for problem in catalog.problems(profile, others):
             problems.append(f"models[{i}] ({profile.name!r}): {problem}")
-        seen.append(profile)
+        for name in catalog.names_of(profile):
+            owners.setdefault(name, profile)
     return [f"{where}: {p}" for p in problems]
 
 

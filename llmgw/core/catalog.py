@@ -121,6 +121,14 @@ def names_of(profile: ModelProfile) -> tuple[str, ...]:
     return (profile.name, *profile.aliases)
 
 
+def sharing(names: Iterable[str], owners: Mapping[str, ModelProfile]) -> list[ModelProfile]:
+    """The models `owners` (each name and alias -> its model) holds under any of `names`,
+    once each: the `others` to check a model of those names against, found without going
+    through every model (a list of thousands checked entry by entry was quadratic)."""
+    found = {id(p): p for n in names if (p := owners.get(n)) is not None}
+    return list(found.values())
+
+
 def problems(profile: ModelProfile, others: Iterable[ModelProfile] = ()) -> list[str]:
     """Everything wrong with `profile`, each with what to change; empty when it is valid.
 

@@ -86,8 +86,7 @@ def parse(text: str, where: str) -> list[ModelProfile]:
         )
     profiles: list[ModelProfile] = []
     owners: dict[str, ModelProfile] = {}
-    """Every name and alias of the entries so far -> its model: an entry is checked against
-    the models owning its names, not against every entry before it (quadratic)."""
+    """Every name and alias of the entries so far -> its model (`catalog.sharing`)."""
     for i, raw in enumerate(data):
         if not isinstance(raw, Mapping):
             raise BadInput(
@@ -101,9 +100,8 @@ def parse(text: str, where: str) -> list[ModelProfile]:
             raise BadInput(
                 f"{where}: model {raw['name'][:80]!r} is listed twice: merge the entries"
             )
-        others = {id(p): p for n in _names(raw) if (p := owners.get(n)) is not None}
         try:
-            profile = catalog.parse(raw, others.values())
+            profile = catalog.parse(raw, catalog.sharing(_names(raw), owners))
         except catalog.CatalogError as exc:
             raise BadInput(f"{where}: entry {i}: {exc}") from None
         profiles.append(profile)
