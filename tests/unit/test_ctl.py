@@ -381,6 +381,24 @@ def test_settings_layers(tmp_path: Path) -> None:
         load(path, environ={})
 
 
+def test_a_bad_config_that_the_variable_named_says_so(tmp_path: Path) -> None:
+    # LLMGW_CTL_CONFIG left set from an `llmgw up` whose folder is gone: the error named a
+    # file the operator never gave, and not where it came from.
+    gone = tmp_path / "gone" / "ctl.yaml"
+    with pytest.raises(BadInput) as info:
+        load(environ={"LLMGW_CTL_CONFIG": str(gone)})
+    assert str(gone) in str(info.value)
+    assert "LLMGW_CTL_CONFIG" in str(info.value)
+    assert "unset it" in str(info.value)
+    broken = tmp_path / "ctl.yaml"
+    broken.write_text("servers: [a\n")
+    with pytest.raises(BadInput, match="LLMGW_CTL_CONFIG"):
+        load(environ={"LLMGW_CTL_CONFIG": str(broken)})
+    with pytest.raises(BadInput) as info:  # a path given as --config is that flag's
+        load(gone, environ={"LLMGW_CTL_CONFIG": str(broken)})
+    assert "LLMGW_CTL_CONFIG" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- render
 
 
