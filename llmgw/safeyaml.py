@@ -85,16 +85,20 @@ class _Loader(yaml.SafeLoader):
         self._sizes[id(node)] = size
 
     def construct_object(self, node: Node, deep: bool = False) -> Any:
-        # PyYAML builds a scalar its patterns took with int() or datetime, which raise
-        # ValueError, not a YAML error, for what they refuse: a number past Python's 4,300
-        # digits, `2001-13-45`, an offset of 99 hours. Every caller catches YAML errors.
+        # PyYAML builds a scalar with int(), float() or datetime, which raise ValueError, not
+        # a YAML error, for what they refuse (a number past Python's 4,300 digits,
+        # `2001-13-45`, an offset of 99 hours), and a tagged one (`!!bool maybe`, `!!int ""`,
+        # `!!timestamp x`) with a KeyError, IndexError or AttributeError. Every caller
+        # catches YAML errors: each of these is one, with the value's line.
         try:
             return super().construct_object(node, deep)
-        except ValueError as exc:
-            why = str(exc).split(";")[0]  # not int()'s advice to raise Python's limit
+        except (ValueError, LookupError, AttributeError, TypeError, OverflowError) as exc:
+            kind = node.tag.rsplit(":", 1)[-1]
+            # Not int()'s advice to raise Python's limit, nor a bare KeyError's repr.
+            why = f" ({str(exc).split(';')[0]})" if isinstance(exc, ValueError) else ""
             raise Refused(
-                None, None, f"cannot read {_excerpt(node)} ({why}): write it as a quoted string"
-                " or fix the value", node.start_mark
+                None, None, f"cannot read {_excerpt(node)} as !!{kind}{why}: write it as a"
+                " quoted string or fix the value", node.start_mark
             ) from None  # fmt: skip
 
     def construct_yaml_float(self, node: ScalarNode) -> float:
