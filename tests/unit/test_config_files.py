@@ -374,3 +374,20 @@ def test_the_nesting_and_expansion_limits_are_exact() -> None:
     assert len(config.parse_yaml(shared(999))) == 1000
     with pytest.raises(yaml.YAMLError, match="expands to more than 1,000,000 values"):
         config.parse_yaml(shared(1000))
+
+
+YAML_TAGS = ["", "!!bool", "!!int", "!!float", "!!timestamp", "!!binary", "!!null", "!!str",
+             "!!omap", "!!set", "!!map", "!!merge", "!x"]  # fmt: skip
+
+
+@settings(max_examples=300)
+@given(
+    tag=st.sampled_from(YAML_TAGS),
+    value=st.text(alphabet="0123456789-:T Z+._xobe,[]{}&*!\"'a", max_size=25),
+    before=st.sampled_from(["a: ", "- ", "", "? ", "<<: "]),
+)
+def test_any_tagged_scalar_is_read_or_refused_as_a_yaml_error(
+    tag: str, value: str, before: str
+) -> None:
+    with contextlib.suppress(yaml.YAMLError):
+        config.parse_yaml(f"{before}{tag} {value}\n")
