@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+import yaml
 
 from llmgw import config
 from llmgw.core.state import KeyState
@@ -76,8 +77,14 @@ def new_key() -> str:
 
 def entry_yaml(name: str, key: str, models: tuple[str, ...] = ("*",)) -> str:
     """The keys-file entry for `key`, ready to paste under `keys:`."""
-    quoted = ", ".join(f'"{m}"' for m in models)
-    return f'  - name: "{name}"\n    sha256: "{digest(key)}"\n    models: [{quoted}]\n'
+    quoted = ", ".join(_quoted(m) for m in models)
+    return f'  - name: {_quoted(name)}\n    sha256: "{digest(key)}"\n    models: [{quoted}]\n'
+
+
+def _quoted(text: str) -> str:
+    """`text` as a YAML double-quoted scalar, escaped as YAML reads it: a quote, a newline
+    or a control character written as it came broke the whole file the entry joined."""
+    return yaml.safe_dump(text, default_style='"', allow_unicode=True, width=1 << 30).strip()
 
 
 class Bucket:
