@@ -63,7 +63,7 @@ def command(
     try:
         simulated.parse_spec(gpus)
     except simulated.SimSpecError as exc:
-        _fail(f"--gpus {gpus!r}: {exc}")
+        _fail(f"--gpus {gpus[:40]!r}{'...' if len(gpus) > 40 else ''}: {exc}")
     binary = ""
     model_path = ""
     if engine == "llamacpp":

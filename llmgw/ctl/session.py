@@ -20,7 +20,7 @@ import msgspec
 import nats.errors
 
 from llmgw import bus
-from llmgw.core import events, state
+from llmgw.core import events, redaction, state
 from llmgw.ctl import history
 from llmgw.ctl.errors import BadInput, Failed
 from llmgw.ctl.settings import CtlConfig, identity_of
@@ -137,7 +137,8 @@ def _not_admitted(exc: Exception) -> bool:
 
 
 def _connect_failure(cfg: CtlConfig, identity: Identity, exc: Exception) -> str:
-    servers = ", ".join(cfg.servers)
+    # Quoted without a URL's password: the error reaches terminals and scripts' logs.
+    servers = ", ".join(redaction.shown_url(s) for s in cfg.servers)
     where = f"cannot connect to NATS at {servers} as {identity}"
     refused = bus.refusal(exc)
     if refused is not None:

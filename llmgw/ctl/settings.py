@@ -63,7 +63,8 @@ def load(
 ) -> CtlConfig:
     """Settings from `path` (or $LLMGW_CTL_CONFIG), the environment and `overrides` (flags)."""
     env = os.environ if environ is None else environ
-    if path is None and env.get(CONFIG_ENV):
+    from_env = path is None and bool(env.get(CONFIG_ENV))
+    if from_env:
         path = env[CONFIG_ENV]
     flags = {k: v for k, v in (overrides or {}).items() if v not in (None, (), [])}
     if "servers" in flags and isinstance(flags["servers"], str):
@@ -71,7 +72,14 @@ def load(
     try:
         cfg = config.load(CtlConfig, path, section="CTL", overrides=flags, environ=dict(env))
     except config.ConfigError as exc:
-        raise BadInput(str(exc)) from None
+        message = str(exc)
+        if from_env and str(path) in message:
+            # A variable set long ago (by `llmgw up`'s hint) names a file nobody gave here.
+            message += (
+                f" ({CONFIG_ENV} names this file: fix it, point the variable at a ctl config,"
+                " or unset it)"
+            )
+        raise BadInput(message) from None
     if not cfg.servers:
         raise BadInput("no NATS server configured: pass --server tls://HOST:PORT")
     return cfg

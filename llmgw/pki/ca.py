@@ -71,12 +71,23 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
+MAX_CN = 64
+"""The longest CN (RFC 5280's ub-common-name): identities are their certificates' CNs."""
+MAX_HOST = 253
+"""The longest DNS name, in labels of at most 63 characters (RFC 1035)."""
+
+
 def subject_name(common_name: str, unit: str, organization: str = ORGANIZATION) -> x509.Name:
     """`CN=<common_name>,OU=<unit>,O=<organization>` in RFC 2253 order.
 
     The attributes are added most-general first (O, OU, CN) so that the RFC 2253 string
     nats-server builds for `verify_and_map` reads `CN=...,OU=...,O=...`.
     """
+    if len(common_name) > MAX_CN:  # cryptography's ValueError otherwise, a traceback
+        raise PkiInputError(
+            f"{unit} name {common_name[:24]!r}... is {len(common_name)} characters: a"
+            f" certificate's name (CN) holds at most {MAX_CN}; use a shorter name"
+        )
     return x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization),
@@ -108,6 +119,11 @@ def san_entries(hosts: Iterable[str]) -> list[x509.GeneralName]:
                 raise PkiInputError(
                     f"{raw!r} is neither an IP address nor a host name: give names such as "
                     "'nats.example.com' or addresses such as '10.0.0.5'"
+                ) from None
+            if len(host) > MAX_HOST or any(len(label) > 63 for label in host.split(".")):
+                raise PkiInputError(
+                    f"{host[:24]!r}... is not a host name: a name has at most {MAX_HOST}"
+                    " characters, in parts of at most 63 between the dots"
                 ) from None
             out.append(x509.DNSName(host.lower()))
     return out
@@ -202,9 +218,11 @@ class CertificateAuthority:
                 "the server certificate needs at least one host or IP that clients dial, "
                 "e.g. --host 127.0.0.1 --host nats.example.com"
             )
-        first = sans[0].value
+        # The CN only labels a server certificate (clients check the SANs): the first
+        # host that fits in one, as a name of 253 characters does not.
+        fitting = [str(n.value) for n in sans if len(str(n.value)) <= MAX_CN]
         return self._issue(
-            subject_name(str(first), "server"),
+            subject_name(fitting[0] if fitting else "nats-server", "server"),
             sans=sans,
             usages=[ExtendedKeyUsageOID.SERVER_AUTH],
             not_before=now - BACKDATE,

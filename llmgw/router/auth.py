@@ -18,6 +18,9 @@ Keys file (YAML):
         team: research               # optional: labels its metrics
         priority: high               # optional: high, normal (default) or low, when queued
 
+An empty file (or one of comments only) is refused, at start and at a reload (SIGHUP, which
+then keeps the keys in force): `keys: []` is a file of no keys.
+
 Keys also come from the log: `llmgw ctl key create` records a key's digest and settings
 (llmgw.core.tenancy) and every router that follows the log folds them (`merged`), so a new,
 changed, rotated or revoked key is in force on every router within the feed's delay; the
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+import yaml
 
 from llmgw import config
 from llmgw.core.state import KeyState
@@ -73,8 +77,14 @@ def new_key() -> str:
 
 def entry_yaml(name: str, key: str, models: tuple[str, ...] = ("*",)) -> str:
     """The keys-file entry for `key`, ready to paste under `keys:`."""
-    quoted = ", ".join(f'"{m}"' for m in models)
-    return f'  - name: "{name}"\n    sha256: "{digest(key)}"\n    models: [{quoted}]\n'
+    quoted = ", ".join(_quoted(m) for m in models)
+    return f'  - name: {_quoted(name)}\n    sha256: "{digest(key)}"\n    models: [{quoted}]\n'
+
+
+def _quoted(text: str) -> str:
+    """`text` as a YAML double-quoted scalar, escaped as YAML reads it: a quote, a newline
+    or a control character written as it came broke the whole file the entry joined."""
+    return yaml.safe_dump(text, default_style='"', allow_unicode=True, width=1 << 30).strip()
 
 
 class Bucket:
@@ -355,6 +365,14 @@ def file_settings(entry: KeyEntry) -> KeySettings:
 def load_keys(path: str | Path, now: float, shared: SharedLimits | None = None) -> Keys:
     """Read and check a keys file; errors name the entry and what to fix."""
     data = config.read_yaml(path)
+    if not data:
+        # Empty, or comments only: most likely a save that failed (a full disk) or a file
+        # being written, which read as "no keys" revoked every key at a reload. No keys
+        # at all is said so.
+        raise config.ConfigError(
+            f"keys file {path} is empty: list the keys under `keys:` (`llmgw router hash-key"
+            " >> FILE` writes entries), or write `keys: []` for none"
+        )
     try:
         kf = msgspec.convert(data, KeysFile, str_keys=True)
     except msgspec.ValidationError as exc:

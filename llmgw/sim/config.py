@@ -16,6 +16,12 @@ from llmgw import otlp
 from llmgw.config import LogLevel, Port
 from llmgw.core.kvblocks import MAX_BLOCK_SIZE
 
+MAX_NUM_BLOCKS = 1 << 20
+"""The most KV-cache blocks: each is an object made at start (a million take about 200 MiB
+and two seconds), and 16,384-token blocks of them hold more than any GPU does."""
+MAX_EMBEDDING_DIM = 65_536
+"""The longest embedding: each input's is a list of this many floats, made per request."""
+
 StallAt = Literal["headers", "first_token", "mid_stream"]
 
 
@@ -178,6 +184,14 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         for name in ("max_model_len", "block_size", "num_blocks", "max_num_seqs", "embedding_dim"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, not {getattr(self, name)}")
+        for name, most, flag in (
+            ("num_blocks", MAX_NUM_BLOCKS, "--num-blocks"),
+            ("embedding_dim", MAX_EMBEDDING_DIM, "--embedding-dim"),
+        ):
+            if getattr(self, name) > most:
+                out.append(
+                    f"{name} must be at most {most:,}, not {getattr(self, name):,}: lower {flag}"
+                )
         if self.block_size > MAX_BLOCK_SIZE:
             out.append(
                 f"block_size {self.block_size} is over {MAX_BLOCK_SIZE}, more than any engine "

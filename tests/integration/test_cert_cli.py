@@ -15,6 +15,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from cryptography import x509
 from nats.aio.client import Client
 
 from llmgw import bus, natsconf, natsd
@@ -197,6 +198,15 @@ def test_issue_without_a_ca_says_to_run_init(tmp_path: Path) -> None:
     assert "llmgw ctl cert init" in out.stderr
 
 
+def test_a_server_host_longer_than_a_cn_is_still_its_name(tmp_path: Path) -> None:
+    host = "a" * 60 + ".example.com"  # a valid name of 72 characters
+    out = llmgw(tmp_path, "ctl", "cert", "init", "--host", host, "--host", "127.0.0.1")
+    assert out.returncode == 0, out.stderr
+    cert = x509.load_pem_x509_certificate((tmp_path / "nats/certs/server.pem").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert host in sans.get_values_for_type(x509.DNSName)
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -213,6 +223,10 @@ def test_issue_without_a_ca_says_to_run_init(tmp_path: Path) -> None:
         (("issue", "node", "n1", "--days", "99999999"), "3650"),
         (("init", "--dir", "nats/certs/ca.pem/x"), "nats/certs/ca.pem/x"),
         (("issue", "node", "n2", "--authorization", "nats/certs/ca.pem/a.conf"), "render"),
+        # A certificate's CN holds 64 characters: a ValueError from cryptography before.
+        (("issue", "node", "n" * 65), "at most 64"),
+        (("server", "--host", "a" * 64 + ".example.com", "--force"), "63"),
+        (("server", "--host", ("a" * 60 + ".") * 5 + "com", "--force"), "253"),
     ],
 )
 def test_bad_input_exits_2_saying_what_to_do(

@@ -197,6 +197,32 @@ def test_a_non_finite_number_from_a_variable_or_a_flag_is_refused(tmp_path: Path
 
 
 @pytest.mark.parametrize(
+    "value",
+    [
+        "9" * 5000,  # past Python's 4,300 digits for int(): a ValueError from PyYAML
+        "2001-13-45",  # a date PyYAML's pattern takes, datetime refuses
+        "2001-02-30 10:00:00",
+        "2001-01-01 00:00:00 +99:00",
+        "0000-01-01",
+        # A tag asks for a type; PyYAML's constructors then raise KeyError, IndexError,
+        # AttributeError on what is not one.
+        "!!bool maybe",
+        '!!int ""',
+        "!!int _",
+        "!!timestamp x",
+    ],
+)
+def test_a_scalar_yaml_cannot_build_is_refused_naming_the_line(
+    loader: str, tmp_path: Path, value: str
+) -> None:
+    path = tmp_path / "settings.yaml"
+    path.write_text(f"log_level: info\nprobe_interval_s: {value}\n")
+    text = _refused(loader, path)
+    assert "line 2" in text
+    assert value.split()[-1].strip('"')[:20] in text or "digits" in text
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["router", "check", "--config"],
@@ -348,3 +374,20 @@ def test_the_nesting_and_expansion_limits_are_exact() -> None:
     assert len(config.parse_yaml(shared(999))) == 1000
     with pytest.raises(yaml.YAMLError, match="expands to more than 1,000,000 values"):
         config.parse_yaml(shared(1000))
+
+
+YAML_TAGS = ["", "!!bool", "!!int", "!!float", "!!timestamp", "!!binary", "!!null", "!!str",
+             "!!omap", "!!set", "!!map", "!!merge", "!x"]  # fmt: skip
+
+
+@settings(max_examples=300)
+@given(
+    tag=st.sampled_from(YAML_TAGS),
+    value=st.text(alphabet="0123456789-:T Z+._xobe,[]{}&*!\"'a", max_size=25),
+    before=st.sampled_from(["a: ", "- ", "", "? ", "<<: "]),
+)
+def test_any_tagged_scalar_is_read_or_refused_as_a_yaml_error(
+    tag: str, value: str, before: str
+) -> None:
+    with contextlib.suppress(yaml.YAMLError):
+        config.parse_yaml(f"{before}{tag} {value}\n")

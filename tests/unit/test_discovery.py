@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from llmgw.agent import discovery
 from llmgw.agent.discovery import infiniband, simulated, smi
 from llmgw.core.inventory import Gpu, Hca
+from llmgw.core.limits import MAX_GPUS
 
 HW = Path(__file__).resolve().parents[1] / "fixtures" / "hw"
 SMI = HW / "nvidia-smi"
@@ -373,6 +374,23 @@ def test_simulated_spec() -> None:
 def test_bad_simulated_spec_says_the_form(spec: str) -> None:
     with pytest.raises(simulated.SimSpecError, match=r"8xh100-80g|1-64"):
         simulated.parse_spec(spec)
+
+
+def test_a_simulated_spec_past_the_gpus_a_node_may_report_is_refused() -> None:
+    # 5 x 64 GPUs passed `llmgw up`'s check; their indices (to 319) are past what a
+    # node's events may carry (MAX_GPUS), so the agent could not register the node.
+    with pytest.raises(simulated.SimSpecError, match=f"at most {MAX_GPUS}"):
+        simulated.parse_spec(",".join(["64xh100-80g"] * 5))
+    assert len(simulated.parse_spec(",".join(["64xh100-80g"] * 4))) == MAX_GPUS
+
+
+def test_a_long_simulated_spec_is_read_as_one_not_a_path() -> None:
+    # Too long for a file name: Path.is_file raised ENAMETOOLONG, a traceback from
+    # `llmgw agent inventory --sim-gpus` and from the agent's start.
+    long = ",".join(["1xh100-80g"] * 300)
+    with pytest.raises(simulated.SimSpecError, match=f"at most {MAX_GPUS}"):
+        simulated.load(long)
+    assert len(simulated.load(",".join(["1xh100-80g"] * 200)).gpus) == 200
 
 
 def test_simulated_inventory_file(tmp_path: Path) -> None:

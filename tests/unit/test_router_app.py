@@ -270,6 +270,53 @@ def test_a_reload_keeps_unchanged_keys_buckets_and_the_logs_keys(tmp_path: Path)
         router.deadlines.close()
 
 
+@pytest.mark.parametrize(
+    "value", ["9" * 5000, "2001-13-45", "[" * 5000, "{a: 1, a: 2}", "\xff", ".nan"]
+)
+def test_a_reload_of_a_file_yaml_cannot_read_keeps_the_keys_and_says_why(
+    tmp_path: Path, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # SIGHUP calls reload_keys from the event loop: anything but a logged refusal was a
+    # traceback in the router's log ("Exception in callback") and no keys_reload_failed.
+    path = tmp_path / "keys.yaml"
+    secret = auth.new_key()
+    _write_keys(path, ("stays", secret, 1))
+    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))))
+    try:
+        path.write_bytes(f"keys: []\nteam: {value}\n".encode("utf-8", "surrogateescape"))
+        router.reload_keys()
+        assert _names(router) == {"stays"}
+        said = capsys.readouterr()
+        assert "keys_reload_failed" in said.out + said.err
+    finally:
+        router.pool.close()
+        router.deadlines.close()
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# keys for the team\n", "{}\n"])
+def test_a_reload_of_a_file_that_lists_no_keys_section_keeps_the_keys(
+    tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An editor's save that failed on a full disk leaves the file empty: read as "no keys"
+    # it revoked every key of the file at the next SIGHUP. `keys: []` still revokes them.
+    path = tmp_path / "keys.yaml"
+    secret = auth.new_key()
+    _write_keys(path, ("stays", secret, 1))
+    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))))
+    try:
+        path.write_text(text)
+        router.reload_keys()
+        assert _names(router) == {"stays"}
+        said = capsys.readouterr()
+        assert "keys: []" in said.out + said.err
+        path.write_text("keys: []\n")
+        router.reload_keys()
+        assert _names(router) == set()
+    finally:
+        router.pool.close()
+        router.deadlines.close()
+
+
 def test_log_keys_past_the_shared_limits_room_leave_the_keys_in_force(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from llmgw.cli.main import app
@@ -51,3 +53,19 @@ def test_hash_key_prints_an_entry_that_matches_the_key() -> None:
     fresh = runner.invoke(app, ["router", "hash-key", "--name", "x", "-m", "a", "-m", "b"])
     assert fresh.exit_code == 0
     assert '["a", "b"]' in fresh.stdout
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.text(min_size=1, max_size=30), models=st.lists(st.text(max_size=20), max_size=3))
+def test_an_entry_of_any_name_and_models_loads_as_written(
+    tmp_path: Path, name: str, models: list[str]
+) -> None:
+    # `--name 'a"b'` wrote `name: "a"b"`: appended with `>>`, the whole keys file stopped
+    # loading (the router refused to start, a reload kept the old keys), and the key just
+    # handed out could never be used.
+    key = auth.new_key()
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n" + auth.entry_yaml(name, key, tuple(models) or ("*",)))
+    (entry,) = auth.load_keys(path, 0.0).by_digest.values()
+    assert entry.name == name
+    assert entry.models == frozenset(models or ["*"])

@@ -202,6 +202,19 @@ def test_default_config_is_usable_and_bad_ones_say_what_to_change() -> None:
     assert "lower --block-size" in " ".join(SimConfig(block_size=20_000).problems())
 
 
+@pytest.mark.parametrize(
+    ("setting", "flag"),
+    [("num_blocks", "--num-blocks"), ("embedding_dim", "--embedding-dim")],
+)
+def test_sizes_the_sim_allocates_are_bounded(setting: str, flag: str) -> None:
+    # Each block is an object made at start (10**12 of them filled the machine's memory
+    # before the sim listened); an embedding is a list of embedding_dim floats per input.
+    problems = SimConfig(**{setting: 10**12, "max_model_len": 16}).problems()
+    assert any(setting in p and flag in p for p in problems), problems
+    big = {"num_blocks": 1 << 20, "embedding_dim": 65_536}[setting]
+    assert SimConfig(**{setting: big}).problems() == []
+
+
 def test_latency_model() -> None:
     lat = LatencyModel(decode_base_ms=2, decode_per_seq_ms=0.5, prefill_per_token_ms=0.1)
     assert lat.step_s(4, 100) == pytest.approx(0.014)

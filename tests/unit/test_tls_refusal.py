@@ -113,3 +113,13 @@ def test_a_refusal_met_on_the_last_try_is_said_the_same_way() -> None:
     text = session._connect_failure(CFG, ALICE, verify_failure(20, "unable to get issuer"))
     assert "the server's certificate at tls://10.0.0.1:4222 is not signed by the CA in" in text
     assert text.endswith("pass the fleet's CA with --ca")
+
+
+@pytest.mark.parametrize("exc", [OSError("no servers available for connection"), TimeoutError()])
+def test_a_failure_to_connect_quotes_no_password_of_a_server_url(exc: Exception) -> None:
+    # An error reaches terminals and the logs of scripts that run ctl.
+    cfg = CtlConfig(servers=("tls://ops:hunter2@10.0.0.1:4222", "tls://10.0.0.2:4222"))
+    text = session._connect_failure(cfg, ALICE, exc)
+    assert "hunter2" not in text
+    assert "tls://ops:***@10.0.0.1:4222" in text
+    assert "tls://10.0.0.2:4222" in text

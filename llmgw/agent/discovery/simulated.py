@@ -16,6 +16,7 @@ import yaml
 
 from llmgw import config
 from llmgw.core.inventory import Gpu, Inventory, gpu_class
+from llmgw.core.limits import MAX_GPUS
 
 _GROUP = re.compile(r"^(\d+)\s*x\s*([a-z0-9]+)-(\d+)g$")
 
@@ -57,6 +58,8 @@ def parse_spec(spec: str) -> tuple[Gpu, ...]:
         count, family, gib = int(match.group(1)), match.group(2), int(match.group(3))
         if not 1 <= count <= 64:
             raise SimSpecError(f"simulated GPUs {group!r}: count must be 1-64")
+        if len(gpus) + count > MAX_GPUS:
+            raise _too_many(f"simulated GPUs {spec[:40]!r}...")
         name = f"Simulated {family.upper()}"
         memory_mib = gib * 1024
         for _ in range(count):
@@ -78,7 +81,7 @@ def parse_spec(spec: str) -> tuple[Gpu, ...]:
 def load(source: str) -> Inventory:
     """A spec string, or a path to a YAML/JSON file with `gpus:` (and optional `hcas:`)."""
     path = Path(source)
-    if not (path.suffix.lower() in {".yaml", ".yml", ".json"} or path.is_file()):
+    if not (path.suffix.lower() in {".yaml", ".yml", ".json"} or _is_file(path)):
         return Inventory(gpus=parse_spec(source))
     try:
         data = config.parse_yaml(config.read_text(path, "simulated inventory"))
@@ -87,9 +90,26 @@ def load(source: str) -> Inventory:
     except yaml.YAMLError as exc:
         raise SimSpecError(f"simulated inventory {path} is not YAML/JSON: {exc}") from None
     try:
-        return msgspec.convert(data or {}, Inventory)
+        inventory = msgspec.convert(data or {}, Inventory)
     except msgspec.ValidationError as exc:
         raise SimSpecError(
             f"simulated inventory {path}: {exc} (expected `gpus:` as a list of "
             "index/uuid/name/gpu_class/memory_mib/compute_capability)"
         ) from None
+    if len(inventory.gpus) > MAX_GPUS:
+        raise _too_many(f"simulated inventory {path}")
+    return inventory
+
+
+def _too_many(what: str) -> SimSpecError:
+    return SimSpecError(
+        f"{what}: a node has at most {MAX_GPUS} GPUs (its events carry no more): list fewer"
+    )
+
+
+def _is_file(path: Path) -> bool:
+    """Whether `path` names a file; a spec too long for a file name (ENAMETOOLONG) is none."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
