@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
@@ -92,3 +93,19 @@ def _retrieved(task: asyncio.Task[Any]) -> None:
     _UNCANCELLED.discard(task)
     if not task.cancelled():
         task.exception()  # retrieved: no "never retrieved" warning at exit
+
+
+def until_stopped(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, who: str) -> None:
+    """A daemon's signals: SIGTERM and SIGINT set `stop`; SIGHUP, which `systemctl reload`
+    and habit send a daemon and which would end the process by default, is logged and
+    otherwise ignored (`who` has nothing to reload: its settings apply at start)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(
+        signal.SIGHUP,
+        lambda: log.warning(
+            "hangup_ignored",
+            who=who,
+            detail=f"the {who} reads its settings at start: restart it to apply a change",
+        ),
+    )

@@ -14,14 +14,13 @@ so an operator can check a node before it joins the fleet.
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
 import msgspec
 import typer
 
-from llmgw import config, logs, openfiles, sdnotify
+from llmgw import config, logs, openfiles, sdnotify, tasks
 from llmgw.agent import config as agent_config
 from llmgw.agent import discovery
 from llmgw.agent.discovery import simulated
@@ -104,8 +103,7 @@ async def _serve(cfg: agent_config.AgentConfig, source: str = "") -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    tasks.until_stopped(loop, stop, "agent")
     svc = AgentService(cfg, config_source=source)
     run = asyncio.create_task(svc.run(stop))
     started = asyncio.create_task(svc.started.wait())

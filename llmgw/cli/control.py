@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -66,8 +65,7 @@ async def _serve(cfg: object) -> None:
     assert isinstance(cfg, ControlConfig)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    tasks.until_stopped(loop, stop, "control plane")
     svc = ControlService(cfg)
     run = asyncio.create_task(svc.run(stop))
     ready = asyncio.create_task(svc.ready.wait())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -223,3 +224,20 @@ async def test_events_queued_when_the_agent_is_killed_are_published_by_the_next_
     last = logged[-1]
     assert isinstance(last, events.NodeRegistered)
     assert last.shards == ()
+
+
+async def test_a_hangup_signal_leaves_the_agent_running(
+    nats_server: TestNatsServer, tmp_path: Path, state_dir: Path, agents: list[AgentProcess]
+) -> None:
+    """SIGHUP (what `systemctl reload`, or habit, sends a daemon) ended the agent: it has
+    nothing to reload, so it says so and runs on; SIGTERM still stops it."""
+    agent = await kit.start_agent(nats_server, NODE, tmp_path, state_dir, agents)
+    assert agent.proc is not None
+    agent.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while "hangup_ignored" not in agent.log_tail(200):
+        assert agent.proc.poll() is None, agent.log_tail()
+        assert time.monotonic() < deadline, agent.log_tail()
+        await asyncio.sleep(0.1)
+    assert agent.proc.poll() is None
+    assert agent.terminate() == 0

@@ -272,6 +272,31 @@ async def test_sigterm_releases_the_lease_and_the_standby_takes_over_at_once(
             p.stop()
 
 
+async def test_a_hangup_signal_leaves_the_control_plane_leading(
+    nats_server: TestNatsServer, tmp_path: Path
+) -> None:
+    """SIGHUP (what `systemctl reload`, or habit, sends a daemon) ended the control plane,
+    and with it the fleet's decisions: it has nothing to reload, so it says so and leads on."""
+    plane = ControlProc(nats_server, "control-a", tmp_path, lease_ttl_s=TTL)
+    try:
+
+        async def leading() -> bool:
+            return bool((await plane.astate())["leading"])
+
+        await wait_for(leading, 15, "the control plane leading", every_s=0.1)
+        plane.proc.send_signal(signal.SIGHUP)
+        await wait_for(
+            lambda: "hangup_ignored" in plane.log_text() or plane.proc.poll() is not None,
+            15,
+            "the hangup heard",
+        )
+        assert plane.proc.poll() is None, plane.log_text()[-2000:]
+        assert await leading()
+    finally:
+        plane.stop()
+    assert plane.proc.returncode == 0
+
+
 def test_sigterm_ends_a_control_plane_still_waiting_for_nats(
     nats_server: TestNatsServer, tmp_path: Path
 ) -> None:
