@@ -262,8 +262,8 @@ def place(
 ) -> Placement | Unplaceable:
     """Where one new replica of `profile` lands, or why it cannot. Purely computational.
 
-    Pass a reconcile pass's `capacity` and `reserve` the result to place
-    several replicas in one pass; `place_many` does that for one model.
+    The result is reserved in `capacity` (a reconcile pass's, to place several replicas in
+    one pass), as `place_many` reserves each of its own.
     """
     result = place_many(state, profile, 1, capacity=capacity)
     return result[0] if result else Unplaceable(reason="nothing asked", code="other")

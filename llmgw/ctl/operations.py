@@ -69,11 +69,11 @@ def drain_plan(st: state.ClusterState, node: str, now: float) -> list[Move]:
                 )
             )
             continue
+        # Reserved in `capacity` as it is chosen (placement.place_many), as in a pass.
         result = placement.place(what_if, model.profile, now, capacity=capacity)
         if isinstance(result, placement.Unplaceable):
             moves.append(Move(replica=r.id, model=r.model, gpus=here, why_not=result.reason))
             continue
-        capacity.reserve(r.model, result)
         to = _where(tuple((s.node, s.gpus) for s in result.shards))
         moves.append(Move(replica=r.id, model=r.model, gpus=here, to=to))
     return moves

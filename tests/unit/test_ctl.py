@@ -546,3 +546,25 @@ def test_a_reader_that_stops_reading_is_not_a_nats_failure(
     with pytest.raises(BrokenPipeError):  # typer's main turns it into a quiet exit
         ctl_common.run(conn, body)
     assert capsys.readouterr().err == ""
+
+
+def test_a_drain_preview_puts_each_replica_where_the_drain_does() -> None:
+    """The preview reserved each move twice, so the next move of the same model spread
+    away from a node the real drain still chooses."""
+    sim = scenarios.Sim()
+    for n in ("node-a", "node-c"):
+        sim.register(n, count=4)
+    sim.declare(scenarios.profile("m", engine="sim", gpu_class="", replicas=3))
+    sim.settle()
+    assert sorted(s.node for r in sim.serving("m") for s in r.shards) == [
+        "node-a",
+        "node-a",
+        "node-c",
+    ]
+    sim.register("node-b", count=4)  # empty: the drain's first choice, for both
+    moves = operations.drain_plan(sim.state, "node-a", sim.now)
+    assert [m.to.split(":")[0] for m in moves] == ["node-b", "node-b"], moves
+    sim.drain("node-a", grace_s=100)
+    sim.settle()
+    placed = [s.node for r in sim.state.active_replicas("m") for s in r.shards]
+    assert sorted(n for n in placed if n != "node-a") == ["node-b", "node-b", "node-c"]
