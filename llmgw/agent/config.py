@@ -25,6 +25,7 @@ from llmgw.bus.settings import NatsConnection
 from llmgw.core import placement, subjects
 from llmgw.core.inventory import Hca, Inventory
 from llmgw.core.profile import Engine
+from llmgw.pki.ca import MAX_CN
 
 
 class FabricConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -210,6 +211,12 @@ def complete(cfg: AgentConfig, *, hostname: str | None = None) -> AgentConfig:
         subjects.check_token(node_id, "node id")
     except subjects.SubjectTokenError as exc:
         raise config.ConfigError(f"node_id: {exc}; set node_id in the agent config") from None
+    if len(node_id) > MAX_CN:
+        raise config.ConfigError(
+            f"node_id: {node_id[:24]!r}... is {len(node_id)} characters, and the node's "
+            f"certificate names it in at most {MAX_CN} (`llmgw ctl cert issue node` refuses "
+            "a longer name): set a shorter node_id in the agent config"
+        )
     validate_fabrics(cfg.fabrics)
     ports = cfg.engine_ports
     if not 1 <= ports.first <= ports.last <= 65535:

@@ -54,6 +54,14 @@ def test_node_id_must_be_a_subject_token(node_id: str, hostname: str) -> None:
         agent_config.load(overrides={"node_id": node_id}, environ={}, hostname=hostname)
 
 
+def test_a_node_id_no_certificate_can_name_is_refused() -> None:
+    # A subject token may run to 128 characters, a certificate's name to 64: such a node
+    # could never connect, whatever the operator issued.
+    assert agent_config.load(overrides={"node_id": "n" * 64}, environ={}).node_id == "n" * 64
+    with pytest.raises(config.ConfigError, match=r"node_id: .* 65 characters.* at most 64"):
+        agent_config.load(overrides={"node_id": "n" * 65}, environ={})
+
+
 def test_fqdn_hostname_is_shortened(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("socket.gethostname", lambda: "gpu-node-07.example.com")
     assert agent_config.load(environ={}).node_id == "gpu-node-07"
