@@ -365,10 +365,10 @@ def file_settings(entry: KeyEntry) -> KeySettings:
 def load_keys(path: str | Path, now: float, shared: SharedLimits | None = None) -> Keys:
     """Read and check a keys file; errors name the entry and what to fix."""
     data = config.read_yaml(path)
-    if not data:
-        # Empty, or comments only: most likely a save that failed (a full disk) or a file
-        # being written, which read as "no keys" revoked every key at a reload. No keys
-        # at all is said so.
+    if not data or (isinstance(data, dict) and data.get("keys", []) is None):
+        # Empty, comments only, or `keys:` with nothing under it: most likely a save that
+        # failed (a full disk) or a file being written, which read as "no keys" revoked
+        # every key at a reload. No keys at all is said so.
         raise config.ConfigError(
             f"keys file {path} is empty: list the keys under `keys:` (`llmgw router hash-key"
             " >> FILE` writes entries), or write `keys: []` for none"

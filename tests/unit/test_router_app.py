@@ -293,7 +293,9 @@ def test_a_reload_of_a_file_yaml_cannot_read_keeps_the_keys_and_says_why(
         router.deadlines.close()
 
 
-@pytest.mark.parametrize("text", ["", "\n  \n", "# keys for the team\n", "{}\n"])
+@pytest.mark.parametrize(
+    "text", ["", "\n  \n", "# keys for the team\n", "{}\n", "keys:\n", "keys: null\n"]
+)
 def test_a_reload_of_a_file_that_lists_no_keys_section_keeps_the_keys(
     tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
