@@ -8,12 +8,12 @@ and the fleet stalls the whole control plane, however few of those models serve 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from llmgw.core import catalog, events, fleet_metrics, placement, reconcile, state, views
-from llmgw.core.profile import ModelProfile
+from llmgw.core import events, fleet_metrics, placement, reconcile, state, views
 from llmgw.ctl import catalogfile
 from llmgw.ctl.errors import BadInput
 
@@ -26,23 +26,14 @@ def _declare(i: int, **kw: Any) -> events.ModelDeclared:
 
 
 def test_a_declaration_checks_its_names_without_reading_every_other_model(
-    monkeypatch: pytest.MonkeyPatch,
+    names_read: Callable[[], int],
 ) -> None:
-    calls = 0
-    names_of = catalog.names_of
-
-    def counted(p: ModelProfile) -> tuple[str, ...]:
-        nonlocal calls
-        calls += 1
-        return names_of(p)
-
-    monkeypatch.setattr(catalog, "names_of", counted)
     sim = Sim()
     sim.extend(_declare(i) for i in range(1500))
     assert len(sim.state.models) == 1500
     assert not sim.rejected
     # Reading every other model's names on each declaration: 1500 * 1499 / 2 calls.
-    assert calls < 10 * 1500
+    assert names_read() < 10 * 1500
 
 
 def test_names_stay_taken_and_are_freed_as_models_change() -> None:
@@ -241,22 +232,16 @@ def test_shapes_no_node_could_host_are_refused_without_judging_each_node(
 
 
 def test_a_long_models_file_is_checked_in_the_time_of_its_names(
-    monkeypatch: pytest.MonkeyPatch,
+    names_read: Callable[[], int],
 ) -> None:
-    calls = 0
-    names_of = catalog.names_of
-
-    def counted(p: ModelProfile) -> tuple[str, ...]:
-        nonlocal calls
-        calls += 1
-        return names_of(p)
-
-    monkeypatch.setattr(catalog, "names_of", counted)
     entries = [{"name": f"m{i}", "engine": "sim", "aliases": [f"m{i}-a"]} for i in range(1500)]
     assert len(catalogfile.parse(json.dumps(entries), "models.json")) == 1500
-    assert calls < 10 * 1500
+    assert names_read() < 10 * 1500
     entries.append({"name": "x", "engine": "sim", "aliases": ["m7-a"]})
     with pytest.raises(BadInput, match="'m7-a' is already a name or alias of model 'm7'"):
+        catalogfile.parse(json.dumps(entries), "models.json")
+    entries[-1] = {"name": "x", "engine": "sim", "aliases": ["m9"]}  # another model's name
+    with pytest.raises(BadInput, match="'m9' is already a name or alias of model 'm9'"):
         catalogfile.parse(json.dumps(entries), "models.json")
     with pytest.raises(BadInput, match="listed twice"):
         catalogfile.parse(json.dumps([*entries[:3], entries[1]]), "models.json")

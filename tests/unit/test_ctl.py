@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw import bus
-from llmgw.core import catalog, events, state, views
-from llmgw.core.profile import ModelProfile
+from llmgw.core import events, state, views
 from llmgw.ctl import catalogfile, changes, eventlines, history, operations, render
 from llmgw.ctl.errors import BadInput
 from llmgw.ctl.session import Session
@@ -121,30 +120,6 @@ def test_a_refusal_quotes_a_huge_value_shortened(field: str) -> None:
         catalogfile.parse(json.dumps([entry]), "models.yaml")
     assert len(str(info.value)) < 1000
     assert "\n" not in str(info.value)
-
-
-def test_a_long_models_file_is_checked_in_time_linear_in_its_entries(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Each entry was checked against every entry before it: 20,000 models took 80 s of
-    # CPU before ctl apply said anything (16 MiB of them, hours). Counted, not timed.
-    calls = 0
-    names_of = catalog.names_of
-
-    def counted(profile: ModelProfile) -> tuple[str, ...]:
-        nonlocal calls
-        calls += 1
-        return names_of(profile)
-
-    monkeypatch.setattr(catalog, "names_of", counted)
-    n = 2_000
-    text = "".join(f"- {{name: m{i}, aliases: [a{i}]}}\n" for i in range(n))
-    assert len(catalogfile.parse(text, "f")) == n
-    assert calls <= 4 * n
-    with pytest.raises(BadInput, match="already a name or alias of model 'm7'"):
-        catalogfile.parse(text + "- {name: late, aliases: [a7]}\n", "f")
-    with pytest.raises(BadInput, match="already a name or alias of model 'm9'"):
-        catalogfile.parse(text + "- {name: m9x, aliases: [m9]}\n", "f")
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow], max_examples=200)
