@@ -153,6 +153,12 @@ async def test_a_report_larger_than_a_readers_byte_bound_is_still_read(
             loadreport.LoadReport(ts=time.time(), models=models)
         )
         await router.flush()
+
+        async def stored() -> bool:  # a report is published without an acknowledgement
+            info = await control.jetstream().stream_info(subjects.SIGNALS_STREAM)
+            return info.state.messages == 1
+
+        await wait_for(stored, 30, "the report stored")
         _, [record] = await all_reports(control, max_bytes=1024)
         assert record.size > 4 * 1024
         assert len(bus.signals.report_of(record).models) == 500
