@@ -323,7 +323,7 @@ class EngineStream:
         self.client.stop_keepalive()
         self.hooks.first_token(self.prof.name, now - self.client.loop_start)
         if self.client.trace is not None:
-            self.client.trace.first_token = now  # the loop's clock is time.monotonic's
+            self.client.trace.first_token = time.monotonic()  # uvloop's `now`: coarse ms
         c = self.client
         if c.kind == "messages":  # an engine may leave its message_start out: written here
             first = sse.with_message_start(first, c.rid, self.prof.name, c.prompt_chars)
