@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import signal
 from pathlib import Path
@@ -91,8 +92,11 @@ def command(
             err=True,
         )
         raise typer.Exit(2)
-    if not header_timeout_s > 0:
-        typer.echo("error: --header-timeout-s must be above 0 (10 is the default)", err=True)
+    if not 0 < header_timeout_s < math.inf:  # NaN and inf too: no deadline at all
+        typer.echo(
+            "error: --header-timeout-s must be a number of seconds above 0 (10 is the default)",
+            err=True,
+        )
         raise typer.Exit(2)
     logs.setup("info")
     conn = common.Conn(config, server, ca, cert, key)

@@ -214,6 +214,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
         if not 0 <= self.load_s <= 3600:
             out.append(f"load_s must be 0-3600 seconds, not {self.load_s}")
+        if not 0 <= self.shutdown_timeout_s <= 3600:  # NaN too
+            out.append(
+                f"shutdown_timeout_s must be 0-3600 seconds, not {self.shutdown_timeout_s}: "
+                "set --shutdown-timeout-s"
+            )
         lat = self.latency
         if min(lat.decode_base_ms, lat.decode_per_seq_ms, lat.prefill_per_token_ms) < 0:
             out.append("latency values must be >= 0 milliseconds")

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
         (("--host", "0.0.0.0"), "would show the fleet to anyone"),
         (("--host", "10.1.2.3"), "--tls-cert and --tls-key"),
         (("--tls-cert", "/nonexistent.pem"), "give --tls-cert and --tls-key together"),
-        (("--header-timeout-s", "0"), "--header-timeout-s must be above 0"),
+        (("--header-timeout-s", "0"), "--header-timeout-s must be a number of seconds above 0"),
     ],
 )
 def test_a_listener_without_its_guards_is_refused(

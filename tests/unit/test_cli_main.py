@@ -55,10 +55,13 @@ def test_show_completion_prints_a_script_for_the_shell() -> None:
     assert "_llmgw_completion" in result.output
 
 
-def test_the_console_needs_a_head_deadline() -> None:
-    result = CliRunner().invoke(app, ["console", "--header-timeout-s", "0"])
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_the_console_needs_a_head_deadline(value: str) -> None:
+    # No deadline at all (inf) would let a client hold a connection by sending its request
+    # head a byte at a time; config files refuse it too.
+    result = CliRunner().invoke(app, ["console", "--header-timeout-s", value])
     assert result.exit_code == 2, result.output
-    assert "--header-timeout-s must be above 0" in result.output
+    assert "--header-timeout-s must be a number of seconds above 0" in result.output
 
 
 def _commands(group: Any, path: list[str]) -> list[tuple[list[str], Any]]:

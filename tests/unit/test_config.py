@@ -140,6 +140,21 @@ def test_an_agent_problem_names_the_variable_of_a_setting_in_its_section() -> No
     assert "LLMGW_AGENT__ENGINE_PORTS__LAST='8000'" in text
 
 
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("-1", "shutdown_timeout_s must be 0-3600 seconds"),
+        ("7200", "shutdown_timeout_s must be 0-3600 seconds"),
+        ("inf", "give a finite number"),
+        ("nan", "give a finite number"),
+    ],
+)
+def test_the_sims_shutdown_grace_is_bounded(value: str, says: str) -> None:
+    result = runner.invoke(app, ["sim", "--served-model-name", "m", "--shutdown-timeout-s", value])
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+
+
 def test_sim_problems_name_their_variables() -> None:
     env = {"LLMGW_SIM__LOAD_S": "7200"}
     result = runner.invoke(app, ["sim", "--served-model-name", "m"], env=env)
