@@ -88,6 +88,18 @@ async def all_reports(
     return reader, got
 
 
+async def stored(control: bus.BusClient, count: int) -> None:
+    """Wait until `llmgw-signals` holds `count` messages: reports and a node's messages go
+    without an acknowledgement, and a reader that starts before they are stored ends
+    without them."""
+
+    async def holds() -> bool:
+        info = await control.jetstream().stream_info(subjects.SIGNALS_STREAM)
+        return info.state.messages == count
+
+    await wait_for(holds, 30, f"{count} messages stored in llmgw-signals")
+
+
 async def read_through_a_flood(
     server: TestNatsServer, control: bus.BusClient, reader: bus.Reader, *, junk: bool
 ) -> None:
@@ -153,12 +165,7 @@ async def test_a_report_larger_than_a_readers_byte_bound_is_still_read(
             loadreport.LoadReport(ts=time.time(), models=models)
         )
         await router.flush()
-
-        async def stored() -> bool:  # a report is published without an acknowledgement
-            info = await control.jetstream().stream_info(subjects.SIGNALS_STREAM)
-            return info.state.messages == 1
-
-        await wait_for(stored, 30, "the report stored")
+        await stored(control, 1)
         _, [record] = await all_reports(control, max_bytes=1024)
         assert record.size > 4 * 1024
         assert len(bus.signals.report_of(record).models) == 500
@@ -180,12 +187,7 @@ async def test_a_routers_messages_on_subjects_of_its_own_making_cost_no_signatur
             loadreport.ModelTraffic(model="m", requests=7),))  # fmt: skip
         await bus.SignalsPublisher(router, "evil").publish(report)
         await router.flush()
-
-        async def stored() -> bool:
-            info = await control.jetstream().stream_info(subjects.SIGNALS_STREAM)
-            return info.state.messages == junk + 1
-
-        await wait_for(stored, 30, "the router's messages stored")
+        await stored(control, junk + 1)
         verifier = CountingVerifier(nats_server.pki.verifier())
         reader, got = await all_reports(control, verifier=cast(Any, verifier))
         assert [r.subject for r in got] == [subjects.router_signals("evil", 0)]

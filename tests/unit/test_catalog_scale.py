@@ -12,12 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from llmgw.core import events, fleet_metrics, placement, reconcile, state, views
+from llmgw.core import events, fleet_metrics, placement, reconcile, refusals, state, views
 from llmgw.ctl import catalogfile
 from llmgw.ctl.errors import BadInput
 
-from .scenarios import Sim, cluster, gpus, profile
+from .scenarios import Sim, cluster, fabric, gpus, profile
 
 
 def _declare(i: int, **kw: Any) -> events.ModelDeclared:
@@ -245,3 +247,41 @@ def test_a_long_models_file_is_checked_in_the_time_of_its_names(
         catalogfile.parse(json.dumps(entries), "models.json")
     with pytest.raises(BadInput, match="listed twice"):
         catalogfile.parse(json.dumps([*entries[:3], entries[1]]), "models.json")
+
+
+_NODE = st.fixed_dictionaries(
+    {
+        "gpu_class": st.sampled_from(["h100-80g", "a100-80g", "l40s-45g"]),
+        "count": st.integers(0, 16),
+        "fabric": st.booleans(),
+        "cordoned": st.booleans(),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nodes=st.lists(_NODE, min_size=1, max_size=5),
+    gpu_class=st.sampled_from(["", "h100-80g", "a100-80g", "l40s-45g", "zz-80g"]),
+    per_node=st.integers(1, 20),
+    spread=st.integers(1, 3),
+)
+def test_the_fleets_summary_refuses_as_judging_every_node_does(
+    nodes: list[dict[str, Any]], gpu_class: str, per_node: int, spread: int
+) -> None:
+    """`refusals.Hardware` words a refusal from the fleet's sizes alone: it must say what the
+    nodes judged one by one say, whatever the fleet and the shape."""
+    sim = Sim()
+    for i, n in enumerate(nodes):
+        fabrics = (fabric(),) if n["fabric"] else ()
+        sim.register(f"n{i}", gpu_class=n["gpu_class"], count=n["count"], per_domain=None,
+                     fabrics=fabrics)  # fmt: skip
+        if n["cordoned"]:
+            assert sim.cordon(f"n{i}") is None
+    prof = profile("w", gpu_class=gpu_class, tensor_parallel=per_node * spread, nodes=spread)
+    cap = placement.Capacity(sim.state)
+    summary = refusals.Hardware(sim.state, cap.nodes, cap.rejected.codes).beyond_every_node(prof)
+    if summary is None:
+        return
+    judged = placement._refused(sim.state, prof, placement._reasons(sim.state, cap, prof))
+    assert summary == (judged.code, judged.reason)
