@@ -44,7 +44,12 @@ def add(book: attestation.Attestations, records: Iterable[Record], *, after_seq:
         if not isinstance(event, events.LogAttested) or event.last_seq <= after_seq:
             continue
         item = attestation.Attested.of(
-            event.first_seq, event.last_seq, event.accepted, event.digests, event.refused
+            event.first_seq,
+            event.last_seq,
+            event.accepted,
+            event.digests,
+            event.refused,
+            event.scheme,
         )
         if item is None:
             log.warning("attestation_malformed", seq=record.seq, id=event.id)

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 
 from llmgw import logs
 from llmgw.bus import acks
+from llmgw.bus.headers import TTL_NAME as _TTL
 from llmgw.bus.headers import header_block, message_headers
 from llmgw.core import attestation, events, retention
 from llmgw.pki.signing import Verifier
@@ -177,28 +178,24 @@ class Intake:
         size = len(subject) + len(data) + len(headers)  # what the server stores of it
         if foreign is not None:
             self._skip(seq, name, when, foreign, size=size)
-        elif (found := message_headers(headers)) is None:
-            self._refuse(seq, name, when, "signature headers appear twice", size)
         else:
-            msg_id, sig, cert, ttl = found
             # Heartbeats are never attested (llmgw.control.attesting): no digest for them.
             digest = b""
             attested = self._attested
             if not heartbeat and (attested is not None or self._attester is not None):
-                digest = attestation.digest_after(prefix, msg_id or b"", data, sig or b"")
+                digest = attestation.digest_after(prefix, data)
             verdict: str | None = attestation.NOT_COVERED
             if attested is not None and seq <= attested.last_seq:
                 verdict = attested.check(seq, digest)
-            if verdict is None:
+            if verdict is None and _TTL not in headers:
+                # Confirmed by its subject and payload: the header block, whose signature
+                # and certificate the attestation's signer checked, is not read at all.
                 self.confirmed += 1
-            elif verdict == attestation.NOT_COVERED:
-                verdict = self._signature_refusal(seq, name, data, msg_id, sig, cert, when)
-            if verdict is not None:
-                self._refuse(seq, name, when, verdict, size)
-            else:
                 if self._attester is not None and not heartbeat:
                     self._attester.accepted(seq, digest)
-                self._accept(seq, name, data, size, ttl, when)
+                self._accept(seq, name, data, size, None, when)
+            else:
+                self._check_headers(seq, subject, known, data, headers, size, digest, verdict, when)
         if not data and not headers:
             # The server ends a response it streams to another account (a pull request's, for
             # every llmgw identity: llmgw.pki.authorization) at a message with neither payload
@@ -209,6 +206,41 @@ class Intake:
             self._routine_reset = True
         if caught_up:
             self.caught_up.set()
+
+    def _check_headers(
+        self,
+        seq: int,
+        subject: bytes,
+        known: tuple[str, bool, bytes, str | None],
+        data: bytes,
+        headers: bytes,
+        size: int,
+        digest: bytes,
+        verdict: str | None,
+        when: float,
+    ) -> None:
+        """`_on_raw` for a message it could not accept on an attestation's word alone: one
+        no attestation covers (its signature is checked), one an attestation of scheme 1
+        covers (which digested the id and signature), one with a TTL header, or one an
+        attestation refused."""
+        name, heartbeat = known[0], known[1]
+        if (found := message_headers(headers)) is None:
+            self._refuse(seq, name, when, "signature headers appear twice", size)
+            return
+        msg_id, sig, cert, ttl = found
+        if verdict == attestation.OTHER_SCHEME and self._attested is not None:
+            older = attestation.digest_v1(subject, msg_id or b"", data, sig or b"")
+            verdict = self._attested.check(seq, older, scheme=1)
+        if verdict is None:
+            self.confirmed += 1
+        elif verdict == attestation.NOT_COVERED:
+            verdict = self._signature_refusal(seq, name, data, msg_id, sig, cert, when)
+        if verdict is not None:
+            self._refuse(seq, name, when, verdict, size)
+            return
+        if self._attester is not None and not heartbeat:
+            self._attester.accepted(seq, digest)
+        self._accept(seq, name, data, size, ttl, when)
 
     def _accept(
         self, seq: int, name: str, data: bytes, size: int, ttl: bytes | None, when: float

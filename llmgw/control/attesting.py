@@ -137,4 +137,5 @@ class Attester:
             accepted=attestation.runs(accepted),
             digests=attestation.encode_digests(digests),
             refused=attestation.runs(s for s, ok in chunk if not ok),
+            scheme=attestation.SCHEME,
         )

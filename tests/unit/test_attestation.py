@@ -8,9 +8,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llmgw.core import attestation, events
-from llmgw.core.attestation import NOT_COVERED, Attestations, Attested
+from llmgw.core.attestation import NOT_COVERED, OTHER_SCHEME, Attestations, Attested
 
 Message = tuple[bytes, bytes, bytes, bytes]
+"""(subject, message id, payload, signature)."""
 message = st.tuples(
     st.binary(min_size=1, max_size=40),
     st.binary(max_size=20),
@@ -19,11 +20,21 @@ message = st.tuples(
 )
 
 
-def attest(first: int, log: dict[int, Message], accepted: set[int]) -> Attested:
+def digest_of(msg: Message, scheme: int = attestation.SCHEME) -> bytes:
+    """A message's digest by either scheme."""
+    subject, msg_id, payload, signature = msg
+    if scheme == 1:
+        return attestation.digest_v1(subject, msg_id, payload, signature)
+    return attestation.digest(subject, payload)
+
+
+def attest(
+    first: int, log: dict[int, Message], accepted: set[int], scheme: int = attestation.SCHEME
+) -> Attested:
     seqs = sorted(s for s in log if s in accepted)
-    digests = attestation.encode_digests(attestation.digest(*log[s]) for s in seqs)
+    digests = attestation.encode_digests(digest_of(log[s], scheme) for s in seqs)
     refused = attestation.runs(sorted(s for s in log if s not in accepted))
-    item = Attested.of(first, max(log), attestation.runs(seqs), digests, refused)
+    item = Attested.of(first, max(log), attestation.runs(seqs), digests, refused, scheme)
     assert item is not None
     return item
 
@@ -34,25 +45,41 @@ def attest(first: int, log: dict[int, Message], accepted: set[int]) -> Attested:
     first=st.integers(1, 10_000),
     tamper=st.integers(0, 59),
     field=st.integers(0, 3),
+    scheme=st.sampled_from(attestation.SCHEMES),
 )
 def test_confirmed_exactly_when_accepted_and_unchanged(
-    msgs: list[Message], accepted_mask: list[bool], first: int, tamper: int, field: int
+    msgs: list[Message],
+    accepted_mask: list[bool],
+    first: int,
+    tamper: int,
+    field: int,
+    scheme: int,
 ) -> None:
     log = {first + i: m for i, m in enumerate(msgs)}
     accepted = {s for i, s in enumerate(log) if accepted_mask[i]}
     book = Attestations()
-    book.add(attest(first, log, accepted))
+    book.add(attest(first, log, accepted, scheme))
     for seq, msg in log.items():
-        verdict = book.check(seq, attestation.digest(*msg))
+        verdict = book.check(seq, digest_of(msg, scheme), scheme)
         assert (verdict is None) == (seq in accepted)
-    # One byte changed anywhere: refused, never confirmed.
+    # One byte changed of what the scheme digests (scheme 2: the subject and payload, what a
+    # reader folds; 1: every field): refused, never confirmed.
     seq = first + tamper % len(msgs)
     parts = list(log[seq])
+    if scheme == 2:
+        field = field // 2 * 2
     parts[field] = parts[field] + b"x"
-    assert book.check(seq, attestation.digest(*parts)) is not None
+    tampered = digest_of((parts[0], parts[1], parts[2], parts[3]), scheme)
+    assert book.check(seq, tampered, scheme) is not None
     # Outside every range: not covered, so the signature is checked instead.
-    assert book.check(first + len(msgs), b"\0" * 16) == NOT_COVERED
-    assert book.check(first - 1, b"\0" * 16) == NOT_COVERED
+    assert book.check(first + len(msgs), b"\0" * 16, scheme) == NOT_COVERED
+    assert book.check(first - 1, b"\0" * 16, scheme) == NOT_COVERED
+    # Asked by the other scheme: told to ask by the attestation's own.
+    other = 3 - scheme
+    if accepted:
+        assert book.check(min(accepted), digest_of(log[min(accepted)], other), other) == (
+            OTHER_SCHEME
+        )
 
 
 @given(
@@ -61,6 +88,7 @@ def test_confirmed_exactly_when_accepted_and_unchanged(
             st.integers(1, 40),
             st.integers(0, 30),
             st.lists(st.booleans(), min_size=31, max_size=31),
+            st.sampled_from(attestation.SCHEMES),
         ),
         min_size=1,
         max_size=5,
@@ -69,55 +97,70 @@ def test_confirmed_exactly_when_accepted_and_unchanged(
     in_order=st.booleans(),
 )
 @example(  # a later attestation refuses what an earlier one accepted: the later decides
-    spans=[(1, 9, [True] * 31), (5, 9, [False] * 31)],
+    spans=[(1, 9, [True] * 31, 2), (5, 9, [False] * 31, 2)],
     queries=[(s, False) for s in range(1, 15)],
     in_order=True,
 )
 @settings(max_examples=300)
 def test_a_book_checked_many_times_answers_as_a_fresh_one(
-    spans: list[tuple[int, int, list[bool]]],
+    spans: list[tuple[int, int, list[bool], int]],
     queries: list[tuple[int, bool]],
     in_order: bool,
 ) -> None:
     """What one book remembers between checks (the stretch a run decides) never changes a
-    verdict: overlapping attestations, holes, refusals, tampered digests, any order."""
-    message = {s: (b"s", str(s).encode(), b"p", b"g") for s in range(1, 81)}
+    verdict: overlapping attestations of either scheme, holes, refusals, tampered digests,
+    any order."""
+    message = {s: (b"s", str(s).encode(), str(s).encode(), b"g") for s in range(1, 81)}
     items = []
-    for first, length, mask in spans:
+    for first, length, mask, scheme in spans:
         log = {s: message[s] for s in range(first, first + length + 1)}
         accepted = {s for i, s in enumerate(log) if mask[i]}
-        items.append(attest(first, log, accepted))
+        items.append(attest(first, log, accepted, scheme))
     book = Attestations()
     for item in items:
         book.add(item)
     if in_order:
         queries = sorted(queries)
     for seq, tampered in queries:
-        digest = attestation.digest(*message.get(seq, (b"", b"", b"", b"")))
-        if tampered:
-            digest = bytes([digest[0] ^ 1]) + digest[1:]
-        fresh = Attestations()
-        for item in items:
-            fresh.add(item)
-        assert book.check(seq, digest) == fresh.check(seq, digest), seq
+        for scheme in attestation.SCHEMES:
+            digest = digest_of(message.get(seq, (b"", b"", b"", b"")), scheme)
+            if tampered:
+                digest = bytes([digest[0] ^ 1]) + digest[1:]
+            fresh = Attestations()
+            for item in items:
+                fresh.add(item)
+            assert book.check(seq, digest, scheme) == fresh.check(seq, digest, scheme), seq
 
 
 @given(message)
 def test_the_digest_is_the_attested_encoding(msg: Message) -> None:
-    """What leaders attested stays what readers compute: SHA-256 over the domain and each
-    field with its 4-byte big-endian length, cut to 16 bytes, however it is computed."""
+    """What leaders attested stays what readers compute. Scheme 2: BLAKE2b-128 over the
+    domain, the subject with its 4-byte big-endian length, and the payload, however it is
+    computed. Scheme 1 (attestations already in logs): SHA-256 over the domain and each
+    field with its length, cut to 16 bytes."""
     subject, msg_id, payload, signature = msg
+    encoding = b"llmgw-attested-v2\x00" + len(subject).to_bytes(4, "big") + subject + payload
+    expected = hashlib.blake2b(encoding, digest_size=16).digest()
+    assert attestation.digest(subject, payload) == expected
+    prefix = attestation.subject_prefix(subject)
+    assert attestation.digest_after(prefix, payload) == expected
     encoding = b"llmgw-attested-v1\x00" + b"".join(
         len(part).to_bytes(4, "big") + part for part in (subject, msg_id, payload, signature)
     )
-    expected = hashlib.sha256(encoding).digest()[:16]
-    assert attestation.digest(*msg) == expected
-    prefix = attestation.subject_prefix(subject)
-    assert attestation.digest_after(prefix, msg_id, payload, signature) == expected
+    assert attestation.digest_v1(*msg) == hashlib.sha256(encoding).digest()[:16]
 
 
 def test_fields_are_length_prefixed() -> None:
-    assert attestation.digest(b"ab", b"c", b"", b"") != attestation.digest(b"a", b"bc", b"", b"")
+    assert attestation.digest(b"ab", b"c") != attestation.digest(b"a", b"bc")
+    assert attestation.digest_v1(b"ab", b"c", b"", b"") != attestation.digest_v1(
+        b"a", b"bc", b"", b""
+    )
+
+
+def test_an_attestation_of_a_scheme_this_reader_does_not_know_confirms_nothing() -> None:
+    one = attestation.encode_digests([b"\1" * 16])
+    assert Attested.of(5, 10, [(6, 6)], one, (), 3) is None
+    assert Attested.of(5, 10, [(6, 6)], one, (), 0) is None
 
 
 @given(st.lists(st.integers(1, 500), unique=True))
@@ -145,7 +188,7 @@ def test_overlapping_attestations_each_confirm_their_own() -> None:
     book = Attestations()
     book.add(attest(1, {s: log[s] for s in range(1, 11)}, set(range(1, 11))))
     book.add(attest(6, {s: log[s] for s in range(6, 21)}, set(range(6, 21))))
-    assert all(book.check(s, attestation.digest(*log[s])) is None for s in log)
+    assert all(book.check(s, digest_of(log[s])) is None for s in log)
     assert book.last_seq == 20
 
 
@@ -186,6 +229,7 @@ def test_the_attester_attests_what_its_reader_checked_and_forgets_what_the_log_h
     assert first is not None
     assert (first.first_seq, first.last_seq) == (1, 3)
     assert (first.accepted, first.refused) == (((1, 2),), ((3, 3),))
+    assert first.scheme == attestation.SCHEME
     item = Attested.of(
         first.first_seq, first.last_seq, first.accepted, first.digests, first.refused
     )

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.bus import kvlog, reader, signals
+from llmgw.bus import intake, kvlog, reader, signals
 from llmgw.control.attesting import Attester
 from llmgw.core import attestation, events, kvblocks, loadreport, subjects
 from llmgw.pki import signing
@@ -122,11 +122,85 @@ def test_a_reader_without_an_attester_or_attestations_hashes_nothing(monkeypatch
     def boom(*args: object) -> bytes:
         raise AssertionError("hashed")
 
-    monkeypatch.setattr(attestation, "digest", boom)
+    monkeypatch.setattr(attestation, "digest_after", boom)
+    monkeypatch.setattr(attestation, "digest_v1", boom)
     r = reader.Reader(_NoClient(), verifier=VERIFIER)  # type: ignore[arg-type]
     feed(r, [signed(shard(1))])
     assert [rec.seq for rec in r._buf] == [1]
     assert signing  # the real signing module signed these messages
+
+
+def attested_by_leader(log: list[tuple[bytes, bytes, bytes]]) -> attestation.Attestations:
+    """What a leader's reader of `log` attests, as a later reader loads it."""
+    att = Attester(every=100, within_s=0.0, clock=lambda: 0.0)
+    leader = reader.Reader(_NoClient(), verifier=VERIFIER, attester=att)  # type: ignore[arg-type]
+    feed(leader, log)
+    event = att.take(event_id="att-1", epoch=1, basis_seq=len(log))
+    assert event is not None
+    item = attestation.Attested.of(
+        event.first_seq, event.last_seq, event.accepted, event.digests, event.refused, 2
+    )
+    assert item is not None
+    book = attestation.Attestations()
+    book.add(item)
+    return book
+
+
+def test_an_attested_message_is_folded_without_its_headers_being_read(monkeypatch: Any) -> None:
+    """The attestation covers what is folded (subject and payload): the header block, whose
+    signature its signer checked, is not parsed; a TTL header there is still refused."""
+    log = [signed(shard(1)), signed(shard(2)), signed(shard(3), "60s")]
+    book = attested_by_leader(log)
+    read: list[bytes] = []
+    real = intake.message_headers
+
+    def counting(raw: bytes) -> Any:
+        read.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(intake, "message_headers", counting)
+    counting_verifier = CountingVerifier()
+    later = reader.Reader(
+        _NoClient(),  # type: ignore[arg-type]
+        verifier=counting_verifier,  # type: ignore[arg-type]
+        attestations=book,
+    )
+    feed(later, log)
+    assert [rec.seq for rec in later._buf] == [1, 2]
+    assert list(later.ttl_refused) == [3]  # the leader refused it as it folded, so do we
+    assert read == [log[2][2]]  # only the block with a TTL header was read
+    assert counting_verifier.calls == 0
+    assert later.confirmed == 3
+
+
+def test_attestations_of_the_older_scheme_still_confirm_byte_for_byte() -> None:
+    """Logs attested before digests covered only the subject and payload (scheme 1: id and
+    signature too) replay without a signature check, and a changed id is still refused."""
+    log = [signed(shard(i)) for i in range(1, 5)]
+    digests = []
+    for subject, payload, headers in log:
+        found = intake.message_headers(headers)
+        assert found is not None
+        msg_id, sig, _cert, _ttl = found
+        digests.append(attestation.digest_v1(subject, msg_id or b"", payload, sig or b""))
+    item = attestation.Attested.of(
+        1, 4, [(1, 4)], attestation.encode_digests(digests), (), scheme=1
+    )
+    assert item is not None
+    book = attestation.Attestations()
+    book.add(item)
+    counting = CountingVerifier()
+    later = reader.Reader(
+        _NoClient(),  # type: ignore[arg-type]
+        verifier=counting,  # type: ignore[arg-type]
+        attestations=book,
+    )
+    other_id = log[3][2].replace(b"s-4", b"s-9")
+    assert other_id != log[3][2]
+    feed(later, [*log[:3], (log[3][0], log[3][1], other_id)])
+    assert [rec.seq for rec in later._buf] == [1, 2, 3]
+    assert (later.confirmed, counting.calls) == (3, 0)
+    assert "differs" in later.skipped[-1].error
 
 
 def signed_as(identity: Identity, subject: str, payload: bytes) -> tuple[bytes, bytes, bytes]:

@@ -382,6 +382,10 @@ class LogAttested(ControlEvent, tag="control.log_attested", kw_only=True, frozen
         tuple[tuple[Counter, Counter], ...], msgspec.Meta(max_length=MAX_PER_ATTESTATION)
     ] = ()
     """Inclusive runs of the sequences it refused (readers refuse them too)."""
+    scheme: Annotated[int, msgspec.Meta(ge=1, le=1_000)] = 1
+    """How its digests were computed (llmgw.core.attestation.SCHEMES): 1 in attestations
+    written before the field was, which digested the id and signature too. A reader that
+    does not know a scheme confirms nothing by it."""
 
 
 # --------------------------------------------------------------------------- commands
