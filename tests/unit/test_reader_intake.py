@@ -77,6 +77,25 @@ def test_only_heartbeats_expire_and_every_heartbeat_does() -> None:
     assert all("refused:" in s.error for s in r.skipped)
 
 
+def attested_by_leader(
+    log: list[tuple[bytes, bytes, bytes]],
+) -> tuple[attestation.Attestations, reader.Reader, events.LogAttested]:
+    """What a leader's reader of `log` attests, as a later reader loads it; the leader's
+    reader; its attestation."""
+    att = Attester(every=100, within_s=0.0, clock=lambda: 0.0)
+    leader = reader.Reader(_NoClient(), verifier=VERIFIER, attester=att)  # type: ignore[arg-type]
+    feed(leader, log)
+    event = att.take(event_id="att-1", epoch=1, basis_seq=len(log))
+    assert event is not None
+    item = attestation.Attested.of(
+        event.first_seq, event.last_seq, event.accepted, event.digests, event.refused, 2
+    )
+    assert item is not None
+    book = attestation.Attestations()
+    book.add(item)
+    return book, leader, event
+
+
 def test_an_attestation_replaces_the_signature_check_and_confirms_only_what_it_saw() -> None:
     msgs = [signed(shard(i)) for i in range(1, 9)]
     forged = (
@@ -86,20 +105,9 @@ def test_an_attestation_replaces_the_signature_check_and_confirms_only_what_it_s
     )
     log = [*msgs[:2], forged, *msgs[3:]]
     # The leader reads and verifies everything, and attests what it accepted.
-    now = [0.0]
-    att = Attester(every=100, within_s=0.0, clock=lambda: now[0])
-    leader = reader.Reader(_NoClient(), verifier=VERIFIER, attester=att)  # type: ignore[arg-type]
-    feed(leader, log[:6])
+    book, leader, event = attested_by_leader(log[:6])
     assert [rec.seq for rec in leader._buf] == [1, 2, 4, 5, 6]
-    event = att.take(event_id="att-1", epoch=1, basis_seq=6)
-    assert event is not None
     assert (event.first_seq, event.last_seq, event.refused) == (1, 6, ((3, 3),))
-    item = attestation.Attested.of(
-        event.first_seq, event.last_seq, event.accepted, event.digests, event.refused
-    )
-    assert item is not None
-    book = attestation.Attestations()
-    book.add(item)
 
     # A later reader checks no signature in the attested range, and one per message after.
     counting = CountingVerifier()
@@ -130,27 +138,11 @@ def test_a_reader_without_an_attester_or_attestations_hashes_nothing(monkeypatch
     assert signing  # the real signing module signed these messages
 
 
-def attested_by_leader(log: list[tuple[bytes, bytes, bytes]]) -> attestation.Attestations:
-    """What a leader's reader of `log` attests, as a later reader loads it."""
-    att = Attester(every=100, within_s=0.0, clock=lambda: 0.0)
-    leader = reader.Reader(_NoClient(), verifier=VERIFIER, attester=att)  # type: ignore[arg-type]
-    feed(leader, log)
-    event = att.take(event_id="att-1", epoch=1, basis_seq=len(log))
-    assert event is not None
-    item = attestation.Attested.of(
-        event.first_seq, event.last_seq, event.accepted, event.digests, event.refused, 2
-    )
-    assert item is not None
-    book = attestation.Attestations()
-    book.add(item)
-    return book
-
-
 def test_an_attested_message_is_folded_without_its_headers_being_read(monkeypatch: Any) -> None:
     """The attestation covers what is folded (subject and payload): the header block, whose
     signature its signer checked, is not parsed; a TTL header there is still refused."""
     log = [signed(shard(1)), signed(shard(2)), signed(shard(3), "60s")]
-    book = attested_by_leader(log)
+    book, _leader, _event = attested_by_leader(log)
     read: list[bytes] = []
     real = intake.message_headers
 
