@@ -69,3 +69,18 @@ def test_the_nats_py_internals_the_bus_client_overrides_still_exist() -> None:
         assert hasattr(transport, attribute)
     assert inspect.iscoroutinefunction(TcpTransport.connect_tls)
     assert inspect.iscoroutinefunction(TcpTransport.drain)
+
+
+async def test_a_read_takes_up_to_read_bytes_of_what_has_arrived() -> None:
+    """nats-py asks for 32 KiB a read; the transport takes up to `READ_BYTES` of what has
+    arrived (fewer reads and parse calls in a replay), and no more than has."""
+    import asyncio
+
+    transport = natspy.UpgradeSafeTransport()  # type: ignore[no-untyped-call]
+    stream = asyncio.StreamReader(limit=2**20)
+    stream.feed_data(b"x" * (natspy.READ_BYTES + 100))
+    transport._io_reader = stream
+    assert len(await transport.read(32_768)) == natspy.READ_BYTES
+    assert len(await transport.read(32_768)) == 100
+    stream.feed_data(b"y" * 10)
+    assert await transport.read(32_768) == b"y" * 10
