@@ -9,10 +9,8 @@ from __future__ import annotations
 _MSG_ID = b"Nats-Msg-Id"
 _SIG = b"Llmgw-Sig"
 _CERT = b"Llmgw-Cert"
-TTL_NAME = b"Nats-TTL"
-"""As the server reads it: a `nats-ttl` header is no TTL to it (the message never expires).
-A block without these bytes anywhere has no TTL header."""
-_TTL = TTL_NAME
+_TTL = b"Nats-TTL"
+"""As the server reads it: a `nats-ttl` header is no TTL to it (the message never expires)."""
 
 
 Found = tuple[bytes | None, bytes | None, bytes | None, bytes | None]

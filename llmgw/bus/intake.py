@@ -21,7 +21,6 @@ from nats.aio.msg import Msg
 
 from llmgw import logs
 from llmgw.bus import acks
-from llmgw.bus.headers import TTL_NAME as _TTL
 from llmgw.bus.headers import header_block, message_headers
 from llmgw.core import attestation, events, retention
 from llmgw.pki.signing import Verifier
@@ -187,9 +186,9 @@ class Intake:
             verdict: str | None = attestation.NOT_COVERED
             if attested is not None and seq <= attested.last_seq:
                 verdict = attested.check(seq, digest)
-            if verdict is None and _TTL not in headers:
-                # Confirmed by its subject and payload: the header block, whose signature
-                # and certificate the attestation's signer checked, is not read at all.
+            if verdict is None:
+                # Confirmed by its subject and payload: the header block, whose signature,
+                # certificate and TTL the attestation's signer checked, is not read at all.
                 self.confirmed += 1
                 if self._attester is not None and not heartbeat:
                     self._attester.accepted(seq, digest)
@@ -221,8 +220,10 @@ class Intake:
     ) -> None:
         """`_on_raw` for a message it could not accept on an attestation's word alone: one
         no attestation covers (its signature is checked), one an attestation of scheme 1
-        covers (which digested the id and signature), one with a TTL header, or one an
-        attestation refused."""
+        covers (which digested the id and signature; its TTL is checked here), or one an
+        attestation refused. An attester is told a message with a TTL the log refuses
+        (llmgw.core.retention) as refused: confirmed by digest, nothing else of the
+        message's headers is read."""
         name, heartbeat = known[0], known[1]
         if (found := message_headers(headers)) is None:
             self._refuse(seq, name, when, "signature headers appear twice", size)
@@ -239,7 +240,10 @@ class Intake:
             self._refuse(seq, name, when, verdict, size)
             return
         if self._attester is not None and not heartbeat:
-            self._attester.accepted(seq, digest)
+            if ttl is not None and self._ttl_problem(name, ttl) is not None:
+                self._attester.refused(seq)
+            else:
+                self._attester.accepted(seq, digest)
         self._accept(seq, name, data, size, ttl, when)
 
     def _accept(

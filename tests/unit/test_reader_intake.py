@@ -140,9 +140,12 @@ def test_a_reader_without_an_attester_or_attestations_hashes_nothing(monkeypatch
 
 def test_an_attested_message_is_folded_without_its_headers_being_read(monkeypatch: Any) -> None:
     """The attestation covers what is folded (subject and payload): the header block, whose
-    signature its signer checked, is not parsed; a TTL header there is still refused."""
-    log = [signed(shard(1)), signed(shard(2)), signed(shard(3), "60s")]
-    book, _leader, _event = attested_by_leader(log)
+    signature its signer checked, is not parsed. A message with a TTL the log refuses is
+    attested as refused by the leader that refused it, so no later reader needs its TTL."""
+    log = [signed(shard(1)), signed(shard(2)), signed(shard(3), "60s"), signed(shard(4))]
+    book, leader, event = attested_by_leader(log)
+    assert list(leader.ttl_refused) == [3]
+    assert (event.accepted, event.refused) == (((1, 2), (4, 4)), ((3, 3),))
     read: list[bytes] = []
     real = intake.message_headers
 
@@ -158,9 +161,9 @@ def test_an_attested_message_is_folded_without_its_headers_being_read(monkeypatc
         attestations=book,
     )
     feed(later, log)
-    assert [rec.seq for rec in later._buf] == [1, 2]
-    assert list(later.ttl_refused) == [3]  # the leader refused it as it folded, so do we
-    assert read == [log[2][2]]  # only the block with a TTL header was read
+    assert [rec.seq for rec in later._buf] == [1, 2, 4]
+    assert "refused it" in later.skipped[-1].error
+    assert read == [log[2][2]]  # only the refused one's block was read
     assert counting_verifier.calls == 0
     assert later.confirmed == 3
 
