@@ -18,7 +18,9 @@ nothing for the others.
 
 The digest covers what a reader folds (the subject and the payload) and nothing of the
 headers, so a reader never reads the header block of a message an attestation confirms:
-the signature and certificate there are what the attestation's signer already checked.
+the signature and certificate there are what the attestation's signer already checked,
+and a message whose TTL the log refuses (llmgw.core.retention) its signer attests as
+refused.
 Attestations written before this (scheme 1) digested the message id and signature too;
 readers still check those (`digest_v1`), reading the headers for them.
 """
