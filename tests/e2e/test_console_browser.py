@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,10 @@ async def test_a_drain_from_the_page_the_live_grid_the_slider_and_the_diff(
                      f"{old_node}'s timeline strip")  # fmt: skip
         steps = _texts(d, "#timeline .step")
         assert steps[0] == "registered"
+        # Its count, from the answer's X-Llmgw-Timeline-Total: all of them shown here.
+        heading = d.find_element(By.CSS_SELECTOR, "#timeline > div").text
+        assert re.fullmatch(rf"timeline of {old_node} \(\d+ events; a step opens that point\)",
+                            heading), heading  # fmt: skip
 
         # A point beyond the log: a message on the page, the grid unchanged.
         goto.clear()

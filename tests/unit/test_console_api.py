@@ -296,3 +296,40 @@ async def test_a_request_another_page_made_is_refused_before_any_work(site: str)
         link = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
         r = await client.get("/", headers=link)
         assert r.status == 200
+
+
+async def test_a_timeline_answers_its_last_rows_and_how_many_there_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model's replicas over a long log touch far more events than a page shows: the
+    console answers the last `limit` (5,000 unless asked, at most 50,000) and the count."""
+
+    def cordon(seq: int, node: str) -> bus.Record:
+        event = events.NodeCordoned(id=f"c-{seq}", ts=float(seq), node=node, operator="alice")
+        return bus.Record(seq, events.subject_of(event), float(seq), event)
+
+    async def records(nc: object, **_: object) -> Any:
+        for first in range(1, 60_001, 10_000):
+            yield [cordon(s, "node-a" if s % 2 else "node-b") for s in range(first, first + 10_000)]
+
+    monkeypatch.setattr(server.history, "records", records)
+    fleet = types.SimpleNamespace(state=state.ClusterState(), recent=[],
+                                  session=types.SimpleNamespace(nc=None))  # fmt: skip
+    app = server.build_app(fleet, set(), TOKEN)  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+
+        async def timeline(query: str) -> tuple[list[int], str | None]:
+            r = await client.get(f"/api/timeline?target=node-a{query}", headers=WRITE)
+            assert r.status == 200, await r.text()
+            return [row["seq"] for row in await r.json()], r.headers.get("X-Llmgw-Timeline-Total")
+
+        seqs, total = await timeline("")
+        assert (len(seqs), seqs[-1], total) == (5_000, 59_999, "30000")
+        assert seqs == list(range(50_001, 60_000, 2))
+        seqs, total = await timeline("&limit=3")
+        assert (seqs, total) == ([59_995, 59_997, 59_999], "30000")
+        seqs, total = await timeline("&limit=999999")
+        assert (len(seqs), seqs[0], total) == (30_000, 1, "30000")
+        r = await client.get("/api/timeline?target=node-a&limit=many", headers=WRITE)
+        assert r.status == 400
+        assert "give 1 to 50000" in (await r.json())["error"]

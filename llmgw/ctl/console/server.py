@@ -7,8 +7,9 @@ console").
   or before it plus the tail;
 - `GET /api/diff?from=POINT&to=POINT`: what changed between two points;
 - `GET /api/events?node=&model=&replica=&type=&limit=`: the recent events, filtered;
-- `GET /api/timeline?target=NAME`: every event of the whole log that touched a node,
-  replica or model;
+- `GET /api/timeline?target=NAME&limit=`: the events of the whole log that touched a
+  node, replica or model, the last `limit` of them (5,000 unless given, at most
+  50,000), with how many there were in `X-Llmgw-Timeline-Total`;
 - `GET /api/explain/MODEL[?at=POINT]`: where a replica of MODEL could go, and why not;
 - `GET /api/stream`: server-sent events, one `events` message per batch folded;
 - `POST /api/nodes/NODE/{cordon,uncordon,drain}` (JSON: `reason`, `grace_s`,
@@ -36,6 +37,7 @@ import hmac
 import json
 import re
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -275,12 +277,24 @@ async def _diff(request: web.Request) -> web.Response:
     return _json(views.diff(ra, rb, changes.diff(ra.state, rb.state)))
 
 
+def _limit(request: web.Request, default: int, most: int) -> int:
+    """The request's `limit`, clamped to 1..`most`."""
+    text = request.query.get("limit", str(default))
+    try:
+        return max(1, min(int(text), most))
+    except ValueError:
+        raise BadInput(f"limit {text!r} is not a number: give 1 to {most}") from None
+
+
+TIMELINE_ROWS = 5_000
+TIMELINE_MOST = 50_000
+"""Rows a timeline answers with, unless asked, and at most: a model's replicas over a long
+log touch far more events than a page shows, and the console keeps what it answers."""
+
+
 async def _events(request: web.Request) -> web.Response:
     q = request.query
-    try:
-        limit = max(1, min(int(q.get("limit", "200")), 5000))
-    except ValueError:
-        raise BadInput(f"limit {q.get('limit')!r} is not a number: give 1 to 5000") from None
+    limit = _limit(request, 200, 5000)
     rows = views.matching(
         request.app[LIVE].recent, node=q.get("node", ""), model=q.get("model", ""),
         replica=q.get("replica", ""), type_filter=q.get("type", ""),
@@ -292,14 +306,21 @@ async def _timeline(request: web.Request) -> web.Response:
     target = request.query.get("target", "").strip()
     if not target:
         raise BadInput("name a node, replica or model: /api/timeline?target=NAME")
+    limit = _limit(request, TIMELINE_ROWS, TIMELINE_MOST)
     timeline = eventlines.Timeline(target)
-    found: list[dict[str, Any]] = []
+    found: deque[dict[str, Any]] = deque(maxlen=limit)
+    total = 0
     async with _scanning(request):
         async for batch in history.records(request.app[LIVE].session.nc):
-            found += [views.event_row(r) for r in batch if timeline.touches(r.event, r.subject)]
-    if not found:
+            for r in batch:
+                if timeline.touches(r.event, r.subject):
+                    total += 1
+                    found.append(views.event_row(r))
+    if not total:
         raise BadInput(f"no node, replica or model {target!r} in the log")
-    return _json(found)
+    response = _json(list(found))
+    response.headers["X-Llmgw-Timeline-Total"] = str(total)
+    return response
 
 
 async def _explain(request: web.Request) -> web.Response:
