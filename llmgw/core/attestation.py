@@ -6,12 +6,12 @@ slower than it decodes and folds. The control-plane leader already verifies ever
 folds; every so often it publishes what it checked as a `control.log_attested` event (a
 signed control event like any other): a range of sequences, the sequences in it it accepted
 with a 128-bit digest of each message (its subject and payload: what a reader folds), and
-those it refused. A later reader checks the attestation's own signature once, then for each message
-the attestation lists compares the message's digest with the attested one (a hash: about a
-microsecond) instead of verifying its signature, and refuses what the leader refused. A
-message whose digest differs is refused, so an attestation can only confirm what its signer
-verified. Messages it does not list (heartbeats, which expire and are not worth a digest
-kept forever) and those after the last attestation are verified one by one.
+those it refused. A later reader checks the attestation's own signature once, then for
+each message the attestation lists compares the message's digest with the attested one (a
+hash: under a microsecond) instead of verifying its signature, and refuses what the leader
+refused. A message whose digest differs is refused, so an attestation can only confirm
+what its signer verified. Messages it does not list (heartbeats, which expire and are not
+worth a digest kept forever) and those after the last attestation are verified one by one.
 
 Digests are per message, not a chain, so messages that expired or were deleted since change
 nothing for the others.
@@ -20,9 +20,8 @@ The digest covers what a reader folds (the subject and the payload) and nothing 
 headers, so a reader never reads the header block of a message an attestation confirms:
 the signature and certificate there are what the attestation's signer already checked,
 and a message whose TTL the log refuses (llmgw.core.retention) its signer attests as
-refused.
-Attestations written before this (scheme 1) digested the message id and signature too;
-readers still check those (`digest_v1`), reading the headers for them.
+refused. Attestations written before this (scheme 1) digested the message id and signature
+too; readers still check those (`digest_v1`), reading the headers for them.
 """
 
 from __future__ import annotations
