@@ -27,17 +27,20 @@ from llmgw.router.relay import ClientStream
 
 log = logs.get("llmgw.router")
 
-ONE_PROMPT = frozenset({"chat", "messages"})
-"""The APIs whose request is one prompt, each answer of it bounded by the body's maximum
-and the model's context. A completions request may list prompts, an embeddings one inputs,
-and a Responses answer may take turns (vLLM's built-in tools), its usage their sum."""
+BOUNDED = frozenset({"chat", "messages", "completions"})
+"""The APIs whose usage the request bounds: each prompt by the model's context, each answer
+by the body's maximum and the context (a completions request may list prompts, each
+answered alike). An embeddings request's inputs, and a Responses answer's turns (vLLM's
+built-in tools, its usage their sum), only by what a usage field holds."""
 
 
-def asked_out(kind: requests.Kind, max_out: int | None, choices: int) -> tuple[int, int]:
-    """(the most tokens each answer may take as the body says, 0 where it names none or
-    its API may hold several prompts; the answers it asks for): `ClientStream.asked_out`."""
-    per_answer = max_out if kind in ONE_PROMPT and max_out is not None and max_out > 0 else 0
-    return per_answer, choices
+def asked_out(
+    kind: requests.Kind, max_out: int | None, choices: int, prompts: int = 1
+) -> tuple[int, int, int]:
+    """(the most tokens each answer may take as the body says, 0 where it names none; the
+    answers it asks for, of all its prompts; its prompts): `ClientStream.asked_out`."""
+    per_answer = max_out if kind in BOUNDED and max_out is not None and max_out > 0 else 0
+    return per_answer, choices * prompts, prompts
 
 
 def bounds(prof: ModelProfile, client: ClientStream) -> tuple[int, int]:
@@ -49,14 +52,15 @@ def bounds(prof: ModelProfile, client: ClientStream) -> tuple[int, int]:
     generates more than the request's maximum, or the context, for each answer asked;
     past them its usage is a lie, counted only up to them."""
     most = requests.MAX_TOKENS
-    if client.kind not in ONE_PROMPT:
+    if client.kind not in BOUNDED:
         return most, most
-    context = prof.max_model_len or 0
-    per_answer, answers = client.asked_out
+    context = max(prof.max_model_len or 0, 0)  # the catalog refuses one under 1
+    per_answer, answers, prompts = client.asked_out
     # llama-server may shift its context (`--context-shift`) and write on past it.
     longest = 0 if prof.engine == "llamacpp" else context
     known = [n for n in (per_answer, longest) if n > 0]
-    return context or most, min(min(known) * answers, most) if known else most
+    read = min(context * prompts, most) if context else most
+    return read, min(min(known) * answers, most) if known else most
 
 
 class Accounting:

@@ -425,9 +425,12 @@ class Router:
         self, principal: auth.Principal, prompt_chars: int, parsed: requests.Parsed
     ) -> Held | Refusal:
         """What a metered key's request may cost, held of its limits (llmgw.router.quotas)."""
-        q = self.dispatcher.quotas
+        q, asks = self.dispatcher.quotas, parsed.choices_field
+        answers = parsed.choices * parsed.prompts
+        if parsed.prompts > 1:  # each of a completions request's prompts answered alike
+            asks = f"{asks} times the {parsed.prompts} prompts"
         held = q.hold_now(principal, prompt_chars, parsed.max_out, self.clock(),
-                          parsed.choices, parsed.max_field, parsed.choices_field)  # fmt: skip
+                          answers, parsed.max_field, asks)  # fmt: skip
         if isinstance(held, int):  # more than this router holds for the key
             held = await q.hold(principal, held, self.clock(), time.monotonic(), parsed.max_field)
         return held
@@ -458,7 +461,8 @@ class Router:
             return refusal_response(profile, rid, kind)
         outcome.model = profile.name
         refused = choice.refusal(self.cfg, kind, request.path, principal, parsed, profile)
-        prompt_chars = len(parsed.text) or len(body)
+        # The text is a completions request's first prompt alone: of several, the body.
+        prompt_chars = (parsed.prompts == 1 and len(parsed.text)) or len(body)
         if refused is None and principal is not None:
             outcome.principal = principal
             if principal.metered:  # what it may cost, held until it ends
@@ -473,7 +477,8 @@ class Router:
                              drop_usage=inject_usage, principal=principal,
                              trace=outcome.trace, prompt_chars=prompt_chars,
                              usage_coming=inject_usage or parsed.wants_usage,
-                             asked_out=asked_out(kind, parsed.max_out, parsed.choices))  # fmt: skip
+                             asked_out=asked_out(kind, parsed.max_out, parsed.choices,
+                                                 parsed.prompts))  # fmt: skip
         if parsed.stream and self.cfg.keepalive_s > 0:
             state.start_keepalive(self.cfg.keepalive_s)
         try:

@@ -22,6 +22,8 @@ to lower. A field an engine ignores only makes the hold larger, never smaller. P
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 Cap = tuple[int | None, str]
@@ -103,3 +105,12 @@ def answers(kind: str, n: int | None, best_of: int | None = None, n_cmpl: int | 
     if llama <= own:
         return own, field
     return llama, "n_cmpl" if n_cmpl is not None else "n"
+
+
+def prompts(prompt: str | list[Any]) -> int:
+    """The prompts of a completions request's `prompt`, each answered `answers` times: a
+    string, or a list of token ids, is one; a list of strings or of token lists is one each
+    (an empty list: one, which the engine refuses)."""
+    if isinstance(prompt, str) or not prompt or all(isinstance(x, int) for x in prompt):
+        return 1
+    return len(prompt)

@@ -86,7 +86,7 @@ class ClientStream:
         trace: RequestTrace | None = None,
         prompt_chars: int = 0,
         usage_coming: bool = True,
-        asked_out: tuple[int, int] = (0, 1),
+        asked_out: tuple[int, int, int] = (0, 1, 1),
     ) -> None:
         self.request = request
         self.trace = trace
@@ -97,7 +97,7 @@ class ClientStream:
         self.principal = principal
         self.tokens = (0, 0)
         """Prompt and completion tokens of the answer: the most the engine's usages said."""
-        self.asked_out = asked_out  # tokens an answer may take (0: unsaid), answers asked
+        self.asked_out = asked_out  # tokens an answer may take (0: unsaid), answers, prompts
         self.prompt_chars = prompt_chars
         """Characters of the prompt's text (else of the body): its tokens' estimate."""
         self.usage_coming = usage_coming

@@ -207,6 +207,8 @@ class Parsed(msgspec.Struct):
     `n_predict` when that one is, else `max_tokens` (llmgw.router.maxima.maximum)."""
     choices_field: str = "n"
     """The field `choices` came from, as a refusal names it."""
+    prompts: int = 1
+    """A completions request's prompts, each answered `choices` times (maxima.prompts)."""
 
 
 def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
@@ -257,6 +259,7 @@ def parse(kind: Kind, body: bytes, *, want_text: bool) -> Parsed:
         sglang_chat=sglang_chat,
         priority=bool(req.priority),
         cache_salt=_salt_text(req.cache_salt),
+        prompts=1 if isinstance(req, ChatBody) else maxima.prompts(req.prompt),
         **_limits(kind, req),
     )
 
@@ -296,11 +299,8 @@ def _limits(kind: Kind, req: ChatBody | CompletionBody | OtherBody) -> dict[str,
 
 
 def _prompt_text(prompt: str | list[Any]) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and isinstance(prompt[0], str):
-        return prompt[0]
-    return ""
+    first = prompt if isinstance(prompt, str) else prompt[0] if prompt else ""
+    return first if isinstance(first, str) else ""
 
 
 USAGE_OPTION = b',"stream_options":{"include_usage":true}}'

@@ -255,6 +255,11 @@ def test_a_maximum_over_the_keys_limit_is_refused_naming_the_field_sent(
         ("/v1/completions", {"prompt": "go", "max_tokens": 20, "n_cmpl": 8}, "n_cmpl"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}],
                                   "max_tokens": 20, "n": 1, "n_cmpl": 8}, "n_cmpl"),
+        # Every engine answers each prompt a completions request lists.
+        ("/v1/completions", {"prompt": ["a", "b", "c", "d"], "max_tokens": 20},
+         "n times the 4 prompts"),
+        ("/v1/completions", {"prompt": [[1, 2], [3], [4], [5]], "max_tokens": 20},
+         "n times the 4 prompts"),
     ],
 )  # fmt: skip
 def test_a_maximum_llama_server_obeys_is_held_too(

@@ -11,6 +11,8 @@ from typing import Any, cast
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from llmgw.core import tenancy
@@ -207,19 +209,22 @@ def test_a_flush_that_fails_or_is_cancelled_owes_every_count_once() -> None:
 class _Asked:
     """What `accounting.bounds` reads of a request's `ClientStream`."""
 
-    def __init__(self, kind: str, max_out: int | None, choices: int) -> None:
+    def __init__(self, kind: str, max_out: int | None, choices: int, prompts: int) -> None:
         self.kind = kind
-        self.asked_out = asked_out(cast(Kind, kind), max_out, choices)
+        self.asked_out = asked_out(cast(Kind, kind), max_out, choices, prompts)
 
 
-def _bounds(prof: ModelProfile, kind: str, max_out: int | None, choices: int) -> tuple[int, int]:
-    return bounds(prof, cast(ClientStream, _Asked(kind, max_out, choices)))
+def _bounds(
+    prof: ModelProfile, kind: str, max_out: int | None, choices: int, prompts: int = 1
+) -> tuple[int, int]:
+    return bounds(prof, cast(ClientStream, _Asked(kind, max_out, choices, prompts)))
 
 
 def test_what_an_engines_usage_may_charge_is_bounded_where_the_request_says() -> None:
-    """A chat or Messages request: its maximum per answer, the model's context (not
-    llama-server's answers: it may shift its context). Others (a completions request's
-    prompts, a Responses answer's turns) only by what a usage field holds."""
+    """A chat, Messages or completions request: its maximum per answer, the model's context
+    (not llama-server's answers: it may shift its context), each of a completions request's
+    prompts answered alike. Others (an embeddings request's inputs, a Responses answer's
+    turns) only by what a usage field holds."""
     vllm = msgspec.convert({"name": "m", "max_model_len": 1000}, ModelProfile)
     llama = msgspec.convert(
         {"name": "m", "engine": "llamacpp", "max_model_len": 1000}, ModelProfile
@@ -230,7 +235,14 @@ def test_what_an_engines_usage_may_charge_is_bounded_where_the_request_says() ->
     assert _bounds(vllm, "chat", 5000, 3) == (1000, 3000)
     assert _bounds(llama, "chat", None, 1) == (1000, MAX_TOKENS)
     assert _bounds(llama, "chat", -1, 1) == (1000, MAX_TOKENS)
-    for kind in ("completions", "responses", "embeddings"):
+    assert _bounds(vllm, "completions", 5, 1) == (1000, 5)
+    assert _bounds(vllm, "completions", 5, 2, prompts=3) == (3000, 30)
+    assert _bounds(vllm, "completions", None, 1, prompts=4) == (4000, 4000)
+    assert _bounds(llama, "completions", None, 1, prompts=4) == (4000, MAX_TOKENS)
+    assert _bounds(bare, "completions", 7, 1, prompts=4) == (MAX_TOKENS, 28)
+    huge = msgspec.convert({"name": "m", "max_model_len": 2**30}, ModelProfile)
+    assert _bounds(huge, "completions", None, 1, prompts=4) == (MAX_TOKENS, MAX_TOKENS)
+    for kind in ("responses", "embeddings"):
         assert _bounds(vllm, kind, 5, 1) == (MAX_TOKENS, MAX_TOKENS)
 
 
@@ -252,3 +264,21 @@ def test_an_engines_usage_past_what_its_request_could_take_is_logged_once() -> N
     assert lines[0]["said_out"] == 2000
     assert lines[0]["counted_out"] == 1000
     assert lines[0]["request_id"] == "r"
+
+
+@given(
+    st.one_of(
+        st.text(max_size=20),
+        st.lists(st.integers(0, 50_000), max_size=20),
+        st.lists(st.text(max_size=5), min_size=1, max_size=20),
+        st.lists(st.lists(st.integers(0, 50_000), max_size=5), min_size=1, max_size=20),
+    )
+)
+def test_a_completions_request_has_one_prompt_per_string_or_token_list(prompt: Any) -> None:
+    """A string, or one list of token ids, is one prompt; a list of either, one each: what
+    every engine answers `n` times over (vLLM, SGLang and llama-server alike)."""
+    raw = msgspec.json.encode({"model": "m", "prompt": prompt})
+    parsed = requests.parse("completions", raw, want_text=True)
+    one = isinstance(prompt, str) or all(isinstance(x, int) for x in prompt)
+    assert parsed.prompts == (1 if one else len(prompt))
+    assert requests.parse("chat", b'{"model": "m", "messages": []}', want_text=False).prompts == 1
