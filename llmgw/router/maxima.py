@@ -109,8 +109,8 @@ def answers(kind: str, n: int | None, best_of: int | None = None, n_cmpl: int | 
 
 def prompts(prompt: str | list[Any]) -> int:
     """The prompts of a completions request's `prompt`, each answered `answers` times: a
-    string, or a list of token ids, is one; a list of strings or of token lists is one each
-    (an empty list: one, which the engine refuses)."""
-    if isinstance(prompt, str) or not prompt or all(isinstance(x, int) for x in prompt):
-        return 1
-    return len(prompt)
+    list of strings or of token lists is one each; a string, a list of token ids, or any
+    other list (llama-server reads one mixing ids and strings as one prompt) is one."""
+    if isinstance(prompt, list) and prompt and all(isinstance(x, str | list) for x in prompt):
+        return len(prompt)
+    return 1

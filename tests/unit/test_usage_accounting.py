@@ -272,13 +272,15 @@ def test_an_engines_usage_past_what_its_request_could_take_is_logged_once() -> N
         st.lists(st.integers(0, 50_000), max_size=20),
         st.lists(st.text(max_size=5), min_size=1, max_size=20),
         st.lists(st.lists(st.integers(0, 50_000), max_size=5), min_size=1, max_size=20),
+        st.lists(st.integers(0, 9) | st.text(max_size=3), min_size=1, max_size=20),
     )
 )
 def test_a_completions_request_has_one_prompt_per_string_or_token_list(prompt: Any) -> None:
     """A string, or one list of token ids, is one prompt; a list of either, one each: what
-    every engine answers `n` times over (vLLM, SGLang and llama-server alike)."""
+    every engine answers `n` times over (vLLM, SGLang and llama-server alike). A list mixing
+    ids and strings llama-server reads as one prompt: one."""
     raw = msgspec.json.encode({"model": "m", "prompt": prompt})
     parsed = requests.parse("completions", raw, want_text=True)
-    one = isinstance(prompt, str) or all(isinstance(x, int) for x in prompt)
+    one = isinstance(prompt, str) or not prompt or any(isinstance(x, int) for x in prompt)
     assert parsed.prompts == (1 if one else len(prompt))
     assert requests.parse("chat", b'{"model": "m", "messages": []}', want_text=False).prompts == 1
