@@ -45,7 +45,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from llmgw import logs, operator_https
+from llmgw import bus, logs, operator_https
 from llmgw.core import events, placement
 from llmgw.ctl import changes, eventlines, history, operations
 from llmgw.ctl import session as session_
@@ -308,17 +308,17 @@ async def _timeline(request: web.Request) -> web.Response:
         raise BadInput("name a node, replica or model: /api/timeline?target=NAME")
     limit = _limit(request, TIMELINE_ROWS, TIMELINE_MOST)
     timeline = eventlines.Timeline(target)
-    found: deque[dict[str, Any]] = deque(maxlen=limit)
+    found: deque[bus.Record] = deque(maxlen=limit)
     total = 0
     async with _scanning(request):
         async for batch in history.records(request.app[LIVE].session.nc):
             for r in batch:
                 if timeline.touches(r.event, r.subject):
                     total += 1
-                    found.append(views.event_row(r))
+                    found.append(r)
     if not total:
         raise BadInput(f"no node, replica or model {target!r} in the log")
-    response = _json(list(found))
+    response = _json([views.event_row(r) for r in found])
     response.headers["X-Llmgw-Timeline-Total"] = str(total)
     return response
 
