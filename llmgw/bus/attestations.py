@@ -36,6 +36,21 @@ async def load(nc: Client, *, after_seq: int = 0) -> attestation.Attestations:
     return book
 
 
+def of_event(event: events.LogAttested) -> attestation.Attested | None:
+    """The attestation an event holds, by the scheme its fields say (llmgw.core.attestation):
+    the subject-and-payload digests leaders write now, or the older ones; None for one
+    that holds both, or does not hold together."""
+    v2 = bool(event.payload_accepted or event.payload_digests)
+    if v2 and (event.accepted or event.digests):
+        return None
+    accepted, digests = (
+        (event.payload_accepted, event.payload_digests) if v2 else (event.accepted, event.digests)
+    )
+    return attestation.Attested.of(
+        event.first_seq, event.last_seq, accepted, digests, event.refused, scheme=2 if v2 else 1
+    )
+
+
 def add(book: attestation.Attestations, records: Iterable[Record], *, after_seq: int) -> None:
     """Add to `book` the attestations among `records` that cover a sequence after
     `after_seq`; a malformed one is logged and passed over."""
@@ -43,14 +58,7 @@ def add(book: attestation.Attestations, records: Iterable[Record], *, after_seq:
         event = record.event
         if not isinstance(event, events.LogAttested) or event.last_seq <= after_seq:
             continue
-        item = attestation.Attested.of(
-            event.first_seq,
-            event.last_seq,
-            event.accepted,
-            event.digests,
-            event.refused,
-            event.scheme,
-        )
+        item = of_event(event)
         if item is None:
             log.warning("attestation_malformed", seq=record.seq, id=event.id)
             continue

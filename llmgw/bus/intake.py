@@ -4,8 +4,9 @@
 inline, from the connection's read loop (`BusClient.fast_subscribe`, llmgw.bus.natspy).
 `_on_raw` places the message in the consumer's sequence (a gap asks the reader for a
 new consumer), reads the pull request's status messages and checks the message's trust
-(a leader's attestation or its signature); `_accept` checks its subject and TTL,
-decodes it and keeps it for the next batch, or skips it with the reason. Nothing in
+(a leader's attestation, or its signature and headers: `_check_headers`); `_accept`
+decodes it, checks its subject and its TTL (none on one an attestation confirmed: its
+leader checked it) and keeps it for the next batch, or skips it with the reason. Nothing in
 the log makes it raise. `Record` is what a reader yields, `Skipped` what it passed over.
 """
 
@@ -220,10 +221,12 @@ class Intake:
     ) -> None:
         """`_on_raw` for a message it could not accept on an attestation's word alone: one
         no attestation covers (its signature is checked), one an attestation of scheme 1
-        covers (which digested the id and signature; its TTL is checked here), or one an
-        attestation refused. An attester is told a message with a TTL the log refuses
-        (llmgw.core.retention) as refused: confirmed by digest, nothing else of the
-        message's headers is read."""
+        covers (which digested the id and signature), or one an attestation refused. An
+        attester is told a message with a TTL the log refuses (llmgw.core.retention) as
+        refused, so that a message an attestation confirms needs no TTL check (`_on_raw`
+        reads nothing of its headers); one an attestation refused with such a TTL is
+        refused for its TTL, as the leader that refused it did, for the control plane to
+        delete (`ttl_refused`)."""
         name, heartbeat = known[0], known[1]
         if (found := message_headers(headers)) is None:
             self._refuse(seq, name, when, "signature headers appear twice", size)
@@ -232,12 +235,20 @@ class Intake:
         if verdict == attestation.OTHER_SCHEME and self._attested is not None:
             older = attestation.digest_v1(subject, msg_id or b"", data, sig or b"")
             verdict = self._attested.check(seq, older, scheme=1)
+        by_attestation = verdict is not None and verdict != attestation.NOT_COVERED
         if verdict is None:
             self.confirmed += 1
         elif verdict == attestation.NOT_COVERED:
             verdict = self._signature_refusal(seq, name, data, msg_id, sig, cert, when)
         if verdict is not None:
-            self._refuse(seq, name, when, verdict, size)
+            problem = self._ttl_problem(name, ttl) if by_attestation and ttl is not None else None
+            if problem is None:
+                self._refuse(seq, name, when, verdict, size)
+                return
+            if self._attester is not None:
+                self._attester.refused(seq)
+            self.ttl_refused.append(seq)
+            self._skip(seq, name, when, f"refused: {problem}", "bus.ttl_refused", size=size)
             return
         if self._attester is not None and not heartbeat:
             if ttl is not None and self._ttl_problem(name, ttl) is not None:

@@ -134,8 +134,7 @@ class Attester:
             basis_seq=basis_seq,
             first_seq=chunk[0][0],
             last_seq=last,
-            accepted=attestation.runs(accepted),
-            digests=attestation.encode_digests(digests),
+            payload_accepted=attestation.runs(accepted),
+            payload_digests=attestation.encode_digests(digests),
             refused=attestation.runs(s for s, ok in chunk if not ok),
-            scheme=attestation.SCHEME,
         )

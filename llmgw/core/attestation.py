@@ -21,7 +21,9 @@ headers, so a reader never reads the header block of a message an attestation co
 the signature and certificate there are what the attestation's signer already checked,
 and a message whose TTL the log refuses (llmgw.core.retention) its signer attests as
 refused. Attestations written before this (scheme 1) digested the message id and signature
-too; readers still check those (`digest_v1`), reading the headers for them.
+too; readers still check those (`digest_v1`), reading the headers for them. The two kinds
+of digest travel in different fields of `control.log_attested` (llmgw.bus.attestations), so
+that a reader from before scheme 2 confirms nothing by it (it checks signatures instead).
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ class Attested:
         accepted: Sequence[tuple[int, int]],
         digests: str,
         refused: Sequence[tuple[int, int]] = (),
-        scheme: int = SCHEME,
+        *,
+        scheme: int,
     ) -> Attested | None:
         """None for an attestation that does not hold together (runs outside the range,
         overlapping, a digest count that does not match, a scheme this reader does not

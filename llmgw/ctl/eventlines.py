@@ -123,7 +123,7 @@ def _control_summary(event: events.Event) -> str | None:
         case events.LeaderElected():
             return f"{event.leader} leads (epoch {event.epoch})"
         case events.LogAttested():
-            accepted = sum(b - a + 1 for a, b in event.accepted)
+            accepted = sum(b - a + 1 for a, b in (*event.accepted, *event.payload_accepted))
             refused = sum(b - a + 1 for a, b in event.refused)
             return (
                 f"attested {event.first_seq}..{event.last_seq}: {accepted} accepted, "

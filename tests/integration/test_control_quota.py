@@ -488,7 +488,7 @@ def attested(log: list[bus.Record]) -> set[int]:
     out: set[int] = set()
     for r in log:
         if isinstance(r.event, events.LogAttested):
-            for first, last in (*r.event.accepted, *r.event.refused):
+            for first, last in (*r.event.accepted, *r.event.payload_accepted, *r.event.refused):
                 out.update(range(first, last + 1))
     return out
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 
+import msgspec
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from llmgw.bus.attestations import of_event
 from llmgw.core import attestation, events
 from llmgw.core.attestation import NOT_COVERED, OTHER_SCHEME, Attestations, Attested
 
@@ -34,7 +36,7 @@ def attest(
     seqs = sorted(s for s in log if s in accepted)
     digests = attestation.encode_digests(digest_of(log[s], scheme) for s in seqs)
     refused = attestation.runs(sorted(s for s in log if s not in accepted))
-    item = Attested.of(first, max(log), attestation.runs(seqs), digests, refused, scheme)
+    item = Attested.of(first, max(log), attestation.runs(seqs), digests, refused, scheme=scheme)
     assert item is not None
     return item
 
@@ -159,8 +161,8 @@ def test_fields_are_length_prefixed() -> None:
 
 def test_an_attestation_of_a_scheme_this_reader_does_not_know_confirms_nothing() -> None:
     one = attestation.encode_digests([b"\1" * 16])
-    assert Attested.of(5, 10, [(6, 6)], one, (), 3) is None
-    assert Attested.of(5, 10, [(6, 6)], one, (), 0) is None
+    assert Attested.of(5, 10, [(6, 6)], one, (), scheme=3) is None
+    assert Attested.of(5, 10, [(6, 6)], one, (), scheme=0) is None
 
 
 @given(st.lists(st.integers(1, 500), unique=True))
@@ -172,15 +174,19 @@ def test_runs_cover_exactly_the_sequences(seqs: list[int]) -> None:
 
 def test_an_attestation_that_does_not_hold_together_confirms_nothing() -> None:
     one = attestation.encode_digests([b"\1" * 16])
-    assert Attested.of(5, 10, [(4, 4)], one) is None  # run before the range
-    assert Attested.of(5, 10, [(11, 11)], one) is None  # after it
-    assert Attested.of(5, 10, [(6, 7)], one) is None  # two sequences, one digest
-    assert Attested.of(5, 10, [(6, 6), (6, 6)], one + "") is None  # overlapping runs
-    assert Attested.of(5, 10, [(6, 6)], "not base64!") is None
-    assert Attested.of(10, 5, [], "") is None
-    assert Attested.of(5, 10, [(6, 6)], one, [(11, 12)]) is None  # refused after the range
-    assert Attested.of(5, 10, [(6, 6)], one, [(8, 9), (9, 9)]) is None  # refused overlapping
-    assert Attested.of(5, 10, [(6, 6)], one) is not None
+    assert Attested.of(5, 10, [(4, 4)], one, scheme=2) is None  # run before the range
+    assert Attested.of(5, 10, [(11, 11)], one, scheme=2) is None  # after it
+    assert Attested.of(5, 10, [(6, 7)], one, scheme=2) is None  # two sequences, one digest
+    assert Attested.of(5, 10, [(6, 6), (6, 6)], one + "", scheme=2) is None  # overlapping runs
+    assert Attested.of(5, 10, [(6, 6)], "not base64!", scheme=2) is None
+    assert Attested.of(10, 5, [], "", scheme=2) is None
+    assert (
+        Attested.of(5, 10, [(6, 6)], one, [(11, 12)], scheme=2) is None
+    )  # refused after the range
+    assert (
+        Attested.of(5, 10, [(6, 6)], one, [(8, 9), (9, 9)], scheme=2) is None
+    )  # refused overlapping
+    assert Attested.of(5, 10, [(6, 6)], one, scheme=2) is not None
 
 
 def test_overlapping_attestations_each_confirm_their_own() -> None:
@@ -228,12 +234,11 @@ def test_the_attester_attests_what_its_reader_checked_and_forgets_what_the_log_h
     first = att.take(event_id="a", epoch=1, basis_seq=3)
     assert first is not None
     assert (first.first_seq, first.last_seq) == (1, 3)
-    assert (first.accepted, first.refused) == (((1, 2),), ((3, 3),))
-    assert first.scheme == attestation.SCHEME
-    item = Attested.of(
-        first.first_seq, first.last_seq, first.accepted, first.digests, first.refused
-    )
+    assert (first.payload_accepted, first.refused) == (((1, 2),), ((3, 3),))
+    assert (first.accepted, first.digests) == ((), "")  # the older scheme's fields
+    item = of_event(first)
     assert item is not None
+    assert item.scheme == attestation.SCHEME
     book = Attestations()
     book.add(item)
     assert book.check(2, b"\2" * 16) is None
@@ -241,7 +246,7 @@ def test_the_attester_attests_what_its_reader_checked_and_forgets_what_the_log_h
     # Until the attestation is folded back, a failed write is attested again.
     again = att.take(event_id="b", epoch=1, basis_seq=3)
     assert again is not None
-    assert again.accepted == first.accepted
+    assert again.payload_accepted == first.payload_accepted
     att.attested(first)
     assert att.pending == 0
     assert att.take(event_id="c", epoch=1, basis_seq=3) is None
@@ -255,12 +260,12 @@ def test_the_attester_attests_what_its_reader_checked_and_forgets_what_the_log_h
     assert att.due()  # three or more
     nxt = att.take(event_id="d", epoch=1, basis_seq=7)
     assert nxt is not None
-    assert (nxt.first_seq, nxt.last_seq, nxt.accepted) == (4, 6, ((4, 6),))
+    assert (nxt.first_seq, nxt.last_seq, nxt.payload_accepted) == (4, 6, ((4, 6),))
 
 
 def test_a_sequence_neither_accepted_nor_refused_is_left_to_its_signature() -> None:
     one = attestation.encode_digests([b"\1" * 16])
-    item = Attested.of(1, 10, [(2, 2)], one, [(5, 6)])
+    item = Attested.of(1, 10, [(2, 2)], one, [(5, 6)], scheme=2)
     assert item is not None
     book = Attestations()
     book.add(item)
@@ -268,7 +273,7 @@ def test_a_sequence_neither_accepted_nor_refused_is_left_to_its_signature() -> N
     assert book.check(3, b"\0" * 16) == NOT_COVERED  # a heartbeat, say
     assert book.check(6, b"\0" * 16) not in (None, NOT_COVERED)
     # Accepted and refused at once does not hold together.
-    assert Attested.of(1, 10, [(2, 2)], one, [(2, 3)]) is None
+    assert Attested.of(1, 10, [(2, 2)], one, [(2, 3)], scheme=2) is None
 
 
 def test_the_attester_leaves_out_what_the_leader_deletes_and_what_the_fold_has_not_passed() -> None:
@@ -288,8 +293,8 @@ def test_the_attester_leaves_out_what_the_leader_deletes_and_what_the_fold_has_n
     first = att.take(event_id="a", epoch=1, basis_seq=4)
     assert first is not None
     assert (first.first_seq, first.last_seq) == (1, 4)
-    assert (first.accepted, first.refused) == (((1, 1), (3, 4)), ())
-    item = Attested.of(first.first_seq, first.last_seq, first.accepted, first.digests, ())
+    assert (first.payload_accepted, first.refused) == (((1, 1), (3, 4)), ())
+    item = of_event(first)
     assert item is not None
     assert [item.lookup(s) for s in (1, 2, 3, 4)] == [b"\1" * 16, None, b"\3" * 16, b"\4" * 16]
     att.attested(first)
@@ -325,3 +330,29 @@ def test_what_the_attester_leaves_out_does_not_pile_up() -> None:
         tracemalloc.stop()
     assert att.pending == 5  # the last few accepted, not (yet) left out
     assert kept < 1_000_000, kept
+
+
+def test_a_reader_from_before_confirms_nothing_by_a_new_attestation_and_still_refuses() -> None:
+    """The two schemes' digests travel in different fields: a reader that knows only
+    `accepted` and `digests` finds none in an attestation written now, so it checks those
+    messages' signatures (rather than refusing each for a digest that differs), and still
+    refuses what the leader refused. One that holds both kinds confirms nothing."""
+    log = {s: (b"s", str(s).encode(), str(s).encode(), b"g") for s in range(1, 7)}
+    new = events.LogAttested(id="a", ts=0.0, first_seq=1, last_seq=6,
+                             payload_accepted=((1, 4),), refused=((5, 6),),
+                             payload_digests=attestation.encode_digests(
+                                 digest_of(log[s]) for s in range(1, 5)))  # fmt: skip
+    before = Attested.of(new.first_seq, new.last_seq, new.accepted, new.digests, new.refused,
+                         scheme=1)  # fmt: skip
+    assert before is not None
+    old_reader = Attestations()
+    old_reader.add(before)
+    for seq in range(1, 5):
+        assert old_reader.check(seq, digest_of(log[seq], 1), 1) == NOT_COVERED
+    assert old_reader.check(5, digest_of(log[5], 1), 1) not in (None, NOT_COVERED)
+    now = of_event(new)
+    assert now is not None
+    assert now.scheme == 2
+    assert all(now.lookup(s) == digest_of(log[s]) for s in range(1, 5))
+    both = msgspec.structs.replace(new, accepted=((1, 1),), digests=new.payload_digests[:24])
+    assert of_event(both) is None

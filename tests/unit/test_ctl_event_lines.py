@@ -3,6 +3,8 @@ and which events a node, replica or model's timeline keeps. Pure."""
 
 from __future__ import annotations
 
+import msgspec
+
 from llmgw.core import events
 from llmgw.ctl import eventlines
 
@@ -40,6 +42,10 @@ def test_an_attestation_counts_its_runs_inclusively() -> None:
     attested = events.LogAttested(id="a", ts=0, epoch=1, first_seq=10, last_seq=30,
                                   accepted=((10, 19), (21, 30)), refused=((20, 20),))  # fmt: skip
     assert eventlines.summary(attested) == "attested 10..30: 20 accepted, 1 refused"
+    # Attestations written now hold their runs in `payload_accepted` (a digest of the
+    # subject and payload alone).
+    now = msgspec.structs.replace(attested, accepted=(), payload_accepted=attested.accepted)
+    assert eventlines.summary(now) == "attested 10..30: 20 accepted, 1 refused"
 
 
 def test_a_node_is_touched_by_what_its_subject_names_and_where_replicas_land() -> None:

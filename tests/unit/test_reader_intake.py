@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.bus import intake, kvlog, reader, signals
+from llmgw.bus import attestations, intake, kvlog, reader, signals
 from llmgw.control.attesting import Attester
 from llmgw.core import attestation, events, kvblocks, loadreport, subjects
 from llmgw.pki import signing
@@ -87,9 +87,7 @@ def attested_by_leader(
     feed(leader, log)
     event = att.take(event_id="att-1", epoch=1, basis_seq=len(log))
     assert event is not None
-    item = attestation.Attested.of(
-        event.first_seq, event.last_seq, event.accepted, event.digests, event.refused, 2
-    )
+    item = attestations.of_event(event)
     assert item is not None
     book = attestation.Attestations()
     book.add(item)
@@ -141,11 +139,13 @@ def test_a_reader_without_an_attester_or_attestations_hashes_nothing(monkeypatch
 def test_an_attested_message_is_folded_without_its_headers_being_read(monkeypatch: Any) -> None:
     """The attestation covers what is folded (subject and payload): the header block, whose
     signature its signer checked, is not parsed. A message with a TTL the log refuses is
-    attested as refused by the leader that refused it, so no later reader needs its TTL."""
+    attested as refused by the leader that refused it, so no later reader needs a confirmed
+    one's TTL; a later reader refuses that one for its TTL too, for a control plane that
+    reads so after a restart to delete (its `ttl_refused`)."""
     log = [signed(shard(1)), signed(shard(2)), signed(shard(3), "60s"), signed(shard(4))]
     book, leader, event = attested_by_leader(log)
     assert list(leader.ttl_refused) == [3]
-    assert (event.accepted, event.refused) == (((1, 2), (4, 4)), ((3, 3),))
+    assert (event.payload_accepted, event.refused) == (((1, 2), (4, 4)), ((3, 3),))
     read: list[bytes] = []
     real = intake.message_headers
 
@@ -162,7 +162,8 @@ def test_an_attested_message_is_folded_without_its_headers_being_read(monkeypatc
     )
     feed(later, log)
     assert [rec.seq for rec in later._buf] == [1, 2, 4]
-    assert "refused it" in later.skipped[-1].error
+    assert "only heartbeats expire" in later.skipped[-1].error
+    assert list(later.ttl_refused) == [3]
     assert read == [log[2][2]]  # only the refused one's block was read
     assert counting_verifier.calls == 0
     assert later.confirmed == 3
@@ -280,7 +281,7 @@ def test_heartbeats_are_never_attested() -> None:
     assert [rec.seq for rec in leader._buf] == [1, 2, 3]
     event = att.take(event_id="att-1", epoch=1, basis_seq=3)
     assert event is not None
-    assert (event.first_seq, event.last_seq, event.accepted) == (2, 2, ((2, 2),))
+    assert (event.first_seq, event.last_seq, event.payload_accepted) == (2, 2, ((2, 2),))
 
 
 def test_a_kv_reader_starts_its_window_back_unless_told_when() -> None:

@@ -382,10 +382,15 @@ class LogAttested(ControlEvent, tag="control.log_attested", kw_only=True, frozen
         tuple[tuple[Counter, Counter], ...], msgspec.Meta(max_length=MAX_PER_ATTESTATION)
     ] = ()
     """Inclusive runs of the sequences it refused (readers refuse them too)."""
-    scheme: Annotated[int, msgspec.Meta(ge=1, le=1_000)] = 1
-    """How its digests were computed (llmgw.core.attestation.SCHEMES): 1 in attestations
-    written before the field was, which digested the id and signature too. A reader that
-    does not know a scheme confirms nothing by it."""
+    payload_accepted: Annotated[
+        tuple[tuple[Counter, Counter], ...], msgspec.Meta(max_length=MAX_PER_ATTESTATION)
+    ] = ()
+    payload_digests: Annotated[str, msgspec.Meta(max_length=_MAX_DIGESTS_B64)] = ""
+    """What leaders write now in place of `accepted` and `digests`: the same, each digest
+    of the subject and payload alone (llmgw.core.attestation, scheme 2). `accepted` and
+    `digests` (scheme 1, which digested the id and signature too) are in attestations
+    written before; in their own fields, so a reader from before confirms nothing by the
+    new ones and checks signatures, where it would have refused every message."""
 
 
 # --------------------------------------------------------------------------- commands
