@@ -17,9 +17,13 @@ from llmgw.agent.engines.common import Launch
 from llmgw.core.events import ShardPhase
 from llmgw.core.profile import LaunchSpec
 from llmgw.engine_http import bounded_body
+from llmgw.jsondepth import nested_deeper_than
 
 Probe = Literal["down", "up", "ready"]
 
+MAX_MODELS_DEPTH = 32
+"""The deepest a `/v1/models` body may nest (vLLM's: an object, its list, a model, its
+permissions' list, one of them: five)."""
 MAX_MODELS_BYTES = 1024 * 1024
 """The most of a `/v1/models` body a probe reads: an engine lists a few names (a few
 hundred LoRA adapters at most), and the agent must not hold whatever a port answers."""
@@ -62,10 +66,15 @@ class Prober:
                 if resp.status != 200:
                     return "up"
                 raw = await bounded_body(resp, MAX_MODELS_BYTES)
-            body = json.loads(raw) if raw is not None else None
-        except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError):
-            # (RecursionError: JSON nested past what json.loads decodes, which would end
-            # the shard's watch.)
+        except (TimeoutError, aiohttp.ClientError):
+            return "up"
+        # A list of names nests a few levels: one nested deeper is not decoded at all
+        # (decoding it would recurse to the interpreter's limit: llmgw.jsondepth).
+        if raw is None or nested_deeper_than(raw, MAX_MODELS_DEPTH):
+            return "up"
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
             return "up"
         return "ready" if launch.served_name in listed_models(body) else "up"
 

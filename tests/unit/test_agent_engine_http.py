@@ -141,11 +141,23 @@ async def test_the_routers_prober_reads_a_bounded_page_too(engine: TestServer) -
 @pytest.mark.parametrize(
     "listed", ['[{"id": ["m"]}]', '[{"id": {"m": 1}}, {"id": "m"}]', "[" * 100_000 + "]" * 100_000]
 )
-async def test_a_models_list_with_an_id_that_is_no_name_is_not_a_crash(listed: str) -> None:
+async def test_a_models_list_with_an_id_that_is_no_name_is_not_a_crash(
+    listed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Before: an id that is a list or an object (unhashable) raised TypeError out of the
     probe, and a list nested past Python's recursion limit RecursionError, either of which
     ended the shard's watch task: the shard stayed starting for ever, its start deadline,
-    its exit and its log trimming no longer watched."""
+    its exit and its log trimming no longer watched. A list nested that deep is not even
+    decoded (decoding recursed to the interpreter's limit, where a finalizer the collector
+    ran failed in turn)."""
+    decoded: list[int] = []
+    real_loads = probe.json.loads
+
+    def loads(raw: bytes) -> object:
+        decoded.append(len(raw))
+        return real_loads(raw)
+
+    monkeypatch.setattr(probe.json, "loads", loads)
 
     async def models(_: web.Request) -> web.Response:
         return web.Response(text='{"data": ' + listed + "}")
@@ -162,3 +174,4 @@ async def test_a_models_list_with_an_id_that_is_no_name_is_not_a_crash(listed: s
         finally:
             await prober.close()
     assert got == ("ready" if '"id": "m"' in listed else "up")
+    assert len(decoded) == (0 if len(listed) > 1000 else 1)
