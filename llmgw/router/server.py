@@ -64,8 +64,15 @@ def _socket(host: str, *, reuseport: bool) -> socket.socket:
     return sock
 
 
+API_BACKLOG = 4096
+"""Connections the API listener's kernel queue holds before the router accepts them: a
+thousand clients connecting at once overflowed 128, and some of their requests were reset
+after they were sent."""
+ADMIN_BACKLOG = 128
+
+
 def listening_sockets(
-    lst: Listener, count: int, *, setting: str, backlog: int = 4096
+    lst: Listener, count: int, *, setting: str, backlog: int = API_BACKLOG
 ) -> list[socket.socket]:
     """`count` TCP listeners on `lst`, one per worker, sharing the port only among
     themselves; raises PortTaken when another process listens there.
@@ -109,7 +116,7 @@ def claim(cfg: RouterConfig) -> tuple[list[socket.socket], list[socket.socket]]:
     count = max(cfg.workers, 1)
     api = listening_sockets(cfg.listen, count, setting="listen.port")
     try:
-        admin = listening_sockets(cfg.admin, count, setting="admin.port", backlog=128)
+        admin = listening_sockets(cfg.admin, count, setting="admin.port", backlog=ADMIN_BACKLOG)
     except OSError:
         for s in api:
             s.close()
@@ -139,8 +146,9 @@ async def serve(
     admin_runner = web.ServerRunner(build_admin_server(router))
     await runner.setup()
     await admin_runner.setup()
-    await web.SockSite(runner, sock).start()
-    await web.SockSite(admin_runner, admin_sock).start()
+    # A site listens again as it starts, with its own backlog (aiohttp's 128 unless told).
+    await web.SockSite(runner, sock, backlog=API_BACKLOG).start()
+    await web.SockSite(admin_runner, admin_sock, backlog=ADMIN_BACKLOG).start()
     # Start-up objects (config, modules, tables) never die: keep them out of every
     # collection. Requests make few reference cycles, so collect young objects less often.
     gc.collect()

@@ -177,6 +177,30 @@ def test_a_router_restarted_at_once_binds_its_port_despite_the_last_runs_connect
         again.stop()
 
 
+def _backlog(port: int) -> int:
+    """The backlog of the socket listening on `port`, as the kernel holds it (`ss`: a
+    listener's Send-Q)."""
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    return int(out[2])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_api_listener_queues_thousands_of_connections_not_aiohttps_128(
+    tmp_path: Path, sim: Sim, workers: int
+) -> None:
+    """A thousand clients connecting at once overflowed the 128 that aiohttp's site listens
+    with again as it starts (over the router's own 4096), and some of their requests were
+    reset after they were sent."""
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    router = Router.start(tmp_path, {"s": sim}, workers=workers)
+    try:
+        assert _backlog(addr(router.url)[1]) == min(4096, somaxconn)
+        assert _backlog(addr(router.admin)[1]) == min(128, somaxconn)
+    finally:
+        router.stop()
+
+
 def test_a_worker_that_dies_during_start_ends_the_router_saying_which(
     tmp_path: Path, sim: Sim
 ) -> None:
