@@ -81,13 +81,9 @@ def _full_fleet(nodes: int) -> Sim:
     return sim
 
 
-def test_a_pass_explains_each_shape_that_cannot_land_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    sim = _full_fleet(40)
-    shapes = [{"tensor_parallel": 8}, {"tensor_parallel": 2}, {"tensor_parallel": 4, "nodes": 2}]
-    waiting = [profile(f"w{i}", **shapes[i % 3]) for i in range(150)]
-    for prof in waiting:
-        assert sim.declare(prof) is None
-    alone = {p.name: placement.place(sim.state, p) for p in waiting}
+def _pass_judging_nodes(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> tuple[reconcile.Outcome, int]:
+    """One reconcile pass over `sim`, and how many times it judged a node for a shape
+    (`placement._why_not`)."""
     judged = 0
     why_not = placement._why_not
 
@@ -97,7 +93,17 @@ def test_a_pass_explains_each_shape_that_cannot_land_once(monkeypatch: pytest.Mo
         return why_not(*args)
 
     monkeypatch.setattr(placement, "_why_not", counted)
-    outcome = reconcile.reconcile_detail(sim.state, sim.now, epoch=1)
+    return reconcile.reconcile_detail(sim.state, sim.now, epoch=1), judged
+
+
+def test_a_pass_explains_each_shape_that_cannot_land_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = _full_fleet(40)
+    shapes = [{"tensor_parallel": 8}, {"tensor_parallel": 2}, {"tensor_parallel": 4, "nodes": 2}]
+    waiting = [profile(f"w{i}", **shapes[i % 3]) for i in range(150)]
+    for prof in waiting:
+        assert sim.declare(prof) is None
+    alone = {p.name: placement.place(sim.state, p) for p in waiting}
+    outcome, judged = _pass_judging_nodes(sim, monkeypatch)
     assert outcome.decisions == []
     # Each model on its own: the same reason and code as in the pass.
     for name, result in alone.items():
@@ -213,16 +219,7 @@ def test_shapes_no_node_could_host_are_refused_without_judging_each_node(
         )
         for p in waiting
     }
-    calls = 0
-    why_not = placement._why_not
-
-    def counted(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return why_not(*args)
-
-    monkeypatch.setattr(placement, "_why_not", counted)
-    outcome = reconcile.reconcile_detail(sim.state, sim.now, epoch=1)
+    outcome, calls = _pass_judging_nodes(sim, monkeypatch)
     for name, result in judged.items():
         assert (outcome.unplaceable[name], outcome.unplaceable_codes[name]) == (
             result.reason,

@@ -4,6 +4,8 @@ as, and the keys in force after a reload or a change of the log's keys."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -270,6 +272,23 @@ def test_a_reload_keeps_unchanged_keys_buckets_and_the_logs_keys(tmp_path: Path)
         router.deadlines.close()
 
 
+@contextlib.contextmanager
+def _reloaded_with(tmp_path: Path, content: bytes) -> Iterator[tuple[Router, Path]]:
+    """A router whose keys file held the key "stays", reloaded after the file became
+    `content`, which it refused: the key is still in force."""
+    path = tmp_path / "keys.yaml"
+    _write_keys(path, ("stays", auth.new_key(), 1))
+    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))))
+    try:
+        path.write_bytes(content)
+        router.reload_keys()
+        assert _names(router) == {"stays"}
+        yield router, path
+    finally:
+        router.pool.close()
+        router.deadlines.close()
+
+
 @pytest.mark.parametrize(
     "value", ["9" * 5000, "2001-13-45", "[" * 5000, "{a: 1, a: 2}", "\xff", ".nan"]
 )
@@ -278,19 +297,10 @@ def test_a_reload_of_a_file_yaml_cannot_read_keeps_the_keys_and_says_why(
 ) -> None:
     # SIGHUP calls reload_keys from the event loop: anything but a logged refusal was a
     # traceback in the router's log ("Exception in callback") and no keys_reload_failed.
-    path = tmp_path / "keys.yaml"
-    secret = auth.new_key()
-    _write_keys(path, ("stays", secret, 1))
-    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))))
-    try:
-        path.write_bytes(f"keys: []\nteam: {value}\n".encode("utf-8", "surrogateescape"))
-        router.reload_keys()
-        assert _names(router) == {"stays"}
+    content = f"keys: []\nteam: {value}\n".encode("utf-8", "surrogateescape")
+    with _reloaded_with(tmp_path, content) as (_router, _path):
         said = capsys.readouterr()
         assert "keys_reload_failed" in said.out + said.err
-    finally:
-        router.pool.close()
-        router.deadlines.close()
 
 
 @pytest.mark.parametrize(
@@ -301,22 +311,12 @@ def test_a_reload_of_a_file_that_lists_no_keys_section_keeps_the_keys(
 ) -> None:
     # An editor's save that failed on a full disk leaves the file empty: read as "no keys"
     # it revoked every key of the file at the next SIGHUP. `keys: []` still revokes them.
-    path = tmp_path / "keys.yaml"
-    secret = auth.new_key()
-    _write_keys(path, ("stays", secret, 1))
-    router = Router(RouterConfig(auth=AuthConfig(keys_file=str(path))))
-    try:
-        path.write_text(text)
-        router.reload_keys()
-        assert _names(router) == {"stays"}
+    with _reloaded_with(tmp_path, text.encode()) as (router, path):
         said = capsys.readouterr()
         assert "keys: []" in said.out + said.err
         path.write_text("keys: []\n")
         router.reload_keys()
         assert _names(router) == set()
-    finally:
-        router.pool.close()
-        router.deadlines.close()
 
 
 def test_log_keys_past_the_shared_limits_room_leave_the_keys_in_force(
